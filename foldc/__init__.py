@@ -1,0 +1,25 @@
+"""foldc: compile an affine-quantized KV-cache layout into a provably exact decode attention.
+
+Public API::
+
+    enc = foldc.Affine(bits=2, layout="token", group_size=128)
+    kq = foldc.quantize(k, enc)                      # AffineTensor (packed codes, scale, zero)
+    spec = foldc.AttentionSpec(32, 8, 128, k=enc, v=enc)
+    p = foldc.plan(spec); print(p); p.folds          # {"qk": "acc-fold", "pv": "operand-fold"}
+    foldc.prove(p)                                   # sympy proof, raises FoldError if not exact
+    attn = foldc.compile(spec, target="reference")   # float64 plan executor
+    out = attn(q, kq, vq, sm_scale=None, seq_lens=None)
+"""
+from .compile import compile
+from .encoding import Affine, AffineTensor, quantize
+from .errors import FoldError, GraphError, InputError, InputTypeError, PlanError, ProofError, SpecError
+from .plan import Plan, ProductPlan, plan
+from .proof import ProofReport, prove
+from .reference import attention_reference
+from .spec import AttentionSpec
+
+__all__ = [
+    "Affine", "AffineTensor", "AttentionSpec", "FoldError", "GraphError", "InputError", "InputTypeError",
+    "Plan", "PlanError", "ProductPlan", "ProofError", "ProofReport", "SpecError", "attention_reference",
+    "compile", "plan", "prove", "quantize",
+]

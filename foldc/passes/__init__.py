@@ -1,0 +1,17 @@
+"""The fold passes, in pipeline order. Each cites the equation of docs/derivation.md it applies."""
+from .axis_analysis import AxisAnalysis, encoded_operand, fold_from_axes
+from .base import Pass, PassRecord, run_pipeline
+from .break_even import BreakEven, fold_cost, rows_sharing_group
+from .fold_rewrite import FoldRewrite
+from .ordering import Ordering, TileConstraint, check_plan_rules, tile_constraints
+
+
+def default_passes(code_bias=None) -> list[Pass]:
+    return [AxisAnalysis(), BreakEven(), FoldRewrite(code_bias=dict(code_bias or {})), Ordering()]
+
+
+__all__ = [
+    "AxisAnalysis", "BreakEven", "FoldRewrite", "Ordering", "Pass", "PassRecord", "TileConstraint",
+    "check_plan_rules", "default_passes", "encoded_operand", "fold_cost", "fold_from_axes",
+    "rows_sharing_group", "run_pipeline", "tile_constraints",
+]

@@ -1,0 +1,61 @@
+"""Break-even check: keep a fold only while it does fewer scale-and-offset operations per
+stored value than per-value reconstruction (docs/derivation.md, equation 12).
+
+A fold costs one scale op and one offset op per row of the other operand per group:
+2 * h / g operations per stored value, where h is the number of other-operand rows that share
+one group (the query heads per KV head in attention) and g the group size. Reconstruction
+(s * c + z per value) costs 1. The fold is kept only while g > 2 * h; otherwise the contraction
+falls back to "dequant" and the plan records why.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from fractions import Fraction
+
+from ..errors import PlanError
+from ..ir import BATCH, Contract, element_axes
+from .axis_analysis import encoded_operand
+from .base import Pass
+
+
+def rows_sharing_group(graph, contract: Contract) -> int:
+    """h: rows of the other operand that read the same encoded value (its extra axes, batch aside)."""
+    enc, other = encoded_operand(graph, contract)
+    extra = set(element_axes(graph[other].axes)) - set(enc.axes) - {BATCH}
+    missing = [a for a in extra if a not in graph.sizes]
+    if missing:
+        raise PlanError("unknown-size", f"break-even for %{contract.name} needs the size of axis {missing[0]!r}")
+    return math.prod(graph.sizes[a] for a in extra)
+
+
+def fold_cost(rows: int, group_size: int) -> Fraction:
+    """Scale-and-offset operations per stored value under a fold (eq. 12)."""
+    return Fraction(2 * rows, group_size)
+
+
+@dataclass(frozen=True)
+class BreakEven(Pass):
+    name = "break-even"
+    equation = "12"
+
+    def apply(self, graph):
+        out = graph.copy()
+        changed = False
+        for node in graph.nodes_of(Contract):
+            if node.fold not in ("acc-fold", "operand-fold"):
+                continue
+            enc, _ = encoded_operand(graph, node)
+            h, g = rows_sharing_group(graph, node), enc.encoding.group_size
+            cost = fold_cost(h, g)
+            if g > 2 * h:
+                out.meta[f"break-even.{node.product}"] = (
+                    f"fold costs 2*h/g = 2*{h}/{g} = {float(cost):.4g} ops/value < 1 for per-value "
+                    f"reconstruction: {node.fold} kept")
+                continue
+            out.replace_node(replace(node, fold="dequant"))
+            out.meta[f"break-even.{node.product}"] = (
+                f"group_size={g} <= 2*h={2 * h}: a {node.fold} would cost 2*h/g = {float(cost):.4g} "
+                "ops/value, not less than 1 for per-value reconstruction: dequant")
+            changed = True
+        return out, changed

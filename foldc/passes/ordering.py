@@ -1,0 +1,132 @@
+"""Ordering: check where each fold's pieces sit and export the tiling constraints a backend
+must honour. Applies docs/derivation.md equations 5, 8, 9 and 10.
+
+Rules (each raises PlanError with the rule's name):
+
+- ``key-correction-after-softmax`` (eq. 8): a key-side correction must reach the logits before
+  the online softmax takes its max and exp.
+- ``value-correction-after-division`` (eq. 10): a value-side correction must be part of the
+  per-tile contribution the accumulator rescales; it may not be added after the division (nor
+  after the accumulation, where the softmax would not rescale it).
+- ``partial-sum-crosses-group`` (eq. 5): under acc-fold, each partial sum that a group scale
+  multiplies must lie inside one group.
+- ``missing-correction`` (eq. 6): every folded product adds its offset correction.
+
+The same checks run inside `foldc.prove`, so a hand-edited plan is held to them too.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import PlanError
+from ..ir import (TOKEN, Accumulate, Add, Contract, Correction, Divide, GroupedAxis, GroupParam,
+                  OnlineSoftmax, Prescale, ScaleGroups)
+from ..ir.axes import find
+from .base import Pass
+
+
+@dataclass(frozen=True)
+class TileConstraint:
+    """Along ``axis``, a kernel tile must not let ``what`` straddle a multiple of ``every``."""
+
+    product: str
+    axis: str
+    every: int
+    what: str
+
+    def __str__(self) -> str:
+        return f"{self.product}: {self.what} must not cross a multiple of {self.every} along {self.axis}"
+
+
+def _role_of(graph, node) -> str:
+    return graph[graph[node.zero].source].role
+
+
+def check_correction_placement(graph) -> None:
+    """Rules key-correction-after-softmax, value-correction-after-division, missing-correction."""
+    softmaxes = graph.nodes_of(OnlineSoftmax)
+    accs = graph.nodes_of(Accumulate)
+    divides = graph.nodes_of(Divide)
+    corrected = set()
+    for corr in graph.nodes_of(Correction):
+        role = _role_of(graph, corr)
+        below = graph.descendants(corr.name)
+        corrected.add(graph[corr.zero].source)
+        if graph.output not in below:
+            raise PlanError("missing-correction", f"%{corr.name} is computed but never added to the result")
+        if role == "key":
+            for sm in softmaxes:
+                if sm.name not in below:
+                    raise PlanError("key-correction-after-softmax",
+                                    f"%{corr.name} (key side) is added after the softmax %{sm.name}; it must "
+                                    "reach the logits before the max and exp (eq. 8)")
+        elif role == "value":
+            if any(d.name in graph.ancestors(corr.name) | {corr.name} for d in divides) or \
+                    any(d.name not in below for d in divides):
+                raise PlanError("value-correction-after-division",
+                                f"%{corr.name} (value side) is added after the division by the softmax "
+                                "denominator; it must land in the accumulator before it (eq. 10)")
+            for acc in accs:
+                if acc.name not in below or acc.name in graph.ancestors(corr.name):
+                    raise PlanError("value-correction-after-division",
+                                    f"%{corr.name} (value side) does not feed the accumulator %{acc.name}, "
+                                    "so the online softmax cannot rescale it; add it to the per-tile "
+                                    "contribution before the division (eq. 10)")
+    for node in graph.nodes_of(Contract):
+        if node.fold in ("acc-fold", "operand-fold"):
+            codes = graph[node.rhs] if node.rhs.endswith(".codes") else graph[node.lhs]
+            source = getattr(codes, "source", None)
+            if source is not None and source not in corrected:
+                raise PlanError("missing-correction",
+                                f"%{node.name} folds %{source} but no correction adds zero x other (eq. 6)")
+
+
+def check_group_boundaries(graph) -> None:
+    """Rule partial-sum-crosses-group (eq. 5)."""
+    for sg in graph.nodes_of(ScaleGroups):
+        partial = graph[sg.partial]
+        scale_axis = find(graph[sg.scale].axes, sg.groups.base if sg.groups else "")
+        split = getattr(partial, "split", None)
+        if not isinstance(partial, Contract) or split is None or split != sg.groups:
+            raise PlanError("partial-sum-crosses-group",
+                            f"%{sg.name} scales %{partial.name}, which is not split per group along "
+                            f"{sg.groups.base if sg.groups else '?'}; an unscaled partial sum would cross "
+                            "a group boundary (eq. 5)")
+        if isinstance(scale_axis, GroupedAxis) and scale_axis.group_size % split.group_size:
+            raise PlanError("partial-sum-crosses-group",
+                            f"%{partial.name} keeps partial sums per {split.group_size} along {split.base} "
+                            f"but the scale %{sg.scale} changes every {scale_axis.group_size}; an unscaled "
+                            f"partial sum crosses a group boundary (eq. 5): split every {scale_axis.group_size}")
+
+
+def tile_constraints(graph) -> list[TileConstraint]:
+    """What a kernel's tiling must respect, derived from the folded graph (eq. 5)."""
+    out = []
+    for node in graph.nodes_of(Contract):
+        if node.split is not None:
+            out.append(TileConstraint(node.product, node.split.base, node.split.group_size,
+                                      "an unscaled partial sum"))
+    for node in graph.nodes_of(Prescale):
+        scale = graph[node.scale]
+        for ax in scale.axes:
+            if isinstance(ax, GroupedAxis) and ax.base == TOKEN:
+                out.append(TileConstraint(node.product, TOKEN, ax.group_size,
+                                          f"one pre-scaled %{node.operand} (it changes per token group)"))
+    return sorted(out, key=str)
+
+
+def check_plan_rules(graph) -> None:
+    check_correction_placement(graph)
+    check_group_boundaries(graph)
+
+
+@dataclass(frozen=True)
+class Ordering(Pass):
+    name = "ordering"
+    equation = "5, 8, 10"
+
+    def apply(self, graph):
+        check_plan_rules(graph)
+        out = graph.copy()
+        out.meta["constraint"] = tile_constraints(graph)
+        return out, True

@@ -1,0 +1,114 @@
+"""AttentionSpec: what the user declares about their decode attention and KV cache."""
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .encoding import Affine, parse_affine
+from .errors import SpecError
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """Decode attention (one query token per sequence) over a possibly quantized KV cache.
+
+    Args:
+        num_q_heads: query heads.
+        num_kv_heads: KV heads; ``num_q_heads`` must be a multiple (GQA when larger than 1).
+        head_dim: channels per head.
+        k, v: the Affine encoding of keys / values, or None for a plain fp16/bf16 operand.
+    """
+
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    k: Affine | None = None
+    v: Affine | None = None
+
+    def __post_init__(self) -> None:
+        for field in ("num_q_heads", "num_kv_heads", "head_dim"):
+            val = getattr(self, field)
+            if isinstance(val, bool) or not isinstance(val, int) or val < 1:
+                raise SpecError(f"{field}={val!r} must be a positive integer")
+        if self.num_q_heads % self.num_kv_heads:
+            raise SpecError(
+                f"num_q_heads={self.num_q_heads} is not a multiple of num_kv_heads={self.num_kv_heads}; "
+                "each KV head must serve the same number of query heads"
+            )
+        for field in ("k", "v"):
+            enc = getattr(self, field)
+            if enc is not None and not isinstance(enc, Affine):
+                raise SpecError(f"{field}={enc!r} must be a foldc.Affine or None")
+            if enc is not None:
+                enc.check_head_dim(self.head_dim, field=f"head_dim (for {field})")
+
+    @property
+    def q_per_kv(self) -> int:
+        """Query heads per KV head (h_q in the cost model)."""
+        return self.num_q_heads // self.num_kv_heads
+
+    def describe(self) -> str:
+        enc = lambda e: "plain" if e is None else e.short()  # noqa: E731
+        return (f"heads {self.num_q_heads}/{self.num_kv_heads}, head_dim {self.head_dim}, "
+                f"K {enc(self.k)}, V {enc(self.v)}")
+
+
+def _parse_heads(text: str) -> tuple[int, int]:
+    try:
+        q, kv = (int(p) for p in str(text).split("/"))
+    except ValueError:
+        raise SpecError(f"heads={text!r} must look like 'Q/KV', e.g. '32/8'") from None
+    return q, kv
+
+
+def spec_from_args(k: str | None, v: str | None, heads: str, head_dim: int) -> AttentionSpec:
+    """Build a spec from CLI-style strings: ``k='token:2:128'``, ``heads='32/8'`` ('none' = plain)."""
+    q, kv = _parse_heads(heads)
+    enc = lambda t: None if t in (None, "", "none", "plain") else parse_affine(t)  # noqa: E731
+    if isinstance(head_dim, str):  # CLI text; anything else is checked as-is by AttentionSpec
+        try:
+            head_dim = int(head_dim)
+        except ValueError:
+            raise SpecError(f"head_dim={head_dim!r} must be a positive integer") from None
+    return AttentionSpec(q, kv, head_dim, k=enc(k), v=enc(v))
+
+
+def spec_from_toml(path: str | Path) -> AttentionSpec:
+    """Read a spec from TOML::
+
+        [attention]
+        heads = "32/8"
+        head_dim = 128
+        k = "token:2:128"     # or a table: {layout = "token", bits = 2, group_size = 128}
+        v = "channel:2:128"   # omit or "none" for a plain operand
+    """
+    try:
+        data: dict[str, Any] = tomllib.loads(Path(path).read_text())
+    except OSError as e:
+        raise SpecError(f"cannot read layout file {str(path)!r}: {e.strerror}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise SpecError(f"layout file {str(path)!r} is not valid TOML: {e}") from None
+    table = data.get("attention", data)
+    unknown = set(table) - {"heads", "head_dim", "k", "v"}
+    if unknown:
+        raise SpecError(f"{path}: unknown keys {sorted(unknown)}; expected heads, head_dim, k, v")
+    for key in ("heads", "head_dim"):
+        if key not in table:
+            raise SpecError(f"{path}: missing key {key!r} in [attention]")
+
+    def enc(key: str) -> str | None:
+        val = table.get(key)
+        if isinstance(val, dict):
+            bad = set(val) - {"layout", "bits", "group_size", "scale_dtype"}
+            if bad:
+                raise SpecError(f"{path}: [{key}] has unknown keys {sorted(bad)}")
+            try:
+                text = f"{val['layout']}:{val['bits']}:{val['group_size']}"
+            except KeyError as e:
+                raise SpecError(f"{path}: [{key}] is missing {e.args[0]!r}") from None
+            return text + (f":{val['scale_dtype']}" if "scale_dtype" in val else "")
+        return val
+
+    return spec_from_args(enc("k"), enc("v"), table["heads"], table["head_dim"])
