@@ -55,7 +55,7 @@ class BreakEven(Pass):
                 continue
             out.replace_node(replace(node, fold="dequant"))
             out.meta[f"break-even.{node.product}"] = (
-                f"group_size={g} <= 2*h={2 * h}: a {node.fold} would cost 2*h/g = {float(cost):.4g} "
+                f"group_size={g} <= 2*h={2 * h}: the {node.fold} would cost 2*h/g = {float(cost):.4g} "
                 "ops/value, not less than 1 for per-value reconstruction: dequant")
             changed = True
         return out, changed

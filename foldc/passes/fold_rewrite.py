@@ -17,7 +17,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..ir import (Add, Codes, Contract, Correction, Dequantize, GroupParam, Prescale, ScaleGroups, canonical,
+from ..errors import PlanError
+from ..ir import (Add, Codes, Contract, Correction, Dequantize, GroupedAxis, GroupParam, Prescale, ScaleGroups,
+                  canonical,
                   element_axes, param_axes)
 from ..ir.axes import base_of, find
 from .axis_analysis import encoded_operand
@@ -65,6 +67,11 @@ class FoldRewrite(Pass):
             other_axes = out[other].axes
             if node.fold == "acc-fold":
                 split = find(out[scale].axes, node.reduce)  # a GroupedAxis (eq. 5)
+                if not isinstance(split, GroupedAxis):
+                    raise PlanError("fold-kind-mismatch",
+                                    f"{node.product}: acc-fold needs the scale of %{enc.name} constant along "
+                                    f"{node.reduce} inside a group, but it has axes {[str(a) for a in out[scale].axes]}; "
+                                    "use operand-fold (eq. 4)")
                 partial_axes = canonical([*_drop_reduced(canonical({base_of(a): a for a in
                                           (*other_axes, *enc.axes)}.values()), node.reduce), split])
                 out.add(Contract(f"{node.name}.partial", partial_axes, lhs=other, rhs=codes,
