@@ -84,6 +84,9 @@ def main(argv=None) -> int:
     except FoldError as e:
         print(f"foldc: error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # output piped into `head` and closed early
+        sys.stderr.close()
+        return 0
 
 
 if __name__ == "__main__":  # pragma: no cover
