@@ -60,5 +60,8 @@ def compile(spec: AttentionSpec, target: str = "reference", **options):  # noqa:
     if not isinstance(spec, AttentionSpec):
         raise SpecError(f"spec must be a foldc.AttentionSpec, got {type(spec).__name__}")
     if target == "reference":
+        unknown = sorted(set(options) - {"token_tile"})
+        if unknown:
+            raise SpecError(f"unknown option(s) {unknown} for target='reference'; the only option is token_tile")
         return ReferenceAttention(plan(spec), **options)
     raise SpecError(f"target={target!r} is not available; use one of {TARGETS}")

@@ -26,7 +26,7 @@ import sympy as sp
 from .errors import PlanError, ProofError
 from .executor import Executor, SympyOps
 from .ir import (CHANNEL, TOKEN, Accumulate, Codes, Contract, Dequantize, Divide, GroupedAxis, Input,
-                 OnlineSoftmax, Prescale, ScaleGroups, param_axes)
+                 OnlineSoftmax, Prescale, ScaleGroups, param_axes, verify)
 from .ir.graph import Graph
 from .passes import check_plan_rules, fold_from_axes
 
@@ -229,6 +229,7 @@ def prove(the_plan) -> ProofReport:
     """Prove ``the_plan`` exact, or raise PlanError/ProofError naming the rule or value that fails."""
     t0 = time.perf_counter()
     graph = the_plan.graph
+    verify(graph)  # a hand-edited graph must be well-formed before its rules mean anything
     check_fold_kinds(graph)
     check_plan_rules(graph)
     if not graph.nodes_of(OnlineSoftmax) or not graph.nodes_of(Divide):

@@ -66,6 +66,8 @@ def check_call(spec: AttentionSpec, q, k, v, sm_scale, seq_lens,
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(spec.head_dim)
     try:
+        if isinstance(sm_scale, (str, bytes)):  # float("0.5") would parse text silently
+            raise TypeError
         sm_scale = float(sm_scale)
     except (TypeError, ValueError):
         raise InputTypeError(f"sm_scale={sm_scale!r} must be a float") from None
@@ -73,7 +75,11 @@ def check_call(spec: AttentionSpec, q, k, v, sm_scale, seq_lens,
         raise InputError(f"sm_scale={sm_scale} must be finite")
     lens = None
     if seq_lens is not None:
-        lens = torch.as_tensor(seq_lens)
+        try:
+            lens = torch.as_tensor(seq_lens)
+        except (TypeError, ValueError, RuntimeError):
+            raise InputTypeError(f"seq_lens={seq_lens!r} must be an integer tensor (or list) of one length per "
+                                 f"sequence, shape ({batch},)") from None
         if lens.dtype.is_floating_point or lens.dtype == torch.bool:
             raise InputError(f"seq_lens dtype={lens.dtype} must be an integer type")
         if lens.shape != (batch,):

@@ -28,7 +28,7 @@ class Graph:
 
     # -- building -------------------------------------------------------------------------
     def add(self, node: Node) -> str:
-        if node.name in self._g:
+        if node.name in self:  # a name only used so far (a forward reference) may be defined
             raise GraphError(f"node %{node.name} is defined twice; pick a fresh name")
         self._order[node.name] = len(self._order)
         self._g.add_node(node.name, op=node)
@@ -40,11 +40,19 @@ class Graph:
         """Swap the node of the same name for ``node`` (its operands may change)."""
         if node.name not in self._g:
             raise GraphError(f"cannot replace %{node.name}: no such node")
-        for pred in list(self._g.predecessors(node.name)):
+        preds = list(self._g.predecessors(node.name))
+        for pred in preds:
             self._g.remove_edge(pred, node.name)
         self._g.nodes[node.name]["op"] = node
         for operand in node.operands():
             self._g.add_edge(operand, node.name)
+        self._drop_unused_placeholders(preds)
+
+    def _drop_unused_placeholders(self, names) -> None:
+        """Forget names that were only referenced (never defined) and are no longer used."""
+        for n in names:
+            if n in self._g and "op" not in self._g.nodes[n] and not any(True for _ in self._g.successors(n)):
+                self._g.remove_node(n)
 
     def rename_uses(self, old: str, new: str, skip: Iterable[str] = ()) -> None:
         """Make every user of %old (except those in ``skip``) read %new instead."""
@@ -59,10 +67,14 @@ class Graph:
             self.output = new
 
     def remove(self, name: str) -> None:
+        if name not in self._g:
+            raise GraphError(f"cannot remove %{name}: no such node")
         if any(True for _ in self._g.successors(name)):
             raise GraphError(f"cannot remove %{name}: still used by {sorted(self._g.successors(name))}")
+        preds = list(self._g.predecessors(name))
         self._g.remove_node(name)
-        del self._order[name]
+        self._order.pop(name, None)
+        self._drop_unused_placeholders(preds)
 
     def copy(self) -> "Graph":
         g = Graph(self.title, self.sizes)

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import PlanError
-from ..ir import (TOKEN, Accumulate, Add, Contract, Correction, Divide, GroupedAxis, GroupParam,
+from ..ir import (Accumulate, Add, Contract, Correction, Divide, GroupedAxis, GroupParam,
                   OnlineSoftmax, Prescale, ScaleGroups)
 from ..ir.axes import find
 from .base import Pass
@@ -108,10 +108,10 @@ def tile_constraints(graph) -> list[TileConstraint]:
                                       "an unscaled partial sum"))
     for node in graph.nodes_of(Prescale):
         scale = graph[node.scale]
-        for ax in scale.axes:
-            if isinstance(ax, GroupedAxis) and ax.base == TOKEN:
-                out.append(TileConstraint(node.product, TOKEN, ax.group_size,
-                                          f"one pre-scaled %{node.operand} (it changes per token group)"))
+        for ax in scale.axes:  # the group index on a non-reduced axis (eq. 4, section 11)
+            if isinstance(ax, GroupedAxis):
+                out.append(TileConstraint(node.product, ax.base, ax.group_size,
+                                          f"one pre-scaled %{node.operand} (it changes per {ax.base} group)"))
     return sorted(out, key=str)
 
 

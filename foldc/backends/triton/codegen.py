@@ -1,0 +1,503 @@
+"""Generate the Triton source of a fused split-KV decode kernel from a plan's graph.
+
+The generator walks the folded graph in order and lowers each node by its kind and the
+register-tile form of its operands (layout.py); it never looks at which cache layout the plan
+came from. Key-side nodes (ancestors of the online softmax) are emitted inside the token loop
+before the softmax, value-side nodes after it, and nodes that read only the query are hoisted
+before the loop. The online softmax, the accumulator and the split state follow eq. 9 and 14.
+
+Register-tile forms (R = query rows, T = the tile's tokens, C = one channel chunk, G = one
+channel group): "RT", "R", "T", "RC", "TC", "C", "TG", "RTG", "RG".
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ...errors import PlanError
+from ...ir import (TOKEN, Accumulate, Add, Codes, Contract, Correction, Dequantize, Divide, GroupedAxis,
+                   GroupParam, Input, MulScalar, OnlineSoftmax, Prescale, ScaleGroups, param_axes)
+from .layout import TileGeometry
+
+MAGIC = {"fp16": (0x6400, 1024), "bf16": (0x4300, 128)}  # code | bits  ->  bias + code (eq. 7)
+MANTISSA_BITS = {"fp16": 10, "bf16": 7}
+
+
+def magic_ok(bits: int, dtype: str) -> bool:
+    """The OR trick is exact only while every code fits in the mantissa."""
+    return bits <= MANTISSA_BITS[dtype]
+
+
+@dataclass
+class Val:
+    form: str
+    vars: dict                # key (None, chunk index or group index) -> Triton expression / name
+    mma: bool = False         # held in the MMA input dtype (else fp32)
+    hoisted: bool = False     # depends on the query only
+    product: str = ""
+
+
+@dataclass
+class KernelSource:
+    name: str
+    source: str
+    args: list[str]                       # runtime argument names in order
+    constexprs: dict = field(default_factory=dict)
+    inputs: dict = field(default_factory=dict)  # input name -> "values" | "encoded"
+
+
+class _Emitter:
+    def __init__(self, plan, geo: TileGeometry, dtype: str):
+        self.plan, self.graph, self.geo, self.dtype = plan, plan.graph, geo, dtype
+        self.tl_dtype = {"fp16": "tl.float16", "bf16": "tl.bfloat16"}[dtype]
+        self.pre: list[str] = []    # before the token loop
+        self.key: list[str] = []    # loop body, before the softmax
+        self.value: list[str] = []  # loop body, after the softmax
+        self.vals: dict[str, Val] = {}
+        self.args: list[str] = []
+        self.product_of: dict[str, str] = {}
+        self._n = 0
+        sm = self.graph.nodes_of(OnlineSoftmax)
+        self.softmax = sm[0]
+        self.key_side = self.graph.ancestors(self.softmax.name)
+
+    # -- helpers --------------------------------------------------------------------------
+    def fresh(self, stem: str) -> str:
+        self._n += 1
+        return f"{stem}_{self._n}"
+
+    def phase(self, node) -> list[str]:
+        return self.key if node.name in self.key_side else self.value
+
+    def product(self, node) -> str:
+        return getattr(node, "product", "") or ("qk" if node.name in self.key_side else "pv")
+
+    def width(self, product: str) -> int:
+        return self.geo.width(product)
+
+    def group_of_chunk(self, product: str, chunk: int, group_size: int) -> int:
+        return chunk * self.width(product) // group_size
+
+    def chan_group_size(self, source: str) -> int:
+        return self.graph[source].encoding.group_size
+
+    def arg(self, *names: str) -> None:
+        for n in names:
+            if n not in self.args:
+                self.args.append(n)
+
+    # -- the walk -------------------------------------------------------------------------
+    def run(self) -> None:
+        for node in self.graph:
+            if isinstance(node, (Accumulate, Divide)):
+                if isinstance(node, Accumulate):
+                    self.emit_accumulate(node)
+                continue
+            if isinstance(node, OnlineSoftmax):
+                self.emit_softmax(node)
+                continue
+            method = getattr(self, f"emit_{type(node).__name__.lower()}", None)
+            if method is None:
+                raise PlanError("backend", f"the Triton backend cannot lower %{node.name} ({node.kind})")
+            result = method(node)
+            if result is not None:
+                self.vals[node.name] = result
+
+    # -- sources --------------------------------------------------------------------------
+    def emit_input(self, node: Input):
+        name = node.name.upper()
+        if node.role == "query":
+            self.arg("Q", "stride_qb", "stride_qh")
+            w = self.width("qk")
+            out = {}
+            for c in range(self.geo.chunks("qk")):
+                v = f"q_c{c}"
+                self.pre.append(f"{v} = tl.load(Q + q_row_off[:, None] + ({c * w} + tl.arange(0, {w}))[None, :], "
+                                f"mask=row_ok[:, None], other=0.0)")
+                out[c] = v
+            return Val("RC", out, mma=True, hoisted=True, product="qk")
+        if node.encoding is not None:
+            return None  # read through codes / params
+        self.arg(f"{name}_VALUES", f"stride_{node.name}b", f"stride_{node.name}h", f"stride_{node.name}n")
+        return Val("TC", {}, mma=True, product=f"lazy:{node.name}")
+
+    def _lazy_values(self, node_name: str, product: str, val: Val, lines: list[str]) -> Val:
+        if not val.product.startswith("lazy:"):
+            return val
+        src = val.product.split(":", 1)[1]
+        name, w = src.upper(), self.width(product)
+        out = {}
+        for c in range(self.geo.chunks(product)):
+            v = f"{src}_val_c{c}"
+            lines.append(f"{v} = tl.load({name}_VALUES + {src}_base + offs_n[:, None] * stride_{src}n + "
+                         f"({c * w} + tl.arange(0, {w}))[None, :], mask=valid[:, None], other=0.0)")
+            out[c] = v
+        return Val("TC", out, mma=True, product=product)
+
+    def emit_codes(self, node: Codes):
+        src = self.graph[node.source]
+        enc, name = src.encoding, node.source.upper()
+        product = "qk" if src.role == "key" else "pv"
+        self.arg(f"{name}_CODES", f"stride_{node.source}b", f"stride_{node.source}h", f"stride_{node.source}n")
+        lines = self.key if src.role == "key" else self.value
+        w, k = self.width(product), enc.codes_per_byte
+        field_w = self.geo.head_dim // k
+        mask = (1 << enc.bits) - 1
+        magic, bias_value = MAGIC[self.dtype]
+        out = {}
+        for c in range(self.geo.chunks(product)):
+            first = c * w
+            fld, col = first // field_w, first % field_w
+            raw = (f"tl.load({name}_CODES + {node.source}_base + offs_n[:, None] * stride_{node.source}n + "
+                   f"({col} + tl.arange(0, {w}))[None, :], mask=valid[:, None], other=0)")
+            code = f"(({raw} >> {fld * enc.bits}) & {mask})" if k > 1 else raw
+            v = f"{node.source}_code_c{c}"
+            if not magic_ok(enc.bits, self.dtype):
+                if node.bias:
+                    raise PlanError("backend", f"%{node.name}: {enc.bits}-bit codes do not fit the {self.dtype} "
+                                    "mantissa, so they carry no bias; plan with bias 0")
+                lines.append(f"{v} = {code}.to({self.tl_dtype})  # codes < 256 are exact")
+                out[c] = v
+                continue
+            # eq. 7: OR the code into the mantissa of a constant: bias + code, exact in fp16/bf16
+            lines.append(f"{v} = ({code}.to(tl.uint16) | {magic}).to({self.tl_dtype}, bitcast=True)")
+            if node.bias == 0:
+                lines.append(f"{v} = {v} - {bias_value}.0  # bias subtracted per value (exact)")
+            elif node.bias != bias_value:
+                raise PlanError("backend", f"%{node.name} has bias={node.bias}, but {self.dtype} codes built "
+                                f"with the OR trick carry bias {bias_value}")
+            out[c] = v
+        return Val("TC", out, mma=True, product=product)
+
+    def emit_groupparam(self, node: GroupParam):
+        src = self.graph[node.source]
+        enc, name = src.encoding, node.source.upper()
+        product = "qk" if src.role == "key" else "pv"
+        self.arg(f"{name}_SCALE", f"{name}_ZERO", f"stride_{node.source}sb", f"stride_{node.source}sh",
+                 f"stride_{node.source}sn")
+        lines = self.key if src.role == "key" else self.value
+        ptr = f"{name}_{node.param.upper()}"
+        base = f"{node.source}_sbase"
+        grouped = next(a for a in param_axes(src) if isinstance(a, GroupedAxis))
+        out = {}
+        if grouped.base == TOKEN:   # one row per token group; the tile lies in one group
+            w = self.width(product)
+            row = f"(tile_start // {enc.group_size}) * stride_{node.source}sn"
+            for c in range(self.geo.chunks(product)):
+                v = f"{node.name.replace('.', '_')}_c{c}"
+                load = f"tl.load({ptr} + {base} + {row} + {c * w} + tl.arange(0, {w})).to(tl.float32)"
+                if node.bias:  # eq. 7: z - bias * s, from the scale already loaded
+                    load = f"({load} - {node.bias}.0 * {self.vals[f'{node.source}.scale'].vars[c]})"
+                lines.append(f"{v} = {load}")
+                out[c] = v
+            return Val("C", out, product=product)
+        for gi in range(self.geo.head_dim // enc.group_size):  # one column per channel group
+            v = f"{node.name.replace('.', '_')}_g{gi}"
+            load = (f"tl.load({ptr} + {base} + offs_n * stride_{node.source}sn + {gi}, mask=valid, "
+                    "other=0.0).to(tl.float32)")
+            if node.bias:  # eq. 7: z - bias * s, from the scale already loaded
+                load = f"({load} - {node.bias}.0 * {self.vals[f'{node.source}.scale'].vars[gi]})"
+            lines.append(f"{v} = {load}")
+            out[gi] = v
+        return Val("TG", out, product=product)
+
+    def emit_dequantize(self, node: Dequantize):
+        src = self.graph[node.source]
+        product = "qk" if src.role == "key" else "pv"
+        lines = self.key if src.role == "key" else self.value
+        codes = self.emit_codes(Codes(f"{node.source}.codes", src.axes, source=node.source))
+        scale = self.emit_groupparam(GroupParam(f"{node.source}.scale", (), source=node.source, param="scale"))
+        zero = self.emit_groupparam(GroupParam(f"{node.source}.zero", (), source=node.source, param="zero"))
+        g = src.encoding.group_size
+        out = {}
+        for c, cv in codes.vars.items():
+            s = self._bcast(scale, c, "TC", product, g)
+            z = self._bcast(zero, c, "TC", product, g)
+            v = f"{node.source}_deq_c{c}"
+            lines.append(f"{v} = ({cv}.to(tl.float32) * {s} + {z}).to({self.tl_dtype})")
+            out[c] = v
+        return Val("TC", out, mma=True, product=product)
+
+    # -- broadcasting -----------------------------------------------------------------------
+    def _bcast(self, val: Val, key, target: str, product: str, group_size: int | None = None) -> str:
+        """Expression of ``val`` at ``key`` (chunk or group of the target) broadcast to ``target``."""
+        f = val.form
+        if f.endswith("G") and target.endswith("C"):
+            key = self.group_of_chunk(product, key, group_size)
+        var = val.vars[key if (f.endswith("C") or f.endswith("G")) else None]
+        expand = {
+            ("R", "RT"): "[:, None]", ("T", "RT"): "[None, :]", ("RT", "RT"): "",
+            ("R", "RC"): "[:, None]", ("RG", "RC"): "[:, None]", ("RC", "RC"): "", ("C", "RC"): "[None, :]",
+            ("C", "TC"): "[None, :]", ("TG", "TC"): "[:, None]", ("TC", "TC"): "",
+            ("TG", "RTG"): "[None, :]", ("TG", "RT"): "[None, :]", ("RTG", "RT"): "", ("RT", "RTG"): "",
+        }.get((f, target))
+        if expand is None:
+            raise PlanError("backend", f"cannot broadcast a {f} value to {target}")
+        return f"{var}{expand}"
+
+    # -- products ---------------------------------------------------------------------------
+    def _operand(self, name: str, product: str, lines) -> Val:
+        val = self.vals[name]
+        return self._lazy_values(name, product, val, lines)
+
+    def emit_contract(self, node: Contract):
+        lines = self.phase(node)
+        product = node.product
+        lhs, rhs = self._operand(node.lhs, product, lines), self._operand(node.rhs, product, lines)
+        if lhs.form == "TC":
+            lhs, rhs = rhs, lhs
+        out_name = node.name.replace(".", "_")
+        if node.reduce == "channel":   # rows x tokens, sum over chunks
+            if lhs.form != "RC" or rhs.form != "TC":
+                raise PlanError("backend", f"%{node.name}: cannot contract {lhs.form} with {rhs.form} over channel")
+            if isinstance(node.split, GroupedAxis):
+                g = node.split.group_size
+                out = {}
+                for c in sorted(rhs.vars):
+                    gi = self.group_of_chunk(product, c, g)
+                    v = f"{out_name}_g{gi}"
+                    dot = f"tl.dot({lhs.vars[c]}, tl.trans({rhs.vars[c]}))"
+                    lines.append(f"{v} = {dot}" if gi not in out else f"{v} += {dot}")
+                    out[gi] = v
+                return Val("RTG", out, product=product)
+            v = out_name
+            for i, c in enumerate(sorted(rhs.vars)):
+                dot = f"tl.dot({lhs.vars[c]}, tl.trans({rhs.vars[c]}))"
+                lines.append(f"{v} = {dot}" if i == 0 else f"{v} += {dot}")
+            return Val("RT", {None: v}, product=product)
+        # reduce over tokens: rows x chunk
+        if rhs.form != "TC" or lhs.form not in ("RT", "RTG"):
+            raise PlanError("backend", f"%{node.name}: cannot contract {lhs.form} with {rhs.form} over token")
+        out = {}
+        for c in sorted(rhs.vars):
+            if lhs.form == "RTG":
+                g = self.graph[self._scale_of_prescale(node.lhs)].source
+                a = lhs.vars[self.group_of_chunk(product, c, self.chan_group_size(g))]
+            else:
+                a = self._mma_p(lhs)
+            v = f"{out_name}_c{c}"
+            lines.append(f"{v} = tl.dot({a}, {rhs.vars[c]})")
+            out[c] = v
+        return Val("RC", out, product=product)
+
+    def _scale_of_prescale(self, name: str) -> str:
+        return self.graph[name].scale
+
+    def _mma_p(self, val: Val) -> str:
+        if val.mma:
+            return val.vars[None]
+        key = f"__mma_{val.vars[None]}"
+        if key not in self.vals:
+            self.value.append(f"{val.vars[None]}_mma = {val.vars[None]}.to({self.tl_dtype})")
+            self.vals[key] = Val("RT", {None: f"{val.vars[None]}_mma"}, mma=True)
+        return self.vals[key].vars[None]
+
+    def emit_prescale(self, node: Prescale):
+        lines = self.phase(node)
+        operand, scale = self.vals[node.operand], self.vals[node.scale]
+        name = node.name.replace(".", "_")
+        out = {}
+        if operand.form == "RC" and scale.form == "C":      # prescale the query per chunk
+            for c in sorted(operand.vars):
+                v = f"{name}_c{c}"
+                lines.append(f"{v} = ({operand.vars[c]}.to(tl.float32) * {scale.vars[c]}[None, :]).to({self.tl_dtype})")
+                out[c] = v
+            return Val("RC", out, mma=True, product=node.product)
+        if operand.form == "RT" and scale.form == "TG":     # prescale the weights per channel group
+            for gi in sorted(scale.vars):
+                v = f"{name}_g{gi}"
+                lines.append(f"{v} = ({operand.vars[None]} * {scale.vars[gi]}[None, :]).to({self.tl_dtype})")
+                out[gi] = v
+            return Val("RTG", out, mma=True, product=node.product)
+        raise PlanError("backend", f"%{node.name}: cannot prescale a {operand.form} operand by a {scale.form} scale")
+
+    def emit_scalegroups(self, node: ScaleGroups):
+        lines = self.phase(node)
+        partial, scale = self.vals[node.partial], self.vals[node.scale]
+        name = node.name.replace(".", "_")
+        if partial.form == "RTG" and scale.form == "TG":
+            terms = [f"{partial.vars[gi]} * {scale.vars[gi]}[None, :]" for gi in sorted(partial.vars)]
+            lines.append(f"{name} = " + " + ".join(terms))
+            return Val("RT", {None: name}, product=node.product)
+        if partial.form == "RC" and scale.form == "C":
+            out = {}
+            for c in sorted(partial.vars):
+                v = f"{name}_c{c}"
+                lines.append(f"{v} = {partial.vars[c]} * {scale.vars[c]}[None, :]")
+                out[c] = v
+            return Val("RC", out, product=node.product)
+        raise PlanError("backend", f"%{node.name}: cannot scale {partial.form} partials by a {scale.form} scale")
+
+    def emit_correction(self, node: Correction):
+        lines = self.phase(node)
+        zero, other = self.vals[node.zero], self.vals[node.other]
+        zero_node = self.graph[node.zero]
+        name = node.name.replace(".", "_")
+        product = node.product
+        if node.reduce == "channel" and other.form == "RC":
+            if zero.form == "TG":   # eq. 6, acc-fold: zero x sum of q over each channel group
+                g = self.chan_group_size(zero_node.source)
+                sums = {}
+                for c in sorted(other.vars):
+                    gi = self.group_of_chunk(product, c, g)
+                    term = f"tl.sum({other.vars[c]}.to(tl.float32), 1)"
+                    sums.setdefault(gi, []).append(term)
+                for gi, terms in sums.items():
+                    self.pre.append(f"{name}_qsum_g{gi} = " + " + ".join(terms))
+                lines.append(f"{name} = " + " + ".join(f"{name}_qsum_g{gi}[:, None] * {zero.vars[gi]}[None, :]"
+                                                       for gi in sorted(sums)))
+                return Val("RT", {None: name}, product=product)
+            if zero.form == "C":    # eq. 6, operand-fold: sum over channels of q x zero
+                raw_zero = zero_node.bias
+                terms = []
+                for c in sorted(other.vars):
+                    zv = zero.vars[c]
+                    if raw_zero:  # bias folded: correct with the pre-scaled q exactly as the MMA reads it
+                        pre = self._prescaled_for(product)
+                        zv = f"({zv} + {raw_zero}.0 * {self.vals[self.graph[node.zero].name.replace('zero', 'scale')].vars[c]})"
+                        terms.append(f"tl.sum({other.vars[c]}.to(tl.float32) * {zv}[None, :], 1)")
+                        terms.append(f"- {raw_zero}.0 * tl.sum({pre.vars[c]}.to(tl.float32), 1)")
+                    else:
+                        terms.append(f"tl.sum({other.vars[c]}.to(tl.float32) * {zv}[None, :], 1)")
+                lines.append(f"{name} = " + " ".join(t if i == 0 or t.startswith("-") else f"+ {t}"
+                                                     for i, t in enumerate(terms)))
+                return Val("R", {None: name}, product=product)
+        if node.reduce == "token" and other.form == "RT":
+            p = other.vars[None]
+            if zero.form == "C":    # eq. 6, acc-fold: zero x sum of p over the tile's token group
+                lines.append(f"{name}_psum = tl.sum({p}, 1)")
+                out = {}
+                for c in sorted(zero.vars):
+                    v = f"{name}_c{c}"
+                    lines.append(f"{v} = {name}_psum[:, None] * {zero.vars[c]}[None, :]")
+                    out[c] = v
+                return Val("RC", out, product=product)
+            if zero.form == "TG":   # eq. 6, operand-fold: sum over tokens of p x zero, per channel group
+                out = {}
+                for gi in sorted(zero.vars):
+                    v = f"{name}_g{gi}"
+                    lines.append(f"{v} = tl.sum({p} * {zero.vars[gi]}[None, :], 1)")
+                    out[gi] = v
+                return Val("RG", out, product=product)
+        raise PlanError("backend", f"%{node.name}: cannot lower a {node.form} correction of a {other.form} "
+                        f"operand with a {zero.form} zero")
+
+    def _prescaled_for(self, product: str) -> Val:
+        for n in self.graph.nodes_of(Prescale):
+            if n.product == product:
+                return self.vals[n.name]
+        raise PlanError("backend", f"{product}: a folded bias needs the pre-scaled operand")
+
+    def emit_add(self, node: Add):
+        lines = self.phase(node)
+        a, b = self.vals[node.lhs], self.vals[node.rhs]
+        name = node.name.replace(".", "_")
+        target = "RT" if "T" in a.form + b.form and "C" not in a.form + b.form else "RC"
+        product = self.product(node)
+        if target == "RT":
+            g = None
+            lines.append(f"{name} = {self._bcast(a, None, 'RT', product)} + {self._bcast(b, None, 'RT', product)}")
+            return Val("RT", {None: name}, product=product)
+        chunks = sorted(next(v for v in (a, b) if v.form.endswith("C")).vars)
+        gsize = self._group_size_for(product)
+        out = {}
+        for c in chunks:
+            v = f"{name}_c{c}"
+            lines.append(f"{v} = {self._bcast(a, c, 'RC', product, gsize)} + {self._bcast(b, c, 'RC', product, gsize)}")
+            out[c] = v
+        return Val("RC", out, product=product)
+
+    def _group_size_for(self, product: str) -> int | None:
+        role = "key" if product == "qk" else "value"
+        inp = next(n for n in self.graph.nodes_of(Input) if n.role == role)
+        return inp.encoding.group_size if inp.encoding is not None else None
+
+    def emit_mulscalar(self, node: MulScalar):
+        lines = self.phase(node)
+        a = self.vals[node.input]
+        name = node.name.replace(".", "_")
+        lines.append(f"{name} = {self._bcast(a, None, 'RT', 'qk')} * qk_scale")
+        return Val("RT", {None: name}, product="qk")
+
+    # -- softmax and accumulator ------------------------------------------------------------
+    def emit_softmax(self, node: OnlineSoftmax):
+        logits = self.vals[node.logits].vars[None]
+        self.key += [
+            f"{logits} = tl.where(valid[None, :], {logits}, float('-inf'))",
+            f"m_new = tl.maximum(m_i, tl.max({logits}, 1))",
+            "alpha = tl.exp2(m_i - m_new)",
+            f"p = tl.exp2({logits} - m_new[:, None])",
+            "l_i = l_i * alpha + tl.sum(p, 1)",
+            "m_i = m_new",
+        ]
+        self.vals[node.name] = Val("RT", {None: "p"}, product="pv")
+
+    def emit_accumulate(self, node: Accumulate):
+        contrib = self._operand(node.input, "pv", self.value)
+        if contrib.form != "RC":
+            raise PlanError("backend", f"%{node.name}: the accumulator needs a per-chunk value, got {contrib.form}")
+        for c in range(self.geo.chunks("pv")):
+            self.value.append(f"acc_c{c} = acc_c{c} * alpha[:, None] + {contrib.vars[c]}")
+
+
+def generate(plan, geo: TileGeometry, dtype: str) -> KernelSource:
+    """Triton source of the decode kernel for ``plan`` with MMA inputs in ``dtype``."""
+    em = _Emitter(plan, geo, dtype)
+    em.run()
+    pv_chunks, w_pv = geo.chunks("pv"), geo.width("pv")
+    inputs = {n.name: ("encoded" if n.encoding is not None else "values")
+              for n in plan.graph.nodes_of(Input) if n.role != "query"}
+    bases = []
+    for name, kind in inputs.items():
+        bases.append(f"{name}_base = b * stride_{name}b + kvh * stride_{name}h")
+        if kind == "encoded":
+            bases.append(f"{name}_sbase = b * stride_{name}sb + kvh * stride_{name}sh")
+    args = ["SEQ_LENS", "WS_M", "WS_L", "WS_ACC"] + em.args + ["qk_scale", "tokens_per_split"]
+    ind = " " * 4
+    body = [
+        "b = tl.program_id(0)",
+        "kvh = tl.program_id(1)",
+        "split = tl.program_id(2)",
+        "seq_len = tl.load(SEQ_LENS + b)",
+        "start = split * tokens_per_split",
+        "end = tl.minimum(start + tokens_per_split, seq_len)",
+        "rows = tl.arange(0, ROWS)",
+        "row_ok = rows < Q_PER_KV",
+        "q_row_off = b * stride_qb + (kvh * Q_PER_KV + rows) * stride_qh",
+        *bases,
+        *em.pre,
+        "m_i = tl.full([ROWS], float('-inf'), tl.float32)",
+        "l_i = tl.zeros([ROWS], tl.float32)",
+        *[f"acc_c{c} = tl.zeros([ROWS, {w_pv}], tl.float32)" for c in range(pv_chunks)],
+        "for tile_start in range(start, end, BLOCK_N):",
+        *[ind + line for line in [
+            "offs_n = tile_start + tl.arange(0, BLOCK_N)",
+            "valid = offs_n < end",
+            *em.key,
+            *[f"acc_c{c} = acc_c{c} * alpha[:, None]" for c in range(pv_chunks)],
+            *[ln for ln in em.value if not ln.startswith("acc_c")],
+            *[ln.replace(" * alpha[:, None]", "") for ln in em.value if ln.startswith("acc_c")],
+        ]],
+        "ws_row = ((b * NUM_KV_HEADS + kvh) * NUM_SPLITS + split) * ROWS + rows",
+        "tl.store(WS_M + ws_row, m_i)",
+        "tl.store(WS_L + ws_row, l_i)",
+        *[f"tl.store(WS_ACC + ws_row[:, None] * HEAD_DIM + {c * w_pv} + tl.arange(0, {w_pv})[None, :], acc_c{c})"
+          for c in range(pv_chunks)],
+    ]
+    name = "foldc_decode"
+    constexprs = ["Q_PER_KV", "ROWS", "BLOCK_N", "HEAD_DIM", "NUM_KV_HEADS", "NUM_SPLITS"]
+    sig = ",\n    ".join(args + [f"{c}: tl.constexpr" for c in constexprs])
+    folds = ", ".join(f"{k}={v}" for k, v in plan.folds.items())
+    src = "\n".join([
+        f'"""Generated by foldc from the plan for {plan.spec.describe()} ({folds}).',
+        f"MMA inputs {dtype}; tiles: {geo.rows} rows x {geo.block_n} tokens, channel chunks of "
+        f"{geo.width_qk} (qk) / {geo.width_pv} (pv). Do not edit: regenerate with foldc.\"\"\"",
+        "import triton",
+        "import triton.language as tl",
+        "",
+        "",
+        "@triton.jit",
+        f"def {name}(\n    {sig},\n):",
+        *[ind + line for line in body],
+        "",
+    ])
+    return KernelSource(name, src, args, {}, inputs)

@@ -1,0 +1,213 @@
+"""Load generated kernels and launch them: the attention callable of the Triton targets.
+
+``foldc.compile(spec, target)`` with target "auto", "sm_90", "sm_100" (GPU) or "interpret"
+(Triton's interpreter on the CPU) returns a `TritonAttention`. On each call it validates the
+inputs, picks the plan for the query dtype (the code bias of eq. 7 depends on it), launches the
+generated split-KV kernel and the merge kernel (eq. 14), and returns ``[batch, num_q_heads,
+head_dim]`` in the query's dtype.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import math
+import os
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+from ...encoding import AffineTensor
+from ...errors import InputError, SpecError
+from ...plan import Plan, plan
+from ...validate import check_call
+from .codegen import MAGIC, KernelSource, generate, magic_ok
+from .layout import TileGeometry, geometry
+
+DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
+MERGE_SOURCE = '''
+
+@triton.jit
+def foldc_merge(WS_M, WS_L, WS_ACC, OUT, stride_ob, stride_oh,
+                Q_PER_KV: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                NUM_KV_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr):
+    """Merge the per-split (max, denominator, accumulator) states (eq. 14) and divide (eq. 10)."""
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    rows = tl.arange(0, ROWS)
+    cols = tl.arange(0, HEAD_DIM)
+    base = (b * NUM_KV_HEADS + kvh) * NUM_SPLITS * ROWS
+    m = tl.full([ROWS], float("-inf"), tl.float32)
+    l = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([ROWS, HEAD_DIM], tl.float32)
+    for s in range(NUM_SPLITS):
+        row = base + s * ROWS + rows
+        m_s = tl.load(WS_M + row)
+        l_s = tl.load(WS_L + row)
+        m_new = tl.maximum(m, m_s)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        w_old = tl.exp2(m - m_safe)
+        w_s = tl.exp2(m_s - m_safe)
+        acc_s = tl.load(WS_ACC + row[:, None] * HEAD_DIM + cols[None, :])
+        acc = acc * w_old[:, None] + acc_s * w_s[:, None]
+        l = l * w_old + l_s * w_s
+        m = m_new
+    out = acc / l[:, None]
+    ptr = OUT + b * stride_ob + (kvh * Q_PER_KV + rows)[:, None] * stride_oh + cols[None, :]
+    tl.store(ptr, out.to(OUT.dtype.element_ty), mask=(rows < Q_PER_KV)[:, None])
+'''
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("FOLDC_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "foldc")
+    path = Path(root) / "kernels"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+@contextmanager
+def _interpret(on: bool):
+    old = os.environ.get("TRITON_INTERPRET")
+    if on:
+        os.environ["TRITON_INTERPRET"] = "1"
+    else:
+        os.environ.pop("TRITON_INTERPRET", None)
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = old
+
+
+def load_module(source: str, interpret: bool):
+    """Write ``source`` to the kernel cache and import it (Triton needs a real file)."""
+    key = hashlib.sha256((source + str(interpret)).encode()).hexdigest()[:20]
+    mod_name = f"foldc_kernel_{key}_{'interp' if interpret else 'native'}"
+    if mod_name in sys.modules:
+        return sys.modules[mod_name]
+    path = cache_dir() / f"{mod_name}.py"
+    if not path.exists() or path.read_text() != source:
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(source)
+        tmp.replace(path)
+    spec = importlib.util.spec_from_file_location(mod_name, path)
+    module = importlib.util.module_from_spec(spec)
+    with _interpret(interpret):
+        spec.loader.exec_module(module)
+    sys.modules[mod_name] = module
+    return module
+
+
+def triton_plan(spec, dtype: str) -> Plan:
+    """The plan the Triton backend lowers: key codes carry the OR-trick bias folded into the
+    zero (eq. 7); value codes have it subtracted per value (fold-kernel-probe.md: folding it
+    through the value accumulator loses accuracy on the GPU)."""
+    key_bias = MAGIC[dtype][1] if spec.k is not None and magic_ok(spec.k.bits, dtype) else 0
+    return plan(spec, code_bias={"key": key_bias})
+
+
+def kernel_source(spec, dtype: str, block_n: int = 64) -> tuple[KernelSource, TileGeometry, Plan]:
+    the_plan = triton_plan(spec, dtype)
+    geo = geometry(spec, block_n)
+    ks = generate(the_plan, geo, dtype)
+    ks.source = ks.source + MERGE_SOURCE
+    return ks, geo, the_plan
+
+
+def num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 2
+
+
+def choose_splits(batch: int, kv_heads: int, tokens: int, block_n: int, sms: int) -> tuple[int, int]:
+    """(splits, tokens per split): enough programs to fill the SMs twice, whole tiles per split."""
+    tiles = math.ceil(tokens / block_n)
+    want = math.ceil(2 * sms / (batch * kv_heads))
+    splits = max(1, min(want, tiles, 128))
+    per_split = math.ceil(tiles / splits) * block_n
+    return math.ceil(tokens / per_split), per_split
+
+
+class TritonAttention:
+    def __init__(self, spec, target: str, block_n: int = 64, num_warps: int = 4, num_stages: int = 2,
+                 splits: int | None = None):
+        self.spec, self.target = spec, target
+        self.interpret = target == "interpret"
+        self.block_n, self.num_warps, self.num_stages, self.splits = block_n, num_warps, num_stages, splits
+        geometry(spec, block_n)  # raise now if the spec cannot be tiled
+        self._kernels: dict[str, tuple] = {}
+
+    def kernels(self, dtype: str):
+        if dtype not in self._kernels:
+            ks, geo, the_plan = kernel_source(self.spec, dtype, self.block_n)
+            self._kernels[dtype] = (load_module(ks.source, self.interpret), ks, geo, the_plan)
+        return self._kernels[dtype]
+
+    def plan_for(self, dtype: torch.dtype) -> Plan:
+        return self.kernels(DTYPES[dtype])[3]
+
+    def source(self, dtype: torch.dtype = torch.float16) -> str:
+        return self.kernels(DTYPES[dtype])[1].source
+
+    def __call__(self, q, k, v, sm_scale=None, seq_lens=None) -> torch.Tensor:
+        q_dtypes = (torch.float16,) if self.interpret else (torch.float16, torch.bfloat16)
+        call = check_call(self.spec, q, k, v, sm_scale, seq_lens, q_dtypes=q_dtypes)
+        device = q.device
+        if self.interpret and device.type != "cpu":
+            raise InputError(f"target='interpret' runs on the CPU; q is on {device}")
+        if not self.interpret and device.type != "cuda":
+            raise InputError(f"target={self.target!r} runs on a CUDA GPU; q is on {device}. "
+                             "Use target='interpret' (CPU, fp16) or 'reference'")
+        for name, x in (("k", k), ("v", v)):
+            parts = (x.codes, x.scale, x.zero) if isinstance(x, AffineTensor) else (x,)
+            for t in parts:
+                if not t.is_contiguous():
+                    raise InputError(f"{name} must be contiguous (a part of it has strides {t.stride()}); "
+                                     "call .contiguous() on it first")
+            if not isinstance(x, AffineTensor) and x.dtype != q.dtype:
+                raise InputError(f"{name} dtype={x.dtype} must match q dtype={q.dtype} for a plain operand")
+        if q.stride(-1) != 1:
+            raise InputError(f"q must have unit stride along head_dim; got strides {q.stride()}")
+        dtype = DTYPES[q.dtype]
+        module, ks, geo, _ = self.kernels(dtype)
+        b, hkv = call.batch, self.spec.num_kv_heads
+        if self.splits is not None:
+            per_split = math.ceil(math.ceil(call.tokens / self.splits) / geo.block_n) * geo.block_n
+            splits = math.ceil(call.tokens / per_split)
+        else:
+            splits, per_split = choose_splits(b, hkv, call.tokens, geo.block_n, num_sms(device))
+        lens = call.seq_lens if call.seq_lens is not None else torch.full((b,), call.tokens, device=device)
+        lens = lens.to(device=device, dtype=torch.int32)
+        ws_m = torch.empty(b, hkv, splits, geo.rows, device=device, dtype=torch.float32)
+        ws_l = torch.empty_like(ws_m)
+        ws_acc = torch.empty(b, hkv, splits, geo.rows, self.spec.head_dim, device=device, dtype=torch.float32)
+        out = torch.empty(b, self.spec.num_q_heads, self.spec.head_dim, device=device, dtype=q.dtype)
+        runtime = {"SEQ_LENS": lens, "WS_M": ws_m, "WS_L": ws_l, "WS_ACC": ws_acc, "Q": q,
+                   "stride_qb": q.stride(0), "stride_qh": q.stride(1),
+                   "qk_scale": call.sm_scale * 1.4426950408889634, "tokens_per_split": per_split}
+        for name, x in (("k", k), ("v", v)):
+            up = name.upper()
+            if isinstance(x, AffineTensor):
+                runtime.update({f"{up}_CODES": x.codes, f"{up}_SCALE": x.scale, f"{up}_ZERO": x.zero,
+                                f"stride_{name}b": x.codes.stride(0), f"stride_{name}h": x.codes.stride(1),
+                                f"stride_{name}n": x.codes.stride(2), f"stride_{name}sb": x.scale.stride(0),
+                                f"stride_{name}sh": x.scale.stride(1), f"stride_{name}sn": x.scale.stride(2)})
+            else:
+                runtime.update({f"{up}_VALUES": x, f"stride_{name}b": x.stride(0), f"stride_{name}h": x.stride(1),
+                                f"stride_{name}n": x.stride(2)})
+        args = [runtime[a] for a in ks.args]
+        with _interpret(self.interpret):
+            self._launch(module, args, b, hkv, splits, geo, ws_m, ws_l, ws_acc, out)
+        return out
+
+    def _launch(self, module, args, b, hkv, splits, geo, ws_m, ws_l, ws_acc, out) -> None:
+        module.foldc_decode[(b, hkv, splits)](
+            *args, Q_PER_KV=self.spec.q_per_kv, ROWS=geo.rows, BLOCK_N=geo.block_n, HEAD_DIM=self.spec.head_dim,
+            NUM_KV_HEADS=hkv, NUM_SPLITS=splits, num_warps=self.num_warps, num_stages=self.num_stages)
+        module.foldc_merge[(b, hkv)](ws_m, ws_l, ws_acc, out, out.stride(0), out.stride(1),
+                                     Q_PER_KV=self.spec.q_per_kv, ROWS=geo.rows, HEAD_DIM=self.spec.head_dim,
+                                     NUM_KV_HEADS=hkv, NUM_SPLITS=splits, num_warps=self.num_warps)

@@ -1,0 +1,96 @@
+"""How the Triton backend maps a plan's axes onto one program's register tiles.
+
+One program handles one (batch, kv_head, split): its query rows (``q_per_kv`` padded to
+``rows``) are the MMA's M, a tile of ``block_n`` tokens the N (scores) or K (values) dimension,
+and the channel axis is cut into *chunks* of ``width`` channels, each of which lies inside one
+bit field of the planar packing (see foldc/encoding.py) and inside one channel group of any
+token-wise encoding, so no unscaled partial sum crosses a group (eq. 5).
+
+Axes of a plan value become:
+- ``q_per_kv`` -> rows; ``token`` -> the tile's tokens; ``token/g`` -> nothing (a tile lies in
+  one token group: ``block_n`` divides every token group size, the plan's tiling constraint);
+- ``channel`` -> one register tile per chunk; ``channel/g`` -> one per channel group.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ...errors import SpecError
+from ...ir import CHANNEL, TOKEN
+
+MIN_DOT = 16  # smallest M, N and K of tl.dot
+
+
+def _pow2_divisor(n: int, cap: int) -> int:
+    """Largest power of two that divides n and is <= cap."""
+    p = 1
+    while p * 2 <= cap and n % (p * 2) == 0:
+        p *= 2
+    return p
+
+
+@dataclass(frozen=True)
+class TileGeometry:
+    head_dim: int
+    rows: int          # padded query rows (power of two, >= 16)
+    block_n: int       # tokens per tile
+    width_qk: int      # channels per chunk in the qk product
+    width_pv: int      # channels per chunk in the pv product
+
+    def chunks(self, product: str) -> int:
+        return self.head_dim // self.width(product)
+
+    def width(self, product: str) -> int:
+        return self.width_qk if product == "qk" else self.width_pv
+
+
+def channel_width(head_dim: int, enc, product: str) -> int:
+    """Chunk width for one product: inside one bit field and one channel group, >= 16."""
+    cap = 64
+    limit = head_dim
+    if enc is not None:
+        limit = math.gcd(limit, head_dim // enc.codes_per_byte)
+        if enc.layout == "token":
+            limit = math.gcd(limit, enc.group_size)
+    width = _pow2_divisor(limit, cap)
+    if width < MIN_DOT:
+        raise SpecError(
+            f"the Triton backend splits {product} channels into chunks inside one bit field and one "
+            f"channel group; with head_dim={head_dim} and {enc.short() if enc else 'plain'} a chunk "
+            f"would hold {width} channels, below the tensor-core minimum of {MIN_DOT}: use a larger "
+            "group_size or head_dim, or the reference target")
+    return width
+
+
+def token_block(spec, requested: int) -> int:
+    """Tokens per tile: a power of two >= 16 that divides every token-group size (eq. 5)."""
+    block = requested
+    for enc in (spec.k, spec.v):
+        if enc is not None and enc.layout == "channel":
+            block = min(block, _pow2_divisor(enc.group_size, requested))
+    if block < MIN_DOT:
+        groups = [e.group_size for e in (spec.k, spec.v) if e is not None and e.layout == "channel"]
+        raise SpecError(
+            f"channel-wise group_size={groups} admits no token tile of >= {MIN_DOT} tokens that stays "
+            "inside one group (the plan's tiling constraint): use a group size that is a multiple of 16")
+    return block
+
+
+def geometry(spec, block_n: int = 64) -> TileGeometry:
+    if spec.head_dim < MIN_DOT or spec.head_dim & (spec.head_dim - 1):
+        raise SpecError(f"head_dim={spec.head_dim} must be a power of two >= {MIN_DOT} for the Triton backend")
+    rows = max(MIN_DOT, 1 << (spec.q_per_kv - 1).bit_length())
+    return TileGeometry(spec.head_dim, rows, token_block(spec, block_n),
+                        channel_width(spec.head_dim, spec.k, "qk"), channel_width(spec.head_dim, spec.v, "pv"))
+
+
+def tile_kind(axes) -> tuple[bool, bool, str | None]:
+    """(has rows, has tokens, channel form) of a value with these plan axes."""
+    bases = {getattr(a, "base", a): a for a in axes}
+    rows = "q_per_kv" in bases
+    tokens = TOKEN in bases and bases[TOKEN] == TOKEN
+    chan = None
+    if CHANNEL in bases:
+        chan = "chunk" if bases[CHANNEL] == CHANNEL else "group"
+    return rows, tokens, chan
