@@ -3,26 +3,31 @@
 Targets:
 - ``"reference"``: the float64 executor runs the plan step by step (folds, corrections, online
   softmax in token tiles). Returns float64 ``[batch, num_q_heads, head_dim]``.
+- ``"sm_90"``, ``"sm_100"``: the generated Triton kernel on a CUDA GPU of that generation
+  (fp16 or bf16 queries; output in the query's dtype).
+- ``"interpret"``: the same generated kernel under Triton's interpreter on the CPU (fp16 only).
+- ``"auto"``: ``sm_90``/``sm_100`` by the GPU found, else ``interpret``.
 """
 from __future__ import annotations
 
 import torch
 
 from .encoding import AffineTensor
-from .errors import SpecError
+from .errors import InputError, SpecError
 from .executor import Executor, TorchOps
 from .ir import BATCH, CHANNEL, KV_HEAD, Q_PER_KV, TOKEN
 from .plan import Plan, plan
 from .spec import AttentionSpec
 from .validate import check_call
 
-TARGETS = ("reference",)
+TARGETS = ("reference", "auto", "sm_90", "sm_100", "interpret")
+GPU_TARGETS = {"sm_90": 9, "sm_100": 10}
 
 
 def bind_inputs(spec: AttentionSpec, q: torch.Tensor, k, v) -> dict:
     """Float64 arrays for the executor, keyed by (input name, part), in canonical axis order."""
     b = q.shape[0]
-    bindings = {("q", "values"): q.to(torch.float64).reshape(b, spec.num_kv_heads, spec.q_per_kv, spec.head_dim)}
+    bindings = {("q", "values"): q.to(torch.float64).reshape(b, spec.q_per_kv, spec.num_kv_heads, spec.head_dim).transpose(1, 2)}
     for name, x in (("k", k), ("v", v)):
         if isinstance(x, AffineTensor):
             bindings[(name, "codes")] = x.unpack().to(torch.float64)
@@ -41,21 +46,28 @@ class ReferenceAttention:
             raise SpecError(f"token_tile={token_tile!r} must be a positive integer")
         self.plan, self.spec, self.token_tile = the_plan, the_plan.spec, token_tile
 
-    def __call__(self, q, k, v, sm_scale=None, seq_lens=None) -> torch.Tensor:
+    def __call__(self, q, k, v, sm_scale=None, seq_lens=None, out: torch.Tensor | None = None) -> torch.Tensor:
         call = check_call(self.spec, q, k, v, sm_scale, seq_lens)
         sizes = {BATCH: call.batch, KV_HEAD: self.spec.num_kv_heads, Q_PER_KV: self.spec.q_per_kv,
                  CHANNEL: self.spec.head_dim, TOKEN: call.tokens}
         tokens = call.tokens if call.seq_lens is None else int(call.seq_lens.max())
         env = Executor(self.plan.graph, TorchOps(q.device), bind_inputs(self.spec, q, k, v), sizes, tokens,
                        call.sm_scale, self.token_tile, valid_tokens=call.seq_lens).run()
-        out = env[self.plan.graph.output].data
-        return out.reshape(call.batch, self.spec.num_q_heads, self.spec.head_dim)
+        result = env[self.plan.graph.output].data.reshape(call.batch, self.spec.num_q_heads, self.spec.head_dim)
+        if out is not None:
+            if tuple(out.shape) != tuple(result.shape):
+                raise InputError(f"out shape={tuple(out.shape)} but the result is {tuple(result.shape)}")
+            out.copy_(result)
+            return out
+        return result
 
 
 def compile(spec: AttentionSpec, target: str = "reference", **options):  # noqa: A001 - public API name
     """Plan ``spec`` and return an attention callable for ``target``.
 
     Options for "reference": ``token_tile`` (tokens per online-softmax step, default 64).
+    Options for the Triton targets: ``block_n`` (tokens per tile, default 64), ``num_warps``,
+    ``num_stages``, ``splits`` (split-KV count; default: enough programs to fill the GPU).
     """
     if not isinstance(spec, AttentionSpec):
         raise SpecError(f"spec must be a foldc.AttentionSpec, got {type(spec).__name__}")
@@ -64,4 +76,32 @@ def compile(spec: AttentionSpec, target: str = "reference", **options):  # noqa:
         if unknown:
             raise SpecError(f"unknown option(s) {unknown} for target='reference'; the only option is token_tile")
         return ReferenceAttention(plan(spec), **options)
-    raise SpecError(f"target={target!r} is not available; use one of {TARGETS}")
+    if target not in TARGETS:
+        raise SpecError(f"target={target!r} is not available; use one of {TARGETS}")
+    unknown = sorted(set(options) - {"block_n", "num_warps", "num_stages", "splits"})
+    if unknown:
+        raise SpecError(f"unknown option(s) {unknown} for target={target!r}; options are block_n, num_warps, "
+                        "num_stages, splits")
+    if target == "auto":
+        target = detect_target()
+    if target in GPU_TARGETS:
+        if not torch.cuda.is_available():
+            raise SpecError(f"target={target!r} needs a CUDA GPU and none is visible; use target='interpret' "
+                            "(CPU, fp16) or 'reference', or build ahead of time with `foldc compile`")
+        major = torch.cuda.get_device_capability()[0]
+        if major != GPU_TARGETS[target]:
+            raise SpecError(f"target={target!r} but the GPU has compute capability {major}.x; use target='auto'")
+    from .backends.triton import TritonAttention
+
+    return TritonAttention(spec, target, **options)
+
+
+def detect_target() -> str:
+    """``sm_90`` or ``sm_100`` for the visible GPU, ``interpret`` without one."""
+    if not torch.cuda.is_available():
+        return "interpret"
+    major = torch.cuda.get_device_capability()[0]
+    for name, m in GPU_TARGETS.items():
+        if m == major:
+            return name
+    raise SpecError(f"the GPU has compute capability {major}.x; foldc's Triton targets are sm_90 and sm_100")

@@ -21,7 +21,7 @@ from foldc.encoding import (
 from foldc.errors import InputError, InputTypeError, SpecError
 
 SCALE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-PROP = settings(max_examples=40, deadline=None)
+PROP = settings(max_examples=80, deadline=None)
 
 
 # --------------------------------------------------------------------------------------------

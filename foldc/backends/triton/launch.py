@@ -153,7 +153,9 @@ class TritonAttention:
     def source(self, dtype: torch.dtype = torch.float16) -> str:
         return self.kernels(DTYPES[dtype])[1].source
 
-    def __call__(self, q, k, v, sm_scale=None, seq_lens=None) -> torch.Tensor:
+    def __call__(self, q, k, v, sm_scale=None, seq_lens=None, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Decode attention. ``out`` (optional): a preallocated [batch, num_q_heads, head_dim]
+        tensor of q's dtype and device to write into."""
         q_dtypes = (torch.float16,) if self.interpret else (torch.float16, torch.bfloat16)
         call = check_call(self.spec, q, k, v, sm_scale, seq_lens, q_dtypes=q_dtypes)
         device = q.device
@@ -185,7 +187,12 @@ class TritonAttention:
         ws_m = torch.empty(b, hkv, splits, geo.rows, device=device, dtype=torch.float32)
         ws_l = torch.empty_like(ws_m)
         ws_acc = torch.empty(b, hkv, splits, geo.rows, self.spec.head_dim, device=device, dtype=torch.float32)
-        out = torch.empty(b, self.spec.num_q_heads, self.spec.head_dim, device=device, dtype=q.dtype)
+        want = (b, self.spec.num_q_heads, self.spec.head_dim)
+        if out is None:
+            out = torch.empty(want, device=device, dtype=q.dtype)
+        elif tuple(out.shape) != want or out.dtype != q.dtype or out.device != device or out.stride(-1) != 1:
+            raise InputError(f"out has shape={tuple(out.shape)}, dtype={out.dtype}, device={out.device}; it must be "
+                             f"{want} in q's dtype {q.dtype} on {device} with unit stride along head_dim")
         runtime = {"SEQ_LENS": lens, "WS_M": ws_m, "WS_L": ws_l, "WS_ACC": ws_acc, "Q": q,
                    "stride_qb": q.stride(0), "stride_qh": q.stride(1),
                    "qk_scale": call.sm_scale * 1.4426950408889634, "tokens_per_split": per_split}
