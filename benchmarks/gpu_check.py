@@ -23,6 +23,10 @@ import torch
 import foldc
 from foldc.testing import run_case
 
+#: a kernel passes when its error is at most this multiple of bf16 attention's error on the same
+#: dequantized values: both round once per operand to bf16, so equal errors differ by sampling noise
+TOLERANCE = 1.10
+
 
 def cases(quick: bool, dtypes):
     layouts = ["token", "channel", None]
@@ -72,7 +76,7 @@ def main(argv=None) -> int:
         attn = foldc.compile(spec, target=target)
         r = run_case(attn, spec, batch, tokens, dt, device, args.seed + i)
         folds = attn.plan_for(dt).folds
-        ok = r.unwritten == 0 and r.error <= r.bf16_error * 1.0 + 1e-6
+        ok = r.unwritten == 0 and r.error <= r.bf16_error * TOLERANCE
         failures += not ok
         worst_ratio = max(worst_ratio, r.ratio)
         rows.append({"spec": spec.describe(), "dtype": str(dt).replace("torch.", ""), "batch": batch,

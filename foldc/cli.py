@@ -52,10 +52,23 @@ def cmd_prove(args) -> int:
     return 0
 
 
+def cmd_compile(args) -> int:
+    import json
+
+    from .backends.triton.aot import compile_aot
+
+    spec = _spec(args)
+    report = compile_aot(spec, args.target, args.out, dtype=args.dtype, block_n=args.block_n,
+                         num_warps=args.num_warps, num_stages=args.num_stages)
+    print(f"wrote {args.out}/foldc_decode.py and the {args.target} TTIR/TTGIR/LLIR/PTX/cubin")
+    print(json.dumps(report, indent=2))
+    return 0
+
+
 def cmd_demo(args) -> int:
     from .demo import run_demo
 
-    return run_demo(batch=args.batch, tokens=args.tokens, seed=args.seed)
+    return run_demo(batch=args.batch, tokens=args.tokens, seed=args.seed, kernels=not args.no_kernels)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -69,10 +82,20 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("prove", help="prove the plan exact with sympy")
     _add_layout_args(p)
     p.set_defaults(func=cmd_prove)
+    p = sub.add_parser("compile", help="generate the Triton kernel and build it ahead of time (no GPU needed)")
+    _add_layout_args(p)
+    p.add_argument("--target", required=True, choices=["sm_90", "sm_100"], help="GPU generation")
+    p.add_argument("--out", required=True, help="folder for the source, PTX, cubin and a JSON report")
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"], help="query/MMA dtype (default bf16)")
+    p.add_argument("--block-n", type=int, default=64, help="tokens per tile (default 64)")
+    p.add_argument("--num-warps", type=int, default=4)
+    p.add_argument("--num-stages", type=int, default=2)
+    p.set_defaults(func=cmd_compile)
     p = sub.add_parser("demo", help="the seed's four layouts at the paper's shapes: plan, prove, run")
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--tokens", type=int, default=1000)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-kernels", action="store_true", help="skip the generated Triton kernel section")
     p.set_defaults(func=cmd_demo)
     return parser
 

@@ -27,7 +27,7 @@ GPU_TARGETS = {"sm_90": 9, "sm_100": 10}
 def bind_inputs(spec: AttentionSpec, q: torch.Tensor, k, v) -> dict:
     """Float64 arrays for the executor, keyed by (input name, part), in canonical axis order."""
     b = q.shape[0]
-    bindings = {("q", "values"): q.to(torch.float64).reshape(b, spec.q_per_kv, spec.num_kv_heads, spec.head_dim).transpose(1, 2)}
+    bindings = {("q", "values"): q.to(torch.float64).reshape(b, spec.num_kv_heads, spec.q_per_kv, spec.head_dim)}
     for name, x in (("k", k), ("v", v)):
         if isinstance(x, AffineTensor):
             bindings[(name, "codes")] = x.unpack().to(torch.float64)

@@ -158,9 +158,11 @@ def _shrink(graph: Graph, small_group: int, token_tile: int) -> tuple[Graph, Ins
         out.replace_node(replace(node, **changes))
     groups = {}
     for node in out:
-        for ax in node.axes:
-            if isinstance(ax, GroupedAxis):
-                groups[ax.base] = max(groups.get(ax.base, 1), ax.group_size)
+        grouped = [a for a in node.axes if isinstance(a, GroupedAxis)]
+        if isinstance(node, Input) and node.encoding is not None:  # dequantized inputs are grouped too
+            grouped.append(GroupedAxis(node.encoding.group_axis, node.encoding.group_size))
+        for ax in grouped:
+            groups[ax.base] = max(groups.get(ax.base, 1), ax.group_size)
     channels = 2 * groups.get(CHANNEL, small_group)
     token_group = groups.get(TOKEN, small_group)
     inst = Instance(q_per_kv=2, channels=channels, tokens=2 * token_group + 1, token_tile=token_tile,

@@ -360,3 +360,8 @@ def test_passes_do_not_edit_their_input():
     before = str(g)
     out, _ = run_pipeline(g, default_passes({"key": 1024}))
     assert str(g) == before and str(out) != before
+
+
+def test_plan_needs_an_attention_spec():
+    with pytest.raises(foldc.SpecError, match=r"^spec must be a foldc.AttentionSpec, got dict$"):
+        foldc.plan({"heads": "32/8"})

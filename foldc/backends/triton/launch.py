@@ -138,7 +138,13 @@ class TritonAttention:
         self.spec, self.target = spec, target
         self.interpret = target == "interpret"
         self.block_n, self.num_warps, self.num_stages, self.splits = block_n, num_warps, num_stages, splits
-        geometry(spec, block_n)  # raise now if the spec cannot be tiled
+        if splits is not None and (isinstance(splits, bool) or not isinstance(splits, int) or splits < 1):
+            raise SpecError(f"splits={splits!r} must be a positive integer (split-KV count) or None for automatic")
+        if isinstance(num_warps, bool) or not isinstance(num_warps, int) or num_warps < 1 or num_warps & (num_warps - 1):
+            raise SpecError(f"num_warps={num_warps!r} must be a power of two >= 1, e.g. 4 or 8")
+        if isinstance(num_stages, bool) or not isinstance(num_stages, int) or num_stages < 1:
+            raise SpecError(f"num_stages={num_stages!r} must be a positive integer, e.g. 2")
+        geometry(spec, block_n)  # raise now if block_n is bad or the spec cannot be tiled
         self._kernels: dict[str, tuple] = {}
 
     def kernels(self, dtype: str):

@@ -77,7 +77,14 @@ def token_block(spec, requested: int) -> int:
     return block
 
 
+def check_block_n(block_n) -> None:
+    """``block_n`` is the token extent of tl.arange and tl.dot: a power of two >= MIN_DOT."""
+    if isinstance(block_n, bool) or not isinstance(block_n, int) or block_n < MIN_DOT or block_n & (block_n - 1):
+        raise SpecError(f"block_n={block_n!r} must be a power of two >= {MIN_DOT} (tokens per tile), e.g. 32 or 64")
+
+
 def geometry(spec, block_n: int = 64) -> TileGeometry:
+    check_block_n(block_n)
     if spec.head_dim < MIN_DOT or spec.head_dim & (spec.head_dim - 1):
         raise SpecError(f"head_dim={spec.head_dim} must be a power of two >= {MIN_DOT} for the Triton backend")
     rows = max(MIN_DOT, 1 << (spec.q_per_kv - 1).bit_length())

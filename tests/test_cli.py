@@ -1,0 +1,210 @@
+"""The command line: `foldc explain`, `foldc prove`, `foldc demo` through `foldc.cli.main`, and
+the `python -m foldc` entry point."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import foldc
+import foldc.demo
+from foldc.cli import main
+from foldc.spec import spec_from_toml
+
+REPO = Path(foldc.__file__).resolve().parents[1]
+EXAMPLES = sorted((REPO / "examples" / "layouts").glob("*.toml"))
+
+# (K layout, V layout) -> the folds the explainer's table gives (groups of 128, 4 query heads per KV head)
+LAYOUT_FOLDS = {
+    ("token", "token"): ("acc-fold", "operand-fold"),
+    ("token", "channel"): ("acc-fold", "acc-fold"),
+    ("channel", "token"): ("operand-fold", "operand-fold"),
+    ("channel", "channel"): ("operand-fold", "acc-fold"),
+}
+
+
+def _row(text: str, label: str) -> list[str]:
+    """The cells (qk, pv) of the first line of the explain table's row ``label``."""
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.split("|")]
+        if len(cells) == 5 and cells[1] == label:
+            return cells[2:4]
+    raise AssertionError(f"no row {label!r} in:\n{text}")
+
+
+def _run(capsys, *argv):
+    rc = main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+@pytest.mark.parametrize("k_layout,v_layout", list(LAYOUT_FOLDS))
+def test_explain_flags_prints_the_folds_of_each_layout(capsys, k_layout, v_layout):
+    rc, out, err = _run(capsys, "explain", "--k", f"{k_layout}:2:128", "--v", f"{v_layout}:2:128",
+                        "--heads", "32/8", "--head-dim", "128")
+    assert rc == 0 and err == ""
+    assert out.startswith("foldc plan: 32 query heads / 8 KV heads (4 per KV head), head_dim 128")
+    qk, pv = _row(out, "fold")
+    want_qk, want_pv = LAYOUT_FOLDS[(k_layout, v_layout)]
+    assert qk.startswith(want_qk + ":") and pv.startswith(want_pv + ":")
+    enc_k, enc_v = _row(out, "encoded operand")
+    assert enc_k.startswith(f"%k {k_layout}:2:128") and enc_v.startswith(f"%v {v_layout}:2:128")
+    assert _row(out, "product")[0].startswith("scores = q . k")
+    assert "graph decode_attention" not in out  # the IR only with --ir
+
+
+def test_explain_dequant_and_plain_operands(capsys):
+    rc, out, _ = _run(capsys, "explain", "--k", "token:4:16", "--v", "none", "--heads", "16/1", "--head-dim", "32")
+    assert rc == 0
+    qk, pv = _row(out, "fold")
+    assert qk.startswith("dequant:") and pv.startswith("none: %v is a plain operand")
+    assert _row(out, "encoded operand")[1] == "%v plain (no encoding)"
+    assert "group_size=16 <= 2*h=32" in out
+
+
+def test_explain_ir_prints_the_graph(capsys):
+    rc, out, err = _run(capsys, "explain", "--k", "token:2:64", "--v", "channel:4:32", "--heads", "8/2",
+                        "--head-dim", "64", "--ir")
+    assert rc == 0 and err == ""
+    table, graph = out.split("\ngraph ", 1)
+    assert "| fold" in table
+    assert graph.startswith("decode_attention(heads 8/2, head_dim 64, K token:2:64, V channel:4:32)")
+    for line in ("%q = input role=query", "%k = input role=key encoding=token:2:64",
+                 "%scores.partial = contract %q, %k.codes", "%p = online_softmax %logits",
+                 "%acc = accumulate", "return %out"):
+        assert line in graph, line
+
+
+def test_explain_toml_file(capsys, tmp_path):
+    path = tmp_path / "layout.toml"
+    path.write_text('[attention]\nheads = "8/2"\nhead_dim = 64\nk = "channel:4:16:fp32"\n'
+                    'v = { layout = "token", bits = 8, group_size = 32 }\n')
+    rc, out, err = _run(capsys, "explain", str(path))
+    assert rc == 0 and err == ""
+    assert out.startswith("foldc plan: 8 query heads / 2 KV heads (4 per KV head), head_dim 64")
+    enc_k, enc_v = _row(out, "encoded operand")
+    assert enc_k.startswith("%k channel:4:16:fp32") and enc_v.startswith("%v token:8:32")
+    qk, pv = _row(out, "fold")
+    assert qk.startswith("operand-fold") and pv.startswith("operand-fold")
+
+
+def test_toml_file_overrides_the_flags(capsys, tmp_path):
+    path = tmp_path / "layout.toml"
+    path.write_text('heads = "4/4"\nhead_dim = 16\nk = "none"\n')
+    rc, out, _ = _run(capsys, "explain", str(path), "--heads", "32/8", "--head-dim", "128")
+    assert rc == 0
+    assert out.startswith("foldc plan: 4 query heads / 4 KV heads (1 per KV head), head_dim 16")
+    assert [c.split(":")[0] for c in _row(out, "fold")] == ["none", "none"]
+
+
+def test_examples_exist():
+    assert EXAMPLES, f"no example layouts under {REPO / 'examples' / 'layouts'}"
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])
+def test_explain_shipped_examples(capsys, path):
+    spec = spec_from_toml(path)
+    rc, out, err = _run(capsys, "explain", str(path))
+    assert rc == 0 and err == ""
+    assert out.startswith(f"foldc plan: {spec.num_q_heads} query heads / {spec.num_kv_heads} KV heads")
+    folds = foldc.plan(spec).folds
+    qk, pv = _row(out, "fold")
+    assert qk.startswith(folds["qk"]) and pv.startswith(folds["pv"])
+
+
+def test_prove_prints_exact(capsys):
+    rc, out, err = _run(capsys, "prove", "--k", "channel:4:64", "--v", "token:2:32", "--heads", "8/2",
+                        "--head-dim", "64")
+    assert rc == 0 and err == ""
+    assert "plan for heads 8/2, head_dim 64, K channel:4:64, V token:2:32" in out
+    assert "proof of plan {'qk': 'operand-fold', 'pv': 'operand-fold'}: exact" in out
+    assert "lemma (symbolic g): qk: operand-fold" in out and "checked: output = accumulator / denominator" in out
+
+
+@pytest.mark.parametrize("argv,fragments", [
+    (["--k", "token:3:128"], ["bits=3", "(2, 4, 8)"]),
+    (["--v", "token:2:100"], ["group_size=100", "head_dim (for v)=128", "divisor of 128"]),
+    (["--heads", "32/5"], ["num_q_heads=32", "num_kv_heads=5", "multiple"]),
+    (["--heads", "32"], ["heads='32'", "'Q/KV'"]),
+    (["--head-dim", "0"], ["head_dim=0", "positive integer"]),
+    (["--k", "diagonal:2:128"], ["layout='diagonal'", "'token'", "'channel'"]),
+    (["--k", "token:2"], ["encoding 'token:2'", "layout:bits:group_size"]),
+    (["--k", "token:2:128:fp8"], ["scale dtype 'fp8'", "bf16"]),
+], ids=["bits", "group", "heads-ratio", "heads-syntax", "head-dim", "layout", "encoding-syntax", "scale-dtype"])
+@pytest.mark.parametrize("command", ["explain", "prove"])
+def test_bad_flags_exit_2_naming_the_field(capsys, command, argv, fragments):
+    rc, out, err = _run(capsys, command, *argv)
+    assert rc == 2 and out == ""
+    assert err.startswith("foldc: error: ") and err.count("\n") == 1
+    for frag in fragments:
+        assert frag in err, f"{frag!r} missing from {err!r}"
+
+
+@pytest.mark.parametrize("content,fragments", [
+    ('heads = "8/2"\n', ["missing key 'head_dim'"]),
+    ('heads = "8/2"\nhead_dim = 64\nkk = "none"\n', ["unknown keys ['kk']", "heads, head_dim, k, v"]),
+    ('heads = "8/2"\nhead_dim = 64\nk = { layout = "token", bits = 2 }\n', ["[k] is missing 'group_size'"]),
+    ('heads = "8/2"\nhead_dim = 64\nv = { layout = "token", bits = 2, group_size = 8, scale = 1 }\n',
+     ["[v] has unknown keys ['scale']"]),
+    ('heads = 8/2\n', ["is not valid TOML"]),
+], ids=["missing", "unknown", "table-missing", "table-unknown", "syntax"])
+def test_bad_toml_exit_2_naming_the_key(capsys, tmp_path, content, fragments):
+    path = tmp_path / "bad.toml"
+    path.write_text(content)
+    rc, out, err = _run(capsys, "explain", str(path))
+    assert rc == 2 and out == ""
+    assert str(path) in err
+    for frag in fragments:
+        assert frag in err, f"{frag!r} missing from {err!r}"
+
+
+def test_missing_toml_file(capsys, tmp_path):
+    path = tmp_path / "nope.toml"
+    rc, out, err = _run(capsys, "explain", str(path))
+    assert rc == 2 and out == ""
+    assert f"cannot read layout file {str(path)!r}" in err
+
+
+def test_argparse_errors_exit_2(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["explain", "--head-dim", "abc"])
+    assert info.value.code == 2
+    assert "--head-dim" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as info:
+        main([])
+    assert info.value.code == 2
+
+
+def test_demo_command_passes_its_flags(capsys, monkeypatch):
+    calls = []
+
+    def fake_run_demo(**kwargs):
+        calls.append(kwargs)
+        return 7
+
+    monkeypatch.setattr(foldc.demo, "run_demo", fake_run_demo)
+    assert main(["demo", "--batch", "3", "--tokens", "77", "--seed", "5"]) == 7
+    assert len(calls) == 1
+    assert {k: calls[0][k] for k in ("batch", "tokens", "seed")} == {"batch": 3, "tokens": 77, "seed": 5}
+
+
+def _python_m_foldc(*argv):
+    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    return subprocess.run([sys.executable, "-m", "foldc", *argv], capture_output=True, text=True, cwd=REPO,
+                          env=env, timeout=120)
+
+
+def test_python_m_foldc_entry_point():
+    r = _python_m_foldc("explain", "--k", "channel:2:32", "--v", "channel:2:32", "--heads", "8/2",
+                        "--head-dim", "32")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("foldc plan: 8 query heads / 2 KV heads")
+    qk, pv = _row(r.stdout, "fold")
+    assert qk.startswith("operand-fold") and pv.startswith("acc-fold")
+
+    r = _python_m_foldc("explain", "--k", "token:5:32", "--head-dim", "32")
+    assert r.returncode == 2 and r.stdout == ""
+    assert "foldc: error: bits=5" in r.stderr
