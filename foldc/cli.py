@@ -71,6 +71,12 @@ def cmd_demo(args) -> int:
     return run_demo(batch=args.batch, tokens=args.tokens, seed=args.seed, kernels=not args.no_kernels)
 
 
+def cmd_bench(args) -> int:
+    from .bench import main as bench_main
+
+    return bench_main(args.bench_args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="foldc", description="Fold affine-quantized KV caches into exact "
                                      "decode attention: plan, prove and run.")
@@ -91,6 +97,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-warps", type=int, default=4)
     p.add_argument("--num-stages", type=int, default=2)
     p.set_defaults(func=cmd_compile)
+    p = sub.add_parser("bench", help="time the kernels against the HBM ceiling and bf16 peers (GPU)",
+                       add_help=False)
+    p.add_argument("bench_args", nargs=argparse.REMAINDER, help="see `foldc bench --help`")
+    p.set_defaults(func=cmd_bench)
     p = sub.add_parser("demo", help="the seed's four layouts at the paper's shapes: plan, prove, run")
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--tokens", type=int, default=1000)
@@ -101,6 +111,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["bench"]:  # its own parser: flags pass through untouched
+        from .bench import main as bench_main
+
+        return bench_main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

@@ -14,7 +14,7 @@ from .builder import build_decode_attention
 from .cost import IssueVerdict, verdicts
 from .errors import SpecError
 from .ir import Contract, Correction, Graph, Input
-from .passes import PassRecord, TileConstraint, default_passes, fold_cost, rows_sharing_group, run_pipeline
+from .passes import FOLD_POLICIES, PassRecord, TileConstraint, default_passes, fold_cost, rows_sharing_group, run_pipeline
 from .spec import AttentionSpec
 
 PRODUCT_ORDER = ("qk", "pv")
@@ -65,15 +65,20 @@ class Plan:
         return plan_summary(self)
 
 
-def plan(spec: AttentionSpec, code_bias: dict[str, int] | None = None) -> Plan:
+def plan(spec: AttentionSpec, code_bias: dict[str, int] | None = None, fold_policy: str = "auto") -> Plan:
     """Plan decode attention for ``spec``: pick each fold, insert corrections, check ordering.
 
     ``code_bias`` maps "key"/"value" to the constant a backend ORs into the codes (eq. 7); the
-    reference plan uses none.
+    reference plan uses none. ``fold_policy="dequant"`` forces per-value reconstruction.
     """
     if not isinstance(spec, AttentionSpec):
         raise SpecError(f"spec must be a foldc.AttentionSpec, got {type(spec).__name__}")
-    graph, log = run_pipeline(build_decode_attention(spec), default_passes(code_bias))
+    if fold_policy not in FOLD_POLICIES:
+        raise SpecError(f"fold_policy={fold_policy!r} is not one of {FOLD_POLICIES}")
+    unknown = sorted(set(code_bias or {}) - {"key", "value"})
+    if unknown:
+        raise SpecError(f"code_bias has unknown role(s) {unknown}; use 'key' and/or 'value'")
+    graph, log = run_pipeline(build_decode_attention(spec), default_passes(code_bias, fold_policy))
     return _make_plan(spec, graph, tuple(log))
 
 

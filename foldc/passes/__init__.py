@@ -6,12 +6,15 @@ from .fold_rewrite import FoldRewrite
 from .ordering import Ordering, TileConstraint, check_plan_rules, tile_constraints
 
 
-def default_passes(code_bias=None) -> list[Pass]:
-    return [AxisAnalysis(), BreakEven(), FoldRewrite(code_bias=dict(code_bias or {})), Ordering()]
+FOLD_POLICIES = ("auto", "dequant")
+
+
+def default_passes(code_bias=None, fold_policy: str = "auto") -> list[Pass]:
+    return [AxisAnalysis(), BreakEven(policy=fold_policy), FoldRewrite(code_bias=dict(code_bias or {})), Ordering()]
 
 
 __all__ = [
-    "AxisAnalysis", "BreakEven", "FoldRewrite", "Ordering", "Pass", "PassRecord", "TileConstraint",
+    "FOLD_POLICIES", "AxisAnalysis", "BreakEven", "FoldRewrite", "Ordering", "Pass", "PassRecord", "TileConstraint",
     "check_plan_rules", "default_passes", "encoded_operand", "fold_cost", "fold_from_axes",
     "rows_sharing_group", "run_pipeline", "tile_constraints",
 ]

@@ -36,8 +36,12 @@ def fold_cost(rows: int, group_size: int) -> Fraction:
 
 @dataclass(frozen=True)
 class BreakEven(Pass):
+    """``policy="auto"`` applies the rule; ``"dequant"`` reconstructs every value regardless (the
+    comparison point existing kernels represent, used by the benchmark)."""
+
     name = "break-even"
     equation = "12"
+    policy: str = "auto"
 
     def apply(self, graph):
         out = graph.copy()
@@ -48,6 +52,13 @@ class BreakEven(Pass):
             enc, _ = encoded_operand(graph, node)
             h, g = rows_sharing_group(graph, node), enc.encoding.group_size
             cost = fold_cost(h, g)
+            if self.policy == "dequant":
+                out.replace_node(replace(node, fold="dequant"))
+                out.meta[f"break-even.{node.product}"] = (
+                    f"fold_policy='dequant' asks for per-value reconstruction (the fold would cost "
+                    f"2*{h}/{g} = {float(cost):.4g} ops/value)")
+                changed = True
+                continue
             if g > 2 * h:
                 out.meta[f"break-even.{node.product}"] = (
                     f"fold costs 2*h/g = 2*{h}/{g} = {float(cost):.4g} ops/value < 1 for per-value "

@@ -45,7 +45,7 @@ def mma_instructions(ptx: str) -> dict[str, int]:
 
 
 def compile_aot(spec, arch: str, out_dir: str | Path, dtype: str = "bf16", block_n: int = 64,
-                num_warps: int = 4, num_stages: int = 2, splits: int = 4) -> dict:
+                num_warps: int = 4, num_stages: int = 2, fold_policy: str = "auto") -> dict:
     """Compile the decode kernel of ``spec`` for ``arch``; write artifacts into ``out_dir``."""
     if arch not in ARCHS:
         raise SpecError(f"arch={arch!r} is not supported for ahead-of-time builds; use one of {sorted(ARCHS)}")
@@ -57,13 +57,13 @@ def compile_aot(spec, arch: str, out_dir: str | Path, dtype: str = "bf16", block
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    ks, geo, the_plan = kernel_source(spec, dtype, block_n)
+    ks, geo, the_plan = kernel_source(spec, dtype, block_n, fold_policy)
     module = load_module(ks.source, interpret=False)
     names = {torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.float32: "*fp32"}
     scale_dtypes = {n: names[getattr(spec, n).scale_dtype] for n in ("k", "v") if getattr(spec, n) is not None}
     signature = _signature(ks, dtype, scale_dtypes)
     constexprs = {"Q_PER_KV": spec.q_per_kv, "ROWS": geo.rows, "BLOCK_N": geo.block_n, "HEAD_DIM": spec.head_dim,
-                  "NUM_KV_HEADS": spec.num_kv_heads, "NUM_SPLITS": splits}
+                  "NUM_KV_HEADS": spec.num_kv_heads}
     signature.update({k: "constexpr" for k in constexprs})
     ptr_args = [i for i, a in enumerate(ks.args) if signature[a].startswith("*")]
     attrs = {(i,): [["tt.divisibility", 16]] for i in ptr_args}

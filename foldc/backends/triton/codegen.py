@@ -55,6 +55,7 @@ class _Emitter:
         self.vals: dict[str, Val] = {}
         self.args: list[str] = []
         self.product_of: dict[str, str] = {}
+        self.loaded: set = set()
         self._n = 0
         sm = self.graph.nodes_of(OnlineSoftmax)
         self.softmax = sm[0]
@@ -147,8 +148,12 @@ class _Emitter:
         for c in range(self.geo.chunks(product)):
             first = c * w
             fld, col = first // field_w, first % field_w
-            raw = (f"tl.load({name}_CODES + {node.source}_base + offs_n[:, None] * stride_{node.source}n + "
-                   f"({col} + tl.arange(0, {w}))[None, :], mask=valid[:, None], other=0)")
+            raw = f"{node.source}_bytes_{col}"
+            if (node.source, col) not in self.loaded:  # one load serves every bit field of these bytes
+                self.loaded.add((node.source, col))
+                lines.append(f"{raw} = tl.load({name}_CODES + {node.source}_base + offs_n[:, None] * "
+                             f"stride_{node.source}n + ({col} + tl.arange(0, {w}))[None, :], mask=valid[:, None], "
+                             "other=0)")
             code = f"(({raw} >> {fld * enc.bits}) & {mask})" if k > 1 else raw
             v = f"{node.source}_code_c{c}"
             if not magic_ok(enc.bits, self.dtype):
@@ -451,7 +456,7 @@ def generate(plan, geo: TileGeometry, dtype: str) -> KernelSource:
         bases.append(f"{name}_base = b * stride_{name}b + kvh * stride_{name}h")
         if kind == "encoded":
             bases.append(f"{name}_sbase = b * stride_{name}sb + kvh * stride_{name}sh")
-    args = ["SEQ_LENS", "WS_M", "WS_L", "WS_ACC"] + em.args + ["qk_scale", "tokens_per_split"]
+    args = ["SEQ_LENS", "WS_M", "WS_L", "WS_ACC"] + em.args + ["qk_scale", "tokens_per_split", "num_splits"]
     ind = " " * 4
     body = [
         "b = tl.program_id(0)",
@@ -477,14 +482,14 @@ def generate(plan, geo: TileGeometry, dtype: str) -> KernelSource:
             *[ln for ln in em.value if not ln.startswith("acc_c")],
             *[ln.replace(" * alpha[:, None]", "") for ln in em.value if ln.startswith("acc_c")],
         ]],
-        "ws_row = ((b * NUM_KV_HEADS + kvh) * NUM_SPLITS + split) * ROWS + rows",
+        "ws_row = ((b * NUM_KV_HEADS + kvh) * num_splits + split) * ROWS + rows",
         "tl.store(WS_M + ws_row, m_i)",
         "tl.store(WS_L + ws_row, l_i)",
         *[f"tl.store(WS_ACC + ws_row[:, None] * HEAD_DIM + {c * w_pv} + tl.arange(0, {w_pv})[None, :], acc_c{c})"
           for c in range(pv_chunks)],
     ]
     name = "foldc_decode"
-    constexprs = ["Q_PER_KV", "ROWS", "BLOCK_N", "HEAD_DIM", "NUM_KV_HEADS", "NUM_SPLITS"]
+    constexprs = ["Q_PER_KV", "ROWS", "BLOCK_N", "HEAD_DIM", "NUM_KV_HEADS"]
     sig = ",\n    ".join(args + [f"{c}: tl.constexpr" for c in constexprs])
     folds = ", ".join(f"{k}={v}" for k, v in plan.folds.items())
     src = "\n".join([

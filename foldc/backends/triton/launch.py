@@ -29,19 +29,19 @@ DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 MERGE_SOURCE = '''
 
 @triton.jit
-def foldc_merge(WS_M, WS_L, WS_ACC, OUT, stride_ob, stride_oh,
+def foldc_merge(WS_M, WS_L, WS_ACC, OUT, stride_ob, stride_oh, num_splits,
                 Q_PER_KV: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                NUM_KV_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr):
+                NUM_KV_HEADS: tl.constexpr):
     """Merge the per-split (max, denominator, accumulator) states (eq. 14) and divide (eq. 10)."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     rows = tl.arange(0, ROWS)
     cols = tl.arange(0, HEAD_DIM)
-    base = (b * NUM_KV_HEADS + kvh) * NUM_SPLITS * ROWS
+    base = (b * NUM_KV_HEADS + kvh) * num_splits * ROWS
     m = tl.full([ROWS], float("-inf"), tl.float32)
     l = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([ROWS, HEAD_DIM], tl.float32)
-    for s in range(NUM_SPLITS):
+    for s in range(num_splits):
         row = base + s * ROWS + rows
         m_s = tl.load(WS_M + row)
         l_s = tl.load(WS_L + row)
@@ -66,16 +66,69 @@ def cache_dir() -> Path:
     return path
 
 
+_MISSING = object()
+_TWINS: dict[int, tuple] = {}  # id(library function) -> (it, the same function in the other mode)
+
+
+def _library_twin(obj, interpret: bool):
+    """``obj``, a @triton.jit function of triton.language, in the other execution mode; None if
+    it already suits ``interpret`` (or is not such a function). Pinned to triton 3.6 internals."""
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    if interpret and isinstance(obj, JITFunction):
+        make = lambda: InterpretedFunction(  # noqa: E731
+            obj.fn, version=obj.version, do_not_specialize=obj.do_not_specialize,
+            do_not_specialize_on_alignment=obj.do_not_specialize_on_alignment, debug=obj.debug,
+            noinline=obj.noinline, repr=obj._repr, launch_metadata=obj.launch_metadata)
+    elif not interpret and isinstance(obj, InterpretedFunction):
+        make = lambda: JITFunction(obj.fn, **obj.kwargs)  # noqa: E731
+    else:
+        return None
+    if id(obj) not in _TWINS:
+        _TWINS[id(obj)] = (obj, make())
+    return _TWINS[id(obj)][1]
+
+
 @contextmanager
 def _interpret(on: bool):
+    """Run Triton in interpreter mode (``on``) or native mode for the duration.
+
+    Triton fixes the mode of its own library functions (tl.sum, tl.max, tl.zeros, ... are
+    @triton.jit functions) when triton.language is first imported: a process that imported
+    triton with TRITON_INTERPRET unset cannot interpret a kernel that calls them ("Cannot call
+    @triton.jit'd outside of the scope of a kernel"), and one that imported it under the
+    interpreter cannot compile them natively. And an interpreted call of one of them patches
+    triton.language for the interpreter without undoing it. So besides setting the variable,
+    swap those functions for twins of the wanted mode, and on exit put back every attribute of
+    triton.language that changed."""
     old = os.environ.get("TRITON_INTERPRET")
     if on:
         os.environ["TRITON_INTERPRET"] = "1"
     else:
         os.environ.pop("TRITON_INTERPRET", None)
+    saved = []
     try:
+        import triton.language as tl  # a first import happens in the wanted mode
+
+        if not on and type(tl.standard.sum).__name__ == "JITFunction":
+            yield  # native mode, native library: nothing to swap (the fast path of GPU launches)
+            return
+        holders = [m for n, m in list(sys.modules.items()) if n.startswith("triton.language") and m is not None]
+        holders += [tl.tensor, tl.dtype, tl.core.tensor_descriptor_base]
+        saved = [(h, dict(vars(h))) for h in holders]
+        for holder in holders:
+            for name, obj in list(vars(holder).items()):
+                twin = _library_twin(obj, on)
+                if twin is not None:
+                    setattr(holder, name, twin)
         yield
     finally:
+        for holder, before in saved:
+            now = vars(holder)
+            for name, value in before.items():
+                if now.get(name, _MISSING) is not value:
+                    setattr(holder, name, value)
         if old is None:
             os.environ.pop("TRITON_INTERPRET", None)
         else:
@@ -101,16 +154,17 @@ def load_module(source: str, interpret: bool):
     return module
 
 
-def triton_plan(spec, dtype: str) -> Plan:
+def triton_plan(spec, dtype: str, fold_policy: str = "auto") -> Plan:
     """The plan the Triton backend lowers: key codes carry the OR-trick bias folded into the
     zero (eq. 7); value codes have it subtracted per value (fold-kernel-probe.md: folding it
     through the value accumulator loses accuracy on the GPU)."""
     key_bias = MAGIC[dtype][1] if spec.k is not None and magic_ok(spec.k.bits, dtype) else 0
-    return plan(spec, code_bias={"key": key_bias})
+    return plan(spec, code_bias={"key": key_bias}, fold_policy=fold_policy)
 
 
-def kernel_source(spec, dtype: str, block_n: int = 64) -> tuple[KernelSource, TileGeometry, Plan]:
-    the_plan = triton_plan(spec, dtype)
+def kernel_source(spec, dtype: str, block_n: int = 64,
+                  fold_policy: str = "auto") -> tuple[KernelSource, TileGeometry, Plan]:
+    the_plan = triton_plan(spec, dtype, fold_policy)
     geo = geometry(spec, block_n)
     ks = generate(the_plan, geo, dtype)
     ks.source = ks.source + MERGE_SOURCE
@@ -133,31 +187,54 @@ def choose_splits(batch: int, kv_heads: int, tokens: int, block_n: int, sms: int
 
 
 class TritonAttention:
-    def __init__(self, spec, target: str, block_n: int = 64, num_warps: int = 4, num_stages: int = 2,
-                 splits: int | None = None):
-        self.spec, self.target = spec, target
+    """The generated kernel as an attention callable. Launch options left as None come from the
+    autotuning cache for the call's shape bucket (autotune.py) on a GPU, else from defaults."""
+
+    DEFAULTS = {"block_n": 64, "num_warps": 4, "num_stages": 2}
+
+    def __init__(self, spec, target: str, block_n: int | None = None, num_warps: int | None = None,
+                 num_stages: int | None = None, splits: int | None = None, fold_policy: str = "auto"):
+        self.spec, self.target, self.fold_policy = spec, target, fold_policy
         self.interpret = target == "interpret"
-        self.block_n, self.num_warps, self.num_stages, self.splits = block_n, num_warps, num_stages, splits
+        self.explicit = {k: v for k, v in (("block_n", block_n), ("num_warps", num_warps),
+                                           ("num_stages", num_stages)) if v is not None}
+        self.splits = splits
         if splits is not None and (isinstance(splits, bool) or not isinstance(splits, int) or splits < 1):
             raise SpecError(f"splits={splits!r} must be a positive integer (split-KV count) or None for automatic")
-        if isinstance(num_warps, bool) or not isinstance(num_warps, int) or num_warps < 1 or num_warps & (num_warps - 1):
+        if num_warps is not None and (isinstance(num_warps, bool) or not isinstance(num_warps, int) or num_warps < 1
+                                      or num_warps & (num_warps - 1)):
             raise SpecError(f"num_warps={num_warps!r} must be a power of two >= 1, e.g. 4 or 8")
-        if isinstance(num_stages, bool) or not isinstance(num_stages, int) or num_stages < 1:
+        if num_stages is not None and (isinstance(num_stages, bool) or not isinstance(num_stages, int)
+                                       or num_stages < 1):
             raise SpecError(f"num_stages={num_stages!r} must be a positive integer, e.g. 2")
-        geometry(spec, block_n)  # raise now if block_n is bad or the spec cannot be tiled
-        self._kernels: dict[str, tuple] = {}
+        geometry(spec, self.DEFAULTS["block_n"] if block_n is None else block_n)  # raise now if the spec cannot be tiled
+        self._kernels: dict[tuple, tuple] = {}
 
-    def kernels(self, dtype: str):
-        if dtype not in self._kernels:
-            ks, geo, the_plan = kernel_source(self.spec, dtype, self.block_n)
-            self._kernels[dtype] = (load_module(ks.source, self.interpret), ks, geo, the_plan)
-        return self._kernels[dtype]
+    def kernels(self, dtype: str, block_n: int | None = None):
+        block_n = block_n or self.explicit.get("block_n", self.DEFAULTS["block_n"])
+        if (dtype, block_n) not in self._kernels:
+            ks, geo, the_plan = kernel_source(self.spec, dtype, block_n, self.fold_policy)
+            self._kernels[(dtype, block_n)] = (load_module(ks.source, self.interpret), ks, geo, the_plan)
+        return self._kernels[(dtype, block_n)]
 
     def plan_for(self, dtype: torch.dtype) -> Plan:
         return self.kernels(DTYPES[dtype])[3]
 
     def source(self, dtype: torch.dtype = torch.float16) -> str:
         return self.kernels(DTYPES[dtype])[1].source
+
+    def launch_config(self, dtype: torch.dtype, batch: int, tokens: int) -> dict:
+        """block_n / num_warps / num_stages / split factor for this call."""
+        cfg = dict(self.DEFAULTS, split_factor=1.0)
+        if not self.interpret and len(self.explicit) < 3:
+            from .autotune import lookup
+
+            tuned = lookup(self.spec, dtype, batch, tokens, self.fold_policy)
+            if tuned is not None:
+                cfg.update(block_n=tuned.block_n, num_warps=tuned.num_warps, num_stages=tuned.num_stages,
+                           split_factor=tuned.split_factor)
+        cfg.update(self.explicit)
+        return cfg
 
     def __call__(self, q, k, v, sm_scale=None, seq_lens=None, out: torch.Tensor | None = None) -> torch.Tensor:
         """Decode attention. ``out`` (optional): a preallocated [batch, num_q_heads, head_dim]
@@ -181,13 +258,15 @@ class TritonAttention:
         if q.stride(-1) != 1:
             raise InputError(f"q must have unit stride along head_dim; got strides {q.stride()}")
         dtype = DTYPES[q.dtype]
-        module, ks, geo, _ = self.kernels(dtype)
         b, hkv = call.batch, self.spec.num_kv_heads
-        if self.splits is not None:
-            per_split = math.ceil(math.ceil(call.tokens / self.splits) / geo.block_n) * geo.block_n
-            splits = math.ceil(call.tokens / per_split)
-        else:
-            splits, per_split = choose_splits(b, hkv, call.tokens, geo.block_n, num_sms(device))
+        cfg = self.launch_config(q.dtype, b, call.tokens)
+        module, ks, geo, _ = self.kernels(dtype, cfg["block_n"])
+        want_splits = self.splits
+        if want_splits is None:
+            auto, _ = choose_splits(b, hkv, call.tokens, geo.block_n, num_sms(device))
+            want_splits = max(1, int(round(auto * cfg["split_factor"])))
+        per_split = math.ceil(math.ceil(call.tokens / want_splits) / geo.block_n) * geo.block_n
+        splits = math.ceil(call.tokens / per_split)
         lens = call.seq_lens if call.seq_lens is not None else torch.full((b,), call.tokens, device=device)
         lens = lens.to(device=device, dtype=torch.int32)
         ws_m = torch.empty(b, hkv, splits, geo.rows, device=device, dtype=torch.float32)
@@ -201,7 +280,8 @@ class TritonAttention:
                              f"{want} in q's dtype {q.dtype} on {device} with unit stride along head_dim")
         runtime = {"SEQ_LENS": lens, "WS_M": ws_m, "WS_L": ws_l, "WS_ACC": ws_acc, "Q": q,
                    "stride_qb": q.stride(0), "stride_qh": q.stride(1),
-                   "qk_scale": call.sm_scale * 1.4426950408889634, "tokens_per_split": per_split}
+                   "qk_scale": call.sm_scale * 1.4426950408889634, "tokens_per_split": per_split,
+                   "num_splits": splits}
         for name, x in (("k", k), ("v", v)):
             up = name.upper()
             if isinstance(x, AffineTensor):
@@ -214,13 +294,13 @@ class TritonAttention:
                                 f"stride_{name}n": x.stride(2)})
         args = [runtime[a] for a in ks.args]
         with _interpret(self.interpret):
-            self._launch(module, args, b, hkv, splits, geo, ws_m, ws_l, ws_acc, out)
+            self._launch(module, args, b, hkv, splits, geo, ws_m, ws_l, ws_acc, out, cfg)
         return out
 
-    def _launch(self, module, args, b, hkv, splits, geo, ws_m, ws_l, ws_acc, out) -> None:
+    def _launch(self, module, args, b, hkv, splits, geo, ws_m, ws_l, ws_acc, out, cfg) -> None:
         module.foldc_decode[(b, hkv, splits)](
             *args, Q_PER_KV=self.spec.q_per_kv, ROWS=geo.rows, BLOCK_N=geo.block_n, HEAD_DIM=self.spec.head_dim,
-            NUM_KV_HEADS=hkv, NUM_SPLITS=splits, num_warps=self.num_warps, num_stages=self.num_stages)
-        module.foldc_merge[(b, hkv)](ws_m, ws_l, ws_acc, out, out.stride(0), out.stride(1),
+            NUM_KV_HEADS=hkv, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        module.foldc_merge[(b, hkv)](ws_m, ws_l, ws_acc, out, out.stride(0), out.stride(1), splits,
                                      Q_PER_KV=self.spec.q_per_kv, ROWS=geo.rows, HEAD_DIM=self.spec.head_dim,
-                                     NUM_KV_HEADS=hkv, NUM_SPLITS=splits, num_warps=self.num_warps)
+                                     NUM_KV_HEADS=hkv, num_warps=4)

@@ -1,0 +1,123 @@
+"""Autotuning of the generated kernel's launch configuration, cached per shape bucket.
+
+A configuration is (block_n, num_warps, num_stages, split factor). `tune` times each candidate
+with triton's do_bench on the caller's tensors and stores the best under a key made of the GPU
+name, the torch and triton versions, the spec, the query dtype and a shape bucket (batch
+rounded up to a power of two, tokens to a power of two). The cache is a JSON file under
+$FOLDC_CACHE_DIR (default ~/.cache/foldc) and survives restarts; `TritonAttention` looks it up
+when no configuration was given explicitly.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+
+@dataclass(frozen=True)
+class Config:
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+    split_factor: float = 1.0
+
+    def __str__(self) -> str:
+        return f"block_n={self.block_n} warps={self.num_warps} stages={self.num_stages} splits x{self.split_factor:g}"
+
+
+CANDIDATES = tuple(Config(bn, w, s, f) for bn in (32, 64, 128) for w in (4, 8) for s in (2, 3)
+                   for f in (1.0, 2.0))
+
+
+def cache_path() -> Path:
+    root = os.environ.get("FOLDC_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "foldc")
+    Path(root).mkdir(parents=True, exist_ok=True)
+    return Path(root) / "autotune.json"
+
+
+def _pow2_ceil(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def bucket_key(spec, dtype: torch.dtype, batch: int, tokens: int, fold_policy: str = "auto") -> str:
+    import triton
+
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    return (f"{gpu}|torch {torch.__version__}|triton {triton.__version__}|{spec.describe()}|{fold_policy}|"
+            f"{str(dtype).replace('torch.', '')}|batch<={_pow2_ceil(batch)}|tokens<={_pow2_ceil(tokens)}")
+
+
+def load_cache() -> dict:
+    path = cache_path()
+    if not path.exists():
+        return {}
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}  # a damaged cache only costs a re-tune
+
+
+def lookup(spec, dtype, batch, tokens, fold_policy="auto") -> Config | None:
+    entry = load_cache().get(bucket_key(spec, dtype, batch, tokens, fold_policy))
+    return Config(**entry["config"]) if entry else None
+
+
+def store(key: str, config: Config, micros: float) -> None:
+    data = load_cache()
+    data[key] = {"config": asdict(config), "us": micros}
+    path = cache_path()
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+    tmp.replace(path)
+
+
+def _progress(i: int, n: int, label: str) -> None:
+    width = 24
+    done = int(width * i / n)
+    sys.stderr.write(f"\r  tuning {label:<40.40} [{'#' * done}{'.' * (width - done)}] {i}/{n}")
+    sys.stderr.flush()
+    if i == n:
+        sys.stderr.write("\n")
+
+
+def tune(spec, q, k, v, seq_lens=None, fold_policy="auto", candidates=CANDIDATES, label: str = "",
+         rep_ms: int = 40) -> tuple[Config, float]:
+    """Time every candidate on these tensors, store and return (best config, its microseconds)."""
+    from triton.testing import do_bench
+
+    from ...compile import compile as compile_attention
+
+    key = bucket_key(spec, q.dtype, q.shape[0], k.shape[2] if hasattr(k, "shape") else k.num_tokens, fold_policy)
+    best, best_us = None, float("inf")
+    for i, cfg in enumerate(candidates):
+        _progress(i, len(candidates), label or spec.describe())
+        try:
+            attn = compile_attention(spec, target="auto", fold_policy=fold_policy, **launch_options(cfg, spec, q, k))
+            us = do_bench(lambda: attn(q, k, v, seq_lens=seq_lens), warmup=10, rep=rep_ms,
+                          return_mode="median") * 1e3
+        except Exception as e:  # a config the compiler rejects (e.g. out of shared memory) is skipped
+            print(f"\n  skipped {cfg}: {type(e).__name__}: {str(e).splitlines()[0][:100]}", file=sys.stderr)
+            continue
+        if us < best_us:
+            best, best_us = cfg, us
+    _progress(len(candidates), len(candidates), label or spec.describe())
+    if best is None:
+        raise RuntimeError(f"no launch configuration compiled for {spec.describe()}")
+    store(key, best, best_us)
+    return best, best_us
+
+
+def launch_options(cfg: Config, spec, q, k) -> dict:
+    """compile() options for a config: the split count is the default heuristic x split_factor."""
+    from .launch import choose_splits, num_sms
+    from .layout import token_block
+
+    tokens = k.shape[2] if hasattr(k, "shape") else k.num_tokens
+    block = token_block(spec, cfg.block_n)
+    splits, _ = choose_splits(q.shape[0], spec.num_kv_heads, tokens, block, num_sms(q.device))
+    return {"block_n": cfg.block_n, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
+            "splits": max(1, int(round(splits * cfg.split_factor)))}

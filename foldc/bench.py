@@ -1,0 +1,271 @@
+"""`foldc bench`: decode-attention timing on one GPU, in one run, against the HBM ceiling and peers.
+
+Rows: the HBM read ceiling (a streaming-read Triton kernel measured in the same run), foldc's
+fold kernels for the four K/V layouts at INT2 and INT4 (group 128; INT2 token-wise also at 64
+and 32), foldc's per-value dequant kernel (fold_policy="dequant") and foldc's bf16 kernel, and
+the peers torch SDPA (cuDNN and flash backends, bf16, enable_gqa) and FlashInfer's bf16 decode
+when it imports. Shapes: 32 query heads, 8 KV heads, head_dim 128; batch x context from the
+issue's grid. Per row: median time (triton do_bench), bandwidth on the bytes the kernel must
+read (codes + scales + zeros + query + output) as % of the ceiling, speed-up over each peer,
+and the relative L2 error against float64 attention over the same (dequantized) cache.
+
+Writes ``bench.json``, ``bench.png`` and ``bench.txt`` under the output folder.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
+GRID = ((1, 4096), (1, 16384), (1, 65536), (1, 131072), (8, 4096), (8, 16384), (8, 65536), (8, 131072),
+        (32, 4096), (32, 16384), (32, 65536), (64, 32768))
+QUICK_GRID = ((1, 16384), (8, 65536), (32, 16384))
+
+
+def kernel_list(quick: bool):
+    """(label, k encoding, v encoding, fold_policy) for every foldc row."""
+    from .encoding import Affine
+
+    rows = []
+    for bits in (2, 4):
+        for kl in ("token", "channel"):
+            for vl in ("token", "channel"):
+                rows.append((f"fold INT{bits} K{kl[0]}V{vl[0]} g128", Affine(bits, kl, 128), Affine(bits, vl, 128), "auto"))
+    if not quick:
+        for g in (64, 32):
+            rows.append((f"fold INT2 KtVt g{g}", Affine(2, "token", g), Affine(2, "token", g), "auto"))
+    rows.append(("dequant INT2 KtVt g128", Affine(2, "token", 128), Affine(2, "token", 128), "dequant"))
+    rows.append(("dequant INT4 KtVt g128", Affine(4, "token", 128), Affine(4, "token", 128), "dequant"))
+    rows.append(("foldc bf16", None, None, "auto"))
+    if quick:
+        rows = [r for r in rows if "Kc" not in r[0] or "INT2" in r[0]]
+    return rows
+
+
+def stream_read_ceiling(gib: float = 4.0) -> float:
+    """Bytes/s of a Triton streaming read (sum) over ``gib`` GiB: 8 waves of programs per SM."""
+    import triton
+    import triton.language as tl
+    from triton.testing import do_bench
+
+    @triton.jit
+    def _read(X, OUT, n_per_prog, BLOCK: tl.constexpr):
+        pid = tl.program_id(0)
+        base = pid.to(tl.int64) * n_per_prog
+        acc = tl.zeros([BLOCK], tl.float32)
+        for i in range(0, n_per_prog, BLOCK):
+            acc += tl.load(X + base + i + tl.arange(0, BLOCK)).to(tl.float32)
+        tl.store(OUT + pid, tl.sum(acc))
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    progs = 8 * sms
+    block = 4096
+    n = int(gib * 2**30 / 2) // (progs * block) * (progs * block)
+    x = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty(progs, device="cuda", dtype=torch.float32)
+    ms = do_bench(lambda: _read[(progs,)](x, out, n // progs, BLOCK=block, num_warps=8), warmup=50, rep=300,
+                  return_mode="median")
+    return x.numel() * 2 / (ms * 1e-3)
+
+
+def cache_bytes(enc, batch: int, tokens: int) -> int:
+    values = batch * KV_HEADS * tokens * HEAD_DIM
+    if enc is None:
+        return values * 2
+    groups = values // enc.group_size
+    return values * enc.bits // 8 + 2 * groups * torch.tensor([], dtype=enc.scale_dtype).element_size()
+
+
+def must_read(k_enc, v_enc, batch: int, tokens: int) -> int:
+    """Bytes a decode kernel must move: the cache, the query and the output (bf16)."""
+    return cache_bytes(k_enc, batch, tokens) + cache_bytes(v_enc, batch, tokens) + 2 * 2 * batch * HEADS * HEAD_DIM
+
+
+def _rel(a, b) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def peers():
+    """name -> factory(q, k_bf16, v_bf16) returning a zero-argument callable; only importable ones."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def sdpa(backend):
+        def make(q, k, v):
+            q4 = q.unsqueeze(2)
+
+            def run():
+                with sdpa_kernel(backend):
+                    return torch.nn.functional.scaled_dot_product_attention(q4, k, v, enable_gqa=True).squeeze(2)
+            return run
+        return make
+
+    out = {"sdpa cudnn bf16": sdpa(SDPBackend.CUDNN_ATTENTION), "sdpa flash bf16": sdpa(SDPBackend.FLASH_ATTENTION)}
+    try:
+        import flashinfer  # noqa: F401
+
+        def fi(q, k, v):
+            import flashinfer
+
+            b, hkv, n, d = k.shape
+            page = 16
+            pages = n // page
+            kp = k.permute(0, 2, 1, 3).reshape(b * pages, page, hkv, d).contiguous()
+            vp = v.permute(0, 2, 1, 3).reshape(b * pages, page, hkv, d).contiguous()
+            ws = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
+            w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD")
+            indptr = torch.arange(b + 1, device="cuda", dtype=torch.int32) * pages
+            indices = torch.arange(b * pages, device="cuda", dtype=torch.int32)
+            last = torch.full((b,), page, device="cuda", dtype=torch.int32)
+            w.plan(indptr, indices, last, HEADS, hkv, d, page, q_data_type=torch.bfloat16,
+                   kv_data_type=torch.bfloat16)
+            return lambda: w.run(q, (kp, vp))
+        out["flashinfer bf16"] = fi
+    except Exception as e:  # not installed here: the row is left out, and the table says so
+        print(f"(FlashInfer not available: {type(e).__name__}: {e})", file=sys.stderr)
+    return out
+
+
+def run_bench(out_dir: Path, quick: bool = False, tune: bool = True, shapes=None) -> dict:
+    from triton.testing import do_bench
+
+    from .backends.triton.autotune import CANDIDATES, Config, launch_options
+    from .backends.triton.autotune import tune as autotune
+    from .compile import compile as compile_attention
+    from .encoding import quantize
+    from .reference import attention_reference
+    from .spec import AttentionSpec
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(0)
+    ceiling = stream_read_ceiling()
+    gpu = torch.cuda.get_device_name()
+    print(f"{gpu}: streaming-read ceiling {ceiling / 1e12:.2f} TB/s", flush=True)
+    grid = shapes or (QUICK_GRID if quick else GRID)
+    kernels = kernel_list(quick)
+    peer_makers = peers()
+    results = {"gpu": gpu, "torch": torch.__version__, "ceiling_tb_s": ceiling / 1e12, "rows": [],
+               "date": time.strftime("%Y-%m-%d"), "quick": quick}
+    candidates = CANDIDATES if not quick else tuple(c for c in CANDIDATES if c.num_stages == 2)
+    for batch, tokens in grid:
+        t_shape = time.time()
+        q = torch.randn(batch, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(batch, KV_HEADS, tokens, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn(batch, KV_HEADS, tokens, HEAD_DIM, device="cuda", dtype=torch.bfloat16) + 0.5
+        k[..., 7] *= 5.0
+        shape_rows = {}
+        for name, make in peer_makers.items():
+            try:
+                fn = make(q, k, v)
+                got = fn()
+                ms = do_bench(fn, warmup=25, rep=100, return_mode="median")
+                ref = attention_reference(q[:1], k[:1], v[:1])
+                err = _rel(got[:1].float(), ref)
+                shape_rows[name] = (ms * 1e3, must_read(None, None, batch, tokens), err, "")
+            except Exception as e:
+                print(f"  {name}: failed ({type(e).__name__}: {str(e).splitlines()[0][:120]})", flush=True)
+        quantized = {}
+        for label, k_enc, v_enc, policy in kernels:
+            kq = k if k_enc is None else quantized.setdefault(("k", k_enc), quantize(k, k_enc))
+            vq = v if v_enc is None else quantized.setdefault(("v", v_enc), quantize(v, v_enc))
+            spec = AttentionSpec(HEADS, KV_HEADS, HEAD_DIM, k=k_enc, v=v_enc)
+            if tune:
+                cfg, _ = autotune(spec, q, kq, vq, fold_policy=policy, candidates=candidates,
+                                  label=f"{label} b{batch} n{tokens}")
+            else:
+                cfg = Config()
+            attn = compile_attention(spec, target="auto", fold_policy=policy, **launch_options(cfg, spec, q, kq))
+            got = attn(q, kq, vq)
+            ms = do_bench(lambda: attn(q, kq, vq), warmup=25, rep=100, return_mode="median")
+            ref = attention_reference(q[:1], _first(kq), _first(vq))
+            shape_rows[label] = (ms * 1e3, must_read(k_enc, v_enc, batch, tokens), _rel(got[:1], ref), str(cfg))
+        for name, (us, nbytes, err, cfg) in shape_rows.items():
+            row = {"batch": batch, "tokens": tokens, "kernel": name, "us": us, "bytes": nbytes,
+                   "pct_ceiling": 100 * nbytes / (us * 1e-6) / ceiling, "error": err, "config": cfg}
+            for peer in peer_makers:
+                if peer in shape_rows:
+                    row[f"x_{peer}"] = shape_rows[peer][0] / us
+            results["rows"].append(row)
+        del k, v, quantized
+        torch.cuda.empty_cache()
+        print(format_shape(results, batch, tokens) + f"\n  ({time.time() - t_shape:.0f} s)", flush=True)
+        (out_dir / "bench.json").write_text(json.dumps(results, indent=1))
+    (out_dir / "bench.txt").write_text(format_table(results))
+    plot(results, out_dir / "bench.png")
+    return results
+
+
+def _first(x):
+    from .encoding import AffineTensor
+
+    if isinstance(x, AffineTensor):
+        return AffineTensor(x.codes[:1], x.scale[:1], x.zero[:1], x.encoding, x.head_dim)
+    return x[:1]
+
+
+def format_shape(results: dict, batch: int, tokens: int) -> str:
+    rows = [r for r in results["rows"] if r["batch"] == batch and r["tokens"] == tokens]
+    lines = [f"batch {batch} x {tokens} tokens:"]
+    for r in rows:
+        ups = " ".join(f"{k[2:].split()[1] if k.startswith('x_sdpa') else k[2:].split()[0]}={v:.2f}x"
+                       for k, v in r.items() if k.startswith("x_"))
+        lines.append(f"  {r['kernel']:<24} {r['us']:>9.1f} us {r['pct_ceiling']:>5.0f}% {ups}  err {r['error']:.1e}")
+    return "\n".join(lines)
+
+
+def format_table(results: dict) -> str:
+    head = (f"{results['gpu']}, {results['date']}, torch {results['torch']}; ceiling "
+            f"{results['ceiling_tb_s']:.2f} TB/s (streaming read, same run)\n")
+    cols = ["batch", "tokens", "kernel", "us", "% ceiling", "x cuDNN", "x flash", "x FlashInfer", "error"]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in results["rows"]:
+        cells = [str(r["batch"]), str(r["tokens"]), r["kernel"], f"{r['us']:.1f}", f"{r['pct_ceiling']:.0f}",
+                 f"{r.get('x_sdpa cudnn bf16', float('nan')):.2f}", f"{r.get('x_sdpa flash bf16', float('nan')):.2f}",
+                 f"{r.get('x_flashinfer bf16', float('nan')):.2f}", f"{r['error']:.1e}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return head + "\n".join(lines) + "\n"
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shapes = sorted({(r["batch"], r["tokens"]) for r in results["rows"]})
+    kernels = sorted({r["kernel"] for r in results["rows"]})
+    fig, ax = plt.subplots(figsize=(13, 6))
+    xs = range(len(shapes))
+    for name in kernels:
+        ys = []
+        for s in shapes:
+            hit = [r["pct_ceiling"] for r in results["rows"] if (r["batch"], r["tokens"]) == s and r["kernel"] == name]
+            ys.append(hit[0] if hit else math.nan)
+        style = "--" if "sdpa" in name or "flashinfer" in name else "-"
+        ax.plot(list(xs), ys, style, marker="o", label=name)
+    ax.axhline(80, color="grey", linewidth=0.8)
+    ax.set_xticks(list(xs), [f"{b}x{t // 1024}K" for b, t in shapes], rotation=30)
+    ax.set_ylabel("% of HBM read ceiling (bytes the kernel must read)")
+    ax.set_title(f"decode attention, 32/8 heads, head_dim 128 — {results['gpu']} ({results['date']})")
+    ax.legend(fontsize=7, ncol=3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="foldc bench", description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default="results", help="output folder (default results/)")
+    ap.add_argument("--quick", action="store_true", help="three shapes, fewer kernels and configs")
+    ap.add_argument("--no-tune", action="store_true", help="default launch config instead of autotuning")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("foldc bench needs a CUDA GPU (it times kernels); none is visible", file=sys.stderr)
+        return 2
+    results = run_bench(Path(args.out), quick=args.quick, tune=not args.no_tune)
+    print(format_table(results))
+    return 0

@@ -1,0 +1,361 @@
+"""The generated Triton kernel under Triton's interpreter (target="interpret", CPU, fp16).
+
+Each case draws fresh random inputs, runs the kernel into a NaN-poisoned ``out=`` and compares
+with float64 attention over the same dequantized cache (foldc.testing.run_case). Interpreter
+dots are exact-ish, so the fp16 kernel lands near 3e-4 relative L2; the bar is 2e-3 and, in
+any case, no worse than plain bf16 attention over the same values.
+
+Cases cover the 9 K/V layout pairs (token, channel, plain), bits 2/4/8, group sizes 16-128,
+GQA ratios 1-16 and head_dim 32/64/128, spread across cases rather than a full product; plus
+dequant plans, forced split counts, sequence lengths that are not multiples of the tile or the
+group, the generated source, and the callable's argument checks.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from _kernel_cases import run_with_lens
+
+import foldc
+from foldc.errors import InputError, SpecError
+from foldc.testing import run_case
+
+A = foldc.Affine
+S = foldc.AttentionSpec
+F16 = torch.float16
+TOL = 2e-3
+
+# triton 3.6's interpreter converts 1-element arrays to ints (numpy 1.25+ deprecation): not ours
+pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
+
+ACC, OPF, DEQ, NONE = "acc-fold", "operand-fold", "dequant", "none"
+
+# (id, spec, batch, tokens, block_n, expected folds (qk, pv)). Token counts are not multiples of
+# block_n or of any channel-wise group size, so the last tile and the last group are partial;
+# run_case draws the other sequences' lengths at random in [tokens/2, tokens].
+CASES = [
+    # the 9 K/V layout pairs
+    ("K-token2-g32_V-token4-g32_r4_d64", S(8, 2, 64, A(2, "token", 32), A(4, "token", 32)), 2, 150, 16, (ACC, OPF)),
+    ("K-token4-g64_V-channel2-g32_r8_d64", S(16, 2, 64, A(4, "token", 64), A(2, "channel", 32)), 2, 133, 32,
+     (ACC, ACC)),
+    ("K-token8-g64_V-plain_r1_d128", S(2, 2, 128, A(8, "token", 64), None), 2, 77, 16, (ACC, NONE)),
+    ("K-channel2-g64_V-token8-g64_r16_d64", S(32, 2, 64, A(2, "channel", 64), A(8, "token", 64)), 2, 200, 32,
+     (OPF, OPF)),
+    ("K-channel8-g16_V-channel4-g16_r2_d32", S(4, 2, 32, A(8, "channel", 16), A(4, "channel", 16)), 3, 100, 16,
+     (OPF, ACC)),
+    ("K-channel4-g32_V-plain_r4_d128", S(8, 2, 128, A(4, "channel", 32), None), 2, 90, 32, (OPF, NONE)),
+    ("K-plain_V-token2-g32_r8_d64", S(16, 2, 64, None, A(2, "token", 32)), 2, 150, 16, (NONE, OPF)),
+    ("K-plain_V-channel8-g64_r2_d128", S(4, 2, 128, None, A(8, "channel", 64)), 2, 140, 32, (NONE, ACC)),
+    ("K-plain_V-plain_r4_d64", S(8, 2, 64), 2, 61, 16, (NONE, NONE)),
+    # more group sizes / head dims / bit widths
+    ("K-token2-g128_V-channel2-g128_r4_d128", S(8, 2, 128, A(2, "token", 128), A(2, "channel", 128)), 1, 180, 32,
+     (ACC, ACC)),
+    ("K-token4-g16_V-token4-g16_r1_d32", S(2, 2, 32, A(4, "token", 16), A(4, "token", 16)), 2, 45, 16, (ACC, OPF)),
+    ("K-token4-g32_V-channel8-g32_r2_d128_fp32scale",
+     S(4, 2, 128, A(4, "token", 32, torch.float32), A(8, "channel", 32, torch.bfloat16)), 2, 99, 16, (ACC, ACC)),
+    # dequant plans: group_size <= 2 * (query heads per KV head) fails break-even (eq. 12)
+    ("dequant_K-token2-g16_V-channel4-g16_r16_d64", S(32, 2, 64, A(2, "token", 16), A(4, "channel", 16)), 1, 100, 16,
+     (DEQ, DEQ)),
+    ("dequant_K-channel8-g32_V-token4-g32_r16_d64", S(32, 2, 64, A(8, "channel", 32), A(4, "token", 32)), 2, 70, 32,
+     (DEQ, DEQ)),
+    ("mixed_K-token4-g16-dequant_V-token2-g64-fold_r8_d64", S(16, 2, 64, A(4, "token", 16), A(2, "token", 64)), 2, 83,
+     16, (DEQ, OPF)),
+]
+
+
+def _check(result, what: str) -> None:
+    assert result.unwritten == 0, f"{what}: {result.unwritten} output elements were never written"
+    assert result.error <= TOL, f"{what}: relative L2 {result.error:.3e} > {TOL}"
+    assert result.error <= result.bf16_error, (
+        f"{what}: error {result.error:.3e} exceeds plain bf16 attention's {result.bf16_error:.3e}")
+
+
+@pytest.mark.parametrize("spec,batch,tokens,block_n,folds", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_kernel_matches_float64(spec, batch, tokens, block_n, folds):
+    attn = foldc.compile(spec, "interpret", block_n=block_n)
+    assert tuple(attn.plan_for(F16).folds.values()) == folds
+    seed = sum(map(ord, spec.describe())) + tokens
+    _check(run_case(attn, spec, batch, tokens, F16, "cpu", seed), spec.describe())
+
+
+SPLIT_SPEC = S(8, 2, 64, A(2, "token", 32), A(2, "channel", 32))
+
+
+@pytest.mark.parametrize("splits", [None, 1, 3, 7, 64], ids=lambda s: f"splits={s}")
+def test_split_counts(splits):
+    """Forced split counts (64 is more than the tiles: capped at one tile per split) and the
+    default; the merge kernel (eq. 14) must combine them to the same answer."""
+    opts = {} if splits is None else {"splits": splits}
+    attn = foldc.compile(SPLIT_SPEC, "interpret", block_n=16, **opts)
+    _check(run_case(attn, SPLIT_SPEC, 2, 150, F16, "cpu", seed=11), f"splits={splits}")
+
+
+def test_split_results_agree():
+    """One input, several split counts: the outputs agree to fp16 rounding of the merge."""
+    outs = []
+    for splits in (1, 2, 5):
+        attn = foldc.compile(SPLIT_SPEC, "interpret", block_n=16, splits=splits)
+        r = run_with_lens(attn, SPLIT_SPEC, [150, 101], 150, F16, "cpu", seed=5)
+        assert r.unwritten == 0 and r.error <= TOL, (splits, r.error, r.unwritten)
+        outs.append(r.out.double())
+    for other in outs[1:]:
+        assert ((other - outs[0]).norm() / outs[0].norm()).item() <= 1e-3
+
+
+def test_ragged_seq_lens_with_empty_splits():
+    """Lengths 1, 15, 17, 33, 65 and the full 130 (block_n 16, channel group 32) with 3 splits
+    of 48 tokens: short sequences leave whole splits empty, which the merge must ignore."""
+    spec = S(8, 2, 64, A(4, "channel", 32), A(2, "token", 32))
+    attn = foldc.compile(spec, "interpret", block_n=16, splits=3)
+    r = run_with_lens(attn, spec, [130, 1, 15, 17, 33, 65], 130, F16, "cpu", seed=3)
+    got, ref = r.out, r.ref
+    assert r.unwritten == 0
+    assert r.error <= TOL
+    # each sequence on its own, so one good row cannot hide a bad one
+    for b in range(got.shape[0]):
+        rb = ((got[b].double() - ref[b]).norm() / ref[b].norm()).item()
+        assert rb <= TOL, f"sequence {b}: relative L2 {rb:.3e}"
+
+
+def test_channel_group_narrows_token_tile():
+    """Channel-wise groups of 16 cannot hold a 32-token tile: the backend tiles by 16 (the
+    plan's tiling constraint), and the result is still right with a partial last group."""
+    spec = S(4, 2, 64, A(4, "channel", 16), A(4, "channel", 16))
+    attn = foldc.compile(spec, "interpret", block_n=32)
+    assert "x 16 tokens" in attn.source(F16)
+    _check(run_case(attn, spec, 2, 57, F16, "cpu", seed=21), spec.describe())
+
+
+# -- the generated source reflects the plan ------------------------------------------------------
+
+def _src(k, v, heads=(8, 2), head_dim=64, dtype=F16, block_n=16):
+    return foldc.compile(S(*heads, head_dim, k, v), "interpret", block_n=block_n).source(dtype)
+
+
+def test_source_acc_fold_key_folds_code_bias_into_zero():
+    src = _src(A(2, "token", 32), None)
+    assert "scores_partial_g0" in src and "scores_partial_g1" in src  # one partial per channel group
+    assert "k_zero_g0" in src
+    assert "- 1024.0 * k_scale_g0" in src       # eq. 7: the OR-trick bias folded into the zero
+    assert "| 25600" in src                      # 0x6400: fp16 1024 + code
+    assert "K_VALUES" not in src and "V_VALUES" in src
+    assert "_deq_" not in src
+
+
+def test_source_operand_fold_value_prescales_weights():
+    src = _src(None, A(2, "token", 32))
+    assert "pv_prescaled_g0" in src and "pv_offset_g0" in src
+    assert "v_code_c0 - 1024.0" in src          # value codes: bias subtracted per value
+    assert "K_VALUES" in src and "K_CODES" not in src
+
+
+def test_source_operand_fold_key_and_acc_fold_value():
+    src = _src(A(4, "channel", 32), A(4, "channel", 32))
+    assert "scores_prescaled_c0" in src
+    assert "- 1024.0 * tl.sum(scores_prescaled_c0" in src  # folded bias corrected on the pre-scaled q
+    assert "pv_partial_c0" in src and "pv_offset_psum" in src
+    assert "scores_partial_g" not in src and "pv_prescaled" not in src
+
+
+def test_source_dequant():
+    src = _src(A(2, "token", 16), A(4, "channel", 16), heads=(32, 2))
+    assert "k_deq_c0" in src and "v_deq_c0" in src
+    assert "prescaled" not in src and "scores_partial" not in src and "_offset" not in src
+
+
+def test_source_bf16_uses_bf16_magic():
+    src = _src(A(2, "token", 32), A(2, "token", 32), dtype=torch.bfloat16)
+    assert "| 17152" in src                       # 0x4300: bf16 128 + code
+    assert "- 128.0 * k_scale_g0" in src and "v_code_c0 - 128.0" in src
+    assert "tl.bfloat16" in src and "tl.float16" not in src
+
+
+def test_source_plain():
+    src = _src(None, None)
+    assert "K_VALUES" in src and "V_VALUES" in src and "CODES" not in src and "SCALE" not in src
+
+
+def test_source_deterministic_and_layout_specific():
+    k, v = A(2, "token", 32), A(2, "channel", 32)
+    first = _src(k, v)
+    again = foldc.compile(S(8, 2, 64, A(2, "token", 32), A(2, "channel", 32)), "interpret", block_n=16).source(F16)
+    assert first == again
+    others = {_src(kk, vv) for kk, vv in [(A(2, "channel", 32), v), (k, A(2, "token", 32)),
+                                          (A(4, "token", 32), v), (k, None)]}
+    assert first not in others and len(others) == 4
+    assert _src(k, v, block_n=32) != first        # tile geometry is baked into the source
+
+
+# -- argument checks of the Triton callable -------------------------------------------------------
+
+VSPEC = S(4, 2, 64, A(2, "token", 32), A(4, "channel", 32))
+
+
+@pytest.fixture(scope="module")
+def vattn():
+    return foldc.compile(VSPEC, "interpret", block_n=16)
+
+
+@pytest.fixture
+def vinputs():
+    gen = torch.Generator().manual_seed(7)
+    q = torch.randn(2, 4, 64, generator=gen).to(F16)
+    k = foldc.quantize(torch.randn(2, 2, 40, 64, generator=gen), VSPEC.k)
+    v = foldc.quantize(torch.randn(2, 2, 40, 64, generator=gen) + 0.5, VSPEC.v)
+    return q, k, v
+
+
+def _raises(exc, call, *fragments):
+    with pytest.raises(exc) as info:
+        call()
+    assert isinstance(info.value, foldc.FoldError)
+    msg = str(info.value)
+    for frag in fragments:
+        assert frag in msg, f"{frag!r} not in {msg!r}"
+
+
+def test_valid_call_writes_out(vattn, vinputs):
+    q, k, v = vinputs
+    out = torch.full((2, 4, 64), float("nan"), dtype=F16)
+    got = vattn(q, k, v, out=out)
+    assert got is out and not torch.isnan(out).any()
+    ref = foldc.attention_reference(q, k, v)
+    assert ((got.double() - ref).norm() / ref.norm()).item() <= TOL
+    fresh = vattn(q, k, v)
+    assert fresh.dtype == F16 and fresh.shape == (2, 4, 64)
+    assert torch.equal(fresh, out)
+
+
+def test_strided_query_and_out_views(vattn, vinputs):
+    """q and out may be views with unit stride along head_dim (e.g. slices of a fused buffer):
+    the kernel reads q and writes out through their strides, and nothing outside the view."""
+    q, k, v = vinputs
+    q_wide = torch.randn(2, 4, 96, generator=torch.Generator().manual_seed(8)).to(F16)
+    q_wide[:, :, 16:80] = q
+    q_view = q_wide[:, :, 16:80]
+    big = torch.full((3, 6, 80), float("nan"), dtype=F16)
+    out = big[1:, 1:5, 8:72]
+    assert not q_view.is_contiguous() and not out.is_contiguous()
+    vattn(q_view, k, v, out=out)
+    assert not torch.isnan(out).any()
+    assert int(torch.isnan(big).sum()) == big.numel() - out.numel()
+    assert torch.equal(out, vattn(q, k, v))
+
+
+def test_bf16_query_under_interpreter(vattn, vinputs):
+    q, k, v = vinputs
+    _raises(InputError, lambda: vattn(q.to(torch.bfloat16), k, v), "dtype=torch.bfloat16", "torch.float16")
+
+
+def test_fp32_query_under_interpreter(vattn, vinputs):
+    q, k, v = vinputs
+    _raises(InputError, lambda: vattn(q.float(), k, v), "dtype=torch.float32", "torch.float16")
+
+
+def test_non_contiguous_codes(vattn, vinputs):
+    q, k, v = vinputs
+    codes = k.codes.transpose(1, 2).contiguous().transpose(1, 2)  # same values, strided
+    assert not codes.is_contiguous()
+    k_strided = foldc.AffineTensor(codes, k.scale, k.zero, k.encoding, k.head_dim)
+    _raises(InputError, lambda: vattn(q, k_strided, v), "k must be contiguous", ".contiguous()")
+
+
+def test_non_contiguous_scale(vattn, vinputs):
+    q, k, v = vinputs
+    scale = v.scale.transpose(1, 2).contiguous().transpose(1, 2)
+    v_strided = foldc.AffineTensor(v.codes, scale, v.zero, v.encoding, v.head_dim)
+    _raises(InputError, lambda: vattn(q, k, v_strided), "v must be contiguous", ".contiguous()")
+
+
+def test_query_stride(vattn, vinputs):
+    q, k, v = vinputs
+    q_t = q.transpose(1, 2).contiguous().transpose(1, 2)
+    _raises(InputError, lambda: vattn(q_t, k, v), "unit stride along head_dim", str(q_t.stride()))
+
+
+def test_plain_operand_dtype_must_match_query():
+    spec = S(4, 2, 64, None, None)
+    attn = foldc.compile(spec, "interpret", block_n=16)
+    q = torch.randn(1, 4, 64).to(F16)
+    kv = torch.randn(1, 2, 20, 64)
+    _raises(InputError, lambda: attn(q, kv, kv.to(F16)), "k dtype=torch.float32", "q dtype=torch.float16")
+    _raises(InputError, lambda: attn(q, kv.to(F16), kv.to(torch.bfloat16)), "v dtype=torch.bfloat16")
+
+
+def test_out_wrong_shape(vattn, vinputs):
+    q, k, v = vinputs
+    _raises(InputError, lambda: vattn(q, k, v, out=torch.empty(2, 4, 32, dtype=F16)),
+            "shape=(2, 4, 32)", "(2, 4, 64)")
+
+
+def test_out_wrong_dtype(vattn, vinputs):
+    q, k, v = vinputs
+    _raises(InputError, lambda: vattn(q, k, v, out=torch.empty(2, 4, 64, dtype=torch.float32)),
+            "dtype=torch.float32", "q's dtype torch.float16")
+
+
+def test_out_not_unit_stride(vattn, vinputs):
+    q, k, v = vinputs
+    out = torch.empty(2, 64, 4, dtype=F16).transpose(1, 2)
+    _raises(InputError, lambda: vattn(q, k, v, out=out), "unit stride along head_dim")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine with no CUDA GPU")
+@pytest.mark.parametrize("target", ["sm_90", "sm_100"])
+def test_gpu_target_without_gpu(target):
+    _raises(SpecError, lambda: foldc.compile(VSPEC, target), f"target={target!r}", "no", "interpret",
+            "foldc compile")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine with no CUDA GPU")
+def test_auto_target_without_gpu_interprets():
+    from foldc.backends.triton import TritonAttention
+
+    attn = foldc.compile(VSPEC, "auto", block_n=16)
+    assert isinstance(attn, TritonAttention) and attn.interpret
+
+
+def test_unknown_option():
+    _raises(SpecError, lambda: foldc.compile(VSPEC, "interpret", blocks=16), "['blocks']", "block_n")
+
+
+@pytest.mark.parametrize("block_n", [24, 8, 0, "32", True])
+def test_bad_block_n(block_n):
+    _raises(SpecError, lambda: foldc.compile(VSPEC, "interpret", block_n=block_n), f"block_n={block_n!r}",
+            "power of two")
+
+
+@pytest.mark.parametrize("splits", [0, -2, 1.5])
+def test_bad_splits(splits):
+    _raises(SpecError, lambda: foldc.compile(VSPEC, "interpret", splits=splits), f"splits={splits!r}",
+            "positive integer")
+
+
+def test_bad_num_warps():
+    _raises(SpecError, lambda: foldc.compile(VSPEC, "interpret", num_warps=3), "num_warps=3", "power of two")
+
+
+def test_bad_num_stages():
+    _raises(SpecError, lambda: foldc.compile(VSPEC, "interpret", num_stages=0), "num_stages=0", "positive integer")
+
+
+def test_token_group_below_tensor_core_minimum():
+    spec = S(4, 2, 64, A(2, "token", 8), None)
+    _raises(SpecError, lambda: foldc.compile(spec, "interpret"), "head_dim=64", "token:2:8", "8 channels",
+            "tensor-core minimum of 16", "larger group_size")
+
+
+def test_channel_group_admits_no_tile():
+    spec = S(4, 2, 64, None, A(4, "channel", 24))
+    _raises(SpecError, lambda: foldc.compile(spec, "interpret"), "group_size=[24]", "inside one group",
+            "multiple of 16")
+
+
+def test_head_dim_not_power_of_two():
+    _raises(SpecError, lambda: foldc.compile(S(4, 2, 48), "interpret"), "head_dim=48", "power of two")
+
+
+def test_head_dim_32_int2_too_narrow():
+    """INT2 at head_dim 32: one bit field holds 8 channels, below a 16-wide dot."""
+    spec = S(4, 2, 32, A(2, "channel", 32), None)
+    _raises(SpecError, lambda: foldc.compile(spec, "interpret"), "head_dim=32", "channel:2:32", "8 channels")
