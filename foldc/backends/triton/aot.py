@@ -13,7 +13,17 @@ import re
 from pathlib import Path
 
 from ...errors import SpecError
+from ...cost import lane_slots_per_byte as lane_slots_per_byte_model
 from .launch import _interpret, kernel_source, load_module
+from .sass import inner_loop, lane_slots_per_byte
+
+
+def bytes_per_tile(enc, block_n: int, head_dim: int) -> float:
+    """Bytes one token tile of one cache operand reads: codes plus its share of scale and zero."""
+    if enc is None:
+        return block_n * head_dim * 2.0
+    param = {"float16": 2, "bfloat16": 2, "float32": 4}[str(enc.scale_dtype).replace("torch.", "")]
+    return block_n * head_dim * enc.bits / 8 + 2 * param * block_n * head_dim / enc.group_size
 
 ARCHS = {"sm_90": 90, "sm_100": 100}
 MMA_PATTERNS = {"wgmma": r"\bwgmma\.mma_async", "tcgen05": r"\btcgen05\.mma", "mma.sync": r"\bmma\.sync"}
@@ -78,12 +88,19 @@ def compile_aot(spec, arch: str, out_dir: str | Path, dtype: str = "bf16", block
         if ext in compiled.asm:
             (out / f"foldc_decode.{arch}.{ext}").write_text(compiled.asm[ext])
     (out / f"foldc_decode.{arch}.cubin").write_bytes(compiled.asm["cubin"])
+    loop = inner_loop(out / f"foldc_decode.{arch}.cubin")
+    tile_bytes = sum(bytes_per_tile(getattr(spec, n), geo.block_n, spec.head_dim) for n in ("k", "v"))
+    model = {name: lane_slots_per_byte_model(arch, p.fold, p.bits, float(p.fold_ops_per_value or 0))
+             for name, p in the_plan.products.items() if p.fold not in ("none",)}
     report = {
         "spec": spec.describe(), "folds": the_plan.folds, "arch": arch, "dtype": dtype,
         "rows": geo.rows, "block_n": geo.block_n, "num_warps": num_warps, "num_stages": num_stages,
         "mma": mma_instructions(compiled.asm["ptx"]), "cubin_bytes": len(compiled.asm["cubin"]),
         "registers": getattr(compiled, "n_regs", None), "spills": getattr(compiled, "n_spills", None),
         "shared_bytes": compiled.metadata.shared,
+        "inner_loop": {"instructions_per_warp": sum(loop.values()), "bytes_per_tile": tile_bytes,
+                       "lane_slots_per_byte": lane_slots_per_byte(loop, num_warps, tile_bytes),
+                       "model_lane_slots_per_byte": model, "top_opcodes": dict(loop.most_common(12))},
     }
     (out / f"foldc_decode.{arch}.json").write_text(json.dumps(report, indent=2))
     return report

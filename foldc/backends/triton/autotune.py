@@ -51,23 +51,42 @@ def bucket_key(spec, dtype: torch.dtype, batch: int, tokens: int, fold_policy: s
             f"{str(dtype).replace('torch.', '')}|batch<={_pow2_ceil(batch)}|tokens<={_pow2_ceil(tokens)}")
 
 
+_MEMO: dict = {}  # path -> (mtime_ns, data): the file is read again only when it changes
+
+
 def load_cache() -> dict:
     path = cache_path()
-    if not path.exists():
-        return {}
     try:
-        return json.loads(path.read_text())
+        mtime = path.stat().st_mtime_ns
+    except OSError:
+        return {}
+    hit = _MEMO.get(str(path))
+    if hit is not None and hit[0] == mtime:
+        return hit[1]
+    try:
+        data = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError):
-        return {}  # a damaged cache only costs a re-tune
+        data = {}  # a damaged cache only costs a re-tune
+    _MEMO[str(path)] = (mtime, data)
+    return data
+
+
+_KEYS: dict = {}
 
 
 def lookup(spec, dtype, batch, tokens, fold_policy="auto") -> Config | None:
-    entry = load_cache().get(bucket_key(spec, dtype, batch, tokens, fold_policy))
+    """The tuned config of this call's bucket, or None. Cheap on the hot path: the key is
+    memoised and the file is parsed once per change."""
+    memo = (spec, dtype, _pow2_ceil(batch), _pow2_ceil(tokens), fold_policy)
+    key = _KEYS.get(memo)
+    if key is None:
+        key = _KEYS[memo] = bucket_key(spec, dtype, batch, tokens, fold_policy)
+    entry = load_cache().get(key)
     return Config(**entry["config"]) if entry else None
 
 
 def store(key: str, config: Config, micros: float) -> None:
-    data = load_cache()
+    data = dict(load_cache())
     data[key] = {"config": asdict(config), "us": micros}
     path = cache_path()
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
