@@ -4,10 +4,19 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy
+import pytest
 import torch
 
 from foldc.reference import attention_reference
 from foldc.testing import bf16_attention, random_inputs, rel_l2
+
+#: triton 3.6's interpreter breaks with numpy >= 2.4 ("only 0-dimensional arrays can be converted
+#: to Python scalars" whenever a runtime int bounds a range()); pyproject pins numpy<2.4, but the
+#: GPU machine's own python may carry a newer one
+NUMPY_OK = tuple(int(p) for p in numpy.__version__.split(".")[:2]) < (2, 4)
+needs_interpreter = pytest.mark.skipif(
+    not NUMPY_OK, reason=f"triton 3.6's interpreter needs numpy < 2.4; this python has {numpy.__version__}")
 
 
 @dataclass

@@ -6,7 +6,6 @@ inputs and poisons ``out=`` with NaN), and every output element is written.
 """
 from __future__ import annotations
 
-
 import pytest
 import torch
 from _kernel_cases import run_with_lens
