@@ -130,11 +130,9 @@ def peers():
 
     out = {"sdpa cudnn bf16": sdpa(SDPBackend.CUDNN_ATTENTION), "sdpa flash bf16": sdpa(SDPBackend.FLASH_ATTENTION)}
     try:
-        import flashinfer  # noqa: F401
+        import flashinfer
 
         def fi(q, k, v):
-            import flashinfer
-
             b, hkv, n, d = k.shape
             page = 16
             pages = n // page

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import textwrap
 
-from .cost import GPUS, lane_slots_per_byte
+from .cost import lane_slots_per_byte
 
 SEED_TABLE_HEADER = ("cache layout", "product (sums over)", "fold", "where the scale goes")
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import PlanError
-from ..ir import (Accumulate, Add, Contract, Correction, Divide, GroupedAxis, GroupParam,
+from ..ir import (Accumulate, Contract, Correction, Divide, GroupedAxis,
                   OnlineSoftmax, Prescale, ScaleGroups)
 from ..ir.axes import find
 from .base import Pass

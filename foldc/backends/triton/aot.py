@@ -12,6 +12,8 @@ import os
 import re
 from pathlib import Path
 
+import torch
+
 from ...errors import SpecError
 from ...cost import lane_slots_per_byte as lane_slots_per_byte_model
 from .launch import _interpret, kernel_source, load_module
@@ -29,25 +31,39 @@ ARCHS = {"sm_90": 90, "sm_100": 100}
 MMA_PATTERNS = {"wgmma": r"\bwgmma\.mma_async", "tcgen05": r"\btcgen05\.mma", "mma.sync": r"\bmma\.sync"}
 
 
-def _signature(ks, dtype: str, scale_dtypes: dict) -> dict:
-    elem = {"fp16": "*fp16", "bf16": "*bf16"}[dtype]
-    sig = {}
-    for a in ks.args:
-        if a == "SEQ_LENS":
-            sig[a] = "*i32"
-        elif a.startswith("WS_"):
-            sig[a] = "*fp32"
-        elif a == "Q" or a.endswith("_VALUES"):
-            sig[a] = elem
-        elif a.endswith("_CODES"):
-            sig[a] = "*u8"
-        elif a.endswith("_SCALE") or a.endswith("_ZERO"):
-            sig[a] = scale_dtypes[a[0].lower()]
-        elif a == "qk_scale":
-            sig[a] = "fp32"
-        else:
-            sig[a] = "i32"
-    return sig
+def _specialize(spec, ks, geo, dtype: str, batch: int = 4, tokens: int = 4096):
+    """Signature, constexprs and attributes the runtime JIT would derive for a typical call:
+    representative tensors go through the launcher's own argument builder, and each value
+    through triton's specialization (ints equal to 1 become constants, multiples of 16 and
+    16-byte-aligned pointers get divisibility 16), so the build matches what runs."""
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+
+    from ...encoding import quantize
+    from .launch import runtime_arguments
+
+    tdtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
+    q = torch.randn(batch, spec.num_q_heads, spec.head_dim).to(tdtype)
+
+    def cache(enc):
+        x = torch.randn(batch, spec.num_kv_heads, tokens, spec.head_dim)
+        return quantize(x, enc) if enc is not None else x.to(tdtype)
+
+    splits = 4
+    ws = (torch.empty(batch, spec.num_kv_heads, splits, geo.rows), ) * 2 + \
+        (torch.empty(batch, spec.num_kv_heads, splits, geo.rows, spec.head_dim), )
+    lens = torch.full((batch,), tokens, dtype=torch.int32)
+    values = runtime_arguments(q, cache(spec.k), cache(spec.v), lens, ws, 0.1, tokens // splits, splits)
+    signature, constexprs, attrs = {}, {}, {}
+    for i, name in enumerate(ks.args):
+        kind, key = native_specialize_impl(BaseBackend, values[name], False, True, True)
+        if kind == "constexpr":
+            signature[name], constexprs[name] = "constexpr", key
+            continue
+        signature[name] = kind
+        if key == "D":
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    return signature, constexprs, attrs
 
 
 def mma_instructions(ptx: str) -> dict[str, int]:
@@ -62,21 +78,16 @@ def compile_aot(spec, arch: str, out_dir: str | Path, dtype: str = "bf16", block
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise SpecError("ahead-of-time compilation needs TRITON_INTERPRET unset in this process; run "
                         "`foldc compile` in a fresh shell")
-    import torch
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    ks, geo, the_plan = kernel_source(spec, dtype, block_n, fold_policy)
+    ks, geo, the_plan = kernel_source(spec, dtype, block_n, fold_policy, fast=True)
     module = load_module(ks.source, interpret=False)
-    names = {torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.float32: "*fp32"}
-    scale_dtypes = {n: names[getattr(spec, n).scale_dtype] for n in ("k", "v") if getattr(spec, n) is not None}
-    signature = _signature(ks, dtype, scale_dtypes)
-    constexprs = {"Q_PER_KV": spec.q_per_kv, "ROWS": geo.rows, "BLOCK_N": geo.block_n, "HEAD_DIM": spec.head_dim,
-                  "NUM_KV_HEADS": spec.num_kv_heads}
+    signature, constexprs, attrs = _specialize(spec, ks, geo, dtype)
+    constexprs.update({"Q_PER_KV": spec.q_per_kv, "ROWS": geo.rows, "BLOCK_N": geo.block_n,
+                       "HEAD_DIM": spec.head_dim, "NUM_KV_HEADS": spec.num_kv_heads})
     signature.update({k: "constexpr" for k in constexprs})
-    ptr_args = [i for i, a in enumerate(ks.args) if signature[a].startswith("*")]
-    attrs = {(i,): [["tt.divisibility", 16]] for i in ptr_args}
     target = GPUTarget("cuda", ARCHS[arch], 32)
     with _interpret(False):
         compiled = triton.compile(ASTSource(module.foldc_decode, signature, constexprs=constexprs, attrs=attrs),

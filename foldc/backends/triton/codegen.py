@@ -18,8 +18,28 @@ from ...ir import (TOKEN, Accumulate, Add, Codes, Contract, Correction, Dequanti
                    GroupParam, Input, MulScalar, OnlineSoftmax, Prescale, ScaleGroups, param_axes)
 from .layout import TileGeometry
 
+# Masks of the tail tile; the full tiles before it are emitted without them (see `generate`).
+MASK_2D_F = ", mask=valid[:, None], other=0.0"
+MASK_2D_I = ", mask=valid[:, None], other=0"
+MASK_1D_F = ", mask=valid, other=0.0"
+TAIL_ONLY = "  # tail tile only"
+
 MAGIC = {"fp16": (0x6400, 1024), "bf16": (0x4300, 128)}  # code | bits  ->  bias + code (eq. 7)
 MANTISSA_BITS = {"fp16": 10, "bf16": 7}
+
+
+def magic_or_asm(raw: str, shift: int, bits: int, magic: int, tl_dtype: str) -> str:
+    """Triton expression turning a uint8 tensor ``raw`` into ``magic_value + ((raw >> shift) & mask)``
+    as fp16/bf16, four bytes per 32-bit register: one shift to bring the field down, one LOP3
+    ((t & mask) | magic) per two codes, one byte-pair shift, and two PRMTs that restore the
+    element order (bytes 0,1 -> first register, bytes 2,3 -> second)."""
+    mask = ((1 << bits) - 1) * 0x00010001
+    magic2 = magic * 0x00010001
+    first = f"shr.b32 t, $2, {shift};" if shift else "mov.b32 t, $2;"
+    asm = (f"{{ .reg .b32 t, lo, hi; {first} lop3.b32 lo, t, {mask}, {magic2}, 0xea; shr.b32 t, t, 8; "
+           f"lop3.b32 hi, t, {mask}, {magic2}, 0xea; prmt.b32 $0, lo, hi, 0x5410; prmt.b32 $1, lo, hi, 0x7632; }}")
+    return (f'tl.inline_asm_elementwise("{asm}", "=r,=r,r", [{raw}], dtype={tl_dtype}, is_pure=True, '
+            "pack=4)")
 
 
 def magic_ok(bits: int, dtype: str) -> bool:
@@ -46,8 +66,8 @@ class KernelSource:
 
 
 class _Emitter:
-    def __init__(self, plan, geo: TileGeometry, dtype: str):
-        self.plan, self.graph, self.geo, self.dtype = plan, plan.graph, geo, dtype
+    def __init__(self, plan, geo: TileGeometry, dtype: str, fast: bool):
+        self.plan, self.graph, self.geo, self.dtype, self.fast = plan, plan.graph, geo, dtype, fast
         self.tl_dtype = {"fp16": "tl.float16", "bf16": "tl.bfloat16"}[dtype]
         self.pre: list[str] = []    # before the token loop
         self.key: list[str] = []    # loop body, before the softmax
@@ -130,7 +150,7 @@ class _Emitter:
         for c in range(self.geo.chunks(product)):
             v = f"{src}_val_c{c}"
             lines.append(f"{v} = tl.load({name}_VALUES + {src}_base + offs_n[:, None] * stride_{src}n + "
-                         f"({c * w} + tl.arange(0, {w}))[None, :], mask=valid[:, None], other=0.0)")
+                         f"({c * w} + tl.arange(0, {w}))[None, :]{MASK_2D_F})")
             out[c] = v
         return Val("TC", out, mma=True, product=product)
 
@@ -152,8 +172,7 @@ class _Emitter:
             if (node.source, col) not in self.loaded:  # one load serves every bit field of these bytes
                 self.loaded.add((node.source, col))
                 lines.append(f"{raw} = tl.load({name}_CODES + {node.source}_base + offs_n[:, None] * "
-                             f"stride_{node.source}n + ({col} + tl.arange(0, {w}))[None, :], mask=valid[:, None], "
-                             "other=0)")
+                             f"stride_{node.source}n + ({col} + tl.arange(0, {w}))[None, :]{MASK_2D_I})")
             code = f"(({raw} >> {fld * enc.bits}) & {mask})" if k > 1 else raw
             v = f"{node.source}_code_c{c}"
             if not magic_ok(enc.bits, self.dtype):
@@ -164,7 +183,10 @@ class _Emitter:
                 out[c] = v
                 continue
             # eq. 7: OR the code into the mantissa of a constant: bias + code, exact in fp16/bf16
-            lines.append(f"{v} = ({code}.to(tl.uint16) | {magic}).to({self.tl_dtype}, bitcast=True)")
+            if self.fast:  # two codes per LOP3 on 32-bit words (GPU only: no inline asm in the interpreter)
+                lines.append(f"{v} = {magic_or_asm(raw, fld * enc.bits, enc.bits, magic, self.tl_dtype)}")
+            else:
+                lines.append(f"{v} = ({code}.to(tl.uint16) | {magic}).to({self.tl_dtype}, bitcast=True)")
             if node.bias == 0:
                 lines.append(f"{v} = {v} - {bias_value}.0  # bias subtracted per value (exact)")
             elif node.bias != bias_value:
@@ -197,8 +219,7 @@ class _Emitter:
             return Val("C", out, product=product)
         for gi in range(self.geo.head_dim // enc.group_size):  # one column per channel group
             v = f"{node.name.replace('.', '_')}_g{gi}"
-            load = (f"tl.load({ptr} + {base} + offs_n * stride_{node.source}sn + {gi}, mask=valid, "
-                    "other=0.0).to(tl.float32)")
+            load = f"tl.load({ptr} + {base} + offs_n * stride_{node.source}sn + {gi}{MASK_1D_F}).to(tl.float32)"
             if node.bias:  # eq. 7: z - bias * s, from the scale already loaded
                 load = f"({load} - {node.bias}.0 * {self.vals[f'{node.source}.scale'].vars[gi]})"
             lines.append(f"{v} = {load}")
@@ -399,7 +420,6 @@ class _Emitter:
         target = "RT" if "T" in a.form + b.form and "C" not in a.form + b.form else "RC"
         product = self.product(node)
         if target == "RT":
-            g = None
             lines.append(f"{name} = {self._bcast(a, None, 'RT', product)} + {self._bcast(b, None, 'RT', product)}")
             return Val("RT", {None: name}, product=product)
         chunks = sorted(next(v for v in (a, b) if v.form.endswith("C")).vars)
@@ -427,7 +447,7 @@ class _Emitter:
     def emit_softmax(self, node: OnlineSoftmax):
         logits = self.vals[node.logits].vars[None]
         self.key += [
-            f"{logits} = tl.where(valid[None, :], {logits}, float('-inf'))",
+            f"{logits} = tl.where(valid[None, :], {logits}, float('-inf')){TAIL_ONLY}",
             f"m_new = tl.maximum(m_i, tl.max({logits}, 1))",
             "alpha = tl.exp2(m_i - m_new)",
             f"p = tl.exp2({logits} - m_new[:, None])",
@@ -444,9 +464,21 @@ class _Emitter:
             self.value.append(f"acc_c{c} = acc_c{c} * alpha[:, None] + {contrib.vars[c]}")
 
 
-def generate(plan, geo: TileGeometry, dtype: str) -> KernelSource:
-    """Triton source of the decode kernel for ``plan`` with MMA inputs in ``dtype``."""
-    em = _Emitter(plan, geo, dtype)
+def _unmasked(lines: list[str]) -> list[str]:
+    """The tile body for a full tile: no load masks, no softmax mask."""
+    out = []
+    for line in lines:
+        if line.endswith(TAIL_ONLY):
+            continue
+        out.append(line.replace(MASK_2D_F, "").replace(MASK_2D_I, "").replace(MASK_1D_F, ""))
+    return out
+
+
+def generate(plan, geo: TileGeometry, dtype: str, fast: bool = False) -> KernelSource:
+    """Triton source of the decode kernel for ``plan`` with MMA inputs in ``dtype``. ``fast``
+    selects GPU-only instruction sequences (inline PTX); without it the same plan is lowered
+    with plain Triton ops that the interpreter runs."""
+    em = _Emitter(plan, geo, dtype, fast)
     em.run()
     pv_chunks, w_pv = geo.chunks("pv"), geo.width("pv")
     inputs = {n.name: ("encoded" if n.encoding is not None else "values")
@@ -458,6 +490,12 @@ def generate(plan, geo: TileGeometry, dtype: str) -> KernelSource:
             bases.append(f"{name}_sbase = b * stride_{name}sb + kvh * stride_{name}sh")
     args = ["SEQ_LENS", "WS_M", "WS_L", "WS_ACC"] + em.args + ["qk_scale", "tokens_per_split", "num_splits"]
     ind = " " * 4
+    tile = [
+        *em.key,
+        *[f"acc_c{c} = acc_c{c} * alpha[:, None]" for c in range(pv_chunks)],
+        *[ln for ln in em.value if not ln.startswith("acc_c")],
+        *[ln.replace(" * alpha[:, None]", "") for ln in em.value if ln.startswith("acc_c")],
+    ]
     body = [
         "b = tl.program_id(0)",
         "kvh = tl.program_id(1)",
@@ -473,15 +511,13 @@ def generate(plan, geo: TileGeometry, dtype: str) -> KernelSource:
         "m_i = tl.full([ROWS], float('-inf'), tl.float32)",
         "l_i = tl.zeros([ROWS], tl.float32)",
         *[f"acc_c{c} = tl.zeros([ROWS, {w_pv}], tl.float32)" for c in range(pv_chunks)],
-        "for tile_start in range(start, end, BLOCK_N):",
-        *[ind + line for line in [
-            "offs_n = tile_start + tl.arange(0, BLOCK_N)",
-            "valid = offs_n < end",
-            *em.key,
-            *[f"acc_c{c} = acc_c{c} * alpha[:, None]" for c in range(pv_chunks)],
-            *[ln for ln in em.value if not ln.startswith("acc_c")],
-            *[ln.replace(" * alpha[:, None]", "") for ln in em.value if ln.startswith("acc_c")],
-        ]],
+        # full tiles without masks, then one masked tail tile
+        "full_end = start + (tl.maximum(end - start, 0) // BLOCK_N) * BLOCK_N",
+        "for tile_start in range(start, full_end, BLOCK_N):",
+        *[ind + line for line in ["offs_n = tile_start + tl.arange(0, BLOCK_N)", *_unmasked(tile)]],
+        "if full_end < end:",
+        *[ind + line for line in ["tile_start = full_end", "offs_n = tile_start + tl.arange(0, BLOCK_N)",
+                                  "valid = offs_n < end", *tile]],
         "ws_row = ((b * NUM_KV_HEADS + kvh) * num_splits + split) * ROWS + rows",
         "tl.store(WS_M + ws_row, m_i)",
         "tl.store(WS_L + ws_row, l_i)",

@@ -162,11 +162,12 @@ def triton_plan(spec, dtype: str, fold_policy: str = "auto") -> Plan:
     return plan(spec, code_bias={"key": key_bias}, fold_policy=fold_policy)
 
 
-def kernel_source(spec, dtype: str, block_n: int = 64,
-                  fold_policy: str = "auto") -> tuple[KernelSource, TileGeometry, Plan]:
+def kernel_source(spec, dtype: str, block_n: int = 64, fold_policy: str = "auto",
+                  fast: bool = False) -> tuple[KernelSource, TileGeometry, Plan]:
+    """Generated source (decode + merge kernels); ``fast`` uses GPU-only inline PTX."""
     the_plan = triton_plan(spec, dtype, fold_policy)
     geo = geometry(spec, block_n)
-    ks = generate(the_plan, geo, dtype)
+    ks = generate(the_plan, geo, dtype, fast=fast)
     ks.source = ks.source + MERGE_SOURCE
     return ks, geo, the_plan
 
@@ -184,6 +185,25 @@ def choose_splits(batch: int, kv_heads: int, tokens: int, block_n: int, sms: int
     splits = max(1, min(want, tiles, 128))
     per_split = math.ceil(tiles / splits) * block_n
     return math.ceil(tokens / per_split), per_split
+
+
+def runtime_arguments(q, k, v, lens, workspace, sm_scale: float, per_split: int, splits: int) -> dict:
+    """Every runtime argument a generated decode kernel may take, by name (codegen picks its own)."""
+    ws_m, ws_l, ws_acc = workspace
+    runtime = {"SEQ_LENS": lens, "WS_M": ws_m, "WS_L": ws_l, "WS_ACC": ws_acc, "Q": q,
+               "stride_qb": q.stride(0), "stride_qh": q.stride(1),
+               "qk_scale": sm_scale * 1.4426950408889634, "tokens_per_split": per_split, "num_splits": splits}
+    for name, x in (("k", k), ("v", v)):
+        up = name.upper()
+        if isinstance(x, AffineTensor):
+            runtime.update({f"{up}_CODES": x.codes, f"{up}_SCALE": x.scale, f"{up}_ZERO": x.zero,
+                            f"stride_{name}b": x.codes.stride(0), f"stride_{name}h": x.codes.stride(1),
+                            f"stride_{name}n": x.codes.stride(2), f"stride_{name}sb": x.scale.stride(0),
+                            f"stride_{name}sh": x.scale.stride(1), f"stride_{name}sn": x.scale.stride(2)})
+        else:
+            runtime.update({f"{up}_VALUES": x, f"stride_{name}b": x.stride(0), f"stride_{name}h": x.stride(1),
+                            f"stride_{name}n": x.stride(2)})
+    return runtime
 
 
 class TritonAttention:
@@ -213,7 +233,7 @@ class TritonAttention:
     def kernels(self, dtype: str, block_n: int | None = None):
         block_n = block_n or self.explicit.get("block_n", self.DEFAULTS["block_n"])
         if (dtype, block_n) not in self._kernels:
-            ks, geo, the_plan = kernel_source(self.spec, dtype, block_n, self.fold_policy)
+            ks, geo, the_plan = kernel_source(self.spec, dtype, block_n, self.fold_policy, fast=not self.interpret)
             self._kernels[(dtype, block_n)] = (load_module(ks.source, self.interpret), ks, geo, the_plan)
         return self._kernels[(dtype, block_n)]
 
@@ -278,20 +298,7 @@ class TritonAttention:
         elif tuple(out.shape) != want or out.dtype != q.dtype or out.device != device or out.stride(-1) != 1:
             raise InputError(f"out has shape={tuple(out.shape)}, dtype={out.dtype}, device={out.device}; it must be "
                              f"{want} in q's dtype {q.dtype} on {device} with unit stride along head_dim")
-        runtime = {"SEQ_LENS": lens, "WS_M": ws_m, "WS_L": ws_l, "WS_ACC": ws_acc, "Q": q,
-                   "stride_qb": q.stride(0), "stride_qh": q.stride(1),
-                   "qk_scale": call.sm_scale * 1.4426950408889634, "tokens_per_split": per_split,
-                   "num_splits": splits}
-        for name, x in (("k", k), ("v", v)):
-            up = name.upper()
-            if isinstance(x, AffineTensor):
-                runtime.update({f"{up}_CODES": x.codes, f"{up}_SCALE": x.scale, f"{up}_ZERO": x.zero,
-                                f"stride_{name}b": x.codes.stride(0), f"stride_{name}h": x.codes.stride(1),
-                                f"stride_{name}n": x.codes.stride(2), f"stride_{name}sb": x.scale.stride(0),
-                                f"stride_{name}sh": x.scale.stride(1), f"stride_{name}sn": x.scale.stride(2)})
-            else:
-                runtime.update({f"{up}_VALUES": x, f"stride_{name}b": x.stride(0), f"stride_{name}h": x.stride(1),
-                                f"stride_{name}n": x.stride(2)})
+        runtime = runtime_arguments(q, k, v, lens, (ws_m, ws_l, ws_acc), call.sm_scale, per_split, splits)
         args = [runtime[a] for a in ks.args]
         with _interpret(self.interpret):
             self._launch(module, args, b, hkv, splits, geo, ws_m, ws_l, ws_acc, out, cfg)
