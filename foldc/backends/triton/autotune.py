@@ -35,7 +35,6 @@ CANDIDATES = tuple(Config(bn, w, s, f) for bn in (32, 64, 128) for w in (4, 8) f
 
 def cache_path() -> Path:
     root = os.environ.get("FOLDC_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "foldc")
-    Path(root).mkdir(parents=True, exist_ok=True)
     return Path(root) / "autotune.json"
 
 
@@ -51,24 +50,19 @@ def bucket_key(spec, dtype: torch.dtype, batch: int, tokens: int, fold_policy: s
             f"{str(dtype).replace('torch.', '')}|batch<={_pow2_ceil(batch)}|tokens<={_pow2_ceil(tokens)}")
 
 
-_MEMO: dict = {}  # path -> (mtime_ns, data): the file is read again only when it changes
+_MEMO: dict = {}  # path -> data, read once per process; `store` keeps it current
 
 
-def load_cache() -> dict:
-    path = cache_path()
-    try:
-        mtime = path.stat().st_mtime_ns
-    except OSError:
-        return {}
-    hit = _MEMO.get(str(path))
-    if hit is not None and hit[0] == mtime:
-        return hit[1]
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
-        data = {}  # a damaged cache only costs a re-tune
-    _MEMO[str(path)] = (mtime, data)
-    return data
+def load_cache(refresh: bool = False) -> dict:
+    """The tuning cache. Read from disk once per process (the hot path never touches the file);
+    ``refresh=True`` re-reads it, e.g. after another process tuned."""
+    path = str(cache_path())
+    if refresh or path not in _MEMO:
+        try:
+            _MEMO[path] = json.loads(Path(path).read_text())
+        except (OSError, json.JSONDecodeError):
+            _MEMO[path] = {}  # missing or damaged: only costs a re-tune
+    return _MEMO[path]
 
 
 _KEYS: dict = {}
@@ -86,12 +80,14 @@ def lookup(spec, dtype, batch, tokens, fold_policy="auto") -> Config | None:
 
 
 def store(key: str, config: Config, micros: float) -> None:
-    data = dict(load_cache())
+    data = dict(load_cache(refresh=True))  # merge with what other processes stored meanwhile
     data[key] = {"config": asdict(config), "us": micros}
     path = cache_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
     tmp.replace(path)
+    _MEMO[str(path)] = data
 
 
 def _progress(i: int, n: int, label: str) -> None:

@@ -229,6 +229,7 @@ class TritonAttention:
             raise SpecError(f"num_stages={num_stages!r} must be a positive integer, e.g. 2")
         geometry(spec, self.DEFAULTS["block_n"] if block_n is None else block_n)  # raise now if the spec cannot be tiled
         self._kernels: dict[tuple, tuple] = {}
+        self._configs: dict[tuple, dict] = {}
 
     def kernels(self, dtype: str, block_n: int | None = None):
         block_n = block_n or self.explicit.get("block_n", self.DEFAULTS["block_n"])
@@ -244,7 +245,11 @@ class TritonAttention:
         return self.kernels(DTYPES[dtype])[1].source
 
     def launch_config(self, dtype: torch.dtype, batch: int, tokens: int) -> dict:
-        """block_n / num_warps / num_stages / split factor for this call."""
+        """block_n / num_warps / num_stages / split factor for this call (memoised per bucket)."""
+        bucket = (dtype, batch, tokens)
+        cfg = self._configs.get(bucket)
+        if cfg is not None:
+            return cfg
         cfg = dict(self.DEFAULTS, split_factor=1.0)
         if not self.interpret and len(self.explicit) < 3:
             from .autotune import lookup
@@ -254,6 +259,7 @@ class TritonAttention:
                 cfg.update(block_n=tuned.block_n, num_warps=tuned.num_warps, num_stages=tuned.num_stages,
                            split_factor=tuned.split_factor)
         cfg.update(self.explicit)
+        self._configs[bucket] = cfg
         return cfg
 
     def __call__(self, q, k, v, sm_scale=None, seq_lens=None, out: torch.Tensor | None = None) -> torch.Tensor:
