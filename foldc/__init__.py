@@ -12,6 +12,7 @@ Public API::
 """
 from .compile import compile
 from .encoding import Affine, AffineTensor, quantize
+from .merge import merge_attention
 from .errors import FoldError, GraphError, InputError, InputTypeError, PlanError, ProofError, SpecError
 from .plan import Plan, ProductPlan, plan
 from .proof import ProofReport, prove
@@ -21,5 +22,5 @@ from .spec import AttentionSpec
 __all__ = [
     "Affine", "AffineTensor", "AttentionSpec", "FoldError", "GraphError", "InputError", "InputTypeError",
     "Plan", "PlanError", "ProductPlan", "ProofError", "ProofReport", "SpecError", "attention_reference",
-    "compile", "plan", "prove", "quantize",
+    "compile", "merge_attention", "plan", "prove", "quantize",
 ]

@@ -46,7 +46,8 @@ class ReferenceAttention:
             raise SpecError(f"token_tile={token_tile!r} must be a positive integer")
         self.plan, self.spec, self.token_tile = the_plan, the_plan.spec, token_tile
 
-    def __call__(self, q, k, v, sm_scale=None, seq_lens=None, out: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(self, q, k, v, sm_scale=None, seq_lens=None, out: torch.Tensor | None = None,
+                 return_lse: bool = False):
         call = check_call(self.spec, q, k, v, sm_scale, seq_lens)
         sizes = {BATCH: call.batch, KV_HEAD: self.spec.num_kv_heads, Q_PER_KV: self.spec.q_per_kv,
                  CHANNEL: self.spec.head_dim, TOKEN: call.tokens}
@@ -54,12 +55,13 @@ class ReferenceAttention:
         env = Executor(self.plan.graph, TorchOps(q.device), bind_inputs(self.spec, q, k, v), sizes, tokens,
                        call.sm_scale, self.token_tile, valid_tokens=call.seq_lens).run()
         result = env[self.plan.graph.output].data.reshape(call.batch, self.spec.num_q_heads, self.spec.head_dim)
+        lse = (env["__max__"].data + torch.log(env["__denominator__"].data)).reshape(call.batch, self.spec.num_q_heads)
         if out is not None:
             if tuple(out.shape) != tuple(result.shape):
                 raise InputError(f"out shape={tuple(out.shape)} but the result is {tuple(result.shape)}")
             out.copy_(result)
-            return out
-        return result
+            result = out
+        return (result, lse) if return_lse else result
 
 
 def compile(spec: AttentionSpec, target: str = "reference", **options):  # noqa: A001 - public API name

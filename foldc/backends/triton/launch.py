@@ -29,7 +29,7 @@ DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 MERGE_SOURCE = '''
 
 @triton.jit
-def foldc_merge(WS_M, WS_L, WS_ACC, OUT, stride_ob, stride_oh, num_splits,
+def foldc_merge(WS_M, WS_L, WS_ACC, OUT, LSE, stride_ob, stride_oh, num_splits,
                 Q_PER_KV: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
                 NUM_KV_HEADS: tl.constexpr):
     """Merge the per-split (max, denominator, accumulator) states (eq. 14) and divide (eq. 10)."""
@@ -56,6 +56,10 @@ def foldc_merge(WS_M, WS_L, WS_ACC, OUT, stride_ob, stride_oh, num_splits,
     out = acc / l[:, None]
     ptr = OUT + b * stride_ob + (kvh * Q_PER_KV + rows)[:, None] * stride_oh + cols[None, :]
     tl.store(ptr, out.to(OUT.dtype.element_ty), mask=(rows < Q_PER_KV)[:, None])
+    # natural-log sum of exp of the logits (m is in log2 units): lets callers merge attention
+    # over several caches, e.g. a quantized body and a bf16 window (eq. 14)
+    lse = (m + tl.log2(l)) * 0.6931471805599453
+    tl.store(LSE + b * NUM_KV_HEADS * Q_PER_KV + kvh * Q_PER_KV + rows, lse, mask=rows < Q_PER_KV)
 '''
 
 
@@ -262,9 +266,12 @@ class TritonAttention:
         self._configs[bucket] = cfg
         return cfg
 
-    def __call__(self, q, k, v, sm_scale=None, seq_lens=None, out: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(self, q, k, v, sm_scale=None, seq_lens=None, out: torch.Tensor | None = None,
+                 return_lse: bool = False):
         """Decode attention. ``out`` (optional): a preallocated [batch, num_q_heads, head_dim]
-        tensor of q's dtype and device to write into."""
+        tensor of q's dtype and device to write into. ``return_lse``: also return the float32
+        log-sum-exp of the scaled logits per query head, [batch, num_q_heads] (see
+        `foldc.merge_attention`)."""
         q_dtypes = (torch.float16,) if self.interpret else (torch.float16, torch.bfloat16)
         call = check_call(self.spec, q, k, v, sm_scale, seq_lens, q_dtypes=q_dtypes)
         device = q.device
@@ -306,14 +313,15 @@ class TritonAttention:
                              f"{want} in q's dtype {q.dtype} on {device} with unit stride along head_dim")
         runtime = runtime_arguments(q, k, v, lens, (ws_m, ws_l, ws_acc), call.sm_scale, per_split, splits)
         args = [runtime[a] for a in ks.args]
+        lse = torch.empty(b, self.spec.num_q_heads, device=device, dtype=torch.float32)
         with _interpret(self.interpret):
-            self._launch(module, args, b, hkv, splits, geo, ws_m, ws_l, ws_acc, out, cfg)
-        return out
+            self._launch(module, args, b, hkv, splits, geo, ws_m, ws_l, ws_acc, out, lse, cfg)
+        return (out, lse) if return_lse else out
 
-    def _launch(self, module, args, b, hkv, splits, geo, ws_m, ws_l, ws_acc, out, cfg) -> None:
+    def _launch(self, module, args, b, hkv, splits, geo, ws_m, ws_l, ws_acc, out, lse, cfg) -> None:
         module.foldc_decode[(b, hkv, splits)](
             *args, Q_PER_KV=self.spec.q_per_kv, ROWS=geo.rows, BLOCK_N=geo.block_n, HEAD_DIM=self.spec.head_dim,
             NUM_KV_HEADS=hkv, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-        module.foldc_merge[(b, hkv)](ws_m, ws_l, ws_acc, out, out.stride(0), out.stride(1), splits,
+        module.foldc_merge[(b, hkv)](ws_m, ws_l, ws_acc, out, lse, out.stride(0), out.stride(1), splits,
                                      Q_PER_KV=self.spec.q_per_kv, ROWS=geo.rows, HEAD_DIM=self.spec.head_dim,
                                      NUM_KV_HEADS=hkv, num_warps=4)
