@@ -37,10 +37,10 @@ def test_split_keys_merge_to_the_whole(seed, tokens, parts, ratio):
 
 def test_interpreter_kernel_returns_the_same_lse():
     gen = torch.Generator().manual_seed(3)
-    spec = foldc.AttentionSpec(8, 2, 32, foldc.Affine(2, "token", 16), foldc.Affine(4, "channel", 16))
-    q = torch.randn(2, 8, 32, generator=gen).half()
-    k = foldc.quantize(torch.randn(2, 2, 70, 32, generator=gen), spec.k)
-    v = foldc.quantize(torch.randn(2, 2, 70, 32, generator=gen), spec.v)
+    spec = foldc.AttentionSpec(8, 2, 64, foldc.Affine(2, "token", 16), foldc.Affine(4, "channel", 16))
+    q = torch.randn(2, 8, 64, generator=gen).half()
+    k = foldc.quantize(torch.randn(2, 2, 70, 64, generator=gen), spec.k)
+    v = foldc.quantize(torch.randn(2, 2, 70, 64, generator=gen), spec.v)
     _, lse = foldc.compile(spec, "interpret", block_n=16)(q, k, v, return_lse=True)
     _, ref = foldc.compile(spec, "reference")(q, k, v, return_lse=True)
     assert lse.dtype == torch.float32 and lse.shape == (2, 8)
