@@ -105,3 +105,29 @@ def test_cpu_inputs_refused_on_gpu_target():
     q, k, v, lens = random_inputs(spec, 1, 100, torch.bfloat16, "cpu", gen)
     with pytest.raises(InputError, match=r"runs on a CUDA GPU; q is on cpu.*'interpret'"):
         attn(q, k, v)
+
+
+def test_cuda_graph_capture_with_seq_lens_and_replay_after_the_lengths_change():
+    """No host sync in a call: it can be captured once and replayed as lengths grow (decode)."""
+    spec = _spec("token", "channel", 2)
+    attn = foldc.compile(spec, "auto")
+    gen = torch.Generator().manual_seed(7)
+    q, k, v, _ = random_inputs(spec, 3, 3000, torch.bfloat16, "cuda", gen)
+    lens = torch.tensor([1000, 1500, 2000], device="cuda", dtype=torch.int32)
+    out = torch.empty(3, spec.num_q_heads, spec.head_dim, device="cuda", dtype=torch.bfloat16)
+    attn(q, k, v, seq_lens=lens, out=out)  # compile and tune outside the capture
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        attn(q, k, v, seq_lens=lens, out=out)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        attn(q, k, v, seq_lens=lens, out=out)
+    for new in ([1000, 1500, 2000], [1700, 2999, 3000], [1, 2, 3]):
+        lens.copy_(torch.tensor(new, dtype=torch.int32))
+        out.fill_(float("nan"))
+        graph.replay()
+        ref = foldc.attention_reference(q, k, v, seq_lens=lens.long())
+        assert not torch.isnan(out).any()
+        assert rel_l2(out, ref) < 1e-2, new

@@ -488,7 +488,8 @@ def generate(plan, geo: TileGeometry, dtype: str, fast: bool = False) -> KernelS
         bases.append(f"{name}_base = b * stride_{name}b + kvh * stride_{name}h")
         if kind == "encoded":
             bases.append(f"{name}_sbase = b * stride_{name}sb + kvh * stride_{name}sh")
-    args = ["SEQ_LENS", "WS_M", "WS_L", "WS_ACC"] + em.args + ["qk_scale", "tokens_per_split", "num_splits"]
+    args = ["SEQ_LENS", "WS_M", "WS_L", "WS_ACC"] + em.args + ["qk_scale", "tokens_per_split", "num_splits",
+                                                               "cache_tokens"]
     ind = " " * 4
     tile = [
         *em.key,
@@ -500,7 +501,7 @@ def generate(plan, geo: TileGeometry, dtype: str, fast: bool = False) -> KernelS
         "b = tl.program_id(0)",
         "kvh = tl.program_id(1)",
         "split = tl.program_id(2)",
-        "seq_len = tl.load(SEQ_LENS + b)",
+        "seq_len = tl.minimum(tl.load(SEQ_LENS + b), cache_tokens)  # never read past the cache",
         "start = split * tokens_per_split",
         "end = tl.minimum(start + tokens_per_split, seq_len)",
         "rows = tl.arange(0, ROWS)",

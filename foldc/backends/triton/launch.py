@@ -196,7 +196,8 @@ def runtime_arguments(q, k, v, lens, workspace, sm_scale: float, per_split: int,
     ws_m, ws_l, ws_acc = workspace
     runtime = {"SEQ_LENS": lens, "WS_M": ws_m, "WS_L": ws_l, "WS_ACC": ws_acc, "Q": q,
                "stride_qb": q.stride(0), "stride_qh": q.stride(1),
-               "qk_scale": sm_scale * 1.4426950408889634, "tokens_per_split": per_split, "num_splits": splits}
+               "qk_scale": sm_scale * 1.4426950408889634, "tokens_per_split": per_split, "num_splits": splits,
+               "cache_tokens": k.shape[2]}
     for name, x in (("k", k), ("v", v)):
         up = name.upper()
         if isinstance(x, AffineTensor):
