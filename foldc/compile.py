@@ -70,7 +70,8 @@ def compile(spec: AttentionSpec, target: str = "reference", **options):  # noqa:
     Options for "reference": ``token_tile`` (tokens per online-softmax step, default 64).
     Options for the Triton targets: ``block_n`` (tokens per tile, default 64), ``num_warps``,
     ``num_stages``, ``splits`` (split-KV count; default: enough programs to fill the GPU),
-    ``fold_policy`` ("auto", or "dequant" to force per-value reconstruction).
+    ``fold_policy`` ("auto", or "dequant" to force per-value reconstruction), ``split_prescaled``
+    (feed operand-fold pre-scaled operands as hi + lo; default on for bf16 queries).
     """
     if not isinstance(spec, AttentionSpec):
         raise SpecError(f"spec must be a foldc.AttentionSpec, got {type(spec).__name__}")
@@ -81,10 +82,11 @@ def compile(spec: AttentionSpec, target: str = "reference", **options):  # noqa:
         return ReferenceAttention(plan(spec), **options)
     if target not in TARGETS:
         raise SpecError(f"target={target!r} is not available; use one of {TARGETS}")
-    unknown = sorted(set(options) - {"block_n", "num_warps", "num_stages", "splits", "fold_policy"})
+    unknown = sorted(set(options) - {"block_n", "num_warps", "num_stages", "splits", "fold_policy",
+                                     "split_prescaled"})
     if unknown:
         raise SpecError(f"unknown option(s) {unknown} for target={target!r}; options are block_n, num_warps, "
-                        "num_stages, splits, fold_policy")
+                        "num_stages, splits, fold_policy, split_prescaled")
     if target == "auto":
         target = detect_target()
     if target in GPU_TARGETS:

@@ -366,3 +366,18 @@ def test_head_dim_32_int2_too_narrow():
     """INT2 at head_dim 32: one bit field holds 8 channels, below a 16-wide dot."""
     spec = S(4, 2, 32, A(2, "channel", 32), None)
     _raises(SpecError, lambda: foldc.compile(spec, "interpret"), "head_dim=32", "channel:2:32", "8 channels")
+
+
+@pytest.mark.parametrize("k_layout,v_layout", [("channel", "token"), ("channel", "channel"), ("token", "token")])
+def test_split_prescaled_operands_are_exact_and_more_accurate(k_layout, v_layout):
+    """hi + lo pre-scaled operands (the bf16 default, forced here in fp16) keep the answer and
+    never lose accuracy; the generated source shows the second MMA term."""
+    from foldc.testing import run_case
+
+    spec = foldc.AttentionSpec(8, 2, 64, foldc.Affine(2, k_layout, 32), foldc.Affine(4, v_layout, 32))
+    plain = run_case(foldc.compile(spec, "interpret", split_prescaled=False), spec, 2, 90, torch.float16, "cpu", 11)
+    attn = foldc.compile(spec, "interpret", split_prescaled=True)
+    split = run_case(attn, spec, 2, 90, torch.float16, "cpu", 11)
+    assert split.unwritten == 0 and split.error < 2e-3
+    assert split.error <= plain.error * 1.05
+    assert "_lo = (" in attn.source(torch.float16)

@@ -54,6 +54,7 @@ class Val:
     mma: bool = False         # held in the MMA input dtype (else fp32)
     hoisted: bool = False     # depends on the query only
     product: str = ""
+    lo: dict | None = None    # low parts of a pre-scaled operand split into two MMA terms (hi + lo)
 
 
 @dataclass
@@ -66,8 +67,9 @@ class KernelSource:
 
 
 class _Emitter:
-    def __init__(self, plan, geo: TileGeometry, dtype: str, fast: bool):
+    def __init__(self, plan, geo: TileGeometry, dtype: str, fast: bool, split_prescaled: bool):
         self.plan, self.graph, self.geo, self.dtype, self.fast = plan, plan.graph, geo, dtype, fast
+        self.split_prescaled = split_prescaled
         self.tl_dtype = {"fp16": "tl.float16", "bf16": "tl.bfloat16"}[dtype]
         self.pre: list[str] = []    # before the token loop
         self.key: list[str] = []    # loop body, before the softmax
@@ -289,19 +291,26 @@ class _Emitter:
             for i, c in enumerate(sorted(rhs.vars)):
                 dot = f"tl.dot({lhs.vars[c]}, tl.trans({rhs.vars[c]}))"
                 lines.append(f"{v} = {dot}" if i == 0 else f"{v} += {dot}")
+                if lhs.lo is not None:
+                    lines.append(f"{v} += tl.dot({lhs.lo[c]}, tl.trans({rhs.vars[c]}))")
             return Val("RT", {None: v}, product=product)
         # reduce over tokens: rows x chunk
         if rhs.form != "TC" or lhs.form not in ("RT", "RTG"):
             raise PlanError("backend", f"%{node.name}: cannot contract {lhs.form} with {rhs.form} over token")
         out = {}
         for c in sorted(rhs.vars):
+            a_lo = None
             if lhs.form == "RTG":
                 g = self.graph[self._scale_of_prescale(node.lhs)].source
-                a = lhs.vars[self.group_of_chunk(product, c, self.chan_group_size(g))]
+                gi = self.group_of_chunk(product, c, self.chan_group_size(g))
+                a = lhs.vars[gi]
+                a_lo = lhs.lo[gi] if lhs.lo is not None else None
             else:
                 a = self._mma_p(lhs)
             v = f"{out_name}_c{c}"
             lines.append(f"{v} = tl.dot({a}, {rhs.vars[c]})")
+            if a_lo is not None:
+                lines.append(f"{v} += tl.dot({a_lo}, {rhs.vars[c]})")
             out[c] = v
         return Val("RC", out, product=product)
 
@@ -322,19 +331,31 @@ class _Emitter:
         operand, scale = self.vals[node.operand], self.vals[node.scale]
         name = node.name.replace(".", "_")
         out = {}
+        lo = {} if self.split_prescaled else None
         if operand.form == "RC" and scale.form == "C":      # prescale the query per chunk
             for c in sorted(operand.vars):
                 v = f"{name}_c{c}"
-                lines.append(f"{v} = ({operand.vars[c]}.to(tl.float32) * {scale.vars[c]}[None, :]).to({self.tl_dtype})")
+                self._rounded(lines, v, f"{operand.vars[c]}.to(tl.float32) * {scale.vars[c]}[None, :]", lo, c)
                 out[c] = v
-            return Val("RC", out, mma=True, product=node.product)
+            return Val("RC", out, mma=True, product=node.product, lo=lo)
         if operand.form == "RT" and scale.form == "TG":     # prescale the weights per channel group
             for gi in sorted(scale.vars):
                 v = f"{name}_g{gi}"
-                lines.append(f"{v} = ({operand.vars[None]} * {scale.vars[gi]}[None, :]).to({self.tl_dtype})")
+                self._rounded(lines, v, f"{operand.vars[None]} * {scale.vars[gi]}[None, :]", lo, gi)
                 out[gi] = v
-            return Val("RTG", out, mma=True, product=node.product)
+            return Val("RTG", out, mma=True, product=node.product, lo=lo)
         raise PlanError("backend", f"%{node.name}: cannot prescale a {operand.form} operand by a {scale.form} scale")
+
+    def _rounded(self, lines, v: str, expr: str, lo: dict | None, key) -> None:
+        """v = expr rounded to the MMA dtype; with ``lo``, also the rounding remainder as a second
+        MMA operand, so hi + lo carries the pre-scaled operand to ~16 bits (bf16 has 8)."""
+        if lo is None:
+            lines.append(f"{v} = ({expr}).to({self.tl_dtype})")
+            return
+        lines.append(f"{v}_f = {expr}")
+        lines.append(f"{v} = {v}_f.to({self.tl_dtype})")
+        lines.append(f"{v}_lo = ({v}_f - {v}.to(tl.float32)).to({self.tl_dtype})")
+        lo[key] = f"{v}_lo"
 
     def emit_scalegroups(self, node: ScaleGroups):
         lines = self.phase(node)
@@ -382,6 +403,8 @@ class _Emitter:
                         zv = f"({zv} + {raw_zero}.0 * {self.vals[self.graph[node.zero].name.replace('zero', 'scale')].vars[c]})"
                         terms.append(f"tl.sum({other.vars[c]}.to(tl.float32) * {zv}[None, :], 1)")
                         terms.append(f"- {raw_zero}.0 * tl.sum({pre.vars[c]}.to(tl.float32), 1)")
+                        if pre.lo is not None:  # the MMA consumed hi + lo
+                            terms.append(f"- {raw_zero}.0 * tl.sum({pre.lo[c]}.to(tl.float32), 1)")
                     else:
                         terms.append(f"tl.sum({other.vars[c]}.to(tl.float32) * {zv}[None, :], 1)")
                 lines.append(f"{name} = " + " ".join(t if i == 0 or t.startswith("-") else f"+ {t}"
@@ -474,11 +497,16 @@ def _unmasked(lines: list[str]) -> list[str]:
     return out
 
 
-def generate(plan, geo: TileGeometry, dtype: str, fast: bool = False) -> KernelSource:
+def generate(plan, geo: TileGeometry, dtype: str, fast: bool = False,
+             split_prescaled: bool | None = None) -> KernelSource:
     """Triton source of the decode kernel for ``plan`` with MMA inputs in ``dtype``. ``fast``
     selects GPU-only instruction sequences (inline PTX); without it the same plan is lowered
-    with plain Triton ops that the interpreter runs."""
-    em = _Emitter(plan, geo, dtype, fast)
+    with plain Triton ops that the interpreter runs. ``split_prescaled`` (default: on for bf16)
+    feeds each operand-fold's pre-scaled operand to the MMA as hi + lo, so rounding it to bf16
+    costs no accuracy against bf16 attention."""
+    if split_prescaled is None:
+        split_prescaled = dtype == "bf16"
+    em = _Emitter(plan, geo, dtype, fast, split_prescaled)
     em.run()
     pv_chunks, w_pv = geo.chunks("pv"), geo.width("pv")
     inputs = {n.name: ("encoded" if n.encoding is not None else "values")

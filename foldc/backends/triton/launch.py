@@ -166,12 +166,12 @@ def triton_plan(spec, dtype: str, fold_policy: str = "auto") -> Plan:
     return plan(spec, code_bias={"key": key_bias}, fold_policy=fold_policy)
 
 
-def kernel_source(spec, dtype: str, block_n: int = 64, fold_policy: str = "auto",
-                  fast: bool = False) -> tuple[KernelSource, TileGeometry, Plan]:
+def kernel_source(spec, dtype: str, block_n: int = 64, fold_policy: str = "auto", fast: bool = False,
+                  split_prescaled: bool | None = None) -> tuple[KernelSource, TileGeometry, Plan]:
     """Generated source (decode + merge kernels); ``fast`` uses GPU-only inline PTX."""
     the_plan = triton_plan(spec, dtype, fold_policy)
     geo = geometry(spec, block_n)
-    ks = generate(the_plan, geo, dtype, fast=fast)
+    ks = generate(the_plan, geo, dtype, fast=fast, split_prescaled=split_prescaled)
     ks.source = ks.source + MERGE_SOURCE
     return ks, geo, the_plan
 
@@ -218,8 +218,10 @@ class TritonAttention:
     DEFAULTS = {"block_n": 64, "num_warps": 4, "num_stages": 2}
 
     def __init__(self, spec, target: str, block_n: int | None = None, num_warps: int | None = None,
-                 num_stages: int | None = None, splits: int | None = None, fold_policy: str = "auto"):
+                 num_stages: int | None = None, splits: int | None = None, fold_policy: str = "auto",
+                 split_prescaled: bool | None = None):
         self.spec, self.target, self.fold_policy = spec, target, fold_policy
+        self.split_prescaled = split_prescaled
         self.interpret = target == "interpret"
         self.explicit = {k: v for k, v in (("block_n", block_n), ("num_warps", num_warps),
                                            ("num_stages", num_stages)) if v is not None}
@@ -239,7 +241,8 @@ class TritonAttention:
     def kernels(self, dtype: str, block_n: int | None = None):
         block_n = block_n or self.explicit.get("block_n", self.DEFAULTS["block_n"])
         if (dtype, block_n) not in self._kernels:
-            ks, geo, the_plan = kernel_source(self.spec, dtype, block_n, self.fold_policy, fast=not self.interpret)
+            ks, geo, the_plan = kernel_source(self.spec, dtype, block_n, self.fold_policy, fast=not self.interpret,
+                                              split_prescaled=self.split_prescaled)
             self._kernels[(dtype, block_n)] = (load_module(ks.source, self.interpret), ks, geo, the_plan)
         return self._kernels[(dtype, block_n)]
 
