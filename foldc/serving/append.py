@@ -1,0 +1,393 @@
+"""Quantize-on-append: a Triton kernel that quantizes new KV tokens straight into preallocated
+`foldc.AffineTensor` storage, bit for bit as `foldc.quantize` would.
+
+``append_quantized(dst, x, offset)`` writes ``x [batch, kv_heads, T, head_dim]`` into
+``dst`` at tokens ``[offset, offset + T)`` (``offset`` an int, or an int tensor of one offset per
+batch row for ragged batches):
+
+- token-wise encodings (groups along head_dim): any ``T``; each token's row is quantized on its own.
+- channel-wise encodings (groups along tokens): ``T`` and every offset must be multiples of
+  ``group_size``: a group's scale/zero is the per-channel min/max over its ``group_size`` tokens,
+  so only whole groups can be written (callers keep a partial group in the model dtype).
+
+Numerics (exactly those of `foldc.quantize`): ``zero = min`` and ``scale = (max - min) / (2**bits - 1)``
+(float32, correctly rounded division), both rounded to nearest-even into ``scale_dtype``; codes are
+``round_half_even((x - zero) / scale)`` computed in float32 against the ROUNDED pair, clamped to
+``[0, 2**bits - 1]``; a group with ``scale == 0`` gets codes 0. Codes are packed planar (byte ``j``,
+bit field ``i`` holds channel ``i * head_dim / k + j``, see foldc/encoding.py).
+
+How the kernel stays exact on every backend: divisions use ``tl.math.div_rn`` (a plain ``/`` may be
+an approximate division on the GPU); round-half-even is built from ``floor`` (no libdevice, which
+the interpreter lacks); bf16 inputs and bf16 scales go through their bit patterns (an exact shift
+in, a round-to-nearest-even on the bits out), so they are exact under Triton's interpreter too,
+whose own bf16 is broken.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton.language as tl
+
+from ..encoding import AffineTensor
+from ..errors import InputError, InputTypeError, SpecError
+
+TARGETS = ("auto", "interpret", "sm_90", "sm_100", "reference")
+INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+SCALE_KIND = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
+BLOCK_T_TOKEN = 16   # most tokens per program of the token-wise kernel
+BLOCK_T_CHANNEL = 32  # tokens per step of the channel-wise kernel's loop over one group
+
+
+# The kernels are plain functions wrapped on first use as a JITFunction (GPU) or an
+# InterpretedFunction (CPU), so one process can run both (see launch._interpret).
+
+def _append_token_kernel(
+    X, stride_xb, stride_xh, stride_xn,
+    CODES, stride_cb, stride_ch, stride_cn,
+    SCALE, stride_sb, stride_sh, stride_sn,
+    ZERO, stride_zb, stride_zh, stride_zn,
+    OFFSETS, offset, tokens, heads,
+    HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, NUM_GROUPS: tl.constexpr, BITS: tl.constexpr,
+    CPB: tl.constexpr, MAX_CODE: tl.constexpr, BLOCK_T: tl.constexpr, X_BF16: tl.constexpr,
+    SCALE_KIND: tl.constexpr, PER_ROW: tl.constexpr,
+):
+    """One program: BLOCK_T new tokens of one (batch, kv head); each token row is cut into
+    NUM_GROUPS groups of GROUP channels."""
+    pid = tl.program_id(0)
+    b = (pid // heads).to(tl.int64)
+    h = (pid % heads).to(tl.int64)
+    if PER_ROW:
+        start = tl.load(OFFSETS + b).to(tl.int64)
+    else:
+        start = offset
+    t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_ok = t < tokens
+    cols = tl.arange(0, NUM_GROUPS)[:, None] * GROUP + tl.arange(0, GROUP)[None, :]  # channel = g * GROUP + e
+    x_ptr = X + b * stride_xb + h * stride_xh + t[:, None, None].to(tl.int64) * stride_xn + cols[None, :, :]
+    x_mask = t_ok[:, None, None]
+    if X_BF16:  # bf16 bits << 16 is the float32 value, exactly (the interpreter's own bf16 is broken)
+        bits = tl.load(x_ptr, mask=x_mask, other=0).to(tl.uint16, bitcast=True).to(tl.uint32)
+        x = (bits << 16).to(tl.float32, bitcast=True)
+    else:
+        x = tl.load(x_ptr, mask=x_mask, other=0.0).to(tl.float32)
+    lo = tl.min(x, axis=2)  # [BLOCK_T, NUM_GROUPS]
+    hi = tl.max(x, axis=2)
+    raw_scale = tl.math.div_rn(hi - lo, tl.zeros_like(lo) + MAX_CODE)
+    row = (start + t).to(tl.int64)
+    s_ptr = SCALE + b * stride_sb + h * stride_sh + row[:, None] * stride_sn + tl.arange(0, NUM_GROUPS)[None, :]
+    z_ptr = ZERO + b * stride_zb + h * stride_zh + row[:, None] * stride_zn + tl.arange(0, NUM_GROUPS)[None, :]
+    p_mask = t_ok[:, None]
+    if SCALE_KIND == 0:  # float16: round to nearest even by the cast
+        s_lo = raw_scale.to(tl.float16)
+        z_lo = lo.to(tl.float16)
+        tl.store(s_ptr, s_lo, mask=p_mask)
+        tl.store(z_ptr, z_lo, mask=p_mask)
+        scale = s_lo.to(tl.float32)
+        zero = z_lo.to(tl.float32)
+    elif SCALE_KIND == 1:  # bfloat16 on its bits: round the float32 pattern to nearest even
+        s_bits = raw_scale.to(tl.uint32, bitcast=True)
+        s_bits = (s_bits + 0x7FFF + ((s_bits >> 16) & 1)) >> 16
+        z_bits = lo.to(tl.uint32, bitcast=True)
+        z_bits = (z_bits + 0x7FFF + ((z_bits >> 16) & 1)) >> 16
+        tl.store(s_ptr, s_bits.to(tl.uint16).to(tl.int16, bitcast=True), mask=p_mask)
+        tl.store(z_ptr, z_bits.to(tl.uint16).to(tl.int16, bitcast=True), mask=p_mask)
+        scale = (s_bits << 16).to(tl.float32, bitcast=True)
+        zero = (z_bits << 16).to(tl.float32, bitcast=True)
+    else:  # float32: nothing to round
+        tl.store(s_ptr, raw_scale, mask=p_mask)
+        tl.store(z_ptr, lo, mask=p_mask)
+        scale = raw_scale
+        zero = lo
+    nonzero = scale[:, :, None] > 0
+    safe = tl.where(nonzero, scale[:, :, None], 1.0)
+    v = tl.math.div_rn(x - zero[:, :, None], safe)
+    f = tl.floor(v)  # round half to even from floor: exact for every float32
+    frac = v - f
+    odd = (f - 2.0 * tl.floor(f * 0.5)) == 1.0
+    r = tl.where((frac > 0.5) | ((frac == 0.5) & odd), f + 1.0, f)
+    r = tl.minimum(tl.maximum(r, 0.0), MAX_CODE * 1.0)
+    code = tl.where(nonzero, r, 0.0).to(tl.int32)  # [BLOCK_T, NUM_GROUPS, GROUP]
+    planar = tl.reshape(code, [BLOCK_T, CPB, HEAD_DIM // CPB])  # [t, i, j] = channel i * HEAD_DIM/CPB + j
+    shifts = tl.arange(0, CPB) * BITS
+    packed = tl.sum(planar << shifts[None, :, None], axis=1)  # disjoint bit fields: sum == or
+    c_ptr = CODES + b * stride_cb + h * stride_ch + row[:, None] * stride_cn + tl.arange(0, HEAD_DIM // CPB)[None, :]
+    tl.store(c_ptr, packed.to(tl.uint8), mask=p_mask)
+
+
+def _append_channel_kernel(
+    X, stride_xb, stride_xh, stride_xn,
+    CODES, stride_cb, stride_ch, stride_cn,
+    SCALE, stride_sb, stride_sh, stride_sn,
+    ZERO, stride_zb, stride_zh, stride_zn,
+    OFFSETS, offset, heads,
+    HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, BITS: tl.constexpr, CPB: tl.constexpr,
+    MAX_CODE: tl.constexpr, BLOCK_T: tl.constexpr, X_BF16: tl.constexpr, SCALE_KIND: tl.constexpr,
+    PER_ROW: tl.constexpr,
+):
+    """One program: one whole group of GROUP new tokens of one (batch, kv head), all channels,
+    held in planar order [CPB, HEAD_DIM // CPB]; two passes over the group's tokens (min/max,
+    then codes)."""
+    pid = tl.program_id(0)
+    b = (pid // heads).to(tl.int64)
+    h = (pid % heads).to(tl.int64)
+    grp = tl.program_id(1).to(tl.int64)
+    if PER_ROW:
+        start = tl.load(OFFSETS + b).to(tl.int64)
+    else:
+        start = offset
+    WIDTH: tl.constexpr = HEAD_DIM // CPB
+    chan = tl.arange(0, CPB)[:, None] * WIDTH + tl.arange(0, WIDTH)[None, :]
+    x_base = X + b * stride_xb + h * stride_xh + grp * GROUP * stride_xn
+    lo = tl.full([CPB, WIDTH], float("inf"), tl.float32)
+    hi = tl.full([CPB, WIDTH], float("-inf"), tl.float32)
+    for t0 in range(0, GROUP, BLOCK_T):
+        t = t0 + tl.arange(0, BLOCK_T)
+        t_ok = t < GROUP
+        x_ptr = x_base + t[:, None, None].to(tl.int64) * stride_xn + chan[None, :, :]
+        if X_BF16:
+            bits = tl.load(x_ptr, mask=t_ok[:, None, None], other=0).to(tl.uint16, bitcast=True).to(tl.uint32)
+            x = (bits << 16).to(tl.float32, bitcast=True)
+        else:
+            x = tl.load(x_ptr, mask=t_ok[:, None, None], other=0.0).to(tl.float32)
+        lo = tl.minimum(lo, tl.min(tl.where(t_ok[:, None, None], x, float("inf")), axis=0))
+        hi = tl.maximum(hi, tl.max(tl.where(t_ok[:, None, None], x, float("-inf")), axis=0))
+    raw_scale = tl.math.div_rn(hi - lo, tl.zeros_like(lo) + MAX_CODE)
+    prow = start // GROUP + grp
+    s_ptr = SCALE + b * stride_sb + h * stride_sh + prow * stride_sn + chan
+    z_ptr = ZERO + b * stride_zb + h * stride_zh + prow * stride_zn + chan
+    if SCALE_KIND == 0:
+        s_lo = raw_scale.to(tl.float16)
+        z_lo = lo.to(tl.float16)
+        tl.store(s_ptr, s_lo)
+        tl.store(z_ptr, z_lo)
+        scale = s_lo.to(tl.float32)
+        zero = z_lo.to(tl.float32)
+    elif SCALE_KIND == 1:
+        s_bits = raw_scale.to(tl.uint32, bitcast=True)
+        s_bits = (s_bits + 0x7FFF + ((s_bits >> 16) & 1)) >> 16
+        z_bits = lo.to(tl.uint32, bitcast=True)
+        z_bits = (z_bits + 0x7FFF + ((z_bits >> 16) & 1)) >> 16
+        tl.store(s_ptr, s_bits.to(tl.uint16).to(tl.int16, bitcast=True))
+        tl.store(z_ptr, z_bits.to(tl.uint16).to(tl.int16, bitcast=True))
+        scale = (s_bits << 16).to(tl.float32, bitcast=True)
+        zero = (z_bits << 16).to(tl.float32, bitcast=True)
+    else:
+        tl.store(s_ptr, raw_scale)
+        tl.store(z_ptr, lo)
+        scale = raw_scale
+        zero = lo
+    nonzero = scale[None, :, :] > 0
+    safe = tl.where(nonzero, scale[None, :, :], 1.0)
+    shifts = tl.arange(0, CPB) * BITS
+    c_base = CODES + b * stride_cb + h * stride_ch
+    for t0 in range(0, GROUP, BLOCK_T):
+        t = t0 + tl.arange(0, BLOCK_T)
+        t_ok = t < GROUP
+        x_ptr = x_base + t[:, None, None].to(tl.int64) * stride_xn + chan[None, :, :]
+        if X_BF16:
+            bits = tl.load(x_ptr, mask=t_ok[:, None, None], other=0).to(tl.uint16, bitcast=True).to(tl.uint32)
+            x = (bits << 16).to(tl.float32, bitcast=True)
+        else:
+            x = tl.load(x_ptr, mask=t_ok[:, None, None], other=0.0).to(tl.float32)
+        v = tl.math.div_rn(x - zero[None, :, :], safe)
+        f = tl.floor(v)
+        frac = v - f
+        odd = (f - 2.0 * tl.floor(f * 0.5)) == 1.0
+        r = tl.where((frac > 0.5) | ((frac == 0.5) & odd), f + 1.0, f)
+        r = tl.minimum(tl.maximum(r, 0.0), MAX_CODE * 1.0)
+        code = tl.where(nonzero, r, 0.0).to(tl.int32)  # [BLOCK_T, CPB, WIDTH]
+        packed = tl.sum(code << shifts[None, :, None], axis=1)
+        row = start + grp * GROUP + t.to(tl.int64)
+        tl.store(c_base + row[:, None] * stride_cn + tl.arange(0, WIDTH)[None, :], packed.to(tl.uint8),
+                 mask=t_ok[:, None])
+
+
+_WRAPPED: dict[tuple[str, bool], object] = {}
+
+
+def _kernel(name: str, interpret: bool):
+    """The kernel ``name`` as a JITFunction (native) or an InterpretedFunction (interpreter)."""
+    key = (name, interpret)
+    if key not in _WRAPPED:
+        fn = {"token": _append_token_kernel, "channel": _append_channel_kernel}[name]
+        if interpret:
+            from triton.runtime.interpreter import InterpretedFunction
+
+            _WRAPPED[key] = InterpretedFunction(fn)
+        else:
+            from triton.runtime.jit import JITFunction
+
+            _WRAPPED[key] = JITFunction(fn)
+    return _WRAPPED[key]
+
+
+def resolve_target(target: str, device: torch.device) -> str:
+    """``"interpret"``, ``"native"`` or ``"reference"`` for ``target`` on ``device``."""
+    if target not in TARGETS:
+        raise SpecError(f"target={target!r} is not available for the append kernel; use one of {TARGETS}")
+    if target == "reference":
+        return "reference"
+    if target == "auto":
+        return "native" if device.type == "cuda" else "interpret"
+    if target == "interpret":
+        if device.type != "cpu":
+            raise InputError(f"target='interpret' runs on the CPU but the storage is on {device}; "
+                             "use target='auto'")
+        return "interpret"
+    if device.type != "cuda":
+        raise InputError(f"target={target!r} runs on a CUDA GPU but the storage is on {device}; "
+                         "use target='interpret' (CPU) or 'auto'")
+    return "native"
+
+
+def safe_abs_limit(scale_dtype: torch.dtype) -> float:
+    """Largest |x| for which no group can overflow ``scale_dtype`` (zero = min needs |x| <= max of
+    the dtype; scale <= 2|x|/3 and max - min in float32 need 2|x| <= float32 max)."""
+    return min(torch.finfo(scale_dtype).max, torch.finfo(torch.float32).max / 2)
+
+
+def check_finite(x: torch.Tensor, name: str = "x") -> float:
+    """max |x| (one device sync); InputError if x holds NaN or Inf."""
+    m = float(x.abs().amax()) if x.numel() else 0.0
+    if not math.isfinite(m):
+        bad = (~torch.isfinite(x)).nonzero()[0].tolist()
+        raise InputError(f"{name} holds NaN or Inf (first at index {bad}); only finite values can be "
+                         "quantized into the cache")
+    return m
+
+
+def _offsets(offset, dst: AffineTensor, tokens: int):
+    """(scalar offset, None) or (None, per-row int64 offsets on dst's device), validated."""
+    batch, cap, enc = dst.shape[0], dst.num_tokens, dst.encoding
+    if isinstance(offset, torch.Tensor):
+        if offset.dtype.is_floating_point or offset.dtype.is_complex or offset.dtype == torch.bool:
+            raise InputError(f"offset dtype={offset.dtype} must be an integer type (token positions)")
+        if tuple(offset.shape) != (batch,):
+            raise InputError(f"offset shape={tuple(offset.shape)} but dst has batch={batch}; pass one token "
+                             "offset per batch row, or an int")
+        lo, hi = int(offset.min()), int(offset.max())
+        per_row = offset.to(device=dst.device, dtype=torch.int64)
+        if enc.layout == "channel" and bool((per_row % enc.group_size != 0).any()):
+            bad = int(per_row[per_row % enc.group_size != 0][0])
+            raise InputError(f"offset={bad} is not a multiple of group_size={enc.group_size}; channel-wise "
+                             "groups are written whole, so every offset must start a group")
+        scalar = None
+    else:
+        if isinstance(offset, bool) or not isinstance(offset, int):
+            raise InputTypeError(f"offset={offset!r} must be an int or an integer tensor of one offset per "
+                                 "batch row")
+        lo = hi = offset
+        per_row = None
+        scalar = offset
+        if enc.layout == "channel" and offset % enc.group_size:
+            raise InputError(f"offset={offset} is not a multiple of group_size={enc.group_size}; channel-wise "
+                             "groups are written whole, so the offset must start a group")
+    if lo < 0:
+        raise InputError(f"offset={lo} is negative; token offsets start at 0")
+    if hi + tokens > cap:
+        raise InputError(f"writing {tokens} tokens at offset {hi} needs {hi + tokens} token slots but dst holds "
+                         f"{cap}; allocate a larger cache or write fewer tokens")
+    return scalar, per_row
+
+
+def append_quantized(dst: AffineTensor, x: torch.Tensor, offset=0, *, target: str = "auto",
+                     check: bool = True) -> None:
+    """Quantize ``x [batch, kv_heads, T, head_dim]`` into ``dst`` at tokens ``[offset, offset + T)``.
+
+    Args:
+        dst: preallocated storage (its codes, scale and zero are written in place).
+        x: new tokens, float16, bfloat16 or float32, on dst's device.
+        offset: token position of x's first token, an int or an integer tensor [batch] (ragged rows).
+            Channel-wise encodings need whole groups: T and every offset multiples of group_size.
+        target: "auto" (GPU kernel on CUDA, interpreter on CPU), "interpret", "sm_90", "sm_100",
+            or "reference" (foldc.quantize and a copy, any device).
+        check: reject NaN/Inf (one device sync). Pass False only for values already checked.
+
+    The bits written equal ``foldc.quantize(x, dst.encoding)`` (for channel-wise encodings, the
+    groups are x's runs of group_size tokens); tokens outside ``[offset, offset + T)`` and scale rows
+    outside their groups are not touched.
+    """
+    if not isinstance(dst, AffineTensor):
+        raise InputTypeError(f"dst must be a foldc.AffineTensor (preallocated storage), got {type(dst).__name__}")
+    if not isinstance(x, torch.Tensor):
+        raise InputTypeError(f"x must be a torch.Tensor [batch, kv_heads, tokens, head_dim], got {type(x).__name__}")
+    enc, (batch, heads, _, head_dim) = dst.encoding, dst.shape
+    if x.dim() != 4 or x.shape[0] != batch or x.shape[1] != heads or x.shape[3] != head_dim:
+        raise InputError(f"x shape={tuple(x.shape)} but dst needs [{batch}, {heads}, tokens, {head_dim}]")
+    if x.dtype not in INPUT_DTYPES:
+        raise InputError(f"x dtype={x.dtype} is not supported; use one of {list(INPUT_DTYPES)}")
+    if x.device != dst.device:
+        raise InputError(f"x is on {x.device} but dst is on {dst.device}; move x to {dst.device}")
+    tokens = x.shape[2]
+    if enc.layout == "channel" and tokens % enc.group_size:
+        raise InputError(f"x holds {tokens} tokens, not a multiple of group_size={enc.group_size}; channel-wise "
+                         "groups are written whole (keep the partial group in the model dtype until it fills)")
+    scalar, per_row = _offsets(offset, dst, tokens)
+    mode = resolve_target(target, dst.device)
+    if tokens == 0:
+        return
+    if check:
+        m = check_finite(x)
+        if m > safe_abs_limit(enc.scale_dtype):
+            from ..encoding import quantize
+
+            quantize(x, enc)  # raises exactly when foldc.quantize would (scale/zero overflow)
+    if mode == "reference":
+        _append_reference(dst, x, scalar, per_row)
+        return
+    if head_dim & (head_dim - 1):
+        raise InputError(f"head_dim={head_dim} is not a power of two; the append kernel tiles head_dim with "
+                         "tl.arange, so use target='reference' for this shape")
+    for name, t in (("codes", dst.codes), ("scale", dst.scale), ("zero", dst.zero)):
+        if t.stride(-1) != 1:
+            raise InputError(f"dst.{name} must have unit stride along its last dim; got strides {t.stride()}")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    _launch(dst, x, scalar, per_row, mode == "interpret")
+
+
+def _launch(dst: AffineTensor, x: torch.Tensor, scalar, per_row, interpret: bool) -> None:
+    from ..backends.triton.launch import _interpret
+
+    enc = dst.encoding
+    batch, heads, _, head_dim = dst.shape
+    tokens = x.shape[2]
+    xin = x.view(torch.int16) if x.dtype == torch.bfloat16 else x
+    scale, zero = dst.scale, dst.zero
+    if enc.scale_dtype == torch.bfloat16:
+        scale, zero = scale.view(torch.int16), zero.view(torch.int16)
+    offs = per_row if per_row is not None else dst.codes  # not read unless PER_ROW
+    args = [xin, *xin.stride()[:3], dst.codes, *dst.codes.stride()[:3], scale, *scale.stride()[:3],
+            zero, *zero.stride()[:3], offs, 0 if scalar is None else scalar]
+    common = dict(HEAD_DIM=head_dim, GROUP=enc.group_size, BITS=enc.bits, CPB=enc.codes_per_byte,
+                  MAX_CODE=enc.max_code, X_BF16=x.dtype == torch.bfloat16,
+                  SCALE_KIND=SCALE_KIND[enc.scale_dtype], PER_ROW=per_row is not None, num_warps=4)
+    with _interpret(interpret):
+        if enc.layout == "token":
+            block_t = min(BLOCK_T_TOKEN, 1 << (tokens - 1).bit_length())
+            grid = (batch * heads, math.ceil(tokens / block_t))
+            _kernel("token", interpret)[grid](*args, tokens, heads, NUM_GROUPS=head_dim // enc.group_size,
+                                              BLOCK_T=block_t, **common)
+        else:
+            block_t = min(BLOCK_T_CHANNEL, 1 << (enc.group_size - 1).bit_length())
+            grid = (batch * heads, tokens // enc.group_size)
+            _kernel("channel", interpret)[grid](*args, heads, BLOCK_T=block_t, **common)
+
+
+def _append_reference(dst: AffineTensor, x: torch.Tensor, scalar, per_row) -> None:
+    """foldc.quantize, then a copy into place (the exactness the kernel is held to)."""
+    from ..encoding import quantize
+
+    q = quantize(x, dst.encoding)
+    tokens, enc = x.shape[2], dst.encoding
+    starts = [scalar] * dst.shape[0] if per_row is None else per_row.tolist()
+    for b, start in enumerate(starts):
+        dst.codes[b, :, start:start + tokens] = q.codes[b]
+        if enc.layout == "token":
+            dst.scale[b, :, start:start + tokens] = q.scale[b]
+            dst.zero[b, :, start:start + tokens] = q.zero[b]
+        else:
+            g0, ng = start // enc.group_size, tokens // enc.group_size
+            dst.scale[b, :, g0:g0 + ng] = q.scale[b]
+            dst.zero[b, :, g0:g0 + ng] = q.zero[b]

@@ -1,0 +1,274 @@
+"""One layer's KV cache: a quantized body plus plain sink and recent-window tokens.
+
+Token order in the cache::
+
+    [ sink (first `sink` tokens, model dtype) | body (quantized per spec.k / spec.v) | recent (model dtype) ]
+
+New tokens fill the sink first, then join the recent window. When the window holds more than
+``window`` tokens, the oldest ones are flushed into the body by the quantize-on-append kernel
+(`foldc.serving.append_quantized`): token-wise encodings at once, channel-wise encodings only in
+whole groups (every flush is a multiple of ``unit``, the least common multiple of the channel-wise
+group sizes of K and V, so that K and V bodies hold the same tokens and every body group is
+complete). The recent window may thus hold up to ``window + unit - 1`` tokens.
+
+Attention over the whole cache is the quantized body's attention (``foldc.compile(spec)``) merged
+with the plain attention over sink + recent (one plain operand: the sink and the recent tokens
+sit next to each other in one buffer) by log-sum-exp (`foldc.merge_attention`, eq. 14). Keys
+carry no position here (rotary embeddings are applied before caching), so the split into parts
+does not change the result.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..compile import TARGETS as COMPILE_TARGETS
+from ..compile import compile as compile_attention
+from ..compile import detect_target
+from ..encoding import AffineTensor, scale_shape
+from ..errors import InputError, InputTypeError, SpecError
+from ..merge import merge_attention
+from ..spec import AttentionSpec
+from .append import append_quantized, check_finite, safe_abs_limit
+
+MODEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _count(name: str, value, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        kind = "a positive integer" if minimum == 1 else "an integer >= 0"
+        raise SpecError(f"{name}={value!r} must be {kind}")
+    return value
+
+
+class QuantizedKVCache:
+    """One layer's KV cache for decode attention with ``spec``.
+
+    Args:
+        spec: the attention and its K/V encodings (a None encoding keeps that operand plain).
+        batch: sequences (all of one length: ragged/paged batches are not handled here).
+        capacity: most tokens per sequence (sink + body + recent).
+        sink: first tokens kept plain forever (attention sinks).
+        window: most recent tokens kept plain (channel-wise encodings keep up to group_size - 1 more).
+        device, dtype: where and in which model dtype (float16, bfloat16, float32) tokens arrive.
+        target: attention and append target: "auto" (GPU kernels on CUDA, the interpreter on the
+            CPU), "sm_90", "sm_100", "interpret" (CPU, float16 only) or "reference" (float64
+            executor; foldc.quantize for appends).
+    """
+
+    def __init__(self, spec: AttentionSpec, batch: int, capacity: int, *, sink: int = 0, window: int = 0,
+                 device="cpu", dtype: torch.dtype = torch.float16, target: str = "auto"):
+        if not isinstance(spec, AttentionSpec):
+            raise SpecError(f"spec must be a foldc.AttentionSpec, got {type(spec).__name__}")
+        self.spec = spec
+        self.batch = _count("batch", batch, 1)
+        self.capacity = _count("capacity", capacity, 1)
+        self.sink = _count("sink", sink, 0)
+        self.window = _count("window", window, 0)
+        if dtype not in MODEL_DTYPES:
+            raise SpecError(f"dtype={dtype} is not supported; use one of {list(MODEL_DTYPES)}")
+        self.dtype = dtype
+        try:
+            self.device = torch.device(device)
+        except (TypeError, RuntimeError):
+            raise SpecError(f"device={device!r} is not a torch device; use e.g. 'cpu' or 'cuda'") from None
+        if target not in COMPILE_TARGETS:
+            raise SpecError(f"target={target!r} is not available; use one of {COMPILE_TARGETS}")
+        given = target
+        if target == "auto":
+            target = "interpret" if self.device.type == "cpu" else detect_target()
+        if target == "interpret" and (self.device.type != "cpu" or dtype != torch.float16):
+            raise SpecError(f"target={given!r} runs Triton's interpreter, float16 on the CPU; got dtype={dtype} on "
+                            f"{self.device}. Use dtype=torch.float16 and device='cpu', or target='reference'")
+        if target in ("sm_90", "sm_100") and dtype == torch.float32:
+            raise SpecError(f"target={target!r} attends with float16 or bfloat16 tokens; got dtype={dtype}. "
+                            "Use dtype=torch.float16 or torch.bfloat16, or target='reference'")
+        self.target = target
+        groups = [e.group_size for e in (spec.k, spec.v) if e is not None and e.layout == "channel"]
+        self.unit = math.lcm(*groups) if groups else 1
+        self.body_capacity = self.capacity - min(self.sink, self.capacity)
+        self.plain_capacity = min(self.capacity, self.sink + self.window + self.unit - 1)
+        hkv, d = spec.num_kv_heads, spec.head_dim
+        self._body = {name: self._allocate_body(getattr(spec, name)) for name in ("k", "v")}
+        self._plain = {name: torch.zeros(self.batch, hkv, self.plain_capacity, d, dtype=dtype, device=self.device)
+                       for name in ("k", "v")}
+        plain_spec = AttentionSpec(spec.num_q_heads, hkv, d)
+        # compiled up front: a spec the target cannot run fails here, not at the first decode step
+        self._body_attention = compile_attention(spec, target)
+        self._plain_attention = compile_attention(plain_spec, target)
+        self.reset()
+
+    def _allocate_body(self, enc):
+        b, h, n, d = self.batch, self.spec.num_kv_heads, self.body_capacity, self.spec.head_dim
+        if enc is None:
+            return torch.zeros(b, h, n, d, dtype=self.dtype, device=self.device)
+        # zeros, not empty: the attention kernel reads whole tiles, and scales past the body must be finite
+        return AffineTensor(torch.zeros(b, h, n, d // enc.codes_per_byte, dtype=torch.uint8, device=self.device),
+                            torch.zeros(scale_shape(enc, b, h, n, d), dtype=enc.scale_dtype, device=self.device),
+                            torch.zeros(scale_shape(enc, b, h, n, d), dtype=enc.scale_dtype, device=self.device),
+                            enc, d)
+
+    # ---- state --------------------------------------------------------------------------------
+
+    def reset(self) -> None:
+        """Forget every token (storage is kept and overwritten by later appends)."""
+        self._sink_len = 0
+        self._body_len = 0
+        self._recent_len = 0
+        self._max_abs = 0.0  # largest |value| appended since reset (decides the overflow check)
+
+    @property
+    def num_tokens(self) -> int:
+        return self._sink_len + self._body_len + self._recent_len
+
+    @property
+    def sink_tokens(self) -> int:
+        return self._sink_len
+
+    @property
+    def body_tokens(self) -> int:
+        return self._body_len
+
+    @property
+    def window_tokens(self) -> int:
+        return self._recent_len
+
+    # ---- append -------------------------------------------------------------------------------
+
+    def _check_tokens(self, name: str, x) -> None:
+        if not isinstance(x, torch.Tensor):
+            raise InputTypeError(f"{name} must be a torch.Tensor [batch, kv_heads, tokens, head_dim], "
+                                 f"got {type(x).__name__}")
+        want = (self.batch, self.spec.num_kv_heads, self.spec.head_dim)
+        if x.dim() != 4 or (x.shape[0], x.shape[1], x.shape[3]) != want:
+            raise InputError(f"{name} shape={tuple(x.shape)} but this cache holds [{want[0]}, {want[1]}, tokens, "
+                             f"{want[2]}] (batch, kv_heads, tokens, head_dim)")
+        if x.dtype != self.dtype:
+            raise InputError(f"{name} dtype={x.dtype} but the cache was built with dtype={self.dtype}; "
+                             f"pass {name}.to({self.dtype})")
+        if x.device != self.device:
+            raise InputError(f"{name} is on {x.device} but the cache is on {self.device}; move it there")
+
+    def append(self, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
+        """Add ``T`` tokens, ``k_new`` and ``v_new`` of shape [batch, kv_heads, T, head_dim].
+
+        All checks (shapes, dtype, device, capacity, NaN/Inf, scale overflow) run before any
+        counter moves: a rejected append leaves the cache as it was."""
+        self._check_tokens("k_new", k_new)
+        self._check_tokens("v_new", v_new)
+        tokens = k_new.shape[2]
+        if v_new.shape[2] != tokens:
+            raise InputError(f"k_new holds {tokens} tokens but v_new holds {v_new.shape[2]}; they must match")
+        if self.num_tokens + tokens > self.capacity:
+            raise InputError(f"appending {tokens} tokens to {self.num_tokens} would hold {self.num_tokens + tokens} "
+                             f"but capacity={self.capacity}; build the cache with a larger capacity or reset() it")
+        if tokens == 0:
+            return
+        peaks = torch.stack([k_new.abs().amax(), v_new.abs().amax()]).tolist()  # one device sync for both
+        for name, x, peak in (("k_new", k_new, peaks[0]), ("v_new", v_new, peaks[1])):
+            if not math.isfinite(peak):
+                check_finite(x, name)  # raises, naming the first NaN/Inf
+        self._max_abs = max(self._max_abs, *peaks)
+
+        n_sink = min(tokens, self.sink - self._sink_len)
+        rest = tokens - n_sink
+        total = self._recent_len + rest  # recent tokens before the flush
+        flush = ((total - self.window) // self.unit) * self.unit if total > self.window else 0
+        from_recent = min(flush, self._recent_len)
+        from_new = flush - from_recent
+
+        # 1. flush into the body (writes past body_len only: invisible until the counters move)
+        if flush:
+            for name, new in (("k", k_new), ("v", v_new)):
+                src = new[:, :, n_sink:n_sink + from_new]
+                if from_recent:
+                    old = self._plain[name][:, :, self.sink:self.sink + from_recent]
+                    src = torch.cat([old, src], dim=2) if from_new else old
+                self._write_body(name, src)
+        # 2. sink, then the recent window (kept tokens shift to the front of the window)
+        keep = self._recent_len - from_recent
+        for name, new in (("k", k_new), ("v", v_new)):
+            plain = self._plain[name]
+            if n_sink:
+                plain[:, :, self._sink_len:self._sink_len + n_sink] = new[:, :, :n_sink]
+            if from_recent and keep:
+                start = self.sink + from_recent
+                plain[:, :, self.sink:self.sink + keep] = plain[:, :, start:start + keep].clone()
+            arrive = rest - from_new
+            if arrive:
+                plain[:, :, self.sink + keep:self.sink + keep + arrive] = new[:, :, n_sink + from_new:]
+        self._sink_len += n_sink
+        self._body_len += flush
+        self._recent_len = keep + rest - from_new
+
+    def _write_body(self, name: str, src: torch.Tensor) -> None:
+        body, enc = self._body[name], getattr(self.spec, name)
+        n = src.shape[2]
+        if enc is None:
+            body[:, :, self._body_len:self._body_len + n] = src
+            return
+        # exact overflow check only when some value could overflow the scale dtype (rare)
+        check = self._max_abs > safe_abs_limit(enc.scale_dtype)
+        append_quantized(body, src, self._body_len, target=self.target, check=check)
+
+    # ---- read ---------------------------------------------------------------------------------
+
+    def body(self):
+        """(k, v) of the body's tokens: AffineTensor views (quantized operands) or plain tensors."""
+        n = self._body_len
+        out = []
+        for name in ("k", "v"):
+            x, enc = self._body[name], getattr(self.spec, name)
+            if enc is None:
+                out.append(x[:, :, :n])
+                continue
+            rows = n if enc.layout == "token" else math.ceil(n / enc.group_size)
+            out.append(AffineTensor(x.codes[:, :, :n], x.scale[:, :, :rows], x.zero[:, :, :rows], enc,
+                                    self.spec.head_dim))
+        return tuple(out)
+
+    def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(k, v): every cached token as float32 [batch, kv_heads, num_tokens, head_dim], in token order
+        (sink, body dequantized, recent)."""
+        result = []
+        for name, body in zip(("k", "v"), self.body()):
+            plain = self._plain[name]
+            body_f = body.dequantize(torch.float32) if isinstance(body, AffineTensor) else body.to(torch.float32)
+            result.append(torch.cat([plain[:, :, :self._sink_len].to(torch.float32), body_f,
+                                     plain[:, :, self.sink:self.sink + self._recent_len].to(torch.float32)], dim=2))
+        return result[0], result[1]
+
+    def attention(self, q: torch.Tensor, sm_scale: float | None = None, return_lse: bool = False):
+        """Decode attention of ``q [batch, num_q_heads, head_dim]`` over every cached token.
+
+        Returns ``[batch, num_q_heads, head_dim]`` in q's dtype (float64 for target="reference"),
+        and the float32 log-sum-exp per head with ``return_lse=True``."""
+        if not isinstance(q, torch.Tensor):
+            raise InputTypeError(f"q must be a torch.Tensor [batch, num_q_heads, head_dim], got {type(q).__name__}")
+        want = (self.batch, self.spec.num_q_heads, self.spec.head_dim)
+        if tuple(q.shape) != want:
+            raise InputError(f"q shape={tuple(q.shape)} but this cache needs {want} (batch, num_q_heads, head_dim)")
+        if self.target != "reference" and q.dtype != self.dtype:
+            raise InputError(f"q dtype={q.dtype} but the cache holds {self.dtype} tokens; pass q.to({self.dtype})")
+        if q.device != self.device:
+            raise InputError(f"q is on {q.device} but the cache is on {self.device}; move it there")
+        if self.num_tokens == 0:
+            raise InputError("the cache holds no tokens; append() keys and values before attention()")
+        parts = []
+        if self._body_len:
+            lens = torch.full((self.batch,), self._body_len, dtype=torch.int32, device=self.device)
+            parts.append(self._body_attention(q, self._body["k"], self._body["v"], sm_scale=sm_scale,
+                                              seq_lens=lens, return_lse=True))
+        plain_len = self._sink_len + self._recent_len
+        if plain_len:  # sink and recent are one contiguous prefix of the plain buffer
+            lens = torch.full((self.batch,), plain_len, dtype=torch.int32, device=self.device)
+            parts.append(self._plain_attention(q, self._plain["k"], self._plain["v"], sm_scale=sm_scale,
+                                               seq_lens=lens, return_lse=True))
+        out, lse = parts[0] if len(parts) == 1 else merge_attention(parts)
+        return (out, lse) if return_lse else out
+
+    def __repr__(self) -> str:
+        return (f"QuantizedKVCache({self.spec.describe()}, batch={self.batch}, capacity={self.capacity}, "
+                f"sink={self.sink}, window={self.window}, tokens={self.num_tokens} "
+                f"[sink {self._sink_len}, body {self._body_len}, recent {self._recent_len}], target={self.target!r})")

@@ -1,0 +1,312 @@
+"""The quantize-on-append kernel writes exactly what foldc.quantize computes, where it is told,
+and nothing else (storage is poisoned with random bits first and compared bit for bit)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import foldc
+from foldc.encoding import AffineTensor, scale_shape
+from foldc.errors import InputError, InputTypeError, SpecError
+from foldc.serving import append_quantized
+
+ROOT = Path(__file__).resolve().parents[2]
+A = foldc.Affine
+SCALE_DTYPES = [torch.float16, torch.bfloat16, torch.float32]
+BITS_VIEW = {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float32: torch.int32,
+             torch.uint8: torch.uint8}
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The raw bit patterns (so -0.0 != 0.0 and a NaN equals itself)."""
+    return t.view(BITS_VIEW[t.dtype])
+
+
+def poisoned(enc: A, batch: int, heads: int, tokens: int, head_dim: int, gen) -> AffineTensor:
+    """Storage full of random bytes: any write outside the target region shows up."""
+    shape = scale_shape(enc, batch, heads, tokens, head_dim)
+    width = torch.finfo(enc.scale_dtype).bits // 8
+
+    def noise(n):
+        return torch.randint(0, 256, (n * width,), generator=gen, dtype=torch.uint8).view(enc.scale_dtype)
+
+    numel = int(torch.tensor(shape).prod())
+    return AffineTensor(
+        torch.randint(0, 256, (batch, heads, tokens, head_dim // enc.codes_per_byte), generator=gen, dtype=torch.uint8),
+        noise(numel).reshape(shape), noise(numel).reshape(shape), enc, head_dim)
+
+
+def values(shape, kind: str, dtype: torch.dtype, gen, bits_: int) -> torch.Tensor:
+    """Fresh random values of several shapes of trouble."""
+    if kind == "normal":
+        mag = float(torch.tensor([1e-3, 1.0, 50.0])[torch.randint(0, 3, (), generator=gen)])
+        x = torch.randn(shape, generator=gen) * mag + torch.randn((), generator=gen) * mag
+    elif kind == "halves":  # ties at .5 of the code grid when a group spans [0, 2**bits - 1]
+        x = torch.randint(0, 2 * (2 ** bits_ - 1) + 1, shape, generator=gen).float() / 2
+    elif kind == "offset":  # a large common offset and a tiny spread: scale near the subnormals
+        x = 300.0 + torch.randn(shape, generator=gen) * 1e-2
+    else:  # "constant": constant groups (scale 0) of values the scale dtype may not hold, some not
+        x = (torch.randn(shape[:-1] + (1,), generator=gen) * 3000).expand(shape).clone()
+        some = torch.rand(shape[:-1] + (1,), generator=gen) < 0.3
+        x[..., :1] += torch.rand(shape[:-1] + (1,), generator=gen) * some
+    return x.to(dtype)
+
+
+def expected(before: AffineTensor, x: torch.Tensor, starts: list[int]) -> AffineTensor:
+    """``before`` with foldc.quantize(x) copied in at each batch row's start."""
+    enc, n = before.encoding, x.shape[2]
+    q = foldc.quantize(x, enc)
+    codes, scale, zero = before.codes.clone(), before.scale.clone(), before.zero.clone()
+    for b, s in enumerate(starts):
+        codes[b, :, s:s + n] = q.codes[b]
+        rows = slice(s, s + n) if enc.layout == "token" else slice(s // enc.group_size, (s + n) // enc.group_size)
+        scale[b, :, rows] = q.scale[b]
+        zero[b, :, rows] = q.zero[b]
+    return AffineTensor(codes, scale, zero, enc, before.head_dim)
+
+
+def assert_same_bits(got: AffineTensor, want: AffineTensor) -> None:
+    for part in ("codes", "scale", "zero"):
+        g, w = getattr(got, part), getattr(want, part)
+        mismatch = (bits(g) != bits(w)).nonzero()
+        assert mismatch.numel() == 0, f"{part} differs at {mismatch[:4].tolist()} ({mismatch.shape[0]} entries)"
+
+
+@st.composite
+def cases(draw):
+    layout = draw(st.sampled_from(["token", "channel"]))
+    head_dim = draw(st.sampled_from([16, 32, 64]))
+    bits_ = draw(st.sampled_from([2, 4, 8]))
+    if layout == "token":
+        group = draw(st.sampled_from([g for g in (4, 8, 16, 32, 64) if head_dim % g == 0]))
+        tokens = draw(st.integers(1, 40))
+        capacity = tokens + draw(st.integers(0, 20))
+        offset = draw(st.integers(0, capacity - tokens))
+    else:
+        group = draw(st.sampled_from([1, 3, 8, 16, 24]))
+        ngroups = draw(st.integers(1, 3))
+        tokens = ngroups * group
+        capacity_groups = ngroups + draw(st.integers(0, 2))
+        capacity = capacity_groups * group + draw(st.integers(0, group - 1))  # a partial last scale row
+        offset = draw(st.integers(0, capacity_groups - ngroups)) * group
+    enc = A(bits_, layout, group, draw(st.sampled_from(SCALE_DTYPES)))
+    return dict(enc=enc, head_dim=head_dim, tokens=tokens, capacity=capacity, offset=offset,
+                dtype=draw(st.sampled_from([torch.float16, torch.float32, torch.bfloat16])),
+                kind=draw(st.sampled_from(["normal", "halves", "offset", "constant"])),
+                batch=draw(st.integers(1, 2)), heads=draw(st.integers(1, 3)),
+                seed=draw(st.integers(0, 2**31 - 1)))
+
+
+@settings(max_examples=80, deadline=None)
+@given(case=cases())
+def test_kernel_writes_what_quantize_computes_and_nothing_else(case):
+    gen = torch.Generator().manual_seed(case["seed"])
+    enc, d, n = case["enc"], case["head_dim"], case["tokens"]
+    dst = poisoned(enc, case["batch"], case["heads"], case["capacity"], d, gen)
+    x = values((case["batch"], case["heads"], n, d), case["kind"], case["dtype"], gen, enc.bits)
+    want = expected(dst, x, [case["offset"]] * case["batch"])
+    append_quantized(dst, x, case["offset"], target="interpret")
+    assert_same_bits(dst, want)
+
+
+@pytest.mark.parametrize("layout,group", [("token", 16), ("channel", 8)])
+def test_ragged_offsets_write_each_row_at_its_own_position(layout, group):
+    gen = torch.Generator().manual_seed(11)
+    enc = A(4, layout, group)
+    dst = poisoned(enc, 3, 2, 64, 32, gen)
+    x = torch.randn(3, 2, 16, 32, generator=gen).half()
+    starts = [0, 40, 16]
+    want = expected(dst, x, starts)
+    append_quantized(dst, x, torch.tensor(starts, dtype=torch.int32), target="interpret")
+    assert_same_bits(dst, want)
+
+
+def test_reference_target_writes_the_same_bits_as_the_kernel():
+    gen = torch.Generator().manual_seed(5)
+    enc = A(2, "channel", 16, torch.bfloat16)
+    x = torch.randn(2, 2, 32, 64, generator=gen).to(torch.bfloat16) * 4
+    kernel = poisoned(enc, 2, 2, 80, 64, gen)
+    ref = AffineTensor(kernel.codes.clone(), kernel.scale.clone(), kernel.zero.clone(), enc, 64)
+    offsets = torch.tensor([16, 48])
+    append_quantized(kernel, x, offsets, target="interpret")
+    append_quantized(ref, x, offsets, target="reference")
+    assert_same_bits(kernel, ref)
+    assert_same_bits(kernel, expected(ref, x, [16, 48]))
+
+
+def test_round_half_to_even_and_constant_groups():
+    # one token, groups of 8: [0, 3, 0.5, 1.5, 2.5, 1, 2, 3] -> scale 1, zero 0, codes 0 3 0 2 2 1 2 3
+    # (ties go to the even code); a constant group gets scale 0 and codes 0
+    row = torch.tensor([0, 3, 0.5, 1.5, 2.5, 1, 2, 3] + [-1.25] * 8)
+    x = row.reshape(1, 1, 1, 16).half()
+    enc = A(2, "token", 8)
+    dst = poisoned(enc, 1, 1, 4, 16, torch.Generator().manual_seed(0))
+    append_quantized(dst, x, 2, target="interpret")
+    got = AffineTensor(dst.codes[:, :, 2:3], dst.scale[:, :, 2:3], dst.zero[:, :, 2:3], enc, 16)
+    assert got.unpack().flatten().tolist() == [0, 3, 0, 2, 2, 1, 2, 3] + [0] * 8
+    assert got.scale.flatten().tolist() == [1.0, 0.0] and got.zero.flatten().tolist() == [0.0, -1.25]
+    assert_same_bits(got, foldc.quantize(x, enc))
+
+
+def test_a_constant_group_gets_codes_0_even_when_its_zero_is_rounded_far_away():
+    # 20000.7 -> float16 zero 20000 and scale 0: (x - zero) / 1 would round to code 1
+    for layout in ("token", "channel"):
+        enc = A(2, layout, 16)
+        x = torch.full((1, 1, 16, 16), 20000.7)
+        dst = poisoned(enc, 1, 1, 16, 16, torch.Generator().manual_seed(1))
+        append_quantized(dst, x, 0, target="interpret")
+        assert int(dst.unpack().count_nonzero()) == 0
+        assert dst.scale.unique().tolist() == [0.0] and dst.zero.unique().tolist() == [20000.0]
+        assert_same_bits(dst, foldc.quantize(x, enc))
+
+
+def test_zero_new_tokens_write_nothing():
+    gen = torch.Generator().manual_seed(2)
+    enc = A(4, "channel", 16)
+    dst = poisoned(enc, 1, 2, 32, 32, gen)
+    before = AffineTensor(dst.codes.clone(), dst.scale.clone(), dst.zero.clone(), enc, 32)
+    append_quantized(dst, torch.randn(1, 2, 0, 32).half(), 16, target="interpret")
+    assert_same_bits(dst, before)
+
+
+AOT_SCRIPT = r"""
+import json, re, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from foldc.backends.triton.launch import _interpret
+from foldc.serving.append import _kernel
+out = []
+for layout, x_bf16, scale_kind, per_row in json.loads(sys.argv[1]):
+    fn = _kernel(layout, False)
+    ptrs = {"X": "*i16" if x_bf16 else "*fp16", "CODES": "*u8", "SCALE": ["*fp16", "*i16", "*fp32"][scale_kind],
+            "OFFSETS": "*i64"}
+    sig = {a: ptrs.get(a, "constexpr" if a.isupper() else "i32") for a in fn.arg_names}
+    for a in fn.arg_names:
+        if a.startswith("stride"):
+            sig[a] = "i64"
+    sig["ZERO"] = sig["SCALE"]
+    const = dict(HEAD_DIM=128, GROUP=32 if layout == "token" else 128, BITS=2, CPB=4, MAX_CODE=3,
+                 BLOCK_T=16 if layout == "token" else 32, X_BF16=x_bf16, SCALE_KIND=scale_kind, PER_ROW=per_row)
+    if layout == "token":
+        const["NUM_GROUPS"] = 4
+    with _interpret(False):
+        c = triton.compile(ASTSource(fn, sig, constexprs=const), target=GPUTarget("cuda", 90, 32),
+                           options={"num_warps": 4})
+    ptx = c.asm["ptx"]
+    out.append({"case": [layout, x_bf16, scale_kind, per_row], "div_rn": len(re.findall(r"div\.rn\.f32", ptx)),
+                "div_approx": len(re.findall(r"div\.(approx|full)\.f32", ptx)), "cubin": len(c.asm["cubin"])})
+print(json.dumps(out))
+"""
+
+
+def test_kernels_build_for_sm90_with_correctly_rounded_division(tmp_path):
+    """The GPU build (no GPU needed): both kernels compile for sm_90, and every float32 division is
+    div.rn (an approximate division would break bit-exactness with foldc.quantize)."""
+    jobs = [["token", False, 0, False], ["token", True, 1, True], ["channel", False, 2, True],
+            ["channel", True, 0, False]]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton")
+    proc = subprocess.run([sys.executable, "-c", AOT_SCRIPT, json.dumps(jobs)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    for r in json.loads(proc.stdout.strip().splitlines()[-1]):
+        assert r["div_rn"] > 0 and r["div_approx"] == 0 and r["cubin"] > 0, r
+
+
+# ---- errors: one per message ------------------------------------------------------------------
+
+def _dst(layout="token", group=16, tokens=32, device="cpu", head_dim=32):
+    enc = A(4, layout, group)
+    shape = scale_shape(enc, 1, 2, tokens, head_dim)
+    return AffineTensor(torch.zeros(1, 2, tokens, head_dim // 2, dtype=torch.uint8, device=device),
+                        torch.zeros(shape, dtype=torch.float16, device=device),
+                        torch.zeros(shape, dtype=torch.float16, device=device), enc, head_dim)
+
+
+def _x(tokens=16, dtype=torch.float16, head_dim=32):
+    return torch.randn(1, 2, tokens, head_dim).to(dtype)
+
+
+@pytest.mark.parametrize("call,exc,match", [
+    (lambda: append_quantized(torch.zeros(1, 2, 8, 16), _x(), 0), InputTypeError, "dst must be a foldc.AffineTensor"),
+    (lambda: append_quantized(_dst(), _x().numpy(), 0), InputTypeError, "x must be a torch.Tensor"),
+    (lambda: append_quantized(_dst(), torch.randn(1, 3, 4, 32).half(), 0), InputError,
+     r"x shape=\(1, 3, 4, 32\) but dst needs \[1, 2, tokens, 32\]"),
+    (lambda: append_quantized(_dst(), _x(dtype=torch.float64), 0), InputError,
+     "x dtype=torch.float64 is not supported"),
+    (lambda: append_quantized(_dst(), _x().to("meta"), 0), InputError, "x is on meta but dst is on cpu"),
+    (lambda: append_quantized(_dst("channel", 8), _x(12), 0), InputError,
+     "x holds 12 tokens, not a multiple of group_size=8"),
+    (lambda: append_quantized(_dst(), _x(), torch.tensor([1.0])), InputError,
+     "offset dtype=torch.float32 must be an integer"),
+    (lambda: append_quantized(_dst(), _x(), torch.tensor([1, 2])), InputError,
+     r"offset shape=\(2,\) but dst has batch=1"),
+    (lambda: append_quantized(_dst("channel", 8), _x(8), torch.tensor([4])), InputError,
+     "offset=4 is not a multiple of group_size=8; .* every offset must start a group"),
+    (lambda: append_quantized(_dst(), _x(), 1.5), InputTypeError, "offset=1.5 must be an int"),
+    (lambda: append_quantized(_dst("channel", 8), _x(8), 12), InputError,
+     "offset=12 is not a multiple of group_size=8; .* the offset must start a group"),
+    (lambda: append_quantized(_dst(), _x(), -1), InputError, "offset=-1 is negative"),
+    (lambda: append_quantized(_dst(tokens=32), _x(16), 17), InputError,
+     "writing 16 tokens at offset 17 needs 33 token slots but dst holds 32; allocate a larger cache"),
+    (lambda: append_quantized(_dst(), _x(), 0, target="cuda"), SpecError, "target='cuda' is not available"),
+    (lambda: append_quantized(_dst(device="meta"), _x().to("meta"), 0, target="interpret"), InputError,
+     "target='interpret' runs on the CPU but the storage is on meta"),
+    (lambda: append_quantized(_dst(), _x(), 0, target="sm_90"), InputError,
+     "target='sm_90' runs on a CUDA GPU but the storage is on cpu"),
+    (lambda: append_quantized(_dst(head_dim=48), _x(head_dim=48), 0, target="interpret"), InputError,
+     "head_dim=48 is not a power of two; .* use target='reference'"),
+])
+def test_bad_calls_name_the_value_and_the_fix(call, exc, match):
+    with pytest.raises(exc, match=match):
+        call()
+
+
+def test_nan_and_inf_are_rejected_before_anything_is_written():
+    for bad in (float("nan"), float("inf")):
+        dst = _dst()
+        x = _x()
+        x[0, 1, 3, 5] = bad
+        with pytest.raises(InputError, match=r"x holds NaN or Inf \(first at index \[0, 1, 3, 5\]\)"):
+            append_quantized(dst, x, 0, target="interpret")
+        assert int(dst.codes.count_nonzero()) == 0 and int(dst.scale.count_nonzero()) == 0
+
+
+def test_scale_overflow_is_rejected_as_quantize_rejects_it():
+    x = _x(dtype=torch.float32)
+    x[0, 0, 0, 0] = -1e6  # zero = min does not fit float16 scales
+    with pytest.raises(InputError, match="scale or zero overflow scale_dtype=torch.float16; use Affine"):
+        append_quantized(_dst(), x, 0, target="interpret")
+    ok = _x(dtype=torch.float32)
+    ok[0, 0, 0, 0] = 1e5  # above the float16 range but (max - min) / 15 and min still fit: quantize accepts
+    dst = _dst()
+    append_quantized(dst, ok, 0, target="interpret")
+    assert_same_bits(AffineTensor(dst.codes[:, :, :16], dst.scale[:, :, :16], dst.zero[:, :, :16], dst.encoding, 32),
+                     foldc.quantize(ok, dst.encoding))
+
+
+def test_non_unit_stride_storage_is_rejected():
+    enc = A(4, "token", 16)
+    codes = torch.zeros(1, 2, 16, 32, dtype=torch.uint8).transpose(2, 3)  # [1, 2, 32 tokens, 16 bytes]
+    scale = torch.zeros(1, 2, 32, 2, dtype=torch.float16)
+    dst = AffineTensor(codes, scale, scale.clone(), enc, 32)
+    with pytest.raises(InputError, match=r"dst.codes must have unit stride along its last dim; got strides"):
+        append_quantized(dst, _x(), 0, target="interpret")
+
+
+def test_reference_target_handles_head_dims_the_kernel_cannot_tile():
+    dst = _dst(head_dim=48)
+    x = _x(head_dim=48)
+    append_quantized(dst, x, 8, target="reference")
+    assert_same_bits(AffineTensor(dst.codes[:, :, 8:24], dst.scale[:, :, 8:24], dst.zero[:, :, 8:24],
+                                  dst.encoding, 48), foldc.quantize(x, dst.encoding))

@@ -1,0 +1,283 @@
+"""QuantizedKVCache: every token lands in the right part exactly once, the body holds exactly
+foldc.quantize of its tokens (grouped from the body's start), and attention over the cache equals
+float64 attention over its dequantized contents."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import foldc
+from foldc.errors import InputError, InputTypeError, SpecError
+from foldc.serving import QuantizedKVCache
+
+A = foldc.Affine
+# layouts the Triton backend can tile at head_dim 64 (chunks of >= 16 channels, token groups of 16k)
+SPECS = {
+    "K token2 / V channel4": foldc.AttentionSpec(4, 2, 64, A(2, "token", 16), A(4, "channel", 16)),
+    "K channel2 / V token2": foldc.AttentionSpec(4, 2, 64, A(2, "channel", 32), A(2, "token", 32)),
+    "K channel4 g32 / V channel2 g48": foldc.AttentionSpec(2, 2, 64, A(4, "channel", 32), A(2, "channel", 48)),
+    "K token8 bf16 scales / V plain": foldc.AttentionSpec(4, 1, 64, A(8, "token", 64, torch.bfloat16), None),
+    "plain / plain": foldc.AttentionSpec(4, 2, 64),
+}
+TOL = 2e-3  # relative: fp16 attention against float64 on the same values
+
+
+def rel_err(out, ref) -> float:
+    return float((out.double() - ref).norm() / ref.norm())
+
+
+class Tracker:
+    """The tokens appended so far, and what the cache must hold for them."""
+
+    def __init__(self, cache: QuantizedKVCache):
+        self.cache, self.k, self.v = cache, [], []
+
+    def append(self, k, v):
+        self.cache.append(k, v)
+        self.k.append(k)
+        self.v.append(v)
+
+    def check(self):
+        c, spec = self.cache, self.cache.spec
+        keys, vals = torch.cat(self.k, dim=2), torch.cat(self.v, dim=2)
+        n = keys.shape[2]
+        # where each token must be: sink first, then whole flush units into the body
+        sink = min(n, c.sink)
+        body = max(0, n - c.sink - c.window) // c.unit * c.unit if n > c.sink else 0
+        assert (c.num_tokens, c.sink_tokens, c.body_tokens, c.window_tokens) == (n, sink, body, n - sink - body)
+        assert c.window_tokens <= c.window + c.unit - 1
+        got_k, got_v = c.dequantized()
+        for name, x, got, part in (("k", keys, got_k, c.body()[0]), ("v", vals, got_v, c.body()[1])):
+            enc = getattr(spec, name)
+            body_x = x[:, :, sink:sink + body]
+            if body and enc is not None:
+                want_q = foldc.quantize(body_x, enc)
+                for field in ("codes", "scale", "zero"):
+                    assert torch.equal(getattr(part, field), getattr(want_q, field)), f"{name} body {field}"
+                body_f = want_q.dequantize()
+            else:
+                body_f = body_x.float()
+            want = torch.cat([x[:, :, :sink].float(), body_f, x[:, :, sink + body:].float()], dim=2)
+            assert got.dtype == torch.float32 and torch.equal(got, want), f"{name}: dequantized() differs"
+        return got_k, got_v
+
+    def check_attention(self, gen):
+        got_k, got_v = self.check()
+        c = self.cache
+        q = torch.randn(c.batch, c.spec.num_q_heads, c.spec.head_dim, generator=gen).half()
+        sm_scale = float(0.5 + torch.rand((), generator=gen)) / math.sqrt(c.spec.head_dim)
+        out, lse = c.attention(q, sm_scale=sm_scale, return_lse=True)
+        ref = foldc.attention_reference(q, got_k, got_v, sm_scale=sm_scale)
+        assert out.dtype == torch.float16 and out.shape == ref.shape
+        assert rel_err(out, ref) < TOL, f"attention error {rel_err(out, ref):.2e} ({c!r})"
+        logits = torch.einsum("bkhd,bknd->bkhn", q.double().reshape(c.batch, c.spec.num_kv_heads, -1, c.spec.head_dim),
+                              got_k.double()) * sm_scale
+        # lse carries the kernel's fp16 logit rounding (q x s is rounded once under channel-wise K
+        # folds): worst seen 2.2e-3 with offset keys
+        assert torch.allclose(lse.double(), torch.logsumexp(logits, -1).reshape(lse.shape), atol=5e-3)
+
+
+def _tokens(cache, n, gen, shift=0.0):
+    shape = (cache.batch, cache.spec.num_kv_heads, n, cache.spec.head_dim)
+    return (torch.randn(shape, generator=gen) + shift).half(), (torch.randn(shape, generator=gen) * 2 + 1).half()
+
+
+@settings(max_examples=40, deadline=None)
+@given(name=st.sampled_from(sorted(SPECS)), sink=st.sampled_from([0, 1, 4]), window=st.sampled_from([0, 1, 7, 20]),
+       prefill=st.integers(1, 70), steps=st.lists(st.one_of(st.just(1), st.integers(1, 40)), min_size=0, max_size=10),
+       batch=st.integers(1, 2), seed=st.integers(0, 2**31 - 1))
+def test_any_sequence_of_appends_is_cached_exactly(name, sink, window, prefill, steps, batch, seed):
+    gen = torch.Generator().manual_seed(seed)
+    total = prefill + sum(steps)
+    cache = QuantizedKVCache(SPECS[name], batch, total + int(torch.randint(0, 5, (), generator=gen)), sink=sink,
+                             window=window, target="interpret")
+    track = Tracker(cache)
+    track.append(*_tokens(cache, prefill, gen, shift=3.0))
+    track.check_attention(gen)
+    for i, n in enumerate(steps):
+        track.append(*_tokens(cache, n, gen))
+        track.check()
+    if steps:
+        track.check_attention(gen)
+
+
+def test_decode_steps_cross_every_boundary():
+    """Sink filling, window filling, token-wise flushes every step and a channel-wise group flush,
+    one token at a time."""
+    gen = torch.Generator().manual_seed(7)
+    cache = QuantizedKVCache(SPECS["K token2 / V channel4"], 2, 60, sink=3, window=5, target="interpret")
+    track = Tracker(cache)
+    seen = set()
+    for _ in range(41):
+        track.append(*_tokens(cache, 1, gen))
+        track.check()
+        seen.add((cache.sink_tokens, cache.body_tokens > 0))
+    assert cache.body_tokens == 32 and cache.window_tokens == 6
+    assert seen == {(1, False), (2, False), (3, False), (3, True)}
+    track.check_attention(gen)
+
+
+def test_a_prompt_shorter_than_a_group_stays_plain_until_the_group_fills():
+    gen = torch.Generator().manual_seed(8)
+    cache = QuantizedKVCache(SPECS["K channel2 / V token2"], 1, 100, target="interpret")  # channel groups of 32
+    track = Tracker(cache)
+    track.append(*_tokens(cache, 20, gen))
+    assert (cache.body_tokens, cache.window_tokens) == (0, 20)
+    track.check_attention(gen)
+    track.append(*_tokens(cache, 12, gen))
+    assert (cache.body_tokens, cache.window_tokens) == (32, 0)
+    track.check_attention(gen)
+
+
+def test_channel_groups_of_k_and_v_flush_together():
+    # K groups of 32, V groups of 48: both bodies must hold whole groups, so flushes come in 96s
+    cache = QuantizedKVCache(SPECS["K channel4 g32 / V channel2 g48"], 1, 250, window=2, target="interpret")
+    assert cache.unit == 96
+    track = Tracker(cache)
+    gen = torch.Generator().manual_seed(9)
+    track.append(*_tokens(cache, 150, gen))
+    assert (cache.body_tokens, cache.window_tokens) == (96, 54)
+    track.check_attention(gen)
+    track.append(*_tokens(cache, 44, gen))
+    assert (cache.body_tokens, cache.window_tokens) == (192, 2)
+    track.check_attention(gen)
+
+
+def test_empty_parts_launch_nothing():
+    gen = torch.Generator().manual_seed(10)
+    calls = []
+
+    def counting(cache, part):
+        fn = getattr(cache, part)
+
+        def wrapped(q, k, v, **kw):
+            calls.append((part, int(kw["seq_lens"][0])))
+            return fn(q, k, v, **kw)
+        setattr(cache, part, wrapped)
+
+    only_body = QuantizedKVCache(SPECS["K token2 / V channel4"], 1, 64, target="interpret")
+    only_plain = QuantizedKVCache(SPECS["K token2 / V channel4"], 1, 64, sink=8, target="interpret")
+    for cache in (only_body, only_plain):
+        counting(cache, "_body_attention")
+        counting(cache, "_plain_attention")
+        track = Tracker(cache)
+        track.append(*_tokens(cache, 16 if cache is only_body else 8, gen))
+        track.check_attention(gen)
+    assert calls == [("_body_attention", 16), ("_plain_attention", 8)]
+
+
+def test_reset_forgets_every_token():
+    gen = torch.Generator().manual_seed(12)
+    cache = QuantizedKVCache(SPECS["K token2 / V channel4"], 2, 64, sink=2, window=3, target="interpret")
+    cache.append(*_tokens(cache, 50, gen, shift=5.0))
+    cache.reset()
+    assert cache.num_tokens == 0
+    track = Tracker(cache)
+    track.append(*_tokens(cache, 21, gen))
+    track.check_attention(gen)
+
+
+def test_reference_target_with_float32_tokens():
+    gen = torch.Generator().manual_seed(13)
+    spec = foldc.AttentionSpec(4, 2, 48, A(4, "token", 16), A(4, "channel", 5))  # no Triton tiling needed
+    cache = QuantizedKVCache(spec, 2, 40, sink=1, window=2, dtype=torch.float32, target="reference")
+    k, v = torch.randn(2, 2, 33, 48, generator=gen), torch.randn(2, 2, 33, 48, generator=gen)
+    cache.append(k, v)
+    assert (cache.body_tokens, cache.window_tokens) == (30, 2)
+    assert torch.equal(cache.body()[1].codes, foldc.quantize(v[:, :, 1:31], spec.v).codes)
+    q = torch.randn(2, 4, 48, generator=gen)
+    dk, dv = cache.dequantized()
+    out = cache.attention(q)
+    assert out.dtype == torch.float64
+    assert torch.allclose(out, foldc.attention_reference(q, dk, dv), rtol=1e-10, atol=1e-12)
+
+
+# ---- errors: one per message ------------------------------------------------------------------
+
+SPEC = SPECS["K token2 / V channel4"]
+
+
+@pytest.fixture(scope="module")
+def cache():
+    return QuantizedKVCache(SPEC, 2, 40, sink=2, window=4, target="interpret")
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(spec="token:2:16"), "spec must be a foldc.AttentionSpec, got str"),
+    (dict(batch=0), "batch=0 must be a positive integer"),
+    (dict(sink=-1), "sink=-1 must be an integer >= 0"),
+    (dict(dtype=torch.float64), r"dtype=torch.float64 is not supported; use one of"),
+    (dict(device="gpu0"), "device='gpu0' is not a torch device"),
+    (dict(target="cuda"), "target='cuda' is not available"),
+    (dict(dtype=torch.bfloat16, target="auto"),
+     "target='auto' runs Triton's interpreter, float16 on the CPU; got dtype=torch.bfloat16 on cpu"),
+    (dict(target="sm_90", dtype=torch.float32), "target='sm_90' attends with float16 or bfloat16 tokens"),
+    (dict(spec=foldc.AttentionSpec(4, 2, 32, A(2, "token", 16))), "a chunk would hold 8 channels"),
+])
+def test_bad_construction_names_the_value_and_the_fix(kwargs, match):
+    args = dict(spec=SPEC, batch=1, capacity=16, target="interpret")
+    args.update(kwargs)
+    with pytest.raises(SpecError, match=match):
+        QuantizedKVCache(args.pop("spec"), args.pop("batch"), args.pop("capacity"), **args)
+
+
+def _kv(n=3, batch=2, heads=2, d=64, dtype=torch.float16):
+    return torch.randn(batch, heads, n, d).to(dtype), torch.randn(batch, heads, n, d).to(dtype)
+
+
+@pytest.mark.parametrize("args,exc,match", [
+    (lambda: (_kv()[0].tolist(), _kv()[1]), InputTypeError, "k_new must be a torch.Tensor"),
+    (lambda: (_kv()[0], _kv(heads=1)[1]), InputError,
+     r"v_new shape=\(2, 1, 3, 64\) but this cache holds \[2, 2, tokens, 64\]"),
+    (lambda: _kv(dtype=torch.float32), InputError,
+     r"k_new dtype=torch.float32 but the cache was built with dtype=torch.float16; pass k_new.to"),
+    (lambda: (_kv()[0].to("meta"), _kv()[1]), InputError, "k_new is on meta but the cache is on cpu"),
+    (lambda: (_kv(3)[0], _kv(4)[1]), InputError, "k_new holds 3 tokens but v_new holds 4"),
+    (lambda: _kv(41), InputError, "appending 41 tokens to 0 would hold 41 but capacity=40"),
+])
+def test_bad_appends_name_the_value_and_the_fix(cache, args, exc, match):
+    with pytest.raises(exc, match=match):
+        cache.append(*args())
+    assert cache.num_tokens == 0
+
+
+def test_a_rejected_append_leaves_the_cache_as_it_was():
+    gen = torch.Generator().manual_seed(14)
+    cache = QuantizedKVCache(SPEC, 2, 60, sink=2, window=4, target="interpret")
+    track = Tracker(cache)
+    track.append(*_tokens(cache, 30, gen))
+    k, v = _tokens(cache, 20, gen)
+    v[1, 0, 17, 3] = float("nan")
+    with pytest.raises(InputError, match=r"v_new holds NaN or Inf \(first at index \[1, 0, 17, 3\]\)"):
+        cache.append(k, v)
+    k2, v2 = _tokens(cache, 40, gen)
+    with pytest.raises(InputError, match="appending 40 tokens to 30 would hold 70 but capacity=60"):
+        cache.append(k2, v2)
+    track.check_attention(gen)
+
+
+def test_scale_overflow_at_flush_is_rejected_without_changing_the_cache():
+    gen = torch.Generator().manual_seed(15)
+    spec = foldc.AttentionSpec(2, 1, 16, A(4, "token", 16), None)
+    cache = QuantizedKVCache(spec, 1, 20, dtype=torch.float32, target="reference")
+    k, v = torch.randn(1, 1, 4, 16, generator=gen), torch.randn(1, 1, 4, 16, generator=gen)
+    k[0, 0, 2, 0] = -1e6  # zero = min overflows float16 scales
+    with pytest.raises(InputError, match="scale or zero overflow scale_dtype=torch.float16"):
+        cache.append(k, v)
+    assert cache.num_tokens == 0
+
+
+@pytest.mark.parametrize("q,exc,match", [
+    (lambda: [[0.0]], InputTypeError, "q must be a torch.Tensor"),
+    (lambda: torch.randn(2, 2, 64).half(), InputError, r"q shape=\(2, 2, 64\) but this cache needs \(2, 4, 64\)"),
+    (lambda: torch.randn(2, 4, 64), InputError, "q dtype=torch.float32 but the cache holds torch.float16"),
+    (lambda: torch.randn(2, 4, 64).half().to("meta"), InputError, "q is on meta but the cache is on cpu"),
+    (lambda: torch.randn(2, 4, 64).half(), InputError, "the cache holds no tokens; append"),
+])
+def test_bad_attention_calls_name_the_value_and_the_fix(cache, q, exc, match):
+    with pytest.raises(exc, match=match):
+        cache.attention(q())
