@@ -227,6 +227,9 @@ class AffineTensor:
         return s * self.unpack().to(dtype) + z
 
 
+_CHUNK_VALUES = 1 << 28  # above this many values, quantize sequence by sequence
+
+
 def quantize(x: torch.Tensor, enc: Affine) -> AffineTensor:
     """Asymmetric min-max quantization of x [batch, kv_heads, tokens, head_dim], round to nearest.
 
@@ -247,6 +250,10 @@ def quantize(x: torch.Tensor, enc: Affine) -> AffineTensor:
     if n < 1:
         raise InputError(f"x has tokens={n}; quantize at least one token")
     enc.check_head_dim(d)
+    if b > 1 and x.numel() > _CHUNK_VALUES:  # bound the float32 temporaries: one sequence at a time
+        parts = [quantize(x[i:i + 1], enc) for i in range(b)]
+        return AffineTensor(torch.cat([p.codes for p in parts]), torch.cat([p.scale for p in parts]),
+                            torch.cat([p.zero for p in parts]), enc, d)
     xf = x.to(torch.float32)
     if not torch.isfinite(xf).all():
         bad = (~torch.isfinite(xf)).nonzero()[0].tolist()

@@ -705,3 +705,15 @@ def test_affine_tensor_encoding_type():
     codes, scale, zero, _ = _valid_parts()
     with pytest.raises(InputTypeError, match="encoding='channel:4:3' must be a foldc.Affine"):
         AffineTensor(codes, scale, zero, "channel:4:3", 8)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("enc", [Affine(2, "token", 32), Affine(4, "channel", 16), Affine(8, "channel", 7)])
+def test_large_inputs_quantized_sequence_by_sequence_give_the_same_bits(monkeypatch, enc):
+    import foldc.encoding as encoding
+
+    x = torch.randn(3, 2, 70, 64, generator=torch.Generator().manual_seed(9))
+    whole = quantize(x, enc)
+    monkeypatch.setattr(encoding, "_CHUNK_VALUES", 10)  # force the per-sequence path
+    chunked = quantize(x, enc)
+    for name in ("codes", "scale", "zero"):
+        assert torch.equal(getattr(whole, name), getattr(chunked, name)), name
