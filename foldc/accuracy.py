@@ -1,0 +1,271 @@
+"""How far a quantized KV cache moves decode attention from exact attention (issue 5's accuracy recipe).
+
+foldc's kernels are exact with respect to the *dequantized* cache (docs/backend.md); this module
+measures the other error, the one the codes themselves cause: attention over the cache a serving
+configuration would hold (a quantized body, optional plain sink and recent windows, optional
+Hadamard rotation of K and V) against exact float64 attention over the *unquantized* keys and
+values. Everything runs in float64 on the CPU:
+
+1. optionally rotate q, K and V (`foldc.rotation.Rotation`: K and q alike, V with the output
+   un-rotated afterwards);
+2. keep the first ``sink`` and last ``window`` tokens exact; quantize the tokens between them
+   (the body) with `foldc.quantize` (min-max, round to nearest, scale and zero stored in
+   ``scale_dtype``; channel-wise groups start at the body's first token, as in
+   `foldc.serving.QuantizedKVCache`) and dequantize them to float64;
+3. float64 softmax attention (`foldc.attention_reference`) over [sink | body | recent] (one
+   softmax over the concatenation equals the cache's log-sum-exp merge of the parts), then
+   un-rotate the output.
+
+The attention arithmetic adds nothing measurable (float64), so the figures are the error of the
+quantization alone: the codes and the float16/bfloat16 storage of scale and zero. A fused kernel
+adds its own (bf16-level, ~1e-3 relative) error on top of this; see docs/perf.md for that part.
+
+Metrics (`ErrorReport`): ``rel_l2 = ||o_hat - o|| / ||o||`` over the whole output tensor, and
+``l2``, the mean over (batch, query head) of the plain L2 distance ``||o_hat_h - o_h||_2`` between
+one head's output vectors (the quantity reported as "L2 distance" for plain INT2; its size
+depends on the data's scale, so compare it between configurations on the same data only).
+
+Data (`make_data`): ``"gaussian"``: q, K, V i.i.d. N(0, 1). ``"outlier"``: q ~ N(0, 1); K ~ N(0, 1)
+with ``outliers`` channels per KV head (drawn at random) multiplied by factors uniform in
+[10, 20], as real keys have; V structured: a rank-8 signal whose token coefficients follow an
+AR(1) process along tokens (neighbouring tokens alike), plus per-channel offsets and small noise.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .encoding import SUPPORTED_BITS, SUPPORTED_LAYOUTS, SUPPORTED_SCALE_DTYPES, Affine, quantize
+from .errors import InputError, InputTypeError, SpecError
+from .reference import attention_reference
+from .rotation import Rotation
+
+DATA_KINDS = ("gaussian", "outlier")
+# the reference paper's attention shape
+PAPER_SHAPE = {"num_q_heads": 32, "num_kv_heads": 8, "head_dim": 128}
+
+
+def _nonneg_int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise SpecError(f"{name}={value!r} must be an integer >= 0")
+    return value
+
+
+@dataclass(frozen=True)
+class AccuracyConfig:
+    """One cache configuration to measure.
+
+    Args:
+        bits: code width of K and V (2, 4 or 8).
+        k_layout, v_layout: ``"token"`` or ``"channel"`` (see `foldc.Affine`), or None to keep that
+            operand unquantized.
+        group_size: values per (scale, zero) pair.
+        rotate: rotate K/q and V/output by a (randomized) Hadamard matrix before quantizing.
+        rotation_seed: seed of the rotation's ±1 signs; None for the plain Hadamard matrix.
+        sink, window: the first ``sink`` and last ``window`` tokens stay exact (bf16 windows in a
+            real cache; bf16 rounding, ~2e-3 relative per value, is ignored here).
+        scale_dtype: storage dtype of scale and zero (float16 as in foldc.Affine's default).
+    """
+
+    bits: int = 2
+    k_layout: str | None = "token"
+    v_layout: str | None = "token"
+    group_size: int = 128
+    rotate: bool = False
+    rotation_seed: int | None = 0
+    sink: int = 0
+    window: int = 0
+    scale_dtype: torch.dtype = torch.float16
+
+    def __post_init__(self) -> None:
+        if isinstance(self.bits, bool) or self.bits not in SUPPORTED_BITS:
+            raise SpecError(f"bits={self.bits!r} is not supported; use one of {SUPPORTED_BITS}")
+        for name in ("k_layout", "v_layout"):
+            layout = getattr(self, name)
+            if layout is not None and layout not in SUPPORTED_LAYOUTS:
+                raise SpecError(f"{name}={layout!r} must be 'token', 'channel' or None (unquantized)")
+        if isinstance(self.group_size, bool) or not isinstance(self.group_size, int) or self.group_size < 1:
+            raise SpecError(f"group_size={self.group_size!r} must be a positive integer")
+        if not isinstance(self.rotate, bool):
+            raise SpecError(f"rotate={self.rotate!r} must be True or False")
+        _nonneg_int("sink", self.sink)
+        _nonneg_int("window", self.window)
+        if self.scale_dtype not in SUPPORTED_SCALE_DTYPES:
+            raise SpecError(f"scale_dtype={self.scale_dtype} must be one of {list(SUPPORTED_SCALE_DTYPES)}")
+
+    def encoding(self, operand: str) -> Affine | None:
+        """The foldc.Affine of ``"k"`` or ``"v"`` (None when that operand stays unquantized)."""
+        layout = {"k": self.k_layout, "v": self.v_layout}[operand]
+        return None if layout is None else Affine(self.bits, layout, self.group_size, self.scale_dtype)
+
+    def rotation(self, head_dim: int) -> Rotation | None:
+        """The Rotation this configuration applies to heads of ``head_dim`` channels (None if rotate=False)."""
+        return Rotation(head_dim, self.rotation_seed) if self.rotate else None
+
+    def describe(self) -> str:
+        lay = {"token": "tok", "channel": "chan", None: "plain"}
+        parts = [f"INT{self.bits} K {lay[self.k_layout]} / V {lay[self.v_layout]} g{self.group_size}"]
+        parts.append("rotated" if self.rotate else "no rotation")
+        parts.append(f"sink {self.sink} + window {self.window}" if self.sink or self.window else "no windows")
+        return ", ".join(parts)
+
+
+@dataclass(frozen=True)
+class ErrorReport:
+    """Attention-output error of one configuration on one data set (module docstring)."""
+
+    rel_l2: float          # ||o_hat - o||_F / ||o||_F over [batch, q_heads, head_dim]
+    l2: float              # mean over (batch, q head) of ||o_hat_h - o_h||_2
+    max_head_rel: float    # worst single head's ||o_hat_h - o_h|| / ||o_h||
+    out_norm: float        # mean over (batch, q head) of ||o_h||_2 (scale of l2)
+
+
+def make_data(kind: str = "gaussian", *, tokens: int = 4096, batch: int = 1, num_q_heads: int = 32,
+              num_kv_heads: int = 8, head_dim: int = 128, seed: int = 0, outliers: int = 4):
+    """``(q, k, v)`` in float64: q ``[batch, num_q_heads, head_dim]``, k and v ``[batch, num_kv_heads,
+    tokens, head_dim]``. ``kind`` is ``"gaussian"`` or ``"outlier"`` (module docstring)."""
+    if kind not in DATA_KINDS:
+        raise SpecError(f"kind={kind!r} is not a data set; use one of {DATA_KINDS}")
+    for name, value in (("tokens", tokens), ("batch", batch), ("num_q_heads", num_q_heads),
+                        ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise SpecError(f"{name}={value!r} must be a positive integer")
+    if num_q_heads % num_kv_heads:
+        raise SpecError(f"num_q_heads={num_q_heads} is not a multiple of num_kv_heads={num_kv_heads}")
+    if isinstance(outliers, bool) or not isinstance(outliers, int) or not 0 <= outliers <= head_dim:
+        raise SpecError(f"outliers={outliers!r} must be an integer in [0, head_dim={head_dim}]")
+    gen = torch.Generator().manual_seed(seed)
+    f64 = torch.float64
+    q = torch.randn(batch, num_q_heads, head_dim, generator=gen, dtype=f64)
+    k = torch.randn(batch, num_kv_heads, tokens, head_dim, generator=gen, dtype=f64)
+    if kind == "gaussian":
+        v = torch.randn(batch, num_kv_heads, tokens, head_dim, generator=gen, dtype=f64)
+        return q, k, v
+    # outlier keys: a few channels per KV head, 10-20x larger than the rest
+    gain = torch.ones(batch, num_kv_heads, 1, head_dim, dtype=f64)
+    for b in range(batch):
+        for h in range(num_kv_heads):
+            chans = torch.randperm(head_dim, generator=gen)[:outliers]
+            gain[b, h, 0, chans] = 10.0 + 10.0 * torch.rand(outliers, generator=gen, dtype=f64)
+    k = k * gain
+    # structured values: rank-8 signal with AR(1) token coefficients + channel offsets + noise
+    rank, rho = 8, 0.9
+    innov = torch.randn(batch, num_kv_heads, tokens, rank, generator=gen, dtype=f64)
+    coef = torch.empty_like(innov)
+    coef[:, :, 0] = innov[:, :, 0]
+    step = math.sqrt(1 - rho * rho)
+    for t in range(1, tokens):
+        coef[:, :, t] = rho * coef[:, :, t - 1] + step * innov[:, :, t]
+    basis = torch.randn(batch, num_kv_heads, rank, head_dim, generator=gen, dtype=f64) / math.sqrt(rank)
+    offset = 0.5 * torch.randn(batch, num_kv_heads, 1, head_dim, generator=gen, dtype=f64)
+    noise = 0.25 * torch.randn(batch, num_kv_heads, tokens, head_dim, generator=gen, dtype=f64)
+    v = coef @ basis + offset + noise
+    return q, k, v
+
+
+def _check_operands(q, k, v) -> None:
+    for name, x, dims in (("q", q, 3), ("k", k, 4), ("v", v, 4)):
+        if not isinstance(x, torch.Tensor):
+            raise InputTypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        if x.dim() != dims or not x.is_floating_point():
+            want = "[batch, num_q_heads, head_dim]" if dims == 3 else "[batch, num_kv_heads, tokens, head_dim]"
+            raise InputError(f"{name} must be a floating-point {want}; got dtype={x.dtype}, shape={tuple(x.shape)}")
+    if k.shape != v.shape:
+        raise InputError(f"k shape={tuple(k.shape)} and v shape={tuple(v.shape)} must match")
+    b, hq, d = q.shape
+    if (k.shape[0], k.shape[3]) != (b, d) or hq % k.shape[1]:
+        raise InputError(f"q shape={tuple(q.shape)} does not fit k shape={tuple(k.shape)}: batch and head_dim must "
+                         "match and num_q_heads must be a multiple of num_kv_heads")
+    if k.shape[2] < 1:
+        raise InputError("k and v hold no tokens")
+
+
+def cache_values(x: torch.Tensor, enc: Affine | None, sink: int = 0, window: int = 0) -> torch.Tensor:
+    """float64 values a cache would hand attention for ``x [batch, heads, tokens, head_dim]``: the first
+    ``sink`` and last ``window`` tokens exact, the tokens between quantized with ``enc`` and
+    dequantized (all exact when ``enc`` is None or no token is left between the windows)."""
+    x = x.to(torch.float64)
+    n = x.shape[2]
+    s = min(sink, n)
+    r = min(window, n - s)
+    body = x[:, :, s:n - r]
+    if enc is None or body.shape[2] == 0:
+        return x
+    body_hat = quantize(body, enc).dequantize(torch.float64)
+    return torch.cat([x[:, :, :s], body_hat, x[:, :, n - r:]], dim=2)
+
+
+def quantized_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: AccuracyConfig,
+                        sm_scale: float | None = None, *, prerotated: bool = False) -> torch.Tensor:
+    """float64 attention output ``[batch, num_q_heads, head_dim]`` over the cache ``config`` would hold
+    for k and v (rotation, windows, quantized body; module docstring), un-rotated.
+
+    ``prerotated=True`` says q, k and v already went through ``config.rotation()`` (to rotate a data
+    set once for many configurations); the output is un-rotated all the same."""
+    if not isinstance(config, AccuracyConfig):
+        raise InputTypeError(f"config must be a foldc.accuracy.AccuracyConfig, got {type(config).__name__}")
+    _check_operands(q, k, v)
+    if prerotated and not config.rotate:
+        raise SpecError("prerotated=True but config.rotate=False; pass the unrotated q, k, v")
+    q, k, v = q.to(torch.float64), k.to(torch.float64), v.to(torch.float64)
+    rot = config.rotation(q.shape[-1])
+    if rot is not None and not prerotated:
+        q, k, v = rot.rotate_queries(q), rot.rotate_keys(k), rot.rotate_values(v)
+    k_hat = cache_values(k, config.encoding("k"), config.sink, config.window)
+    v_hat = cache_values(v, config.encoding("v"), config.sink, config.window)
+    out = attention_reference(q, k_hat, v_hat, sm_scale)
+    return rot.unrotate_output(out) if rot is not None else out
+
+
+def compare(out: torch.Tensor, exact: torch.Tensor) -> ErrorReport:
+    """`ErrorReport` of an output against the exact one (both [batch, num_q_heads, head_dim])."""
+    if not (isinstance(out, torch.Tensor) and isinstance(exact, torch.Tensor)) or out.shape != exact.shape:
+        raise InputError(f"out and exact must be tensors of one shape; got {getattr(out, 'shape', out)} and "
+                         f"{getattr(exact, 'shape', exact)}")
+    out, exact = out.to(torch.float64), exact.to(torch.float64)
+    diff = (out - exact).norm(dim=-1)
+    norm = exact.norm(dim=-1)
+    return ErrorReport(
+        rel_l2=float((out - exact).norm() / exact.norm()),
+        l2=float(diff.mean()),
+        max_head_rel=float((diff / norm).max()),
+        out_norm=float(norm.mean()),
+    )
+
+
+def attention_error(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: AccuracyConfig,
+                    sm_scale: float | None = None) -> ErrorReport:
+    """Error of `quantized_attention` against exact float64 attention over the unquantized k, v."""
+    _check_operands(q, k, v)
+    exact = attention_reference(q.to(torch.float64), k.to(torch.float64), v.to(torch.float64), sm_scale)
+    return compare(quantized_attention(q, k, v, config, sm_scale), exact)
+
+
+def window_mass(q: torch.Tensor, k: torch.Tensor, sink: int, window: int, sm_scale: float | None = None) -> float:
+    """Share of exact attention weight that falls on the first ``sink`` and last ``window`` tokens,
+    averaged over (batch, query head): how much of the output the exact windows can protect."""
+    _check_operands(q, k, k)
+    _nonneg_int("sink", sink)
+    _nonneg_int("window", window)
+    b, hq, d = q.shape
+    hkv, n = k.shape[1], k.shape[2]
+    scale = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
+    qf = q.to(torch.float64).reshape(b, hkv, hq // hkv, d)
+    p = torch.softmax(torch.einsum("bkhd,bknd->bkhn", qf, k.to(torch.float64)) * scale, dim=-1)
+    s = min(sink, n)
+    r = min(window, n - s)
+    return float((p[..., :s].sum(-1) + p[..., n - r:].sum(-1)).mean())
+
+
+def measure(config: AccuracyConfig, kind: str = "gaussian", *, tokens: int = 4096, seed: int = 0,
+            **shape) -> ErrorReport:
+    """`attention_error` of ``config`` on ``make_data(kind, tokens=tokens, seed=seed, **shape)``
+    (the paper's shape, 32 query / 8 KV heads, head_dim 128, unless ``shape`` says otherwise)."""
+    q, k, v = make_data(kind, tokens=tokens, seed=seed, **{**PAPER_SHAPE, **shape})
+    return attention_error(q, k, v, config)
+
+
+__all__ = ["AccuracyConfig", "DATA_KINDS", "ErrorReport", "PAPER_SHAPE", "attention_error", "cache_values",
+           "compare", "make_data", "measure", "quantized_attention", "window_mass"]

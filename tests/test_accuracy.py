@@ -1,0 +1,155 @@
+"""foldc.accuracy: error against exact float64 attention over the unquantized cache behaves as it
+must: ~0 when nothing is quantized, small with 8-bit codes, smaller with rotation on outlier keys
+under token-wise INT2 K, and identical for identical seeds."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import foldc
+from foldc.accuracy import (DATA_KINDS, AccuracyConfig, ErrorReport, attention_error, cache_values, compare,
+                            make_data, measure, quantized_attention, window_mass)
+from foldc.errors import InputError, InputTypeError, SpecError
+
+TOKENS = 512  # paper's heads and head_dim (32/8, 128), fewer tokens so each case takes ~0.1 s
+
+
+@pytest.mark.parametrize("kind", DATA_KINDS)
+def test_data_shapes_dtypes_and_determinism(kind):
+    q, k, v = make_data(kind, tokens=100, seed=4)
+    assert q.shape == (1, 32, 128) and k.shape == v.shape == (1, 8, 100, 128)
+    assert q.dtype == k.dtype == v.dtype == torch.float64
+    again = make_data(kind, tokens=100, seed=4)
+    other = make_data(kind, tokens=100, seed=5)
+    assert all(torch.equal(a, b) for a, b in zip((q, k, v), again))
+    assert not torch.equal(k, other[1])
+
+
+def test_outlier_keys_have_a_few_large_channels():
+    _, k, _ = make_data("outlier", tokens=2048, seed=0, outliers=4)
+    std = k.std(dim=2)                                 # [batch, kv_heads, head_dim]
+    big = std > 5
+    assert (big.sum(-1) == 4).all()                    # 4 outlier channels per KV head
+    assert ((std[big] > 9) & (std[big] < 21)).all()    # scaled 10-20x
+    assert (std[~big] < 1.2).all()
+
+
+@pytest.mark.parametrize("kind", DATA_KINDS)
+@pytest.mark.parametrize("rotate", [False, True])
+def test_nothing_quantized_is_exact(kind, rotate):
+    q, k, v = make_data(kind, tokens=TOKENS, seed=1)
+    rep = attention_error(q, k, v, AccuracyConfig(2, None, None, rotate=rotate))
+    assert rep.rel_l2 < 1e-13 and rep.max_head_rel < 1e-13
+
+
+@pytest.mark.parametrize("kind", DATA_KINDS)
+@pytest.mark.parametrize("rotate", [False, True])
+@pytest.mark.parametrize("sink,window", [(TOKENS, 0), (0, TOKENS), (200, 312), (400, 400)])
+def test_windows_covering_every_token_are_exact(kind, rotate, sink, window):
+    q, k, v = make_data(kind, tokens=TOKENS, seed=2)
+    cfg = AccuracyConfig(2, "token", "channel", rotate=rotate, sink=sink, window=window)
+    assert attention_error(q, k, v, cfg).rel_l2 < 1e-13
+    assert window_mass(q, k, sink, window) == pytest.approx(1.0, abs=1e-12)
+
+
+@pytest.mark.parametrize("kind", DATA_KINDS)
+@pytest.mark.parametrize("k_layout,v_layout", [("token", "token"), ("token", "channel"), ("channel", "token"),
+                                               ("channel", "channel")])
+def test_eight_bit_codes_are_close(kind, k_layout, v_layout):
+    # measured over seeds 0-9, all four layouts, both data sets: at most 0.032 (token-wise K on
+    # outlier data), and always under a fifth of the INT2 error
+    rep = measure(AccuracyConfig(8, k_layout, v_layout), kind, tokens=TOKENS, seed=3)
+    assert rep.rel_l2 < 0.05
+    int2 = measure(AccuracyConfig(2, k_layout, v_layout), kind, tokens=TOKENS, seed=3)
+    assert rep.rel_l2 < int2.rel_l2 / 5
+
+
+def test_more_bits_less_error():
+    errs = [measure(AccuracyConfig(b, "token", "token"), "gaussian", tokens=TOKENS, seed=0).rel_l2 for b in (2, 4, 8)]
+    assert errs[0] > 3 * errs[1] > 9 * errs[2]
+
+
+@settings(max_examples=15, deadline=None)
+@given(data_seed=st.integers(0, 2**31 - 1), rotation_seed=st.one_of(st.none(), st.integers(0, 2**31 - 1)),
+       v_layout=st.sampled_from([None, "token", "channel"]))
+def test_rotation_reduces_int2_token_wise_key_error_on_outlier_data(data_seed, rotation_seed, v_layout):
+    # measured over 100 random (data seed, rotation seed) pairs at 512 tokens: plain / rotated =
+    # 1.51-3.18 (V plain, token- or channel-wise); assert 1.3, below every measured ratio
+    q, k, v = make_data("outlier", tokens=TOKENS, seed=data_seed)
+    plain = attention_error(q, k, v, AccuracyConfig(2, "token", v_layout)).rel_l2
+    rotated = attention_error(q, k, v, AccuracyConfig(2, "token", v_layout, rotate=True,
+                                                      rotation_seed=rotation_seed)).rel_l2
+    assert plain > 1.3 * rotated
+
+
+def test_windows_leave_the_windows_exact():
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 2, 300, 64, generator=gen, dtype=torch.float64)
+    enc = foldc.Affine(2, "channel", 32)
+    got = cache_values(x, enc, sink=10, window=40)
+    assert torch.equal(got[:, :, :10], x[:, :, :10]) and torch.equal(got[:, :, -40:], x[:, :, -40:])
+    body = foldc.quantize(x[:, :, 10:260], enc).dequantize(torch.float64)  # groups start at the body
+    assert torch.equal(got[:, :, 10:260], body)
+    assert torch.equal(cache_values(x, None, 3, 3), x)
+
+
+def test_same_seed_same_numbers():
+    cfg = AccuracyConfig(2, "token", "channel", rotate=True, rotation_seed=9, sink=16, window=64)
+    a = measure(cfg, "outlier", tokens=TOKENS, seed=7)
+    b = measure(cfg, "outlier", tokens=TOKENS, seed=7)
+    assert a == b
+    assert measure(cfg, "outlier", tokens=TOKENS, seed=8) != a
+    assert measure(dataclasses.replace(cfg, rotation_seed=10), "outlier", tokens=TOKENS, seed=7) != a
+
+
+def test_report_fields():
+    exact = torch.ones(1, 2, 4, dtype=torch.float64)
+    out = exact.clone()
+    out[0, 1] += torch.tensor([3.0, 4.0, 0.0, 0.0], dtype=torch.float64)  # distance 5 on head 1
+    rep = compare(out, exact)
+    assert rep == ErrorReport(rel_l2=5 / 8 ** 0.5, l2=2.5, max_head_rel=2.5, out_norm=2.0)
+
+
+def test_quantized_attention_matches_cache_semantics_without_rotation():
+    q, k, v = make_data("gaussian", tokens=300, seed=0, num_q_heads=4, num_kv_heads=2, head_dim=64)
+    cfg = AccuracyConfig(4, "token", "channel", group_size=32, sink=8, window=50)
+    k_hat, v_hat = cache_values(k, cfg.encoding("k"), 8, 50), cache_values(v, cfg.encoding("v"), 8, 50)
+    want = foldc.attention_reference(q, k_hat, v_hat)
+    assert torch.equal(quantized_attention(q, k, v, cfg), want)
+
+
+def test_bad_configs_and_inputs():
+    with pytest.raises(SpecError, match="bits=3"):
+        AccuracyConfig(3)
+    with pytest.raises(SpecError, match="k_layout='row'"):
+        AccuracyConfig(2, "row")
+    with pytest.raises(SpecError, match="sink=-1"):
+        AccuracyConfig(2, sink=-1)
+    with pytest.raises(SpecError, match="group_size=0"):
+        AccuracyConfig(2, group_size=0)
+    with pytest.raises(SpecError, match="kind='real'"):
+        make_data("real")
+    with pytest.raises(SpecError, match="num_q_heads=6"):
+        make_data(num_q_heads=6, num_kv_heads=4)
+    q, k, v = make_data("gaussian", tokens=16, num_q_heads=4, num_kv_heads=2, head_dim=96)
+    with pytest.raises(SpecError, match="head_dim=96"):
+        attention_error(q, k, v, AccuracyConfig(2, "token", "token", group_size=32, rotate=True))
+    with pytest.raises(InputError, match="k shape"):
+        attention_error(q, k[:, :, :8], v, AccuracyConfig(2, group_size=32))
+    with pytest.raises(InputTypeError, match="config"):
+        quantized_attention(q, k, v, {"bits": 2})
+
+
+def test_prerotated_operands_give_the_same_output():
+    q, k, v = make_data("outlier", tokens=200, seed=1, num_q_heads=4, num_kv_heads=2, head_dim=64)
+    cfg = AccuracyConfig(2, "token", "channel", group_size=32, rotate=True, rotation_seed=3, sink=4, window=20)
+    rot = cfg.rotation(64)
+    pre = quantized_attention(rot.rotate_queries(q), rot.rotate_keys(k), rot.rotate_values(v), cfg, prerotated=True)
+    assert torch.equal(pre, quantized_attention(q, k, v, cfg))
+    assert AccuracyConfig(2).rotation(64) is None
+    with pytest.raises(SpecError, match="prerotated"):
+        quantized_attention(q, k, v, AccuracyConfig(2, group_size=32), prerotated=True)
