@@ -7,6 +7,16 @@ of `layout_key`, e.g. ``"32/8/128/token:2:128/channel:2:128"``). For an encoded 
 operand, ``*_data`` is the values and scale/zero are None. Output: q's shape and dtype. On a
 GPU it runs the generated Triton kernel; on the CPU the interpreter (fp16 queries) or the float64
 executor (other dtypes), cast to q's dtype.
+
+``torch.ops.foldc.append_kv(codes, scale, zero, x, offset, offsets, encoding, check)``: quantize
+the new tokens ``x [batch, kv_heads, T, head_dim]`` into one operand's preallocated storage
+(``codes``/``scale``/``zero`` of an `AffineTensor` encoded as ``encoding``, the text of
+`Affine.short`, e.g. ``"token:4:32"``) at tokens ``[offset, offset + T)``, in place, bit for bit
+as `foldc.quantize` (`foldc.serving.append_quantized`). ``offsets`` (an integer tensor [batch]),
+when given, replaces ``offset`` with one start per batch row. Returns nothing; ``codes``, ``scale``
+and ``zero`` are declared mutated, so torch.compile orders the writes and later reads correctly.
+On a GPU it runs the append kernel; on the CPU the interpreter (fp16 tokens) or foldc.quantize
+and a copy (other dtypes): both write the same bits.
 """
 from __future__ import annotations
 
@@ -14,8 +24,8 @@ import functools
 
 import torch
 
-from .encoding import AffineTensor
-from .errors import SpecError
+from .encoding import AffineTensor, parse_affine
+from .errors import InputTypeError, SpecError
 from .spec import AttentionSpec, spec_from_args
 
 
@@ -77,3 +87,45 @@ def attention_op(spec: AttentionSpec, q, k, v, sm_scale: float | None = None, se
         return (x.codes, x.scale, x.zero) if isinstance(x, AffineTensor) else (x, None, None)
     scale = float(sm_scale) if sm_scale is not None else spec.head_dim ** -0.5
     return torch.ops.foldc.decode_attention(q, *parts(k), *parts(v), seq_lens, layout_key(spec), scale)
+
+
+# ---- foldc::append_kv ----------------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=None)
+def encoding_from_key(encoding: str):
+    """The `Affine` of ``encoding`` (``Affine.short()`` text, e.g. ``"channel:2:64:bf16"``)."""
+    if encoding in ("none", "plain", ""):
+        raise SpecError(f"encoding={encoding!r} is a plain operand; append_kv quantizes into an encoded "
+                        "operand's storage, e.g. encoding='token:4:32' (copy plain tokens with a slice assignment)")
+    return parse_affine(encoding)
+
+
+@torch.library.custom_op("foldc::append_kv", mutates_args=("codes", "scale", "zero"))
+def append_kv(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, x: torch.Tensor, offset: int,
+              offsets: torch.Tensor | None, encoding: str, check: bool) -> None:
+    from .serving.append import append_quantized
+
+    dst = AffineTensor(codes, scale, zero, encoding_from_key(encoding), x.shape[-1])
+    if x.is_cuda:
+        target = "auto"
+    else:
+        target = "interpret" if x.dtype == torch.float16 else "reference"
+    append_quantized(dst, x, offsets if offsets is not None else offset, target=target, check=check)
+
+
+@append_kv.register_fake
+def _(codes, scale, zero, x, offset, offsets, encoding, check):
+    encoding_from_key(encoding)  # a bad encoding fails at trace time too
+    return None
+
+
+def append_op(dst: AffineTensor, x: torch.Tensor, offset=0, check: bool = True) -> None:
+    """Call ``torch.ops.foldc.append_kv`` for an `AffineTensor` ``dst`` (``offset``: an int, or an
+    integer tensor of one start per batch row)."""
+    if not isinstance(dst, AffineTensor):
+        raise InputTypeError(f"dst must be a foldc.AffineTensor (preallocated storage), got {type(dst).__name__}")
+    per_row = offset if isinstance(offset, torch.Tensor) else None
+    if per_row is None and (isinstance(offset, bool) or not isinstance(offset, int)):
+        raise InputTypeError(f"offset={offset!r} must be an int or an integer tensor of one offset per batch row")
+    start = 0 if per_row is not None else offset
+    torch.ops.foldc.append_kv(dst.codes, dst.scale, dst.zero, x, start, per_row, dst.encoding.short(), check)

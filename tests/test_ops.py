@@ -64,3 +64,122 @@ def test_traces_under_torch_compile_without_graph_breaks():
     compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
     args = (q, k.codes, k.scale, k.zero, v.codes, v.scale, v.zero, lens)
     assert torch.allclose(compiled(*args), step(*args))
+
+
+# ---- foldc::append_kv -------------------------------------------------------------------------
+
+from foldc.encoding import AffineTensor, scale_shape  # noqa: E402
+from foldc.errors import InputError, InputTypeError  # noqa: E402
+from foldc.ops import append_op, encoding_from_key  # noqa: E402
+
+APPEND_ENCODINGS = [foldc.Affine(4, "token", 32), foldc.Affine(2, "channel", 16, torch.bfloat16),
+                    foldc.Affine(8, "token", 64, torch.float32)]
+
+
+def _storage(enc, batch=2, heads=2, tokens=48, head_dim=64, seed=0):
+    """Storage full of random bytes, so that a write outside the target region shows up."""
+    gen = torch.Generator().manual_seed(seed)
+    shape = scale_shape(enc, batch, heads, tokens, head_dim)
+    width = torch.finfo(enc.scale_dtype).bits // 8
+    numel = int(torch.tensor(shape).prod())
+
+    def noise():
+        bits = torch.randint(0, 256, (numel * width,), generator=gen, dtype=torch.uint8).view(enc.scale_dtype)
+        return bits.reshape(shape).nan_to_num(0.0, 0.0, 0.0)
+    codes = torch.randint(0, 256, (batch, heads, tokens, head_dim // enc.codes_per_byte), generator=gen,
+                          dtype=torch.uint8)
+    return AffineTensor(codes, noise(), noise(), enc, head_dim)
+
+
+def _clone(t: AffineTensor) -> AffineTensor:
+    return AffineTensor(t.codes.clone(), t.scale.clone(), t.zero.clone(), t.encoding, t.head_dim)
+
+
+def _same(a: AffineTensor, b: AffineTensor) -> bool:
+    return all(torch.equal(getattr(a, f), getattr(b, f)) for f in ("codes", "scale", "zero"))
+
+
+def test_encoding_key_round_trips():
+    for enc in APPEND_ENCODINGS:
+        assert encoding_from_key(enc.short()) == enc
+    with pytest.raises(SpecError, match="plain operand"):
+        encoding_from_key("none")
+
+
+@pytest.mark.parametrize("enc", APPEND_ENCODINGS, ids=lambda e: e.short())
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_append_op_writes_what_append_quantized_writes(enc, dtype):
+    from foldc.serving import append_quantized
+
+    gen = torch.Generator().manual_seed(5)
+    x = (torch.randn(2, 2, 16, 64, generator=gen) * 3 + 1).to(dtype)
+    got, want = _storage(enc), _storage(enc)
+    append_op(got, x, 16)
+    append_quantized(want, x, 16, target="reference")
+    assert _same(got, want)
+    # per-row offsets (ragged rows)
+    offsets = torch.tensor([0, 32])
+    got, want = _storage(enc), _storage(enc)
+    append_op(got, x, offsets)
+    append_quantized(want, x, offsets, target="reference")
+    assert _same(got, want)
+
+
+def test_append_op_errors_name_the_value():
+    enc = APPEND_ENCODINGS[1]  # channel-wise groups of 16
+    dst = _storage(enc)
+    with pytest.raises(InputError, match="not a multiple of group_size=16"):
+        append_op(dst, torch.randn(2, 2, 16, 64).half(), 8)
+    with pytest.raises(InputError, match="needs 64 token slots but dst holds 48"):
+        append_op(dst, torch.randn(2, 2, 32, 64).half(), 32)
+    with pytest.raises(InputTypeError, match="offset=1.5 must be an int"):
+        append_op(dst, torch.randn(2, 2, 16, 64).half(), 1.5)
+    with pytest.raises(SpecError, match="must look like 'layout:bits:group_size'"):
+        torch.ops.foldc.append_kv(dst.codes, dst.scale, dst.zero, torch.randn(2, 2, 16, 64), 0, None, "token:4", True)
+
+
+@pytest.mark.parametrize("enc", APPEND_ENCODINGS[:2], ids=lambda e: e.short())
+def test_append_opcheck(enc):
+    dst = _storage(enc)
+    x = torch.randn(2, 2, 16, 64) * 2
+    torch.library.opcheck(torch.ops.foldc.append_kv.default,
+                          (dst.codes, dst.scale, dst.zero, x, 16, None, enc.short(), True))
+    torch.library.opcheck(torch.ops.foldc.append_kv.default,
+                          (dst.codes, dst.scale, dst.zero, x, 0, torch.tensor([0, 16]), enc.short(), False))
+
+
+def test_append_then_attend_traces_under_torch_compile_without_graph_breaks():
+    """One compiled decode step: quantize new K/V tokens into the cache, then attend over it. The
+    op's declared mutations make the compiled graph write the storage before the attention reads it."""
+    spec = SPEC  # K token-wise 2-bit, V channel-wise 4-bit groups of 16
+    gen = torch.Generator().manual_seed(6)
+    k0 = torch.randn(2, 2, 32, 64, generator=gen)
+    v0 = torch.randn(2, 2, 32, 64, generator=gen)
+    k_new = torch.randn(2, 2, 16, 64, generator=gen)
+    v_new = torch.randn(2, 2, 16, 64, generator=gen)
+    q = torch.randn(2, 8, 64, generator=gen)
+    layout, ks, vs = layout_key(spec), spec.k.short(), spec.v.short()
+
+    def caches():
+        k = foldc.quantize(torch.cat([k0, torch.zeros_like(k_new)], dim=2), spec.k)
+        v = foldc.quantize(torch.cat([v0, torch.zeros_like(v_new)], dim=2), spec.v)
+        return k, v
+
+    def step(q, kc, ks_, kz, vc, vs_, vz, k_new, v_new, lens):
+        torch.ops.foldc.append_kv(kc, ks_, kz, k_new, 32, None, ks, True)
+        torch.ops.foldc.append_kv(vc, vs_, vz, v_new, 32, None, vs, True)
+        out = torch.ops.foldc.decode_attention(q, kc, ks_, kz, vc, vs_, vz, lens, layout, 0.125)
+        return out * 2.0
+
+    lens = torch.tensor([48, 48])
+    k_eager, v_eager = caches()
+    want = step(q, k_eager.codes, k_eager.scale, k_eager.zero, v_eager.codes, v_eager.scale, v_eager.zero,
+                k_new, v_new, lens)
+    k_comp, v_comp = caches()
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
+    got = compiled(q, k_comp.codes, k_comp.scale, k_comp.zero, v_comp.codes, v_comp.scale, v_comp.zero,
+                   k_new, v_new, lens)
+    assert torch.equal(got, want)
+    assert _same(k_comp, k_eager) and _same(v_comp, v_eager)  # the storage was written in place
+    full = foldc.quantize(torch.cat([k0, k_new], dim=2), spec.k)
+    assert _same(k_comp, full)  # token-wise: the whole cache equals quantize of all tokens

@@ -1,0 +1,355 @@
+"""Hugging Face transformers: decode through foldc with ``generate``.
+
+::
+
+    import foldc.integrations.hf as fhf        # registers the "foldc" attention implementation
+
+    model.set_attn_implementation("foldc")     # or from_pretrained(..., attn_implementation="foldc")
+    cache = fhf.FoldcCache(model.config, max_cache_len=4096, k="token:4:32", v="token:4:32")
+    out = model.generate(input_ids, past_key_values=cache, max_new_tokens=64)
+    # recent transformers name the argument ``cache=`` (``past_key_values=`` still works, with a
+    # FutureWarning): ``model.generate(input_ids, **{fhf.CACHE_KWARG: cache}, ...)`` fits both
+
+How it works. Attention layers call ``cache.update(k, v, layer_idx)`` after the rotary embedding
+and then the registered attention function with what ``update`` returned:
+
+- `FoldcCache` holds one `foldc.serving.QuantizedKVCache` per layer (quantized body, plain sink
+  and recent window). ``update`` appends the new keys and values to it.
+- Prefill (more than one new token): ``update`` returns the full-precision keys and values (the
+  dequantized cached tokens, if any, then the new ones) and `foldc_attention` runs causal
+  attention over them with ``torch.nn.functional.scaled_dot_product_attention``. The prompt thus
+  attends exactly as with the default cache; only later tokens see its quantized form.
+- Decode (one new token): ``update`` returns the new token only, tagged with its layer, and
+  `foldc_attention` calls ``QuantizedKVCache.attention``, the fused folded kernel over the whole
+  cache. Nothing is dequantized.
+
+`DequantizedFoldcCache` is the same cache (same storage, same bits) whose decode steps attend by
+dequantize-then-SDPA instead: the baseline the fused decode must match up to float rounding,
+whatever the encoding (tests/integrations/test_hf.py, examples/hf_decode.py).
+
+Limits (each raises an error that says so): every batch row holds the same number of tokens (no
+padding masks: pass rows of one length), full-attention layers only (no sliding-window, chunked
+or linear-attention layers, no soft-capping or learned sinks), no beam search, no cropping
+(assisted or speculative decoding), inference only. Keys are cached after the rotary embedding,
+so positions need nothing from foldc.
+
+Targets: ``"auto"`` (the generated Triton kernel on CUDA, fp16/bf16 models; Triton's interpreter
+on the CPU, fp16 models only), ``"interpret"``, ``"sm_90"``, ``"sm_100"``, or ``"reference"`` (the
+float64 executor, any model dtype, any device: slow, exact, for checking).
+"""
+from __future__ import annotations
+
+import inspect
+
+import torch
+import torch.nn.functional as F
+
+from ..encoding import Affine, parse_affine
+from ..errors import InputError, SpecError
+from ..compile import TARGETS as CACHE_TARGETS
+from ..serving import QuantizedKVCache
+from ..spec import AttentionSpec
+
+try:
+    import transformers
+    from transformers.cache_utils import Cache, CacheLayerMixin
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface, create_causal_mask
+    from transformers.modeling_utils import AttentionInterface
+except ImportError as err:  # pragma: no cover - exercised only without transformers
+    raise ImportError("foldc.integrations.hf needs transformers>=4.56 (the layered Cache API): "
+                      "pip install 'foldc[hf]'") from err
+
+ATTN_IMPLEMENTATION = "foldc"
+_TAG = "_foldc_step"  # attribute set on the key tensor that FoldcCache.update returns
+# the name of generate's cache argument: "cache" since transformers renamed it ("past_key_values"
+# is still accepted there, with a FutureWarning), "past_key_values" before
+CACHE_KWARG = "cache" if "cache" in inspect.signature(create_causal_mask).parameters else "past_key_values"
+
+__all__ = ["ATTN_IMPLEMENTATION", "CACHE_KWARG", "DequantizedFoldcCache", "FoldcCache", "FoldcLayer",
+           "foldc_attention", "register"]
+
+
+def _encoding(value, name: str) -> Affine | None:
+    if value is None or isinstance(value, Affine):
+        return value
+    if isinstance(value, str):
+        return None if value.strip() in ("", "none", "plain") else parse_affine(value)
+    raise SpecError(f"{name}={value!r} must be a foldc.Affine, a string like 'token:4:32', or None (plain)")
+
+
+def _model_shape(config) -> tuple[int, int, int, int]:
+    """(num_q_heads, num_kv_heads, head_dim, num_layers) of a decoder config."""
+    heads = getattr(config, "num_attention_heads", None)
+    layers = getattr(config, "num_hidden_layers", None)
+    if not isinstance(heads, int) or not isinstance(layers, int):
+        raise SpecError(f"config {type(config).__name__} has no integer num_attention_heads / num_hidden_layers; "
+                        "pass the model's (text) config, e.g. model.config")
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return heads, kv_heads, head_dim, layers
+
+
+class FoldcLayer(CacheLayerMixin):
+    """One attention layer's cache: a `QuantizedKVCache`, built on the first update (which fixes the
+    batch size, model dtype and device) and dropped by `reset` (the next update builds a new one)."""
+
+    is_compileable = False
+    is_sliding = False
+    is_croppable = False
+
+    def __init__(self, spec: AttentionSpec, max_cache_len: int, sink: int, window: int, target: str):
+        super().__init__()
+        self.keys = self.values = None  # transformers' own layers keep tensors here; this one keeps self.cache
+        self.is_initialized = False
+        self.spec, self.max_cache_len, self.sink, self.window, self.target = spec, max_cache_len, sink, window, target
+        self.cache: QuantizedKVCache | None = None
+
+    def __repr__(self) -> str:
+        return f"FoldcLayer({self.cache!r})" if self.cache is not None else f"FoldcLayer({self.spec.describe()}, empty)"
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor | None = None) -> None:
+        batch, heads, _, head_dim = key_states.shape
+        if (heads, head_dim) != (self.spec.num_kv_heads, self.spec.head_dim):
+            raise InputError(f"key states have {heads} heads of {head_dim} channels but the cache was built for "
+                             f"{self.spec.num_kv_heads} KV heads of head_dim={self.spec.head_dim}; build FoldcCache "
+                             "from this model's config")
+        cpu = key_states.device.type == "cpu"
+        if self.target == "interpret" or (self.target == "auto" and cpu):
+            if not cpu or key_states.dtype != torch.float16:
+                raise SpecError(f"FoldcCache target={self.target!r} runs Triton's interpreter here, float16 on the "
+                                f"CPU only, but the model runs in {key_states.dtype} on {key_states.device}: use "
+                                "model.half() on the CPU, target='reference' (any dtype), or a GPU")
+        self.cache = QuantizedKVCache(self.spec, batch, self.max_cache_len, sink=self.sink, window=self.window,
+                                      device=key_states.device, dtype=key_states.dtype, target=self.target)
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        cache = self.cache
+        new = key_states.shape[-2]
+        if cache.num_tokens + new > self.max_cache_len:
+            raise InputError(f"FoldcCache(max_cache_len={self.max_cache_len}) holds {cache.num_tokens} tokens and "
+                             f"{new} more do not fit; build it with max_cache_len >= prompt + max_new_tokens")
+        if new == 1:  # decode: the attention reads the whole cache itself
+            cache.append(key_states, value_states)
+            keys, values, step = key_states, value_states, "decode"
+        else:  # prefill: full-precision attention over the cached tokens (dequantized) and the new ones
+            if cache.num_tokens:
+                old_k, old_v = cache.dequantized()
+                keys = torch.cat([old_k.to(key_states.dtype), key_states], dim=-2)
+                values = torch.cat([old_v.to(value_states.dtype), value_states], dim=-2)
+            else:
+                keys, values = key_states, value_states
+            cache.append(key_states, value_states)
+            step = "prefill"
+        keys = keys.view(keys.shape)  # a fresh tensor object to carry the tag
+        setattr(keys, _TAG, (self, step))
+        return keys, values
+
+    def get_seq_length(self, *args) -> int:
+        return self.cache.num_tokens if self.cache is not None else 0
+
+    def get_max_length(self) -> int:
+        return self.max_cache_len
+
+    get_max_cache_shape = get_max_length  # the name before transformers 5
+
+    def get_mask_sizes(self, query, *args) -> tuple[int, int]:
+        # transformers 5 passes the query length, 4.5x the cache_position tensor
+        query_length = query if isinstance(query, int) else int(query.shape[0])
+        return self.get_seq_length() + query_length, 0
+
+    def reset(self) -> None:
+        self.cache = None
+        self.is_initialized = False
+
+    def offload(self) -> None:
+        raise NotImplementedError("FoldcCache does not offload layers to the CPU")
+
+    def prefetch(self) -> None:
+        raise NotImplementedError("FoldcCache does not offload layers to the CPU")
+
+    def _refuse(self, what: str) -> None:
+        if self.get_seq_length():
+            raise NotImplementedError(f"FoldcCache cannot {what}: its tokens are quantized in place. Use greedy or "
+                                      "sampled decoding with one sequence per prompt (no beam search, assisted or "
+                                      "speculative decoding)")
+
+    def crop(self, tokens_to_remove: int) -> None:
+        # 0 removes nothing; transformers < 5 passed the length to keep, which is a no-op when it is the length
+        if tokens_to_remove and tokens_to_remove != self.get_seq_length():
+            self._refuse(f"drop tokens (crop({tokens_to_remove}))")
+
+    def reorder_cache(self, beam_idx) -> None:
+        self._refuse("reorder its batch (beam search)")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if repeats != 1:
+            self._refuse("repeat its batch rows")
+
+    def batch_select_indices(self, indices) -> None:
+        self._refuse("select batch rows")
+
+
+class FoldcCache(Cache):
+    """A transformers `Cache` whose layers are foldc `QuantizedKVCache` s, for ``generate`` with
+    ``attn_implementation="foldc"``.
+
+    Args:
+        config: the model's config (``model.config``); gives heads, KV heads, head_dim and layers.
+            Its ``_attn_implementation`` must be ``"foldc"`` when the cache is updated.
+        max_cache_len: most tokens per sequence (prompt + generated).
+        k, v: the encodings of keys and values: a `foldc.Affine`, its text (``"token:4:32"``,
+            ``"channel:2:64:bf16"``, see README) or None / ``"none"`` to keep that operand in the model dtype.
+        sink, window: plain first tokens and plain recent tokens (see `QuantizedKVCache`).
+        target: ``"auto"``, ``"interpret"``, ``"sm_90"``, ``"sm_100"`` or ``"reference"`` (module doc).
+
+    Batch size, model dtype and device come from the first forward. `reset` forgets everything
+    (the next forward may use another batch size). Every batch row must hold the same tokens
+    (no padding).
+    """
+
+    layer_class = FoldcLayer
+
+    def __init__(self, config, max_cache_len: int, *, k, v, sink: int = 0, window: int = 0, target: str = "auto"):
+        text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+        heads, kv_heads, head_dim, num_layers = _model_shape(text)
+        layer_types = getattr(text, "layer_types", None)
+        if layer_types is not None and any(t != "full_attention" for t in layer_types):
+            bad = sorted({t for t in layer_types if t != "full_attention"})
+            raise SpecError(f"the model has {bad} layers; FoldcCache holds full-attention layers only")
+        for name, value, least in (("max_cache_len", max_cache_len, 1), ("sink", sink, 0), ("window", window, 0)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise SpecError(f"{name}={value!r} must be " + ("a positive integer" if least else "an integer >= 0"))
+        if target not in CACHE_TARGETS:
+            raise SpecError(f"target={target!r} is not available; use one of {CACHE_TARGETS}")
+        self.spec = AttentionSpec(heads, kv_heads, head_dim, k=_encoding(k, "k"), v=_encoding(v, "v"))
+        self.config = text
+        self._max_cache_len = max_cache_len  # (transformers < 5 derives max_cache_len from the layers)
+        super().__init__(layers=[self.layer_class(self.spec, max_cache_len, sink, window, target)
+                                 for _ in range(num_layers)])
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.spec.describe()}, layers={len(self.layers)}, max_cache_len={self._max_cache_len})"
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        impl = getattr(self.config, "_attn_implementation", None)
+        if impl != ATTN_IMPLEMENTATION:
+            raise SpecError(f"FoldcCache decodes through attn_implementation={ATTN_IMPLEMENTATION!r} but the model "
+                            f"uses {impl!r}; import foldc.integrations.hf and call "
+                            f"model.set_attn_implementation({ATTN_IMPLEMENTATION!r}) (or load the model with "
+                            f"attn_implementation={ATTN_IMPLEMENTATION!r})")
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def get_mask_sizes(self, query, layer_idx: int = 0, *args) -> tuple[int, int]:
+        return self.layers[layer_idx].get_mask_sizes(query)
+
+    @property
+    def layer_caches(self) -> list[QuantizedKVCache | None]:
+        """Each layer's `QuantizedKVCache` (None before the first forward)."""
+        return [layer.cache for layer in self.layers]
+
+
+class DequantizedFoldcLayer(FoldcLayer):
+    """A `FoldcLayer` whose decode steps hand the attention every cached token, dequantized to float32
+    (untagged: `foldc_attention` then runs SDPA over them in float32 and rounds the output once)."""
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        keys, values = super().update(key_states, value_states, *args, **kwargs)
+        if getattr(keys, _TAG)[1] == "decode":
+            keys, values = self.cache.dequantized()  # float32: foldc_attention attends in float32
+        return keys, values
+
+
+class DequantizedFoldcCache(FoldcCache):
+    """`FoldcCache` with dequantize-then-attend decode steps: the same quantized tokens (appends are
+    bit-identical across targets), attention by float32 SDPA over their dequantized values, output in
+    the model dtype. A baseline for checking the fused decode, not for speed."""
+
+    layer_class = DequantizedFoldcLayer
+
+
+# ---- the attention function ----------------------------------------------------------------------
+
+def _allowed(mask: torch.Tensor) -> torch.Tensor:
+    """Boolean 'may attend' of a transformers mask (boolean, or additive float with 0 = attend)."""
+    return mask if mask.dtype == torch.bool else mask == 0
+
+
+def _causal(q_len: int, kv_len: int, device) -> torch.Tensor:
+    """[q_len, kv_len] lower-right aligned causal mask (the queries are the last q_len tokens)."""
+    rows = torch.arange(q_len, device=device)[:, None] + (kv_len - q_len)
+    return rows >= torch.arange(kv_len, device=device)[None, :]
+
+
+_PADDING = ("FoldcCache holds sequences of one length: padding masks are not supported. Pass batch rows of "
+            "equal length without padding (an attention_mask of all ones), or decode them one at a time")
+
+
+def foldc_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                    **kwargs):
+    """The ``"foldc"`` attention implementation: `QuantizedKVCache.attention` for a decode step of a
+    `FoldcCache`, SDPA (causal) otherwise. Shapes as transformers' attention functions: query
+    [batch, heads, q_len, head_dim], key/value [batch, kv_heads, kv_len, head_dim]; returns
+    ([batch, q_len, heads, head_dim], None)."""
+    if dropout:
+        raise SpecError(f"dropout={dropout} in foldc attention: it is for inference; call model.eval()")
+    for name in ("softcap", "sliding_window", "s_aux"):
+        if kwargs.get(name) is not None:
+            raise SpecError(f"{name}={kwargs[name]!r}: foldc attention supports plain softmax attention over the "
+                            "whole cache only")
+    if getattr(module, "sinks", None) is not None:
+        raise SpecError("the attention module has learned sinks; foldc attention does not support them")
+    if kwargs.get("output_attentions"):
+        raise SpecError("output_attentions=True: foldc attention does not return attention weights")
+    batch, heads, q_len, head_dim = query.shape
+    kv_heads, kv_len = key.shape[1], key.shape[2]
+    if heads % kv_heads:
+        raise InputError(f"query has {heads} heads, not a multiple of the {kv_heads} key/value heads")
+    if scaling is None:
+        scaling = head_dim ** -0.5
+    layer, step = getattr(key, _TAG, (None, None))
+
+    if step == "decode":
+        if q_len != 1:
+            raise InputError(f"a decode step of FoldcCache appended 1 token but the query holds {q_len}")
+        if attention_mask is not None and not bool(_allowed(attention_mask).all()):
+            raise InputError(_PADDING)
+        out = layer.cache.attention(query[:, :, 0].contiguous(), sm_scale=scaling)  # [batch, heads, head_dim]
+        return out.to(query.dtype).unsqueeze(1), None
+
+    if layer is not None and attention_mask is not None:
+        causal = _causal(q_len, kv_len, query.device)
+        allowed = _allowed(attention_mask[..., :kv_len])
+        if not torch.equal(allowed, causal.expand_as(allowed)):
+            raise InputError(_PADDING)
+    if heads != kv_heads:
+        key = key.repeat_interleave(heads // kv_heads, dim=1)
+        value = value.repeat_interleave(heads // kv_heads, dim=1)
+    mask, is_causal = None, False
+    if attention_mask is not None:
+        mask = attention_mask[..., :kv_len]
+    elif q_len == kv_len:
+        is_causal = q_len > 1
+    elif q_len > 1:
+        mask = _causal(q_len, kv_len, query.device)
+    work = key.dtype if key.dtype.itemsize > query.dtype.itemsize else query.dtype  # float32 K/V: float32 math
+    out = F.scaled_dot_product_attention(query.to(work), key.to(work), value.to(work), attn_mask=mask,
+                                         is_causal=is_causal, scale=scaling)
+    return out.to(query.dtype).transpose(1, 2).contiguous(), None
+
+
+def register() -> str:
+    """Register `foldc_attention` as ``"foldc"`` with transformers' attention interface, and the SDPA
+    mask builder for it (so that padding reaches `foldc_attention` and is refused). Done on import;
+    returns the name."""
+    AttentionInterface.register(ATTN_IMPLEMENTATION, foldc_attention)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+    return ATTN_IMPLEMENTATION
+
+
+register()
+TRANSFORMERS_VERSION = transformers.__version__

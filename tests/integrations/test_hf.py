@@ -1,0 +1,352 @@
+"""transformers integration: greedy generate through FoldcCache and the "foldc" attention.
+
+Tiny randomly initialised models (no weights are downloaded). Three references:
+
+- the default cache (DynamicCache with SDPA): same tokens and logits within float16 rounding when
+  the cache keeps tokens plain, within the 8-bit quantization error for 8-bit codes;
+- float64 attention over the cache's dequantized tokens at every decode step of every layer, and
+  DequantizedFoldcCache (the same quantized cache, dequantize-then-SDPA in float32) for the logits:
+  the fused decode must match them whatever the encoding (INT4, INT2, sink and window);
+- the float32 model with target="reference" (float64 executor): equal to float32 rounding.
+
+Logits are compared teacher-forced: each reference replays the token sequence the foldc run
+generated, so a near-tie that flips one token cannot make later steps incomparable.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+fhf = pytest.importorskip("foldc.integrations.hf")
+
+from transformers import (AttentionInterface, DynamicCache, LlamaConfig, LlamaForCausalLM,  # noqa: E402
+                          Qwen2Config, Qwen2ForCausalLM)
+
+import foldc  # noqa: E402
+from foldc.errors import InputError, SpecError  # noqa: E402
+
+# Tolerances. ATTN is relative (Frobenius) per decode step and layer; the others are relative to
+# the largest |logit| of the reference (about 3 for these models).
+# - ATTN: the fused decode against float64 attention over the cache's dequantized tokens, as they
+#   stand at that step: the bound tests/serving holds float16 attention to (fp16 operands of the
+#   folded products, output rounding). Measured: at most 4.5e-4, as large as float16 SDPA's error
+#   over the same tokens (4e-4).
+# - FP16: two float16 attentions over the same float16 tokens differ by output rounding (2**-11
+#   relative) and accumulation order; two layers carry that to the logits. Measured: 1.2e-3..1.4e-3.
+# - DEQUANT: logits against the float32 dequantize-then-attend cache replaying the same tokens. The
+#   float16 rounding compounds over the steps, and a replayed key that moved by one rounding can
+#   land on the other side of a code boundary (one INT2 step is a third of the group's range).
+#   Measured: 1.2e-3..1.8e-2; float16 SDPA over that same cache is as far (7e-3..1.6e-2). The
+#   quantization error it separates from is 3.4e-2..4.3e-1 (INT4, INT2, against the default cache).
+# - INT8: 8-bit codes against the unquantized model. Measured 4.7e-3.
+# - FP32: target="reference" in float32 against float32 SDPA: measured 3.8e-7.
+ATTN_TOL = 2e-3
+FP16_TOL = 4 * 2.0 ** -10
+DEQUANT_TOL = 5e-2
+INT8_TOL = 2e-2
+FP32_TOL = 1e-5
+PROMPT, NEW = 12, 10
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _private_kernel_cache(tmp_path_factory):
+    """Kernels compiled here go to a temporary folder, never to the user's ~/.cache/foldc."""
+    old = os.environ.get("FOLDC_CACHE_DIR")
+    os.environ["FOLDC_CACHE_DIR"] = str(tmp_path_factory.mktemp("foldc_hf_cache"))
+    yield
+    if old is None:
+        os.environ.pop("FOLDC_CACHE_DIR", None)
+    else:
+        os.environ["FOLDC_CACHE_DIR"] = old
+
+
+def llama(head_dim=32, dtype=torch.float16, seed=0):
+    """A tiny random Llama: 2 layers, 4 query heads over 2 KV heads (GQA). initializer_range=0.1
+    gives logits of a few units and attention that is far from uniform."""
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=head_dim, vocab_size=128, max_position_embeddings=128,
+                      initializer_range=0.1, pad_token_id=0, bos_token_id=1, eos_token_id=None)
+    return LlamaForCausalLM(cfg).eval().to(dtype)
+
+
+def qwen2(dtype=torch.float16, seed=1):
+    """A tiny random Qwen2 (q/k/v biases, head_dim 128/4 = 32)."""
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(hidden_size=128, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=128, max_position_embeddings=128, initializer_range=0.1,
+                      pad_token_id=0, bos_token_id=1, eos_token_id=None)
+    return Qwen2ForCausalLM(cfg).eval().to(dtype)
+
+
+def prompt(batch, seed=2):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 128, (batch, PROMPT), generator=gen)
+
+
+@contextlib.contextmanager
+def attention(model, impl):
+    old = model.config._attn_implementation
+    model.set_attn_implementation(impl)
+    try:
+        yield model
+    finally:
+        model.set_attn_implementation(old)
+
+
+@contextlib.contextmanager
+def checked_decode():
+    """Wrap the "foldc" attention: every decode step of a FoldcCache is also computed in float64 over
+    the cache's dequantized tokens; yields the list of relative errors it fills."""
+    errors = []
+
+    def attend(module, query, key, value, attention_mask, scaling=None, **kwargs):
+        out, weights = fhf.foldc_attention(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+        layer, step = getattr(key, fhf._TAG, (None, None))
+        if step == "decode":
+            k, v = layer.cache.dequantized()
+            ref = foldc.attention_reference(query[:, :, 0], k, v, sm_scale=scaling)
+            errors.append(float((out[:, 0].double() - ref).norm() / ref.norm()))
+        return out, weights
+
+    AttentionInterface.register(fhf.ATTN_IMPLEMENTATION, attend)
+    try:
+        yield errors
+    finally:
+        fhf.register()
+
+
+def generate(model, cache, ids, new=NEW, impl="foldc"):
+    """Greedy generate: (sequences, float32 logits [new, batch, vocab])."""
+    with attention(model, impl):
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False,
+                             output_logits=True, return_dict_in_generate=True, **{fhf.CACHE_KWARG: cache})
+    return out.sequences, torch.stack(out.logits).float()
+
+
+@torch.no_grad()
+def replay(model, cache, seq, impl="foldc"):
+    """Teacher-forced logits of ``seq``: the prompt in one forward, then one token per step, as
+    generate feeds them ([steps, batch, vocab], the same steps as `generate`'s logits)."""
+    with attention(model, impl):
+        out = model(seq[:, :PROMPT], use_cache=True, **{fhf.CACHE_KWARG: cache})
+        logits = [out.logits[:, -1]]
+        for t in range(PROMPT, seq.shape[1] - 1):
+            out = model(seq[:, t:t + 1], use_cache=True, **{fhf.CACHE_KWARG: cache})
+            logits.append(out.logits[:, -1])
+    return torch.stack(logits).float()
+
+
+def diff(logits, ref) -> tuple[float, float]:
+    """(max |difference| / max |ref|, relative Frobenius difference)."""
+    return float((logits - ref).abs().max() / ref.abs().max()), float((logits - ref).norm() / ref.norm())
+
+
+def cache(model, k, v, **kw):
+    kw.setdefault("target", "interpret" if model.dtype == torch.float16 else "reference")
+    return fhf.FoldcCache(model.config, PROMPT + NEW + 8, k=k, v=v, **kw)
+
+
+def dequantized(model, k, v, **kw):
+    kw.setdefault("target", "interpret" if model.dtype == torch.float16 else "reference")
+    return fhf.DequantizedFoldcCache(model.config, PROMPT + NEW + 8, k=k, v=v, **kw)
+
+
+# ---- against the default cache ------------------------------------------------------------------
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_plain_cache_generates_what_the_default_cache_generates(batch):
+    model, ids = llama(), prompt(batch)
+    seq, logits = generate(model, cache(model, None, None), ids)
+    ref_seq, ref_logits = generate(model, DynamicCache(config=model.config), ids, impl="sdpa")
+    worst, _ = diff(logits, ref_logits)
+    assert torch.equal(seq, ref_seq), f"tokens differ (logit difference {worst:.2e} of max)"
+    assert worst < FP16_TOL, f"logits differ by {worst:.2e} of max"
+
+
+def test_int8_cache_generates_what_the_default_cache_generates():
+    model, ids = llama(), prompt(2)
+    c = cache(model, "token:8:32", "channel:8:16", window=2)
+    with checked_decode() as errors:
+        seq, logits = generate(model, c, ids)
+    assert len(errors) == 2 * (NEW - 1) and max(errors) < ATTN_TOL
+    ref_seq, _ = generate(model, DynamicCache(config=model.config), ids, impl="sdpa")
+    assert torch.equal(seq, ref_seq)
+    assert c.layer_caches[0].body_tokens == 16  # channel groups of 16 reached the quantized body
+    worst, _ = diff(logits, replay(model, DynamicCache(config=model.config), seq, impl="sdpa"))
+    assert worst < INT8_TOL, f"8-bit logits differ from the unquantized model by {worst:.2e} of max"
+
+
+def test_foldc_attention_without_a_foldc_cache_is_sdpa():
+    """The "foldc" implementation with the default cache takes its SDPA path on every step (causal
+    prefill, GQA by repeating KV heads, decode over the returned keys)."""
+    model, ids = llama(dtype=torch.float32), prompt(2)
+    seq, logits = generate(model, DynamicCache(config=model.config), ids)
+    ref_seq, ref_logits = generate(model, DynamicCache(config=model.config), ids, impl="sdpa")
+    assert torch.equal(seq, ref_seq) and diff(logits, ref_logits)[0] < FP32_TOL
+
+
+# ---- low-bit encodings: the same cache, dequantized ---------------------------------------------
+
+LOW_BIT = {
+    # name: (head_dim, batch, k, v, sink, window, bound on the relative difference to the unquantized model)
+    "int4 token/token": (32, 2, "token:4:32", "token:4:32", 0, 0, 0.2),
+    "int4 token/channel, sink 1, window 4": (32, 2, "token:4:16", "channel:4:16", 1, 4, 0.2),
+    "int2 token/token": (64, 1, "token:2:64", "token:2:64", 0, 0, 0.6),
+    "int2 channel/token, sink 1, window 3": (64, 2, "channel:2:16", "token:2:32", 1, 3, 0.6),
+}
+
+
+@pytest.mark.parametrize("name", list(LOW_BIT))
+def test_low_bit_decode_equals_dequantize_then_attend(name):
+    head_dim, batch, k, v, sink, window, bound = LOW_BIT[name]
+    model, ids = llama(head_dim), prompt(batch)
+    c = cache(model, k, v, sink=sink, window=window)
+    with checked_decode() as errors:
+        seq, logits = generate(model, c, ids)
+    assert seq.shape == (batch, PROMPT + NEW) and torch.isfinite(logits).all()
+    assert len(errors) == 2 * (NEW - 1) and max(errors) < ATTN_TOL, f"decode attention errors up to {max(errors):.2e}"
+    # every layer holds every token but the last generated one, split as the cache promises
+    n = PROMPT + NEW - 1
+    for layer in c.layer_caches:
+        assert layer.num_tokens == n and layer.sink_tokens == min(sink, n)
+        assert layer.body_tokens == (n - sink - window) // layer.unit * layer.unit > 0
+    worst, _ = diff(logits, replay(model, dequantized(model, k, v, sink=sink, window=window), seq))
+    assert worst < DEQUANT_TOL, f"fused decode differs from dequantize-then-attend by {worst:.2e} of max"
+    _, rel = diff(logits, replay(model, DynamicCache(config=model.config), seq, impl="sdpa"))
+    assert rel < bound, f"{name}: logits differ from the unquantized model by {rel:.2e} (relative)"
+
+
+def test_qwen2_decodes_through_foldc():
+    model, ids = qwen2(), prompt(3)
+    seq, logits = generate(model, cache(model, None, None), ids)
+    ref_seq, ref_logits = generate(model, DynamicCache(config=model.config), ids, impl="sdpa")
+    assert torch.equal(seq, ref_seq) and diff(logits, ref_logits)[0] < FP16_TOL
+    with checked_decode() as errors:
+        seq, logits = generate(model, cache(model, "token:8:32", "token:4:32"), ids)
+    assert len(errors) == 2 * (NEW - 1) and max(errors) < ATTN_TOL
+    worst, _ = diff(logits, replay(model, dequantized(model, "token:8:32", "token:4:32"), seq))
+    assert worst < DEQUANT_TOL
+
+
+# ---- float32 with the float64 executor -----------------------------------------------------------
+
+def test_reference_target_in_float32_is_exact():
+    """target="reference" (any dtype): the folded plan in float64 against float32 SDPA over the
+    same dequantized tokens, with a scaling that is not 1/sqrt(head_dim)."""
+    model, ids = llama(dtype=torch.float32), prompt(2)
+    for layer in model.model.layers:
+        layer.self_attn.scaling = 0.3
+    seq, logits = generate(model, cache(model, "token:4:32", "channel:2:16", sink=1, window=3), ids)
+    worst, _ = diff(logits, replay(model, dequantized(model, "token:4:32", "channel:2:16", sink=1, window=3), seq))
+    assert worst < FP32_TOL
+    seq, logits = generate(model, cache(model, None, None), ids)
+    ref_seq, ref_logits = generate(model, DynamicCache(config=model.config), ids, impl="sdpa")
+    assert torch.equal(seq, ref_seq) and diff(logits, ref_logits)[0] < FP32_TOL
+
+
+def test_a_window_that_holds_every_token_is_the_plain_cache():
+    model, ids = llama(dtype=torch.float32), prompt(2)
+    c = cache(model, "token:2:32", "token:2:32", window=64)
+    seq, logits = generate(model, c, ids)
+    assert c.layer_caches[0].body_tokens == 0
+    plain_seq, plain_logits = generate(model, cache(model, None, None), ids)
+    assert torch.equal(seq, plain_seq) and diff(logits, plain_logits)[0] < FP32_TOL
+
+
+def test_a_prompt_in_two_chunks_attends_over_the_cached_chunk():
+    """A second prefill (query length > 1) attends over the cached tokens, dequantized, then decodes."""
+    model, ids = llama(dtype=torch.float32), prompt(2)
+    with attention(model, "foldc"), torch.no_grad():
+        results = []
+        for c in (cache(model, None, None), DynamicCache(config=model.config)):
+            kw = {fhf.CACHE_KWARG: c, "use_cache": True}
+            first = model(ids[:, :7], **kw).logits
+            second = model(ids[:, 7:], **kw).logits
+            step = model(ids[:, -1:], **kw).logits
+            results.append(torch.cat([first, second, step], dim=1))
+        foldc_logits, ref_logits = results
+    assert diff(foldc_logits, ref_logits)[0] < FP32_TOL
+    # quantized: the second chunk sees the first through its dequantized codes, as the decode does
+    c, d = cache(model, "token:4:32", "token:4:32"), dequantized(model, "token:4:32", "token:4:32")
+    with attention(model, "foldc"), torch.no_grad():
+        got = [model(part, use_cache=True, **{fhf.CACHE_KWARG: c}).logits for part in (ids[:, :7], ids[:, 7:])]
+        want = [model(part, use_cache=True, **{fhf.CACHE_KWARG: d}).logits for part in (ids[:, :7], ids[:, 7:])]
+    assert torch.equal(got[1], want[1])
+
+
+def test_reset_forgets_the_tokens_and_the_batch_size():
+    model = llama(dtype=torch.float32)
+    c = cache(model, "token:4:32", None, sink=2, window=2)
+    generate(model, c, prompt(2), new=3)
+    c.reset()
+    assert c.get_seq_length() == 0 and c.layer_caches == [None, None]
+    seq, logits = generate(model, c, prompt(1, seed=3))
+    fresh_seq, fresh_logits = generate(model, cache(model, "token:4:32", None, sink=2, window=2), prompt(1, seed=3))
+    assert torch.equal(seq, fresh_seq) and torch.equal(logits, fresh_logits)
+
+
+# ---- what is refused, and how ---------------------------------------------------------------------
+
+def test_padding_masks_are_refused():
+    model, ids = llama(dtype=torch.float32), prompt(2)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0  # left padding
+    with attention(model, "foldc"), pytest.raises(InputError, match="padding masks are not supported"):
+        model.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False,
+                       **{fhf.CACHE_KWARG: cache(model, None, None)})
+    # refused at the prompt already (a forward without decode steps), and at a decode step
+    with attention(model, "foldc"), torch.no_grad():
+        with pytest.raises(InputError, match="padding masks are not supported"):
+            model(ids, attention_mask=mask, use_cache=True, **{fhf.CACHE_KWARG: cache(model, None, None)})
+        c = cache(model, None, None)
+        model(ids, use_cache=True, **{fhf.CACHE_KWARG: c})
+        step_mask = torch.ones(2, PROMPT + 1, dtype=torch.long)
+        step_mask[0, 0] = 0
+        with pytest.raises(InputError, match="padding masks are not supported"):
+            model(ids[:, :1], attention_mask=step_mask, use_cache=True, **{fhf.CACHE_KWARG: c})
+
+
+def test_a_model_without_foldc_attention_is_refused():
+    model, ids = llama(dtype=torch.float32), prompt(1)
+    with pytest.raises(SpecError, match=r"set_attn_implementation\('foldc'\)"):
+        generate(model, cache(model, None, None), ids, impl="sdpa")
+
+
+def test_beam_search_is_refused():
+    model, ids = llama(dtype=torch.float32), prompt(1)
+    with attention(model, "foldc"), pytest.raises(NotImplementedError, match="beam search"):
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, num_beams=2, do_sample=False,
+                       **{fhf.CACHE_KWARG: cache(model, "token:4:32", None)})
+
+
+def test_a_full_cache_names_max_cache_len():
+    model, ids = llama(dtype=torch.float32), prompt(1)
+    c = fhf.FoldcCache(model.config, PROMPT + 2, k=None, v=None, target="reference")
+    with pytest.raises(InputError, match=r"max_cache_len=14\) holds 14 tokens and 1 more do not fit"):
+        generate(model, c, ids, new=4)
+
+
+@pytest.mark.parametrize("make,match", [
+    (lambda m: fhf.FoldcCache(m.config, 32, k="token:4", v=None), "must look like 'layout:bits:group_size'"),
+    (lambda m: fhf.FoldcCache(m.config, 32, k=4, v=None), "k=4 must be a foldc.Affine"),
+    (lambda m: fhf.FoldcCache(m.config, 0, k=None, v=None), "max_cache_len=0 must be a positive integer"),
+    (lambda m: fhf.FoldcCache(m.config, 8, k=None, v=None, window=-1), "window=-1 must be an integer >= 0"),
+    (lambda m: fhf.FoldcCache(m.config, 8, k=None, v=None, target="cuda"), "target='cuda' is not available"),
+    (lambda m: fhf.FoldcCache(Qwen2Config(hidden_size=128, num_attention_heads=4, num_hidden_layers=2,
+                                          use_sliding_window=True, sliding_window=16, max_window_layers=1),
+                              32, k=None, v=None), r"\['sliding_attention'\] layers"),
+])
+def test_bad_construction_names_the_value(make, match):
+    with pytest.raises(SpecError, match=match):
+        make(llama(dtype=torch.float32))
+
+
+def test_the_interpreter_needs_a_float16_model():
+    model, ids = llama(dtype=torch.float32), prompt(1)
+    with pytest.raises(SpecError, match=r"float16 on the CPU only, but the model runs in torch.float32"):
+        generate(model, fhf.FoldcCache(model.config, 32, k=None, v=None, target="auto"), ids)
