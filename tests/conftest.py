@@ -1,5 +1,5 @@
-"""Shared setup of the serving tests: a private kernel cache per test session (the attention
-kernels the cache compiles are written there, never to the user's ~/.cache/foldc)."""
+"""Shared test setup: a private foldc cache directory per test session, so generated kernel
+modules and autotuning results never come from (or land in) the user's ~/.cache/foldc."""
 from __future__ import annotations
 
 import os
@@ -10,7 +10,7 @@ import pytest
 @pytest.fixture(scope="session", autouse=True)
 def _private_kernel_cache(tmp_path_factory):
     old = os.environ.get("FOLDC_CACHE_DIR")
-    os.environ["FOLDC_CACHE_DIR"] = str(tmp_path_factory.mktemp("foldc_serving_cache"))
+    os.environ["FOLDC_CACHE_DIR"] = str(tmp_path_factory.mktemp("foldc_cache"))
     yield os.environ["FOLDC_CACHE_DIR"]
     if old is None:
         os.environ.pop("FOLDC_CACHE_DIR", None)
