@@ -30,7 +30,9 @@ QUICK_GRID = ((1, 16384), (8, 65536), (32, 16384))
 
 
 def kernel_list(quick: bool):
-    """(label, k encoding, v encoding, fold_policy) for every foldc row."""
+    """(label, k encoding, v encoding, policy) for every foldc row. policy "auto": whichever kernel
+    compile() picks (the register-operand kernel where it lowers the plan on sm_90); "triton": the
+    generated Triton kernel for the same plan; "dequant": per-value reconstruction (Triton)."""
     from .encoding import Affine
 
     rows = []
@@ -41,6 +43,7 @@ def kernel_list(quick: bool):
     if not quick:
         for g in (64, 32):
             rows.append((f"fold INT2 KtVt g{g}", Affine(2, "token", g), Affine(2, "token", g), "auto"))
+    rows.append(("fold INT2 KtVt g128 (triton)", Affine(2, "token", 128), Affine(2, "token", 128), "triton"))
     rows.append(("dequant INT2 KtVt g128", Affine(2, "token", 128), Affine(2, "token", 128), "dequant"))
     rows.append(("dequant INT4 KtVt g128", Affine(4, "token", 128), Affine(4, "token", 128), "dequant"))
     rows.append(("foldc bf16", None, None, "auto"))
@@ -153,7 +156,8 @@ def peers():
 
 
 def run_bench(out_dir: Path, quick: bool = False, tune: bool = True, shapes=None) -> dict:
-    from .backends.triton.autotune import CANDIDATES, Config, launch_options
+    from .backends.gluon.lower import lowerable
+    from .backends.triton.autotune import CANDIDATES, GLUON_CANDIDATES, Config, GluonConfig, launch_options
     from .backends.triton.autotune import tune as autotune
     from .compile import compile as compile_attention
     from .encoding import quantize
@@ -170,7 +174,9 @@ def run_bench(out_dir: Path, quick: bool = False, tune: bool = True, shapes=None
     peer_makers = peers()
     results = {"gpu": gpu, "torch": torch.__version__, "ceiling_tb_s": ceiling / 1e12, "rows": [],
                "date": time.strftime("%Y-%m-%d"), "quick": quick}
-    candidates = CANDIDATES if not quick else tuple(c for c in CANDIDATES if c.num_stages == 2)
+    # a short list keeps the whole grid inside one GPU session (each config compiles once per kernel)
+    candidates = tuple(c for c in CANDIDATES if c.num_stages == 2 and c.split_factor == 1.0 and c.block_n >= 64)
+    gluon_ok = torch.cuda.get_device_capability()[0] == 9
     for batch, tokens in grid:
         t_shape = time.time()
         q = torch.randn(batch, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
@@ -193,12 +199,19 @@ def run_bench(out_dir: Path, quick: bool = False, tune: bool = True, shapes=None
             kq = k if k_enc is None else quantized.setdefault(("k", k_enc), quantize(k, k_enc))
             vq = v if v_enc is None else quantized.setdefault(("v", v_enc), quantize(v, v_enc))
             spec = AttentionSpec(HEADS, KV_HEADS, HEAD_DIM, k=k_enc, v=v_enc)
+            gluon = policy == "auto" and gluon_ok and lowerable(spec)[0]
+            fold_policy = "dequant" if policy == "dequant" else "auto"
             if tune:
-                cfg, _ = autotune(spec, q, kq, vq, fold_policy=policy, candidates=candidates,
+                cfg, _ = autotune(spec, q, kq, vq, fold_policy=fold_policy,
+                                  candidates=GLUON_CANDIDATES if gluon else candidates,
                                   label=f"{label} b{batch} n{tokens}")
             else:
-                cfg = Config()
-            attn = compile_attention(spec, target="auto", fold_policy=policy, **launch_options(cfg, spec, q, kq))
+                cfg = GluonConfig() if gluon else Config()
+            if isinstance(cfg, GluonConfig):
+                attn = compile_attention(spec, target="sm_90", **cfg.options())
+            else:
+                attn = compile_attention(spec, target="auto", kernel="triton", fold_policy=fold_policy,
+                                         **launch_options(cfg, spec, q, kq))
             got = attn(q, kq, vq)
             eager, graph = timed(lambda: attn(q, kq, vq))
             ref = attention_reference(q[:1], _first(kq), _first(vq))
@@ -284,10 +297,19 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="results", help="output folder (default results/)")
     ap.add_argument("--quick", action="store_true", help="three shapes, fewer kernels and configs")
     ap.add_argument("--no-tune", action="store_true", help="default launch config instead of autotuning")
+    ap.add_argument("--shapes", default=None, help="comma-separated BATCHxTOKENS subset of the grid, e.g. 1x16384,8x65536")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("foldc bench needs a CUDA GPU (it times kernels); none is visible", file=sys.stderr)
         return 2
-    results = run_bench(Path(args.out), quick=args.quick, tune=not args.no_tune)
+    shapes = None
+    if args.shapes:
+        try:
+            shapes = tuple(tuple(int(x) for x in item.lower().split("x")) for item in args.shapes.split(","))
+        except ValueError:
+            ap.error(f"--shapes={args.shapes!r}: use BATCHxTOKENS items separated by commas, e.g. 1x16384,8x65536")
+        if any(len(s) != 2 or min(s) < 1 for s in shapes):
+            ap.error(f"--shapes={args.shapes!r}: each item is BATCHxTOKENS with both at least 1")
+    results = run_bench(Path(args.out), quick=args.quick, tune=not args.no_tune, shapes=shapes)
     print(format_table(results))
     return 0

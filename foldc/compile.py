@@ -3,8 +3,10 @@
 Targets:
 - ``"reference"``: the float64 executor runs the plan step by step (folds, corrections, online
   softmax in token tiles). Returns float64 ``[batch, num_q_heads, head_dim]``.
-- ``"sm_90"``, ``"sm_100"``: the generated Triton kernel on a CUDA GPU of that generation
-  (fp16 or bf16 queries; output in the query's dtype).
+- ``"sm_90"``, ``"sm_100"``: a fused kernel on a CUDA GPU of that generation (fp16 or bf16
+  queries; output in the query's dtype). On sm_90, plans with one scale and zero per token go to
+  the register-operand kernel (foldc/backends/gluon) unless ``kernel="triton"``; every other plan
+  to the generated Triton kernel (foldc/backends/triton).
 - ``"interpret"``: the same generated kernel under Triton's interpreter on the CPU (fp16 only).
 - ``"auto"``: ``sm_90``/``sm_100`` by the GPU found, else ``interpret``.
 """
@@ -22,6 +24,7 @@ from .validate import check_call
 
 TARGETS = ("reference", "auto", "sm_90", "sm_100", "interpret")
 GPU_TARGETS = {"sm_90": 9, "sm_100": 10}
+KERNELS = ("auto", "triton", "gluon")
 
 
 def bind_inputs(spec: AttentionSpec, q: torch.Tensor, k, v) -> dict:
@@ -68,10 +71,13 @@ def compile(spec: AttentionSpec, target: str = "reference", **options):  # noqa:
     """Plan ``spec`` and return an attention callable for ``target``.
 
     Options for "reference": ``token_tile`` (tokens per online-softmax step, default 64).
-    Options for the Triton targets: ``block_n`` (tokens per tile, default 64), ``num_warps``,
-    ``num_stages``, ``splits`` (split-KV count; default: enough programs to fill the GPU),
-    ``fold_policy`` ("auto", or "dequant" to force per-value reconstruction), ``split_prescaled``
-    (feed operand-fold pre-scaled operands as hi + lo; default on for bf16 queries).
+    Options for the GPU and interpreter targets: ``kernel`` ("auto", "triton" or "gluon": which
+    backend lowers the plan; "auto" takes the register-operand kernel on sm_90 when it lowers the
+    plan), ``block_n`` (tokens per tile), ``splits`` (split-KV count; default: enough programs to
+    fill the GPU). Triton kernel only: ``num_warps``, ``num_stages``, ``fold_policy`` ("auto", or
+    "dequant" to force per-value reconstruction), ``split_prescaled`` (feed operand-fold pre-scaled
+    operands as hi + lo; default on for bf16 queries). Register-operand kernel only: ``stages``
+    (code tiles in flight), ``maxnreg`` (register cap per thread).
     """
     if not isinstance(spec, AttentionSpec):
         raise SpecError(f"spec must be a foldc.AttentionSpec, got {type(spec).__name__}")
@@ -82,11 +88,15 @@ def compile(spec: AttentionSpec, target: str = "reference", **options):  # noqa:
         return ReferenceAttention(plan(spec), **options)
     if target not in TARGETS:
         raise SpecError(f"target={target!r} is not available; use one of {TARGETS}")
-    unknown = sorted(set(options) - {"block_n", "num_warps", "num_stages", "splits", "fold_policy",
-                                     "split_prescaled"})
+    triton_only = {"num_warps", "num_stages", "fold_policy", "split_prescaled"}
+    gluon_only = {"stages", "maxnreg", "split_factor"}
+    unknown = sorted(set(options) - {"kernel", "block_n", "splits"} - triton_only - gluon_only)
     if unknown:
-        raise SpecError(f"unknown option(s) {unknown} for target={target!r}; options are block_n, num_warps, "
-                        "num_stages, splits, fold_policy, split_prescaled")
+        raise SpecError(f"unknown option(s) {unknown} for target={target!r}; options are kernel, block_n, splits, "
+                        "num_warps, num_stages, fold_policy, split_prescaled, stages, maxnreg, split_factor")
+    kernel = options.pop("kernel", "auto")
+    if kernel not in KERNELS:
+        raise SpecError(f"kernel={kernel!r} is not one of {KERNELS}")
     if target == "auto":
         target = detect_target()
     if target in GPU_TARGETS:
@@ -96,6 +106,28 @@ def compile(spec: AttentionSpec, target: str = "reference", **options):  # noqa:
         major = torch.cuda.get_device_capability()[0]
         if major != GPU_TARGETS[target]:
             raise SpecError(f"target={target!r} but the GPU has compute capability {major}.x; use target='auto'")
+    if kernel != "triton" and target == "sm_90":
+        from .backends.gluon.lower import lowerable
+
+        ok, reason = lowerable(spec)
+        wrong = sorted(set(options) & triton_only)
+        if kernel == "auto" and options.get("block_n", 32) not in (32, 64):
+            ok = False
+        if ok and not (kernel == "auto" and wrong):
+            if wrong:
+                raise SpecError(f"option(s) {wrong} belong to the Triton kernel; drop them or pass kernel='triton'")
+            from .backends.gluon import GluonAttention
+
+            return GluonAttention(spec, **options)
+        if kernel == "gluon":
+            raise SpecError(f"kernel='gluon' cannot lower this spec: {reason}; use kernel='auto' or 'triton'")
+    elif kernel == "gluon":
+        raise SpecError(f"kernel='gluon' runs on target='sm_90' (a GPU); this call has target={target!r}. "
+                        "Build it ahead of time for sm_90 with `foldc compile --kernel gluon`")
+    wrong = sorted(set(options) & gluon_only)
+    if wrong:
+        raise SpecError(f"option(s) {wrong} belong to the register-operand kernel (sm_90, kernel='gluon'); "
+                        "drop them for this target")
     from .backends.triton import TritonAttention
 
     return TritonAttention(spec, target, **options)

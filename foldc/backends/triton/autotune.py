@@ -34,6 +34,28 @@ CANDIDATES = tuple(Config(bn, w, s, f) for bn in (32, 64, 128) for w in (2, 4) f
                    for f in (1.0, 2.0))
 
 
+@dataclass(frozen=True)
+class GluonConfig:
+    """Launch options of the register-operand kernel (foldc/backends/gluon)."""
+
+    block_n: int = 32
+    stages: int = 2
+    maxnreg: int | None = None
+    split_factor: float = 1.0
+
+    def __str__(self) -> str:
+        return (f"gluon block_n={self.block_n} stages={self.stages} maxnreg={self.maxnreg} "
+                f"splits x{self.split_factor:g}")
+
+    def options(self) -> dict:
+        return {"kernel": "gluon", "block_n": self.block_n, "stages": self.stages, "maxnreg": self.maxnreg,
+                "split_factor": self.split_factor}
+
+
+# the H200 sweep (benchmarks/gluon_sweep.py, docs/perf.md): 2 stages always won; block_n 32 at INT4
+GLUON_CANDIDATES = tuple(GluonConfig(bn, 2, r, f) for bn in (32, 64) for r in (None, 128) for f in (0.5, 1.0, 2.0))
+
+
 def cache_path() -> Path:
     root = os.environ.get("FOLDC_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "foldc")
     return Path(root) / "autotune.json"
@@ -43,11 +65,13 @@ def _pow2_ceil(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
-def bucket_key(spec, dtype: torch.dtype, batch: int, tokens: int, fold_policy: str = "auto") -> str:
+def bucket_key(spec, dtype: torch.dtype, batch: int, tokens: int, fold_policy: str = "auto",
+               kernel: str = "triton") -> str:
     import triton
 
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    return (f"{gpu}|torch {torch.__version__}|triton {triton.__version__}|{spec.describe()}|{fold_policy}|"
+    policy = fold_policy if kernel == "triton" else f"{fold_policy}|{kernel}"
+    return (f"{gpu}|torch {torch.__version__}|triton {triton.__version__}|{spec.describe()}|{policy}|"
             f"{str(dtype).replace('torch.', '')}|batch<={_pow2_ceil(batch)}|tokens<={_pow2_ceil(tokens)}")
 
 
@@ -69,20 +93,23 @@ def load_cache(refresh: bool = False) -> dict:
 _KEYS: dict = {}
 
 
-def lookup(spec, dtype, batch, tokens, fold_policy="auto") -> Config | None:
-    """The tuned config of this call's bucket, or None. Cheap on the hot path: the key is
-    memoised and the file is parsed once per change."""
-    memo = (spec, dtype, _pow2_ceil(batch), _pow2_ceil(tokens), fold_policy)
+def lookup(spec, dtype, batch, tokens, fold_policy="auto", kernel: str = "triton"):
+    """The tuned config (Config, or GluonConfig for kernel="gluon") of this call's bucket, or None.
+    Cheap on the hot path: the key is memoised and the file is parsed once per change."""
+    memo = (spec, dtype, _pow2_ceil(batch), _pow2_ceil(tokens), fold_policy, kernel)
     key = _KEYS.get(memo)
     if key is None:
-        key = _KEYS[memo] = bucket_key(spec, dtype, batch, tokens, fold_policy)
+        key = _KEYS[memo] = bucket_key(spec, dtype, batch, tokens, fold_policy, kernel)
     entry = load_cache().get(key)
-    return Config(**entry["config"]) if entry else None
+    if not entry:
+        return None
+    return GluonConfig(**entry["config"]) if entry.get("kernel") == "gluon" else Config(**entry["config"])
 
 
-def store(key: str, config: Config, micros: float) -> None:
+def store(key: str, config, micros: float) -> None:
     data = dict(load_cache(refresh=True))  # merge with what other processes stored meanwhile
-    data[key] = {"config": asdict(config), "us": micros}
+    data[key] = {"config": asdict(config), "us": micros,
+                 "kernel": "gluon" if isinstance(config, GluonConfig) else "triton"}
     path = cache_path()
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
@@ -107,12 +134,18 @@ def tune(spec, q, k, v, seq_lens=None, fold_policy="auto", candidates=CANDIDATES
 
     from ...compile import compile as compile_attention
 
-    key = bucket_key(spec, q.dtype, q.shape[0], k.shape[2] if hasattr(k, "shape") else k.num_tokens, fold_policy)
+    kernel = "gluon" if candidates and isinstance(candidates[0], GluonConfig) else "triton"
+    key = bucket_key(spec, q.dtype, q.shape[0], k.shape[2] if hasattr(k, "shape") else k.num_tokens, fold_policy,
+                     kernel)
     best, best_us = None, float("inf")
     for i, cfg in enumerate(candidates):
         _progress(i, len(candidates), label or spec.describe())
         try:
-            attn = compile_attention(spec, target="auto", fold_policy=fold_policy, **launch_options(cfg, spec, q, k))
+            if isinstance(cfg, GluonConfig):
+                attn = compile_attention(spec, target="sm_90", **cfg.options())
+            else:
+                attn = compile_attention(spec, target="auto", kernel="triton", fold_policy=fold_policy,
+                                         **launch_options(cfg, spec, q, k))
             us = do_bench(lambda: attn(q, k, v, seq_lens=seq_lens), warmup=10, rep=rep_ms,
                           return_mode="median") * 1e3
         except Exception as e:  # a config the compiler rejects (e.g. out of shared memory) is skipped

@@ -17,6 +17,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+import triton
 
 from ...encoding import AffineTensor
 from ...errors import InputError, SpecError
@@ -31,36 +32,51 @@ MERGE_SOURCE = '''
 @triton.jit
 def foldc_merge(WS_M, WS_L, WS_ACC, OUT, LSE, stride_ob, stride_oh, num_splits,
                 Q_PER_KV: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                NUM_KV_HEADS: tl.constexpr):
-    """Merge the per-split (max, denominator, accumulator) states (eq. 14) and divide (eq. 10)."""
+                NUM_KV_HEADS: tl.constexpr, SPLIT_BLOCK: tl.constexpr, D_BLOCK: tl.constexpr):
+    """Merge the per-split (max, denominator, accumulator) states (eq. 14) and divide (eq. 10).
+    Program (b, kv_head, d): channels d*D_BLOCK.. of every row; SPLIT_BLOCK splits per step, the
+    common maximum found first so each split's weight is computed once."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
+    dblk = tl.program_id(2)
     rows = tl.arange(0, ROWS)
-    cols = tl.arange(0, HEAD_DIM)
+    cols = dblk * D_BLOCK + tl.arange(0, D_BLOCK)
+    sb = tl.arange(0, SPLIT_BLOCK)
     base = (b * NUM_KV_HEADS + kvh) * num_splits * ROWS
     m = tl.full([ROWS], float("-inf"), tl.float32)
+    for s0 in range(0, num_splits, SPLIT_BLOCK):
+        live = (s0 + sb) < num_splits
+        idx = base + (s0 + sb)[:, None] * ROWS + rows[None, :]
+        m = tl.maximum(m, tl.max(tl.load(WS_M + idx, mask=live[:, None], other=float("-inf")), axis=0))
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
     l = tl.zeros([ROWS], tl.float32)
-    acc = tl.zeros([ROWS, HEAD_DIM], tl.float32)
-    for s in range(num_splits):
-        row = base + s * ROWS + rows
-        m_s = tl.load(WS_M + row)
-        l_s = tl.load(WS_L + row)
-        m_new = tl.maximum(m, m_s)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        w_old = tl.exp2(m - m_safe)
-        w_s = tl.exp2(m_s - m_safe)
-        acc_s = tl.load(WS_ACC + row[:, None] * HEAD_DIM + cols[None, :])
-        acc = acc * w_old[:, None] + acc_s * w_s[:, None]
-        l = l * w_old + l_s * w_s
-        m = m_new
+    acc = tl.zeros([ROWS, D_BLOCK], tl.float32)
+    for s0 in range(0, num_splits, SPLIT_BLOCK):
+        live = (s0 + sb) < num_splits
+        idx = base + (s0 + sb)[:, None] * ROWS + rows[None, :]
+        w = tl.exp2(tl.load(WS_M + idx, mask=live[:, None], other=float("-inf")) - m_safe[None, :])
+        l += tl.sum(tl.load(WS_L + idx, mask=live[:, None], other=0.0) * w, axis=0)
+        acc_s = tl.load(WS_ACC + idx[:, :, None] * HEAD_DIM + cols[None, None, :], mask=live[:, None, None], other=0.0)
+        acc += tl.sum(acc_s * w[:, :, None], axis=0)
     out = acc / l[:, None]
     ptr = OUT + b * stride_ob + (kvh * Q_PER_KV + rows)[:, None] * stride_oh + cols[None, :]
     tl.store(ptr, out.to(OUT.dtype.element_ty), mask=(rows < Q_PER_KV)[:, None])
     # natural-log sum of exp of the logits (m is in log2 units): lets callers merge attention
     # over several caches, e.g. a quantized body and a bf16 window (eq. 14)
     lse = (m + tl.log2(l)) * 0.6931471805599453
-    tl.store(LSE + b * NUM_KV_HEADS * Q_PER_KV + kvh * Q_PER_KV + rows, lse, mask=rows < Q_PER_KV)
+    tl.store(LSE + b * NUM_KV_HEADS * Q_PER_KV + kvh * Q_PER_KV + rows, lse, mask=(rows < Q_PER_KV) & (dblk == 0))
 '''
+
+
+def launch_merge(merge_kernel, ws_m, ws_l, ws_acc, out, lse, q_per_kv: int) -> None:
+    """Launch ``foldc_merge`` over the workspace [batch, kv_heads, splits, rows(, head_dim)]."""
+    b, hkv, splits, rows = ws_m.shape
+    head_dim = ws_acc.shape[-1]
+    d_block = min(head_dim, 32)
+    merge_kernel[(b, hkv, head_dim // d_block)](
+        ws_m, ws_l, ws_acc, out, lse, out.stride(0), out.stride(1), splits, Q_PER_KV=q_per_kv, ROWS=rows,
+        HEAD_DIM=head_dim, NUM_KV_HEADS=hkv, SPLIT_BLOCK=min(16, triton.next_power_of_2(splits)), D_BLOCK=d_block,
+        num_warps=4)
 
 
 def cache_dir() -> Path:
@@ -326,6 +342,4 @@ class TritonAttention:
         module.foldc_decode[(b, hkv, splits)](
             *args, Q_PER_KV=self.spec.q_per_kv, ROWS=geo.rows, BLOCK_N=geo.block_n, HEAD_DIM=self.spec.head_dim,
             NUM_KV_HEADS=hkv, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-        module.foldc_merge[(b, hkv)](ws_m, ws_l, ws_acc, out, lse, out.stride(0), out.stride(1), splits,
-                                     Q_PER_KV=self.spec.q_per_kv, ROWS=geo.rows, HEAD_DIM=self.spec.head_dim,
-                                     NUM_KV_HEADS=hkv, num_warps=4)
+        launch_merge(module.foldc_merge, ws_m, ws_l, ws_acc, out, lse, self.spec.q_per_kv)

@@ -1,0 +1,98 @@
+"""Sweep the register-operand kernel's launch options on a GPU (one process, a few minutes).
+
+For each shape and option set: relative L2 against float64 attention on the same dequantized
+cache (shapes up to 600K tokens), time of eager calls and of CUDA-graph replays (medians of
+triton.testing.do_bench), and % of the HBM read ceiling on the bytes the kernel must read.
+
+    PYTHONPATH=. python3 benchmarks/gluon_sweep.py --out results/sweep.json [--quick]
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import sys
+import time
+
+import torch
+import triton
+
+import foldc
+from foldc.testing import rel_l2
+
+CEILING = 4.4e12   # bytes/s, the streaming-read ceiling measured on the H200 (h200-anchors.md)
+
+
+def graph_time(fn) -> float:
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return triton.testing.do_bench(graph.replay, warmup=10, rep=100) * 1000
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args()
+    shapes = [(1, 4096), (1, 16384), (1, 131072), (8, 4096), (8, 65536), (32, 16384), (64, 32768)]
+    options = [dict(block_n=bn, stages=st, maxnreg=mr, split_factor=sf)
+               for bn, st, mr, sf in itertools.product((32, 64), (2, 3), (None, 128), (0.5, 1.0, 2.0))]
+    if args.quick:
+        shapes, options = shapes[1:3] + shapes[4:5], options[:4]
+    rows = []
+    t0 = time.time()
+    for bits in (2, 4):
+        enc = foldc.Affine(bits, "token", 128)
+        spec = foldc.AttentionSpec(32, 8, 128, enc, enc)
+        for b, n in shapes:
+            gen = torch.Generator(device="cuda").manual_seed(b * n + bits)
+            q = torch.randn(b, 32, 128, device="cuda", generator=gen).to(torch.bfloat16)
+            k = foldc.quantize(torch.randn(b, 8, n, 128, device="cuda", generator=gen), enc)
+            v = foldc.quantize(torch.randn(b, 8, n, 128, device="cuda", generator=gen), enc)
+            ref = foldc.attention_reference(q, k, v) if b * n <= 600_000 else None
+            nbytes = sum(t.numel() * t.element_size() for x in (k, v) for t in (x.codes, x.scale, x.zero)) + \
+                2 * q.numel() * 2
+            for opt in options:
+                if opt["block_n"] == 64 and bits == 4:
+                    continue
+                row = {"bits": bits, "batch": b, "tokens": n, **opt}
+                try:
+                    attn = foldc.compile(spec, "sm_90", kernel="gluon", **opt)
+                    out = attn(q, k, v)
+                    if ref is not None:
+                        row["error"] = rel_l2(out, ref)
+                    row["eager_us"] = triton.testing.do_bench(lambda: attn(q, k, v), warmup=10, rep=100) * 1000
+                    row["graph_us"] = graph_time(lambda: attn(q, k, v))
+                    best = min(row["eager_us"], row["graph_us"])
+                    row["pct_ceiling"] = 100 * nbytes / (best * 1e-6) / CEILING
+                except Exception as e:  # keep sweeping; the row records the failure
+                    row["fail"] = repr(e)[:300]
+                rows.append(row)
+            best = min((r for r in rows if r["bits"] == bits and r["batch"] == b and r["tokens"] == n
+                        and "graph_us" in r), key=lambda r: min(r["graph_us"], r["eager_us"]), default=None)
+            if best:
+                print(f"int{bits} {b}x{n}: best {min(best['graph_us'], best['eager_us']):.1f} us "
+                      f"({best['pct_ceiling']:.0f}%) bn{best['block_n']} st{best['stages']} "
+                      f"reg{best['maxnreg']} sf{best['split_factor']} err {best.get('error')}", flush=True)
+            del q, k, v
+            torch.cuda.empty_cache()
+    fails = [r for r in rows if "fail" in r]
+    errs = [r["error"] for r in rows if "error" in r]
+    print(f"{len(rows)} runs, {len(fails)} failed, error range {min(errs, default=0):.2e}..{max(errs, default=0):.2e}, "
+          f"{time.time() - t0:.0f} s")
+    for r in fails[:5]:
+        print("FAIL", r)
+    with open(args.out, "w") as f:
+        json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

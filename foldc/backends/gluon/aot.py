@@ -1,0 +1,86 @@
+"""Ahead-of-time build of the register-operand kernel for sm_90 (no GPU needed) and what the
+compiler emitted: matrix instructions, registers, and the SASS of the token loop per packed byte.
+
+Must run where TRITON_INTERPRET is unset when triton is first imported.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+from pathlib import Path
+
+from ...errors import SpecError
+from ..triton.sass import _tool, inner_loop, lane_slots_per_byte
+from .launch import constexprs
+from .lower import gluon_plan, lower
+
+POINTERS = {"Q": "*bf16", "KC": "*i32", "KS": "*fp16", "KZ": "*fp16", "VC": "*i32", "VS": "*fp16", "VZ": "*fp16",
+            "SEQ_LENS": "*i32", "WS_M": "*fp32", "WS_L": "*fp32", "WS_ACC": "*fp32"}
+# runtime ints the JIT sees as multiples of 16 for caches whose token count is a multiple of 16
+ALIGNED_INTS = ("stride_qb", "stride_qh", "stride_kb", "stride_kh", "stride_ksb", "stride_ksh", "stride_vb",
+                "stride_vh", "stride_vsb", "stride_vsh", "tokens_per_split", "cache_tokens")
+
+
+def registers(cubin: Path) -> int | None:
+    text = subprocess.run([_tool("cuobjdump"), "--dump-resource-usage", str(cubin)], capture_output=True,
+                          text=True).stdout
+    m = re.search(r"REG:(\d+)", text)
+    return int(m.group(1)) if m else None
+
+
+def compile_gluon_aot(spec, arch: str, out_dir: str | Path, dtype: str = "bf16", block_n: int = 32,
+                      stages: int = 2, maxnreg: int | None = None) -> dict:
+    """Build the register-operand kernel of ``spec`` for ``arch`` into ``out_dir``; return a report."""
+    if arch not in ("sm_90", "sm_100"):
+        raise SpecError(f"arch={arch!r}: the register-operand kernel builds for sm_90 (and sm_100)")
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise SpecError("ahead-of-time compilation needs TRITON_INTERPRET unset in this process")
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from .kernel import foldc_decode_gluon
+
+    cfg = lower(gluon_plan(spec))
+    consts = constexprs(cfg, block_n, stages)
+    signature, attrs = {}, {}
+    for i, name in enumerate(foldc_decode_gluon.arg_names):
+        if name in consts:
+            signature[name] = "constexpr"
+        elif name in POINTERS:
+            signature[name] = POINTERS[name] if name != "Q" else ("*bf16" if dtype == "bf16" else "*fp16")
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif name == "qk_scale":
+            signature[name] = "fp32"
+        else:
+            signature[name] = "i32"
+            if name in ALIGNED_INTS:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    options = {"num_warps": 1}
+    if maxnreg:
+        options["maxnreg"] = maxnreg
+    compiled = triton.compile(GluonASTSource(foldc_decode_gluon, signature, constexprs=consts, attrs=attrs),
+                              target=GPUTarget("cuda", {"sm_90": 90, "sm_100": 100}[arch], 32), options=options)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for ext in ("ttgir", "llir", "ptx"):
+        if ext in compiled.asm:
+            (out / f"foldc_decode_gluon.{arch}.{ext}").write_text(compiled.asm[ext])
+    cubin = out / f"foldc_decode_gluon.{arch}.cubin"
+    cubin.write_bytes(compiled.asm["cubin"])
+    loop = inner_loop(cubin)
+    tile_bytes = 2 * block_n * (cfg.head_dim * cfg.bits / 8 + 4)   # codes + fp16 scale and zero, K and V
+    ptx = compiled.asm["ptx"]
+    report = {
+        "spec": spec.describe(), "kernel": "gluon", "arch": arch, "dtype": dtype, "block_n": block_n,
+        "stages": stages, "maxnreg": maxnreg, "rows": cfg.rows, "registers": registers(cubin),
+        "mma": {"mma.sync": len(re.findall(r"\bmma\.sync", ptx)), "wgmma": len(re.findall(r"\bwgmma", ptx))},
+        "shared_stores_in_ptx": len(re.findall(r"\bst\.shared", ptx)),
+        "inner_loop": {"instructions_per_warp": sum(loop.values()), "bytes_per_tile": tile_bytes,
+                       "lane_slots_per_byte": lane_slots_per_byte(loop, 1, tile_bytes),
+                       "top_opcodes": dict(loop.most_common(12))},
+    }
+    (out / f"foldc_decode_gluon.{arch}.json").write_text(json.dumps(report, indent=2))
+    return report

@@ -1,0 +1,271 @@
+"""The register-operand decode kernel (Gluon, sm_90): codes go from 32-bit words to tensor-core
+operands in registers, two codes per LOP3, with no per-value scale or zero.
+
+One program = one warp = one (batch, kv_head, split). Per tile of BN tokens:
+  key side   S^T = K'.Q'^T       M = tokens, N = query rows, K = channels    (eq. 3, 8)
+             t = s_tok * (S^T - 1024 * sum(q')) / c + z_tok * sum(q)            (eq. 6, 7)
+  softmax    online, per query row (log2 units)                                (eq. 9)
+  value side O^T += V'^T.(P * s_tok)^T  M = channels, N = rows, K = tokens       (eq. 4)
+             plus sum(P * z_tok) per row                                         (eq. 6)
+The codes words travel global -> shared memory by cp.async, STAGES tiles ahead; scales and
+zeros one tile ahead in registers. Each split writes (max, denominator, accumulator) for the
+merge kernel (eq. 14), the same workspace the Triton backend uses. The channel and row maps of
+the operands are in operands.py.
+
+Import this module only where Triton runs natively (not under TRITON_INTERPRET=1).
+"""
+from __future__ import annotations
+
+import math
+
+from triton.experimental import gluon
+from triton.experimental.gluon import constexpr_function
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
+
+LANES_KEY = [[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]]
+LANES_VALUE = [[0, 8], [0, 16], [1, 0], [2, 0], [4, 0]]
+
+
+@constexpr_function
+def key_words_layout(BN, W):
+    """Key words [BN tokens, W words]: words 2t, 2t+1 of rows g, g+8 per lane (the k_width=8 A operand)."""
+    BN, W = int(BN), int(W)
+    reg = [[0, 1], [8, 0]] + [[0, 8 << i] for i in range(int(math.log2(W // 8)))] + \
+        [[16 << i, 0] for i in range(int(math.log2(BN // 16)))]
+    return gl.DistributedLinearLayout(reg_bases=reg, lane_bases=LANES_KEY, warp_bases=[], block_bases=[],
+                                      shape=[BN, W])
+
+
+@constexpr_function
+def value_words_layout(BN, W):
+    """Value words [W words, BN tokens]: four consecutive tokens of one word in consecutive registers."""
+    BN, W = int(BN), int(W)
+    reg = [[0, 1], [0, 2], [0, 4]] + [[0, 32 << i] for i in range(int(math.log2(BN // 32)))] + \
+        [[8 << i, 0] for i in range(int(math.log2(W // 8)))]
+    return gl.DistributedLinearLayout(reg_bases=reg, lane_bases=LANES_VALUE, warp_bases=[], block_bases=[],
+                                      shape=[W, BN])
+
+
+@constexpr_function
+def copy_layout(BN, W):
+    """cp.async of a [BN, W] word tile: 16 bytes per lane."""
+    BN, W = int(BN), int(W)
+    return gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[32 // (W // 4), W // 4], warps_per_cta=[1, 1],
+                            order=[1, 0])
+
+
+@gluon.jit
+def _join4(x0, x1, x2, x3):
+    # [..., 2, 2] whose element [..., u, v] is x_(2u+v)
+    return gl.join(gl.join(x0, x2), gl.join(x1, x3))
+
+
+@gluon.jit
+def _pairs(x0, x1, BN: gl.constexpr, NB: gl.constexpr):
+    # x_p[t, w, e] holds byte 4w + p + 2e; k = 4w + 2p + e keeps each unpacked register one k pair
+    return gl.reshape(gl.permute(gl.join(x0, x1), (0, 1, 3, 2)), [BN, NB])
+
+
+@gluon.jit
+def _key_operand(kw, BN: gl.constexpr, D: gl.constexpr, F: gl.constexpr, ASM: gl.constexpr, CONS: gl.constexpr):
+    NB: gl.constexpr = D // F
+    x = gl.join(kw, kw)
+    if F == 4:
+        a0, a1, b0, b1, c0, c1, d0, d1 = gl.inline_asm_elementwise(
+            ASM, CONS, [x], dtype=(gl.float16,) * 8, is_pure=True, pack=2)
+        op = _join4(_pairs(a0, a1, BN, NB), _pairs(b0, b1, BN, NB), _pairs(c0, c1, BN, NB), _pairs(d0, d1, BN, NB))
+        op = gl.reshape(gl.permute(op, (0, 2, 3, 1)), [BN, D])
+    else:
+        a0, a1, b0, b1 = gl.inline_asm_elementwise(ASM, CONS, [x], dtype=(gl.float16,) * 4, is_pure=True, pack=2)
+        op = gl.reshape(gl.permute(gl.join(_pairs(a0, a1, BN, NB), _pairs(b0, b1, BN, NB)), (0, 2, 1)), [BN, D])
+    return op
+
+
+@gluon.jit
+def _value_fields(vw, ASM: gl.constexpr, CONS: gl.constexpr, F: gl.constexpr):
+    if F == 4:
+        r0, r1, r2, r3 = gl.inline_asm_elementwise(ASM, CONS, [vw], dtype=(gl.float16,) * 4, is_pure=True, pack=4)
+    else:
+        r0, r1 = gl.inline_asm_elementwise(ASM, CONS, [vw], dtype=(gl.float16,) * 2, is_pure=True, pack=4)
+        r2 = r0
+        r3 = r1
+    return r0, r1, r2, r3
+
+
+@gluon.jit
+def _value_operand(vw, BN: gl.constexpr, D: gl.constexpr, F: gl.constexpr, VA0: gl.constexpr, VA1: gl.constexpr,
+                   VA2: gl.constexpr, VA3: gl.constexpr, VCONS: gl.constexpr):
+    p00, p10, p20, p30 = _value_fields(vw, VA0, VCONS, F)   # p<field><byte>
+    p01, p11, p21, p31 = _value_fields(vw, VA1, VCONS, F)
+    p02, p12, p22, p32 = _value_fields(vw, VA2, VCONS, F)
+    p03, p13, p23, p33 = _value_fields(vw, VA3, VCONS, F)
+    j0 = _join4(p00, p01, p02, p03)      # [W, BN, u, v]: byte 2u+v of field 0
+    j1 = _join4(p10, p11, p12, p13)
+    if F == 4:
+        op = _join4(j0, j1, _join4(p20, p21, p22, p23), _join4(p30, p31, p32, p33))
+        op = gl.reshape(gl.permute(op, (4, 5, 2, 3, 0, 1)), [D, BN])
+    else:
+        op = gl.reshape(gl.permute(gl.join(j0, j1), (4, 2, 3, 0, 1)), [D, BN])
+    return op
+
+
+@gluon.jit
+def _issue(stage, n0, k_smem, v_smem, k_base, v_base, tc, wc, W: gl.constexpr):
+    """Start copying the code words of tile n0 into pipeline stage ``stage``."""
+    rows = (n0 + tc)[:, None] * W + wc[None, :]
+    async_copy.async_copy_global_to_shared(k_smem.index(stage), k_base + rows)
+    async_copy.async_copy_global_to_shared(v_smem.index(stage), v_base + rows)
+    async_copy.commit_group()
+
+
+@gluon.jit
+def _scales(n0, tm, KSp, KZp, VSp, VZp):
+    tok = n0 + tm
+    return gl.load(KSp + tok), gl.load(KZp + tok), gl.load(VSp + tok), gl.load(VZp + tok)
+
+
+@gluon.jit
+def _tail(n0, end, k_base, v_base, tk, wk, wv, tv, tm, KSp, KZp, VSp, VZp, W: gl.constexpr):
+    """The last, partial tile straight from global memory with masks (zeros past the end)."""
+    tok_k = n0 + tk
+    tok = n0 + tm
+    tok_v = n0 + tv
+    kw = gl.load(k_base + tok_k[:, None] * W + wk[None, :], mask=(tok_k < end)[:, None], other=0)
+    vw = gl.load(v_base + tok_v[None, :] * W + wv[:, None], mask=(tok_v < end)[None, :], other=0)
+    live = tok < end
+    ks = gl.load(KSp + tok, mask=live, other=0.0)
+    kz = gl.load(KZp + tok, mask=live, other=0.0)
+    vs = gl.load(VSp + tok, mask=live, other=0.0)
+    vz = gl.load(VZp + tok, mask=live, other=0.0)
+    return kw, vw, ks, kz, vs, vz
+
+
+@gluon.jit
+def _tile(n0, end, kw, vw, ks, kz, vs, vz, m_i, l_i, zsum, acc_o, tm, q16, q_bias, q_sum, row_scale,
+          BN: gl.constexpr, D: gl.constexpr, F: gl.constexpr, ROWS: gl.constexpr, KASM: gl.constexpr,
+          KCONS: gl.constexpr, VA0: gl.constexpr, VA1: gl.constexpr, VA2: gl.constexpr, VA3: gl.constexpr,
+          VCONS: gl.constexpr, MASKED: gl.constexpr):
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
+    a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=8)
+    b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=8)
+    # key side: acc-fold with one scale per token (row of M); bias and zero through sum(q') and sum(q)
+    ka = gl.convert_layout(_key_operand(kw, BN, D, F, KASM, KCONS), a_l, assert_trivial=True)
+    sacc = mma_v2(ka, q16, gl.zeros([BN, ROWS], gl.float32, layout=mma))
+    t = ks.to(gl.float32)[:, None] * ((sacc - q_bias[None, :]) * row_scale[None, :]) + \
+        kz.to(gl.float32)[:, None] * q_sum[None, :]
+    if MASKED:
+        t = gl.where((n0 + tm < end)[:, None], t, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(t, axis=0))
+    alpha = gl.exp2(m_i - m_new)
+    p = gl.exp2(t - m_new[None, :])
+    l_i = l_i * alpha + gl.sum(p, axis=0)
+    # value side: operand-fold, P x scale before the product; zero term sum(P x z) beside it
+    pp = (p * vs.to(gl.float32)[:, None]).to(gl.float16)
+    zsum = zsum * alpha + gl.sum(p * vz.to(gl.float32)[:, None], axis=0)
+    va = gl.convert_layout(_value_operand(vw, BN, D, F, VA0, VA1, VA2, VA3, VCONS), a_l, assert_trivial=True)
+    # a fresh accumulator per tile: the tensor core's own running sum over many tiles loses low bits
+    pv = mma_v2(va, gl.convert_layout(pp, b_l), gl.zeros([D, ROWS], gl.float32, layout=mma))
+    return m_new, l_i, zsum, acc_o * alpha[None, :] + pv
+
+
+@gluon.jit
+def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC,
+                       stride_qb, stride_qh, stride_kb, stride_kh, stride_ksb, stride_ksh,
+                       stride_vb, stride_vh, stride_vsb, stride_vsh, qk_scale, tokens_per_split, cache_tokens,
+                       Q_PER_KV: gl.constexpr, ROWS: gl.constexpr, BN: gl.constexpr, D: gl.constexpr,
+                       BITS: gl.constexpr, KEY_BIAS: gl.constexpr, STAGES: gl.constexpr, KASM: gl.constexpr,
+                       KCONS: gl.constexpr, VA0: gl.constexpr, VA1: gl.constexpr, VA2: gl.constexpr,
+                       VA3: gl.constexpr, VCONS: gl.constexpr):
+    NB: gl.constexpr = D * BITS // 8
+    W: gl.constexpr = NB // 4
+    F: gl.constexpr = 8 // BITS
+    b = gl.program_id(0)
+    h = gl.program_id(1)
+    s = gl.program_id(2)
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
+    b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=8)
+    kw_l: gl.constexpr = key_words_layout(BN, W)
+    vw_l: gl.constexpr = value_words_layout(BN, W)
+    cp_l: gl.constexpr = copy_layout(BN, W)
+    row_l: gl.constexpr = gl.SliceLayout(0, mma)
+    tok_l: gl.constexpr = gl.SliceLayout(1, mma)
+    smem_l: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
+
+    seq_len = gl.minimum(gl.load(SEQ_LENS + b), cache_tokens)   # lengths past the cache are clamped
+    start = s * tokens_per_split
+    end = gl.minimum(start + tokens_per_split, seq_len)
+
+    # Q'^T [D, ROWS]: k index -> channel as operands.key_channel; field weight 2^-(bits*field);
+    # each row scaled by a power of two c so that its largest entry is near 2^12 (no fp16 underflow)
+    kq = gl.arange(0, D, layout=gl.SliceLayout(1, b_l))
+    rq = gl.arange(0, ROWS, layout=gl.SliceLayout(0, b_l))
+    field = kq // NB
+    j = kq % NB
+    chan = field * NB + ((j & ~3) | ((j & 1) << 1) | ((j >> 1) & 1))
+    qv = gl.load(Q + b * stride_qb + (h * Q_PER_KV + rq)[None, :] * stride_qh + chan[:, None],
+                 mask=(rq < Q_PER_KV)[None, :], other=0.0).to(gl.float32)
+    amax = gl.maximum(gl.max(gl.abs(qv), axis=0), 1e-30)
+    c = gl.exp2(12.0 - gl.floor(gl.log2(amax)))
+    q16 = (qv * c[None, :] * gl.exp2(-(field * BITS).to(gl.float32))[:, None]).to(gl.float16)
+    q_bias = gl.convert_layout(gl.sum(q16.to(gl.float32), axis=0) * KEY_BIAS, row_l)
+    q_sum = gl.convert_layout(gl.sum(qv, axis=0) * qk_scale, row_l)
+    row_scale = gl.convert_layout(qk_scale / c, row_l)
+
+    tk = gl.arange(0, BN, layout=gl.SliceLayout(1, kw_l))
+    wk = gl.arange(0, W, layout=gl.SliceLayout(0, kw_l))
+    wv = gl.arange(0, W, layout=gl.SliceLayout(1, vw_l))
+    tv = gl.arange(0, BN, layout=gl.SliceLayout(0, vw_l))
+    tc = gl.arange(0, BN, layout=gl.SliceLayout(1, cp_l))
+    wc = gl.arange(0, W, layout=gl.SliceLayout(0, cp_l))
+    tm = gl.arange(0, BN, layout=tok_l)
+    k_base = KC + b * stride_kb + h * stride_kh
+    v_base = VC + b * stride_vb + h * stride_vh
+    KSp = KS + b * stride_ksb + h * stride_ksh
+    KZp = KZ + b * stride_ksb + h * stride_ksh
+    VSp = VS + b * stride_vsb + h * stride_vsh
+    VZp = VZ + b * stride_vsb + h * stride_vsh
+
+    m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=row_l)
+    l_i = gl.zeros([ROWS], gl.float32, layout=row_l)
+    zsum = gl.zeros([ROWS], gl.float32, layout=row_l)
+    acc_o = gl.zeros([D, ROWS], gl.float32, layout=mma)
+    n_full = gl.maximum(end - start, 0) // BN
+    if n_full > 0:
+        k_smem = gl.allocate_shared_memory(gl.int32, [STAGES, BN, W], smem_l)
+        v_smem = gl.allocate_shared_memory(gl.int32, [STAGES, BN, W], smem_l)
+        for i in gl.static_range(STAGES - 1):
+            _issue(i, start + gl.minimum(i, n_full - 1) * BN, k_smem, v_smem, k_base, v_base, tc, wc, W)
+        ks, kz, vs, vz = _scales(start, tm, KSp, KZp, VSp, VZp)
+        for i in range(n_full):
+            ks2, kz2, vs2, vz2 = _scales(start + gl.minimum(i + 1, n_full - 1) * BN, tm, KSp, KZp, VSp, VZp)
+            gl.thread_barrier()   # every lane is done reading the stage the next copy overwrites
+            ahead = i + STAGES - 1
+            _issue(ahead % STAGES, start + gl.minimum(ahead, n_full - 1) * BN, k_smem, v_smem, k_base, v_base,
+                   tc, wc, W)
+            async_copy.wait_group(STAGES - 1)
+            gl.thread_barrier()   # tile i's words, copied by every lane, are visible
+            kw = k_smem.index(i % STAGES).load(kw_l)
+            vw = v_smem.index(i % STAGES).permute((1, 0)).load(vw_l)
+            m_i, l_i, zsum, acc_o = _tile(start + i * BN, end, kw, vw, ks, kz, vs, vz, m_i, l_i, zsum, acc_o, tm,
+                                          q16, q_bias, q_sum, row_scale, BN, D, F, ROWS, KASM, KCONS,
+                                          VA0, VA1, VA2, VA3, VCONS, False)
+            ks, kz, vs, vz = ks2, kz2, vs2, vz2
+        async_copy.wait_group(0)
+    full_end = start + n_full * BN
+    if full_end < end:
+        kw, vw, ks, kz, vs, vz = _tail(full_end, end, k_base, v_base, tk, wk, wv, tv, tm, KSp, KZp, VSp, VZp, W)
+        m_i, l_i, zsum, acc_o = _tile(full_end, end, kw, vw, ks, kz, vs, vz, m_i, l_i, zsum, acc_o, tm,
+                                      q16, q_bias, q_sum, row_scale, BN, D, F, ROWS, KASM, KCONS,
+                                      VA0, VA1, VA2, VA3, VCONS, True)
+
+    # undo the value field weights 2^(bits*field) per output row, add the zero term (eq. 6);
+    # row m of O^T is channel operands.value_channel(m)
+    cm = gl.arange(0, D, layout=tok_l)
+    rr = gl.arange(0, ROWS, layout=row_l)
+    res = acc_o * gl.exp2(-((cm // NB) * BITS).to(gl.float32))[:, None] + zsum[None, :]
+    base = ((b * gl.num_programs(1) + h) * gl.num_programs(2) + s) * ROWS
+    chan_o = (cm // NB) * NB + 4 * (cm % W) + (cm // W) % 4
+    gl.store(WS_ACC + (base + rr)[None, :] * D + chan_o[:, None], res)
+    gl.store(WS_M + base + rr, m_i)
+    gl.store(WS_L + base + rr, l_i)

@@ -1,0 +1,137 @@
+"""The register-operand kernel as an attention callable (sm_90 GPUs).
+
+`GluonAttention` validates a call like the Triton backend, launches the Gluon decode kernel
+(kernel.py) over (batch, kv_head, split) programs of one warp each and the Triton backend's merge
+kernel (eq. 14), and returns [batch, num_q_heads, head_dim] in the query's dtype. Calls are
+CUDA-graph capturable: no host synchronisation, lengths clamped in the kernel.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ...errors import InputError, SpecError
+from ...validate import check_call
+from ..triton.launch import MERGE_SOURCE, launch_merge, load_module, num_sms
+from .lower import FoldKernel, gluon_plan, lower
+from .operands import key_unpack_asm, value_unpack_asm
+
+DTYPES = (torch.float16, torch.bfloat16)
+PROGRAMS_PER_SM = 16   # one warp each; enough resident warps to hide the code loads
+
+
+def constexprs(cfg: FoldKernel, block_n: int, stages: int) -> dict:
+    """The kernel's compile-time arguments for ``cfg`` (the unpack PTX is generated here)."""
+    key_asm, key_cons = key_unpack_asm(cfg.bits, exact=cfg.key_bias == 0)
+    values = [value_unpack_asm(cfg.bits, byte) for byte in range(4)]
+    return dict(Q_PER_KV=cfg.q_per_kv, ROWS=cfg.rows, BN=block_n, D=cfg.head_dim, BITS=cfg.bits,
+                KEY_BIAS=cfg.key_bias, STAGES=stages, KASM=key_asm, KCONS=key_cons, VA0=values[0][0],
+                VA1=values[1][0], VA2=values[2][0], VA3=values[3][0], VCONS=values[0][1])
+
+
+def choose_splits(batch: int, kv_heads: int, tokens: int, block_n: int, sms: int, factor: float = 1.0) -> int:
+    """Split count: about PROGRAMS_PER_SM one-warp programs per SM, at least two tiles per split."""
+    tiles = max(1, math.ceil(tokens / block_n))
+    want = math.ceil(PROGRAMS_PER_SM * sms * factor / (batch * kv_heads))
+    return max(1, min(want, math.ceil(tiles / 2), 1024))
+
+
+class GluonAttention:
+    """Decode attention through the register-operand kernel. Options: ``block_n`` (32 or 64
+    tokens per tile), ``stages`` (code tiles in flight, 2-4), ``splits`` (split-KV count; default
+    about 16 programs per SM), ``maxnreg`` (register cap per thread, e.g. 128)."""
+
+    def __init__(self, spec, block_n: int | None = None, stages: int | None = None, splits: int | None = None,
+                 maxnreg: int | None = None, split_factor: float | None = None):
+        self.spec, self.target = spec, "sm_90"
+        self.plan = gluon_plan(spec)
+        self.config = lower(self.plan)      # raises NotLowerable with the reason
+        # options left as None come from the autotuning cache for the call's shape bucket, else defaults
+        self.explicit = {k: v for k, v in (("block_n", block_n), ("stages", stages), ("maxnreg", maxnreg),
+                                           ("split_factor", split_factor)) if v is not None}
+        block_n, stages = block_n or 32, stages or 2
+        if block_n not in (32, 64):
+            raise SpecError(f"block_n={block_n!r} must be 32 or 64 for the register-operand kernel")
+        if stages not in (2, 3, 4):
+            raise SpecError(f"stages={stages!r} must be 2, 3 or 4 (code tiles in flight)")
+        if splits is not None and (isinstance(splits, bool) or not isinstance(splits, int) or splits < 1):
+            raise SpecError(f"splits={splits!r} must be a positive integer or None for automatic")
+        if maxnreg is not None and (not isinstance(maxnreg, int) or not 32 <= maxnreg <= 255):
+            raise SpecError(f"maxnreg={maxnreg!r} must be an integer in [32, 255] or None")
+        self.splits = splits
+        self._defaults = {"block_n": block_n, "stages": stages, "maxnreg": maxnreg, "split_factor": split_factor or 1.0}
+        self._configs: dict = {}
+        self._modules = None
+
+    def launch_config(self, dtype: torch.dtype, batch: int, tokens: int) -> dict:
+        """block_n / stages / maxnreg / split factor for this call (memoised per shape bucket)."""
+        bucket = (dtype, batch, tokens)
+        if bucket not in self._configs:
+            opts = dict(self._defaults)
+            if len(self.explicit) < 4:
+                from ..triton.autotune import lookup
+
+                tuned = lookup(self.spec, dtype, batch, tokens, kernel="gluon")
+                if tuned is not None:
+                    opts.update(block_n=tuned.block_n, stages=tuned.stages, maxnreg=tuned.maxnreg,
+                                split_factor=tuned.split_factor)
+            opts.update(self.explicit)
+            opts["constexprs"] = constexprs(self.config, opts["block_n"], opts["stages"])
+            self._configs[bucket] = opts
+        return self._configs[bucket]
+
+    def _kernels(self):
+        if self._modules is None:
+            from . import kernel
+
+            merge = load_module("import triton\nimport triton.language as tl\n" + MERGE_SOURCE, interpret=False)
+            self._modules = (kernel.foldc_decode_gluon, merge.foldc_merge)
+        return self._modules
+
+    def __call__(self, q, k, v, sm_scale=None, seq_lens=None, out: torch.Tensor | None = None,
+                 return_lse: bool = False):
+        """Same call as foldc.compile(...)'s other targets: q [batch, num_q_heads, head_dim] fp16/bf16 on
+        the GPU, k and v AffineTensors of the spec's encodings; returns out (and the lse if asked)."""
+        call = check_call(self.spec, q, k, v, sm_scale, seq_lens, q_dtypes=DTYPES)
+        device = q.device
+        if device.type != "cuda":
+            raise InputError(f"the register-operand kernel runs on a CUDA GPU; q is on {device}")
+        for name, x in (("k", k), ("v", v)):
+            for t in (x.codes, x.scale, x.zero):
+                if not t.is_contiguous():
+                    raise InputError(f"{name} must be contiguous (a part of it has strides {t.stride()}); "
+                                     "call .contiguous() on it first")
+            if x.codes.data_ptr() % 4:
+                raise InputError(f"{name}.codes starts at an address not divisible by 4; the kernel reads "
+                                 "32-bit words: pass a tensor that owns its storage (e.g. .clone())")
+        if q.stride(-1) != 1:
+            raise InputError(f"q must have unit stride along head_dim; got strides {q.stride()}")
+        b, hkv, cfg = call.batch, self.spec.num_kv_heads, self.config
+        launch = self.launch_config(q.dtype, b, call.tokens)
+        block_n = launch["block_n"]
+        splits = self.splits or choose_splits(b, hkv, call.tokens, block_n, num_sms(device), launch["split_factor"])
+        per_split = math.ceil(math.ceil(call.tokens / splits) / block_n) * block_n
+        splits = max(1, math.ceil(call.tokens / per_split))
+        lens = call.seq_lens if call.seq_lens is not None else torch.full((b,), call.tokens, device=device)
+        lens = lens.to(device=device, dtype=torch.int32)
+        ws_m = torch.empty(b, hkv, splits, cfg.rows, device=device, dtype=torch.float32)
+        ws_l = torch.empty_like(ws_m)
+        ws_acc = torch.empty(b, hkv, splits, cfg.rows, cfg.head_dim, device=device, dtype=torch.float32)
+        want = (b, self.spec.num_q_heads, cfg.head_dim)
+        if out is None:
+            out = torch.empty(want, device=device, dtype=q.dtype)
+        elif tuple(out.shape) != want or out.dtype != q.dtype or out.device != device or out.stride(-1) != 1:
+            raise InputError(f"out has shape={tuple(out.shape)}, dtype={out.dtype}, device={out.device}; it must be "
+                             f"{want} in q's dtype {q.dtype} on {device} with unit stride along head_dim")
+        lse = torch.empty(b, self.spec.num_q_heads, device=device, dtype=torch.float32)
+        decode, merge = self._kernels()
+        kc, vc = k.codes.view(torch.int32), v.codes.view(torch.int32)
+        extra = {"maxnreg": launch["maxnreg"]} if launch["maxnreg"] else {}
+        decode[(b, hkv, splits)](
+            q, kc, k.scale, k.zero, vc, v.scale, v.zero, lens, ws_m, ws_l, ws_acc,
+            q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), k.scale.stride(0), k.scale.stride(1),
+            vc.stride(0), vc.stride(1), v.scale.stride(0), v.scale.stride(1),
+            call.sm_scale * 1.4426950408889634, per_split, call.tokens, **launch["constexprs"], num_warps=1, **extra)
+        launch_merge(merge, ws_m, ws_l, ws_acc, out, lse, self.spec.q_per_kv)
+        return (out, lse) if return_lse else out

@@ -1,0 +1,74 @@
+"""How packed codes become tensor-core operands in registers (GPU only: inline PTX).
+
+Codes are read as 32-bit words of the planar packing (foldc/encoding.py: byte j, bit field i
+holds channel i*W8 + j, W8 = head_dim*bits/8 bytes per token). One LOP3 ``(word & m) | 0x6400...``
+turns two codes into an fp16 pair of ``1024 + 2^(bits*i) * code``: the field is masked where it
+lies, never shifted, so field i carries the power-of-two weight 2^(bits*i). The kernel folds
+that weight into the query (key side) or into the output rows (value side); power-of-two
+scalings are exact in floating point.
+
+Key side (scores S^T = K'.Q'^T, tokens on the MMA's M axis): the MMA's A operand with
+k_width=8 wants 8 consecutive k per thread; a thread reads two consecutive words of one token,
+and result ``2i+p`` of `key_unpack_asm` holds field i of bytes (p, p+2) of the word, so the
+k index of an operand element is ``4*word + 2*p + e`` for byte ``4*word + p + 2*e``: bits 0 and
+1 of the byte index swapped (`key_channel` gives the query channel of each k).
+
+Value side (O^T = V'^T.P'^T, channels on M, tokens on K): the A operand wants consecutive
+tokens of one channel per register pair, so `value_unpack_asm` takes four tokens' words, gathers
+byte b of each with two PRMTs and unpacks two tokens per LOP3. Row m of the operand is
+channel ``i*W8 + 4*(m % W) + (m // W) % 4`` with ``W`` words per token (`value_channel`).
+"""
+from __future__ import annotations
+
+MAGIC = 0x64006400  # fp16 pair (1024, 1024)
+
+
+def _mask(bits: int, field: int) -> int:
+    return (((1 << bits) - 1) << (bits * field)) * 0x00010001
+
+
+def key_unpack_asm(bits: int, exact: bool) -> tuple[str, str]:
+    """PTX and constraints for pack=2 over (word, the same word): 2*fields fp16 pairs, result
+    ``2i+p`` = field i of bytes (p, p+2), each ``1024 + 2^(bits*i)*code`` (``exact``: minus 1024)."""
+    fields = 8 // bits
+    n = 2 * fields
+    out = ["{ .reg .b32 t, m;", f"mov.b32 m, {MAGIC};", f"shr.b32 t, ${n}, 8;"]
+    for i in range(fields):
+        out.append(f"lop3.b32 ${2 * i}, ${n}, {_mask(bits, i)}, m, 0xea;")
+        out.append(f"lop3.b32 ${2 * i + 1}, t, {_mask(bits, i)}, m, 0xea;")
+        if exact:
+            out.append(f"sub.f16x2 ${2 * i}, ${2 * i}, m;")
+            out.append(f"sub.f16x2 ${2 * i + 1}, ${2 * i + 1}, m;")
+    out.append("}")
+    return " ".join(out), ",".join(["=r"] * n + ["r", "r"])
+
+
+def value_unpack_asm(bits: int, byte: int) -> tuple[str, str]:
+    """PTX and constraints for pack=4 over four tokens' words: result i = field i of byte
+    ``byte`` of tokens (t0, t1), (t2, t3) as exact fp16 codes times 2^(bits*i)."""
+    fields = 8 // bits
+    n = 2 * fields
+    sel = byte | (byte << 4) | ((4 + byte) << 8) | ((4 + byte) << 12)
+    out = ["{ .reg .b32 u, v, m;", f"mov.b32 m, {MAGIC};", f"prmt.b32 u, ${n}, ${n + 1}, {sel};",
+           f"prmt.b32 v, ${n + 2}, ${n + 3}, {sel};"]
+    for i in range(fields):
+        out.append(f"lop3.b32 ${2 * i}, u, {_mask(bits, i)}, m, 0xea;")
+        out.append(f"lop3.b32 ${2 * i + 1}, v, {_mask(bits, i)}, m, 0xea;")
+        out.append(f"sub.f16x2 ${2 * i}, ${2 * i}, m;")
+        out.append(f"sub.f16x2 ${2 * i + 1}, ${2 * i + 1}, m;")
+    out.append("}")
+    return " ".join(out), ",".join(["=r"] * n + ["r"] * 4)
+
+
+def key_channel(k: int, bits: int, head_dim: int) -> int:
+    """Channel of k index ``k`` of the key operand (field-major, byte bits 0 and 1 swapped)."""
+    nb = head_dim * bits // 8
+    field, j = divmod(k, nb)
+    return field * nb + ((j & ~3) | ((j & 1) << 1) | ((j >> 1) & 1))
+
+
+def value_channel(m: int, bits: int, head_dim: int) -> int:
+    """Channel of row ``m`` of the value operand."""
+    nb = head_dim * bits // 8
+    w = nb // 4
+    return (m // nb) * nb + 4 * (m % w) + (m // w) % 4

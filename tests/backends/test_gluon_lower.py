@@ -1,0 +1,172 @@
+"""The register-operand backend on the CPU: which plans it lowers, how compile() routes to it, and
+the unpack PTX run by a small emulator of the five instructions it uses (the interpreter cannot
+run inline PTX), checked against the channel maps the kernel's query and output use."""
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import foldc
+from foldc.backends.gluon.lower import KEY_BIAS, NotLowerable, gluon_plan, lower, lowerable
+from foldc.backends.gluon.operands import key_channel, key_unpack_asm, value_channel, value_unpack_asm
+from foldc.encoding import pack_codes
+from foldc.errors import SpecError
+
+A = foldc.Affine
+
+
+def _spec(kl="token", vl="token", bits=2, group=128, heads=(32, 8), head_dim=128):
+    return foldc.AttentionSpec(*heads, head_dim, A(bits, kl, group) if kl else None, A(bits, vl, group) if vl else None)
+
+
+# --- which plans lower -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("bits,head_dim,heads", [(2, 128, (32, 8)), (4, 128, (32, 8)), (4, 64, (8, 8)),
+                                                 (2, 256, (16, 2)), (2, 128, (32, 2)), (4, 128, (8, 8))])
+def test_token_wise_plans_lower(bits, head_dim, heads):
+    spec = _spec(bits=bits, group=head_dim, head_dim=head_dim, heads=heads)
+    cfg = lower(gluon_plan(spec))
+    assert (cfg.bits, cfg.head_dim, cfg.q_per_kv) == (bits, head_dim, spec.q_per_kv)
+    assert cfg.rows == (8 if spec.q_per_kv <= 8 else 16) and cfg.key_bias == KEY_BIAS
+    assert foldc.prove(gluon_plan(spec)) is not None   # the plan the kernel runs is proved exact
+
+
+@pytest.mark.parametrize("spec,reason", [
+    (_spec("channel", "token"), "qk operand-fold"),
+    (_spec("token", "channel"), "pv acc-fold"),
+    (_spec(group=64), "groups of 64"),
+    (_spec(bits=8), "2 or 4 bits"),
+    (_spec(bits=2, head_dim=64, group=64, heads=(8, 8)), "256 or 512"),
+    (_spec(heads=(32, 1)), "at most 16"),
+    (_spec(None, None), "qk none"),
+])
+def test_other_plans_do_not_lower(spec, reason):
+    ok, why = lowerable(spec)
+    assert not ok and reason in why, why
+    with pytest.raises(NotLowerable, match=re.escape(reason)):
+        lower(gluon_plan(spec))
+
+
+def test_a_plan_with_other_code_biases_is_refused():
+    spec = _spec()
+    with pytest.raises(NotLowerable, match="code biases"):
+        lower(foldc.plan(spec))                      # the reference plan carries no bias
+
+
+def test_compile_routes_and_refuses_clearly():
+    spec = _spec()
+    assert type(foldc.compile(spec, "interpret")).__name__ == "TritonAttention"
+    with pytest.raises(SpecError, match="runs on target='sm_90'"):
+        foldc.compile(spec, "interpret", kernel="gluon")
+    with pytest.raises(SpecError, match="belong to the register-operand kernel"):
+        foldc.compile(spec, "interpret", stages=3)
+    with pytest.raises(SpecError, match="kernel='fast' is not one of"):
+        foldc.compile(spec, "interpret", kernel="fast")
+
+
+# --- the unpack PTX, emulated ---------------------------------------------------------------------
+
+def _f16(bits16: int) -> float:
+    return float(np.array([bits16], dtype=np.uint16).view(np.float16)[0])
+
+
+def _bits16(x: float) -> int:
+    return int(np.array([x], dtype=np.float16).view(np.uint16)[0])
+
+
+def run_ptx(asm: str, inputs: list[int], n_out: int) -> list[int]:
+    """Execute the unpack PTX: mov, shr, lop3 (0xea: (a & b) | c), prmt, sub.f16x2 on uint32."""
+    regs = {f"${n_out + i}": v & 0xFFFFFFFF for i, v in enumerate(inputs)}
+
+    def val(x: str) -> int:
+        x = x.strip()
+        return regs[x] if x in regs else int(x, 0)
+
+    for ins in asm.strip("{} ").split(";"):
+        ins = ins.strip()
+        if not ins or ins.startswith(".reg"):
+            continue
+        op, rest = ins.split(None, 1)
+        args = [a.strip() for a in rest.split(",")]
+        if op == "mov.b32":
+            regs[args[0]] = val(args[1])
+        elif op == "shr.b32":
+            regs[args[0]] = val(args[1]) >> val(args[2])
+        elif op == "lop3.b32":
+            assert args[4] == "0xea", ins
+            regs[args[0]] = (val(args[1]) & val(args[2])) | val(args[3])
+        elif op == "prmt.b32":
+            src = val(args[1]) | (val(args[2]) << 32)
+            sel = val(args[3])
+            regs[args[0]] = sum(((src >> (8 * ((sel >> (4 * k)) & 7))) & 0xFF) << (8 * k) for k in range(4))
+        elif op == "sub.f16x2":
+            a, b = val(args[1]), val(args[2])
+            lo = _bits16(_f16(a & 0xFFFF) - _f16(b & 0xFFFF))
+            hi = _bits16(_f16(a >> 16) - _f16(b >> 16))
+            regs[args[0]] = lo | (hi << 16)
+        else:
+            raise AssertionError(f"unexpected PTX instruction {ins!r}")
+    return [regs[f"${i}"] for i in range(n_out)]
+
+
+def _words(codes: np.ndarray, bits: int) -> np.ndarray:
+    """Pack codes [tokens, head_dim] the way foldc stores them and view them as 32-bit words."""
+    import torch
+
+    packed = pack_codes(torch.from_numpy(codes), bits).numpy()
+    return packed.view("<u4").astype(np.int64)
+
+
+@settings(max_examples=25, deadline=None)
+@given(bits=st.sampled_from([2, 4]), head_dim=st.sampled_from([64, 128, 256]), exact=st.booleans(),
+       seed=st.integers(0, 2**31 - 1))
+def test_key_unpack_puts_every_code_where_the_query_expects_it(bits, head_dim, exact, seed):
+    if head_dim * bits // 32 not in (4, 8, 16):
+        return
+    rng = np.random.default_rng(seed)
+    codes = rng.integers(0, 1 << bits, size=(1, head_dim), dtype=np.uint8)
+    words = _words(codes, bits)[0]
+    fields, nb = 8 // bits, head_dim * bits // 8
+    asm, cons = key_unpack_asm(bits, exact)
+    assert cons.count("=r") == 2 * fields
+    seen = set()
+    for w, word in enumerate(words):
+        out = run_ptx(asm, [int(word), int(word)], 2 * fields)
+        for i in range(fields):
+            for p in range(2):
+                for e in range(2):
+                    k = i * nb + 4 * w + 2 * p + e            # k index of this half in the operand
+                    ch = key_channel(k, bits, head_dim)
+                    got = _f16((out[2 * i + p] >> (16 * e)) & 0xFFFF)
+                    want = (0 if exact else 1024) + 2.0 ** (bits * i) * codes[0, ch]
+                    assert got == want, (w, i, p, e, ch)
+                    seen.add(ch)
+    assert seen == set(range(head_dim))
+
+
+@settings(max_examples=25, deadline=None)
+@given(bits=st.sampled_from([2, 4]), head_dim=st.sampled_from([128, 256]), seed=st.integers(0, 2**31 - 1))
+def test_value_unpack_gives_two_tokens_of_one_channel_per_register(bits, head_dim, seed):
+    rng = np.random.default_rng(seed)
+    codes = rng.integers(0, 1 << bits, size=(4, head_dim), dtype=np.uint8)     # four tokens
+    words = _words(codes, bits)
+    fields, nb = 8 // bits, head_dim * bits // 8
+    n_words = nb // 4
+    rows = set()
+    for w in range(n_words):
+        for byte in range(4):
+            asm, _ = value_unpack_asm(bits, byte)
+            out = run_ptx(asm, [int(words[t, w]) for t in range(4)], 2 * fields)
+            for i in range(fields):
+                m = i * nb + n_words * byte + w      # the kernel's row order: field, byte, word
+                ch = value_channel(m, bits, head_dim)
+                rows.add(m)
+                for t in range(4):
+                    got = _f16((out[2 * i + t // 2] >> (16 * (t % 2))) & 0xFFFF)
+                    assert got == 2.0 ** (bits * i) * codes[t, ch], (w, byte, i, t)
+    assert rows == set(range(head_dim))
+    assert sorted(value_channel(m, bits, head_dim) for m in range(head_dim)) == list(range(head_dim))
