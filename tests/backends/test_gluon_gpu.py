@@ -21,8 +21,13 @@ A = foldc.Affine
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def _spec(bits=2, heads=(32, 8), head_dim=128):
-    return foldc.AttentionSpec(*heads, head_dim, A(bits, "token", head_dim), A(bits, "token", head_dim))
+def _spec(bits=2, heads=(32, 8), head_dim=128, kl="token", vl="token", group=128):
+    def enc(layout):
+        return A(bits, layout, head_dim if layout == "token" else group)
+    return foldc.AttentionSpec(*heads, head_dim, enc(kl), enc(vl))
+
+
+LAYOUTS = [("token", "token"), ("channel", "token"), ("token", "channel"), ("channel", "channel")]
 
 
 def _check(r, what):
@@ -33,8 +38,31 @@ def _check(r, what):
 def test_auto_takes_the_register_operand_kernel_for_token_wise_plans():
     assert type(foldc.compile(_spec(), "auto")).__name__ == "GluonAttention"
     assert type(foldc.compile(_spec(), "auto", kernel="triton")).__name__ == "TritonAttention"
-    chan = foldc.AttentionSpec(32, 8, 128, A(2, "channel", 128), A(2, "token", 128))
-    assert type(foldc.compile(chan, "auto")).__name__ == "TritonAttention"
+    small_groups = foldc.AttentionSpec(32, 8, 128, A(2, "token", 64), A(2, "token", 64))
+    assert type(foldc.compile(small_groups, "auto")).__name__ == "TritonAttention"
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("bits", [2, 4], ids=["int2", "int4"])
+@pytest.mark.parametrize("kl,vl", LAYOUTS, ids=[f"K{k[0]}V{v[0]}" for k, v in LAYOUTS])
+@pytest.mark.parametrize("group", [128, 32], ids=["g128", "g32"])
+def test_every_layout_matches_float64(kl, vl, bits, group, dtype):
+    """Channel-wise groups of 128 and of 32 tokens (one group per tile), ragged lengths."""
+    if group == 32 and kl == vl == "token":
+        return
+    spec = _spec(bits, kl=kl, vl=vl, group=group)
+    attn = foldc.compile(spec, "sm_90", kernel="gluon")
+    seed = bits * 1000 + LAYOUTS.index((kl, vl)) * 10 + group
+    _check(run_case(attn, spec, 3, 4099, DTYPES[dtype], "cuda", seed), f"{spec.describe()} {dtype}")
+
+
+@pytest.mark.parametrize("splits", [1, 7, 37])
+def test_channel_wise_splits_not_on_group_boundaries(splits):
+    """Splits of whole tiles that start inside a token group must use that group's scales."""
+    spec = _spec(2, kl="channel", vl="channel", group=128)
+    attn = foldc.compile(spec, "sm_90", kernel="gluon", splits=splits)
+    r = run_with_lens(attn, spec, [5000, 3001, 4099], 5000, torch.bfloat16, "cuda", seed=splits)
+    assert r.unwritten == 0 and r.error <= TOLERANCE * r.bf16_error, (splits, r.error, r.bf16_error)
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))

@@ -27,22 +27,27 @@ def _spec(kl="token", vl="token", bits=2, group=128, heads=(32, 8), head_dim=128
 
 @pytest.mark.parametrize("bits,head_dim,heads", [(2, 128, (32, 8)), (4, 128, (32, 8)), (4, 64, (8, 8)),
                                                  (2, 256, (16, 2)), (2, 128, (32, 2)), (4, 128, (8, 8))])
-def test_token_wise_plans_lower(bits, head_dim, heads):
-    spec = _spec(bits=bits, group=head_dim, head_dim=head_dim, heads=heads)
+@pytest.mark.parametrize("kl,vl", [("token", "token"), ("channel", "token"), ("token", "channel"),
+                                   ("channel", "channel")])
+def test_folded_plans_lower(bits, head_dim, heads, kl, vl):
+    spec = foldc.AttentionSpec(*heads, head_dim, A(bits, kl, head_dim if kl == "token" else 64),
+                               A(bits, vl, head_dim if vl == "token" else 128))
     cfg = lower(gluon_plan(spec))
     assert (cfg.bits, cfg.head_dim, cfg.q_per_kv) == (bits, head_dim, spec.q_per_kv)
     assert cfg.rows == (8 if spec.q_per_kv <= 8 else 16) and cfg.key_bias == KEY_BIAS
+    assert cfg.key_tokens == (0 if kl == "token" else 64) and cfg.value_tokens == (0 if vl == "token" else 128)
     assert foldc.prove(gluon_plan(spec)) is not None   # the plan the kernel runs is proved exact
 
 
 @pytest.mark.parametrize("spec,reason", [
-    (_spec("channel", "token"), "qk operand-fold"),
-    (_spec("token", "channel"), "pv acc-fold"),
-    (_spec(group=64), "groups of 64"),
+    (_spec(group=64), "token-wise groups of 64 channels"),
+    (_spec("channel", "channel", group=16), "channel-wise groups of 16 tokens"),
+    (_spec("token", "token", group=32), "token-wise groups of 32 channels"),
     (_spec(bits=8), "2 or 4 bits"),
     (_spec(bits=2, head_dim=64, group=64, heads=(8, 8)), "256 or 512"),
     (_spec(heads=(32, 1)), "at most 16"),
-    (_spec(None, None), "qk none"),
+    (_spec(None, None), "qk is none"),
+    (foldc.AttentionSpec(32, 8, 128, A(2, "token", 128), None), "pv is none"),
 ])
 def test_other_plans_do_not_lower(spec, reason):
     ok, why = lowerable(spec)

@@ -21,6 +21,8 @@ POINTERS = {"Q": "*bf16", "KC": "*i32", "KS": "*fp16", "KZ": "*fp16", "VC": "*i3
 # runtime ints the JIT sees as multiples of 16 for caches whose token count is a multiple of 16
 ALIGNED_INTS = ("stride_qb", "stride_qh", "stride_kb", "stride_kh", "stride_ksb", "stride_ksh", "stride_vb",
                 "stride_vh", "stride_vsb", "stride_vsh", "tokens_per_split", "cache_tokens")
+# the scale tensors' stride along tokens (token-wise: 1) or token groups (channel-wise: head_dim)
+GROUP_STRIDES = ("stride_ksn", "stride_vsn")
 
 
 def registers(cubin: Path) -> int | None:
@@ -56,7 +58,8 @@ def compile_gluon_aot(spec, arch: str, out_dir: str | Path, dtype: str = "bf16",
             signature[name] = "fp32"
         else:
             signature[name] = "i32"
-            if name in ALIGNED_INTS:
+            if name in ALIGNED_INTS or (name == "stride_ksn" and cfg.key_tokens) or \
+                    (name == "stride_vsn" and cfg.value_tokens):
                 attrs[(i,)] = [["tt.divisibility", 16]]
     options = {"num_warps": 1}
     if maxnreg:

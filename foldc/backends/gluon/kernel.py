@@ -120,13 +120,27 @@ def _issue(stage, n0, k_smem, v_smem, k_base, v_base, tc, wc, W: gl.constexpr):
 
 
 @gluon.jit
-def _scales(n0, tm, KSp, KZp, VSp, VZp):
+def _scales(n0, tm, KSp, KZp, VSp, VZp, KEY_G: gl.constexpr, VAL_G: gl.constexpr):
+    """Per-token scale and zero of the token-wise sides (placeholders for channel-wise ones)."""
     tok = n0 + tm
-    return gl.load(KSp + tok), gl.load(KZp + tok), gl.load(VSp + tok), gl.load(VZp + tok)
+    if KEY_G == 0:
+        ks = gl.load(KSp + tok)
+        kz = gl.load(KZp + tok)
+    else:
+        ks = tm
+        kz = tm
+    if VAL_G == 0:
+        vs = gl.load(VSp + tok)
+        vz = gl.load(VZp + tok)
+    else:
+        vs = tm
+        vz = tm
+    return ks, kz, vs, vz
 
 
 @gluon.jit
-def _tail(n0, end, k_base, v_base, tk, wk, wv, tv, tm, KSp, KZp, VSp, VZp, W: gl.constexpr):
+def _tail(n0, end, k_base, v_base, tk, wk, wv, tv, tm, KSp, KZp, VSp, VZp, W: gl.constexpr, KEY_G: gl.constexpr,
+          VAL_G: gl.constexpr):
     """The last, partial tile straight from global memory with masks (zeros past the end)."""
     tok_k = n0 + tk
     tok = n0 + tm
@@ -134,47 +148,87 @@ def _tail(n0, end, k_base, v_base, tk, wk, wv, tv, tm, KSp, KZp, VSp, VZp, W: gl
     kw = gl.load(k_base + tok_k[:, None] * W + wk[None, :], mask=(tok_k < end)[:, None], other=0)
     vw = gl.load(v_base + tok_v[None, :] * W + wv[:, None], mask=(tok_v < end)[None, :], other=0)
     live = tok < end
-    ks = gl.load(KSp + tok, mask=live, other=0.0)
-    kz = gl.load(KZp + tok, mask=live, other=0.0)
-    vs = gl.load(VSp + tok, mask=live, other=0.0)
-    vz = gl.load(VZp + tok, mask=live, other=0.0)
+    if KEY_G == 0:
+        ks = gl.load(KSp + tok, mask=live, other=0.0)
+        kz = gl.load(KZp + tok, mask=live, other=0.0)
+    else:
+        ks = tm
+        kz = tm
+    if VAL_G == 0:
+        vs = gl.load(VSp + tok, mask=live, other=0.0)
+        vz = gl.load(VZp + tok, mask=live, other=0.0)
+    else:
+        vs = tm
+        vz = tm
     return kw, vw, ks, kz, vs, vz
 
 
 @gluon.jit
-def _tile(n0, end, kw, vw, ks, kz, vs, vz, m_i, l_i, zsum, acc_o, tm, q16, q_bias, q_sum, row_scale,
-          BN: gl.constexpr, D: gl.constexpr, F: gl.constexpr, ROWS: gl.constexpr, KASM: gl.constexpr,
-          KCONS: gl.constexpr, VA0: gl.constexpr, VA1: gl.constexpr, VA2: gl.constexpr, VA3: gl.constexpr,
-          VCONS: gl.constexpr, MASKED: gl.constexpr):
+def _tile(n0, end, kw, vw, ks, kz, vs, vz, m_i, l_i, zsum, acc_o, tm, q16, q_bias, q_sum, row_scale, v_scale, v_zero,
+          BN: gl.constexpr, D: gl.constexpr, F: gl.constexpr, ROWS: gl.constexpr, KEY_G: gl.constexpr,
+          VAL_G: gl.constexpr, KASM: gl.constexpr, KCONS: gl.constexpr, VA0: gl.constexpr, VA1: gl.constexpr,
+          VA2: gl.constexpr, VA3: gl.constexpr, VCONS: gl.constexpr, MASKED: gl.constexpr):
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
     a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=8)
     b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=8)
-    # key side: acc-fold with one scale per token (row of M); bias and zero through sum(q') and sum(q)
     ka = gl.convert_layout(_key_operand(kw, BN, D, F, KASM, KCONS), a_l, assert_trivial=True)
     sacc = mma_v2(ka, q16, gl.zeros([BN, ROWS], gl.float32, layout=mma))
-    t = ks.to(gl.float32)[:, None] * ((sacc - q_bias[None, :]) * row_scale[None, :]) + \
-        kz.to(gl.float32)[:, None] * q_sum[None, :]
+    if KEY_G == 0:
+        # acc-fold, one scale per token (row of M); bias and zero through sum(q') and sum(q) (eq. 3, 6, 7)
+        t = ks.to(gl.float32)[:, None] * ((sacc - q_bias[None, :]) * row_scale[None, :]) + \
+            kz.to(gl.float32)[:, None] * q_sum[None, :]
+    else:
+        # operand-fold: q16 was pre-scaled by this group's channel scales; q_sum = sum(q x zero) (eq. 4, 6)
+        t = (sacc - q_bias[None, :]) * row_scale[None, :] + q_sum[None, :]
     if MASKED:
         t = gl.where((n0 + tm < end)[:, None], t, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(t, axis=0))
     alpha = gl.exp2(m_i - m_new)
     p = gl.exp2(t - m_new[None, :])
-    l_i = l_i * alpha + gl.sum(p, axis=0)
-    # value side: operand-fold, P x scale before the product; zero term sum(P x z) beside it
-    pp = (p * vs.to(gl.float32)[:, None]).to(gl.float16)
-    zsum = zsum * alpha + gl.sum(p * vz.to(gl.float32)[:, None], axis=0)
+    p_sum = gl.sum(p, axis=0)
+    l_i = l_i * alpha + p_sum
     va = gl.convert_layout(_value_operand(vw, BN, D, F, VA0, VA1, VA2, VA3, VCONS), a_l, assert_trivial=True)
-    # a fresh accumulator per tile: the tensor core's own running sum over many tiles loses low bits
-    pv = mma_v2(va, gl.convert_layout(pp, b_l), gl.zeros([D, ROWS], gl.float32, layout=mma))
-    return m_new, l_i, zsum, acc_o * alpha[None, :] + pv
+    zero_acc = gl.zeros([D, ROWS], gl.float32, layout=mma)
+    if VAL_G == 0:
+        # operand-fold: P x scale before the product; sum(P x zero) beside it (eq. 4, 6)
+        pp = (p * vs.to(gl.float32)[:, None]).to(gl.float16)
+        zsum = zsum * alpha + gl.sum(p * vz.to(gl.float32)[:, None], axis=0)
+        # a fresh accumulator per tile: the tensor core's own running sum over many tiles loses low bits
+        acc_o = acc_o * alpha[None, :] + mma_v2(va, gl.convert_layout(pp, b_l), zero_acc)
+    else:
+        # acc-fold: this tile lies in one token group; scale the tile's sum per channel, add zero x sum(P)
+        pv = mma_v2(va, gl.convert_layout(p.to(gl.float16), b_l), zero_acc)
+        acc_o = acc_o * alpha[None, :] + pv * v_scale[:, None] + v_zero[:, None] * p_sum[None, :]
+    return m_new, l_i, zsum, acc_o
+
+
+@gluon.jit
+def _key_group(qv, c, field, chan, KSg, KZg, qk_scale, BITS: gl.constexpr, KEY_BIAS: gl.constexpr):
+    """Channel-wise K: the query pre-scaled by one token group's channel scales (operand-fold,
+    eq. 4), the bias it carries (eq. 7) and the zero correction sum(q x zero) (eq. 6)."""
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
+    row_l: gl.constexpr = gl.SliceLayout(0, mma)
+    sk = gl.load(KSg + chan).to(gl.float32)
+    zk = gl.load(KZg + chan).to(gl.float32)
+    q16 = (qv * c[None, :] * (sk * gl.exp2(-(field * BITS).to(gl.float32)))[:, None]).to(gl.float16)
+    q_bias = gl.convert_layout(gl.sum(q16.to(gl.float32), axis=0) * KEY_BIAS, row_l)
+    q_sum = gl.convert_layout(gl.sum(qv * zk[:, None], axis=0) * qk_scale, row_l)
+    return q16, q_bias, q_sum
+
+
+@gluon.jit
+def _value_group(VSg, VZg, chan_o, weight):
+    """Channel-wise V: one token group's scale (times the field weight) and zero per output row."""
+    return gl.load(VSg + chan_o).to(gl.float32) * weight, gl.load(VZg + chan_o).to(gl.float32)
 
 
 @gluon.jit
 def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC,
-                       stride_qb, stride_qh, stride_kb, stride_kh, stride_ksb, stride_ksh,
-                       stride_vb, stride_vh, stride_vsb, stride_vsh, qk_scale, tokens_per_split, cache_tokens,
-                       Q_PER_KV: gl.constexpr, ROWS: gl.constexpr, BN: gl.constexpr, D: gl.constexpr,
-                       BITS: gl.constexpr, KEY_BIAS: gl.constexpr, STAGES: gl.constexpr, KASM: gl.constexpr,
+                       stride_qb, stride_qh, stride_kb, stride_kh, stride_ksb, stride_ksh, stride_ksn,
+                       stride_vb, stride_vh, stride_vsb, stride_vsh, stride_vsn, qk_scale, tokens_per_split,
+                       cache_tokens, Q_PER_KV: gl.constexpr, ROWS: gl.constexpr, BN: gl.constexpr, D: gl.constexpr,
+                       BITS: gl.constexpr, KEY_BIAS: gl.constexpr, KEY_G: gl.constexpr, VAL_G: gl.constexpr,
+                       STAGES: gl.constexpr, KASM: gl.constexpr,
                        KCONS: gl.constexpr, VA0: gl.constexpr, VA1: gl.constexpr, VA2: gl.constexpr,
                        VA3: gl.constexpr, VCONS: gl.constexpr):
     NB: gl.constexpr = D * BITS // 8
@@ -207,10 +261,29 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC,
                  mask=(rq < Q_PER_KV)[None, :], other=0.0).to(gl.float32)
     amax = gl.maximum(gl.max(gl.abs(qv), axis=0), 1e-30)
     c = gl.exp2(12.0 - gl.floor(gl.log2(amax)))
-    q16 = (qv * c[None, :] * gl.exp2(-(field * BITS).to(gl.float32))[:, None]).to(gl.float16)
-    q_bias = gl.convert_layout(gl.sum(q16.to(gl.float32), axis=0) * KEY_BIAS, row_l)
-    q_sum = gl.convert_layout(gl.sum(qv, axis=0) * qk_scale, row_l)
     row_scale = gl.convert_layout(qk_scale / c, row_l)
+    KSp = KS + b * stride_ksb + h * stride_ksh
+    KZp = KZ + b * stride_ksb + h * stride_ksh
+    VSp = VS + b * stride_vsb + h * stride_vsh
+    VZp = VZ + b * stride_vsb + h * stride_vsh
+    if KEY_G == 0:
+        q16 = (qv * c[None, :] * gl.exp2(-(field * BITS).to(gl.float32))[:, None]).to(gl.float16)
+        q_bias = gl.convert_layout(gl.sum(q16.to(gl.float32), axis=0) * KEY_BIAS, row_l)
+        q_sum = gl.convert_layout(gl.sum(qv, axis=0) * qk_scale, row_l)
+    else:
+        g0 = start // KEY_G
+        q16, q_bias, q_sum = _key_group(qv, c, field, chan, KSp + g0 * stride_ksn, KZp + g0 * stride_ksn, qk_scale,
+                                        BITS, KEY_BIAS)
+    # row m of O^T is channel operands.value_channel(m)
+    cm = gl.arange(0, D, layout=tok_l)
+    chan_o = (cm // NB) * NB + 4 * (cm % W) + (cm // W) % 4
+    weight_o = gl.exp2(-((cm // NB) * BITS).to(gl.float32))
+    if VAL_G == 0:
+        v_scale = weight_o
+        v_zero = weight_o
+    else:
+        g0 = start // VAL_G
+        v_scale, v_zero = _value_group(VSp + g0 * stride_vsn, VZp + g0 * stride_vsn, chan_o, weight_o)
 
     tk = gl.arange(0, BN, layout=gl.SliceLayout(1, kw_l))
     wk = gl.arange(0, W, layout=gl.SliceLayout(0, kw_l))
@@ -221,10 +294,6 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC,
     tm = gl.arange(0, BN, layout=tok_l)
     k_base = KC + b * stride_kb + h * stride_kh
     v_base = VC + b * stride_vb + h * stride_vh
-    KSp = KS + b * stride_ksb + h * stride_ksh
-    KZp = KZ + b * stride_ksb + h * stride_ksh
-    VSp = VS + b * stride_vsb + h * stride_vsh
-    VZp = VZ + b * stride_vsb + h * stride_vsh
 
     m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=row_l)
     l_i = gl.zeros([ROWS], gl.float32, layout=row_l)
@@ -236,9 +305,19 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC,
         v_smem = gl.allocate_shared_memory(gl.int32, [STAGES, BN, W], smem_l)
         for i in gl.static_range(STAGES - 1):
             _issue(i, start + gl.minimum(i, n_full - 1) * BN, k_smem, v_smem, k_base, v_base, tc, wc, W)
-        ks, kz, vs, vz = _scales(start, tm, KSp, KZp, VSp, VZp)
+        ks, kz, vs, vz = _scales(start, tm, KSp, KZp, VSp, VZp, KEY_G, VAL_G)
         for i in range(n_full):
-            ks2, kz2, vs2, vz2 = _scales(start + gl.minimum(i + 1, n_full - 1) * BN, tm, KSp, KZp, VSp, VZp)
+            n0 = start + i * BN
+            if KEY_G > 0:
+                if n0 % KEY_G == 0:
+                    q16, q_bias, q_sum = _key_group(qv, c, field, chan, KSp + (n0 // KEY_G) * stride_ksn,
+                                                    KZp + (n0 // KEY_G) * stride_ksn, qk_scale, BITS, KEY_BIAS)
+            if VAL_G > 0:
+                if n0 % VAL_G == 0:
+                    v_scale, v_zero = _value_group(VSp + (n0 // VAL_G) * stride_vsn, VZp + (n0 // VAL_G) * stride_vsn,
+                                                   chan_o, weight_o)
+            ks2, kz2, vs2, vz2 = _scales(start + gl.minimum(i + 1, n_full - 1) * BN, tm, KSp, KZp, VSp, VZp,
+                                         KEY_G, VAL_G)
             gl.thread_barrier()   # every lane is done reading the stage the next copy overwrites
             ahead = i + STAGES - 1
             _issue(ahead % STAGES, start + gl.minimum(ahead, n_full - 1) * BN, k_smem, v_smem, k_base, v_base,
@@ -247,25 +326,33 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC,
             gl.thread_barrier()   # tile i's words, copied by every lane, are visible
             kw = k_smem.index(i % STAGES).load(kw_l)
             vw = v_smem.index(i % STAGES).permute((1, 0)).load(vw_l)
-            m_i, l_i, zsum, acc_o = _tile(start + i * BN, end, kw, vw, ks, kz, vs, vz, m_i, l_i, zsum, acc_o, tm,
-                                          q16, q_bias, q_sum, row_scale, BN, D, F, ROWS, KASM, KCONS,
-                                          VA0, VA1, VA2, VA3, VCONS, False)
+            m_i, l_i, zsum, acc_o = _tile(n0, end, kw, vw, ks, kz, vs, vz, m_i, l_i, zsum, acc_o, tm,
+                                          q16, q_bias, q_sum, row_scale, v_scale, v_zero, BN, D, F, ROWS, KEY_G,
+                                          VAL_G, KASM, KCONS, VA0, VA1, VA2, VA3, VCONS, False)
             ks, kz, vs, vz = ks2, kz2, vs2, vz2
         async_copy.wait_group(0)
     full_end = start + n_full * BN
     if full_end < end:
-        kw, vw, ks, kz, vs, vz = _tail(full_end, end, k_base, v_base, tk, wk, wv, tv, tm, KSp, KZp, VSp, VZp, W)
+        if KEY_G > 0:
+            q16, q_bias, q_sum = _key_group(qv, c, field, chan, KSp + (full_end // KEY_G) * stride_ksn,
+                                            KZp + (full_end // KEY_G) * stride_ksn, qk_scale, BITS, KEY_BIAS)
+        if VAL_G > 0:
+            v_scale, v_zero = _value_group(VSp + (full_end // VAL_G) * stride_vsn,
+                                           VZp + (full_end // VAL_G) * stride_vsn, chan_o, weight_o)
+        kw, vw, ks, kz, vs, vz = _tail(full_end, end, k_base, v_base, tk, wk, wv, tv, tm, KSp, KZp, VSp, VZp, W,
+                                       KEY_G, VAL_G)
         m_i, l_i, zsum, acc_o = _tile(full_end, end, kw, vw, ks, kz, vs, vz, m_i, l_i, zsum, acc_o, tm,
-                                      q16, q_bias, q_sum, row_scale, BN, D, F, ROWS, KASM, KCONS,
-                                      VA0, VA1, VA2, VA3, VCONS, True)
+                                      q16, q_bias, q_sum, row_scale, v_scale, v_zero, BN, D, F, ROWS, KEY_G, VAL_G,
+                                      KASM, KCONS, VA0, VA1, VA2, VA3, VCONS, True)
 
-    # undo the value field weights 2^(bits*field) per output row, add the zero term (eq. 6);
-    # row m of O^T is channel operands.value_channel(m)
-    cm = gl.arange(0, D, layout=tok_l)
+    # token-wise V: undo the field weights 2^(bits*field) per output row, add the zero term (eq. 6);
+    # channel-wise V has both in acc_o already
     rr = gl.arange(0, ROWS, layout=row_l)
-    res = acc_o * gl.exp2(-((cm // NB) * BITS).to(gl.float32))[:, None] + zsum[None, :]
+    if VAL_G == 0:
+        res = acc_o * weight_o[:, None] + zsum[None, :]
+    else:
+        res = acc_o
     base = ((b * gl.num_programs(1) + h) * gl.num_programs(2) + s) * ROWS
-    chan_o = (cm // NB) * NB + 4 * (cm % W) + (cm // W) % 4
     gl.store(WS_ACC + (base + rr)[None, :] * D + chan_o[:, None], res)
     gl.store(WS_M + base + rr, m_i)
     gl.store(WS_L + base + rr, l_i)

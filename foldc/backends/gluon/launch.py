@@ -26,7 +26,7 @@ def constexprs(cfg: FoldKernel, block_n: int, stages: int) -> dict:
     key_asm, key_cons = key_unpack_asm(cfg.bits, exact=cfg.key_bias == 0)
     values = [value_unpack_asm(cfg.bits, byte) for byte in range(4)]
     return dict(Q_PER_KV=cfg.q_per_kv, ROWS=cfg.rows, BN=block_n, D=cfg.head_dim, BITS=cfg.bits,
-                KEY_BIAS=cfg.key_bias, STAGES=stages, KASM=key_asm, KCONS=key_cons, VA0=values[0][0],
+                KEY_BIAS=cfg.key_bias, KEY_G=cfg.key_tokens, VAL_G=cfg.value_tokens, STAGES=stages, KASM=key_asm, KCONS=key_cons, VA0=values[0][0],
                 VA1=values[1][0], VA2=values[2][0], VA3=values[3][0], VCONS=values[0][1])
 
 
@@ -53,6 +53,10 @@ class GluonAttention:
         block_n, stages = block_n or 32, stages or 2
         if block_n not in (32, 64):
             raise SpecError(f"block_n={block_n!r} must be 32 or 64 for the register-operand kernel")
+        for name, group in (("k", self.config.key_tokens), ("v", self.config.value_tokens)):
+            if group and group % block_n:
+                raise SpecError(f"block_n={block_n} must divide {name}'s channel-wise group of {group} tokens (a tile "
+                                "lies in one group); use block_n=32")
         if stages not in (2, 3, 4):
             raise SpecError(f"stages={stages!r} must be 2, 3 or 4 (code tiles in flight)")
         if splits is not None and (isinstance(splits, bool) or not isinstance(splits, int) or splits < 1):
@@ -131,7 +135,7 @@ class GluonAttention:
         decode[(b, hkv, splits)](
             q, kc, k.scale, k.zero, vc, v.scale, v.zero, lens, ws_m, ws_l, ws_acc,
             q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), k.scale.stride(0), k.scale.stride(1),
-            vc.stride(0), vc.stride(1), v.scale.stride(0), v.scale.stride(1),
+            k.scale.stride(2), vc.stride(0), vc.stride(1), v.scale.stride(0), v.scale.stride(1), v.scale.stride(2),
             call.sm_scale * 1.4426950408889634, per_split, call.tokens, **launch["constexprs"], num_warps=1, **extra)
         launch_merge(merge, ws_m, ws_l, ws_acc, out, lse, self.spec.q_per_kv)
         return (out, lse) if return_lse else out

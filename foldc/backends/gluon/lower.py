@@ -1,19 +1,24 @@
 """Read a plan and decide whether the register-operand (Gluon) kernel can lower it.
 
-The Gluon kernel feeds packed codes to the tensor cores from registers (kernel.py). It lowers
-the plans whose two products fold with one scale and zero per token:
+The Gluon kernel feeds packed codes to the tensor cores from registers (kernel.py). Scores are
+K'.Q'^T (tokens on the MMA's M axis), values V'^T.P'^T (channels on M, tokens on K). Each
+product's fold decides where its scale goes, as the plan states:
 
-- qk: an acc-fold (eq. 3) whose groups span the whole head_dim, so each token's partial sum is
-  scaled once (scores are K'.Q'^T with tokens on the MMA's M axis, scale per row of M);
-- pv: an operand-fold (eq. 4) with the same groups, so P is multiplied by the token's scale
-  before the product (the MMA computes V'^T.P'^T, channels on M, tokens on K);
-- both corrections as the plan states them (zero x sum(q) before the softmax, sum(p x zero)
-  before the division), and the code bias the plan records: the key codes carry the OR-trick
-  bias 1024 folded into the correction (eq. 7), the value codes none (the kernel subtracts it
-  per value, exact), as ../shared/notes/fold-kernel-probe.md requires on real tensor cores.
+- qk acc-fold (eq. 3), token-wise K with one group per token (group_size == head_dim): the
+  token's scale multiplies its row of the scores, the zero times sum(q) is added (eq. 6);
+- qk operand-fold (eq. 4), channel-wise K (groups of G tokens): the query is pre-scaled by the
+  group's per-channel scales once per group, the correction sum(q x zero) added per row;
+- pv operand-fold (eq. 4), token-wise V with one group per token: P is multiplied by the token's
+  scale before the product, sum(P x zero) added per row;
+- pv acc-fold (eq. 3), channel-wise V: each tile's product (a tile lies in one group) is scaled
+  per output channel and gets zero x sum(P) before it joins the accumulator.
 
-Everything else (channel-wise groups, groups smaller than head_dim, dequant or plain
-operands) goes to the generated Triton kernel (foldc/backends/triton), which lowers any plan.
+The code bias is the plan's: the key codes carry the OR-trick bias 1024 folded into the
+correction (eq. 7), the value codes none (the kernel subtracts it per value, exact), as
+../shared/notes/fold-kernel-probe.md requires on real tensor cores.
+
+Everything else (token-wise groups smaller than head_dim, dequant or plain operands, other
+widths) goes to the generated Triton kernel (foldc/backends/triton), which lowers any plan.
 """
 from __future__ import annotations
 
@@ -40,6 +45,8 @@ class FoldKernel:
     q_per_kv: int
     rows: int            # q_per_kv padded to the MMA's N (8 or 16)
     key_bias: int        # bias carried by the key operand, removed through sum(q') (eq. 7)
+    key_tokens: int      # 0: token-wise K (acc-fold); G: channel-wise K in groups of G tokens
+    value_tokens: int    # 0: token-wise V (operand-fold); G: channel-wise V in groups of G tokens
 
     @property
     def words_per_token(self) -> int:
@@ -55,15 +62,23 @@ def lower(the_plan: Plan) -> FoldKernel:
     """The kernel configuration for ``the_plan``; raises NotLowerable with the reason otherwise."""
     spec = the_plan.spec
     qk, pv = the_plan.products["qk"], the_plan.products["pv"]
-    if qk.fold != "acc-fold" or pv.fold != "operand-fold":
-        raise NotLowerable(f"needs qk acc-fold and pv operand-fold (one scale per token); the plan has "
-                           f"qk {qk.fold}, pv {pv.fold}")
-    for p in (qk, pv):
-        if p.group_size != spec.head_dim:
-            raise NotLowerable(f"{p.product}: groups of {p.group_size} channels; the register-operand kernel "
-                               f"needs one group per token (group_size == head_dim == {spec.head_dim})")
+    token_groups = {}
+    for p, tokenwise_fold in ((qk, "acc-fold"), (pv, "operand-fold")):
+        if p.fold not in ("acc-fold", "operand-fold"):
+            raise NotLowerable(f"{p.product} is {p.fold}; the register-operand kernel lowers folded products only")
         if p.correction == "MISSING":
             raise NotLowerable(f"{p.product}: the plan has no zero correction")
+        if p.group_axis == "channel":   # token-wise encoding: groups run along head_dim
+            if p.fold != tokenwise_fold or p.group_size != spec.head_dim:
+                raise NotLowerable(f"{p.product}: token-wise groups of {p.group_size} channels ({p.fold}); the "
+                                   f"register-operand kernel needs one group per token (group_size == head_dim "
+                                   f"== {spec.head_dim})")
+            token_groups[p.product] = 0
+        else:                           # channel-wise encoding: groups of G tokens
+            if p.group_size % 32:
+                raise NotLowerable(f"{p.product}: channel-wise groups of {p.group_size} tokens; the register-operand "
+                                   "kernel needs a multiple of 32 (a token tile must lie in one group)")
+            token_groups[p.product] = p.group_size
     if qk.bits != pv.bits or qk.bits not in (2, 4):
         raise NotLowerable(f"needs K and V at the same width, 2 or 4 bits; got {qk.bits} and {pv.bits}")
     words = spec.head_dim * qk.bits // 32
@@ -76,7 +91,8 @@ def lower(the_plan: Plan) -> FoldKernel:
         raise NotLowerable(f"the plan's code biases are key {qk.code_bias}, value {pv.code_bias}; this kernel "
                            f"builds key {KEY_BIAS}, value {VALUE_BIAS} (plan it with gluon_plan)")
     rows = 8 if spec.q_per_kv <= 8 else 16
-    return FoldKernel(bits=qk.bits, head_dim=spec.head_dim, q_per_kv=spec.q_per_kv, rows=rows, key_bias=KEY_BIAS)
+    return FoldKernel(bits=qk.bits, head_dim=spec.head_dim, q_per_kv=spec.q_per_kv, rows=rows, key_bias=KEY_BIAS,
+                      key_tokens=token_groups["qk"], value_tokens=token_groups["pv"])
 
 
 def lowerable(spec: AttentionSpec) -> tuple[bool, str]:
