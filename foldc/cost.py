@@ -77,3 +77,29 @@ class IssueVerdict:
 def verdicts(fold: str, bits: int, fold_ops_per_value: Fraction | float) -> list[IssueVerdict]:
     return [IssueVerdict(g, lane_slots_per_byte(g.arch, fold, bits, float(fold_ops_per_value)),
                          g.lane_slots_per_byte) for g in GPUS]
+
+
+# --- the whole token loop of the register-operand kernel (foldc/backends/gluon) -----------------
+#
+# The per-value figures above count operand construction only. The SASS of the register-operand
+# kernel's token loop (sm_90, INT2, 32-token tiles, tests/backends/test_gluon_aot.py) shows what
+# they leave out: of 524 instructions per warp and tile, 216 build operands (one LOP3 per two
+# codes on both sides, one sub.f16x2 per two value codes, two PRMT per four value words) and 308
+# do per-token work that does not shrink with the code width -- the online softmax over the
+# padded query rows, per-token scale and zero, addressing, barriers. Per token and KV head:
+#: lane-slots per token (one warp-instruction per token per instruction per tile of 32)
+PER_TOKEN_LANE_SLOTS = {"sm_90": 308.0}
+#: lane-slots per stored value to build the operands: key (LOP3 / 2), value (LOP3 + sub.f16x2) / 2
+#: plus the word gather (2 PRMT per 16 codes)
+KEY_CONSTRUCTION, VALUE_CONSTRUCTION = 0.5, 1.0 + 0.125
+
+
+def token_loop_lane_slots_per_byte(arch: str, bits: int, head_dim: int, param_bytes: int = 2) -> float:
+    """Issue demand of the register-operand kernel's whole token loop per byte it reads (token-wise
+    K and V, fp16 scale and zero per token): construction of both operands plus the per-token work."""
+    if arch not in PER_TOKEN_LANE_SLOTS:
+        raise ValueError(f"arch={arch!r} has no measured token-loop figure; use one of {sorted(PER_TOKEN_LANE_SLOTS)}")
+    values = head_dim                                   # per operand, per token
+    bytes_per_token = 2 * (head_dim * bits / 8 + 2 * param_bytes)
+    build = values * (KEY_CONSTRUCTION + VALUE_CONSTRUCTION)
+    return (build + PER_TOKEN_LANE_SLOTS[arch]) / bytes_per_token

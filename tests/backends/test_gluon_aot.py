@@ -65,3 +65,11 @@ def test_build_emits_register_operand_mma_and_the_designed_unpack(build, reports
     rows = 8 if heads // kv <= 8 else 16
     hmma = 2 * (block_n // 16) * (head_dim // 16) * (rows // 8)
     assert loop.get("HMMA", 0) == hmma, loop
+
+
+@pytest.mark.parametrize("build", [b for b in BUILDS if b[4] == "sm_90" and b[7] == b[8] == "token" and b[2] == 8],
+                         ids=lambda b: f"int{b[0]}-bn{b[5]}")
+def test_sass_matches_the_token_loop_cost_model(build, reports):
+    """foldc.cost's whole-loop figure (construction + per-token work, eq. 13) within 15% of the SASS."""
+    r = reports[build]["inner_loop"]
+    assert r["model_lane_slots_per_byte"] == pytest.approx(r["lane_slots_per_byte"], rel=0.15), r

@@ -11,6 +11,7 @@ import re
 import subprocess
 from pathlib import Path
 
+from ...cost import token_loop_lane_slots_per_byte
 from ...errors import SpecError
 from ..triton.sass import _tool, inner_loop, lane_slots_per_byte
 from .launch import constexprs
@@ -83,6 +84,8 @@ def compile_gluon_aot(spec, arch: str, out_dir: str | Path, dtype: str = "bf16",
         "shared_stores_in_ptx": len(re.findall(r"\bst\.shared", ptx)),
         "inner_loop": {"instructions_per_warp": sum(loop.values()), "bytes_per_tile": tile_bytes,
                        "lane_slots_per_byte": lane_slots_per_byte(loop, 1, tile_bytes),
+                       "model_lane_slots_per_byte": (token_loop_lane_slots_per_byte("sm_90", cfg.bits, cfg.head_dim)
+                                                     if not (cfg.key_tokens or cfg.value_tokens) else None),
                        "top_opcodes": dict(loop.most_common(12))},
     }
     (out / f"foldc_decode_gluon.{arch}.json").write_text(json.dumps(report, indent=2))
