@@ -41,3 +41,28 @@ def run_with_lens(attn, spec, lens, tokens: int, dtype: torch.dtype, device, see
     ref = attention_reference(q, k, v, sm_scale=sm_scale, seq_lens=seq_lens)
     base = bf16_attention(q, k, v, sm_scale, seq_lens)
     return LensResult(rel_l2(got, ref), rel_l2(base, ref), int(torch.isnan(out).sum().item()), got, ref)
+
+
+def check_graph_replay(attn, spec, seed: int) -> None:
+    """Capture one call with device-side seq_lens in a CUDA graph, then replay it as the lengths
+    change (as a decode loop does): every replay must write all of ``out`` and match float64."""
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v, _ = random_inputs(spec, 3, 3000, torch.bfloat16, "cuda", gen)
+    lens = torch.tensor([1000, 1500, 2000], device="cuda", dtype=torch.int32)
+    out = torch.empty(3, spec.num_q_heads, spec.head_dim, device="cuda", dtype=torch.bfloat16)
+    attn(q, k, v, seq_lens=lens, out=out)  # compile and tune outside the capture
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        attn(q, k, v, seq_lens=lens, out=out)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        attn(q, k, v, seq_lens=lens, out=out)
+    for new in ([1000, 1500, 2000], [1700, 2999, 3000], [1, 2, 3]):
+        lens.copy_(torch.tensor(new, dtype=torch.int32))
+        out.fill_(float("nan"))
+        graph.replay()
+        ref = attention_reference(q, k, v, seq_lens=lens.long())
+        assert not torch.isnan(out).any(), new
+        assert rel_l2(out, ref) < 1e-2, new

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _kernel_cases import run_with_lens
+from _kernel_cases import check_graph_replay, run_with_lens
 
 import foldc
 from foldc.testing import random_inputs, rel_l2, run_case
@@ -108,25 +108,5 @@ def test_lse_matches_the_reference_and_merges():
 
 
 def test_cuda_graph_capture_and_replay_as_lengths_change():
-    spec = _spec(2)
-    attn = foldc.compile(spec, "sm_90", kernel="gluon")
-    gen = torch.Generator().manual_seed(11)
-    q, k, v, _ = random_inputs(spec, 3, 3000, torch.bfloat16, "cuda", gen)
-    lens = torch.tensor([1000, 1500, 2000], device="cuda", dtype=torch.int32)
-    out = torch.empty(3, spec.num_q_heads, spec.head_dim, device="cuda", dtype=torch.bfloat16)
-    attn(q, k, v, seq_lens=lens, out=out)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        attn(q, k, v, seq_lens=lens, out=out)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        attn(q, k, v, seq_lens=lens, out=out)
-    for new in ([1000, 1500, 2000], [1700, 2999, 3000], [1, 2, 3]):
-        lens.copy_(torch.tensor(new, dtype=torch.int32))
-        out.fill_(float("nan"))
-        graph.replay()
-        ref = foldc.attention_reference(q, k, v, seq_lens=lens.long())
-        assert not torch.isnan(out).any()
-        assert rel_l2(out, ref) < 1e-2, new
+    """No host sync in a call: it can be captured once and replayed as lengths grow (decode)."""
+    check_graph_replay(foldc.compile(_spec(2), "sm_90", kernel="gluon"), _spec(2), seed=11)

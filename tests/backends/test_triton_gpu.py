@@ -1,4 +1,6 @@
-"""The generated Triton kernels on a CUDA GPU (sm_90 / sm_100). Skipped without one (CI).
+"""The generated Triton kernels on a CUDA GPU (sm_90 / sm_100), asked for with kernel="triton" (on
+sm_90 "auto" sends folded plans to the register-operand kernel, tested in test_gluon_gpu.py).
+Skipped without a GPU (CI).
 
 Bar: relative L2 against float64 attention over the same dequantized cache is at most 1.10x
 the error of plain bf16 attention over those values (foldc.testing.run_case draws fresh random
@@ -8,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _kernel_cases import run_with_lens
+from _kernel_cases import check_graph_replay, run_with_lens
 
 import foldc
 from foldc.errors import InputError, SpecError
@@ -39,7 +41,7 @@ def _check(r, what):
 @pytest.mark.parametrize("kl,vl", LAYOUTS, ids=[f"K-{k}_V-{v}" for k, v in LAYOUTS])
 def test_paper_shape(kl, vl, bits, dtype):
     spec = _spec(kl, vl, bits)
-    attn = foldc.compile(spec, "auto")
+    attn = foldc.compile(spec, "auto", kernel="triton")
     seed = 1000 * bits + 10 * LAYOUTS.index((kl, vl)) + (dtype == "bf16")
     _check(run_case(attn, spec, 4, 5003, DTYPES[dtype], "cuda", seed), f"{spec.describe()} {dtype}")
 
@@ -53,7 +55,7 @@ def test_paper_shape(kl, vl, bits, dtype):
 ], ids=["int8-token-K", "int8-channel-V", "plain", "dequant", "int4-r16-d64"])
 @pytest.mark.parametrize("dtype", list(DTYPES), ids=list(DTYPES))
 def test_other_plans(spec, dtype):
-    attn = foldc.compile(spec, "auto")
+    attn = foldc.compile(spec, "auto", kernel="triton")
     _check(run_case(attn, spec, 3, 3001, DTYPES[dtype], "cuda", seed=7), f"{spec.describe()} {dtype}")
 
 
@@ -63,7 +65,7 @@ def test_other_plans(spec, dtype):
 def test_batch_of_ragged_sequences(kl, vl, dtype):
     """Batch 8 with lengths from 1 token to the full cache, none a multiple of the tile or group."""
     spec = _spec(kl, vl, 2)
-    attn = foldc.compile(spec, "auto")
+    attn = foldc.compile(spec, "auto", kernel="triton")
     lens = [5000, 1, 17, 129, 1001, 2047, 4095, 3333]
     r = run_with_lens(attn, spec, lens, 5000, DTYPES[dtype], "cuda", seed=99)
     assert r.unwritten == 0
@@ -77,7 +79,7 @@ def test_forced_splits_agree():
     spec = _spec("token", "token", 2)
     outs = []
     for splits in (1, 4, 37):
-        attn = foldc.compile(spec, "auto", splits=splits)
+        attn = foldc.compile(spec, "auto", kernel="triton", splits=splits)
         r = run_with_lens(attn, spec, [4000, 2500], 4000, torch.float16, "cuda", seed=4)
         assert r.unwritten == 0 and r.error <= TOLERANCE * r.bf16_error, (splits, r.error, r.bf16_error)
         outs.append(r.out.double())
@@ -109,25 +111,4 @@ def test_cpu_inputs_refused_on_gpu_target():
 
 def test_cuda_graph_capture_with_seq_lens_and_replay_after_the_lengths_change():
     """No host sync in a call: it can be captured once and replayed as lengths grow (decode)."""
-    spec = _spec("token", "channel", 2)
-    attn = foldc.compile(spec, "auto")
-    gen = torch.Generator().manual_seed(7)
-    q, k, v, _ = random_inputs(spec, 3, 3000, torch.bfloat16, "cuda", gen)
-    lens = torch.tensor([1000, 1500, 2000], device="cuda", dtype=torch.int32)
-    out = torch.empty(3, spec.num_q_heads, spec.head_dim, device="cuda", dtype=torch.bfloat16)
-    attn(q, k, v, seq_lens=lens, out=out)  # compile and tune outside the capture
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        attn(q, k, v, seq_lens=lens, out=out)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        attn(q, k, v, seq_lens=lens, out=out)
-    for new in ([1000, 1500, 2000], [1700, 2999, 3000], [1, 2, 3]):
-        lens.copy_(torch.tensor(new, dtype=torch.int32))
-        out.fill_(float("nan"))
-        graph.replay()
-        ref = foldc.attention_reference(q, k, v, seq_lens=lens.long())
-        assert not torch.isnan(out).any()
-        assert rel_l2(out, ref) < 1e-2, new
+    check_graph_replay(foldc.compile(_spec("token", "channel", 2), "auto", kernel="triton"), _spec("token", "channel", 2), seed=7)
