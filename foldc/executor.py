@@ -257,6 +257,8 @@ class Executor:
                                  "codes, scale and zero (fold) or its dequantized values")
             return env[name]
         if isinstance(node, Input):
+            if node.role == "ones":  # the constant 1 (row and column sums, eq. 15)
+                return Named(ops.const(np.ones([tile.length(a) for a in node.axes], dtype=np.int64)), node.axes)
             if node.encoding is not None:
                 return Named(None, node.axes)  # read through its codes / param / dequantize nodes
             return self._bound(node.name, "values", node.axes, tile)

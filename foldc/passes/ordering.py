@@ -79,6 +79,12 @@ def check_correction_placement(graph) -> None:
             if source is not None and source not in corrected:
                 raise PlanError("missing-correction",
                                 f"%{node.name} folds %{source} but no correction adds zero x other (eq. 6)")
+    for node in (*graph.nodes_of(ScaleGroups), *graph.nodes_of(Prescale)):
+        source = graph[node.scale].source
+        if source not in corrected:
+            raise PlanError("missing-correction",
+                            f"%{node.name} applies the scale of %{source} but no correction adds its zero x "
+                            "the sum of the other operand (eq. 6)")
 
 
 def check_group_boundaries(graph) -> None:
@@ -86,8 +92,12 @@ def check_group_boundaries(graph) -> None:
     for sg in graph.nodes_of(ScaleGroups):
         partial = graph[sg.partial]
         scale_axis = find(graph[sg.scale].axes, sg.groups.base if sg.groups else "")
-        split = getattr(partial, "split", None)
-        if not isinstance(partial, Contract) or split is None or split != sg.groups:
+        if isinstance(partial, Contract):
+            split = partial.split
+        else:  # a per-group sum assembled by a nested fold (eq. 15) keeps the group axis
+            split = find(partial.axes, sg.groups.base) if sg.groups else None
+            split = split if isinstance(split, GroupedAxis) else None
+        if split is None or split != sg.groups:
             raise PlanError("partial-sum-crosses-group",
                             f"%{sg.name} scales %{partial.name}, which is not split per group along "
                             f"{sg.groups.base if sg.groups else '?'}; an unscaled partial sum would cross "
@@ -112,7 +122,7 @@ def tile_constraints(graph) -> list[TileConstraint]:
             if isinstance(ax, GroupedAxis):
                 out.append(TileConstraint(node.product, ax.base, ax.group_size,
                                           f"one pre-scaled %{node.operand} (it changes per {ax.base} group)"))
-    return sorted(out, key=str)
+    return sorted(set(out), key=str)
 
 
 def check_plan_rules(graph) -> None:
