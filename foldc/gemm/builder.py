@@ -9,7 +9,7 @@ with the same rules as for attention (eq. 11, 12/16, 3-6, 15).
 from __future__ import annotations
 
 from ..ir import K, M, N, Contract, Graph, Input, verify
-from .spec import GemmSpec
+from .spec import ROWS_PER_TILE, GemmSpec
 
 X_AXES = (M, K)
 W_AXES = (N, K)
@@ -17,7 +17,9 @@ Y_AXES = (M, N)
 
 
 def build_gemm(spec: GemmSpec) -> Graph:
-    g = Graph(f"gemm({spec.describe()})", sizes={M: spec.rows_per_tile, N: spec.n, K: spec.k})
+    """``sizes`` holds what the cost model counts (eq. 16): m and n are the extents of one output
+    tile (the rows sharing one dequantized tile of the other operand), k the reduced size."""
+    g = Graph(f"gemm({spec.describe()})", sizes={M: spec.rows_per_tile, N: min(spec.n, ROWS_PER_TILE), K: spec.k})
     g.add(Input("x", X_AXES, role="activation", encoding=spec.activation_affine(),
                 group_axis=K if spec.activation else ""))
     g.add(Input("w", W_AXES, role="weight", encoding=spec.weight_affine(), group_axis=K if spec.weight else ""))
