@@ -297,6 +297,8 @@ class Executor:
             return Named(_einsum(ops, inputs, node.axes), node.axes)
         if isinstance(node, Correction):
             zero, other = get(node.zero), get(node.other)
+            if node.form == "presummed":  # other holds per-group sums on the zero's group axis (eq. 15)
+                return Named(_einsum(ops, [(other.data, other.axes), (zero.data, zero.axes)], node.axes), node.axes)
             if node.form == "group-sum":
                 grouped = next(a for a in zero.axes if isinstance(a, GroupedAxis) and a.base == node.reduce)
                 sums_axes = tuple(grouped if base_of(a) == node.reduce else a for a in other.axes)
