@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import PlanError
-from ..ir import (Accumulate, Contract, Correction, Divide, GroupedAxis,
+from ..ir import (Accumulate, Add, Contract, Correction, Divide, GroupedAxis,
                   OnlineSoftmax, Prescale, ScaleGroups)
 from ..ir.axes import find
 from .base import Pass
@@ -94,9 +94,12 @@ def check_group_boundaries(graph) -> None:
         scale_axis = find(graph[sg.scale].axes, sg.groups.base if sg.groups else "")
         if isinstance(partial, Contract):
             split = partial.split
-        else:  # a per-group sum assembled by a nested fold (eq. 15) keeps the group axis
-            split = find(partial.axes, sg.groups.base) if sg.groups else None
+        elif isinstance(partial, Add) and any(isinstance(graph[o], ScaleGroups) and graph[o].keep_groups
+                                              for o in partial.operands()):
+            split = find(partial.axes, sg.groups.base) if sg.groups else None  # a nested fold's per-group sum (eq. 15)
             split = split if isinstance(split, GroupedAxis) else None
+        else:
+            split = None
         if split is None or split != sg.groups:
             raise PlanError("partial-sum-crosses-group",
                             f"%{sg.name} scales %{partial.name}, which is not split per group along "
@@ -125,8 +128,27 @@ def tile_constraints(graph) -> list[TileConstraint]:
     return sorted(set(out), key=str)
 
 
+def check_offsets_paired(graph) -> None:
+    """Rule missing-correction (eq. 6): each scaled partial is added to its own operand's offset."""
+    corrections = graph.nodes_of(Correction)
+    for sg in graph.nodes_of(ScaleGroups):
+        source = graph[sg.scale].source
+        reach, todo = set(), [u.name for u in graph.users(sg.name)]
+        while todo:  # where sg's value flows before another operand's scale multiplies it
+            name = todo.pop()
+            node = graph[name]
+            if name in reach or (isinstance(node, ScaleGroups) and graph[node.scale].source != source):
+                continue
+            reach.add(name)
+            todo += [u.name for u in graph.users(name)]
+        if not any(graph[c.zero].source == source and (graph.descendants(c.name) & reach) for c in corrections):
+            raise PlanError("missing-correction",
+                            f"%{sg.name} scales by %{sg.scale} but is not added to the offset correction of "
+                            f"%{source} (zero x sum of the other operand, eq. 6)")
+
 def check_plan_rules(graph) -> None:
     check_correction_placement(graph)
+    check_offsets_paired(graph)
     check_group_boundaries(graph)
 
 
