@@ -107,7 +107,8 @@ def _correction_text(graph: Graph, source: str) -> str:
         elif isinstance(other, Input) and other.role == "ones":
             texts.append(f"zero({source}) x group length (the constant term of eq. 15)")
         elif corr.form == "group-sum":
-            what = "column sums of the codes of %" + other.source if hasattr(other, "source") else f"sums of %{other.name}"
+            what = (f"column sums of {other.source}'s codes" if hasattr(other, "source") else
+                    f"row sums of {other.name}")
             texts.append(f"zero({source}) x {what} over each {group} group")
         else:
             texts.append(f"sum over {corr.reduce} of %{other.name} x zero({source})")
