@@ -27,6 +27,7 @@ CASES = [
     ("per-channel int8 gemv", "per-channel:8", None, 1, 64, 128),
     ("int8 x int8", "per-channel:8", "per-token:8", 21, 40, 128),
     ("int8 x int4 act", "per-channel:8", "per-token:4", 5, 24, 128),
+    ("int2 group across fields", "k-group:2:128", None, 4, 24, 256),  # g > k/4: one lane, bytes per field
 ]
 FOLDS = {"int4 k-group dequant": {"w": "dequant"}}
 

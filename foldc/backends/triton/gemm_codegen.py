@@ -7,16 +7,23 @@ k groups of the plan (``GROUP`` = the group size along k of the plan's grouped a
 none), each group in chunks of ``BLOCK_K``:
 
     [pre]            running totals (sums over groups) = 0
-    for grp:         [group start] load this group's scales and zeros; per-group sums = 0
+    for t:           [group start] load this group's scales and zeros; per-group sums = 0
         for chunk:   [chunk] load / unpack codes, tl.dot or row/column sums into the per-group
                      partials (split contractions) or into totals (unsplit ones)
         [group end]  scale the group's partials (eq. 3), add its offset corrections (eq. 6, 15);
                      kept-group values stay per group, the others add into their totals
     [final]          add the totals, store y
 
+Bit-field lanes. Codes use the planar packing of foldc/encoding.py along k: bit field ``i`` of
+the bytes of a row holds the contiguous k range ``[i*K/F, (i+1)*K/F)`` (F codes per byte). So
+one tile of bytes is loaded once and shifted into F lanes, lane ``i`` covering
+``k0 = i*K/F + j``. Values that depend on k (chunk values, and the per-group values when a
+group fits inside one bit field) are emitted once per lane: the generator writes them with the
+placeholder ``@`` (lane suffix) and ``$L`` (lane index) and `_lanes` expands them. With one
+group spanning k (per-channel encodings) all lanes feed the same group values.
+
 Register-tile forms: "MK" (x-like, [BLOCK_M, BLOCK_K]), "KN" (w-like, transposed,
 [BLOCK_K, BLOCK_N]), "K" (the ones input), "MN", "M", "N" and "" (a scalar).
-Codes use the planar packing of foldc/encoding.py along k: a chunk lies inside one bit field.
 """
 from __future__ import annotations
 
@@ -67,6 +74,17 @@ def _form(axes) -> str:
     return "".join(c for c, ax in (("M", M), ("N", N)) if any(getattr(a, "base", a) == ax for a in axes))
 
 
+def _lanes(lines: list[str], lanes: int) -> list[str]:
+    """Expand each line holding the lane placeholders once per lane (others stay as they are)."""
+    out = []
+    for line in lines:
+        if "@" not in line and "$L" not in line:
+            out.append(line)
+            continue
+        out += [line.replace("@", f"_{i}").replace("$L", str(i)) for i in range(lanes)]
+    return out
+
+
 def plan_group(graph, k: int) -> int:
     sizes = {a.group_size for n in graph for a in n.axes if isinstance(a, GroupedAxis) and a.base == K}
     sizes |= {getattr(n, f).group_size for n in graph for f in ("split", "groups")
@@ -90,6 +108,20 @@ class _GemmEmitter:
         self.vals: dict[str, Val] = {}
         self.args: list[str] = []
         # a contraction of two 8-bit code tiles runs on the integer tensor cores (int8 x int8 -> int32)
+        packed = [n.encoding for n in self.graph.nodes_of(Input) if n.encoding is not None]
+        self.lanes = max(8 // e.bits for e in packed) if packed else 1
+        self.lane_len = self.spec.k // self.lanes
+        if self.group > self.lane_len and self.group != self.spec.k:
+            # a group spans several bit fields but not all of k: one lane, each chunk loads its own
+            # bytes (a byte is read once per bit field)
+            self.lanes, self.lane_len = 1, self.spec.k
+        if self.lane_len % self.group and self.group != self.spec.k:
+            raise PlanError("backend", f"group_size={self.group} does not divide the bit field of "
+                            f"{self.lane_len} channels; use a divisor of {self.lane_len}")
+        if self.group == self.spec.k:        # one group spans k: all lanes share it
+            self.lane_groups, self.outer = False, 1
+        else:                                # groups inside bit fields: lane i, step t -> group i*outer + t
+            self.lane_groups, self.outer = self.lanes > 1, self.lane_len // self.group
         self.int8_dot = any(all(isinstance(self.graph[o], Codes) and self.graph[self.graph[o].source].encoding.bits == 8
                                 for o in c.operands()) for c in self.graph.nodes_of(Contract))
 
@@ -101,6 +133,14 @@ class _GemmEmitter:
     @staticmethod
     def var(node) -> str:
         return node.name.replace(".", "_")
+
+    def cvar(self, node) -> str:
+        """Name of a chunk value: one per lane."""
+        return self.var(node) + "@"
+
+    def gvar(self, node) -> str:
+        """Name of a per-group value: one per lane when groups lie inside bit fields."""
+        return self.var(node) + ("@" if self.lane_groups else "")
 
     def run(self) -> None:
         for node in self.graph:
@@ -125,41 +165,43 @@ class _GemmEmitter:
         up = node.name.upper()
         self.arg(up, f"stride_{node.name}")
         rows, ok, form = self._rows(node.name)
-        v = self.var(node)
+        v = self.cvar(node)
         if form == "MK":
-            ptr = f"{up} + {rows}[:, None] * stride_{node.name} + (k0 + kk)[None, :]"
+            ptr = f"{up} + {rows}[:, None] * stride_{node.name} + (k0@ + kk)[None, :]"
             self.chunk.append(f"{v} = tl.load({ptr}, mask={ok}[:, None], other=0.0).to({self.tl_dtype})")
         else:
-            ptr = f"{up} + {rows}[None, :] * stride_{node.name} + (k0 + kk)[:, None]"
+            ptr = f"{up} + {rows}[None, :] * stride_{node.name} + (k0@ + kk)[:, None]"
             self.chunk.append(f"{v} = tl.load({ptr}, mask={ok}[None, :], other=0.0).to({self.tl_dtype})")
         return Val(v, form, "chunk")
 
     def _raw_codes(self, source: str) -> tuple[str, str]:
         """Emit the unpacked integer codes (int32) of a chunk of ``source``; return (var, form)."""
-        v = f"{source}_code"
+        v = f"{source}_code@"
         if v in self.vals:
             return v, self.vals[v].form
         enc = self.graph[source].encoding
         up = source.upper()
         self.arg(f"{up}_CODES", f"stride_{source}")
         rows, ok, form = self._rows(source)
-        per_byte = 8 // enc.bits
-        field_len = self.spec.k // per_byte
-        byte = f"(k0 % {field_len} + kk)"
-        shift = f"(k0 // {field_len}) * {enc.bits}"
+        field_len = self.spec.k // (8 // enc.bits)
+        if field_len == self.lane_len:  # the same bytes for every lane: load once, shift per lane
+            raw, byte, shift = f"{source}_bytes", "(j + kk)", f"$L * {enc.bits}"
+        else:                           # fewer codes per byte than lanes: each lane loads its bytes
+            raw, byte, shift = f"{source}_bytes@", f"(k0@ % {field_len} + kk)", f"(k0@ // {field_len}) * {enc.bits}"
         if form == "MK":
             ptr = f"{up}_CODES + {rows}[:, None] * stride_{source} + {byte}[None, :]"
             mask = f"{ok}[:, None]"
         else:
             ptr = f"{up}_CODES + {rows}[None, :] * stride_{source} + {byte}[:, None]"
             mask = f"{ok}[None, :]"
-        self.chunk.append(f"{v} = (tl.load({ptr}, mask={mask}, other=0).to(tl.int32) >> {shift}) & {enc.max_code}")
+        self.chunk.append(f"{raw} = tl.load({ptr}, mask={mask}, other=0).to(tl.int32)")
+        self.chunk.append(f"{v} = ({raw} >> {shift}) & {enc.max_code}" if enc.bits < 8 else f"{v} = {raw}")
         self.vals[v] = Val(v, form, "chunk", integer=True)
         return v, form
 
     def emit_codes(self, node: Codes):
         raw, form = self._raw_codes(node.source)
-        v = self.var(node)
+        v = self.cvar(node)
         biased = f"{raw} + {node.bias}" if node.bias else raw
         if self.int8_dot and self.graph[node.source].encoding.bits == 8:
             if node.bias != -128:
@@ -175,9 +217,10 @@ class _GemmEmitter:
         up = src.upper()
         self.arg(f"{up}_SCALE", f"{up}_ZERO", f"stride_{src}s")
         rows, ok, form = self._rows(src)
-        v = self.var(node)
+        v = self.gvar(node)
         part = "SCALE" if node.param == "scale" else "ZERO"
-        load = lambda p: f"tl.load({up}_{p} + {rows} * stride_{src}s + grp, mask={ok}, other=0.0).to(tl.float32)"  # noqa: E731
+        grp = "grp@" if self.lane_groups else "grp"
+        load = lambda p: f"tl.load({up}_{p} + {rows} * stride_{src}s + {grp}, mask={ok}, other=0.0).to(tl.float32)"  # noqa: E731
         self.group_start.append(f"{v} = {load(part)}")
         if node.param == "zero" and node.bias:
             sign = "-" if node.bias > 0 else "+"
@@ -190,7 +233,7 @@ class _GemmEmitter:
         z = GroupParam(f"{node.source}.dq_zero", (), source=node.source, param="zero")
         sv, zv = self.emit_groupparam(s), self.emit_groupparam(z)
         b = "[:, None]" if form == "MK" else "[None, :]"
-        v = self.var(node)
+        v = self.cvar(node)
         self.chunk.append(f"{v} = ({raw}.to(tl.float32) * {sv.expr}{b} + {zv.expr}{b}).to({self.tl_dtype})  # s*c + z")
         return Val(v, form, "chunk")
 
@@ -203,8 +246,8 @@ class _GemmEmitter:
         a, b = self.vals[node.lhs], self.vals[node.rhs]
         if a.form == "KN" or b.form == "MK":
             a, b = b, a
-        v = self.var(node)
         level = "group" if node.split is not None else "total"
+        v = self.gvar(node) if level == "group" else self.var(node)
         if (a.form, b.form) == ("MK", "KN"):
             integer = a.integer and b.integer
             self._accumulator(v, "MN", level, integer)
@@ -226,10 +269,11 @@ class _GemmEmitter:
 
     def _emit_term(self, node, expr: str, form: str, keep: bool) -> Val:
         """A group-end value: kept per group, or added into a running total over groups."""
-        v = self.var(node)
         if keep:
+            v = self.gvar(node)
             self.group_end.append(f"{v} = {expr}")
             return Val(v, form, "group")
+        v = self.var(node)
         self._accumulator(v, form, "total", False)
         self.group_end.append(f"{v} += {expr}")
         return Val(v, form, "total")
@@ -253,7 +297,7 @@ class _GemmEmitter:
         if other.form == "K":  # the ones input: the sum over a group is its length
             sums = Val(f"{self.group}.0", "", "group")
         else:
-            s = f"{self.var(node)}_sum"
+            s = f"{self.var(node)}_sum" + ("@" if self.lane_groups else "")
             form, axis = ("M", 1) if other.form == "MK" else ("N", 0)
             acc_t = "tl.int32" if other.integer else "tl.float32"
             self.group_start.append(f"{s} = tl.zeros({SHAPES[form]}, {acc_t})")
@@ -266,7 +310,7 @@ class _GemmEmitter:
     def emit_add(self, node: Add):
         a, b = self.vals[node.lhs], self.vals[node.rhs]
         form = _union(a.form, b.form)
-        v = self.var(node)
+        v = self.gvar(node) if a.level == b.level == "group" else self.var(node)
         expr = f"{_bcast(Val(self._float(a), a.form, a.level), form)} + {_bcast(Val(self._float(b), b.form, b.level), form)}"
         if a.level == b.level == "group":
             self.group_end.append(f"{v} = {expr}")
@@ -286,7 +330,14 @@ def generate_gemm(plan, dtype: str = "fp16") -> GemmKernelSource:
         raise PlanError("backend", f"the output %{plan.graph.output} has form {out.form}, not an [m, n] tile")
     args = [*em.args, "Y", "stride_y", "M"]
     ind = " " * 4
-    groups = plan.spec.k // em.group
+    group_level = (lambda lines: _lanes(lines, em.lanes)) if em.lane_groups else (lambda lines: lines)
+    if em.lane_groups:  # lane i works on group i * outer + t
+        start = ["grp@ = $L * " + str(em.outer) + " + t"]
+        chunk_len, j0 = em.group, f"t * {em.group} + kc"
+    elif em.outer > 1:  # one lane, several groups along k
+        start, chunk_len, j0 = ["grp = t"], em.group, f"t * {em.group} + kc"
+    else:               # one group spans k: every lane adds into it
+        start, chunk_len, j0 = ["grp = 0"], em.lane_len, "kc"
     body = [
         "pid_m = tl.program_id(0)",
         "pid_n = tl.program_id(1)",
@@ -296,11 +347,11 @@ def generate_gemm(plan, dtype: str = "fp16") -> GemmKernelSource:
         "col_ok = cols < N",
         "kk = tl.arange(0, BLOCK_K)",
         *em.pre,
-        f"for grp in range(0, {groups}):  # k groups of {em.group}",
-        *[ind + ln for ln in em.group_start],
-        ind + f"for kc in range(0, {em.group}, BLOCK_K):",
-        *[2 * ind + ln for ln in ["k0 = grp * GROUP + kc", *em.chunk]],
-        *[ind + ln for ln in em.group_end],
+        f"for t in range(0, {em.outer}):  # k groups of {em.group}; {em.lanes} bit-field lane(s) of {em.lane_len} k",
+        *[ind + ln for ln in group_level(start + em.group_start)],
+        ind + f"for kc in range(0, {chunk_len}, BLOCK_K):",
+        *[2 * ind + ln for ln in _lanes([f"j = {j0}", f"k0@ = $L * {em.lane_len} + j", *em.chunk], em.lanes)],
+        *[ind + ln for ln in group_level(em.group_end)],
         *em.final,
         f"tl.store(Y + rows[:, None] * stride_y + cols[None, :], {out.expr}.to(Y.dtype.element_ty), "
         "mask=row_ok[:, None] & col_ok[None, :])",
