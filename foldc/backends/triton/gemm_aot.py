@@ -35,8 +35,10 @@ def _signature(ks, spec, dtype: str) -> dict:
 
 
 def compile_gemm_aot(spec, arch: str, out_dir: str | Path, dtype: str = "bf16", m: int | None = None,
-                     num_warps: int | None = None, num_stages: int | None = None) -> dict:
-    """Build the GEMM kernel of ``spec`` for ``arch`` with the launch tiles of ``m`` rows (spec.m, or 16)."""
+                     num_warps: int | None = None, num_stages: int | None = None, block_m: int | None = None,
+                     block_n: int | None = None) -> dict:
+    """Build the GEMM kernel of ``spec`` for ``arch`` with the launch tiles of ``m`` rows (spec.m, or 16),
+    or the tile sizes given."""
     if arch not in ARCHS:
         raise SpecError(f"arch={arch!r} is not supported for ahead-of-time builds; use one of {sorted(ARCHS)}")
     if os.environ.get("TRITON_INTERPRET") == "1":
@@ -50,7 +52,8 @@ def compile_gemm_aot(spec, arch: str, out_dir: str | Path, dtype: str = "bf16", 
     module = load_module(ks.source, interpret=False)
     rows = m or spec.m or 16
     cfg = launch_config(rows, spec.n)
-    cfg.update({k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v is not None})
+    cfg.update({k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages), ("block_m", block_m),
+                                  ("block_n", block_n)) if v is not None})
     constexprs = {"N": spec.n, "K": spec.k, "GROUP": ks.group, "BLOCK_M": cfg["block_m"],
                   "BLOCK_N": cfg["block_n"], "BLOCK_K": block_k(spec, ks.group)}
     signature = _signature(ks, spec, dtype)
