@@ -11,6 +11,8 @@ import sys
 import pytest
 import torch
 from _kernel_cases import needs_interpreter
+from hypothesis import given, note, settings
+from hypothesis import strategies as st
 from test_triton_aot import ROOT, _env
 
 import foldc
@@ -139,3 +141,33 @@ def test_gemm_aot_builds_use_tensor_cores(gemm_builds, report_table):
     assert by[("int8 x int8", "sm_90")]["mma_inputs"] == "int8"
     assert by[("int4 dequant", "sm_90")]["folds"] == {"w": "dequant"}
     assert by[("int4 k-group", "sm_100")]["folds"] == {"w": "acc-fold"}
+
+
+@st.composite
+def kernel_cases(draw):
+    bits = draw(st.sampled_from([2, 4, 8]))
+    k = draw(st.sampled_from([128, 256]))
+    lane = k // (8 // bits)
+    kind = draw(st.sampled_from(["k-group", "per-channel", "int8xint8"]))
+    if kind == "k-group":
+        weight, act = f"k-group:{bits}:{draw(st.sampled_from([g for g in (32, 64, 128) if lane % g == 0 or g % lane == 0]))}", None
+    elif kind == "per-channel":
+        weight, act = f"per-channel:{bits}", None
+    else:
+        weight, act = "per-channel:8", f"per-token:{bits}"
+    return weight, act, draw(st.integers(1, 40)), draw(st.integers(1, 40)), k, draw(st.integers(0, 2**31 - 1))
+
+
+@needs_interpreter
+@settings(max_examples=15, deadline=None)
+@given(kernel_cases())
+def test_interpreter_kernel_property(case):
+    """Random encodings, bit widths, groups and shapes (partial row and column tiles)."""
+    weight, act, m, n, k, seed = case
+    spec = spec_of(weight, act, m, n, k)
+    note(spec.describe())
+    xq, wq = operands(spec, m, seed)
+    got = foldc.compile(spec, target="interpret")(xq, wq)
+    want = foldc.compile(spec, target="reference")(xq, wq)
+    rounding = float((want.half().double() - want).norm() / want.norm())
+    assert float((got.double() - want).norm() / want.norm()) < 3 * rounding + 1e-4
