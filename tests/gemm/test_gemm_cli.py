@@ -95,3 +95,13 @@ def test_gpu_target_needs_out(capsys, tmp_path):
     path = write(tmp_path, '[gemm]\nn = 64\nk = 128\nweight = "per-channel:8"\n')
     rc, out, err = run(capsys, "compile", path, "--target", "sm_90")
     assert rc == 2 and "target='sm_90' writes the kernel's PTX and cubin: give --out DIR" in err
+
+
+def test_one_command_for_an_attention_layout(capsys, tmp_path):
+    path = write(tmp_path, '[attention]\nheads = "8/2"\nhead_dim = 64\nk = "token:4:32"\nv = "channel:2:32"\n')
+    rc, out, err = run(capsys, "compile", path, "--out", tmp_path / "build")  # default target: interpret
+    assert rc == 0, err
+    assert out.startswith("foldc plan: 8 query heads / 2 KV heads")
+    assert "proof of plan {'qk': 'acc-fold', 'pv': 'acc-fold'}: exact" in out
+    assert "checked: interpreter kernel vs float64 attention" in out and "MISMATCH" not in out
+    assert "def foldc_decode(" in (tmp_path / "build" / "foldc_decode.py").read_text()
