@@ -30,7 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ...errors import PlanError
-from ...ir import (Add, Codes, Contract, Correction, Dequantize, GroupedAxis, GroupParam, Input, K, M, N,
+from ...ir import (Add, Codes, Contract, Correction, Dequantize, GroupedAxis, GroupParam, Input, K, M,
                    ScaleGroups)
 
 TL_DTYPES = {"fp16": "tl.float16", "bf16": "tl.bfloat16"}
@@ -69,11 +69,6 @@ def _bcast(v: Val, to: str) -> str:
     raise PlanError("backend", f"cannot broadcast a {v.form} tile to {to}")
 
 
-def _form(axes) -> str:
-    """Output-tile form of a node with these axes (k and k groups are not register axes)."""
-    return "".join(c for c, ax in (("M", M), ("N", N)) if any(getattr(a, "base", a) == ax for a in axes))
-
-
 def _lanes(lines: list[str], lanes: int) -> list[str]:
     """Expand each line holding the lane placeholders once per lane (others stay as they are)."""
     out = []
@@ -86,6 +81,7 @@ def _lanes(lines: list[str], lanes: int) -> list[str]:
 
 
 def plan_group(graph, k: int) -> int:
+    """The one group size along k of the plan (k when nothing is grouped)."""
     sizes = {a.group_size for n in graph for a in n.axes if isinstance(a, GroupedAxis) and a.base == K}
     sizes |= {getattr(n, f).group_size for n in graph for f in ("split", "groups")
               if isinstance(getattr(n, f, None), GroupedAxis)}
@@ -107,7 +103,6 @@ class _GemmEmitter:
         self.final: list[str] = []
         self.vals: dict[str, Val] = {}
         self.args: list[str] = []
-        # a contraction of two 8-bit code tiles runs on the integer tensor cores (int8 x int8 -> int32)
         packed = [n.encoding for n in self.graph.nodes_of(Input) if n.encoding is not None]
         self.lanes = max(8 // e.bits for e in packed) if packed else 1
         self.lane_len = self.spec.k // self.lanes
@@ -122,6 +117,7 @@ class _GemmEmitter:
             self.lane_groups, self.outer = False, 1
         else:                                # groups inside bit fields: lane i, step t -> group i*outer + t
             self.lane_groups, self.outer = self.lanes > 1, self.lane_len // self.group
+        # a contraction of two 8-bit code tiles runs on the integer tensor cores (int8 x int8 -> int32)
         self.int8_dot = any(all(isinstance(self.graph[o], Codes) and self.graph[self.graph[o].source].encoding.bits == 8
                                 for o in c.operands()) for c in self.graph.nodes_of(Contract))
 
