@@ -10,7 +10,8 @@ in groups of 128, INT8 per output channel, INT8 x INT8 with zero points) it
 1. checks the foldc kernel against the float64 reference (dequantize, then matmul in float64),
    next to the error of torch's bf16 dequantize-then-matmul on the same values (the bar);
 2. times with ``triton.testing.do_bench``: the foldc kernel (tile sizes tuned per case from a few
-   candidates), torch dequantize-then-matmul (unpack, s*c + z to bf16, then ``x @ w.T``), and a
+   candidates), the same generated kernel with ``fold_policy="dequant"`` (every weight value
+   reconstructed in the kernel: what the fold saves), torch dequantize-then-matmul (unpack, s*c + z to bf16, then ``x @ w.T``), and a
    bf16 ``x @ w.T`` on weights already dequantized (no quantization at all);
 3. prints a table and writes ``gemm_bench.json`` (and the table as ``gemm_bench.txt``) under --out.
 
@@ -121,6 +122,12 @@ def run_case(name, n, k, m, device, dtype, bench, cpu, seed) -> dict:
 
     # 2. timings
     row["foldc_ms"] = best[0]
+    if row["folds_kernel"]["w"] != "dequant":  # the same generated kernel reconstructing every weight value
+        deq = foldc.compile(spec, target=target, out_dtype=dtype, fold_policy="dequant", **best[1])
+        deq_out = deq(xq, wq)
+        row["foldc_dequant_error"] = rel_l2(deq_out, ref)
+        row["ok"] = row["ok"] and row["foldc_dequant_error"] <= TOLERANCE * row["torch_bf16_error"] + 4e-3
+        row["foldc_dequant_ms"] = bench(lambda: deq(xq, wq, out=deq_out))
     if spec.activation:
         row["torch_dequant_ms"] = bench(lambda: torch_dequantize(xq, dtype) @ torch_dequantize(wq, dtype).T)
     else:
@@ -135,7 +142,7 @@ def run_case(name, n, k, m, device, dtype, bench, cpu, seed) -> dict:
 
 def table(rows) -> str:
     head = (f"{'case':<17} {'N x K':<11} {'tok':>4} {'fold':<9} {'ok':<3} {'err':>8} {'bf16 err':>8} "
-            f"{'foldc ms':>9} {'deq+mm ms':>9} {'bf16 ms':>8} {'vs deq':>6} {'vs bf16':>7} {'GB/s':>6}")
+            f"{'foldc ms':>9} {'in-k deq':>9} {'deq+mm ms':>9} {'bf16 ms':>8} {'vs deq':>6} {'vs bf16':>7} {'GB/s':>6}")
     lines = [head, "-" * len(head)]
     for r in rows:
         fold = r["folds"]["w"]
@@ -143,6 +150,7 @@ def table(rows) -> str:
         speed = lambda key: f"{r[key] / r['foldc_ms']:.2f}x" if key in r and "foldc_ms" in r else "-"  # noqa: E731
         lines.append(f"{r['case']:<17} {r['n']}x{r['k']:<6} {r['tokens']:>4} {fold:<9} {'yes' if r.get('ok') else 'NO':<3} "
                      f"{r.get('error', math.nan):>8.1e} {r.get('torch_bf16_error', math.nan):>8.1e} {t('foldc_ms'):>9} "
+                     f"{t('foldc_dequant_ms'):>9} "
                      f"{t('torch_dequant_ms'):>9} {t('bf16_ms'):>8} {speed('torch_dequant_ms'):>6} "
                      f"{speed('bf16_ms'):>7} {r.get('foldc_weight_GBps', 0):>6.0f}")
     return "\n".join(lines)

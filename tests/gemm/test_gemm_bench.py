@@ -26,5 +26,6 @@ def test_cpu_mode_checks_every_case_and_writes_results(tmp_path, capsys):
     for r in rows:
         assert r["ok"] and 0 < r["error"] < 1e-3 and r["torch_bf16_error"] > 0
         assert r["foldc_ms"] > 0 and r["torch_dequant_ms"] > 0 and r["bf16_ms"] > 0
+        assert r["foldc_dequant_ms"] > 0 and 0 < r["foldc_dequant_error"] < 1e-3  # the in-kernel dequant variant
     table = (tmp_path / "gemm_bench.txt").read_text()
     assert table.splitlines()[0].startswith("case") and len(table.splitlines()) == 2 + len(rows)

@@ -23,16 +23,18 @@ DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 INT8_CODE_BIAS = -128  # unsigned 8-bit codes become int8 for the integer tensor cores (eq. 7)
 
 
-def gemm_kernel_plan(spec: GemmSpec) -> GemmPlan:
+def gemm_kernel_plan(spec: GemmSpec, fold_policy: str = "auto") -> GemmPlan:
     """The plan the backend lowers: with two 8-bit operands, codes carry the bias -128 (folded into
-    the zeros, eq. 7) so the codes product runs as int8 x int8 -> int32."""
+    the zeros, eq. 7) so the codes product runs as int8 x int8 -> int32. ``fold_policy="dequant"``
+    reconstructs every weight value in the kernel instead (the comparison point for the fold)."""
     both8 = spec.activation is not None and spec.activation.bits == 8 and spec.weight.bits == 8
-    bias = {"weight": INT8_CODE_BIAS, "activation": INT8_CODE_BIAS} if both8 else None
-    return gemm_plan(spec, code_bias=bias)
+    bias = {"weight": INT8_CODE_BIAS, "activation": INT8_CODE_BIAS} if both8 and fold_policy == "auto" else None
+    return gemm_plan(spec, code_bias=bias, fold_policy=fold_policy)
 
 
-def gemm_kernel_source(spec: GemmSpec, dtype: str = "fp16") -> tuple[GemmKernelSource, GemmPlan]:
-    the_plan = gemm_kernel_plan(spec)
+def gemm_kernel_source(spec: GemmSpec, dtype: str = "fp16",
+                       fold_policy: str = "auto") -> tuple[GemmKernelSource, GemmPlan]:
+    the_plan = gemm_kernel_plan(spec, fold_policy)
     return generate_gemm(the_plan, dtype), the_plan
 
 
@@ -69,12 +71,14 @@ def runtime_arguments(x, w, y) -> dict:
 
 class TritonGemm:
     """The generated GEMM kernel as a callable ``y = gemm(x, w)``. Options: block_m, block_n,
-    num_warps, num_stages (defaults from `launch_config` by m), out_dtype (encoded x only)."""
+    num_warps, num_stages (defaults from `launch_config` by m), out_dtype (encoded x only),
+    fold_policy ("auto", or "dequant" to reconstruct every weight value in the kernel)."""
 
     def __init__(self, spec: GemmSpec, target: str, block_m: int | None = None, block_n: int | None = None,
                  num_warps: int | None = None, num_stages: int | None = None,
-                 out_dtype: torch.dtype = torch.float16):
-        self.spec, self.target = spec, target
+                 out_dtype: torch.dtype = torch.float16, fold_policy: str = "auto"):
+        self.spec, self.target, self.fold_policy = spec, target, fold_policy
+        gemm_plan(spec, fold_policy=fold_policy)  # raise now on a bad policy
         self.interpret = target == "interpret"
         self.explicit = {k: v for k, v in (("block_m", block_m), ("block_n", block_n), ("num_warps", num_warps),
                                            ("num_stages", num_stages)) if v is not None}
@@ -91,7 +95,7 @@ class TritonGemm:
 
     def kernel(self, dtype: str):
         if dtype not in self._kernels:
-            ks, the_plan = gemm_kernel_source(self.spec, dtype)
+            ks, the_plan = gemm_kernel_source(self.spec, dtype, self.fold_policy)
             self._kernels[dtype] = (load_module(ks.source, self.interpret), ks, the_plan)
         return self._kernels[dtype]
 
