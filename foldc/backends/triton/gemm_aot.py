@@ -12,7 +12,7 @@ from pathlib import Path
 
 from ...errors import SpecError
 from .aot import ARCHS, mma_instructions
-from .gemm_launch import block_k, gemm_kernel_source, launch_config
+from .gemm_launch import gemm_kernel_source, k_chunk, launch_config
 from .launch import _interpret, load_module
 
 PTR = {"fp16": "*fp16", "bf16": "*bf16"}
@@ -36,7 +36,7 @@ def _signature(ks, spec, dtype: str) -> dict:
 
 def compile_gemm_aot(spec, arch: str, out_dir: str | Path, dtype: str = "bf16", m: int | None = None,
                      num_warps: int | None = None, num_stages: int | None = None, block_m: int | None = None,
-                     block_n: int | None = None) -> dict:
+                     block_n: int | None = None, block_k: int | None = None) -> dict:
     """Build the GEMM kernel of ``spec`` for ``arch`` with the launch tiles of ``m`` rows (spec.m, or 16),
     or the tile sizes given."""
     if arch not in ARCHS:
@@ -53,9 +53,9 @@ def compile_gemm_aot(spec, arch: str, out_dir: str | Path, dtype: str = "bf16", 
     rows = m or spec.m or 16
     cfg = launch_config(rows, spec.n)
     cfg.update({k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages), ("block_m", block_m),
-                                  ("block_n", block_n)) if v is not None})
+                                  ("block_n", block_n), ("block_k", block_k)) if v is not None})
     constexprs = {"N": spec.n, "K": spec.k, "GROUP": ks.group, "BLOCK_M": cfg["block_m"],
-                  "BLOCK_N": cfg["block_n"], "BLOCK_K": block_k(spec, ks.group)}
+                  "BLOCK_N": cfg["block_n"], "BLOCK_K": k_chunk(spec, ks.group, cfg["block_k"])}
     signature = _signature(ks, spec, dtype)
     signature.update({k: "constexpr" for k in constexprs})
     attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(ks.args) if signature[a].startswith("*")}

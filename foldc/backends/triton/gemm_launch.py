@@ -38,9 +38,9 @@ def gemm_kernel_source(spec: GemmSpec, dtype: str = "fp16",
     return generate_gemm(the_plan, dtype), the_plan
 
 
-def block_k(spec: GemmSpec, group: int) -> int:
-    """Largest chunk of k (<= 64) inside one k group and one bit field of every packed operand."""
-    bk = math.gcd(64, group)
+def k_chunk(spec: GemmSpec, group: int, cap: int = 64) -> int:
+    """Largest chunk of k (<= cap) inside one k group and one bit field of every packed operand."""
+    bk = math.gcd(cap, group)
     for enc in (spec.weight, spec.activation):
         if enc is not None:
             bk = math.gcd(bk, spec.k // (8 // enc.bits))
@@ -48,12 +48,13 @@ def block_k(spec: GemmSpec, group: int) -> int:
 
 
 def launch_config(m: int, n: int) -> dict:
-    """Tile sizes for a call with m rows: decode GEMVs take small row tiles and more column tiles."""
+    """Tile sizes for a call with m rows: decode GEMVs take small row tiles and more column tiles.
+    ``block_k`` is an upper bound (the chunk must also fit a group and a bit field)."""
     if m <= 16:
-        return {"block_m": 16, "block_n": 32 if n >= 4096 else 16, "num_warps": 4, "num_stages": 4}
+        return {"block_m": 16, "block_n": 32 if n >= 4096 else 16, "block_k": 64, "num_warps": 4, "num_stages": 4}
     if m <= 64:
-        return {"block_m": 32 if m <= 32 else 64, "block_n": 64, "num_warps": 4, "num_stages": 3}
-    return {"block_m": 64, "block_n": 128, "num_warps": 8, "num_stages": 3}
+        return {"block_m": 32 if m <= 32 else 64, "block_n": 64, "block_k": 64, "num_warps": 4, "num_stages": 3}
+    return {"block_m": 64, "block_n": 128, "block_k": 64, "num_warps": 8, "num_stages": 3}
 
 
 def runtime_arguments(x, w, y) -> dict:
@@ -71,21 +72,21 @@ def runtime_arguments(x, w, y) -> dict:
 
 class TritonGemm:
     """The generated GEMM kernel as a callable ``y = gemm(x, w)``. Options: block_m, block_n,
-    num_warps, num_stages (defaults from `launch_config` by m), out_dtype (encoded x only),
+    block_k (an upper bound), num_warps, num_stages (defaults from `launch_config` by m), out_dtype (encoded x only),
     fold_policy ("auto", or "dequant" to reconstruct every weight value in the kernel)."""
 
     def __init__(self, spec: GemmSpec, target: str, block_m: int | None = None, block_n: int | None = None,
-                 num_warps: int | None = None, num_stages: int | None = None,
+                 block_k: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
                  out_dtype: torch.dtype = torch.float16, fold_policy: str = "auto"):
         self.spec, self.target, self.fold_policy = spec, target, fold_policy
         gemm_plan(spec, fold_policy=fold_policy)  # raise now on a bad policy
         self.interpret = target == "interpret"
-        self.explicit = {k: v for k, v in (("block_m", block_m), ("block_n", block_n), ("num_warps", num_warps),
-                                           ("num_stages", num_stages)) if v is not None}
+        self.explicit = {k: v for k, v in (("block_m", block_m), ("block_n", block_n), ("block_k", block_k),
+                                           ("num_warps", num_warps), ("num_stages", num_stages)) if v is not None}
         for key, val in self.explicit.items():
             if isinstance(val, bool) or not isinstance(val, int) or val < 1:
                 raise SpecError(f"{key}={val!r} must be a positive integer")
-        for key in ("block_m", "block_n"):
+        for key in ("block_m", "block_n", "block_k"):
             if key in self.explicit and (self.explicit[key] < 16 or self.explicit[key] & (self.explicit[key] - 1)):
                 raise SpecError(f"{key}={self.explicit[key]} must be a power of two >= 16 (tensor-core tiles)")
         if out_dtype not in DTYPES:
@@ -137,7 +138,7 @@ class TritonGemm:
         grid = (triton_cdiv(m, cfg["block_m"]), triton_cdiv(n, cfg["block_n"]))
         with _interpret(self.interpret):
             module.foldc_gemm[grid](*[runtime[a] for a in ks.args], N=n, K=spec.k, GROUP=ks.group,
-                                    BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], BLOCK_K=block_k(spec, ks.group),
+                                    BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], BLOCK_K=k_chunk(spec, ks.group, cfg["block_k"]),
                                     num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
         return out
 
