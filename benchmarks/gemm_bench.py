@@ -73,7 +73,8 @@ def candidates(m: int, cpu: bool) -> list[dict]:
         return [{}]
     if m <= 16:  # GEMV: more bytes in flight per program (block_k) or more programs (block_n)
         return [{}, {"block_n": 64, "block_k": 128}, {"block_n": 16, "block_k": 128, "num_warps": 2},
-                {"block_n": 32, "block_k": 256}]
+                {"block_n": 32, "block_k": 256}, {"block_n": 64, "block_k": 128, "split_k": 4},
+                {"block_n": 32, "block_k": 128, "split_k": 2}]
     if m <= 64:
         return [{}, {"block_n": 128, "num_warps": 8}]
     return [{}, {"block_m": 128, "block_n": 128, "num_warps": 8}, {"block_m": 64, "block_n": 64, "num_warps": 4}]

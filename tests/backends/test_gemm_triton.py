@@ -75,6 +75,23 @@ def test_symbolic_m_spec_runs_any_row_count_and_out():
         assert float((out.double() - want).norm() / want.norm()) < 2e-3
 
 
+@needs_interpreter
+@pytest.mark.parametrize("weight, activation", [("k-group:4:32", None), ("per-channel:4", None),
+                                                ("per-channel:8", "per-token:8")])
+@pytest.mark.parametrize("split_k", [2, 3])
+def test_split_k_programs_add_up_to_the_whole_sum(weight, activation, split_k):
+    """Split-K: programs take disjoint group steps (or chunks of the single group) and add float32
+    partials atomically; 3 does not divide the steps, so some programs get fewer."""
+    spec = spec_of(weight, activation, 5, 40, 256)
+    xq, wq = operands(spec, 5, int(torch.randint(0, 2**31 - 1, ())))
+    want = foldc.compile(spec, target="reference")(xq, wq)
+    one = foldc.compile(spec, target="interpret", block_k=32)(xq, wq)
+    split = foldc.compile(spec, target="interpret", block_k=32, split_k=split_k)(xq, wq)
+    rounding = float((want.half().double() - want).norm() / want.norm())
+    assert float((split.double() - want).norm() / want.norm()) < 3 * rounding + 1e-4
+    assert float((split.double() - one.double()).abs().max()) <= 2e-3 * float(want.abs().max())
+
+
 def test_launcher_checks_inputs():
     spec = spec_of("k-group:4:64", None, 2, 32, 128)
     kernel = foldc.compile(spec, target="interpret")
@@ -96,6 +113,7 @@ def test_launcher_checks_inputs():
 
 # -- ahead-of-time builds --------------------------------------------------------------------
 AOT_CASES = [("int4 k-group", "k-group:4:128", None, 1), ("int2 k-group", "k-group:2:128", None, 16),
+             ("int4 split-k", "k-group:4:128", None, 1),
              ("int4 dequant", "k-group:4:128", None, 256), ("per-channel", "per-channel:8", None, 16),
              ("int8 x int8", "per-channel:8", "per-token:8", 256)]
 AOT_SCRIPT = r"""
@@ -106,7 +124,9 @@ jobs, root = json.loads(sys.argv[1]), sys.argv[2]
 out = []
 for name, w, a, m, arch, folder in jobs:
     spec = GemmSpec(4096, 4096, parse_gemm_encoding(w, "weight"), parse_gemm_encoding(a, "activation"), m=m)
-    out.append({"name": name, "folder": folder, "report": compile_gemm_aot(spec, arch, f"{root}/{folder}")})
+    split = 4 if "split" in name else None
+    out.append({"name": name, "folder": folder,
+                "report": compile_gemm_aot(spec, arch, f"{root}/{folder}", split_k=split)})
 print(json.dumps(out))
 """
 
@@ -141,6 +161,7 @@ def test_gemm_aot_builds_use_tensor_cores(gemm_builds, report_table):
     assert by[("int8 x int8", "sm_90")]["mma_inputs"] == "int8"
     assert by[("int4 dequant", "sm_90")]["folds"] == {"w": "dequant"}
     assert by[("int4 k-group", "sm_100")]["folds"] == {"w": "acc-fold"}
+    assert by[("int4 split-k", "sm_90")]["split_k"] == 4 and by[("int4 k-group", "sm_90")]["split_k"] == 1
 
 
 @st.composite

@@ -36,7 +36,7 @@ def _signature(ks, spec, dtype: str) -> dict:
 
 def compile_gemm_aot(spec, arch: str, out_dir: str | Path, dtype: str = "bf16", m: int | None = None,
                      num_warps: int | None = None, num_stages: int | None = None, block_m: int | None = None,
-                     block_n: int | None = None, block_k: int | None = None) -> dict:
+                     block_n: int | None = None, block_k: int | None = None, split_k: int | None = None) -> dict:
     """Build the GEMM kernel of ``spec`` for ``arch`` with the launch tiles of ``m`` rows (spec.m, or 16),
     or the tile sizes given."""
     if arch not in ARCHS:
@@ -55,7 +55,7 @@ def compile_gemm_aot(spec, arch: str, out_dir: str | Path, dtype: str = "bf16", 
     cfg.update({k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages), ("block_m", block_m),
                                   ("block_n", block_n), ("block_k", block_k)) if v is not None})
     constexprs = {"N": spec.n, "K": spec.k, "GROUP": ks.group, "BLOCK_M": cfg["block_m"],
-                  "BLOCK_N": cfg["block_n"], "BLOCK_K": k_chunk(spec, ks.group, cfg["block_k"])}
+                  "BLOCK_N": cfg["block_n"], "BLOCK_K": k_chunk(spec, ks.group, cfg["block_k"]), "SPLIT_K": split_k or cfg["split_k"]}
     signature = _signature(ks, spec, dtype)
     signature.update({k: "constexpr" for k in constexprs})
     attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(ks.args) if signature[a].startswith("*")}
@@ -73,7 +73,7 @@ def compile_gemm_aot(spec, arch: str, out_dir: str | Path, dtype: str = "bf16", 
     report = {
         "spec": spec.describe(), "folds": the_plan.folds, "arch": arch, "dtype": dtype,
         "mma_inputs": "int8" if ks.int8_dot else dtype, "group": ks.group, "rows": rows,
-        **{k.lower(): v for k, v in constexprs.items() if k.startswith("BLOCK")},
+        **{k.lower(): v for k, v in constexprs.items() if k.startswith(("BLOCK", "SPLIT"))},
         "num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"],
         "mma": mma_instructions(compiled.asm["ptx"]), "cubin_bytes": len(compiled.asm["cubin"]),
         "registers": getattr(compiled, "n_regs", None), "spills": getattr(compiled, "n_spills", None),

@@ -290,8 +290,12 @@ class _GemmEmitter:
                                    form, False)
         if node.form != "group-sum":
             raise PlanError("backend", f"%{node.name}: the GEMM kernel lowers group-sum corrections, not {node.form}")
-        if other.form == "K":  # the ones input: the sum over a group is its length
-            sums = Val(f"{self.group}.0", "", "group")
+        if other.form == "K":  # the ones input: the sum is the number of k this program visits in the group
+            s = f"{self.var(node)}_len" + ("@" if self.lane_groups else "")
+            self.group_start.append(f"{s} = 0.0")
+            # one line per lane when each lane has its own group; else all lanes count into the one group
+            self.chunk.append(f"{s} += BLOCK_K" if self.lane_groups else f"{s} += BLOCK_K * {self.lanes}")
+            sums = Val(s, "", "group")
         else:
             s = f"{self.var(node)}_sum" + ("@" if self.lane_groups else "")
             form, axis = ("M", 1) if other.form == "MK" else ("N", 0)
@@ -334,25 +338,36 @@ def generate_gemm(plan, dtype: str = "fp16") -> GemmKernelSource:
         start, chunk_len, j0 = ["grp = t"], em.group, f"t * {em.group} + kc"
     else:               # one group spans k: every lane adds into it
         start, chunk_len, j0 = ["grp = 0"], em.lane_len, "kc"
+    # split-K (eq. 3 and 6 are sums over k, so programs may take disjoint parts and add): program
+    # pid_k takes every SPLIT_K-th group step, or with a single group every SPLIT_K-th chunk
+    if em.outer > 1:
+        outer_loop, chunk_loop = "range(pid_k, {0}, SPLIT_K)", "range(0, {1}, BLOCK_K)"
+    else:
+        outer_loop, chunk_loop = "range(0, {0})", "range(pid_k * BLOCK_K, {1}, SPLIT_K * BLOCK_K)"
+    store = "Y + rows[:, None] * stride_y + cols[None, :]"
     body = [
         "pid_m = tl.program_id(0)",
         "pid_n = tl.program_id(1)",
+        "pid_k = tl.program_id(2)",
         "rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)",
         "cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)",
         "row_ok = rows < M",
         "col_ok = cols < N",
         "kk = tl.arange(0, BLOCK_K)",
         *em.pre,
-        f"for t in range(0, {em.outer}):  # k groups of {em.group}; {em.lanes} bit-field lane(s) of {em.lane_len} k",
+        f"for t in {outer_loop.format(em.outer, chunk_len)}:  # k groups of {em.group}; {em.lanes} bit-field "
+        f"lane(s) of {em.lane_len} k",
         *[ind + ln for ln in group_level(start + em.group_start)],
-        ind + f"for kc in range(0, {chunk_len}, BLOCK_K):",
+        ind + f"for kc in {chunk_loop.format(em.outer, chunk_len)}:",
         *[2 * ind + ln for ln in _lanes([f"j = {j0}", f"k0@ = $L * {em.lane_len} + j", *em.chunk], em.lanes)],
         *[ind + ln for ln in group_level(em.group_end)],
         *em.final,
-        f"tl.store(Y + rows[:, None] * stride_y + cols[None, :], {out.expr}.to(Y.dtype.element_ty), "
-        "mask=row_ok[:, None] & col_ok[None, :])",
+        "if SPLIT_K == 1:",
+        ind + f"tl.store({store}, {out.expr}.to(Y.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])",
+        "else:  # Y is a zeroed float32 buffer the launcher casts afterwards",
+        ind + f"tl.atomic_add({store}, {out.expr}, mask=row_ok[:, None] & col_ok[None, :])",
     ]
-    constexprs = ["N", "K", "GROUP", "BLOCK_M", "BLOCK_N", "BLOCK_K"]
+    constexprs = ["N", "K", "GROUP", "BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K"]
     sig = ",\n    ".join(args + [f"{c}: tl.constexpr" for c in constexprs])
     folds = ", ".join(f"{k}={v}" for k, v in plan.folds.items())
     name = "foldc_gemm"

@@ -51,10 +51,12 @@ def launch_config(m: int, n: int) -> dict:
     """Tile sizes for a call with m rows: decode GEMVs take small row tiles and more column tiles.
     ``block_k`` is an upper bound (the chunk must also fit a group and a bit field)."""
     if m <= 16:
-        return {"block_m": 16, "block_n": 32 if n >= 4096 else 16, "block_k": 64, "num_warps": 4, "num_stages": 4}
+        return {"block_m": 16, "block_n": 32 if n >= 4096 else 16, "block_k": 64, "split_k": 1, "num_warps": 4,
+                "num_stages": 4}
     if m <= 64:
-        return {"block_m": 32 if m <= 32 else 64, "block_n": 64, "block_k": 64, "num_warps": 4, "num_stages": 3}
-    return {"block_m": 64, "block_n": 128, "block_k": 64, "num_warps": 8, "num_stages": 3}
+        return {"block_m": 32 if m <= 32 else 64, "block_n": 64, "block_k": 64, "split_k": 1, "num_warps": 4,
+                "num_stages": 3}
+    return {"block_m": 64, "block_n": 128, "block_k": 64, "split_k": 1, "num_warps": 8, "num_stages": 3}
 
 
 def runtime_arguments(x, w, y) -> dict:
@@ -72,20 +74,23 @@ def runtime_arguments(x, w, y) -> dict:
 
 class TritonGemm:
     """The generated GEMM kernel as a callable ``y = gemm(x, w)``. Options: block_m, block_n,
-    block_k (an upper bound), num_warps, num_stages (defaults from `launch_config` by m), out_dtype (encoded x only),
+    block_k (an upper bound), split_k (programs sharing the k axis of one output tile, adding
+    float32 partials atomically), num_warps, num_stages (defaults from `launch_config` by m), out_dtype (encoded x only),
     fold_policy ("auto", or "dequant" to reconstruct every weight value in the kernel)."""
 
     def __init__(self, spec: GemmSpec, target: str, block_m: int | None = None, block_n: int | None = None,
-                 block_k: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
+                 block_k: int | None = None, split_k: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
                  out_dtype: torch.dtype = torch.float16, fold_policy: str = "auto"):
         self.spec, self.target, self.fold_policy = spec, target, fold_policy
         gemm_plan(spec, fold_policy=fold_policy)  # raise now on a bad policy
         self.interpret = target == "interpret"
         self.explicit = {k: v for k, v in (("block_m", block_m), ("block_n", block_n), ("block_k", block_k),
-                                           ("num_warps", num_warps), ("num_stages", num_stages)) if v is not None}
+                                           ("split_k", split_k), ("num_warps", num_warps), ("num_stages", num_stages)) if v is not None}
         for key, val in self.explicit.items():
             if isinstance(val, bool) or not isinstance(val, int) or val < 1:
                 raise SpecError(f"{key}={val!r} must be a positive integer")
+        if split_k is not None and split_k > 64:
+            raise SpecError(f"split_k={split_k} is too large; use 1 to 64")
         for key in ("block_m", "block_n", "block_k"):
             if key in self.explicit and (self.explicit[key] < 16 or self.explicit[key] & (self.explicit[key] - 1)):
                 raise SpecError(f"{key}={self.explicit[key]} must be a power of two >= 16 (tensor-core tiles)")
@@ -134,12 +139,17 @@ class TritonGemm:
         elif tuple(out.shape) != (m, n) or out.dtype != dtype or out.stride(1) != 1:
             raise InputError(f"out has shape={tuple(out.shape)}, dtype={out.dtype}; it must be ({m}, {n}) {dtype}")
         cfg = dict(launch_config(m, n), **self.explicit)
-        runtime = runtime_arguments(x, w, out)
-        grid = (triton_cdiv(m, cfg["block_m"]), triton_cdiv(n, cfg["block_n"]))
+        split = cfg["split_k"]
+        target = out if split == 1 else torch.zeros(m, n, device=device, dtype=torch.float32)
+        runtime = runtime_arguments(x, w, target)
+        grid = (triton_cdiv(m, cfg["block_m"]), triton_cdiv(n, cfg["block_n"]), split)
         with _interpret(self.interpret):
             module.foldc_gemm[grid](*[runtime[a] for a in ks.args], N=n, K=spec.k, GROUP=ks.group,
-                                    BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], BLOCK_K=k_chunk(spec, ks.group, cfg["block_k"]),
+                                    BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"],
+                                    BLOCK_K=k_chunk(spec, ks.group, cfg["block_k"]), SPLIT_K=split,
                                     num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        if split > 1:
+            out.copy_(target)
         return out
 
 
