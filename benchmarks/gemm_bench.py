@@ -43,7 +43,7 @@ ENCODINGS = {  # name -> (weight, activation)
 }
 SHAPES = ((4096, 4096), (14336, 4096))   # (N, K): output channels x input channels
 TOKENS = (1, 16, 256)
-DEADLINE_S = 300                         # stop timing new cases after this (the limit is 6 minutes)
+DEADLINE_S = 270                         # stop timing new cases after this (the limit is 6 minutes)
 #: a kernel passes when its error is at most this multiple of torch bf16 dequantize-then-matmul's
 #: error on the same values (plus the rounding of one bf16 output)
 TOLERANCE = 2.0
@@ -72,8 +72,7 @@ def candidates(m: int, cpu: bool) -> list[dict]:
     if cpu:
         return [{}]
     if m <= 16:  # GEMV: more bytes in flight per program (block_k) or more programs (block_n)
-        return [{}, {"block_n": 64, "block_k": 128}, {"block_n": 16, "block_k": 128, "num_warps": 2},
-                {"block_n": 32, "block_k": 256}, {"block_n": 64, "block_k": 128, "split_k": 4},
+        return [{}, {"block_n": 64, "block_k": 128}, {"block_n": 64, "block_k": 128, "split_k": 4},
                 {"block_n": 32, "block_k": 128, "split_k": 2}]
     if m <= 64:
         return [{}, {"block_n": 128, "num_warps": 8}]
