@@ -57,6 +57,8 @@ def compile_gemm_aot(spec, arch: str, out_dir: str | Path, dtype: str = "bf16", 
     constexprs = {"N": spec.n, "K": spec.k, "GROUP": ks.group, "BLOCK_M": cfg["block_m"],
                   "BLOCK_N": cfg["block_n"], "BLOCK_K": k_chunk(spec, ks.group, cfg["block_k"]), "SPLIT_K": split_k or cfg["split_k"]}
     signature = _signature(ks, spec, dtype)
+    if constexprs["SPLIT_K"] > 1:  # split-K programs add into a float32 buffer (gemm_launch.py)
+        signature["Y"] = "*fp32"
     signature.update({k: "constexpr" for k in constexprs})
     attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(ks.args) if signature[a].startswith("*")}
     with _interpret(False):
