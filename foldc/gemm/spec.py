@@ -117,7 +117,8 @@ class GemmSpec:
         for field in ("n", "k") + (("m",) if self.m is not None else ()):
             val = getattr(self, field)
             if isinstance(val, bool) or not isinstance(val, int) or val < 1:
-                raise SpecError(f"{field}={val!r} must be a positive integer" + (" or None (symbolic)" if field == "m" else ""))
+                symbolic = " or None (symbolic)" if field == "m" else ""
+                raise SpecError(f"{field}={val!r} must be a positive integer{symbolic}")
         for role, kinds in (("weight", WEIGHT_KINDS), ("activation", ACTIVATION_KINDS)):
             enc = getattr(self, role)
             if enc is None:
@@ -125,17 +126,20 @@ class GemmSpec:
             if not isinstance(enc, GemmEncoding):
                 raise SpecError(f"{role}={enc!r} must be a GemmEncoding (see parse_gemm_encoding) or None")
             if enc.kind not in kinds:
-                raise SpecError(f"{role}={enc.short()!r}: kind {enc.kind!r} does not apply to the {role}; use one of {kinds}")
+                raise SpecError(f"{role}={enc.short()!r}: kind {enc.kind!r} does not apply to the {role}; "
+                                f"use one of {kinds}")
             per_byte = 8 // enc.bits
             if self.k % per_byte:
                 raise SpecError(f"k={self.k} is not a multiple of {per_byte}, the {enc.bits}-bit codes per byte "
                                 f"of the {role}; pad k")
             if enc.group_size is not None:
                 if self.k % enc.group_size:
-                    raise SpecError(f"group_size={enc.group_size} does not divide k={self.k}; pick a divisor of {self.k}")
+                    raise SpecError(f"group_size={enc.group_size} does not divide k={self.k}; "
+                                    f"pick a divisor of {self.k}")
                 if (self.k // per_byte) % enc.group_size and enc.group_size % (self.k // per_byte):
                     raise SpecError(f"group_size={enc.group_size} and k={self.k}: each bit field of a packed byte "
-                                    f"covers {self.k // per_byte} channels, so a group must divide it or be a multiple of it")
+                                    f"covers {self.k // per_byte} channels, so a group must divide it or be a "
+                                    "multiple of it")
         if self.weight is None and self.activation is None:
             raise SpecError("weight=None and activation=None: nothing is encoded, so there is nothing to fold; "
                             "give weight='k-group:4:128' or similar")

@@ -5,8 +5,8 @@ axes of its result in canonical order (see axes.py) so the verifier can check th
 
 Node kinds, grouped:
 
-- sources: `Input` (query, key, value; activation, weight and the constant ``ones`` of a GEMM), and for an encoded input its `Codes`, `GroupParam`
-  (scale or zero) or per-value `Dequantize`;
+- sources: `Input` (query, key, value; a GEMM's activation, weight and constant ``ones``),
+  and for an encoded input its `Codes`, `GroupParam` (scale or zero) or per-value `Dequantize`;
 - products: `Contract` (a sum over one axis, optionally keeping per-group partial sums),
   `Prescale` (operand-fold: multiply the other operand by the scale), `ScaleGroups` (acc-fold:
   multiply each group's partial sum by its scale and add the groups), `Correction` (the offset

@@ -55,7 +55,8 @@ def compile_gemm_aot(spec, arch: str, out_dir: str | Path, dtype: str = "bf16", 
     cfg.update({k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages), ("block_m", block_m),
                                   ("block_n", block_n), ("block_k", block_k)) if v is not None})
     constexprs = {"N": spec.n, "K": spec.k, "GROUP": ks.group, "BLOCK_M": cfg["block_m"],
-                  "BLOCK_N": cfg["block_n"], "BLOCK_K": k_chunk(spec, ks.group, cfg["block_k"]), "SPLIT_K": split_k or cfg["split_k"]}
+                  "BLOCK_N": cfg["block_n"], "BLOCK_K": k_chunk(spec, ks.group, cfg["block_k"]),
+                  "SPLIT_K": split_k or cfg["split_k"]}
     signature = _signature(ks, spec, dtype)
     if constexprs["SPLIT_K"] > 1:  # split-K programs add into a float32 buffer (gemm_launch.py)
         signature["Y"] = "*fp32"

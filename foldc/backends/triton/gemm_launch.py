@@ -75,17 +75,18 @@ def runtime_arguments(x, w, y) -> dict:
 class TritonGemm:
     """The generated GEMM kernel as a callable ``y = gemm(x, w)``. Options: block_m, block_n,
     block_k (an upper bound), split_k (programs sharing the k axis of one output tile, adding
-    float32 partials atomically), num_warps, num_stages (defaults from `launch_config` by m), out_dtype (encoded x only),
-    fold_policy ("auto", or "dequant" to reconstruct every weight value in the kernel)."""
+    float32 partials atomically), num_warps, num_stages (defaults from `launch_config` by m),
+    out_dtype (encoded x only), fold_policy ("auto", or "dequant" to reconstruct every weight value in the kernel)."""
 
     def __init__(self, spec: GemmSpec, target: str, block_m: int | None = None, block_n: int | None = None,
-                 block_k: int | None = None, split_k: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
-                 out_dtype: torch.dtype = torch.float16, fold_policy: str = "auto"):
+                 block_k: int | None = None, split_k: int | None = None, num_warps: int | None = None,
+                 num_stages: int | None = None, out_dtype: torch.dtype = torch.float16, fold_policy: str = "auto"):
         self.spec, self.target, self.fold_policy = spec, target, fold_policy
         gemm_plan(spec, fold_policy=fold_policy)  # raise now on a bad policy
         self.interpret = target == "interpret"
-        self.explicit = {k: v for k, v in (("block_m", block_m), ("block_n", block_n), ("block_k", block_k),
-                                           ("split_k", split_k), ("num_warps", num_warps), ("num_stages", num_stages)) if v is not None}
+        options = (("block_m", block_m), ("block_n", block_n), ("block_k", block_k), ("split_k", split_k),
+                   ("num_warps", num_warps), ("num_stages", num_stages))
+        self.explicit = {k: v for k, v in options if v is not None}
         for key, val in self.explicit.items():
             if isinstance(val, bool) or not isinstance(val, int) or val < 1:
                 raise SpecError(f"{key}={val!r} must be a positive integer")
