@@ -53,7 +53,7 @@ def fold_from_axes(encoded: Input, reduce: str) -> tuple[str, str]:
 @dataclass(frozen=True)
 class AxisAnalysis(Pass):
     name = "axis-analysis"
-    equation = "3, 4, 11"
+    equation = "3, 4, 11, 15"
 
     def apply(self, graph):
         out = graph.copy()

@@ -10,7 +10,9 @@ Rules (each raises PlanError with the rule's name):
   after the accumulation, where the softmax would not rescale it).
 - ``partial-sum-crosses-group`` (eq. 5): under acc-fold, each partial sum that a group scale
   multiplies must lie inside one group.
-- ``missing-correction`` (eq. 6): every folded product adds its offset correction.
+- ``missing-correction`` (eq. 6): every folded product adds its offset correction, and each
+  scaled partial meets its own operand's correction before another operand's scale multiplies
+  it (the nested folds of eq. 15).
 
 The same checks run inside `foldc.prove`, so a hand-edited plan is held to them too.
 """
