@@ -18,9 +18,10 @@ from .plan import Plan, ProductPlan, plan
 from .proof import ProofReport, prove
 from .reference import attention_reference
 from .spec import AttentionSpec
+from .gemm import GemmEncoding, GemmSpec
 
 __all__ = [
-    "Affine", "AffineTensor", "AttentionSpec", "FoldError", "GraphError", "InputError", "InputTypeError",
+    "Affine", "AffineTensor", "AttentionSpec", "GemmEncoding", "GemmSpec", "FoldError", "GraphError", "InputError", "InputTypeError",
     "Plan", "PlanError", "ProductPlan", "ProofError", "ProofReport", "SpecError", "attention_reference",
     "compile", "merge_attention", "plan", "prove", "quantize",
 ]

@@ -1,7 +1,8 @@
-"""Command line: ``foldc explain``, ``foldc prove``, ``foldc demo``.
+"""Command line: ``foldc explain``, ``foldc prove``, ``foldc compile``, ``foldc demo``.
 
 The layout comes as flags (``--k token:2:128 --v channel:2:128 --heads 32/8 --head-dim 128``;
-``none`` for a plain operand) or as a TOML file (see `foldc.spec.spec_from_toml`).
+``none`` for a plain operand) or as a TOML file describing an attention or a GEMM layout (see
+`foldc.spec.spec_from_toml`).
 """
 from __future__ import annotations
 
@@ -31,11 +32,11 @@ def _spec(args):
 
 
 def cmd_explain(args) -> int:
-    from .explain import explain_table
+    from .layout_compile import explain
     from .plan import plan
 
     p = plan(_spec(args))
-    print(explain_table(p))
+    print(explain(p))
     if args.ir:
         print()
         print(p.graph)
@@ -53,16 +54,10 @@ def cmd_prove(args) -> int:
 
 
 def cmd_compile(args) -> int:
-    import json
+    from .layout_compile import compile_layout
 
-    from .backends.triton.aot import compile_aot
-
-    spec = _spec(args)
-    report = compile_aot(spec, args.target, args.out, dtype=args.dtype, block_n=args.block_n,
-                         num_warps=args.num_warps, num_stages=args.num_stages)
-    print(f"wrote {args.out}/foldc_decode.py and the {args.target} TTIR/TTGIR/LLIR/PTX/cubin")
-    print(json.dumps(report, indent=2))
-    return 0
+    return compile_layout(_spec(args), args.target, args.out, dtype=args.dtype, seed=args.seed,
+                          block_n=args.block_n, num_warps=args.num_warps, num_stages=args.num_stages)
 
 
 def cmd_demo(args) -> int:
@@ -88,14 +83,18 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("prove", help="prove the plan exact with sympy")
     _add_layout_args(p)
     p.set_defaults(func=cmd_prove)
-    p = sub.add_parser("compile", help="generate the Triton kernel and build it ahead of time (no GPU needed)")
+    p = sub.add_parser("compile", help="plan, prove and emit the kernel of a layout: build it ahead of time for "
+                       "a GPU (no GPU needed), or check it under the interpreter / float64 executor")
     _add_layout_args(p)
-    p.add_argument("--target", required=True, choices=["sm_90", "sm_100"], help="GPU generation")
-    p.add_argument("--out", required=True, help="folder for the source, PTX, cubin and a JSON report")
-    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"], help="query/MMA dtype (default bf16)")
-    p.add_argument("--block-n", type=int, default=64, help="tokens per tile (default 64)")
-    p.add_argument("--num-warps", type=int, default=4)
-    p.add_argument("--num-stages", type=int, default=2)
+    p.add_argument("--target", default="interpret", choices=["sm_90", "sm_100", "interpret", "reference"],
+                   help="sm_90/sm_100: AOT build into --out; interpret: run the kernel on the CPU against the "
+                   "float64 executor; reference: check the float64 executor (default interpret)")
+    p.add_argument("--out", help="folder for the kernel source (and PTX, cubin, JSON report for a GPU target)")
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"], help="MMA dtype of a GPU build (default bf16)")
+    p.add_argument("--seed", type=int, default=0, help="random inputs of the interpret/reference check")
+    p.add_argument("--block-n", type=int, default=None, help="attention: tokens per tile (default 64)")
+    p.add_argument("--num-warps", type=int, default=None)
+    p.add_argument("--num-stages", type=int, default=None)
     p.set_defaults(func=cmd_compile)
     p = sub.add_parser("bench", help="time the kernels against the HBM ceiling and bf16 peers (GPU)",
                        add_help=False)

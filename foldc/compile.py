@@ -79,8 +79,14 @@ def compile(spec: AttentionSpec, target: str = "reference", **options):  # noqa:
     operands as hi + lo; default on for bf16 queries). Register-operand kernel only: ``stages``
     (code tiles in flight), ``maxnreg`` (register cap per thread).
     """
+    from .gemm.spec import GemmSpec
+
+    if isinstance(spec, GemmSpec):  # y = x @ w.T with encoded operands (foldc/gemm/compile.py)
+        from .gemm.compile import compile_gemm
+
+        return compile_gemm(spec, target, **options)
     if not isinstance(spec, AttentionSpec):
-        raise SpecError(f"spec must be a foldc.AttentionSpec, got {type(spec).__name__}")
+        raise SpecError(f"spec must be a foldc.AttentionSpec or foldc.GemmSpec, got {type(spec).__name__}")
     if target == "reference":
         unknown = sorted(set(options) - {"token_tile"})
         if unknown:

@@ -52,6 +52,9 @@ class TorchOps:
     def zeros(self, shape):
         return torch.zeros(shape, dtype=torch.float64, device=self.device)
 
+    def stack(self, xs, dim):
+        return torch.stack(xs, dim)
+
     def __init__(self, device="cpu"):
         self.device = device
 
@@ -70,6 +73,9 @@ class SympyOps:
 
     def zeros(self, shape):
         return np.full(shape, sp.Integer(0), dtype=object)
+
+    def stack(self, xs, dim):
+        return np.stack(xs, dim)
 
 
 class _Tile:
@@ -257,6 +263,8 @@ class Executor:
                                  "codes, scale and zero (fold) or its dequantized values")
             return env[name]
         if isinstance(node, Input):
+            if node.role == "ones":  # the constant 1 (row and column sums, eq. 15)
+                return Named(ops.const(np.ones([tile.length(a) for a in node.axes], dtype=np.int64)), node.axes)
             if node.encoding is not None:
                 return Named(None, node.axes)  # read through its codes / param / dequantize nodes
             return self._bound(node.name, "values", node.axes, tile)
@@ -277,10 +285,9 @@ class Executor:
             return Named(s.data * c.data + z.data, node.axes)
         if isinstance(node, Contract):
             lhs, rhs = get(node.lhs), get(node.rhs)
-            inputs = [(lhs.data, lhs.axes), (rhs.data, rhs.axes)]
             if node.split is not None:
-                inputs.append((tile.membership(node.split), (node.reduce, node.split)))
-            return Named(_einsum(ops, inputs, node.axes), node.axes)
+                return self._split_contract(node, lhs, rhs, tile)
+            return Named(_einsum(ops, [(lhs.data, lhs.axes), (rhs.data, rhs.axes)], node.axes), node.axes)
         if isinstance(node, Prescale):
             operand = get(node.operand)
             scale = _to_elements(ops, tile, get(node.scale))
@@ -295,6 +302,8 @@ class Executor:
             return Named(_einsum(ops, inputs, node.axes), node.axes)
         if isinstance(node, Correction):
             zero, other = get(node.zero), get(node.other)
+            if node.form == "presummed":  # other holds per-group sums on the zero's group axis (eq. 15)
+                return Named(_einsum(ops, [(other.data, other.axes), (zero.data, zero.axes)], node.axes), node.axes)
             if node.form == "group-sum":
                 grouped = next(a for a in zero.axes if isinstance(a, GroupedAxis) and a.base == node.reduce)
                 sums_axes = tuple(grouped if base_of(a) == node.reduce else a for a in other.axes)
@@ -312,12 +321,30 @@ class Executor:
             return Named(get(node.input).data * self.sm_scale, node.axes)
         raise GraphError(f"%{node.name}: the executor cannot run a {node.kind} node here")
 
+    def _split_contract(self, node, lhs: Named, rhs: Named, tile: _Tile) -> Named:
+        """Partial sums per group (eq. 5): one contraction per group over its run of the reduced
+        axis (groups are consecutive indices), stacked along the group axis."""
+        ids = tile.group_ids(node.split)
+        part_axes = tuple(a for a in node.axes if a != node.split)
+        parts = []
+        for j in range(int(ids.max()) + 1):
+            lo, hi = int(np.argmax(ids == j)), int(len(ids) - np.argmax(ids[::-1] == j))
+            take = [(_take(x.data, x.axes, node.reduce, lo, hi), x.axes) for x in (lhs, rhs)]
+            parts.append(_einsum(self.ops, take, part_axes))
+        return Named(self.ops.stack(parts, node.axes.index(node.split)), node.axes)
+
     def _bound(self, name: str, part: str, axes, tile: _Tile | None) -> Named:
         try:
             data = self.bindings[(name, part)]
         except KeyError:
             raise GraphError(f"no {part} bound for input %{name}") from None
         return Named(_slice_tokens(data, axes, tile), tuple(axes))
+
+
+def _take(data, axes, base: str, lo: int, hi: int):
+    """``data`` restricted to indices [lo, hi) of its axis ``base``."""
+    dim = tuple(axes).index(base)
+    return data[(slice(None),) * dim + (slice(lo, hi),)]
 
 
 def _to_elements_except(ops, tile, x: Named, keep_base: str) -> Named:

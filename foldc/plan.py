@@ -70,7 +70,14 @@ def plan(spec: AttentionSpec, code_bias: dict[str, int] | None = None, fold_poli
 
     ``code_bias`` maps "key"/"value" to the constant a backend ORs into the codes (eq. 7); the
     reference plan uses none. ``fold_policy="dequant"`` forces per-value reconstruction.
+    A `foldc.GemmSpec` is planned by `foldc.gemm.plan.gemm_plan` with the same passes.
     """
+    from .gemm.spec import GemmSpec
+
+    if isinstance(spec, GemmSpec):
+        from .gemm.plan import gemm_plan
+
+        return gemm_plan(spec, code_bias, fold_policy)
     if not isinstance(spec, AttentionSpec):
         raise SpecError(f"spec must be a foldc.AttentionSpec, got {type(spec).__name__}")
     if fold_policy not in FOLD_POLICIES:

@@ -229,6 +229,10 @@ def symbolic_check(graph: Graph, small_group: int, token_tile: int) -> tuple[Ins
 
 def prove(the_plan) -> ProofReport:
     """Prove ``the_plan`` exact, or raise PlanError/ProofError naming the rule or value that fails."""
+    if getattr(the_plan, "kind", "attention") == "gemm":
+        from .gemm.proof import prove_gemm
+
+        return prove_gemm(the_plan)
     t0 = time.perf_counter()
     graph = the_plan.graph
     verify(graph)  # a hand-edited graph must be well-formed before its rules mean anything

@@ -75,14 +75,23 @@ def spec_from_args(k: str | None, v: str | None, heads: str, head_dim: int) -> A
     return AttentionSpec(q, kv, head_dim, k=enc(k), v=enc(v))
 
 
-def spec_from_toml(path: str | Path) -> AttentionSpec:
-    """Read a spec from TOML::
+def spec_from_toml(path: str | Path):
+    """Read a spec from TOML: an `AttentionSpec` from::
 
         [attention]
         heads = "32/8"
         head_dim = 128
         k = "token:2:128"     # or a table: {layout = "token", bits = 2, group_size = 128}
         v = "channel:2:128"   # omit or "none" for a plain operand
+
+    or a `foldc.GemmSpec` (y = x @ w.T) from::
+
+        [gemm]
+        m = 1                      # rows of x (tokens), or "symbolic"
+        n = 4096                   # output channels
+        k = 4096                   # reduced axis
+        weight = "k-group:4:128"   # or "per-channel:8", or {kind = "k-group", bits = 4, group_size = 128}
+        activation = "per-token:8" # optional: INT8 activations with zero points
     """
     try:
         data: dict[str, Any] = tomllib.loads(Path(path).read_text())
@@ -90,6 +99,18 @@ def spec_from_toml(path: str | Path) -> AttentionSpec:
         raise SpecError(f"cannot read layout file {str(path)!r}: {e.strerror}") from None
     except tomllib.TOMLDecodeError as e:
         raise SpecError(f"layout file {str(path)!r} is not valid TOML: {e}") from None
+    sections = [key for key in ("attention", "gemm") if key in data]
+    if len(sections) > 1:
+        raise SpecError(f"{path}: has both [attention] and [gemm]; describe one operation per file")
+    if sections == ["gemm"]:
+        from .gemm.spec import gemm_spec_from_table
+
+        extra = sorted(set(data) - {"gemm"})
+        if extra:
+            raise SpecError(f"{path}: unknown top-level keys {extra}; a GEMM layout has only a [gemm] table")
+        if not isinstance(data["gemm"], dict):
+            raise SpecError(f"{path}: gemm must be a table ([gemm]), got {data['gemm']!r}")
+        return gemm_spec_from_table(data["gemm"], where=f"{path}: [gemm]")
     table = data.get("attention", data)
     unknown = set(table) - {"heads", "head_dim", "k", "v"}
     if unknown:

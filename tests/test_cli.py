@@ -104,7 +104,10 @@ def test_examples_exist():
     assert EXAMPLES, f"no example layouts under {REPO / 'examples' / 'layouts'}"
 
 
-@pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])
+ATTENTION_EXAMPLES = [p for p in EXAMPLES if "[attention]" in p.read_text()]
+
+
+@pytest.mark.parametrize("path", ATTENTION_EXAMPLES, ids=[p.name for p in ATTENTION_EXAMPLES])
 def test_explain_shipped_examples(capsys, path):
     spec = spec_from_toml(path)
     rc, out, err = _run(capsys, "explain", str(path))

@@ -16,8 +16,10 @@ from pathlib import Path
 import pytest
 
 import foldc
+from foldc.gemm import parse_gemm_encoding
 
 A = foldc.Affine
+G = parse_gemm_encoding
 GOLDEN = Path(__file__).parent / "golden"
 UPDATE = os.environ.get("FOLDC_UPDATE_GOLDEN") == "1"
 
@@ -39,6 +41,11 @@ CASES = {
     # token-wise V with 4 channel groups: the pre-scaled p changes per channel group
     "int4_g32_k_channel_v_token_bias": (foldc.AttentionSpec(32, 8, 128, A(4, "channel", 32), A(4, "token", 32)),
                                         {"key": 1024, "value": 128}),
+    # GEMM y = x @ w.T: a k-group INT4 weight at decode (acc-fold per group, row sums of x)
+    "gemm_int4_g128_m1": (foldc.GemmSpec(4096, 4096, G("k-group:4:128", "weight"), m=1), None),
+    # INT8 x INT8 with zero points, code bias -128: the four terms of eq. 15
+    "gemm_w8a8_bias": (foldc.GemmSpec(4096, 4096, G("per-channel:8", "weight"), G("per-token:8", "activation"),
+                                      m=16), {"weight": -128, "activation": -128}),
 }
 
 

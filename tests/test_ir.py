@@ -48,10 +48,11 @@ def verify_error(g: Graph) -> str:
 
 
 # -- axes ----------------------------------------------------------------------------------
-def test_canonical_order_is_batch_kvhead_qperkv_token_channel():
-    assert CANONICAL == (BATCH, KV_HEAD, Q_PER_KV, TOKEN, CHANNEL)
+def test_canonical_order_is_batch_kvhead_qperkv_token_channel_then_gemm_mnk():
+    assert CANONICAL == (BATCH, KV_HEAD, Q_PER_KV, TOKEN, CHANNEL, "m", "n", "k")
     assert canonical([CHANNEL, TOKEN, BATCH]) == (BATCH, TOKEN, CHANNEL)
-    assert canonical([CHANNEL, Q_PER_KV, KV_HEAD, TOKEN, BATCH]) == CANONICAL
+    assert canonical([CHANNEL, Q_PER_KV, KV_HEAD, TOKEN, BATCH]) == CANONICAL[:5]
+    assert canonical(["k", "n", "m"]) == ("m", "n", "k")
     assert canonical([]) == ()
 
 

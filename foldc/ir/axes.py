@@ -1,4 +1,4 @@
-"""Named axes of the attention IR.
+"""Named axes of the IR (decode attention and GEMM).
 
 An axis is a plain string naming one element per index (``"token"``), or a `GroupedAxis`
 naming one entry per *group* of ``group_size`` consecutive indices of a base axis
@@ -15,9 +15,13 @@ KV_HEAD = "kv_head"
 Q_PER_KV = "q_per_kv"
 TOKEN = "token"
 CHANNEL = "channel"
+#: GEMM axes: y[m, n] = sum_k x[m, k] * w[n, k] (m: tokens/rows, n: output channels, k: reduced)
+M = "m"
+N = "n"
+K = "k"
 
 #: Canonical order: every tensor of the IR keeps its axes in this order.
-CANONICAL = (BATCH, KV_HEAD, Q_PER_KV, TOKEN, CHANNEL)
+CANONICAL = (BATCH, KV_HEAD, Q_PER_KV, TOKEN, CHANNEL, M, N, K)
 
 
 @dataclass(frozen=True)

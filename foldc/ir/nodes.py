@@ -5,8 +5,8 @@ axes of its result in canonical order (see axes.py) so the verifier can check th
 
 Node kinds, grouped:
 
-- sources: `Input` (query, key, value), and for an encoded input its `Codes`, `GroupParam`
-  (scale or zero) or per-value `Dequantize`;
+- sources: `Input` (query, key, value; a GEMM's activation, weight and constant ``ones``),
+  and for an encoded input its `Codes`, `GroupParam` (scale or zero) or per-value `Dequantize`;
 - products: `Contract` (a sum over one axis, optionally keeping per-group partial sums),
   `Prescale` (operand-fold: multiply the other operand by the scale), `ScaleGroups` (acc-fold:
   multiply each group's partial sum by its scale and add the groups), `Correction` (the offset
@@ -22,7 +22,7 @@ from typing import ClassVar, Literal
 from ..encoding import Affine
 from .axes import Axis, GroupedAxis, format_axes
 
-Role = Literal["query", "key", "value"]
+Role = Literal["query", "key", "value", "activation", "weight", "ones"]
 Fold = Literal["none", "acc-fold", "operand-fold", "dequant"]
 FOLD_KINDS = ("none", "acc-fold", "operand-fold", "dequant")
 
@@ -72,8 +72,14 @@ def _fmt(val) -> str:
 
 @dataclass(frozen=True)
 class Input(Node):
+    """A kernel input. ``group_axis`` names the axis the encoding's groups run along when it is
+    not the attention default (``encoding.group_axis``): a GEMM weight groups along ``k``.
+    role ``ones`` is the constant 1 along its axes: contracting with it sums the other operand
+    (the row and column sums of eq. 15)."""
+
     role: Role = "query"
     encoding: Affine | None = None
+    group_axis: str = ""
     kind = "input"
     always_print = ("role",)
 
@@ -143,12 +149,17 @@ class Prescale(Node):
 
 @dataclass(frozen=True)
 class ScaleGroups(Node):
-    """Acc-fold (eq. 3): multiply each group's partial sum by the group's scale, then sum groups."""
+    """Acc-fold (eq. 3): multiply each group's partial sum by the group's scale, then sum groups.
+
+    ``keep_groups``: do not sum the groups (the result keeps ``groups`` as an axis). A fold nested
+    inside a per-group partial sum (the second operand of eq. 15) keeps them.
+    """
 
     partial: str = ""
     scale: str = ""
     groups: GroupedAxis | None = None
     product: str = ""
+    keep_groups: bool = False
     kind = "scale_groups"
     operand_fields = ("partial", "scale")
 
@@ -159,13 +170,18 @@ class Correction(Node):
 
     ``form="group-sum"`` (acc-fold): z_g * (sum of ``other`` over group g), added over groups.
     ``form="contract"`` (operand-fold): sum over r of other[r] * z[r].
+    ``form="presummed"``: ``other`` already holds the sums over each group of r (it has the
+    grouped axis in place of r, e.g. the row sums of an encoded operand, eq. 15):
+    sum over groups g of z_g * other[g].
+    ``keep_groups`` (group-sum form): do not add the groups up (see ScaleGroups).
     """
 
     zero: str = ""
     other: str = ""
     reduce: str = ""
-    form: Literal["group-sum", "contract"] = "contract"
+    form: Literal["group-sum", "contract", "presummed"] = "contract"
     product: str = ""
+    keep_groups: bool = False
     kind = "correction"
     operand_fields = ("zero", "other")
     always_print = ("reduce", "form")

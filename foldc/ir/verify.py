@@ -16,7 +16,8 @@ def param_axes(inp: Input) -> tuple:
     """Axes of the scale/zero of an encoded input: its group axis becomes a GroupedAxis."""
     enc = inp.encoding
     assert enc is not None
-    return tuple(GroupedAxis(a, enc.group_size) if a == enc.group_axis else a for a in inp.axes)
+    group_axis = inp.group_axis or enc.group_axis
+    return tuple(GroupedAxis(a, enc.group_size) if a == group_axis else a for a in inp.axes)
 
 
 def element_axes(axes) -> tuple:
@@ -74,8 +75,11 @@ def verify(graph) -> None:
 
 
 def _check_input(graph, node: Input) -> None:
-    if node.encoding is not None and node.role == "query":
-        raise GraphError(f"%{node.name}: the query cannot be encoded")
+    if node.encoding is not None and node.role in ("query", "ones"):
+        raise GraphError(f"%{node.name}: the {node.role} cannot be encoded")
+    if node.encoding is not None and (node.group_axis or node.encoding.group_axis) not in node.axes:
+        raise GraphError(f"%{node.name}: its groups run along {node.group_axis or node.encoding.group_axis!r}, "
+                         f"which is not one of its axes {format_axes(node.axes)}")
 
 
 def _check_codes(graph, node: Node) -> None:
@@ -119,19 +123,28 @@ def _check_scale_groups(graph, node: ScaleGroups) -> None:
     if node.groups is None or node.groups not in partial.axes:
         raise GraphError(f"%{node.name}: groups={node.groups} is not an axis of %{partial.name} "
                          f"{format_axes(partial.axes)}")
-    _expect(node, canonical(a for a in _union(partial.axes, scale.axes) if a != node.groups))
+    _expect(node, canonical(a for a in _union(partial.axes, scale.axes) if node.keep_groups or a != node.groups))
 
 
 def _check_correction(graph, node: Correction) -> None:
     zero, other = graph[node.zero], graph[node.other]
     if not isinstance(zero, GroupParam) or zero.param != "zero":
         raise GraphError(f"%{node.name}: needs a zero parameter, got %{zero.name} ({zero.kind})")
-    _require_axis(node, other, node.reduce)
     grouped = find(zero.axes, node.reduce)
+    if node.form == "presummed":  # other holds per-group sums: its entry on reduce is the zero's group axis
+        if find(other.axes, node.reduce) != grouped or node.keep_groups:
+            raise GraphError(f"%{node.name}: form=presummed needs %{other.name} {format_axes(other.axes)} summed "
+                             f"per group of the zero %{zero.name} {format_axes(zero.axes)} along {node.reduce!r}")
+        _expect(node, canonical(a for a in _union(other.axes, zero.axes) if base_of(a) != node.reduce))
+        return
+    _require_axis(node, other, node.reduce)
     if node.form == "group-sum" and not isinstance(grouped, GroupedAxis):
         raise GraphError(f"%{node.name}: form=group-sum needs the zero grouped along {node.reduce!r}; "
                          f"%{zero.name} has axes {format_axes(zero.axes)}")
-    _expect(node, canonical(a for a in _union(other.axes, element_axes(zero.axes)) if a != node.reduce))
+    if node.keep_groups and node.form != "group-sum":
+        raise GraphError(f"%{node.name}: keep_groups needs form=group-sum, got form={node.form}")
+    kept = [grouped] if node.keep_groups else []
+    _expect(node, canonical([*(a for a in _union(other.axes, element_axes(zero.axes)) if a != node.reduce), *kept]))
 
 
 def _check_add(graph, node: Add) -> None:

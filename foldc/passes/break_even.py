@@ -1,11 +1,13 @@
 """Break-even check: keep a fold only while it does fewer scale-and-offset operations per
-stored value than per-value reconstruction (docs/derivation.md, equation 12).
+stored value than per-value reconstruction (docs/derivation.md, equations 12 and 16).
 
 A fold costs one scale op and one offset op per row of the other operand per group:
 2 * h / g operations per stored value, where h is the number of other-operand rows that share
 one group (the query heads per KV head in attention) and g the group size. Reconstruction
 (s * c + z per value) costs 1. The fold is kept only while g > 2 * h; otherwise the contraction
-falls back to "dequant" and the plan records why.
+falls back to "dequant" and the plan records why. In a GEMM (eq. 16) h is the number of
+activation rows that share one dequantized weight tile, min(m, rows per tile): decode GEMVs
+fold, large-m GEMMs with small groups reconstruct.
 """
 from __future__ import annotations
 
@@ -40,7 +42,7 @@ class BreakEven(Pass):
     comparison point existing kernels represent, used by the benchmark)."""
 
     name = "break-even"
-    equation = "12"
+    equation = "12, 16"
     policy: str = "auto"
 
     def apply(self, graph):

@@ -10,7 +10,9 @@ Rules (each raises PlanError with the rule's name):
   after the accumulation, where the softmax would not rescale it).
 - ``partial-sum-crosses-group`` (eq. 5): under acc-fold, each partial sum that a group scale
   multiplies must lie inside one group.
-- ``missing-correction`` (eq. 6): every folded product adds its offset correction.
+- ``missing-correction`` (eq. 6): every folded product adds its offset correction, and each
+  scaled partial meets its own operand's correction before another operand's scale multiplies
+  it (the nested folds of eq. 15).
 
 The same checks run inside `foldc.prove`, so a hand-edited plan is held to them too.
 """
@@ -19,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import PlanError
-from ..ir import (Accumulate, Contract, Correction, Divide, GroupedAxis,
+from ..ir import (Accumulate, Add, Contract, Correction, Divide, GroupedAxis,
                   OnlineSoftmax, Prescale, ScaleGroups)
 from ..ir.axes import find
 from .base import Pass
@@ -79,6 +81,12 @@ def check_correction_placement(graph) -> None:
             if source is not None and source not in corrected:
                 raise PlanError("missing-correction",
                                 f"%{node.name} folds %{source} but no correction adds zero x other (eq. 6)")
+    for node in (*graph.nodes_of(ScaleGroups), *graph.nodes_of(Prescale)):
+        source = graph[node.scale].source
+        if source not in corrected:
+            raise PlanError("missing-correction",
+                            f"%{node.name} applies the scale of %{source} but no correction adds its zero x "
+                            "the sum of the other operand (eq. 6)")
 
 
 def check_group_boundaries(graph) -> None:
@@ -86,8 +94,15 @@ def check_group_boundaries(graph) -> None:
     for sg in graph.nodes_of(ScaleGroups):
         partial = graph[sg.partial]
         scale_axis = find(graph[sg.scale].axes, sg.groups.base if sg.groups else "")
-        split = getattr(partial, "split", None)
-        if not isinstance(partial, Contract) or split is None or split != sg.groups:
+        if isinstance(partial, Contract):
+            split = partial.split
+        elif isinstance(partial, Add) and any(isinstance(graph[o], ScaleGroups) and graph[o].keep_groups
+                                              for o in partial.operands()):
+            split = find(partial.axes, sg.groups.base) if sg.groups else None  # a nested fold's per-group sum (eq. 15)
+            split = split if isinstance(split, GroupedAxis) else None
+        else:
+            split = None
+        if split is None or split != sg.groups:
             raise PlanError("partial-sum-crosses-group",
                             f"%{sg.name} scales %{partial.name}, which is not split per group along "
                             f"{sg.groups.base if sg.groups else '?'}; an unscaled partial sum would cross "
@@ -112,11 +127,30 @@ def tile_constraints(graph) -> list[TileConstraint]:
             if isinstance(ax, GroupedAxis):
                 out.append(TileConstraint(node.product, ax.base, ax.group_size,
                                           f"one pre-scaled %{node.operand} (it changes per {ax.base} group)"))
-    return sorted(out, key=str)
+    return sorted(set(out), key=str)
 
+
+def check_offsets_paired(graph) -> None:
+    """Rule missing-correction (eq. 6): each scaled partial is added to its own operand's offset."""
+    corrections = graph.nodes_of(Correction)
+    for sg in graph.nodes_of(ScaleGroups):
+        source = graph[sg.scale].source
+        reach, todo = set(), [u.name for u in graph.users(sg.name)]
+        while todo:  # where sg's value flows before another operand's scale multiplies it
+            name = todo.pop()
+            node = graph[name]
+            if name in reach or (isinstance(node, ScaleGroups) and graph[node.scale].source != source):
+                continue
+            reach.add(name)
+            todo += [u.name for u in graph.users(name)]
+        if not any(graph[c.zero].source == source and (graph.descendants(c.name) & reach) for c in corrections):
+            raise PlanError("missing-correction",
+                            f"%{sg.name} scales by %{sg.scale} but is not added to the offset correction of "
+                            f"%{source} (zero x sum of the other operand, eq. 6)")
 
 def check_plan_rules(graph) -> None:
     check_correction_placement(graph)
+    check_offsets_paired(graph)
     check_group_boundaries(graph)
 
 

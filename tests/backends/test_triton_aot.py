@@ -173,7 +173,8 @@ def test_cli_compile(tmp_path):
                            "--block-n", "32", "--out", str(out)],
                           cwd=ROOT, env=_env(str(tmp_path / "cache")), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    first, rest = proc.stdout.split("\n", 1)
+    assert "proof of plan {'qk': 'acc-fold', 'pv': 'acc-fold'}: exact" in proc.stdout
+    first, rest = proc.stdout[proc.stdout.index("\nwrote ") + 1:].split("\n", 1)
     assert first.startswith("wrote ") and "sm_100" in first
     report = json.loads(rest)
     assert report["arch"] == "sm_100" and report["dtype"] == "fp16" and report["block_n"] == 32
@@ -193,7 +194,7 @@ def test_cli_compile_from_layout_file(tmp_path):
                            "--out", str(out)],
                           cwd=ROOT, env=_env(str(tmp_path / "cache")), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads(proc.stdout.split("\n", 1)[1])
+    report = json.loads(proc.stdout[proc.stdout.index("\nwrote ") + 1:].split("\n", 1)[1])
     assert report["spec"] == "heads 16/4, head_dim 64, K channel:4:64, V token:8:32"
     assert sum(report["mma"].values()) >= 1 and (out / "foldc_decode.sm_90.cubin").stat().st_size > 0
 

@@ -1,0 +1,158 @@
+"""Load and launch the generated GEMM kernel: the callable of ``foldc.compile(GemmSpec, target)``
+for the Triton targets ("sm_90", "sm_100", "interpret", "auto").
+
+``gemm(x, w)`` takes x ``[m, k]`` (fp16 or bf16; an AffineTensor [1, 1, m, k] for an encoded
+activation) and w (an AffineTensor [1, 1, n, k] from `foldc.gemm.quantize_2d`) and returns
+y ``[m, n]`` in x's dtype (``out_dtype``, fp16 by default, when x is encoded).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ...encoding import AffineTensor
+from ...errors import InputError, SpecError
+from ...gemm.plan import GemmPlan, gemm_plan
+from ...gemm.reference import check_operand
+from ...gemm.spec import GemmSpec
+from .gemm_codegen import GemmKernelSource, generate_gemm
+from .launch import _interpret, load_module
+
+DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
+INT8_CODE_BIAS = -128  # unsigned 8-bit codes become int8 for the integer tensor cores (eq. 7)
+
+
+def gemm_kernel_plan(spec: GemmSpec, fold_policy: str = "auto") -> GemmPlan:
+    """The plan the backend lowers: with two 8-bit operands, codes carry the bias -128 (folded into
+    the zeros, eq. 7) so the codes product runs as int8 x int8 -> int32. ``fold_policy="dequant"``
+    reconstructs every weight value in the kernel instead (the comparison point for the fold)."""
+    both8 = spec.activation is not None and spec.activation.bits == 8 and spec.weight.bits == 8
+    bias = {"weight": INT8_CODE_BIAS, "activation": INT8_CODE_BIAS} if both8 and fold_policy == "auto" else None
+    return gemm_plan(spec, code_bias=bias, fold_policy=fold_policy)
+
+
+def gemm_kernel_source(spec: GemmSpec, dtype: str = "fp16",
+                       fold_policy: str = "auto") -> tuple[GemmKernelSource, GemmPlan]:
+    the_plan = gemm_kernel_plan(spec, fold_policy)
+    return generate_gemm(the_plan, dtype), the_plan
+
+
+def k_chunk(spec: GemmSpec, group: int, cap: int = 64) -> int:
+    """Largest chunk of k (<= cap) inside one k group and one bit field of every packed operand."""
+    bk = math.gcd(cap, group)
+    for enc in (spec.weight, spec.activation):
+        if enc is not None:
+            bk = math.gcd(bk, spec.k // (8 // enc.bits))
+    return bk
+
+
+def launch_config(m: int, n: int) -> dict:
+    """Tile sizes for a call with m rows: decode GEMVs take small row tiles and more column tiles.
+    ``block_k`` is an upper bound (the chunk must also fit a group and a bit field)."""
+    if m <= 16:
+        return {"block_m": 16, "block_n": 32 if n >= 4096 else 16, "block_k": 64, "split_k": 1, "num_warps": 4,
+                "num_stages": 4}
+    if m <= 64:
+        return {"block_m": 32 if m <= 32 else 64, "block_n": 64, "block_k": 64, "split_k": 1, "num_warps": 4,
+                "num_stages": 3}
+    return {"block_m": 64, "block_n": 128, "block_k": 64, "split_k": 1, "num_warps": 8, "num_stages": 3}
+
+
+def runtime_arguments(x, w, y) -> dict:
+    args = {"Y": y, "stride_y": y.stride(0), "M": y.shape[0]}
+    for name, t in (("x", x), ("w", w)):
+        up = name.upper()
+        if isinstance(t, AffineTensor):
+            codes, scale, zero = t.codes[0, 0], t.scale[0, 0], t.zero[0, 0]
+            args.update({f"{up}_CODES": codes, f"{up}_SCALE": scale, f"{up}_ZERO": zero,
+                         f"stride_{name}": codes.stride(0), f"stride_{name}s": scale.stride(0)})
+        else:
+            args.update({up: t, f"stride_{name}": t.stride(0)})
+    return args
+
+
+class TritonGemm:
+    """The generated GEMM kernel as a callable ``y = gemm(x, w)``. Options: block_m, block_n,
+    block_k (an upper bound), split_k (programs sharing the k axis of one output tile, adding
+    float32 partials atomically), num_warps, num_stages (defaults from `launch_config` by m),
+    out_dtype (encoded x only), fold_policy ("auto", or "dequant" to reconstruct every weight value in the kernel)."""
+
+    def __init__(self, spec: GemmSpec, target: str, block_m: int | None = None, block_n: int | None = None,
+                 block_k: int | None = None, split_k: int | None = None, num_warps: int | None = None,
+                 num_stages: int | None = None, out_dtype: torch.dtype = torch.float16, fold_policy: str = "auto"):
+        self.spec, self.target, self.fold_policy = spec, target, fold_policy
+        gemm_plan(spec, fold_policy=fold_policy)  # raise now on a bad policy
+        self.interpret = target == "interpret"
+        options = (("block_m", block_m), ("block_n", block_n), ("block_k", block_k), ("split_k", split_k),
+                   ("num_warps", num_warps), ("num_stages", num_stages))
+        self.explicit = {k: v for k, v in options if v is not None}
+        for key, val in self.explicit.items():
+            if isinstance(val, bool) or not isinstance(val, int) or val < 1:
+                raise SpecError(f"{key}={val!r} must be a positive integer")
+        if split_k is not None and split_k > 64:
+            raise SpecError(f"split_k={split_k} is too large; use 1 to 64")
+        for key in ("block_m", "block_n", "block_k"):
+            if key in self.explicit and (self.explicit[key] < 16 or self.explicit[key] & (self.explicit[key] - 1)):
+                raise SpecError(f"{key}={self.explicit[key]} must be a power of two >= 16 (tensor-core tiles)")
+        if out_dtype not in DTYPES:
+            raise SpecError(f"out_dtype={out_dtype} must be torch.float16 or torch.bfloat16")
+        self.out_dtype = out_dtype
+        self._kernels: dict[str, tuple] = {}
+
+    def kernel(self, dtype: str):
+        if dtype not in self._kernels:
+            ks, the_plan = gemm_kernel_source(self.spec, dtype, self.fold_policy)
+            self._kernels[dtype] = (load_module(ks.source, self.interpret), ks, the_plan)
+        return self._kernels[dtype]
+
+    def source(self, dtype: torch.dtype = torch.float16) -> str:
+        return self.kernel(DTYPES[dtype])[1].source
+
+    def plan_for(self, dtype: torch.dtype = torch.float16) -> GemmPlan:
+        return self.kernel(DTYPES[dtype])[2]
+
+    def __call__(self, x, w, out: torch.Tensor | None = None) -> torch.Tensor:
+        spec = self.spec
+        m = check_operand("x", x, spec.activation, spec.m, spec.k)
+        n = check_operand("w", w, spec.weight, spec.n, spec.k)
+        if n != spec.n or (spec.m is not None and m != spec.m):
+            raise InputError(f"x has {m} rows and w {n}; the spec says m={spec.m}, n={spec.n}")
+        device = (x.codes if isinstance(x, AffineTensor) else x).device
+        if self.interpret and device.type != "cpu":
+            raise InputError(f"target='interpret' runs on the CPU; x is on {device}")
+        if not self.interpret and device.type != "cuda":
+            raise InputError(f"target={self.target!r} runs on a CUDA GPU; x is on {device}")
+        if isinstance(x, AffineTensor):
+            dtype = self.out_dtype
+        else:
+            dtype = x.dtype
+            allowed = (torch.float16,) if self.interpret else (torch.float16, torch.bfloat16)
+            if dtype not in allowed:
+                raise InputError(f"x dtype={dtype} must be one of {allowed} for target={self.target!r}")
+            if x.stride(1) != 1:
+                raise InputError(f"x must have unit stride along k; got strides {x.stride()}")
+        if self.interpret and dtype != torch.float16:
+            raise InputError("target='interpret' runs fp16 only (Triton's interpreter mishandles bf16)")
+        module, ks, _ = self.kernel(DTYPES[dtype])
+        if out is None:
+            out = torch.empty(m, n, device=device, dtype=dtype)
+        elif tuple(out.shape) != (m, n) or out.dtype != dtype or out.stride(1) != 1:
+            raise InputError(f"out has shape={tuple(out.shape)}, dtype={out.dtype}; it must be ({m}, {n}) {dtype}")
+        cfg = dict(launch_config(m, n), **self.explicit)
+        split = cfg["split_k"]
+        target = out if split == 1 else torch.zeros(m, n, device=device, dtype=torch.float32)
+        runtime = runtime_arguments(x, w, target)
+        grid = (triton_cdiv(m, cfg["block_m"]), triton_cdiv(n, cfg["block_n"]), split)
+        with _interpret(self.interpret):
+            module.foldc_gemm[grid](*[runtime[a] for a in ks.args], N=n, K=spec.k, GROUP=ks.group,
+                                    BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"],
+                                    BLOCK_K=k_chunk(spec, ks.group, cfg["block_k"]), SPLIT_K=split,
+                                    num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        if split > 1:
+            out.copy_(target)
+        return out
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)

@@ -1,0 +1,82 @@
+"""GEMM inputs and float64 execution: quantizers for weights and activations, the
+dequantize-then-matmul ground truth, and the float64 plan executor behind
+``compile_gemm(spec, "reference")``.
+
+Shapes: x ``[m, k]`` (fp16/bf16/fp32 tensor, or an AffineTensor of logical shape
+``[1, 1, m, k]`` when the activation is encoded), w ``[n, k]`` likewise; y ``[m, n]``.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..encoding import AffineTensor, quantize
+from ..errors import InputError, InputTypeError
+from ..executor import Executor, TorchOps
+from ..ir import K, M, N
+from .spec import GemmEncoding, GemmSpec
+
+
+def quantize_2d(t: torch.Tensor, enc: GemmEncoding) -> AffineTensor:
+    """Quantize a ``[rows, k]`` matrix with groups along k (AffineTensor of shape [1, 1, rows, k])."""
+    if not isinstance(t, torch.Tensor) or t.dim() != 2:
+        raise InputError(f"expected a [rows, k] tensor, got {getattr(t, 'shape', type(t).__name__)}")
+    return quantize(t.reshape(1, 1, *t.shape), enc.affine(t.shape[1]))
+
+
+def _matrix(t) -> torch.Tensor:
+    """float64 [rows, k] values of a plain tensor or an AffineTensor."""
+    if isinstance(t, AffineTensor):
+        return t.dequantize(torch.float64)[0, 0]
+    return t.to(torch.float64)
+
+
+def gemm_reference(x, w) -> torch.Tensor:
+    """float64 ``dequantize(x) @ dequantize(w).T``: the ground truth of every GEMM plan."""
+    return _matrix(x) @ _matrix(w).T
+
+
+def check_operand(name: str, t, enc: GemmEncoding | None, rows: int | None, k: int) -> int:
+    """Validate one operand against the spec; return its number of rows."""
+    if enc is None:
+        if isinstance(t, AffineTensor):
+            raise InputTypeError(f"{name} is an AffineTensor but the spec says {name} is plain")
+        if not isinstance(t, torch.Tensor) or t.dim() != 2 or t.shape[1] != k:
+            raise InputError(f"{name} must be a [rows, k={k}] tensor; got {getattr(t, 'shape', type(t).__name__)}")
+        return t.shape[0]
+    if not isinstance(t, AffineTensor):
+        raise InputTypeError(f"{name} must be an AffineTensor of encoding {enc.short()} "
+                             f"(foldc.gemm.quantize_2d({name}, enc)); got {type(t).__name__}")
+    want = enc.affine(k)
+    if t.encoding != want or t.shape[:2] != (1, 1) or t.shape[3] != k:
+        raise InputError(f"{name} has encoding {t.encoding.short()} and shape {t.shape}; the spec needs "
+                         f"{want.short()} with shape [1, 1, rows, k={k}]")
+    return t.shape[2]
+
+
+def bindings(x, w) -> dict:
+    out = {}
+    for name, t in (("x", x), ("w", w)):
+        if isinstance(t, AffineTensor):
+            out[(name, "codes")] = t.unpack()[0, 0].to(torch.float64)
+            out[(name, "scale")] = t.scale[0, 0].to(torch.float64)
+            out[(name, "zero")] = t.zero[0, 0].to(torch.float64)
+        else:
+            out[(name, "values")] = t.to(torch.float64)
+    return out
+
+
+class ReferenceGemm:
+    """The float64 plan executor as a GEMM callable: ``y = gemm(x, w)``, float64 [m, n]."""
+
+    def __init__(self, the_plan):
+        self.plan, self.spec = the_plan, the_plan.spec
+
+    def __call__(self, x, w) -> torch.Tensor:
+        spec: GemmSpec = self.spec
+        m = check_operand("x", x, spec.activation, spec.m, spec.k)
+        n = check_operand("w", w, spec.weight, spec.n, spec.k)
+        if n != spec.n or (spec.m is not None and m != spec.m):
+            raise InputError(f"x has {m} rows and w {n}; the spec says m={spec.m}, n={spec.n}")
+        sizes = {M: m, N: n, K: spec.k}
+        env = Executor(self.plan.graph, TorchOps(), bindings(x, w), sizes, 1, None, 1).run()
+        return env[self.plan.graph.output].data

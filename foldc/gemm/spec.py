@@ -1,0 +1,180 @@
+"""GemmSpec: ``y[m, n] = sum_k x[m, k] * w[n, k]`` (``y = x @ w.T``) with affine-encoded operands.
+
+Encodings (text form ``kind:bits[:group_size][:fp16|bf16|fp32]``):
+
+- weight ``k-group:4:128``: codes with one (scale, zero) per output channel and per group of 128
+  input channels (the common 4-bit and 2-bit weight formats: the scale changes along the
+  reduced axis k between groups and is constant inside one);
+- weight ``per-channel:8``: one (scale, zero) per output channel for the whole k axis (a pure
+  epilogue fold);
+- activation ``per-token:8``: one (scale, zero) per row of x (INT8 activations with a zero point).
+  With an encoded activation the weight must be ``per-channel`` (both groups span k, eq. 15).
+
+Both encodings are `foldc.Affine` with layout "token" (groups along the packed last axis, k):
+a weight ``[n, k]`` is quantized as ``quantize(w.reshape(1, 1, n, k), enc)``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..encoding import Affine
+from ..errors import SpecError
+
+WEIGHT_KINDS = ("k-group", "per-channel")
+ACTIVATION_KINDS = ("per-token",)
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+#: activation rows that share one dequantized weight tile in the generated kernel (the largest
+#: BLOCK_M); the break-even of eq. 16 counts min(m, this)
+ROWS_PER_TILE = 64
+
+
+@dataclass(frozen=True)
+class GemmEncoding:
+    """One encoded GEMM operand: ``kind`` (k-group, per-channel, per-token), bits, group size
+    along k (None for per-channel/per-token: the whole k axis) and the scale/zero dtype."""
+
+    kind: str
+    bits: int
+    group_size: int | None = None
+    scale_dtype: torch.dtype = torch.float16
+
+    def __post_init__(self) -> None:
+        if self.kind not in WEIGHT_KINDS + ACTIVATION_KINDS:
+            raise SpecError(f"kind={self.kind!r} is not an encoding kind; use one of {WEIGHT_KINDS + ACTIVATION_KINDS}")
+        if self.kind == "k-group" and (isinstance(self.group_size, bool) or not isinstance(self.group_size, int)
+                                       or self.group_size < 1):
+            raise SpecError(f"group_size={self.group_size!r}: a k-group encoding needs a positive group size, "
+                            "e.g. 'k-group:4:128'")
+        if self.kind != "k-group" and self.group_size is not None:
+            raise SpecError(f"group_size={self.group_size!r}: a {self.kind} encoding has one group spanning "
+                            f"the whole k axis; write '{self.kind}:{self.bits}'")
+        Affine(self.bits, "token", self.group_size or 1, self.scale_dtype)  # checks bits and dtype
+
+    def affine(self, k: int) -> Affine:
+        """The `foldc.Affine` (groups along the packed axis k) for a reduced axis of ``k``."""
+        return Affine(self.bits, "token", self.group_size or k, self.scale_dtype)
+
+    def short(self) -> str:
+        dt = {torch.float16: "", torch.bfloat16: ":bf16", torch.float32: ":fp32"}[self.scale_dtype]
+        return f"{self.kind}:{self.bits}" + (f":{self.group_size}" if self.group_size else "") + dt
+
+
+def parse_gemm_encoding(text, role: str) -> GemmEncoding | None:
+    """``k-group:4:128`` / ``per-channel:8`` / ``per-token:8[:bf16]`` -> GemmEncoding; none -> None."""
+    if text is None or text in ("", "none", "plain"):
+        return None
+    if isinstance(text, dict):
+        bad = set(text) - {"kind", "bits", "group_size", "scale_dtype"}
+        if bad:
+            raise SpecError(f"{role} encoding has unknown keys {sorted(bad)}; use kind, bits, group_size, scale_dtype")
+        parts = [str(text.get("kind", "")), str(text.get("bits", ""))]
+        parts += [str(text["group_size"])] if "group_size" in text else []
+        parts += [str(text["scale_dtype"])] if "scale_dtype" in text else []
+        text = ":".join(parts)
+    if not isinstance(text, str):
+        raise SpecError(f"{role}={text!r} must be a string like 'k-group:4:128'")
+    parts = text.strip().split(":")
+    dtype = torch.float16
+    if parts[-1] in DTYPES:
+        dtype = DTYPES[parts.pop()]
+    kinds = WEIGHT_KINDS if role == "weight" else ACTIVATION_KINDS
+    if parts[0] not in kinds:
+        raise SpecError(f"{role}={text!r}: kind {parts[0]!r} is not a {role} encoding; use one of {kinds} "
+                        "(e.g. 'k-group:4:128', 'per-channel:8', 'per-token:8')")
+    want = 3 if parts[0] == "k-group" else 2
+    if len(parts) != want:
+        form = "k-group:bits:group_size" if want == 3 else f"{parts[0]}:bits"
+        raise SpecError(f"{role}={text!r} must look like '{form}', optionally followed by ':fp16', ':bf16' or ':fp32'")
+    try:
+        nums = [int(p) for p in parts[1:]]
+    except ValueError:
+        raise SpecError(f"{role}={text!r}: bits and group_size must be integers") from None
+    return GemmEncoding(parts[0], nums[0], nums[1] if want == 3 else None, dtype)
+
+
+@dataclass(frozen=True)
+class GemmSpec:
+    """``y = x @ w.T`` with ``x [m, k]``, ``w [n, k]``, ``y [m, n]``.
+
+    Args:
+        n: output channels (rows of w).
+        k: input channels (the reduced axis).
+        weight: encoding of w (k-group or per-channel), or None for a plain weight.
+        activation: encoding of x (per-token), or None for plain fp16/bf16 activations.
+        m: rows of x (tokens), or None when it varies per call (symbolic); it sets the
+            break-even of eq. 16 through min(m, ROWS_PER_TILE).
+    """
+
+    n: int
+    k: int
+    weight: GemmEncoding | None = None
+    activation: GemmEncoding | None = None
+    m: int | None = None
+
+    def __post_init__(self) -> None:
+        for field in ("n", "k") + (("m",) if self.m is not None else ()):
+            val = getattr(self, field)
+            if isinstance(val, bool) or not isinstance(val, int) or val < 1:
+                symbolic = " or None (symbolic)" if field == "m" else ""
+                raise SpecError(f"{field}={val!r} must be a positive integer{symbolic}")
+        for role, kinds in (("weight", WEIGHT_KINDS), ("activation", ACTIVATION_KINDS)):
+            enc = getattr(self, role)
+            if enc is None:
+                continue
+            if not isinstance(enc, GemmEncoding):
+                raise SpecError(f"{role}={enc!r} must be a GemmEncoding (see parse_gemm_encoding) or None")
+            if enc.kind not in kinds:
+                raise SpecError(f"{role}={enc.short()!r}: kind {enc.kind!r} does not apply to the {role}; "
+                                f"use one of {kinds}")
+            per_byte = 8 // enc.bits
+            if self.k % per_byte:
+                raise SpecError(f"k={self.k} is not a multiple of {per_byte}, the {enc.bits}-bit codes per byte "
+                                f"of the {role}; pad k")
+            if enc.group_size is not None:
+                if self.k % enc.group_size:
+                    raise SpecError(f"group_size={enc.group_size} does not divide k={self.k}; "
+                                    f"pick a divisor of {self.k}")
+                if (self.k // per_byte) % enc.group_size and enc.group_size % (self.k // per_byte):
+                    raise SpecError(f"group_size={enc.group_size} and k={self.k}: each bit field of a packed byte "
+                                    f"covers {self.k // per_byte} channels, so a group must divide it or be a "
+                                    "multiple of it")
+        if self.weight is None and self.activation is None:
+            raise SpecError("weight=None and activation=None: nothing is encoded, so there is nothing to fold; "
+                            "give weight='k-group:4:128' or similar")
+        if self.activation is not None and (self.weight is None or self.weight.kind != "per-channel"):
+            raise SpecError(f"activation={self.activation.short()!r} needs weight='per-channel:8' (or other bits): "
+                            "with both operands encoded their groups must both span k (eq. 15); got "
+                            f"weight={self.weight.short() if self.weight else None!r}")
+
+    @property
+    def rows_per_tile(self) -> int:
+        """Activation rows sharing one weight tile (h of eq. 16)."""
+        return ROWS_PER_TILE if self.m is None else min(self.m, ROWS_PER_TILE)
+
+    def weight_affine(self) -> Affine | None:
+        return None if self.weight is None else self.weight.affine(self.k)
+
+    def activation_affine(self) -> Affine | None:
+        return None if self.activation is None else self.activation.affine(self.k)
+
+    def describe(self) -> str:
+        enc = lambda e: "plain" if e is None else e.short()  # noqa: E731
+        m = "m" if self.m is None else str(self.m)
+        return f"gemm {m}x{self.n}x{self.k}, weight {enc(self.weight)}, activation {enc(self.activation)}"
+
+
+def gemm_spec_from_table(table: dict, where: str = "[gemm]") -> GemmSpec:
+    """Build a GemmSpec from a TOML ``[gemm]`` table (see foldc.spec.spec_from_toml)."""
+    unknown = set(table) - {"m", "n", "k", "weight", "activation"}
+    if unknown:
+        raise SpecError(f"{where}: unknown keys {sorted(unknown)}; expected m, n, k, weight, activation")
+    for key in ("n", "k"):
+        if key not in table:
+            raise SpecError(f"{where}: missing key {key!r}; give the output channels n and the reduced size k")
+    m = table.get("m")
+    if m in ("symbolic", "any"):
+        m = None
+    return GemmSpec(table["n"], table["k"], weight=parse_gemm_encoding(table.get("weight"), "weight"),
+                    activation=parse_gemm_encoding(table.get("activation"), "activation"), m=m)

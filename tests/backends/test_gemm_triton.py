@@ -1,0 +1,194 @@
+"""The generated GEMM/GEMV kernel: under Triton's interpreter (fp16) against the float64 plan
+executor for each case (k-group INT4/INT2 fold and dequant, per-output-channel, INT8 x INT8),
+decode GEMV (m = 1) and GEMM (many rows, partial tiles); AOT builds for sm_90 and sm_100 in a
+fresh subprocess; and the launcher's input checks."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from _kernel_cases import needs_interpreter
+from hypothesis import given, note, settings
+from hypothesis import strategies as st
+from test_triton_aot import ROOT, _env
+
+import foldc
+from foldc.errors import InputError, InputTypeError, SpecError
+from foldc.gemm import GemmSpec, parse_gemm_encoding
+from foldc.gemm.reference import quantize_2d
+
+# (name, weight, activation, m, n, k)
+CASES = [
+    ("int4 k-group gemv", "k-group:4:64", None, 1, 48, 256),
+    ("int2 k-group gemm", "k-group:2:32", None, 9, 40, 256),   # 2*9 < 32: fold
+    ("int4 k-group dequant", "k-group:4:32", None, 70, 24, 128),  # 2*64 >= 32: dequant
+    ("per-channel int4", "per-channel:4", None, 17, 40, 128),
+    ("per-channel int8 gemv", "per-channel:8", None, 1, 64, 128),
+    ("int8 x int8", "per-channel:8", "per-token:8", 21, 40, 128),
+    ("int8 x int4 act", "per-channel:8", "per-token:4", 5, 24, 128),
+    ("int2 group across fields", "k-group:2:128", None, 4, 24, 256),  # g > k/4: one lane, bytes per field
+]
+FOLDS = {"int4 k-group dequant": {"w": "dequant"}}
+
+
+def spec_of(weight, activation, m, n, k, symbolic=False):
+    return GemmSpec(n, k, parse_gemm_encoding(weight, "weight"), parse_gemm_encoding(activation, "activation"),
+                    m=None if symbolic else m)
+
+
+def operands(spec, m, seed):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, spec.k, generator=gen) * 2 + torch.rand((), generator=gen)
+    w = torch.randn(spec.n, spec.k, generator=gen) * 0.5 + 0.1
+    xq = quantize_2d(x, spec.activation) if spec.activation else x.half()
+    return xq, quantize_2d(w, spec.weight)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("name, weight, activation, m, n, k", CASES, ids=[c[0] for c in CASES])
+def test_interpreter_kernel_matches_the_float64_executor(name, weight, activation, m, n, k):
+    spec = spec_of(weight, activation, m, n, k)
+    seed = int(torch.randint(0, 2**31 - 1, ()))  # fresh data each run; the seed is in the message
+    xq, wq = operands(spec, m, seed)
+    kernel = foldc.compile(spec, target="interpret")
+    got = kernel(xq, wq)
+    want = foldc.compile(spec, target="reference")(xq, wq)
+    assert kernel.plan_for().folds == FOLDS.get(name, {o: "acc-fold" for o in ("w", "x") if o == "w" or activation})
+    assert got.shape == (m, n) and got.dtype == torch.float16 and torch.isfinite(got).all()
+    err = float((got.double() - want).norm() / want.norm())
+    rounding = float((want.half().double() - want).norm() / want.norm())  # fp16 output alone
+    assert err < 3 * rounding + 1e-4, f"seed={seed}: rel L2 {err:.2e} vs fp16 rounding {rounding:.2e}"
+
+
+@needs_interpreter
+def test_symbolic_m_spec_runs_any_row_count_and_out():
+    spec = spec_of("k-group:4:64", None, None, 32, 128, symbolic=True)
+    kernel = foldc.compile(spec, target="interpret")
+    for m in (1, 3):
+        xq, wq = operands(spec, m, 100 + m)
+        out = torch.full((m, 32), float("nan"), dtype=torch.float16)
+        assert kernel(xq, wq, out=out) is out and not torch.isnan(out).any()
+        want = foldc.compile(spec, target="reference")(xq, wq)
+        assert float((out.double() - want).norm() / want.norm()) < 2e-3
+
+
+@needs_interpreter
+@pytest.mark.parametrize("weight, activation", [("k-group:4:32", None), ("per-channel:4", None),
+                                                ("per-channel:8", "per-token:8")])
+@pytest.mark.parametrize("split_k", [2, 3])
+def test_split_k_programs_add_up_to_the_whole_sum(weight, activation, split_k):
+    """Split-K: programs take disjoint group steps (or chunks of the single group) and add float32
+    partials atomically; 3 does not divide the steps, so some programs get fewer."""
+    spec = spec_of(weight, activation, 5, 40, 256)
+    xq, wq = operands(spec, 5, int(torch.randint(0, 2**31 - 1, ())))
+    want = foldc.compile(spec, target="reference")(xq, wq)
+    one = foldc.compile(spec, target="interpret", block_k=32)(xq, wq)
+    split = foldc.compile(spec, target="interpret", block_k=32, split_k=split_k)(xq, wq)
+    rounding = float((want.half().double() - want).norm() / want.norm())
+    assert float((split.double() - want).norm() / want.norm()) < 3 * rounding + 1e-4
+    assert float((split.double() - one.double()).abs().max()) <= 2e-3 * float(want.abs().max())
+
+
+def test_launcher_checks_inputs():
+    spec = spec_of("k-group:4:64", None, 2, 32, 128)
+    kernel = foldc.compile(spec, target="interpret")
+    xq, wq = operands(spec, 2, 0)
+    with pytest.raises(InputTypeError, match="w must be an AffineTensor of encoding k-group:4:64"):
+        kernel(xq, torch.randn(32, 128))
+    with pytest.raises(InputError, match=r"x has 3 rows and w 32; the spec says m=2, n=32"):
+        kernel(torch.randn(3, 128).half(), wq)
+    with pytest.raises(InputError, match="x dtype=torch.float32 must be one of"):
+        kernel(xq.float(), wq)
+    with pytest.raises(SpecError, match="block_m=24 must be a power of two >= 16"):
+        foldc.compile(spec, target="interpret", block_m=24)
+    with pytest.raises(SpecError, match="target='sm_90' needs a CUDA GPU"):
+        if not torch.cuda.is_available():
+            foldc.compile(spec, target="sm_90")
+        else:
+            raise SpecError("target='sm_90' needs a CUDA GPU (skipped: a GPU is present)")
+
+
+# -- ahead-of-time builds --------------------------------------------------------------------
+AOT_CASES = [("int4 k-group", "k-group:4:128", None, 1), ("int2 k-group", "k-group:2:128", None, 16),
+             ("int4 split-k", "k-group:4:128", None, 1),
+             ("int4 dequant", "k-group:4:128", None, 256), ("per-channel", "per-channel:8", None, 16),
+             ("int8 x int8", "per-channel:8", "per-token:8", 256)]
+AOT_SCRIPT = r"""
+import json, sys
+from foldc.backends.triton.gemm_aot import compile_gemm_aot
+from foldc.gemm import GemmSpec, parse_gemm_encoding
+jobs, root = json.loads(sys.argv[1]), sys.argv[2]
+out = []
+for name, w, a, m, arch, folder in jobs:
+    spec = GemmSpec(4096, 4096, parse_gemm_encoding(w, "weight"), parse_gemm_encoding(a, "activation"), m=m)
+    split = 4 if "split" in name else None
+    out.append({"name": name, "folder": folder,
+                "report": compile_gemm_aot(spec, arch, f"{root}/{folder}", split_k=split)})
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def gemm_builds(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gemm_aot")
+    jobs = [(name, w, a, m, arch, f"{name.replace(' ', '_')}_{arch}")
+            for name, w, a, m in AOT_CASES for arch in ("sm_90", "sm_100")]
+    proc = subprocess.run([sys.executable, "-c", AOT_SCRIPT, json.dumps(jobs), str(root)], cwd=ROOT,
+                          env=_env(str(root / "cache")), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    for r in results:
+        r["dir"] = root / r["folder"]
+    return results
+
+
+def test_gemm_aot_builds_use_tensor_cores(gemm_builds, report_table):
+    lines = [f"{'arch':<7} {'case':<14} {'folds':<36} {'inputs':<6} {'wgmma':>5} {'tcgen05':>7} {'mma.sync':>8}"]
+    for r in gemm_builds:
+        rep, mma = r["report"], r["report"]["mma"]
+        lines.append(f"{rep['arch']:<7} {r['name']:<14} {json.dumps(rep['folds']):<36} {rep['mma_inputs']:<6} "
+                     f"{mma['wgmma']:>5} {mma['tcgen05']:>7} {mma['mma.sync']:>8}")
+        assert sum(mma.values()) >= 1, (r["name"], rep["arch"], mma)
+        cubin = (r["dir"] / f"foldc_gemm.{rep['arch']}.cubin").read_bytes()
+        assert cubin[:4] == b"\x7fELF" and len(cubin) == rep["cubin_bytes"]
+        assert f".target {rep['arch']}a" in (r["dir"] / f"foldc_gemm.{rep['arch']}.ptx").read_text()
+        assert "def foldc_gemm(" in (r["dir"] / "foldc_gemm.py").read_text()
+    report_table("Triton AOT builds of the GEMM kernels (4096 x 4096)", lines)
+    by = {(r["name"], r["report"]["arch"]): r["report"] for r in gemm_builds}
+    assert by[("int8 x int8", "sm_90")]["mma_inputs"] == "int8"
+    assert by[("int4 dequant", "sm_90")]["folds"] == {"w": "dequant"}
+    assert by[("int4 k-group", "sm_100")]["folds"] == {"w": "acc-fold"}
+    assert by[("int4 split-k", "sm_90")]["split_k"] == 4 and by[("int4 k-group", "sm_90")]["split_k"] == 1
+
+
+@st.composite
+def kernel_cases(draw):
+    bits = draw(st.sampled_from([2, 4, 8]))
+    k = draw(st.sampled_from([128, 256]))
+    lane = k // (8 // bits)
+    kind = draw(st.sampled_from(["k-group", "per-channel", "int8xint8"]))
+    if kind == "k-group":
+        weight, act = f"k-group:{bits}:{draw(st.sampled_from([g for g in (32, 64, 128) if lane % g == 0 or g % lane == 0]))}", None
+    elif kind == "per-channel":
+        weight, act = f"per-channel:{bits}", None
+    else:
+        weight, act = "per-channel:8", f"per-token:{bits}"
+    return weight, act, draw(st.integers(1, 40)), draw(st.integers(1, 40)), k, draw(st.integers(0, 2**31 - 1))
+
+
+@needs_interpreter
+@settings(max_examples=15, deadline=None)
+@given(kernel_cases())
+def test_interpreter_kernel_property(case):
+    """Random encodings, bit widths, groups and shapes (partial row and column tiles)."""
+    weight, act, m, n, k, seed = case
+    spec = spec_of(weight, act, m, n, k)
+    note(spec.describe())
+    xq, wq = operands(spec, m, seed)
+    got = foldc.compile(spec, target="interpret")(xq, wq)
+    want = foldc.compile(spec, target="reference")(xq, wq)
+    rounding = float((want.half().double() - want).norm() / want.norm())
+    assert float((got.double() - want).norm() / want.norm()) < 3 * rounding + 1e-4
