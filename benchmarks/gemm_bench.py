@@ -162,6 +162,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="results/gemm", help="folder for gemm_bench.json and gemm_bench.txt")
     ap.add_argument("--cpu", action="store_true", help="tiny shapes under Triton's interpreter (checks the script)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--deadline", type=float, default=DEADLINE_S,
+                    help=f"seconds after which no new case starts (default {DEADLINE_S})")
     args = ap.parse_args(argv)
     t0 = time.time()
     if args.cpu:
@@ -187,9 +189,9 @@ def main(argv=None) -> int:
     for n, k in shapes:
         for name in ENCODINGS:
             for m in tokens:
-                if time.time() - t0 > DEADLINE_S:
+                if time.time() - t0 > args.deadline:
                     rows.append({"case": name, "n": n, "k": k, "tokens": m, "folds": {"w": "-"},
-                                 "skipped": f"deadline of {DEADLINE_S} s reached"})
+                                 "skipped": f"deadline of {args.deadline:g} s reached"})
                     continue
                 row = run_case(name, n, k, m, device, dtype, bench, args.cpu, args.seed + len(rows))
                 rows.append(row)

@@ -57,7 +57,8 @@ def cmd_compile(args) -> int:
     from .layout_compile import compile_layout
 
     return compile_layout(_spec(args), args.target, args.out, dtype=args.dtype, seed=args.seed,
-                          block_n=args.block_n, num_warps=args.num_warps, num_stages=args.num_stages)
+                          block_n=args.block_n, num_warps=args.num_warps, num_stages=args.num_stages,
+                          kernel=args.kernel)
 
 
 def cmd_demo(args) -> int:
@@ -95,6 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-n", type=int, default=None, help="attention: tokens per tile (default 64)")
     p.add_argument("--num-warps", type=int, default=None)
     p.add_argument("--num-stages", type=int, default=None)
+    p.add_argument("--kernel", default="auto", choices=["auto", "triton", "gluon"],
+                   help="attention on sm_90: the register-operand kernel where it lowers the plan (auto, gluon) or the "
+                   "generated Triton kernel (triton)")
     p.set_defaults(func=cmd_compile)
     p = sub.add_parser("bench", help="time the kernels against the HBM ceiling and bf16 peers (GPU)",
                        add_help=False)

@@ -88,6 +88,24 @@ def _check_attention(spec, target: str, seed: int) -> tuple[str, bool]:
             f"{res.error:.2e} (plain bf16 attention {res.bf16_error:.2e})", res.error <= res.bf16_error)
 
 
+def _register_operand(spec, target: str, kernel: str, block_n: int | None) -> bool:
+    """Whether an attention AOT build for ``target`` uses the register-operand kernel: "auto" does on
+    sm_90 where it lowers the plan (and block_n, if given, is one it runs: 32 or 64), "gluon"
+    insists (and says why it cannot), "triton" never."""
+    if kernel not in ("auto", "triton", "gluon"):
+        raise SpecError(f"kernel={kernel!r} is not one of ('auto', 'triton', 'gluon')")
+    if kernel == "triton" or (kernel == "auto" and (target != "sm_90" or block_n not in (None, 32, 64))):
+        return False
+    if block_n not in (None, 32, 64):
+        raise SpecError(f"block_n={block_n} must be 32 or 64 for the register-operand kernel")
+    from .backends.gluon.lower import lowerable
+
+    ok, reason = lowerable(spec)
+    if kernel == "gluon" and not ok:
+        raise SpecError(f"--kernel gluon cannot lower this layout: {reason}; use --kernel auto or triton")
+    return ok
+
+
 def compile_layout(spec, target: str, out: str | None, dtype: str = "bf16", seed: int = 0, **aot) -> int:
     """Print the plan and its proof, then build or check the kernel for ``target``; exit status."""
     from .proof import prove
@@ -106,13 +124,22 @@ def compile_layout(spec, target: str, out: str | None, dtype: str = "bf16", seed
             report = compile_gemm_aot(spec, target, out, dtype=dtype, num_warps=aot.get("num_warps"),
                                       num_stages=aot.get("num_stages"))
             name = "foldc_gemm"
+        elif _register_operand(spec, target, aot.get("kernel") or "auto", aot.get("block_n")):
+            from .backends.gluon.aot import compile_gluon_aot
+
+            report = compile_gluon_aot(spec, target, out, dtype=dtype, block_n=aot.get("block_n") or 32,
+                                       stages=aot.get("num_stages") or 2)
+            name = "foldc_decode_gluon"
         else:
             from .backends.triton.aot import compile_aot
 
             report = compile_aot(spec, target, out, dtype=dtype, block_n=aot.get("block_n") or 64,
                                  num_warps=aot.get("num_warps") or 4, num_stages=aot.get("num_stages") or 2)
             name = "foldc_decode"
-        print(f"wrote {out}/{name}.py and the {target} TTIR/TTGIR/LLIR/PTX/cubin")
+        if name == "foldc_decode_gluon":
+            print(f"wrote the register-operand kernel's {target} TTGIR/LLIR/PTX/cubin to {out}/{name}.{target}.*")
+        else:
+            print(f"wrote {out}/{name}.py and the {target} TTIR/TTGIR/LLIR/PTX/cubin")
         print(json.dumps(report, indent=2))
         return 0
     if out and target == "interpret":

@@ -73,3 +73,18 @@ def test_sass_matches_the_token_loop_cost_model(build, reports):
     """foldc.cost's whole-loop figure (construction + per-token work, eq. 13) within 15% of the SASS."""
     r = reports[build]["inner_loop"]
     assert r["model_lane_slots_per_byte"] == pytest.approx(r["lane_slots_per_byte"], rel=0.15), r
+
+
+def test_foldc_compile_builds_the_register_operand_kernel(tmp_path):
+    """`foldc compile --target sm_90` takes the register-operand kernel where it lowers the plan."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton")
+    args = [sys.executable, "-m", "foldc.cli", "compile", "--k", "channel:4:64", "--v", "token:4:128", "--heads",
+            "32/8", "--head-dim", "128", "--target", "sm_90", "--out", str(tmp_path / "out")]
+    done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "register-operand kernel" in done.stdout and (tmp_path / "out" / "foldc_decode_gluon.sm_90.cubin").exists()
+    refused = subprocess.run(args[:5] + ["token:4:64", "--v", "token:4:64"] + args[8:] + ["--kernel", "gluon"],
+                             env=env, capture_output=True, text=True, timeout=300)
+    assert refused.returncode != 0 and "token-wise groups of 64 channels" in refused.stderr

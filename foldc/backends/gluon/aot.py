@@ -38,6 +38,9 @@ def compile_gluon_aot(spec, arch: str, out_dir: str | Path, dtype: str = "bf16",
     """Build the register-operand kernel of ``spec`` for ``arch`` into ``out_dir``; return a report."""
     if arch not in ("sm_90", "sm_100"):
         raise SpecError(f"arch={arch!r}: the register-operand kernel builds for sm_90 (and sm_100)")
+    if block_n not in (32, 64) or stages not in (2, 3, 4):
+        raise SpecError(f"block_n={block_n} must be 32 or 64 and stages={stages} 2, 3 or 4 for the register-operand "
+                        "kernel")
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise SpecError("ahead-of-time compilation needs TRITON_INTERPRET unset in this process")
     import triton
