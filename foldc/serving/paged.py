@@ -219,20 +219,21 @@ class PagedDecodeWrapper:
                              "wrapper with a larger max_seq_len")
         lens = torch.tensor(table.seq_lens, dtype=torch.int32)
         self._store("kv_indptr", kv_indptr.to(torch.int32))
-        self._store("kv_indices", kv_indices.to(torch.int32) if kv_indices.numel() else
-                    torch.zeros(1, dtype=torch.int32))
+        # room for every page of the pool (entries are distinct pages), so re-plans never move it
+        self._store("kv_indices", kv_indices.to(torch.int32), capacity=num_pages)
         self._store("seq_lens", lens)
         self.table = table
         if self.target != "reference":
             self._plan_launch(table.batch)
         return table
 
-    def _store(self, name: str, value: torch.Tensor) -> None:
+    def _store(self, name: str, value: torch.Tensor, capacity: int | None = None) -> None:
         """Copy into the existing buffer when it fits (same address: captured graphs stay valid)."""
         buf = self._buffers.get(name)
         n = value.numel()
-        if buf is None or buf.numel() < n or (name != "kv_indices" and buf.numel() != n):
-            buf = torch.zeros(max(n, 1), dtype=torch.int32, device=self.device)
+        size = n if capacity is None else max(n, capacity)
+        if buf is None or buf.numel() < n or (capacity is None and buf.numel() != n):
+            buf = torch.zeros(max(size, 1), dtype=torch.int32, device=self.device)
             self._buffers[name] = buf
         buf[:n].copy_(value.to(self.device), non_blocking=True)
 

@@ -33,15 +33,20 @@ PAGED_ARGS = ("KV_INDPTR", "KV_INDICES")
 
 def check_page_size(spec, page_size) -> int:
     """P must be a positive integer; channel-wise encodings need whole groups in a page."""
+    for name in ("k", "v"):
+        check_page_size_for(getattr(spec, name), page_size, name)
+    return page_size
+
+
+def check_page_size_for(enc, page_size, name: str = "") -> int:
+    """`check_page_size` for one operand's encoding (None: plain)."""
     if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
         raise SpecError(f"page_size={page_size!r} must be a positive integer (tokens per page), e.g. 16 or 64")
-    for name in ("k", "v"):
-        enc = getattr(spec, name)
-        if enc is not None and enc.layout == "channel" and page_size % enc.group_size:
-            raise SpecError(f"page_size={page_size} is not a multiple of group_size={enc.group_size} of the "
-                            f"channel-wise {name} encoding ({enc.short()}): a page must hold whole groups, so use "
-                            f"page_size={math.lcm(page_size, enc.group_size)} or another multiple of "
-                            f"{enc.group_size}")
+    if enc is not None and enc.layout == "channel" and page_size % enc.group_size:
+        raise SpecError(f"page_size={page_size} is not a multiple of group_size={enc.group_size} of the "
+                        f"channel-wise {name + ' ' if name else ''}encoding ({enc.short()}): a page must hold whole "
+                        f"groups, so use page_size={math.lcm(page_size, enc.group_size)} or another multiple of "
+                        f"{enc.group_size}")
     return page_size
 
 
