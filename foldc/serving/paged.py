@@ -58,13 +58,19 @@ def _int_tensor(name: str, x, shape_text: str) -> torch.Tensor:
     return x
 
 
-def check_page_table(kv_indptr, kv_indices, kv_last_page_len, num_pages: int, page_size: int) -> PageTable:
-    """Validate a page table on the host; every error names the value and the fix."""
+def check_page_table(kv_indptr, kv_indices, kv_last_page_len, num_pages: int, page_size: int,
+                     seq_lens=None) -> PageTable:
+    """Validate a page table on the host; every error names the value and the fix. With
+    ``kv_last_page_len=None``, ``seq_lens`` gives the lengths instead, and a sequence may own
+    pages past its last token (reserved for appends)."""
     if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 1:
         raise SpecError(f"num_pages={num_pages!r} must be a positive integer (pages in the pool)")
     indptr = _int_tensor("kv_indptr", kv_indptr, "[batch + 1]").cpu().tolist()
     indices = _int_tensor("kv_indices", kv_indices, "[kv_indptr[-1]]").cpu()
-    last = _int_tensor("kv_last_page_len", kv_last_page_len, "[batch]").cpu().tolist()
+    if kv_last_page_len is None:
+        last = [int(n) for n in torch.as_tensor(seq_lens).reshape(-1).tolist()]
+    else:
+        last = _int_tensor("kv_last_page_len", kv_last_page_len, "[batch]").cpu().tolist()
     batch = len(indptr) - 1
     if batch < 1:
         raise InputError(f"kv_indptr has {len(indptr)} entries; it needs batch + 1 >= 2 (starting at 0)")
@@ -91,6 +97,12 @@ def check_page_table(kv_indptr, kv_indices, kv_last_page_len, num_pages: int, pa
         if torch.unique(indices).numel() != indices.numel():
             raise InputError("kv_indices lists a page twice; every page-table entry must name a different page "
                              "(two sequences writing one page would corrupt each other)")
+    if kv_last_page_len is None:
+        for b in range(batch):
+            if not 0 <= last[b] <= pages[b] * page_size:
+                raise InputError(f"seq_lens[{b}]={last[b]} but sequence {b} owns {pages[b]} pages of "
+                                 f"page_size={page_size} tokens; give it more pages in kv_indices")
+        return PageTable(batch, num_pages, page_size, tuple(last), tuple(pages))
     lens = []
     for b in range(batch):
         n = last[b]
@@ -199,8 +211,8 @@ class PagedDecodeWrapper:
 
     # ---- plan ---------------------------------------------------------------------------------
 
-    def plan(self, kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_last_page_len: torch.Tensor, *,
-             num_pages: int) -> PageTable:
+    def plan(self, kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_last_page_len: torch.Tensor | None, *,
+             num_pages: int, seq_lens=None) -> PageTable:
         """Validate a batch layout on the host and copy it to the device (may synchronise).
 
         Args:
@@ -208,10 +220,12 @@ class PagedDecodeWrapper:
             kv_indices: int32 ``[kv_indptr[-1]]``, distinct page numbers in ``[0, num_pages)``.
             kv_last_page_len: int32 ``[batch]``, in ``[0, page_size]`` (module doc).
             num_pages: pages in the pools that ``run`` will read.
+            seq_lens: instead of ``kv_last_page_len`` (pass None there): tokens per sequence, a list or
+                tensor [batch]; sequences may then own pages past their last token, reserved for appends.
 
         Returns the `PageTable` (host facts: lengths, pages per sequence, headroom for appends).
         """
-        table = check_page_table(kv_indptr, kv_indices, kv_last_page_len, num_pages, self.page_size)
+        table = check_page_table(kv_indptr, kv_indices, kv_last_page_len, num_pages, self.page_size, seq_lens)
         most = max(table.seq_lens)
         if most > self.max_seq_len:
             b = table.seq_lens.index(most)
@@ -293,7 +307,7 @@ class PagedDecodeWrapper:
             raise InputError(f"{name}_pages is on {dev} but q is on {q.device}; move both to one device")
 
     def run(self, q: torch.Tensor, k_pages, v_pages, *, sm_scale: float | None = None,
-            out: torch.Tensor | None = None, return_lse: bool = False):
+            out: torch.Tensor | None = None, return_lse: bool = False, seq_lens: torch.Tensor | None = None):
         """Decode attention of one query token per sequence over its paged K/V.
 
         Args:
@@ -305,6 +319,9 @@ class PagedDecodeWrapper:
             return_lse: also return the float32 log-sum-exp ``[batch, num_q_heads]`` of the scaled logits
                 (-inf for a sequence with no tokens, whose output is then 0/0: merge it with
                 `foldc.merge_attention`).
+            seq_lens: optional int32 ``[batch]`` device lengths to read instead of the plan's (e.g.
+                advanced on the device by appends). Not checked (that needs a sync): each must stay
+                within the pages its sequence owns.
 
         No host synchronisation: shapes and dtypes are checked from metadata only.
         """
@@ -321,7 +338,7 @@ class PagedDecodeWrapper:
         self._check_pool("v", v_pages, q)
         scale = self.spec.head_dim ** -0.5 if sm_scale is None else float(sm_scale)
         if self.target == "reference":
-            return self._run_reference(q, k_pages, v_pages, scale, out, return_lse)
+            return self._run_reference(q, k_pages, v_pages, scale, out, return_lse, seq_lens)
         dtypes = (torch.float16,) if self.interpret else (torch.float16, torch.bfloat16)
         if q.dtype not in dtypes:
             raise InputError(f"q dtype={q.dtype} is not supported by target={self.target!r}; use one of "
@@ -337,8 +354,13 @@ class PagedDecodeWrapper:
         module, ks, geo, _ = self._attn.kernels(DTYPES[q.dtype], self.block_n, paged=True)
         buf = self._buffers
         ws = (buf["ws_m"], buf["ws_l"], buf["ws_acc"])
-        runtime = runtime_arguments(q, k_pages, v_pages, buf["seq_lens"], ws, scale, self._per_split,
-                                    self._num_splits)
+        if seq_lens is not None and (not isinstance(seq_lens, torch.Tensor) or seq_lens.dtype != torch.int32
+                                     or tuple(seq_lens.shape) != want[:1] or seq_lens.device != q.device):
+            raise InputError(f"seq_lens must be an int32 tensor of shape ({want[0]},) on {q.device}; got "
+                             f"{getattr(seq_lens, 'dtype', type(seq_lens).__name__)} "
+                             f"{tuple(getattr(seq_lens, 'shape', ()))}")
+        lens = buf["seq_lens"] if seq_lens is None else seq_lens
+        runtime = runtime_arguments(q, k_pages, v_pages, lens, ws, scale, self._per_split, self._num_splits)
         runtime.update(KV_INDPTR=buf["kv_indptr"], KV_INDICES=buf["kv_indices"],
                        cache_tokens=self._per_split * self._num_splits)
         with _interpret(self.interpret):
@@ -346,13 +368,29 @@ class PagedDecodeWrapper:
                                self._num_splits, geo, *ws, out, lse, self._cfg, PAGE_SIZE=self.page_size)
         return (out, lse) if return_lse else out
 
-    def _run_reference(self, q, k_pages, v_pages, scale, out, return_lse):
-        lens = self.table.seq_lens
-        k, _ = gather_pages(k_pages, self.kv_indptr, self.kv_indices[:max(1, sum(self.table.pages))], lens,
-                            self.page_size)
-        v, _ = gather_pages(v_pages, self.kv_indptr, self.kv_indices[:max(1, sum(self.table.pages))], lens,
-                            self.page_size)
-        seq = torch.tensor(lens, device=q.device)
+    def _run_reference(self, q, k_pages, v_pages, scale, out, return_lse, seq_lens):
+        lens = self.table.seq_lens if seq_lens is None else tuple(int(n) for n in seq_lens.tolist())
         if min(lens) == 0:
             raise InputError(f"target='reference' needs every sequence to hold a token; lengths are {list(lens)}")
+        used = self.kv_indices[:max(1, sum(self.table.pages))]
+        k, _ = gather_pages(k_pages, self.kv_indptr, used, lens, self.page_size)
+        v, _ = gather_pages(v_pages, self.kv_indptr, used, lens, self.page_size)
+        seq = torch.tensor(lens, device=q.device)
         return self._reference(q, k, v, sm_scale=scale, seq_lens=seq, out=out, return_lse=return_lse)
+
+
+def launch_plain(attn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: torch.Tensor, sm_scale: float,
+                 out: torch.Tensor, lse: torch.Tensor) -> None:
+    """Run a compiled `TritonAttention` over contiguous ``k, v [batch, kv_heads, C, head_dim]`` with
+    device lengths ``lens`` (int32 [batch], 0 allowed) into ``out``/``lse``, skipping the host-side
+    checks of its ``__call__`` (which read the lengths): no host synchronisation."""
+    module, ks, geo, _ = attn.kernels(DTYPES[q.dtype])
+    batch, hkv, tokens = q.shape[0], attn.spec.num_kv_heads, k.shape[2]
+    splits, per_split = choose_splits(batch, hkv, tokens, geo.block_n, num_sms(q.device))
+    rows = geo.rows
+    ws = (torch.empty(batch, hkv, splits, rows, device=q.device), torch.empty(batch, hkv, splits, rows, device=q.device),
+          torch.empty(batch, hkv, splits, rows, attn.spec.head_dim, device=q.device))
+    runtime = runtime_arguments(q, k, v, lens, ws, sm_scale, per_split, splits)
+    cfg = dict(attn.DEFAULTS, **attn.explicit)
+    with _interpret(attn.interpret):
+        attn._launch(module, [runtime[a] for a in ks.args], batch, hkv, splits, geo, *ws, out, lse, cfg)
