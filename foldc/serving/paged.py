@@ -130,7 +130,7 @@ def gather_pages(pool, kv_indptr, kv_indices, seq_lens, page_size: int):
 
     def flat(t):  # [pages, H, R, X] -> [batch, H, most * R, X]
         g = t[rows.reshape(-1)].reshape(batch, most, *t.shape[1:])
-        return g.permute(0, 2, 1, 3, 4).reshape(batch, t.shape[1], most * t.shape[2], t.shape[3])
+        return g.permute(0, 2, 1, 3, 4).reshape(batch, t.shape[1], most * t.shape[2], t.shape[3]).contiguous()
 
     if isinstance(pool, AffineTensor):
         out = AffineTensor(flat(pool.codes), flat(pool.scale), flat(pool.zero), pool.encoding, pool.head_dim)

@@ -133,6 +133,27 @@ class PagedKVCache:
             layer["plain"].copy_(torch.tensor([n - m for n, m in zip(lens, body)], dtype=torch.int32),
                                  non_blocking=True)
 
+    def before_replay(self, tokens: int = 1) -> None:
+        """Host bookkeeping for a captured decode step: call it before each ``graph.replay()`` of a
+        graph that appends ``tokens`` per sequence to every layer (Python code inside the graph does
+        not run on replay). Raises, before anything is written, when the step would go past capacity."""
+        for layer in range(self.num_layers):
+            st = self._state(layer)
+            self._check_capacity(st, tokens)
+        for st in self._layers:
+            st["n"] = [n + tokens for n in st["n"]]
+
+    def _check_capacity(self, st: dict, tokens: int) -> None:
+        for b, n in enumerate(st["n"]):
+            if n + tokens > self.max_seq_len:
+                raise InputError(f"appending {tokens} tokens to sequence {b} ({n} tokens) goes past capacity: "
+                                 f"max_seq_len={self.max_seq_len}; build the cache with a larger max_seq_len")
+            need, have = self.body_len(n + tokens), self.table.pages[b] * self.page_size
+            if need > have:
+                raise InputError(f"appending {tokens} tokens to sequence {b} ({n} tokens) goes past capacity: its "
+                                 f"body needs {need} token slots but its {self.table.pages[b]} pages hold {have}; "
+                                 "plan() again with more pages for it")
+
     def num_tokens(self, layer: int = 0) -> list[int]:
         return list(self._state(layer)["n"])
 
@@ -170,15 +191,7 @@ class PagedKVCache:
         tokens = k_new.shape[2]
         if v_new.shape[2] != tokens:
             raise InputError(f"k_new holds {tokens} tokens but v_new holds {v_new.shape[2]}; they must match")
-        for b, n in enumerate(st["n"]):
-            if n + tokens > self.max_seq_len:
-                raise InputError(f"appending {tokens} tokens to sequence {b} ({n} tokens) goes past capacity: "
-                                 f"max_seq_len={self.max_seq_len}; build the cache with a larger max_seq_len")
-            need, have = self.body_len(n + tokens), self.table.pages[b] * self.page_size
-            if need > have:
-                raise InputError(f"appending {tokens} tokens to sequence {b} ({n} tokens) goes past capacity: its "
-                                 f"body needs {need} token slots but its {self.table.pages[b]} pages hold {have}; "
-                                 "plan() again with more pages for it")
+        self._check_capacity(st, tokens)
         if tokens == 0:
             return
         if tokens == 1:
