@@ -183,8 +183,9 @@ class PagedKVCache:
     def append(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
         """Add ``T`` tokens per sequence to ``layer``: ``k_new, v_new [batch, kv_heads, T, head_dim]``.
 
-        ``T == 1`` (decode) runs on the device only (capturable). ``T > 1`` (prefill) is planned on the
-        host. Capacity is checked on the host before anything is written."""
+        ``T == 1`` (decode) runs on the device only (capturable; during a capture the host counts do not
+        move: call `before_replay` before each replay). ``T > 1`` (prefill) is planned on the host.
+        Capacity is checked on the host before anything is written."""
         st = self._state(layer)
         self._check_tokens("k_new", k_new)
         self._check_tokens("v_new", v_new)
@@ -192,13 +193,18 @@ class PagedKVCache:
         if v_new.shape[2] != tokens:
             raise InputError(f"k_new holds {tokens} tokens but v_new holds {v_new.shape[2]}; they must match")
         self._check_capacity(st, tokens)
+        capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
         if tokens == 0:
             return
         if tokens == 1:
             self._decode_append(layer, st, k_new, v_new)
+        elif capturing:
+            raise InputError(f"appending {tokens} tokens per sequence is planned on the host and cannot be captured "
+                             "in a CUDA graph; capture decode steps (one token per sequence) only")
         else:
             self._prefill_append(layer, st, k_new, v_new)
-        st["n"] = [n + tokens for n in st["n"]]
+        if not capturing:  # a captured step runs on replay: before_replay() counts it then
+            st["n"] = [n + tokens for n in st["n"]]
 
     def _decode_append(self, layer: int, st: dict, k_new, v_new) -> None:
         """One token per sequence, device operations only."""
