@@ -108,7 +108,8 @@ def correctness(c: Ctx) -> tuple[list, str]:
         append_quantized(dst, x, c.group, target=c.target)
         want = foldc.quantize(x, enc)
         region = slice(c.group, 3 * c.group)
-        rows_s = region if enc.layout == "token" else slice(1, 3)
+        g = enc.group_size
+        rows_s = region if enc.layout == "token" else slice(c.group // g, 3 * c.group // g)
         ok = (torch.equal(dst.codes[:, :, region], want.codes)
               and torch.equal(dst.scale[:, :, rows_s].view(torch.uint8), want.scale.view(torch.uint8))
               and torch.equal(dst.zero[:, :, rows_s].view(torch.uint8), want.zero.view(torch.uint8)))
@@ -349,7 +350,7 @@ def throughput(c: Ctx) -> tuple[list, str]:
                 peak = torch.cuda.max_memory_allocated() / 2**30 if c.device == "cuda" else float("nan")
                 size = _cache_bytes(cache) if cache is not None else None
                 rows.append([name, batch, c.prompt, c.new, f"{decode:.1f}", f"{batch * c.new / tn:.1f}",
-                             f"{size / 2**20:.0f}" if size else "-", f"{peak:.1f}"])
+                             f"{size / 2**20:.1f}" if size else "-", f"{peak:.1f}"])
             except Exception as err:  # noqa: BLE001 - one cache failing must not hide the others
                 rows.append([name, batch, c.prompt, c.new, f"failed: {type(err).__name__}: {str(err)[:120]}", "",
                              "", ""])
