@@ -194,6 +194,12 @@ class PagedDecodeWrapper:
             raise SpecError(f"target={target!r} is not available; use one of {TARGETS}")
         if target == "auto":
             target = "interpret" if self.device.type == "cpu" else detect_target()
+        if target == "interpret" and self.device.type != "cpu":
+            raise SpecError(f"target='interpret' runs Triton's interpreter on the CPU, but device={self.device}; "
+                            "use target='auto'")
+        if target in ("sm_90", "sm_100") and self.device.type != "cuda":
+            raise SpecError(f"target={target!r} runs on a CUDA GPU, but device={self.device}; use device='cuda', "
+                            "or target='interpret' (CPU, float16) or 'reference'")
         self.target = target
         self.block_n = paged_block_n(spec, page_size, block_n)
         self.table: PageTable | None = None
@@ -303,6 +309,10 @@ class PagedDecodeWrapper:
         if tuple(shape) != want:
             raise InputError(f"{name}_pages shape={tuple(shape)} but the plan needs {want} (num_pages, kv_heads, "
                              "page_size, head_dim): plan against this pool, with num_pages=its page count")
+        parts = (pool.codes, pool.scale, pool.zero) if enc is not None else (pool,)
+        if not all(t.is_contiguous() for t in parts):
+            raise InputError(f"{name}_pages must be contiguous (allocate it with foldc.serving.page_pool); call "
+                             ".contiguous() on its tensors")
         if dev != q.device:
             raise InputError(f"{name}_pages is on {dev} but q is on {q.device}; move both to one device")
 

@@ -284,3 +284,14 @@ def test_append_paged_rejects_a_partial_channel_group_and_a_wrong_page_size():
     with pytest.raises(InputError, match=r"x shape=\(1, 3, 16, 32\) but the pool needs \[batch, 2, tokens, 32\]"):
         append_paged(pool, torch.randn(1, 3, 16, 32).half(), *table, page_size=32, target="interpret")
     assert math.isclose(float(pool.scale.abs().sum()), 0.0)  # nothing was written
+
+
+def test_a_non_contiguous_pool_and_a_device_mismatch_are_refused():
+    wrapper = _planned()
+    k, v = _pools()
+    wide = torch.zeros(*k.codes.shape[:3], 2 * k.codes.shape[3], dtype=torch.uint8)
+    strided = foldc.AffineTensor(wide[..., :k.codes.shape[3]], k.scale, k.zero, k.encoding, k.head_dim)
+    with pytest.raises(InputError, match=r"k_pages must be contiguous"):
+        wrapper.run(torch.zeros(1, 2, 64).half(), strided, v)
+    with pytest.raises(SpecError, match=r"target='sm_90' runs on a CUDA GPU, but device=cpu"):
+        PagedDecodeWrapper(TOKEN_SPEC, 16, max_seq_len=64, target="sm_90")
