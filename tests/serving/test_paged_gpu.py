@@ -35,7 +35,7 @@ def _pools(spec, num_pages, page_size, gen):
 def _table(lens, page_size, num_pages, gen):
     pages = [max(1, -(-n // page_size)) for n in lens]
     perm = torch.randperm(num_pages, generator=gen)[:sum(pages)]
-    indptr = torch.tensor([0] + list(torch.tensor(pages).cumsum(0)), dtype=torch.int32)
+    indptr = torch.tensor([0] + torch.tensor(pages).cumsum(0).tolist(), dtype=torch.int32)
     last = torch.tensor([n - (p - 1) * page_size for n, p in zip(lens, pages)], dtype=torch.int32)
     return indptr.cuda(), perm.to(torch.int32).cuda(), last.cuda()
 
