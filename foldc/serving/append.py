@@ -47,7 +47,7 @@ def _append_token_kernel(
     CODES, stride_cb, stride_ch, stride_cn,
     SCALE, stride_sb, stride_sh, stride_sn,
     ZERO, stride_zb, stride_zh, stride_zn,
-    OFFSETS, offset, tokens, heads, KV_INDPTR, KV_INDICES, COUNTS,
+    OFFSETS, offset, tokens, heads, KV_INDPTR, KV_INDICES, COUNTS, capacity,
     HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, NUM_GROUPS: tl.constexpr, BITS: tl.constexpr,
     CPB: tl.constexpr, MAX_CODE: tl.constexpr, BLOCK_T: tl.constexpr, X_BF16: tl.constexpr,
     SCALE_KIND: tl.constexpr, PER_ROW: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
@@ -55,8 +55,8 @@ def _append_token_kernel(
 ):
     """One program: BLOCK_T new tokens of one (batch, kv head); each token row is cut into
     NUM_GROUPS groups of GROUP channels. PAGED: token positions map through the page table
-    (paged.py) and tokens past the row's own pages are not written; HAS_COUNT: row b writes only
-    its first COUNTS[b] tokens."""
+    (paged.py) and tokens past the row's own pages are not written; else positions outside
+    [0, capacity) are not written. HAS_COUNT: row b writes only its first COUNTS[b] tokens."""
     pid = tl.program_id(0)
     b = (pid // heads).to(tl.int64)
     h = (pid % heads).to(tl.int64)
@@ -86,6 +86,7 @@ def _append_token_kernel(
         dst = tl.load(KV_INDICES + first + pos // PAGE_SIZE, mask=t_ok, other=0).to(tl.int64)
         row = pos % PAGE_SIZE
     else:
+        t_ok = t_ok & (pos >= 0) & (pos < capacity)
         dst = tl.zeros([BLOCK_T], tl.int64) + b
         row = pos
     s_ptr = SCALE + dst[:, None] * stride_sb + h * stride_sh + row[:, None] * stride_sn + tl.arange(0, NUM_GROUPS)[None, :]
@@ -133,7 +134,7 @@ def _append_channel_kernel(
     CODES, stride_cb, stride_ch, stride_cn,
     SCALE, stride_sb, stride_sh, stride_sn,
     ZERO, stride_zb, stride_zh, stride_zn,
-    OFFSETS, offset, heads, KV_INDPTR, KV_INDICES, COUNTS,
+    OFFSETS, offset, heads, KV_INDPTR, KV_INDICES, COUNTS, capacity,
     HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, BITS: tl.constexpr, CPB: tl.constexpr,
     MAX_CODE: tl.constexpr, BLOCK_T: tl.constexpr, X_BF16: tl.constexpr, SCALE_KIND: tl.constexpr,
     PER_ROW: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_COUNT: tl.constexpr,
@@ -175,7 +176,8 @@ def _append_channel_kernel(
         ok = ok & (pos0 // PAGE_SIZE < tl.load(KV_INDPTR + b + 1) - first)
         dst = tl.load(KV_INDICES + first + pos0 // PAGE_SIZE, mask=ok, other=0).to(tl.int64)
         row0 = pos0 % PAGE_SIZE
-    else:
+    else:  # a whole group inside [0, capacity), starting a group
+        ok = ok & (pos0 % GROUP == 0) & (pos0 + GROUP <= capacity)
         dst = b
         row0 = pos0
     g_mask = (chan >= 0) & ok
@@ -283,8 +285,10 @@ def check_finite(x: torch.Tensor, name: str = "x") -> float:
     return m
 
 
-def _offsets(offset, dst: AffineTensor, tokens: int):
-    """(scalar offset, None) or (None, per-row int64 offsets on dst's device), validated."""
+def _offsets(offset, dst: AffineTensor, tokens: int, read_device: bool = True):
+    """(scalar offset, None) or (None, per-row int64 offsets on dst's device), validated. Without
+    ``read_device``, the values of an offset tensor are not read (no sync; the kernel skips tokens
+    that would land outside dst)."""
     batch, cap, enc = dst.shape[0], dst.num_tokens, dst.encoding
     if isinstance(offset, torch.Tensor):
         if offset.dtype.is_floating_point or offset.dtype.is_complex or offset.dtype == torch.bool:
@@ -292,8 +296,10 @@ def _offsets(offset, dst: AffineTensor, tokens: int):
         if tuple(offset.shape) != (batch,):
             raise InputError(f"offset shape={tuple(offset.shape)} but dst has batch={batch}; pass one token "
                              "offset per batch row, or an int")
-        lo, hi = int(offset.min()), int(offset.max())
         per_row = offset.to(device=dst.device, dtype=torch.int64)
+        if not read_device:
+            return None, per_row
+        lo, hi = int(offset.min()), int(offset.max())
         if enc.layout == "channel" and bool((per_row % enc.group_size != 0).any()):
             bad = int(per_row[per_row % enc.group_size != 0][0])
             raise InputError(f"offset={bad} is not a multiple of group_size={enc.group_size}; channel-wise "
@@ -328,7 +334,10 @@ def append_quantized(dst: AffineTensor, x: torch.Tensor, offset=0, *, target: st
             Channel-wise encodings need whole groups: T and every offset multiples of group_size.
         target: "auto" (GPU kernel on CUDA, interpreter on CPU), "interpret", "sm_90", "sm_100",
             or "reference" (foldc.quantize and a copy, any device).
-        check: reject NaN/Inf (one device sync). Pass False only for values already checked.
+        check: reject NaN/Inf and validate the values of an offset tensor (device syncs). With
+            False nothing is read from the device, so the call can be captured in a CUDA graph:
+            pass it only for values already checked; tokens an offset would put outside dst (or, for
+            channel-wise encodings, off a group boundary) are then skipped, not written.
 
     The bits written equal ``foldc.quantize(x, dst.encoding)`` (for channel-wise encodings, the
     groups are x's runs of group_size tokens); tokens outside ``[offset, offset + T)`` and scale rows
@@ -349,7 +358,7 @@ def append_quantized(dst: AffineTensor, x: torch.Tensor, offset=0, *, target: st
     if enc.layout == "channel" and tokens % enc.group_size:
         raise InputError(f"x holds {tokens} tokens, not a multiple of group_size={enc.group_size}; channel-wise "
                          "groups are written whole (keep the partial group in the model dtype until it fills)")
-    scalar, per_row = _offsets(offset, dst, tokens)
+    scalar, per_row = _offsets(offset, dst, tokens, read_device=check)
     mode = resolve_target(target, dst.device)
     if tokens == 0:
         return
@@ -390,7 +399,7 @@ def _launch(dst: AffineTensor, x: torch.Tensor, scalar, per_row, interpret: bool
     indptr, indices, page_size = paging if paging is not None else (dst.codes, dst.codes, 1)  # read only if PAGED
     args = [xin, *xin.stride()[:3], dst.codes, *dst.codes.stride()[:3], scale, *scale.stride()[:3],
             zero, *zero.stride()[:3], offs, 0 if scalar is None else scalar]
-    table = [indptr, indices, counts if counts is not None else dst.codes]
+    table = [indptr, indices, counts if counts is not None else dst.codes, dst.num_tokens]
     common = dict(HEAD_DIM=head_dim, GROUP=enc.group_size, BITS=enc.bits, CPB=enc.codes_per_byte,
                   MAX_CODE=enc.max_code, X_BF16=x.dtype == torch.bfloat16,
                   SCALE_KIND=SCALE_KIND[enc.scale_dtype], PER_ROW=per_row is not None, PAGED=paging is not None,

@@ -312,3 +312,24 @@ def test_reference_target_handles_head_dims_the_kernel_cannot_tile():
     append_quantized(dst, x, 8, target="reference")
     assert_same_bits(AffineTensor(dst.codes[:, :, 8:24], dst.scale[:, :, 8:24], dst.zero[:, :, 8:24],
                                   dst.encoding, 48), foldc.quantize(x, dst.encoding))
+
+
+@pytest.mark.parametrize("layout", ["token", "channel"])
+def test_unchecked_tensor_offsets_read_nothing_and_skip_rows_that_do_not_fit(layout, monkeypatch):
+    """check=False: the offsets are not read on the host (capturable); a row whose offset would
+    write outside dst (or off a group boundary) is skipped, the others are written exactly."""
+    gen = torch.Generator().manual_seed(21)
+    enc = A(4, layout, 8)
+    dst = poisoned(enc, 4, 2, 32, 32, gen)
+    before = AffineTensor(dst.codes.clone(), dst.scale.clone(), dst.zero.clone(), enc, 32)
+    x = values((4, 2, 16, 32), "normal", torch.float16, gen, 4)
+    offsets = torch.tensor([8, 32, -16, 4 if layout == "channel" else 3])
+    monkeypatch.setattr(torch.Tensor, "__int__", lambda self: pytest.fail("the offsets were read on the host"))
+    append_quantized(dst, x, offsets, target="interpret", check=False)
+    monkeypatch.undo()
+    # row 1 would start at the end, row 2 end before 0; row 3 is off a group boundary when channel-wise
+    starts = {0: 8, 3: 3} if layout == "token" else {0: 8}
+    for b in range(4):
+        ref = expected(before, x, [starts[b]] * 4) if b in starts else before
+        for part in ("codes", "scale", "zero"):
+            assert torch.equal(bits(getattr(dst, part)[b]), bits(getattr(ref, part)[b])), (b, part)
