@@ -13,7 +13,8 @@ b. ``paged_kernel``: one layer's decode attention at 4K context, batch 1 and 8, 
    paged foldc kernel, contiguous foldc kernel, and bf16 SDPA over the same (dequantized) tokens.
 c. ``throughput``: decode tokens/s of a randomly initialised Llama-style model (hidden 2048, 16 layers,
    32/8 heads, head_dim 128, bf16, no download) with transformers' DynamicCache (bf16), foldc's
-   FoldcCache INT4 and INT2, and transformers' QuantizedCache (quanto / HQQ) when installed;
+   FoldcCache INT4 and INT2 (contiguous), PagedFoldcCache INT4 and INT2 (paged, no host sync per
+   decode step), and transformers' QuantizedCache (quanto / HQQ) when installed;
    batch 1 and 8, prompt 4096, 128 new tokens (greedy, no early stop).
 d. ``accuracy``: attention-output relative L2 against exact float64 attention over the unquantized
    K/V, through the GPU path (PagedKVCache: paged kernel + bf16 sink/window merged by log-sum-exp),
@@ -278,6 +279,12 @@ def build_model(c: Ctx):
 def _cache_bytes(cache) -> int | None:
     try:
         from foldc.integrations.hf import FoldcCache
+        from foldc.integrations.hf_paged import PagedFoldcCache
+        if isinstance(cache, PagedFoldcCache):
+            paged = cache.paged_cache
+            total = sum(t.numel() * t.element_size() for pools in paged.pools for pool in pools.values()
+                        for t in (pool.codes, pool.scale, pool.zero))
+            return total + sum(st[n].numel() * st[n].element_size() for st in paged._layers for n in "kv")
         if isinstance(cache, FoldcCache):
             total = 0
             for lc in cache.layer_caches:
@@ -296,6 +303,7 @@ def throughput(c: Ctx) -> tuple[list, str]:
     from transformers import DynamicCache
 
     import foldc.integrations.hf as fhf
+    from foldc.integrations.hf_paged import PagedFoldcCache
 
     model = build_model(c)
     g = c.group if not c.dry else 32
@@ -308,6 +316,12 @@ def throughput(c: Ctx) -> tuple[list, str]:
         ("foldc INT2 (K channel:2, V token:2, window 128)", "foldc",
          lambda: fhf.FoldcCache(model.config, c.prompt + c.new + 8, k=f"channel:2:{g}", v=f"token:2:{g}",
                                 window=128, target=c.target), None),
+        ("foldc INT4 paged (PagedFoldcCache, K,V token:4)", "foldc",
+         lambda: PagedFoldcCache(model.config, c.prompt + c.new + 8, k=f"token:4:{g}", v=f"token:4:{g}", window=128,
+                                 target=c.target), None),
+        ("foldc INT2 paged (PagedFoldcCache, K channel:2, V token:2)", "foldc",
+         lambda: PagedFoldcCache(model.config, c.prompt + c.new + 8, k=f"channel:2:{g}", v=f"token:2:{g}",
+                                 window=128, target=c.target), None),
     ]
     for backend, package in (("quanto", "optimum.quanto"), ("HQQ", "hqq")):
         if importlib.util.find_spec(package.split(".")[0]) is not None and \
