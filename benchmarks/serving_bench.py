@@ -250,12 +250,35 @@ def paged_kernel(c: Ctx) -> tuple[list, str]:
             sdpa = torch.nn.functional.scaled_dot_product_attention
             t_sdpa = _time(c, lambda: sdpa(qs, kd, vd), reps)
             kv_bytes = 2 * batch * hkv * n * d * 2
-            rows.append([f"INT{bits} token/token g{c.group}", batch, n, t_paged * 1e6, t_contig * 1e6, t_sdpa * 1e6,
-                         kv_bytes / t_sdpa / 1e9])
-    header = ["cache", "batch", "tokens", "paged foldc (us)", "contiguous foldc (us)", "bf16 SDPA (us)",
-              "SDPA GB/s (bf16 K+V)"]
+            t_step = _decode_step_time(c, spec, batch, n, reps, gen)
+            rows.append([f"INT{bits} token/token g{c.group}", batch, n, t_paged * 1e6, t_contig * 1e6, t_step * 1e6,
+                         t_sdpa * 1e6, kv_bytes / t_sdpa / 1e9])
+    header = ["cache", "batch", "tokens", "paged foldc (us)", "contiguous foldc (us)",
+              "PagedKVCache step: append + attention (us)", "bf16 SDPA (us)", "SDPA GB/s (bf16 K+V)"]
     text = table("b. one layer's decode attention (CUDA-graph replay)", header, rows)
     return [dict(zip(header, r)) for r in rows], text
+
+
+def _decode_step_time(c: Ctx, spec, batch: int, n: int, reps: int, gen) -> float:
+    """One layer's decode step of a PagedKVCache (append one token per sequence: bf16 window, flushes
+    into pages; attention: paged body + window merged), after a prompt of ``n`` tokens."""
+    hkv, d = spec.num_kv_heads, spec.head_dim
+    per = -(-(n + reps + 8 + 256) // c.page)
+    cache = PagedKVCache(spec, num_layers=1, page_size=c.page, num_pages=batch * per, max_seq_len=per * c.page,
+                         sink=4, window=128 if not c.dry else 16, device=c.device, dtype=c.dtype, target=c.target)
+    cache.plan(torch.arange(0, batch * per + 1, per, dtype=torch.int32), torch.arange(batch * per, dtype=torch.int32),
+               [0] * batch)
+    cache.append(0, torch.randn(batch, hkv, n, d, generator=gen).to(c.device, c.dtype),
+                 torch.randn(batch, hkv, n, d, generator=gen).to(c.device, c.dtype))
+    k1 = torch.randn(batch, hkv, 1, d, generator=gen).to(c.device, c.dtype)
+    v1 = torch.randn(batch, hkv, 1, d, generator=gen).to(c.device, c.dtype)
+    q = torch.randn(batch, spec.num_q_heads, d, generator=gen).to(c.device, c.dtype)
+    out = torch.empty_like(q)
+
+    def step():
+        cache.append(0, k1, v1)
+        out.copy_(cache.attention(0, q))
+    return _time(c, step, reps)
 
 
 # ---- c. tokens/s of a Llama-style model ------------------------------------------------------------------
