@@ -152,3 +152,35 @@ def test_the_paged_example_runs_and_matches_float64(capsys):
     lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("step")]
     assert len(lines) == 1 and "73 tokens per sequence" in lines[0]
     assert float(lines[0].rsplit(" ", 1)[1]) <= TOL
+
+
+@pytest.fixture
+def no_host_reads(monkeypatch):
+    """Within the block, reading a tensor's value on the host (bool/int/float/item/tolist: what a device
+    sync or data-dependent branch needs) fails the test: the CPU stand-in for CUDA's sync debug mode."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def block():
+        with monkeypatch.context() as m:
+            for name in ("__bool__", "__int__", "__float__", "__index__", "item", "tolist"):
+                m.setattr(torch.Tensor, name, lambda *a, _n=name, **k: pytest.fail(f"host read: Tensor.{_n}"))
+            yield
+    return block
+
+
+def test_run_and_a_decode_step_read_nothing_on_the_host(no_host_reads):
+    spec = S(4, 2, 64, A(2, "token", 32), A(4, "channel", 16))
+    gen = torch.Generator().manual_seed(8)
+    cache = PagedKVCache(spec, num_layers=1, page_size=32, num_pages=8, max_seq_len=128, sink=2, window=8)
+    cache.plan(*_table(2, 4, 8, seed=2), seq_lens=[0, 0])
+    cache.append(0, *_tokens(gen, 2, 2, 40, 64))
+    k, v = _tokens(gen, 2, 2, 1, 64)
+    q = torch.randn(2, 4, 64, generator=gen).half()
+    with no_host_reads():
+        for _ in range(3):  # the second step flushes a group of 16 tokens into the pages
+            cache.append(0, k, v)
+            out = cache.attention(0, q)
+    keys, values, lens = cache.dequantized(0)
+    assert lens == [43, 43] and cache.body_len(41) == 16 and cache.body_len(43) == 32
+    assert rel_l2(out, foldc.attention_reference(q, keys, values)) <= TOL
