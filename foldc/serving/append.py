@@ -439,25 +439,33 @@ def append_paged(pool: AffineTensor, x: torch.Tensor, kv_indptr: torch.Tensor, k
                  target: str = "auto") -> None:
     """Quantize ``x`` into a page pool at each sequence's own token positions, with no host sync.
 
-    Args:
-        pool: `AffineTensor` page pool ``[num_pages, kv_heads, page_size, ...]`` (foldc.serving.page_pool).
-        x: new tokens ``[batch, kv_heads, T, head_dim]``, float16, bfloat16 or float32, on pool's device.
-        kv_indptr: int32 ``[batch + 1]``, kv_indices: int32 page numbers (FlashInfer page table, see
-            foldc/serving/paged.py); validated by `PagedDecodeWrapper.plan`, not here.
-        start: int32/int64 ``[batch]`` device tensor: token position of x's first token in each sequence.
-            Channel-wise encodings need it to be a multiple of group_size (a group starts there).
-        page_size: tokens per page (channel-wise: a multiple of group_size).
-        counts: optional int32 ``[batch]``: sequence b writes only x's first ``counts[b]`` tokens
-            (channel-wise: a multiple of group_size). Lets one launch write a data-dependent number
-            of tokens per row (e.g. 0 or one group), so decode steps can be captured in a CUDA graph.
-        target: "auto", "interpret", "sm_90", "sm_100" or "reference" (foldc.quantize and copies,
-            host loop, synchronises).
-
     Token t of sequence b lands at row ``(start[b] + t) % page_size`` of page
     ``kv_indices[kv_indptr[b] + (start[b] + t) // page_size]``, with the bits ``foldc.quantize(x)``
     gives (channel-wise: groups are x's runs of group_size tokens). A token whose page-table entry
     lies past the sequence's own pages is not written (the kernel never writes outside them).
     Values are not checked for NaN/Inf (that needs a sync): check them upstream if needed.
+
+    Parameters
+    ----------
+    pool : AffineTensor ``[num_pages, kv_heads, page_size, head_dim]``
+        Page pool (uint8 codes, scale/zero in the encoding's dtype; `foldc.serving.page_pool`).
+    x : torch.Tensor ``[batch, kv_heads, T, head_dim]``
+        New tokens, float16, bfloat16 or float32, on the pool's device.
+    kv_indptr : torch.Tensor, int32 ``[batch + 1]``
+    kv_indices : torch.Tensor, int32 ``[kv_indptr[-1]]``
+        FlashInfer page table (foldc/serving/paged.py), validated by `PagedDecodeWrapper.plan`, not here.
+    start : torch.Tensor, int32 or int64 ``[batch]``
+        Token position of x's first token in each sequence (device). Channel-wise encodings need a
+        multiple of group_size (a group starts there).
+    page_size : int
+        Tokens per page (channel-wise: a multiple of group_size).
+    counts : torch.Tensor, int32 ``[batch]``, optional
+        Sequence b writes only x's first ``counts[b]`` tokens (channel-wise: a multiple of group_size):
+        one launch writes a data-dependent number of tokens per row (e.g. 0 or one group), so decode
+        steps can be captured in a CUDA graph.
+    target : str
+        "auto", "interpret", "sm_90", "sm_100" or "reference" (foldc.quantize and copies, host loop,
+        synchronises).
     """
     from ..backends.triton.paging import check_page_size_for
 

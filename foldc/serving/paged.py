@@ -164,19 +164,26 @@ def _device(x) -> torch.device:
 
 
 class PagedDecodeWrapper:
-    """Decode attention over a paged, quantized KV cache.
+    """Decode attention over a paged, quantized KV cache (FlashInfer-style ``plan`` / ``run``).
 
-    Args:
-        spec: the attention and its K/V encodings (None keeps that operand plain).
-        page_size: tokens per page, P. Channel-wise encodings need ``P % group_size == 0``.
-        max_seq_len: most tokens any sequence will hold while a plan is in use (appends included).
-            Fixes the split-KV partition, so runs (and captured graphs) do not depend on lengths.
-        device: where the page table lives (the pools' device).
-        target: "auto" (generated kernel on CUDA, interpreter on the CPU), "sm_90", "sm_100",
-            "interpret" (CPU, float16 queries) or "reference" (float64 executor over the gathered
-            pages: slow, exact, for checking).
-        block_n: tokens per tile; must divide P (None: the largest power of two <= 64 that does).
-        num_warps, num_stages, splits: launch options (splits: split-KV count per sequence).
+    Parameters
+    ----------
+    spec : AttentionSpec
+        The attention and its K/V encodings (None keeps that operand plain).
+    page_size : int
+        Tokens per page, P. Channel-wise encodings need ``P % group_size == 0``.
+    max_seq_len : int
+        Most tokens any sequence will hold while a plan is in use (appends included). Fixes the
+        split-KV partition, so runs (and captured graphs) do not depend on lengths.
+    device : str or torch.device
+        Where the page table lives (the pools' device).
+    target : str
+        "auto" (generated kernel on CUDA, interpreter on the CPU), "sm_90", "sm_100", "interpret"
+        (CPU, float16 queries) or "reference" (float64 executor over the gathered pages: slow, exact).
+    block_n : int, optional
+        Tokens per tile; must divide P (None: the largest power of two <= 64 that does).
+    num_warps, num_stages, splits : int
+        Launch options (``splits``: split-KV count per sequence; None: enough to fill the GPU).
     """
 
     def __init__(self, spec: AttentionSpec, page_size: int, *, max_seq_len: int, device="cpu",
@@ -221,15 +228,24 @@ class PagedDecodeWrapper:
              num_pages: int, seq_lens=None) -> PageTable:
         """Validate a batch layout on the host and copy it to the device (may synchronise).
 
-        Args:
-            kv_indptr: int32 ``[batch + 1]``, non-decreasing from 0.
-            kv_indices: int32 ``[kv_indptr[-1]]``, distinct page numbers in ``[0, num_pages)``.
-            kv_last_page_len: int32 ``[batch]``, in ``[0, page_size]`` (module doc).
-            num_pages: pages in the pools that ``run`` will read.
-            seq_lens: instead of ``kv_last_page_len`` (pass None there): tokens per sequence, a list or
-                tensor [batch]; sequences may then own pages past their last token, reserved for appends.
+        Parameters
+        ----------
+        kv_indptr : torch.Tensor, int32 ``[batch + 1]``
+            Non-decreasing from 0: sequence b owns entries ``kv_indptr[b]:kv_indptr[b + 1]``.
+        kv_indices : torch.Tensor, int32 ``[kv_indptr[-1]]``
+            Distinct page numbers in ``[0, num_pages)``, in token order.
+        kv_last_page_len : torch.Tensor, int32 ``[batch]``, or None
+            Tokens in each sequence's last page, in ``[0, page_size]`` (module doc).
+        num_pages : int
+            Pages in the pools that ``run`` will read.
+        seq_lens : list of int or torch.Tensor ``[batch]``, optional
+            Instead of ``kv_last_page_len`` (pass None there): tokens per sequence; sequences may then
+            own pages past their last token, reserved for appends.
 
-        Returns the `PageTable` (host facts: lengths, pages per sequence, headroom for appends).
+        Returns
+        -------
+        PageTable
+            Host facts: lengths, pages per sequence, headroom for appends.
         """
         table = check_page_table(kv_indptr, kv_indices, kv_last_page_len, num_pages, self.page_size, seq_lens)
         most = max(table.seq_lens)
@@ -320,20 +336,32 @@ class PagedDecodeWrapper:
             out: torch.Tensor | None = None, return_lse: bool = False, seq_lens: torch.Tensor | None = None):
         """Decode attention of one query token per sequence over its paged K/V.
 
-        Args:
-            q: ``[batch, num_q_heads, head_dim]``, float16 or bfloat16 (float16 under the interpreter).
-            k_pages, v_pages: the pools (module doc); `AffineTensor` for encoded operands, else
-                ``[num_pages, kv_heads, page_size, head_dim]`` in q's dtype.
-            sm_scale: softmax scale (default ``head_dim ** -0.5``).
-            out: optional preallocated ``[batch, num_q_heads, head_dim]`` in q's dtype.
-            return_lse: also return the float32 log-sum-exp ``[batch, num_q_heads]`` of the scaled logits
-                (-inf for a sequence with no tokens, whose output is then 0/0: merge it with
-                `foldc.merge_attention`).
-            seq_lens: optional int32 ``[batch]`` device lengths to read instead of the plan's (e.g.
-                advanced on the device by appends). Not checked (that needs a sync): each must stay
-                within the pages its sequence owns.
-
         No host synchronisation: shapes and dtypes are checked from metadata only.
+
+        Parameters
+        ----------
+        q : torch.Tensor ``[batch, num_q_heads, head_dim]``
+            float16 or bfloat16 (float16 under the interpreter), unit stride along head_dim.
+        k_pages, v_pages : AffineTensor or torch.Tensor
+            The pools (module doc): an `AffineTensor` ``[num_pages, kv_heads, page_size, head_dim]``
+            (uint8 codes, scale/zero in the encoding's dtype) for an encoded operand, else a tensor
+            ``[num_pages, kv_heads, page_size, head_dim]`` in q's dtype. Contiguous.
+        sm_scale : float, optional
+            Softmax scale (default ``head_dim ** -0.5``).
+        out : torch.Tensor ``[batch, num_q_heads, head_dim]``, optional
+            Preallocated output in q's dtype.
+        return_lse : bool
+            Also return the log-sum-exp of the scaled logits.
+        seq_lens : torch.Tensor, int32 ``[batch]``, optional
+            Device lengths to read instead of the plan's (e.g. advanced on the device by appends).
+            Not checked (that needs a sync): each must stay within the pages its sequence owns.
+
+        Returns
+        -------
+        out : torch.Tensor ``[batch, num_q_heads, head_dim]``, q's dtype
+        lse : torch.Tensor ``[batch, num_q_heads]``, float32 (with ``return_lse``)
+            Natural-log sum of exp of the scaled logits; -inf for a sequence with no tokens (whose
+            output is then 0/0: merge it away with `foldc.merge_attention`).
         """
         if self.table is None:
             raise InputError("run() before plan(): call plan(kv_indptr, kv_indices, kv_last_page_len, "

@@ -47,17 +47,27 @@ def _count(name: str, value, minimum: int) -> int:
 class PagedKVCache:
     """Paged, quantized KV cache of ``num_layers`` attention layers with a plain sink and recent window.
 
-    Args:
-        spec: the attention and its K/V encodings (both encoded: the body is quantized).
-        num_layers: attention layers (each gets its own pools and plain buffers).
-        page_size: tokens per page (channel-wise encodings: a multiple of group_size).
-        num_pages: pages per pool.
-        max_seq_len: most tokens per sequence (sink + body + recent).
-        sink, window: plain first tokens; plain recent tokens (the window holds up to window + unit - 1).
-        device, dtype: where, and the model dtype of keys, values and queries (float16 or bfloat16;
-            float16 only under the interpreter).
-        target: "auto", "sm_90", "sm_100", "interpret" (CPU, float16) or "reference" (appends by
-            foldc.quantize, attention in float64 over the dequantized cache: slow, for checking).
+    Parameters
+    ----------
+    spec : AttentionSpec
+        The attention and its K/V encodings (both encoded: the body is quantized).
+    num_layers : int
+        Attention layers (each gets its own pools and plain buffers).
+    page_size : int
+        Tokens per page (channel-wise encodings: a multiple of group_size).
+    num_pages : int
+        Pages per pool; pools are `AffineTensor` ``[num_pages, kv_heads, page_size, head_dim]``.
+    max_seq_len : int
+        Most tokens per sequence (sink + body + recent).
+    sink, window : int
+        Plain first tokens; plain recent tokens (the window holds up to ``window + unit - 1``).
+    device : str or torch.device
+    dtype : torch.dtype
+        Model dtype of keys, values and queries: float16 or bfloat16 (float16 under the interpreter).
+        The plain buffers are ``[batch, kv_heads, sink + window + unit, head_dim]`` of it.
+    target : str
+        "auto", "sm_90", "sm_100", "interpret" (CPU, float16) or "reference" (appends by
+        foldc.quantize, attention in float64 over the dequantized cache: slow, for checking).
     """
 
     def __init__(self, spec: AttentionSpec, *, num_layers: int, page_size: int, num_pages: int, max_seq_len: int,
@@ -103,12 +113,16 @@ class PagedKVCache:
     def plan(self, kv_indptr: torch.Tensor, kv_indices: torch.Tensor, seq_lens) -> None:
         """Set the body's page table and every sequence's token count (host; may synchronise).
 
-        Args:
-            kv_indptr: int32 ``[batch + 1]``; kv_indices: int32 page numbers (paged.py). Sequence b
-                must own at least ``ceil(body_len(n_b) / page_size)`` pages; pages past that are
-                reserved for the body's growth (appends past them raise).
-            seq_lens: tokens each sequence holds now (0 for a new one), a list or tensor ``[batch]``. A
-                sequence the cache already holds must be given its current count.
+        Parameters
+        ----------
+        kv_indptr : torch.Tensor, int32 ``[batch + 1]``
+        kv_indices : torch.Tensor, int32 ``[kv_indptr[-1]]``
+            Page table of the body (paged.py). Sequence b must own at least
+            ``ceil(body_len(n_b) / page_size)`` pages; pages past that are reserved for the body's
+            growth (appends past them raise).
+        seq_lens : list of int or torch.Tensor ``[batch]``
+            Tokens each sequence holds now (0 for a new one). A sequence the cache already holds must
+            be given its current count.
         """
         lens = [int(n) for n in torch.as_tensor(seq_lens).reshape(-1).tolist()]
         for b, n in enumerate(lens):
@@ -181,11 +195,17 @@ class PagedKVCache:
             raise InputError(f"{name} is on {x.device} but the cache is on {self.device}; move it there")
 
     def append(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
-        """Add ``T`` tokens per sequence to ``layer``: ``k_new, v_new [batch, kv_heads, T, head_dim]``.
+        """Add ``T`` tokens per sequence to ``layer``.
 
         ``T == 1`` (decode) runs on the device only (capturable; during a capture the host counts do not
         move: call `before_replay` before each replay). ``T > 1`` (prefill) is planned on the host.
-        Capacity is checked on the host before anything is written."""
+        Capacity is checked on the host before anything is written.
+
+        Parameters
+        ----------
+        layer : int
+        k_new, v_new : torch.Tensor ``[batch, kv_heads, T, head_dim]``, the cache's dtype and device
+        """
         st = self._state(layer)
         self._check_tokens("k_new", k_new)
         self._check_tokens("v_new", v_new)
@@ -262,9 +282,20 @@ class PagedKVCache:
     # ---- read -----------------------------------------------------------------------------------
 
     def attention(self, layer: int, q: torch.Tensor, sm_scale: float | None = None) -> torch.Tensor:
-        """Decode attention of ``q [batch, num_q_heads, head_dim]`` (model dtype) over every token of
-        ``layer``: the paged body merged with the plain sink + recent window. Returns q's shape and
-        dtype. No host synchronisation (target "reference" aside)."""
+        """Decode attention over every token of ``layer``: the paged body merged with the plain sink +
+        recent window by log-sum-exp. No host synchronisation (target "reference" aside).
+
+        Parameters
+        ----------
+        layer : int
+        q : torch.Tensor ``[batch, num_q_heads, head_dim]``, the cache's dtype and device
+        sm_scale : float, optional
+            Softmax scale (default ``head_dim ** -0.5``).
+
+        Returns
+        -------
+        torch.Tensor ``[batch, num_q_heads, head_dim]``, q's dtype
+        """
         st = self._state(layer)
         want = (self.batch, self.spec.num_q_heads, self.spec.head_dim)
         if not isinstance(q, torch.Tensor) or tuple(q.shape) != want:
