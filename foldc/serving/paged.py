@@ -31,6 +31,7 @@ from ..encoding import AffineTensor
 from ..errors import InputError, InputTypeError, SpecError
 from ..plan import plan as make_plan
 from ..spec import AttentionSpec
+from .cache import resolve_device
 
 
 @dataclass(frozen=True)
@@ -196,7 +197,7 @@ class PagedDecodeWrapper:
         if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or max_seq_len < 1:
             raise SpecError(f"max_seq_len={max_seq_len!r} must be a positive integer (most tokens per sequence)")
         self.max_seq_len = max_seq_len
-        self.device = torch.device(device)
+        self.device = resolve_device(device)
         if target not in TARGETS:
             raise SpecError(f"target={target!r} is not available; use one of {TARGETS}")
         if target == "auto":
@@ -372,6 +373,9 @@ class PagedDecodeWrapper:
         if tuple(q.shape) != want:
             raise InputError(f"q shape={tuple(q.shape)} but the plan and spec need {want} (batch, num_q_heads, "
                              "head_dim)")
+        if q.device != self.device:
+            raise InputError(f"q is on {q.device} but the wrapper's page table is on {self.device}; build the "
+                             f"wrapper with device={str(q.device)!r}")
         self._check_pool("k", k_pages, q)
         self._check_pool("v", v_pages, q)
         scale = self.spec.head_dim ** -0.5 if sm_scale is None else float(sm_scale)

@@ -35,6 +35,7 @@ from ..merge import merge_attention
 from ..reference import attention_reference
 from ..spec import AttentionSpec
 from .append import append_paged
+from .cache import resolve_device
 from .paged import PagedDecodeWrapper, gather_pages, launch_plain, page_pool
 
 
@@ -85,7 +86,7 @@ class PagedKVCache:
         self.max_seq_len = _count("max_seq_len", max_seq_len, 1)
         if dtype not in (torch.float16, torch.bfloat16):
             raise SpecError(f"dtype={dtype} is not supported; use torch.float16 or torch.bfloat16")
-        self.device, self.dtype = torch.device(device), dtype
+        self.device, self.dtype = resolve_device(device), dtype
         groups = [e.group_size for e in (spec.k, spec.v) if e.layout == "channel"]
         self.unit = math.lcm(*groups) if groups else 1
         self.plain_capacity = self.sink + self.window + self.unit

@@ -295,3 +295,15 @@ def test_a_non_contiguous_pool_and_a_device_mismatch_are_refused():
         wrapper.run(torch.zeros(1, 2, 64).half(), strided, v)
     with pytest.raises(SpecError, match=r"target='sm_90' runs on a CUDA GPU, but device=cpu"):
         PagedDecodeWrapper(TOKEN_SPEC, 16, max_seq_len=64, target="sm_90")
+
+
+def test_a_bare_cuda_device_means_the_current_gpu():
+    """``device="cuda"`` must compare equal to the device of tensors made there (cuda:0), or every
+    device check of the caches would refuse their own tensors."""
+    from foldc.serving.cache import resolve_device
+
+    assert resolve_device("cpu") == torch.device("cpu")
+    if torch.cuda.is_available():
+        assert resolve_device("cuda") == torch.zeros(1, device="cuda").device
+    with pytest.raises(SpecError, match=r"device='gpu0' is not a torch device"):
+        resolve_device("gpu0")
