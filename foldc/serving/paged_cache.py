@@ -304,6 +304,9 @@ class PagedKVCache:
                              "num_q_heads, head_dim)")
         if q.dtype != self.dtype or q.device != self.device:
             raise InputError(f"q is {q.dtype} on {q.device} but the cache holds {self.dtype} on {self.device}")
+        if 0 in st["n"]:
+            raise InputError(f"sequence {st['n'].index(0)} of layer {layer} holds no tokens; append() its keys and "
+                             "values before attention()")
         scale = self.spec.head_dim ** -0.5 if sm_scale is None else float(sm_scale)
         if self.target == "reference":
             k, v, lens = self.dequantized(layer)

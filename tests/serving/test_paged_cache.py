@@ -122,6 +122,8 @@ def _small_cache(**kw):
      InputError, r"k_new dtype=torch.bfloat16 but the cache was built with dtype=torch.float16"),
     (lambda c: c.append(1, *_tokens(torch.Generator(), 1, 2, 3, 64)), InputError, r"layer=1 must be .* \[0, 0\]"),
     (lambda c: c.attention(0, torch.zeros(1, 2, 64).half()), InputError, r"q shape=\(1, 2, 64\) but .*\(1, 4, 64\)"),
+    (lambda c: c.attention(0, torch.zeros(1, 4, 64).half()), InputError,
+     r"sequence 0 of layer 0 holds no tokens; append\(\) its keys and values before attention\(\)"),
     (lambda c: c.plan(torch.tensor([0, 1], dtype=torch.int32), torch.tensor([3], dtype=torch.int32),
                       seq_lens=[41]), InputError, r"seq_lens\[0\]=41 must lie in \[0, max_seq_len=40\]"),
 ])
