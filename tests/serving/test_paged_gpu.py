@@ -157,3 +157,37 @@ def test_captured_decode_step_appends_and_attends_like_the_contiguous_cache():
     ref = foldc.attention_reference(q, want_k, want_v)
     base = rel_l2(bf16_attention(q, want_k, want_v, 128 ** -0.5, torch.tensor(lens, device="cuda")), ref)
     assert rel_l2(outs[1], ref) <= 2 * base
+
+
+def test_paged_hf_cache_holds_the_bits_of_the_contiguous_cache_on_the_gpu():
+    """transformers generate (bf16, generated kernels) through PagedFoldcCache, replayed through
+    FoldcCache: every layer holds the same bits; the decode logits agree to bf16 rounding."""
+    transformers = pytest.importorskip("transformers")
+    import foldc.integrations.hf as fhf
+    from foldc.integrations.hf_paged import PagedFoldcCache
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=8,
+                                   num_key_value_heads=2, head_dim=128, vocab_size=256, max_position_embeddings=1024,
+                                   initializer_range=0.05, pad_token_id=0, bos_token_id=1, eos_token_id=None)
+    model = transformers.LlamaForCausalLM(cfg).eval().to("cuda", torch.bfloat16)
+    model.set_attn_implementation(fhf.ATTN_IMPLEMENTATION)
+    ids = torch.randint(3, 256, (2, 300), generator=torch.Generator().manual_seed(1)).cuda()
+    kw = dict(k="token:4:128", v="channel:2:64", sink=4, window=32)
+    paged = PagedFoldcCache(model.config, 400, **kw)
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=40, min_new_tokens=40,
+                             do_sample=False, **{fhf.CACHE_KWARG: paged})
+        contiguous = fhf.FoldcCache(model.config, 400, **kw)
+        logits = []
+        for cache in (paged, contiguous):
+            cache.reset()
+            step = model(out[:, :300], use_cache=True, **{fhf.CACHE_KWARG: cache})
+            for t in range(300, out.shape[1] - 1):
+                step = model(out[:, t:t + 1], use_cache=True, **{fhf.CACHE_KWARG: cache})
+            logits.append(step.logits[:, -1].float())
+    for view, layer in zip(paged.layer_caches, contiguous.layer_caches):
+        assert view.num_tokens == layer.num_tokens == out.shape[1] - 1 and layer.body_tokens == 256
+        for got, want in zip(view.dequantized(), layer.dequantized()):
+            assert torch.equal(got, want)
+    assert rel_l2(logits[0], logits[1]) < 2e-2
