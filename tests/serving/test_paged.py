@@ -309,3 +309,19 @@ def test_a_bare_cuda_device_means_the_current_gpu():
         assert resolve_device("cuda") == torch.zeros(1, device="cuda").device
     with pytest.raises(SpecError, match=r"device='gpu0' is not a torch device"):
         resolve_device("gpu0")
+
+
+def test_a_dequant_plan_reads_pages_too():
+    """Plans that reconstruct values (break-even fails: group_size <= 2 x query heads per KV head)
+    go through the same per-tile page bases."""
+    spec, page_size = S(32, 2, 64, A(2, "token", 16), A(4, "channel", 16)), 32
+    wrapper = PagedDecodeWrapper(spec, page_size, max_seq_len=96, target="interpret")
+    assert set(wrapper._attn.plan_for(torch.float16).folds.values()) == {"dequant"}
+    gen = torch.Generator().manual_seed(13)
+    k_pages, v_pages = random_pools(spec, 7, page_size, gen)
+    indptr, indices, last = (torch.tensor([0, 3, 5], dtype=torch.int32), torch.tensor([6, 2, 0, 4, 1], dtype=torch.int32),
+                             torch.tensor([9, 32], dtype=torch.int32))
+    table = wrapper.plan(indptr, indices, last, num_pages=7)
+    q = torch.randn(2, 32, 64, generator=gen).half()
+    ref, _, _ = reference_over_pages(spec, q, k_pages, v_pages, indptr, indices, table.seq_lens, page_size, None)
+    assert rel_l2(wrapper.run(q, k_pages, v_pages), ref) <= TOL
