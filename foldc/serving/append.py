@@ -10,6 +10,12 @@ batch row for ragged batches):
   ``group_size``: a group's scale/zero is the per-channel min/max over its ``group_size`` tokens,
   so only whole groups can be written (callers keep a partial group in the model dtype).
 
+``append_paged(pool, x, kv_indptr, kv_indices, start, page_size=P, counts=None)`` is the same
+quantization into a page pool (foldc/serving/paged.py): the same two kernels, whose PAGED mode maps
+each token position through the page table, and whose ``counts`` let one launch write a
+data-dependent number of tokens per sequence. Neither it nor ``append_quantized(..., check=False)``
+reads anything from the device, so both can be captured in a CUDA graph.
+
 Numerics (exactly those of `foldc.quantize`): ``zero = min`` and ``scale = (max - min) / (2**bits - 1)``
 (float32, correctly rounded division), both rounded to nearest-even into ``scale_dtype``; codes are
 ``round_half_even((x - zero) / scale)`` computed in float32 against the ROUNDED pair, clamped to
