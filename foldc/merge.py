@@ -29,5 +29,6 @@ def merge_attention(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[tor
     total = torch.logsumexp(lses, dim=0)                          # [batch, heads]
     safe = torch.where(torch.isfinite(total), total, torch.zeros_like(total))
     weights = torch.exp(lses - safe)                              # 0 for empty parts
-    out = sum(w[..., None] * o.to(work) for w, (o, _) in zip(weights, parts))
+    # where, not a product: an empty part's output may be 0/0 = NaN, and 0 * NaN is NaN
+    out = sum(torch.where(w[..., None] > 0, w[..., None] * o.to(work), 0.0) for w, (o, _) in zip(weights, parts))
     return out.to(parts[0][0].dtype), total

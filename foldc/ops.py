@@ -16,7 +16,9 @@ as `foldc.quantize` (`foldc.serving.append_quantized`). ``offsets`` (an integer 
 when given, replaces ``offset`` with one start per batch row. Returns nothing; ``codes``, ``scale``
 and ``zero`` are declared mutated, so torch.compile orders the writes and later reads correctly.
 On a GPU it runs the append kernel; on the CPU the interpreter (fp16 tokens) or foldc.quantize
-and a copy (other dtypes): both write the same bits.
+and a copy (other dtypes): both write the same bits. ``check=False`` reads nothing from the device
+(no NaN check, offsets not validated: tokens they would put outside the storage are skipped), so
+the op can be captured in a CUDA graph.
 """
 from __future__ import annotations
 

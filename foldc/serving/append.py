@@ -10,6 +10,12 @@ batch row for ragged batches):
   ``group_size``: a group's scale/zero is the per-channel min/max over its ``group_size`` tokens,
   so only whole groups can be written (callers keep a partial group in the model dtype).
 
+``append_paged(pool, x, kv_indptr, kv_indices, start, page_size=P, counts=None)`` is the same
+quantization into a page pool (foldc/serving/paged.py): the same two kernels, whose PAGED mode maps
+each token position through the page table, and whose ``counts`` let one launch write a
+data-dependent number of tokens per sequence. Neither it nor ``append_quantized(..., check=False)``
+reads anything from the device, so both can be captured in a CUDA graph.
+
 Numerics (exactly those of `foldc.quantize`): ``zero = min`` and ``scale = (max - min) / (2**bits - 1)``
 (float32, correctly rounded division), both rounded to nearest-even into ``scale_dtype``; codes are
 ``round_half_even((x - zero) / scale)`` computed in float32 against the ROUNDED pair, clamped to
@@ -47,13 +53,16 @@ def _append_token_kernel(
     CODES, stride_cb, stride_ch, stride_cn,
     SCALE, stride_sb, stride_sh, stride_sn,
     ZERO, stride_zb, stride_zh, stride_zn,
-    OFFSETS, offset, tokens, heads,
+    OFFSETS, offset, tokens, heads, KV_INDPTR, KV_INDICES, COUNTS, capacity,
     HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, NUM_GROUPS: tl.constexpr, BITS: tl.constexpr,
     CPB: tl.constexpr, MAX_CODE: tl.constexpr, BLOCK_T: tl.constexpr, X_BF16: tl.constexpr,
-    SCALE_KIND: tl.constexpr, PER_ROW: tl.constexpr,
+    SCALE_KIND: tl.constexpr, PER_ROW: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    HAS_COUNT: tl.constexpr,
 ):
     """One program: BLOCK_T new tokens of one (batch, kv head); each token row is cut into
-    NUM_GROUPS groups of GROUP channels."""
+    NUM_GROUPS groups of GROUP channels. PAGED: token positions map through the page table
+    (paged.py) and tokens past the row's own pages are not written; else positions outside
+    [0, capacity) are not written. HAS_COUNT: row b writes only its first COUNTS[b] tokens."""
     pid = tl.program_id(0)
     b = (pid // heads).to(tl.int64)
     h = (pid % heads).to(tl.int64)
@@ -74,9 +83,20 @@ def _append_token_kernel(
     lo = tl.min(x, axis=2)  # [BLOCK_T, NUM_GROUPS]
     hi = tl.max(x, axis=2)
     raw_scale = tl.math.div_rn(hi - lo, tl.zeros_like(lo) + MAX_CODE)
-    row = (start + t).to(tl.int64)
-    s_ptr = SCALE + b * stride_sb + h * stride_sh + row[:, None] * stride_sn + tl.arange(0, NUM_GROUPS)[None, :]
-    z_ptr = ZERO + b * stride_zb + h * stride_zh + row[:, None] * stride_zn + tl.arange(0, NUM_GROUPS)[None, :]
+    if HAS_COUNT:
+        t_ok = t_ok & (t < tl.load(COUNTS + b))
+    pos = (start + t).to(tl.int64)
+    if PAGED:
+        first = tl.load(KV_INDPTR + b)
+        t_ok = t_ok & (pos // PAGE_SIZE < tl.load(KV_INDPTR + b + 1) - first)
+        dst = tl.load(KV_INDICES + first + pos // PAGE_SIZE, mask=t_ok, other=0).to(tl.int64)
+        row = pos % PAGE_SIZE
+    else:
+        t_ok = t_ok & (pos >= 0) & (pos < capacity)
+        dst = tl.zeros([BLOCK_T], tl.int64) + b
+        row = pos
+    s_ptr = SCALE + dst[:, None] * stride_sb + h * stride_sh + row[:, None] * stride_sn + tl.arange(0, NUM_GROUPS)[None, :]
+    z_ptr = ZERO + dst[:, None] * stride_zb + h * stride_zh + row[:, None] * stride_zn + tl.arange(0, NUM_GROUPS)[None, :]
     p_mask = t_ok[:, None]
     if SCALE_KIND == 0:  # float16: round to nearest even by the cast
         s_lo = raw_scale.to(tl.float16)
@@ -111,7 +131,7 @@ def _append_token_kernel(
     planar = tl.reshape(code, [BLOCK_T, CPB, HEAD_DIM // CPB])  # [t, i, j] = channel i * HEAD_DIM/CPB + j
     shifts = tl.arange(0, CPB) * BITS
     packed = tl.sum(planar << shifts[None, :, None], axis=1)  # disjoint bit fields: sum == or
-    c_ptr = CODES + b * stride_cb + h * stride_ch + row[:, None] * stride_cn + tl.arange(0, HEAD_DIM // CPB)[None, :]
+    c_ptr = CODES + dst[:, None] * stride_cb + h * stride_ch + row[:, None] * stride_cn + tl.arange(0, HEAD_DIM // CPB)[None, :]
     tl.store(c_ptr, packed.to(tl.uint8), mask=p_mask)
 
 
@@ -120,10 +140,10 @@ def _append_channel_kernel(
     CODES, stride_cb, stride_ch, stride_cn,
     SCALE, stride_sb, stride_sh, stride_sn,
     ZERO, stride_zb, stride_zh, stride_zn,
-    OFFSETS, offset, heads,
+    OFFSETS, offset, heads, KV_INDPTR, KV_INDICES, COUNTS, capacity,
     HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, BITS: tl.constexpr, CPB: tl.constexpr,
     MAX_CODE: tl.constexpr, BLOCK_T: tl.constexpr, X_BF16: tl.constexpr, SCALE_KIND: tl.constexpr,
-    PER_ROW: tl.constexpr,
+    PER_ROW: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_COUNT: tl.constexpr,
 ):
     """One program: one whole group of GROUP new tokens of one (batch, kv head), all channels,
     held in planar order [CPB, HEAD_DIM // CPB]; two passes over the group's tokens (min/max,
@@ -153,14 +173,28 @@ def _append_channel_kernel(
         lo = tl.minimum(lo, tl.min(tl.where(t_ok[:, None, None], x, float("inf")), axis=0))
         hi = tl.maximum(hi, tl.max(tl.where(t_ok[:, None, None], x, float("-inf")), axis=0))
     raw_scale = tl.math.div_rn(hi - lo, tl.zeros_like(lo) + MAX_CODE)
-    prow = start // GROUP + grp
-    s_ptr = SCALE + b * stride_sb + h * stride_sh + prow * stride_sn + chan
-    z_ptr = ZERO + b * stride_zb + h * stride_zh + prow * stride_zn + chan
+    pos0 = start + grp * GROUP  # the group's first token (a page holds whole groups)
+    ok = pos0 >= 0
+    if HAS_COUNT:
+        ok = ok & (grp * GROUP < tl.load(COUNTS + b))
+    if PAGED:
+        first = tl.load(KV_INDPTR + b)
+        ok = ok & (pos0 // PAGE_SIZE < tl.load(KV_INDPTR + b + 1) - first)
+        dst = tl.load(KV_INDICES + first + pos0 // PAGE_SIZE, mask=ok, other=0).to(tl.int64)
+        row0 = pos0 % PAGE_SIZE
+    else:  # a whole group inside [0, capacity), starting a group
+        ok = ok & (pos0 % GROUP == 0) & (pos0 + GROUP <= capacity)
+        dst = b
+        row0 = pos0
+    g_mask = (chan >= 0) & ok
+    prow = row0 // GROUP
+    s_ptr = SCALE + dst * stride_sb + h * stride_sh + prow * stride_sn + chan
+    z_ptr = ZERO + dst * stride_zb + h * stride_zh + prow * stride_zn + chan
     if SCALE_KIND == 0:
         s_lo = raw_scale.to(tl.float16)
         z_lo = lo.to(tl.float16)
-        tl.store(s_ptr, s_lo)
-        tl.store(z_ptr, z_lo)
+        tl.store(s_ptr, s_lo, mask=g_mask)
+        tl.store(z_ptr, z_lo, mask=g_mask)
         scale = s_lo.to(tl.float32)
         zero = z_lo.to(tl.float32)
     elif SCALE_KIND == 1:
@@ -168,19 +202,19 @@ def _append_channel_kernel(
         s_bits = (s_bits + 0x7FFF + ((s_bits >> 16) & 1)) >> 16
         z_bits = lo.to(tl.uint32, bitcast=True)
         z_bits = (z_bits + 0x7FFF + ((z_bits >> 16) & 1)) >> 16
-        tl.store(s_ptr, s_bits.to(tl.uint16).to(tl.int16, bitcast=True))
-        tl.store(z_ptr, z_bits.to(tl.uint16).to(tl.int16, bitcast=True))
+        tl.store(s_ptr, s_bits.to(tl.uint16).to(tl.int16, bitcast=True), mask=g_mask)
+        tl.store(z_ptr, z_bits.to(tl.uint16).to(tl.int16, bitcast=True), mask=g_mask)
         scale = (s_bits << 16).to(tl.float32, bitcast=True)
         zero = (z_bits << 16).to(tl.float32, bitcast=True)
     else:
-        tl.store(s_ptr, raw_scale)
-        tl.store(z_ptr, lo)
+        tl.store(s_ptr, raw_scale, mask=g_mask)
+        tl.store(z_ptr, lo, mask=g_mask)
         scale = raw_scale
         zero = lo
     nonzero = scale[None, :, :] > 0
     safe = tl.where(nonzero, scale[None, :, :], 1.0)
     shifts = tl.arange(0, CPB) * BITS
-    c_base = CODES + b * stride_cb + h * stride_ch
+    c_base = CODES + dst * stride_cb + h * stride_ch
     for t0 in range(0, GROUP, BLOCK_T):
         t = t0 + tl.arange(0, BLOCK_T)
         t_ok = t < GROUP
@@ -198,9 +232,9 @@ def _append_channel_kernel(
         r = tl.minimum(tl.maximum(r, 0.0), MAX_CODE * 1.0)
         code = tl.where(nonzero, r, 0.0).to(tl.int32)  # [BLOCK_T, CPB, WIDTH]
         packed = tl.sum(code << shifts[None, :, None], axis=1)
-        row = start + grp * GROUP + t.to(tl.int64)
+        row = row0 + t.to(tl.int64)
         tl.store(c_base + row[:, None] * stride_cn + tl.arange(0, WIDTH)[None, :], packed.to(tl.uint8),
-                 mask=t_ok[:, None])
+                 mask=t_ok[:, None] & ok)
 
 
 _WRAPPED: dict[tuple[str, bool], object] = {}
@@ -257,8 +291,10 @@ def check_finite(x: torch.Tensor, name: str = "x") -> float:
     return m
 
 
-def _offsets(offset, dst: AffineTensor, tokens: int):
-    """(scalar offset, None) or (None, per-row int64 offsets on dst's device), validated."""
+def _offsets(offset, dst: AffineTensor, tokens: int, read_device: bool = True):
+    """(scalar offset, None) or (None, per-row int64 offsets on dst's device), validated. Without
+    ``read_device``, the values of an offset tensor are not read (no sync; the kernel skips tokens
+    that would land outside dst)."""
     batch, cap, enc = dst.shape[0], dst.num_tokens, dst.encoding
     if isinstance(offset, torch.Tensor):
         if offset.dtype.is_floating_point or offset.dtype.is_complex or offset.dtype == torch.bool:
@@ -266,8 +302,10 @@ def _offsets(offset, dst: AffineTensor, tokens: int):
         if tuple(offset.shape) != (batch,):
             raise InputError(f"offset shape={tuple(offset.shape)} but dst has batch={batch}; pass one token "
                              "offset per batch row, or an int")
-        lo, hi = int(offset.min()), int(offset.max())
         per_row = offset.to(device=dst.device, dtype=torch.int64)
+        if not read_device:
+            return None, per_row
+        lo, hi = int(offset.min()), int(offset.max())
         if enc.layout == "channel" and bool((per_row % enc.group_size != 0).any()):
             bad = int(per_row[per_row % enc.group_size != 0][0])
             raise InputError(f"offset={bad} is not a multiple of group_size={enc.group_size}; channel-wise "
@@ -302,7 +340,10 @@ def append_quantized(dst: AffineTensor, x: torch.Tensor, offset=0, *, target: st
             Channel-wise encodings need whole groups: T and every offset multiples of group_size.
         target: "auto" (GPU kernel on CUDA, interpreter on CPU), "interpret", "sm_90", "sm_100",
             or "reference" (foldc.quantize and a copy, any device).
-        check: reject NaN/Inf (one device sync). Pass False only for values already checked.
+        check: reject NaN/Inf and validate the values of an offset tensor (device syncs). With
+            False nothing is read from the device, so the call can be captured in a CUDA graph:
+            pass it only for values already checked; tokens an offset would put outside dst (or, for
+            channel-wise encodings, off a group boundary) are then skipped, not written.
 
     The bits written equal ``foldc.quantize(x, dst.encoding)`` (for channel-wise encodings, the
     groups are x's runs of group_size tokens); tokens outside ``[offset, offset + T)`` and scale rows
@@ -323,7 +364,7 @@ def append_quantized(dst: AffineTensor, x: torch.Tensor, offset=0, *, target: st
     if enc.layout == "channel" and tokens % enc.group_size:
         raise InputError(f"x holds {tokens} tokens, not a multiple of group_size={enc.group_size}; channel-wise "
                          "groups are written whole (keep the partial group in the model dtype until it fills)")
-    scalar, per_row = _offsets(offset, dst, tokens)
+    scalar, per_row = _offsets(offset, dst, tokens, read_device=check)
     mode = resolve_target(target, dst.device)
     if tokens == 0:
         return
@@ -347,32 +388,38 @@ def append_quantized(dst: AffineTensor, x: torch.Tensor, offset=0, *, target: st
     _launch(dst, x, scalar, per_row, mode == "interpret")
 
 
-def _launch(dst: AffineTensor, x: torch.Tensor, scalar, per_row, interpret: bool) -> None:
+def _launch(dst: AffineTensor, x: torch.Tensor, scalar, per_row, interpret: bool, paging: tuple | None = None,
+            counts: torch.Tensor | None = None) -> None:
+    """Launch the append kernel of dst's layout. ``paging`` = (kv_indptr, kv_indices, page_size): dst is
+    a page pool and positions map through the table; ``counts``: tokens to write per row."""
     from ..backends.triton.launch import _interpret
 
     enc = dst.encoding
-    batch, heads, _, head_dim = dst.shape
-    tokens = x.shape[2]
+    heads, head_dim = dst.shape[1], dst.shape[3]
+    batch, tokens = x.shape[0], x.shape[2]
     xin = x.view(torch.int16) if x.dtype == torch.bfloat16 else x
     scale, zero = dst.scale, dst.zero
     if enc.scale_dtype == torch.bfloat16:
         scale, zero = scale.view(torch.int16), zero.view(torch.int16)
     offs = per_row if per_row is not None else dst.codes  # not read unless PER_ROW
+    indptr, indices, page_size = paging if paging is not None else (dst.codes, dst.codes, 1)  # read only if PAGED
     args = [xin, *xin.stride()[:3], dst.codes, *dst.codes.stride()[:3], scale, *scale.stride()[:3],
             zero, *zero.stride()[:3], offs, 0 if scalar is None else scalar]
+    table = [indptr, indices, counts if counts is not None else dst.codes, dst.num_tokens]
     common = dict(HEAD_DIM=head_dim, GROUP=enc.group_size, BITS=enc.bits, CPB=enc.codes_per_byte,
                   MAX_CODE=enc.max_code, X_BF16=x.dtype == torch.bfloat16,
-                  SCALE_KIND=SCALE_KIND[enc.scale_dtype], PER_ROW=per_row is not None, num_warps=4)
+                  SCALE_KIND=SCALE_KIND[enc.scale_dtype], PER_ROW=per_row is not None, PAGED=paging is not None,
+                  PAGE_SIZE=page_size, HAS_COUNT=counts is not None, num_warps=4)
     with _interpret(interpret):
         if enc.layout == "token":
             block_t = min(BLOCK_T_TOKEN, 1 << (tokens - 1).bit_length())
             grid = (batch * heads, math.ceil(tokens / block_t))
-            _kernel("token", interpret)[grid](*args, tokens, heads, NUM_GROUPS=head_dim // enc.group_size,
+            _kernel("token", interpret)[grid](*args, tokens, heads, *table, NUM_GROUPS=head_dim // enc.group_size,
                                               BLOCK_T=block_t, **common)
         else:
             block_t = min(BLOCK_T_CHANNEL, 1 << (enc.group_size - 1).bit_length())
             grid = (batch * heads, tokens // enc.group_size)
-            _kernel("channel", interpret)[grid](*args, heads, BLOCK_T=block_t, **common)
+            _kernel("channel", interpret)[grid](*args, heads, *table, BLOCK_T=block_t, **common)
 
 
 def _append_reference(dst: AffineTensor, x: torch.Tensor, scalar, per_row) -> None:
@@ -391,3 +438,103 @@ def _append_reference(dst: AffineTensor, x: torch.Tensor, scalar, per_row) -> No
             g0, ng = start // enc.group_size, tokens // enc.group_size
             dst.scale[b, :, g0:g0 + ng] = q.scale[b]
             dst.zero[b, :, g0:g0 + ng] = q.zero[b]
+
+
+def append_paged(pool: AffineTensor, x: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
+                 start: torch.Tensor, *, page_size: int, counts: torch.Tensor | None = None,
+                 target: str = "auto") -> None:
+    """Quantize ``x`` into a page pool at each sequence's own token positions, with no host sync.
+
+    Token t of sequence b lands at row ``(start[b] + t) % page_size`` of page
+    ``kv_indices[kv_indptr[b] + (start[b] + t) // page_size]``, with the bits ``foldc.quantize(x)``
+    gives (channel-wise: groups are x's runs of group_size tokens). A token whose page-table entry
+    lies past the sequence's own pages is not written (the kernel never writes outside them).
+    Values are not checked for NaN/Inf (that needs a sync): check them upstream if needed.
+
+    Parameters
+    ----------
+    pool : AffineTensor ``[num_pages, kv_heads, page_size, head_dim]``
+        Page pool (uint8 codes, scale/zero in the encoding's dtype; `foldc.serving.page_pool`).
+    x : torch.Tensor ``[batch, kv_heads, T, head_dim]``
+        New tokens, float16, bfloat16 or float32, on the pool's device.
+    kv_indptr : torch.Tensor, int32 ``[batch + 1]``
+    kv_indices : torch.Tensor, int32 ``[kv_indptr[-1]]``
+        FlashInfer page table (foldc/serving/paged.py), validated by `PagedDecodeWrapper.plan`, not here.
+    start : torch.Tensor, int32 or int64 ``[batch]``
+        Token position of x's first token in each sequence (device). Channel-wise encodings need a
+        multiple of group_size (a group starts there).
+    page_size : int
+        Tokens per page (channel-wise: a multiple of group_size).
+    counts : torch.Tensor, int32 ``[batch]``, optional
+        Sequence b writes only x's first ``counts[b]`` tokens (channel-wise: a multiple of group_size):
+        one launch writes a data-dependent number of tokens per row (e.g. 0 or one group), so decode
+        steps can be captured in a CUDA graph.
+    target : str
+        "auto", "interpret", "sm_90", "sm_100" or "reference" (foldc.quantize and copies, host loop,
+        synchronises).
+    """
+    from ..backends.triton.paging import check_page_size_for
+
+    if not isinstance(pool, AffineTensor):
+        raise InputTypeError(f"pool must be a foldc.AffineTensor page pool, got {type(pool).__name__}")
+    if not isinstance(x, torch.Tensor):
+        raise InputTypeError(f"x must be a torch.Tensor [batch, kv_heads, tokens, head_dim], got {type(x).__name__}")
+    enc, (_, heads, rows, head_dim) = pool.encoding, pool.shape
+    check_page_size_for(enc, page_size)
+    if rows != page_size:
+        raise InputError(f"pool holds pages of {rows} tokens but page_size={page_size}; pass the pool's page size")
+    if x.dim() != 4 or x.shape[1] != heads or x.shape[3] != head_dim:
+        raise InputError(f"x shape={tuple(x.shape)} but the pool needs [batch, {heads}, tokens, {head_dim}]")
+    if x.dtype not in INPUT_DTYPES:
+        raise InputError(f"x dtype={x.dtype} is not supported; use one of {list(INPUT_DTYPES)}")
+    batch, tokens = x.shape[0], x.shape[2]
+    for name, t, n in (("kv_indptr", kv_indptr, batch + 1), ("start", start, batch),
+                       ("counts", counts, batch)):
+        if t is None:
+            continue
+        if not isinstance(t, torch.Tensor) or t.dtype not in (torch.int32, torch.int64) or tuple(t.shape) != (n,):
+            raise InputError(f"{name} must be an int32 tensor of shape ({n},) for x's batch={batch}; got "
+                             f"{type(t).__name__} {getattr(t, 'dtype', '')} {tuple(getattr(t, 'shape', ()))}")
+        if t.device != pool.device:
+            raise InputError(f"{name} is on {t.device} but the pool is on {pool.device}; move it there")
+    if x.device != pool.device:
+        raise InputError(f"x is on {x.device} but the pool is on {pool.device}; move x there")
+    if enc.layout == "channel" and tokens % enc.group_size:
+        raise InputError(f"x holds {tokens} tokens, not a multiple of group_size={enc.group_size}; channel-wise "
+                         "groups are written whole (keep the partial group in the model dtype until it fills)")
+    mode = resolve_target(target, pool.device)
+    if tokens == 0:
+        return
+    if mode == "reference":
+        _append_paged_reference(pool, x, kv_indptr, kv_indices, start, page_size, counts)
+        return
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    _launch(pool, x, None, start, mode == "interpret", paging=(kv_indptr, kv_indices, page_size), counts=counts)
+
+
+def _append_paged_reference(pool, x, kv_indptr, kv_indices, start, page_size, counts) -> None:
+    """foldc.quantize per sequence, then a copy into its pages (host loop)."""
+    from ..encoding import quantize
+
+    enc = pool.encoding
+    indptr, indices = kv_indptr.tolist(), kv_indices.tolist()
+    for b in range(x.shape[0]):
+        n = x.shape[2] if counts is None else min(x.shape[2], int(counts[b]))
+        if n == 0:
+            continue
+        q = quantize(x[b:b + 1, :, :n], enc)
+        s0 = int(start[b])
+        owned = indices[indptr[b]:indptr[b + 1]]
+        for t in range(n):
+            pos = s0 + t
+            if pos // page_size >= len(owned):
+                break
+            page, row = owned[pos // page_size], pos % page_size
+            pool.codes[page, :, row] = q.codes[0, :, t]
+            if enc.layout == "token":
+                pool.scale[page, :, row] = q.scale[0, :, t]
+                pool.zero[page, :, row] = q.zero[0, :, t]
+            elif t % enc.group_size == 0:
+                pool.scale[page, :, row // enc.group_size] = q.scale[0, :, t // enc.group_size]
+                pool.zero[page, :, row // enc.group_size] = q.zero[0, :, t // enc.group_size]

@@ -35,6 +35,18 @@ from .append import append_quantized, check_finite, safe_abs_limit
 MODEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
+def resolve_device(device) -> torch.device:
+    """``device`` as a torch.device with its index: "cuda" means the current GPU, so that it compares
+    equal to the device of the tensors created there (``torch.device("cuda") != "cuda:0"``)."""
+    try:
+        dev = torch.device(device)
+    except (TypeError, RuntimeError):
+        raise SpecError(f"device={device!r} is not a torch device; use e.g. 'cpu' or 'cuda'") from None
+    if dev.type == "cuda" and dev.index is None and torch.cuda.is_available():
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
 def _count(name: str, value, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         kind = "a positive integer" if minimum == 1 else "an integer >= 0"
@@ -69,10 +81,7 @@ class QuantizedKVCache:
         if dtype not in MODEL_DTYPES:
             raise SpecError(f"dtype={dtype} is not supported; use one of {list(MODEL_DTYPES)}")
         self.dtype = dtype
-        try:
-            self.device = torch.device(device)
-        except (TypeError, RuntimeError):
-            raise SpecError(f"device={device!r} is not a torch device; use e.g. 'cpu' or 'cuda'") from None
+        self.device = resolve_device(device)
         if target not in COMPILE_TARGETS:
             raise SpecError(f"target={target!r} is not available; use one of {COMPILE_TARGETS}")
         given = target

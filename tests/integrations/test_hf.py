@@ -350,3 +350,40 @@ def test_the_interpreter_needs_a_float16_model():
     model, ids = llama(dtype=torch.float32), prompt(1)
     with pytest.raises(SpecError, match=r"float16 on the CPU only, but the model runs in torch.float32"):
         generate(model, fhf.FoldcCache(model.config, 32, k=None, v=None, target="auto"), ids)
+
+
+# ---- paged storage -------------------------------------------------------------------------------
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered in divide:RuntimeWarning",  # an empty body part
+                            "ignore:divide by zero encountered in log2:RuntimeWarning")
+@pytest.mark.parametrize("head_dim, k, v, sink, window", [(32, "token:4:16", "channel:4:16", 1, 4)])
+def test_paged_cache_holds_the_bits_of_the_contiguous_cache_and_decodes_exactly(head_dim, k, v, sink, window):
+    """PagedFoldcCache: every decode step matches float64 attention over its own dequantized tokens,
+    and replaying the same tokens leaves the same bits in every layer as FoldcCache."""
+    from foldc.integrations.hf_paged import PagedFoldcCache
+
+    model, ids = llama(head_dim), prompt(2)
+    paged = PagedFoldcCache(model.config, PROMPT + NEW + 8, k=k, v=v, sink=sink, window=window, target="interpret")
+    with checked_decode() as errors:
+        seq, logits = generate(model, paged, ids)
+    assert len(errors) == 2 * (NEW - 1) and max(errors) < ATTN_TOL, f"decode attention errors up to {max(errors):.2e}"
+    assert paged.paged_cache.body_len(PROMPT + NEW - 1) > 0
+    contiguous = cache(model, k, v, sink=sink, window=window)
+    paged.reset()
+    replay(model, paged, seq)
+    replay(model, contiguous, seq)
+    for view, layer in zip(paged.layer_caches, contiguous.layer_caches):
+        assert view.num_tokens == layer.num_tokens == PROMPT + NEW - 1
+        for got, want in zip(view.dequantized(), layer.dequantized()):
+            assert torch.equal(got, want)
+
+
+def test_paged_cache_refuses_a_plain_operand_and_a_float32_model():
+    from foldc.integrations.hf_paged import PagedFoldcCache
+
+    model = llama(dtype=torch.float32)
+    with pytest.raises(SpecError, match=r"PagedFoldcCache quantizes both K and V"):
+        PagedFoldcCache(model.config, 32, k="token:4:32", v=None)
+    paged = PagedFoldcCache(model.config, 32, k="token:4:32", v="token:4:32", target="reference")
+    with pytest.raises(SpecError, match=r"holds float16 or bfloat16 models; this one runs in torch.float32"):
+        generate(model, paged, prompt(1))

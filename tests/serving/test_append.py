@@ -185,34 +185,36 @@ from triton.compiler import ASTSource
 from foldc.backends.triton.launch import _interpret
 from foldc.serving.append import _kernel
 out = []
-for layout, x_bf16, scale_kind, per_row in json.loads(sys.argv[1]):
+for layout, x_bf16, scale_kind, per_row, paged in json.loads(sys.argv[1]):
     fn = _kernel(layout, False)
     ptrs = {"X": "*i16" if x_bf16 else "*fp16", "CODES": "*u8", "SCALE": ["*fp16", "*i16", "*fp32"][scale_kind],
-            "OFFSETS": "*i64"}
+            "OFFSETS": "*i64", "KV_INDPTR": "*i32", "KV_INDICES": "*i32", "COUNTS": "*i32"}
     sig = {a: ptrs.get(a, "constexpr" if a.isupper() else "i32") for a in fn.arg_names}
     for a in fn.arg_names:
         if a.startswith("stride"):
             sig[a] = "i64"
     sig["ZERO"] = sig["SCALE"]
     const = dict(HEAD_DIM=128, GROUP=32 if layout == "token" else 128, BITS=2, CPB=4, MAX_CODE=3,
-                 BLOCK_T=16 if layout == "token" else 32, X_BF16=x_bf16, SCALE_KIND=scale_kind, PER_ROW=per_row)
+                 BLOCK_T=16 if layout == "token" else 32, X_BF16=x_bf16, SCALE_KIND=scale_kind, PER_ROW=per_row,
+                 PAGED=paged, PAGE_SIZE=128 if paged else 1, HAS_COUNT=paged)
     if layout == "token":
         const["NUM_GROUPS"] = 4
     with _interpret(False):
         c = triton.compile(ASTSource(fn, sig, constexprs=const), target=GPUTarget("cuda", 90, 32),
                            options={"num_warps": 4})
     ptx = c.asm["ptx"]
-    out.append({"case": [layout, x_bf16, scale_kind, per_row], "div_rn": len(re.findall(r"div\.rn\.f32", ptx)),
+    out.append({"case": [layout, x_bf16, scale_kind, per_row, paged], "div_rn": len(re.findall(r"div\.rn\.f32", ptx)),
                 "div_approx": len(re.findall(r"div\.(approx|full)\.f32", ptx)), "cubin": len(c.asm["cubin"])})
 print(json.dumps(out))
 """
 
 
 def test_kernels_build_for_sm90_with_correctly_rounded_division(tmp_path):
-    """The GPU build (no GPU needed): both kernels compile for sm_90, and every float32 division is
-    div.rn (an approximate division would break bit-exactness with foldc.quantize)."""
-    jobs = [["token", False, 0, False], ["token", True, 1, True], ["channel", False, 2, True],
-            ["channel", True, 0, False]]
+    """The GPU build (no GPU needed): both kernels compile for sm_90, contiguous and paged (page
+    table, per-row counts), and every float32 division is div.rn (an approximate division would
+    break bit-exactness with foldc.quantize)."""
+    jobs = [["token", False, 0, False, False], ["token", True, 1, True, False], ["channel", False, 2, True, False],
+            ["channel", True, 0, False, False], ["token", True, 1, True, True], ["channel", True, 1, True, True]]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     env["TRITON_CACHE_DIR"] = str(tmp_path / "triton")
@@ -310,3 +312,24 @@ def test_reference_target_handles_head_dims_the_kernel_cannot_tile():
     append_quantized(dst, x, 8, target="reference")
     assert_same_bits(AffineTensor(dst.codes[:, :, 8:24], dst.scale[:, :, 8:24], dst.zero[:, :, 8:24],
                                   dst.encoding, 48), foldc.quantize(x, dst.encoding))
+
+
+@pytest.mark.parametrize("layout", ["token", "channel"])
+def test_unchecked_tensor_offsets_read_nothing_and_skip_rows_that_do_not_fit(layout, monkeypatch):
+    """check=False: the offsets are not read on the host (capturable); a row whose offset would
+    write outside dst (or off a group boundary) is skipped, the others are written exactly."""
+    gen = torch.Generator().manual_seed(21)
+    enc = A(4, layout, 8)
+    dst = poisoned(enc, 4, 2, 32, 32, gen)
+    before = AffineTensor(dst.codes.clone(), dst.scale.clone(), dst.zero.clone(), enc, 32)
+    x = values((4, 2, 16, 32), "normal", torch.float16, gen, 4)
+    offsets = torch.tensor([8, 32, -16, 4 if layout == "channel" else 3])
+    monkeypatch.setattr(torch.Tensor, "__int__", lambda self: pytest.fail("the offsets were read on the host"))
+    append_quantized(dst, x, offsets, target="interpret", check=False)
+    monkeypatch.undo()
+    # row 1 would start at the end, row 2 end before 0; row 3 is off a group boundary when channel-wise
+    starts = {0: 8, 3: 3} if layout == "token" else {0: 8}
+    for b in range(4):
+        ref = expected(before, x, [starts[b]] * 4) if b in starts else before
+        for part in ("codes", "scale", "zero"):
+            assert torch.equal(bits(getattr(dst, part)[b]), bits(getattr(ref, part)[b])), (b, part)

@@ -183,11 +183,12 @@ def triton_plan(spec, dtype: str, fold_policy: str = "auto") -> Plan:
 
 
 def kernel_source(spec, dtype: str, block_n: int = 64, fold_policy: str = "auto", fast: bool = False,
-                  split_prescaled: bool | None = None) -> tuple[KernelSource, TileGeometry, Plan]:
-    """Generated source (decode + merge kernels); ``fast`` uses GPU-only inline PTX."""
+                  split_prescaled: bool | None = None, paged: bool = False) -> tuple[KernelSource, TileGeometry, Plan]:
+    """Generated source (decode + merge kernels); ``fast`` uses GPU-only inline PTX; ``paged``
+    reads K/V through a page table (paging.py)."""
     the_plan = triton_plan(spec, dtype, fold_policy)
     geo = geometry(spec, block_n)
-    ks = generate(the_plan, geo, dtype, fast=fast, split_prescaled=split_prescaled)
+    ks = generate(the_plan, geo, dtype, fast=fast, split_prescaled=split_prescaled, paged=paged)
     ks.source = ks.source + MERGE_SOURCE
     return ks, geo, the_plan
 
@@ -254,13 +255,14 @@ class TritonAttention:
         self._kernels: dict[tuple, tuple] = {}
         self._configs: dict[tuple, dict] = {}
 
-    def kernels(self, dtype: str, block_n: int | None = None):
+    def kernels(self, dtype: str, block_n: int | None = None, paged: bool = False):
         block_n = block_n or self.explicit.get("block_n", self.DEFAULTS["block_n"])
-        if (dtype, block_n) not in self._kernels:
+        key = (dtype, block_n) if not paged else (dtype, block_n, "paged")
+        if key not in self._kernels:
             ks, geo, the_plan = kernel_source(self.spec, dtype, block_n, self.fold_policy, fast=not self.interpret,
-                                              split_prescaled=self.split_prescaled)
-            self._kernels[(dtype, block_n)] = (load_module(ks.source, self.interpret), ks, geo, the_plan)
-        return self._kernels[(dtype, block_n)]
+                                              split_prescaled=self.split_prescaled, paged=paged)
+            self._kernels[key] = (load_module(ks.source, self.interpret), ks, geo, the_plan)
+        return self._kernels[key]
 
     def plan_for(self, dtype: torch.dtype) -> Plan:
         return self.kernels(DTYPES[dtype])[3]
@@ -338,8 +340,8 @@ class TritonAttention:
             self._launch(module, args, b, hkv, splits, geo, ws_m, ws_l, ws_acc, out, lse, cfg)
         return (out, lse) if return_lse else out
 
-    def _launch(self, module, args, b, hkv, splits, geo, ws_m, ws_l, ws_acc, out, lse, cfg) -> None:
+    def _launch(self, module, args, b, hkv, splits, geo, ws_m, ws_l, ws_acc, out, lse, cfg, **paged) -> None:
         module.foldc_decode[(b, hkv, splits)](
             *args, Q_PER_KV=self.spec.q_per_kv, ROWS=geo.rows, BLOCK_N=geo.block_n, HEAD_DIM=self.spec.head_dim,
-            NUM_KV_HEADS=hkv, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+            NUM_KV_HEADS=hkv, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **paged)
         launch_merge(module.foldc_merge, ws_m, ws_l, ws_acc, out, lse, self.spec.q_per_kv)

@@ -1,0 +1,438 @@
+"""A FlashInfer-style paged decode wrapper: ``plan`` once per batch layout, ``run`` per layer.
+
+Page table (FlashInfer's conventions, int32 tensors):
+
+- ``kv_indptr [batch + 1]``: sequence ``b`` owns page-table entries ``kv_indptr[b]:kv_indptr[b + 1]``;
+- ``kv_indices [kv_indptr[-1]]``: page numbers in the pool, in token order;
+- ``kv_last_page_len [batch]``: tokens in each sequence's last page, in ``[1, page_size]``. A sequence
+  may also end with an empty page (``0``: the page is reserved for appends) or own no page at all
+  (``0``, length 0: e.g. a body still empty while its tokens sit in a plain window).
+
+Sequence ``b`` holds ``(pages_b - 1) * page_size + kv_last_page_len[b]`` tokens; token ``t`` sits at row
+``t % page_size`` of page ``kv_indices[kv_indptr[b] + t // page_size]``. Pools are laid out as in
+foldc/backends/triton/paging.py (an `AffineTensor` whose batch axis is the page).
+
+``plan`` validates the table on the host (the only place that may synchronise) and copies it into
+device buffers that ``run`` reads. ``run`` does no host synchronisation and no data-dependent Python
+branching, so it can be captured in a CUDA graph; a later ``plan`` with the same batch size and no
+more page-table entries rewrites the same buffers, so the graph replays the new layout.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ..backends.triton.launch import DTYPES, _interpret, choose_splits, num_sms, runtime_arguments
+from ..backends.triton.paging import check_page_size, paged_block_n
+from ..compile import TARGETS, ReferenceAttention, detect_target
+from ..encoding import AffineTensor
+from ..errors import InputError, InputTypeError, SpecError
+from ..plan import plan as make_plan
+from ..spec import AttentionSpec
+from .cache import resolve_device
+
+
+@dataclass(frozen=True)
+class PageTable:
+    """What ``plan`` learned about a batch layout (host values)."""
+
+    batch: int
+    num_pages: int            # pages in the pool the table points into
+    page_size: int
+    seq_lens: tuple[int, ...]  # tokens per sequence
+    pages: tuple[int, ...]     # page-table entries per sequence
+
+    @property
+    def headroom(self) -> int:
+        """Tokens every sequence can still append into the pages it owns."""
+        return min(p * self.page_size - n for p, n in zip(self.pages, self.seq_lens))
+
+
+def _int_tensor(name: str, x, shape_text: str) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise InputTypeError(f"{name} must be an int32 torch.Tensor {shape_text}, got {type(x).__name__}")
+    if x.dtype not in (torch.int32, torch.int64) or x.dim() != 1:
+        raise InputError(f"{name} must be a 1-D int32 tensor {shape_text}; got dtype={x.dtype}, "
+                         f"shape={tuple(x.shape)}")
+    return x
+
+
+def check_page_table(kv_indptr, kv_indices, kv_last_page_len, num_pages: int, page_size: int,
+                     seq_lens=None) -> PageTable:
+    """Validate a page table on the host; every error names the value and the fix. With
+    ``kv_last_page_len=None``, ``seq_lens`` gives the lengths instead, and a sequence may own
+    pages past its last token (reserved for appends)."""
+    if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 1:
+        raise SpecError(f"num_pages={num_pages!r} must be a positive integer (pages in the pool)")
+    indptr = _int_tensor("kv_indptr", kv_indptr, "[batch + 1]").cpu().tolist()
+    indices = _int_tensor("kv_indices", kv_indices, "[kv_indptr[-1]]").cpu()
+    if kv_last_page_len is None:
+        last = [int(n) for n in torch.as_tensor(seq_lens).reshape(-1).tolist()]
+    else:
+        last = _int_tensor("kv_last_page_len", kv_last_page_len, "[batch]").cpu().tolist()
+    batch = len(indptr) - 1
+    if batch < 1:
+        raise InputError(f"kv_indptr has {len(indptr)} entries; it needs batch + 1 >= 2 (starting at 0)")
+    if len(last) != batch:
+        raise InputError(f"kv_last_page_len has {len(last)} entries but kv_indptr describes batch={batch} "
+                         "sequences; pass one last-page length per sequence")
+    if indptr[0] != 0:
+        raise InputError(f"kv_indptr[0]={indptr[0]}; it must start at 0")
+    pages = [indptr[b + 1] - indptr[b] for b in range(batch)]
+    if any(p < 0 for p in pages):
+        b = next(b for b, p in enumerate(pages) if p < 0)
+        raise InputError(f"kv_indptr decreases at sequence {b} ({indptr[b]} -> {indptr[b + 1]}); it must be "
+                         "non-decreasing (a prefix sum of pages per sequence)")
+    if indptr[-1] != indices.numel():
+        raise InputError(f"kv_indptr[-1]={indptr[-1]} but kv_indices holds {indices.numel()} entries; they must "
+                         "match")
+    if indices.numel():
+        lo, hi = int(indices.min()), int(indices.max())
+        if lo < 0 or hi >= num_pages:
+            bad = lo if lo < 0 else hi
+            where = int(((indices < 0) | (indices >= num_pages)).nonzero()[0])
+            raise InputError(f"kv_indices[{where}]={bad} points outside the pool of num_pages={num_pages}; every "
+                             f"page index must lie in [0, {num_pages - 1}]")
+        if torch.unique(indices).numel() != indices.numel():
+            raise InputError("kv_indices lists a page twice; every page-table entry must name a different page "
+                             "(two sequences writing one page would corrupt each other)")
+    if kv_last_page_len is None:
+        for b in range(batch):
+            if not 0 <= last[b] <= pages[b] * page_size:
+                raise InputError(f"seq_lens[{b}]={last[b]} but sequence {b} owns {pages[b]} pages of "
+                                 f"page_size={page_size} tokens; give it more pages in kv_indices")
+        return PageTable(batch, num_pages, page_size, tuple(last), tuple(pages))
+    lens = []
+    for b in range(batch):
+        n = last[b]
+        if pages[b] == 0 and n != 0:
+            raise InputError(f"sequence {b} owns no page but kv_last_page_len[{b}]={n}; it must be 0")
+        if not 0 <= n <= page_size:
+            raise InputError(f"kv_last_page_len[{b}]={n} must lie in [0, page_size={page_size}]")
+        lens.append((pages[b] - 1) * page_size + n if pages[b] else 0)
+    return PageTable(batch, num_pages, page_size, tuple(lens), tuple(pages))
+
+
+def gather_pages(pool, kv_indptr, kv_indices, seq_lens, page_size: int):
+    """The paged cache as contiguous storage: ``[batch, kv_heads, max_tokens, ...]`` with sequence b's
+    pages in order (padded with its last page's rows, or page 0 when it has none). For checks and
+    the reference target (host loop: not for the hot path). Returns (contiguous operand, lengths)."""
+    indptr = kv_indptr.cpu().tolist()
+    indices = kv_indices.cpu().tolist()
+    batch = len(indptr) - 1
+    most = max(1, max(indptr[b + 1] - indptr[b] for b in range(batch)))
+    table = []
+    for b in range(batch):
+        own = indices[indptr[b]:indptr[b + 1]] or [0]
+        table.append(own + [own[-1]] * (most - len(own)))
+    rows = torch.tensor(table, dtype=torch.long, device=_device(pool))
+
+    def flat(t):  # [pages, H, R, X] -> [batch, H, most * R, X]
+        g = t[rows.reshape(-1)].reshape(batch, most, *t.shape[1:])
+        return g.permute(0, 2, 1, 3, 4).reshape(batch, t.shape[1], most * t.shape[2], t.shape[3]).contiguous()
+
+    if isinstance(pool, AffineTensor):
+        out = AffineTensor(flat(pool.codes), flat(pool.scale), flat(pool.zero), pool.encoding, pool.head_dim)
+    else:
+        out = flat(pool)
+    return out, torch.as_tensor(seq_lens)
+
+
+def page_pool(spec: AttentionSpec, name: str, num_pages: int, page_size: int, *, dtype: torch.dtype = torch.float16,
+              device="cpu"):
+    """Zeroed storage for one operand (``name`` "k" or "v"): an `AffineTensor` of ``num_pages`` pages
+    encoded as ``spec.<name>`` (scale/zero in the encoding's scale dtype), or a plain
+    ``[num_pages, kv_heads, page_size, head_dim]`` tensor of ``dtype`` when that encoding is None."""
+    from ..encoding import scale_shape
+
+    check_page_size(spec, page_size)
+    if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 1:
+        raise SpecError(f"num_pages={num_pages!r} must be a positive integer")
+    enc, h, d = getattr(spec, name), spec.num_kv_heads, spec.head_dim
+    if enc is None:
+        return torch.zeros(num_pages, h, page_size, d, dtype=dtype, device=device)
+    shape = scale_shape(enc, num_pages, h, page_size, d)
+    return AffineTensor(torch.zeros(num_pages, h, page_size, d // enc.codes_per_byte, dtype=torch.uint8,
+                                    device=device),
+                        torch.zeros(shape, dtype=enc.scale_dtype, device=device),
+                        torch.zeros(shape, dtype=enc.scale_dtype, device=device), enc, d)
+
+
+def _device(x) -> torch.device:
+    return x.codes.device if isinstance(x, AffineTensor) else x.device
+
+
+class PagedDecodeWrapper:
+    """Decode attention over a paged, quantized KV cache (FlashInfer-style ``plan`` / ``run``).
+
+    Parameters
+    ----------
+    spec : AttentionSpec
+        The attention and its K/V encodings (None keeps that operand plain).
+    page_size : int
+        Tokens per page, P. Channel-wise encodings need ``P % group_size == 0``.
+    max_seq_len : int
+        Most tokens any sequence will hold while a plan is in use (appends included). Fixes the
+        split-KV partition, so runs (and captured graphs) do not depend on lengths.
+    device : str or torch.device
+        Where the page table lives (the pools' device).
+    target : str
+        "auto" (generated kernel on CUDA, interpreter on the CPU), "sm_90", "sm_100", "interpret"
+        (CPU, float16 queries) or "reference" (float64 executor over the gathered pages: slow, exact).
+    block_n : int, optional
+        Tokens per tile; must divide P (None: the largest power of two <= 64 that does).
+    num_warps, num_stages, splits : int
+        Launch options (``splits``: split-KV count per sequence; None: enough to fill the GPU).
+    """
+
+    def __init__(self, spec: AttentionSpec, page_size: int, *, max_seq_len: int, device="cpu",
+                 target: str = "auto", block_n: int | None = None, num_warps: int = 4, num_stages: int = 2,
+                 splits: int | None = None):
+        if not isinstance(spec, AttentionSpec):
+            raise SpecError(f"spec must be a foldc.AttentionSpec, got {type(spec).__name__}")
+        self.spec = spec
+        self.page_size = check_page_size(spec, page_size)
+        if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or max_seq_len < 1:
+            raise SpecError(f"max_seq_len={max_seq_len!r} must be a positive integer (most tokens per sequence)")
+        self.max_seq_len = max_seq_len
+        self.device = resolve_device(device)
+        if target not in TARGETS:
+            raise SpecError(f"target={target!r} is not available; use one of {TARGETS}")
+        if target == "auto":
+            target = "interpret" if self.device.type == "cpu" else detect_target()
+        if target == "interpret" and self.device.type != "cpu":
+            raise SpecError(f"target='interpret' runs Triton's interpreter on the CPU, but device={self.device}; "
+                            "use target='auto'")
+        if target in ("sm_90", "sm_100") and self.device.type != "cuda":
+            raise SpecError(f"target={target!r} runs on a CUDA GPU, but device={self.device}; use device='cuda', "
+                            "or target='interpret' (CPU, float16) or 'reference'")
+        self.target = target
+        self.block_n = paged_block_n(spec, page_size, block_n)
+        self.table: PageTable | None = None
+        self._buffers: dict[str, torch.Tensor] = {}
+        if target == "reference":
+            self._reference = ReferenceAttention(make_plan(spec))
+            return
+        from ..backends.triton import TritonAttention
+
+        self._attn = TritonAttention(spec, target, block_n=self.block_n, num_warps=num_warps,
+                                     num_stages=num_stages, splits=splits)
+        self.interpret = target == "interpret"
+        self._cfg = {"num_warps": num_warps, "num_stages": num_stages}
+        self._splits = splits
+
+    # ---- plan ---------------------------------------------------------------------------------
+
+    def plan(self, kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_last_page_len: torch.Tensor | None, *,
+             num_pages: int, seq_lens=None) -> PageTable:
+        """Validate a batch layout on the host and copy it to the device (may synchronise).
+
+        Parameters
+        ----------
+        kv_indptr : torch.Tensor, int32 ``[batch + 1]``
+            Non-decreasing from 0: sequence b owns entries ``kv_indptr[b]:kv_indptr[b + 1]``.
+        kv_indices : torch.Tensor, int32 ``[kv_indptr[-1]]``
+            Distinct page numbers in ``[0, num_pages)``, in token order.
+        kv_last_page_len : torch.Tensor, int32 ``[batch]``, or None
+            Tokens in each sequence's last page, in ``[0, page_size]`` (module doc).
+        num_pages : int
+            Pages in the pools that ``run`` will read.
+        seq_lens : list of int or torch.Tensor ``[batch]``, optional
+            Instead of ``kv_last_page_len`` (pass None there): tokens per sequence; sequences may then
+            own pages past their last token, reserved for appends.
+
+        Returns
+        -------
+        PageTable
+            Host facts: lengths, pages per sequence, headroom for appends.
+        """
+        table = check_page_table(kv_indptr, kv_indices, kv_last_page_len, num_pages, self.page_size, seq_lens)
+        most = max(table.seq_lens)
+        if most > self.max_seq_len:
+            b = table.seq_lens.index(most)
+            raise InputError(f"sequence {b} holds {most} tokens but max_seq_len={self.max_seq_len}; build the "
+                             "wrapper with a larger max_seq_len")
+        lens = torch.tensor(table.seq_lens, dtype=torch.int32)
+        self._store("kv_indptr", kv_indptr.to(torch.int32))
+        # room for every page of the pool (entries are distinct pages), so re-plans never move it
+        self._store("kv_indices", kv_indices.to(torch.int32), capacity=num_pages)
+        self._store("seq_lens", lens)
+        self.table = table
+        if self.target != "reference":
+            self._plan_launch(table.batch)
+        return table
+
+    def _store(self, name: str, value: torch.Tensor, capacity: int | None = None) -> None:
+        """Copy into the existing buffer when it fits (same address: captured graphs stay valid)."""
+        buf = self._buffers.get(name)
+        n = value.numel()
+        size = n if capacity is None else max(n, capacity)
+        if buf is None or buf.numel() < n or (capacity is None and buf.numel() != n):
+            buf = torch.zeros(max(size, 1), dtype=torch.int32, device=self.device)
+            self._buffers[name] = buf
+        buf[:n].copy_(value.to(self.device), non_blocking=True)
+
+    @property
+    def seq_lens(self) -> torch.Tensor:
+        """int32 ``[batch]`` device lengths that ``run`` reads (appends advance them in place)."""
+        return self._buffers["seq_lens"]
+
+    @property
+    def kv_indptr(self) -> torch.Tensor:
+        return self._buffers["kv_indptr"]
+
+    @property
+    def kv_indices(self) -> torch.Tensor:
+        return self._buffers["kv_indices"]
+
+    def _plan_launch(self, batch: int) -> None:
+        hkv = self.spec.num_kv_heads
+        tokens = self.max_seq_len
+        splits = self._splits
+        if splits is None:
+            splits, _ = choose_splits(batch, hkv, tokens, self.block_n, num_sms(self.device))
+        per_split = math.ceil(math.ceil(tokens / splits) / self.block_n) * self.block_n
+        self._per_split, self._num_splits = per_split, math.ceil(tokens / per_split)
+        rows = max(16, 1 << (self.spec.q_per_kv - 1).bit_length())
+        ws = self._buffers.get("ws_m")
+        if ws is None or ws.shape != (batch, hkv, self._num_splits, rows):
+            self._buffers["ws_m"] = torch.empty(batch, hkv, self._num_splits, rows, device=self.device)
+            self._buffers["ws_l"] = torch.empty_like(self._buffers["ws_m"])
+            self._buffers["ws_acc"] = torch.empty(batch, hkv, self._num_splits, rows, self.spec.head_dim,
+                                                  device=self.device)
+
+    # ---- run ----------------------------------------------------------------------------------
+
+    def _check_pool(self, name: str, pool, q: torch.Tensor) -> None:
+        enc, t = getattr(self.spec, name), self.table
+        want = (t.num_pages, self.spec.num_kv_heads, self.page_size, self.spec.head_dim)
+        if enc is not None:
+            if not isinstance(pool, AffineTensor):
+                raise InputTypeError(f"{name}_pages must be a foldc.AffineTensor pool encoded as {enc.short()}, "
+                                     f"got {type(pool).__name__}")
+            if pool.encoding != enc:
+                raise InputError(f"{name}_pages is encoded as {pool.encoding.short()} but the spec says "
+                                 f"{enc.short()}; allocate the pool with foldc.serving.page_pool(spec, ...)")
+            shape, dev = pool.shape, pool.device
+        else:
+            if not isinstance(pool, torch.Tensor) or isinstance(pool, AffineTensor):
+                raise InputTypeError(f"{name}_pages must be a plain tensor pool (spec.{name} is None), got "
+                                     f"{type(pool).__name__}")
+            if pool.dtype != q.dtype:
+                raise InputError(f"{name}_pages dtype={pool.dtype} must match q dtype={q.dtype} for a plain operand")
+            shape, dev = tuple(pool.shape), pool.device
+        if tuple(shape) != want:
+            raise InputError(f"{name}_pages shape={tuple(shape)} but the plan needs {want} (num_pages, kv_heads, "
+                             "page_size, head_dim): plan against this pool, with num_pages=its page count")
+        parts = (pool.codes, pool.scale, pool.zero) if enc is not None else (pool,)
+        if not all(t.is_contiguous() for t in parts):
+            raise InputError(f"{name}_pages must be contiguous (allocate it with foldc.serving.page_pool); call "
+                             ".contiguous() on its tensors")
+        if dev != q.device:
+            raise InputError(f"{name}_pages is on {dev} but q is on {q.device}; move both to one device")
+
+    def run(self, q: torch.Tensor, k_pages, v_pages, *, sm_scale: float | None = None,
+            out: torch.Tensor | None = None, return_lse: bool = False, seq_lens: torch.Tensor | None = None):
+        """Decode attention of one query token per sequence over its paged K/V.
+
+        No host synchronisation: shapes and dtypes are checked from metadata only.
+
+        Parameters
+        ----------
+        q : torch.Tensor ``[batch, num_q_heads, head_dim]``
+            float16 or bfloat16 (float16 under the interpreter), unit stride along head_dim.
+        k_pages, v_pages : AffineTensor or torch.Tensor
+            The pools (module doc): an `AffineTensor` ``[num_pages, kv_heads, page_size, head_dim]``
+            (uint8 codes, scale/zero in the encoding's dtype) for an encoded operand, else a tensor
+            ``[num_pages, kv_heads, page_size, head_dim]`` in q's dtype. Contiguous.
+        sm_scale : float, optional
+            Softmax scale (default ``head_dim ** -0.5``).
+        out : torch.Tensor ``[batch, num_q_heads, head_dim]``, optional
+            Preallocated output in q's dtype.
+        return_lse : bool
+            Also return the log-sum-exp of the scaled logits.
+        seq_lens : torch.Tensor, int32 ``[batch]``, optional
+            Device lengths to read instead of the plan's (e.g. advanced on the device by appends).
+            Not checked (that needs a sync): each must stay within the pages its sequence owns.
+
+        Returns
+        -------
+        out : torch.Tensor ``[batch, num_q_heads, head_dim]``, q's dtype
+        lse : torch.Tensor ``[batch, num_q_heads]``, float32 (with ``return_lse``)
+            Natural-log sum of exp of the scaled logits; -inf for a sequence with no tokens (whose
+            output is then 0/0: merge it away with `foldc.merge_attention`).
+        """
+        if self.table is None:
+            raise InputError("run() before plan(): call plan(kv_indptr, kv_indices, kv_last_page_len, "
+                             "num_pages=...) first")
+        if not isinstance(q, torch.Tensor):
+            raise InputTypeError(f"q must be a torch.Tensor [batch, num_q_heads, head_dim], got {type(q).__name__}")
+        want = (self.table.batch, self.spec.num_q_heads, self.spec.head_dim)
+        if tuple(q.shape) != want:
+            raise InputError(f"q shape={tuple(q.shape)} but the plan and spec need {want} (batch, num_q_heads, "
+                             "head_dim)")
+        if q.device != self.device:
+            raise InputError(f"q is on {q.device} but the wrapper's page table is on {self.device}; build the "
+                             f"wrapper with device={str(q.device)!r}")
+        self._check_pool("k", k_pages, q)
+        self._check_pool("v", v_pages, q)
+        scale = self.spec.head_dim ** -0.5 if sm_scale is None else float(sm_scale)
+        if self.target == "reference":
+            return self._run_reference(q, k_pages, v_pages, scale, out, return_lse, seq_lens)
+        dtypes = (torch.float16,) if self.interpret else (torch.float16, torch.bfloat16)
+        if q.dtype not in dtypes:
+            raise InputError(f"q dtype={q.dtype} is not supported by target={self.target!r}; use one of "
+                             f"{list(dtypes)}")
+        if q.stride(-1) != 1:
+            raise InputError(f"q must have unit stride along head_dim; got strides {q.stride()}")
+        if out is None:
+            out = torch.empty(want, device=q.device, dtype=q.dtype)
+        elif tuple(out.shape) != want or out.dtype != q.dtype or out.device != q.device or out.stride(-1) != 1:
+            raise InputError(f"out has shape={tuple(out.shape)}, dtype={out.dtype}, device={out.device}; it must be "
+                             f"{want} in q's dtype on {q.device} with unit stride along head_dim")
+        lse = torch.empty(want[:2], device=q.device, dtype=torch.float32)
+        module, ks, geo, _ = self._attn.kernels(DTYPES[q.dtype], self.block_n, paged=True)
+        buf = self._buffers
+        ws = (buf["ws_m"], buf["ws_l"], buf["ws_acc"])
+        if seq_lens is not None and (not isinstance(seq_lens, torch.Tensor) or seq_lens.dtype != torch.int32
+                                     or tuple(seq_lens.shape) != want[:1] or seq_lens.device != q.device):
+            raise InputError(f"seq_lens must be an int32 tensor of shape ({want[0]},) on {q.device}; got "
+                             f"{getattr(seq_lens, 'dtype', type(seq_lens).__name__)} "
+                             f"{tuple(getattr(seq_lens, 'shape', ()))}")
+        lens = buf["seq_lens"] if seq_lens is None else seq_lens
+        runtime = runtime_arguments(q, k_pages, v_pages, lens, ws, scale, self._per_split, self._num_splits)
+        runtime.update(KV_INDPTR=buf["kv_indptr"], KV_INDICES=buf["kv_indices"],
+                       cache_tokens=self._per_split * self._num_splits)
+        with _interpret(self.interpret):
+            self._attn._launch(module, [runtime[a] for a in ks.args], want[0], self.spec.num_kv_heads,
+                               self._num_splits, geo, *ws, out, lse, self._cfg, PAGE_SIZE=self.page_size)
+        return (out, lse) if return_lse else out
+
+    def _run_reference(self, q, k_pages, v_pages, scale, out, return_lse, seq_lens):
+        lens = self.table.seq_lens if seq_lens is None else tuple(int(n) for n in seq_lens.tolist())
+        if min(lens) == 0:
+            raise InputError(f"target='reference' needs every sequence to hold a token; lengths are {list(lens)}")
+        used = self.kv_indices[:max(1, sum(self.table.pages))]
+        k, _ = gather_pages(k_pages, self.kv_indptr, used, lens, self.page_size)
+        v, _ = gather_pages(v_pages, self.kv_indptr, used, lens, self.page_size)
+        seq = torch.tensor(lens, device=q.device)
+        return self._reference(q, k, v, sm_scale=scale, seq_lens=seq, out=out, return_lse=return_lse)
+
+
+def launch_plain(attn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: torch.Tensor, sm_scale: float,
+                 out: torch.Tensor, lse: torch.Tensor) -> None:
+    """Run a compiled `TritonAttention` over contiguous ``k, v [batch, kv_heads, C, head_dim]`` with
+    device lengths ``lens`` (int32 [batch], 0 allowed) into ``out``/``lse``, skipping the host-side
+    checks of its ``__call__`` (which read the lengths): no host synchronisation."""
+    module, ks, geo, _ = attn.kernels(DTYPES[q.dtype])
+    batch, hkv, tokens = q.shape[0], attn.spec.num_kv_heads, k.shape[2]
+    splits, per_split = choose_splits(batch, hkv, tokens, geo.block_n, num_sms(q.device))
+    rows = geo.rows
+    ws = (torch.empty(batch, hkv, splits, rows, device=q.device), torch.empty(batch, hkv, splits, rows, device=q.device),
+          torch.empty(batch, hkv, splits, rows, attn.spec.head_dim, device=q.device))
+    runtime = runtime_arguments(q, k, v, lens, ws, sm_scale, per_split, splits)
+    cfg = dict(attn.DEFAULTS, **attn.explicit)
+    with _interpret(attn.interpret):
+        attn._launch(module, [runtime[a] for a in ks.args], batch, hkv, splits, geo, *ws, out, lse, cfg)

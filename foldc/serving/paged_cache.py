@@ -1,0 +1,341 @@
+"""A paged KV cache for a whole model: quantized page pools plus plain sink and recent windows.
+
+Per layer, a sequence's tokens are split as in `QuantizedKVCache`::
+
+    [ sink (first `sink` tokens, model dtype) | body (quantized, in pages) | recent (model dtype) ]
+
+The body lives in page pools (one per layer and operand) addressed by one page table shared by
+every layer (FlashInfer conventions, see paged.py); sink and recent tokens live in a plain buffer
+per layer, ``[batch, kv_heads, sink + window + unit, head_dim]``. The split is a function of the
+token count ``n`` alone: ``body(n) = (n - sink - window) // unit * unit`` when positive, else 0,
+where ``unit`` is the least common multiple of the channel-wise group sizes (1 if none). So the
+host knows every length without reading the device.
+
+A decode step (one new token per sequence) runs on the device only, so it can be captured in a
+CUDA graph: the token is written after the plain tokens; when the recent window reaches
+``window + unit`` tokens, its oldest ``unit`` tokens are quantized into the body's pages
+(`append_paged` with a per-sequence count of 0 or ``unit``) and the rest slide down. Attention is the
+paged kernel over the body merged with the plain attention over sink + recent by log-sum-exp
+(`foldc.merge_attention`). A prefill (several tokens) is planned on the host, sequence by sequence.
+
+Lengths: the cache tracks them on the host (no device reads) and on the device (per layer, advanced
+by the decode kernels). ``plan(kv_indptr, kv_indices, seq_lens)`` sets both; call it again (same batch
+size: same buffers) whenever the page table grows, e.g. before each replay of a captured step.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..compile import compile as compile_attention
+from ..encoding import AffineTensor
+from ..errors import InputError, InputTypeError, SpecError
+from ..merge import merge_attention
+from ..reference import attention_reference
+from ..spec import AttentionSpec
+from .append import append_paged
+from .cache import resolve_device
+from .paged import PagedDecodeWrapper, gather_pages, launch_plain, page_pool
+
+
+def _count(name: str, value, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise SpecError(f"{name}={value!r} must be an integer >= {minimum}")
+    return value
+
+
+class PagedKVCache:
+    """Paged, quantized KV cache of ``num_layers`` attention layers with a plain sink and recent window.
+
+    Parameters
+    ----------
+    spec : AttentionSpec
+        The attention and its K/V encodings (both encoded: the body is quantized).
+    num_layers : int
+        Attention layers (each gets its own pools and plain buffers).
+    page_size : int
+        Tokens per page (channel-wise encodings: a multiple of group_size).
+    num_pages : int
+        Pages per pool; pools are `AffineTensor` ``[num_pages, kv_heads, page_size, head_dim]``.
+    max_seq_len : int
+        Most tokens per sequence (sink + body + recent).
+    sink, window : int
+        Plain first tokens; plain recent tokens (the window holds up to ``window + unit - 1``).
+    device : str or torch.device
+    dtype : torch.dtype
+        Model dtype of keys, values and queries: float16 or bfloat16 (float16 under the interpreter).
+        The plain buffers are ``[batch, kv_heads, sink + window + unit, head_dim]`` of it.
+    target : str
+        "auto", "sm_90", "sm_100", "interpret" (CPU, float16) or "reference" (appends by
+        foldc.quantize, attention in float64 over the dequantized cache: slow, for checking).
+    """
+
+    def __init__(self, spec: AttentionSpec, *, num_layers: int, page_size: int, num_pages: int, max_seq_len: int,
+                 sink: int = 0, window: int = 0, device="cpu", dtype: torch.dtype = torch.float16,
+                 target: str = "auto"):
+        if not isinstance(spec, AttentionSpec):
+            raise SpecError(f"spec must be a foldc.AttentionSpec, got {type(spec).__name__}")
+        if spec.k is None or spec.v is None:
+            raise SpecError(f"PagedKVCache quantizes both K and V into pages, but the spec has k={spec.k}, "
+                            f"v={spec.v}; give both an encoding (keep plain tokens in the sink/window instead)")
+        self.spec = spec
+        self.num_layers = _count("num_layers", num_layers, 1)
+        self.sink, self.window = _count("sink", sink, 0), _count("window", window, 0)
+        self.num_pages = _count("num_pages", num_pages, 1)
+        self.max_seq_len = _count("max_seq_len", max_seq_len, 1)
+        if dtype not in (torch.float16, torch.bfloat16):
+            raise SpecError(f"dtype={dtype} is not supported; use torch.float16 or torch.bfloat16")
+        self.device, self.dtype = resolve_device(device), dtype
+        groups = [e.group_size for e in (spec.k, spec.v) if e.layout == "channel"]
+        self.unit = math.lcm(*groups) if groups else 1
+        self.plain_capacity = self.sink + self.window + self.unit
+        self.wrapper = PagedDecodeWrapper(spec, page_size, max_seq_len=max_seq_len, device=self.device,
+                                          target=target)
+        self.target, self.page_size = self.wrapper.target, page_size
+        if self.target == "interpret" and (self.device.type != "cpu" or dtype != torch.float16):
+            raise SpecError(f"target='interpret' runs Triton's interpreter, float16 on the CPU; got dtype={dtype} on "
+                            f"{self.device}. Use dtype=torch.float16 and device='cpu', or target='reference'")
+        self._append_target = "reference" if self.target == "reference" else "auto"
+        self.pools = [{name: page_pool(spec, name, num_pages, page_size, device=self.device) for name in "kv"}
+                      for _ in range(num_layers)]
+        if self.target != "reference":
+            self._plain_attn = compile_attention(AttentionSpec(spec.num_q_heads, spec.num_kv_heads, spec.head_dim),
+                                                 self.target)
+        self._layers: list[dict] = []
+        self.batch = 0
+
+    # ---- lengths --------------------------------------------------------------------------------
+
+    def body_len(self, n: int) -> int:
+        """Quantized tokens of a sequence holding ``n`` tokens."""
+        return max(0, n - self.sink - self.window) // self.unit * self.unit if n > self.sink else 0
+
+    def plan(self, kv_indptr: torch.Tensor, kv_indices: torch.Tensor, seq_lens) -> None:
+        """Set the body's page table and every sequence's token count (host; may synchronise).
+
+        Parameters
+        ----------
+        kv_indptr : torch.Tensor, int32 ``[batch + 1]``
+        kv_indices : torch.Tensor, int32 ``[kv_indptr[-1]]``
+            Page table of the body (paged.py). Sequence b must own at least
+            ``ceil(body_len(n_b) / page_size)`` pages; pages past that are reserved for the body's
+            growth (appends past them raise).
+        seq_lens : list of int or torch.Tensor ``[batch]``
+            Tokens each sequence holds now (0 for a new one). A sequence the cache already holds must
+            be given its current count.
+        """
+        lens = [int(n) for n in torch.as_tensor(seq_lens).reshape(-1).tolist()]
+        for b, n in enumerate(lens):
+            if not 0 <= n <= self.max_seq_len:
+                raise InputError(f"seq_lens[{b}]={n} must lie in [0, max_seq_len={self.max_seq_len}]")
+            if self._layers and b < self.batch and n and n != self._layers[0]["n"][b]:
+                raise InputError(f"seq_lens[{b}]={n} but the cache holds {self._layers[0]['n'][b]} tokens of "
+                                 f"sequence {b}; pass its current count, or 0 to start a new sequence there")
+        body = [self.body_len(n) for n in lens]
+        self.table = self.wrapper.plan(kv_indptr, kv_indices, None, num_pages=self.num_pages, seq_lens=body)
+        if len(lens) != self.batch:  # new buffers (a captured graph must be captured again)
+            self.batch = len(lens)
+            shape = (self.batch, self.spec.num_kv_heads, self.plain_capacity, self.spec.head_dim)
+            self._layers = [{"k": torch.zeros(shape, dtype=self.dtype, device=self.device),
+                             "v": torch.zeros(shape, dtype=self.dtype, device=self.device),
+                             "body": torch.zeros(self.batch, dtype=torch.int32, device=self.device),
+                             "plain": torch.zeros(self.batch, dtype=torch.int32, device=self.device)}
+                            for _ in range(self.num_layers)]
+        for layer in self._layers:
+            layer["n"] = list(lens)
+            layer["body"].copy_(torch.tensor(body, dtype=torch.int32), non_blocking=True)
+            layer["plain"].copy_(torch.tensor([n - m for n, m in zip(lens, body)], dtype=torch.int32),
+                                 non_blocking=True)
+
+    def before_replay(self, tokens: int = 1) -> None:
+        """Host bookkeeping for a captured decode step: call it before each ``graph.replay()`` of a
+        graph that appends ``tokens`` per sequence to every layer (Python code inside the graph does
+        not run on replay). Raises, before anything is written, when the step would go past capacity."""
+        for layer in range(self.num_layers):
+            st = self._state(layer)
+            self._check_capacity(st, tokens)
+        for st in self._layers:
+            st["n"] = [n + tokens for n in st["n"]]
+
+    def _check_capacity(self, st: dict, tokens: int) -> None:
+        for b, n in enumerate(st["n"]):
+            if n + tokens > self.max_seq_len:
+                raise InputError(f"appending {tokens} tokens to sequence {b} ({n} tokens) goes past capacity: "
+                                 f"max_seq_len={self.max_seq_len}; build the cache with a larger max_seq_len")
+            need, have = self.body_len(n + tokens), self.table.pages[b] * self.page_size
+            if need > have:
+                raise InputError(f"appending {tokens} tokens to sequence {b} ({n} tokens) goes past capacity: its "
+                                 f"body needs {need} token slots but its {self.table.pages[b]} pages hold {have}; "
+                                 "plan() again with more pages for it")
+
+    def num_tokens(self, layer: int = 0) -> list[int]:
+        return list(self._state(layer)["n"])
+
+    def _state(self, layer: int) -> dict:
+        if not self._layers:
+            raise InputError("the cache has no batch layout yet; call plan(kv_indptr, kv_indices, seq_lens) first")
+        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < self.num_layers:
+            raise InputError(f"layer={layer!r} must be an integer in [0, {self.num_layers - 1}]")
+        return self._layers[layer]
+
+    # ---- append ---------------------------------------------------------------------------------
+
+    def _check_tokens(self, name: str, x) -> None:
+        if not isinstance(x, torch.Tensor):
+            raise InputTypeError(f"{name} must be a torch.Tensor [batch, kv_heads, tokens, head_dim], got "
+                                 f"{type(x).__name__}")
+        want = (self.batch, self.spec.num_kv_heads, self.spec.head_dim)
+        if x.dim() != 4 or (x.shape[0], x.shape[1], x.shape[3]) != want:
+            raise InputError(f"{name} shape={tuple(x.shape)} but this cache holds [{want[0]}, {want[1]}, tokens, "
+                             f"{want[2]}] (batch, kv_heads, tokens, head_dim): mismatched heads or batch")
+        if x.dtype != self.dtype:
+            raise InputError(f"{name} dtype={x.dtype} but the cache was built with dtype={self.dtype}; pass "
+                             f"{name}.to({self.dtype})")
+        if x.device != self.device:
+            raise InputError(f"{name} is on {x.device} but the cache is on {self.device}; move it there")
+
+    def append(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
+        """Add ``T`` tokens per sequence to ``layer``.
+
+        ``T == 1`` (decode) runs on the device only (capturable; during a capture the host counts do not
+        move: call `before_replay` before each replay). ``T > 1`` (prefill) is planned on the host.
+        Capacity is checked on the host before anything is written.
+
+        Parameters
+        ----------
+        layer : int
+        k_new, v_new : torch.Tensor ``[batch, kv_heads, T, head_dim]``, the cache's dtype and device
+        """
+        st = self._state(layer)
+        self._check_tokens("k_new", k_new)
+        self._check_tokens("v_new", v_new)
+        tokens = k_new.shape[2]
+        if v_new.shape[2] != tokens:
+            raise InputError(f"k_new holds {tokens} tokens but v_new holds {v_new.shape[2]}; they must match")
+        self._check_capacity(st, tokens)
+        capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        if tokens == 0:
+            return
+        if tokens == 1:
+            self._decode_append(layer, st, k_new, v_new)
+        elif capturing:
+            raise InputError(f"appending {tokens} tokens per sequence is planned on the host and cannot be captured "
+                             "in a CUDA graph; capture decode steps (one token per sequence) only")
+        else:
+            self._prefill_append(layer, st, k_new, v_new)
+        if not capturing:  # a captured step runs on replay: before_replay() counts it then
+            st["n"] = [n + tokens for n in st["n"]]
+
+    def _decode_append(self, layer: int, st: dict, k_new, v_new) -> None:
+        """One token per sequence, device operations only."""
+        b, h, d = self.batch, self.spec.num_kv_heads, self.spec.head_dim
+        idx = st["plain"].long().view(b, 1, 1, 1).expand(b, h, 1, d)
+        st["k"].scatter_(2, idx, k_new)
+        st["v"].scatter_(2, idx, v_new)
+        st["plain"] += 1
+        flush = st["plain"] >= self.plain_capacity           # the window overflowed by one unit
+        counts = flush.to(torch.int32) * self.unit
+        lo = self.sink
+        for name in "kv":
+            append_paged(self.pools[layer][name], st[name][:, :, lo:lo + self.unit], self.wrapper.kv_indptr,
+                         self.wrapper.kv_indices, st["body"], page_size=self.page_size, counts=counts,
+                         target=self._append_target)
+            if self.window:  # the kept tokens slide down by one unit where a flush happened
+                kept = st[name][:, :, lo:lo + self.window]
+                moved = st[name][:, :, lo + self.unit:lo + self.unit + self.window]
+                kept.copy_(torch.where(flush.view(b, 1, 1, 1), moved, kept))
+        st["plain"] -= counts
+        st["body"] += counts
+
+    def _prefill_append(self, layer: int, st: dict, k_new, v_new) -> None:
+        """Several tokens per sequence: every part's range computed on the host, sequence by sequence."""
+        tokens, sink = k_new.shape[2], self.sink
+        for b, n in enumerate(st["n"]):
+            m = n + tokens
+            body_old, body_new = self.body_len(n), self.body_len(m)
+            for name, new in (("k", k_new[b:b + 1]), ("v", v_new[b:b + 1])):
+                plain = st[name][b:b + 1]
+                # the sequence's tokens from the first not yet in the body on: old recent, then new
+                old_recent = plain[:, :, sink:sink + (n - min(n, sink) - body_old)]
+                n_sink_new = max(0, min(m, sink) - n)
+                if n_sink_new:
+                    plain[:, :, n:n + n_sink_new] = new[:, :, :n_sink_new]
+                tail = torch.cat([old_recent, new[:, :, n_sink_new:]], dim=2)
+                flushed = body_new - body_old
+                if flushed:
+                    pages = self._row_table(b)
+                    start = torch.full((1,), body_old, dtype=torch.int32, device=self.device)
+                    append_paged(self.pools[layer][name], tail[:, :, :flushed].contiguous(), *pages, start,
+                                 page_size=self.page_size, target=self._append_target)
+                keep = tail[:, :, flushed:]
+                plain[:, :, sink:sink + keep.shape[2]] = keep.clone()
+        body = [self.body_len(n + tokens) for n in st["n"]]
+        st["body"].copy_(torch.tensor(body, dtype=torch.int32))
+        st["plain"].copy_(torch.tensor([n + tokens - m for n, m in zip(st["n"], body)], dtype=torch.int32))
+
+    def _row_table(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A one-sequence page table for sequence b (host values from the plan)."""
+        first = sum(self.table.pages[:b])
+        own = self.wrapper.kv_indices[first:first + self.table.pages[b]]
+        return torch.tensor([0, self.table.pages[b]], dtype=torch.int32, device=self.device), own
+
+    # ---- read -----------------------------------------------------------------------------------
+
+    def attention(self, layer: int, q: torch.Tensor, sm_scale: float | None = None) -> torch.Tensor:
+        """Decode attention over every token of ``layer``: the paged body merged with the plain sink +
+        recent window by log-sum-exp. No host synchronisation (target "reference" aside).
+
+        Parameters
+        ----------
+        layer : int
+        q : torch.Tensor ``[batch, num_q_heads, head_dim]``, the cache's dtype and device
+        sm_scale : float, optional
+            Softmax scale (default ``head_dim ** -0.5``).
+
+        Returns
+        -------
+        torch.Tensor ``[batch, num_q_heads, head_dim]``, q's dtype
+        """
+        st = self._state(layer)
+        want = (self.batch, self.spec.num_q_heads, self.spec.head_dim)
+        if not isinstance(q, torch.Tensor) or tuple(q.shape) != want:
+            raise InputError(f"q shape={tuple(getattr(q, 'shape', ()))} but this cache needs {want} (batch, "
+                             "num_q_heads, head_dim)")
+        if q.dtype != self.dtype or q.device != self.device:
+            raise InputError(f"q is {q.dtype} on {q.device} but the cache holds {self.dtype} on {self.device}")
+        if 0 in st["n"]:
+            raise InputError(f"sequence {st['n'].index(0)} of layer {layer} holds no tokens; append() its keys and "
+                             "values before attention()")
+        scale = self.spec.head_dim ** -0.5 if sm_scale is None else float(sm_scale)
+        if self.target == "reference":
+            k, v, lens = self.dequantized(layer)
+            return attention_reference(q, k, v, sm_scale=scale, seq_lens=torch.tensor(lens)).to(q.dtype)
+        pools = self.pools[layer]
+        body = self.wrapper.run(q, pools["k"], pools["v"], sm_scale=scale, return_lse=True, seq_lens=st["body"])
+        out = torch.empty_like(q)
+        lse = torch.empty(want[:2], dtype=torch.float32, device=q.device)
+        launch_plain(self._plain_attn, q, st["k"], st["v"], st["plain"], scale, out, lse)
+        return merge_attention([body, (out, lse)])[0]
+
+    def dequantized(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        """(k, v, lengths): every token of ``layer`` as float32 ``[batch, kv_heads, max_tokens, head_dim]``
+        in token order (sink, body dequantized, recent), padded with zeros. Host loop, for checks."""
+        st = self._state(layer)
+        lens = st["n"]
+        out = []
+        for name in "kv":
+            body, _ = gather_pages(self.pools[layer][name], self.wrapper.kv_indptr,
+                                   self.wrapper.kv_indices[:max(1, sum(self.table.pages))],
+                                   self.table.seq_lens, self.page_size)
+            body = body.dequantize(torch.float32) if isinstance(body, AffineTensor) else body.float()
+            full = torch.zeros(self.batch, self.spec.num_kv_heads, max(1, max(lens)), self.spec.head_dim,
+                               device=self.device)
+            for b, n in enumerate(lens):
+                m, s = self.body_len(n), min(n, self.sink)
+                plain = st[name][b].float()
+                full[b, :, :s] = plain[:, :s]
+                full[b, :, s:s + m] = body[b, :, :m]
+                full[b, :, s + m:n] = plain[:, self.sink:self.sink + n - s - m]
+            out.append(full)
+        return out[0], out[1], list(lens)

@@ -1,0 +1,327 @@
+"""Paged decode: the generated kernel reading through a page table (Triton's interpreter, fp16),
+quantize-on-append into pages, and the page-table checks.
+
+Every kernel result is compared with float64 attention (foldc.compile(spec, "reference"), the plan
+executor) over the same cache gathered into contiguous storage; page tables are drawn at random
+(shuffled pages, ragged lengths, partial last pages) with fresh random data in every page.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import foldc
+from foldc.errors import InputError, InputTypeError, SpecError
+from foldc.serving import PagedDecodeWrapper, append_paged, gather_pages, page_pool
+from foldc.testing import bf16_attention, rel_l2
+
+A = foldc.Affine
+S = foldc.AttentionSpec
+TOL = 2e-3
+# small shapes the backend tiles at head_dim 64: token- and channel-wise, INT2 and INT4
+SPECS = {
+    "K token2 / V channel4": S(4, 2, 64, A(2, "token", 32), A(4, "channel", 16)),
+    "K channel2 / V token4": S(8, 2, 64, A(2, "channel", 32), A(4, "token", 64)),
+    "K token4 / V token2": S(2, 1, 64, A(4, "token", 16), A(2, "token", 16)),
+    "K channel4 / V channel2": S(4, 2, 64, A(4, "channel", 16), A(2, "channel", 32)),
+}
+
+
+def random_pools(spec, num_pages: int, page_size: int, gen):
+    """Pools full of quantized random values (outlier key channels, offset values), page by page."""
+    k = torch.randn(num_pages, spec.num_kv_heads, page_size, spec.head_dim, generator=gen)
+    k[..., torch.randint(0, spec.head_dim, (2,), generator=gen)] *= 6.0
+    v = torch.randn(num_pages, spec.num_kv_heads, page_size, spec.head_dim, generator=gen) + 0.5
+    return foldc.quantize(k, spec.k), foldc.quantize(v, spec.v)
+
+
+def random_table(batch: int, num_pages: int, page_size: int, gen, reserve: bool = False):
+    """Shuffled distinct pages, 1..4 per sequence, ragged lengths with partial last pages."""
+    counts = torch.randint(1, 5, (batch,), generator=gen)
+    perm = torch.randperm(num_pages, generator=gen)[:int(counts.sum())]
+    indptr = torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)]).to(torch.int32)
+    last = torch.randint(1, page_size + 1, (batch,), generator=gen).to(torch.int32)
+    return indptr, perm.to(torch.int32), last
+
+
+def reference_over_pages(spec, q, k_pages, v_pages, indptr, indices, lens, page_size, sm_scale):
+    k, _ = gather_pages(k_pages, indptr, indices, lens, page_size)
+    v, _ = gather_pages(v_pages, indptr, indices, lens, page_size)
+    ref = foldc.compile(spec, "reference")(q, k, v, sm_scale=sm_scale, seq_lens=torch.tensor(lens))
+    return ref, k, v
+
+
+@settings(max_examples=6, deadline=None)
+@given(name=st.sampled_from(sorted(SPECS)), page_size=st.sampled_from([32, 64]), batch=st.integers(1, 3),
+       seed=st.integers(0, 2**31 - 1))
+def test_paged_kernel_matches_float64_over_random_page_tables(name, page_size, batch, seed):
+    spec = SPECS[name]
+    gen = torch.Generator().manual_seed(seed)
+    num_pages = 4 * batch + 3
+    k_pages, v_pages = random_pools(spec, num_pages, page_size, gen)
+    indptr, indices, last = random_table(batch, num_pages, page_size, gen)
+    wrapper = PagedDecodeWrapper(spec, page_size, max_seq_len=4 * page_size, target="interpret")
+    table = wrapper.plan(indptr, indices, last, num_pages=num_pages)
+    q = torch.randn(batch, spec.num_q_heads, spec.head_dim, generator=gen).half()
+    sm_scale = spec.head_dim ** -0.5 * float(0.5 + torch.rand((), generator=gen))
+    out = torch.full_like(q, float("nan"))
+    got, lse = wrapper.run(q, k_pages, v_pages, sm_scale=sm_scale, out=out, return_lse=True)
+    assert got is out and not torch.isnan(out).any()
+    ref, k, v = reference_over_pages(spec, q, k_pages, v_pages, indptr, indices, table.seq_lens, page_size, sm_scale)
+    err = rel_l2(got, ref)
+    assert err <= TOL and err <= rel_l2(bf16_attention(q, k, v, sm_scale, torch.tensor(table.seq_lens)), ref), err
+    _, ref_lse = foldc.compile(spec, "reference")(q, k, v, sm_scale=sm_scale, seq_lens=torch.tensor(table.seq_lens),
+                                                  return_lse=True)
+    assert torch.allclose(lse.double(), ref_lse, rtol=0, atol=1e-2)  # logits carry the fp16 MMA rounding
+
+
+@pytest.mark.parametrize("name", ["K token2 / V channel4", "K channel2 / V token4"])
+def test_paged_equals_contiguous_bit_for_bit(name):
+    """One split, one tile size: the paged kernel reads the same values in the same order as the
+    contiguous kernel over the gathered cache, so the outputs are identical."""
+    spec, page_size = SPECS[name], 32
+    gen = torch.Generator().manual_seed(11)
+    k_pages, v_pages = random_pools(spec, 9, page_size, gen)
+    indptr = torch.tensor([0, 3, 4, 7], dtype=torch.int32)
+    indices = torch.tensor([5, 0, 8, 2, 7, 1, 4], dtype=torch.int32)
+    last = torch.tensor([17, 32, 1], dtype=torch.int32)
+    wrapper = PagedDecodeWrapper(spec, page_size, max_seq_len=96, target="interpret", block_n=16, splits=1)
+    table = wrapper.plan(indptr, indices, last, num_pages=9)
+    q = torch.randn(3, spec.num_q_heads, spec.head_dim, generator=gen).half()
+    paged = wrapper.run(q, k_pages, v_pages)
+    k, lens = gather_pages(k_pages, indptr, indices, table.seq_lens, page_size)
+    v, _ = gather_pages(v_pages, indptr, indices, table.seq_lens, page_size)
+    contiguous = foldc.compile(spec, "interpret", block_n=16, splits=1)(q, k, v, seq_lens=lens)
+    assert torch.equal(paged, contiguous)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter's 0/0 and log2(0) of the empty sequence
+def test_plain_pools_and_an_empty_sequence_merge_to_the_reference():
+    """Plain (model-dtype) pools use the same generated kernel; a sequence with no pages gives
+    lse = -inf and contributes nothing when merged with another part."""
+    spec, page_size = S(4, 2, 64), 16
+    gen = torch.Generator().manual_seed(5)
+    pool_k = torch.randn(6, 2, page_size, 64, generator=gen).half()
+    pool_v = (torch.randn(6, 2, page_size, 64, generator=gen) + 0.5).half()
+    indptr = torch.tensor([0, 2, 2], dtype=torch.int32)
+    wrapper = PagedDecodeWrapper(spec, page_size, max_seq_len=64, target="interpret")
+    wrapper.plan(indptr, torch.tensor([4, 1], dtype=torch.int32), torch.tensor([9, 0], dtype=torch.int32),
+                 num_pages=6)
+    q = torch.randn(2, 4, 64, generator=gen).half()
+    out, lse = wrapper.run(q, pool_k, pool_v, return_lse=True)
+    assert torch.isinf(lse[1]).all() and (lse[1] < 0).all()
+    k, lens = gather_pages(pool_k, indptr, torch.tensor([4, 1], dtype=torch.int32), (25, 0), page_size)
+    v, _ = gather_pages(pool_v, indptr, torch.tensor([4, 1], dtype=torch.int32), (25, 0), page_size)
+    ref = foldc.attention_reference(q[:1], k[:1], v[:1], seq_lens=torch.tensor([25]))
+    assert rel_l2(out[:1], ref) <= TOL
+    other = (torch.randn(2, 4, 64, generator=gen).half(), torch.randn(2, 4, generator=gen))
+    merged, total = foldc.merge_attention([(out, lse), other])
+    assert torch.equal(merged[1], other[0][1]) and not torch.isnan(merged).any()
+
+
+def test_replan_reuses_the_device_buffers():
+    """A later plan with the same batch writes into the same tensors (captured graphs stay valid)."""
+    spec = SPECS["K token4 / V token2"]
+    wrapper = PagedDecodeWrapper(spec, 16, max_seq_len=64, target="interpret")
+    wrapper.plan(torch.tensor([0, 1, 3], dtype=torch.int32), torch.tensor([2, 0, 5], dtype=torch.int32),
+                 torch.tensor([3, 16], dtype=torch.int32), num_pages=8)
+    before = [t.data_ptr() for t in (wrapper.kv_indptr, wrapper.kv_indices, wrapper.seq_lens)]
+    table = wrapper.plan(torch.tensor([0, 2, 4], dtype=torch.int32), torch.tensor([7, 1, 3, 6], dtype=torch.int32),
+                         torch.tensor([5, 1], dtype=torch.int32), num_pages=8)
+    assert [t.data_ptr() for t in (wrapper.kv_indptr, wrapper.kv_indices, wrapper.seq_lens)] == before
+    assert table.seq_lens == (21, 17) and wrapper.seq_lens.tolist() == [21, 17]
+    assert wrapper.kv_indices[:4].tolist() == [7, 1, 3, 6]
+
+
+# ---- append into pages ----------------------------------------------------------------------------
+
+@settings(max_examples=12, deadline=None)
+@given(layout=st.sampled_from(["token", "channel"]), bits=st.sampled_from([2, 4]),
+       scale_dtype=st.sampled_from([torch.float16, torch.bfloat16]), seed=st.integers(0, 2**31 - 1))
+def test_append_paged_writes_what_quantize_computes_and_nothing_else(layout, bits, scale_dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    group, page_size, num_pages, batch = 16, 32, 10, 3
+    enc = A(bits, layout, group, scale_dtype)
+    spec = S(2, 2, 32, enc, enc)
+    pool = page_pool(spec, "k", num_pages, page_size)
+    for t in (pool.codes, pool.scale.view(torch.int16), pool.zero.view(torch.int16)):  # poison: random bits
+        t.copy_(torch.randint(-128 if t.dtype != torch.uint8 else 0, 128 if t.dtype != torch.uint8 else 256,
+                              t.shape, generator=gen, dtype=t.dtype))
+    before = [t.clone() for t in (pool.codes, pool.scale, pool.zero)]
+    indptr = torch.tensor([0, 3, 5, 8], dtype=torch.int32)
+    indices = torch.randperm(num_pages, generator=gen)[:8].to(torch.int32)
+    tokens = 32
+    unit = group if layout == "channel" else 1
+    start = (torch.randint(0, 40, (batch,), generator=gen) // unit * unit).to(torch.int32)
+    counts = (torch.randint(0, tokens + 1, (batch,), generator=gen) // unit * unit).to(torch.int32)
+    x = (torch.randn(batch, 2, tokens, 32, generator=gen) * 3 + 1).half()
+    append_paged(pool, x, indptr, indices, start, page_size=page_size, counts=counts, target="interpret")
+    want = [t.clone() for t in before]
+    for b in range(batch):
+        n = int(counts[b])
+        if n == 0:
+            continue
+        q = foldc.quantize(x[b:b + 1, :, :n], enc)
+        own = indices[indptr[b]:indptr[b + 1]].tolist()
+        for t in range(n):
+            pos = int(start[b]) + t
+            if pos // page_size >= len(own):  # past the sequence's own pages: must not be written
+                continue
+            page, row = own[pos // page_size], pos % page_size
+            want[0][page, :, row] = q.codes[0, :, t]
+            if layout == "token":
+                want[1][page, :, row], want[2][page, :, row] = q.scale[0, :, t], q.zero[0, :, t]
+            elif t % group == 0:
+                want[1][page, :, row // group] = q.scale[0, :, t // group]
+                want[2][page, :, row // group] = q.zero[0, :, t // group]
+    for part, got, w in zip(("codes", "scale", "zero"), (pool.codes, pool.scale, pool.zero), want):
+        assert torch.equal(got.view(torch.uint8), w.view(torch.uint8)), part
+
+
+def test_append_paged_never_writes_past_a_sequences_own_pages():
+    enc = A(4, "token", 32)
+    pool = page_pool(S(2, 2, 32, enc, enc), "k", 4, 16)
+    x = torch.randn(1, 2, 8, 32).half()
+    # sequence 0 owns page 2 only; tokens 12..19 would spill into a page it does not own
+    append_paged(pool, x, torch.tensor([0, 1], dtype=torch.int32), torch.tensor([2], dtype=torch.int32),
+                 torch.tensor([12], dtype=torch.int32), page_size=16, target="interpret")
+    written = (pool.scale != 0).any(-1)  # [pages, heads, rows]
+    assert written[2, :, 12:].all() and not written[2, :, :12].any()
+    assert not written[[0, 1, 3]].any()
+
+
+# ---- errors ----------------------------------------------------------------------------------------
+
+TOKEN_SPEC = SPECS["K token4 / V token2"]
+CHANNEL_SPEC = SPECS["K token2 / V channel4"]  # V channel-wise, group_size 16
+
+
+def _planned(spec=TOKEN_SPEC, page_size=16):
+    wrapper = PagedDecodeWrapper(spec, page_size, max_seq_len=64, target="interpret")
+    wrapper.plan(torch.tensor([0, 2], dtype=torch.int32), torch.tensor([1, 3], dtype=torch.int32),
+                 torch.tensor([5], dtype=torch.int32), num_pages=4)
+    return wrapper
+
+
+@pytest.mark.parametrize("make, exc, match", [
+    (lambda: PagedDecodeWrapper(CHANNEL_SPEC, 24, max_seq_len=64),
+     SpecError, r"page_size=24 is not a multiple of group_size=16 .*use page_size=48"),
+    (lambda: PagedDecodeWrapper(TOKEN_SPEC, 32, max_seq_len=64, block_n=64),
+     SpecError, r"block_n=64 does not divide page_size=32"),
+    (lambda: PagedDecodeWrapper(TOKEN_SPEC, 24, max_seq_len=64),
+     SpecError, r"page_size=24 has no power-of-two divisor >= 16"),
+    (lambda: PagedDecodeWrapper(TOKEN_SPEC, 0, max_seq_len=64), SpecError, r"page_size=0 must be a positive"),
+    (lambda: _planned().plan(torch.tensor([0, 2], dtype=torch.int32), torch.tensor([1, 4], dtype=torch.int32),
+                             torch.tensor([5], dtype=torch.int32), num_pages=4),
+     InputError, r"kv_indices\[1\]=4 points outside the pool of num_pages=4; .*\[0, 3\]"),
+    (lambda: _planned().plan(torch.tensor([0, 2], dtype=torch.int32), torch.tensor([1, 1], dtype=torch.int32),
+                             torch.tensor([5], dtype=torch.int32), num_pages=4),
+     InputError, r"lists a page twice"),
+    (lambda: _planned().plan(torch.tensor([0, 3], dtype=torch.int32), torch.tensor([1, 2], dtype=torch.int32),
+                             torch.tensor([5], dtype=torch.int32), num_pages=4),
+     InputError, r"kv_indptr\[-1\]=3 but kv_indices holds 2 entries"),
+    (lambda: _planned().plan(torch.tensor([0, 2], dtype=torch.int32), torch.tensor([1, 2], dtype=torch.int32),
+                             torch.tensor([17], dtype=torch.int32), num_pages=4),
+     InputError, r"kv_last_page_len\[0\]=17 must lie in \[0, page_size=16\]"),
+    (lambda: _planned().plan(torch.tensor([0, 2], dtype=torch.int32), torch.tensor([1, 2], dtype=torch.int32),
+                             torch.tensor([5, 5], dtype=torch.int32), num_pages=4),
+     InputError, r"kv_last_page_len has 2 entries but kv_indptr describes batch=1"),
+    (lambda: PagedDecodeWrapper(TOKEN_SPEC, 16, max_seq_len=16).plan(
+        torch.tensor([0, 2], dtype=torch.int32), torch.tensor([1, 2], dtype=torch.int32),
+        torch.tensor([5], dtype=torch.int32), num_pages=4),
+     InputError, r"holds 21 tokens but max_seq_len=16"),
+    (lambda: PagedDecodeWrapper(TOKEN_SPEC, 16, max_seq_len=64).run(torch.zeros(1, 2, 64).half(), None, None),
+     InputError, r"run\(\) before plan\(\)"),
+])
+def test_bad_configuration_and_page_tables_name_the_value_and_the_fix(make, exc, match):
+    with pytest.raises(exc, match=match):
+        make()
+
+
+def _pools(spec=TOKEN_SPEC, pages=4, page_size=16):
+    return page_pool(spec, "k", pages, page_size), page_pool(spec, "v", pages, page_size)
+
+
+@pytest.mark.parametrize("args, exc, match", [
+    (lambda: (torch.zeros(1, 4, 64).half(), *_pools()), InputError, r"q shape=\(1, 4, 64\) but .* \(1, 2, 64\)"),
+    (lambda: (torch.zeros(1, 2, 64, dtype=torch.bfloat16), *_pools()), InputError,
+     r"q dtype=torch.bfloat16 is not supported by target='interpret'"),
+    (lambda: (torch.zeros(1, 2, 64).half(), *_pools(S(4, 2, 64, TOKEN_SPEC.k, TOKEN_SPEC.v))), InputError,
+     r"k_pages shape=\(4, 2, 16, 64\) but the plan needs \(4, 1, 16, 64\)"),
+    (lambda: (torch.zeros(1, 2, 64).half(), _pools(pages=5)[0], _pools()[1]), InputError,
+     r"k_pages shape=\(5, 1, 16, 64\) but the plan needs \(4, 1, 16, 64\)"),
+    (lambda: (torch.zeros(1, 2, 64).half(), _pools(S(2, 1, 64, A(4, "channel", 16), None))[0], _pools()[1]),
+     InputError, r"k_pages is encoded as channel:4:16 but the spec says token:4:16"),
+    (lambda: (torch.zeros(1, 2, 64).half(), torch.zeros(4, 1, 16, 64).half(), _pools()[1]), InputTypeError,
+     r"k_pages must be a foldc.AffineTensor pool encoded as token:4:16"),
+])
+def test_bad_run_arguments_name_the_value_and_the_fix(args, exc, match):
+    wrapper = _planned()
+    with pytest.raises(exc, match=match):
+        wrapper.run(*args())
+
+
+def test_plain_pool_dtype_must_match_the_query():
+    wrapper = PagedDecodeWrapper(S(2, 1, 64), 16, max_seq_len=64, target="interpret")
+    wrapper.plan(torch.tensor([0, 1], dtype=torch.int32), torch.tensor([0], dtype=torch.int32),
+                 torch.tensor([3], dtype=torch.int32), num_pages=2)
+    pool = torch.zeros(2, 1, 16, 64)
+    with pytest.raises(InputError, match=r"k_pages dtype=torch.float32 must match q dtype=torch.float16"):
+        wrapper.run(torch.zeros(1, 2, 64).half(), pool, pool)
+
+
+def test_append_paged_rejects_a_partial_channel_group_and_a_wrong_page_size():
+    enc = A(2, "channel", 16)
+    pool = page_pool(S(2, 2, 32, enc, enc), "v", 4, 32)
+    table = (torch.tensor([0, 1], dtype=torch.int32), torch.tensor([0], dtype=torch.int32),
+             torch.zeros(1, dtype=torch.int32))
+    with pytest.raises(InputError, match=r"x holds 8 tokens, not a multiple of group_size=16"):
+        append_paged(pool, torch.randn(1, 2, 8, 32).half(), *table, page_size=32, target="interpret")
+    with pytest.raises(SpecError, match=r"page_size=24 is not a multiple of group_size=16"):
+        append_paged(pool, torch.randn(1, 2, 16, 32).half(), *table, page_size=24, target="interpret")
+    with pytest.raises(InputError, match=r"x shape=\(1, 3, 16, 32\) but the pool needs \[batch, 2, tokens, 32\]"):
+        append_paged(pool, torch.randn(1, 3, 16, 32).half(), *table, page_size=32, target="interpret")
+    assert math.isclose(float(pool.scale.abs().sum()), 0.0)  # nothing was written
+
+
+def test_a_non_contiguous_pool_and_a_device_mismatch_are_refused():
+    wrapper = _planned()
+    k, v = _pools()
+    wide = torch.zeros(*k.codes.shape[:3], 2 * k.codes.shape[3], dtype=torch.uint8)
+    strided = foldc.AffineTensor(wide[..., :k.codes.shape[3]], k.scale, k.zero, k.encoding, k.head_dim)
+    with pytest.raises(InputError, match=r"k_pages must be contiguous"):
+        wrapper.run(torch.zeros(1, 2, 64).half(), strided, v)
+    with pytest.raises(SpecError, match=r"target='sm_90' runs on a CUDA GPU, but device=cpu"):
+        PagedDecodeWrapper(TOKEN_SPEC, 16, max_seq_len=64, target="sm_90")
+
+
+def test_a_bare_cuda_device_means_the_current_gpu():
+    """``device="cuda"`` must compare equal to the device of tensors made there (cuda:0), or every
+    device check of the caches would refuse their own tensors."""
+    from foldc.serving.cache import resolve_device
+
+    assert resolve_device("cpu") == torch.device("cpu")
+    if torch.cuda.is_available():
+        assert resolve_device("cuda") == torch.zeros(1, device="cuda").device
+    with pytest.raises(SpecError, match=r"device='gpu0' is not a torch device"):
+        resolve_device("gpu0")
+
+
+def test_a_dequant_plan_reads_pages_too():
+    """Plans that reconstruct values (break-even fails: group_size <= 2 x query heads per KV head)
+    go through the same per-tile page bases."""
+    spec, page_size = S(32, 2, 64, A(2, "token", 16), A(4, "channel", 16)), 32
+    wrapper = PagedDecodeWrapper(spec, page_size, max_seq_len=96, target="interpret")
+    assert set(wrapper._attn.plan_for(torch.float16).folds.values()) == {"dequant"}
+    gen = torch.Generator().manual_seed(13)
+    k_pages, v_pages = random_pools(spec, 7, page_size, gen)
+    indptr, indices, last = (torch.tensor([0, 3, 5], dtype=torch.int32), torch.tensor([6, 2, 0, 4, 1], dtype=torch.int32),
+                             torch.tensor([9, 32], dtype=torch.int32))
+    table = wrapper.plan(indptr, indices, last, num_pages=7)
+    q = torch.randn(2, 32, 64, generator=gen).half()
+    ref, _, _ = reference_over_pages(spec, q, k_pages, v_pages, indptr, indices, table.seq_lens, page_size, None)
+    assert rel_l2(wrapper.run(q, k_pages, v_pages), ref) <= TOL

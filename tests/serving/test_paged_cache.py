@@ -1,0 +1,188 @@
+"""PagedKVCache: the paged body plus plain sink/window holds exactly what the contiguous
+QuantizedKVCache holds for the same tokens (same bits), and its attention (paged kernel merged with
+the plain window by log-sum-exp) matches float64 attention over the dequantized cache."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import foldc
+from foldc.errors import InputError, SpecError
+from foldc.serving import PagedKVCache, QuantizedKVCache
+from foldc.testing import rel_l2
+
+A = foldc.Affine
+S = foldc.AttentionSpec
+TOL = 2e-3
+# the interpreter's 0/0 and log2(0) for a sequence whose body is still empty (merged away by lse = -inf)
+pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered in divide:RuntimeWarning",
+                                        "ignore:divide by zero encountered in log2:RuntimeWarning")
+
+
+def _table(batch: int, pages_each: int, num_pages: int, seed: int):
+    perm = torch.randperm(num_pages, generator=torch.Generator().manual_seed(seed))[:batch * pages_each]
+    return torch.arange(0, batch * pages_each + 1, pages_each, dtype=torch.int32), perm.to(torch.int32)
+
+
+def _tokens(gen, batch, heads, count, head_dim):
+    k = torch.randn(batch, heads, count, head_dim, generator=gen)
+    k[..., 3] *= 6.0  # an outlier key channel
+    return k.half(), (torch.randn(batch, heads, count, head_dim, generator=gen) + 0.5).half()
+
+
+@pytest.mark.parametrize("spec, sink, window, prefill, steps, target", [
+    (S(4, 2, 64, A(2, "token", 32), A(4, "channel", 16)), 2, 8, 40, 20, "interpret"),
+    (S(4, 2, 64, A(4, "channel", 32), A(2, "token", 64)), 0, 0, 30, 8, "interpret"),
+    (S(2, 1, 64, A(2, "token", 16), A(4, "token", 16)), 3, 4, 1, 12, "interpret"),
+    (S(4, 2, 64, A(2, "channel", 16), A(2, "channel", 32)), 1, 16, 70, 10, "reference"),
+], ids=["token2-channel4-sink-window", "channel4-token2-no-window", "token-token-tiny-prompt", "reference-target"])
+def test_paged_cache_holds_the_same_bits_as_the_contiguous_cache(spec, sink, window, prefill, steps, target):
+    batch, page_size = 3, 32
+    gen = torch.Generator().manual_seed(prefill * 31 + steps)
+    cache = PagedKVCache(spec, num_layers=2, page_size=page_size, num_pages=16, max_seq_len=128, sink=sink,
+                         window=window, target=target)
+    cache.plan(*_table(batch, 4, 16, seed=steps), seq_lens=[0] * batch)
+    contiguous = QuantizedKVCache(spec, batch, 128, sink=sink, window=window, target="reference")
+    k, v = _tokens(gen, batch, spec.num_kv_heads, prefill, spec.head_dim)
+    for layer in range(2):
+        cache.append(layer, k, v)
+    contiguous.append(k, v)
+    for step in range(steps):
+        k, v = _tokens(gen, batch, spec.num_kv_heads, 1, spec.head_dim)
+        for layer in range(2):
+            cache.append(layer, k, v)
+        contiguous.append(k, v)
+        if step % 9 == 8 or step == steps - 1:
+            want_k, want_v = contiguous.dequantized()
+            for layer in range(2):
+                got_k, got_v, lens = cache.dequantized(layer)
+                assert lens == [contiguous.num_tokens] * batch
+                assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v), (step, layer)
+            q = torch.randn(batch, spec.num_q_heads, spec.head_dim, generator=gen).half()
+            ref = foldc.attention_reference(q, want_k, want_v)
+            assert rel_l2(cache.attention(1, q), ref) <= TOL
+    assert contiguous.body_tokens > 0, "the case must reach the quantized body"
+
+
+def test_each_sequence_keeps_its_own_length_across_a_replan():
+    """Sequences of different lengths: planned again with the tokens they hold, they keep growing."""
+    spec = S(4, 2, 64, A(4, "token", 32), A(4, "token", 32))
+    gen = torch.Generator().manual_seed(3)
+    cache = PagedKVCache(spec, num_layers=1, page_size=16, num_pages=12, max_seq_len=64, sink=1, window=4)
+    indptr, indices = _table(2, 4, 12, seed=1)
+    cache.plan(indptr, indices, seq_lens=[0, 0])
+    k, v = _tokens(gen, 2, 2, 20, 64)
+    cache.append(0, k, v)
+    cache.plan(indptr, indices, seq_lens=[20, 0])    # sequence 1 starts again, empty
+    k2, v2 = _tokens(gen, 2, 2, 1, 64)
+    cache.append(0, k2, v2)
+    got_k, got_v, lens = cache.dequantized(0)
+    assert lens == [21, 1]
+    q = torch.randn(2, 4, 64, generator=gen).half()
+    out = cache.attention(0, q)
+    keys = torch.cat([k[:1], k2[:1]], 2)[0].float()           # sequence 0: sink 1, body 16, recent 4
+    assert cache.body_len(21) == 16
+    assert torch.equal(got_k[0, :, :1], keys[:, :1]) and torch.equal(got_k[0, :, 17:21], keys[:, 17:])
+    assert torch.equal(got_k[0, :, 1:17], foldc.quantize(keys[None, :, 1:17], spec.k).dequantize()[0])
+    ref = foldc.attention_reference(q, got_k, got_v, seq_lens=torch.tensor(lens))
+    assert rel_l2(out, ref) <= TOL
+    assert torch.equal(got_k[1, :, :1], k2[1].float())  # a new sequence's first token is plain (the sink)
+
+
+def test_before_replay_advances_the_host_counts_and_refuses_past_capacity():
+    spec = S(2, 1, 64, A(4, "token", 64), A(4, "token", 64))
+    cache = PagedKVCache(spec, num_layers=2, page_size=16, num_pages=4, max_seq_len=40, window=2)
+    cache.plan(torch.tensor([0, 1], dtype=torch.int32), torch.tensor([2], dtype=torch.int32), seq_lens=[0])
+    cache.append(0, *_tokens(torch.Generator().manual_seed(0), 1, 1, 17, 64))
+    cache.append(1, *_tokens(torch.Generator().manual_seed(0), 1, 1, 17, 64))
+    cache.before_replay()
+    assert cache.num_tokens(0) == cache.num_tokens(1) == [18]
+    with pytest.raises(InputError, match=r"goes past capacity: its body needs 17 token slots but its 1 pages hold 16"):
+        cache.before_replay()
+    assert cache.num_tokens(1) == [18]
+
+
+CACHE_SPEC = S(4, 2, 64, A(2, "token", 32), A(4, "channel", 16))
+
+
+def _small_cache(**kw):
+    cache = PagedKVCache(CACHE_SPEC, num_layers=1, page_size=16, num_pages=4, max_seq_len=40, **kw)
+    cache.plan(torch.tensor([0, 1], dtype=torch.int32), torch.tensor([3], dtype=torch.int32), seq_lens=[0])
+    return cache
+
+
+@pytest.mark.parametrize("call, exc, match", [
+    (lambda c: c.append(0, *_tokens(torch.Generator(), 1, 2, 41, 64)), InputError,
+     r"appending 41 tokens to sequence 0 \(0 tokens\) goes past capacity: max_seq_len=40"),
+    (lambda c: c.append(0, *_tokens(torch.Generator(), 1, 2, 33, 64)), InputError,
+     r"goes past capacity: its body needs 32 token slots but its 1 pages hold 16; plan\(\) again"),
+    (lambda c: c.append(0, *_tokens(torch.Generator(), 1, 4, 3, 64)), InputError,
+     r"k_new shape=\(1, 4, 3, 64\) but this cache holds \[1, 2, tokens, 64\].*mismatched heads"),
+    (lambda c: c.append(0, torch.zeros(1, 2, 3, 64, dtype=torch.bfloat16), torch.zeros(1, 2, 3, 64).half()),
+     InputError, r"k_new dtype=torch.bfloat16 but the cache was built with dtype=torch.float16"),
+    (lambda c: c.append(1, *_tokens(torch.Generator(), 1, 2, 3, 64)), InputError, r"layer=1 must be .* \[0, 0\]"),
+    (lambda c: c.attention(0, torch.zeros(1, 2, 64).half()), InputError, r"q shape=\(1, 2, 64\) but .*\(1, 4, 64\)"),
+    (lambda c: c.attention(0, torch.zeros(1, 4, 64).half()), InputError,
+     r"sequence 0 of layer 0 holds no tokens; append\(\) its keys and values before attention\(\)"),
+    (lambda c: c.plan(torch.tensor([0, 1], dtype=torch.int32), torch.tensor([3], dtype=torch.int32),
+                      seq_lens=[41]), InputError, r"seq_lens\[0\]=41 must lie in \[0, max_seq_len=40\]"),
+])
+def test_bad_cache_calls_name_the_value_and_the_fix(call, exc, match):
+    with pytest.raises(exc, match=match):
+        call(_small_cache(window=1))
+
+
+def test_a_plain_operand_and_a_bad_replan_are_refused():
+    with pytest.raises(SpecError, match=r"quantizes both K and V into pages"):
+        PagedKVCache(S(4, 2, 64, A(2, "token", 32), None), num_layers=1, page_size=16, num_pages=4, max_seq_len=8)
+    cache = _small_cache()
+    cache.append(0, *_tokens(torch.Generator(), 1, 2, 5, 64))
+    with pytest.raises(InputError, match=r"seq_lens\[0\]=7 but the cache holds 5 tokens of sequence 0"):
+        cache.plan(torch.tensor([0, 1], dtype=torch.int32), torch.tensor([3], dtype=torch.int32), seq_lens=[7])
+
+
+def test_the_paged_example_runs_and_matches_float64(capsys):
+    """examples/paged_decode.py, two decode steps (CPU: Triton's interpreter)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "examples" / "paged_decode.py"
+    spec = importlib.util.spec_from_file_location("paged_decode_example", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.main(["--steps", "2"])
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("step")]
+    assert len(lines) == 1 and "73 tokens per sequence" in lines[0]
+    assert float(lines[0].rsplit(" ", 1)[1]) <= TOL
+
+
+@pytest.fixture
+def no_host_reads(monkeypatch):
+    """Within the block, reading a tensor's value on the host (bool/int/float/item/tolist: what a device
+    sync or data-dependent branch needs) fails the test: the CPU stand-in for CUDA's sync debug mode."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def block():
+        with monkeypatch.context() as m:
+            for name in ("__bool__", "__int__", "__float__", "__index__", "item", "tolist"):
+                m.setattr(torch.Tensor, name, lambda *a, _n=name, **k: pytest.fail(f"host read: Tensor.{_n}"))
+            yield
+    return block
+
+
+def test_run_and_a_decode_step_read_nothing_on_the_host(no_host_reads):
+    spec = S(4, 2, 64, A(2, "token", 32), A(4, "channel", 16))
+    gen = torch.Generator().manual_seed(8)
+    cache = PagedKVCache(spec, num_layers=1, page_size=32, num_pages=8, max_seq_len=128, sink=2, window=8)
+    cache.plan(*_table(2, 4, 8, seed=2), seq_lens=[0, 0])
+    cache.append(0, *_tokens(gen, 2, 2, 40, 64))
+    k, v = _tokens(gen, 2, 2, 1, 64)
+    q = torch.randn(2, 4, 64, generator=gen).half()
+    with no_host_reads():
+        for _ in range(3):  # the second step flushes a group of 16 tokens into the pages
+            cache.append(0, k, v)
+            out = cache.attention(0, q)
+    keys, values, lens = cache.dequantized(0)
+    assert lens == [43, 43] and cache.body_len(41) == 16 and cache.body_len(43) == 32
+    assert rel_l2(out, foldc.attention_reference(q, keys, values)) <= TOL

@@ -1,0 +1,193 @@
+"""Paged decode on a CUDA GPU: no host synchronisation in run() or in a decode step, CUDA-graph
+capture and replay (of the wrapper, and of a whole decode step: append + attention over two layers),
+results against float64 attention. Skipped without a GPU (CI).
+
+Run: PYTHONPATH=. python3 -m pytest -q tests/serving/test_paged_gpu.py
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import foldc
+from foldc.serving import PagedDecodeWrapper, PagedKVCache, QuantizedKVCache, gather_pages
+from foldc.testing import bf16_attention, rel_l2
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (sm_90 or sm_100)")
+
+A = foldc.Affine
+S = foldc.AttentionSpec
+TOLERANCE = 1.10  # x the error of bf16 attention over the same dequantized values
+SPECS = {
+    "int2 K-token V-channel": S(32, 8, 128, A(2, "token", 128), A(2, "channel", 128)),
+    "int4 K-channel V-token": S(32, 8, 128, A(4, "channel", 64), A(4, "token", 128)),
+    "int4 token/token": S(32, 8, 128, A(4, "token", 32), A(4, "token", 32)),
+}
+
+
+def _pools(spec, num_pages, page_size, gen):
+    k = torch.randn(num_pages, spec.num_kv_heads, page_size, spec.head_dim, generator=gen)
+    k[..., :3] *= 6.0
+    v = torch.randn(num_pages, spec.num_kv_heads, page_size, spec.head_dim, generator=gen) + 0.5
+    return foldc.quantize(k.cuda(), spec.k), foldc.quantize(v.cuda(), spec.v)
+
+
+def _table(lens, page_size, num_pages, gen):
+    pages = [max(1, -(-n // page_size)) for n in lens]
+    perm = torch.randperm(num_pages, generator=gen)[:sum(pages)]
+    indptr = torch.tensor([0] + torch.tensor(pages).cumsum(0).tolist(), dtype=torch.int32)
+    last = torch.tensor([n - (p - 1) * page_size for n, p in zip(lens, pages)], dtype=torch.int32)
+    return indptr.cuda(), perm.to(torch.int32).cuda(), last.cuda()
+
+
+def _check(spec, q, k_pages, v_pages, indptr, indices, lens, page_size, out):
+    k, _ = gather_pages(k_pages, indptr, indices, lens, page_size)
+    v, _ = gather_pages(v_pages, indptr, indices, lens, page_size)
+    seq = torch.tensor(lens, device="cuda")
+    ref = foldc.attention_reference(q, k, v, seq_lens=seq)
+    err, base = rel_l2(out, ref), rel_l2(bf16_attention(q, k, v, spec.head_dim ** -0.5, seq), ref)
+    assert not torch.isnan(out).any()
+    assert err <= TOLERANCE * base, f"{spec.describe()} lens={lens}: {err:.3e} > {TOLERANCE} x {base:.3e}"
+
+
+@pytest.mark.parametrize("name", sorted(SPECS))
+def test_paged_run_matches_float64_without_host_sync(name):
+    spec, page_size = SPECS[name], 128
+    gen = torch.Generator().manual_seed(len(name))
+    lens = [4099, 1, 130, 2048, 777, 3000, 129, 4096]
+    num_pages = 120
+    k_pages, v_pages = _pools(spec, num_pages, page_size, gen)
+    indptr, indices, last = _table(lens, page_size, num_pages, gen)
+    wrapper = PagedDecodeWrapper(spec, page_size, max_seq_len=4224, device="cuda")
+    wrapper.plan(indptr, indices, last, num_pages=num_pages)
+    q = torch.randn(len(lens), spec.num_q_heads, spec.head_dim, generator=gen).cuda().bfloat16()
+    wrapper.run(q, k_pages, v_pages)  # compile outside the checked region
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = wrapper.run(q, k_pages, v_pages)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    _check(spec, q, k_pages, v_pages, indptr, indices, lens, page_size, out)
+
+
+def test_captured_run_replays_new_page_tables_planned_into_the_same_buffers():
+    spec, page_size, num_pages = SPECS["int2 K-token V-channel"], 128, 80
+    gen = torch.Generator().manual_seed(9)
+    k_pages, v_pages = _pools(spec, num_pages, page_size, gen)
+    wrapper = PagedDecodeWrapper(spec, page_size, max_seq_len=4096, device="cuda")
+    layouts = [[1000, 2000, 300], [4096, 1, 2500], [129, 128, 3333]]
+    tables = [_table(lens, page_size, num_pages, gen) for lens in layouts]
+    wrapper.plan(*tables[0], num_pages=num_pages)
+    q = torch.randn(3, spec.num_q_heads, spec.head_dim, generator=gen).cuda().bfloat16()
+    out = torch.empty_like(q)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        wrapper.run(q, k_pages, v_pages, out=out)  # compile and warm up outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        wrapper.run(q, k_pages, v_pages, out=out)
+    for lens, table in zip(layouts, tables):
+        wrapper.plan(*table, num_pages=num_pages)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        _check(spec, q, k_pages, v_pages, table[0], table[1], lens, page_size, out)
+
+
+def test_captured_decode_step_appends_and_attends_like_the_contiguous_cache():
+    """append + attention over two layers in one CUDA graph, replayed step after step: the paged
+    cache holds the bits the contiguous cache holds, and attention matches float64."""
+    spec = S(32, 8, 128, A(4, "token", 128), A(2, "channel", 64))
+    batch, page_size, layers = 4, 64, 2
+    gen = torch.Generator().manual_seed(17)
+    cache = PagedKVCache(spec, num_layers=layers, page_size=page_size, num_pages=64, max_seq_len=1024, sink=4,
+                         window=32, device="cuda", dtype=torch.bfloat16)
+    indptr = torch.arange(0, batch * 16 + 1, 16, dtype=torch.int32, device="cuda")
+    indices = torch.randperm(64, generator=gen).to(torch.int32).cuda()
+    cache.plan(indptr, indices, seq_lens=[0] * batch)
+    contiguous = QuantizedKVCache(spec, batch, 1024, sink=4, window=32, device="cuda", dtype=torch.bfloat16,
+                                  target="reference")
+
+    def tokens(n):
+        return [(torch.randn(batch, 8, n, 128, generator=gen).cuda().bfloat16(),
+                 (torch.randn(batch, 8, n, 128, generator=gen) + 0.5).cuda().bfloat16()) for _ in range(layers)]
+
+    prompt = tokens(300)
+    for layer, (k, v) in enumerate(prompt):
+        cache.append(layer, k, v)
+    contiguous.append(*prompt[1])
+    static = tokens(1)
+    q = torch.randn(batch, 32, 128, generator=gen).cuda().bfloat16()
+    outs = [torch.empty_like(q) for _ in range(layers)]
+
+    def step():
+        for layer, (k, v) in enumerate(static):
+            cache.append(layer, k, v)
+            outs[layer].copy_(cache.attention(layer, q))
+
+    step()  # warm-up (compiles); one token appended outside the graph
+    contiguous.append(*static[1])
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()  # a decode step does not synchronise
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    contiguous.append(*static[1])
+    graph = torch.cuda.CUDAGraph()
+    counts = cache.num_tokens(0)
+    with torch.cuda.graph(graph):
+        step()
+    assert cache.num_tokens(0) == counts  # a capture records kernels; before_replay() counts each replay
+    for i in range(70):  # crosses channel-group flushes and page boundaries
+        for k, v in static:
+            k.copy_(torch.randn(batch, 8, 1, 128, generator=gen).cuda())
+            v.copy_(torch.randn(batch, 8, 1, 128, generator=gen).cuda() + 0.5)
+        cache.before_replay()
+        graph.replay()
+        contiguous.append(*static[1])
+    torch.cuda.synchronize()
+    got_k, got_v, lens = cache.dequantized(1)
+    want_k, want_v = contiguous.dequantized()
+    assert lens == [contiguous.num_tokens] * batch and contiguous.body_tokens > 300
+    assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
+    ref = foldc.attention_reference(q, want_k, want_v)
+    base = rel_l2(bf16_attention(q, want_k, want_v, 128 ** -0.5, torch.tensor(lens, device="cuda")), ref)
+    assert rel_l2(outs[1], ref) <= 2 * base
+
+
+def test_paged_hf_cache_holds_the_bits_of_the_contiguous_cache_on_the_gpu():
+    """transformers generate (bf16, generated kernels) through PagedFoldcCache, replayed through
+    FoldcCache: every layer holds the same bits; the decode logits agree to bf16 rounding."""
+    transformers = pytest.importorskip("transformers")
+    import foldc.integrations.hf as fhf
+    from foldc.integrations.hf_paged import PagedFoldcCache
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=8,
+                                   num_key_value_heads=2, head_dim=128, vocab_size=256, max_position_embeddings=1024,
+                                   initializer_range=0.05, pad_token_id=0, bos_token_id=1, eos_token_id=None)
+    model = transformers.LlamaForCausalLM(cfg).eval().to("cuda", torch.bfloat16)
+    model.set_attn_implementation(fhf.ATTN_IMPLEMENTATION)
+    ids = torch.randint(3, 256, (2, 300), generator=torch.Generator().manual_seed(1)).cuda()
+    kw = dict(k="token:4:128", v="channel:2:64", sink=4, window=32)
+    paged = PagedFoldcCache(model.config, 400, **kw)
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=40, min_new_tokens=40,
+                             do_sample=False, **{fhf.CACHE_KWARG: paged})
+        contiguous = fhf.FoldcCache(model.config, 400, **kw)
+        logits = []
+        for cache in (paged, contiguous):
+            cache.reset()
+            step = model(out[:, :300], use_cache=True, **{fhf.CACHE_KWARG: cache})
+            for t in range(300, out.shape[1] - 1):
+                step = model(out[:, t:t + 1], use_cache=True, **{fhf.CACHE_KWARG: cache})
+            logits.append(step.logits[:, -1].float())
+    for view, layer in zip(paged.layer_caches, contiguous.layer_caches):
+        assert view.num_tokens == layer.num_tokens == out.shape[1] - 1 and layer.body_tokens == 256
+        for got, want in zip(view.dequantized(), layer.dequantized()):
+            assert torch.equal(got, want)
+    assert rel_l2(logits[0], logits[1]) < 2e-2
