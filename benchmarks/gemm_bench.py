@@ -149,6 +149,9 @@ def table(rows) -> str:
         fold = r["folds"]["w"]
         t = lambda key: f"{r[key]:.4f}" if key in r else "-"  # noqa: E731
         speed = lambda key: f"{r[key] / r['foldc_ms']:.2f}x" if key in r and "foldc_ms" in r else "-"  # noqa: E731
+        if "skipped" in r:   # not run (deadline): say so rather than print it as a failure
+            lines.append(f"{r['case']:<17} {r['n']}x{r['k']:<6} {r['tokens']:>4} not run: {r['skipped']}")
+            continue
         lines.append(f"{r['case']:<17} {r['n']}x{r['k']:<6} {r['tokens']:>4} {fold:<9} {'yes' if r.get('ok') else 'NO':<3} "
                      f"{r.get('error', math.nan):>8.1e} {r.get('torch_bf16_error', math.nan):>8.1e} {t('foldc_ms'):>9} "
                      f"{t('foldc_dequant_ms'):>9} "

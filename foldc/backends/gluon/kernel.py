@@ -178,8 +178,10 @@ def _tile(n0, end, kw, vw, ks, kz, vs, vz, m_i, l_i, zsum, acc_o, tm, q16, q_bia
         t = ks.to(gl.float32)[:, None] * ((sacc - q_bias[None, :]) * row_scale[None, :]) + \
             kz.to(gl.float32)[:, None] * q_sum[None, :]
     else:
-        # operand-fold: q16 was pre-scaled by this group's channel scales; q_sum = sum(q x zero) (eq. 4, 6)
-        t = (sacc - q_bias[None, :]) * row_scale[None, :] + q_sum[None, :]
+        # operand-fold: q16 was pre-scaled by this group's channel scales (and its own power of two);
+        # here q_bias is that group's scale back to logits and q_sum its offset: the bias removed and
+        # sum(q x zero) added (eq. 4, 6, 7), see _key_group
+        t = sacc * q_bias[None, :] + q_sum[None, :]
     if MASKED:
         t = gl.where((n0 + tm < end)[:, None], t, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(t, axis=0))
@@ -203,17 +205,22 @@ def _tile(n0, end, kw, vw, ks, kz, vs, vz, m_i, l_i, zsum, acc_o, tm, q16, q_bia
 
 
 @gluon.jit
-def _key_group(qv, c, field, chan, KSg, KZg, qk_scale, BITS: gl.constexpr, KEY_BIAS: gl.constexpr):
-    """Channel-wise K: the query pre-scaled by one token group's channel scales (operand-fold,
-    eq. 4), the bias it carries (eq. 7) and the zero correction sum(q x zero) (eq. 6)."""
+def _key_group(qv, field, chan, KSg, KZg, qk_scale, BITS: gl.constexpr, KEY_BIAS: gl.constexpr):
+    """Channel-wise K, one token group: the query pre-scaled by the group's channel scales and field
+    weights (operand-fold, eq. 4), each row by its own power of two c so the largest entry sits
+    near 2^12 (large channel scales must not overflow fp16), and the logits' affine map
+    ``t = acc * mul + add`` with mul = qk_scale / c and add = -mul * bias * sum(q') + qk_scale *
+    sum(q x zero) (eq. 6, 7)."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
     row_l: gl.constexpr = gl.SliceLayout(0, mma)
     sk = gl.load(KSg + chan).to(gl.float32)
     zk = gl.load(KZg + chan).to(gl.float32)
-    q16 = (qv * c[None, :] * (sk * gl.exp2(-(field * BITS).to(gl.float32)))[:, None]).to(gl.float16)
-    q_bias = gl.convert_layout(gl.sum(q16.to(gl.float32), axis=0) * KEY_BIAS, row_l)
-    q_sum = gl.convert_layout(gl.sum(qv * zk[:, None], axis=0) * qk_scale, row_l)
-    return q16, q_bias, q_sum
+    qs = qv * (sk * gl.exp2(-(field * BITS).to(gl.float32)))[:, None]
+    c = gl.exp2(12.0 - gl.floor(gl.log2(gl.maximum(gl.max(gl.abs(qs), axis=0), 1e-30))))
+    q16 = (qs * c[None, :]).to(gl.float16)
+    mul = qk_scale / c
+    add = gl.sum(qv * zk[:, None], axis=0) * qk_scale - mul * KEY_BIAS * gl.sum(q16.to(gl.float32), axis=0)
+    return q16, gl.convert_layout(mul, row_l), gl.convert_layout(add, row_l)
 
 
 @gluon.jit
@@ -272,7 +279,7 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC,
         q_sum = gl.convert_layout(gl.sum(qv, axis=0) * qk_scale, row_l)
     else:
         g0 = start // KEY_G
-        q16, q_bias, q_sum = _key_group(qv, c, field, chan, KSp + g0 * stride_ksn, KZp + g0 * stride_ksn, qk_scale,
+        q16, q_bias, q_sum = _key_group(qv, field, chan, KSp + g0 * stride_ksn, KZp + g0 * stride_ksn, qk_scale,
                                         BITS, KEY_BIAS)
     # row m of O^T is channel operands.value_channel(m)
     cm = gl.arange(0, D, layout=tok_l)
@@ -310,7 +317,7 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC,
             n0 = start + i * BN
             if KEY_G > 0:
                 if n0 % KEY_G == 0:
-                    q16, q_bias, q_sum = _key_group(qv, c, field, chan, KSp + (n0 // KEY_G) * stride_ksn,
+                    q16, q_bias, q_sum = _key_group(qv, field, chan, KSp + (n0 // KEY_G) * stride_ksn,
                                                     KZp + (n0 // KEY_G) * stride_ksn, qk_scale, BITS, KEY_BIAS)
             if VAL_G > 0:
                 if n0 % VAL_G == 0:
@@ -334,7 +341,7 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC,
     full_end = start + n_full * BN
     if full_end < end:
         if KEY_G > 0:
-            q16, q_bias, q_sum = _key_group(qv, c, field, chan, KSp + (full_end // KEY_G) * stride_ksn,
+            q16, q_bias, q_sum = _key_group(qv, field, chan, KSp + (full_end // KEY_G) * stride_ksn,
                                             KZp + (full_end // KEY_G) * stride_ksn, qk_scale, BITS, KEY_BIAS)
         if VAL_G > 0:
             v_scale, v_zero = _value_group(VSp + (full_end // VAL_G) * stride_vsn,

@@ -100,7 +100,8 @@ class GluonAttention:
         call = check_call(self.spec, q, k, v, sm_scale, seq_lens, q_dtypes=DTYPES)
         device = q.device
         if device.type != "cuda":
-            raise InputError(f"the register-operand kernel runs on a CUDA GPU; q is on {device}")
+            raise InputError(f"the register-operand kernel runs on a CUDA GPU; q is on {device}. Use "
+                             "target='interpret' (CPU, fp16) or 'reference'")
         for name, x in (("k", k), ("v", v)):
             for t in (x.codes, x.scale, x.zero):
                 if not t.is_contiguous():
