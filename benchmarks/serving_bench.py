@@ -2,6 +2,8 @@
 
     PYTHONPATH=. python3 benchmarks/serving_bench.py --out $OUT/serving          # H200
     PYTHONPATH=. python3 benchmarks/serving_bench.py --dry-run --out /tmp/serving  # CPU, tiny, interpreter
+    PYTHONPATH=. python3 benchmarks/serving_bench.py --out $OUT/serving --parts throughput \
+        --prompt 1024 --new-tokens 32 --batches 1      # a shorter throughput table
 
 Parts (each guarded: a failing part is recorded and the next one runs):
 
@@ -465,11 +467,26 @@ def main(argv=None) -> int:
     ap.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU under Triton's interpreter")
     ap.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)}")
     ap.add_argument("--budget-s", type=float, default=450.0, help="skip the parts left once this many seconds passed")
+    ap.add_argument("--prompt", type=int, default=None, help="throughput: prompt tokens (default 4096)")
+    ap.add_argument("--new-tokens", type=int, default=None, help="throughput: generated tokens (default 128)")
+    ap.add_argument("--batches", default=None, help="throughput and kernel timing: comma-separated batch sizes "
+                    "(default 1,8)")
     args = ap.parse_args(argv)
     if not args.dry_run and not torch.cuda.is_available():
         print("no CUDA GPU: run with --dry-run for the CPU check of this script", file=sys.stderr)
         return 2
     c = Ctx(args.dry_run)
+    if args.prompt is not None or args.new_tokens is not None:
+        if (args.prompt or 1) < 1 or (args.new_tokens or 1) < 1:
+            ap.error(f"--prompt={args.prompt} and --new-tokens={args.new_tokens} must be positive")
+        c.prompt, c.new = args.prompt or c.prompt, args.new_tokens or c.new
+    if args.batches:
+        try:
+            c.batches = tuple(int(b) for b in args.batches.split(","))
+        except ValueError:
+            ap.error(f"--batches={args.batches!r}: use comma-separated positive integers, e.g. 1,8")
+        if min(c.batches) < 1:
+            ap.error(f"--batches={args.batches!r}: every batch size must be at least 1")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     meta = {"torch": torch.__version__, "python": platform.python_version(), "dry_run": args.dry_run,
