@@ -105,13 +105,7 @@ def compile(spec: AttentionSpec, target: str = "reference", **options):  # noqa:
         raise SpecError(f"kernel={kernel!r} is not one of {KERNELS}")
     if target == "auto":
         target = detect_target()
-    if target in GPU_TARGETS:
-        if not torch.cuda.is_available():
-            raise SpecError(f"target={target!r} needs a CUDA GPU and none is visible; use target='interpret' "
-                            "(CPU, fp16) or 'reference', or build ahead of time with `foldc compile`")
-        major = torch.cuda.get_device_capability()[0]
-        if major != GPU_TARGETS[target]:
-            raise SpecError(f"target={target!r} but the GPU has compute capability {major}.x; use target='auto'")
+    check_gpu_target(target)
     if kernel != "triton" and target == "sm_90":
         from .backends.gluon.lower import lowerable
 
@@ -137,6 +131,18 @@ def compile(spec: AttentionSpec, target: str = "reference", **options):  # noqa:
     from .backends.triton import TritonAttention
 
     return TritonAttention(spec, target, **options)
+
+
+def check_gpu_target(target: str) -> None:
+    """For an sm_90 / sm_100 target: a GPU of that generation must be visible (else SpecError)."""
+    if target not in GPU_TARGETS:
+        return
+    if not torch.cuda.is_available():
+        raise SpecError(f"target={target!r} needs a CUDA GPU and none is visible; use target='interpret' "
+                        "(CPU, fp16) or 'reference', or build ahead of time with `foldc compile`")
+    major = torch.cuda.get_device_capability()[0]
+    if major != GPU_TARGETS[target]:
+        raise SpecError(f"target={target!r} but the GPU has compute capability {major}.x; use target='auto'")
 
 
 def detect_target() -> str:

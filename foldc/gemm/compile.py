@@ -6,15 +6,12 @@ Triton's interpreter, CPU, fp16), ``"auto"``.
 """
 from __future__ import annotations
 
-import torch
-
 from ..errors import SpecError
 from .plan import gemm_plan
 from .reference import ReferenceGemm
 from .spec import GemmSpec
 
 TARGETS = ("reference", "auto", "sm_90", "sm_100", "interpret")
-GPU_TARGETS = {"sm_90": 9, "sm_100": 10}
 
 
 def compile_gemm(spec: GemmSpec, target: str = "reference", **options):
@@ -26,17 +23,11 @@ def compile_gemm(spec: GemmSpec, target: str = "reference", **options):
         if options:
             raise SpecError(f"unknown option(s) {sorted(options)} for target='reference'; it takes none")
         return ReferenceGemm(gemm_plan(spec))
-    if target == "auto":
-        from ..compile import detect_target
+    from ..compile import check_gpu_target, detect_target
 
+    if target == "auto":
         target = detect_target()
-    if target in GPU_TARGETS:
-        if not torch.cuda.is_available():
-            raise SpecError(f"target={target!r} needs a CUDA GPU and none is visible; use target='interpret' "
-                            "(CPU, fp16) or 'reference', or build ahead of time with `foldc compile`")
-        major = torch.cuda.get_device_capability()[0]
-        if major != GPU_TARGETS[target]:
-            raise SpecError(f"target={target!r} but the GPU has compute capability {major}.x; use target='auto'")
+    check_gpu_target(target)
     from ..backends.triton.gemm_launch import TritonGemm
 
     return TritonGemm(spec, target, **options)
