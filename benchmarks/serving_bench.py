@@ -29,10 +29,8 @@ under ``--out``.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib.util
 import json
-import math
 import platform
 import sys
 import time

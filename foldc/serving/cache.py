@@ -54,6 +54,21 @@ def _count(name: str, value, minimum: int) -> int:
     return value
 
 
+
+def check_new_tokens(name: str, x, batch: int, spec, dtype: torch.dtype, device: torch.device) -> None:
+    """Tokens to append: a tensor [batch, kv_heads, tokens, head_dim] of the cache's dtype and device."""
+    if not isinstance(x, torch.Tensor):
+        raise InputTypeError(f"{name} must be a torch.Tensor [batch, kv_heads, tokens, head_dim], "
+                             f"got {type(x).__name__}")
+    want = (batch, spec.num_kv_heads, spec.head_dim)
+    if x.dim() != 4 or (x.shape[0], x.shape[1], x.shape[3]) != want:
+        raise InputError(f"{name} shape={tuple(x.shape)} but this cache holds [{want[0]}, {want[1]}, tokens, "
+                         f"{want[2]}] (batch, kv_heads, tokens, head_dim): mismatched heads or batch")
+    if x.dtype != dtype:
+        raise InputError(f"{name} dtype={x.dtype} but the cache was built with dtype={dtype}; pass {name}.to({dtype})")
+    if x.device != device:
+        raise InputError(f"{name} is on {x.device} but the cache is on {device}; move it there")
+
 class QuantizedKVCache:
     """One layer's KV cache for decode attention with ``spec``.
 
@@ -146,18 +161,7 @@ class QuantizedKVCache:
     # ---- append -------------------------------------------------------------------------------
 
     def _check_tokens(self, name: str, x) -> None:
-        if not isinstance(x, torch.Tensor):
-            raise InputTypeError(f"{name} must be a torch.Tensor [batch, kv_heads, tokens, head_dim], "
-                                 f"got {type(x).__name__}")
-        want = (self.batch, self.spec.num_kv_heads, self.spec.head_dim)
-        if x.dim() != 4 or (x.shape[0], x.shape[1], x.shape[3]) != want:
-            raise InputError(f"{name} shape={tuple(x.shape)} but this cache holds [{want[0]}, {want[1]}, tokens, "
-                             f"{want[2]}] (batch, kv_heads, tokens, head_dim)")
-        if x.dtype != self.dtype:
-            raise InputError(f"{name} dtype={x.dtype} but the cache was built with dtype={self.dtype}; "
-                             f"pass {name}.to({self.dtype})")
-        if x.device != self.device:
-            raise InputError(f"{name} is on {x.device} but the cache is on {self.device}; move it there")
+        check_new_tokens(name, x, self.batch, self.spec, self.dtype, self.device)
 
     def append(self, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
         """Add ``T`` tokens, ``k_new`` and ``v_new`` of shape [batch, kv_heads, T, head_dim].

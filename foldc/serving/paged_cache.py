@@ -30,11 +30,12 @@ import torch
 
 from ..compile import compile as compile_attention
 from ..encoding import AffineTensor
-from ..errors import InputError, InputTypeError, SpecError
+from ..errors import InputError, SpecError
 from ..merge import merge_attention
 from ..reference import attention_reference
 from ..spec import AttentionSpec
 from .append import append_paged
+from .cache import check_new_tokens
 from .cache import resolve_device
 from .paged import PagedDecodeWrapper, gather_pages, launch_plain, page_pool
 
@@ -182,18 +183,7 @@ class PagedKVCache:
     # ---- append ---------------------------------------------------------------------------------
 
     def _check_tokens(self, name: str, x) -> None:
-        if not isinstance(x, torch.Tensor):
-            raise InputTypeError(f"{name} must be a torch.Tensor [batch, kv_heads, tokens, head_dim], got "
-                                 f"{type(x).__name__}")
-        want = (self.batch, self.spec.num_kv_heads, self.spec.head_dim)
-        if x.dim() != 4 or (x.shape[0], x.shape[1], x.shape[3]) != want:
-            raise InputError(f"{name} shape={tuple(x.shape)} but this cache holds [{want[0]}, {want[1]}, tokens, "
-                             f"{want[2]}] (batch, kv_heads, tokens, head_dim): mismatched heads or batch")
-        if x.dtype != self.dtype:
-            raise InputError(f"{name} dtype={x.dtype} but the cache was built with dtype={self.dtype}; pass "
-                             f"{name}.to({self.dtype})")
-        if x.device != self.device:
-            raise InputError(f"{name} is on {x.device} but the cache is on {self.device}; move it there")
+        check_new_tokens(name, x, self.batch, self.spec, self.dtype, self.device)
 
     def append(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
         """Add ``T`` tokens per sequence to ``layer``.

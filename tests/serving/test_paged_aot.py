@@ -15,8 +15,8 @@ BUILD = r"""
 import json, re, sys
 import torch
 import triton
-from triton._C.libtriton import native_specialize_impl
-from triton.backends.compiler import BaseBackend, GPUTarget
+from foldc.backends.triton.aot import specialize
+from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 import foldc
 from foldc.backends.triton.launch import _interpret, kernel_source, load_module, runtime_arguments
@@ -35,15 +35,7 @@ for arch, dtype, k, v in json.loads(sys.argv[1]):
     values = runtime_arguments(torch.randn(4, 32, 128).to(tdt), kp, vp, torch.ones(4, dtype=torch.int32), ws,
                                0.1, 1024, 4)
     values.update(KV_INDPTR=torch.zeros(5, dtype=torch.int32), KV_INDICES=torch.zeros(pages, dtype=torch.int32))
-    sig, const, attrs = {}, {}, {}
-    for i, name in enumerate(ks.args):
-        kind, key = native_specialize_impl(BaseBackend, values[name], False, True, True)
-        if kind == "constexpr":
-            sig[name], const[name] = "constexpr", key
-            continue
-        sig[name] = kind
-        if key == "D":
-            attrs[(i,)] = [["tt.divisibility", 16]]
+    sig, const, attrs = specialize(ks.args, values)
     const.update(Q_PER_KV=4, ROWS=geo.rows, BLOCK_N=geo.block_n, HEAD_DIM=128, NUM_KV_HEADS=8, PAGE_SIZE=128)
     sig.update({c: "constexpr" for c in const})
     with _interpret(False):

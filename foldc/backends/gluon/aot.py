@@ -13,6 +13,7 @@ from pathlib import Path
 
 from ...cost import token_loop_lane_slots_per_byte
 from ...errors import SpecError
+from ..triton.aot import write_artifacts
 from ..triton.sass import _tool, inner_loop, lane_slots_per_byte
 from .launch import constexprs
 from .lower import gluon_plan, lower
@@ -71,12 +72,7 @@ def compile_gluon_aot(spec, arch: str, out_dir: str | Path, dtype: str = "bf16",
     compiled = triton.compile(GluonASTSource(foldc_decode_gluon, signature, constexprs=consts, attrs=attrs),
                               target=GPUTarget("cuda", {"sm_90": 90, "sm_100": 100}[arch], 32), options=options)
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    for ext in ("ttgir", "llir", "ptx"):
-        if ext in compiled.asm:
-            (out / f"foldc_decode_gluon.{arch}.{ext}").write_text(compiled.asm[ext])
-    cubin = out / f"foldc_decode_gluon.{arch}.cubin"
-    cubin.write_bytes(compiled.asm["cubin"])
+    cubin = write_artifacts(out, "foldc_decode_gluon", arch, compiled)
     loop = inner_loop(cubin)
     tile_bytes = 2 * block_n * (cfg.head_dim * cfg.bits / 8 + 4)   # codes + fp16 scale and zero, K and V
     ptx = compiled.asm["ptx"]

@@ -36,9 +36,6 @@ def _specialize(spec, ks, geo, dtype: str, batch: int = 4, tokens: int = 4096):
     representative tensors go through the launcher's own argument builder, and each value
     through triton's specialization (ints equal to 1 become constants, multiples of 16 and
     16-byte-aligned pointers get divisibility 16), so the build matches what runs."""
-    from triton._C.libtriton import native_specialize_impl
-    from triton.backends.compiler import BaseBackend
-
     from ...encoding import quantize
     from .launch import runtime_arguments
 
@@ -54,8 +51,17 @@ def _specialize(spec, ks, geo, dtype: str, batch: int = 4, tokens: int = 4096):
         (torch.empty(batch, spec.num_kv_heads, splits, geo.rows, spec.head_dim), )
     lens = torch.full((batch,), tokens, dtype=torch.int32)
     values = runtime_arguments(q, cache(spec.k), cache(spec.v), lens, ws, 0.1, tokens // splits, splits)
+    return specialize(ks.args, values)
+
+
+def specialize(arg_names, values: dict) -> tuple[dict, dict, dict]:
+    """(signature, constexprs, attrs) the runtime JIT derives from these argument values: ints equal
+    to 1 become constants, multiples of 16 and 16-byte-aligned pointers get divisibility 16."""
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+
     signature, constexprs, attrs = {}, {}, {}
-    for i, name in enumerate(ks.args):
+    for i, name in enumerate(arg_names):
         kind, key = native_specialize_impl(BaseBackend, values[name], False, True, True)
         if kind == "constexpr":
             signature[name], constexprs[name] = "constexpr", key
@@ -64,6 +70,21 @@ def _specialize(spec, ks, geo, dtype: str, batch: int = 4, tokens: int = 4096):
         if key == "D":
             attrs[(i,)] = [["tt.divisibility", 16]]
     return signature, constexprs, attrs
+
+
+def write_artifacts(out_dir, name: str, arch: str, compiled, source: str | None = None) -> Path:
+    """Write ``name``.py (the generated source, if any) and its TTIR/TTGIR/LLIR/PTX/cubin for
+    ``arch`` into ``out_dir``; return the cubin's path."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if source is not None:
+        (out / f"{name}.py").write_text(source)
+    for ext in ("ttir", "ttgir", "llir", "ptx"):
+        if ext in compiled.asm:
+            (out / f"{name}.{arch}.{ext}").write_text(compiled.asm[ext])
+    cubin = out / f"{name}.{arch}.cubin"
+    cubin.write_bytes(compiled.asm["cubin"])
+    return cubin
 
 
 def mma_instructions(ptx: str) -> dict[str, int]:
@@ -93,13 +114,7 @@ def compile_aot(spec, arch: str, out_dir: str | Path, dtype: str = "bf16", block
         compiled = triton.compile(ASTSource(module.foldc_decode, signature, constexprs=constexprs, attrs=attrs),
                                   target=target, options={"num_warps": num_warps, "num_stages": num_stages})
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "foldc_decode.py").write_text(ks.source)
-    for ext in ("ttir", "ttgir", "llir", "ptx"):
-        if ext in compiled.asm:
-            (out / f"foldc_decode.{arch}.{ext}").write_text(compiled.asm[ext])
-    (out / f"foldc_decode.{arch}.cubin").write_bytes(compiled.asm["cubin"])
-    loop = inner_loop(out / f"foldc_decode.{arch}.cubin")
+    loop = inner_loop(write_artifacts(out, "foldc_decode", arch, compiled, ks.source))
     tile_bytes = sum(bytes_per_tile(getattr(spec, n), geo.block_n, spec.head_dim) for n in ("k", "v"))
     model = {name: lane_slots_per_byte_model(arch, p.fold, p.bits, float(p.fold_ops_per_value or 0))
              for name, p in the_plan.products.items() if p.fold not in ("none",)}

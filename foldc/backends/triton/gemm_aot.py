@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 
 from ...errors import SpecError
-from .aot import ARCHS, mma_instructions
+from .aot import ARCHS, mma_instructions, write_artifacts
 from .gemm_launch import gemm_kernel_source, k_chunk, launch_config
 from .launch import _interpret, load_module
 
@@ -67,12 +67,7 @@ def compile_gemm_aot(spec, arch: str, out_dir: str | Path, dtype: str = "bf16", 
                                   target=GPUTarget("cuda", ARCHS[arch], 32),
                                   options={"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]})
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "foldc_gemm.py").write_text(ks.source)
-    for ext in ("ttir", "ttgir", "llir", "ptx"):
-        if ext in compiled.asm:
-            (out / f"foldc_gemm.{arch}.{ext}").write_text(compiled.asm[ext])
-    (out / f"foldc_gemm.{arch}.cubin").write_bytes(compiled.asm["cubin"])
+    write_artifacts(out, "foldc_gemm", arch, compiled, ks.source)
     report = {
         "spec": spec.describe(), "folds": the_plan.folds, "arch": arch, "dtype": dtype,
         "mma_inputs": "int8" if ks.int8_dot else dtype, "group": ks.group, "rows": rows,
