@@ -95,3 +95,19 @@ def check_call(spec: AttentionSpec, q, k, v, sm_scale, seq_lens,
                                  "cache")
         lens = lens.to(device=q.device, dtype=torch.int64)
     return CallShape(batch, nk, sm_scale, lens)
+
+
+def output_buffer(out: torch.Tensor | None, want: tuple[int, ...], q: torch.Tensor) -> torch.Tensor:
+    """The tensor a kernel writes its attention output into: ``out`` when given, else a new one in
+    q's dtype. ``out`` may be q's dtype or float32; float32 keeps partial outputs unrounded for a
+    later `foldc.merge_attention` (merging two bf16-rounded parts rounds twice)."""
+    if out is None:
+        return torch.empty(want, device=q.device, dtype=q.dtype)
+    if not isinstance(out, torch.Tensor):
+        raise InputTypeError(f"out must be a torch.Tensor {want}, got {type(out).__name__}")
+    if (tuple(out.shape) != tuple(want) or out.dtype not in (q.dtype, torch.float32) or out.device != q.device
+            or out.stride(-1) != 1):
+        raise InputError(f"out has shape={tuple(out.shape)}, dtype={out.dtype}, device={out.device}, strides "
+                         f"{out.stride()}; it must be {tuple(want)} in q's dtype {q.dtype} or float32, on "
+                         f"{q.device}, with unit stride along head_dim")
+    return out

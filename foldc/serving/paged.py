@@ -31,6 +31,7 @@ from ..encoding import AffineTensor
 from ..errors import InputError, InputTypeError, SpecError
 from ..plan import plan as make_plan
 from ..spec import AttentionSpec
+from ..validate import output_buffer
 from .cache import resolve_device
 
 
@@ -387,11 +388,7 @@ class PagedDecodeWrapper:
                              f"{list(dtypes)}")
         if q.stride(-1) != 1:
             raise InputError(f"q must have unit stride along head_dim; got strides {q.stride()}")
-        if out is None:
-            out = torch.empty(want, device=q.device, dtype=q.dtype)
-        elif tuple(out.shape) != want or out.dtype != q.dtype or out.device != q.device or out.stride(-1) != 1:
-            raise InputError(f"out has shape={tuple(out.shape)}, dtype={out.dtype}, device={out.device}; it must be "
-                             f"{want} in q's dtype on {q.device} with unit stride along head_dim")
+        out = output_buffer(out, want, q)
         lse = torch.empty(want[:2], device=q.device, dtype=torch.float32)
         module, ks, geo, _ = self._attn.kernels(DTYPES[q.dtype], self.block_n, paged=True)
         buf = self._buffers

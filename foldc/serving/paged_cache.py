@@ -302,11 +302,14 @@ class PagedKVCache:
             k, v, lens = self.dequantized(layer)
             return attention_reference(q, k, v, sm_scale=scale, seq_lens=torch.tensor(lens)).to(q.dtype)
         pools = self.pools[layer]
-        body = self.wrapper.run(q, pools["k"], pools["v"], sm_scale=scale, return_lse=True, seq_lens=st["body"])
-        out = torch.empty_like(q)
+        # both parts stay float32 until the merge: one rounding to q's dtype, not two
+        body = self.wrapper.run(q, pools["k"], pools["v"], sm_scale=scale, return_lse=True, seq_lens=st["body"],
+                                out=torch.empty(want, dtype=torch.float32, device=q.device))
+        out = torch.empty(want, dtype=torch.float32, device=q.device)
         lse = torch.empty(want[:2], dtype=torch.float32, device=q.device)
         launch_plain(self._plain_attn, q, st["k"], st["v"], st["plain"], scale, out, lse)
-        return merge_attention([body, (out, lse)])[0]
+        merged, _ = merge_attention([body, (out, lse)])
+        return merged.to(q.dtype)
 
     def dequantized(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
         """(k, v, lengths): every token of ``layer`` as float32 ``[batch, kv_heads, max_tokens, head_dim]``

@@ -297,8 +297,22 @@ def test_out_wrong_shape(vattn, vinputs):
 
 def test_out_wrong_dtype(vattn, vinputs):
     q, k, v = vinputs
-    _raises(InputError, lambda: vattn(q, k, v, out=torch.empty(2, 4, 64, dtype=torch.float32)),
-            "dtype=torch.float32", "q's dtype torch.float16")
+    _raises(InputError, lambda: vattn(q, k, v, out=torch.empty(2, 4, 64, dtype=torch.float64)),
+            "dtype=torch.float64", "q's dtype torch.float16 or float32")
+
+
+@needs_interpreter
+def test_float32_out_keeps_the_unrounded_output(vattn, vinputs):
+    """A float32 ``out`` receives the merged output before any rounding to q's dtype: it rounds to
+    exactly the fp16 result, and sits closer to float64 than that result does."""
+    q, k, v = vinputs
+    out = torch.full((2, 4, 64), float("nan"), dtype=torch.float32)
+    got, lse = vattn(q, k, v, out=out, return_lse=True)
+    assert got is out and not torch.isnan(out).any()
+    rounded = vattn(q, k, v)
+    assert torch.equal(out.to(F16), rounded)
+    ref = foldc.attention_reference(q, k, v)
+    assert (out.double() - ref).norm() <= (rounded.double() - ref).norm()
 
 
 def test_out_not_unit_stride(vattn, vinputs):

@@ -77,6 +77,9 @@ def test_paged_kernel_matches_float64_over_random_page_tables(name, page_size, b
     _, ref_lse = foldc.compile(spec, "reference")(q, k, v, sm_scale=sm_scale, seq_lens=torch.tensor(table.seq_lens),
                                                   return_lse=True)
     assert torch.allclose(lse.double(), ref_lse, rtol=0, atol=1e-2)  # logits carry the fp16 MMA rounding
+    # a float32 out holds the same output before its one rounding to q's dtype
+    wide = wrapper.run(q, k_pages, v_pages, sm_scale=sm_scale, out=torch.empty(q.shape, dtype=torch.float32))
+    assert wide.dtype == torch.float32 and torch.equal(wide.to(q.dtype), got)
 
 
 @pytest.mark.parametrize("name", ["K token2 / V channel4", "K channel2 / V token4"])

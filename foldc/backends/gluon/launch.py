@@ -12,7 +12,7 @@ import math
 import torch
 
 from ...errors import InputError, SpecError
-from ...validate import check_call
+from ...validate import check_call, output_buffer
 from ..triton.launch import MERGE_SOURCE, launch_merge, load_module, num_sms
 from .lower import FoldKernel, gluon_plan, lower
 from .operands import key_unpack_asm, value_unpack_asm
@@ -124,11 +124,7 @@ class GluonAttention:
         ws_l = torch.empty_like(ws_m)
         ws_acc = torch.empty(b, hkv, splits, cfg.rows, cfg.head_dim, device=device, dtype=torch.float32)
         want = (b, self.spec.num_q_heads, cfg.head_dim)
-        if out is None:
-            out = torch.empty(want, device=device, dtype=q.dtype)
-        elif tuple(out.shape) != want or out.dtype != q.dtype or out.device != device or out.stride(-1) != 1:
-            raise InputError(f"out has shape={tuple(out.shape)}, dtype={out.dtype}, device={out.device}; it must be "
-                             f"{want} in q's dtype {q.dtype} on {device} with unit stride along head_dim")
+        out = output_buffer(out, want, q)
         lse = torch.empty(b, self.spec.num_q_heads, device=device, dtype=torch.float32)
         decode, merge = self._kernels()
         kc, vc = k.codes.view(torch.int32), v.codes.view(torch.int32)

@@ -22,7 +22,7 @@ import triton
 from ...encoding import AffineTensor
 from ...errors import InputError, SpecError
 from ...plan import Plan, plan
-from ...validate import check_call
+from ...validate import check_call, output_buffer
 from .codegen import MAGIC, KernelSource, generate, magic_ok
 from .layout import TileGeometry, geometry
 
@@ -328,11 +328,7 @@ class TritonAttention:
         ws_l = torch.empty_like(ws_m)
         ws_acc = torch.empty(b, hkv, splits, geo.rows, self.spec.head_dim, device=device, dtype=torch.float32)
         want = (b, self.spec.num_q_heads, self.spec.head_dim)
-        if out is None:
-            out = torch.empty(want, device=device, dtype=q.dtype)
-        elif tuple(out.shape) != want or out.dtype != q.dtype or out.device != device or out.stride(-1) != 1:
-            raise InputError(f"out has shape={tuple(out.shape)}, dtype={out.dtype}, device={out.device}; it must be "
-                             f"{want} in q's dtype {q.dtype} on {device} with unit stride along head_dim")
+        out = output_buffer(out, want, q)
         runtime = runtime_arguments(q, k, v, lens, (ws_m, ws_l, ws_acc), call.sm_scale, per_split, splits)
         args = [runtime[a] for a in ks.args]
         lse = torch.empty(b, self.spec.num_q_heads, device=device, dtype=torch.float32)
