@@ -27,10 +27,24 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--shapes", help="comma-separated BATCHxTOKENS, e.g. 8x65536,32x16384")
+    ap.add_argument("--pack", default="1,auto", help="pack_heads values to try (auto: the launcher's choice)")
+    ap.add_argument("--maxnreg", default="none,128", help="register caps to try (none: the compiler's)")
+    ap.add_argument("--block-n", default="32,64")
+    ap.add_argument("--stages", default="2,3")
+    ap.add_argument("--split-factor", default="0.5,1,2")
+    ap.add_argument("--deadline", type=float, default=1e9, help="seconds after which no new shape starts")
     args = ap.parse_args()
     shapes = [(1, 4096), (1, 16384), (1, 131072), (8, 4096), (8, 65536), (32, 16384), (64, 32768)]
-    options = [dict(block_n=bn, stages=st, maxnreg=mr, split_factor=sf)
-               for bn, st, mr, sf in itertools.product((32, 64), (2, 3), (None, 128), (0.5, 1.0, 2.0))]
+    if args.shapes:
+        shapes = [tuple(int(x) for x in sh.split("x")) for sh in args.shapes.split(",")]
+
+    def values(text, cast):
+        return [None if x in ("none", "auto") else cast(x) for x in text.split(",")]
+    options = [dict(block_n=bn, stages=st, maxnreg=mr, split_factor=sf, pack_heads=ph)
+               for ph, bn, st, mr, sf in itertools.product(values(args.pack, int), values(args.block_n, int),
+                                                           values(args.stages, int), values(args.maxnreg, int),
+                                                           values(args.split_factor, float))]
     if args.quick:
         shapes, options = shapes[1:3] + shapes[4:5], options[:4]
     rows = []
@@ -39,6 +53,9 @@ def main() -> int:
         enc = foldc.Affine(bits, "token", 128)
         spec = foldc.AttentionSpec(32, 8, 128, enc, enc)
         for b, n in shapes:
+            if time.time() - t0 > args.deadline:
+                print(f"int{bits} {b}x{n}: not run, deadline of {args.deadline:g} s reached", flush=True)
+                continue
             gen = torch.Generator(device="cuda").manual_seed(b * n + bits)
             q = torch.randn(b, 32, 128, device="cuda", generator=gen).to(torch.bfloat16)
             k = foldc.quantize(torch.randn(b, 8, n, 128, device="cuda", generator=gen), enc)
@@ -51,7 +68,9 @@ def main() -> int:
                     continue
                 row = {"bits": bits, "batch": b, "tokens": n, **opt}
                 try:
-                    attn = foldc.compile(spec, "sm_90", kernel="gluon", **opt)
+                    attn = foldc.compile(spec, "sm_90", kernel="gluon", **{k: v for k, v in opt.items()
+                                                                             if v is not None})
+                    row["pack_heads"] = attn.heads
                     out = attn(q, k, v)
                     if ref is not None:
                         row["error"] = rel_l2(out, ref)
@@ -66,9 +85,19 @@ def main() -> int:
             if best:
                 print(f"int{bits} {b}x{n}: best {min(t for t in (best['graph_us'], best['eager_us']) if t):.1f} us "
                       f"({best['pct_ceiling']:.0f}%) bn{best['block_n']} st{best['stages']} "
-                      f"reg{best['maxnreg']} sf{best['split_factor']} err {best.get('error')}", flush=True)
+                      f"reg{best['maxnreg']} sf{best['split_factor']} H{best.get('pack_heads')} err {best.get('error')}",
+                      flush=True)
+                for ph in sorted({r.get("pack_heads") for r in rows if "pct_ceiling" in r} - {None}):
+                    mine = [r for r in rows if r["bits"] == bits and r["batch"] == b and r["tokens"] == n
+                            and r.get("pack_heads") == ph and "pct_ceiling" in r]
+                    if mine:
+                        top = max(mine, key=lambda r: r["pct_ceiling"])
+                        print(f"    H{ph}: {top['pct_ceiling']:.0f}% bn{top['block_n']} st{top['stages']} "
+                              f"reg{top['maxnreg']} sf{top['split_factor']}", flush=True)
             del q, k, v
             torch.cuda.empty_cache()
+            with open(args.out, "w") as f:   # after every shape: a cut-off run keeps what it measured
+                json.dump(rows, f, indent=1)
     fails = [r for r in rows if "fail" in r]
     errs = [r["error"] for r in rows if "error" in r]
     print(f"{len(rows)} runs, {len(fails)} failed, error range {min(errs, default=0):.2e}..{max(errs, default=0):.2e}, "

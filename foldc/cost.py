@@ -86,20 +86,29 @@ def verdicts(fold: str, bits: int, fold_ops_per_value: Fraction | float) -> list
 # they leave out: of 524 instructions per warp and tile, 216 build operands (one LOP3 per two
 # codes on both sides, one sub.f16x2 per two value codes, two PRMT per four value words) and 308
 # do per-token work that does not shrink with the code width -- the online softmax over the
-# padded query rows, per-token scale and zero, addressing, barriers. Per token and KV head:
+# padded query rows, per-token scale and zero, addressing, barriers. When H KV heads share one
+# program (their query rows fill the MMA's N axis), the softmax, the barriers and the addressing
+# are done once for all H: the same SASS with H = 2, 4, 8 (846, 1438, 2644 instructions per tile)
+# splits the 308 into about 200 shared and 108 per head.
 #: lane-slots per token (one warp-instruction per token per instruction per tile of 32)
 PER_TOKEN_LANE_SLOTS = {"sm_90": 308.0}
+#: the part of PER_TOKEN_LANE_SLOTS that packed heads share (softmax, barriers, addressing)
+PER_TOKEN_SHARED_LANE_SLOTS = {"sm_90": 200.0}
 #: lane-slots per stored value to build the operands: key (LOP3 / 2), value (LOP3 + sub.f16x2) / 2
 #: plus the word gather (2 PRMT per 16 codes)
 KEY_CONSTRUCTION, VALUE_CONSTRUCTION = 0.5, 1.0 + 0.125
 
 
-def token_loop_lane_slots_per_byte(arch: str, bits: int, head_dim: int, param_bytes: int = 2) -> float:
+def token_loop_lane_slots_per_byte(arch: str, bits: int, head_dim: int, param_bytes: int = 2,
+                                   heads: int = 1) -> float:
     """Issue demand of the register-operand kernel's whole token loop per byte it reads (token-wise
-    K and V, fp16 scale and zero per token): construction of both operands plus the per-token work."""
+    K and V, fp16 scale and zero per token): construction of both operands plus the per-token work,
+    which ``heads`` KV heads packed into one program's query rows share."""
     if arch not in PER_TOKEN_LANE_SLOTS:
         raise ValueError(f"arch={arch!r} has no measured token-loop figure; use one of {sorted(PER_TOKEN_LANE_SLOTS)}")
     values = head_dim                                   # per operand, per token
     bytes_per_token = 2 * (head_dim * bits / 8 + 2 * param_bytes)
     build = values * (KEY_CONSTRUCTION + VALUE_CONSTRUCTION)
-    return (build + PER_TOKEN_LANE_SLOTS[arch]) / bytes_per_token
+    shared = PER_TOKEN_SHARED_LANE_SLOTS[arch]
+    per_token = PER_TOKEN_LANE_SLOTS[arch] - shared + shared / heads
+    return (build + per_token) / bytes_per_token

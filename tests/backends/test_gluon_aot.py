@@ -15,11 +15,15 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-# (bits, heads, kv_heads, head_dim, arch, block_n, stages, K layout, V layout)
-BUILDS = [(2, 32, 8, 128, "sm_90", 32, 2, "token", "token"), (4, 32, 8, 128, "sm_90", 32, 2, "token", "token"),
-          (2, 32, 8, 128, "sm_90", 64, 3, "token", "token"), (2, 32, 2, 128, "sm_90", 32, 2, "token", "token"),
-          (2, 32, 8, 128, "sm_100", 32, 2, "token", "token"), (2, 32, 8, 128, "sm_90", 32, 2, "channel", "token"),
-          (2, 32, 8, 128, "sm_90", 32, 2, "token", "channel"), (4, 32, 8, 128, "sm_90", 32, 2, "channel", "channel")]
+# (bits, heads, kv_heads, head_dim, arch, block_n, stages, K layout, V layout, pack_heads: None = auto)
+BUILDS = [(2, 32, 8, 128, "sm_90", 32, 2, "token", "token", None), (4, 32, 8, 128, "sm_90", 32, 2, "token", "token", None),
+          (2, 32, 8, 128, "sm_90", 32, 2, "token", "token", 1), (4, 32, 8, 128, "sm_90", 32, 2, "token", "token", 1),
+          (2, 16, 8, 128, "sm_90", 32, 2, "token", "token", None),
+          (2, 32, 8, 128, "sm_90", 64, 3, "token", "token", None), (2, 32, 2, 128, "sm_90", 32, 2, "token", "token", None),
+          (2, 32, 8, 128, "sm_100", 32, 2, "token", "token", None),
+          (2, 32, 8, 128, "sm_90", 32, 2, "channel", "token", None),
+          (2, 32, 8, 128, "sm_90", 32, 2, "token", "channel", None),
+          (4, 32, 8, 128, "sm_90", 32, 2, "channel", "channel", None)]
 
 SCRIPT = r"""
 import json, sys
@@ -27,10 +31,10 @@ import foldc
 from foldc.backends.gluon.aot import compile_gluon_aot
 jobs, root = json.loads(sys.argv[1]), sys.argv[2]
 out = []
-for bits, h, kv, d, arch, bn, st, kl, vl in jobs:
+for bits, h, kv, d, arch, bn, st, kl, vl, ph in jobs:
     spec = foldc.AttentionSpec(h, kv, d, foldc.Affine(bits, kl, d), foldc.Affine(bits, vl, d))
-    out.append(compile_gluon_aot(spec, arch, f"{root}/{bits}-{h}-{kv}-{arch}-{bn}-{st}-{kl}-{vl}", block_n=bn,
-                                 stages=st))
+    out.append(compile_gluon_aot(spec, arch, f"{root}/{bits}-{h}-{kv}-{arch}-{bn}-{st}-{kl}-{vl}-{ph}", block_n=bn,
+                                 stages=st, pack_heads=ph))
 print(json.dumps(out))
 """
 
@@ -47,28 +51,30 @@ def reports(tmp_path_factory):
     return dict(zip(map(tuple, BUILDS), json.loads(done.stdout.strip().splitlines()[-1])))
 
 
-@pytest.mark.parametrize("build", BUILDS, ids=[f"int{b[0]}-{b[1]}/{b[2]}-{b[4]}-bn{b[5]}-K{b[7][0]}V{b[8][0]}"
+@pytest.mark.parametrize("build", BUILDS, ids=[f"int{b[0]}-{b[1]}/{b[2]}-{b[4]}-bn{b[5]}-K{b[7][0]}V{b[8][0]}-H{b[9]}"
                                                for b in BUILDS])
 def test_build_emits_register_operand_mma_and_the_designed_unpack(build, reports):
-    bits, heads, kv, head_dim, arch, block_n, stages, kl, vl = build
+    bits, heads, kv, head_dim, arch, block_n, stages, kl, vl, pack = build
     r = reports[build]
+    packed = r["pack_heads"]
+    assert packed == (pack or min(8 // (heads // kv), kv) if kl == vl == "token" and heads // kv <= 8 else 1)
     assert r["mma"]["mma.sync"] > 0 and r["mma"]["wgmma"] == 0
     assert r["registers"] is not None and r["registers"] <= 255
     loop = r["inner_loop"]["top_opcodes"]
     assert "LDL" not in loop and "STL" not in loop, f"register spills in the token loop: {loop}"
-    words = block_n * head_dim * bits // 32          # 32-bit code words per tile, per operand
+    words = packed * block_n * head_dim * bits // 32   # 32-bit code words per tile, per operand, all heads
     fields = 8 // bits
     # one LOP3 per two codes: K and V each unpack `words` words into 2*fields registers (channel-wise
     # groups add a few LOP3 of their once-per-group reload, which sits inside the loop)
     unpack = 2 * words * 2 * fields // 32
     assert unpack <= loop.get("LOP3", 0) <= unpack + (16 if kl == vl == "token" else 32), loop
     rows = 8 if heads // kv <= 8 else 16
-    hmma = 2 * (block_n // 16) * (head_dim // 16) * (rows // 8)
+    hmma = packed * 2 * (block_n // 16) * (head_dim // 16) * (rows // 8)
     assert loop.get("HMMA", 0) == hmma, loop
 
 
 @pytest.mark.parametrize("build", [b for b in BUILDS if b[4] == "sm_90" and b[7] == b[8] == "token" and b[2] == 8],
-                         ids=lambda b: f"int{b[0]}-bn{b[5]}")
+                         ids=lambda b: f"int{b[0]}-{b[1]}/{b[2]}-bn{b[5]}-H{b[9]}")
 def test_sass_matches_the_token_loop_cost_model(build, reports):
     """foldc.cost's whole-loop figure (construction + per-token work, eq. 13) within 15% of the SASS."""
     r = reports[build]["inner_loop"]

@@ -110,3 +110,25 @@ def test_lse_matches_the_reference_and_merges():
 def test_cuda_graph_capture_and_replay_as_lengths_change():
     """No host sync in a call: it can be captured once and replayed as lengths grow (decode)."""
     check_graph_replay(foldc.compile(_spec(2), "sm_90", kernel="gluon"), _spec(2), seed=11)
+
+
+PACKINGS = [((32, 8), "token", 1), ((32, 8), "token", 2), ((24, 8), "token", 2), ((16, 8), "token", 4),
+            ((8, 8), "token", 8), ((8, 8), "token", 2), ((32, 8), "channel", 2)]
+
+
+@pytest.mark.parametrize("bits", [2, 4], ids=["int2", "int4"])
+@pytest.mark.parametrize("heads,kl,pack", PACKINGS,
+                         ids=[f"{h[0]}/{h[1]}-K{kl[0]}-H{p}" for h, kl, p in PACKINGS])
+def test_packed_heads_match_float64_and_one_head_per_program(heads, kl, pack, bits):
+    """KV heads packed into one program's query rows (24/8: 6 real rows of 8, padding rows clamp
+    to the last packed head) give the float64 answer, and the answer of one head per program
+    with the same splits: each head's values only meet its own rows."""
+    spec = _spec(bits, heads, kl=kl)
+    packed = foldc.compile(spec, "sm_90", kernel="gluon", pack_heads=pack, splits=5)
+    single = foldc.compile(spec, "sm_90", kernel="gluon", pack_heads=1, splits=5)
+    assert packed.heads == pack
+    r = run_case(packed, spec, 3, 3001, torch.bfloat16, "cuda", seed=pack * 10 + bits)
+    _check(r, f"{spec.describe()} pack_heads={pack}")
+    gen = torch.Generator().manual_seed(pack)
+    q, k, v, lens = random_inputs(spec, 2, 2500, torch.bfloat16, "cuda", gen)
+    assert rel_l2(packed(q, k, v, seq_lens=lens), single(q, k, v, seq_lens=lens).double()) <= 1e-5

@@ -175,3 +175,41 @@ def test_value_unpack_gives_two_tokens_of_one_channel_per_register(bits, head_di
                     assert got == 2.0 ** (bits * i) * codes[t, ch], (w, byte, i, t)
     assert rows == set(range(head_dim))
     assert sorted(value_channel(m, bits, head_dim) for m in range(head_dim)) == list(range(head_dim))
+
+
+# -- how many KV heads share one program's query rows (no GPU needed to decide) --------------------
+
+PACK_CASES = [((32, 8), "token", "token", 2), ((32, 8), "channel", "token", 1), ((32, 8), "token", "channel", 1),
+              ((16, 8), "token", "token", 4), ((24, 8), "token", "token", 2), ((28, 4), "token", "token", 1),
+              ((8, 8), "token", "token", 8), ((6, 6), "token", "token", 2), ((32, 2), "token", "token", 1),
+              ((4, 1), "token", "token", 1)]
+
+
+@pytest.mark.parametrize("heads,kl,vl,want", PACK_CASES, ids=[f"{h[0]}/{h[1]}-K{k[0]}V{v[0]}" for h, k, v, _ in PACK_CASES])
+def test_default_packing_fills_the_query_rows(heads, kl, vl, want):
+    from foldc.backends.gluon.launch import GluonAttention
+
+    def enc(layout):
+        return foldc.Affine(2, layout, 128)
+    spec = foldc.AttentionSpec(*heads, 128, enc(kl), enc(vl))
+    attn = GluonAttention(spec)
+    assert attn.heads == want
+    assert want * spec.q_per_kv <= attn.config.rows and spec.num_kv_heads % want == 0
+
+
+@pytest.mark.parametrize("pack", [3, 4, 0, True, "2"])
+def test_pack_heads_outside_what_fits_is_refused(pack):
+    from foldc.backends.gluon.launch import GluonAttention
+
+    enc = foldc.Affine(2, "token", 128)
+    with pytest.raises(foldc.SpecError) as info:
+        GluonAttention(foldc.AttentionSpec(32, 8, 128, enc, enc), pack_heads=pack)
+    assert f"pack_heads={pack!r}" in str(info.value) and "use pack_heads=2" in str(info.value)
+
+
+def test_channel_wise_values_are_never_packed():
+    from foldc.backends.gluon.launch import GluonAttention
+
+    spec = foldc.AttentionSpec(32, 8, 128, foldc.Affine(2, "token", 128), foldc.Affine(2, "channel", 128))
+    with pytest.raises(foldc.SpecError, match="token-wise V only"):
+        GluonAttention(spec, pack_heads=2)

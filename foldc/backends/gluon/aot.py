@@ -15,7 +15,7 @@ from ...cost import token_loop_lane_slots_per_byte
 from ...errors import SpecError
 from ..triton.aot import write_artifacts
 from ..triton.sass import _tool, inner_loop, lane_slots_per_byte
-from .launch import constexprs
+from .launch import constexprs, default_pack_heads
 from .lower import gluon_plan, lower
 
 POINTERS = {"Q": "*bf16", "KC": "*i32", "KS": "*fp16", "KZ": "*fp16", "VC": "*i32", "VS": "*fp16", "VZ": "*fp16",
@@ -35,8 +35,9 @@ def registers(cubin: Path) -> int | None:
 
 
 def compile_gluon_aot(spec, arch: str, out_dir: str | Path, dtype: str = "bf16", block_n: int = 32,
-                      stages: int = 2, maxnreg: int | None = None) -> dict:
-    """Build the register-operand kernel of ``spec`` for ``arch`` into ``out_dir``; return a report."""
+                      stages: int = 2, maxnreg: int | None = None, pack_heads: int | None = None) -> dict:
+    """Build the register-operand kernel of ``spec`` for ``arch`` into ``out_dir``; return a report.
+    ``pack_heads``: KV heads per program (default: `default_pack_heads`, as the launcher picks)."""
     if arch not in ("sm_90", "sm_100"):
         raise SpecError(f"arch={arch!r}: the register-operand kernel builds for sm_90 (and sm_100)")
     if block_n not in (32, 64) or stages not in (2, 3, 4):
@@ -51,7 +52,8 @@ def compile_gluon_aot(spec, arch: str, out_dir: str | Path, dtype: str = "bf16",
     from .kernel import foldc_decode_gluon
 
     cfg = lower(gluon_plan(spec))
-    consts = constexprs(cfg, block_n, stages)
+    heads = default_pack_heads(cfg, spec.num_kv_heads) if pack_heads is None else pack_heads
+    consts = constexprs(cfg, block_n, stages, heads)
     signature, attrs = {}, {}
     for i, name in enumerate(foldc_decode_gluon.arg_names):
         if name in consts:
@@ -74,16 +76,18 @@ def compile_gluon_aot(spec, arch: str, out_dir: str | Path, dtype: str = "bf16",
     out = Path(out_dir)
     cubin = write_artifacts(out, "foldc_decode_gluon", arch, compiled)
     loop = inner_loop(cubin)
-    tile_bytes = 2 * block_n * (cfg.head_dim * cfg.bits / 8 + 4)   # codes + fp16 scale and zero, K and V
+    # codes + fp16 scale and zero, K and V, of every packed head
+    tile_bytes = heads * 2 * block_n * (cfg.head_dim * cfg.bits / 8 + 4)
     ptx = compiled.asm["ptx"]
     report = {
         "spec": spec.describe(), "kernel": "gluon", "arch": arch, "dtype": dtype, "block_n": block_n,
-        "stages": stages, "maxnreg": maxnreg, "rows": cfg.rows, "registers": registers(cubin),
+        "stages": stages, "maxnreg": maxnreg, "rows": cfg.rows, "pack_heads": heads, "registers": registers(cubin),
         "mma": {"mma.sync": len(re.findall(r"\bmma\.sync", ptx)), "wgmma": len(re.findall(r"\bwgmma", ptx))},
         "shared_stores_in_ptx": len(re.findall(r"\bst\.shared", ptx)),
         "inner_loop": {"instructions_per_warp": sum(loop.values()), "bytes_per_tile": tile_bytes,
                        "lane_slots_per_byte": lane_slots_per_byte(loop, 1, tile_bytes),
-                       "model_lane_slots_per_byte": (token_loop_lane_slots_per_byte("sm_90", cfg.bits, cfg.head_dim)
+                       "model_lane_slots_per_byte": (token_loop_lane_slots_per_byte("sm_90", cfg.bits, cfg.head_dim,
+                                                                                     heads=heads)
                                                      if not (cfg.key_tokens or cfg.value_tokens) else None),
                        "top_opcodes": dict(loop.most_common(12))},
     }

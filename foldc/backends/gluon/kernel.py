@@ -111,27 +111,48 @@ def _value_operand(vw, BN: gl.constexpr, D: gl.constexpr, F: gl.constexpr, VA0: 
 
 
 @gluon.jit
-def _issue(stage, n0, k_smem, v_smem, k_base, v_base, tc, wc, W: gl.constexpr):
-    """Start copying the code words of tile n0 into pipeline stage ``stage``."""
+def _issue(stage, n0, k_smem, v_smem, k_base, v_base, stride_kh, stride_vh, tc, wc, W: gl.constexpr,
+           H: gl.constexpr):
+    """Start copying the code words of tile n0, every packed head, into pipeline stage ``stage``."""
     rows = (n0 + tc)[:, None] * W + wc[None, :]
-    async_copy.async_copy_global_to_shared(k_smem.index(stage), k_base + rows)
-    async_copy.async_copy_global_to_shared(v_smem.index(stage), v_base + rows)
+    for i in gl.static_range(H):
+        async_copy.async_copy_global_to_shared(k_smem.index(stage * H + i), k_base + i * stride_kh + rows)
+        async_copy.async_copy_global_to_shared(v_smem.index(stage * H + i), v_base + i * stride_vh + rows)
     async_copy.commit_group()
 
 
 @gluon.jit
-def _scales(n0, tm, KSp, KZp, VSp, VZp, KEY_G: gl.constexpr, VAL_G: gl.constexpr):
+def _param(P, tok, head_c, stride_h, live, H: gl.constexpr, MASKED: gl.constexpr):
+    """One token-wise parameter (scale or zero) per token: [BN] with one head per program, else
+    [BN, ROWS] with each query row's own head (head_c: the packed head of each row)."""
+    if H == 1:
+        ptr = P + tok
+        ok = live
+    else:
+        ptr = P + head_c[None, :] * stride_h + tok[:, None]
+        ok = live[:, None]
+    if MASKED:
+        x = gl.load(ptr, mask=ok, other=0.0)
+    else:
+        x = gl.load(ptr)
+    return x
+
+
+@gluon.jit
+def _scales(n0, end, tm, head_c, KSp, KZp, VSp, VZp, stride_ksh, stride_vsh, KEY_G: gl.constexpr,
+            VAL_G: gl.constexpr, H: gl.constexpr, MASKED: gl.constexpr):
     """Per-token scale and zero of the token-wise sides (placeholders for channel-wise ones)."""
     tok = n0 + tm
+    live = tok < end
     if KEY_G == 0:
-        ks = gl.load(KSp + tok)
-        kz = gl.load(KZp + tok)
+        ks = _param(KSp, tok, head_c, stride_ksh, live, H, MASKED)
+        kz = _param(KZp, tok, head_c, stride_ksh, live, H, MASKED)
     else:
         ks = tm
         kz = tm
     if VAL_G == 0:
-        vs = gl.load(VSp + tok)
-        vz = gl.load(VZp + tok)
+        vs = _param(VSp, tok, head_c, stride_vsh, live, H, MASKED)
+        vz = _param(VZp, tok, head_c, stride_vsh, live, H, MASKED)
     else:
         vs = tm
         vz = tm
@@ -139,44 +160,54 @@ def _scales(n0, tm, KSp, KZp, VSp, VZp, KEY_G: gl.constexpr, VAL_G: gl.constexpr
 
 
 @gluon.jit
-def _tail(n0, end, k_base, v_base, tk, wk, wv, tv, tm, KSp, KZp, VSp, VZp, W: gl.constexpr, KEY_G: gl.constexpr,
-          VAL_G: gl.constexpr):
-    """The last, partial tile straight from global memory with masks (zeros past the end)."""
-    tok_k = n0 + tk
-    tok = n0 + tm
-    tok_v = n0 + tv
-    kw = gl.load(k_base + tok_k[:, None] * W + wk[None, :], mask=(tok_k < end)[:, None], other=0)
-    vw = gl.load(v_base + tok_v[None, :] * W + wv[:, None], mask=(tok_v < end)[None, :], other=0)
-    live = tok < end
-    if KEY_G == 0:
-        ks = gl.load(KSp + tok, mask=live, other=0.0)
-        kz = gl.load(KZp + tok, mask=live, other=0.0)
-    else:
-        ks = tm
-        kz = tm
-    if VAL_G == 0:
-        vs = gl.load(VSp + tok, mask=live, other=0.0)
-        vz = gl.load(VZp + tok, mask=live, other=0.0)
-    else:
-        vs = tm
-        vz = tm
-    return kw, vw, ks, kz, vs, vz
+def _stage_tail(n0, end, k_smem, v_smem, k_base, v_base, stride_kh, stride_vh, tc, wc, W: gl.constexpr,
+                H: gl.constexpr):
+    """The last, partial tile into stage 0 of the pipeline's shared memory, zeros past the end."""
+    tok = n0 + tc
+    rows = tok[:, None] * W + wc[None, :]
+    live = (tok < end)[:, None]
+    gl.thread_barrier()   # every lane is done reading the stages
+    for i in gl.static_range(H):
+        k_smem.index(i).store(gl.load(k_base + i * stride_kh + rows, mask=live, other=0))
+        v_smem.index(i).store(gl.load(v_base + i * stride_vh + rows, mask=live, other=0))
+    gl.thread_barrier()   # the words are visible to every lane
 
 
 @gluon.jit
-def _tile(n0, end, kw, vw, ks, kz, vs, vz, m_i, l_i, zsum, acc_o, tm, q16, q_bias, q_sum, row_scale, v_scale, v_zero,
-          BN: gl.constexpr, D: gl.constexpr, F: gl.constexpr, ROWS: gl.constexpr, KEY_G: gl.constexpr,
-          VAL_G: gl.constexpr, KASM: gl.constexpr, KCONS: gl.constexpr, VA0: gl.constexpr, VA1: gl.constexpr,
-          VA2: gl.constexpr, VA3: gl.constexpr, VCONS: gl.constexpr, MASKED: gl.constexpr):
+def _tile(n0, end, k_smem, v_smem, slot, ks, kz, vs, vz, m_i, l_i, zsum, acc_o, tm, head_c, head_b, q16, q_bias,
+          q_sum, row_scale, v_scale, v_zero, BN: gl.constexpr, D: gl.constexpr, F: gl.constexpr, ROWS: gl.constexpr,
+          H: gl.constexpr, KEY_G: gl.constexpr, VAL_G: gl.constexpr, KASM: gl.constexpr, KCONS: gl.constexpr,
+          VA0: gl.constexpr, VA1: gl.constexpr, VA2: gl.constexpr, VA3: gl.constexpr, VCONS: gl.constexpr,
+          MASKED: gl.constexpr):
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
     a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=8)
     b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=8)
-    ka = gl.convert_layout(_key_operand(kw, BN, D, F, KASM, KCONS), a_l, assert_trivial=True)
-    sacc = mma_v2(ka, q16, gl.zeros([BN, ROWS], gl.float32, layout=mma))
+    W: gl.constexpr = D // F // 4
+    kw_l: gl.constexpr = key_words_layout(BN, W)
+    vw_l: gl.constexpr = value_words_layout(BN, W)
+    # scores of every packed head: head i's keys against all query rows, kept in the rows of head i
+    sacc = gl.zeros([BN, ROWS], gl.float32, layout=mma)
+    for i in gl.static_range(H):
+        kw = k_smem.index(slot + i).load(kw_l)
+        ka = gl.convert_layout(_key_operand(kw, BN, D, F, KASM, KCONS), a_l, assert_trivial=True)
+        if H == 1:
+            sacc = mma_v2(ka, q16, sacc)
+        else:
+            sacc = gl.where((head_c == i)[None, :], mma_v2(ka, q16, gl.zeros([BN, ROWS], gl.float32, layout=mma)),
+                            sacc)
+    if H == 1:
+        ks2 = ks.to(gl.float32)[:, None]
+        kz2 = kz.to(gl.float32)[:, None]
+        vs2 = vs.to(gl.float32)[:, None]
+        vz2 = vz.to(gl.float32)[:, None]
+    else:
+        ks2 = ks.to(gl.float32)
+        kz2 = kz.to(gl.float32)
+        vs2 = vs.to(gl.float32)
+        vz2 = vz.to(gl.float32)
     if KEY_G == 0:
         # acc-fold, one scale per token (row of M); bias and zero through sum(q') and sum(q) (eq. 3, 6, 7)
-        t = ks.to(gl.float32)[:, None] * ((sacc - q_bias[None, :]) * row_scale[None, :]) + \
-            kz.to(gl.float32)[:, None] * q_sum[None, :]
+        t = ks2 * ((sacc - q_bias[None, :]) * row_scale[None, :]) + kz2 * q_sum[None, :]
     else:
         # operand-fold: q16 was pre-scaled by this group's channel scales (and its own power of two);
         # here q_bias is that group's scale back to logits and q_sum its offset: the bias removed and
@@ -189,23 +220,33 @@ def _tile(n0, end, kw, vw, ks, kz, vs, vz, m_i, l_i, zsum, acc_o, tm, q16, q_bia
     p = gl.exp2(t - m_new[None, :])
     p_sum = gl.sum(p, axis=0)
     l_i = l_i * alpha + p_sum
-    va = gl.convert_layout(_value_operand(vw, BN, D, F, VA0, VA1, VA2, VA3, VCONS), a_l, assert_trivial=True)
-    zero_acc = gl.zeros([D, ROWS], gl.float32, layout=mma)
     if VAL_G == 0:
         # operand-fold: P x scale before the product; sum(P x zero) beside it (eq. 4, 6)
-        pp = (p * vs.to(gl.float32)[:, None]).to(gl.float16)
-        zsum = zsum * alpha + gl.sum(p * vz.to(gl.float32)[:, None], axis=0)
-        # a fresh accumulator per tile: the tensor core's own running sum over many tiles loses low bits
-        acc_o = acc_o * alpha[None, :] + mma_v2(va, gl.convert_layout(pp, b_l), zero_acc)
+        pb = gl.convert_layout((p * vs2).to(gl.float16), b_l)
+        zsum = zsum * alpha + gl.sum(p * vz2, axis=0)
+    else:
+        pb = gl.convert_layout(p.to(gl.float16), b_l)
+    # a fresh accumulator per tile: the tensor core's own running sum over many tiles loses low bits;
+    # head i's values meet only the columns (query rows) of head i
+    pv = gl.zeros([D, ROWS], gl.float32, layout=mma)
+    for i in gl.static_range(H):
+        vw = v_smem.index(slot + i).permute((1, 0)).load(vw_l)
+        va = gl.convert_layout(_value_operand(vw, BN, D, F, VA0, VA1, VA2, VA3, VCONS), a_l, assert_trivial=True)
+        if H == 1:
+            pv = mma_v2(va, pb, pv)
+        else:
+            pv = mma_v2(va, gl.where((head_b == i)[None, :], pb, gl.zeros_like(pb)), pv)
+    if VAL_G == 0:
+        acc_o = acc_o * alpha[None, :] + pv
     else:
         # acc-fold: this tile lies in one token group; scale the tile's sum per channel, add zero x sum(P)
-        pv = mma_v2(va, gl.convert_layout(p.to(gl.float16), b_l), zero_acc)
         acc_o = acc_o * alpha[None, :] + pv * v_scale[:, None] + v_zero[:, None] * p_sum[None, :]
     return m_new, l_i, zsum, acc_o
 
 
 @gluon.jit
-def _key_group(qv, field, chan, KSg, KZg, qk_scale, BITS: gl.constexpr, KEY_BIAS: gl.constexpr):
+def _key_group(qv, field, chan, head_q, stride_ksh, KSg, KZg, qk_scale, BITS: gl.constexpr, KEY_BIAS: gl.constexpr,
+               H: gl.constexpr):
     """Channel-wise K, one token group: the query pre-scaled by the group's channel scales and field
     weights (operand-fold, eq. 4), each row by its own power of two c so the largest entry sits
     near 2^12 (large channel scales must not overflow fp16), and the logits' affine map
@@ -213,13 +254,18 @@ def _key_group(qv, field, chan, KSg, KZg, qk_scale, BITS: gl.constexpr, KEY_BIAS
     sum(q x zero) (eq. 6, 7)."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
     row_l: gl.constexpr = gl.SliceLayout(0, mma)
-    sk = gl.load(KSg + chan).to(gl.float32)
-    zk = gl.load(KZg + chan).to(gl.float32)
-    qs = qv * (sk * gl.exp2(-(field * BITS).to(gl.float32)))[:, None]
+    if H == 1:
+        sk = gl.load(KSg + chan).to(gl.float32)[:, None]
+        zk = gl.load(KZg + chan).to(gl.float32)[:, None]
+    else:   # each query row takes the channel scales of its own packed head
+        off = head_q[None, :] * stride_ksh + chan[:, None]
+        sk = gl.load(KSg + off).to(gl.float32)
+        zk = gl.load(KZg + off).to(gl.float32)
+    qs = qv * sk * gl.exp2(-(field * BITS).to(gl.float32))[:, None]
     c = gl.exp2(12.0 - gl.floor(gl.log2(gl.maximum(gl.max(gl.abs(qs), axis=0), 1e-30))))
     q16 = (qs * c[None, :]).to(gl.float16)
     mul = qk_scale / c
-    add = gl.sum(qv * zk[:, None], axis=0) * qk_scale - mul * KEY_BIAS * gl.sum(q16.to(gl.float32), axis=0)
+    add = gl.sum(qv * zk, axis=0) * qk_scale - mul * KEY_BIAS * gl.sum(q16.to(gl.float32), axis=0)
     return q16, gl.convert_layout(mul, row_l), gl.convert_layout(add, row_l)
 
 
@@ -233,21 +279,19 @@ def _value_group(VSg, VZg, chan_o, weight):
 def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC,
                        stride_qb, stride_qh, stride_kb, stride_kh, stride_ksb, stride_ksh, stride_ksn,
                        stride_vb, stride_vh, stride_vsb, stride_vsh, stride_vsn, qk_scale, tokens_per_split,
-                       cache_tokens, Q_PER_KV: gl.constexpr, ROWS: gl.constexpr, BN: gl.constexpr, D: gl.constexpr,
-                       BITS: gl.constexpr, KEY_BIAS: gl.constexpr, KEY_G: gl.constexpr, VAL_G: gl.constexpr,
-                       STAGES: gl.constexpr, KASM: gl.constexpr,
+                       cache_tokens, Q_PER_KV: gl.constexpr, ROWS: gl.constexpr, H: gl.constexpr, BN: gl.constexpr,
+                       D: gl.constexpr, BITS: gl.constexpr, KEY_BIAS: gl.constexpr, KEY_G: gl.constexpr,
+                       VAL_G: gl.constexpr, STAGES: gl.constexpr, KASM: gl.constexpr,
                        KCONS: gl.constexpr, VA0: gl.constexpr, VA1: gl.constexpr, VA2: gl.constexpr,
                        VA3: gl.constexpr, VCONS: gl.constexpr):
     NB: gl.constexpr = D * BITS // 8
     W: gl.constexpr = NB // 4
     F: gl.constexpr = 8 // BITS
     b = gl.program_id(0)
-    h = gl.program_id(1)
+    h = gl.program_id(1) * H     # the first of the H KV heads this program packs into the MMA's N
     s = gl.program_id(2)
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
     b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=8)
-    kw_l: gl.constexpr = key_words_layout(BN, W)
-    vw_l: gl.constexpr = value_words_layout(BN, W)
     cp_l: gl.constexpr = copy_layout(BN, W)
     row_l: gl.constexpr = gl.SliceLayout(0, mma)
     tok_l: gl.constexpr = gl.SliceLayout(1, mma)
@@ -258,14 +302,18 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC,
     end = gl.minimum(start + tokens_per_split, seq_len)
 
     # Q'^T [D, ROWS]: k index -> channel as operands.key_channel; field weight 2^-(bits*field);
-    # each row scaled by a power of two c so that its largest entry is near 2^12 (no fp16 underflow)
+    # each row scaled by a power of two c so that its largest entry is near 2^12 (no fp16 underflow).
+    # Row r is query head h * Q_PER_KV + r: the query rows of the H packed KV heads, one after another
     kq = gl.arange(0, D, layout=gl.SliceLayout(1, b_l))
     rq = gl.arange(0, ROWS, layout=gl.SliceLayout(0, b_l))
     field = kq // NB
     j = kq % NB
     chan = field * NB + ((j & ~3) | ((j & 1) << 1) | ((j >> 1) & 1))
     qv = gl.load(Q + b * stride_qb + (h * Q_PER_KV + rq)[None, :] * stride_qh + chan[:, None],
-                 mask=(rq < Q_PER_KV)[None, :], other=0.0).to(gl.float32)
+                 mask=(rq < Q_PER_KV * H)[None, :], other=0.0).to(gl.float32)
+    head_q = gl.minimum(rq // Q_PER_KV, H - 1)                                  # packed head of each row
+    head_b = head_q
+    head_c = gl.minimum(gl.arange(0, ROWS, layout=row_l) // Q_PER_KV, H - 1)
     amax = gl.maximum(gl.max(gl.abs(qv), axis=0), 1e-30)
     c = gl.exp2(12.0 - gl.floor(gl.log2(amax)))
     row_scale = gl.convert_layout(qk_scale / c, row_l)
@@ -279,8 +327,8 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC,
         q_sum = gl.convert_layout(gl.sum(qv, axis=0) * qk_scale, row_l)
     else:
         g0 = start // KEY_G
-        q16, q_bias, q_sum = _key_group(qv, field, chan, KSp + g0 * stride_ksn, KZp + g0 * stride_ksn, qk_scale,
-                                        BITS, KEY_BIAS)
+        q16, q_bias, q_sum = _key_group(qv, field, chan, head_q, stride_ksh, KSp + g0 * stride_ksn,
+                                        KZp + g0 * stride_ksn, qk_scale, BITS, KEY_BIAS, H)
     # row m of O^T is channel operands.value_channel(m)
     cm = gl.arange(0, D, layout=tok_l)
     chan_o = (cm // NB) * NB + 4 * (cm % W) + (cm // W) % 4
@@ -292,10 +340,6 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC,
         g0 = start // VAL_G
         v_scale, v_zero = _value_group(VSp + g0 * stride_vsn, VZp + g0 * stride_vsn, chan_o, weight_o)
 
-    tk = gl.arange(0, BN, layout=gl.SliceLayout(1, kw_l))
-    wk = gl.arange(0, W, layout=gl.SliceLayout(0, kw_l))
-    wv = gl.arange(0, W, layout=gl.SliceLayout(1, vw_l))
-    tv = gl.arange(0, BN, layout=gl.SliceLayout(0, vw_l))
     tc = gl.arange(0, BN, layout=gl.SliceLayout(1, cp_l))
     wc = gl.arange(0, W, layout=gl.SliceLayout(0, cp_l))
     tm = gl.arange(0, BN, layout=tok_l)
@@ -306,60 +350,64 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC,
     l_i = gl.zeros([ROWS], gl.float32, layout=row_l)
     zsum = gl.zeros([ROWS], gl.float32, layout=row_l)
     acc_o = gl.zeros([D, ROWS], gl.float32, layout=mma)
+    k_smem = gl.allocate_shared_memory(gl.int32, [STAGES * H, BN, W], smem_l)
+    v_smem = gl.allocate_shared_memory(gl.int32, [STAGES * H, BN, W], smem_l)
     n_full = gl.maximum(end - start, 0) // BN
     if n_full > 0:
-        k_smem = gl.allocate_shared_memory(gl.int32, [STAGES, BN, W], smem_l)
-        v_smem = gl.allocate_shared_memory(gl.int32, [STAGES, BN, W], smem_l)
         for i in gl.static_range(STAGES - 1):
-            _issue(i, start + gl.minimum(i, n_full - 1) * BN, k_smem, v_smem, k_base, v_base, tc, wc, W)
-        ks, kz, vs, vz = _scales(start, tm, KSp, KZp, VSp, VZp, KEY_G, VAL_G)
+            _issue(i, start + gl.minimum(i, n_full - 1) * BN, k_smem, v_smem, k_base, v_base, stride_kh, stride_vh,
+                   tc, wc, W, H)
+        ks, kz, vs, vz = _scales(start, end, tm, head_c, KSp, KZp, VSp, VZp, stride_ksh, stride_vsh, KEY_G, VAL_G, H,
+                                 False)
         for i in range(n_full):
             n0 = start + i * BN
             if KEY_G > 0:
                 if n0 % KEY_G == 0:
-                    q16, q_bias, q_sum = _key_group(qv, field, chan, KSp + (n0 // KEY_G) * stride_ksn,
-                                                    KZp + (n0 // KEY_G) * stride_ksn, qk_scale, BITS, KEY_BIAS)
+                    q16, q_bias, q_sum = _key_group(qv, field, chan, head_q, stride_ksh,
+                                                    KSp + (n0 // KEY_G) * stride_ksn, KZp + (n0 // KEY_G) * stride_ksn,
+                                                    qk_scale, BITS, KEY_BIAS, H)
             if VAL_G > 0:
                 if n0 % VAL_G == 0:
                     v_scale, v_zero = _value_group(VSp + (n0 // VAL_G) * stride_vsn, VZp + (n0 // VAL_G) * stride_vsn,
                                                    chan_o, weight_o)
-            ks2, kz2, vs2, vz2 = _scales(start + gl.minimum(i + 1, n_full - 1) * BN, tm, KSp, KZp, VSp, VZp,
-                                         KEY_G, VAL_G)
+            ks2, kz2, vs2, vz2 = _scales(start + gl.minimum(i + 1, n_full - 1) * BN, end, tm, head_c, KSp, KZp, VSp,
+                                         VZp, stride_ksh, stride_vsh, KEY_G, VAL_G, H, False)
             gl.thread_barrier()   # every lane is done reading the stage the next copy overwrites
             ahead = i + STAGES - 1
             _issue(ahead % STAGES, start + gl.minimum(ahead, n_full - 1) * BN, k_smem, v_smem, k_base, v_base,
-                   tc, wc, W)
+                   stride_kh, stride_vh, tc, wc, W, H)
             async_copy.wait_group(STAGES - 1)
             gl.thread_barrier()   # tile i's words, copied by every lane, are visible
-            kw = k_smem.index(i % STAGES).load(kw_l)
-            vw = v_smem.index(i % STAGES).permute((1, 0)).load(vw_l)
-            m_i, l_i, zsum, acc_o = _tile(n0, end, kw, vw, ks, kz, vs, vz, m_i, l_i, zsum, acc_o, tm,
-                                          q16, q_bias, q_sum, row_scale, v_scale, v_zero, BN, D, F, ROWS, KEY_G,
-                                          VAL_G, KASM, KCONS, VA0, VA1, VA2, VA3, VCONS, False)
+            m_i, l_i, zsum, acc_o = _tile(n0, end, k_smem, v_smem, (i % STAGES) * H, ks, kz, vs, vz, m_i, l_i, zsum,
+                                          acc_o, tm, head_c, head_b, q16, q_bias, q_sum, row_scale, v_scale, v_zero,
+                                          BN, D, F, ROWS, H, KEY_G, VAL_G, KASM, KCONS, VA0, VA1, VA2, VA3, VCONS,
+                                          False)
             ks, kz, vs, vz = ks2, kz2, vs2, vz2
         async_copy.wait_group(0)
     full_end = start + n_full * BN
     if full_end < end:
         if KEY_G > 0:
-            q16, q_bias, q_sum = _key_group(qv, field, chan, KSp + (full_end // KEY_G) * stride_ksn,
-                                            KZp + (full_end // KEY_G) * stride_ksn, qk_scale, BITS, KEY_BIAS)
+            q16, q_bias, q_sum = _key_group(qv, field, chan, head_q, stride_ksh, KSp + (full_end // KEY_G) * stride_ksn,
+                                            KZp + (full_end // KEY_G) * stride_ksn, qk_scale, BITS, KEY_BIAS, H)
         if VAL_G > 0:
             v_scale, v_zero = _value_group(VSp + (full_end // VAL_G) * stride_vsn,
                                            VZp + (full_end // VAL_G) * stride_vsn, chan_o, weight_o)
-        kw, vw, ks, kz, vs, vz = _tail(full_end, end, k_base, v_base, tk, wk, wv, tv, tm, KSp, KZp, VSp, VZp, W,
-                                       KEY_G, VAL_G)
-        m_i, l_i, zsum, acc_o = _tile(full_end, end, kw, vw, ks, kz, vs, vz, m_i, l_i, zsum, acc_o, tm,
-                                      q16, q_bias, q_sum, row_scale, v_scale, v_zero, BN, D, F, ROWS, KEY_G, VAL_G,
-                                      KASM, KCONS, VA0, VA1, VA2, VA3, VCONS, True)
+        ks, kz, vs, vz = _scales(full_end, end, tm, head_c, KSp, KZp, VSp, VZp, stride_ksh, stride_vsh, KEY_G, VAL_G,
+                                 H, True)
+        _stage_tail(full_end, end, k_smem, v_smem, k_base, v_base, stride_kh, stride_vh, tc, wc, W, H)
+        m_i, l_i, zsum, acc_o = _tile(full_end, end, k_smem, v_smem, 0, ks, kz, vs, vz, m_i, l_i, zsum, acc_o, tm,
+                                      head_c, head_b, q16, q_bias, q_sum, row_scale, v_scale, v_zero, BN, D, F, ROWS,
+                                      H, KEY_G, VAL_G, KASM, KCONS, VA0, VA1, VA2, VA3, VCONS, True)
 
     # token-wise V: undo the field weights 2^(bits*field) per output row, add the zero term (eq. 6);
-    # channel-wise V has both in acc_o already
+    # channel-wise V has both in acc_o already. The workspace sees the H packed heads as one head
+    # of H * Q_PER_KV query rows (the merge kernel is launched so)
     rr = gl.arange(0, ROWS, layout=row_l)
     if VAL_G == 0:
         res = acc_o * weight_o[:, None] + zsum[None, :]
     else:
         res = acc_o
-    base = ((b * gl.num_programs(1) + h) * gl.num_programs(2) + s) * ROWS
+    base = ((b * gl.num_programs(1) + gl.program_id(1)) * gl.num_programs(2) + s) * ROWS
     gl.store(WS_ACC + (base + rr)[None, :] * D + chan_o[:, None], res)
     gl.store(WS_M + base + rr, m_i)
     gl.store(WS_L + base + rr, l_i)

@@ -21,13 +21,33 @@ DTYPES = (torch.float16, torch.bfloat16)
 PROGRAMS_PER_SM = 16   # one warp each; enough resident warps to hide the code loads
 
 
-def constexprs(cfg: FoldKernel, block_n: int, stages: int) -> dict:
-    """The kernel's compile-time arguments for ``cfg`` (the unpack PTX is generated here)."""
+def constexprs(cfg: FoldKernel, block_n: int, stages: int, heads: int = 1) -> dict:
+    """The kernel's compile-time arguments for ``cfg`` (the unpack PTX is generated here), with
+    ``heads`` KV heads packed into one program's query rows."""
     key_asm, key_cons = key_unpack_asm(cfg.bits, exact=cfg.key_bias == 0)
     values = [value_unpack_asm(cfg.bits, byte) for byte in range(4)]
-    return dict(Q_PER_KV=cfg.q_per_kv, ROWS=cfg.rows, BN=block_n, D=cfg.head_dim, BITS=cfg.bits,
+    return dict(Q_PER_KV=cfg.q_per_kv, ROWS=cfg.rows, H=heads, BN=block_n, D=cfg.head_dim, BITS=cfg.bits,
                 KEY_BIAS=cfg.key_bias, KEY_G=cfg.key_tokens, VAL_G=cfg.value_tokens, STAGES=stages, KASM=key_asm, KCONS=key_cons, VA0=values[0][0],
                 VA1=values[1][0], VA2=values[2][0], VA3=values[3][0], VCONS=values[0][1])
+
+
+def packable_heads(cfg: FoldKernel, num_kv_heads: int) -> int:
+    """Most KV heads one program can pack into the MMA's N axis: a power of two whose query rows
+    together fill at most ``cfg.rows`` (so the softmax works on real rows only) and that divides
+    ``num_kv_heads``. 1 for channel-wise V (its per-channel scales would become per row)."""
+    if cfg.value_tokens:
+        return 1
+    heads = 1 << (max(1, cfg.rows // cfg.q_per_kv).bit_length() - 1)   # a power of two
+    while num_kv_heads % heads:
+        heads //= 2
+    return heads
+
+
+def default_pack_heads(cfg: FoldKernel, num_kv_heads: int) -> int:
+    """The launcher's choice: pack as many heads as fit for token-wise K and V; one head per
+    program for channel-wise K, whose per-group query scaling gets per-row loads when packed (the
+    SASS then needs 255 registers and 9.6 lane-slots per byte instead of 5.9 at INT2)."""
+    return 1 if cfg.key_tokens else packable_heads(cfg, num_kv_heads)
 
 
 def choose_splits(batch: int, kv_heads: int, tokens: int, block_n: int, sms: int, factor: float = 1.0) -> int:
@@ -40,13 +60,24 @@ def choose_splits(batch: int, kv_heads: int, tokens: int, block_n: int, sms: int
 class GluonAttention:
     """Decode attention through the register-operand kernel. Options: ``block_n`` (32 or 64
     tokens per tile), ``stages`` (code tiles in flight, 2-4), ``splits`` (split-KV count; default
-    about 16 programs per SM), ``maxnreg`` (register cap per thread, e.g. 128)."""
+    about 16 programs per SM), ``maxnreg`` (register cap per thread, e.g. 128), ``pack_heads``
+    (KV heads per program whose query rows share the MMA's N axis; default `packable_heads`)."""
 
     def __init__(self, spec, block_n: int | None = None, stages: int | None = None, splits: int | None = None,
-                 maxnreg: int | None = None, split_factor: float | None = None):
+                 maxnreg: int | None = None, split_factor: float | None = None, pack_heads: int | None = None):
         self.spec, self.target = spec, "sm_90"
         self.plan = gluon_plan(spec)
         self.config = lower(self.plan)      # raises NotLowerable with the reason
+        most = packable_heads(self.config, spec.num_kv_heads)
+        if pack_heads is None:
+            pack_heads = default_pack_heads(self.config, spec.num_kv_heads)
+        elif isinstance(pack_heads, bool) or not isinstance(pack_heads, int) or pack_heads < 1 or \
+                spec.num_kv_heads % pack_heads or pack_heads > most or pack_heads & (pack_heads - 1) or \
+                (pack_heads > 1 and self.config.value_tokens):
+            raise SpecError(f"pack_heads={pack_heads!r}: this spec packs 1 to {most} KV heads per program (a power "
+                            f"of two dividing num_kv_heads={spec.num_kv_heads} whose {spec.q_per_kv} query rows each "
+                            f"fit the MMA's {self.config.rows} rows; token-wise V only); use pack_heads={most} or None")
+        self.heads = pack_heads
         # options left as None come from the autotuning cache for the call's shape bucket, else defaults
         self.explicit = {k: v for k, v in (("block_n", block_n), ("stages", stages), ("maxnreg", maxnreg),
                                            ("split_factor", split_factor)) if v is not None}
@@ -81,7 +112,7 @@ class GluonAttention:
                     opts.update(block_n=tuned.block_n, stages=tuned.stages, maxnreg=tuned.maxnreg,
                                 split_factor=tuned.split_factor)
             opts.update(self.explicit)
-            opts["constexprs"] = constexprs(self.config, opts["block_n"], opts["stages"])
+            opts["constexprs"] = constexprs(self.config, opts["block_n"], opts["stages"], self.heads)
             self._configs[bucket] = opts
         return self._configs[bucket]
 
@@ -112,7 +143,8 @@ class GluonAttention:
                                  "32-bit words: pass a tensor that owns its storage (e.g. .clone())")
         if q.stride(-1) != 1:
             raise InputError(f"q must have unit stride along head_dim; got strides {q.stride()}")
-        b, hkv, cfg = call.batch, self.spec.num_kv_heads, self.config
+        # H packed KV heads are one program and, for the workspace and the merge, one head of H * q_per_kv rows
+        b, hkv, cfg = call.batch, self.spec.num_kv_heads // self.heads, self.config
         launch = self.launch_config(q.dtype, b, call.tokens)
         block_n = launch["block_n"]
         splits = self.splits or choose_splits(b, hkv, call.tokens, block_n, num_sms(device), launch["split_factor"])
@@ -134,5 +166,5 @@ class GluonAttention:
             q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), k.scale.stride(0), k.scale.stride(1),
             k.scale.stride(2), vc.stride(0), vc.stride(1), v.scale.stride(0), v.scale.stride(1), v.scale.stride(2),
             call.sm_scale * 1.4426950408889634, per_split, call.tokens, **launch["constexprs"], num_warps=1, **extra)
-        launch_merge(merge, ws_m, ws_l, ws_acc, out, lse, self.spec.q_per_kv)
+        launch_merge(merge, ws_m, ws_l, ws_acc, out, lse, self.spec.q_per_kv * self.heads)
         return (out, lse) if return_lse else out
