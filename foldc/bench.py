@@ -155,7 +155,9 @@ def peers():
     return out
 
 
-def run_bench(out_dir: Path, quick: bool = False, tune: bool = True, shapes=None) -> dict:
+def run_bench(out_dir: Path, quick: bool = False, tune: bool = True, shapes=None, kernels=None) -> dict:
+    """Time every row on every shape; ``kernels``: only the foldc rows whose label contains one of
+    these strings (the ceiling and the peers always run)."""
     from .backends.gluon.lower import lowerable
     from .backends.triton.autotune import CANDIDATES, GLUON_CANDIDATES, Config, GluonConfig, launch_options
     from .backends.triton.autotune import tune as autotune
@@ -170,7 +172,8 @@ def run_bench(out_dir: Path, quick: bool = False, tune: bool = True, shapes=None
     gpu = torch.cuda.get_device_name()
     print(f"{gpu}: streaming-read ceiling {ceiling / 1e12:.2f} TB/s", flush=True)
     grid = shapes or (QUICK_GRID if quick else GRID)
-    kernels = kernel_list(quick)
+    wanted = kernels
+    kernels = [r for r in kernel_list(quick) if not wanted or any(w in r[0] for w in wanted)]
     peer_makers = peers()
     results = {"gpu": gpu, "torch": torch.__version__, "ceiling_tb_s": ceiling / 1e12, "rows": [],
                "date": time.strftime("%Y-%m-%d"), "quick": quick}
@@ -298,7 +301,14 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="three shapes, fewer kernels and configs")
     ap.add_argument("--no-tune", action="store_true", help="default launch config instead of autotuning")
     ap.add_argument("--shapes", default=None, help="comma-separated BATCHxTOKENS subset of the grid, e.g. 1x16384,8x65536")
+    ap.add_argument("--kernels", default=None,
+                    help="comma-separated substrings: only the foldc rows whose label holds one, e.g. "
+                         "'INT2 KtVt g128,INT4 KtVt g128' (the ceiling and the peers always run)")
     args = ap.parse_args(argv)
+    wanted = [w.strip() for w in args.kernels.split(",") if w.strip()] if args.kernels else None
+    if wanted and not any(w in r[0] for w in wanted for r in kernel_list(args.quick)):
+        ap.error(f"--kernels={args.kernels!r} matches no row; rows are: "
+                 + "; ".join(r[0] for r in kernel_list(args.quick)))
     if not torch.cuda.is_available():
         print("foldc bench needs a CUDA GPU (it times kernels); none is visible", file=sys.stderr)
         return 2
@@ -310,6 +320,6 @@ def main(argv=None) -> int:
             ap.error(f"--shapes={args.shapes!r}: use BATCHxTOKENS items separated by commas, e.g. 1x16384,8x65536")
         if any(len(s) != 2 or min(s) < 1 for s in shapes):
             ap.error(f"--shapes={args.shapes!r}: each item is BATCHxTOKENS with both at least 1")
-    results = run_bench(Path(args.out), quick=args.quick, tune=not args.no_tune, shapes=shapes)
+    results = run_bench(Path(args.out), quick=args.quick, tune=not args.no_tune, shapes=shapes, kernels=wanted)
     print(format_table(results))
     return 0

@@ -61,7 +61,7 @@ class GluonAttention:
     """Decode attention through the register-operand kernel. Options: ``block_n`` (32 or 64
     tokens per tile), ``stages`` (code tiles in flight, 2-4), ``splits`` (split-KV count; default
     about 16 programs per SM), ``maxnreg`` (register cap per thread, e.g. 128), ``pack_heads``
-    (KV heads per program whose query rows share the MMA's N axis; default `packable_heads`)."""
+    (KV heads per program whose query rows share the MMA's N axis; default `default_pack_heads`)."""
 
     def __init__(self, spec, block_n: int | None = None, stages: int | None = None, splits: int | None = None,
                  maxnreg: int | None = None, split_factor: float | None = None, pack_heads: int | None = None):
@@ -81,7 +81,8 @@ class GluonAttention:
         # options left as None come from the autotuning cache for the call's shape bucket, else defaults
         self.explicit = {k: v for k, v in (("block_n", block_n), ("stages", stages), ("maxnreg", maxnreg),
                                            ("split_factor", split_factor)) if v is not None}
-        block_n, stages = block_n or 32, stages or 2
+        # 64-token tiles won for packed INT2 at every large shape on the H200 (docs/perf.md); 32 elsewhere
+        block_n, stages = block_n or (64 if pack_heads > 1 and self.config.bits == 2 else 32), stages or 2
         if block_n not in (32, 64):
             raise SpecError(f"block_n={block_n!r} must be 32 or 64 for the register-operand kernel")
         for name, group in (("k", self.config.key_tokens), ("v", self.config.value_tokens)):
