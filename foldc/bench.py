@@ -309,9 +309,6 @@ def main(argv=None) -> int:
     if wanted and not any(w in r[0] for w in wanted for r in kernel_list(args.quick)):
         ap.error(f"--kernels={args.kernels!r} matches no row; rows are: "
                  + "; ".join(r[0] for r in kernel_list(args.quick)))
-    if not torch.cuda.is_available():
-        print("foldc bench needs a CUDA GPU (it times kernels); none is visible", file=sys.stderr)
-        return 2
     shapes = None
     if args.shapes:
         try:
@@ -320,6 +317,9 @@ def main(argv=None) -> int:
             ap.error(f"--shapes={args.shapes!r}: use BATCHxTOKENS items separated by commas, e.g. 1x16384,8x65536")
         if any(len(s) != 2 or min(s) < 1 for s in shapes):
             ap.error(f"--shapes={args.shapes!r}: each item is BATCHxTOKENS with both at least 1")
+    if not torch.cuda.is_available():
+        print("foldc bench needs a CUDA GPU (it times kernels); none is visible", file=sys.stderr)
+        return 2
     results = run_bench(Path(args.out), quick=args.quick, tune=not args.no_tune, shapes=shapes, kernels=wanted)
     print(format_table(results))
     return 0
