@@ -155,6 +155,13 @@ def peers():
     return out
 
 
+def selects(wanted: str, label: str, quick: bool = False) -> bool:
+    """A --kernels item picks the row of exactly that label if there is one, else every row whose
+    label contains it."""
+    labels = [r[0] for r in kernel_list(quick)]
+    return label == wanted if wanted in labels else wanted in label
+
+
 def run_bench(out_dir: Path, quick: bool = False, tune: bool = True, shapes=None, kernels=None) -> dict:
     """Time every row on every shape; ``kernels``: only the foldc rows whose label contains one of
     these strings (the ceiling and the peers always run)."""
@@ -172,8 +179,7 @@ def run_bench(out_dir: Path, quick: bool = False, tune: bool = True, shapes=None
     gpu = torch.cuda.get_device_name()
     print(f"{gpu}: streaming-read ceiling {ceiling / 1e12:.2f} TB/s", flush=True)
     grid = shapes or (QUICK_GRID if quick else GRID)
-    wanted = kernels
-    kernels = [r for r in kernel_list(quick) if not wanted or any(w in r[0] for w in wanted)]
+    kernels = [r for r in kernel_list(quick) if not kernels or any(selects(w, r[0], quick) for w in kernels)]
     peer_makers = peers()
     results = {"gpu": gpu, "torch": torch.__version__, "ceiling_tb_s": ceiling / 1e12, "rows": [],
                "date": time.strftime("%Y-%m-%d"), "quick": quick}
@@ -302,11 +308,11 @@ def main(argv=None) -> int:
     ap.add_argument("--no-tune", action="store_true", help="default launch config instead of autotuning")
     ap.add_argument("--shapes", default=None, help="comma-separated BATCHxTOKENS subset of the grid, e.g. 1x16384,8x65536")
     ap.add_argument("--kernels", default=None,
-                    help="comma-separated substrings: only the foldc rows whose label holds one, e.g. "
-                         "'INT2 KtVt g128,INT4 KtVt g128' (the ceiling and the peers always run)")
+                    help="comma-separated labels or substrings: only those foldc rows, e.g. "
+                         "'fold INT2 KtVt g128,fold INT4 KtVt g128' (the ceiling and the peers always run)")
     args = ap.parse_args(argv)
     wanted = [w.strip() for w in args.kernels.split(",") if w.strip()] if args.kernels else None
-    if wanted and not any(w in r[0] for w in wanted for r in kernel_list(args.quick)):
+    if wanted and not any(selects(w, r[0], args.quick) for w in wanted for r in kernel_list(args.quick)):
         ap.error(f"--kernels={args.kernels!r} matches no row; rows are: "
                  + "; ".join(r[0] for r in kernel_list(args.quick)))
     shapes = None

@@ -19,3 +19,9 @@ def test_bad_shapes_are_refused(shapes, capsys):
     with pytest.raises(SystemExit):
         bench.main(["--shapes", shapes])
     assert "--shapes=" in capsys.readouterr().err
+
+
+def test_kernels_filter_takes_an_exact_label_alone():
+    assert bench.selects("fold INT2 KtVt g128", "fold INT2 KtVt g128")
+    assert not bench.selects("fold INT2 KtVt g128", "fold INT2 KtVt g128 (triton)")
+    assert bench.selects("KtVt g128", "fold INT2 KtVt g128 (triton)")
