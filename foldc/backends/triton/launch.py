@@ -34,49 +34,55 @@ def foldc_merge(WS_M, WS_L, WS_ACC, OUT, LSE, stride_ob, stride_oh, num_splits,
                 Q_PER_KV: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
                 NUM_KV_HEADS: tl.constexpr, SPLIT_BLOCK: tl.constexpr, D_BLOCK: tl.constexpr):
     """Merge the per-split (max, denominator, accumulator) states (eq. 14) and divide (eq. 10).
-    Program (b, kv_head, d): channels d*D_BLOCK.. of every row; SPLIT_BLOCK splits per step, the
-    common maximum found first so each split's weight is computed once."""
+    Program (b, kv_head, row x channel block): one query row's channels d*D_BLOCK.., SPLIT_BLOCK
+    splits per step, the common maximum found first so each split's weight is computed once.
+    Rows are independent, so a call with few (batch, head) pairs and many splits (batch 1, long
+    context) still spreads over ROWS * HEAD_DIM / D_BLOCK programs per head."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
-    dblk = tl.program_id(2)
-    rows = tl.arange(0, ROWS)
+    row = tl.program_id(2) // (HEAD_DIM // D_BLOCK)
+    dblk = tl.program_id(2) % (HEAD_DIM // D_BLOCK)
+    real = row < Q_PER_KV          # rows past q_per_kv are the MMA's padding: nothing to write
     cols = dblk * D_BLOCK + tl.arange(0, D_BLOCK)
     sb = tl.arange(0, SPLIT_BLOCK)
-    base = (b * NUM_KV_HEADS + kvh) * num_splits * ROWS
-    m = tl.full([ROWS], float("-inf"), tl.float32)
+    base = (b * NUM_KV_HEADS + kvh) * num_splits * ROWS + row
+    m = tl.full([SPLIT_BLOCK], float("-inf"), tl.float32)
     for s0 in range(0, num_splits, SPLIT_BLOCK):
-        live = (s0 + sb) < num_splits
-        idx = base + (s0 + sb)[:, None] * ROWS + rows[None, :]
-        m = tl.maximum(m, tl.max(tl.load(WS_M + idx, mask=live[:, None], other=float("-inf")), axis=0))
+        live = ((s0 + sb) < num_splits) & real
+        m = tl.maximum(m, tl.load(WS_M + base + (s0 + sb) * ROWS, mask=live, other=float("-inf")))
+    m = tl.max(m, axis=0)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
-    l = tl.zeros([ROWS], tl.float32)
-    acc = tl.zeros([ROWS, D_BLOCK], tl.float32)
+    l = tl.zeros([SPLIT_BLOCK], tl.float32)
+    acc = tl.zeros([D_BLOCK], tl.float32)
     for s0 in range(0, num_splits, SPLIT_BLOCK):
-        live = (s0 + sb) < num_splits
-        idx = base + (s0 + sb)[:, None] * ROWS + rows[None, :]
-        w = tl.exp2(tl.load(WS_M + idx, mask=live[:, None], other=float("-inf")) - m_safe[None, :])
-        l += tl.sum(tl.load(WS_L + idx, mask=live[:, None], other=0.0) * w, axis=0)
-        acc_s = tl.load(WS_ACC + idx[:, :, None] * HEAD_DIM + cols[None, None, :], mask=live[:, None, None], other=0.0)
-        acc += tl.sum(acc_s * w[:, :, None], axis=0)
-    out = acc / l[:, None]
-    ptr = OUT + b * stride_ob + (kvh * Q_PER_KV + rows)[:, None] * stride_oh + cols[None, :]
-    tl.store(ptr, out.to(OUT.dtype.element_ty), mask=(rows < Q_PER_KV)[:, None])
+        live = ((s0 + sb) < num_splits) & real
+        idx = base + (s0 + sb) * ROWS
+        w = tl.exp2(tl.load(WS_M + idx, mask=live, other=float("-inf")) - m_safe)
+        l += tl.load(WS_L + idx, mask=live, other=0.0) * w
+        acc_s = tl.load(WS_ACC + idx[:, None] * HEAD_DIM + cols[None, :], mask=live[:, None], other=0.0)
+        acc += tl.sum(acc_s * w[:, None], axis=0)
+    l_total = tl.where(real, tl.sum(l, axis=0), 1.0)   # a padding row divides by 1, not 0
+    out = acc / l_total
+    ptr = OUT + b * stride_ob + (kvh * Q_PER_KV + row) * stride_oh + cols
+    tl.store(ptr, out.to(OUT.dtype.element_ty), mask=real & (cols < HEAD_DIM))
     # natural-log sum of exp of the logits (m is in log2 units): lets callers merge attention
     # over several caches, e.g. a quantized body and a bf16 window (eq. 14)
-    lse = (m + tl.log2(l)) * 0.6931471805599453
-    tl.store(LSE + b * NUM_KV_HEADS * Q_PER_KV + kvh * Q_PER_KV + rows, lse, mask=(rows < Q_PER_KV) & (dblk == 0))
+    lse = (m + tl.log2(l_total)) * 0.6931471805599453
+    tl.store(LSE + b * NUM_KV_HEADS * Q_PER_KV + kvh * Q_PER_KV + row, lse, mask=real & (dblk == 0))
 '''
 
 
 def launch_merge(merge_kernel, ws_m, ws_l, ws_acc, out, lse, q_per_kv: int) -> None:
-    """Launch ``foldc_merge`` over the workspace [batch, kv_heads, splits, rows(, head_dim)]."""
+    """Launch ``foldc_merge`` over the workspace [batch, kv_heads, splits, rows(, head_dim)]:
+    one program per (batch, head, row, block of 32 channels), up to 64 splits per step."""
     b, hkv, splits, rows = ws_m.shape
     head_dim = ws_acc.shape[-1]
     d_block = min(head_dim, 32)
-    merge_kernel[(b, hkv, head_dim // d_block)](
+    split_block = min(64, max(2, triton.next_power_of_2(splits)))
+    merge_kernel[(b, hkv, rows * (head_dim // d_block))](
         ws_m, ws_l, ws_acc, out, lse, out.stride(0), out.stride(1), splits, Q_PER_KV=q_per_kv, ROWS=rows,
-        HEAD_DIM=head_dim, NUM_KV_HEADS=hkv, SPLIT_BLOCK=min(16, triton.next_power_of_2(splits)), D_BLOCK=d_block,
-        num_warps=4)
+        HEAD_DIM=head_dim, NUM_KV_HEADS=hkv, SPLIT_BLOCK=split_block, D_BLOCK=d_block,
+        num_warps=4 if split_block * d_block >= 1024 else 1)
 
 
 def cache_dir() -> Path:
