@@ -69,18 +69,20 @@ class GluonAttention:
         self.plan = gluon_plan(spec)
         self.config = lower(self.plan)      # raises NotLowerable with the reason
         most = packable_heads(self.config, spec.num_kv_heads)
-        if pack_heads is None:
-            pack_heads = default_pack_heads(self.config, spec.num_kv_heads)
-        elif isinstance(pack_heads, bool) or not isinstance(pack_heads, int) or pack_heads < 1 or \
-                spec.num_kv_heads % pack_heads or pack_heads > most or pack_heads & (pack_heads - 1) or \
-                (pack_heads > 1 and self.config.value_tokens):
+        bad_pack = pack_heads is not None and (
+            isinstance(pack_heads, bool) or not isinstance(pack_heads, int) or pack_heads < 1
+            or spec.num_kv_heads % pack_heads or pack_heads > most or pack_heads & (pack_heads - 1)
+            or (pack_heads > 1 and self.config.value_tokens))
+        if bad_pack:
             raise SpecError(f"pack_heads={pack_heads!r}: this spec packs 1 to {most} KV heads per program (a power "
                             f"of two dividing num_kv_heads={spec.num_kv_heads} whose {spec.q_per_kv} query rows each "
                             f"fit the MMA's {self.config.rows} rows; token-wise V only); use pack_heads={most} or None")
-        self.heads = pack_heads
         # options left as None come from the autotuning cache for the call's shape bucket, else defaults
         self.explicit = {k: v for k, v in (("block_n", block_n), ("stages", stages), ("maxnreg", maxnreg),
-                                           ("split_factor", split_factor)) if v is not None}
+                                           ("split_factor", split_factor), ("heads", pack_heads)) if v is not None}
+        if pack_heads is None:
+            pack_heads = default_pack_heads(self.config, spec.num_kv_heads)
+        self.heads = pack_heads     # the default; a tuned bucket may take one head per program instead
         # 64-token tiles won for packed INT2 at every large shape on the H200 (docs/perf.md); 32 elsewhere
         block_n, stages = block_n or (64 if pack_heads > 1 and self.config.bits == 2 else 32), stages or 2
         if block_n not in (32, 64):
@@ -96,7 +98,8 @@ class GluonAttention:
         if maxnreg is not None and (not isinstance(maxnreg, int) or not 32 <= maxnreg <= 255):
             raise SpecError(f"maxnreg={maxnreg!r} must be an integer in [32, 255] or None")
         self.splits = splits
-        self._defaults = {"block_n": block_n, "stages": stages, "maxnreg": maxnreg, "split_factor": split_factor or 1.0}
+        self._defaults = {"block_n": block_n, "stages": stages, "maxnreg": maxnreg, "split_factor": split_factor or 1.0,
+                          "heads": self.heads}
         self._configs: dict = {}
         self._modules = None
 
@@ -105,15 +108,15 @@ class GluonAttention:
         bucket = (dtype, batch, tokens)
         if bucket not in self._configs:
             opts = dict(self._defaults)
-            if len(self.explicit) < 4:
+            if len(self.explicit) < 5:
                 from ..triton.autotune import lookup
 
                 tuned = lookup(self.spec, dtype, batch, tokens, kernel="gluon")
                 if tuned is not None:
                     opts.update(block_n=tuned.block_n, stages=tuned.stages, maxnreg=tuned.maxnreg,
-                                split_factor=tuned.split_factor)
+                                split_factor=tuned.split_factor, heads=tuned.pack_heads or self.heads)
             opts.update(self.explicit)
-            opts["constexprs"] = constexprs(self.config, opts["block_n"], opts["stages"], self.heads)
+            opts["constexprs"] = constexprs(self.config, opts["block_n"], opts["stages"], opts["heads"])
             self._configs[bucket] = opts
         return self._configs[bucket]
 
@@ -145,8 +148,9 @@ class GluonAttention:
         if q.stride(-1) != 1:
             raise InputError(f"q must have unit stride along head_dim; got strides {q.stride()}")
         # H packed KV heads are one program and, for the workspace and the merge, one head of H * q_per_kv rows
-        b, hkv, cfg = call.batch, self.spec.num_kv_heads // self.heads, self.config
-        launch = self.launch_config(q.dtype, b, call.tokens)
+        launch = self.launch_config(q.dtype, call.batch, call.tokens)
+        heads = launch["heads"]
+        b, hkv, cfg = call.batch, self.spec.num_kv_heads // heads, self.config
         block_n = launch["block_n"]
         splits = self.splits or choose_splits(b, hkv, call.tokens, block_n, num_sms(device), launch["split_factor"])
         per_split = math.ceil(math.ceil(call.tokens / splits) / block_n) * block_n
@@ -167,5 +171,5 @@ class GluonAttention:
             q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), k.scale.stride(0), k.scale.stride(1),
             k.scale.stride(2), vc.stride(0), vc.stride(1), v.scale.stride(0), v.scale.stride(1), v.scale.stride(2),
             call.sm_scale * 1.4426950408889634, per_split, call.tokens, **launch["constexprs"], num_warps=1, **extra)
-        launch_merge(merge, ws_m, ws_l, ws_acc, out, lse, self.spec.q_per_kv * self.heads)
+        launch_merge(merge, ws_m, ws_l, ws_acc, out, lse, self.spec.q_per_kv * heads)
         return (out, lse) if return_lse else out

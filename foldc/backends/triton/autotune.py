@@ -42,18 +42,24 @@ class GluonConfig:
     stages: int = 2
     maxnreg: int | None = None
     split_factor: float = 1.0
+    pack_heads: int | None = None    # None: the launcher's default_pack_heads
 
     def __str__(self) -> str:
         return (f"gluon block_n={self.block_n} stages={self.stages} maxnreg={self.maxnreg} "
-                f"splits x{self.split_factor:g}")
+                f"splits x{self.split_factor:g}" + (f" pack_heads={self.pack_heads}" if self.pack_heads else ""))
 
     def options(self) -> dict:
-        return {"kernel": "gluon", "block_n": self.block_n, "stages": self.stages, "maxnreg": self.maxnreg,
+        opts = {"kernel": "gluon", "block_n": self.block_n, "stages": self.stages, "maxnreg": self.maxnreg,
                 "split_factor": self.split_factor}
+        if self.pack_heads is not None:
+            opts["pack_heads"] = self.pack_heads
+        return opts
 
 
-# the H200 sweep (benchmarks/gluon_sweep.py, docs/perf.md): 2 stages always won; block_n 32 at INT4
-GLUON_CANDIDATES = tuple(GluonConfig(bn, 2, r, f) for bn in (32, 64) for r in (None, 128) for f in (0.5, 1.0, 2.0))
+# the H200 sweep (benchmarks/gluon_sweep.py, docs/perf.md): 2 stages always won; block_n 32 at INT4;
+# one head per program (pack_heads=1) is tried beside the default packing for small batches
+GLUON_CANDIDATES = tuple(GluonConfig(bn, 2, r, f, p) for p in (None, 1) for bn in (32, 64) for r in (None, 128)
+                         for f in (0.5, 1.0, 2.0))
 
 
 def cache_path() -> Path:

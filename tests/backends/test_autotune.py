@@ -1,0 +1,83 @@
+"""The tuning cache: keyed per GPU, versions, spec, kernel and shape bucket; survives a restart
+(a fresh process reads the file); a tuned bucket's launch options reach the launcher."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import foldc
+from foldc.backends.triton import autotune
+from foldc.backends.triton.autotune import Config, GluonConfig, bucket_key, lookup, store
+
+ROOT = Path(__file__).resolve().parents[2]
+ENC = foldc.Affine(2, "token", 128)
+SPEC = foldc.AttentionSpec(32, 8, 128, ENC, ENC)
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("FOLDC_CACHE_DIR", str(tmp_path))
+    autotune._KEYS.clear()
+    yield tmp_path
+    autotune._KEYS.clear()
+
+
+def test_buckets_separate_kernels_shapes_and_versions():
+    key = bucket_key(SPEC, torch.bfloat16, 3, 5000, kernel="gluon")
+    assert "batch<=4" in key and "tokens<=8192" in key and "gluon" in key and torch.__version__ in key
+    assert key == bucket_key(SPEC, torch.bfloat16, 4, 8000, kernel="gluon")       # same bucket
+    assert key != bucket_key(SPEC, torch.bfloat16, 4, 8000, kernel="triton")
+    assert key != bucket_key(SPEC, torch.float16, 4, 8000, kernel="gluon")
+    assert key != bucket_key(SPEC, torch.bfloat16, 5, 8000, kernel="gluon")
+
+
+def test_store_then_lookup_round_trips_and_survives_a_restart(cache_dir):
+    cfg = GluonConfig(block_n=64, stages=2, maxnreg=128, split_factor=0.5, pack_heads=1)
+    store(bucket_key(SPEC, torch.bfloat16, 8, 65536, kernel="gluon"), cfg, 123.0)
+    assert lookup(SPEC, torch.bfloat16, 8, 65536, kernel="gluon") == cfg
+    assert lookup(SPEC, torch.bfloat16, 8, 65536, kernel="triton") is None
+    code = ("import torch, foldc; from foldc.backends.triton.autotune import lookup; "
+            "e = foldc.Affine(2, 'token', 128); s = foldc.AttentionSpec(32, 8, 128, e, e); "
+            "print(lookup(s, torch.bfloat16, 7, 40000, kernel='gluon'))")
+    env = {"FOLDC_CACHE_DIR": str(cache_dir), "PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "pack_heads=1" in done.stdout and "block_n=64" in done.stdout
+
+
+def test_an_old_entry_without_pack_heads_still_loads(cache_dir):
+    key = bucket_key(SPEC, torch.bfloat16, 1, 16384, kernel="gluon")
+    entry = {"config": {"block_n": 32, "stages": 2, "maxnreg": None, "split_factor": 2.0}, "us": 40.0,
+             "kernel": "gluon"}
+    (cache_dir / "autotune.json").write_text(json.dumps({key: entry}))
+    autotune.load_cache(refresh=True)
+    assert lookup(SPEC, torch.bfloat16, 1, 16384, kernel="gluon") == GluonConfig(32, 2, None, 2.0, None)
+
+
+def test_a_damaged_cache_file_only_costs_a_retune(cache_dir):
+    (cache_dir / "autotune.json").write_text("{not json")
+    autotune.load_cache(refresh=True)
+    assert lookup(SPEC, torch.bfloat16, 1, 16384) is None
+    store(bucket_key(SPEC, torch.bfloat16, 1, 16384), Config(), 10.0)
+    assert lookup(SPEC, torch.bfloat16, 1, 16384) == Config()
+
+
+def test_a_tuned_bucket_sets_the_register_operand_launch(cache_dir):
+    """The launcher takes block_n, split factor and one head per program from the tuned bucket,
+    and an explicit option still wins over it."""
+    from foldc.backends.gluon.launch import GluonAttention
+
+    store(bucket_key(SPEC, torch.bfloat16, 1, 16384, kernel="gluon"),
+          GluonConfig(block_n=32, stages=3, maxnreg=None, split_factor=2.0, pack_heads=1), 20.0)
+    tuned = GluonAttention(SPEC).launch_config(torch.bfloat16, 1, 16384)
+    assert (tuned["block_n"], tuned["stages"], tuned["split_factor"], tuned["heads"]) == (32, 3, 2.0, 1)
+    assert tuned["constexprs"]["H"] == 1
+    untuned = GluonAttention(SPEC).launch_config(torch.bfloat16, 64, 32768)
+    assert (untuned["block_n"], untuned["heads"]) == (64, 2)          # defaults: packed INT2, 64-token tiles
+    explicit = GluonAttention(SPEC, pack_heads=2, block_n=64).launch_config(torch.bfloat16, 1, 16384)
+    assert (explicit["heads"], explicit["block_n"], explicit["stages"]) == (2, 64, 3)
