@@ -124,8 +124,9 @@ def test_packed_heads_match_float64_and_one_head_per_program(heads, kl, pack, bi
     to the last packed head) give the float64 answer, and the answer of one head per program
     with the same splits: each head's values only meet its own rows."""
     spec = _spec(bits, heads, kl=kl)
-    packed = foldc.compile(spec, "sm_90", kernel="gluon", pack_heads=pack, splits=5)
-    single = foldc.compile(spec, "sm_90", kernel="gluon", pack_heads=1, splits=5)
+    # the same tiles and splits for both (packed INT2 would default to 64-token tiles)
+    packed = foldc.compile(spec, "sm_90", kernel="gluon", pack_heads=pack, splits=5, block_n=32)
+    single = foldc.compile(spec, "sm_90", kernel="gluon", pack_heads=1, splits=5, block_n=32)
     assert packed.heads == pack
     r = run_case(packed, spec, 3, 3001, torch.bfloat16, "cuda", seed=pack * 10 + bits)
     _check(r, f"{spec.describe()} pack_heads={pack}")
