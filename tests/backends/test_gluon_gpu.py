@@ -133,3 +133,18 @@ def test_packed_heads_match_float64_and_one_head_per_program(heads, kl, pack, bi
     gen = torch.Generator().manual_seed(pack)
     q, k, v, lens = random_inputs(spec, 2, 2500, torch.bfloat16, "cuda", gen)
     assert rel_l2(packed(q, k, v, seq_lens=lens), single(q, k, v, seq_lens=lens).double()) <= 1e-5
+
+
+@pytest.mark.parametrize("bits", [2, 4], ids=["int2", "int4"])
+def test_without_seq_lens_every_sequence_fills_the_cache(bits):
+    """No seq_lens: the kernel reads no lengths and attends over every cached token."""
+    from foldc.testing import bf16_attention
+
+    spec = _spec(bits)
+    attn = foldc.compile(spec, "sm_90", kernel="gluon")
+    gen = torch.Generator().manual_seed(40 + bits)
+    q, k, v, _ = random_inputs(spec, 2, 3001, torch.bfloat16, "cuda", gen)
+    full = torch.full((2,), 3001, device="cuda")
+    ref = foldc.attention_reference(q, k, v)
+    err = rel_l2(attn(q, k, v), ref)
+    assert err <= TOLERANCE * rel_l2(bf16_attention(q, k, v, spec.head_dim ** -0.5, full), ref), err

@@ -53,7 +53,7 @@ def compile_gluon_aot(spec, arch: str, out_dir: str | Path, dtype: str = "bf16",
 
     cfg = lower(gluon_plan(spec))
     heads = default_pack_heads(cfg, spec.num_kv_heads) if pack_heads is None else pack_heads
-    consts = constexprs(cfg, block_n, stages, heads)
+    consts = dict(constexprs(cfg, block_n, stages, heads), HAS_LENS=True)
     signature, attrs = {}, {}
     for i, name in enumerate(foldc_decode_gluon.arg_names):
         if name in consts:

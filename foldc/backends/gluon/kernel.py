@@ -279,7 +279,8 @@ def _value_group(VSg, VZg, chan_o, weight):
 def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC,
                        stride_qb, stride_qh, stride_kb, stride_kh, stride_ksb, stride_ksh, stride_ksn,
                        stride_vb, stride_vh, stride_vsb, stride_vsh, stride_vsn, qk_scale, tokens_per_split,
-                       cache_tokens, Q_PER_KV: gl.constexpr, ROWS: gl.constexpr, H: gl.constexpr, BN: gl.constexpr,
+                       cache_tokens, HAS_LENS: gl.constexpr, Q_PER_KV: gl.constexpr, ROWS: gl.constexpr,
+                       H: gl.constexpr, BN: gl.constexpr,
                        D: gl.constexpr, BITS: gl.constexpr, KEY_BIAS: gl.constexpr, KEY_G: gl.constexpr,
                        VAL_G: gl.constexpr, STAGES: gl.constexpr, KASM: gl.constexpr,
                        KCONS: gl.constexpr, VA0: gl.constexpr, VA1: gl.constexpr, VA2: gl.constexpr,
@@ -297,7 +298,10 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC,
     tok_l: gl.constexpr = gl.SliceLayout(1, mma)
     smem_l: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
 
-    seq_len = gl.minimum(gl.load(SEQ_LENS + b), cache_tokens)   # lengths past the cache are clamped
+    if HAS_LENS:
+        seq_len = gl.minimum(gl.load(SEQ_LENS + b), cache_tokens)   # lengths past the cache are clamped
+    else:                                                            # every sequence fills the cache
+        seq_len = cache_tokens
     start = s * tokens_per_split
     end = gl.minimum(start + tokens_per_split, seq_len)
 

@@ -155,8 +155,9 @@ class GluonAttention:
         splits = self.splits or choose_splits(b, hkv, call.tokens, block_n, num_sms(device), launch["split_factor"])
         per_split = math.ceil(math.ceil(call.tokens / splits) / block_n) * block_n
         splits = max(1, math.ceil(call.tokens / per_split))
-        lens = call.seq_lens if call.seq_lens is not None else torch.full((b,), call.tokens, device=device)
-        lens = lens.to(device=device, dtype=torch.int32)
+        # no lengths: the kernel reads none (no fill and cast kernels before it, which count at batch 1)
+        has_lens = call.seq_lens is not None
+        lens = call.seq_lens.to(device=device, dtype=torch.int32) if has_lens else q
         ws_m = torch.empty(b, hkv, splits, cfg.rows, device=device, dtype=torch.float32)
         ws_l = torch.empty_like(ws_m)
         ws_acc = torch.empty(b, hkv, splits, cfg.rows, cfg.head_dim, device=device, dtype=torch.float32)
@@ -170,6 +171,7 @@ class GluonAttention:
             q, kc, k.scale, k.zero, vc, v.scale, v.zero, lens, ws_m, ws_l, ws_acc,
             q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), k.scale.stride(0), k.scale.stride(1),
             k.scale.stride(2), vc.stride(0), vc.stride(1), v.scale.stride(0), v.scale.stride(1), v.scale.stride(2),
-            call.sm_scale * 1.4426950408889634, per_split, call.tokens, **launch["constexprs"], num_warps=1, **extra)
+            call.sm_scale * 1.4426950408889634, per_split, call.tokens, HAS_LENS=has_lens, **launch["constexprs"],
+            num_warps=1, **extra)
         launch_merge(merge, ws_m, ws_l, ws_acc, out, lse, self.spec.q_per_kv * heads)
         return (out, lse) if return_lse else out
