@@ -186,11 +186,16 @@ class PagedDecodeWrapper:
         Tokens per tile; must divide P (None: the largest power of two <= 64 that does).
     num_warps, num_stages, splits : int
         Launch options (``splits``: split-KV count per sequence; None: enough to fill the GPU).
+        ``num_warps``/``num_stages`` apply to the generated Triton kernel only.
+    kernel : str
+        "auto" (the register-operand kernel on sm_90 when it lowers the plan and the page holds
+        whole 32-token tiles, else the generated Triton kernel), "triton" or "gluon" (refused
+        with the reason where it does not apply).
     """
 
     def __init__(self, spec: AttentionSpec, page_size: int, *, max_seq_len: int, device="cpu",
                  target: str = "auto", block_n: int | None = None, num_warps: int = 4, num_stages: int = 2,
-                 splits: int | None = None):
+                 splits: int | None = None, kernel: str = "auto"):
         if not isinstance(spec, AttentionSpec):
             raise SpecError(f"spec must be a foldc.AttentionSpec, got {type(spec).__name__}")
         self.spec = spec
@@ -216,13 +221,52 @@ class PagedDecodeWrapper:
         if target == "reference":
             self._reference = ReferenceAttention(make_plan(spec))
             return
+        self.interpret = target == "interpret"
+        self._cfg = {"num_warps": num_warps, "num_stages": num_stages}
+        self._splits = splits
+        self._gluon = self._register_operand_kernel(kernel, block_n, splits)
+        if self._gluon is not None:
+            return
         from ..backends.triton import TritonAttention
 
         self._attn = TritonAttention(spec, target, block_n=self.block_n, num_warps=num_warps,
                                      num_stages=num_stages, splits=splits)
-        self.interpret = target == "interpret"
-        self._cfg = {"num_warps": num_warps, "num_stages": num_stages}
-        self._splits = splits
+
+    def _register_operand_kernel(self, kernel: str, block_n: int | None, splits: int | None):
+        """The register-operand kernel (foldc/backends/gluon) for this wrapper, or None for the Triton one."""
+        if kernel not in ("auto", "triton", "gluon"):
+            raise SpecError(f"kernel={kernel!r}: use 'auto', 'triton' or 'gluon'")
+        if kernel == "triton":
+            return None
+        reason = None
+        if self.target != "sm_90":
+            reason = f"it runs on sm_90 and this wrapper's target is {self.target!r}"
+        elif self.page_size % 32:
+            reason = f"its tiles are 32 or 64 tokens and page_size={self.page_size} is not a multiple of 32"
+        elif block_n is not None and block_n not in (32, 64):
+            reason = f"block_n={block_n} is not 32 or 64"
+        else:
+            from ..backends.gluon.lower import lowerable
+
+            ok, why = lowerable(self.spec)
+            reason = None if ok else why
+        if reason is None:
+            from ..backends.gluon.launch import GluonAttention, default_pack_heads
+            from ..backends.gluon.lower import gluon_plan, lower
+
+            pack = default_pack_heads(lower(gluon_plan(self.spec)), self.spec.num_kv_heads)
+            if block_n is None:   # the kernel's own default, if the page holds whole tiles of it
+                block_n = 64 if pack > 1 and self.spec.k.bits == 2 and self.page_size % 64 == 0 else 32
+            try:
+                attn = GluonAttention(self.spec, block_n=block_n, splits=splits)
+            except SpecError as err:   # e.g. a 64-token tile over 32-token channel groups
+                reason = str(err)
+            else:
+                self.block_n = block_n
+                return attn
+        if kernel == "gluon":
+            raise SpecError(f"kernel='gluon' cannot run this paged decode: {reason}; use kernel='auto' or 'triton'")
+        return None
 
     # ---- plan ---------------------------------------------------------------------------------
 
@@ -291,6 +335,16 @@ class PagedDecodeWrapper:
     def _plan_launch(self, batch: int) -> None:
         hkv = self.spec.num_kv_heads
         tokens = self.max_seq_len
+        if self._gluon is not None:   # the tuned or default launch for this batch (bf16 bucket)
+            self._launch = self._gluon.launch_config(torch.bfloat16, batch, tokens)
+            self._num_splits, self._per_split = self._gluon.split_plan(self._launch, batch, tokens, self.device)
+            ws = self._buffers.get("ws_m")
+            shape = (batch, hkv // self._launch["heads"], self._num_splits, self._gluon.config.rows)
+            if ws is None or tuple(ws.shape) != shape:
+                names = ("ws_m", "ws_l", "ws_acc")
+                self._buffers.update(zip(names, self._gluon.workspace(self._launch, batch, self._num_splits,
+                                                                       self.device)))
+            return
         splits = self._splits
         if splits is None:
             splits, _ = choose_splits(batch, hkv, tokens, self.block_n, num_sms(self.device))
@@ -390,14 +444,19 @@ class PagedDecodeWrapper:
             raise InputError(f"q must have unit stride along head_dim; got strides {q.stride()}")
         out = output_buffer(out, want, q)
         lse = torch.empty(want[:2], device=q.device, dtype=torch.float32)
+        if self._gluon is not None:
+            self._check_lens(seq_lens, want)
+            buf = self._buffers
+            lens = buf["seq_lens"] if seq_lens is None else seq_lens
+            self._gluon.launch(self._launch, q, k_pages, v_pages, lens, (buf["ws_m"], buf["ws_l"], buf["ws_acc"]),
+                               out, lse, scale, self._per_split, self._num_splits,
+                               self._per_split * self._num_splits,
+                               paged=(buf["kv_indptr"], buf["kv_indices"], self.page_size))
+            return (out, lse) if return_lse else out
         module, ks, geo, _ = self._attn.kernels(DTYPES[q.dtype], self.block_n, paged=True)
         buf = self._buffers
         ws = (buf["ws_m"], buf["ws_l"], buf["ws_acc"])
-        if seq_lens is not None and (not isinstance(seq_lens, torch.Tensor) or seq_lens.dtype != torch.int32
-                                     or tuple(seq_lens.shape) != want[:1] or seq_lens.device != q.device):
-            raise InputError(f"seq_lens must be an int32 tensor of shape ({want[0]},) on {q.device}; got "
-                             f"{getattr(seq_lens, 'dtype', type(seq_lens).__name__)} "
-                             f"{tuple(getattr(seq_lens, 'shape', ()))}")
+        self._check_lens(seq_lens, want)
         lens = buf["seq_lens"] if seq_lens is None else seq_lens
         runtime = runtime_arguments(q, k_pages, v_pages, lens, ws, scale, self._per_split, self._num_splits)
         runtime.update(KV_INDPTR=buf["kv_indptr"], KV_INDICES=buf["kv_indices"],
@@ -406,6 +465,13 @@ class PagedDecodeWrapper:
             self._attn._launch(module, [runtime[a] for a in ks.args], want[0], self.spec.num_kv_heads,
                                self._num_splits, geo, *ws, out, lse, self._cfg, PAGE_SIZE=self.page_size)
         return (out, lse) if return_lse else out
+
+    def _check_lens(self, seq_lens, want) -> None:
+        if seq_lens is not None and (not isinstance(seq_lens, torch.Tensor) or seq_lens.dtype != torch.int32
+                                     or tuple(seq_lens.shape) != want[:1] or seq_lens.device != self.device):
+            raise InputError(f"seq_lens must be an int32 tensor of shape ({want[0]},) on {self.device}; got "
+                             f"{getattr(seq_lens, 'dtype', type(seq_lens).__name__)} "
+                             f"{tuple(getattr(seq_lens, 'shape', ()))}")
 
     def _run_reference(self, q, k_pages, v_pages, scale, out, return_lse, seq_lens):
         lens = self.table.seq_lens if seq_lens is None else tuple(int(n) for n in seq_lens.tolist())

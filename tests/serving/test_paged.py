@@ -328,3 +328,12 @@ def test_a_dequant_plan_reads_pages_too():
     q = torch.randn(2, 32, 64, generator=gen).half()
     ref, _, _ = reference_over_pages(spec, q, k_pages, v_pages, indptr, indices, table.seq_lens, page_size, None)
     assert rel_l2(wrapper.run(q, k_pages, v_pages), ref) <= TOL
+
+
+def test_kernel_option_is_checked():
+    spec = foldc.AttentionSpec(4, 2, 64, foldc.Affine(2, "token", 64), foldc.Affine(2, "token", 64))
+    with pytest.raises(foldc.SpecError, match="kernel='fast'"):
+        PagedDecodeWrapper(spec, 32, max_seq_len=64, target="interpret", kernel="fast")
+    with pytest.raises(foldc.SpecError, match="kernel='gluon' cannot run this paged decode: it runs on sm_90"):
+        PagedDecodeWrapper(spec, 32, max_seq_len=64, target="interpret", kernel="gluon")
+    assert PagedDecodeWrapper(spec, 32, max_seq_len=64, target="interpret")._gluon is None

@@ -191,3 +191,34 @@ def test_paged_hf_cache_holds_the_bits_of_the_contiguous_cache_on_the_gpu():
         for got, want in zip(view.dequantized(), layer.dequantized()):
             assert torch.equal(got, want)
     assert rel_l2(logits[0], logits[1]) < 2e-2
+
+
+GLUON_CASES = [("int2 packed", S(32, 8, 128, A(2, "token", 128), A(2, "token", 128)), 32),
+               ("int2 packed", S(32, 8, 128, A(2, "token", 128), A(2, "token", 128)), 64),
+               ("int2 packed", S(32, 8, 128, A(2, "token", 128), A(2, "token", 128)), 256),
+               ("int4 packed", S(32, 8, 128, A(4, "token", 128), A(4, "token", 128)), 128),
+               ("int2 K-channel", S(32, 8, 128, A(2, "channel", 128), A(2, "token", 128)), 128),
+               ("int4 V-channel", S(32, 8, 128, A(4, "token", 128), A(4, "channel", 64)), 64)]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+                    reason="the register-operand kernel needs sm_90")
+@pytest.mark.parametrize("name,spec,page_size", GLUON_CASES, ids=[f"{n}-P{p}" for n, _, p in GLUON_CASES])
+def test_register_operand_kernel_reads_pages_like_the_triton_kernel(name, spec, page_size):
+    """kernel="auto" takes the register-operand kernel on sm_90; its paged reads (a page per tile,
+    splits that start mid-page, sequences shorter than a tile) give the float64 answer and the
+    generated Triton kernel's answer over the same pages."""
+    gen = torch.Generator().manual_seed(page_size + len(name))
+    lens = [5000, 1, 31, 33, page_size, page_size + 1, 2047]
+    num_pages = sum(-(-n // page_size) for n in lens) + 7
+    k_pages, v_pages = _pools(spec, num_pages, page_size, gen)
+    indptr, indices, last = _table(lens, page_size, num_pages, gen)
+    q = torch.randn(len(lens), spec.num_q_heads, spec.head_dim, generator=gen).cuda().bfloat16()
+    outs = {}
+    for kernel in ("auto", "triton"):
+        wrapper = PagedDecodeWrapper(spec, page_size, max_seq_len=5120, device="cuda", splits=7, kernel=kernel)
+        assert (wrapper._gluon is not None) == (kernel == "auto")
+        wrapper.plan(indptr, indices, last, num_pages=num_pages)
+        outs[kernel] = wrapper.run(q, k_pages, v_pages)
+    _check(spec, q, k_pages, v_pages, indptr, indices, lens, page_size, outs["auto"])
+    assert rel_l2(outs["auto"], outs["triton"].double()) <= 1e-2

@@ -19,7 +19,8 @@ from .launch import constexprs, default_pack_heads
 from .lower import gluon_plan, lower
 
 POINTERS = {"Q": "*bf16", "KC": "*i32", "KS": "*fp16", "KZ": "*fp16", "VC": "*i32", "VS": "*fp16", "VZ": "*fp16",
-            "SEQ_LENS": "*i32", "WS_M": "*fp32", "WS_L": "*fp32", "WS_ACC": "*fp32"}
+            "SEQ_LENS": "*i32", "WS_M": "*fp32", "WS_L": "*fp32", "WS_ACC": "*fp32", "KV_INDPTR": "*i32",
+            "KV_INDICES": "*i32"}
 # runtime ints the JIT sees as multiples of 16 for caches whose token count is a multiple of 16
 ALIGNED_INTS = ("stride_qb", "stride_qh", "stride_kb", "stride_kh", "stride_ksb", "stride_ksh", "stride_vb",
                 "stride_vh", "stride_vsb", "stride_vsh", "tokens_per_split", "cache_tokens")
@@ -35,9 +36,11 @@ def registers(cubin: Path) -> int | None:
 
 
 def compile_gluon_aot(spec, arch: str, out_dir: str | Path, dtype: str = "bf16", block_n: int = 32,
-                      stages: int = 2, maxnreg: int | None = None, pack_heads: int | None = None) -> dict:
+                      stages: int = 2, maxnreg: int | None = None, pack_heads: int | None = None,
+                      page_size: int = 0) -> dict:
     """Build the register-operand kernel of ``spec`` for ``arch`` into ``out_dir``; return a report.
-    ``pack_heads``: KV heads per program (default: `default_pack_heads`, as the launcher picks)."""
+    ``pack_heads``: KV heads per program (default: `default_pack_heads`, as the launcher picks);
+    ``page_size``: tokens per page for the paged build (0: contiguous cache)."""
     if arch not in ("sm_90", "sm_100"):
         raise SpecError(f"arch={arch!r}: the register-operand kernel builds for sm_90 (and sm_100)")
     if block_n not in (32, 64) or stages not in (2, 3, 4):
@@ -53,7 +56,7 @@ def compile_gluon_aot(spec, arch: str, out_dir: str | Path, dtype: str = "bf16",
 
     cfg = lower(gluon_plan(spec))
     heads = default_pack_heads(cfg, spec.num_kv_heads) if pack_heads is None else pack_heads
-    consts = dict(constexprs(cfg, block_n, stages, heads), HAS_LENS=True)
+    consts = dict(constexprs(cfg, block_n, stages, heads), HAS_LENS=True, PAGE=page_size)
     signature, attrs = {}, {}
     for i, name in enumerate(foldc_decode_gluon.arg_names):
         if name in consts:

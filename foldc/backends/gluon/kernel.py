@@ -276,10 +276,45 @@ def _value_group(VSg, VZg, chan_o, weight):
 
 
 @gluon.jit
-def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC,
+def _bases(n0, b, h, KC, KS, KZ, VC, VS, VZ, first, n_pages, KV_INDICES, stride_kb, stride_kh, stride_ksb, stride_ksh,
+           stride_ksn, stride_vb, stride_vh, stride_vsb, stride_vsh, stride_vsn, W: gl.constexpr,
+           KEY_G: gl.constexpr, VAL_G: gl.constexpr, PAGE: gl.constexpr):
+    """Base pointers of the code words and the scales/zeros for the tile holding token n0.
+    Contiguous cache (PAGE == 0): batch b's. Paged (PAGE tokens a page, FlashInfer's table): the page
+    that holds n0, *rebased* by that page's first token tok0, so that ``base + token * row_stride``
+    addresses row token - tok0 of the page for every token of the tile (a tile lies in one page).
+    ``first``/``n_pages``: the sequence's entries in KV_INDICES; a slot past them (an empty split)
+    reads no entry and takes page 0, whose rows no load then touches."""
+    if PAGE > 0:
+        slot = n0 // PAGE
+        unit = gl.load(KV_INDICES + first + slot, mask=slot < n_pages, other=0).to(gl.int64)
+        tok0 = slot * PAGE
+    else:
+        unit = b
+        tok0 = 0
+    k_base = KC + unit * stride_kb + h * stride_kh - tok0 * W
+    v_base = VC + unit * stride_vb + h * stride_vh - tok0 * W
+    if KEY_G == 0:      # scale/zero rows: tokens (stride 1) or token groups (stride_ksn)
+        k_row = tok0
+    else:
+        k_row = (tok0 // KEY_G) * stride_ksn
+    if VAL_G == 0:
+        v_row = tok0
+    else:
+        v_row = (tok0 // VAL_G) * stride_vsn
+    KSp = KS + unit * stride_ksb + h * stride_ksh - k_row
+    KZp = KZ + unit * stride_ksb + h * stride_ksh - k_row
+    VSp = VS + unit * stride_vsb + h * stride_vsh - v_row
+    VZp = VZ + unit * stride_vsb + h * stride_vsh - v_row
+    return k_base, v_base, KSp, KZp, VSp, VZp
+
+
+@gluon.jit
+def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, KV_INDPTR, KV_INDICES,
                        stride_qb, stride_qh, stride_kb, stride_kh, stride_ksb, stride_ksh, stride_ksn,
                        stride_vb, stride_vh, stride_vsb, stride_vsh, stride_vsn, qk_scale, tokens_per_split,
-                       cache_tokens, HAS_LENS: gl.constexpr, Q_PER_KV: gl.constexpr, ROWS: gl.constexpr,
+                       cache_tokens, HAS_LENS: gl.constexpr, PAGE: gl.constexpr, Q_PER_KV: gl.constexpr,
+                       ROWS: gl.constexpr,
                        H: gl.constexpr, BN: gl.constexpr,
                        D: gl.constexpr, BITS: gl.constexpr, KEY_BIAS: gl.constexpr, KEY_G: gl.constexpr,
                        VAL_G: gl.constexpr, STAGES: gl.constexpr, KASM: gl.constexpr,
@@ -304,6 +339,12 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC,
         seq_len = cache_tokens
     start = s * tokens_per_split
     end = gl.minimum(start + tokens_per_split, seq_len)
+    if PAGE > 0:   # this sequence's entries in the page table
+        first = gl.load(KV_INDPTR + b)
+        n_pages = gl.load(KV_INDPTR + b + 1) - first
+    else:
+        first = 0
+        n_pages = 0
 
     # Q'^T [D, ROWS]: k index -> channel as operands.key_channel; field weight 2^-(bits*field);
     # each row scaled by a power of two c so that its largest entry is near 2^12 (no fp16 underflow).
@@ -321,10 +362,9 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC,
     amax = gl.maximum(gl.max(gl.abs(qv), axis=0), 1e-30)
     c = gl.exp2(12.0 - gl.floor(gl.log2(amax)))
     row_scale = gl.convert_layout(qk_scale / c, row_l)
-    KSp = KS + b * stride_ksb + h * stride_ksh
-    KZp = KZ + b * stride_ksb + h * stride_ksh
-    VSp = VS + b * stride_vsb + h * stride_vsh
-    VZp = VZ + b * stride_vsb + h * stride_vsh
+    k_base, v_base, KSp, KZp, VSp, VZp = _bases(start, b, h, KC, KS, KZ, VC, VS, VZ, first, n_pages, KV_INDICES,
+                                                stride_kb, stride_kh, stride_ksb, stride_ksh, stride_ksn, stride_vb,
+                                                stride_vh, stride_vsb, stride_vsh, stride_vsn, W, KEY_G, VAL_G, PAGE)
     if KEY_G == 0:
         q16 = (qv * c[None, :] * gl.exp2(-(field * BITS).to(gl.float32))[:, None]).to(gl.float16)
         q_bias = gl.convert_layout(gl.sum(q16.to(gl.float32), axis=0) * KEY_BIAS, row_l)
@@ -347,8 +387,6 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC,
     tc = gl.arange(0, BN, layout=gl.SliceLayout(1, cp_l))
     wc = gl.arange(0, W, layout=gl.SliceLayout(0, cp_l))
     tm = gl.arange(0, BN, layout=tok_l)
-    k_base = KC + b * stride_kb + h * stride_kh
-    v_base = VC + b * stride_vb + h * stride_vh
 
     m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=row_l)
     l_i = gl.zeros([ROWS], gl.float32, layout=row_l)
@@ -359,12 +397,20 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC,
     n_full = gl.maximum(end - start, 0) // BN
     if n_full > 0:
         for i in gl.static_range(STAGES - 1):
-            _issue(i, start + gl.minimum(i, n_full - 1) * BN, k_smem, v_smem, k_base, v_base, stride_kh, stride_vh,
-                   tc, wc, W, H)
+            n_i = start + gl.minimum(i, n_full - 1) * BN
+            k_i, v_i, _, _, _, _ = _bases(n_i, b, h, KC, KS, KZ, VC, VS, VZ, first, n_pages, KV_INDICES, stride_kb,
+                                          stride_kh, stride_ksb, stride_ksh, stride_ksn, stride_vb, stride_vh,
+                                          stride_vsb, stride_vsh, stride_vsn, W, KEY_G, VAL_G, PAGE)
+            _issue(i, n_i, k_smem, v_smem, k_i, v_i, stride_kh, stride_vh, tc, wc, W, H)
         ks, kz, vs, vz = _scales(start, end, tm, head_c, KSp, KZp, VSp, VZp, stride_ksh, stride_vsh, KEY_G, VAL_G, H,
                                  False)
         for i in range(n_full):
             n0 = start + i * BN
+            if PAGE > 0:   # this tile's page: its group scales
+                _, _, KSp, KZp, VSp, VZp = _bases(n0, b, h, KC, KS, KZ, VC, VS, VZ, first, n_pages, KV_INDICES,
+                                                  stride_kb, stride_kh, stride_ksb, stride_ksh, stride_ksn, stride_vb,
+                                                  stride_vh, stride_vsb, stride_vsh, stride_vsn, W, KEY_G, VAL_G,
+                                                  PAGE)
             if KEY_G > 0:
                 if n0 % KEY_G == 0:
                     q16, q_bias, q_sum = _key_group(qv, field, chan, head_q, stride_ksh,
@@ -374,12 +420,28 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC,
                 if n0 % VAL_G == 0:
                     v_scale, v_zero = _value_group(VSp + (n0 // VAL_G) * stride_vsn, VZp + (n0 // VAL_G) * stride_vsn,
                                                    chan_o, weight_o)
-            ks2, kz2, vs2, vz2 = _scales(start + gl.minimum(i + 1, n_full - 1) * BN, end, tm, head_c, KSp, KZp, VSp,
-                                         VZp, stride_ksh, stride_vsh, KEY_G, VAL_G, H, False)
-            gl.thread_barrier()   # every lane is done reading the stage the next copy overwrites
+            n_next = start + gl.minimum(i + 1, n_full - 1) * BN
             ahead = i + STAGES - 1
-            _issue(ahead % STAGES, start + gl.minimum(ahead, n_full - 1) * BN, k_smem, v_smem, k_base, v_base,
-                   stride_kh, stride_vh, tc, wc, W, H)
+            n_ahead = start + gl.minimum(ahead, n_full - 1) * BN
+            if PAGE > 0:   # the pages of the next tile (its scales) and of the tile copied ahead
+                _, _, KSn, KZn, VSn, VZn = _bases(n_next, b, h, KC, KS, KZ, VC, VS, VZ, first, n_pages, KV_INDICES,
+                                                  stride_kb, stride_kh, stride_ksb, stride_ksh, stride_ksn, stride_vb,
+                                                  stride_vh, stride_vsb, stride_vsh, stride_vsn, W, KEY_G, VAL_G,
+                                                  PAGE)
+                k_a, v_a, _, _, _, _ = _bases(n_ahead, b, h, KC, KS, KZ, VC, VS, VZ, first, n_pages, KV_INDICES,
+                                              stride_kb, stride_kh, stride_ksb, stride_ksh, stride_ksn, stride_vb,
+                                              stride_vh, stride_vsb, stride_vsh, stride_vsn, W, KEY_G, VAL_G, PAGE)
+            else:
+                KSn = KSp
+                KZn = KZp
+                VSn = VSp
+                VZn = VZp
+                k_a = k_base
+                v_a = v_base
+            ks2, kz2, vs2, vz2 = _scales(n_next, end, tm, head_c, KSn, KZn, VSn, VZn, stride_ksh, stride_vsh, KEY_G,
+                                         VAL_G, H, False)
+            gl.thread_barrier()   # every lane is done reading the stage the next copy overwrites
+            _issue(ahead % STAGES, n_ahead, k_smem, v_smem, k_a, v_a, stride_kh, stride_vh, tc, wc, W, H)
             async_copy.wait_group(STAGES - 1)
             gl.thread_barrier()   # tile i's words, copied by every lane, are visible
             m_i, l_i, zsum, acc_o = _tile(n0, end, k_smem, v_smem, (i % STAGES) * H, ks, kz, vs, vz, m_i, l_i, zsum,
@@ -390,6 +452,11 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC,
         async_copy.wait_group(0)
     full_end = start + n_full * BN
     if full_end < end:
+        if PAGE > 0:
+            k_base, v_base, KSp, KZp, VSp, VZp = _bases(full_end, b, h, KC, KS, KZ, VC, VS, VZ, first, n_pages, KV_INDICES,
+                                                        stride_kb, stride_kh, stride_ksb, stride_ksh, stride_ksn,
+                                                        stride_vb, stride_vh, stride_vsb, stride_vsh, stride_vsn, W,
+                                                        KEY_G, VAL_G, PAGE)
         if KEY_G > 0:
             q16, q_bias, q_sum = _key_group(qv, field, chan, head_q, stride_ksh, KSp + (full_end // KEY_G) * stride_ksn,
                                             KZp + (full_end // KEY_G) * stride_ksn, qk_scale, BITS, KEY_BIAS, H)

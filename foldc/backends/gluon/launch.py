@@ -147,31 +147,48 @@ class GluonAttention:
                                  "32-bit words: pass a tensor that owns its storage (e.g. .clone())")
         if q.stride(-1) != 1:
             raise InputError(f"q must have unit stride along head_dim; got strides {q.stride()}")
-        # H packed KV heads are one program and, for the workspace and the merge, one head of H * q_per_kv rows
         launch = self.launch_config(q.dtype, call.batch, call.tokens)
-        heads = launch["heads"]
-        b, hkv, cfg = call.batch, self.spec.num_kv_heads // heads, self.config
-        block_n = launch["block_n"]
-        splits = self.splits or choose_splits(b, hkv, call.tokens, block_n, num_sms(device), launch["split_factor"])
-        per_split = math.ceil(math.ceil(call.tokens / splits) / block_n) * block_n
-        splits = max(1, math.ceil(call.tokens / per_split))
+        b, cfg = call.batch, self.config
+        splits, per_split = self.split_plan(launch, b, call.tokens, device)
         # no lengths: the kernel reads none (no fill and cast kernels before it, which count at batch 1)
         has_lens = call.seq_lens is not None
-        lens = call.seq_lens.to(device=device, dtype=torch.int32) if has_lens else q
-        ws_m = torch.empty(b, hkv, splits, cfg.rows, device=device, dtype=torch.float32)
-        ws_l = torch.empty_like(ws_m)
-        ws_acc = torch.empty(b, hkv, splits, cfg.rows, cfg.head_dim, device=device, dtype=torch.float32)
+        lens = call.seq_lens.to(device=device, dtype=torch.int32) if has_lens else None
+        ws = self.workspace(launch, b, splits, device)
         want = (b, self.spec.num_q_heads, cfg.head_dim)
         out = output_buffer(out, want, q)
         lse = torch.empty(b, self.spec.num_q_heads, device=device, dtype=torch.float32)
+        self.launch(launch, q, k, v, lens, ws, out, lse, call.sm_scale, per_split, splits, call.tokens)
+        return (out, lse) if return_lse else out
+
+    def split_plan(self, launch: dict, batch: int, tokens: int, device) -> tuple[int, int]:
+        """(splits, tokens per split) for ``tokens`` cached tokens: whole tiles per split."""
+        block_n, hkv = launch["block_n"], self.spec.num_kv_heads // launch["heads"]
+        splits = self.splits or choose_splits(batch, hkv, tokens, block_n, num_sms(device), launch["split_factor"])
+        per_split = math.ceil(math.ceil(tokens / splits) / block_n) * block_n
+        return max(1, math.ceil(tokens / per_split)), per_split
+
+    def workspace(self, launch: dict, batch: int, splits: int, device) -> tuple[torch.Tensor, ...]:
+        """Per-split (max, denominator, accumulator): H packed KV heads are one head of H x q_per_kv
+        rows for the workspace and the merge."""
+        hkv, rows = self.spec.num_kv_heads // launch["heads"], self.config.rows
+        ws_m = torch.empty(batch, hkv, splits, rows, device=device, dtype=torch.float32)
+        return ws_m, torch.empty_like(ws_m), torch.empty(batch, hkv, splits, rows, self.config.head_dim,
+                                                          device=device, dtype=torch.float32)
+
+    def launch(self, launch: dict, q, k, v, lens, ws, out, lse, sm_scale: float, per_split: int, splits: int,
+               cache_tokens: int, paged: tuple | None = None) -> None:
+        """Launch the decode and merge kernels, no checks (callers validate). ``lens``: int32 device
+        lengths or None (every sequence holds ``cache_tokens``); ``paged``: (kv_indptr, kv_indices,
+        page_size) when k and v are page pools (foldc/serving/paged.py)."""
         decode, merge = self._kernels()
+        heads = launch["heads"]
         kc, vc = k.codes.view(torch.int32), v.codes.view(torch.int32)
+        indptr, indices, page = paged if paged is not None else (q, q, 0)
         extra = {"maxnreg": launch["maxnreg"]} if launch["maxnreg"] else {}
-        decode[(b, hkv, splits)](
-            q, kc, k.scale, k.zero, vc, v.scale, v.zero, lens, ws_m, ws_l, ws_acc,
+        decode[(q.shape[0], self.spec.num_kv_heads // heads, splits)](
+            q, kc, k.scale, k.zero, vc, v.scale, v.zero, q if lens is None else lens, *ws, indptr, indices,
             q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), k.scale.stride(0), k.scale.stride(1),
             k.scale.stride(2), vc.stride(0), vc.stride(1), v.scale.stride(0), v.scale.stride(1), v.scale.stride(2),
-            call.sm_scale * 1.4426950408889634, per_split, call.tokens, HAS_LENS=has_lens, **launch["constexprs"],
-            num_warps=1, **extra)
-        launch_merge(merge, ws_m, ws_l, ws_acc, out, lse, self.spec.q_per_kv * heads)
-        return (out, lse) if return_lse else out
+            sm_scale * 1.4426950408889634, per_split, cache_tokens, HAS_LENS=lens is not None, PAGE=page,
+            **launch["constexprs"], num_warps=1, **extra)
+        launch_merge(merge, *ws, out, lse, self.spec.q_per_kv * heads)
