@@ -16,10 +16,12 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 # (bits, heads, kv_heads, head_dim, arch, block_n, stages, K layout, V layout, pack_heads: None = auto)
-BUILDS = [(2, 32, 8, 128, "sm_90", 32, 2, "token", "token", None), (4, 32, 8, 128, "sm_90", 32, 2, "token", "token", None),
+BUILDS = [(2, 32, 8, 128, "sm_90", 32, 2, "token", "token", None),
+          (4, 32, 8, 128, "sm_90", 32, 2, "token", "token", None),
           (2, 32, 8, 128, "sm_90", 32, 2, "token", "token", 1), (4, 32, 8, 128, "sm_90", 32, 2, "token", "token", 1),
           (2, 16, 8, 128, "sm_90", 32, 2, "token", "token", None),
-          (2, 32, 8, 128, "sm_90", 64, 3, "token", "token", None), (2, 32, 2, 128, "sm_90", 32, 2, "token", "token", None),
+          (2, 32, 8, 128, "sm_90", 64, 3, "token", "token", None),
+          (2, 32, 2, 128, "sm_90", 32, 2, "token", "token", None),
           (2, 32, 8, 128, "sm_100", 32, 2, "token", "token", None),
           (2, 32, 8, 128, "sm_90", 32, 2, "channel", "token", None),
           (2, 32, 8, 128, "sm_90", 32, 2, "token", "channel", None),

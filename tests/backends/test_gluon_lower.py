@@ -185,7 +185,8 @@ PACK_CASES = [((32, 8), "token", "token", 2), ((32, 8), "channel", "token", 1), 
               ((4, 1), "token", "token", 1)]
 
 
-@pytest.mark.parametrize("heads,kl,vl,want", PACK_CASES, ids=[f"{h[0]}/{h[1]}-K{k[0]}V{v[0]}" for h, k, v, _ in PACK_CASES])
+@pytest.mark.parametrize("heads,kl,vl,want", PACK_CASES,
+                         ids=[f"{h[0]}/{h[1]}-K{k[0]}V{v[0]}" for h, k, v, _ in PACK_CASES])
 def test_default_packing_fills_the_query_rows(heads, kl, vl, want):
     from foldc.backends.gluon.launch import GluonAttention
 

@@ -453,9 +453,10 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
     full_end = start + n_full * BN
     if full_end < end:
         if PAGE > 0:
-            k_base, v_base, KSp, KZp, VSp, VZp = _bases(full_end, b, h, KC, KS, KZ, VC, VS, VZ, first, n_pages, KV_INDICES,
-                                                        stride_kb, stride_kh, stride_ksb, stride_ksh, stride_ksn,
-                                                        stride_vb, stride_vh, stride_vsb, stride_vsh, stride_vsn, W,
+            k_base, v_base, KSp, KZp, VSp, VZp = _bases(full_end, b, h, KC, KS, KZ, VC, VS, VZ, first, n_pages,
+                                                        KV_INDICES, stride_kb, stride_kh, stride_ksb, stride_ksh,
+                                                        stride_ksn, stride_vb, stride_vh, stride_vsb, stride_vsh,
+                                                        stride_vsn, W,
                                                         KEY_G, VAL_G, PAGE)
         if KEY_G > 0:
             q16, q_bias, q_sum = _key_group(qv, field, chan, head_q, stride_ksh, KSp + (full_end // KEY_G) * stride_ksn,

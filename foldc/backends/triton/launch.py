@@ -73,13 +73,15 @@ def foldc_merge(WS_M, WS_L, WS_ACC, OUT, LSE, stride_ob, stride_oh, num_splits,
 
 
 def launch_merge(merge_kernel, ws_m, ws_l, ws_acc, out, lse, q_per_kv: int) -> None:
-    """Launch ``foldc_merge`` over the workspace [batch, kv_heads, splits, rows(, head_dim)]:
-    one program per (batch, head, row, block of 32 channels), up to 64 splits per step."""
+    """Launch ``foldc_merge`` over the workspace [batch, kv_heads, splits, rows(, head_dim)]: one
+    program per (batch, head, real query row, block of channels), up to 64 splits per step.
+    Padding rows (rows >= q_per_kv) get no program. Blocks of 32 channels on a GPU; all channels
+    in one program under the interpreter (CPU tensors), which runs programs one after another."""
     b, hkv, splits, rows = ws_m.shape
     head_dim = ws_acc.shape[-1]
-    d_block = min(head_dim, 32)
+    d_block = head_dim if ws_m.device.type == "cpu" else min(head_dim, 32)
     split_block = min(64, max(2, triton.next_power_of_2(splits)))
-    merge_kernel[(b, hkv, rows * (head_dim // d_block))](
+    merge_kernel[(b, hkv, q_per_kv * (head_dim // d_block))](
         ws_m, ws_l, ws_acc, out, lse, out.stride(0), out.stride(1), splits, Q_PER_KV=q_per_kv, ROWS=rows,
         HEAD_DIM=head_dim, NUM_KV_HEADS=hkv, SPLIT_BLOCK=split_block, D_BLOCK=d_block,
         num_warps=4 if split_block * d_block >= 1024 else 1)
