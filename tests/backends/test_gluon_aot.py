@@ -15,17 +15,20 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-# (bits, heads, kv_heads, head_dim, arch, block_n, stages, K layout, V layout, pack_heads: None = auto)
-BUILDS = [(2, 32, 8, 128, "sm_90", 32, 2, "token", "token", None),
-          (4, 32, 8, 128, "sm_90", 32, 2, "token", "token", None),
-          (2, 32, 8, 128, "sm_90", 32, 2, "token", "token", 1), (4, 32, 8, 128, "sm_90", 32, 2, "token", "token", 1),
-          (2, 16, 8, 128, "sm_90", 32, 2, "token", "token", None),
-          (2, 32, 8, 128, "sm_90", 64, 3, "token", "token", None),
-          (2, 32, 2, 128, "sm_90", 32, 2, "token", "token", None),
-          (2, 32, 8, 128, "sm_100", 32, 2, "token", "token", None),
-          (2, 32, 8, 128, "sm_90", 32, 2, "channel", "token", None),
-          (2, 32, 8, 128, "sm_90", 32, 2, "token", "channel", None),
-          (4, 32, 8, 128, "sm_90", 32, 2, "channel", "channel", None)]
+# (bits, heads, kv_heads, head_dim, arch, block_n, stages, K layout, V layout, pack_heads: None = auto,
+#  page size: 0 = contiguous cache)
+BUILDS = [(2, 32, 8, 128, "sm_90", 32, 2, "token", "token", None, 0),
+          (4, 32, 8, 128, "sm_90", 32, 2, "token", "token", None, 0),
+          (2, 32, 8, 128, "sm_90", 32, 2, "token", "token", 1, 0), (4, 32, 8, 128, "sm_90", 32, 2, "token", "token", 1, 0),
+          (2, 16, 8, 128, "sm_90", 32, 2, "token", "token", None, 0),
+          (2, 32, 8, 128, "sm_90", 64, 3, "token", "token", None, 0),
+          (2, 32, 2, 128, "sm_90", 32, 2, "token", "token", None, 0),
+          (2, 32, 8, 128, "sm_100", 32, 2, "token", "token", None, 0),
+          (2, 32, 8, 128, "sm_90", 32, 2, "channel", "token", None, 0),
+          (2, 32, 8, 128, "sm_90", 32, 2, "token", "channel", None, 0),
+          (4, 32, 8, 128, "sm_90", 32, 2, "channel", "channel", None, 0),
+          (2, 32, 8, 128, "sm_90", 64, 2, "token", "token", None, 128),
+          (2, 32, 8, 128, "sm_90", 32, 2, "channel", "token", None, 128)]
 
 SCRIPT = r"""
 import json, sys
@@ -33,10 +36,10 @@ import foldc
 from foldc.backends.gluon.aot import compile_gluon_aot
 jobs, root = json.loads(sys.argv[1]), sys.argv[2]
 out = []
-for bits, h, kv, d, arch, bn, st, kl, vl, ph in jobs:
+for bits, h, kv, d, arch, bn, st, kl, vl, ph, page in jobs:
     spec = foldc.AttentionSpec(h, kv, d, foldc.Affine(bits, kl, d), foldc.Affine(bits, vl, d))
-    out.append(compile_gluon_aot(spec, arch, f"{root}/{bits}-{h}-{kv}-{arch}-{bn}-{st}-{kl}-{vl}-{ph}", block_n=bn,
-                                 stages=st, pack_heads=ph))
+    out.append(compile_gluon_aot(spec, arch, f"{root}/{bits}-{h}-{kv}-{arch}-{bn}-{st}-{kl}-{vl}-{ph}-{page}",
+                                 block_n=bn, stages=st, pack_heads=ph, page_size=page))
 print(json.dumps(out))
 """
 
@@ -53,10 +56,10 @@ def reports(tmp_path_factory):
     return dict(zip(map(tuple, BUILDS), json.loads(done.stdout.strip().splitlines()[-1])))
 
 
-@pytest.mark.parametrize("build", BUILDS, ids=[f"int{b[0]}-{b[1]}/{b[2]}-{b[4]}-bn{b[5]}-K{b[7][0]}V{b[8][0]}-H{b[9]}"
+@pytest.mark.parametrize("build", BUILDS, ids=[f"int{b[0]}-{b[1]}/{b[2]}-{b[4]}-bn{b[5]}-K{b[7][0]}V{b[8][0]}-H{b[9]}-P{b[10]}"
                                                for b in BUILDS])
 def test_build_emits_register_operand_mma_and_the_designed_unpack(build, reports):
-    bits, heads, kv, head_dim, arch, block_n, stages, kl, vl, pack = build
+    bits, heads, kv, head_dim, arch, block_n, stages, kl, vl, pack, _ = build
     r = reports[build]
     packed = r["pack_heads"]
     assert packed == (pack or min(8 // (heads // kv), kv) if kl == vl == "token" and heads // kv <= 8 else 1)
@@ -76,7 +79,7 @@ def test_build_emits_register_operand_mma_and_the_designed_unpack(build, reports
 
 
 @pytest.mark.parametrize("build", [b for b in BUILDS if b[4] == "sm_90" and b[7] == b[8] == "token" and b[2] == 8],
-                         ids=lambda b: f"int{b[0]}-{b[1]}/{b[2]}-bn{b[5]}-H{b[9]}")
+                         ids=lambda b: f"int{b[0]}-{b[1]}/{b[2]}-bn{b[5]}-H{b[9]}-P{b[10]}")
 def test_sass_matches_the_token_loop_cost_model(build, reports):
     """foldc.cost's whole-loop figure (construction + per-token work, eq. 13) within 15% of the SASS."""
     r = reports[build]["inner_loop"]
@@ -96,3 +99,14 @@ def test_foldc_compile_builds_the_register_operand_kernel(tmp_path):
     refused = subprocess.run(args[:5] + ["token:4:64", "--v", "token:4:64"] + args[8:] + ["--kernel", "gluon"],
                              env=env, capture_output=True, text=True, timeout=300)
     assert refused.returncode != 0 and "token-wise groups of 64 channels" in refused.stderr
+
+
+def test_paged_reads_cost_little_in_the_token_loop(reports):
+    """The paged build adds the page lookup and the rebased bases per tile, nothing per code: the
+    same unpack and matrix instructions and at most 5% more instructions than the contiguous build."""
+    paged = reports[(2, 32, 8, 128, "sm_90", 64, 2, "token", "token", None, 128)]["inner_loop"]
+    flat = reports[(2, 32, 8, 128, "sm_90", 64, 3, "token", "token", None, 0)]["inner_loop"]
+    assert paged["top_opcodes"]["HMMA"] == flat["top_opcodes"]["HMMA"], (paged, flat)
+    # the unpack's LOP3s are the same; address arithmetic may add a few
+    assert flat["top_opcodes"]["LOP3"] <= paged["top_opcodes"]["LOP3"] <= flat["top_opcodes"]["LOP3"] + 8
+    assert paged["instructions_per_warp"] <= 1.05 * flat["instructions_per_warp"], (paged, flat)
