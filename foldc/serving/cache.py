@@ -268,23 +268,21 @@ class QuantizedKVCache:
             raise InputError(f"q is on {q.device} but the cache is on {self.device}; move it there")
         if self.num_tokens == 0:
             raise InputError("the cache holds no tokens; append() keys and values before attention()")
-        parts = []
         plain_len = self._sink_len + self._recent_len
         # with two parts, each stays float32 until the merge: one rounding to q's dtype, not two
-        partial = dict(out=torch.empty(want, dtype=torch.float32, device=self.device)) \
-            if self._body_len and plain_len and self.target != "reference" else {}
+        wide = bool(self._body_len and plain_len and self.target != "reference")
+
+        def part(attention, k, v, n):
+            lens = torch.full((self.batch,), n, dtype=torch.int32, device=self.device)
+            out = torch.empty(want, dtype=torch.float32, device=self.device) if wide else None
+            return attention(q, k, v, sm_scale=sm_scale, seq_lens=lens, return_lse=True, out=out)
+        parts = []
         if self._body_len:
-            lens = torch.full((self.batch,), self._body_len, dtype=torch.int32, device=self.device)
-            parts.append(self._body_attention(q, self._body["k"], self._body["v"], sm_scale=sm_scale,
-                                              seq_lens=lens, return_lse=True, **partial))
+            parts.append(part(self._body_attention, self._body["k"], self._body["v"], self._body_len))
         if plain_len:  # sink and recent are one contiguous prefix of the plain buffer
-            lens = torch.full((self.batch,), plain_len, dtype=torch.int32, device=self.device)
-            if partial:
-                partial = dict(out=torch.empty(want, dtype=torch.float32, device=self.device))
-            parts.append(self._plain_attention(q, self._plain["k"], self._plain["v"], sm_scale=sm_scale,
-                                               seq_lens=lens, return_lse=True, **partial))
+            parts.append(part(self._plain_attention, self._plain["k"], self._plain["v"], plain_len))
         out, lse = parts[0] if len(parts) == 1 else merge_attention(parts)
-        if partial:
+        if wide:
             out = out.to(q.dtype)
         return (out, lse) if return_lse else out
 

@@ -165,6 +165,43 @@ def _device(x) -> torch.device:
     return x.codes.device if isinstance(x, AffineTensor) else x.device
 
 
+def register_operand_kernel(spec: AttentionSpec, page_size: int, target: str, kernel: str = "auto",
+                            block_n: int | None = None, splits: int | None = None):
+    """The register-operand kernel (foldc/backends/gluon) for a paged decode, or None for the
+    generated Triton kernel. Its tile is pinned (an explicit ``block_n``) to one that lies in a page,
+    so no tuned launch can pick a tile spanning two pages. ``kernel="gluon"`` raises with the reason
+    where it cannot run."""
+    if kernel not in ("auto", "triton", "gluon"):
+        raise SpecError(f"kernel={kernel!r}: use 'auto', 'triton' or 'gluon'")
+    if kernel == "triton":
+        return None
+    reason = None
+    if target != "sm_90":
+        reason = f"it runs on sm_90 and this wrapper's target is {target!r}"
+    elif page_size % 32:
+        reason = f"its tiles are 32 or 64 tokens and page_size={page_size} is not a multiple of 32"
+    elif block_n is not None and block_n not in (32, 64):
+        reason = f"block_n={block_n} is not 32 or 64"
+    else:
+        from ..backends.gluon.lower import lowerable
+
+        ok, why = lowerable(spec)
+        reason = None if ok else why
+    if reason is None:
+        from ..backends.gluon.launch import GluonAttention
+
+        try:
+            tile = block_n or GluonAttention(spec).default_block_n
+            if page_size % tile:   # the kernel's default tile would span two pages
+                tile = 32
+            return GluonAttention(spec, block_n=tile, splits=splits)
+        except SpecError as err:   # e.g. a 64-token tile over 32-token channel groups
+            reason = str(err)
+    if kernel == "gluon":
+        raise SpecError(f"kernel='gluon' cannot run this paged decode: {reason}; use kernel='auto' or 'triton'")
+    return None
+
+
 class PagedDecodeWrapper:
     """Decode attention over a paged, quantized KV cache (FlashInfer-style ``plan`` / ``run``).
 
@@ -224,49 +261,14 @@ class PagedDecodeWrapper:
         self.interpret = target == "interpret"
         self._cfg = {"num_warps": num_warps, "num_stages": num_stages}
         self._splits = splits
-        self._gluon = self._register_operand_kernel(kernel, block_n, splits)
+        self._gluon = register_operand_kernel(spec, page_size, target, kernel, block_n, splits)
         if self._gluon is not None:
+            self.block_n = self._gluon.default_block_n
             return
         from ..backends.triton import TritonAttention
 
         self._attn = TritonAttention(spec, target, block_n=self.block_n, num_warps=num_warps,
                                      num_stages=num_stages, splits=splits)
-
-    def _register_operand_kernel(self, kernel: str, block_n: int | None, splits: int | None):
-        """The register-operand kernel (foldc/backends/gluon) for this wrapper, or None for the Triton one."""
-        if kernel not in ("auto", "triton", "gluon"):
-            raise SpecError(f"kernel={kernel!r}: use 'auto', 'triton' or 'gluon'")
-        if kernel == "triton":
-            return None
-        reason = None
-        if self.target != "sm_90":
-            reason = f"it runs on sm_90 and this wrapper's target is {self.target!r}"
-        elif self.page_size % 32:
-            reason = f"its tiles are 32 or 64 tokens and page_size={self.page_size} is not a multiple of 32"
-        elif block_n is not None and block_n not in (32, 64):
-            reason = f"block_n={block_n} is not 32 or 64"
-        else:
-            from ..backends.gluon.lower import lowerable
-
-            ok, why = lowerable(self.spec)
-            reason = None if ok else why
-        if reason is None:
-            from ..backends.gluon.launch import GluonAttention, default_pack_heads
-            from ..backends.gluon.lower import gluon_plan, lower
-
-            pack = default_pack_heads(lower(gluon_plan(self.spec)), self.spec.num_kv_heads)
-            if block_n is None:   # the kernel's own default, if the page holds whole tiles of it
-                block_n = 64 if pack > 1 and self.spec.k.bits == 2 and self.page_size % 64 == 0 else 32
-            try:
-                attn = GluonAttention(self.spec, block_n=block_n, splits=splits)
-            except SpecError as err:   # e.g. a 64-token tile over 32-token channel groups
-                reason = str(err)
-            else:
-                self.block_n = block_n
-                return attn
-        if kernel == "gluon":
-            raise SpecError(f"kernel='gluon' cannot run this paged decode: {reason}; use kernel='auto' or 'triton'")
-        return None
 
     # ---- plan ---------------------------------------------------------------------------------
 

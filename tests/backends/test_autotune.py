@@ -81,3 +81,19 @@ def test_a_tuned_bucket_sets_the_register_operand_launch(cache_dir):
     assert (untuned["block_n"], untuned["heads"]) == (64, 2)          # defaults: packed INT2, 64-token tiles
     explicit = GluonAttention(SPEC, pack_heads=2, block_n=64).launch_config(torch.bfloat16, 1, 16384)
     assert (explicit["heads"], explicit["block_n"], explicit["stages"]) == (2, 64, 3)
+
+
+def test_paged_launch_pins_a_tile_that_fits_its_page(cache_dir):
+    """A tuned bucket may pick 64-token tiles; the paged register-operand launch keeps a tile that
+    lies in one page (32 for 32-token pages) whatever the tuning cache says."""
+    from foldc.serving.paged import register_operand_kernel
+
+    store(bucket_key(SPEC, torch.bfloat16, 2, 256, kernel="gluon"),
+          GluonConfig(block_n=64, stages=2, maxnreg=None, split_factor=1.0), 5.0)
+    for page, want in ((32, 32), (128, 64), (64, 64)):
+        attn = register_operand_kernel(SPEC, page, "sm_90")
+        assert attn.default_block_n == want
+        assert attn.launch_config(torch.bfloat16, 2, 256)["block_n"] == want
+    assert register_operand_kernel(SPEC, 48, "sm_90") is None         # no 32-token tile fits a page
+    with pytest.raises(foldc.SpecError, match="page_size=48 is not a multiple of 32"):
+        register_operand_kernel(SPEC, 48, "sm_90", kernel="gluon")

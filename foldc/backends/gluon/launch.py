@@ -103,6 +103,11 @@ class GluonAttention:
         self._configs: dict = {}
         self._modules = None
 
+    @property
+    def default_block_n(self) -> int:
+        """Tokens per tile when neither the call's options nor a tuned bucket say otherwise."""
+        return self._defaults["block_n"]
+
     def launch_config(self, dtype: torch.dtype, batch: int, tokens: int) -> dict:
         """block_n / stages / maxnreg / split factor for this call (memoised per shape bucket)."""
         bucket = (dtype, batch, tokens)
