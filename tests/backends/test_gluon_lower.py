@@ -214,3 +214,23 @@ def test_channel_wise_values_are_never_packed():
     spec = foldc.AttentionSpec(32, 8, 128, foldc.Affine(2, "token", 128), foldc.Affine(2, "channel", 128))
     with pytest.raises(foldc.SpecError, match="token-wise V only"):
         GluonAttention(spec, pack_heads=2)
+
+
+@pytest.mark.parametrize("value", [1, 0, "no", 1.0])
+def test_scale_ahead_must_be_a_bool(value):
+    from foldc.backends.gluon.launch import GluonAttention
+
+    enc = foldc.Affine(2, "token", 128)
+    with pytest.raises(foldc.SpecError, match=f"scale_ahead={value!r} must be True, False or None"):
+        GluonAttention(foldc.AttentionSpec(32, 8, 128, enc, enc), scale_ahead=value)
+
+
+@pytest.mark.parametrize("ahead", [True, False])
+def test_scale_ahead_reaches_the_kernel_as_a_constexpr(ahead):
+    import torch
+
+    from foldc.backends.gluon.launch import GluonAttention
+
+    enc = foldc.Affine(2, "token", 128)
+    attn = GluonAttention(foldc.AttentionSpec(32, 8, 128, enc, enc), scale_ahead=ahead)
+    assert attn.launch_config(torch.bfloat16, 8, 4096)["constexprs"]["SCALE_AHEAD"] is ahead

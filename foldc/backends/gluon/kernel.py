@@ -174,17 +174,14 @@ def _stage_tail(n0, end, k_smem, v_smem, k_base, v_base, stride_kh, stride_vh, t
 
 
 @gluon.jit
-def _tile(n0, end, k_smem, v_smem, slot, ks, kz, vs, vz, m_i, l_i, zsum, acc_o, tm, head_c, head_b, q16, q_bias,
-          q_sum, row_scale, v_scale, v_zero, BN: gl.constexpr, D: gl.constexpr, F: gl.constexpr, ROWS: gl.constexpr,
-          H: gl.constexpr, KEY_G: gl.constexpr, VAL_G: gl.constexpr, KASM: gl.constexpr, KCONS: gl.constexpr,
-          VA0: gl.constexpr, VA1: gl.constexpr, VA2: gl.constexpr, VA3: gl.constexpr, VCONS: gl.constexpr,
-          MASKED: gl.constexpr):
+def _scores(n0, end, k_smem, slot, ks, kz, tm, head_c, q16, q_bias, q_sum, row_scale, BN: gl.constexpr,
+            D: gl.constexpr, F: gl.constexpr, ROWS: gl.constexpr, H: gl.constexpr, KEY_G: gl.constexpr,
+            KASM: gl.constexpr, KCONS: gl.constexpr, MASKED: gl.constexpr):
+    """Key side of one tile: the logits t [BN tokens, ROWS] (log2 units), -inf past ``end``."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
     a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=8)
-    b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=8)
     W: gl.constexpr = D // F // 4
     kw_l: gl.constexpr = key_words_layout(BN, W)
-    vw_l: gl.constexpr = value_words_layout(BN, W)
     # scores of every packed head: head i's keys against all query rows, kept in the rows of head i
     sacc = gl.zeros([BN, ROWS], gl.float32, layout=mma)
     for i in gl.static_range(H):
@@ -195,17 +192,13 @@ def _tile(n0, end, k_smem, v_smem, slot, ks, kz, vs, vz, m_i, l_i, zsum, acc_o, 
         else:
             sacc = gl.where((head_c == i)[None, :], mma_v2(ka, q16, gl.zeros([BN, ROWS], gl.float32, layout=mma)),
                             sacc)
-    if H == 1:
-        ks2 = ks.to(gl.float32)[:, None]
-        kz2 = kz.to(gl.float32)[:, None]
-        vs2 = vs.to(gl.float32)[:, None]
-        vz2 = vz.to(gl.float32)[:, None]
-    else:
-        ks2 = ks.to(gl.float32)
-        kz2 = kz.to(gl.float32)
-        vs2 = vs.to(gl.float32)
-        vz2 = vz.to(gl.float32)
     if KEY_G == 0:
+        if H == 1:
+            ks2 = ks.to(gl.float32)[:, None]
+            kz2 = kz.to(gl.float32)[:, None]
+        else:
+            ks2 = ks.to(gl.float32)
+            kz2 = kz.to(gl.float32)
         # acc-fold, one scale per token (row of M); bias and zero through sum(q') and sum(q) (eq. 3, 6, 7)
         t = ks2 * ((sacc - q_bias[None, :]) * row_scale[None, :]) + kz2 * q_sum[None, :]
     else:
@@ -215,12 +208,31 @@ def _tile(n0, end, k_smem, v_smem, slot, ks, kz, vs, vz, m_i, l_i, zsum, acc_o, 
         t = sacc * q_bias[None, :] + q_sum[None, :]
     if MASKED:
         t = gl.where((n0 + tm < end)[:, None], t, float("-inf"))
+    return t
+
+
+@gluon.jit
+def _consume(t, v_smem, slot, vs, vz, m_i, l_i, zsum, acc_o, head_b, v_scale, v_zero, BN: gl.constexpr,
+             D: gl.constexpr, F: gl.constexpr, ROWS: gl.constexpr, H: gl.constexpr, VAL_G: gl.constexpr,
+             VA0: gl.constexpr, VA1: gl.constexpr, VA2: gl.constexpr, VA3: gl.constexpr, VCONS: gl.constexpr):
+    """Online softmax of one tile's logits ``t`` and its value side into (max, denominator, zero sum, O^T)."""
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
+    a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=8)
+    b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=8)
+    W: gl.constexpr = D // F // 4
+    vw_l: gl.constexpr = value_words_layout(BN, W)
     m_new = gl.maximum(m_i, gl.max(t, axis=0))
     alpha = gl.exp2(m_i - m_new)
     p = gl.exp2(t - m_new[None, :])
     p_sum = gl.sum(p, axis=0)
     l_i = l_i * alpha + p_sum
     if VAL_G == 0:
+        if H == 1:
+            vs2 = vs.to(gl.float32)[:, None]
+            vz2 = vz.to(gl.float32)[:, None]
+        else:
+            vs2 = vs.to(gl.float32)
+            vz2 = vz.to(gl.float32)
         # operand-fold: P x scale before the product; sum(P x zero) beside it (eq. 4, 6)
         pb = gl.convert_layout((p * vs2).to(gl.float16), b_l)
         zsum = zsum * alpha + gl.sum(p * vz2, axis=0)
@@ -242,6 +254,19 @@ def _tile(n0, end, k_smem, v_smem, slot, ks, kz, vs, vz, m_i, l_i, zsum, acc_o, 
         # acc-fold: this tile lies in one token group; scale the tile's sum per channel, add zero x sum(P)
         acc_o = acc_o * alpha[None, :] + pv * v_scale[:, None] + v_zero[:, None] * p_sum[None, :]
     return m_new, l_i, zsum, acc_o
+
+
+@gluon.jit
+def _tile(n0, end, k_smem, v_smem, slot, ks, kz, vs, vz, m_i, l_i, zsum, acc_o, tm, head_c, head_b, q16, q_bias,
+          q_sum, row_scale, v_scale, v_zero, BN: gl.constexpr, D: gl.constexpr, F: gl.constexpr, ROWS: gl.constexpr,
+          H: gl.constexpr, KEY_G: gl.constexpr, VAL_G: gl.constexpr, KASM: gl.constexpr, KCONS: gl.constexpr,
+          VA0: gl.constexpr, VA1: gl.constexpr, VA2: gl.constexpr, VA3: gl.constexpr, VCONS: gl.constexpr,
+          MASKED: gl.constexpr):
+    """One tile, key side then value side."""
+    t = _scores(n0, end, k_smem, slot, ks, kz, tm, head_c, q16, q_bias, q_sum, row_scale, BN, D, F, ROWS, H, KEY_G,
+                KASM, KCONS, MASKED)
+    return _consume(t, v_smem, slot, vs, vz, m_i, l_i, zsum, acc_o, head_b, v_scale, v_zero, BN, D, F, ROWS, H,
+                    VAL_G, VA0, VA1, VA2, VA3, VCONS)
 
 
 @gluon.jit
@@ -317,7 +342,8 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
                        ROWS: gl.constexpr,
                        H: gl.constexpr, BN: gl.constexpr,
                        D: gl.constexpr, BITS: gl.constexpr, KEY_BIAS: gl.constexpr, KEY_G: gl.constexpr,
-                       VAL_G: gl.constexpr, STAGES: gl.constexpr, KASM: gl.constexpr,
+                       VAL_G: gl.constexpr, STAGES: gl.constexpr, SCALE_AHEAD: gl.constexpr, PIPELINE: gl.constexpr,
+                       KASM: gl.constexpr,
                        KCONS: gl.constexpr, VA0: gl.constexpr, VA1: gl.constexpr, VA2: gl.constexpr,
                        VA3: gl.constexpr, VCONS: gl.constexpr):
     NB: gl.constexpr = D * BITS // 8
@@ -402,53 +428,123 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
                                           stride_kh, stride_ksb, stride_ksh, stride_ksn, stride_vb, stride_vh,
                                           stride_vsb, stride_vsh, stride_vsn, W, KEY_G, VAL_G, PAGE)
             _issue(i, n_i, k_smem, v_smem, k_i, v_i, stride_kh, stride_vh, tc, wc, W, H)
-        ks, kz, vs, vz = _scales(start, end, tm, head_c, KSp, KZp, VSp, VZp, stride_ksh, stride_vsh, KEY_G, VAL_G, H,
-                                 False)
-        for i in range(n_full):
-            n0 = start + i * BN
-            if PAGE > 0:   # this tile's page: its group scales
-                _, _, KSp, KZp, VSp, VZp = _bases(n0, b, h, KC, KS, KZ, VC, VS, VZ, first, n_pages, KV_INDICES,
+        if SCALE_AHEAD or PIPELINE:   # the first tile's scales
+            ks, kz, vs, vz = _scales(start, end, tm, head_c, KSp, KZp, VSp, VZp, stride_ksh, stride_vsh, KEY_G, VAL_G,
+                                     H, False)
+        if PIPELINE:
+            # software pipeline (STAGES >= 3): iteration i runs the key side of tile i + 1 beside the
+            # softmax and value side of tile i, independent work for the warp's scheduler to overlap
+            async_copy.wait_group(STAGES - 2)
+            gl.thread_barrier()
+            t_cur = _scores(start, end, k_smem, 0, ks, kz, tm, head_c, q16, q_bias, q_sum, row_scale, BN, D, F, ROWS,
+                            H, KEY_G, KASM, KCONS, False)
+            for i in range(n_full - 1):
+                n0 = start + i * BN        # value side now
+                n1 = n0 + BN               # key side now
+                ahead = i + STAGES - 1
+                n_ahead = start + gl.minimum(ahead, n_full - 1) * BN
+                if PAGE > 0:
+                    _, _, _, _, VSp, VZp = _bases(n0, b, h, KC, KS, KZ, VC, VS, VZ, first, n_pages, KV_INDICES,
                                                   stride_kb, stride_kh, stride_ksb, stride_ksh, stride_ksn, stride_vb,
-                                                  stride_vh, stride_vsb, stride_vsh, stride_vsn, W, KEY_G, VAL_G,
-                                                  PAGE)
-            if KEY_G > 0:
-                if n0 % KEY_G == 0:
-                    q16, q_bias, q_sum = _key_group(qv, field, chan, head_q, stride_ksh,
-                                                    KSp + (n0 // KEY_G) * stride_ksn, KZp + (n0 // KEY_G) * stride_ksn,
-                                                    qk_scale, BITS, KEY_BIAS, H)
-            if VAL_G > 0:
-                if n0 % VAL_G == 0:
-                    v_scale, v_zero = _value_group(VSp + (n0 // VAL_G) * stride_vsn, VZp + (n0 // VAL_G) * stride_vsn,
-                                                   chan_o, weight_o)
-            n_next = start + gl.minimum(i + 1, n_full - 1) * BN
-            ahead = i + STAGES - 1
-            n_ahead = start + gl.minimum(ahead, n_full - 1) * BN
-            if PAGE > 0:   # the pages of the next tile (its scales) and of the tile copied ahead
-                _, _, KSn, KZn, VSn, VZn = _bases(n_next, b, h, KC, KS, KZ, VC, VS, VZ, first, n_pages, KV_INDICES,
+                                                  stride_vh, stride_vsb, stride_vsh, stride_vsn, W, KEY_G, VAL_G, PAGE)
+                    _, _, KSp, KZp, _, _ = _bases(n1, b, h, KC, KS, KZ, VC, VS, VZ, first, n_pages, KV_INDICES,
                                                   stride_kb, stride_kh, stride_ksb, stride_ksh, stride_ksn, stride_vb,
-                                                  stride_vh, stride_vsb, stride_vsh, stride_vsn, W, KEY_G, VAL_G,
-                                                  PAGE)
-                k_a, v_a, _, _, _, _ = _bases(n_ahead, b, h, KC, KS, KZ, VC, VS, VZ, first, n_pages, KV_INDICES,
-                                              stride_kb, stride_kh, stride_ksb, stride_ksh, stride_ksn, stride_vb,
-                                              stride_vh, stride_vsb, stride_vsh, stride_vsn, W, KEY_G, VAL_G, PAGE)
-            else:
-                KSn = KSp
-                KZn = KZp
-                VSn = VSp
-                VZn = VZp
-                k_a = k_base
-                v_a = v_base
-            ks2, kz2, vs2, vz2 = _scales(n_next, end, tm, head_c, KSn, KZn, VSn, VZn, stride_ksh, stride_vsh, KEY_G,
-                                         VAL_G, H, False)
-            gl.thread_barrier()   # every lane is done reading the stage the next copy overwrites
-            _issue(ahead % STAGES, n_ahead, k_smem, v_smem, k_a, v_a, stride_kh, stride_vh, tc, wc, W, H)
-            async_copy.wait_group(STAGES - 1)
-            gl.thread_barrier()   # tile i's words, copied by every lane, are visible
-            m_i, l_i, zsum, acc_o = _tile(n0, end, k_smem, v_smem, (i % STAGES) * H, ks, kz, vs, vz, m_i, l_i, zsum,
-                                          acc_o, tm, head_c, head_b, q16, q_bias, q_sum, row_scale, v_scale, v_zero,
-                                          BN, D, F, ROWS, H, KEY_G, VAL_G, KASM, KCONS, VA0, VA1, VA2, VA3, VCONS,
-                                          False)
-            ks, kz, vs, vz = ks2, kz2, vs2, vz2
+                                                  stride_vh, stride_vsb, stride_vsh, stride_vsn, W, KEY_G, VAL_G, PAGE)
+                    k_a, v_a, _, _, _, _ = _bases(n_ahead, b, h, KC, KS, KZ, VC, VS, VZ, first, n_pages, KV_INDICES,
+                                                  stride_kb, stride_kh, stride_ksb, stride_ksh, stride_ksn, stride_vb,
+                                                  stride_vh, stride_vsb, stride_vsh, stride_vsn, W, KEY_G, VAL_G, PAGE)
+                else:
+                    k_a = k_base
+                    v_a = v_base
+                if KEY_G > 0:
+                    if n1 % KEY_G == 0:
+                        q16, q_bias, q_sum = _key_group(qv, field, chan, head_q, stride_ksh,
+                                                        KSp + (n1 // KEY_G) * stride_ksn,
+                                                        KZp + (n1 // KEY_G) * stride_ksn, qk_scale, BITS, KEY_BIAS, H)
+                if VAL_G > 0:
+                    if n0 % VAL_G == 0:
+                        v_scale, v_zero = _value_group(VSp + (n0 // VAL_G) * stride_vsn,
+                                                       VZp + (n0 // VAL_G) * stride_vsn, chan_o, weight_o)
+                ks, kz, vs_next, vz_next = _scales(n1, end, tm, head_c, KSp, KZp, VSp, VZp, stride_ksh, stride_vsh, KEY_G, VAL_G,
+                                       H, False)
+                ks_now, kz_now, vs, vz = _scales(n0, end, tm, head_c, KSp, KZp, VSp, VZp, stride_ksh, stride_vsh, KEY_G, VAL_G,
+                                       H, False)
+                gl.thread_barrier()   # every lane is done reading the stage the next copy overwrites
+                _issue(ahead % STAGES, n_ahead, k_smem, v_smem, k_a, v_a, stride_kh, stride_vh, tc, wc, W, H)
+                async_copy.wait_group(STAGES - 2)
+                gl.thread_barrier()   # tile i + 1's words are visible
+                t_next = _scores(n1, end, k_smem, ((i + 1) % STAGES) * H, ks, kz, tm, head_c, q16, q_bias, q_sum,
+                                 row_scale, BN, D, F, ROWS, H, KEY_G, KASM, KCONS, False)
+                m_i, l_i, zsum, acc_o = _consume(t_cur, v_smem, (i % STAGES) * H, vs, vz, m_i, l_i, zsum, acc_o,
+                                                 head_b, v_scale, v_zero, BN, D, F, ROWS, H, VAL_G, VA0, VA1, VA2,
+                                                 VA3, VCONS)
+                t_cur = t_next
+            n_last = start + (n_full - 1) * BN
+            if n_full > 1:
+                if PAGE > 0:
+                    _, _, _, _, VSp, VZp = _bases(n_last, b, h, KC, KS, KZ, VC, VS, VZ, first, n_pages, KV_INDICES,
+                                                  stride_kb, stride_kh, stride_ksb, stride_ksh, stride_ksn, stride_vb,
+                                                  stride_vh, stride_vsb, stride_vsh, stride_vsn, W, KEY_G, VAL_G, PAGE)
+                if VAL_G > 0:
+                    if n_last % VAL_G == 0:
+                        v_scale, v_zero = _value_group(VSp + (n_last // VAL_G) * stride_vsn,
+                                                       VZp + (n_last // VAL_G) * stride_vsn, chan_o, weight_o)
+                ks_now, kz_now, vs, vz = _scales(n_last, end, tm, head_c, KSp, KZp, VSp, VZp, stride_ksh, stride_vsh, KEY_G,
+                                       VAL_G, H, False)
+            m_i, l_i, zsum, acc_o = _consume(t_cur, v_smem, ((n_full - 1) % STAGES) * H, vs, vz, m_i, l_i, zsum,
+                                             acc_o, head_b, v_scale, v_zero, BN, D, F, ROWS, H, VAL_G, VA0, VA1, VA2,
+                                             VA3, VCONS)
+        else:
+            for i in range(n_full):
+                n0 = start + i * BN
+                if PAGE > 0:   # this tile's page: its group scales
+                    _, _, KSp, KZp, VSp, VZp = _bases(n0, b, h, KC, KS, KZ, VC, VS, VZ, first, n_pages, KV_INDICES,
+                                                      stride_kb, stride_kh, stride_ksb, stride_ksh, stride_ksn, stride_vb,
+                                                      stride_vh, stride_vsb, stride_vsh, stride_vsn, W, KEY_G, VAL_G,
+                                                      PAGE)
+                if KEY_G > 0:
+                    if n0 % KEY_G == 0:
+                        q16, q_bias, q_sum = _key_group(qv, field, chan, head_q, stride_ksh,
+                                                        KSp + (n0 // KEY_G) * stride_ksn, KZp + (n0 // KEY_G) * stride_ksn,
+                                                        qk_scale, BITS, KEY_BIAS, H)
+                if VAL_G > 0:
+                    if n0 % VAL_G == 0:
+                        v_scale, v_zero = _value_group(VSp + (n0 // VAL_G) * stride_vsn, VZp + (n0 // VAL_G) * stride_vsn,
+                                                       chan_o, weight_o)
+                n_next = start + gl.minimum(i + 1, n_full - 1) * BN
+                ahead = i + STAGES - 1
+                n_ahead = start + gl.minimum(ahead, n_full - 1) * BN
+                if PAGE > 0:   # the pages of the next tile (its scales) and of the tile copied ahead
+                    _, _, KSn, KZn, VSn, VZn = _bases(n_next, b, h, KC, KS, KZ, VC, VS, VZ, first, n_pages, KV_INDICES,
+                                                      stride_kb, stride_kh, stride_ksb, stride_ksh, stride_ksn, stride_vb,
+                                                      stride_vh, stride_vsb, stride_vsh, stride_vsn, W, KEY_G, VAL_G,
+                                                      PAGE)
+                    k_a, v_a, _, _, _, _ = _bases(n_ahead, b, h, KC, KS, KZ, VC, VS, VZ, first, n_pages, KV_INDICES,
+                                                  stride_kb, stride_kh, stride_ksb, stride_ksh, stride_ksn, stride_vb,
+                                                  stride_vh, stride_vsb, stride_vsh, stride_vsn, W, KEY_G, VAL_G, PAGE)
+                else:
+                    KSn = KSp
+                    KZn = KZp
+                    VSn = VSp
+                    VZn = VZp
+                    k_a = k_base
+                    v_a = v_base
+                if SCALE_AHEAD:   # one tile ahead, in registers
+                    ks2, kz2, vs2, vz2 = _scales(n_next, end, tm, head_c, KSn, KZn, VSn, VZn, stride_ksh, stride_vsh,
+                                                 KEY_G, VAL_G, H, False)
+                else:             # this tile's, loaded now: fewer live registers, the latency under the key side
+                    ks, kz, vs, vz = _scales(n0, end, tm, head_c, KSp, KZp, VSp, VZp, stride_ksh, stride_vsh, KEY_G, VAL_G,
+                                             H, False)
+                gl.thread_barrier()   # every lane is done reading the stage the next copy overwrites
+                _issue(ahead % STAGES, n_ahead, k_smem, v_smem, k_a, v_a, stride_kh, stride_vh, tc, wc, W, H)
+                async_copy.wait_group(STAGES - 1)
+                gl.thread_barrier()   # tile i's words, copied by every lane, are visible
+                m_i, l_i, zsum, acc_o = _tile(n0, end, k_smem, v_smem, (i % STAGES) * H, ks, kz, vs, vz, m_i, l_i, zsum,
+                                              acc_o, tm, head_c, head_b, q16, q_bias, q_sum, row_scale, v_scale, v_zero,
+                                              BN, D, F, ROWS, H, KEY_G, VAL_G, KASM, KCONS, VA0, VA1, VA2, VA3, VCONS,
+                                              False)
+                if SCALE_AHEAD:
+                    ks, kz, vs, vz = ks2, kz2, vs2, vz2
         async_copy.wait_group(0)
     full_end = start + n_full * BN
     if full_end < end:

@@ -21,13 +21,17 @@ DTYPES = (torch.float16, torch.bfloat16)
 PROGRAMS_PER_SM = 16   # one warp each; enough resident warps to hide the code loads
 
 
-def constexprs(cfg: FoldKernel, block_n: int, stages: int, heads: int = 1) -> dict:
+def constexprs(cfg: FoldKernel, block_n: int, stages: int, heads: int = 1, scale_ahead: bool = True,
+               pipeline: bool = False) -> dict:
     """The kernel's compile-time arguments for ``cfg`` (the unpack PTX is generated here), with
-    ``heads`` KV heads packed into one program's query rows."""
+    ``heads`` KV heads packed into one program's query rows; ``scale_ahead``: load the next tile's
+    token-wise scales and zeros one tile early into registers (else each tile's at its start);
+    ``pipeline``: run tile i+1's key side beside tile i's value side (needs ``stages`` >= 3)."""
     key_asm, key_cons = key_unpack_asm(cfg.bits, exact=cfg.key_bias == 0)
     values = [value_unpack_asm(cfg.bits, byte) for byte in range(4)]
     return dict(Q_PER_KV=cfg.q_per_kv, ROWS=cfg.rows, H=heads, BN=block_n, D=cfg.head_dim, BITS=cfg.bits,
-                KEY_BIAS=cfg.key_bias, KEY_G=cfg.key_tokens, VAL_G=cfg.value_tokens, STAGES=stages, KASM=key_asm, KCONS=key_cons, VA0=values[0][0],
+                KEY_BIAS=cfg.key_bias, KEY_G=cfg.key_tokens, VAL_G=cfg.value_tokens, STAGES=stages,
+                SCALE_AHEAD=bool(scale_ahead), PIPELINE=bool(pipeline), KASM=key_asm, KCONS=key_cons, VA0=values[0][0],
                 VA1=values[1][0], VA2=values[2][0], VA3=values[3][0], VCONS=values[0][1])
 
 
@@ -61,10 +65,13 @@ class GluonAttention:
     """Decode attention through the register-operand kernel. Options: ``block_n`` (32 or 64
     tokens per tile), ``stages`` (code tiles in flight, 2-4), ``splits`` (split-KV count; default
     about 16 programs per SM), ``maxnreg`` (register cap per thread, e.g. 128), ``pack_heads``
-    (KV heads per program whose query rows share the MMA's N axis; default `default_pack_heads`)."""
+    (KV heads per program whose query rows share the MMA's N axis; default `default_pack_heads`),
+    ``scale_ahead`` (load token-wise scales a tile early, in registers; default True), ``pipeline``
+    (key side of the next tile beside the value side of this one; needs stages >= 3)."""
 
     def __init__(self, spec, block_n: int | None = None, stages: int | None = None, splits: int | None = None,
-                 maxnreg: int | None = None, split_factor: float | None = None, pack_heads: int | None = None):
+                 maxnreg: int | None = None, split_factor: float | None = None, pack_heads: int | None = None,
+                 scale_ahead: bool | None = None, pipeline: bool | None = None):
         self.spec, self.target = spec, "sm_90"
         self.plan = gluon_plan(spec)
         self.config = lower(self.plan)      # raises NotLowerable with the reason
@@ -79,7 +86,8 @@ class GluonAttention:
                             f"fit the MMA's {self.config.rows} rows; token-wise V only); use pack_heads={most} or None")
         # options left as None come from the autotuning cache for the call's shape bucket, else defaults
         self.explicit = {k: v for k, v in (("block_n", block_n), ("stages", stages), ("maxnreg", maxnreg),
-                                           ("split_factor", split_factor), ("heads", pack_heads)) if v is not None}
+                                           ("split_factor", split_factor), ("heads", pack_heads),
+                                           ("scale_ahead", scale_ahead), ("pipeline", pipeline)) if v is not None}
         if pack_heads is None:
             pack_heads = default_pack_heads(self.config, spec.num_kv_heads)
         self.heads = pack_heads     # the default; a tuned bucket may take one head per program instead
@@ -95,11 +103,16 @@ class GluonAttention:
             raise SpecError(f"stages={stages!r} must be 2, 3 or 4 (code tiles in flight)")
         if splits is not None and (isinstance(splits, bool) or not isinstance(splits, int) or splits < 1):
             raise SpecError(f"splits={splits!r} must be a positive integer or None for automatic")
+        if scale_ahead is not None and not isinstance(scale_ahead, bool):
+            raise SpecError(f"scale_ahead={scale_ahead!r} must be True, False or None (the default)")
+        if pipeline is not None and not isinstance(pipeline, bool):
+            raise SpecError(f"pipeline={pipeline!r} must be True, False or None (the default)")
         if maxnreg is not None and (not isinstance(maxnreg, int) or not 32 <= maxnreg <= 255):
             raise SpecError(f"maxnreg={maxnreg!r} must be an integer in [32, 255] or None")
         self.splits = splits
         self._defaults = {"block_n": block_n, "stages": stages, "maxnreg": maxnreg, "split_factor": split_factor or 1.0,
-                          "heads": self.heads}
+                          "heads": self.heads, "scale_ahead": True if scale_ahead is None else scale_ahead,
+                          "pipeline": bool(pipeline)}
         self._configs: dict = {}
         self._modules = None
 
@@ -113,7 +126,7 @@ class GluonAttention:
         bucket = (dtype, batch, tokens)
         if bucket not in self._configs:
             opts = dict(self._defaults)
-            if len(self.explicit) < 5:
+            if len(self.explicit) < 7:
                 from ..triton.autotune import lookup
 
                 tuned = lookup(self.spec, dtype, batch, tokens, kernel="gluon")
@@ -121,7 +134,11 @@ class GluonAttention:
                     opts.update(block_n=tuned.block_n, stages=tuned.stages, maxnreg=tuned.maxnreg,
                                 split_factor=tuned.split_factor, heads=tuned.pack_heads or self.heads)
             opts.update(self.explicit)
-            opts["constexprs"] = constexprs(self.config, opts["block_n"], opts["stages"], opts["heads"])
+            if opts["pipeline"] and opts["stages"] < 3:
+                raise SpecError(f"pipeline=True needs stages >= 3 (tiles i and i+1 resident while i+2 is copied); "
+                                f"got stages={opts['stages']}: pass stages=3")
+            opts["constexprs"] = constexprs(self.config, opts["block_n"], opts["stages"], opts["heads"],
+                                           opts["scale_ahead"], opts["pipeline"])
             self._configs[bucket] = opts
         return self._configs[bucket]
 
