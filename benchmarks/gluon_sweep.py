@@ -33,10 +33,8 @@ def main() -> int:
     ap.add_argument("--block-n", default="32,64")
     ap.add_argument("--stages", default="2,3")
     ap.add_argument("--split-factor", default="0.5,1,2")
-    ap.add_argument("--scale-ahead", default="1", help="1: token-wise scales a tile early in registers; 0: at each "
+    ap.add_argument("--scale-ahead", default="0", help="1: token-wise scales a tile early in registers; 0: at each "
                     "tile's start (fewer registers); 1,0 tries both")
-    ap.add_argument("--pipeline", default="0", help="1: key side of tile i+1 beside the value side of tile i "
-                    "(stages >= 3); 1,0 tries both")
     ap.add_argument("--bits", default="2,4")
     ap.add_argument("--deadline", type=float, default=1e9, help="seconds after which no new shape starts")
     args = ap.parse_args()
@@ -46,12 +44,10 @@ def main() -> int:
 
     def values(text, cast):
         return [None if x in ("none", "auto") else cast(x) for x in text.split(",")]
-    options = [dict(block_n=bn, stages=st, maxnreg=mr, split_factor=sf, pack_heads=ph, scale_ahead=bool(sa),
-                    pipeline=bool(pl))
-               for ph, bn, st, mr, sf, sa, pl in itertools.product(
+    options = [dict(block_n=bn, stages=st, maxnreg=mr, split_factor=sf, pack_heads=ph, scale_ahead=bool(sa))
+               for ph, bn, st, mr, sf, sa in itertools.product(
                    values(args.pack, int), values(args.block_n, int), values(args.stages, int),
-                   values(args.maxnreg, int), values(args.split_factor, float), values(args.scale_ahead, int),
-                   values(args.pipeline, int)) if not (pl and st < 3)]
+                   values(args.maxnreg, int), values(args.split_factor, float), values(args.scale_ahead, int))]
     if args.quick:
         shapes, options = shapes[1:3] + shapes[4:5], options[:4]
     rows = []
@@ -93,7 +89,6 @@ def main() -> int:
                 print(f"int{bits} {b}x{n}: best {min(t for t in (best['graph_us'], best['eager_us']) if t):.1f} us "
                       f"({best['pct_ceiling']:.0f}%) bn{best['block_n']} st{best['stages']} "
                       f"reg{best['maxnreg']} sf{best['split_factor']} H{best.get('pack_heads')} ahead{int(best['scale_ahead'])} "
-                      f"pipe{int(best['pipeline'])} "
                       f"err {best.get('error')}",
                       flush=True)
                 for ph in sorted({r.get("pack_heads") for r in rows if "pct_ceiling" in r} - {None}):
@@ -103,7 +98,7 @@ def main() -> int:
                         top = max(mine, key=lambda r: r["pct_ceiling"])
                         print(f"    H{ph}: {top['pct_ceiling']:.0f}% bn{top['block_n']} st{top['stages']} "
                               f"reg{top['maxnreg']} sf{top['split_factor']}", flush=True)
-                for key in ("scale_ahead", "pipeline"):
+                for key in ("scale_ahead",):
                     for val in (True, False):
                         mine = [r for r in rows if r["bits"] == bits and r["batch"] == b and r["tokens"] == n
                                 and r[key] == val and "pct_ceiling" in r]

@@ -84,7 +84,7 @@ def verdicts(fold: str, bits: int, fold_ops_per_value: Fraction | float) -> list
 # The per-value figures above count operand construction only. The SASS of the register-operand
 # kernel's token loop (sm_90, INT2, 32-token tiles, tests/backends/test_gluon_aot.py) shows what
 # they leave out: of 524 instructions per warp and tile, 216 build operands (one LOP3 per two
-# codes on both sides, one sub.f16x2 per two value codes, two PRMT per four value words) and 308
+# codes on both sides, then one sub.f16x2 per two value codes, two PRMT per four value words) and 308
 # do per-token work that does not shrink with the code width -- the online softmax over the
 # padded query rows, per-token scale and zero, addressing, barriers. When H KV heads share one
 # program (their query rows fill the MMA's N axis), the softmax, the barriers and the addressing
@@ -94,9 +94,9 @@ def verdicts(fold: str, bits: int, fold_ops_per_value: Fraction | float) -> list
 PER_TOKEN_LANE_SLOTS = {"sm_90": 308.0}
 #: the part of PER_TOKEN_LANE_SLOTS that packed heads share (softmax, barriers, addressing)
 PER_TOKEN_SHARED_LANE_SLOTS = {"sm_90": 200.0}
-#: lane-slots per stored value to build the operands: key (LOP3 / 2), value (LOP3 + sub.f16x2) / 2
-#: plus the word gather (2 PRMT per 16 codes)
-KEY_CONSTRUCTION, VALUE_CONSTRUCTION = 0.5, 1.0 + 0.125
+#: lane-slots per stored value to build the operands: key (LOP3 / 2), value (AND / 2: the codes are
+#: used as fp16 subnormals, gluon/operands.py) plus the word gather (2 PRMT per 16 codes)
+KEY_CONSTRUCTION, VALUE_CONSTRUCTION = 0.5, 0.5 + 0.125
 
 
 def token_loop_lane_slots_per_byte(arch: str, bits: int, head_dim: int, param_bytes: int = 2,

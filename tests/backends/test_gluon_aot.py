@@ -107,6 +107,6 @@ def test_paged_reads_cost_little_in_the_token_loop(reports):
     paged = reports[(2, 32, 8, 128, "sm_90", 64, 2, "token", "token", None, 128)]["inner_loop"]
     flat = reports[(2, 32, 8, 128, "sm_90", 64, 3, "token", "token", None, 0)]["inner_loop"]
     assert paged["top_opcodes"]["HMMA"] == flat["top_opcodes"]["HMMA"], (paged, flat)
-    # the unpack's LOP3s are the same; address arithmetic may add a few
-    assert flat["top_opcodes"]["LOP3"] <= paged["top_opcodes"]["LOP3"] <= flat["top_opcodes"]["LOP3"] + 8
+    # the unpack's LOP3s are the same; address arithmetic may add or fold a few
+    assert abs(paged["top_opcodes"]["LOP3"] - flat["top_opcodes"]["LOP3"]) <= 8, (paged, flat)
     assert paged["instructions_per_warp"] <= 1.05 * flat["instructions_per_warp"], (paged, flat)

@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 
 import foldc
 from foldc.backends.gluon.lower import KEY_BIAS, NotLowerable, gluon_plan, lower, lowerable
-from foldc.backends.gluon.operands import key_channel, key_unpack_asm, value_channel, value_unpack_asm
+from foldc.backends.gluon.operands import (VALUE_EXPONENT, key_channel, key_unpack_asm, value_channel,
+                                           value_unpack_asm)
 from foldc.encoding import pack_codes
 from foldc.errors import SpecError
 
@@ -84,7 +85,7 @@ def _bits16(x: float) -> int:
 
 
 def run_ptx(asm: str, inputs: list[int], n_out: int) -> list[int]:
-    """Execute the unpack PTX: mov, shr, lop3 (0xea: (a & b) | c), prmt, sub.f16x2 on uint32."""
+    """Execute the unpack PTX: mov, shr, and, lop3 (0xea: (a & b) | c), prmt, sub.f16x2 on uint32."""
     regs = {f"${n_out + i}": v & 0xFFFFFFFF for i, v in enumerate(inputs)}
 
     def val(x: str) -> int:
@@ -101,6 +102,8 @@ def run_ptx(asm: str, inputs: list[int], n_out: int) -> list[int]:
             regs[args[0]] = val(args[1])
         elif op == "shr.b32":
             regs[args[0]] = val(args[1]) >> val(args[2])
+        elif op == "and.b32":
+            regs[args[0]] = val(args[1]) & val(args[2])
         elif op == "lop3.b32":
             assert args[4] == "0xea", ins
             regs[args[0]] = (val(args[1]) & val(args[2])) | val(args[3])
@@ -172,7 +175,9 @@ def test_value_unpack_gives_two_tokens_of_one_channel_per_register(bits, head_di
                 rows.add(m)
                 for t in range(4):
                     got = _f16((out[2 * i + t // 2] >> (16 * (t % 2))) & 0xFFFF)
-                    assert got == 2.0 ** (bits * i) * codes[t, ch], (w, byte, i, t)
+                    # an fp16 subnormal: exactly code * 2^(bits*i) * 2^-24
+                    assert got == 2.0 ** (bits * i - VALUE_EXPONENT) * codes[t, ch], (w, byte, i, t)
+                    assert (out[2 * i + t // 2] >> (16 * (t % 2))) & 0x7C00 == 0 or codes[t, ch] == 0
     assert rows == set(range(head_dim))
     assert sorted(value_channel(m, bits, head_dim) for m in range(head_dim)) == list(range(head_dim))
 
@@ -234,3 +239,7 @@ def test_scale_ahead_reaches_the_kernel_as_a_constexpr(ahead):
     enc = foldc.Affine(2, "token", 128)
     attn = GluonAttention(foldc.AttentionSpec(32, 8, 128, enc, enc), scale_ahead=ahead)
     assert attn.launch_config(torch.bfloat16, 8, 4096)["constexprs"]["SCALE_AHEAD"] is ahead
+    # the default: at each tile's start for token-wise K and V, a tile ahead where a side is channel-wise
+    for kl, vl, want in (("token", "token", False), ("channel", "token", True), ("token", "channel", True)):
+        spec = foldc.AttentionSpec(32, 8, 128, foldc.Affine(2, kl, 128), foldc.Affine(2, vl, 128))
+        assert GluonAttention(spec).launch_config(torch.bfloat16, 8, 4096)["constexprs"]["SCALE_AHEAD"] is want

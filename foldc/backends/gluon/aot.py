@@ -15,7 +15,7 @@ from ...cost import token_loop_lane_slots_per_byte
 from ...errors import SpecError
 from ..triton.aot import write_artifacts
 from ..triton.sass import _tool, inner_loop, lane_slots_per_byte
-from .launch import constexprs, default_pack_heads
+from .launch import constexprs, default_pack_heads, default_scale_ahead
 from .lower import gluon_plan, lower
 
 POINTERS = {"Q": "*bf16", "KC": "*i32", "KS": "*fp16", "KZ": "*fp16", "VC": "*i32", "VS": "*fp16", "VZ": "*fp16",
@@ -37,8 +37,7 @@ def registers(cubin: Path) -> int | None:
 
 def compile_gluon_aot(spec, arch: str, out_dir: str | Path, dtype: str = "bf16", block_n: int = 32,
                       stages: int = 2, maxnreg: int | None = None, pack_heads: int | None = None,
-                      page_size: int = 0, scale_ahead: bool = True,
-                      pipeline: bool = False) -> dict:
+                      page_size: int = 0, scale_ahead: bool | None = None) -> dict:
     """Build the register-operand kernel of ``spec`` for ``arch`` into ``out_dir``; return a report.
     ``pack_heads``: KV heads per program (default: `default_pack_heads`, as the launcher picks);
     ``page_size``: tokens per page for the paged build (0: contiguous cache); ``scale_ahead``: as
@@ -58,7 +57,9 @@ def compile_gluon_aot(spec, arch: str, out_dir: str | Path, dtype: str = "bf16",
 
     cfg = lower(gluon_plan(spec))
     heads = default_pack_heads(cfg, spec.num_kv_heads) if pack_heads is None else pack_heads
-    consts = dict(constexprs(cfg, block_n, stages, heads, scale_ahead, pipeline), HAS_LENS=True, PAGE=page_size)
+    if scale_ahead is None:
+        scale_ahead = default_scale_ahead(cfg)
+    consts = dict(constexprs(cfg, block_n, stages, heads, scale_ahead), HAS_LENS=True, PAGE=page_size)
     signature, attrs = {}, {}
     for i, name in enumerate(foldc_decode_gluon.arg_names):
         if name in consts:
@@ -86,7 +87,7 @@ def compile_gluon_aot(spec, arch: str, out_dir: str | Path, dtype: str = "bf16",
     ptx = compiled.asm["ptx"]
     report = {
         "spec": spec.describe(), "kernel": "gluon", "arch": arch, "dtype": dtype, "block_n": block_n,
-        "stages": stages, "maxnreg": maxnreg, "scale_ahead": scale_ahead, "pipeline": pipeline, "rows": cfg.rows, "pack_heads": heads, "registers": registers(cubin),
+        "stages": stages, "maxnreg": maxnreg, "scale_ahead": scale_ahead, "rows": cfg.rows, "pack_heads": heads, "registers": registers(cubin),
         "mma": {"mma.sync": len(re.findall(r"\bmma\.sync", ptx)), "wgmma": len(re.findall(r"\bwgmma", ptx))},
         "shared_stores_in_ptx": len(re.findall(r"\bst\.shared", ptx)),
         "inner_loop": {"instructions_per_warp": sum(loop.values()), "bytes_per_tile": tile_bytes,

@@ -1,14 +1,16 @@
 """The register-operand decode kernel (Gluon, sm_90): codes go from 32-bit words to tensor-core
 operands in registers, two codes per LOP3, with no per-value scale or zero.
 
-One program = one warp = one (batch, kv_head, split). Per tile of BN tokens:
+One program = one warp = one (batch, H packed kv_heads, split). Per tile of BN tokens:
   key side   S^T = K'.Q'^T       M = tokens, N = query rows, K = channels    (eq. 3, 8)
              t = s_tok * (S^T - 1024 * sum(q')) / c + z_tok * sum(q)            (eq. 6, 7)
   softmax    online, per query row (log2 units)                                (eq. 9)
   value side O^T += V'^T.(P * s_tok)^T  M = channels, N = rows, K = tokens       (eq. 4)
              plus sum(P * z_tok) per row                                         (eq. 6)
-The codes words travel global -> shared memory by cp.async, STAGES tiles ahead; scales and
-zeros one tile ahead in registers. Each split writes (max, denominator, accumulator) for the
+The value codes enter the MMA as fp16 subnormals (code x 2^-24, exact; operands.py), undone per
+output row at the end. The code words travel global -> shared memory by cp.async, STAGES tiles
+ahead; token-wise scales and zeros are loaded at each tile's start (SCALE_AHEAD=False) or one
+tile ahead in registers (SCALE_AHEAD=True). Each split writes (max, denominator, accumulator) for the
 merge kernel (eq. 14), the same workspace the Triton backend uses. The channel and row maps of
 the operands are in operands.py.
 
@@ -342,10 +344,9 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
                        ROWS: gl.constexpr,
                        H: gl.constexpr, BN: gl.constexpr,
                        D: gl.constexpr, BITS: gl.constexpr, KEY_BIAS: gl.constexpr, KEY_G: gl.constexpr,
-                       VAL_G: gl.constexpr, STAGES: gl.constexpr, SCALE_AHEAD: gl.constexpr, PIPELINE: gl.constexpr,
-                       KASM: gl.constexpr,
+                       VAL_G: gl.constexpr, STAGES: gl.constexpr, SCALE_AHEAD: gl.constexpr, KASM: gl.constexpr,
                        KCONS: gl.constexpr, VA0: gl.constexpr, VA1: gl.constexpr, VA2: gl.constexpr,
-                       VA3: gl.constexpr, VCONS: gl.constexpr):
+                       VA3: gl.constexpr, VCONS: gl.constexpr, VALUE_EXP: gl.constexpr):
     NB: gl.constexpr = D * BITS // 8
     W: gl.constexpr = NB // 4
     F: gl.constexpr = 8 // BITS
@@ -402,7 +403,8 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
     # row m of O^T is channel operands.value_channel(m)
     cm = gl.arange(0, D, layout=tok_l)
     chan_o = (cm // NB) * NB + 4 * (cm % W) + (cm // W) % 4
-    weight_o = gl.exp2(-((cm // NB) * BITS).to(gl.float32))
+    # the value codes enter the MMA as fp16 subnormals code * 2^(bits*field - VALUE_EXP) (operands.py)
+    weight_o = gl.exp2((VALUE_EXP - (cm // NB) * BITS).to(gl.float32))
     if VAL_G == 0:
         v_scale = weight_o
         v_zero = weight_o
@@ -428,123 +430,59 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
                                           stride_kh, stride_ksb, stride_ksh, stride_ksn, stride_vb, stride_vh,
                                           stride_vsb, stride_vsh, stride_vsn, W, KEY_G, VAL_G, PAGE)
             _issue(i, n_i, k_smem, v_smem, k_i, v_i, stride_kh, stride_vh, tc, wc, W, H)
-        if SCALE_AHEAD or PIPELINE:   # the first tile's scales
+        if SCALE_AHEAD:   # the first tile's scales; each iteration then loads the next tile's
             ks, kz, vs, vz = _scales(start, end, tm, head_c, KSp, KZp, VSp, VZp, stride_ksh, stride_vsh, KEY_G, VAL_G,
                                      H, False)
-        if PIPELINE:
-            # software pipeline (STAGES >= 3): iteration i runs the key side of tile i + 1 beside the
-            # softmax and value side of tile i, independent work for the warp's scheduler to overlap
-            async_copy.wait_group(STAGES - 2)
-            gl.thread_barrier()
-            t_cur = _scores(start, end, k_smem, 0, ks, kz, tm, head_c, q16, q_bias, q_sum, row_scale, BN, D, F, ROWS,
-                            H, KEY_G, KASM, KCONS, False)
-            for i in range(n_full - 1):
-                n0 = start + i * BN        # value side now
-                n1 = n0 + BN               # key side now
-                ahead = i + STAGES - 1
-                n_ahead = start + gl.minimum(ahead, n_full - 1) * BN
-                if PAGE > 0:
-                    _, _, _, _, VSp, VZp = _bases(n0, b, h, KC, KS, KZ, VC, VS, VZ, first, n_pages, KV_INDICES,
+        for i in range(n_full):
+            n0 = start + i * BN
+            if PAGE > 0:   # this tile's page: its group scales
+                _, _, KSp, KZp, VSp, VZp = _bases(n0, b, h, KC, KS, KZ, VC, VS, VZ, first, n_pages, KV_INDICES,
                                                   stride_kb, stride_kh, stride_ksb, stride_ksh, stride_ksn, stride_vb,
-                                                  stride_vh, stride_vsb, stride_vsh, stride_vsn, W, KEY_G, VAL_G, PAGE)
-                    _, _, KSp, KZp, _, _ = _bases(n1, b, h, KC, KS, KZ, VC, VS, VZ, first, n_pages, KV_INDICES,
+                                                  stride_vh, stride_vsb, stride_vsh, stride_vsn, W, KEY_G, VAL_G,
+                                                  PAGE)
+            if KEY_G > 0:
+                if n0 % KEY_G == 0:
+                    q16, q_bias, q_sum = _key_group(qv, field, chan, head_q, stride_ksh,
+                                                    KSp + (n0 // KEY_G) * stride_ksn, KZp + (n0 // KEY_G) * stride_ksn,
+                                                    qk_scale, BITS, KEY_BIAS, H)
+            if VAL_G > 0:
+                if n0 % VAL_G == 0:
+                    v_scale, v_zero = _value_group(VSp + (n0 // VAL_G) * stride_vsn, VZp + (n0 // VAL_G) * stride_vsn,
+                                                   chan_o, weight_o)
+            n_next = start + gl.minimum(i + 1, n_full - 1) * BN
+            ahead = i + STAGES - 1
+            n_ahead = start + gl.minimum(ahead, n_full - 1) * BN
+            if PAGE > 0:   # the pages of the next tile (its scales) and of the tile copied ahead
+                _, _, KSn, KZn, VSn, VZn = _bases(n_next, b, h, KC, KS, KZ, VC, VS, VZ, first, n_pages, KV_INDICES,
                                                   stride_kb, stride_kh, stride_ksb, stride_ksh, stride_ksn, stride_vb,
-                                                  stride_vh, stride_vsb, stride_vsh, stride_vsn, W, KEY_G, VAL_G, PAGE)
-                    k_a, v_a, _, _, _, _ = _bases(n_ahead, b, h, KC, KS, KZ, VC, VS, VZ, first, n_pages, KV_INDICES,
-                                                  stride_kb, stride_kh, stride_ksb, stride_ksh, stride_ksn, stride_vb,
-                                                  stride_vh, stride_vsb, stride_vsh, stride_vsn, W, KEY_G, VAL_G, PAGE)
-                else:
-                    k_a = k_base
-                    v_a = v_base
-                if KEY_G > 0:
-                    if n1 % KEY_G == 0:
-                        q16, q_bias, q_sum = _key_group(qv, field, chan, head_q, stride_ksh,
-                                                        KSp + (n1 // KEY_G) * stride_ksn,
-                                                        KZp + (n1 // KEY_G) * stride_ksn, qk_scale, BITS, KEY_BIAS, H)
-                if VAL_G > 0:
-                    if n0 % VAL_G == 0:
-                        v_scale, v_zero = _value_group(VSp + (n0 // VAL_G) * stride_vsn,
-                                                       VZp + (n0 // VAL_G) * stride_vsn, chan_o, weight_o)
-                ks, kz, vs_next, vz_next = _scales(n1, end, tm, head_c, KSp, KZp, VSp, VZp, stride_ksh, stride_vsh, KEY_G, VAL_G,
-                                       H, False)
-                ks_now, kz_now, vs, vz = _scales(n0, end, tm, head_c, KSp, KZp, VSp, VZp, stride_ksh, stride_vsh, KEY_G, VAL_G,
-                                       H, False)
-                gl.thread_barrier()   # every lane is done reading the stage the next copy overwrites
-                _issue(ahead % STAGES, n_ahead, k_smem, v_smem, k_a, v_a, stride_kh, stride_vh, tc, wc, W, H)
-                async_copy.wait_group(STAGES - 2)
-                gl.thread_barrier()   # tile i + 1's words are visible
-                t_next = _scores(n1, end, k_smem, ((i + 1) % STAGES) * H, ks, kz, tm, head_c, q16, q_bias, q_sum,
-                                 row_scale, BN, D, F, ROWS, H, KEY_G, KASM, KCONS, False)
-                m_i, l_i, zsum, acc_o = _consume(t_cur, v_smem, (i % STAGES) * H, vs, vz, m_i, l_i, zsum, acc_o,
-                                                 head_b, v_scale, v_zero, BN, D, F, ROWS, H, VAL_G, VA0, VA1, VA2,
-                                                 VA3, VCONS)
-                t_cur = t_next
-            n_last = start + (n_full - 1) * BN
-            if n_full > 1:
-                if PAGE > 0:
-                    _, _, _, _, VSp, VZp = _bases(n_last, b, h, KC, KS, KZ, VC, VS, VZ, first, n_pages, KV_INDICES,
-                                                  stride_kb, stride_kh, stride_ksb, stride_ksh, stride_ksn, stride_vb,
-                                                  stride_vh, stride_vsb, stride_vsh, stride_vsn, W, KEY_G, VAL_G, PAGE)
-                if VAL_G > 0:
-                    if n_last % VAL_G == 0:
-                        v_scale, v_zero = _value_group(VSp + (n_last // VAL_G) * stride_vsn,
-                                                       VZp + (n_last // VAL_G) * stride_vsn, chan_o, weight_o)
-                ks_now, kz_now, vs, vz = _scales(n_last, end, tm, head_c, KSp, KZp, VSp, VZp, stride_ksh, stride_vsh, KEY_G,
-                                       VAL_G, H, False)
-            m_i, l_i, zsum, acc_o = _consume(t_cur, v_smem, ((n_full - 1) % STAGES) * H, vs, vz, m_i, l_i, zsum,
-                                             acc_o, head_b, v_scale, v_zero, BN, D, F, ROWS, H, VAL_G, VA0, VA1, VA2,
-                                             VA3, VCONS)
-        else:
-            for i in range(n_full):
-                n0 = start + i * BN
-                if PAGE > 0:   # this tile's page: its group scales
-                    _, _, KSp, KZp, VSp, VZp = _bases(n0, b, h, KC, KS, KZ, VC, VS, VZ, first, n_pages, KV_INDICES,
-                                                      stride_kb, stride_kh, stride_ksb, stride_ksh, stride_ksn, stride_vb,
-                                                      stride_vh, stride_vsb, stride_vsh, stride_vsn, W, KEY_G, VAL_G,
-                                                      PAGE)
-                if KEY_G > 0:
-                    if n0 % KEY_G == 0:
-                        q16, q_bias, q_sum = _key_group(qv, field, chan, head_q, stride_ksh,
-                                                        KSp + (n0 // KEY_G) * stride_ksn, KZp + (n0 // KEY_G) * stride_ksn,
-                                                        qk_scale, BITS, KEY_BIAS, H)
-                if VAL_G > 0:
-                    if n0 % VAL_G == 0:
-                        v_scale, v_zero = _value_group(VSp + (n0 // VAL_G) * stride_vsn, VZp + (n0 // VAL_G) * stride_vsn,
-                                                       chan_o, weight_o)
-                n_next = start + gl.minimum(i + 1, n_full - 1) * BN
-                ahead = i + STAGES - 1
-                n_ahead = start + gl.minimum(ahead, n_full - 1) * BN
-                if PAGE > 0:   # the pages of the next tile (its scales) and of the tile copied ahead
-                    _, _, KSn, KZn, VSn, VZn = _bases(n_next, b, h, KC, KS, KZ, VC, VS, VZ, first, n_pages, KV_INDICES,
-                                                      stride_kb, stride_kh, stride_ksb, stride_ksh, stride_ksn, stride_vb,
-                                                      stride_vh, stride_vsb, stride_vsh, stride_vsn, W, KEY_G, VAL_G,
-                                                      PAGE)
-                    k_a, v_a, _, _, _, _ = _bases(n_ahead, b, h, KC, KS, KZ, VC, VS, VZ, first, n_pages, KV_INDICES,
-                                                  stride_kb, stride_kh, stride_ksb, stride_ksh, stride_ksn, stride_vb,
-                                                  stride_vh, stride_vsb, stride_vsh, stride_vsn, W, KEY_G, VAL_G, PAGE)
-                else:
-                    KSn = KSp
-                    KZn = KZp
-                    VSn = VSp
-                    VZn = VZp
-                    k_a = k_base
-                    v_a = v_base
-                if SCALE_AHEAD:   # one tile ahead, in registers
-                    ks2, kz2, vs2, vz2 = _scales(n_next, end, tm, head_c, KSn, KZn, VSn, VZn, stride_ksh, stride_vsh,
-                                                 KEY_G, VAL_G, H, False)
-                else:             # this tile's, loaded now: fewer live registers, the latency under the key side
-                    ks, kz, vs, vz = _scales(n0, end, tm, head_c, KSp, KZp, VSp, VZp, stride_ksh, stride_vsh, KEY_G, VAL_G,
-                                             H, False)
-                gl.thread_barrier()   # every lane is done reading the stage the next copy overwrites
-                _issue(ahead % STAGES, n_ahead, k_smem, v_smem, k_a, v_a, stride_kh, stride_vh, tc, wc, W, H)
-                async_copy.wait_group(STAGES - 1)
-                gl.thread_barrier()   # tile i's words, copied by every lane, are visible
-                m_i, l_i, zsum, acc_o = _tile(n0, end, k_smem, v_smem, (i % STAGES) * H, ks, kz, vs, vz, m_i, l_i, zsum,
-                                              acc_o, tm, head_c, head_b, q16, q_bias, q_sum, row_scale, v_scale, v_zero,
-                                              BN, D, F, ROWS, H, KEY_G, VAL_G, KASM, KCONS, VA0, VA1, VA2, VA3, VCONS,
-                                              False)
-                if SCALE_AHEAD:
-                    ks, kz, vs, vz = ks2, kz2, vs2, vz2
+                                                  stride_vh, stride_vsb, stride_vsh, stride_vsn, W, KEY_G, VAL_G,
+                                                  PAGE)
+                k_a, v_a, _, _, _, _ = _bases(n_ahead, b, h, KC, KS, KZ, VC, VS, VZ, first, n_pages, KV_INDICES,
+                                              stride_kb, stride_kh, stride_ksb, stride_ksh, stride_ksn, stride_vb,
+                                              stride_vh, stride_vsb, stride_vsh, stride_vsn, W, KEY_G, VAL_G, PAGE)
+            else:
+                KSn = KSp
+                KZn = KZp
+                VSn = VSp
+                VZn = VZp
+                k_a = k_base
+                v_a = v_base
+            if SCALE_AHEAD:   # one tile ahead, in registers
+                ks2, kz2, vs2, vz2 = _scales(n_next, end, tm, head_c, KSn, KZn, VSn, VZn, stride_ksh, stride_vsh,
+                                             KEY_G, VAL_G, H, False)
+            else:             # this tile's, loaded now: fewer live registers, the latency under the key side
+                ks, kz, vs, vz = _scales(n0, end, tm, head_c, KSp, KZp, VSp, VZp, stride_ksh, stride_vsh, KEY_G, VAL_G,
+                                         H, False)
+            gl.thread_barrier()   # every lane is done reading the stage the next copy overwrites
+            _issue(ahead % STAGES, n_ahead, k_smem, v_smem, k_a, v_a, stride_kh, stride_vh, tc, wc, W, H)
+            async_copy.wait_group(STAGES - 1)
+            gl.thread_barrier()   # tile i's words, copied by every lane, are visible
+            m_i, l_i, zsum, acc_o = _tile(n0, end, k_smem, v_smem, (i % STAGES) * H, ks, kz, vs, vz, m_i, l_i, zsum,
+                                          acc_o, tm, head_c, head_b, q16, q_bias, q_sum, row_scale, v_scale, v_zero,
+                                          BN, D, F, ROWS, H, KEY_G, VAL_G, KASM, KCONS, VA0, VA1, VA2, VA3, VCONS,
+                                          False)
+            if SCALE_AHEAD:
+                ks, kz, vs, vz = ks2, kz2, vs2, vz2
         async_copy.wait_group(0)
     full_end = start + n_full * BN
     if full_end < end:

@@ -15,24 +15,22 @@ from ...errors import InputError, SpecError
 from ...validate import check_call, output_buffer
 from ..triton.launch import MERGE_SOURCE, launch_merge, load_module, num_sms
 from .lower import FoldKernel, gluon_plan, lower
-from .operands import key_unpack_asm, value_unpack_asm
+from .operands import VALUE_EXPONENT, key_unpack_asm, value_unpack_asm
 
 DTYPES = (torch.float16, torch.bfloat16)
 PROGRAMS_PER_SM = 16   # one warp each; enough resident warps to hide the code loads
 
 
-def constexprs(cfg: FoldKernel, block_n: int, stages: int, heads: int = 1, scale_ahead: bool = True,
-               pipeline: bool = False) -> dict:
+def constexprs(cfg: FoldKernel, block_n: int, stages: int, heads: int = 1, scale_ahead: bool = True) -> dict:
     """The kernel's compile-time arguments for ``cfg`` (the unpack PTX is generated here), with
     ``heads`` KV heads packed into one program's query rows; ``scale_ahead``: load the next tile's
-    token-wise scales and zeros one tile early into registers (else each tile's at its start);
-    ``pipeline``: run tile i+1's key side beside tile i's value side (needs ``stages`` >= 3)."""
+    token-wise scales and zeros one tile early into registers (else each tile's at its start)."""
     key_asm, key_cons = key_unpack_asm(cfg.bits, exact=cfg.key_bias == 0)
     values = [value_unpack_asm(cfg.bits, byte) for byte in range(4)]
     return dict(Q_PER_KV=cfg.q_per_kv, ROWS=cfg.rows, H=heads, BN=block_n, D=cfg.head_dim, BITS=cfg.bits,
                 KEY_BIAS=cfg.key_bias, KEY_G=cfg.key_tokens, VAL_G=cfg.value_tokens, STAGES=stages,
-                SCALE_AHEAD=bool(scale_ahead), PIPELINE=bool(pipeline), KASM=key_asm, KCONS=key_cons, VA0=values[0][0],
-                VA1=values[1][0], VA2=values[2][0], VA3=values[3][0], VCONS=values[0][1])
+                SCALE_AHEAD=bool(scale_ahead), KASM=key_asm, KCONS=key_cons, VA0=values[0][0],
+                VA1=values[1][0], VA2=values[2][0], VA3=values[3][0], VCONS=values[0][1], VALUE_EXP=VALUE_EXPONENT)
 
 
 def packable_heads(cfg: FoldKernel, num_kv_heads: int) -> int:
@@ -54,6 +52,13 @@ def default_pack_heads(cfg: FoldKernel, num_kv_heads: int) -> int:
     return 1 if cfg.key_tokens else packable_heads(cfg, num_kv_heads)
 
 
+def default_scale_ahead(cfg: FoldKernel) -> bool:
+    """Token-wise K and V: load each tile's scales at its start (frees the registers that held the
+    next tile's; 1-4% faster on the H200, docs/perf.md). A channel-wise side: one tile ahead (its
+    token-wise side's scales loaded late cost 10-45% there)."""
+    return bool(cfg.key_tokens or cfg.value_tokens)
+
+
 def choose_splits(batch: int, kv_heads: int, tokens: int, block_n: int, sms: int, factor: float = 1.0) -> int:
     """Split count: about PROGRAMS_PER_SM one-warp programs per SM, at least two tiles per split."""
     tiles = max(1, math.ceil(tokens / block_n))
@@ -66,12 +71,11 @@ class GluonAttention:
     tokens per tile), ``stages`` (code tiles in flight, 2-4), ``splits`` (split-KV count; default
     about 16 programs per SM), ``maxnreg`` (register cap per thread, e.g. 128), ``pack_heads``
     (KV heads per program whose query rows share the MMA's N axis; default `default_pack_heads`),
-    ``scale_ahead`` (load token-wise scales a tile early, in registers; default True), ``pipeline``
-    (key side of the next tile beside the value side of this one; needs stages >= 3)."""
+    ``scale_ahead`` (load token-wise scales a tile early, in registers; default `default_scale_ahead`)."""
 
     def __init__(self, spec, block_n: int | None = None, stages: int | None = None, splits: int | None = None,
                  maxnreg: int | None = None, split_factor: float | None = None, pack_heads: int | None = None,
-                 scale_ahead: bool | None = None, pipeline: bool | None = None):
+                 scale_ahead: bool | None = None):
         self.spec, self.target = spec, "sm_90"
         self.plan = gluon_plan(spec)
         self.config = lower(self.plan)      # raises NotLowerable with the reason
@@ -87,7 +91,7 @@ class GluonAttention:
         # options left as None come from the autotuning cache for the call's shape bucket, else defaults
         self.explicit = {k: v for k, v in (("block_n", block_n), ("stages", stages), ("maxnreg", maxnreg),
                                            ("split_factor", split_factor), ("heads", pack_heads),
-                                           ("scale_ahead", scale_ahead), ("pipeline", pipeline)) if v is not None}
+                                           ("scale_ahead", scale_ahead)) if v is not None}
         if pack_heads is None:
             pack_heads = default_pack_heads(self.config, spec.num_kv_heads)
         self.heads = pack_heads     # the default; a tuned bucket may take one head per program instead
@@ -105,14 +109,11 @@ class GluonAttention:
             raise SpecError(f"splits={splits!r} must be a positive integer or None for automatic")
         if scale_ahead is not None and not isinstance(scale_ahead, bool):
             raise SpecError(f"scale_ahead={scale_ahead!r} must be True, False or None (the default)")
-        if pipeline is not None and not isinstance(pipeline, bool):
-            raise SpecError(f"pipeline={pipeline!r} must be True, False or None (the default)")
         if maxnreg is not None and (not isinstance(maxnreg, int) or not 32 <= maxnreg <= 255):
             raise SpecError(f"maxnreg={maxnreg!r} must be an integer in [32, 255] or None")
         self.splits = splits
         self._defaults = {"block_n": block_n, "stages": stages, "maxnreg": maxnreg, "split_factor": split_factor or 1.0,
-                          "heads": self.heads, "scale_ahead": True if scale_ahead is None else scale_ahead,
-                          "pipeline": bool(pipeline)}
+                          "heads": self.heads, "scale_ahead": default_scale_ahead(self.config) if scale_ahead is None else scale_ahead}
         self._configs: dict = {}
         self._modules = None
 
@@ -126,7 +127,7 @@ class GluonAttention:
         bucket = (dtype, batch, tokens)
         if bucket not in self._configs:
             opts = dict(self._defaults)
-            if len(self.explicit) < 7:
+            if len(self.explicit) < 6:
                 from ..triton.autotune import lookup
 
                 tuned = lookup(self.spec, dtype, batch, tokens, kernel="gluon")
@@ -134,11 +135,8 @@ class GluonAttention:
                     opts.update(block_n=tuned.block_n, stages=tuned.stages, maxnreg=tuned.maxnreg,
                                 split_factor=tuned.split_factor, heads=tuned.pack_heads or self.heads)
             opts.update(self.explicit)
-            if opts["pipeline"] and opts["stages"] < 3:
-                raise SpecError(f"pipeline=True needs stages >= 3 (tiles i and i+1 resident while i+2 is copied); "
-                                f"got stages={opts['stages']}: pass stages=3")
             opts["constexprs"] = constexprs(self.config, opts["block_n"], opts["stages"], opts["heads"],
-                                           opts["scale_ahead"], opts["pipeline"])
+                                           opts["scale_ahead"])
             self._configs[bucket] = opts
         return self._configs[bucket]
 

@@ -14,8 +14,9 @@ product's fold decides where its scale goes, as the plan states:
   per output channel and gets zero x sum(P) before it joins the accumulator.
 
 The code bias is the plan's: the key codes carry the OR-trick bias 1024 folded into the
-correction (eq. 7), the value codes none (the kernel subtracts it per value, exact), as
-../shared/notes/fold-kernel-probe.md requires on real tensor cores.
+correction (eq. 7), the value codes none (they enter the MMA as fp16 subnormals, code x 2^-24,
+exact with no per-value subtraction), as ../shared/notes/fold-kernel-probe.md requires on real
+tensor cores.
 
 Everything else (token-wise groups smaller than head_dim, dequant or plain operands, other
 widths) goes to the generated Triton kernel (foldc/backends/triton), which lowers any plan.
@@ -28,7 +29,7 @@ from ...plan import Plan, plan
 from ...spec import AttentionSpec
 
 KEY_BIAS = 1024    # fp16 0x6400: the OR trick puts a code in the mantissa of 1024 (eq. 7)
-VALUE_BIAS = 0     # value codes are made exact before the product
+VALUE_BIAS = 0     # value codes enter as exact fp16 subnormals (operands.py): no bias to fold
 MAX_ROWS = 16      # query rows per KV head the MMA's N axis holds (8 or 16)
 
 

@@ -15,12 +15,17 @@ k index of an operand element is ``4*word + 2*p + e`` for byte ``4*word + p + 2*
 
 Value side (O^T = V'^T.P'^T, channels on M, tokens on K): the A operand wants consecutive
 tokens of one channel per register pair, so `value_unpack_asm` takes four tokens' words, gathers
-byte b of each with two PRMTs and unpacks two tokens per LOP3. Row m of the operand is
+byte b of each with two PRMTs and unpacks two tokens per AND. The masked field is used as it
+stands, an fp16 *subnormal*: bit pattern m is m * 2^-24 exactly, so field i of code c is
+``c * 2^(bits*i) * 2^-24`` with no magic number and no subtraction (the tensor cores take fp16
+subnormals as they are; a folded 1024 bias costs precision there, ../shared/notes/fold-kernel-probe.md).
+The kernel multiplies each output row by 2^(VALUE_EXPONENT - bits*i) at the end. Row m of the operand is
 channel ``i*W8 + 4*(m % W) + (m // W) % 4`` with ``W`` words per token (`value_channel`).
 """
 from __future__ import annotations
 
 MAGIC = 0x64006400  # fp16 pair (1024, 1024)
+VALUE_EXPONENT = 24  # an fp16 bit pattern m below 0x0400 (a subnormal) is m * 2^-24
 
 
 def _mask(bits: int, field: int) -> int:
@@ -45,17 +50,14 @@ def key_unpack_asm(bits: int, exact: bool) -> tuple[str, str]:
 
 def value_unpack_asm(bits: int, byte: int) -> tuple[str, str]:
     """PTX and constraints for pack=4 over four tokens' words: result i = field i of byte
-    ``byte`` of tokens (t0, t1), (t2, t3) as exact fp16 codes times 2^(bits*i)."""
+    ``byte`` of tokens (t0, t1), (t2, t3) as fp16 subnormals, code * 2^(bits*i) * 2^-24 exactly."""
     fields = 8 // bits
     n = 2 * fields
     sel = byte | (byte << 4) | ((4 + byte) << 8) | ((4 + byte) << 12)
-    out = ["{ .reg .b32 u, v, m;", f"mov.b32 m, {MAGIC};", f"prmt.b32 u, ${n}, ${n + 1}, {sel};",
-           f"prmt.b32 v, ${n + 2}, ${n + 3}, {sel};"]
+    out = ["{ .reg .b32 u, v;", f"prmt.b32 u, ${n}, ${n + 1}, {sel};", f"prmt.b32 v, ${n + 2}, ${n + 3}, {sel};"]
     for i in range(fields):
-        out.append(f"lop3.b32 ${2 * i}, u, {_mask(bits, i)}, m, 0xea;")
-        out.append(f"lop3.b32 ${2 * i + 1}, v, {_mask(bits, i)}, m, 0xea;")
-        out.append(f"sub.f16x2 ${2 * i}, ${2 * i}, m;")
-        out.append(f"sub.f16x2 ${2 * i + 1}, ${2 * i + 1}, m;")
+        out.append(f"and.b32 ${2 * i}, u, {_mask(bits, i)};")
+        out.append(f"and.b32 ${2 * i + 1}, v, {_mask(bits, i)};")
     out.append("}")
     return " ".join(out), ",".join(["=r"] * n + ["r"] * 4)
 

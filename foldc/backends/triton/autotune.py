@@ -58,8 +58,10 @@ class GluonConfig:
 
 # the H200 sweep (benchmarks/gluon_sweep.py, docs/perf.md): 2 stages always won; block_n 32 at INT4;
 # one head per program (pack_heads=1) is tried beside the default packing for small batches
-GLUON_CANDIDATES = tuple(GluonConfig(bn, 2, r, f, p) for p in (None, 1) for bn in (32, 64) for r in (None, 128)
-                         for f in (0.5, 1.0, 2.0))
+# register caps: 128 and 168 won at 32-token tiles with scales loaded at each tile's start, 192 at 64-token
+# tiles (fourth session's sweep, docs/perf.md); 128 at 64-token tiles spills
+GLUON_CANDIDATES = tuple(GluonConfig(bn, 2, r, f, p) for p in (None, 1) for bn in (32, 64)
+                         for r in ((None, 128, 168) if bn == 32 else (None, 192)) for f in (0.5, 1.0, 2.0))
 
 
 def cache_path() -> Path:
