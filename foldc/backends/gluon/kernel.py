@@ -176,6 +176,16 @@ def _stage_tail(n0, end, k_smem, v_smem, k_base, v_base, stride_kh, stride_vh, t
 
 
 @gluon.jit
+def _per_row(x, H: gl.constexpr):
+    """A token-wise parameter as float32 [BN, ROWS] (or [BN, 1] to broadcast, one head per program)."""
+    if H == 1:
+        y = x.to(gl.float32)[:, None]
+    else:
+        y = x.to(gl.float32)
+    return y
+
+
+@gluon.jit
 def _scores(n0, end, k_smem, slot, ks, kz, tm, head_c, q16, q_bias, q_sum, row_scale, BN: gl.constexpr,
             D: gl.constexpr, F: gl.constexpr, ROWS: gl.constexpr, H: gl.constexpr, KEY_G: gl.constexpr,
             KASM: gl.constexpr, KCONS: gl.constexpr, MASKED: gl.constexpr):
@@ -195,12 +205,8 @@ def _scores(n0, end, k_smem, slot, ks, kz, tm, head_c, q16, q_bias, q_sum, row_s
             sacc = gl.where((head_c == i)[None, :], mma_v2(ka, q16, gl.zeros([BN, ROWS], gl.float32, layout=mma)),
                             sacc)
     if KEY_G == 0:
-        if H == 1:
-            ks2 = ks.to(gl.float32)[:, None]
-            kz2 = kz.to(gl.float32)[:, None]
-        else:
-            ks2 = ks.to(gl.float32)
-            kz2 = kz.to(gl.float32)
+        ks2 = _per_row(ks, H)
+        kz2 = _per_row(kz, H)
         # acc-fold, one scale per token (row of M); bias and zero through sum(q') and sum(q) (eq. 3, 6, 7)
         t = ks2 * ((sacc - q_bias[None, :]) * row_scale[None, :]) + kz2 * q_sum[None, :]
     else:
@@ -229,12 +235,8 @@ def _consume(t, v_smem, slot, vs, vz, m_i, l_i, zsum, acc_o, head_b, v_scale, v_
     p_sum = gl.sum(p, axis=0)
     l_i = l_i * alpha + p_sum
     if VAL_G == 0:
-        if H == 1:
-            vs2 = vs.to(gl.float32)[:, None]
-            vz2 = vz.to(gl.float32)[:, None]
-        else:
-            vs2 = vs.to(gl.float32)
-            vz2 = vz.to(gl.float32)
+        vs2 = _per_row(vs, H)
+        vz2 = _per_row(vz, H)
         # operand-fold: P x scale before the product; sum(P x zero) beside it (eq. 4, 6)
         pb = gl.convert_layout((p * vs2).to(gl.float16), b_l)
         zsum = zsum * alpha + gl.sum(p * vz2, axis=0)
