@@ -97,3 +97,29 @@ def test_paged_launch_pins_a_tile_that_fits_its_page(cache_dir):
     assert register_operand_kernel(SPEC, 48, "sm_90") is None         # no 32-token tile fits a page
     with pytest.raises(foldc.SpecError, match="page_size=48 is not a multiple of 32"):
         register_operand_kernel(SPEC, 48, "sm_90", kernel="gluon")
+
+
+def test_an_entry_tuned_against_other_kernel_sources_is_not_applied(cache_dir, monkeypatch):
+    """The key carries a fingerprint of the kernel's sources: after the kernel changes, its old
+    tuned entries no longer match (the bucket tunes again) while the other kernel's still do."""
+    cfg = GluonConfig(block_n=64, stages=2, maxnreg=192, split_factor=0.5, pack_heads=None)
+    store(bucket_key(SPEC, torch.bfloat16, 8, 65536, kernel="gluon"), cfg, 100.0)
+    store(bucket_key(SPEC, torch.bfloat16, 8, 65536, kernel="triton"), Config(64, 4, 2, 1.0), 300.0)
+    assert lookup(SPEC, torch.bfloat16, 8, 65536, kernel="gluon") == cfg
+    fingerprints = {"gluon": "0badc0de", "triton": autotune.kernel_fingerprint("triton")}
+    monkeypatch.setattr(autotune, "_FINGERPRINTS", fingerprints)
+    autotune._KEYS.clear()
+    assert "kernel 0badc0de" in bucket_key(SPEC, torch.bfloat16, 8, 65536, kernel="gluon")
+    assert lookup(SPEC, torch.bfloat16, 8, 65536, kernel="gluon") is None
+    assert lookup(SPEC, torch.bfloat16, 8, 65536, kernel="triton") == Config(64, 4, 2, 1.0)
+
+
+def test_the_fingerprint_follows_the_source_bytes(tmp_path, monkeypatch):
+    src = tmp_path / "kernel.py"
+    src.write_text("x = 1\n")
+    monkeypatch.setattr(autotune, "KERNEL_SOURCES", {"gluon": (str(src),)})
+    monkeypatch.setattr(autotune, "_FINGERPRINTS", {})
+    first = autotune.kernel_fingerprint("gluon")
+    src.write_text("x = 2\n")
+    autotune._FINGERPRINTS.clear()
+    assert len(first) == 8 and autotune.kernel_fingerprint("gluon") != first

@@ -2,13 +2,15 @@
 
 A configuration is (block_n, num_warps, num_stages, split factor). `tune` times each candidate
 with triton's do_bench on the caller's tensors and stores the best under a key made of the GPU
-name, the torch and triton versions, the spec, the query dtype and a shape bucket (batch
+name, the torch and triton versions, a fingerprint of the kernel's sources (a changed kernel
+tunes again), the spec, the query dtype and a shape bucket (batch
 rounded up to a power of two, tokens to a power of two). The cache is a JSON file under
 $FOLDC_CACHE_DIR (default ~/.cache/foldc) and survives restarts; `TritonAttention` looks it up
 when no configuration was given explicitly.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import sys
@@ -73,14 +75,32 @@ def _pow2_ceil(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
+# the sources that decide what a kernel does and how fast: a tuned entry is kept only for them
+KERNEL_SOURCES = {"triton": ("codegen.py", "launch.py"),
+                  "gluon": ("../gluon/kernel.py", "../gluon/operands.py", "../gluon/launch.py")}
+_FINGERPRINTS: dict = {}
+
+
+def kernel_fingerprint(kernel: str) -> str:
+    """Eight hex digits of the kernel's source files, so that a cache tuned against an older kernel
+    is not applied to a changed one (its buckets simply tune again)."""
+    if kernel not in _FINGERPRINTS:
+        digest = hashlib.sha256()
+        for name in KERNEL_SOURCES[kernel]:
+            digest.update((Path(__file__).parent / name).read_bytes())
+        _FINGERPRINTS[kernel] = digest.hexdigest()[:8]
+    return _FINGERPRINTS[kernel]
+
+
 def bucket_key(spec, dtype: torch.dtype, batch: int, tokens: int, fold_policy: str = "auto",
                kernel: str = "triton") -> str:
     import triton
 
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     policy = fold_policy if kernel == "triton" else f"{fold_policy}|{kernel}"
-    return (f"{gpu}|torch {torch.__version__}|triton {triton.__version__}|{spec.describe()}|{policy}|"
-            f"{str(dtype).replace('torch.', '')}|batch<={_pow2_ceil(batch)}|tokens<={_pow2_ceil(tokens)}")
+    return (f"{gpu}|torch {torch.__version__}|triton {triton.__version__}|kernel {kernel_fingerprint(kernel)}|"
+            f"{spec.describe()}|{policy}|{str(dtype).replace('torch.', '')}|batch<={_pow2_ceil(batch)}|"
+            f"tokens<={_pow2_ceil(tokens)}")
 
 
 _MEMO: dict = {}  # path -> data, read once per process; `store` keeps it current
