@@ -305,15 +305,19 @@ def _value_group(VSg, VZg, chan_o, weight):
 
 
 @gluon.jit
-def _bases(n0, b, h, KC, KS, KZ, VC, VS, VZ, first, n_pages, KV_INDICES, stride_kb, stride_kh, stride_ksb, stride_ksh,
-           stride_ksn, stride_vb, stride_vh, stride_vsb, stride_vsh, stride_vsn, W: gl.constexpr,
-           KEY_G: gl.constexpr, VAL_G: gl.constexpr, PAGE: gl.constexpr):
+def _bases(n0, b, h, cache, table, strides, W: gl.constexpr, KEY_G: gl.constexpr, VAL_G: gl.constexpr,
+           PAGE: gl.constexpr):
     """Base pointers of the code words and the scales/zeros for the tile holding token n0.
     Contiguous cache (PAGE == 0): batch b's. Paged (PAGE tokens a page, FlashInfer's table): the page
     that holds n0, *rebased* by that page's first token tok0, so that ``base + token * row_stride``
     addresses row token - tok0 of the page for every token of the tile (a tile lies in one page).
     ``first``/``n_pages``: the sequence's entries in KV_INDICES; a slot past them (an empty split)
-    reads no entry and takes page 0, whose rows no load then touches."""
+    reads no entry and takes page 0, whose rows no load then touches. ``cache``: the six tensors'
+    pointers, ``table``: (first, n_pages, KV_INDICES), ``strides``: theirs, as the kernel's arguments."""
+    KC, KS, KZ, VC, VS, VZ = cache
+    first, n_pages, KV_INDICES = table
+    stride_kb, stride_kh, stride_ksb, stride_ksh, stride_ksn, stride_vb, stride_vh, stride_vsb, stride_vsh, \
+        stride_vsn = strides
     if PAGE > 0:
         slot = n0 // PAGE
         unit = gl.load(KV_INDICES + first + slot, mask=slot < n_pages, other=0).to(gl.int64)
@@ -374,6 +378,11 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
     else:
         first = 0
         n_pages = 0
+    # what _bases needs to place a tile, contiguous or paged
+    cache = (KC, KS, KZ, VC, VS, VZ)
+    table = (first, n_pages, KV_INDICES)
+    strides = (stride_kb, stride_kh, stride_ksb, stride_ksh, stride_ksn, stride_vb, stride_vh, stride_vsb, stride_vsh,
+               stride_vsn)
 
     # Q'^T [D, ROWS]: k index -> channel as operands.key_channel; field weight 2^-(bits*field);
     # each row scaled by a power of two c so that its largest entry is near 2^12 (no fp16 underflow).
@@ -391,9 +400,7 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
     amax = gl.maximum(gl.max(gl.abs(qv), axis=0), 1e-30)
     c = gl.exp2(12.0 - gl.floor(gl.log2(amax)))
     row_scale = gl.convert_layout(qk_scale / c, row_l)
-    k_base, v_base, KSp, KZp, VSp, VZp = _bases(start, b, h, KC, KS, KZ, VC, VS, VZ, first, n_pages, KV_INDICES,
-                                                stride_kb, stride_kh, stride_ksb, stride_ksh, stride_ksn, stride_vb,
-                                                stride_vh, stride_vsb, stride_vsh, stride_vsn, W, KEY_G, VAL_G, PAGE)
+    k_base, v_base, KSp, KZp, VSp, VZp = _bases(start, b, h, cache, table, strides, W, KEY_G, VAL_G, PAGE)
     if KEY_G == 0:
         q16 = (qv * c[None, :] * gl.exp2(-(field * BITS).to(gl.float32))[:, None]).to(gl.float16)
         q_bias = gl.convert_layout(gl.sum(q16.to(gl.float32), axis=0) * KEY_BIAS, row_l)
@@ -428,9 +435,7 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
     if n_full > 0:
         for i in gl.static_range(STAGES - 1):
             n_i = start + gl.minimum(i, n_full - 1) * BN
-            k_i, v_i, _, _, _, _ = _bases(n_i, b, h, KC, KS, KZ, VC, VS, VZ, first, n_pages, KV_INDICES, stride_kb,
-                                          stride_kh, stride_ksb, stride_ksh, stride_ksn, stride_vb, stride_vh,
-                                          stride_vsb, stride_vsh, stride_vsn, W, KEY_G, VAL_G, PAGE)
+            k_i, v_i, _, _, _, _ = _bases(n_i, b, h, cache, table, strides, W, KEY_G, VAL_G, PAGE)
             _issue(i, n_i, k_smem, v_smem, k_i, v_i, stride_kh, stride_vh, tc, wc, W, H)
         if SCALE_AHEAD:   # the first tile's scales; each iteration then loads the next tile's
             ks, kz, vs, vz = _scales(start, end, tm, head_c, KSp, KZp, VSp, VZp, stride_ksh, stride_vsh, KEY_G, VAL_G,
@@ -438,10 +443,7 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
         for i in range(n_full):
             n0 = start + i * BN
             if PAGE > 0:   # this tile's page: its group scales
-                _, _, KSp, KZp, VSp, VZp = _bases(n0, b, h, KC, KS, KZ, VC, VS, VZ, first, n_pages, KV_INDICES,
-                                                  stride_kb, stride_kh, stride_ksb, stride_ksh, stride_ksn, stride_vb,
-                                                  stride_vh, stride_vsb, stride_vsh, stride_vsn, W, KEY_G, VAL_G,
-                                                  PAGE)
+                _, _, KSp, KZp, VSp, VZp = _bases(n0, b, h, cache, table, strides, W, KEY_G, VAL_G, PAGE)
             if KEY_G > 0:
                 if n0 % KEY_G == 0:
                     q16, q_bias, q_sum = _key_group(qv, field, chan, head_q, stride_ksh,
@@ -455,13 +457,8 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
             ahead = i + STAGES - 1
             n_ahead = start + gl.minimum(ahead, n_full - 1) * BN
             if PAGE > 0:   # the pages of the next tile (its scales) and of the tile copied ahead
-                _, _, KSn, KZn, VSn, VZn = _bases(n_next, b, h, KC, KS, KZ, VC, VS, VZ, first, n_pages, KV_INDICES,
-                                                  stride_kb, stride_kh, stride_ksb, stride_ksh, stride_ksn, stride_vb,
-                                                  stride_vh, stride_vsb, stride_vsh, stride_vsn, W, KEY_G, VAL_G,
-                                                  PAGE)
-                k_a, v_a, _, _, _, _ = _bases(n_ahead, b, h, KC, KS, KZ, VC, VS, VZ, first, n_pages, KV_INDICES,
-                                              stride_kb, stride_kh, stride_ksb, stride_ksh, stride_ksn, stride_vb,
-                                              stride_vh, stride_vsb, stride_vsh, stride_vsn, W, KEY_G, VAL_G, PAGE)
+                _, _, KSn, KZn, VSn, VZn = _bases(n_next, b, h, cache, table, strides, W, KEY_G, VAL_G, PAGE)
+                k_a, v_a, _, _, _, _ = _bases(n_ahead, b, h, cache, table, strides, W, KEY_G, VAL_G, PAGE)
             else:
                 KSn = KSp
                 KZn = KZp
@@ -489,11 +486,7 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
     full_end = start + n_full * BN
     if full_end < end:
         if PAGE > 0:
-            k_base, v_base, KSp, KZp, VSp, VZp = _bases(full_end, b, h, KC, KS, KZ, VC, VS, VZ, first, n_pages,
-                                                        KV_INDICES, stride_kb, stride_kh, stride_ksb, stride_ksh,
-                                                        stride_ksn, stride_vb, stride_vh, stride_vsb, stride_vsh,
-                                                        stride_vsn, W,
-                                                        KEY_G, VAL_G, PAGE)
+            k_base, v_base, KSp, KZp, VSp, VZp = _bases(full_end, b, h, cache, table, strides, W, KEY_G, VAL_G, PAGE)
         if KEY_G > 0:
             q16, q_bias, q_sum = _key_group(qv, field, chan, head_q, stride_ksh, KSp + (full_end // KEY_G) * stride_ksn,
                                             KZp + (full_end // KEY_G) * stride_ksn, qk_scale, BITS, KEY_BIAS, H)
