@@ -88,8 +88,8 @@ def main() -> int:
             if best:
                 print(f"int{bits} {b}x{n}: best {min(t for t in (best['graph_us'], best['eager_us']) if t):.1f} us "
                       f"({best['pct_ceiling']:.0f}%) bn{best['block_n']} st{best['stages']} "
-                      f"reg{best['maxnreg']} sf{best['split_factor']} H{best.get('pack_heads')} ahead{int(best['scale_ahead'])} "
-                      f"err {best.get('error')}",
+                      f"reg{best['maxnreg']} sf{best['split_factor']} H{best.get('pack_heads')} "
+                      f"ahead{int(best['scale_ahead'])} err {best.get('error')}",
                       flush=True)
                 for ph in sorted({r.get("pack_heads") for r in rows if "pct_ceiling" in r} - {None}):
                     mine = [r for r in rows if r["bits"] == bits and r["batch"] == b and r["tokens"] == n
@@ -98,14 +98,14 @@ def main() -> int:
                         top = max(mine, key=lambda r: r["pct_ceiling"])
                         print(f"    H{ph}: {top['pct_ceiling']:.0f}% bn{top['block_n']} st{top['stages']} "
                               f"reg{top['maxnreg']} sf{top['split_factor']}", flush=True)
-                for key in ("scale_ahead",):
-                    for val in (True, False):
-                        mine = [r for r in rows if r["bits"] == bits and r["batch"] == b and r["tokens"] == n
-                                and r[key] == val and "pct_ceiling" in r]
-                        if mine:
-                            top = max(mine, key=lambda r: r["pct_ceiling"])
-                            print(f"    {key}={val}: {top['pct_ceiling']:.0f}% bn{top['block_n']} st{top['stages']} "
-                                  f"reg{top['maxnreg']} sf{top['split_factor']} H{top['pack_heads']}", flush=True)
+                for ahead in (True, False):
+                    mine = [r for r in rows if r["bits"] == bits and r["batch"] == b and r["tokens"] == n
+                            and r["scale_ahead"] == ahead and "pct_ceiling" in r]
+                    if mine:
+                        top = max(mine, key=lambda r: r["pct_ceiling"])
+                        print(f"    scale_ahead={ahead}: {top['pct_ceiling']:.0f}% bn{top['block_n']} "
+                              f"st{top['stages']} reg{top['maxnreg']} sf{top['split_factor']} H{top['pack_heads']}",
+                              flush=True)
             del q, k, v
             torch.cuda.empty_cache()
             with open(args.out, "w") as f:   # after every shape: a cut-off run keeps what it measured

@@ -101,8 +101,8 @@ def compile(spec: AttentionSpec, target: str = "reference", **options):  # noqa:
     unknown = sorted(set(options) - {"kernel", "block_n", "splits"} - triton_only - gluon_only)
     if unknown:
         raise SpecError(f"unknown option(s) {unknown} for target={target!r}; options are kernel, block_n, splits, "
-                        "num_warps, num_stages, fold_policy, split_prescaled, stages, maxnreg, split_factor, pack_heads, "
-                        "scale_ahead")
+                        "num_warps, num_stages, fold_policy, split_prescaled, stages, maxnreg, split_factor, "
+                        "pack_heads, scale_ahead")
     kernel = options.pop("kernel", "auto")
     if kernel not in KERNELS:
         raise SpecError(f"kernel={kernel!r} is not one of {KERNELS}")

@@ -15,7 +15,7 @@ from ...cost import token_loop_lane_slots_per_byte
 from ...errors import SpecError
 from ..triton.aot import write_artifacts
 from ..triton.sass import _tool, inner_loop, lane_slots_per_byte
-from .launch import constexprs, default_pack_heads, default_scale_ahead
+from .launch import constexprs, default_pack_heads
 from .lower import gluon_plan, lower
 
 POINTERS = {"Q": "*bf16", "KC": "*i32", "KS": "*fp16", "KZ": "*fp16", "VC": "*i32", "VS": "*fp16", "VZ": "*fp16",
@@ -57,8 +57,6 @@ def compile_gluon_aot(spec, arch: str, out_dir: str | Path, dtype: str = "bf16",
 
     cfg = lower(gluon_plan(spec))
     heads = default_pack_heads(cfg, spec.num_kv_heads) if pack_heads is None else pack_heads
-    if scale_ahead is None:
-        scale_ahead = default_scale_ahead(cfg)
     consts = dict(constexprs(cfg, block_n, stages, heads, scale_ahead), HAS_LENS=True, PAGE=page_size)
     signature, attrs = {}, {}
     for i, name in enumerate(foldc_decode_gluon.arg_names):
@@ -87,7 +85,8 @@ def compile_gluon_aot(spec, arch: str, out_dir: str | Path, dtype: str = "bf16",
     ptx = compiled.asm["ptx"]
     report = {
         "spec": spec.describe(), "kernel": "gluon", "arch": arch, "dtype": dtype, "block_n": block_n,
-        "stages": stages, "maxnreg": maxnreg, "scale_ahead": scale_ahead, "rows": cfg.rows, "pack_heads": heads, "registers": registers(cubin),
+        "stages": stages, "maxnreg": maxnreg, "scale_ahead": consts["SCALE_AHEAD"], "rows": cfg.rows,
+        "pack_heads": heads, "registers": registers(cubin),
         "mma": {"mma.sync": len(re.findall(r"\bmma\.sync", ptx)), "wgmma": len(re.findall(r"\bwgmma", ptx))},
         "shared_stores_in_ptx": len(re.findall(r"\bst\.shared", ptx)),
         "inner_loop": {"instructions_per_warp": sum(loop.values()), "bytes_per_tile": tile_bytes,

@@ -18,13 +18,17 @@ from .lower import FoldKernel, gluon_plan, lower
 from .operands import VALUE_EXPONENT, key_unpack_asm, value_unpack_asm
 
 DTYPES = (torch.float16, torch.bfloat16)
+TUNED_OPTIONS = {"block_n", "stages", "maxnreg", "split_factor", "heads"}   # what a tuned bucket sets
 PROGRAMS_PER_SM = 16   # one warp each; enough resident warps to hide the code loads
 
 
-def constexprs(cfg: FoldKernel, block_n: int, stages: int, heads: int = 1, scale_ahead: bool = True) -> dict:
+def constexprs(cfg: FoldKernel, block_n: int, stages: int, heads: int = 1, scale_ahead: bool | None = None) -> dict:
     """The kernel's compile-time arguments for ``cfg`` (the unpack PTX is generated here), with
     ``heads`` KV heads packed into one program's query rows; ``scale_ahead``: load the next tile's
-    token-wise scales and zeros one tile early into registers (else each tile's at its start)."""
+    token-wise scales and zeros one tile early into registers, else each tile's at its start
+    (None: `default_scale_ahead`)."""
+    if scale_ahead is None:
+        scale_ahead = default_scale_ahead(cfg)
     key_asm, key_cons = key_unpack_asm(cfg.bits, exact=cfg.key_bias == 0)
     values = [value_unpack_asm(cfg.bits, byte) for byte in range(4)]
     return dict(Q_PER_KV=cfg.q_per_kv, ROWS=cfg.rows, H=heads, BN=block_n, D=cfg.head_dim, BITS=cfg.bits,
@@ -113,7 +117,7 @@ class GluonAttention:
             raise SpecError(f"maxnreg={maxnreg!r} must be an integer in [32, 255] or None")
         self.splits = splits
         self._defaults = {"block_n": block_n, "stages": stages, "maxnreg": maxnreg, "split_factor": split_factor or 1.0,
-                          "heads": self.heads, "scale_ahead": default_scale_ahead(self.config) if scale_ahead is None else scale_ahead}
+                          "heads": self.heads, "scale_ahead": scale_ahead}   # None: default_scale_ahead
         self._configs: dict = {}
         self._modules = None
 
@@ -127,7 +131,7 @@ class GluonAttention:
         bucket = (dtype, batch, tokens)
         if bucket not in self._configs:
             opts = dict(self._defaults)
-            if len(self.explicit) < 6:
+            if not TUNED_OPTIONS <= set(self.explicit):   # some option is left to the tuning cache
                 from ..triton.autotune import lookup
 
                 tuned = lookup(self.spec, dtype, batch, tokens, kernel="gluon")
