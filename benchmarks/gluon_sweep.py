@@ -32,10 +32,12 @@ def main() -> int:
     ap.add_argument("--maxnreg", default="none,128", help="register caps to try (none: the compiler's)")
     ap.add_argument("--block-n", default="32,64")
     ap.add_argument("--stages", default="2,3")
-    ap.add_argument("--split-factor", default="0.5,1,2")
+    ap.add_argument("--split-factor", default="1", help="waves of resident programs")
     ap.add_argument("--scale-ahead", default="0", help="1: token-wise scales a tile early in registers; 0: at each "
-                    "tile's start (fewer registers); 1,0 tries both")
+                    "tile's start (fewer registers); 1,0 tries both; auto: the launcher's default")
     ap.add_argument("--bits", default="2,4")
+    ap.add_argument("--layouts", default="token/token", help="K/V layouts, e.g. token/token,token/channel "
+                    "(channel-wise sides in groups of 128 tokens)")
     ap.add_argument("--deadline", type=float, default=1e9, help="seconds after which no new shape starts")
     args = ap.parse_args()
     shapes = [(1, 4096), (1, 16384), (1, 131072), (8, 4096), (8, 65536), (32, 16384), (64, 32768)]
@@ -44,7 +46,8 @@ def main() -> int:
 
     def values(text, cast):
         return [None if x in ("none", "auto") else cast(x) for x in text.split(",")]
-    options = [dict(block_n=bn, stages=st, maxnreg=mr, split_factor=sf, pack_heads=ph, scale_ahead=bool(sa))
+    options = [dict(block_n=bn, stages=st, maxnreg=mr, split_factor=sf, pack_heads=ph,
+                    scale_ahead=None if sa is None else bool(sa))
                for ph, bn, st, mr, sf, sa in itertools.product(
                    values(args.pack, int), values(args.block_n, int), values(args.stages, int),
                    values(args.maxnreg, int), values(args.split_factor, float), values(args.scale_ahead, int))]
@@ -52,24 +55,24 @@ def main() -> int:
         shapes, options = shapes[1:3] + shapes[4:5], options[:4]
     rows = []
     t0 = time.time()
-    for bits in values(args.bits, int):
-        enc = foldc.Affine(bits, "token", 128)
-        spec = foldc.AttentionSpec(32, 8, 128, enc, enc)
+    for bits, layouts in itertools.product(values(args.bits, int), args.layouts.split(",")):
+        kl, vl = layouts.split("/")
+        spec = foldc.AttentionSpec(32, 8, 128, foldc.Affine(bits, kl, 128), foldc.Affine(bits, vl, 128))
         for b, n in shapes:
             if time.time() - t0 > args.deadline:
                 print(f"int{bits} {b}x{n}: not run, deadline of {args.deadline:g} s reached", flush=True)
                 continue
             gen = torch.Generator(device="cuda").manual_seed(b * n + bits)
             q = torch.randn(b, 32, 128, device="cuda", generator=gen).to(torch.bfloat16)
-            k = foldc.quantize(torch.randn(b, 8, n, 128, device="cuda", generator=gen), enc)
-            v = foldc.quantize(torch.randn(b, 8, n, 128, device="cuda", generator=gen), enc)
+            k = foldc.quantize(torch.randn(b, 8, n, 128, device="cuda", generator=gen), spec.k)
+            v = foldc.quantize(torch.randn(b, 8, n, 128, device="cuda", generator=gen), spec.v)
             ref = foldc.attention_reference(q, k, v) if b * n <= 600_000 else None
             nbytes = sum(t.numel() * t.element_size() for x in (k, v) for t in (x.codes, x.scale, x.zero)) + \
                 2 * q.numel() * 2
             for opt in options:
                 if opt["block_n"] == 64 and bits == 4:
                     continue
-                row = {"bits": bits, "batch": b, "tokens": n, **opt}
+                row = {"bits": bits, "layouts": layouts, "batch": b, "tokens": n, **opt}
                 try:
                     attn = foldc.compile(spec, "sm_90", kernel="gluon", **{k: v for k, v in opt.items()
                                                                              if v is not None})
@@ -77,30 +80,32 @@ def main() -> int:
                     out = attn(q, k, v)
                     if ref is not None:
                         row["error"] = rel_l2(out, ref)
-                    row["eager_us"], row["graph_us"] = timed(lambda: attn(q, k, v))
+                    row["eager_us"], row["graph_us"] = timed(lambda attn=attn, q=q, k=k, v=v: attn(q, k, v))
                     best = min(t for t in (row["eager_us"], row["graph_us"]) if t is not None)
                     row["pct_ceiling"] = 100 * nbytes / (best * 1e-6) / CEILING
                 except Exception as e:  # keep sweeping; the row records the failure
                     row["fail"] = repr(e)[:300]
                 rows.append(row)
-            best = min((r for r in rows if r["bits"] == bits and r["batch"] == b and r["tokens"] == n
+            mine = [r for r in rows if r["bits"] == bits and r["layouts"] == layouts]
+            best = min((r for r in mine if r["batch"] == b and r["tokens"] == n
                         and "pct_ceiling" in r), key=lambda r: -r["pct_ceiling"], default=None)
             if best:
-                print(f"int{bits} {b}x{n}: best {min(t for t in (best['graph_us'], best['eager_us']) if t):.1f} us "
+                fastest = min(t for t in (best['graph_us'], best['eager_us']) if t)
+                print(f"int{bits} {layouts} {b}x{n}: best {fastest:.1f} us "
                       f"({best['pct_ceiling']:.0f}%) bn{best['block_n']} st{best['stages']} "
                       f"reg{best['maxnreg']} sf{best['split_factor']} H{best.get('pack_heads')} "
-                      f"ahead{int(best['scale_ahead'])} err {best.get('error')}",
+                      f"ahead{best['scale_ahead']} err {best.get('error')}",
                       flush=True)
                 for ph in sorted({r.get("pack_heads") for r in rows if "pct_ceiling" in r} - {None}):
-                    mine = [r for r in rows if r["bits"] == bits and r["batch"] == b and r["tokens"] == n
-                            and r.get("pack_heads") == ph and "pct_ceiling" in r]
+                    mine = [r for r in rows if r["bits"] == bits and r["layouts"] == layouts and r["batch"] == b
+                            and r["tokens"] == n and r.get("pack_heads") == ph and "pct_ceiling" in r]
                     if mine:
                         top = max(mine, key=lambda r: r["pct_ceiling"])
                         print(f"    H{ph}: {top['pct_ceiling']:.0f}% bn{top['block_n']} st{top['stages']} "
                               f"reg{top['maxnreg']} sf{top['split_factor']}", flush=True)
-                for ahead in (True, False):
-                    mine = [r for r in rows if r["bits"] == bits and r["batch"] == b and r["tokens"] == n
-                            and r["scale_ahead"] == ahead and "pct_ceiling" in r]
+                for ahead in (True, False, None):
+                    mine = [r for r in rows if r["bits"] == bits and r["layouts"] == layouts and r["batch"] == b
+                            and r["tokens"] == n and r["scale_ahead"] == ahead and "pct_ceiling" in r]
                     if mine:
                         top = max(mine, key=lambda r: r["pct_ceiling"])
                         print(f"    scale_ahead={ahead}: {top['pct_ceiling']:.0f}% bn{top['block_n']} "

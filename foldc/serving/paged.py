@@ -339,7 +339,8 @@ class PagedDecodeWrapper:
         tokens = self.max_seq_len
         if self._gluon is not None:   # the tuned or default launch for this batch (bf16 bucket)
             self._launch = self._gluon.launch_config(torch.bfloat16, batch, tokens)
-            self._num_splits, self._per_split = self._gluon.split_plan(self._launch, batch, tokens, self.device)
+            self._num_splits, self._per_split = self._gluon.split_plan(self._launch, batch, tokens, self.device,
+                                                                        has_lens=True, page=self.page_size)
             ws = self._buffers.get("ws_m")
             shape = (batch, hkv // self._launch["heads"], self._num_splits, self._gluon.config.rows)
             if ws is None or tuple(ws.shape) != shape:

@@ -62,7 +62,7 @@ def test_build_emits_register_operand_mma_and_the_designed_unpack(build, reports
     bits, heads, kv, head_dim, arch, block_n, stages, kl, vl, pack, _ = build
     r = reports[build]
     packed = r["pack_heads"]
-    assert packed == (pack or min(8 // (heads // kv), kv) if kl == vl == "token" and heads // kv <= 8 else 1)
+    assert packed == (pack or min(8 // (heads // kv), kv) if heads // kv <= 8 else 1)
     assert r["mma"]["mma.sync"] > 0 and r["mma"]["wgmma"] == 0
     assert r["registers"] is not None and r["registers"] <= 255
     loop = r["inner_loop"]["top_opcodes"]

@@ -112,18 +112,21 @@ def test_cuda_graph_capture_and_replay_as_lengths_change():
     check_graph_replay(foldc.compile(_spec(2), "sm_90", kernel="gluon"), _spec(2), seed=11)
 
 
-PACKINGS = [((32, 8), "token", 1), ((32, 8), "token", 2), ((24, 8), "token", 2), ((16, 8), "token", 4),
-            ((8, 8), "token", 8), ((8, 8), "token", 2), ((32, 8), "channel", 2)]
+PACKINGS = [((32, 8), "token", "token", 1), ((32, 8), "token", "token", 2), ((24, 8), "token", "token", 2),
+            ((16, 8), "token", "token", 4), ((8, 8), "token", "token", 8), ((8, 8), "token", "token", 2),
+            ((32, 8), "channel", "token", 2), ((32, 8), "token", "channel", 2), ((24, 8), "token", "channel", 2),
+            ((16, 8), "channel", "channel", 4)]
 
 
 @pytest.mark.parametrize("bits", [2, 4], ids=["int2", "int4"])
-@pytest.mark.parametrize("heads,kl,pack", PACKINGS,
-                         ids=[f"{h[0]}/{h[1]}-K{kl[0]}-H{p}" for h, kl, p in PACKINGS])
-def test_packed_heads_match_float64_and_one_head_per_program(heads, kl, pack, bits):
+@pytest.mark.parametrize("heads,kl,vl,pack", PACKINGS,
+                         ids=[f"{h[0]}/{h[1]}-K{kl[0]}V{vl[0]}-H{p}" for h, kl, vl, p in PACKINGS])
+def test_packed_heads_match_float64_and_one_head_per_program(heads, kl, vl, pack, bits):
     """KV heads packed into one program's query rows (24/8: 6 real rows of 8, padding rows clamp
     to the last packed head) give the float64 answer, and the answer of one head per program
-    with the same splits: each head's values only meet its own rows."""
-    spec = _spec(bits, heads, kl=kl)
+    with the same splits: each head's values only meet its own rows, each row takes its own
+    head's channel scales."""
+    spec = _spec(bits, heads, kl=kl, vl=vl)
     # the same tiles and splits for both (packed INT2 would default to 64-token tiles)
     packed = foldc.compile(spec, "sm_90", kernel="gluon", pack_heads=pack, splits=5, block_n=32)
     single = foldc.compile(spec, "sm_90", kernel="gluon", pack_heads=1, splits=5, block_n=32)

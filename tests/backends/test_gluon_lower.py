@@ -184,7 +184,7 @@ def test_value_unpack_gives_two_tokens_of_one_channel_per_register(bits, head_di
 
 # -- how many KV heads share one program's query rows (no GPU needed to decide) --------------------
 
-PACK_CASES = [((32, 8), "token", "token", 2), ((32, 8), "channel", "token", 1), ((32, 8), "token", "channel", 1),
+PACK_CASES = [((32, 8), "token", "token", 2), ((32, 8), "channel", "token", 2), ((32, 8), "token", "channel", 2),
               ((16, 8), "token", "token", 4), ((24, 8), "token", "token", 2), ((28, 4), "token", "token", 1),
               ((8, 8), "token", "token", 8), ((6, 6), "token", "token", 2), ((32, 2), "token", "token", 1),
               ((4, 1), "token", "token", 1)]
@@ -213,12 +213,14 @@ def test_pack_heads_outside_what_fits_is_refused(pack):
     assert f"pack_heads={pack!r}" in str(info.value) and "use pack_heads=2" in str(info.value)
 
 
-def test_channel_wise_values_are_never_packed():
+def test_channel_wise_values_pack_by_default_and_one_head_when_asked():
     from foldc.backends.gluon.launch import GluonAttention
 
     spec = foldc.AttentionSpec(32, 8, 128, foldc.Affine(2, "token", 128), foldc.Affine(2, "channel", 128))
-    with pytest.raises(foldc.SpecError, match="token-wise V only"):
-        GluonAttention(spec, pack_heads=2)
+    assert GluonAttention(spec, pack_heads=1).heads == 1
+    assert GluonAttention(spec).heads == 2
+    with pytest.raises(foldc.SpecError, match="pack_heads=4"):
+        GluonAttention(spec, pack_heads=4)
 
 
 @pytest.mark.parametrize("value", [1, 0, "no", 1.0])

@@ -256,7 +256,7 @@ def _consume(t, v_smem, slot, vs, vz, m_i, l_i, zsum, acc_o, head_b, v_scale, v_
         acc_o = acc_o * alpha[None, :] + pv
     else:
         # acc-fold: this tile lies in one token group; scale the tile's sum per channel, add zero x sum(P)
-        acc_o = acc_o * alpha[None, :] + pv * v_scale[:, None] + v_zero[:, None] * p_sum[None, :]
+        acc_o = acc_o * alpha[None, :] + pv * _per_channel(v_scale, H) + _per_channel(v_zero, H) * p_sum[None, :]
     return m_new, l_i, zsum, acc_o
 
 
@@ -299,9 +299,26 @@ def _key_group(qv, field, chan, head_q, stride_ksh, KSg, KZg, qk_scale, BITS: gl
 
 
 @gluon.jit
-def _value_group(VSg, VZg, chan_o, weight):
-    """Channel-wise V: one token group's scale (times the field weight) and zero per output row."""
-    return gl.load(VSg + chan_o).to(gl.float32) * weight, gl.load(VZg + chan_o).to(gl.float32)
+def _value_group(VSg, VZg, chan_o, weight, head_c, stride_vsh, H: gl.constexpr):
+    """Channel-wise V: one token group's scale (times the field weight) and zero per output row
+    [D], or per output row and query row [D, ROWS] with packed heads (each row its own head's)."""
+    if H == 1:
+        off = chan_o
+        w = weight
+    else:
+        off = head_c[None, :] * stride_vsh + chan_o[:, None]
+        w = weight[:, None]
+    return gl.load(VSg + off).to(gl.float32) * w, gl.load(VZg + off).to(gl.float32)
+
+
+@gluon.jit
+def _per_channel(x, H: gl.constexpr):
+    """A channel-wise V parameter as [D, ROWS] or [D, 1] to broadcast (one head per program)."""
+    if H == 1:
+        y = x[:, None]
+    else:
+        y = x
+    return y
 
 
 @gluon.jit
@@ -419,7 +436,8 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
         v_zero = weight_o
     else:
         g0 = start // VAL_G
-        v_scale, v_zero = _value_group(VSp + g0 * stride_vsn, VZp + g0 * stride_vsn, chan_o, weight_o)
+        v_scale, v_zero = _value_group(VSp + g0 * stride_vsn, VZp + g0 * stride_vsn, chan_o, weight_o, head_c,
+                                       stride_vsh, H)
 
     tc = gl.arange(0, BN, layout=gl.SliceLayout(1, cp_l))
     wc = gl.arange(0, W, layout=gl.SliceLayout(0, cp_l))
@@ -452,7 +470,7 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
             if VAL_G > 0:
                 if n0 % VAL_G == 0:
                     v_scale, v_zero = _value_group(VSp + (n0 // VAL_G) * stride_vsn, VZp + (n0 // VAL_G) * stride_vsn,
-                                                   chan_o, weight_o)
+                                                   chan_o, weight_o, head_c, stride_vsh, H)
             n_next = start + gl.minimum(i + 1, n_full - 1) * BN
             ahead = i + STAGES - 1
             n_ahead = start + gl.minimum(ahead, n_full - 1) * BN
@@ -492,7 +510,8 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
                                             KZp + (full_end // KEY_G) * stride_ksn, qk_scale, BITS, KEY_BIAS, H)
         if VAL_G > 0:
             v_scale, v_zero = _value_group(VSp + (full_end // VAL_G) * stride_vsn,
-                                           VZp + (full_end // VAL_G) * stride_vsn, chan_o, weight_o)
+                                           VZp + (full_end // VAL_G) * stride_vsn, chan_o, weight_o, head_c, stride_vsh,
+                                           H)
         ks, kz, vs, vz = _scales(full_end, end, tm, head_c, KSp, KZp, VSp, VZp, stride_ksh, stride_vsh, KEY_G, VAL_G,
                                  H, True)
         _stage_tail(full_end, end, k_smem, v_smem, k_base, v_base, stride_kh, stride_vh, tc, wc, W, H)

@@ -11,6 +11,7 @@ import math
 
 import torch
 
+from ...encoding import scale_shape
 from ...errors import InputError, SpecError
 from ...validate import check_call, output_buffer
 from ..triton.launch import MERGE_SOURCE, launch_merge, load_module, num_sms
@@ -19,7 +20,9 @@ from .operands import VALUE_EXPONENT, key_unpack_asm, value_unpack_asm
 
 DTYPES = (torch.float16, torch.bfloat16)
 TUNED_OPTIONS = {"block_n", "stages", "maxnreg", "split_factor", "heads"}   # what a tuned bucket sets
-PROGRAMS_PER_SM = 16   # one warp each; enough resident warps to hide the code loads
+# Hopper's register file and block limits, for the resident programs of one SM (resident_programs)
+PARTITIONS, REGISTERS_PER_PARTITION, REGISTER_UNIT = 4, 16384, 256
+MAX_PROGRAMS_PER_SM, SHARED_PER_BLOCK = 32, 1024
 
 
 def constexprs(cfg: FoldKernel, block_n: int, stages: int, heads: int = 1, scale_ahead: bool | None = None) -> dict:
@@ -40,9 +43,7 @@ def constexprs(cfg: FoldKernel, block_n: int, stages: int, heads: int = 1, scale
 def packable_heads(cfg: FoldKernel, num_kv_heads: int) -> int:
     """Most KV heads one program can pack into the MMA's N axis: a power of two whose query rows
     together fill at most ``cfg.rows`` (so the softmax works on real rows only) and that divides
-    ``num_kv_heads``. 1 for channel-wise V (its per-channel scales would become per row)."""
-    if cfg.value_tokens:
-        return 1
+    ``num_kv_heads`` (channel-wise sides then take per-row channel scales)."""
     heads = 1 << (max(1, cfg.rows // cfg.q_per_kv).bit_length() - 1)   # a power of two
     while num_kv_heads % heads:
         heads //= 2
@@ -50,10 +51,10 @@ def packable_heads(cfg: FoldKernel, num_kv_heads: int) -> int:
 
 
 def default_pack_heads(cfg: FoldKernel, num_kv_heads: int) -> int:
-    """The launcher's choice: pack as many heads as fit for token-wise K and V; one head per
-    program for channel-wise K, whose per-group query scaling gets per-row loads when packed (the
-    SASS then needs 255 registers and 9.6 lane-slots per byte instead of 5.9 at INT2)."""
-    return 1 if cfg.key_tokens else packable_heads(cfg, num_kv_heads)
+    """The launcher's choice: pack as many heads as fit, every layout. With a channel-wise side the
+    packed kernel needs more registers (227-255 at INT2 against 168-237 for one head, AOT SASS), yet
+    it was 5-53% faster on the H200 at 8 x 64K and 32 x 64K, INT2 and INT4 (docs/perf.md)."""
+    return packable_heads(cfg, num_kv_heads)
 
 
 def default_scale_ahead(cfg: FoldKernel) -> bool:
@@ -63,19 +64,33 @@ def default_scale_ahead(cfg: FoldKernel) -> bool:
     return bool(cfg.key_tokens or cfg.value_tokens)
 
 
-def choose_splits(batch: int, kv_heads: int, tokens: int, block_n: int, sms: int, factor: float = 1.0) -> int:
-    """Split count: about PROGRAMS_PER_SM one-warp programs per SM, at least two tiles per split."""
+def resident_programs(n_regs: int, shared_bytes: int, max_shared: int) -> int:
+    """One-warp programs an SM holds at once: each of its four scheduler partitions holds the warps
+    whose registers (allocated per warp in units of 256) fit its 16K, and shared memory and the
+    block limit cap the rest. 168 registers: 3 per partition, 12 per SM; 184 or 192: 8 per SM."""
+    per_warp = math.ceil(max(int(n_regs), 1) * 32 / REGISTER_UNIT) * REGISTER_UNIT
+    by_registers = PARTITIONS * (REGISTERS_PER_PARTITION // per_warp)
+    by_shared = max_shared // (shared_bytes + SHARED_PER_BLOCK) if shared_bytes else MAX_PROGRAMS_PER_SM
+    return max(1, min(by_registers, by_shared, MAX_PROGRAMS_PER_SM))
+
+
+def wave_splits(groups: int, tokens: int, block_n: int, sms: int, resident: int, waves: float = 1.0) -> int:
+    """Split count for ``groups`` (batch x packed KV head) programs per split: as many as fill
+    ``waves`` whole waves of resident programs (``sms x resident`` each) without starting another,
+    at least two tiles per split. A wave that spills over by a few programs leaves the SMs nearly
+    idle while they finish: 1.13 waves took 23% longer than 0.97 (docs/perf.md)."""
     tiles = max(1, math.ceil(tokens / block_n))
-    want = math.ceil(PROGRAMS_PER_SM * sms * factor / (batch * kv_heads))
-    return max(1, min(want, math.ceil(tiles / 2), 1024))
+    fit = int(waves * sms * resident) // max(1, groups)
+    return max(1, min(fit, math.ceil(tiles / 2), 1024))
 
 
 class GluonAttention:
     """Decode attention through the register-operand kernel. Options: ``block_n`` (32 or 64
     tokens per tile), ``stages`` (code tiles in flight, 2-4), ``splits`` (split-KV count; default
-    about 16 programs per SM), ``maxnreg`` (register cap per thread, e.g. 128), ``pack_heads``
-    (KV heads per program whose query rows share the MMA's N axis; default `default_pack_heads`),
-    ``scale_ahead`` (load token-wise scales a tile early, in registers; default `default_scale_ahead`)."""
+    as many as fill ``split_factor`` waves of resident programs, `wave_splits`), ``maxnreg``
+    (register cap per thread, e.g. 128), ``pack_heads`` (KV heads per program whose query rows
+    share the MMA's N axis; default `default_pack_heads`), ``scale_ahead`` (load token-wise scales a
+    tile early, in registers; default `default_scale_ahead`)."""
 
     def __init__(self, spec, block_n: int | None = None, stages: int | None = None, splits: int | None = None,
                  maxnreg: int | None = None, split_factor: float | None = None, pack_heads: int | None = None,
@@ -86,12 +101,11 @@ class GluonAttention:
         most = packable_heads(self.config, spec.num_kv_heads)
         bad_pack = pack_heads is not None and (
             isinstance(pack_heads, bool) or not isinstance(pack_heads, int) or pack_heads < 1
-            or spec.num_kv_heads % pack_heads or pack_heads > most or pack_heads & (pack_heads - 1)
-            or (pack_heads > 1 and self.config.value_tokens))
+            or spec.num_kv_heads % pack_heads or pack_heads > most or pack_heads & (pack_heads - 1))
         if bad_pack:
             raise SpecError(f"pack_heads={pack_heads!r}: this spec packs 1 to {most} KV heads per program (a power "
                             f"of two dividing num_kv_heads={spec.num_kv_heads} whose {spec.q_per_kv} query rows each "
-                            f"fit the MMA's {self.config.rows} rows; token-wise V only); use pack_heads={most} or None")
+                            f"fit the MMA's {self.config.rows} rows); use pack_heads={most} or None")
         # options left as None come from the autotuning cache for the call's shape bucket, else defaults
         self.explicit = {k: v for k, v in (("block_n", block_n), ("stages", stages), ("maxnreg", maxnreg),
                                            ("split_factor", split_factor), ("heads", pack_heads),
@@ -99,8 +113,10 @@ class GluonAttention:
         if pack_heads is None:
             pack_heads = default_pack_heads(self.config, spec.num_kv_heads)
         self.heads = pack_heads     # the default; a tuned bucket may take one head per program instead
-        # 64-token tiles won for packed INT2 at every large shape on the H200 (docs/perf.md); 32 elsewhere
-        block_n, stages = block_n or (64 if pack_heads > 1 and self.config.bits == 2 else 32), stages or 2
+        # 64-token tiles won for packed token-wise INT2 at every large shape on the H200 (docs/perf.md); 32
+        # elsewhere (packed channel-wise sides at 64 would need more than 255 registers)
+        wide = pack_heads > 1 and self.config.bits == 2 and not (self.config.key_tokens or self.config.value_tokens)
+        block_n, stages = block_n or (64 if wide else 32), stages or 2
         if block_n not in (32, 64):
             raise SpecError(f"block_n={block_n!r} must be 32 or 64 for the register-operand kernel")
         for name, group in (("k", self.config.key_tokens), ("v", self.config.value_tokens)):
@@ -113,10 +129,15 @@ class GluonAttention:
             raise SpecError(f"splits={splits!r} must be a positive integer or None for automatic")
         if scale_ahead is not None and not isinstance(scale_ahead, bool):
             raise SpecError(f"scale_ahead={scale_ahead!r} must be True, False or None (the default)")
+        if split_factor is not None and (isinstance(split_factor, bool) or not isinstance(split_factor, (int, float))
+                                         or not 0 < split_factor <= 64):
+            raise SpecError(f"split_factor={split_factor!r} must be a number of waves of resident programs in "
+                            "(0, 64], e.g. 1.0 (the default) or 2.0")
         if maxnreg is not None and (not isinstance(maxnreg, int) or not 32 <= maxnreg <= 255):
             raise SpecError(f"maxnreg={maxnreg!r} must be an integer in [32, 255] or None")
         self.splits = splits
-        self._defaults = {"block_n": block_n, "stages": stages, "maxnreg": maxnreg, "split_factor": split_factor or 1.0,
+        self._defaults = {"block_n": block_n, "stages": stages, "maxnreg": maxnreg,
+                          "split_factor": float(split_factor or 1.0),
                           "heads": self.heads, "scale_ahead": scale_ahead}   # None: default_scale_ahead
         self._configs: dict = {}
         self._modules = None
@@ -173,9 +194,9 @@ class GluonAttention:
             raise InputError(f"q must have unit stride along head_dim; got strides {q.stride()}")
         launch = self.launch_config(q.dtype, call.batch, call.tokens)
         b, cfg = call.batch, self.config
-        splits, per_split = self.split_plan(launch, b, call.tokens, device)
         # no lengths: the kernel reads none (no fill and cast kernels before it, which count at batch 1)
         has_lens = call.seq_lens is not None
+        splits, per_split = self.split_plan(launch, b, call.tokens, device, q.dtype, has_lens)
         lens = call.seq_lens.to(device=device, dtype=torch.int32) if has_lens else None
         ws = self.workspace(launch, b, splits, device)
         want = (b, self.spec.num_q_heads, cfg.head_dim)
@@ -184,12 +205,46 @@ class GluonAttention:
         self.launch(launch, q, k, v, lens, ws, out, lse, call.sm_scale, per_split, splits, call.tokens)
         return (out, lse) if return_lse else out
 
-    def split_plan(self, launch: dict, batch: int, tokens: int, device) -> tuple[int, int]:
-        """(splits, tokens per split) for ``tokens`` cached tokens: whole tiles per split."""
+    def split_plan(self, launch: dict, batch: int, tokens: int, device, q_dtype: torch.dtype = torch.bfloat16,
+                   has_lens: bool = False, page: int = 0) -> tuple[int, int]:
+        """(splits, tokens per split) for ``tokens`` cached tokens: whole tiles per split; unless the
+        call fixed the split count, as many as fill the launch's ``split_factor`` waves of resident
+        programs (`wave_splits`; ``q_dtype``, ``has_lens``, ``page``: the kernel variant it runs)."""
         block_n, hkv = launch["block_n"], self.spec.num_kv_heads // launch["heads"]
-        splits = self.splits or choose_splits(batch, hkv, tokens, block_n, num_sms(device), launch["split_factor"])
+        splits = self.splits
+        if splits is None:
+            resident = self.resident(launch, q_dtype, has_lens, page, device)
+            splits = wave_splits(batch * hkv, tokens, block_n, num_sms(device), resident, launch["split_factor"])
         per_split = math.ceil(math.ceil(tokens / splits) / block_n) * block_n
         return max(1, math.ceil(tokens / per_split)), per_split
+
+    def resident(self, launch: dict, q_dtype: torch.dtype, has_lens: bool, page: int, device) -> int:
+        """Programs of this launch's kernel one SM holds at once (`resident_programs`), from its
+        compiled register and shared-memory use; compiled once per variant (no launch)."""
+        key = ("resident", q_dtype, has_lens, page)
+        if key not in launch:
+            args, kwargs = self.mock_arguments(launch, q_dtype, has_lens, page)
+            with torch.cuda.device(device):
+                compiled = self._kernels()[0].warmup(*args, grid=(1, 1, 1), **kwargs)
+                compiled._init_handles()
+            props = torch.cuda.get_device_properties(device)
+            max_shared = getattr(props, "shared_memory_per_multiprocessor", 233472)
+            launch[key] = resident_programs(compiled.n_regs, compiled.metadata.shared, max_shared)
+            launch[("registers",) + key[1:]] = compiled.n_regs
+        return launch[key]
+
+    def mock_arguments(self, launch: dict, q_dtype: torch.dtype, has_lens: bool, page: int) -> tuple[tuple, dict]:
+        """The decode kernel's arguments for one sequence with no memory behind them (triton's
+        MockTensor: dtypes, shapes, strides): enough to compile the variant a call would run."""
+        spec, cfg = self.spec, self.config
+        d, w, h = cfg.head_dim, cfg.words_per_token, spec.num_kv_heads
+        q = _mock(q_dtype, [1, spec.num_q_heads, d])
+        k, v = (_MockAffine(enc, h, d, w, page or 4096) for enc in (spec.k, spec.v))
+        int32 = _mock(torch.int32, [1])
+        ws = (_mock(torch.float32, [1]),) * 3
+        paged = (int32, int32, page) if page else None
+        return self.decode_arguments(launch, q, k, v, int32 if has_lens else None, ws, 1.0, 2 * launch["block_n"],
+                                     4096, paged)
 
     def workspace(self, launch: dict, batch: int, splits: int, device) -> tuple[torch.Tensor, ...]:
         """Per-split (max, denominator, accumulator): H packed KV heads are one head of H x q_per_kv
@@ -205,14 +260,48 @@ class GluonAttention:
         lengths or None (every sequence holds ``cache_tokens``); ``paged``: (kv_indptr, kv_indices,
         page_size) when k and v are page pools (foldc/serving/paged.py)."""
         decode, merge = self._kernels()
-        heads = launch["heads"]
+        args, kwargs = self.decode_arguments(launch, q, k, v, lens, ws, sm_scale, per_split, cache_tokens, paged)
+        decode[(q.shape[0], self.spec.num_kv_heads // launch["heads"], splits)](*args, **kwargs)
+        launch_merge(merge, *ws, out, lse, self.spec.q_per_kv * launch["heads"])
+
+    @staticmethod
+    def decode_arguments(launch: dict, q, k, v, lens, ws, sm_scale: float, per_split: int, cache_tokens: int,
+                         paged: tuple | None) -> tuple[tuple, dict]:
+        """The decode kernel's arguments (positional, keyword) for one call (see `launch`)."""
         kc, vc = k.codes.view(torch.int32), v.codes.view(torch.int32)
         indptr, indices, page = paged if paged is not None else (q, q, 0)
         extra = {"maxnreg": launch["maxnreg"]} if launch["maxnreg"] else {}
-        decode[(q.shape[0], self.spec.num_kv_heads // heads, splits)](
-            q, kc, k.scale, k.zero, vc, v.scale, v.zero, q if lens is None else lens, *ws, indptr, indices,
-            q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), k.scale.stride(0), k.scale.stride(1),
-            k.scale.stride(2), vc.stride(0), vc.stride(1), v.scale.stride(0), v.scale.stride(1), v.scale.stride(2),
-            sm_scale * 1.4426950408889634, per_split, cache_tokens, HAS_LENS=lens is not None, PAGE=page,
-            **launch["constexprs"], num_warps=1, **extra)
-        launch_merge(merge, *ws, out, lse, self.spec.q_per_kv * heads)
+        args = (q, kc, k.scale, k.zero, vc, v.scale, v.zero, q if lens is None else lens, *ws, indptr, indices,
+                q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), k.scale.stride(0), k.scale.stride(1),
+                k.scale.stride(2), vc.stride(0), vc.stride(1), v.scale.stride(0), v.scale.stride(1),
+                v.scale.stride(2), sm_scale * 1.4426950408889634, per_split, cache_tokens)
+        return args, dict(HAS_LENS=lens is not None, PAGE=page, **launch["constexprs"], num_warps=1, **extra)
+
+
+def _mock(dtype: torch.dtype, shape: list):
+    """triton's MockTensor (a dtype and a shape, no memory) whose ``stride(dim)`` answers as torch's."""
+    from triton.runtime.jit import MockTensor
+
+    class Mock(MockTensor):
+        def stride(self, dim=None):   # row-major, as a contiguous torch tensor's
+            strides = tuple(math.prod(self.shape[i + 1:]) for i in range(len(self.shape)))
+            return strides if dim is None else strides[dim]
+
+    return Mock(dtype, list(shape))
+
+
+class _MockAffine:
+    """Stand-in for an AffineTensor of ``tokens`` tokens (one sequence) with the shapes, strides and
+    dtypes a real one has: enough to compile the kernel variant without memory (`GluonAttention.resident`)."""
+
+    def __init__(self, enc, heads: int, head_dim: int, words: int, tokens: int):
+        self.codes = _MockCodes(_mock(torch.int32, [1, heads, tokens, words]))
+        self.scale = self.zero = _mock(enc.scale_dtype, scale_shape(enc, 1, heads, tokens, head_dim))
+
+
+class _MockCodes:
+    def __init__(self, words):
+        self.words = words
+
+    def view(self, dtype):
+        return self.words

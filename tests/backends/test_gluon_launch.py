@@ -1,0 +1,115 @@
+"""Split counts of the register-operand launcher: resident programs from registers, whole waves."""
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import foldc
+from foldc.backends.gluon.launch import GluonAttention, constexprs, resident_programs, wave_splits
+from foldc.errors import SpecError
+
+H200_SHARED = 233472   # bytes of shared memory per SM
+
+
+@pytest.mark.parametrize("n_regs, want", [(128, 16), (168, 12), (184, 8), (192, 8), (255, 8), (96, 20), (40, 32)])
+def test_resident_programs_follow_the_register_partitions(n_regs, want):
+    # the H200 sweep (docs/perf.md): 184 and 192 registers behave as 8 programs per SM, not 10 or 11
+    assert resident_programs(n_regs, 4 * 1024, H200_SHARED) == want
+
+
+def test_shared_memory_can_bound_residency():
+    assert resident_programs(64, 100 * 1024, H200_SHARED) == 2
+    assert resident_programs(64, 0, H200_SHARED) == 32
+
+
+@settings(max_examples=300, deadline=None)
+@given(groups=st.integers(1, 4096), tokens=st.integers(1, 1 << 20), block_n=st.sampled_from([32, 64]),
+       sms=st.integers(1, 160), resident=st.integers(1, 32), waves=st.sampled_from([1.0, 2.0, 3.0, 0.5]))
+def test_wave_splits_fill_whole_waves_and_never_spill(groups, tokens, block_n, sms, resident, waves):
+    splits = wave_splits(groups, tokens, block_n, sms, resident, waves)
+    capacity = int(waves * sms * resident)
+    tiles = math.ceil(tokens / block_n)
+    assert 1 <= splits <= max(1, math.ceil(tiles / 2))
+    if splits > 1:   # more than one split only while they all fit in the waves asked for
+        assert splits * groups <= capacity
+    # and as many as fit: one more split would spill or pass the two-tiles-per-split floor or the cap
+    assert (splits + 1) * groups > capacity or splits + 1 > math.ceil(tiles / 2) or splits == 1024
+
+
+def _spec(bits=2):
+    enc = foldc.Affine(bits, "token", 128)
+    return foldc.AttentionSpec(32, 8, 128, enc, enc)
+
+
+class _Resident(GluonAttention):
+    """The launcher with a fixed residency (no GPU to compile on)."""
+
+    def __init__(self, *a, resident: int, **kw):
+        super().__init__(*a, **kw)
+        self._fixed = resident
+
+    def resident(self, launch, q_dtype, has_lens, page, device):
+        return self._fixed
+
+
+@pytest.mark.parametrize("batch, tokens, resident", [(8, 65536, 12), (32, 16384, 8), (32, 65536, 16), (1, 16384, 12),
+                                                     (64, 32768, 8), (3, 1000, 12)])
+def test_split_plan_stays_within_one_wave(monkeypatch, batch, tokens, resident):
+    monkeypatch.setattr("foldc.backends.gluon.launch.num_sms", lambda device: 132)
+    attn = _Resident(_spec(), resident=resident)
+    launch = dict(attn._defaults)
+    splits, per_split = attn.split_plan(launch, batch, tokens, "cuda")
+    groups = batch * 8 // launch["heads"]
+    assert splits * per_split >= tokens > (splits - 1) * per_split      # every token in exactly one split
+    assert per_split % launch["block_n"] == 0
+    if splits > 1:
+        assert groups * splits <= 132 * resident
+    # the sweep's best 8 x 64K INT2 launch (168 registers, 12 per SM): 49 splits, 0.99 waves
+    if (batch, tokens, resident) == (8, 65536, 12):
+        assert splits == 49
+
+
+def test_explicit_splits_win_over_waves(monkeypatch):
+    monkeypatch.setattr("foldc.backends.gluon.launch.num_sms", lambda device: 132)
+    attn = _Resident(_spec(), resident=12, splits=7)
+    assert attn.split_plan(dict(attn._defaults), 8, 65536, "cuda")[0] == 7
+
+
+@pytest.mark.parametrize("factor", [0, -1.0, True, "1", 100.0])
+def test_split_factor_must_be_a_positive_number_of_waves(factor):
+    with pytest.raises(SpecError, match="split_factor"):
+        GluonAttention(_spec(), split_factor=factor)
+
+
+LAYOUT_PAIRS = [("token", "token"), ("token", "channel"), ("channel", "token"), ("channel", "channel")]
+
+
+@pytest.mark.parametrize("kl,vl", LAYOUT_PAIRS, ids=[f"K{k[0]}V{v[0]}" for k, v in LAYOUT_PAIRS])
+@pytest.mark.parametrize("has_lens,page", [(False, 0), (True, 0), (True, 16)])
+def test_mock_arguments_fill_every_kernel_parameter_with_the_real_dtypes(kl, vl, has_lens, page):
+    """The stand-in arguments that compile the kernel for its register count (GluonAttention.resident)
+    name every parameter once, with the dtypes and shapes a real call passes."""
+    import torch
+    from triton.runtime.jit import MockTensor
+
+    from foldc.backends.gluon.kernel import foldc_decode_gluon
+
+    spec = foldc.AttentionSpec(32, 8, 128, foldc.Affine(2, kl, 128), foldc.Affine(2, vl, 128, torch.bfloat16))
+    attn = GluonAttention(spec)
+    launch = dict(attn._defaults, constexprs=constexprs(attn.config, 32, 2, attn.heads))
+    args, kwargs = attn.mock_arguments(launch, torch.float16, has_lens, page)
+    names = foldc_decode_gluon.arg_names
+    assert len(args) + len([k for k in kwargs if k in names]) == len(names)
+    bound = dict(zip(names, args))
+    assert bound["Q"].dtype == torch.float16 and bound["KC"].dtype == torch.int32
+    assert bound["KS"].dtype == torch.float16 and bound["VS"].dtype == bound["VZ"].dtype == torch.bfloat16
+    assert isinstance(bound["SEQ_LENS"], MockTensor) and (bound["SEQ_LENS"].dtype == torch.int32) == has_lens
+    assert kwargs["HAS_LENS"] is has_lens and kwargs["PAGE"] == page
+    assert bound["stride_qh"] == 128 and bound["stride_kh"] == (page or 4096) * 8   # INT2: 8 words a token
+    assert all(isinstance(bound[n], int) for n in names if n.startswith("stride_"))
+    # token-wise scales run along tokens with stride 1, as a real cache's do
+    if kl == "token":
+        assert bound["stride_ksn"] == 1
