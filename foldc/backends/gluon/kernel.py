@@ -57,27 +57,6 @@ def copy_layout(BN, W):
                             order=[1, 0])
 
 
-@constexpr_function
-def param_layout(BN, ROWS):
-    """The accumulator layout of [BN tokens, ROWS] (ROWS == 0: its row slice, [BN]) with each row
-    index r replaced by its token _tile_token(r): a lane's tokens are consecutive registers."""
-    BN, ROWS = int(BN), int(ROWS)
-    R = BN // 8
-
-    def token(r):
-        return (r % 8) * R + r // 8
-    rows_reg = [8] + [16 << i for i in range(int(math.log2(BN // 16)))]
-    if ROWS == 0:
-        return gl.DistributedLinearLayout(reg_bases=[[token(r)] for r in rows_reg],
-                                          lane_bases=[[0], [0], [token(1)], [token(2)], [token(4)]],
-                                          warp_bases=[], block_bases=[], shape=[BN])
-    # the tokens first (the vector), then the accumulator's column pair and column tiles
-    reg = [[token(r), 0] for r in rows_reg] + [[0, 1]] + [[0, 8 << i] for i in range(int(math.log2(ROWS // 8)))]
-    lane = [[0, 2], [0, 4], [token(1), 0], [token(2), 0], [token(4), 0]]
-    return gl.DistributedLinearLayout(reg_bases=reg, lane_bases=lane, warp_bases=[], block_bases=[],
-                                      shape=[BN, ROWS])
-
-
 @gluon.jit
 def _join4(x0, x1, x2, x3):
     # [..., 2, 2] whose element [..., u, v] is x_(2u+v)
@@ -145,59 +124,37 @@ def _issue(stage, n0, k_smem, v_smem, k_base, v_base, stride_kh, stride_vh, tc, 
 
 
 @gluon.jit
-def _tile_token(r, BN: gl.constexpr):
-    """The token (offset in the tile) that row r of a tile holds: lane g of the MMA's rows
-    g, g+8, g+16, ... holds tokens (BN/8)g, (BN/8)g+1, ...; the softmax and the sums over tokens
-    do not depend on the order, the key rows, value columns and scales all follow it."""
-    return (r % 8) * (BN // 8) + r // 8
-
-
-@gluon.jit
-def _param(P, n0, end, head_c, stride_h, BN: gl.constexpr, ROWS: gl.constexpr, H: gl.constexpr,
-           MASKED: gl.constexpr):
-    """One token-wise parameter (scale or zero) of tile n0 in the accumulator's row layout: [BN]
-    with one head per program, else [BN, ROWS] with each query row's own head (head_c: the packed
-    head of each row). Each lane loads its BN/8 consecutive tokens as one vector (param_layout),
-    then the tile's row order (_tile_token) is a reshape and a permute: no data moves."""
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
-    R: gl.constexpr = BN // 8
+def _param(P, tok, head_c, stride_h, live, H: gl.constexpr, MASKED: gl.constexpr):
+    """One token-wise parameter (scale or zero) per token: [BN] with one head per program, else
+    [BN, ROWS] with each query row's own head (head_c: the packed head of each row)."""
     if H == 1:
-        lx: gl.constexpr = param_layout(BN, 0)
-        u = gl.arange(0, BN, layout=lx)
-        ptr = P + n0 + u
-        ok = n0 + u < end
+        ptr = P + tok
+        ok = live
     else:
-        lx2: gl.constexpr = param_layout(BN, ROWS)
-        u = gl.arange(0, BN, layout=gl.SliceLayout(1, lx2))
-        hc = gl.convert_layout(head_c, gl.SliceLayout(0, lx2), assert_trivial=True)
-        ptr = P + hc[None, :] * stride_h + (n0 + u)[:, None]
-        ok = (n0 + u < end)[:, None]
+        ptr = P + head_c[None, :] * stride_h + tok[:, None]
+        ok = live[:, None]
     if MASKED:
         x = gl.load(ptr, mask=ok, other=0.0)
     else:
         x = gl.load(ptr)
-    if H == 1:
-        y = gl.reshape(gl.permute(gl.reshape(x, [8, R]), (1, 0)), [BN])
-        y = gl.convert_layout(y, gl.SliceLayout(1, mma), assert_trivial=True)
-    else:
-        y = gl.reshape(gl.permute(gl.reshape(x, [8, R, ROWS]), (1, 0, 2)), [BN, ROWS])
-        y = gl.convert_layout(y, mma, assert_trivial=True)
-    return y
+    return x
 
 
 @gluon.jit
 def _scales(n0, end, tm, head_c, KSp, KZp, VSp, VZp, stride_ksh, stride_vsh, KEY_G: gl.constexpr,
-            VAL_G: gl.constexpr, H: gl.constexpr, MASKED: gl.constexpr, BN: gl.constexpr, ROWS: gl.constexpr):
+            VAL_G: gl.constexpr, H: gl.constexpr, MASKED: gl.constexpr):
     """Per-token scale and zero of the token-wise sides (placeholders for channel-wise ones)."""
+    tok = n0 + tm
+    live = tok < end
     if KEY_G == 0:
-        ks = _param(KSp, n0, end, head_c, stride_ksh, BN, ROWS, H, MASKED)
-        kz = _param(KZp, n0, end, head_c, stride_ksh, BN, ROWS, H, MASKED)
+        ks = _param(KSp, tok, head_c, stride_ksh, live, H, MASKED)
+        kz = _param(KZp, tok, head_c, stride_ksh, live, H, MASKED)
     else:
         ks = tm
         kz = tm
     if VAL_G == 0:
-        vs = _param(VSp, n0, end, head_c, stride_vsh, BN, ROWS, H, MASKED)
-        vz = _param(VZp, n0, end, head_c, stride_vsh, BN, ROWS, H, MASKED)
+        vs = _param(VSp, tok, head_c, stride_vsh, live, H, MASKED)
+        vz = _param(VZp, tok, head_c, stride_vsh, live, H, MASKED)
     else:
         vs = tm
         vz = tm
@@ -482,11 +439,9 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
         v_scale, v_zero = _value_group(VSp + g0 * stride_vsn, VZp + g0 * stride_vsn, chan_o, weight_o, head_c,
                                        stride_vsh, H)
 
-    # row r of a tile (in shared memory and on the MMA's M axis) holds token _tile_token(r): each
-    # lane's rows are BN/8 consecutive tokens, so its scales arrive in one vector load (_param)
-    tc = _tile_token(gl.arange(0, BN, layout=gl.SliceLayout(1, cp_l)), BN)
+    tc = gl.arange(0, BN, layout=gl.SliceLayout(1, cp_l))
     wc = gl.arange(0, W, layout=gl.SliceLayout(0, cp_l))
-    tm = _tile_token(gl.arange(0, BN, layout=tok_l), BN)
+    tm = gl.arange(0, BN, layout=tok_l)
 
     m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=row_l)
     l_i = gl.zeros([ROWS], gl.float32, layout=row_l)
@@ -502,7 +457,7 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
             _issue(i, n_i, k_smem, v_smem, k_i, v_i, stride_kh, stride_vh, tc, wc, W, H)
         if SCALE_AHEAD:   # the first tile's scales; each iteration then loads the next tile's
             ks, kz, vs, vz = _scales(start, end, tm, head_c, KSp, KZp, VSp, VZp, stride_ksh, stride_vsh, KEY_G, VAL_G,
-                                     H, False, BN, ROWS)
+                                     H, False)
         for i in range(n_full):
             n0 = start + i * BN
             if PAGE > 0:   # this tile's page: its group scales
@@ -531,10 +486,10 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
                 v_a = v_base
             if SCALE_AHEAD:   # one tile ahead, in registers
                 ks2, kz2, vs2, vz2 = _scales(n_next, end, tm, head_c, KSn, KZn, VSn, VZn, stride_ksh, stride_vsh,
-                                             KEY_G, VAL_G, H, False, BN, ROWS)
+                                             KEY_G, VAL_G, H, False)
             else:             # this tile's, loaded now: fewer live registers, the latency under the key side
                 ks, kz, vs, vz = _scales(n0, end, tm, head_c, KSp, KZp, VSp, VZp, stride_ksh, stride_vsh, KEY_G, VAL_G,
-                                         H, False, BN, ROWS)
+                                         H, False)
             gl.thread_barrier()   # every lane is done reading the stage the next copy overwrites
             _issue(ahead % STAGES, n_ahead, k_smem, v_smem, k_a, v_a, stride_kh, stride_vh, tc, wc, W, H)
             async_copy.wait_group(STAGES - 1)
@@ -558,7 +513,7 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
                                            VZp + (full_end // VAL_G) * stride_vsn, chan_o, weight_o, head_c, stride_vsh,
                                            H)
         ks, kz, vs, vz = _scales(full_end, end, tm, head_c, KSp, KZp, VSp, VZp, stride_ksh, stride_vsh, KEY_G, VAL_G,
-                                 H, True, BN, ROWS)
+                                 H, True)
         _stage_tail(full_end, end, k_smem, v_smem, k_base, v_base, stride_kh, stride_vh, tc, wc, W, H)
         m_i, l_i, zsum, acc_o = _tile(full_end, end, k_smem, v_smem, 0, ks, kz, vs, vz, m_i, l_i, zsum, acc_o, tm,
                                       head_c, head_b, q16, q_bias, q_sum, row_scale, v_scale, v_zero, BN, D, F, ROWS,
