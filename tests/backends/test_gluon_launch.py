@@ -113,3 +113,44 @@ def test_mock_arguments_fill_every_kernel_parameter_with_the_real_dtypes(kl, vl,
     # token-wise scales run along tokens with stride 1, as a real cache's do
     if kl == "token":
         assert bound["stride_ksn"] == 1
+
+
+class _FakeCompiled:
+    def __init__(self, n_regs):
+        self.n_regs, self.metadata = n_regs, type("M", (), {"shared": 8192})()
+        self.loaded = False
+
+    def _init_handles(self):
+        self.loaded = True
+
+
+def test_residency_compiles_each_variant_once_for_every_bucket(monkeypatch, tmp_path):
+    """The register count comes from compiling the call's variant (no launch), once per variant:
+    a growing cache (a new bucket per decode step) must not compile again."""
+    import contextlib
+
+    import torch
+
+    compiles = []
+
+    class FakeKernel:
+        def warmup(self, *args, grid, **kwargs):
+            compiles.append((kwargs["HAS_LENS"], kwargs["PAGE"]))
+            return _FakeCompiled(168)
+
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device: type("P", (), {"shared_memory_per_multiprocessor": 233472})())
+    monkeypatch.setattr("foldc.backends.gluon.launch.num_sms", lambda device: 132)
+    attn = GluonAttention(_spec(), block_n=64, stages=2, split_factor=1.0, maxnreg=None)
+    monkeypatch.setattr(attn, "_kernels", lambda: (FakeKernel(), None))
+    monkeypatch.setenv("FOLDC_CACHE_DIR", str(tmp_path))     # an empty tuning cache: the defaults
+    for tokens in (65536, 65537, 65538):          # three buckets, one variant
+        launch = attn.launch_config(torch.bfloat16, 8, tokens)
+        splits, _ = attn.split_plan(launch, 8, tokens, "cuda", torch.bfloat16, False, 0)
+        assert launch[("registers", torch.bfloat16, False, 0)] == 168
+        assert attn.resident(launch, torch.bfloat16, False, 0, "cuda") == 12     # 168 registers: 12 per SM
+        assert splits == 49                                                       # 0.99 waves of 12 x 132
+    assert compiles == [(False, 0)]
+    attn.split_plan(attn.launch_config(torch.bfloat16, 8, 65536), 8, 65536, "cuda", torch.bfloat16, True, 16)
+    assert compiles == [(False, 0), (True, 16)]   # the paged variant with lengths is another kernel

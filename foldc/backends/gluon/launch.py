@@ -140,6 +140,7 @@ class GluonAttention:
                           "split_factor": float(split_factor or 1.0),
                           "heads": self.heads, "scale_ahead": scale_ahead}   # None: default_scale_ahead
         self._configs: dict = {}
+        self._variants: dict = {}     # compiled kernel variant -> (resident programs per SM, registers)
         self._modules = None
 
     @property
@@ -223,14 +224,20 @@ class GluonAttention:
         compiled register and shared-memory use; compiled once per variant (no launch)."""
         key = ("resident", q_dtype, has_lens, page)
         if key not in launch:
-            args, kwargs = self.mock_arguments(launch, q_dtype, has_lens, page)
-            with torch.cuda.device(device):
-                compiled = self._kernels()[0].warmup(*args, grid=(1, 1, 1), **kwargs)
-                compiled._init_handles()
-            props = torch.cuda.get_device_properties(device)
-            max_shared = getattr(props, "shared_memory_per_multiprocessor", 233472)
-            launch[key] = resident_programs(compiled.n_regs, compiled.metadata.shared, max_shared)
-            launch[("registers",) + key[1:]] = compiled.n_regs
+            # one compile per kernel variant, shared by every shape bucket that runs it (a growing
+            # cache makes a new bucket at each decode step)
+            variant = (tuple(sorted(launch["constexprs"].items())), launch["maxnreg"], q_dtype, has_lens, page,
+                       str(device))
+            if variant not in self._variants:
+                args, kwargs = self.mock_arguments(launch, q_dtype, has_lens, page)
+                with torch.cuda.device(device):
+                    compiled = self._kernels()[0].warmup(*args, grid=(1, 1, 1), **kwargs)
+                    compiled._init_handles()
+                props = torch.cuda.get_device_properties(device)
+                max_shared = getattr(props, "shared_memory_per_multiprocessor", 233472)
+                self._variants[variant] = (resident_programs(compiled.n_regs, compiled.metadata.shared, max_shared),
+                                           compiled.n_regs)
+            launch[key], launch[("registers",) + key[1:]] = self._variants[variant]
         return launch[key]
 
     def mock_arguments(self, launch: dict, q_dtype: torch.dtype, has_lens: bool, page: int) -> tuple[tuple, dict]:
