@@ -78,6 +78,22 @@ def test_build_emits_register_operand_mma_and_the_designed_unpack(build, reports
     assert loop.get("HMMA", 0) == hmma, loop
 
 
+@pytest.mark.parametrize("build", [b for b in BUILDS if b[4] == "sm_90"],
+                         ids=lambda b: f"int{b[0]}-{b[1]}/{b[2]}-bn{b[5]}-K{b[7][0]}V{b[8][0]}-P{b[10]}")
+def test_once_per_group_work_is_counted_apart_from_every_tile(build, reports):
+    """Token-wise builds do the same work every tile; a channel-wise side reloads its group scales
+    behind a branch, and the per-tile figure counts that block block_n/group times (group: 128 here)."""
+    r = reports[build]["inner_loop"]
+    block_n, channel_wise = build[5], "channel" in build[7:9]
+    if not channel_wise:
+        assert r["once_per_group"] == 0 and r["instructions_per_tile"] == r["instructions_per_warp"]
+    else:
+        # the group block holds the scale loads of the group: at least one per channel of a lane
+        assert r["once_per_group"] >= 32, r
+        every_tile = r["instructions_per_warp"] - r["once_per_group"]
+        assert r["instructions_per_tile"] == pytest.approx(every_tile + r["once_per_group"] * block_n / 128)
+
+
 @pytest.mark.parametrize("build", [b for b in BUILDS if b[4] == "sm_90" and b[7] == b[8] == "token" and b[2] == 8],
                          ids=lambda b: f"int{b[0]}-{b[1]}/{b[2]}-bn{b[5]}-H{b[9]}-P{b[10]}")
 def test_sass_matches_the_token_loop_cost_model(build, reports):

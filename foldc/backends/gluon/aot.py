@@ -9,12 +9,13 @@ import json
 import os
 import re
 import subprocess
+from collections import Counter
 from pathlib import Path
 
 from ...cost import token_loop_lane_slots_per_byte
 from ...errors import SpecError
 from ..triton.aot import write_artifacts
-from ..triton.sass import _tool, inner_loop, lane_slots_per_byte
+from ..triton.sass import _tool, lane_slots_per_byte, loop_instructions, skippable
 from .launch import constexprs, default_pack_heads
 from .lower import gluon_plan, lower
 
@@ -79,7 +80,13 @@ def compile_gluon_aot(spec, arch: str, out_dir: str | Path, dtype: str = "bf16",
                               target=GPUTarget("cuda", {"sm_90": 90, "sm_100": 100}[arch], 32), options=options)
     out = Path(out_dir)
     cubin = write_artifacts(out, "foldc_decode_gluon", arch, compiled)
-    loop = inner_loop(cubin)
+    body = loop_instructions(cubin)
+    loop = Counter(o for _, o, _ in body)
+    # the once-per-group reloads of channel-wise sides sit in the loop behind a branch: per tile they
+    # cost block_n / group of their size (the smaller group, where K and V differ)
+    once_per_group = skippable(body)
+    groups = [g for g in (cfg.key_tokens, cfg.value_tokens) if g]
+    per_tile = len(body) - once_per_group + (once_per_group * block_n / min(groups) if groups else 0)
     # codes + fp16 scale and zero, K and V, of every packed head
     tile_bytes = heads * 2 * block_n * (cfg.head_dim * cfg.bits / 8 + 4)
     ptx = compiled.asm["ptx"]
@@ -89,7 +96,8 @@ def compile_gluon_aot(spec, arch: str, out_dir: str | Path, dtype: str = "bf16",
         "pack_heads": heads, "registers": registers(cubin),
         "mma": {"mma.sync": len(re.findall(r"\bmma\.sync", ptx)), "wgmma": len(re.findall(r"\bwgmma", ptx))},
         "shared_stores_in_ptx": len(re.findall(r"\bst\.shared", ptx)),
-        "inner_loop": {"instructions_per_warp": sum(loop.values()), "bytes_per_tile": tile_bytes,
+        "inner_loop": {"instructions_per_warp": sum(loop.values()), "once_per_group": once_per_group,
+                       "instructions_per_tile": per_tile, "bytes_per_tile": tile_bytes,
                        "lane_slots_per_byte": lane_slots_per_byte(loop, 1, tile_bytes),
                        "model_lane_slots_per_byte": (token_loop_lane_slots_per_byte("sm_90", cfg.bits, cfg.head_dim,
                                                                                      heads=heads)

@@ -36,8 +36,8 @@ def disassemble(cubin: Path) -> list[tuple[int, str, str]]:
     return out
 
 
-def inner_loop(cubin: Path) -> Counter:
-    """Opcode counts of the loop that holds the matrix instructions (the token loop)."""
+def loop_instructions(cubin: Path) -> list[tuple[int, str, str]]:
+    """[(address, opcode, operands)] of the loop that holds the matrix instructions (the token loop)."""
     insts = disassemble(cubin)
     best = None
     for addr, op, args in insts:
@@ -49,12 +49,29 @@ def inner_loop(cubin: Path) -> Counter:
         start = int(target.group(1), 16)
         if start >= addr:
             continue
-        body = [o for a, o, _ in insts if start <= a <= addr]
-        if any(o in MMA_OPS for o in body) and (best is None or len(body) > sum(best.values())):
-            best = Counter(body)
+        body = [i for i in insts if start <= i[0] <= addr]
+        if any(o in MMA_OPS for _, o, _ in body) and (best is None or len(body) > len(best)):
+            best = body
     if best is None:
         raise ValueError(f"{cubin}: no loop with matrix instructions found")
     return best
+
+
+def inner_loop(cubin: Path) -> Counter:
+    """Opcode counts of the loop that holds the matrix instructions (the token loop)."""
+    return Counter(o for _, o, _ in loop_instructions(cubin))
+
+
+def skippable(loop: list[tuple[int, str, str]]) -> int:
+    """Instructions of ``loop`` that a forward branch inside it jumps over: work some iterations
+    skip, such as the reload once per channel-wise token group (the rest runs every tile)."""
+    end = loop[-1][0]
+    skipped: set[int] = set()
+    for addr, op, args in loop[:-1]:
+        target = re.search(r"0x([0-9a-f]+)", args) if op == "BRA" else None
+        if target and addr < int(target.group(1), 16) <= end:
+            skipped.update(a for a, _, _ in loop if addr < a < int(target.group(1), 16))
+    return len(skipped)
 
 
 def lane_slots_per_byte(counts: Counter, num_warps: int, bytes_per_tile: float) -> float:
