@@ -123,3 +123,35 @@ def test_the_fingerprint_follows_the_source_bytes(tmp_path, monkeypatch):
     src.write_text("x = 2\n")
     autotune._FINGERPRINTS.clear()
     assert len(first) == 8 and autotune.kernel_fingerprint("gluon") != first
+
+
+def test_candidates_that_launch_the_same_kernel_are_timed_once(cache_dir, monkeypatch):
+    """At batch 1 every split count hits its cap, so 1, 2 and 3 waves launch the same thing: the
+    tuner times one of them (stand-in launcher and timer: no GPU here)."""
+    import triton.testing
+
+    timed = []
+
+    class FakeAttn:
+        def __init__(self, opts):
+            self.opts = opts
+
+        def launch_config(self, dtype, batch, tokens):
+            return {"block_n": self.opts["block_n"], "stages": self.opts["stages"],
+                    "maxnreg": self.opts.get("maxnreg"), "heads": self.opts.get("pack_heads") or 2,
+                    "scale_ahead": None}
+
+        def split_plan(self, launch, batch, tokens, device, q_dtype, has_lens):
+            return min(128, int(4 * 100 * self.opts["split_factor"])), 128   # capped: the same for every factor
+
+        def __call__(self, q, k, v, seq_lens=None):
+            timed.append(dict(self.opts))
+
+    monkeypatch.setattr(sys.modules["foldc.compile"], "compile", lambda spec, target, **opts: FakeAttn(opts))
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: (fn(), 0.01 * (1 + len(timed)))[1])
+    q = torch.zeros(1, 32, 128, dtype=torch.bfloat16)
+    k = torch.zeros(1, 8, 16384, 32, dtype=torch.uint8)
+    cands = [GluonConfig(32, 2, None, f, None) for f in (1.0, 2.0, 3.0)] + [GluonConfig(64, 2, 192, 1.0, None)]
+    best, _ = autotune.tune(SPEC, q, k, k, candidates=cands)
+    assert [(t["block_n"], t["split_factor"]) for t in timed] == [(32, 1.0), (64, 1.0)]
+    assert best == cands[0]

@@ -168,11 +168,16 @@ def tune(spec, q, k, v, seq_lens=None, fold_policy="auto", candidates=CANDIDATES
     key = bucket_key(spec, q.dtype, q.shape[0], k.shape[2] if hasattr(k, "shape") else k.num_tokens, fold_policy,
                      kernel)
     best, best_us = None, float("inf")
+    launches = set()   # what the register-operand candidates launch: equal launches are timed once
     for i, cfg in enumerate(candidates):
         _progress(i, len(candidates), label or spec.describe())
         try:
             if isinstance(cfg, GluonConfig):
                 attn = compile_attention(spec, target="sm_90", **cfg.options())
+                launch = _gluon_launch(attn, q, k, seq_lens)
+                if launch in launches:   # e.g. 1, 2 and 3 waves at batch 1, where every split count is capped
+                    continue
+                launches.add(launch)
             else:
                 attn = compile_attention(spec, target="auto", kernel="triton", fold_policy=fold_policy,
                                          **launch_options(cfg, spec, q, k))
@@ -188,6 +193,15 @@ def tune(spec, q, k, v, seq_lens=None, fold_policy="auto", candidates=CANDIDATES
         raise RuntimeError(f"no launch configuration compiled for {spec.describe()}")
     store(key, best, best_us)
     return best, best_us
+
+
+def _gluon_launch(attn, q, k, seq_lens) -> tuple:
+    """What a register-operand launch runs for these tensors: tile, stages, register cap, packed
+    heads, scale schedule and split count."""
+    batch, tokens = q.shape[0], k.shape[2] if hasattr(k, "shape") else k.num_tokens
+    launch = attn.launch_config(q.dtype, batch, tokens)
+    splits, _ = attn.split_plan(launch, batch, tokens, q.device, q.dtype, seq_lens is not None)
+    return (launch["block_n"], launch["stages"], launch["maxnreg"], launch["heads"], launch["scale_ahead"], splits)
 
 
 def launch_options(cfg: Config, spec, q, k) -> dict:
