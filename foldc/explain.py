@@ -86,7 +86,33 @@ def explain_table(plan) -> str:
     rows = [[label] + [fn(p) for p in prods] for label, fn in fields]
     head = (f"foldc plan: {spec.num_q_heads} query heads / {spec.num_kv_heads} KV heads "
             f"({spec.q_per_kv} per KV head), head_dim {spec.head_dim}")
-    return head + "\n" + _table(["", *[p.product for p in prods]], rows)
+    return head + "\n" + _table(["", *[p.product for p in prods]], rows) + "\n" + textwrap.fill(_kernel_text(spec), 110)
+
+
+def _kernel_text(spec) -> str:
+    """What the whole token loop of the sm_90 register-operand kernel asks of the H200's issue slots,
+    where the spec lowers to it: the budget row above counts operand construction only, the loop
+    also runs the online softmax, the per-token scales, addressing and barriers."""
+    from .backends.gluon.lower import NotLowerable, gluon_plan, lower
+    from .cost import GPUS, token_loop_lane_slots_per_byte
+
+    try:
+        cfg = lower(gluon_plan(spec))
+    except NotLowerable as e:
+        return f"register-operand kernel (sm_90): not used for this layout ({e}); the generated Triton kernel runs it"
+    from .backends.gluon.launch import default_pack_heads
+
+    heads = default_pack_heads(cfg, spec.num_kv_heads)
+    if cfg.key_tokens or cfg.value_tokens:
+        return (f"register-operand kernel (sm_90), {heads} KV head(s) per program: no fitted whole-loop figure for "
+                "channel-wise sides; `foldc compile --target sm_90` reports the SASS count per tile "
+                "(instructions_per_tile) and docs/perf.md compares the layouts")
+    h200 = next(g for g in GPUS if g.name == "H200")
+    demand = token_loop_lane_slots_per_byte("sm_90", cfg.bits, cfg.head_dim, heads=heads)
+    return (f"register-operand kernel (sm_90), whole token loop with {heads} KV head(s) per program (fitted to its "
+            f"SASS): {demand:.2f} of the {h200.name}'s {h200.lane_slots_per_byte:.2f} lane-slots/byte "
+            f"({100 * demand / h200.lane_slots_per_byte:.0f}% of the issue slots at full bandwidth; warps that wait "
+            "on their own latencies kept the issue slots busy 57% of the time on the H200, docs/perf.md)")
 
 
 def seed_table(plans) -> str:

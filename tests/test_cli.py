@@ -211,3 +211,30 @@ def test_python_m_foldc_entry_point():
     r = _python_m_foldc("explain", "--k", "token:5:32", "--head-dim", "32")
     assert r.returncode == 2 and r.stdout == ""
     assert "foldc: error: bits=5" in r.stderr
+
+
+@pytest.mark.parametrize("k_layout,v_layout,bits,want", [
+    ("token", "token", 2, "fitted"), ("token", "token", 4, "fitted"), ("channel", "token", 2, "channel-wise"),
+    ("token", "channel", 4, "channel-wise")])
+def test_explain_gives_the_register_operand_kernels_whole_loop_demand(capsys, k_layout, v_layout, bits, want):
+    """Below the table: the sm_90 kernel's whole token loop against the H200's budget (the table's
+    budget row counts operand construction only), or why no figure is given."""
+    from foldc.cost import token_loop_lane_slots_per_byte
+
+    rc, out, _ = _run(capsys, "explain", "--k", f"{k_layout}:{bits}:128", "--v", f"{v_layout}:{bits}:128",
+                      "--heads", "32/8", "--head-dim", "128")
+    assert rc == 0
+    tail = " ".join(out.split("+\n")[-1].split())
+    assert tail.startswith("register-operand kernel (sm_90)") and "2 KV head(s) per program" in tail
+    if want == "fitted":
+        demand = token_loop_lane_slots_per_byte("sm_90", bits, 128, heads=2)
+        assert f"{demand:.2f} of the H200's 6.97 lane-slots/byte" in tail
+    else:
+        assert "no fitted whole-loop figure" in tail
+
+
+def test_explain_says_when_the_register_operand_kernel_is_not_used(capsys):
+    rc, out, _ = _run(capsys, "explain", "--k", "token:4:16", "--v", "none", "--heads", "16/1", "--head-dim", "32")
+    assert rc == 0
+    tail = " ".join(out.split("+\n")[-1].split())
+    assert "not used for this layout" in tail and "generated Triton kernel" in tail
