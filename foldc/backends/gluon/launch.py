@@ -53,7 +53,7 @@ def packable_heads(cfg: FoldKernel, num_kv_heads: int) -> int:
 def default_pack_heads(cfg: FoldKernel, num_kv_heads: int) -> int:
     """The launcher's choice: pack as many heads as fit, every layout. With a channel-wise side the
     packed kernel needs more registers (227-255 at INT2 against 168-237 for one head, AOT SASS), yet
-    it was 5-53% faster on the H200 at 8 x 64K and 32 x 64K, INT2 and INT4 (docs/perf.md)."""
+    it was 9-62% faster on the H200 at 8 x 64K and 32 x 64K, INT2 and INT4 (docs/perf.md)."""
     return packable_heads(cfg, num_kv_heads)
 
 
