@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from .timing import capture_graph
+
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 GRID = ((1, 4096), (1, 16384), (1, 65536), (1, 131072), (8, 4096), (8, 16384), (8, 65536), (8, 131072),
         (32, 4096), (32, 16384), (32, 65536), (64, 32768))
@@ -97,15 +99,7 @@ def timed(fn) -> tuple[float, float | None]:
 
     eager = do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
     try:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(3):
-                fn()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
+        graph = capture_graph(fn)
         replay = do_bench(graph.replay, warmup=25, rep=100, return_mode="median") * 1e3
     except Exception as e:  # some peers cannot be captured; the eager time stands
         print(f"  (CUDA graph capture failed: {type(e).__name__}: {str(e).splitlines()[0][:100]})", flush=True)

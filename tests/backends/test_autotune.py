@@ -155,3 +155,22 @@ def test_candidates_that_launch_the_same_kernel_are_timed_once(cache_dir, monkey
     best, _ = autotune.tune(SPEC, q, k, k, candidates=cands)
     assert [(t["block_n"], t["split_factor"]) for t in timed] == [(32, 1.0), (64, 1.0)]
     assert best == cands[0]
+
+
+def test_timing_replays_a_graph_and_falls_back_to_eager_calls(monkeypatch, capsys):
+    """The tuner times CUDA-graph replays (eager calls of small shapes time the host); where a
+    capture fails it times eager calls, and says so."""
+    import triton.testing
+
+    benched = []
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: (benched.append(fn), 0.05)[1])
+    call = lambda: None  # noqa: E731
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert autotune._time_us(call, 40) == pytest.approx(50.0) and benched[-1] is call
+
+    def no_stream():
+        raise RuntimeError("no capture here")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "Stream", no_stream)
+    assert autotune._time_us(call, 40) == pytest.approx(50.0) and benched[-1] is call
+    assert "CUDA graph capture failed" in capsys.readouterr().err

@@ -1,0 +1,20 @@
+"""Timing on a GPU the way serving engines run a decode step: captured once into a CUDA graph and
+replayed (eager calls of small shapes time the host's launch path instead of the kernels)."""
+from __future__ import annotations
+
+import torch
+
+
+def capture_graph(fn, warmup_calls: int = 3) -> torch.cuda.CUDAGraph:
+    """``fn`` run a few times on a side stream (compiles, allocator pools), then captured; raises
+    what the capture raises when ``fn`` cannot be captured."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(warmup_calls):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
