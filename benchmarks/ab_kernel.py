@@ -1,0 +1,100 @@
+"""A/B timing of the register-operand kernel against variants of its kernel.py, in one process on
+the same inputs: the error of each against float64 attention, and CUDA-graph times taken in
+alternating rounds, so the comparison holds within one call (H200; evidence for docs/perf.md, not
+a test). A variant is a copy of kernel.py with the same arguments, e.g. from a branch:
+
+    git show next/lane-major-tokens:foldc/backends/gluon/kernel.py > variants/lane_major.py
+    PYTHONPATH=. python3 benchmarks/ab_kernel.py --variant lane_major=variants/lane_major.py --out $OUT/ab.json
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import sys
+
+import torch
+
+import foldc
+from foldc.bench import timed
+from foldc.testing import rel_l2
+
+
+def load_variant(name: str, path: str):
+    """The module at ``path`` (a kernel.py with foldc_decode_gluon), imported under its own name."""
+    spec = importlib.util.spec_from_file_location(f"foldc_variant_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    if not hasattr(module, "foldc_decode_gluon"):
+        raise SystemExit(f"{path} has no foldc_decode_gluon: pass a copy of foldc/backends/gluon/kernel.py")
+    return module
+
+
+def attention(spec, module=None, **options):
+    """The launcher, running ``module``'s decode kernel instead of main's where given."""
+    attn = foldc.compile(spec, "sm_90", kernel="gluon", **options)
+    if module is not None:
+        attn._modules = (module.foldc_decode_gluon, attn._kernels()[1])   # same merge kernel
+    return attn
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--variant", action="append", default=[], help="NAME=PATH of a kernel.py copy (repeatable)")
+    ap.add_argument("--cases", default="2:token/token:8x65536,2:token/token:32x16384,2:token/token:32x65536,"
+                    "4:token/token:32x16384,2:channel/token:32x65536,2:channel/channel:32x65536",
+                    help="BITS:K/V:BATCHxTOKENS, comma-separated")
+    ap.add_argument("--rounds", type=int, default=3, help="alternating timing rounds (the best of each is kept)")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU", file=sys.stderr)
+        return 2
+    variants = {"main": None}
+    for item in args.variant:
+        name, _, path = item.partition("=")
+        variants[name] = load_variant(name, path)
+    rows = []
+    for case in args.cases.split(","):
+        bits, layouts, shape = case.split(":")
+        kl, vl = layouts.split("/")
+        b, n = (int(x) for x in shape.split("x"))
+        spec = foldc.AttentionSpec(32, 8, 128, foldc.Affine(int(bits), kl, 128), foldc.Affine(int(bits), vl, 128))
+        gen = torch.Generator(device="cuda").manual_seed(b * n + int(bits))
+        q = torch.randn(b, 32, 128, device="cuda", generator=gen).to(torch.bfloat16)
+        k = foldc.quantize(torch.randn(b, 8, n, 128, device="cuda", generator=gen), spec.k)
+        v = foldc.quantize(torch.randn(b, 8, n, 128, device="cuda", generator=gen), spec.v)
+        ref = foldc.attention_reference(q, k, v) if b * n <= 600_000 else None
+        kernels = {name: attention(spec, module) for name, module in variants.items()}
+        best = {}
+        errors = {}
+        for name, attn in kernels.items():
+            try:
+                out = attn(q, k, v)
+                errors[name] = rel_l2(out, ref) if ref is not None else None
+            except Exception as e:  # a variant that fails to build or run is reported, the rest go on
+                errors[name] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+        for _ in range(args.rounds):
+            for name, attn in kernels.items():
+                if isinstance(errors[name], str):
+                    continue
+                eager, graph = timed(lambda attn=attn, q=q, k=k, v=v: attn(q, k, v))
+                us = min(t for t in (eager, graph) if t is not None)
+                best[name] = min(best.get(name, us), us)
+        base = best.get("main")
+        for name in kernels:
+            row = dict(case=case, kernel=name, us=best.get(name), error=errors[name])
+            if base and best.get(name):
+                row["vs_main"] = best[name] / base
+            rows.append(row)
+            speed = f"{best[name]:.1f} us ({row.get('vs_main', 1):.3f} x main)" if name in best else "-"
+            print(f"{case:<28} {name:<16} {speed}  error {errors[name]}", flush=True)
+        del q, k, v
+        torch.cuda.empty_cache()
+        with open(args.out, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
