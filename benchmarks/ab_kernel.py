@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import sys
 
 import torch
 
 import foldc
-from foldc.bench import timed
+from foldc.bench import decode_case, save_rows, timed
 from foldc.testing import rel_l2
 
 
@@ -60,10 +59,7 @@ def main() -> int:
         kl, vl = layouts.split("/")
         b, n = (int(x) for x in shape.split("x"))
         spec = foldc.AttentionSpec(32, 8, 128, foldc.Affine(int(bits), kl, 128), foldc.Affine(int(bits), vl, 128))
-        gen = torch.Generator(device="cuda").manual_seed(b * n + int(bits))
-        q = torch.randn(b, 32, 128, device="cuda", generator=gen).to(torch.bfloat16)
-        k = foldc.quantize(torch.randn(b, 8, n, 128, device="cuda", generator=gen), spec.k)
-        v = foldc.quantize(torch.randn(b, 8, n, 128, device="cuda", generator=gen), spec.v)
+        q, k, v = decode_case(spec, b, n, seed=b * n + int(bits))
         ref = foldc.attention_reference(q, k, v) if b * n <= 600_000 else None
         kernels = {name: attention(spec, module) for name, module in variants.items()}
         best = {}
@@ -90,9 +86,7 @@ def main() -> int:
             speed = f"{best[name]:.1f} us ({row.get('vs_main', 1):.3f} x main)" if name in best else "-"
             print(f"{case:<28} {name:<16} {speed}  error {errors[name]}", flush=True)
         del q, k, v
-        torch.cuda.empty_cache()
-        with open(args.out, "w") as f:
-            json.dump(rows, f, indent=1)
+        save_rows(rows, args.out)
     return 0
 
 

@@ -14,10 +14,9 @@ import json
 import sys
 import time
 
-import torch
 
 import foldc
-from foldc.bench import timed
+from foldc.bench import decode_case, save_rows, timed
 from foldc.testing import rel_l2
 
 CEILING = 4.4e12   # bytes/s, the streaming-read ceiling measured on the H200 (h200-anchors.md)
@@ -62,10 +61,7 @@ def main() -> int:
             if time.time() - t0 > args.deadline:
                 print(f"int{bits} {b}x{n}: not run, deadline of {args.deadline:g} s reached", flush=True)
                 continue
-            gen = torch.Generator(device="cuda").manual_seed(b * n + bits)
-            q = torch.randn(b, 32, 128, device="cuda", generator=gen).to(torch.bfloat16)
-            k = foldc.quantize(torch.randn(b, 8, n, 128, device="cuda", generator=gen), spec.k)
-            v = foldc.quantize(torch.randn(b, 8, n, 128, device="cuda", generator=gen), spec.v)
+            q, k, v = decode_case(spec, b, n, seed=b * n + bits)
             ref = foldc.attention_reference(q, k, v) if b * n <= 600_000 else None
             nbytes = sum(t.numel() * t.element_size() for x in (k, v) for t in (x.codes, x.scale, x.zero)) + \
                 2 * q.numel() * 2
@@ -112,9 +108,7 @@ def main() -> int:
                               f"st{top['stages']} reg{top['maxnreg']} sf{top['split_factor']} H{top['pack_heads']}",
                               flush=True)
             del q, k, v
-            torch.cuda.empty_cache()
-            with open(args.out, "w") as f:   # after every shape: a cut-off run keeps what it measured
-                json.dump(rows, f, indent=1)
+            save_rows(rows, args.out)   # after every shape: a cut-off run keeps what it measured
     fails = [r for r in rows if "fail" in r]
     errs = [r["error"] for r in rows if "error" in r]
     print(f"{len(rows)} runs, {len(fails)} failed, error range {min(errs, default=0):.2e}..{max(errs, default=0):.2e}, "

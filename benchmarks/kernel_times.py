@@ -12,6 +12,7 @@ from collections import defaultdict
 import torch
 
 import foldc
+from foldc.bench import decode_case
 
 
 def main() -> int:
@@ -29,10 +30,7 @@ def main() -> int:
         attn = foldc.compile(spec, "sm_90", kernel="gluon")
         for item in args.shapes.split(","):
             b, n = (int(x) for x in item.split("x"))
-            gen = torch.Generator(device="cuda").manual_seed(b + n)
-            q = torch.randn(b, 32, 128, device="cuda", generator=gen).to(torch.bfloat16)
-            k = foldc.quantize(torch.randn(b, 8, n, 128, device="cuda", generator=gen), enc)
-            v = foldc.quantize(torch.randn(b, 8, n, 128, device="cuda", generator=gen), enc)
+            q, k, v = decode_case(spec, b, n, seed=b + n)
             out = attn(q, k, v)
             torch.cuda.synchronize()
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:

@@ -8,13 +8,12 @@ own choice) (H200; evidence for docs/perf.md, not a test).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 import torch
 
 import foldc
-from foldc.bench import timed
+from foldc.bench import decode_case, save_rows, timed
 
 
 def main() -> int:
@@ -33,10 +32,7 @@ def main() -> int:
         b, n = (int(x) for x in shape.split("x"))
         enc = foldc.Affine(bits, "token", 128)
         spec = foldc.AttentionSpec(32, 8, 128, enc, enc)
-        gen = torch.Generator(device="cuda").manual_seed(b * n + bits)
-        q = torch.randn(b, 32, 128, device="cuda", generator=gen).to(torch.bfloat16)
-        k = foldc.quantize(torch.randn(b, 8, n, 128, device="cuda", generator=gen), enc)
-        v = foldc.quantize(torch.randn(b, 8, n, 128, device="cuda", generator=gen), enc)
+        q, k, v = decode_case(spec, b, n, seed=b * n + bits)
         for conf in args.configs.split(","):
             cb, bn, reg = conf.split(":")
             if int(cb) != bits:
@@ -66,9 +62,7 @@ def main() -> int:
                       f"{'default' if w is None else 'splits'} {splits:4d} "
                       f"({per_split} tok) programs {programs:5d} waves {row['waves']:.2f}: {best:.1f} us", flush=True)
         del q, k, v
-        torch.cuda.empty_cache()
-        with open(args.out, "w") as f:
-            json.dump(rows, f, indent=1)
+        save_rows(rows, args.out)
     return 0
 
 

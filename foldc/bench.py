@@ -93,6 +93,26 @@ def must_read(k_enc, v_enc, batch: int, tokens: int) -> int:
     return cache_bytes(k_enc, batch, tokens) + cache_bytes(v_enc, batch, tokens) + 2 * 2 * batch * HEADS * HEAD_DIM
 
 
+def decode_case(spec, batch: int, tokens: int, seed: int, device: str = "cuda"):
+    """Fresh random decode inputs for ``spec``: q [batch, q heads, head_dim] bf16 and k, v quantized
+    from standard normals [batch, kv heads, tokens, head_dim] (the sweeps' shared inputs)."""
+    import foldc
+
+    gen = torch.Generator(device=device).manual_seed(seed)
+    q = torch.randn(batch, spec.num_q_heads, spec.head_dim, device=device, generator=gen).to(torch.bfloat16)
+    k, v = (foldc.quantize(torch.randn(batch, spec.num_kv_heads, tokens, spec.head_dim, device=device, generator=gen),
+                           enc) for enc in (spec.k, spec.v))
+    return q, k, v
+
+
+def save_rows(rows: list, path: str) -> None:
+    """Write the rows so far (a sweep cut off by its time limit keeps what it measured) and give the
+    last case's memory back."""
+    torch.cuda.empty_cache()
+    with open(path, "w") as f:
+        json.dump(rows, f, indent=1)
+
+
 def timed(fn) -> tuple[float, float | None]:
     """(eager median us, CUDA-graph replay median us or None if capture failed)."""
     from triton.testing import do_bench
