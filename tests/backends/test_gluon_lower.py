@@ -245,3 +245,13 @@ def test_scale_ahead_reaches_the_kernel_as_a_constexpr(ahead):
     for kl, vl, want in (("token", "token", False), ("channel", "token", True), ("token", "channel", True)):
         spec = foldc.AttentionSpec(32, 8, 128, foldc.Affine(2, kl, 128), foldc.Affine(2, vl, 128))
         assert GluonAttention(spec).launch_config(torch.bfloat16, 8, 4096)["constexprs"]["SCALE_AHEAD"] is want
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_key_channel_is_k_with_bits_0_and_1_swapped(bits, head_dim):
+    """What lets the kernel load a lane's eight channel scales as one vector and reorder them by a
+    reshape and a permute (_swap_k01): the key operand's k index maps to its channel by swapping
+    bits 0 and 1."""
+    for k in range(head_dim):
+        assert key_channel(k, bits, head_dim) == (k & ~3) | ((k & 1) << 1) | ((k >> 1) & 1)

@@ -274,8 +274,37 @@ def _tile(n0, end, k_smem, v_smem, slot, ks, kz, vs, vz, m_i, l_i, zsum, acc_o, 
 
 
 @gluon.jit
+def _swap_k01(x, D: gl.constexpr, ROWS: gl.constexpr):
+    """x[c] -> x[key_channel(k)]: the key operand's k index is the channel with its bits 0 and 1
+    swapped (operands.py), a reshape and a permute of the tensor (no data moves between lanes)."""
+    if ROWS == 0:
+        y = gl.reshape(gl.permute(gl.reshape(x, [D // 4, 2, 2]), (0, 2, 1)), [D])
+    else:
+        y = gl.reshape(gl.permute(gl.reshape(x, [D // 4, 2, 2, ROWS]), (0, 2, 1, 3)), [D, ROWS])
+    return y
+
+
+@gluon.jit
+def _channel_param(P, head_q, stride_h, D: gl.constexpr, ROWS: gl.constexpr, H: gl.constexpr):
+    """A channel-wise K parameter (scale or zero) of one token group as float32 in the query
+    operand's layout, [D, 1] or [D, ROWS] with each row's own head: each lane's eight consecutive
+    channels in one vector load, then put in k order (_swap_k01)."""
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
+    b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=8)
+    c = gl.arange(0, D, layout=gl.SliceLayout(1, b_l))
+    if H == 1:
+        x = gl.load(P + c)
+        y = gl.convert_layout(_swap_k01(x, D, 0), gl.SliceLayout(1, b_l), assert_trivial=True)
+        out = y.to(gl.float32)[:, None]
+    else:
+        x = gl.load(P + head_q[None, :] * stride_h + c[:, None])
+        out = gl.convert_layout(_swap_k01(x, D, ROWS), b_l, assert_trivial=True).to(gl.float32)
+    return out
+
+
+@gluon.jit
 def _key_group(qv, field, chan, head_q, stride_ksh, KSg, KZg, qk_scale, BITS: gl.constexpr, KEY_BIAS: gl.constexpr,
-               H: gl.constexpr):
+               H: gl.constexpr, D: gl.constexpr, ROWS: gl.constexpr):
     """Channel-wise K, one token group: the query pre-scaled by the group's channel scales and field
     weights (operand-fold, eq. 4), each row by its own power of two c so the largest entry sits
     near 2^12 (large channel scales must not overflow fp16), and the logits' affine map
@@ -283,13 +312,8 @@ def _key_group(qv, field, chan, head_q, stride_ksh, KSg, KZg, qk_scale, BITS: gl
     sum(q x zero) (eq. 6, 7)."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
     row_l: gl.constexpr = gl.SliceLayout(0, mma)
-    if H == 1:
-        sk = gl.load(KSg + chan).to(gl.float32)[:, None]
-        zk = gl.load(KZg + chan).to(gl.float32)[:, None]
-    else:   # each query row takes the channel scales of its own packed head
-        off = head_q[None, :] * stride_ksh + chan[:, None]
-        sk = gl.load(KSg + off).to(gl.float32)
-        zk = gl.load(KZg + off).to(gl.float32)
+    sk = _channel_param(KSg, head_q, stride_ksh, D, ROWS, H)   # each row its own head's
+    zk = _channel_param(KZg, head_q, stride_ksh, D, ROWS, H)
     qs = qv * sk * gl.exp2(-(field * BITS).to(gl.float32))[:, None]
     c = gl.exp2(12.0 - gl.floor(gl.log2(gl.maximum(gl.max(gl.abs(qs), axis=0), 1e-30))))
     q16 = (qs * c[None, :]).to(gl.float16)
@@ -425,7 +449,7 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
     else:
         g0 = start // KEY_G
         q16, q_bias, q_sum = _key_group(qv, field, chan, head_q, stride_ksh, KSp + g0 * stride_ksn,
-                                        KZp + g0 * stride_ksn, qk_scale, BITS, KEY_BIAS, H)
+                                        KZp + g0 * stride_ksn, qk_scale, BITS, KEY_BIAS, H, D, ROWS)
     # row m of O^T is channel operands.value_channel(m)
     cm = gl.arange(0, D, layout=tok_l)
     chan_o = (cm // NB) * NB + 4 * (cm % W) + (cm // W) % 4
@@ -466,7 +490,7 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
                 if n0 % KEY_G == 0:
                     q16, q_bias, q_sum = _key_group(qv, field, chan, head_q, stride_ksh,
                                                     KSp + (n0 // KEY_G) * stride_ksn, KZp + (n0 // KEY_G) * stride_ksn,
-                                                    qk_scale, BITS, KEY_BIAS, H)
+                                                    qk_scale, BITS, KEY_BIAS, H, D, ROWS)
             if VAL_G > 0:
                 if n0 % VAL_G == 0:
                     v_scale, v_zero = _value_group(VSp + (n0 // VAL_G) * stride_vsn, VZp + (n0 // VAL_G) * stride_vsn,
@@ -507,7 +531,7 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
             k_base, v_base, KSp, KZp, VSp, VZp = _bases(full_end, b, h, cache, table, strides, W, KEY_G, VAL_G, PAGE)
         if KEY_G > 0:
             q16, q_bias, q_sum = _key_group(qv, field, chan, head_q, stride_ksh, KSp + (full_end // KEY_G) * stride_ksn,
-                                            KZp + (full_end // KEY_G) * stride_ksn, qk_scale, BITS, KEY_BIAS, H)
+                                            KZp + (full_end // KEY_G) * stride_ksn, qk_scale, BITS, KEY_BIAS, H, D, ROWS)
         if VAL_G > 0:
             v_scale, v_zero = _value_group(VSp + (full_end // VAL_G) * stride_vsn,
                                            VZp + (full_end // VAL_G) * stride_vsn, chan_o, weight_o, head_c, stride_vsh,
