@@ -425,6 +425,19 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
     strides = (stride_kb, stride_kh, stride_ksb, stride_ksh, stride_ksn, stride_vb, stride_vh, stride_vsb, stride_vsh,
                stride_vsn)
 
+    # the first tiles' code words start on their way before the query is read and rescaled, so
+    # that the two memory latencies overlap (a program of one or two tiles, at batch 1, waits on both)
+    tc = gl.arange(0, BN, layout=gl.SliceLayout(1, cp_l))
+    wc = gl.arange(0, W, layout=gl.SliceLayout(0, cp_l))
+    k_smem = gl.allocate_shared_memory(gl.int32, [STAGES * H, BN, W], smem_l)
+    v_smem = gl.allocate_shared_memory(gl.int32, [STAGES * H, BN, W], smem_l)
+    n_full = gl.maximum(end - start, 0) // BN
+    if n_full > 0:
+        for i in gl.static_range(STAGES - 1):
+            n_i = start + gl.minimum(i, n_full - 1) * BN
+            k_i, v_i, _, _, _, _ = _bases(n_i, b, h, cache, table, strides, W, KEY_G, VAL_G, PAGE)
+            _issue(i, n_i, k_smem, v_smem, k_i, v_i, stride_kh, stride_vh, tc, wc, W, H)
+
     # Q'^T [D, ROWS]: k index -> channel as operands.key_channel; field weight 2^-(bits*field);
     # each row scaled by a power of two c so that its largest entry is near 2^12 (no fp16 underflow).
     # Row r is query head h * Q_PER_KV + r: the query rows of the H packed KV heads, one after another
@@ -463,22 +476,13 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
         v_scale, v_zero = _value_group(VSp + g0 * stride_vsn, VZp + g0 * stride_vsn, chan_o, weight_o, head_c,
                                        stride_vsh, H)
 
-    tc = gl.arange(0, BN, layout=gl.SliceLayout(1, cp_l))
-    wc = gl.arange(0, W, layout=gl.SliceLayout(0, cp_l))
     tm = gl.arange(0, BN, layout=tok_l)
 
     m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=row_l)
     l_i = gl.zeros([ROWS], gl.float32, layout=row_l)
     zsum = gl.zeros([ROWS], gl.float32, layout=row_l)
     acc_o = gl.zeros([D, ROWS], gl.float32, layout=mma)
-    k_smem = gl.allocate_shared_memory(gl.int32, [STAGES * H, BN, W], smem_l)
-    v_smem = gl.allocate_shared_memory(gl.int32, [STAGES * H, BN, W], smem_l)
-    n_full = gl.maximum(end - start, 0) // BN
     if n_full > 0:
-        for i in gl.static_range(STAGES - 1):
-            n_i = start + gl.minimum(i, n_full - 1) * BN
-            k_i, v_i, _, _, _, _ = _bases(n_i, b, h, cache, table, strides, W, KEY_G, VAL_G, PAGE)
-            _issue(i, n_i, k_smem, v_smem, k_i, v_i, stride_kh, stride_vh, tc, wc, W, H)
         if SCALE_AHEAD:   # the first tile's scales; each iteration then loads the next tile's
             ks, kz, vs, vz = _scales(start, end, tm, head_c, KSp, KZp, VSp, VZp, stride_ksh, stride_vsh, KEY_G, VAL_G,
                                      H, False)

@@ -113,9 +113,11 @@ class GluonAttention:
         if pack_heads is None:
             pack_heads = default_pack_heads(self.config, spec.num_kv_heads)
         self.heads = pack_heads     # the default; a tuned bucket may take one head per program instead
-        # 64-token tiles won for packed token-wise INT2 at every large shape on the H200 (docs/perf.md); 32
-        # elsewhere (packed channel-wise sides at 64 would need more than 255 registers)
-        wide = pack_heads > 1 and self.config.bits == 2 and not (self.config.key_tokens or self.config.value_tokens)
+        # 64-token tiles won for packed INT2 at every large shape and layout on the H200 (docs/perf.md):
+        # 4-13% faster than 32 for channel-wise sides since their scales arrive as vectors. 32 elsewhere,
+        # and where a channel-wise group of 32 tokens could not hold a 64-token tile
+        groups = [g for g in (self.config.key_tokens, self.config.value_tokens) if g]
+        wide = pack_heads > 1 and self.config.bits == 2 and all(g % 64 == 0 for g in groups)
         block_n, stages = block_n or (64 if wide else 32), stages or 2
         if block_n not in (32, 64):
             raise SpecError(f"block_n={block_n!r} must be 32 or 64 for the register-operand kernel")
@@ -142,6 +144,9 @@ class GluonAttention:
         self._configs: dict = {}
         self._variants: dict = {}     # compiled kernel variant -> (resident programs per SM, registers)
         self._modules = None
+        # the merge as a programmatic dependent launch of the decode kernel: its launch overlaps the
+        # decode's last programs (0.2-0.4 µs of a batch-1 call on the H200, docs/perf.md)
+        self.pdl = True
 
     @property
     def default_block_n(self) -> int:
@@ -269,7 +274,7 @@ class GluonAttention:
         decode, merge = self._kernels()
         args, kwargs = self.decode_arguments(launch, q, k, v, lens, ws, sm_scale, per_split, cache_tokens, paged)
         decode[(q.shape[0], self.spec.num_kv_heads // launch["heads"], splits)](*args, **kwargs)
-        launch_merge(merge, *ws, out, lse, self.spec.q_per_kv * launch["heads"])
+        launch_merge(merge, *ws, out, lse, self.spec.q_per_kv * launch["heads"], pdl=self.pdl)
 
     @staticmethod
     def decode_arguments(launch: dict, q, k, v, lens, ws, sm_scale: float, per_split: int, cache_tokens: int,

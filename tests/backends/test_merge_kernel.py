@@ -1,0 +1,52 @@
+"""The split-merge kernel (foldc_merge, eq. 14) under Triton's interpreter: random per-split states,
+empty splits and more splits than one step holds, against the same merge in float64."""
+from __future__ import annotations
+
+import math
+
+import torch
+from _kernel_cases import needs_interpreter
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from foldc.backends.triton.launch import MERGE_SOURCE, _interpret, launch_merge, load_module
+
+
+def _merge64(ws_m, ws_l, ws_acc, q_per_kv):
+    """out [b, hkv * q_per_kv, d] and natural-log lse from the states, in float64."""
+    m, l, acc = ws_m.double(), ws_l.double(), ws_acc.double()
+    top = m.amax(dim=2, keepdim=True)
+    w = torch.exp2(m - top)                                   # [b, hkv, splits, rows]
+    total = (l * w).sum(dim=2)                                 # [b, hkv, rows]
+    out = (acc * w[..., None]).sum(dim=2) / total[..., None]   # [b, hkv, rows, d]
+    lse = (top.squeeze(2) + torch.log2(total)) * math.log(2)
+    b, hkv = m.shape[:2]
+    return out[:, :, :q_per_kv].reshape(b, hkv * q_per_kv, -1), lse[:, :, :q_per_kv].reshape(b, hkv * q_per_kv)
+
+
+@needs_interpreter
+@settings(max_examples=12, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), splits=st.integers(1, 150), q_per_kv=st.sampled_from([1, 3, 4]),
+       empty=st.floats(0.0, 0.5))
+def test_merge_matches_float64_for_any_split_count(seed, splits, q_per_kv, empty):
+    """Up to 150 splits (three steps of the interpreter's 64), some of them empty (max -inf,
+    denominator 0, as a split past a sequence's end writes), maxima far apart across steps."""
+    merge = load_module("import triton\nimport triton.language as tl\n" + MERGE_SOURCE, interpret=True).foldc_merge
+    gen = torch.Generator().manual_seed(seed)
+    b, hkv, rows, d = 2, 2, 4, 16
+    ws_m = torch.randn(b, hkv, splits, rows, generator=gen) * 20     # log2 units: weights 2^-60..1
+    ws_l = torch.rand(b, hkv, splits, rows, generator=gen) * 50 + 0.5
+    ws_acc = torch.randn(b, hkv, splits, rows, d, generator=gen) * ws_l[..., None]
+    gone = torch.rand(b, hkv, splits, 1, generator=gen) < empty
+    gone[:, :, 0] = False                                            # every row keeps one split
+    ws_m = ws_m.masked_fill(gone, float("-inf"))
+    ws_l = ws_l.masked_fill(gone, 0.0)
+    ws_acc = ws_acc.masked_fill(gone[..., None], 0.0)
+    out = torch.full((b, hkv * q_per_kv, d), float("nan"), dtype=torch.float32)
+    lse = torch.full((b, hkv * q_per_kv), float("nan"), dtype=torch.float32)
+    with _interpret(True):
+        launch_merge(merge, ws_m, ws_l, ws_acc, out, lse, q_per_kv)
+    want, want_lse = _merge64(ws_m, ws_l, ws_acc, q_per_kv)
+    assert not out.isnan().any() and not lse.isnan().any()
+    assert torch.allclose(out.double(), want, rtol=1e-5, atol=1e-5), (out.double() - want).abs().max()
+    assert torch.allclose(lse.double(), want_lse, rtol=1e-6, atol=1e-4)
