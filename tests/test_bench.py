@@ -45,3 +45,33 @@ def test_decode_case_gives_the_specs_shapes_and_repeats_with_its_seed(tmp_path):
     assert not torch.equal(q, bench.decode_case(spec, 2, 96, seed=6, device="cpu")[0])
     bench.save_rows([{"a": 1}], str(tmp_path / "rows.json"))
     assert json.loads((tmp_path / "rows.json").read_text()) == [{"a": 1}]
+
+
+def test_ncu_stall_summary_reads_the_per_instruction_table(tmp_path):
+    """benchmarks/ncu_stalls.py: shares of each stall reason over all samples, with the opcodes
+    (predicates and modifiers stripped) that carry them, from ncu's source-page CSV."""
+    import csv
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parent.parent / "benchmarks" / "ncu_stalls.py"
+    spec = importlib.util.spec_from_file_location("ncu_stalls", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    header = ["Address", "Source", "Warp Stall Sampling (All Samples)", "Instructions Executed",
+              "L1 Wavefronts Shared Excessive", "stall_wait", "stall_long_sb", "stall_long_sb (Not Issued)"]
+    table = [["0x0", "  LOP3.LUT R1, R2, 0x3, R4, 0xea, !PT", "6", "100", "0", "6", "0", "0"],
+             ["0x10", "@!P1 LDG.E.U16 R5, desc[UR4][R6.64]", "1", "10", "0", "0", "1", "1"],
+             ["0x20", "  IMAD.MOV.U32 R7, RZ, RZ, 0x4", "3", "10", "0", "0", "3", "3"],
+             ["0x30", "  LDS R8, [R9]", "0", "20", "12", "0", "0", "0"]]
+    out = tmp_path / "t.csv"
+    with open(out, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["Kernel Name", "k"])
+        w.writerow(header)
+        w.writerows(table)
+    text = module.summarize(str(out))
+    assert "10 samples" in text
+    assert "stall_wait              60.0%   LOP3 60.0%" in text
+    assert "stall_long_sb           40.0%   IMAD 30.0%, LDG 10.0%" in text
+    assert "LOP3 71.4%" in text and "LDS 12" in text

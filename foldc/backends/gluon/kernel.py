@@ -124,14 +124,19 @@ def _issue(stage, n0, k_smem, v_smem, k_base, v_base, stride_kh, stride_vh, tc, 
 
 
 @gluon.jit
-def _param(P, tok, head_c, stride_h, live, H: gl.constexpr, MASKED: gl.constexpr):
-    """One token-wise parameter (scale or zero) per token: [BN] with one head per program, else
-    [BN, ROWS] with each query row's own head (head_c: the packed head of each row)."""
+def _param(P, n0, tm, head_c, stride_h, live, H: gl.constexpr, MASKED: gl.constexpr):
+    """One token-wise parameter (scale or zero) per token of tile n0: [BN] with one head per program,
+    else [BN, ROWS] with each query row's own head (head_c: the packed head of each row).
+    A lane's tokens are tm = g + 8j: the address is one base per lane (row g) plus 16j bytes, so
+    every load takes an immediate offset from that base instead of its own 64-bit address (the
+    address registers of 32 loads per tile had warps waiting on them, docs/perf.md)."""
+    lo = tm & 7          # the lane's row g, the same in every register
+    hi = tm & -8         # 8j: a constant per register
     if H == 1:
-        ptr = P + tok
+        ptr = (P + n0 + lo) + hi
         ok = live
     else:
-        ptr = P + head_c[None, :] * stride_h + tok[:, None]
+        ptr = (P + n0 + head_c[None, :] * stride_h + lo[:, None]) + hi[:, None]
         ok = live[:, None]
     if MASKED:
         x = gl.load(ptr, mask=ok, other=0.0)
@@ -147,14 +152,14 @@ def _scales(n0, end, tm, head_c, KSp, KZp, VSp, VZp, stride_ksh, stride_vsh, KEY
     tok = n0 + tm
     live = tok < end
     if KEY_G == 0:
-        ks = _param(KSp, tok, head_c, stride_ksh, live, H, MASKED)
-        kz = _param(KZp, tok, head_c, stride_ksh, live, H, MASKED)
+        ks = _param(KSp, n0, tm, head_c, stride_ksh, live, H, MASKED)
+        kz = _param(KZp, n0, tm, head_c, stride_ksh, live, H, MASKED)
     else:
         ks = tm
         kz = tm
     if VAL_G == 0:
-        vs = _param(VSp, tok, head_c, stride_vsh, live, H, MASKED)
-        vz = _param(VZp, tok, head_c, stride_vsh, live, H, MASKED)
+        vs = _param(VSp, n0, tm, head_c, stride_vsh, live, H, MASKED)
+        vz = _param(VZp, n0, tm, head_c, stride_vsh, live, H, MASKED)
     else:
         vs = tm
         vz = tm
