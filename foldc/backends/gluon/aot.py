@@ -89,6 +89,10 @@ def compile_gluon_aot(spec, arch: str, out_dir: str | Path, dtype: str = "bf16",
     per_tile = len(body) - once_per_group + (once_per_group * block_n / min(groups) if groups else 0)
     # codes + fp16 scale and zero, K and V, of every packed head
     tile_bytes = heads * 2 * block_n * (cfg.head_dim * cfg.bits / 8 + 4)
+    # global loads in the token loop (the token-wise scales and zeros), and the address registers
+    # they use: one base per parameter when each load takes an immediate offset (_param)
+    loads = [args for _, op, args in body if op == "LDG"]
+    bases = {m.group(1) for a in loads for m in [re.search(r"\[(R\d+)(?:\.64)?", a)] if m}
     ptx = compiled.asm["ptx"]
     report = {
         "spec": spec.describe(), "kernel": "gluon", "arch": arch, "dtype": dtype, "block_n": block_n,
@@ -102,7 +106,8 @@ def compile_gluon_aot(spec, arch: str, out_dir: str | Path, dtype: str = "bf16",
                        "model_lane_slots_per_byte": (token_loop_lane_slots_per_byte("sm_90", cfg.bits, cfg.head_dim,
                                                                                      heads=heads)
                                                      if not (cfg.key_tokens or cfg.value_tokens) else None),
-                       "top_opcodes": dict(loop.most_common(12))},
+                       "top_opcodes": dict(loop.most_common(12)),
+                       "global_loads": len(loads), "global_load_bases": len(bases)},
     }
     (out / f"foldc_decode_gluon.{arch}.json").write_text(json.dumps(report, indent=2))
     return report
