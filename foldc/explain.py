@@ -112,7 +112,8 @@ def _kernel_text(spec) -> str:
     return (f"register-operand kernel (sm_90), whole token loop with {heads} KV head(s) per program (fitted to its "
             f"SASS): {demand:.2f} of the {h200.name}'s {h200.lane_slots_per_byte:.2f} lane-slots/byte "
             f"({100 * demand / h200.lane_slots_per_byte:.0f}% of the issue slots at full bandwidth; warps that wait "
-            "on their own latencies kept the issue slots busy 57% of the time on the H200, docs/perf.md)")
+            "on their own latencies kept the issue slots busy 47% of the time on the H200 at INT2 8 x 64K, Nsight "
+            "Compute, docs/perf.md)")
 
 
 def seed_table(plans) -> str:

@@ -127,7 +127,7 @@ def _issue(stage, n0, k_smem, v_smem, k_base, v_base, stride_kh, stride_vh, tc, 
 def _param(P, n0, tm, head_c, stride_h, live, H: gl.constexpr, MASKED: gl.constexpr):
     """One token-wise parameter (scale or zero) per token of tile n0: [BN] with one head per program,
     else [BN, ROWS] with each query row's own head (head_c: the packed head of each row).
-    A lane's tokens are tm = g + 8j: the address is one base per lane (row g) plus 16j bytes, so
+    A lane's tokens are tm = g + 8j: the address is one base per lane (row g) plus 8j elements, so
     every load takes an immediate offset from that base instead of its own 64-bit address (the
     address registers of 32 loads per tile had warps waiting on them, docs/perf.md)."""
     lo = tm & 7          # the lane's row g, the same in every register

@@ -90,7 +90,9 @@ class GluonAttention:
     as many as fill ``split_factor`` waves of resident programs, `wave_splits`), ``maxnreg``
     (register cap per thread, e.g. 128), ``pack_heads`` (KV heads per program whose query rows
     share the MMA's N axis; default `default_pack_heads`), ``scale_ahead`` (load token-wise scales a
-    tile early, in registers; default `default_scale_ahead`)."""
+    tile early, in registers; default `default_scale_ahead`). The attribute ``pdl`` (default True)
+    launches the merge as a programmatic dependent of the decode kernel; set it False to launch
+    the two kernels one after the other."""
 
     def __init__(self, spec, block_n: int | None = None, stages: int | None = None, splits: int | None = None,
                  maxnreg: int | None = None, split_factor: float | None = None, pack_heads: int | None = None,
