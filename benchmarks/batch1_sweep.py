@@ -46,6 +46,7 @@ def main() -> int:
     ap.add_argument("--block-n", default="32,64")
     ap.add_argument("--splits", default="auto,32,64,128,256,512")
     ap.add_argument("--pdl", default="0,1")
+    ap.add_argument("--scale-ahead", default="default", help="comma-separated 1, 0 or default (the launcher's)")
     ap.add_argument("--reps", type=int, default=20)
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -61,12 +62,13 @@ def main() -> int:
             ref = foldc.attention_reference(q, k, v)
             for pack in (int(p) for p in args.pack.split(",")):
                 for bn in (int(x) for x in args.block_n.split(",")):
-                    for sp in args.splits.split(","):
+                    for sp, ahead in ((sp, a) for sp in args.splits.split(",") for a in args.scale_ahead.split(",")):
                         splits = None if sp == "auto" else int(sp)
                         if splits is not None and splits * bn > n:
                             continue
                         attn = foldc.compile(spec, "sm_90", kernel="gluon", pack_heads=pack, block_n=bn,
-                                             stages=2, splits=splits, split_factor=1.0, maxnreg=None)
+                                             stages=2, splits=splits, split_factor=1.0, maxnreg=None,
+                                             scale_ahead=None if ahead == "default" else ahead == "1")
                         for pdl in (int(x) for x in args.pdl.split(",")):
                             attn.pdl = bool(pdl)
                             out = torch.full_like(q, float("nan"))
@@ -83,10 +85,11 @@ def main() -> int:
                             cfg = attn.launch_config(q.dtype, b, n)
                             used, _ = attn.split_plan(cfg, b, n, q.device, q.dtype, False)
                             row = dict(bits=bits, shape=item, pack=pack, block_n=bn, splits=used, asked=sp, pdl=pdl,
+                                       scale_ahead=ahead,
                                        us=us, error=err, kernels=parts)
                             rows.append(row)
                             ks = ", ".join(f"{name.split('_')[-1]} {t:.1f}" for name, t in parts.items())
-                            print(f"INT{bits} {item} pack {pack} bn {bn} splits {used:>4} ({sp}) pdl {pdl}: "
+                            print(f"INT{bits} {item} pack {pack} bn {bn} splits {used:>4} ({sp}) pdl {pdl} ahead {ahead}: "
                                   f"{us if us is None else round(us, 1)} us  error {err}  [{ks}]", flush=True)
                             save_rows(rows, args.out)
             del q, k, v

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 import foldc
 from foldc.backends.gluon.lower import KEY_BIAS, NotLowerable, gluon_plan, lower, lowerable
-from foldc.backends.gluon.operands import (VALUE_EXPONENT, key_channel, key_unpack_asm, value_channel,
+from foldc.backends.gluon.operands import (KEY_EXPONENT, VALUE_EXPONENT, key_channel, key_unpack_asm, value_channel,
                                            value_unpack_asm)
 from foldc.encoding import pack_codes
 from foldc.errors import SpecError
@@ -57,10 +57,19 @@ def test_other_plans_do_not_lower(spec, reason):
         lower(gluon_plan(spec))
 
 
-def test_a_plan_with_other_code_biases_is_refused():
-    spec = _spec()
+@pytest.mark.parametrize("key,value", [(512, 0), (0, 1024), (1024, 1024), (0, 64)])
+def test_a_plan_with_other_code_biases_is_refused(key, value):
     with pytest.raises(NotLowerable, match="code biases"):
-        lower(foldc.plan(spec))                      # the reference plan carries no bias
+        lower(foldc.plan(_spec(), code_bias={"key": key, "value": value}))
+
+
+def test_the_key_bias_is_the_plans():
+    """Subnormal key codes (bias 0, gluon_plan's) or the OR trick (1024): the kernel builds what the
+    plan says, and both plans are proved exact."""
+    for key in (0, 1024):
+        the_plan = foldc.plan(_spec(), code_bias={"key": key, "value": 0})
+        assert lower(the_plan).key_bias == key and foldc.prove(the_plan) is not None
+    assert lower(gluon_plan(_spec())).key_bias == KEY_BIAS == 0
 
 
 def test_compile_routes_and_refuses_clearly():
@@ -130,16 +139,16 @@ def _words(codes: np.ndarray, bits: int) -> np.ndarray:
 
 
 @settings(max_examples=25, deadline=None)
-@given(bits=st.sampled_from([2, 4]), head_dim=st.sampled_from([64, 128, 256]), exact=st.booleans(),
+@given(bits=st.sampled_from([2, 4]), head_dim=st.sampled_from([64, 128, 256]), bias=st.sampled_from([0, 1024]),
        seed=st.integers(0, 2**31 - 1))
-def test_key_unpack_puts_every_code_where_the_query_expects_it(bits, head_dim, exact, seed):
+def test_key_unpack_puts_every_code_where_the_query_expects_it(bits, head_dim, bias, seed):
     if head_dim * bits // 32 not in (4, 8, 16):
         return
     rng = np.random.default_rng(seed)
     codes = rng.integers(0, 1 << bits, size=(1, head_dim), dtype=np.uint8)
     words = _words(codes, bits)[0]
     fields, nb = 8 // bits, head_dim * bits // 8
-    asm, cons = key_unpack_asm(bits, exact)
+    asm, cons = key_unpack_asm(bits, bias)
     assert cons.count("=r") == 2 * fields
     seen = set()
     for w, word in enumerate(words):
@@ -150,7 +159,11 @@ def test_key_unpack_puts_every_code_where_the_query_expects_it(bits, head_dim, e
                     k = i * nb + 4 * w + 2 * p + e            # k index of this half in the operand
                     ch = key_channel(k, bits, head_dim)
                     got = _f16((out[2 * i + p] >> (16 * e)) & 0xFFFF)
-                    want = (0 if exact else 1024) + 2.0 ** (bits * i) * codes[0, ch]
+                    if bias:   # the OR trick: 1024 + the weighted code, in the mantissa
+                        want = 1024 + 2.0 ** (bits * i) * codes[0, ch]
+                    else:      # an fp16 subnormal: exactly code * 2^(bits*i) * 2^-24
+                        want = 2.0 ** (bits * i - KEY_EXPONENT) * codes[0, ch]
+                        assert (out[2 * i + p] >> (16 * e)) & 0x7C00 == 0
                     assert got == want, (w, i, p, e, ch)
                     seen.add(ch)
     assert seen == set(range(head_dim))

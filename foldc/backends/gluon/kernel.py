@@ -193,7 +193,7 @@ def _per_row(x, H: gl.constexpr):
 @gluon.jit
 def _scores(n0, end, k_smem, slot, ks, kz, tm, head_c, q16, q_bias, q_sum, row_scale, BN: gl.constexpr,
             D: gl.constexpr, F: gl.constexpr, ROWS: gl.constexpr, H: gl.constexpr, KEY_G: gl.constexpr,
-            KASM: gl.constexpr, KCONS: gl.constexpr, MASKED: gl.constexpr):
+            KEY_BIAS: gl.constexpr, KASM: gl.constexpr, KCONS: gl.constexpr, MASKED: gl.constexpr):
     """Key side of one tile: the logits t [BN tokens, ROWS] (log2 units), -inf past ``end``."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
     a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=8)
@@ -213,7 +213,10 @@ def _scores(n0, end, k_smem, slot, ks, kz, tm, head_c, q16, q_bias, q_sum, row_s
         ks2 = _per_row(ks, H)
         kz2 = _per_row(kz, H)
         # acc-fold, one scale per token (row of M); bias and zero through sum(q') and sum(q) (eq. 3, 6, 7)
-        t = ks2 * ((sacc - q_bias[None, :]) * row_scale[None, :]) + kz2 * q_sum[None, :]
+        if KEY_BIAS == 0:   # subnormal codes: nothing to remove, row_scale carries 2^KEY_EXP
+            t = ks2 * (sacc * row_scale[None, :]) + kz2 * q_sum[None, :]
+        else:
+            t = ks2 * ((sacc - q_bias[None, :]) * row_scale[None, :]) + kz2 * q_sum[None, :]
     else:
         # operand-fold: q16 was pre-scaled by this group's channel scales (and its own power of two);
         # here q_bias is that group's scale back to logits and q_sum its offset: the bias removed and
@@ -268,12 +271,13 @@ def _consume(t, v_smem, slot, vs, vz, m_i, l_i, zsum, acc_o, head_b, v_scale, v_
 @gluon.jit
 def _tile(n0, end, k_smem, v_smem, slot, ks, kz, vs, vz, m_i, l_i, zsum, acc_o, tm, head_c, head_b, q16, q_bias,
           q_sum, row_scale, v_scale, v_zero, BN: gl.constexpr, D: gl.constexpr, F: gl.constexpr, ROWS: gl.constexpr,
-          H: gl.constexpr, KEY_G: gl.constexpr, VAL_G: gl.constexpr, KASM: gl.constexpr, KCONS: gl.constexpr,
-          VA0: gl.constexpr, VA1: gl.constexpr, VA2: gl.constexpr, VA3: gl.constexpr, VCONS: gl.constexpr,
+          H: gl.constexpr, KEY_G: gl.constexpr, VAL_G: gl.constexpr, KEY_BIAS: gl.constexpr, KASM: gl.constexpr,
+          KCONS: gl.constexpr, VA0: gl.constexpr, VA1: gl.constexpr, VA2: gl.constexpr, VA3: gl.constexpr,
+          VCONS: gl.constexpr,
           MASKED: gl.constexpr):
     """One tile, key side then value side."""
     t = _scores(n0, end, k_smem, slot, ks, kz, tm, head_c, q16, q_bias, q_sum, row_scale, BN, D, F, ROWS, H, KEY_G,
-                KASM, KCONS, MASKED)
+                KEY_BIAS, KASM, KCONS, MASKED)
     return _consume(t, v_smem, slot, vs, vz, m_i, l_i, zsum, acc_o, head_b, v_scale, v_zero, BN, D, F, ROWS, H,
                     VAL_G, VA0, VA1, VA2, VA3, VCONS)
 
@@ -309,12 +313,12 @@ def _channel_param(P, head_q, stride_h, D: gl.constexpr, ROWS: gl.constexpr, H: 
 
 @gluon.jit
 def _key_group(qv, field, chan, head_q, stride_ksh, KSg, KZg, qk_scale, BITS: gl.constexpr, KEY_BIAS: gl.constexpr,
-               H: gl.constexpr, D: gl.constexpr, ROWS: gl.constexpr):
+               KEY_EXP: gl.constexpr, H: gl.constexpr, D: gl.constexpr, ROWS: gl.constexpr):
     """Channel-wise K, one token group: the query pre-scaled by the group's channel scales and field
     weights (operand-fold, eq. 4), each row by its own power of two c so the largest entry sits
     near 2^12 (large channel scales must not overflow fp16), and the logits' affine map
-    ``t = acc * mul + add`` with mul = qk_scale / c and add = -mul * bias * sum(q') + qk_scale *
-    sum(q x zero) (eq. 6, 7)."""
+    ``t = acc * mul + add`` with mul = qk_scale * 2^KEY_EXP / c and add = -mul * bias * sum(q') +
+    qk_scale * sum(q x zero) (eq. 6, 7; subnormal codes: bias 0, KEY_EXP 24)."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
     row_l: gl.constexpr = gl.SliceLayout(0, mma)
     sk = _channel_param(KSg, head_q, stride_ksh, D, ROWS, H)   # each row its own head's
@@ -322,8 +326,10 @@ def _key_group(qv, field, chan, head_q, stride_ksh, KSg, KZg, qk_scale, BITS: gl
     qs = qv * sk * gl.exp2(-(field * BITS).to(gl.float32))[:, None]
     c = gl.exp2(12.0 - gl.floor(gl.log2(gl.maximum(gl.max(gl.abs(qs), axis=0), 1e-30))))
     q16 = (qs * c[None, :]).to(gl.float16)
-    mul = qk_scale / c
-    add = gl.sum(qv * zk, axis=0) * qk_scale - mul * KEY_BIAS * gl.sum(q16.to(gl.float32), axis=0)
+    mul = qk_scale * (2.0 ** KEY_EXP) / c
+    add = gl.sum(qv * zk, axis=0) * qk_scale
+    if KEY_BIAS != 0:
+        add = add - mul * KEY_BIAS * gl.sum(q16.to(gl.float32), axis=0)
     return q16, gl.convert_layout(mul, row_l), gl.convert_layout(add, row_l)
 
 
@@ -398,7 +404,7 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
                        D: gl.constexpr, BITS: gl.constexpr, KEY_BIAS: gl.constexpr, KEY_G: gl.constexpr,
                        VAL_G: gl.constexpr, STAGES: gl.constexpr, SCALE_AHEAD: gl.constexpr, KASM: gl.constexpr,
                        KCONS: gl.constexpr, VA0: gl.constexpr, VA1: gl.constexpr, VA2: gl.constexpr,
-                       VA3: gl.constexpr, VCONS: gl.constexpr, VALUE_EXP: gl.constexpr):
+                       VA3: gl.constexpr, VCONS: gl.constexpr, VALUE_EXP: gl.constexpr, KEY_EXP: gl.constexpr):
     NB: gl.constexpr = D * BITS // 8
     W: gl.constexpr = NB // 4
     F: gl.constexpr = 8 // BITS
@@ -458,16 +464,19 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
     head_c = gl.minimum(gl.arange(0, ROWS, layout=row_l) // Q_PER_KV, H - 1)
     amax = gl.maximum(gl.max(gl.abs(qv), axis=0), 1e-30)
     c = gl.exp2(12.0 - gl.floor(gl.log2(amax)))
-    row_scale = gl.convert_layout(qk_scale / c, row_l)
+    row_scale = gl.convert_layout(qk_scale * (2.0 ** KEY_EXP) / c, row_l)
     k_base, v_base, KSp, KZp, VSp, VZp = _bases(start, b, h, cache, table, strides, W, KEY_G, VAL_G, PAGE)
     if KEY_G == 0:
         q16 = (qv * c[None, :] * gl.exp2(-(field * BITS).to(gl.float32))[:, None]).to(gl.float16)
-        q_bias = gl.convert_layout(gl.sum(q16.to(gl.float32), axis=0) * KEY_BIAS, row_l)
+        if KEY_BIAS == 0:   # subnormal key codes: no bias to remove (q_bias is unused)
+            q_bias = row_scale
+        else:
+            q_bias = gl.convert_layout(gl.sum(q16.to(gl.float32), axis=0) * KEY_BIAS, row_l)
         q_sum = gl.convert_layout(gl.sum(qv, axis=0) * qk_scale, row_l)
     else:
         g0 = start // KEY_G
         q16, q_bias, q_sum = _key_group(qv, field, chan, head_q, stride_ksh, KSp + g0 * stride_ksn,
-                                        KZp + g0 * stride_ksn, qk_scale, BITS, KEY_BIAS, H, D, ROWS)
+                                        KZp + g0 * stride_ksn, qk_scale, BITS, KEY_BIAS, KEY_EXP, H, D, ROWS)
     # row m of O^T is channel operands.value_channel(m)
     cm = gl.arange(0, D, layout=tok_l)
     chan_o = (cm // NB) * NB + 4 * (cm % W) + (cm // W) % 4
@@ -499,7 +508,7 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
                 if n0 % KEY_G == 0:
                     q16, q_bias, q_sum = _key_group(qv, field, chan, head_q, stride_ksh,
                                                     KSp + (n0 // KEY_G) * stride_ksn, KZp + (n0 // KEY_G) * stride_ksn,
-                                                    qk_scale, BITS, KEY_BIAS, H, D, ROWS)
+                                                    qk_scale, BITS, KEY_BIAS, KEY_EXP, H, D, ROWS)
             if VAL_G > 0:
                 if n0 % VAL_G == 0:
                     v_scale, v_zero = _value_group(VSp + (n0 // VAL_G) * stride_vsn, VZp + (n0 // VAL_G) * stride_vsn,
@@ -529,8 +538,8 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
             gl.thread_barrier()   # tile i's words, copied by every lane, are visible
             m_i, l_i, zsum, acc_o = _tile(n0, end, k_smem, v_smem, (i % STAGES) * H, ks, kz, vs, vz, m_i, l_i, zsum,
                                           acc_o, tm, head_c, head_b, q16, q_bias, q_sum, row_scale, v_scale, v_zero,
-                                          BN, D, F, ROWS, H, KEY_G, VAL_G, KASM, KCONS, VA0, VA1, VA2, VA3, VCONS,
-                                          False)
+                                          BN, D, F, ROWS, H, KEY_G, VAL_G, KEY_BIAS, KASM, KCONS, VA0, VA1, VA2, VA3,
+                                          VCONS, False)
             if SCALE_AHEAD:
                 ks, kz, vs, vz = ks2, kz2, vs2, vz2
         async_copy.wait_group(0)
@@ -539,8 +548,9 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
         if PAGE > 0:
             k_base, v_base, KSp, KZp, VSp, VZp = _bases(full_end, b, h, cache, table, strides, W, KEY_G, VAL_G, PAGE)
         if KEY_G > 0:
-            q16, q_bias, q_sum = _key_group(qv, field, chan, head_q, stride_ksh, KSp + (full_end // KEY_G) * stride_ksn,
-                                            KZp + (full_end // KEY_G) * stride_ksn, qk_scale, BITS, KEY_BIAS, H, D, ROWS)
+            g_end = full_end // KEY_G
+            q16, q_bias, q_sum = _key_group(qv, field, chan, head_q, stride_ksh, KSp + g_end * stride_ksn,
+                                            KZp + g_end * stride_ksn, qk_scale, BITS, KEY_BIAS, KEY_EXP, H, D, ROWS)
         if VAL_G > 0:
             v_scale, v_zero = _value_group(VSp + (full_end // VAL_G) * stride_vsn,
                                            VZp + (full_end // VAL_G) * stride_vsn, chan_o, weight_o, head_c, stride_vsh,
@@ -550,7 +560,7 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
         _stage_tail(full_end, end, k_smem, v_smem, k_base, v_base, stride_kh, stride_vh, tc, wc, W, H)
         m_i, l_i, zsum, acc_o = _tile(full_end, end, k_smem, v_smem, 0, ks, kz, vs, vz, m_i, l_i, zsum, acc_o, tm,
                                       head_c, head_b, q16, q_bias, q_sum, row_scale, v_scale, v_zero, BN, D, F, ROWS,
-                                      H, KEY_G, VAL_G, KASM, KCONS, VA0, VA1, VA2, VA3, VCONS, True)
+                                      H, KEY_G, VAL_G, KEY_BIAS, KASM, KCONS, VA0, VA1, VA2, VA3, VCONS, True)
 
     # token-wise V: undo the field weights 2^(bits*field) per output row, add the zero term (eq. 6);
     # channel-wise V has both in acc_o already. The workspace sees the H packed heads as one head

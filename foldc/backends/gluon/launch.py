@@ -16,7 +16,7 @@ from ...errors import InputError, SpecError
 from ...validate import check_call, output_buffer
 from ..triton.launch import MERGE_SOURCE, launch_merge, load_module, num_sms
 from .lower import FoldKernel, gluon_plan, lower
-from .operands import VALUE_EXPONENT, key_unpack_asm, value_unpack_asm
+from .operands import KEY_EXPONENT, VALUE_EXPONENT, key_unpack_asm, value_unpack_asm
 
 DTYPES = (torch.float16, torch.bfloat16)
 TUNED_OPTIONS = {"block_n", "stages", "maxnreg", "split_factor", "heads"}   # what a tuned bucket sets
@@ -32,12 +32,13 @@ def constexprs(cfg: FoldKernel, block_n: int, stages: int, heads: int = 1, scale
     (None: `default_scale_ahead`)."""
     if scale_ahead is None:
         scale_ahead = default_scale_ahead(cfg)
-    key_asm, key_cons = key_unpack_asm(cfg.bits, exact=cfg.key_bias == 0)
+    key_asm, key_cons = key_unpack_asm(cfg.bits, cfg.key_bias)
     values = [value_unpack_asm(cfg.bits, byte) for byte in range(4)]
     return dict(Q_PER_KV=cfg.q_per_kv, ROWS=cfg.rows, H=heads, BN=block_n, D=cfg.head_dim, BITS=cfg.bits,
                 KEY_BIAS=cfg.key_bias, KEY_G=cfg.key_tokens, VAL_G=cfg.value_tokens, STAGES=stages,
                 SCALE_AHEAD=bool(scale_ahead), KASM=key_asm, KCONS=key_cons, VA0=values[0][0],
-                VA1=values[1][0], VA2=values[2][0], VA3=values[3][0], VCONS=values[0][1], VALUE_EXP=VALUE_EXPONENT)
+                VA1=values[1][0], VA2=values[2][0], VA3=values[3][0], VCONS=values[0][1], VALUE_EXP=VALUE_EXPONENT,
+                KEY_EXP=0 if cfg.key_bias else KEY_EXPONENT)
 
 
 def packable_heads(cfg: FoldKernel, num_kv_heads: int) -> int:

@@ -13,10 +13,11 @@ product's fold decides where its scale goes, as the plan states:
 - pv acc-fold (eq. 3), channel-wise V: each tile's product (a tile lies in one group) is scaled
   per output channel and gets zero x sum(P) before it joins the accumulator.
 
-The code bias is the plan's: the key codes carry the OR-trick bias 1024 folded into the
-correction (eq. 7), the value codes none (they enter the MMA as fp16 subnormals, code x 2^-24,
-exact with no per-value subtraction), as ../shared/notes/fold-kernel-probe.md requires on real
-tensor cores.
+The code bias is the plan's. `gluon_plan` gives both sides none: the codes enter the MMA as fp16
+subnormals, code x 2^-24, exact with no per-value subtraction (operands.py). The value side must
+(a folded 1024 bias there costs precision on real tensor cores, ../shared/notes/fold-kernel-probe.md);
+on the key side it saves the per-score removal of ``1024 x sum(q')``. A plan whose key codes carry
+the OR-trick bias 1024 (folded into the correction, eq. 7) lowers too.
 
 Everything else (token-wise groups smaller than head_dim, dequant or plain operands, other
 widths) goes to the generated Triton kernel (foldc/backends/triton), which lowers any plan.
@@ -28,7 +29,8 @@ from dataclasses import dataclass
 from ...plan import Plan, plan
 from ...spec import AttentionSpec
 
-KEY_BIAS = 1024    # fp16 0x6400: the OR trick puts a code in the mantissa of 1024 (eq. 7)
+KEY_BIAS = 0       # key codes enter as exact fp16 subnormals too (operands.py): no bias to fold
+KEY_BIASES = (0, 1024)   # what the key unpack builds: subnormal codes, or the OR trick's 1024 + code (eq. 7)
 VALUE_BIAS = 0     # value codes enter as exact fp16 subnormals (operands.py): no bias to fold
 MAX_ROWS = 16      # query rows per KV head the MMA's N axis holds (8 or 16)
 
@@ -55,7 +57,7 @@ class FoldKernel:
 
 
 def gluon_plan(spec: AttentionSpec) -> Plan:
-    """The plan the Gluon kernel runs: the key codes carry the OR-trick bias, the values none."""
+    """The plan the Gluon kernel runs: no code bias on either side (subnormal codes)."""
     return plan(spec, code_bias={"key": KEY_BIAS, "value": VALUE_BIAS})
 
 
@@ -88,11 +90,12 @@ def lower(the_plan: Plan) -> FoldKernel:
                            "need 256 or 512 (e.g. 128 channels at 2 or 4 bits, 64 at 4, 256 at 2)")
     if spec.q_per_kv > MAX_ROWS:
         raise NotLowerable(f"q_per_kv={spec.q_per_kv} query heads per KV head; at most {MAX_ROWS}")
-    if qk.code_bias != KEY_BIAS or pv.code_bias != VALUE_BIAS:
+    if qk.code_bias not in KEY_BIASES or pv.code_bias != VALUE_BIAS:
         raise NotLowerable(f"the plan's code biases are key {qk.code_bias}, value {pv.code_bias}; this kernel "
-                           f"builds key {KEY_BIAS}, value {VALUE_BIAS} (plan it with gluon_plan)")
+                           f"builds key {' or '.join(map(str, KEY_BIASES))}, value {VALUE_BIAS} (plan it with "
+                           "gluon_plan)")
     rows = 8 if spec.q_per_kv <= 8 else 16
-    return FoldKernel(bits=qk.bits, head_dim=spec.head_dim, q_per_kv=spec.q_per_kv, rows=rows, key_bias=KEY_BIAS,
+    return FoldKernel(bits=qk.bits, head_dim=spec.head_dim, q_per_kv=spec.q_per_kv, rows=rows, key_bias=qk.code_bias,
                       key_tokens=token_groups["qk"], value_tokens=token_groups["pv"])
 
 

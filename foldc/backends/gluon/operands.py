@@ -25,6 +25,8 @@ channel ``i*W8 + 4*(m % W) + (m // W) % 4`` with ``W`` words per token (`value_c
 from __future__ import annotations
 
 MAGIC = 0x64006400  # fp16 pair (1024, 1024)
+MAGIC_VALUE = 1024  # the value of fp16 0x6400, the OR trick's bias
+KEY_EXPONENT = 24    # subnormal key codes: bit pattern m is m * 2^-24, as the values
 VALUE_EXPONENT = 24  # an fp16 bit pattern m below 0x0400 (a subnormal) is m * 2^-24
 
 
@@ -32,18 +34,23 @@ def _mask(bits: int, field: int) -> int:
     return (((1 << bits) - 1) << (bits * field)) * 0x00010001
 
 
-def key_unpack_asm(bits: int, exact: bool) -> tuple[str, str]:
+def key_unpack_asm(bits: int, bias: int) -> tuple[str, str]:
     """PTX and constraints for pack=2 over (word, the same word): 2*fields fp16 pairs, result
-    ``2i+p`` = field i of bytes (p, p+2), each ``1024 + 2^(bits*i)*code`` (``exact``: minus 1024)."""
+    ``2i+p`` = field i of bytes (p, p+2). ``bias`` 1024: each ``1024 + 2^(bits*i)*code`` (the OR
+    trick, one LOP3); ``bias`` 0: the masked field as an fp16 subnormal, ``2^(bits*i)*code * 2^-24``
+    exactly (one AND; the kernel scales the logits by 2^KEY_EXPONENT)."""
+    if bias not in (0, MAGIC_VALUE):
+        raise ValueError(f"key code bias {bias}: the key unpack builds 0 (subnormal codes) or {MAGIC_VALUE}")
     fields = 8 // bits
     n = 2 * fields
-    out = ["{ .reg .b32 t, m;", f"mov.b32 m, {MAGIC};", f"shr.b32 t, ${n}, 8;"]
+    out = ["{ .reg .b32 t, m;", f"mov.b32 m, {MAGIC};"] if bias else ["{ .reg .b32 t;"]
+    out.append(f"shr.b32 t, ${n}, 8;")
     for i in range(fields):
-        out.append(f"lop3.b32 ${2 * i}, ${n}, {_mask(bits, i)}, m, 0xea;")
-        out.append(f"lop3.b32 ${2 * i + 1}, t, {_mask(bits, i)}, m, 0xea;")
-        if exact:
-            out.append(f"sub.f16x2 ${2 * i}, ${2 * i}, m;")
-            out.append(f"sub.f16x2 ${2 * i + 1}, ${2 * i + 1}, m;")
+        for reg, src in ((2 * i, f"${n}"), (2 * i + 1, "t")):
+            if bias:
+                out.append(f"lop3.b32 ${reg}, {src}, {_mask(bits, i)}, m, 0xea;")
+            else:
+                out.append(f"and.b32 ${reg}, {src}, {_mask(bits, i)};")
     out.append("}")
     return " ".join(out), ",".join(["=r"] * n + ["r", "r"])
 
