@@ -15,7 +15,7 @@ from pathlib import Path
 from ...cost import token_loop_lane_slots_per_byte
 from ...errors import SpecError
 from ..triton.aot import write_artifacts
-from ..triton.sass import _tool, disassemble, lane_slots_per_byte, load_bits, loop_instructions, skippable
+from ..triton.sass import _tool, lane_slots_per_byte, loop_instructions, skippable
 from .launch import constexprs, default_pack_heads
 from .lower import gluon_plan, lower
 
@@ -93,9 +93,6 @@ def compile_gluon_aot(spec, arch: str, out_dir: str | Path, dtype: str = "bf16",
     # they use: one base per parameter when each load takes an immediate offset (_param)
     loads = [args for _, op, args in body if op == "LDG"]
     bases = {m.group(1) for a in loads for m in [re.search(r"\[(R\d+)(?:\.64)?", a)] if m}
-    in_loop = {addr for addr, _, _ in body}
-    load_widths = sorted(load_bits(op) for addr, op, _ in disassemble(cubin, modifiers=True)
-                         if addr in in_loop and op.startswith("LDG."))
     ptx = compiled.asm["ptx"]
     report = {
         "spec": spec.describe(), "kernel": "gluon", "arch": arch, "dtype": dtype, "block_n": block_n,
@@ -110,8 +107,7 @@ def compile_gluon_aot(spec, arch: str, out_dir: str | Path, dtype: str = "bf16",
                                                                                      heads=heads)
                                                      if not (cfg.key_tokens or cfg.value_tokens) else None),
                        "top_opcodes": dict(loop.most_common(12)),
-                       "global_loads": len(loads), "global_load_bases": len(bases),
-                       "global_load_bits": load_widths},
+                       "global_loads": len(loads), "global_load_bases": len(bases)},
     }
     (out / f"foldc_decode_gluon.{arch}.json").write_text(json.dumps(report, indent=2))
     return report

@@ -57,41 +57,6 @@ def copy_layout(BN, W):
                             order=[1, 0])
 
 
-@constexpr_function
-def token_runs_layout(BN, ROWS):
-    """Token-wise parameters [BN tokens] (ROWS == 0) or [BN, ROWS]: lane (g, c) holds the BN/8
-    consecutive tokens g*BN/8 ... in consecutive registers (one vector load) and the columns of
-    the MMA accumulator lane c holds. `_rows_of_tokens` turns it into the accumulator's layout."""
-    BN, ROWS = int(BN), int(ROWS)
-    run = [1 << i for i in range(int(math.log2(BN // 8)))]
-    lane_tok = [BN // 8, BN // 4, BN // 2]
-    if ROWS == 0:
-        return gl.DistributedLinearLayout(reg_bases=[[t] for t in run], lane_bases=[[0], [0]] + [[t] for t in lane_tok],
-                                          warp_bases=[], block_bases=[], shape=[BN])
-    reg = [[t, 0] for t in run] + [[0, 1]] + ([[0, 8]] if ROWS == 16 else [])
-    return gl.DistributedLinearLayout(reg_bases=reg, lane_bases=[[0, 2], [0, 4]] + [[t, 0] for t in lane_tok],
-                                      warp_bases=[], block_bases=[], shape=[BN, ROWS])
-
-
-@gluon.jit
-def _token_of_row(m, BN: gl.constexpr):
-    """The token (within its tile) in row m of the scores: the rows a lane holds, g + 8j, are the
-    tokens g*BN/8 + j, consecutive (token-wise scales then load as one vector per lane); the code
-    words are copied into shared memory in this order (_issue)."""
-    return (m % 8) * (BN // 8) + m // 8
-
-
-@gluon.jit
-def _rows_of_tokens(x, BN: gl.constexpr, ROWS: gl.constexpr):
-    """x [BN tokens] or [BN tokens, ROWS] in token order -> row order (row m holds token
-    _token_of_row(m)): a reshape and a permute (no data moves between lanes)."""
-    if ROWS == 0:
-        y = gl.reshape(gl.permute(gl.reshape(x, [8, BN // 8]), (1, 0)), [BN])
-    else:
-        y = gl.reshape(gl.permute(gl.reshape(x, [8, BN // 8, ROWS]), (1, 0, 2)), [BN, ROWS])
-    return y
-
-
 @gluon.jit
 def _join4(x0, x1, x2, x3):
     # [..., 2, 2] whose element [..., u, v] is x_(2u+v)
@@ -150,9 +115,8 @@ def _value_operand(vw, BN: gl.constexpr, D: gl.constexpr, F: gl.constexpr, VA0: 
 @gluon.jit
 def _issue(stage, n0, k_smem, v_smem, k_base, v_base, stride_kh, stride_vh, tc, wc, W: gl.constexpr,
            H: gl.constexpr):
-    """Start copying the code words of tile n0, every packed head, into pipeline stage ``stage``
-    (row m of a stage holds token _token_of_row(m))."""
-    rows = (n0 + _token_of_row(tc, tc.shape[0]))[:, None] * W + wc[None, :]
+    """Start copying the code words of tile n0, every packed head, into pipeline stage ``stage``."""
+    rows = (n0 + tc)[:, None] * W + wc[None, :]
     for i in gl.static_range(H):
         async_copy.async_copy_global_to_shared(k_smem.index(stage * H + i), k_base + i * stride_kh + rows)
         async_copy.async_copy_global_to_shared(v_smem.index(stage * H + i), v_base + i * stride_vh + rows)
@@ -160,53 +124,45 @@ def _issue(stage, n0, k_smem, v_smem, k_base, v_base, stride_kh, stride_vh, tc, 
 
 
 @gluon.jit
-def _param(P, n0, end, stride_h, Q_PER_KV: gl.constexpr, H: gl.constexpr, BN: gl.constexpr, ROWS: gl.constexpr,
-           MASKED: gl.constexpr):
-    """One token-wise parameter (scale or zero) per token of tile n0, in the rows of the scores:
-    [BN] with one head per program, else [BN, ROWS] with each query row's own head. The rows a
-    lane holds are BN/8 consecutive tokens (_token_of_row), so each lane loads them as one vector
-    from one address (32 two-byte loads per tile, each with its own address, had warps waiting on
-    their address registers, docs/perf.md)."""
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
+def _param(P, n0, tm, head_c, stride_h, live, H: gl.constexpr, MASKED: gl.constexpr):
+    """One token-wise parameter (scale or zero) per token of tile n0: [BN] with one head per program,
+    else [BN, ROWS] with each query row's own head (head_c: the packed head of each row).
+    A lane's tokens are tm = g + 8j: the address is one base per lane (row g) plus 8j elements, so
+    every load takes an immediate offset from that base instead of its own 64-bit address (the
+    address registers of 32 loads per tile had warps waiting on them, docs/perf.md)."""
+    lo = tm & 7          # the lane's row g, the same in every register
+    hi = tm & -8         # 8j: a constant per register
     if H == 1:
-        run_l: gl.constexpr = token_runs_layout(BN, 0)
-        t = gl.arange(0, BN, layout=run_l)
-        ptr = P + n0 + t
-        ok = n0 + t < end
+        ptr = (P + n0 + lo) + hi
+        ok = live
     else:
-        run_l: gl.constexpr = token_runs_layout(BN, ROWS)
-        t = gl.arange(0, BN, layout=gl.SliceLayout(1, run_l))
-        head = gl.minimum(gl.arange(0, ROWS, layout=gl.SliceLayout(0, run_l)) // Q_PER_KV, H - 1)
-        ptr = P + n0 + head[None, :] * stride_h + t[:, None]
-        ok = (n0 + t < end)[:, None]
+        ptr = (P + n0 + head_c[None, :] * stride_h + lo[:, None]) + hi[:, None]
+        ok = live[:, None]
     if MASKED:
         x = gl.load(ptr, mask=ok, other=0.0)
     else:
         x = gl.load(ptr)
-    if H == 1:
-        y = gl.convert_layout(_rows_of_tokens(x, BN, 0), gl.SliceLayout(1, mma), assert_trivial=True)
-    else:
-        y = gl.convert_layout(_rows_of_tokens(x, BN, ROWS), mma, assert_trivial=True)
-    return y
+    return x
 
 
 @gluon.jit
-def _scales(n0, end, KSp, KZp, VSp, VZp, stride_ksh, stride_vsh, KEY_G: gl.constexpr, VAL_G: gl.constexpr,
-            Q_PER_KV: gl.constexpr, H: gl.constexpr, BN: gl.constexpr, ROWS: gl.constexpr, MASKED: gl.constexpr):
-    """Per-token scale and zero of the token-wise sides, in the rows of the scores (placeholders
-    for channel-wise ones)."""
+def _scales(n0, end, tm, head_c, KSp, KZp, VSp, VZp, stride_ksh, stride_vsh, KEY_G: gl.constexpr,
+            VAL_G: gl.constexpr, H: gl.constexpr, MASKED: gl.constexpr):
+    """Per-token scale and zero of the token-wise sides (placeholders for channel-wise ones)."""
+    tok = n0 + tm
+    live = tok < end
     if KEY_G == 0:
-        ks = _param(KSp, n0, end, stride_ksh, Q_PER_KV, H, BN, ROWS, MASKED)
-        kz = _param(KZp, n0, end, stride_ksh, Q_PER_KV, H, BN, ROWS, MASKED)
+        ks = _param(KSp, n0, tm, head_c, stride_ksh, live, H, MASKED)
+        kz = _param(KZp, n0, tm, head_c, stride_ksh, live, H, MASKED)
     else:
-        ks = end
-        kz = end
+        ks = tm
+        kz = tm
     if VAL_G == 0:
-        vs = _param(VSp, n0, end, stride_vsh, Q_PER_KV, H, BN, ROWS, MASKED)
-        vz = _param(VZp, n0, end, stride_vsh, Q_PER_KV, H, BN, ROWS, MASKED)
+        vs = _param(VSp, n0, tm, head_c, stride_vsh, live, H, MASKED)
+        vz = _param(VZp, n0, tm, head_c, stride_vsh, live, H, MASKED)
     else:
-        vs = end
-        vz = end
+        vs = tm
+        vz = tm
     return ks, kz, vs, vz
 
 
@@ -214,7 +170,7 @@ def _scales(n0, end, KSp, KZp, VSp, VZp, stride_ksh, stride_vsh, KEY_G: gl.const
 def _stage_tail(n0, end, k_smem, v_smem, k_base, v_base, stride_kh, stride_vh, tc, wc, W: gl.constexpr,
                 H: gl.constexpr):
     """The last, partial tile into stage 0 of the pipeline's shared memory, zeros past the end."""
-    tok = n0 + _token_of_row(tc, tc.shape[0])
+    tok = n0 + tc
     rows = tok[:, None] * W + wc[None, :]
     live = (tok < end)[:, None]
     gl.thread_barrier()   # every lane is done reading the stages
@@ -267,7 +223,7 @@ def _scores(n0, end, k_smem, slot, ks, kz, tm, head_c, q16, q_bias, q_sum, row_s
         # sum(q x zero) added (eq. 4, 6, 7), see _key_group
         t = sacc * q_bias[None, :] + q_sum[None, :]
     if MASKED:
-        t = gl.where((n0 + _token_of_row(tm, BN) < end)[:, None], t, float("-inf"))
+        t = gl.where((n0 + tm < end)[:, None], t, float("-inf"))
     return t
 
 
@@ -542,8 +498,8 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
     acc_o = gl.zeros([D, ROWS], gl.float32, layout=mma)
     if n_full > 0:
         if SCALE_AHEAD:   # the first tile's scales; each iteration then loads the next tile's
-            ks, kz, vs, vz = _scales(start, end, KSp, KZp, VSp, VZp, stride_ksh, stride_vsh, KEY_G, VAL_G, Q_PER_KV,
-                                     H, BN, ROWS, False)
+            ks, kz, vs, vz = _scales(start, end, tm, head_c, KSp, KZp, VSp, VZp, stride_ksh, stride_vsh, KEY_G, VAL_G,
+                                     H, False)
         for i in range(n_full):
             n0 = start + i * BN
             if PAGE > 0:   # this tile's page: its group scales
@@ -571,11 +527,11 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
                 k_a = k_base
                 v_a = v_base
             if SCALE_AHEAD:   # one tile ahead, in registers
-                ks2, kz2, vs2, vz2 = _scales(n_next, end, KSn, KZn, VSn, VZn, stride_ksh, stride_vsh, KEY_G, VAL_G,
-                                             Q_PER_KV, H, BN, ROWS, False)
+                ks2, kz2, vs2, vz2 = _scales(n_next, end, tm, head_c, KSn, KZn, VSn, VZn, stride_ksh, stride_vsh,
+                                             KEY_G, VAL_G, H, False)
             else:             # this tile's, loaded now: fewer live registers, the latency under the key side
-                ks, kz, vs, vz = _scales(n0, end, KSp, KZp, VSp, VZp, stride_ksh, stride_vsh, KEY_G, VAL_G, Q_PER_KV,
-                                         H, BN, ROWS, False)
+                ks, kz, vs, vz = _scales(n0, end, tm, head_c, KSp, KZp, VSp, VZp, stride_ksh, stride_vsh, KEY_G, VAL_G,
+                                         H, False)
             gl.thread_barrier()   # every lane is done reading the stage the next copy overwrites
             _issue(ahead % STAGES, n_ahead, k_smem, v_smem, k_a, v_a, stride_kh, stride_vh, tc, wc, W, H)
             async_copy.wait_group(STAGES - 1)
@@ -599,8 +555,8 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
             v_scale, v_zero = _value_group(VSp + (full_end // VAL_G) * stride_vsn,
                                            VZp + (full_end // VAL_G) * stride_vsn, chan_o, weight_o, head_c, stride_vsh,
                                            H)
-        ks, kz, vs, vz = _scales(full_end, end, KSp, KZp, VSp, VZp, stride_ksh, stride_vsh, KEY_G, VAL_G, Q_PER_KV, H,
-                                 BN, ROWS, True)
+        ks, kz, vs, vz = _scales(full_end, end, tm, head_c, KSp, KZp, VSp, VZp, stride_ksh, stride_vsh, KEY_G, VAL_G,
+                                 H, True)
         _stage_tail(full_end, end, k_smem, v_smem, k_base, v_base, stride_kh, stride_vh, tc, wc, W, H)
         m_i, l_i, zsum, acc_o = _tile(full_end, end, k_smem, v_smem, 0, ks, kz, vs, vz, m_i, l_i, zsum, acc_o, tm,
                                       head_c, head_b, q16, q_bias, q_sum, row_scale, v_scale, v_zero, BN, D, F, ROWS,

@@ -26,28 +26,14 @@ def _tool(name: str) -> str:
     return str(path)
 
 
-def disassemble(cubin: Path, modifiers: bool = False) -> list[tuple[int, str, str]]:
-    """[(address, opcode, operands)] of every instruction in the cubin; ``modifiers``: the opcode
-    with its modifiers (``LDG.E.128`` rather than ``LDG``)."""
+def disassemble(cubin: Path) -> list[tuple[int, str, str]]:
+    """[(address, opcode, operands)] of every instruction in the cubin."""
     text = subprocess.run([_tool("cuobjdump"), "-sass", str(cubin)], check=True, capture_output=True,
                           text=True).stdout
     out = []
     for m in _LINE.finditer(text):
-        out.append((int(m.group(1), 16), m.group(3) + (m.group(4) or "" if modifiers else ""), m.group(5)))
+        out.append((int(m.group(1), 16), m.group(3), m.group(5)))
     return out
-
-
-def load_bits(op: str) -> int:
-    """Bits one lane moves in a load with modifiers ``op`` (``LDG.E.128`` -> 128; no width: 32,
-    ``.U16``/``.S16``: 16, ``.U8``/``.S8``: 8)."""
-    for part in op.split(".")[1:]:
-        if part in ("64", "128"):
-            return int(part)
-        if part in ("U16", "S16"):
-            return 16
-        if part in ("U8", "S8"):
-            return 8
-    return 32
 
 
 def loop_instructions(cubin: Path) -> list[tuple[int, str, str]]:
