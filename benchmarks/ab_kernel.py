@@ -29,11 +29,16 @@ def load_variant(name: str, path: str):
     return module
 
 
-def attention(spec, module=None, **options):
-    """The launcher, running ``module``'s decode kernel instead of main's where given."""
+def attention(spec, module=None, key_bias=None, **options):
+    """The launcher, running ``module``'s decode kernel instead of main's where given, and the plan
+    with key code bias ``key_bias`` instead of gluon_plan's where given."""
     attn = foldc.compile(spec, "sm_90", kernel="gluon", **options)
     if module is not None:
         attn._modules = (module.foldc_decode_gluon, attn._kernels()[1])   # same merge kernel
+    if key_bias is not None:
+        from foldc.backends.gluon.lower import lower
+        attn.plan = foldc.plan(spec, code_bias={"key": key_bias, "value": 0})
+        attn.config = lower(attn.plan)
     return attn
 
 
@@ -41,6 +46,8 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--variant", action="append", default=[], help="NAME=PATH of a kernel.py copy (repeatable)")
+    ap.add_argument("--key-bias", action="append", default=[], type=int,
+                    help="also time main's kernel on the plan with this key code bias (e.g. 1024, the OR trick)")
     ap.add_argument("--cases", default="2:token/token:8x65536,2:token/token:32x16384,2:token/token:32x65536,"
                     "4:token/token:32x16384,2:channel/token:32x65536,2:channel/channel:32x65536",
                     help="BITS:K/V:BATCHxTOKENS, comma-separated")
@@ -62,6 +69,7 @@ def main() -> int:
         q, k, v = decode_case(spec, b, n, seed=b * n + int(bits))
         ref = foldc.attention_reference(q, k, v) if b * n <= 600_000 else None
         kernels = {name: attention(spec, module) for name, module in variants.items()}
+        kernels.update({f"key_bias_{kb}": attention(spec, key_bias=kb) for kb in args.key_bias})
         best = {}
         errors = {}
         for name, attn in kernels.items():
