@@ -457,8 +457,10 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
     field = kq // NB
     j = kq % NB
     chan = field * NB + ((j & ~3) | ((j & 1) << 1) | ((j >> 1) & 1))
-    qv = gl.load(Q + b * stride_qb + (h * Q_PER_KV + rq)[None, :] * stride_qh + chan[:, None],
-                 mask=(rq < Q_PER_KV * H)[None, :], other=0.0).to(gl.float32)
+    # each lane's eight consecutive channels in one vector load, then put in k order (_swap_k01)
+    q_nat = gl.load(Q + b * stride_qb + (h * Q_PER_KV + rq)[None, :] * stride_qh + kq[:, None],
+                    mask=(rq < Q_PER_KV * H)[None, :], other=0.0)
+    qv = gl.convert_layout(_swap_k01(q_nat, D, ROWS), b_l, assert_trivial=True).to(gl.float32)
     head_q = gl.minimum(rq // Q_PER_KV, H - 1)                                  # packed head of each row
     head_b = head_q
     head_c = gl.minimum(gl.arange(0, ROWS, layout=row_l) // Q_PER_KV, H - 1)
