@@ -140,3 +140,15 @@ def test_token_wise_scales_load_at_offsets_from_one_base_each(build, reports):
     lookups = 2 if paged else 0      # a paged build also reads the page of this tile and of the tile copied ahead
     assert loop["global_loads"] == 4 * block_n // 8 + lookups, loop
     assert loop["global_load_bases"] <= 4 + lookups, loop
+
+
+@pytest.mark.parametrize("build", [b for b in BUILDS if b[4] == "sm_90"],
+                         ids=lambda b: f"int{b[0]}-{b[1]}/{b[2]}-bn{b[5]}-K{b[7][0]}V{b[8][0]}-H{b[9]}-P{b[10]}")
+def test_int2_prefetches_the_next_tiles_scales_into_l2(build, reports):
+    """At INT2 with scales loaded at each tile's start (token-wise K and V), the token loop sends
+    the next tile's scale rows to L2 with one prefetch; INT4 (where its registers cost resident
+    programs), the layouts that load scales a tile ahead and the paged builds (where the per-tile page
+    rebases the four pointers) do not (launch.default_prefetch, kernel.py)."""
+    bits, kl, vl, page = build[0], build[7], build[8], build[10]
+    want = 1 if bits == 2 and kl == vl == "token" and page == 0 else 0
+    assert reports[build]["inner_loop"]["l2_prefetches"] == want, reports[build]["inner_loop"]

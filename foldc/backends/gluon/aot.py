@@ -107,7 +107,8 @@ def compile_gluon_aot(spec, arch: str, out_dir: str | Path, dtype: str = "bf16",
                                                                                      heads=heads)
                                                      if not (cfg.key_tokens or cfg.value_tokens) else None),
                        "top_opcodes": dict(loop.most_common(12)),
-                       "global_loads": len(loads), "global_load_bases": len(bases)},
+                       "global_loads": len(loads), "global_load_bases": len(bases),
+                       "l2_prefetches": loop.get("CCTL", 0)},
     }
     (out / f"foldc_decode_gluon.{arch}.json").write_text(json.dumps(report, indent=2))
     return report

@@ -3,14 +3,16 @@ operands in registers, two codes per LOP3, with no per-value scale or zero.
 
 One program = one warp = one (batch, H packed kv_heads, split). Per tile of BN tokens:
   key side   S^T = K'.Q'^T       M = tokens, N = query rows, K = channels    (eq. 3, 8)
-             t = s_tok * (S^T - 1024 * sum(q')) / c + z_tok * sum(q)            (eq. 6, 7)
+             t = s_tok * S^T * 2^24 / c + z_tok * sum(q)                        (eq. 6, 7)
   softmax    online, per query row (log2 units)                                (eq. 9)
   value side O^T += V'^T.(P * s_tok)^T  M = channels, N = rows, K = tokens       (eq. 4)
              plus sum(P * z_tok) per row                                         (eq. 6)
-The value codes enter the MMA as fp16 subnormals (code x 2^-24, exact; operands.py), undone per
-output row at the end. The code words travel global -> shared memory by cp.async, STAGES tiles
-ahead; token-wise scales and zeros are loaded at each tile's start (SCALE_AHEAD=False) or one
-tile ahead in registers (SCALE_AHEAD=True). Each split writes (max, denominator, accumulator) for the
+The codes of both sides enter the MMA as fp16 subnormals (code x 2^-24, exact; operands.py): the
+key side's 2^24 rides on the logits' scale, the value side's is undone per output row at the end
+(a plan with the OR trick's key bias 1024 subtracts 1024 x sum(q') from S^T instead). The code
+words travel global -> shared memory by cp.async, STAGES tiles ahead; token-wise scales and zeros
+are loaded at each tile's start (SCALE_AHEAD=False; with PREFETCH the next tile's go to L2 first)
+or one tile ahead in registers (SCALE_AHEAD=True). Each split writes (max, denominator, accumulator) for the
 merge kernel (eq. 14), the same workspace the Triton backend uses. The channel and row maps of
 the operands are in operands.py.
 
@@ -121,6 +123,26 @@ def _issue(stage, n0, k_smem, v_smem, k_base, v_base, stride_kh, stride_vh, tc, 
         async_copy.async_copy_global_to_shared(k_smem.index(stage * H + i), k_base + i * stride_kh + rows)
         async_copy.async_copy_global_to_shared(v_smem.index(stage * H + i), v_base + i * stride_vh + rows)
     async_copy.commit_group()
+
+
+@gluon.jit
+def _prefetch_scales(n0, KSp, KZp, VSp, VZp, stride_ksh, stride_vsh, KEY_G: gl.constexpr, VAL_G: gl.constexpr,
+                     H: gl.constexpr, BN: gl.constexpr):
+    """Bring tile n0's token-wise scales and zeros into L2 (``prefetch.global.L2``, no registers
+    held): lane l takes parameter l % 4 of head (l // 4) % H, one BN x 2-byte row each (at most
+    128 bytes, one line). The loads at the tile's start then wait on L2, not on DRAM (long-scoreboard
+    stalls on them were 17% of the samples, docs/perf.md)."""
+    lane = gl.arange(0, 32, layout=gl.BlockedLayout([1], [32], [1], [0]))
+    p = lane % 4
+    head = (lane // 4) % H
+    if KEY_G == 0:
+        ptr = gl.where(p == 0, KSp + head * stride_ksh, KZp + head * stride_ksh)
+    else:
+        ptr = VSp + head * stride_vsh
+    if VAL_G == 0:
+        ptr = gl.where(p == 2, VSp + head * stride_vsh, gl.where(p == 3, VZp + head * stride_vsh, ptr))
+    gl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.b32 $0, 0;", "=r,l", [ptr + n0], dtype=gl.int32,
+                              is_pure=False, pack=1)
 
 
 @gluon.jit
@@ -404,7 +426,8 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
                        D: gl.constexpr, BITS: gl.constexpr, KEY_BIAS: gl.constexpr, KEY_G: gl.constexpr,
                        VAL_G: gl.constexpr, STAGES: gl.constexpr, SCALE_AHEAD: gl.constexpr, KASM: gl.constexpr,
                        KCONS: gl.constexpr, VA0: gl.constexpr, VA1: gl.constexpr, VA2: gl.constexpr,
-                       VA3: gl.constexpr, VCONS: gl.constexpr, VALUE_EXP: gl.constexpr, KEY_EXP: gl.constexpr):
+                       VA3: gl.constexpr, VCONS: gl.constexpr, VALUE_EXP: gl.constexpr, KEY_EXP: gl.constexpr,
+                       PREFETCH: gl.constexpr):
     NB: gl.constexpr = D * BITS // 8
     W: gl.constexpr = NB // 4
     F: gl.constexpr = 8 // BITS
@@ -536,6 +559,9 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
                                          H, False)
             gl.thread_barrier()   # every lane is done reading the stage the next copy overwrites
             _issue(ahead % STAGES, n_ahead, k_smem, v_smem, k_a, v_a, stride_kh, stride_vh, tc, wc, W, H)
+            if PREFETCH and not SCALE_AHEAD:   # the next tile's scales on their way to L2 (loaded at its start);
+                if (KEY_G == 0 or VAL_G == 0) and PAGE == 0:   # not measured on pages, where it costs 7% more SASS
+                    _prefetch_scales(n_next, KSn, KZn, VSn, VZn, stride_ksh, stride_vsh, KEY_G, VAL_G, H, BN)
             async_copy.wait_group(STAGES - 1)
             gl.thread_barrier()   # tile i's words, copied by every lane, are visible
             m_i, l_i, zsum, acc_o = _tile(n0, end, k_smem, v_smem, (i % STAGES) * H, ks, kz, vs, vz, m_i, l_i, zsum,

@@ -1,11 +1,14 @@
 """How packed codes become tensor-core operands in registers (GPU only: inline PTX).
 
 Codes are read as 32-bit words of the planar packing (foldc/encoding.py: byte j, bit field i
-holds channel i*W8 + j, W8 = head_dim*bits/8 bytes per token). One LOP3 ``(word & m) | 0x6400...``
-turns two codes into an fp16 pair of ``1024 + 2^(bits*i) * code``: the field is masked where it
-lies, never shifted, so field i carries the power-of-two weight 2^(bits*i). The kernel folds
-that weight into the query (key side) or into the output rows (value side); power-of-two
-scalings are exact in floating point.
+holds channel i*W8 + j, W8 = head_dim*bits/8 bytes per token). One AND ``word & m`` turns two
+codes into an fp16 pair of *subnormals*: bit pattern m is m * 2^-24 exactly, so field i of code c
+is ``c * 2^(bits*i) * 2^-24``, with no magic number and no subtraction (the tensor cores take fp16
+subnormals as they are). The field is masked where it lies, never shifted, so field i carries the
+power-of-two weight 2^(bits*i). The kernel folds that weight and the 2^24 into the query and the
+logits (key side) or into the output rows (value side); power-of-two scalings are exact in
+floating point. A plan whose key codes carry the OR trick's bias 1024 gets ``(word & m) | 0x6400...``
+= ``1024 + 2^(bits*i) * code`` instead (one LOP3), and the kernel removes ``1024 * sum(q')`` per score.
 
 Key side (scores S^T = K'.Q'^T, tokens on the MMA's M axis): the MMA's A operand with
 k_width=8 wants 8 consecutive k per thread; a thread reads two consecutive words of one token,
@@ -15,10 +18,8 @@ k index of an operand element is ``4*word + 2*p + e`` for byte ``4*word + p + 2*
 
 Value side (O^T = V'^T.P'^T, channels on M, tokens on K): the A operand wants consecutive
 tokens of one channel per register pair, so `value_unpack_asm` takes four tokens' words, gathers
-byte b of each with two PRMTs and unpacks two tokens per AND. The masked field is used as it
-stands, an fp16 *subnormal*: bit pattern m is m * 2^-24 exactly, so field i of code c is
-``c * 2^(bits*i) * 2^-24`` with no magic number and no subtraction (the tensor cores take fp16
-subnormals as they are; a folded 1024 bias costs precision there, ../shared/notes/fold-kernel-probe.md).
+byte b of each with two PRMTs and unpacks two tokens per AND, as subnormals (here a folded 1024
+bias would cost precision, ../shared/notes/fold-kernel-probe.md).
 The kernel multiplies each output row by 2^(VALUE_EXPONENT - bits*i) at the end. Row m of the operand is
 channel ``i*W8 + 4*(m % W) + (m // W) % 4`` with ``W`` words per token (`value_channel`).
 """
