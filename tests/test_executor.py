@@ -182,8 +182,10 @@ def test_constant_group_quantizes_to_zero_scale_and_still_matches(c, which, bits
 @PROP
 @given(cases())
 def test_large_outlier_key_channels(c):
-    """Keys with a few channels of magnitude 20..50 (peaked softmax, large logits) still match."""
-    kq, _ = _run_case({**c, "outliers": True})
+    """Keys with a few channels of magnitude 20..50 (peaked softmax, large logits) still match.
+    (No constant group here: one made after the outliers can cover the whole key, e.g. one token
+    with one group of head_dim channels, and flatten them.)"""
+    kq, _ = _run_case({**c, "outliers": True, "constant_group": False})
     k = kq.dequantize(torch.float64) if isinstance(kq, foldc.AffineTensor) else kq
     assert k.abs().max() > 15
 
