@@ -82,33 +82,47 @@ def verdicts(fold: str, bits: int, fold_ops_per_value: Fraction | float) -> list
 # --- the whole token loop of the register-operand kernel (foldc/backends/gluon) -----------------
 #
 # The per-value figures above count operand construction only. The SASS of the register-operand
-# kernel's token loop (sm_90, INT2, 32-token tiles, tests/backends/test_gluon_aot.py) shows what
-# they leave out: of 524 instructions per warp and tile, 216 build operands (one LOP3 per two
-# codes on both sides, then one sub.f16x2 per two value codes, two PRMT per four value words) and 308
-# do per-token work that does not shrink with the code width -- the online softmax over the
-# padded query rows, per-token scale and zero, addressing, barriers. When H KV heads share one
-# program (their query rows fill the MMA's N axis), the softmax, the barriers and the addressing
-# are done once for all H: the same SASS with H = 2, 4, 8 (846, 1438, 2644 instructions per tile)
-# splits the 308 into about 200 shared and 108 per head.
-#: lane-slots per token (one warp-instruction per token per instruction per tile of 32)
-PER_TOKEN_LANE_SLOTS = {"sm_90": 308.0}
-#: the part of PER_TOKEN_LANE_SLOTS that packed heads share (softmax, barriers, addressing)
-PER_TOKEN_SHARED_LANE_SLOTS = {"sm_90": 200.0}
-#: lane-slots per stored value to build the operands: key (LOP3 / 2), value (AND / 2: the codes are
-#: used as fp16 subnormals, gluon/operands.py) plus the word gather (2 PRMT per 16 codes)
-KEY_CONSTRUCTION, VALUE_CONSTRUCTION = 0.5, 0.5 + 0.125
+# kernel's token loop (sm_90, tests/backends/test_gluon_aot.py) has three parts, fitted to the
+# builds of INT2 and INT4 at 32- and 64-token tiles with 1, 2 and 4 KV heads per program (2026-11-30,
+# after the subnormal key codes; every build within 3% of the fit):
+#   - construction, per head and token: one LOP3 per two codes on each side, the key words'
+#     second byte pair by one SHF per word, the value words' gather by two PRMT per word, and the
+#     shared-memory loads of the words (one LDS.64 per two words, each side);
+#   - per-head work per token that does not shrink with the code width (scales and zeros, their
+#     loads and conversion, the selects between packed heads): about 75 warp-instructions per 32
+#     tokens per head;
+#   - work the packed heads share (the online softmax over the query rows, the matrix
+#     instructions' bookkeeping): about 142 per 32 tokens;
+#   - per tile, whatever its size (barriers, the copy issue, loop control): about 70.
+#: lane-slots per stored value to build the operands, by code width (see above)
+def key_construction(bits: int) -> float:
+    return 0.5 + bits / 32 + bits / 64
+
+
+def value_construction(bits: int) -> float:
+    return 0.5 + bits / 16 + bits / 64
+
+
+#: warp-instructions per 32 tokens: per head, shared by the packed heads; and per tile
+PER_HEAD_PER_32_TOKENS = {"sm_90": 75.0}
+SHARED_PER_32_TOKENS = {"sm_90": 142.0}
+PER_TILE = {"sm_90": 70.0}
+
+
+def token_loop_instructions_per_tile(arch: str, bits: int, head_dim: int, heads: int = 1, block_n: int = 32) -> float:
+    """Warp-instructions one program issues per tile of ``block_n`` tokens of ``heads`` KV heads
+    (token-wise K and V): the fit above."""
+    if arch not in PER_TILE:
+        raise ValueError(f"arch={arch!r} has no measured token-loop figure; use one of {sorted(PER_TILE)}")
+    build = head_dim * (key_construction(bits) + value_construction(bits))   # per 32 tokens per head
+    per_32 = heads * (build + PER_HEAD_PER_32_TOKENS[arch]) + SHARED_PER_32_TOKENS[arch]
+    return block_n / 32 * per_32 + PER_TILE[arch]
 
 
 def token_loop_lane_slots_per_byte(arch: str, bits: int, head_dim: int, param_bytes: int = 2,
-                                   heads: int = 1) -> float:
+                                   heads: int = 1, block_n: int = 32) -> float:
     """Issue demand of the register-operand kernel's whole token loop per byte it reads (token-wise
-    K and V, fp16 scale and zero per token): construction of both operands plus the per-token work,
-    which ``heads`` KV heads packed into one program's query rows share."""
-    if arch not in PER_TOKEN_LANE_SLOTS:
-        raise ValueError(f"arch={arch!r} has no measured token-loop figure; use one of {sorted(PER_TOKEN_LANE_SLOTS)}")
-    values = head_dim                                   # per operand, per token
-    bytes_per_token = 2 * (head_dim * bits / 8 + 2 * param_bytes)
-    build = values * (KEY_CONSTRUCTION + VALUE_CONSTRUCTION)
-    shared = PER_TOKEN_SHARED_LANE_SLOTS[arch]
-    per_token = PER_TOKEN_LANE_SLOTS[arch] - shared + shared / heads
-    return (build + per_token) / bytes_per_token
+    K and V, fp16 scale and zero per token): construction of both operands plus the per-token and
+    per-tile work, part of which the ``heads`` KV heads packed into one program share."""
+    bytes_per_tile = heads * block_n * 2 * (head_dim * bits / 8 + 2 * param_bytes)
+    return 32 * token_loop_instructions_per_tile(arch, bits, head_dim, heads, block_n) / bytes_per_tile

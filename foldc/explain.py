@@ -100,17 +100,18 @@ def _kernel_text(spec) -> str:
         cfg = lower(gluon_plan(spec))
     except NotLowerable as e:
         return f"register-operand kernel (sm_90): not used for this layout ({e}); the generated Triton kernel runs it"
-    from .backends.gluon.launch import default_pack_heads
+    from .backends.gluon.launch import GluonAttention
 
-    heads = default_pack_heads(cfg, spec.num_kv_heads)
+    launcher = GluonAttention(spec)          # its defaults: KV heads per program and tokens per tile
+    heads, block_n = launcher.heads, launcher.default_block_n
     if cfg.key_tokens or cfg.value_tokens:
         return (f"register-operand kernel (sm_90), {heads} KV head(s) per program: no fitted whole-loop figure for "
                 "channel-wise sides; `foldc compile --target sm_90` reports the SASS count per tile "
                 "(instructions_per_tile) and docs/perf.md compares the layouts")
     h200 = next(g for g in GPUS if g.name == "H200")
-    demand = token_loop_lane_slots_per_byte("sm_90", cfg.bits, cfg.head_dim, heads=heads)
-    return (f"register-operand kernel (sm_90), whole token loop with {heads} KV head(s) per program (fitted to its "
-            f"SASS): {demand:.2f} of the {h200.name}'s {h200.lane_slots_per_byte:.2f} lane-slots/byte "
+    demand = token_loop_lane_slots_per_byte("sm_90", cfg.bits, cfg.head_dim, heads=heads, block_n=block_n)
+    return (f"register-operand kernel (sm_90), whole token loop with {heads} KV head(s) per program and "
+            f"{block_n}-token tiles (fitted to its SASS): {demand:.2f} of the {h200.name}'s {h200.lane_slots_per_byte:.2f} lane-slots/byte "
             f"({100 * demand / h200.lane_slots_per_byte:.0f}% of the issue slots at full bandwidth; warps that wait "
             "on their own latencies kept the issue slots busy 47% of the time on the H200 at INT2 8 x 64K, Nsight "
             "Compute, docs/perf.md)")

@@ -227,7 +227,9 @@ def test_explain_gives_the_register_operand_kernels_whole_loop_demand(capsys, k_
     tail = " ".join(out.split("+\n")[-1].split())
     assert tail.startswith("register-operand kernel (sm_90)") and "2 KV head(s) per program" in tail
     if want == "fitted":
-        demand = token_loop_lane_slots_per_byte("sm_90", bits, 128, heads=2)
+        block_n = 64 if bits == 2 else 32      # the launcher's default tiles for two packed heads
+        assert f"{block_n}-token tiles" in tail
+        demand = token_loop_lane_slots_per_byte("sm_90", bits, 128, heads=2, block_n=block_n)
         assert f"{demand:.2f} of the H200's 6.97 lane-slots/byte" in tail
     else:
         assert "no fitted whole-loop figure" in tail

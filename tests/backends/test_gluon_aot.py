@@ -94,12 +94,15 @@ def test_once_per_group_work_is_counted_apart_from_every_tile(build, reports):
         assert r["instructions_per_tile"] == pytest.approx(every_tile + r["once_per_group"] * block_n / 128)
 
 
-@pytest.mark.parametrize("build", [b for b in BUILDS if b[4] == "sm_90" and b[7] == b[8] == "token" and b[2] == 8],
+@pytest.mark.parametrize("build", [b for b in BUILDS if b[4] == "sm_90" and b[7] == b[8] == "token" and b[2] == 8
+                                   and b[10] == 0],
                          ids=lambda b: f"int{b[0]}-{b[1]}/{b[2]}-bn{b[5]}-H{b[9]}-P{b[10]}")
 def test_sass_matches_the_token_loop_cost_model(build, reports):
-    """foldc.cost's whole-loop figure (construction + per-token work, eq. 13) within 15% of the SASS."""
+    """foldc.cost's whole-loop figure (construction, per-head and shared per-token work, per-tile
+    work; eq. 13) within 5% of the SASS of contiguous-cache builds (the fit is within 3%; a paged
+    build adds its page lookups, test_paged_reads_cost_little_in_the_token_loop)."""
     r = reports[build]["inner_loop"]
-    assert r["model_lane_slots_per_byte"] == pytest.approx(r["lane_slots_per_byte"], rel=0.15), r
+    assert r["model_lane_slots_per_byte"] == pytest.approx(r["lane_slots_per_byte"], rel=0.05), r
 
 
 def test_foldc_compile_builds_the_register_operand_kernel(tmp_path):

@@ -104,7 +104,7 @@ def compile_gluon_aot(spec, arch: str, out_dir: str | Path, dtype: str = "bf16",
                        "instructions_per_tile": per_tile, "bytes_per_tile": tile_bytes,
                        "lane_slots_per_byte": lane_slots_per_byte(loop, 1, tile_bytes),
                        "model_lane_slots_per_byte": (token_loop_lane_slots_per_byte("sm_90", cfg.bits, cfg.head_dim,
-                                                                                     heads=heads)
+                                                                                     heads=heads, block_n=block_n)
                                                      if not (cfg.key_tokens or cfg.value_tokens) else None),
                        "top_opcodes": dict(loop.most_common(12)),
                        "global_loads": len(loads), "global_load_bases": len(bases),
