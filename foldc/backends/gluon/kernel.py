@@ -12,8 +12,8 @@ key side's 2^24 rides on the logits' scale, the value side's is undone per outpu
 (a plan with the OR trick's key bias 1024 subtracts 1024 x sum(q') from S^T instead). The code
 words travel global -> shared memory by cp.async, STAGES tiles ahead; token-wise scales and zeros
 are loaded at each tile's start (SCALE_AHEAD=False; with PREFETCH the next tile's go to L2 first)
-or one tile ahead in registers (SCALE_AHEAD=True). Each split writes (max, denominator, accumulator) for the
-merge kernel (eq. 14), the same workspace the Triton backend uses. The channel and row maps of
+or one tile ahead in registers (SCALE_AHEAD=True). Each split writes (max, denominator,
+accumulator) for the merge kernel (eq. 14), the same workspace the Triton backend uses. The channel and row maps of
 the operands are in operands.py.
 
 Import this module only where Triton runs natively (not under TRITON_INTERPRET=1).

@@ -69,7 +69,8 @@ def default_prefetch(cfg: FoldKernel) -> bool:
     """Prefetch the next tile's token-wise scales into L2 while this tile runs (scales loaded at each
     tile's start only): at INT2, 1-2% faster on the H200 at 8 x 64K, 32 x 16K, 32 x 64K and 1 x 16K.
     At INT4 the pointers cost registers (168 -> 174 with 32-token tiles, two heads: 8 programs per SM
-    instead of 12) and it was 0.4% slower (docs/perf.md)."""
+    instead of 12) and it was 0.4% slower (docs/perf.md). The kernel prefetches on contiguous
+    caches only: on pages, rebasing the four pointers per tile adds 7% to the loop, unmeasured."""
     return cfg.bits == 2
 
 

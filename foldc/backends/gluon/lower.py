@@ -28,9 +28,10 @@ from dataclasses import dataclass
 
 from ...plan import Plan, plan
 from ...spec import AttentionSpec
+from .operands import MAGIC_VALUE
 
 KEY_BIAS = 0       # key codes enter as exact fp16 subnormals too (operands.py): no bias to fold
-KEY_BIASES = (0, 1024)   # what the key unpack builds: subnormal codes, or the OR trick's 1024 + code (eq. 7)
+KEY_BIASES = (0, MAGIC_VALUE)   # what the key unpack builds: subnormal codes, or the OR trick's 1024 + code (eq. 7)
 VALUE_BIAS = 0     # value codes enter as exact fp16 subnormals (operands.py): no bias to fold
 MAX_ROWS = 16      # query rows per KV head the MMA's N axis holds (8 or 16)
 

@@ -27,8 +27,8 @@ from __future__ import annotations
 
 MAGIC = 0x64006400  # fp16 pair (1024, 1024)
 MAGIC_VALUE = 1024  # the value of fp16 0x6400, the OR trick's bias
-KEY_EXPONENT = 24    # subnormal key codes: bit pattern m is m * 2^-24, as the values
 VALUE_EXPONENT = 24  # an fp16 bit pattern m below 0x0400 (a subnormal) is m * 2^-24
+KEY_EXPONENT = VALUE_EXPONENT   # subnormal key codes: the same unit
 
 
 def _mask(bits: int, field: int) -> int:
