@@ -42,12 +42,22 @@ def attention(spec, module=None, key_bias=None, **options):
     return attn
 
 
+def _option(name: str, value: str):
+    """A launcher option's value from the command line: booleans as 0/1, else an int."""
+    if name in ("dynamic_tiles", "scale_ahead"):
+        return value == "1"
+    return int(value)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--variant", action="append", default=[], help="NAME=PATH of a kernel.py copy (repeatable)")
     ap.add_argument("--key-bias", action="append", default=[], type=int,
                     help="also time main's kernel on the plan with this key code bias (e.g. 1024, the OR trick)")
+    ap.add_argument("--options", action="append", default=[],
+                    help="NAME=OPTION:VALUE[;OPTION:VALUE]: also time main's kernel compiled with these options, "
+                         "e.g. dyn=dynamic_tiles:1 (values: ints, or 0/1 for booleans)")
     ap.add_argument("--cases", default="2:token/token:8x65536,2:token/token:32x16384,2:token/token:32x65536,"
                     "4:token/token:32x16384,2:channel/token:32x65536,2:channel/channel:32x65536",
                     help="BITS:K/V:BATCHxTOKENS, comma-separated")
@@ -70,6 +80,9 @@ def main() -> int:
         ref = foldc.attention_reference(q, k, v) if b * n <= 600_000 else None
         kernels = {name: attention(spec, module) for name, module in variants.items()}
         kernels.update({f"key_bias_{kb}": attention(spec, key_bias=kb) for kb in args.key_bias})
+        for item in args.options:
+            name, _, opts = item.partition("=")
+            kernels[name] = attention(spec, **{k: _option(k, v) for k, v in (o.split(":") for o in opts.split(";"))})
         best = {}
         errors = {}
         for name, attn in kernels.items():

@@ -29,6 +29,10 @@ BUILDS = [(2, 32, 8, 128, "sm_90", 32, 2, "token", "token", None, 0),
           (4, 32, 8, 128, "sm_90", 32, 2, "channel", "channel", None, 0),
           (2, 32, 8, 128, "sm_90", 64, 2, "token", "token", None, 128),
           (2, 32, 8, 128, "sm_90", 32, 2, "channel", "token", None, 128)]
+# the same builds with dynamic tiles (GluonAttention's dynamic_tiles): the static build they compare with
+DYNAMIC_BUILDS = {(2, 32, 8, 128, "sm_90", 64, 2, "token", "token", None, 0, True): None,
+                  (2, 32, 8, 128, "sm_90", 64, 2, "token", "token", None, 128, True):
+                      (2, 32, 8, 128, "sm_90", 64, 2, "token", "token", None, 128)}
 
 SCRIPT = r"""
 import json, sys
@@ -36,10 +40,10 @@ import foldc
 from foldc.backends.gluon.aot import compile_gluon_aot
 jobs, root = json.loads(sys.argv[1]), sys.argv[2]
 out = []
-for bits, h, kv, d, arch, bn, st, kl, vl, ph, page in jobs:
+for bits, h, kv, d, arch, bn, st, kl, vl, ph, page, *dynamic in jobs:
     spec = foldc.AttentionSpec(h, kv, d, foldc.Affine(bits, kl, d), foldc.Affine(bits, vl, d))
-    out.append(compile_gluon_aot(spec, arch, f"{root}/{bits}-{h}-{kv}-{arch}-{bn}-{st}-{kl}-{vl}-{ph}-{page}",
-                                 block_n=bn, stages=st, pack_heads=ph, page_size=page))
+    out.append(compile_gluon_aot(spec, arch, f"{root}/{bits}-{h}-{kv}-{arch}-{bn}-{st}-{kl}-{vl}-{ph}-{page}-{dynamic}",
+                                 block_n=bn, stages=st, pack_heads=ph, page_size=page, dynamic=bool(dynamic)))
 print(json.dumps(out))
 """
 
@@ -50,10 +54,11 @@ def reports(tmp_path_factory):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     env["TRITON_CACHE_DIR"] = str(root / "triton")
-    done = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(BUILDS), str(root)], env=env,
-                          capture_output=True, text=True, timeout=600)
+    jobs = BUILDS + list(DYNAMIC_BUILDS) + [(2, 32, 8, 128, "sm_90", 64, 2, "token", "token", None, 0)]
+    done = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(jobs), str(root)], env=env,
+                          capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
-    return dict(zip(map(tuple, BUILDS), json.loads(done.stdout.strip().splitlines()[-1])))
+    return dict(zip(map(tuple, jobs), json.loads(done.stdout.strip().splitlines()[-1])))
 
 
 @pytest.mark.parametrize("build", BUILDS, ids=[f"int{b[0]}-{b[1]}/{b[2]}-{b[4]}-bn{b[5]}-K{b[7][0]}V{b[8][0]}-H{b[9]}-P{b[10]}"
@@ -155,3 +160,20 @@ def test_int2_prefetches_the_next_tiles_scales_into_l2(build, reports):
     bits, kl, vl, page = build[0], build[7], build[8], build[10]
     want = 1 if bits == 2 and kl == vl == "token" and page == 0 else 0
     assert reports[build]["inner_loop"]["l2_prefetches"] == want, reports[build]["inner_loop"]
+
+
+@pytest.mark.parametrize("build", list(DYNAMIC_BUILDS), ids=lambda b: f"int{b[0]}-bn{b[5]}-P{b[10]}")
+def test_dynamic_tiles_draw_once_per_tile_and_keep_the_registers(build, reports):
+    """With dynamic tiles the token loop draws the next tile with one atomic and does the static
+    loop's work otherwise: no spills, the static build's registers (168 at INT2 with two heads: 12
+    programs per SM) and no more instructions per tile than it plus a dozen (the draw's broadcast
+    through shared memory), fewer where the static loop's clamped re-copy of the last tile goes."""
+    static = DYNAMIC_BUILDS[build] or build[:5] + (64, 2) + build[7:11]
+    dyn, ref = reports[build], reports[static]
+    loop = dyn["inner_loop"]
+    assert dyn["dynamic"] and not ref["dynamic"]
+    assert loop["atomics"] == 1 and ref["inner_loop"]["atomics"] == 0, loop
+    assert "LDL" not in loop["top_opcodes"] and "STL" not in loop["top_opcodes"], loop
+    assert dyn["registers"] <= ref["registers"], (dyn["registers"], ref["registers"])
+    assert loop["instructions_per_tile"] <= ref["inner_loop"]["instructions_per_tile"] + 12, (loop, ref["inner_loop"])
+    assert loop["top_opcodes"]["HMMA"] == ref["inner_loop"]["top_opcodes"]["HMMA"]

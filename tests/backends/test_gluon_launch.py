@@ -172,3 +172,59 @@ def test_default_tile_is_64_tokens_only_for_packed_int2_whose_groups_hold_it(bit
     assert attn.default_block_n == want
     for g in channel_groups:
         assert g % attn.default_block_n == 0
+
+
+CHUNKS = [("token", "token", 64, 1), ("token", "token", 32, 1), ("channel", "token", 64, 2), ("token", "channel", 32, 4),
+          ("channel", "channel", 64, 2)]
+
+
+@pytest.mark.parametrize("kl,vl,block_n,chunk", CHUNKS, ids=[f"K{k[0]}V{v[0]}-bn{n}" for k, v, n, _ in CHUNKS])
+def test_dynamic_tiles_draw_a_channel_group_at_a_time(kl, vl, block_n, chunk):
+    """A drawn chunk starts on a channel-wise group's boundary and covers the group (128 tokens here),
+    so the kernel's once-per-group reload of the group's scales meets every group at its first tile."""
+    from foldc.backends.gluon.launch import chunk_tiles
+
+    spec = foldc.AttentionSpec(32, 8, 128, foldc.Affine(2, kl, 128), foldc.Affine(2, vl, 128))
+    attn = GluonAttention(spec, block_n=block_n, dynamic_tiles=True)
+    assert chunk_tiles(attn.config, block_n) == chunk
+    import torch
+
+    consts = attn.launch_config(torch.bfloat16, 8, 4096)["constexprs"]
+    assert consts["DYNAMIC"] and consts["CHUNK"] == chunk
+    assert not GluonAttention(spec, block_n=block_n).launch_config(torch.bfloat16, 8, 4096)["constexprs"]["DYNAMIC"]
+
+
+@pytest.mark.parametrize("bad", [None, 1, "yes"])
+def test_dynamic_tiles_must_be_a_bool(bad):
+    with pytest.raises(SpecError, match="dynamic_tiles"):
+        GluonAttention(_spec(), dynamic_tiles=bad)
+
+
+def test_dynamic_tiles_need_two_stages():
+    with pytest.raises(SpecError, match="stages=2"):
+        GluonAttention(_spec(), dynamic_tiles=True, stages=3)
+    with pytest.raises(SpecError, match="stages=2"):
+        constexprs(GluonAttention(_spec()).config, 32, 4, 1, None, dynamic=True)
+
+
+@settings(max_examples=200, deadline=None)
+@given(batch=st.integers(1, 64), tokens=st.integers(1, 1 << 18), resident=st.integers(1, 16),
+       splits=st.one_of(st.none(), st.integers(1, 300)), group=st.sampled_from([None, 32, 128]))
+def test_dynamic_split_plan_never_launches_more_programs_than_chunks(batch, tokens, resident, splits, group):
+    """With dynamic tiles a program's first chunk is its own (chunk s); every further one is drawn.
+    Programs past the chunks would only write empty partials, so the plan launches at most one per
+    chunk, and at least one."""
+    import torch
+
+    enc = foldc.Affine(2, "token", 128)
+    venc = enc if group is None else foldc.Affine(2, "channel", group)
+    attn = _Resident(foldc.AttentionSpec(32, 8, 128, enc, venc), resident=resident, splits=splits, block_n=32,
+                     dynamic_tiles=True)
+    launch = attn.launch_config(torch.bfloat16, batch, tokens)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("foldc.backends.gluon.launch.num_sms", lambda device: 132)
+        used, _ = attn.split_plan(launch, batch, tokens, "cuda")
+    chunks = math.ceil(math.ceil(tokens / 32) / launch["constexprs"]["CHUNK"])
+    assert 1 <= used <= chunks
+    if splits is not None:
+        assert used == min(splits, chunks)

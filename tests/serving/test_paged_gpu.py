@@ -222,3 +222,28 @@ def test_register_operand_kernel_reads_pages_like_the_triton_kernel(name, spec, 
         outs[kernel] = wrapper.run(q, k_pages, v_pages)
     _check(spec, q, k_pages, v_pages, indptr, indices, lens, page_size, outs["auto"])
     assert rel_l2(outs["auto"], outs["triton"].double()) <= 1e-2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+                    reason="the register-operand kernel needs sm_90")
+@pytest.mark.parametrize("name,spec,page_size", GLUON_CASES[1:5], ids=[f"{n}-P{p}" for n, _, p in GLUON_CASES[1:5]])
+def test_register_operand_kernel_draws_paged_tiles_dynamically(name, spec, page_size):
+    """The kernel with dynamic tiles (GluonAttention's dynamic_tiles) over pages: each drawn tile finds
+    its page; the float64 answer, and the static kernel's answer to within rounding."""
+    from foldc.backends.gluon import GluonAttention
+
+    gen = torch.Generator().manual_seed(page_size + 3)
+    lens = [5000, 1, 31, 33, page_size, page_size + 1, 2047]
+    num_pages = sum(-(-n // page_size) for n in lens) + 7
+    k_pages, v_pages = _pools(spec, num_pages, page_size, gen)
+    indptr, indices, last = _table(lens, page_size, num_pages, gen)
+    q = torch.randn(len(lens), spec.num_q_heads, spec.head_dim, generator=gen).cuda().bfloat16()
+    outs = {}
+    for dynamic in (True, False):
+        wrapper = PagedDecodeWrapper(spec, page_size, max_seq_len=5120, device="cuda", splits=7, kernel="gluon")
+        wrapper._gluon = GluonAttention(spec, block_n=wrapper._gluon.default_block_n, splits=7, dynamic_tiles=dynamic)
+        wrapper.plan(indptr, indices, last, num_pages=num_pages)
+        assert wrapper._launch["constexprs"]["DYNAMIC"] == dynamic
+        outs[dynamic] = wrapper.run(q, k_pages, v_pages)
+    _check(spec, q, k_pages, v_pages, indptr, indices, lens, page_size, outs[True])
+    assert rel_l2(outs[True], outs[False].double()) <= 1e-3

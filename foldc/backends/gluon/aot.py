@@ -21,7 +21,7 @@ from .lower import gluon_plan, lower
 
 POINTERS = {"Q": "*bf16", "KC": "*i32", "KS": "*fp16", "KZ": "*fp16", "VC": "*i32", "VS": "*fp16", "VZ": "*fp16",
             "SEQ_LENS": "*i32", "WS_M": "*fp32", "WS_L": "*fp32", "WS_ACC": "*fp32", "KV_INDPTR": "*i32",
-            "KV_INDICES": "*i32"}
+            "KV_INDICES": "*i32", "COUNTERS": "*i32"}
 # runtime ints the JIT sees as multiples of 16 for caches whose token count is a multiple of 16
 ALIGNED_INTS = ("stride_qb", "stride_qh", "stride_kb", "stride_kh", "stride_ksb", "stride_ksh", "stride_vb",
                 "stride_vh", "stride_vsb", "stride_vsh", "tokens_per_split", "cache_tokens")
@@ -38,11 +38,11 @@ def registers(cubin: Path) -> int | None:
 
 def compile_gluon_aot(spec, arch: str, out_dir: str | Path, dtype: str = "bf16", block_n: int = 32,
                       stages: int = 2, maxnreg: int | None = None, pack_heads: int | None = None,
-                      page_size: int = 0, scale_ahead: bool | None = None) -> dict:
+                      page_size: int = 0, scale_ahead: bool | None = None, dynamic: bool = False) -> dict:
     """Build the register-operand kernel of ``spec`` for ``arch`` into ``out_dir``; return a report.
     ``pack_heads``: KV heads per program (default: `default_pack_heads`, as the launcher picks);
     ``page_size``: tokens per page for the paged build (0: contiguous cache); ``scale_ahead``: as
-    `GluonAttention`'s option."""
+    `GluonAttention`'s option; ``dynamic``: tiles drawn from a counter (its ``dynamic_tiles``)."""
     if arch not in ("sm_90", "sm_100"):
         raise SpecError(f"arch={arch!r}: the register-operand kernel builds for sm_90 (and sm_100)")
     if block_n not in (32, 64) or stages not in (2, 3, 4):
@@ -58,7 +58,7 @@ def compile_gluon_aot(spec, arch: str, out_dir: str | Path, dtype: str = "bf16",
 
     cfg = lower(gluon_plan(spec))
     heads = default_pack_heads(cfg, spec.num_kv_heads) if pack_heads is None else pack_heads
-    consts = dict(constexprs(cfg, block_n, stages, heads, scale_ahead), HAS_LENS=True, PAGE=page_size)
+    consts = dict(constexprs(cfg, block_n, stages, heads, scale_ahead, dynamic), HAS_LENS=True, PAGE=page_size)
     signature, attrs = {}, {}
     for i, name in enumerate(foldc_decode_gluon.arg_names):
         if name in consts:
@@ -96,7 +96,7 @@ def compile_gluon_aot(spec, arch: str, out_dir: str | Path, dtype: str = "bf16",
     ptx = compiled.asm["ptx"]
     report = {
         "spec": spec.describe(), "kernel": "gluon", "arch": arch, "dtype": dtype, "block_n": block_n,
-        "stages": stages, "maxnreg": maxnreg, "scale_ahead": consts["SCALE_AHEAD"], "rows": cfg.rows,
+        "stages": stages, "maxnreg": maxnreg, "scale_ahead": consts["SCALE_AHEAD"], "dynamic": consts["DYNAMIC"], "rows": cfg.rows,
         "pack_heads": heads, "registers": registers(cubin),
         "mma": {"mma.sync": len(re.findall(r"\bmma\.sync", ptx)), "wgmma": len(re.findall(r"\bwgmma", ptx))},
         "shared_stores_in_ptx": len(re.findall(r"\bst\.shared", ptx)),
@@ -108,7 +108,7 @@ def compile_gluon_aot(spec, arch: str, out_dir: str | Path, dtype: str = "bf16",
                                                      if not (cfg.key_tokens or cfg.value_tokens) else None),
                        "top_opcodes": dict(loop.most_common(12)),
                        "global_loads": len(loads), "global_load_bases": len(bases),
-                       "l2_prefetches": loop.get("CCTL", 0)},
+                       "l2_prefetches": loop.get("CCTL", 0), "atomics": loop.get("ATOMG", 0)},
     }
     (out / f"foldc_decode_gluon.{arch}.json").write_text(json.dumps(report, indent=2))
     return report

@@ -379,6 +379,34 @@ def _per_channel(x, H: gl.constexpr):
 
 
 @gluon.jit
+def _draw(counter, first, live, previous, DYNAMIC: gl.constexpr):
+    """The next chunk for this program from its (batch, head group)'s counter where ``live``, else
+    ``previous``: chunks 0 .. splits-1 are the programs' first ones, so a draw returns splits + the
+    counter's old value. One lane draws (a scalar atomic); a program draws again only after its last
+    draw succeeded, so every chunk drawn is processed."""
+    if DYNAMIC:
+        got = first + gl.atomic_add(counter, 1, mask=live, sem="relaxed")
+        drawn = gl.where(live, got, previous)
+    else:
+        drawn = previous
+    return drawn
+
+
+@gluon.jit
+def _next_tile(t, drawn, t_stop, counter, first, CHUNK: gl.constexpr, DYNAMIC: gl.constexpr):
+    """(tile after tile t, the chunk drawn ahead). Static: t + 1. Dynamic: the next tile of t's chunk,
+    or the first of the chunk drawn ahead, and then the next draw (its latency hides under a tile).
+    Past the sequence's t_stop full tiles the program stops."""
+    if DYNAMIC:
+        last = (t + 1) % CHUNK == 0
+        t_next = gl.where(last, drawn * CHUNK, t + 1)
+        drawn = _draw(counter, first, last & (drawn * CHUNK < t_stop), drawn, DYNAMIC)
+    else:
+        t_next = t + 1
+    return t_next, drawn
+
+
+@gluon.jit
 def _bases(n0, b, h, cache, table, strides, W: gl.constexpr, KEY_G: gl.constexpr, VAL_G: gl.constexpr,
            PAGE: gl.constexpr):
     """Base pointers of the code words and the scales/zeros for the tile holding token n0.
@@ -417,7 +445,7 @@ def _bases(n0, b, h, cache, table, strides, W: gl.constexpr, KEY_G: gl.constexpr
 
 
 @gluon.jit
-def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, KV_INDPTR, KV_INDICES,
+def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, KV_INDPTR, KV_INDICES, COUNTERS,
                        stride_qb, stride_qh, stride_kb, stride_kh, stride_ksb, stride_ksh, stride_ksn,
                        stride_vb, stride_vh, stride_vsb, stride_vsh, stride_vsn, qk_scale, tokens_per_split,
                        cache_tokens, HAS_LENS: gl.constexpr, PAGE: gl.constexpr, Q_PER_KV: gl.constexpr,
@@ -427,7 +455,7 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
                        VAL_G: gl.constexpr, STAGES: gl.constexpr, SCALE_AHEAD: gl.constexpr, KASM: gl.constexpr,
                        KCONS: gl.constexpr, VA0: gl.constexpr, VA1: gl.constexpr, VA2: gl.constexpr,
                        VA3: gl.constexpr, VCONS: gl.constexpr, VALUE_EXP: gl.constexpr, KEY_EXP: gl.constexpr,
-                       PREFETCH: gl.constexpr):
+                       PREFETCH: gl.constexpr, DYNAMIC: gl.constexpr, CHUNK: gl.constexpr):
     NB: gl.constexpr = D * BITS // 8
     W: gl.constexpr = NB // 4
     F: gl.constexpr = 8 // BITS
@@ -445,8 +473,18 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
         seq_len = gl.minimum(gl.load(SEQ_LENS + b), cache_tokens)   # lengths past the cache are clamped
     else:                                                            # every sequence fills the cache
         seq_len = cache_tokens
-    start = s * tokens_per_split
-    end = gl.minimum(start + tokens_per_split, seq_len)
+    if DYNAMIC:   # every program of a (batch, head group) draws chunks of CHUNK tiles: _next_tile
+        t_stop = seq_len // BN            # the sequence's full tiles; program s starts on chunk s
+        start = s * CHUNK * BN
+        end = gl.where(s == 0, seq_len, t_stop * BN)   # program 0 also takes the partial last tile
+        n_full = gl.maximum(t_stop - s * CHUNK, 0)     # > 0: the program has its first chunk
+        counter = COUNTERS + b * gl.num_programs(1) + gl.program_id(1)
+    else:         # tokens_per_split consecutive tokens
+        start = s * tokens_per_split
+        end = gl.minimum(start + tokens_per_split, seq_len)
+        n_full = gl.maximum(end - start, 0) // BN
+        t_stop = start // BN + n_full
+        counter = COUNTERS
     if PAGE > 0:   # this sequence's entries in the page table
         first = gl.load(KV_INDPTR + b)
         n_pages = gl.load(KV_INDPTR + b + 1) - first
@@ -465,12 +503,13 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
     wc = gl.arange(0, W, layout=gl.SliceLayout(0, cp_l))
     k_smem = gl.allocate_shared_memory(gl.int32, [STAGES * H, BN, W], smem_l)
     v_smem = gl.allocate_shared_memory(gl.int32, [STAGES * H, BN, W], smem_l)
-    n_full = gl.maximum(end - start, 0) // BN
     if n_full > 0:
         for i in gl.static_range(STAGES - 1):
             n_i = start + gl.minimum(i, n_full - 1) * BN
             k_i, v_i, _, _, _, _ = _bases(n_i, b, h, cache, table, strides, W, KEY_G, VAL_G, PAGE)
             _issue(i, n_i, k_smem, v_smem, k_i, v_i, stride_kh, stride_vh, tc, wc, W, H)
+    # the chunk this program takes after its first, drawn now so that its latency hides under the prologue
+    drawn = _draw(counter, gl.num_programs(2), n_full > 0, 0, DYNAMIC)
 
     # Q'^T [D, ROWS]: k index -> channel as operands.key_channel; field weight 2^-(bits*field);
     # each row scaled by a power of two c so that its largest entry is near 2^12 (no fp16 underflow).
@@ -525,8 +564,10 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
         if SCALE_AHEAD:   # the first tile's scales; each iteration then loads the next tile's
             ks, kz, vs, vz = _scales(start, end, tm, head_c, KSp, KZp, VSp, VZp, stride_ksh, stride_vsh, KEY_G, VAL_G,
                                      H, False)
-        for i in range(n_full):
-            n0 = start + i * BN
+        t = start // BN
+        i = 0
+        while t < t_stop:
+            n0 = t * BN
             if PAGE > 0:   # this tile's page: its group scales
                 _, _, KSp, KZp, VSp, VZp = _bases(n0, b, h, cache, table, strides, W, KEY_G, VAL_G, PAGE)
             if KEY_G > 0:
@@ -538,9 +579,14 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
                 if n0 % VAL_G == 0:
                     v_scale, v_zero = _value_group(VSp + (n0 // VAL_G) * stride_vsn, VZp + (n0 // VAL_G) * stride_vsn,
                                                    chan_o, weight_o, head_c, stride_vsh, H)
-            n_next = start + gl.minimum(i + 1, n_full - 1) * BN
+            t_next, drawn = _next_tile(t, drawn, t_stop, counter, gl.num_programs(2), CHUNK, DYNAMIC)
+            if DYNAMIC:   # STAGES == 2: the tile copied ahead is the next one
+                t_ahead = t_next
+            else:
+                t_ahead = t + STAGES - 1
+            n_next = gl.minimum(t_next, t_stop - 1) * BN
+            n_ahead = gl.minimum(t_ahead, t_stop - 1) * BN
             ahead = i + STAGES - 1
-            n_ahead = start + gl.minimum(ahead, n_full - 1) * BN
             if PAGE > 0:   # the pages of the next tile (its scales) and of the tile copied ahead
                 _, _, KSn, KZn, VSn, VZn = _bases(n_next, b, h, cache, table, strides, W, KEY_G, VAL_G, PAGE)
                 k_a, v_a, _, _, _, _ = _bases(n_ahead, b, h, cache, table, strides, W, KEY_G, VAL_G, PAGE)
@@ -558,7 +604,13 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
                 ks, kz, vs, vz = _scales(n0, end, tm, head_c, KSp, KZp, VSp, VZp, stride_ksh, stride_vsh, KEY_G, VAL_G,
                                          H, False)
             gl.thread_barrier()   # every lane is done reading the stage the next copy overwrites
-            _issue(ahead % STAGES, n_ahead, k_smem, v_smem, k_a, v_a, stride_kh, stride_vh, tc, wc, W, H)
+            if DYNAMIC:   # past the last tile: an empty copy group (the last tile may be a DRAM read away)
+                if t_ahead < t_stop:
+                    _issue(ahead % STAGES, n_ahead, k_smem, v_smem, k_a, v_a, stride_kh, stride_vh, tc, wc, W, H)
+                else:
+                    async_copy.commit_group()
+            else:         # a copy of the last tile again, just read: from L2
+                _issue(ahead % STAGES, n_ahead, k_smem, v_smem, k_a, v_a, stride_kh, stride_vh, tc, wc, W, H)
             if PREFETCH and not SCALE_AHEAD:   # the next tile's scales on their way to L2 (loaded at its start);
                 if (KEY_G == 0 or VAL_G == 0) and PAGE == 0:   # not measured on pages, where it costs 7% more SASS
                     _prefetch_scales(n_next, KSn, KZn, VSn, VZn, stride_ksh, stride_vsh, KEY_G, VAL_G, H, BN)
@@ -570,8 +622,10 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
                                           VCONS, False)
             if SCALE_AHEAD:
                 ks, kz, vs, vz = ks2, kz2, vs2, vz2
+            t = t_next
+            i += 1
         async_copy.wait_group(0)
-    full_end = start + n_full * BN
+    full_end = t_stop * BN
     if full_end < end:
         if PAGE > 0:
             k_base, v_base, KSp, KZp, VSp, VZp = _bases(full_end, b, h, cache, table, strides, W, KEY_G, VAL_G, PAGE)
