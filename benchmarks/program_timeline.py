@@ -41,7 +41,8 @@ PATCHES = [
     ("    acc_o = gl.zeros([D, ROWS], gl.float32, layout=mma)\n",
      "    t_loop = _stamp(rr_t, 'mov.u32 $0, %globaltimer_lo;')\n"
      "    t_first = t_loop\n"),
-    ("            async_copy.wait_group(STAGES - 1)\n            gl.thread_barrier()   # tile i's words, copied by every lane, are visible\n",
+    ("            async_copy.wait_group(STAGES - 1)\n"
+     "            gl.thread_barrier()   # tile i's words, copied by every lane, are visible\n",
      "            t_first = gl.where(i == 0, _stamp(rr_t, 'mov.u32 $0, %globaltimer_lo;'), t_first)\n"),
     ("    # token-wise V: undo the field weights",
      ""),
@@ -136,8 +137,8 @@ def main() -> int:
                 summary = summarise(stamps, tiles)
                 if best is None or summary["span_us"] < best["span_us"]:
                     best = summary
-            row = dict(case=case, dynamic=args.dynamic, splits=splits, asked=sp, block_n=launch["block_n"], heads=launch["heads"],
-                       graph_us=round(graph_us, 1), **best)
+            row = dict(case=case, dynamic=args.dynamic, splits=splits, asked=sp, block_n=launch["block_n"],
+                       heads=launch["heads"], graph_us=round(graph_us, 1), **best)
             rows.append(row)
             print(json.dumps(row), flush=True)
             Path(args.out).write_text(json.dumps(rows, indent=1))

@@ -30,7 +30,8 @@ BUILDS = [(2, 32, 8, 128, "sm_90", 32, 2, "token", "token", None, 0),
           (2, 32, 8, 128, "sm_90", 64, 2, "token", "token", None, 128),
           (2, 32, 8, 128, "sm_90", 32, 2, "channel", "token", None, 128)]
 # the same builds with dynamic tiles (GluonAttention's dynamic_tiles): the static build they compare with
-DYNAMIC_BUILDS = {(2, 32, 8, 128, "sm_90", 64, 2, "token", "token", None, 0, True): None,
+DYNAMIC_BUILDS = {(2, 32, 8, 128, "sm_90", 64, 2, "token", "token", None, 0, True):
+                      (2, 32, 8, 128, "sm_90", 64, 2, "token", "token", None, 0),
                   (2, 32, 8, 128, "sm_90", 64, 2, "token", "token", None, 128, True):
                       (2, 32, 8, 128, "sm_90", 64, 2, "token", "token", None, 128)}
 
@@ -54,7 +55,7 @@ def reports(tmp_path_factory):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     env["TRITON_CACHE_DIR"] = str(root / "triton")
-    jobs = BUILDS + list(DYNAMIC_BUILDS) + [(2, 32, 8, 128, "sm_90", 64, 2, "token", "token", None, 0)]
+    jobs = BUILDS + list(DYNAMIC_BUILDS) + [b for b in DYNAMIC_BUILDS.values() if b not in BUILDS]
     done = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(jobs), str(root)], env=env,
                           capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -168,8 +169,7 @@ def test_dynamic_tiles_draw_once_per_tile_and_keep_the_registers(build, reports)
     loop's work otherwise: no spills, the static build's registers (168 at INT2 with two heads: 12
     programs per SM) and no more instructions per tile than it plus a dozen (the draw's broadcast
     through shared memory), fewer where the static loop's clamped re-copy of the last tile goes."""
-    static = DYNAMIC_BUILDS[build] or build[:5] + (64, 2) + build[7:11]
-    dyn, ref = reports[build], reports[static]
+    dyn, ref = reports[build], reports[DYNAMIC_BUILDS[build]]
     loop = dyn["inner_loop"]
     assert dyn["dynamic"] and not ref["dynamic"]
     assert loop["atomics"] == 1 and ref["inner_loop"]["atomics"] == 0, loop

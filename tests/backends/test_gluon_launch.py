@@ -174,8 +174,8 @@ def test_default_tile_is_64_tokens_only_for_packed_int2_whose_groups_hold_it(bit
         assert g % attn.default_block_n == 0
 
 
-CHUNKS = [("token", "token", 64, 1), ("token", "token", 32, 1), ("channel", "token", 64, 2), ("token", "channel", 32, 4),
-          ("channel", "channel", 64, 2)]
+CHUNKS = [("token", "token", 64, 1), ("token", "token", 32, 1), ("channel", "token", 64, 2),
+          ("token", "channel", 32, 4), ("channel", "channel", 64, 2)]
 
 
 @pytest.mark.parametrize("kl,vl,block_n,chunk", CHUNKS, ids=[f"K{k[0]}V{v[0]}-bn{n}" for k, v, n, _ in CHUNKS])

@@ -201,6 +201,18 @@ GLUON_CASES = [("int2 packed", S(32, 8, 128, A(2, "token", 128), A(2, "token", 1
                ("int4 V-channel", S(32, 8, 128, A(4, "token", 128), A(4, "channel", 64)), 64)]
 
 
+def _gluon_case(spec, page_size: int, seed: int):
+    """Ragged sequences (whole cache, 1 token, around a tile and a page) on shuffled pages with spare
+    pages, and their query: (lens, num_pages, k_pages, v_pages, indptr, indices, last_page_len, q)."""
+    gen = torch.Generator().manual_seed(seed)
+    lens = [5000, 1, 31, 33, page_size, page_size + 1, 2047]
+    num_pages = sum(-(-n // page_size) for n in lens) + 7
+    k_pages, v_pages = _pools(spec, num_pages, page_size, gen)
+    indptr, indices, last = _table(lens, page_size, num_pages, gen)
+    q = torch.randn(len(lens), spec.num_q_heads, spec.head_dim, generator=gen).cuda().bfloat16()
+    return lens, num_pages, k_pages, v_pages, indptr, indices, last, q
+
+
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
                     reason="the register-operand kernel needs sm_90")
 @pytest.mark.parametrize("name,spec,page_size", GLUON_CASES, ids=[f"{n}-P{p}" for n, _, p in GLUON_CASES])
@@ -208,12 +220,7 @@ def test_register_operand_kernel_reads_pages_like_the_triton_kernel(name, spec, 
     """kernel="auto" takes the register-operand kernel on sm_90; its paged reads (a page per tile,
     splits that start mid-page, sequences shorter than a tile) give the float64 answer and the
     generated Triton kernel's answer over the same pages."""
-    gen = torch.Generator().manual_seed(page_size + len(name))
-    lens = [5000, 1, 31, 33, page_size, page_size + 1, 2047]
-    num_pages = sum(-(-n // page_size) for n in lens) + 7
-    k_pages, v_pages = _pools(spec, num_pages, page_size, gen)
-    indptr, indices, last = _table(lens, page_size, num_pages, gen)
-    q = torch.randn(len(lens), spec.num_q_heads, spec.head_dim, generator=gen).cuda().bfloat16()
+    lens, num_pages, k_pages, v_pages, indptr, indices, last, q = _gluon_case(spec, page_size, page_size + len(name))
     outs = {}
     for kernel in ("auto", "triton"):
         wrapper = PagedDecodeWrapper(spec, page_size, max_seq_len=5120, device="cuda", splits=7, kernel=kernel)
@@ -232,16 +239,12 @@ def test_register_operand_kernel_draws_paged_tiles_dynamically(name, spec, page_
     its page; the float64 answer, and the static kernel's answer to within rounding."""
     from foldc.backends.gluon import GluonAttention
 
-    gen = torch.Generator().manual_seed(page_size + 3)
-    lens = [5000, 1, 31, 33, page_size, page_size + 1, 2047]
-    num_pages = sum(-(-n // page_size) for n in lens) + 7
-    k_pages, v_pages = _pools(spec, num_pages, page_size, gen)
-    indptr, indices, last = _table(lens, page_size, num_pages, gen)
-    q = torch.randn(len(lens), spec.num_q_heads, spec.head_dim, generator=gen).cuda().bfloat16()
+    lens, num_pages, k_pages, v_pages, indptr, indices, last, q = _gluon_case(spec, page_size, page_size + 3)
     outs = {}
     for dynamic in (True, False):
         wrapper = PagedDecodeWrapper(spec, page_size, max_seq_len=5120, device="cuda", splits=7, kernel="gluon")
-        wrapper._gluon = GluonAttention(spec, block_n=wrapper._gluon.default_block_n, splits=7, dynamic_tiles=dynamic)
+        wrapper._gluon = GluonAttention(spec, block_n=wrapper._gluon.default_block_n, splits=7,
+                                        dynamic_tiles=dynamic)
         wrapper.plan(indptr, indices, last, num_pages=num_pages)
         assert wrapper._launch["constexprs"]["DYNAMIC"] == dynamic
         outs[dynamic] = wrapper.run(q, k_pages, v_pages)

@@ -96,7 +96,8 @@ def compile_gluon_aot(spec, arch: str, out_dir: str | Path, dtype: str = "bf16",
     ptx = compiled.asm["ptx"]
     report = {
         "spec": spec.describe(), "kernel": "gluon", "arch": arch, "dtype": dtype, "block_n": block_n,
-        "stages": stages, "maxnreg": maxnreg, "scale_ahead": consts["SCALE_AHEAD"], "dynamic": consts["DYNAMIC"], "rows": cfg.rows,
+        "stages": stages, "maxnreg": maxnreg, "scale_ahead": consts["SCALE_AHEAD"], "dynamic": consts["DYNAMIC"],
+        "rows": cfg.rows,
         "pack_heads": heads, "registers": registers(cubin),
         "mma": {"mma.sync": len(re.findall(r"\bmma\.sync", ptx)), "wgmma": len(re.findall(r"\bwgmma", ptx))},
         "shared_stores_in_ptx": len(re.findall(r"\bst\.shared", ptx)),

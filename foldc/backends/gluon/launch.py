@@ -118,9 +118,9 @@ class GluonAttention:
     instead of taking consecutive splits, so that the programs the warp schedulers favour take more
     tiles and every SM stays busy to the end. The order in which tiles meet then varies between calls,
     and so do the output's last bits. On the H200 it was 0-3.5% faster at INT2 token-wise and slower
-    at INT4 and with channel-wise sides (more registers), docs/perf.md; 2 stages only). The attribute ``pdl`` (default True)
-    launches the merge as a programmatic dependent of the decode kernel; set it False to launch
-    the two kernels one after the other."""
+    at INT4 and with channel-wise sides (more registers), docs/perf.md; 2 stages only). The
+    attribute ``pdl`` (default True) launches the merge as a programmatic dependent of the decode
+    kernel; set it False to launch the two kernels one after the other."""
 
     def __init__(self, spec, block_n: int | None = None, stages: int | None = None, splits: int | None = None,
                  maxnreg: int | None = None, split_factor: float | None = None, pack_heads: int | None = None,
