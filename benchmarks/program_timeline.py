@@ -81,7 +81,10 @@ def load(src: str):
 def summarise(stamps: np.ndarray, tiles: np.ndarray) -> dict:
     """stamps [programs, 5] uint32: start, loop, first tile, end (ns, wrapping), SM."""
     t = stamps[:, :4].astype(np.int64)
-    t = (t - t[:, 0].min()) % (1 << 32)        # ns after the first program started
+    # offsets from one program's start, read as signed 32-bit so that stamps on either side of a wrap
+    # order correctly (a kernel lasts far less than the 2.1 s that leaves), then from the earliest start
+    t = (t - t[0, 0] + (1 << 31)) % (1 << 32) - (1 << 31)
+    t = t - t[:, 0].min()                      # ns after the first program started
     start, loop, first, end = (t[:, i] / 1e3 for i in range(4))
     sm = stamps[:, 4]
     span = end.max()
