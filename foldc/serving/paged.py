@@ -166,14 +166,19 @@ def _device(x) -> torch.device:
 
 
 def register_operand_kernel(spec: AttentionSpec, page_size: int, target: str, kernel: str = "auto",
-                            block_n: int | None = None, splits: int | None = None):
+                            block_n: int | None = None, splits: int | None = None, dynamic_tiles: bool = False):
     """The register-operand kernel (foldc/backends/gluon) for a paged decode, or None for the
     generated Triton kernel. Its tile is pinned (an explicit ``block_n``) to one that lies in a page,
     so no tuned launch can pick a tile spanning two pages. ``kernel="gluon"`` raises with the reason
-    where it cannot run."""
+    where it cannot run, and so does ``dynamic_tiles=True`` (an option of that kernel only)."""
+    if not isinstance(dynamic_tiles, bool):
+        raise SpecError(f"dynamic_tiles={dynamic_tiles!r} must be True or False (the default)")
     if kernel not in ("auto", "triton", "gluon"):
         raise SpecError(f"kernel={kernel!r}: use 'auto', 'triton' or 'gluon'")
     if kernel == "triton":
+        if dynamic_tiles:
+            raise SpecError("dynamic_tiles=True is an option of the register-operand kernel, and kernel='triton' "
+                            "runs the generated Triton kernel; use kernel='auto' or 'gluon', or dynamic_tiles=False")
         return None
     reason = None
     if target != "sm_90":
@@ -194,11 +199,14 @@ def register_operand_kernel(spec: AttentionSpec, page_size: int, target: str, ke
             tile = block_n or GluonAttention(spec).default_block_n
             if page_size % tile:   # the kernel's default tile would span two pages
                 tile = 32
-            return GluonAttention(spec, block_n=tile, splits=splits)
+            return GluonAttention(spec, block_n=tile, splits=splits, dynamic_tiles=dynamic_tiles)
         except SpecError as err:   # e.g. a 64-token tile over 32-token channel groups
             reason = str(err)
     if kernel == "gluon":
         raise SpecError(f"kernel='gluon' cannot run this paged decode: {reason}; use kernel='auto' or 'triton'")
+    if dynamic_tiles:
+        raise SpecError(f"dynamic_tiles=True needs the register-operand kernel, which cannot run this paged "
+                        f"decode: {reason}; use dynamic_tiles=False")
     return None
 
 
@@ -224,6 +232,9 @@ class PagedDecodeWrapper:
     num_warps, num_stages, splits : int
         Launch options (``splits``: split-KV count per sequence; None: enough to fill the GPU).
         ``num_warps``/``num_stages`` apply to the generated Triton kernel only.
+    dynamic_tiles : bool
+        The register-operand kernel's ``dynamic_tiles`` (`GluonAttention`): programs draw tiles from
+        a counter; the output's last bits then vary between runs. Refused where that kernel does not run.
     kernel : str
         "auto" (the register-operand kernel on sm_90 when it lowers the plan and the page holds
         whole 32-token tiles, else the generated Triton kernel), "triton" or "gluon" (refused
@@ -232,7 +243,7 @@ class PagedDecodeWrapper:
 
     def __init__(self, spec: AttentionSpec, page_size: int, *, max_seq_len: int, device="cpu",
                  target: str = "auto", block_n: int | None = None, num_warps: int = 4, num_stages: int = 2,
-                 splits: int | None = None, kernel: str = "auto"):
+                 splits: int | None = None, kernel: str = "auto", dynamic_tiles: bool = False):
         if not isinstance(spec, AttentionSpec):
             raise SpecError(f"spec must be a foldc.AttentionSpec, got {type(spec).__name__}")
         self.spec = spec
@@ -255,13 +266,16 @@ class PagedDecodeWrapper:
         self.block_n = paged_block_n(spec, page_size, block_n)
         self.table: PageTable | None = None
         self._buffers: dict[str, torch.Tensor] = {}
+        if target == "reference" and dynamic_tiles:
+            raise SpecError("dynamic_tiles=True is an option of the register-operand kernel (sm_90); "
+                            "target='reference' runs the float64 executor: use dynamic_tiles=False")
         if target == "reference":
             self._reference = ReferenceAttention(make_plan(spec))
             return
         self.interpret = target == "interpret"
         self._cfg = {"num_warps": num_warps, "num_stages": num_stages}
         self._splits = splits
-        self._gluon = register_operand_kernel(spec, page_size, target, kernel, block_n, splits)
+        self._gluon = register_operand_kernel(spec, page_size, target, kernel, block_n, splits, dynamic_tiles)
         if self._gluon is not None:
             self.block_n = self._gluon.default_block_n
             return

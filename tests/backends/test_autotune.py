@@ -83,6 +83,9 @@ def test_a_tuned_bucket_sets_the_register_operand_launch(cache_dir):
     assert (untuned["block_n"], untuned["heads"]) == (64, 2)          # defaults: packed INT2, 64-token tiles
     explicit = GluonAttention(SPEC, pack_heads=2, block_n=64).launch_config(torch.bfloat16, 1, 16384)
     assert (explicit["heads"], explicit["block_n"], explicit["stages"]) == (2, 64, 3)
+    # dynamic tiles copy one tile ahead: the bucket's 3 stages give way to 2, and the tiles stay dynamic
+    dynamic = GluonAttention(SPEC, dynamic_tiles=True).launch_config(torch.bfloat16, 1, 16384)
+    assert (dynamic["block_n"], dynamic["stages"], dynamic["constexprs"]["DYNAMIC"]) == (32, 2, True)
 
 
 def test_paged_launch_pins_a_tile_that_fits_its_page(cache_dir):
@@ -99,6 +102,22 @@ def test_paged_launch_pins_a_tile_that_fits_its_page(cache_dir):
     assert register_operand_kernel(SPEC, 48, "sm_90") is None         # no 32-token tile fits a page
     with pytest.raises(foldc.SpecError, match="page_size=48 is not a multiple of 32"):
         register_operand_kernel(SPEC, 48, "sm_90", kernel="gluon")
+
+
+def test_paged_dynamic_tiles_reach_the_kernel_or_are_refused_with_the_reason():
+    from foldc.serving.paged import PagedDecodeWrapper, register_operand_kernel
+
+    assert register_operand_kernel(SPEC, 64, "sm_90", dynamic_tiles=True).dynamic_tiles
+    assert not register_operand_kernel(SPEC, 64, "sm_90").dynamic_tiles
+    with pytest.raises(foldc.SpecError, match="page_size=48 is not a multiple of 32; use dynamic_tiles=False"):
+        register_operand_kernel(SPEC, 48, "sm_90", dynamic_tiles=True)
+    with pytest.raises(foldc.SpecError, match="kernel='triton' runs the generated Triton kernel"):
+        register_operand_kernel(SPEC, 64, "sm_90", kernel="triton", dynamic_tiles=True)
+    with pytest.raises(foldc.SpecError, match="dynamic_tiles=1 must be True or False"):
+        register_operand_kernel(SPEC, 64, "sm_90", dynamic_tiles=1)
+    for target in ("interpret", "reference"):
+        with pytest.raises(foldc.SpecError, match="dynamic_tiles"):
+            PagedDecodeWrapper(SPEC, 64, max_seq_len=256, target=target, dynamic_tiles=True)
 
 
 def test_an_entry_tuned_against_other_kernel_sources_is_not_applied(cache_dir, monkeypatch):

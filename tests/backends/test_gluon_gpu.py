@@ -208,3 +208,26 @@ def test_dynamic_tiles_replay_in_a_cuda_graph():
     """The counters are zeroed inside the captured call, so every replay draws every tile again."""
     spec = _spec(2)
     check_graph_replay(foldc.compile(spec, "sm_90", kernel="gluon", dynamic_tiles=True, splits=9), spec, seed=12)
+
+
+def test_repeated_calls_reuse_the_compiled_kernel_only_for_the_same_specialisation():
+    """Eager calls after the first go straight to the compiled kernels (FastLaunch), keyed by
+    triton's own specialisation: new query values on the same buffers, a query 2 bytes off a
+    16-byte boundary and a cache length that is no multiple of 16 each give the float64 answer,
+    and the last two each compile and key a kernel of their own."""
+    spec = _spec(2)
+    attn = foldc.compile(spec, "sm_90", kernel="gluon", splits=3)
+    gen = torch.Generator().manual_seed(77)
+    for tokens, misaligned in ((784, False), (784, False), (784, True), (777, False)):
+        q, k, v, lens = random_inputs(spec, 2, tokens, torch.bfloat16, "cuda", gen)
+        if misaligned:
+            flat = torch.empty(q.numel() + 1, device="cuda", dtype=q.dtype)
+            flat[1:] = q.flatten()
+            q = flat[1:].view(q.shape)
+            assert q.data_ptr() % 16
+        ref = foldc.attention_reference(q, k, v, seq_lens=lens)
+        err = rel_l2(attn(q, k, v, seq_lens=lens), ref)
+        assert err <= 5e-3, (tokens, misaligned, err)
+    decode, merge = attn._launchers()
+    assert len(decode.compiled) == 3, list(decode.compiled)
+    assert len(merge.compiled) == 1

@@ -237,14 +237,11 @@ def test_register_operand_kernel_reads_pages_like_the_triton_kernel(name, spec, 
 def test_register_operand_kernel_draws_paged_tiles_dynamically(name, spec, page_size):
     """The kernel with dynamic tiles (GluonAttention's dynamic_tiles) over pages: each drawn tile finds
     its page; the float64 answer, and the static kernel's answer to within rounding."""
-    from foldc.backends.gluon import GluonAttention
-
     lens, num_pages, k_pages, v_pages, indptr, indices, last, q = _gluon_case(spec, page_size, page_size + 3)
     outs = {}
     for dynamic in (True, False):
-        wrapper = PagedDecodeWrapper(spec, page_size, max_seq_len=5120, device="cuda", splits=7, kernel="gluon")
-        wrapper._gluon = GluonAttention(spec, block_n=wrapper._gluon.default_block_n, splits=7,
-                                        dynamic_tiles=dynamic)
+        wrapper = PagedDecodeWrapper(spec, page_size, max_seq_len=5120, device="cuda", splits=7, kernel="gluon",
+                                     dynamic_tiles=dynamic)
         wrapper.plan(indptr, indices, last, num_pages=num_pages)
         assert wrapper._launch["constexprs"]["DYNAMIC"] == dynamic
         outs[dynamic] = wrapper.run(q, k_pages, v_pages)

@@ -14,6 +14,7 @@ import torch
 from ...encoding import scale_shape
 from ...errors import InputError, SpecError
 from ...validate import check_call, output_buffer
+from ..triton.fast_launch import FastLaunch
 from ..triton.launch import MERGE_SOURCE, launch_merge, load_module, num_sms
 from .lower import FoldKernel, gluon_plan, lower
 from .operands import KEY_EXPONENT, VALUE_EXPONENT, key_unpack_asm, value_unpack_asm
@@ -180,6 +181,7 @@ class GluonAttention:
         self._configs: dict = {}
         self._variants: dict = {}     # compiled kernel variant -> (resident programs per SM, registers)
         self._modules = None
+        self._fast = None
         # the merge as a programmatic dependent launch of the decode kernel: its launch overlaps the
         # decode's last programs (0.2-0.4 µs of a batch-1 call on the H200, docs/perf.md)
         self.pdl = True
@@ -202,9 +204,10 @@ class GluonAttention:
                     opts.update(block_n=tuned.block_n, stages=tuned.stages, maxnreg=tuned.maxnreg,
                                 split_factor=tuned.split_factor, heads=tuned.pack_heads or self.heads)
             opts.update(self.explicit)
-            # a tuned bucket with 3 stages (none of the tuner's candidates has them) runs static
+            if self.dynamic_tiles:   # a tuned bucket's stages give way: dynamic tiles copy one tile ahead
+                opts["stages"] = 2
             opts["constexprs"] = constexprs(self.config, opts["block_n"], opts["stages"], opts["heads"],
-                                           opts["scale_ahead"], self.dynamic_tiles and opts["stages"] == 2)
+                                           opts["scale_ahead"], self.dynamic_tiles)
             self._configs[bucket] = opts
         return self._configs[bucket]
 
@@ -215,6 +218,14 @@ class GluonAttention:
             merge = load_module("import triton\nimport triton.language as tl\n" + MERGE_SOURCE, interpret=False)
             self._modules = (kernel.foldc_decode_gluon, merge.foldc_merge)
         return self._modules
+
+    def _launchers(self):
+        """The two kernels behind `FastLaunch` (rebuilt when ``_modules`` is swapped, as the
+        benchmarks do to time a variant kernel)."""
+        modules = self._kernels()
+        if self._fast is None or self._fast[0] is not modules:
+            self._fast = (modules, tuple(FastLaunch(k) for k in modules))
+        return self._fast[1]
 
     def __call__(self, q, k, v, sm_scale=None, seq_lens=None, out: torch.Tensor | None = None,
                  return_lse: bool = False):
@@ -311,7 +322,7 @@ class GluonAttention:
         """Launch the decode and merge kernels, no checks (callers validate). ``lens``: int32 device
         lengths or None (every sequence holds ``cache_tokens``); ``paged``: (kv_indptr, kv_indices,
         page_size) when k and v are page pools (foldc/serving/paged.py)."""
-        decode, merge = self._kernels()
+        decode, merge = self._launchers()
         counters = None
         if _dynamic(launch):   # one tile counter per (batch, head group), zeroed each call
             counters = torch.zeros(q.shape[0] * (self.spec.num_kv_heads // launch["heads"]), device=q.device,
@@ -319,7 +330,10 @@ class GluonAttention:
         args, kwargs = self.decode_arguments(launch, q, k, v, lens, ws, sm_scale, per_split, cache_tokens, paged,
                                              counters)
         decode[(q.shape[0], self.spec.num_kv_heads // launch["heads"], splits)](*args, **kwargs)
-        launch_merge(merge, *ws, out, lse, self.spec.q_per_kv * launch["heads"], pdl=self.pdl)
+        # PDL under CUDA-graph capture only: eager calls paid ~120 µs more host time per call with the
+        # merge launched as a programmatic dependent (H200, docs/perf.md ninth session)
+        launch_merge(merge, *ws, out, lse, self.spec.q_per_kv * launch["heads"],
+                     pdl=self.pdl and torch.cuda.is_current_stream_capturing())
 
     @staticmethod
     def decode_arguments(launch: dict, q, k, v, lens, ws, sm_scale: float, per_split: int, cache_tokens: int,

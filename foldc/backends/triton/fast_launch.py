@@ -1,0 +1,49 @@
+"""Launching a compiled GPU kernel again without triton's per-call bookkeeping.
+
+`JITFunction.run` binds and specialises the arguments, builds the cache key (the options as a
+string), checks the globals the kernel read, and only then launches. At batch 1 that host path
+was most of an eager decode call on the H200 (docs/perf.md, ninth session). `FastLaunch` keeps the
+first part, triton's own binder (so a kernel is reused only for arguments that triton itself
+would give the same specialisation: dtypes, 16-byte alignment, integer divisibility and width),
+and keys the compiled kernel it got from the first, ordinary launch by that specialisation and the
+options. Later launches with the same key go straight to the compiled kernel's launcher.
+
+GPU only: under the interpreter (a CPU run) the kernel object is not a JITFunction and calls pass
+straight through.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class FastLaunch:
+    """``FastLaunch(kernel)[grid](*args, **kwargs)`` launches like ``kernel[grid](*args, **kwargs)``.
+    Constexprs and options go in ``kwargs``; every launch with a new specialisation (or a debug
+    or instrumentation setting changed since) takes triton's ordinary path once."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+        self.compiled: dict = {}     # (device, specialisation, options, knobs) -> CompiledKernel
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.launch(grid, args, kwargs)
+
+    def launch(self, grid, args: tuple, kwargs: dict) -> None:
+        from triton import knobs
+        from triton.runtime.jit import JITFunction
+
+        if not isinstance(self.kernel, JITFunction) or not torch.cuda.is_available():
+            self.kernel[grid](*args, **kwargs)
+            return
+        device = torch.cuda.current_device()
+        binder = self.kernel.device_caches[device][4]
+        bound, specialization, options = binder(*args, **kwargs)
+        key = (device, tuple(specialization), tuple(options.items()), knobs.runtime.debug,
+               knobs.compilation.instrumentation_mode)
+        compiled = self.compiled.get(key)
+        if compiled is None:
+            compiled = self.kernel[grid](*args, **kwargs)    # compiles if needed, launches
+            if compiled is not None and not hasattr(compiled, "result"):   # not an async compile
+                self.compiled[key] = compiled
+            return
+        compiled[tuple(grid) + (1,) * (3 - len(grid))](*bound.values())
