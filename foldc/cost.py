@@ -82,18 +82,19 @@ def verdicts(fold: str, bits: int, fold_ops_per_value: Fraction | float) -> list
 # --- the whole token loop of the register-operand kernel (foldc/backends/gluon) -----------------
 #
 # The per-value figures above count operand construction only. The SASS of the register-operand
-# kernel's token loop (sm_90, tests/backends/test_gluon_aot.py) has three parts, fitted to the
-# builds of INT2 and INT4 at 32- and 64-token tiles with 1, 2 and 4 KV heads per program (2026-11-30,
-# after the subnormal key codes; every build within 3% of the fit):
+# kernel's token loop (sm_90, tests/backends/test_gluon_aot.py) has four parts, fitted to the
+# builds of INT2 and INT4 at 32- and 64-token tiles with 1, 2 and 4 KV heads per program (2026-12-01,
+# after the P mask by ANDs; every build within 3.6% of the fit):
 #   - construction, per head and token: one LOP3 per two codes on each side, the key words'
 #     second byte pair by one SHF per word, the value words' gather by two PRMT per word, and the
 #     shared-memory loads of the words (one LDS.64 per two words, each side);
+#   - each packed head's P operand masked to its own query rows (`p_mask_per_head`, by design:
+#     one AND per register with two heads, a SEL per half and two PRMT per register with more);
 #   - per-head work per token that does not shrink with the code width (scales and zeros, their
-#     loads and conversion, the selects between packed heads): about 75 warp-instructions per 32
-#     tokens per head;
+#     loads and conversion): about 51 warp-instructions per 32 tokens per head;
 #   - work the packed heads share (the online softmax over the query rows, the matrix
-#     instructions' bookkeeping): about 142 per 32 tokens;
-#   - per tile, whatever its size (barriers, the copy issue, loop control): about 70.
+#     instructions' bookkeeping): about 157 per 32 tokens;
+#   - per tile, whatever its size (barriers, the copy issue, loop control): about 82.
 #: lane-slots per stored value to build the operands, by code width (see above)
 def key_construction(bits: int) -> float:
     return 0.5 + bits / 32 + bits / 64
@@ -103,10 +104,17 @@ def value_construction(bits: int) -> float:
     return 0.5 + bits / 16 + bits / 64
 
 
+def p_mask_per_head(heads: int) -> float:
+    """Warp-instructions per 32 tokens and packed head that keep each head's P to its own query rows
+    (8 rows: 4 registers of P per 32 tokens): none for one head, an AND per register for two
+    (kernel.py's _and_p), else a SEL per half and two PRMT per register."""
+    return 0.0 if heads == 1 else 4.0 if heads == 2 else 16.0
+
+
 #: warp-instructions per 32 tokens: per head, shared by the packed heads; and per tile
-PER_HEAD_PER_32_TOKENS = {"sm_90": 75.0}
-SHARED_PER_32_TOKENS = {"sm_90": 142.0}
-PER_TILE = {"sm_90": 70.0}
+PER_HEAD_PER_32_TOKENS = {"sm_90": 50.7}
+SHARED_PER_32_TOKENS = {"sm_90": 156.5}
+PER_TILE = {"sm_90": 81.5}
 
 
 def token_loop_instructions_per_tile(arch: str, bits: int, head_dim: int, heads: int = 1, block_n: int = 32) -> float:
@@ -115,7 +123,7 @@ def token_loop_instructions_per_tile(arch: str, bits: int, head_dim: int, heads:
     if arch not in PER_TILE:
         raise ValueError(f"arch={arch!r} has no measured token-loop figure; use one of {sorted(PER_TILE)}")
     build = head_dim * (key_construction(bits) + value_construction(bits))   # per 32 tokens per head
-    per_32 = heads * (build + PER_HEAD_PER_32_TOKENS[arch]) + SHARED_PER_32_TOKENS[arch]
+    per_32 = heads * (build + p_mask_per_head(heads) + PER_HEAD_PER_32_TOKENS[arch]) + SHARED_PER_32_TOKENS[arch]
     return block_n / 32 * per_32 + PER_TILE[arch]
 
 

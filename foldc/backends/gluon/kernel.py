@@ -252,8 +252,10 @@ def _scores(n0, end, k_smem, slot, ks, kz, tm, head_c, q16, q_bias, q_sum, row_s
 @gluon.jit
 def _consume(t, v_smem, slot, vs, vz, m_i, l_i, zsum, acc_o, head_b, v_scale, v_zero, BN: gl.constexpr,
              D: gl.constexpr, F: gl.constexpr, ROWS: gl.constexpr, H: gl.constexpr, VAL_G: gl.constexpr,
-             VA0: gl.constexpr, VA1: gl.constexpr, VA2: gl.constexpr, VA3: gl.constexpr, VCONS: gl.constexpr):
-    """Online softmax of one tile's logits ``t`` and its value side into (max, denominator, zero sum, O^T)."""
+             VA0: gl.constexpr, VA1: gl.constexpr, VA2: gl.constexpr, VA3: gl.constexpr, VCONS: gl.constexpr,
+             AND_P: gl.constexpr):
+    """Online softmax of one tile's logits ``t`` and its value side into (max, denominator, zero sum, O^T).
+    ``AND_P``: mask each packed head's P by an AND per register instead of a select per half."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
     a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=8)
     b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=8)
@@ -280,8 +282,15 @@ def _consume(t, v_smem, slot, vs, vz, m_i, l_i, zsum, acc_o, head_b, v_scale, v_
         va = gl.convert_layout(_value_operand(vw, BN, D, F, VA0, VA1, VA2, VA3, VCONS), a_l, assert_trivial=True)
         if H == 1:
             pv = mma_v2(va, pb, pv)
-        else:
+        elif not AND_P:
             pv = mma_v2(va, gl.where((head_b == i)[None, :], pb, gl.zeros_like(pb)), pv)
+        else:
+            # a lane's pair of P (two tokens of one column, one query row) is one head's: kept or
+            # zeroed by one AND per register (a select per half took a SEL and two PRMTs)
+            keep = gl.where((head_b == i)[None, :], gl.full(pb.shape, -1, gl.int16, layout=b_l),
+                            gl.zeros(pb.shape, gl.int16, layout=b_l))
+            pv = mma_v2(va, gl.inline_asm_elementwise("and.b32 $0, $1, $2;", "=r,r,r", [pb, keep], dtype=gl.float16,
+                                                      is_pure=True, pack=2), pv)
     if VAL_G == 0:
         acc_o = acc_o * alpha[None, :] + pv
     else:
@@ -290,18 +299,23 @@ def _consume(t, v_smem, slot, vs, vz, m_i, l_i, zsum, acc_o, head_b, v_scale, v_
     return m_new, l_i, zsum, acc_o
 
 
+@constexpr_function
+def _and_p(heads, dynamic, page):
+    return heads == 2 and not (dynamic and page > 0)
+
+
 @gluon.jit
 def _tile(n0, end, k_smem, v_smem, slot, ks, kz, vs, vz, m_i, l_i, zsum, acc_o, tm, head_c, head_b, q16, q_bias,
           q_sum, row_scale, v_scale, v_zero, BN: gl.constexpr, D: gl.constexpr, F: gl.constexpr, ROWS: gl.constexpr,
           H: gl.constexpr, KEY_G: gl.constexpr, VAL_G: gl.constexpr, KEY_BIAS: gl.constexpr, KASM: gl.constexpr,
           KCONS: gl.constexpr, VA0: gl.constexpr, VA1: gl.constexpr, VA2: gl.constexpr, VA3: gl.constexpr,
           VCONS: gl.constexpr,
-          MASKED: gl.constexpr):
+          MASKED: gl.constexpr, AND_P: gl.constexpr):
     """One tile, key side then value side."""
     t = _scores(n0, end, k_smem, slot, ks, kz, tm, head_c, q16, q_bias, q_sum, row_scale, BN, D, F, ROWS, H, KEY_G,
                 KEY_BIAS, KASM, KCONS, MASKED)
     return _consume(t, v_smem, slot, vs, vz, m_i, l_i, zsum, acc_o, head_b, v_scale, v_zero, BN, D, F, ROWS, H,
-                    VAL_G, VA0, VA1, VA2, VA3, VCONS)
+                    VAL_G, VA0, VA1, VA2, VA3, VCONS, AND_P)
 
 
 @gluon.jit
@@ -459,6 +473,10 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
     NB: gl.constexpr = D * BITS // 8
     W: gl.constexpr = NB // 4
     F: gl.constexpr = 8 // BITS
+    # P masked per head by ANDs with two packed heads: 3.6% fewer instructions per INT2 tile, 1-3% faster
+    # at INT2 on the H200 (docs/perf.md). Not with 4 or 8 heads, where ptxas then allocates 207-234
+    # registers against 168-226, nor on dynamic paged builds (178 against 168; AOT SASS)
+    AND_P: gl.constexpr = _and_p(H, DYNAMIC, PAGE)
     b = gl.program_id(0)
     h = gl.program_id(1) * H     # the first of the H KV heads this program packs into the MMA's N
     s = gl.program_id(2)
@@ -619,7 +637,7 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
             m_i, l_i, zsum, acc_o = _tile(n0, end, k_smem, v_smem, (i % STAGES) * H, ks, kz, vs, vz, m_i, l_i, zsum,
                                           acc_o, tm, head_c, head_b, q16, q_bias, q_sum, row_scale, v_scale, v_zero,
                                           BN, D, F, ROWS, H, KEY_G, VAL_G, KEY_BIAS, KASM, KCONS, VA0, VA1, VA2, VA3,
-                                          VCONS, False)
+                                          VCONS, False, AND_P)
             if SCALE_AHEAD:
                 ks, kz, vs, vz = ks2, kz2, vs2, vz2
             t = t_next
@@ -642,7 +660,8 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
         _stage_tail(full_end, end, k_smem, v_smem, k_base, v_base, stride_kh, stride_vh, tc, wc, W, H)
         m_i, l_i, zsum, acc_o = _tile(full_end, end, k_smem, v_smem, 0, ks, kz, vs, vz, m_i, l_i, zsum, acc_o, tm,
                                       head_c, head_b, q16, q_bias, q_sum, row_scale, v_scale, v_zero, BN, D, F, ROWS,
-                                      H, KEY_G, VAL_G, KEY_BIAS, KASM, KCONS, VA0, VA1, VA2, VA3, VCONS, True)
+                                      H, KEY_G, VAL_G, KEY_BIAS, KASM, KCONS, VA0, VA1, VA2, VA3, VCONS, True,
+                                      AND_P)
 
     # token-wise V: undo the field weights 2^(bits*field) per output row, add the zero term (eq. 6);
     # channel-wise V has both in acc_o already. The workspace sees the H packed heads as one head

@@ -8,8 +8,8 @@ would give the same specialisation: dtypes, 16-byte alignment, integer divisibil
 and keys the compiled kernel it got from the first, ordinary launch by that specialisation and the
 options. Later launches with the same key go straight to the compiled kernel's launcher.
 
-GPU only: under the interpreter (a CPU run) the kernel object is not a JITFunction and calls pass
-straight through.
+Under the interpreter (a CPU run) the kernel object is not a JITFunction and calls pass straight
+through. Pinned to triton 3.6's JITFunction and CompiledKernel internals (tested on the GPU).
 """
 from __future__ import annotations
 
@@ -30,9 +30,10 @@ class FastLaunch:
 
     def launch(self, grid, args: tuple, kwargs: dict) -> None:
         from triton import knobs
+        from triton.runtime import driver
         from triton.runtime.jit import JITFunction
 
-        if not isinstance(self.kernel, JITFunction) or not torch.cuda.is_available():
+        if not isinstance(self.kernel, JITFunction):   # the interpreter's InterpretedFunction
             self.kernel[grid](*args, **kwargs)
             return
         device = torch.cuda.current_device()
@@ -40,10 +41,20 @@ class FastLaunch:
         bound, specialization, options = binder(*args, **kwargs)
         key = (device, tuple(specialization), tuple(options.items()), knobs.runtime.debug,
                knobs.compilation.instrumentation_mode)
-        compiled = self.compiled.get(key)
+        try:
+            compiled = self.compiled.get(key)
+        except TypeError:   # an unhashable constexpr: the ordinary path every time
+            self.kernel[grid](*args, **kwargs)
+            return
         if compiled is None:
             compiled = self.kernel[grid](*args, **kwargs)    # compiles if needed, launches
             if compiled is not None and not hasattr(compiled, "result"):   # not an async compile
                 self.compiled[key] = compiled
             return
-        compiled[tuple(grid) + (1,) * (3 - len(grid))](*bound.values())
+        grid = tuple(grid) + (1,) * (3 - len(grid))
+        hooks = (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)
+        stream = driver.active.get_current_stream(device)
+        values = tuple(bound.values())
+        # as CompiledKernel.__getitem__'s runner does, without building a closure per launch
+        compiled.run(*grid, stream, compiled.function, compiled.packed_metadata,
+                     compiled.launch_metadata(grid, stream, *values), *hooks, *values)

@@ -212,9 +212,15 @@ def kernel_source(spec, dtype: str, block_n: int = 64, fold_policy: str = "auto"
     return ks, geo, the_plan
 
 
+_SMS: dict = {}   # CUDA device index -> SM count (get_device_properties costs ~10 us per call)
+
+
 def num_sms(device: torch.device) -> int:
     if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        if index not in _SMS:
+            _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+        return _SMS[index]
     return 2
 
 

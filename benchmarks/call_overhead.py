@@ -1,0 +1,91 @@
+"""Where the host time of one eager register-operand call goes: each step of
+`GluonAttention.__call__` timed alone (median of many calls, GPU idle), and cProfile of whole calls
+sorted by cumulative time (H200; evidence for docs/perf.md, not a test).
+
+    PYTHONPATH=. python3 benchmarks/call_overhead.py --shape 1x16384 --out $OUT/overhead.json
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import foldc
+from foldc.bench import decode_case
+from foldc.validate import check_call, output_buffer
+
+
+def median_us(fn, calls: int = 300) -> float:
+    fn()
+    took = []
+    for _ in range(calls):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        took.append(time.perf_counter() - start)
+    torch.cuda.synchronize()
+    return statistics.median(took) * 1e6
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", default="1x16384")
+    ap.add_argument("--bits", type=int, default=2)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU", file=sys.stderr)
+        return 2
+    b, n = (int(x) for x in args.shape.split("x"))
+    enc = foldc.Affine(args.bits, "token", 128)
+    spec = foldc.AttentionSpec(32, 8, 128, enc, enc)
+    q, k, v = decode_case(spec, b, n, seed=b + n)
+    attn = foldc.compile(spec, "sm_90", kernel="gluon")
+    out = attn(q, k, v)
+    launch = attn.launch_config(q.dtype, b, n)
+    splits, per_split = attn.split_plan(launch, b, n, q.device, q.dtype)
+    ws = attn.workspace(launch, b, splits, q.device)
+    lse = torch.empty(b, spec.num_q_heads, device="cuda")
+    decode, merge = attn._launchers()
+    dargs, kwargs = attn.decode_arguments(launch, q, k, v, None, ws, 0.1, per_split, n, None)
+    grid = (b, spec.num_kv_heads // launch["heads"], splits)
+    steps = {
+        "whole call": lambda: attn(q, k, v, out=out),
+        "check_call": lambda: check_call(spec, q, k, v, None, None),
+        "launch_config (memoised)": lambda: attn.launch_config(q.dtype, b, n),
+        "split_plan": lambda: attn.split_plan(launch, b, n, q.device, q.dtype),
+        "workspace (3 empties)": lambda: attn.workspace(launch, b, splits, q.device),
+        "output_buffer(out)": lambda: output_buffer(out, tuple(out.shape), q),
+        "lse empty": lambda: torch.empty(b, spec.num_q_heads, device=q.device, dtype=torch.float32),
+        "decode_arguments": lambda: attn.decode_arguments(launch, q, k, v, None, ws, 0.1, per_split, n, None),
+        "is_current_stream_capturing": torch.cuda.is_current_stream_capturing,
+        "decode launch (FastLaunch)": lambda: decode[grid](*dargs, **kwargs),
+        "launch() both kernels": lambda: attn.launch(launch, q, k, v, None, ws, out, lse, 0.1, per_split, splits, n),
+    }
+    rows = {name: median_us(fn) for name, fn in steps.items()}
+    for name, us in rows.items():
+        print(f"{name:<32} {us:8.2f} us", flush=True)
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(300):
+        attn(q, k, v, out=out)
+    prof.disable()
+    torch.cuda.synchronize()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(30)
+    print(text.getvalue())
+    Path(args.out).write_text(json.dumps(dict(shape=args.shape, bits=args.bits, steps_us=rows,
+                                              profile=text.getvalue()), indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
