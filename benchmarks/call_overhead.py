@@ -11,28 +11,15 @@ import cProfile
 import io
 import json
 import pstats
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 import foldc
-from foldc.bench import decode_case
+from foldc.bench import decode_case, gluon_call_parts
+from foldc.timing import host_us
 from foldc.validate import check_call, output_buffer
-
-
-def median_us(fn, calls: int = 300) -> float:
-    fn()
-    took = []
-    for _ in range(calls):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        took.append(time.perf_counter() - start)
-    torch.cuda.synchronize()
-    return statistics.median(took) * 1e6
 
 
 def main() -> int:
@@ -50,13 +37,11 @@ def main() -> int:
     q, k, v = decode_case(spec, b, n, seed=b + n)
     attn = foldc.compile(spec, "sm_90", kernel="gluon")
     out = attn(q, k, v)
-    launch = attn.launch_config(q.dtype, b, n)
-    splits, per_split = attn.split_plan(launch, b, n, q.device, q.dtype)
-    ws = attn.workspace(launch, b, splits, q.device)
+    parts = gluon_call_parts(attn, q, k, v, 0.1)
+    launch, splits, per_split, ws = parts["launch"], parts["splits"], parts["per_split"], parts["ws"]
+    dargs, kwargs, grid = parts["args"], parts["kwargs"], parts["grid"]
     lse = torch.empty(b, spec.num_q_heads, device="cuda")
     decode, merge = attn._launchers()
-    dargs, kwargs = attn.decode_arguments(launch, q, k, v, None, ws, 0.1, per_split, n, None)
-    grid = (b, spec.num_kv_heads // launch["heads"], splits)
     steps = {
         "whole call": lambda: attn(q, k, v, out=out),
         "check_call": lambda: check_call(spec, q, k, v, None, None),
@@ -70,7 +55,7 @@ def main() -> int:
         "decode launch (FastLaunch)": lambda: decode[grid](*dargs, **kwargs),
         "launch() both kernels": lambda: attn.launch(launch, q, k, v, None, ws, out, lse, 0.1, per_split, splits, n),
     }
-    rows = {name: median_us(fn) for name, fn in steps.items()}
+    rows = {name: host_us(fn, 300) for name, fn in steps.items()}
     for name, us in rows.items():
         print(f"{name:<32} {us:8.2f} us", flush=True)
     prof = cProfile.Profile()

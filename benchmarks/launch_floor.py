@@ -21,8 +21,8 @@ import triton.language as tl
 
 import foldc
 from foldc.backends.triton.launch import launch_merge
-from foldc.bench import decode_case
-from foldc.timing import capture_graph
+from foldc.bench import decode_case, gluon_call_parts
+from foldc.timing import capture_graph, host_us
 
 
 @triton.jit
@@ -43,21 +43,6 @@ def eager_us(fn) -> float:
 
     fn()
     return do_bench(fn, warmup=50, rep=200, return_mode="median") * 1e3
-
-
-def host_us(fn, calls: int = 200) -> float:
-    """Median host microseconds of one call made on an idle GPU (the launch returns before the
-    kernels run, so this is the host's launch path alone)."""
-    import statistics
-
-    took = []
-    for _ in range(calls):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        took.append(time.perf_counter() - start)
-    torch.cuda.synchronize()
-    return statistics.median(took) * 1e6
 
 
 def back_to_back_us(fn, calls: int = 300) -> float:
@@ -118,12 +103,10 @@ def main() -> int:
             q, k, v = decode_case(spec, b, n, seed=b + n)
             attn = foldc.compile(spec, "sm_90", kernel="gluon")
             out = attn(q, k, v)
-            launch = attn.launch_config(q.dtype, b, n)
-            splits, per_split = attn.split_plan(launch, b, n, q.device, q.dtype)
-            ws = attn.workspace(launch, b, splits, q.device)
+            parts = gluon_call_parts(attn, q, k, v, 128 ** -0.5)
+            launch, splits, ws = parts["launch"], parts["splits"], parts["ws"]
+            dargs, kwargs, grid = parts["args"], parts["kwargs"], parts["grid"]
             decode, _ = attn._kernels()
-            dargs, kwargs = attn.decode_arguments(launch, q, k, v, None, ws, 128 ** -0.5, per_split, n, None)
-            grid = (b, spec.num_kv_heads // launch["heads"], splits)
             alone = lambda: decode[grid](*dargs, **kwargs)
             rows.append(dict(what=f"INT{bits} {item} decode kernel alone", splits=splits, heads=launch["heads"],
                              us=replay_us(alone), eager_us=eager_us(alone), host_us=host_us(alone),

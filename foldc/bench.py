@@ -105,6 +105,19 @@ def decode_case(spec, batch: int, tokens: int, seed: int, device: str = "cuda"):
     return q, k, v
 
 
+
+def gluon_call_parts(attn, q, k, v, sm_scale: float) -> dict:
+    """The pieces of one register-operand call (a `GluonAttention` over every cached token), for
+    benchmarks that launch its kernels by hand: launch config, splits, tokens per split, workspace,
+    the decode kernel's (args, kwargs) and grid."""
+    b, n = q.shape[0], k.shape[2]
+    launch = attn.launch_config(q.dtype, b, n)
+    splits, per_split = attn.split_plan(launch, b, n, q.device, q.dtype)
+    ws = attn.workspace(launch, b, splits, q.device)
+    args, kwargs = attn.decode_arguments(launch, q, k, v, None, ws, sm_scale, per_split, n, None)
+    return dict(launch=launch, splits=splits, per_split=per_split, ws=ws, args=args, kwargs=kwargs,
+                grid=(b, attn.spec.num_kv_heads // launch["heads"], splits))
+
 def save_rows(rows: list, path: str) -> None:
     """Write the rows so far (a sweep cut off by its time limit keeps what it measured) and give the
     last case's memory back."""

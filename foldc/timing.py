@@ -18,3 +18,20 @@ def capture_graph(fn, warmup_calls: int = 3) -> torch.cuda.CUDAGraph:
     with torch.cuda.graph(graph):
         fn()
     return graph
+
+
+def host_us(fn, calls: int = 200) -> float:
+    """Median host microseconds of one call of ``fn`` made on an idle GPU: the launch returns before
+    the kernels run, so this is the host's launch path alone (the GPU is synchronised before each)."""
+    import statistics
+    import time
+
+    fn()
+    took = []
+    for _ in range(calls):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        took.append(time.perf_counter() - start)
+    torch.cuda.synchronize()
+    return statistics.median(took) * 1e6

@@ -122,3 +122,26 @@ def test_program_timeline_reads_wrapping_timer_stamps(origin, programs, seed):
     assert abs(got["prologue_us"][2] - np.percentile(loop - start, 50) / 1e3) < 0.01
     assert got["programs"] == programs and got["sms"] == len(np.unique(sms))
     assert 0 < got["mean_running_over_peak"] <= 1
+
+
+def test_gluon_call_parts_make_a_whole_decode_launch():
+    """The pieces benchmarks launch by hand: every kernel argument given once, a grid of (batch, head
+    groups, splits) and a workspace per split (resident programs fixed: no GPU to compile on)."""
+    import torch
+
+    import foldc
+    from foldc.backends.gluon.kernel import foldc_decode_gluon
+    from foldc.backends.gluon.launch import GluonAttention
+    from foldc.testing import random_inputs
+
+    enc = foldc.Affine(2, "token", 128)
+    spec = foldc.AttentionSpec(32, 8, 128, enc, enc)
+    attn = GluonAttention(spec)
+    attn.resident = lambda *args, **kwargs: 12
+    q, k, v, _ = random_inputs(spec, 3, 1000, torch.bfloat16, "cpu", torch.Generator().manual_seed(1))
+    parts = bench.gluon_call_parts(attn, q, k, v, 0.1)
+    assert parts["grid"] == (3, 8 // parts["launch"]["heads"], parts["splits"])
+    assert parts["splits"] * parts["per_split"] >= 1000 > (parts["splits"] - 1) * parts["per_split"]
+    assert parts["ws"][2].shape[:3] == (3, 8 // parts["launch"]["heads"], parts["splits"])
+    named = set(foldc_decode_gluon.arg_names[:len(parts["args"])]) | set(parts["kwargs"])
+    assert named - {"num_warps", "maxnreg"} == set(foldc_decode_gluon.arg_names)
