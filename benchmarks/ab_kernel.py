@@ -1,7 +1,8 @@
 """A/B timing of the register-operand kernel against variants of its kernel.py, in one process on
 the same inputs: the error of each against float64 attention, and CUDA-graph times taken in
 alternating rounds, so the comparison holds within one call (H200; evidence for docs/perf.md, not
-a test). A variant is a copy of kernel.py with the same arguments, e.g. from a branch:
+a test). A variant is a copy of kernel.py with the same arguments (its helpers, tile_operands.py and
+tile_memory.py, come from this tree's foldc), e.g. from a branch:
 
     git show next/lane-major-tokens:foldc/backends/gluon/kernel.py > variants/lane_major.py
     PYTHONPATH=. python3 benchmarks/ab_kernel.py --variant lane_major=variants/lane_major.py --out $OUT/ab.json

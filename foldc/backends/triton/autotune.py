@@ -80,7 +80,8 @@ def _pow2_ceil(n: int) -> int:
 
 # the sources that decide what a kernel does and how fast: a tuned entry is kept only for them
 KERNEL_SOURCES = {"triton": ("codegen.py", "launch.py"),
-                  "gluon": ("../gluon/kernel.py", "../gluon/operands.py", "../gluon/launch.py")}
+                  "gluon": ("../gluon/kernel.py", "../gluon/tile_operands.py", "../gluon/tile_memory.py",
+                            "../gluon/operands.py", "../gluon/launch.py")}
 _FINGERPRINTS: dict = {}
 
 

@@ -1,0 +1,173 @@
+"""Memory side of the register-operand kernel (kernel.py): the code words' cp.async copies and the
+last partial tile, token-wise scale and zero loads (and their L2 prefetch), where a tile's words and
+parameters live (contiguous or paged cache), and the tile draws of dynamic tiles.
+
+Import this module only where Triton runs natively (not under TRITON_INTERPRET=1).
+"""
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import constexpr_function
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+
+@constexpr_function
+def copy_layout(BN, W):
+    """cp.async of a [BN, W] word tile: 16 bytes per lane."""
+    BN, W = int(BN), int(W)
+    return gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[32 // (W // 4), W // 4], warps_per_cta=[1, 1],
+                            order=[1, 0])
+
+
+@gluon.jit
+def issue_copies(stage, n0, k_smem, v_smem, k_base, v_base, stride_kh, stride_vh, tc, wc, W: gl.constexpr,
+           H: gl.constexpr):
+    """Start copying the code words of tile n0, every packed head, into pipeline stage ``stage``."""
+    rows = (n0 + tc)[:, None] * W + wc[None, :]
+    for i in gl.static_range(H):
+        async_copy.async_copy_global_to_shared(k_smem.index(stage * H + i), k_base + i * stride_kh + rows)
+        async_copy.async_copy_global_to_shared(v_smem.index(stage * H + i), v_base + i * stride_vh + rows)
+    async_copy.commit_group()
+
+
+@gluon.jit
+def prefetch_scales(n0, KSp, KZp, VSp, VZp, stride_ksh, stride_vsh, KEY_G: gl.constexpr, VAL_G: gl.constexpr,
+                     H: gl.constexpr, BN: gl.constexpr):
+    """Bring tile n0's token-wise scales and zeros into L2 (``prefetch.global.L2``, no registers
+    held): lane l takes parameter l % 4 of head (l // 4) % H, one BN x 2-byte row each (at most
+    128 bytes, one line). The loads at the tile's start then wait on L2, not on DRAM (long-scoreboard
+    stalls on them were 17% of the samples, docs/perf.md)."""
+    lane = gl.arange(0, 32, layout=gl.BlockedLayout([1], [32], [1], [0]))
+    p = lane % 4
+    head = (lane // 4) % H
+    if KEY_G == 0:
+        ptr = gl.where(p == 0, KSp + head * stride_ksh, KZp + head * stride_ksh)
+    else:
+        ptr = VSp + head * stride_vsh
+    if VAL_G == 0:
+        ptr = gl.where(p == 2, VSp + head * stride_vsh, gl.where(p == 3, VZp + head * stride_vsh, ptr))
+    gl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.b32 $0, 0;", "=r,l", [ptr + n0], dtype=gl.int32,
+                              is_pure=False, pack=1)
+
+
+@gluon.jit
+def _param(P, n0, tm, head_c, stride_h, live, H: gl.constexpr, MASKED: gl.constexpr):
+    """One token-wise parameter (scale or zero) per token of tile n0: [BN] with one head per program,
+    else [BN, ROWS] with each query row's own head (head_c: the packed head of each row).
+    A lane's tokens are tm = g + 8j: the address is one base per lane (row g) plus 8j elements, so
+    every load takes an immediate offset from that base instead of its own 64-bit address (the
+    address registers of 32 loads per tile had warps waiting on them, docs/perf.md)."""
+    lo = tm & 7          # the lane's row g, the same in every register
+    hi = tm & -8         # 8j: a constant per register
+    if H == 1:
+        ptr = (P + n0 + lo) + hi
+        ok = live
+    else:
+        ptr = (P + n0 + head_c[None, :] * stride_h + lo[:, None]) + hi[:, None]
+        ok = live[:, None]
+    if MASKED:
+        x = gl.load(ptr, mask=ok, other=0.0)
+    else:
+        x = gl.load(ptr)
+    return x
+
+
+@gluon.jit
+def tile_scales(n0, end, tm, head_c, KSp, KZp, VSp, VZp, stride_ksh, stride_vsh, KEY_G: gl.constexpr,
+            VAL_G: gl.constexpr, H: gl.constexpr, MASKED: gl.constexpr):
+    """Per-token scale and zero of the token-wise sides (placeholders for channel-wise ones)."""
+    tok = n0 + tm
+    live = tok < end
+    if KEY_G == 0:
+        ks = _param(KSp, n0, tm, head_c, stride_ksh, live, H, MASKED)
+        kz = _param(KZp, n0, tm, head_c, stride_ksh, live, H, MASKED)
+    else:
+        ks = tm
+        kz = tm
+    if VAL_G == 0:
+        vs = _param(VSp, n0, tm, head_c, stride_vsh, live, H, MASKED)
+        vz = _param(VZp, n0, tm, head_c, stride_vsh, live, H, MASKED)
+    else:
+        vs = tm
+        vz = tm
+    return ks, kz, vs, vz
+
+
+@gluon.jit
+def stage_tail(n0, end, k_smem, v_smem, k_base, v_base, stride_kh, stride_vh, tc, wc, W: gl.constexpr,
+                H: gl.constexpr):
+    """The last, partial tile into stage 0 of the pipeline's shared memory, zeros past the end."""
+    tok = n0 + tc
+    rows = tok[:, None] * W + wc[None, :]
+    live = (tok < end)[:, None]
+    gl.thread_barrier()   # every lane is done reading the stages
+    for i in gl.static_range(H):
+        k_smem.index(i).store(gl.load(k_base + i * stride_kh + rows, mask=live, other=0))
+        v_smem.index(i).store(gl.load(v_base + i * stride_vh + rows, mask=live, other=0))
+    gl.thread_barrier()   # the words are visible to every lane
+
+
+@gluon.jit
+def draw_chunk(counter, first, live, previous, DYNAMIC: gl.constexpr):
+    """The next chunk for this program from its (batch, head group)'s counter where ``live``, else
+    ``previous``: chunks 0 .. splits-1 are the programs' first ones, so a draw returns splits + the
+    counter's old value. One lane draws (a scalar atomic); a program draws again only after its last
+    draw succeeded, so every chunk drawn is processed."""
+    if DYNAMIC:
+        got = first + gl.atomic_add(counter, 1, mask=live, sem="relaxed")
+        drawn = gl.where(live, got, previous)
+    else:
+        drawn = previous
+    return drawn
+
+
+@gluon.jit
+def next_tile(t, drawn, t_stop, counter, first, CHUNK: gl.constexpr, DYNAMIC: gl.constexpr):
+    """(tile after tile t, the chunk drawn ahead). Static: t + 1. Dynamic: the next tile of t's chunk,
+    or the first of the chunk drawn ahead, and then the next draw (its latency hides under a tile).
+    Past the sequence's t_stop full tiles the program stops."""
+    if DYNAMIC:
+        last = (t + 1) % CHUNK == 0
+        t_next = gl.where(last, drawn * CHUNK, t + 1)
+        drawn = draw_chunk(counter, first, last & (drawn * CHUNK < t_stop), drawn, DYNAMIC)
+    else:
+        t_next = t + 1
+    return t_next, drawn
+
+
+@gluon.jit
+def tile_bases(n0, b, h, cache, table, strides, W: gl.constexpr, KEY_G: gl.constexpr, VAL_G: gl.constexpr,
+           PAGE: gl.constexpr):
+    """Base pointers of the code words and the scales/zeros for the tile holding token n0.
+    Contiguous cache (PAGE == 0): batch b's. Paged (PAGE tokens a page, FlashInfer's table): the page
+    that holds n0, *rebased* by that page's first token tok0, so that ``base + token * row_stride``
+    addresses row token - tok0 of the page for every token of the tile (a tile lies in one page).
+    ``first``/``n_pages``: the sequence's entries in KV_INDICES; a slot past them (an empty split)
+    reads no entry and takes page 0, whose rows no load then touches. ``cache``: the six tensors'
+    pointers, ``table``: (first, n_pages, KV_INDICES), ``strides``: theirs, as the kernel's arguments."""
+    KC, KS, KZ, VC, VS, VZ = cache
+    first, n_pages, KV_INDICES = table
+    stride_kb, stride_kh, stride_ksb, stride_ksh, stride_ksn, stride_vb, stride_vh, stride_vsb, stride_vsh, \
+        stride_vsn = strides
+    if PAGE > 0:
+        slot = n0 // PAGE
+        unit = gl.load(KV_INDICES + first + slot, mask=slot < n_pages, other=0).to(gl.int64)
+        tok0 = slot * PAGE
+    else:
+        unit = b
+        tok0 = 0
+    k_base = KC + unit * stride_kb + h * stride_kh - tok0 * W
+    v_base = VC + unit * stride_vb + h * stride_vh - tok0 * W
+    if KEY_G == 0:      # scale/zero rows: tokens (stride 1) or token groups (stride_ksn)
+        k_row = tok0
+    else:
+        k_row = (tok0 // KEY_G) * stride_ksn
+    if VAL_G == 0:
+        v_row = tok0
+    else:
+        v_row = (tok0 // VAL_G) * stride_vsn
+    KSp = KS + unit * stride_ksb + h * stride_ksh - k_row
+    KZp = KZ + unit * stride_ksb + h * stride_ksh - k_row
+    VSp = VS + unit * stride_vsb + h * stride_vsh - v_row
+    VZp = VZ + unit * stride_vsb + h * stride_vsh - v_row
+    return k_base, v_base, KSp, KZp, VSp, VZp

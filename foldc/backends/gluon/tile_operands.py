@@ -1,0 +1,175 @@
+"""Register side of the register-operand kernel (kernel.py): the layouts the code words are read in,
+the unpack of key and value words into fp16 MMA operands (two codes per LOP3, the PTX from
+operands.py), and the per-row, per-channel and channel-wise group parameters that meet them.
+
+Import this module only where Triton runs natively (not under TRITON_INTERPRET=1).
+"""
+from __future__ import annotations
+
+import math
+
+from triton.experimental import gluon
+from triton.experimental.gluon import constexpr_function
+from triton.experimental.gluon import language as gl
+
+LANES_KEY = [[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]]
+LANES_VALUE = [[0, 8], [0, 16], [1, 0], [2, 0], [4, 0]]
+
+
+@constexpr_function
+def key_words_layout(BN, W):
+    """Key words [BN tokens, W words]: words 2t, 2t+1 of rows g, g+8 per lane (the k_width=8 A operand)."""
+    BN, W = int(BN), int(W)
+    reg = [[0, 1], [8, 0]] + [[0, 8 << i] for i in range(int(math.log2(W // 8)))] + \
+        [[16 << i, 0] for i in range(int(math.log2(BN // 16)))]
+    return gl.DistributedLinearLayout(reg_bases=reg, lane_bases=LANES_KEY, warp_bases=[], block_bases=[],
+                                      shape=[BN, W])
+
+
+@constexpr_function
+def value_words_layout(BN, W):
+    """Value words [W words, BN tokens]: four consecutive tokens of one word in consecutive registers."""
+    BN, W = int(BN), int(W)
+    reg = [[0, 1], [0, 2], [0, 4]] + [[0, 32 << i] for i in range(int(math.log2(BN // 32)))] + \
+        [[8 << i, 0] for i in range(int(math.log2(W // 8)))]
+    return gl.DistributedLinearLayout(reg_bases=reg, lane_bases=LANES_VALUE, warp_bases=[], block_bases=[],
+                                      shape=[W, BN])
+
+
+@gluon.jit
+def _join4(x0, x1, x2, x3):
+    # [..., 2, 2] whose element [..., u, v] is x_(2u+v)
+    return gl.join(gl.join(x0, x2), gl.join(x1, x3))
+
+
+@gluon.jit
+def _pairs(x0, x1, BN: gl.constexpr, NB: gl.constexpr):
+    # x_p[t, w, e] holds byte 4w + p + 2e; k = 4w + 2p + e keeps each unpacked register one k pair
+    return gl.reshape(gl.permute(gl.join(x0, x1), (0, 1, 3, 2)), [BN, NB])
+
+
+@gluon.jit
+def key_operand(kw, BN: gl.constexpr, D: gl.constexpr, F: gl.constexpr, ASM: gl.constexpr, CONS: gl.constexpr):
+    NB: gl.constexpr = D // F
+    x = gl.join(kw, kw)
+    if F == 4:
+        a0, a1, b0, b1, c0, c1, d0, d1 = gl.inline_asm_elementwise(
+            ASM, CONS, [x], dtype=(gl.float16,) * 8, is_pure=True, pack=2)
+        op = _join4(_pairs(a0, a1, BN, NB), _pairs(b0, b1, BN, NB), _pairs(c0, c1, BN, NB), _pairs(d0, d1, BN, NB))
+        op = gl.reshape(gl.permute(op, (0, 2, 3, 1)), [BN, D])
+    else:
+        a0, a1, b0, b1 = gl.inline_asm_elementwise(ASM, CONS, [x], dtype=(gl.float16,) * 4, is_pure=True, pack=2)
+        op = gl.reshape(gl.permute(gl.join(_pairs(a0, a1, BN, NB), _pairs(b0, b1, BN, NB)), (0, 2, 1)), [BN, D])
+    return op
+
+
+@gluon.jit
+def _value_fields(vw, ASM: gl.constexpr, CONS: gl.constexpr, F: gl.constexpr):
+    if F == 4:
+        r0, r1, r2, r3 = gl.inline_asm_elementwise(ASM, CONS, [vw], dtype=(gl.float16,) * 4, is_pure=True, pack=4)
+    else:
+        r0, r1 = gl.inline_asm_elementwise(ASM, CONS, [vw], dtype=(gl.float16,) * 2, is_pure=True, pack=4)
+        r2 = r0
+        r3 = r1
+    return r0, r1, r2, r3
+
+
+@gluon.jit
+def value_operand(vw, BN: gl.constexpr, D: gl.constexpr, F: gl.constexpr, VA0: gl.constexpr, VA1: gl.constexpr,
+                   VA2: gl.constexpr, VA3: gl.constexpr, VCONS: gl.constexpr):
+    p00, p10, p20, p30 = _value_fields(vw, VA0, VCONS, F)   # p<field><byte>
+    p01, p11, p21, p31 = _value_fields(vw, VA1, VCONS, F)
+    p02, p12, p22, p32 = _value_fields(vw, VA2, VCONS, F)
+    p03, p13, p23, p33 = _value_fields(vw, VA3, VCONS, F)
+    j0 = _join4(p00, p01, p02, p03)      # [W, BN, u, v]: byte 2u+v of field 0
+    j1 = _join4(p10, p11, p12, p13)
+    if F == 4:
+        op = _join4(j0, j1, _join4(p20, p21, p22, p23), _join4(p30, p31, p32, p33))
+        op = gl.reshape(gl.permute(op, (4, 5, 2, 3, 0, 1)), [D, BN])
+    else:
+        op = gl.reshape(gl.permute(gl.join(j0, j1), (4, 2, 3, 0, 1)), [D, BN])
+    return op
+
+
+@gluon.jit
+def per_row(x, H: gl.constexpr):
+    """A token-wise parameter as float32 [BN, ROWS] (or [BN, 1] to broadcast, one head per program)."""
+    if H == 1:
+        y = x.to(gl.float32)[:, None]
+    else:
+        y = x.to(gl.float32)
+    return y
+
+
+@gluon.jit
+def swap_k01(x, D: gl.constexpr, ROWS: gl.constexpr):
+    """x[c] -> x[key_channel(k)]: the key operand's k index is the channel with its bits 0 and 1
+    swapped (operands.py), a reshape and a permute of the tensor (no data moves between lanes)."""
+    if ROWS == 0:
+        y = gl.reshape(gl.permute(gl.reshape(x, [D // 4, 2, 2]), (0, 2, 1)), [D])
+    else:
+        y = gl.reshape(gl.permute(gl.reshape(x, [D // 4, 2, 2, ROWS]), (0, 2, 1, 3)), [D, ROWS])
+    return y
+
+
+@gluon.jit
+def _channel_param(P, head_q, stride_h, D: gl.constexpr, ROWS: gl.constexpr, H: gl.constexpr):
+    """A channel-wise K parameter (scale or zero) of one token group as float32 in the query
+    operand's layout, [D, 1] or [D, ROWS] with each row's own head: each lane's eight consecutive
+    channels in one vector load, then put in k order (swap_k01)."""
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
+    b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=8)
+    c = gl.arange(0, D, layout=gl.SliceLayout(1, b_l))
+    if H == 1:
+        x = gl.load(P + c)
+        y = gl.convert_layout(swap_k01(x, D, 0), gl.SliceLayout(1, b_l), assert_trivial=True)
+        out = y.to(gl.float32)[:, None]
+    else:
+        x = gl.load(P + head_q[None, :] * stride_h + c[:, None])
+        out = gl.convert_layout(swap_k01(x, D, ROWS), b_l, assert_trivial=True).to(gl.float32)
+    return out
+
+
+@gluon.jit
+def key_group(qv, field, chan, head_q, stride_ksh, KSg, KZg, qk_scale, BITS: gl.constexpr, KEY_BIAS: gl.constexpr,
+               KEY_EXP: gl.constexpr, H: gl.constexpr, D: gl.constexpr, ROWS: gl.constexpr):
+    """Channel-wise K, one token group: the query pre-scaled by the group's channel scales and field
+    weights (operand-fold, eq. 4), each row by its own power of two c so the largest entry sits
+    near 2^12 (large channel scales must not overflow fp16), and the logits' affine map
+    ``t = acc * mul + add`` with mul = qk_scale * 2^KEY_EXP / c and add = -mul * bias * sum(q') +
+    qk_scale * sum(q x zero) (eq. 6, 7; subnormal codes: bias 0, KEY_EXP 24)."""
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
+    row_l: gl.constexpr = gl.SliceLayout(0, mma)
+    sk = _channel_param(KSg, head_q, stride_ksh, D, ROWS, H)   # each row its own head's
+    zk = _channel_param(KZg, head_q, stride_ksh, D, ROWS, H)
+    qs = qv * sk * gl.exp2(-(field * BITS).to(gl.float32))[:, None]
+    c = gl.exp2(12.0 - gl.floor(gl.log2(gl.maximum(gl.max(gl.abs(qs), axis=0), 1e-30))))
+    q16 = (qs * c[None, :]).to(gl.float16)
+    mul = qk_scale * (2.0 ** KEY_EXP) / c
+    add = gl.sum(qv * zk, axis=0) * qk_scale
+    if KEY_BIAS != 0:
+        add = add - mul * KEY_BIAS * gl.sum(q16.to(gl.float32), axis=0)
+    return q16, gl.convert_layout(mul, row_l), gl.convert_layout(add, row_l)
+
+
+@gluon.jit
+def value_group(VSg, VZg, chan_o, weight, head_c, stride_vsh, H: gl.constexpr):
+    """Channel-wise V: one token group's scale (times the field weight) and zero per output row
+    [D], or per output row and query row [D, ROWS] with packed heads (each row its own head's)."""
+    if H == 1:
+        off = chan_o
+        w = weight
+    else:
+        off = head_c[None, :] * stride_vsh + chan_o[:, None]
+        w = weight[:, None]
+    return gl.load(VSg + off).to(gl.float32) * w, gl.load(VZg + off).to(gl.float32)
+
+
+@gluon.jit
+def per_channel(x, H: gl.constexpr):
+    """A channel-wise V parameter as [D, ROWS] or [D, 1] to broadcast (one head per program)."""
+    if H == 1:
+        y = x[:, None]
+    else:
+        y = x
+    return y
