@@ -121,7 +121,9 @@ class GluonAttention:
     and so do the output's last bits. On the H200 it was 0-3.5% faster at INT2 token-wise and slower
     at INT4 and with channel-wise sides (more registers), docs/perf.md; 2 stages only). The
     attribute ``pdl`` (default True) launches the merge as a programmatic dependent of the decode
-    kernel; set it False to launch the two kernels one after the other."""
+    kernel inside a CUDA-graph capture (eager calls never do: it cost ~44 µs of GPU time there on the
+    H200); set it False to launch the two kernels one after the other everywhere. Eager calls after
+    the first reuse the compiled kernels through `FastLaunch`."""
 
     def __init__(self, spec, block_n: int | None = None, stages: int | None = None, splits: int | None = None,
                  maxnreg: int | None = None, split_factor: float | None = None, pack_heads: int | None = None,
