@@ -1,5 +1,7 @@
 """FastLaunch off the GPU: under the interpreter it passes every launch to the kernel unchanged and
-keeps nothing (its GPU path is tested in test_gluon_gpu.py)."""
+keeps nothing; on a stand-in GPU (triton's own binder, a fake compiled kernel and driver) it reuses a
+kernel exactly when triton would give the arguments the same specialisation. The real launches are
+tested on the H200 in test_gluon_gpu.py."""
 from __future__ import annotations
 
 import torch
@@ -26,3 +28,84 @@ def test_interpreted_kernels_pass_through_and_nothing_is_kept():
             assert kernel.compiled == {}
     assert not torch.isnan(outs[0][0]).any()
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+
+
+class _Compiled:
+    """Stands in for a CompiledKernel: records what its launcher is given."""
+
+    function, packed_metadata = "function", "metadata"
+
+    def __init__(self):
+        self.launches = []
+
+    def launch_metadata(self, grid, stream, *args):
+        return None
+
+    def run(self, *args):
+        self.launches.append(args)
+
+
+def _kernel_on_a_fake_gpu(monkeypatch):
+    """A real JITFunction with triton's own binder (the generic backend's specialisation, which the
+    CUDA backend keeps), whose ordinary launch path compiles nothing and returns a fresh _Compiled;
+    no GPU, no driver."""
+    import triton.runtime
+    from triton.backends.compiler import BaseBackend
+    from triton.runtime.jit import JITFunction, create_function_from_signature
+
+    import triton.language as tl
+
+    def kernel(X, Y, n, m, BLOCK: tl.constexpr, ASM: tl.constexpr):   # never compiled
+        pass
+
+    jit = JITFunction(kernel)
+    binder = create_function_from_signature(jit.signature, jit.params, BaseBackend)
+    jit.device_caches = {0: ({}, {}, None, BaseBackend, binder)}
+    ordinary = []
+
+    def run(*args, grid, warmup, **kwargs):
+        ordinary.append((grid, args, kwargs))
+        return _Compiled()
+
+    monkeypatch.setattr(jit, "run", run)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+
+    class _Driver:
+        class active:
+            @staticmethod
+            def get_current_stream(device):
+                return 7
+
+    monkeypatch.setattr(triton.runtime, "driver", _Driver)
+    return jit, ordinary
+
+
+def test_a_launch_reuses_its_kernel_only_for_the_same_specialisation(monkeypatch):
+    """The first launch of each specialisation takes triton's ordinary path; a repeat goes to that
+    kernel's launcher with every argument in the kernel's order (constexprs included) on the
+    current stream. New alignment, divisibility by 16, integer width or constexpr: ordinary path."""
+    jit, ordinary = _kernel_on_a_fake_gpu(monkeypatch)
+    fast = FastLaunch(jit)
+    buf = torch.zeros(64, dtype=torch.float16)
+    x, y = buf[:16], buf[16:32]
+    fast[(4, 2)](x, y, 32, 5, BLOCK=64, ASM="and.b32", num_warps=1)
+    assert len(ordinary) == 1 and len(fast.compiled) == 1
+    compiled = next(iter(fast.compiled.values()))
+    x2 = torch.ones(16, dtype=torch.float16)
+    fast[(4, 2)](x2, y, 48, 9, BLOCK=64, ASM="and.b32", num_warps=1)          # same specialisation
+    assert len(ordinary) == 1
+    (launch,) = compiled.launches
+    assert launch[:7] == (4, 2, 1, 7, "function", "metadata", None)
+    assert launch[9:] == (x2, y, 48, 9, 64, "and.b32")
+    calls = [((buf[1:17], y, 32, 5), {}),                     # a pointer off a 16-byte boundary
+             ((x, y, 33, 5), {}),                             # no longer a multiple of 16
+             ((x, y, 32, 1), {}),                             # 1 is a constant to triton
+             ((x, y, 1 << 33, 5), {}),                        # 64-bit
+             ((x, y, 32, 5), {"BLOCK": 32}),                  # another constexpr
+             ((x, y, 32, 5), {"num_warps": 4})]               # another option
+    for i, (args, change) in enumerate(calls):
+        kwargs = {"BLOCK": 64, "ASM": "and.b32", "num_warps": 1, **change}
+        fast[(4, 2)](*args, **kwargs)
+        assert len(ordinary) == 2 + i, (args, change)
+    assert len(fast.compiled) == 1 + len(calls)
+    assert len(compiled.launches) == 1
