@@ -332,8 +332,8 @@ class GluonAttention:
         args, kwargs = self.decode_arguments(launch, q, k, v, lens, ws, sm_scale, per_split, cache_tokens, paged,
                                              counters)
         decode[(q.shape[0], self.spec.num_kv_heads // launch["heads"], splits)](*args, **kwargs)
-        # PDL under CUDA-graph capture only: eager calls paid ~120 µs more host time per call with the
-        # merge launched as a programmatic dependent (H200, docs/perf.md ninth session)
+        # PDL under CUDA-graph capture only: launched eagerly, the programmatic dependent merge cost
+        # ~44 µs of GPU time per call at INT2 1 x 16K (H200, docs/perf.md ninth session)
         launch_merge(merge, *ws, out, lse, self.spec.q_per_kv * launch["heads"],
                      pdl=self.pdl and torch.cuda.is_current_stream_capturing())
 

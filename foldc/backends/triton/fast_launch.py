@@ -9,7 +9,8 @@ and keys the compiled kernel it got from the first, ordinary launch by that spec
 options. Later launches with the same key go straight to the compiled kernel's launcher.
 
 Under the interpreter (a CPU run) the kernel object is not a JITFunction and calls pass straight
-through. Pinned to triton 3.6's JITFunction and CompiledKernel internals (tested on the GPU).
+through. Pinned to triton 3.6's JITFunction and CompiledKernel internals (tested on the H200, and in
+CI on a stand-in GPU: tests/backends/test_fast_launch.py).
 """
 from __future__ import annotations
 
