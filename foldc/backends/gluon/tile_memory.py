@@ -21,7 +21,7 @@ def copy_layout(BN, W):
 
 @gluon.jit
 def issue_copies(stage, n0, k_smem, v_smem, k_base, v_base, stride_kh, stride_vh, tc, wc, W: gl.constexpr,
-           H: gl.constexpr):
+                 H: gl.constexpr):
     """Start copying the code words of tile n0, every packed head, into pipeline stage ``stage``."""
     rows = (n0 + tc)[:, None] * W + wc[None, :]
     for i in gl.static_range(H):
@@ -32,7 +32,7 @@ def issue_copies(stage, n0, k_smem, v_smem, k_base, v_base, stride_kh, stride_vh
 
 @gluon.jit
 def prefetch_scales(n0, KSp, KZp, VSp, VZp, stride_ksh, stride_vsh, KEY_G: gl.constexpr, VAL_G: gl.constexpr,
-                     H: gl.constexpr, BN: gl.constexpr):
+                    H: gl.constexpr, BN: gl.constexpr):
     """Bring tile n0's token-wise scales and zeros into L2 (``prefetch.global.L2``, no registers
     held): lane l takes parameter l % 4 of head (l // 4) % H, one BN x 2-byte row each (at most
     128 bytes, one line). The loads at the tile's start then wait on L2, not on DRAM (long-scoreboard
@@ -74,7 +74,7 @@ def _param(P, n0, tm, head_c, stride_h, live, H: gl.constexpr, MASKED: gl.conste
 
 @gluon.jit
 def tile_scales(n0, end, tm, head_c, KSp, KZp, VSp, VZp, stride_ksh, stride_vsh, KEY_G: gl.constexpr,
-            VAL_G: gl.constexpr, H: gl.constexpr, MASKED: gl.constexpr):
+                VAL_G: gl.constexpr, H: gl.constexpr, MASKED: gl.constexpr):
     """Per-token scale and zero of the token-wise sides (placeholders for channel-wise ones)."""
     tok = n0 + tm
     live = tok < end
@@ -95,7 +95,7 @@ def tile_scales(n0, end, tm, head_c, KSp, KZp, VSp, VZp, stride_ksh, stride_vsh,
 
 @gluon.jit
 def stage_tail(n0, end, k_smem, v_smem, k_base, v_base, stride_kh, stride_vh, tc, wc, W: gl.constexpr,
-                H: gl.constexpr):
+               H: gl.constexpr):
     """The last, partial tile into stage 0 of the pipeline's shared memory, zeros past the end."""
     tok = n0 + tc
     rows = tok[:, None] * W + wc[None, :]
@@ -137,7 +137,7 @@ def next_tile(t, drawn, t_stop, counter, first, CHUNK: gl.constexpr, DYNAMIC: gl
 
 @gluon.jit
 def tile_bases(n0, b, h, cache, table, strides, W: gl.constexpr, KEY_G: gl.constexpr, VAL_G: gl.constexpr,
-           PAGE: gl.constexpr):
+               PAGE: gl.constexpr):
     """Base pointers of the code words and the scales/zeros for the tile holding token n0.
     Contiguous cache (PAGE == 0): batch b's. Paged (PAGE tokens a page, FlashInfer's table): the page
     that holds n0, *rebased* by that page's first token tok0, so that ``base + token * row_stride``

@@ -76,7 +76,7 @@ def _value_fields(vw, ASM: gl.constexpr, CONS: gl.constexpr, F: gl.constexpr):
 
 @gluon.jit
 def value_operand(vw, BN: gl.constexpr, D: gl.constexpr, F: gl.constexpr, VA0: gl.constexpr, VA1: gl.constexpr,
-                   VA2: gl.constexpr, VA3: gl.constexpr, VCONS: gl.constexpr):
+                  VA2: gl.constexpr, VA3: gl.constexpr, VCONS: gl.constexpr):
     p00, p10, p20, p30 = _value_fields(vw, VA0, VCONS, F)   # p<field><byte>
     p01, p11, p21, p31 = _value_fields(vw, VA1, VCONS, F)
     p02, p12, p22, p32 = _value_fields(vw, VA2, VCONS, F)
@@ -132,7 +132,7 @@ def _channel_param(P, head_q, stride_h, D: gl.constexpr, ROWS: gl.constexpr, H: 
 
 @gluon.jit
 def key_group(qv, field, chan, head_q, stride_ksh, KSg, KZg, qk_scale, BITS: gl.constexpr, KEY_BIAS: gl.constexpr,
-               KEY_EXP: gl.constexpr, H: gl.constexpr, D: gl.constexpr, ROWS: gl.constexpr):
+              KEY_EXP: gl.constexpr, H: gl.constexpr, D: gl.constexpr, ROWS: gl.constexpr):
     """Channel-wise K, one token group: the query pre-scaled by the group's channel scales and field
     weights (operand-fold, eq. 4), each row by its own power of two c so the largest entry sits
     near 2^12 (large channel scales must not overflow fp16), and the logits' affine map

@@ -15,6 +15,9 @@ CI on a stand-in GPU: tests/backends/test_fast_launch.py).
 from __future__ import annotations
 
 import torch
+import triton.runtime
+from triton import knobs
+from triton.runtime.jit import JITFunction
 
 
 class FastLaunch:
@@ -30,10 +33,6 @@ class FastLaunch:
         return lambda *args, **kwargs: self.launch(grid, args, kwargs)
 
     def launch(self, grid, args: tuple, kwargs: dict) -> None:
-        from triton import knobs
-        from triton.runtime import driver
-        from triton.runtime.jit import JITFunction
-
         if not isinstance(self.kernel, JITFunction):   # the interpreter's InterpretedFunction
             self.kernel[grid](*args, **kwargs)
             return
@@ -54,7 +53,7 @@ class FastLaunch:
             return
         grid = tuple(grid) + (1,) * (3 - len(grid))
         hooks = (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)
-        stream = driver.active.get_current_stream(device)
+        stream = triton.runtime.driver.active.get_current_stream(device)
         values = tuple(bound.values())
         # as CompiledKernel.__getitem__'s runner does, without building a closure per launch
         compiled.run(*grid, stream, compiled.function, compiled.packed_metadata,
