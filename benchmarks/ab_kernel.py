@@ -43,6 +43,26 @@ def attention(spec, module=None, key_bias=None, **options):
     return attn
 
 
+def with_unpack(attn, path: str):
+    """``attn`` with the unpack PTX of the operands.py copy at ``path`` (its key_unpack_asm and
+    value_unpack_asm) in place of this tree's, e.g. a branch's different shift instruction."""
+    module = importlib.util.module_from_spec(importlib.util.spec_from_file_location("foldc_unpack_variant", path))
+    module.__spec__.loader.exec_module(module)
+    base = attn.launch_config
+
+    def launch_config(dtype, batch, tokens):
+        opts = base(dtype, batch, tokens)
+        cfg = attn.config
+        kasm, kcons = module.key_unpack_asm(cfg.bits, cfg.key_bias)
+        values = [module.value_unpack_asm(cfg.bits, byte) for byte in range(4)]
+        opts["constexprs"] = dict(opts["constexprs"], KASM=kasm, KCONS=kcons, VA0=values[0][0], VA1=values[1][0],
+                                  VA2=values[2][0], VA3=values[3][0], VCONS=values[0][1])
+        return opts
+
+    attn.launch_config = launch_config
+    return attn
+
+
 def _option(name: str, value: str):
     """A launcher option's value from the command line: booleans as 0/1, else an int."""
     if name in ("dynamic_tiles", "scale_ahead"):
@@ -54,6 +74,8 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--variant", action="append", default=[], help="NAME=PATH of a kernel.py copy (repeatable)")
+    ap.add_argument("--unpack", action="append", default=[],
+                    help="NAME=PATH of an operands.py copy: main's kernel with that copy's unpack PTX (repeatable)")
     ap.add_argument("--key-bias", action="append", default=[], type=int,
                     help="also time main's kernel on the plan with this key code bias (e.g. 1024, the OR trick)")
     ap.add_argument("--options", action="append", default=[],
@@ -80,6 +102,9 @@ def main() -> int:
         q, k, v = decode_case(spec, b, n, seed=b * n + int(bits))
         ref = foldc.attention_reference(q, k, v) if b * n <= 600_000 else None
         kernels = {name: attention(spec, module) for name, module in variants.items()}
+        for item in args.unpack:
+            name, _, path = item.partition("=")
+            kernels[name] = with_unpack(attention(spec), path)
         kernels.update({f"key_bias_{kb}": attention(spec, key_bias=kb) for kb in args.key_bias})
         for item in args.options:
             name, _, opts = item.partition("=")
