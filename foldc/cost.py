@@ -94,7 +94,12 @@ def verdicts(fold: str, bits: int, fold_ops_per_value: Fraction | float) -> list
 #     loads and conversion): about 51 warp-instructions per 32 tokens per head;
 #   - work the packed heads share (the online softmax over the query rows, the matrix
 #     instructions' bookkeeping): about 157 per 32 tokens;
-#   - per tile, whatever its size (barriers, the copy issue, loop control): about 82.
+#   - per tile, whatever its size (barriers, the copy issue, loop control): about 82;
+#   - with several channel groups per token (token-wise sides, groups of whole bit fields), each
+#     group past the first on each side: its own score accumulator or scaled P, scale and zero
+#     loads and conversions; about 40 per 32 tokens shared by the packed heads and 4 per head
+#     (fitted to five spill-free builds of INT2 groups of 32 and 64 and INT4 groups of 64
+#     channels, within 3.7%).
 #: lane-slots per stored value to build the operands, by code width (see above)
 def key_construction(bits: int) -> float:
     return 0.5 + bits / 32 + bits / 64
@@ -115,22 +120,30 @@ def p_mask_per_head(heads: int) -> float:
 PER_HEAD_PER_32_TOKENS = {"sm_90": 50.7}
 SHARED_PER_32_TOKENS = {"sm_90": 156.5}
 PER_TILE = {"sm_90": 81.5}
+#: warp-instructions per 32 tokens for each channel group past the first, per side: shared, per head
+GROUP_SHARED_PER_32_TOKENS = {"sm_90": 40.3}
+GROUP_PER_HEAD_PER_32_TOKENS = {"sm_90": 3.7}
 
 
-def token_loop_instructions_per_tile(arch: str, bits: int, head_dim: int, heads: int = 1, block_n: int = 32) -> float:
+def token_loop_instructions_per_tile(arch: str, bits: int, head_dim: int, heads: int = 1, block_n: int = 32,
+                                     key_groups: int = 1, value_groups: int = 1) -> float:
     """Warp-instructions one program issues per tile of ``block_n`` tokens of ``heads`` KV heads
-    (token-wise K and V): the fit above."""
+    (token-wise K and V with ``key_groups`` / ``value_groups`` channel groups per token): the fit above."""
     if arch not in PER_TILE:
         raise ValueError(f"arch={arch!r} has no measured token-loop figure; use one of {sorted(PER_TILE)}")
     build = head_dim * (key_construction(bits) + value_construction(bits))   # per 32 tokens per head
     per_32 = heads * (build + p_mask_per_head(heads) + PER_HEAD_PER_32_TOKENS[arch]) + SHARED_PER_32_TOKENS[arch]
+    extra_groups = key_groups - 1 + value_groups - 1
+    per_32 += extra_groups * (GROUP_SHARED_PER_32_TOKENS[arch] + heads * GROUP_PER_HEAD_PER_32_TOKENS[arch])
     return block_n / 32 * per_32 + PER_TILE[arch]
 
 
 def token_loop_lane_slots_per_byte(arch: str, bits: int, head_dim: int, param_bytes: int = 2,
-                                   heads: int = 1, block_n: int = 32) -> float:
+                                   heads: int = 1, block_n: int = 32, key_groups: int = 1,
+                                   value_groups: int = 1) -> float:
     """Issue demand of the register-operand kernel's whole token loop per byte it reads (token-wise
-    K and V, fp16 scale and zero per token): construction of both operands plus the per-token and
-    per-tile work, part of which the ``heads`` KV heads packed into one program share."""
-    bytes_per_tile = heads * block_n * 2 * (head_dim * bits / 8 + 2 * param_bytes)
-    return 32 * token_loop_instructions_per_tile(arch, bits, head_dim, heads, block_n) / bytes_per_tile
+    K and V, fp16 scale and zero per channel group of each token): construction of both operands plus
+    the per-token and per-tile work, part of which the ``heads`` KV heads packed into one program share."""
+    bytes_per_tile = heads * block_n * (2 * head_dim * bits / 8 + 2 * param_bytes * (key_groups + value_groups))
+    return 32 * token_loop_instructions_per_tile(arch, bits, head_dim, heads, block_n, key_groups,
+                                                 value_groups) / bytes_per_tile

@@ -109,9 +109,12 @@ def _kernel_text(spec) -> str:
                 "channel-wise sides; `foldc compile --target sm_90` reports the SASS count per tile "
                 "(instructions_per_tile) and docs/perf.md compares the layouts")
     h200 = next(g for g in GPUS if g.name == "H200")
-    demand = token_loop_lane_slots_per_byte("sm_90", cfg.bits, cfg.head_dim, heads=heads, block_n=block_n)
+    demand = token_loop_lane_slots_per_byte("sm_90", cfg.bits, cfg.head_dim, heads=heads, block_n=block_n,
+                                            key_groups=cfg.key_groups, value_groups=cfg.value_groups)
+    groups = "" if cfg.key_groups == cfg.value_groups == 1 else \
+        f", {cfg.key_groups} K and {cfg.value_groups} V channel group(s) per token"
     return (f"register-operand kernel (sm_90), whole token loop with {heads} KV head(s) per program and "
-            f"{block_n}-token tiles (fitted to its SASS): {demand:.2f} of the {h200.name}'s "
+            f"{block_n}-token tiles{groups} (fitted to its SASS): {demand:.2f} of the {h200.name}'s "
             f"{h200.lane_slots_per_byte:.2f} lane-slots/byte "
             f"({100 * demand / h200.lane_slots_per_byte:.0f}% of the issue slots at full bandwidth; warps that wait "
             "on their own latencies kept the issue slots busy 47% of the time on the H200 at INT2 8 x 64K, Nsight "

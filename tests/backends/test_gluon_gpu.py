@@ -38,8 +38,10 @@ def _check(r, what):
 def test_auto_takes_the_register_operand_kernel_for_token_wise_plans():
     assert type(foldc.compile(_spec(), "auto")).__name__ == "GluonAttention"
     assert type(foldc.compile(_spec(), "auto", kernel="triton")).__name__ == "TritonAttention"
-    small_groups = foldc.AttentionSpec(32, 8, 128, A(2, "token", 64), A(2, "token", 64))
-    assert type(foldc.compile(small_groups, "auto")).__name__ == "TritonAttention"
+    whole_fields = foldc.AttentionSpec(32, 8, 128, A(2, "token", 32), A(2, "token", 64))
+    assert type(foldc.compile(whole_fields, "auto")).__name__ == "GluonAttention"
+    split_fields = foldc.AttentionSpec(32, 8, 128, A(4, "token", 32), A(4, "token", 32))
+    assert type(foldc.compile(split_fields, "auto")).__name__ == "TritonAttention"
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
@@ -151,6 +153,44 @@ def test_without_seq_lens_every_sequence_fills_the_cache(bits):
     ref = foldc.attention_reference(q, k, v)
     err = rel_l2(attn(q, k, v), ref)
     assert err <= TOLERANCE * rel_l2(bf16_attention(q, k, v, spec.head_dim ** -0.5, full), ref), err
+
+
+GROUP_CASES = [(2, 64, 64, 2, 64), (2, 32, 32, 2, 32), (2, 32, 128, 2, 64), (2, 128, 64, 1, 64), (2, 64, 32, 1, 32),
+               (4, 64, 64, 2, 32), (4, 128, 64, 1, 64)]
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("bits,k_group,v_group,pack,block_n", GROUP_CASES,
+                         ids=[f"int{b}-Kg{kg}-Vg{vg}-H{p}-bn{n}" for b, kg, vg, p, n in GROUP_CASES])
+def test_token_wise_channel_groups_match_float64(bits, k_group, v_group, pack, block_n, dtype):
+    """Several scale/zero groups per token (KIVI-style groups of 32 or 64 channels): each group's
+    score and value products are scaled by that group's own parameters, with packed heads, ragged
+    lengths (a 1-token sequence, a partial last tile) and splits that start mid-sequence. A group
+    scaled by another group's parameters, or one group's zero term given to every channel, is off by
+    tens of percent."""
+    spec = foldc.AttentionSpec(32, 8, 128, A(bits, "token", k_group), A(bits, "token", v_group))
+    attn = foldc.compile(spec, "sm_90", kernel="gluon", pack_heads=pack, block_n=block_n, splits=5)
+    cfg = attn.launch_config(DTYPES[dtype], 4, 3001)["constexprs"]
+    assert (cfg["KEY_NG"], cfg["VAL_NG"]) == (128 // k_group, 128 // v_group)
+    r = run_with_lens(attn, spec, [3001, 1, 2 * block_n + 7, 1500], 3001, DTYPES[dtype], "cuda",
+                      seed=bits * 100 + k_group + v_group + pack)
+    _check(r, f"{spec.describe()} pack_heads={pack} block_n={block_n} {dtype}")
+
+
+@pytest.mark.parametrize("schedule", [dict(scale_ahead=True), dict(dynamic_tiles=True, splits=40)],
+                         ids=["scale-ahead", "dynamic-40splits"])
+def test_token_wise_channel_groups_with_other_schedules(schedule):
+    """Scales a tile ahead (tuples of group parameters carried across tiles) and dynamic tiles with
+    more programs than chunks give the float64 answer and the default kernel's."""
+    spec = foldc.AttentionSpec(32, 8, 128, A(2, "token", 32), A(2, "token", 64))
+    opts = dict(kernel="gluon", block_n=32, splits=3)
+    other = foldc.compile(spec, "sm_90", **dict(opts, **schedule))
+    default = foldc.compile(spec, "sm_90", **opts)
+    r = run_with_lens(other, spec, [3001, 77, 2048, 1], 3001, torch.bfloat16, "cuda", seed=81)
+    _check(r, f"{spec.describe()} {schedule}")
+    gen = torch.Generator().manual_seed(82)
+    q, k, v, lens = random_inputs(spec, 2, 2500, torch.bfloat16, "cuda", gen)
+    assert rel_l2(other(q, k, v, seq_lens=lens), default(q, k, v, seq_lens=lens).double()) <= 1e-3
 
 
 SCHEDULES = [dict(scale_ahead=True, stages=2), dict(scale_ahead=True, stages=4), dict(scale_ahead=False, stages=3)]

@@ -40,10 +40,30 @@ def test_folded_plans_lower(bits, head_dim, heads, kl, vl):
     assert foldc.prove(gluon_plan(spec)) is not None   # the plan the kernel runs is proved exact
 
 
+@pytest.mark.parametrize("bits,group,head_dim,heads", [(2, 64, 128, (32, 8)), (2, 32, 128, (32, 8)),
+                                                       (4, 64, 128, (32, 8)), (4, 32, 64, (8, 8)),
+                                                       (2, 64, 256, (16, 2))])
+@pytest.mark.parametrize("side", ["both", "k", "v"])
+def test_token_wise_groups_of_whole_bit_fields_lower(bits, group, head_dim, heads, side):
+    """Several channel groups per token: each group is whole bit fields of the planar packing
+    (head_dim x bits / 8 channels each), so a contiguous range of the operands' K or M index."""
+    k_group = group if side in ("both", "k") else head_dim
+    v_group = group if side in ("both", "v") else head_dim
+    spec = foldc.AttentionSpec(*heads, head_dim, A(bits, "token", k_group), A(bits, "token", v_group))
+    cfg = lower(gluon_plan(spec))
+    assert (cfg.key_groups, cfg.value_groups) == (head_dim // k_group, head_dim // v_group)
+    assert cfg.key_tokens == cfg.value_tokens == 0
+    for enc_group in (k_group, v_group):   # a group never cuts a bit field
+        assert enc_group % (head_dim * bits // 8) == 0
+    assert foldc.prove(gluon_plan(spec)) is not None
+
+
 @pytest.mark.parametrize("spec,reason", [
-    (_spec(group=64), "token-wise groups of 64 channels"),
+    (_spec(bits=4, group=32), "token-wise groups of 32 channels; the register-operand kernel needs whole bit "
+                              "fields of 64 channels"),
+    (_spec(group=16), "token-wise groups of 16 channels"),
+    (foldc.AttentionSpec(16, 2, 256, A(2, "token", 32), A(2, "token", 256)), "at most 4 groups per token"),
     (_spec("channel", "channel", group=16), "channel-wise groups of 16 tokens"),
-    (_spec("token", "token", group=32), "token-wise groups of 32 channels"),
     (_spec(bits=8), "2 or 4 bits"),
     (_spec(bits=2, head_dim=64, group=64, heads=(8, 8)), "256 or 512"),
     (_spec(heads=(32, 1)), "at most 16"),
@@ -61,6 +81,12 @@ def test_other_plans_do_not_lower(spec, reason):
 def test_a_plan_with_other_code_biases_is_refused(key, value):
     with pytest.raises(NotLowerable, match="code biases"):
         lower(foldc.plan(_spec(), code_bias={"key": key, "value": value}))
+
+
+def test_a_folded_key_bias_with_several_groups_per_token_is_refused():
+    the_plan = foldc.plan(_spec(group=64), code_bias={"key": 1024, "value": 0})
+    with pytest.raises(NotLowerable, match="channel groups per token"):
+        lower(the_plan)
 
 
 def test_the_key_bias_is_the_plans():

@@ -198,7 +198,8 @@ GLUON_CASES = [("int2 packed", S(32, 8, 128, A(2, "token", 128), A(2, "token", 1
                ("int2 packed", S(32, 8, 128, A(2, "token", 128), A(2, "token", 128)), 256),
                ("int4 packed", S(32, 8, 128, A(4, "token", 128), A(4, "token", 128)), 128),
                ("int2 K-channel", S(32, 8, 128, A(2, "channel", 128), A(2, "token", 128)), 128),
-               ("int4 V-channel", S(32, 8, 128, A(4, "token", 128), A(4, "channel", 64)), 64)]
+               ("int4 V-channel", S(32, 8, 128, A(4, "token", 128), A(4, "channel", 64)), 64),
+               ("int2 g32/g64", S(32, 8, 128, A(2, "token", 32), A(2, "token", 64)), 64)]
 
 
 def _gluon_case(spec, page_size: int, seed: int):

@@ -88,7 +88,7 @@ def compile_gluon_aot(spec, arch: str, out_dir: str | Path, dtype: str = "bf16",
     groups = [g for g in (cfg.key_tokens, cfg.value_tokens) if g]
     per_tile = len(body) - once_per_group + (once_per_group * block_n / min(groups) if groups else 0)
     # codes + fp16 scale and zero, K and V, of every packed head
-    tile_bytes = heads * 2 * block_n * (cfg.head_dim * cfg.bits / 8 + 4)
+    tile_bytes = heads * block_n * (2 * cfg.head_dim * cfg.bits / 8 + 4 * (cfg.key_groups + cfg.value_groups))
     # global loads in the token loop (the token-wise scales and zeros), and the address registers
     # they use: one base per parameter when each load takes an immediate offset (_param)
     loads = [args for _, op, args in body if op == "LDG"]
@@ -105,7 +105,9 @@ def compile_gluon_aot(spec, arch: str, out_dir: str | Path, dtype: str = "bf16",
                        "instructions_per_tile": per_tile, "bytes_per_tile": tile_bytes,
                        "lane_slots_per_byte": lane_slots_per_byte(loop, 1, tile_bytes),
                        "model_lane_slots_per_byte": (token_loop_lane_slots_per_byte("sm_90", cfg.bits, cfg.head_dim,
-                                                                                     heads=heads, block_n=block_n)
+                                                                                     heads=heads, block_n=block_n,
+                                                                                     key_groups=cfg.key_groups,
+                                                                                     value_groups=cfg.value_groups)
                                                      if not (cfg.key_tokens or cfg.value_tokens) else None),
                        "top_opcodes": dict(loop.most_common(12)),
                        "global_loads": len(loads), "global_load_bases": len(bases),

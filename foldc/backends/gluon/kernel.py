@@ -7,6 +7,9 @@ One program = one warp = one (batch, H packed kv_heads, split). Per tile of BN t
   softmax    online, per query row (log2 units)                                (eq. 9)
   value side O^T += V'^T.(P * s_tok)^T  M = channels, N = rows, K = tokens       (eq. 4)
              plus sum(P * z_tok) per row                                         (eq. 6)
+With KEY_NG / VAL_NG channel groups per token (token-wise sides), each group is a contiguous range
+of the K index (key side) or M index (value side) and gets its own MMA: per-group scores scaled by
+their group's s_tok before they are added, per-group P * s_tok for the group's output channels.
 The codes of both sides enter the MMA as fp16 subnormals (code x 2^-24, exact; operands.py): the
 key side's 2^24 rides on the logits' scale, the value side's is undone per output row at the end
 (a plan with the OR trick's key bias 1024 subtracts 1024 x sum(q') from S^T instead). The code
@@ -29,42 +32,62 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 # absolute imports: benchmarks load copies of this file as modules of their own (ab_kernel.py, program_timeline.py)
 from foldc.backends.gluon.tile_memory import (copy_layout, draw_chunk, issue_copies, next_tile, prefetch_scales,
                                               stage_tail, tile_bases, tile_scales)
-from foldc.backends.gluon.tile_operands import (key_group, key_operand, key_words_layout, per_channel, per_row,
-                                                swap_k01, value_group, value_operand, value_words_layout)
+from foldc.backends.gluon.tile_operands import (group_mmas, group_sums, join_groups, key_group, key_operand,
+                                                key_words_layout, per_channel, per_row, scaled_p, select_groups,
+                                                split_groups, swap_k01, value_group, value_operand, value_words_layout,
+                                                zeros_groups)
 
 
 @gluon.jit
 def _scores(n0, end, k_smem, slot, ks, kz, tm, head_c, q16, q_bias, q_sum, row_scale, BN: gl.constexpr,
             D: gl.constexpr, F: gl.constexpr, ROWS: gl.constexpr, H: gl.constexpr, KEY_G: gl.constexpr,
-            KEY_BIAS: gl.constexpr, KASM: gl.constexpr, KCONS: gl.constexpr, MASKED: gl.constexpr):
+            KEY_BIAS: gl.constexpr, KASM: gl.constexpr, KCONS: gl.constexpr, MASKED: gl.constexpr,
+            KEY_NG: gl.constexpr):
     """Key side of one tile: the logits t [BN tokens, ROWS] (log2 units), -inf past ``end``."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
     a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=8)
+    b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=8)
     W: gl.constexpr = D // F // 4
     kw_l: gl.constexpr = key_words_layout(BN, W)
-    # scores of every packed head: head i's keys against all query rows, kept in the rows of head i
-    sacc = gl.zeros([BN, ROWS], gl.float32, layout=mma)
-    for i in gl.static_range(H):
-        kw = k_smem.index(slot + i).load(kw_l)
-        ka = gl.convert_layout(key_operand(kw, BN, D, F, KASM, KCONS), a_l, assert_trivial=True)
-        if H == 1:
-            sacc = mma_v2(ka, q16, sacc)
-        else:
-            sacc = gl.where((head_c == i)[None, :], mma_v2(ka, q16, gl.zeros([BN, ROWS], gl.float32, layout=mma)),
-                            sacc)
-    if KEY_G == 0:
-        ks2 = per_row(ks, H)
-        kz2 = per_row(kz, H)
-        # acc-fold, one scale per token (row of M); bias and zero through sum(q') and sum(q) (eq. 3, 6, 7)
-        if KEY_BIAS == 0:   # subnormal codes: nothing to remove, row_scale carries 2^KEY_EXP
-            t = ks2 * (sacc * row_scale[None, :]) + kz2 * q_sum[None, :]
-        else:
-            t = ks2 * ((sacc - q_bias[None, :]) * row_scale[None, :]) + kz2 * q_sum[None, :]
+    if KEY_NG > 1:
+        # token-wise K in KEY_NG channel groups: one accumulator per group (q16 and q_sum are tuples
+        # of the groups' pieces), each scaled by its group's scale before the groups meet (eq. 3, 6)
+        sacc = zeros_groups([BN, ROWS], mma, KEY_NG)
+        for i in gl.static_range(H):
+            kw = k_smem.index(slot + i).load(kw_l)
+            parts = group_mmas(split_groups(key_operand(kw, BN, D, F, KASM, KCONS), KEY_NG, 1), q16,
+                               zeros_groups([BN, ROWS], mma, KEY_NG), a_l, b_l, KEY_NG)
+            if H == 1:
+                sacc = parts
+            else:
+                sacc = select_groups((head_c == i)[None, :], parts, sacc, KEY_NG)
+        t = per_row(ks[0], H) * (sacc[0] * row_scale[None, :]) + per_row(kz[0], H) * q_sum[0][None, :]
+        for g in gl.static_range(1, KEY_NG):
+            t = t + per_row(ks[g], H) * (sacc[g] * row_scale[None, :]) + per_row(kz[g], H) * q_sum[g][None, :]
     else:
-        # operand-fold: q16 was pre-scaled by this group's channel scales (and its own power of two);
-        # here q_bias is that group's scale back to logits and q_sum its offset: the bias removed and
-        # sum(q x zero) added (eq. 4, 6, 7), see key_group
-        t = sacc * q_bias[None, :] + q_sum[None, :]
+        # scores of every packed head: head i's keys against all query rows, kept in the rows of head i
+        sacc = gl.zeros([BN, ROWS], gl.float32, layout=mma)
+        for i in gl.static_range(H):
+            kw = k_smem.index(slot + i).load(kw_l)
+            ka = gl.convert_layout(key_operand(kw, BN, D, F, KASM, KCONS), a_l, assert_trivial=True)
+            if H == 1:
+                sacc = mma_v2(ka, q16, sacc)
+            else:
+                sacc = gl.where((head_c == i)[None, :], mma_v2(ka, q16, gl.zeros([BN, ROWS], gl.float32, layout=mma)),
+                                sacc)
+        if KEY_G == 0:
+            ks2 = per_row(ks, H)
+            kz2 = per_row(kz, H)
+            # acc-fold, one scale per token (row of M); bias and zero through sum(q') and sum(q) (eq. 3, 6, 7)
+            if KEY_BIAS == 0:   # subnormal codes: nothing to remove, row_scale carries 2^KEY_EXP
+                t = ks2 * (sacc * row_scale[None, :]) + kz2 * q_sum[None, :]
+            else:
+                t = ks2 * ((sacc - q_bias[None, :]) * row_scale[None, :]) + kz2 * q_sum[None, :]
+        else:
+            # operand-fold: q16 was pre-scaled by this group's channel scales (and its own power of two);
+            # here q_bias is that group's scale back to logits and q_sum its offset: the bias removed and
+            # sum(q x zero) added (eq. 4, 6, 7), see key_group
+            t = sacc * q_bias[None, :] + q_sum[None, :]
     if MASKED:
         t = gl.where((n0 + tm < end)[:, None], t, float("-inf"))
     return t
@@ -74,9 +97,10 @@ def _scores(n0, end, k_smem, slot, ks, kz, tm, head_c, q16, q_bias, q_sum, row_s
 def _consume(t, v_smem, slot, vs, vz, m_i, l_i, zsum, acc_o, head_b, v_scale, v_zero, BN: gl.constexpr,
              D: gl.constexpr, F: gl.constexpr, ROWS: gl.constexpr, H: gl.constexpr, VAL_G: gl.constexpr,
              VA0: gl.constexpr, VA1: gl.constexpr, VA2: gl.constexpr, VA3: gl.constexpr, VCONS: gl.constexpr,
-             AND_P: gl.constexpr):
+             AND_P: gl.constexpr, VAL_NG: gl.constexpr):
     """Online softmax of one tile's logits ``t`` and its value side into (max, denominator, zero sum, O^T).
-    ``AND_P``: mask each packed head's P by an AND per register instead of a select per half."""
+    ``AND_P``: mask each packed head's P by an AND per register instead of a select per half. With
+    VAL_NG channel groups per token (token-wise V), vs, vz and zsum are tuples of VAL_NG."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
     a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=8)
     b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=8)
@@ -87,7 +111,18 @@ def _consume(t, v_smem, slot, vs, vz, m_i, l_i, zsum, acc_o, head_b, v_scale, v_
     p = gl.exp2(t - m_new[None, :])
     p_sum = gl.sum(p, axis=0)
     l_i = l_i * alpha + p_sum
-    if VAL_G == 0:
+    if VAL_NG > 1:
+        # operand-fold per channel group: group g's output channels (a range of O^T's rows) take P
+        # scaled by group g's scales (eq. 4, 6)
+        pbs, zsum = scaled_p(p, vs, vz, zsum, alpha, b_l, H, VAL_NG)
+        pv = zeros_groups([D // VAL_NG, ROWS], mma, VAL_NG)
+        for i in gl.static_range(H):
+            vw = v_smem.index(slot + i).permute((1, 0)).load(vw_l)
+            va = value_operand(vw, BN, D, F, VA0, VA1, VA2, VA3, VCONS)
+            pv = group_mmas(split_groups(va, VAL_NG, 0), _head_ps(pbs, head_b, i, b_l, H, AND_P, VAL_NG), pv, a_l,
+                            b_l, VAL_NG)
+        acc_o = acc_o * alpha[None, :] + gl.convert_layout(join_groups(pv, VAL_NG), mma, assert_trivial=True)
+    elif VAL_G == 0:
         vs2 = per_row(vs, H)
         vz2 = per_row(vz, H)
         # operand-fold: P x scale before the product; sum(P x zero) beside it (eq. 4, 6)
@@ -95,29 +130,49 @@ def _consume(t, v_smem, slot, vs, vz, m_i, l_i, zsum, acc_o, head_b, v_scale, v_
         zsum = zsum * alpha + gl.sum(p * vz2, axis=0)
     else:
         pb = gl.convert_layout(p.to(gl.float16), b_l)
-    # a fresh accumulator per tile: the tensor core's own running sum over many tiles loses low bits;
-    # head i's values meet only the columns (query rows) of head i
-    pv = gl.zeros([D, ROWS], gl.float32, layout=mma)
-    for i in gl.static_range(H):
-        vw = v_smem.index(slot + i).permute((1, 0)).load(vw_l)
-        va = gl.convert_layout(value_operand(vw, BN, D, F, VA0, VA1, VA2, VA3, VCONS), a_l, assert_trivial=True)
-        if H == 1:
-            pv = mma_v2(va, pb, pv)
-        elif not AND_P:
-            pv = mma_v2(va, gl.where((head_b == i)[None, :], pb, gl.zeros_like(pb)), pv)
+    if VAL_NG == 1:
+        # a fresh accumulator per tile: the tensor core's own running sum over many tiles loses low bits;
+        # head i's values meet only the columns (query rows) of head i
+        pv = gl.zeros([D, ROWS], gl.float32, layout=mma)
+        for i in gl.static_range(H):
+            vw = v_smem.index(slot + i).permute((1, 0)).load(vw_l)
+            va = gl.convert_layout(value_operand(vw, BN, D, F, VA0, VA1, VA2, VA3, VCONS), a_l, assert_trivial=True)
+            pv = mma_v2(va, _head_p(pb, head_b, i, b_l, H, AND_P), pv)
+        if VAL_G == 0:
+            acc_o = acc_o * alpha[None, :] + pv
         else:
-            # a lane's pair of P (two tokens of one column, one query row) is one head's: kept or
-            # zeroed by one AND per register (a select per half took a SEL and two PRMTs)
-            keep = gl.where((head_b == i)[None, :], gl.full(pb.shape, -1, gl.int16, layout=b_l),
-                            gl.zeros(pb.shape, gl.int16, layout=b_l))
-            pv = mma_v2(va, gl.inline_asm_elementwise("and.b32 $0, $1, $2;", "=r,r,r", [pb, keep], dtype=gl.float16,
-                                                      is_pure=True, pack=2), pv)
-    if VAL_G == 0:
-        acc_o = acc_o * alpha[None, :] + pv
-    else:
-        # acc-fold: this tile lies in one token group; scale the tile's sum per channel, add zero x sum(P)
-        acc_o = acc_o * alpha[None, :] + pv * per_channel(v_scale, H) + per_channel(v_zero, H) * p_sum[None, :]
+            # acc-fold: this tile lies in one token group; scale the tile's sum per channel, add zero x sum(P)
+            acc_o = acc_o * alpha[None, :] + pv * per_channel(v_scale, H) + per_channel(v_zero, H) * p_sum[None, :]
     return m_new, l_i, zsum, acc_o
+
+
+@gluon.jit
+def _head_p(pb, head_b, i, b_l: gl.constexpr, H: gl.constexpr, AND_P: gl.constexpr):
+    """P as packed head i's value MMA sees it: the other heads' columns (query rows) zeroed."""
+    if H == 1:
+        out = pb
+    elif not AND_P:
+        out = gl.where((head_b == i)[None, :], pb, gl.zeros_like(pb))
+    else:
+        # a lane's pair of P (two tokens of one column, one query row) is one head's: kept or
+        # zeroed by one AND per register (a select per half took a SEL and two PRMTs)
+        keep = gl.where((head_b == i)[None, :], gl.full(pb.shape, -1, gl.int16, layout=b_l),
+                        gl.zeros(pb.shape, gl.int16, layout=b_l))
+        out = gl.inline_asm_elementwise("and.b32 $0, $1, $2;", "=r,r,r", [pb, keep], dtype=gl.float16, is_pure=True,
+                                        pack=2)
+    return out
+
+
+@gluon.jit
+def _head_ps(pbs, head_b, i, b_l: gl.constexpr, H: gl.constexpr, AND_P: gl.constexpr, NG: gl.constexpr):
+    """_head_p of each group's P (a tuple of NG)."""
+    p0 = _head_p(pbs[0], head_b, i, b_l, H, AND_P)
+    p1 = _head_p(pbs[1], head_b, i, b_l, H, AND_P)
+    if NG == 2:
+        out = (p0, p1)
+    else:
+        out = (p0, p1, _head_p(pbs[2], head_b, i, b_l, H, AND_P), _head_p(pbs[3], head_b, i, b_l, H, AND_P))
+    return out
 
 
 @constexpr_function
@@ -130,13 +185,13 @@ def _tile(n0, end, k_smem, v_smem, slot, ks, kz, vs, vz, m_i, l_i, zsum, acc_o, 
           q_sum, row_scale, v_scale, v_zero, BN: gl.constexpr, D: gl.constexpr, F: gl.constexpr, ROWS: gl.constexpr,
           H: gl.constexpr, KEY_G: gl.constexpr, VAL_G: gl.constexpr, KEY_BIAS: gl.constexpr, KASM: gl.constexpr,
           KCONS: gl.constexpr, VA0: gl.constexpr, VA1: gl.constexpr, VA2: gl.constexpr, VA3: gl.constexpr,
-          VCONS: gl.constexpr,
-          MASKED: gl.constexpr, AND_P: gl.constexpr):
+          VCONS: gl.constexpr, MASKED: gl.constexpr, AND_P: gl.constexpr, KEY_NG: gl.constexpr,
+          VAL_NG: gl.constexpr):
     """One tile, key side then value side."""
     t = _scores(n0, end, k_smem, slot, ks, kz, tm, head_c, q16, q_bias, q_sum, row_scale, BN, D, F, ROWS, H, KEY_G,
-                KEY_BIAS, KASM, KCONS, MASKED)
+                KEY_BIAS, KASM, KCONS, MASKED, KEY_NG)
     return _consume(t, v_smem, slot, vs, vz, m_i, l_i, zsum, acc_o, head_b, v_scale, v_zero, BN, D, F, ROWS, H,
-                    VAL_G, VA0, VA1, VA2, VA3, VCONS, AND_P)
+                    VAL_G, VA0, VA1, VA2, VA3, VCONS, AND_P, VAL_NG)
 
 
 @gluon.jit
@@ -150,7 +205,8 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
                        VAL_G: gl.constexpr, STAGES: gl.constexpr, SCALE_AHEAD: gl.constexpr, KASM: gl.constexpr,
                        KCONS: gl.constexpr, VA0: gl.constexpr, VA1: gl.constexpr, VA2: gl.constexpr,
                        VA3: gl.constexpr, VCONS: gl.constexpr, VALUE_EXP: gl.constexpr, KEY_EXP: gl.constexpr,
-                       PREFETCH: gl.constexpr, DYNAMIC: gl.constexpr, CHUNK: gl.constexpr):
+                       PREFETCH: gl.constexpr, DYNAMIC: gl.constexpr, CHUNK: gl.constexpr, KEY_NG: gl.constexpr,
+                       VAL_NG: gl.constexpr):
     NB: gl.constexpr = D * BITS // 8
     W: gl.constexpr = NB // 4
     F: gl.constexpr = 8 // BITS
@@ -205,7 +261,7 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
     if n_full > 0:
         for i in gl.static_range(STAGES - 1):
             n_i = start + gl.minimum(i, n_full - 1) * BN
-            k_i, v_i, _, _, _, _ = tile_bases(n_i, b, h, cache, table, strides, W, KEY_G, VAL_G, PAGE)
+            k_i, v_i, _, _, _, _ = tile_bases(n_i, b, h, cache, table, strides, W, KEY_G, VAL_G, PAGE, KEY_NG, VAL_NG)
             issue_copies(i, n_i, k_smem, v_smem, k_i, v_i, stride_kh, stride_vh, tc, wc, W, H)
     # the chunk this program takes after its first, drawn now so that its latency hides under the prologue
     drawn = draw_chunk(counter, gl.num_programs(2), n_full > 0, 0, DYNAMIC)
@@ -228,14 +284,19 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
     amax = gl.maximum(gl.max(gl.abs(qv), axis=0), 1e-30)
     c = gl.exp2(12.0 - gl.floor(gl.log2(amax)))
     row_scale = gl.convert_layout(qk_scale * (2.0 ** KEY_EXP) / c, row_l)
-    k_base, v_base, KSp, KZp, VSp, VZp = tile_bases(start, b, h, cache, table, strides, W, KEY_G, VAL_G, PAGE)
+    k_base, v_base, KSp, KZp, VSp, VZp = tile_bases(start, b, h, cache, table, strides, W, KEY_G, VAL_G, PAGE,
+                                                    KEY_NG, VAL_NG)
     if KEY_G == 0:
         q16 = (qv * c[None, :] * gl.exp2(-(field * BITS).to(gl.float32))[:, None]).to(gl.float16)
         if KEY_BIAS == 0:   # subnormal key codes: no bias to remove (q_bias is unused)
             q_bias = row_scale
         else:
             q_bias = gl.convert_layout(gl.sum(q16.to(gl.float32), axis=0) * KEY_BIAS, row_l)
-        q_sum = gl.convert_layout(gl.sum(qv, axis=0) * qk_scale, row_l)
+        if KEY_NG == 1:
+            q_sum = gl.convert_layout(gl.sum(qv, axis=0) * qk_scale, row_l)
+        else:   # per channel group: its piece of Q'^T for its own MMA, and its sum(q) (_scores)
+            q16 = split_groups(q16, KEY_NG, 0)
+            q_sum = group_sums(split_groups(qv, KEY_NG, 0), qk_scale, row_l, KEY_NG)
     else:
         g0 = start // KEY_G
         q16, q_bias, q_sum = key_group(qv, field, chan, head_q, stride_ksh, KSp + g0 * stride_ksn,
@@ -257,18 +318,19 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
 
     m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=row_l)
     l_i = gl.zeros([ROWS], gl.float32, layout=row_l)
-    zsum = gl.zeros([ROWS], gl.float32, layout=row_l)
+    zsum = zeros_groups([ROWS], row_l, VAL_NG)   # sum(P x zero) per row (and channel group)
     acc_o = gl.zeros([D, ROWS], gl.float32, layout=mma)
     if n_full > 0:
         if SCALE_AHEAD:   # the first tile's scales; each iteration then loads the next tile's
-            ks, kz, vs, vz = tile_scales(start, end, tm, head_c, KSp, KZp, VSp, VZp, stride_ksh, stride_vsh, KEY_G, VAL_G,
-                                     H, False)
+            ks, kz, vs, vz = tile_scales(start, end, tm, head_c, KSp, KZp, VSp, VZp, stride_ksh, stride_vsh,
+                                         KEY_G, VAL_G, H, False, KEY_NG, VAL_NG)
         t = start // BN
         i = 0
         while t < t_stop:
             n0 = t * BN
             if PAGE > 0:   # this tile's page: its group scales
-                _, _, KSp, KZp, VSp, VZp = tile_bases(n0, b, h, cache, table, strides, W, KEY_G, VAL_G, PAGE)
+                _, _, KSp, KZp, VSp, VZp = tile_bases(n0, b, h, cache, table, strides, W, KEY_G, VAL_G, PAGE,
+                                                      KEY_NG, VAL_NG)
             if KEY_G > 0:
                 if n0 % KEY_G == 0:
                     q16, q_bias, q_sum = key_group(qv, field, chan, head_q, stride_ksh,
@@ -287,8 +349,10 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
             n_ahead = gl.minimum(t_ahead, t_stop - 1) * BN
             ahead = i + STAGES - 1
             if PAGE > 0:   # the pages of the next tile (its scales) and of the tile copied ahead
-                _, _, KSn, KZn, VSn, VZn = tile_bases(n_next, b, h, cache, table, strides, W, KEY_G, VAL_G, PAGE)
-                k_a, v_a, _, _, _, _ = tile_bases(n_ahead, b, h, cache, table, strides, W, KEY_G, VAL_G, PAGE)
+                _, _, KSn, KZn, VSn, VZn = tile_bases(n_next, b, h, cache, table, strides, W, KEY_G, VAL_G, PAGE,
+                                                      KEY_NG, VAL_NG)
+                k_a, v_a, _, _, _, _ = tile_bases(n_ahead, b, h, cache, table, strides, W, KEY_G, VAL_G, PAGE,
+                                                  KEY_NG, VAL_NG)
             else:
                 KSn = KSp
                 KZn = KZp
@@ -298,10 +362,10 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
                 v_a = v_base
             if SCALE_AHEAD:   # one tile ahead, in registers
                 ks2, kz2, vs2, vz2 = tile_scales(n_next, end, tm, head_c, KSn, KZn, VSn, VZn, stride_ksh, stride_vsh,
-                                             KEY_G, VAL_G, H, False)
+                                             KEY_G, VAL_G, H, False, KEY_NG, VAL_NG)
             else:             # this tile's, loaded now: fewer live registers, the latency under the key side
-                ks, kz, vs, vz = tile_scales(n0, end, tm, head_c, KSp, KZp, VSp, VZp, stride_ksh, stride_vsh, KEY_G, VAL_G,
-                                         H, False)
+                ks, kz, vs, vz = tile_scales(n0, end, tm, head_c, KSp, KZp, VSp, VZp, stride_ksh, stride_vsh,
+                                             KEY_G, VAL_G, H, False, KEY_NG, VAL_NG)
             gl.thread_barrier()   # every lane is done reading the stage the next copy overwrites
             if DYNAMIC:   # past the last tile: an empty copy group (the last tile may be a DRAM read away)
                 if t_ahead < t_stop:
@@ -318,7 +382,7 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
             m_i, l_i, zsum, acc_o = _tile(n0, end, k_smem, v_smem, (i % STAGES) * H, ks, kz, vs, vz, m_i, l_i, zsum,
                                           acc_o, tm, head_c, head_b, q16, q_bias, q_sum, row_scale, v_scale, v_zero,
                                           BN, D, F, ROWS, H, KEY_G, VAL_G, KEY_BIAS, KASM, KCONS, VA0, VA1, VA2, VA3,
-                                          VCONS, False, AND_P)
+                                          VCONS, False, AND_P, KEY_NG, VAL_NG)
             if SCALE_AHEAD:
                 ks, kz, vs, vz = ks2, kz2, vs2, vz2
             t = t_next
@@ -327,7 +391,8 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
     full_end = t_stop * BN
     if full_end < end:
         if PAGE > 0:
-            k_base, v_base, KSp, KZp, VSp, VZp = tile_bases(full_end, b, h, cache, table, strides, W, KEY_G, VAL_G, PAGE)
+            k_base, v_base, KSp, KZp, VSp, VZp = tile_bases(full_end, b, h, cache, table, strides, W, KEY_G, VAL_G,
+                                                            PAGE, KEY_NG, VAL_NG)
         if KEY_G > 0:
             g_end = full_end // KEY_G
             q16, q_bias, q_sum = key_group(qv, field, chan, head_q, stride_ksh, KSp + g_end * stride_ksn,
@@ -336,20 +401,26 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
             v_scale, v_zero = value_group(VSp + (full_end // VAL_G) * stride_vsn,
                                            VZp + (full_end // VAL_G) * stride_vsn, chan_o, weight_o, head_c, stride_vsh,
                                            H)
-        ks, kz, vs, vz = tile_scales(full_end, end, tm, head_c, KSp, KZp, VSp, VZp, stride_ksh, stride_vsh, KEY_G, VAL_G,
-                                 H, True)
+        ks, kz, vs, vz = tile_scales(full_end, end, tm, head_c, KSp, KZp, VSp, VZp, stride_ksh, stride_vsh,
+                                     KEY_G, VAL_G, H, True, KEY_NG, VAL_NG)
         stage_tail(full_end, end, k_smem, v_smem, k_base, v_base, stride_kh, stride_vh, tc, wc, W, H)
         m_i, l_i, zsum, acc_o = _tile(full_end, end, k_smem, v_smem, 0, ks, kz, vs, vz, m_i, l_i, zsum, acc_o, tm,
                                       head_c, head_b, q16, q_bias, q_sum, row_scale, v_scale, v_zero, BN, D, F, ROWS,
                                       H, KEY_G, VAL_G, KEY_BIAS, KASM, KCONS, VA0, VA1, VA2, VA3, VCONS, True,
-                                      AND_P)
+                                      AND_P, KEY_NG, VAL_NG)
 
     # token-wise V: undo the field weights 2^(bits*field) per output row, add the zero term (eq. 6);
     # channel-wise V has both in acc_o already. The workspace sees the H packed heads as one head
     # of H * Q_PER_KV query rows (the merge kernel is launched so)
     rr = gl.arange(0, ROWS, layout=row_l)
     if VAL_G == 0:
-        res = acc_o * weight_o[:, None] + zsum[None, :]
+        if VAL_NG == 1:
+            zrow = zsum[None, :]
+        else:   # row m of O^T lies in channel group m // (D // VAL_NG) (whole fields, lower.py)
+            zrow = gl.zeros([D, ROWS], gl.float32, layout=mma)
+            for g in gl.static_range(VAL_NG):
+                zrow = gl.where((cm // (D // VAL_NG) == g)[:, None], zsum[g][None, :], zrow)
+        res = acc_o * weight_o[:, None] + zrow
     else:
         res = acc_o
     base = ((b * gl.num_programs(1) + gl.program_id(1)) * gl.num_programs(2) + s) * ROWS

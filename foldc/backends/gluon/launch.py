@@ -45,7 +45,7 @@ def constexprs(cfg: FoldKernel, block_n: int, stages: int, heads: int = 1, scale
                 SCALE_AHEAD=bool(scale_ahead), KASM=key_asm, KCONS=key_cons, VA0=values[0][0],
                 VA1=values[1][0], VA2=values[2][0], VA3=values[3][0], VCONS=values[0][1], VALUE_EXP=VALUE_EXPONENT,
                 KEY_EXP=0 if cfg.key_bias else KEY_EXPONENT, PREFETCH=default_prefetch(cfg), DYNAMIC=bool(dynamic),
-                CHUNK=chunk_tiles(cfg, block_n))
+                CHUNK=chunk_tiles(cfg, block_n), KEY_NG=cfg.key_groups, VAL_NG=cfg.value_groups)
 
 
 def chunk_tiles(cfg: FoldKernel, block_n: int) -> int:
@@ -84,8 +84,9 @@ def default_prefetch(cfg: FoldKernel) -> bool:
     tile's start only): at INT2, 1-2% faster on the H200 at 8 x 64K, 32 x 16K, 32 x 64K and 1 x 16K.
     At INT4 the pointers cost registers (168 -> 174 with 32-token tiles, two heads: 8 programs per SM
     instead of 12) and it was 0.4% slower (docs/perf.md). The kernel prefetches on contiguous
-    caches only: on pages, rebasing the four pointers per tile adds 7% to the loop, unmeasured."""
-    return cfg.bits == 2
+    caches only: on pages, rebasing the four pointers per tile adds 7% to the loop, unmeasured. Not
+    with several channel groups per token, whose parameters span more than one line per tile row."""
+    return cfg.bits == 2 and cfg.key_groups == 1 and cfg.value_groups == 1
 
 
 def resident_programs(n_regs: int, shared_bytes: int, max_shared: int) -> int:
@@ -148,9 +149,11 @@ class GluonAttention:
         self.heads = pack_heads     # the default; a tuned bucket may take one head per program instead
         # 64-token tiles won for packed INT2 at every large shape and layout on the H200 (docs/perf.md):
         # 4-13% faster than 32 for channel-wise sides since their scales arrive as vectors. 32 elsewhere,
-        # and where a channel-wise group of 32 tokens could not hold a 64-token tile
+        # and where a channel-wise group of 32 tokens could not hold a 64-token tile, or where four
+        # channel groups per token would spill a 64-token tile's accumulators (AOT SASS)
         groups = [g for g in (self.config.key_tokens, self.config.value_tokens) if g]
-        wide = pack_heads > 1 and self.config.bits == 2 and all(g % 64 == 0 for g in groups)
+        wide = pack_heads > 1 and self.config.bits == 2 and all(g % 64 == 0 for g in groups) and \
+            max(self.config.key_groups, self.config.value_groups) <= 2
         block_n, stages = block_n or (64 if wide else 32), stages or 2
         if block_n not in (32, 64):
             raise SpecError(f"block_n={block_n!r} must be 32 or 64 for the register-operand kernel")

@@ -4,12 +4,15 @@ The Gluon kernel feeds packed codes to the tensor cores from registers (kernel.p
 K'.Q'^T (tokens on the MMA's M axis), values V'^T.P'^T (channels on M, tokens on K). Each
 product's fold decides where its scale goes, as the plan states:
 
-- qk acc-fold (eq. 3), token-wise K with one group per token (group_size == head_dim): the
-  token's scale multiplies its row of the scores, the zero times sum(q) is added (eq. 6);
+- qk acc-fold (eq. 3), token-wise K: the token's scale multiplies its row of the scores, the zero
+  times sum(q) is added (eq. 6). With several channel groups per token, each group's channels get
+  their own MMA accumulator, scaled by that group's scale before the groups are summed (no unscaled
+  partial sum crosses a group boundary);
 - qk operand-fold (eq. 4), channel-wise K (groups of G tokens): the query is pre-scaled by the
   group's per-channel scales once per group, the correction sum(q x zero) added per row;
-- pv operand-fold (eq. 4), token-wise V with one group per token: P is multiplied by the token's
-  scale before the product, sum(P x zero) added per row;
+- pv operand-fold (eq. 4), token-wise V: P is multiplied by the token's scale before the product,
+  sum(P x zero) added per row; with several channel groups per token, once per group, each group's
+  output channels taking its own scaled P;
 - pv acc-fold (eq. 3), channel-wise V: each tile's product (a tile lies in one group) is scaled
   per output channel and gets zero x sum(P) before it joins the accumulator.
 
@@ -19,7 +22,10 @@ subnormals, code x 2^-24, exact with no per-value subtraction (operands.py). The
 on the key side it saves the per-score removal of ``1024 x sum(q')``. A plan whose key codes carry
 the OR-trick bias 1024 (folded into the correction, eq. 7) lowers too.
 
-Everything else (token-wise groups smaller than head_dim, dequant or plain operands, other
+Token-wise groups smaller than head_dim lower when each group is whole bit fields of the planar
+packing (group_size a multiple of head_dim x bits / 8 channels): a group is then a contiguous range
+of the key operand's K index and of the value operand's M index (operands.py), and at most
+MAX_GROUPS_PER_TOKEN of them. Everything else (other groups, dequant or plain operands, other
 widths) goes to the generated Triton kernel (foldc/backends/triton), which lowers any plan.
 """
 from __future__ import annotations
@@ -34,6 +40,7 @@ KEY_BIAS = 0       # key codes enter as exact fp16 subnormals too (operands.py):
 KEY_BIASES = (0, MAGIC_VALUE)   # what the key unpack builds: subnormal codes, or the OR trick's 1024 + code (eq. 7)
 VALUE_BIAS = 0     # value codes enter as exact fp16 subnormals (operands.py): no bias to fold
 MAX_ROWS = 16      # query rows per KV head the MMA's N axis holds (8 or 16)
+MAX_GROUPS_PER_TOKEN = 4   # token-wise channel groups per token: one score accumulator and one P each
 
 
 class NotLowerable(Exception):
@@ -51,6 +58,8 @@ class FoldKernel:
     key_bias: int        # bias carried by the key operand, removed through sum(q') (eq. 7)
     key_tokens: int      # 0: token-wise K (acc-fold); G: channel-wise K in groups of G tokens
     value_tokens: int    # 0: token-wise V (operand-fold); G: channel-wise V in groups of G tokens
+    key_groups: int = 1      # token-wise K: channel groups per token (head_dim // group_size)
+    value_groups: int = 1    # token-wise V: channel groups per token
 
     @property
     def words_per_token(self) -> int:
@@ -66,23 +75,31 @@ def lower(the_plan: Plan) -> FoldKernel:
     """The kernel configuration for ``the_plan``; raises NotLowerable with the reason otherwise."""
     spec = the_plan.spec
     qk, pv = the_plan.products["qk"], the_plan.products["pv"]
-    token_groups = {}
+    token_groups, channel_groups = {}, {}
     for p, tokenwise_fold in ((qk, "acc-fold"), (pv, "operand-fold")):
         if p.fold not in ("acc-fold", "operand-fold"):
             raise NotLowerable(f"{p.product} is {p.fold}; the register-operand kernel lowers folded products only")
         if p.correction == "MISSING":
             raise NotLowerable(f"{p.product}: the plan has no zero correction")
         if p.group_axis == "channel":   # token-wise encoding: groups run along head_dim
-            if p.fold != tokenwise_fold or p.group_size != spec.head_dim:
-                raise NotLowerable(f"{p.product}: token-wise groups of {p.group_size} channels ({p.fold}); the "
-                                   f"register-operand kernel needs one group per token (group_size == head_dim "
-                                   f"== {spec.head_dim})")
+            if p.fold != tokenwise_fold:
+                raise NotLowerable(f"{p.product}: token-wise groups folded as {p.fold}; the register-operand "
+                                   f"kernel folds token-wise {p.product} as {tokenwise_fold}")
+            field = spec.head_dim * p.bits // 8   # channels per bit field of the planar packing
+            groups = spec.head_dim // p.group_size
+            if p.group_size % field or groups > MAX_GROUPS_PER_TOKEN:
+                raise NotLowerable(f"{p.product}: token-wise groups of {p.group_size} channels; the register-operand "
+                                   f"kernel needs whole bit fields of {field} channels (head_dim x bits / 8) per "
+                                   f"group and at most {MAX_GROUPS_PER_TOKEN} groups per token, e.g. group_size "
+                                   f"{max(field, spec.head_dim // MAX_GROUPS_PER_TOKEN)} or {spec.head_dim}")
             token_groups[p.product] = 0
+            channel_groups[p.product] = groups
         else:                           # channel-wise encoding: groups of G tokens
             if p.group_size % 32:
                 raise NotLowerable(f"{p.product}: channel-wise groups of {p.group_size} tokens; the register-operand "
                                    "kernel needs a multiple of 32 (a token tile must lie in one group)")
             token_groups[p.product] = p.group_size
+            channel_groups[p.product] = 1
     if qk.bits != pv.bits or qk.bits not in (2, 4):
         raise NotLowerable(f"needs K and V at the same width, 2 or 4 bits; got {qk.bits} and {pv.bits}")
     words = spec.head_dim * qk.bits // 32
@@ -95,9 +112,13 @@ def lower(the_plan: Plan) -> FoldKernel:
         raise NotLowerable(f"the plan's code biases are key {qk.code_bias}, value {pv.code_bias}; this kernel "
                            f"builds key {' or '.join(map(str, KEY_BIASES))}, value {VALUE_BIAS} (plan it with "
                            "gluon_plan)")
+    if qk.code_bias and channel_groups["qk"] > 1:
+        raise NotLowerable(f"key code bias {qk.code_bias} with {channel_groups['qk']} channel groups per token; the "
+                           "kernel removes a folded key bias for one group per token only (plan it with gluon_plan)")
     rows = 8 if spec.q_per_kv <= 8 else 16
     return FoldKernel(bits=qk.bits, head_dim=spec.head_dim, q_per_kv=spec.q_per_kv, rows=rows, key_bias=qk.code_bias,
-                      key_tokens=token_groups["qk"], value_tokens=token_groups["pv"])
+                      key_tokens=token_groups["qk"], value_tokens=token_groups["pv"],
+                      key_groups=channel_groups["qk"], value_groups=channel_groups["pv"])
 
 
 def lowerable(spec: AttentionSpec) -> tuple[bool, str]:

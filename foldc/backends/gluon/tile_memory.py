@@ -51,19 +51,29 @@ def prefetch_scales(n0, KSp, KZp, VSp, VZp, stride_ksh, stride_vsh, KEY_G: gl.co
 
 
 @gluon.jit
-def _param(P, n0, tm, head_c, stride_h, live, H: gl.constexpr, MASKED: gl.constexpr):
+def _param(P, n0, tm, head_c, stride_h, live, H: gl.constexpr, MASKED: gl.constexpr, NG: gl.constexpr = 1,
+           g: gl.constexpr = 0):
     """One token-wise parameter (scale or zero) per token of tile n0: [BN] with one head per program,
     else [BN, ROWS] with each query row's own head (head_c: the packed head of each row).
     A lane's tokens are tm = g + 8j: the address is one base per lane (row g) plus 8j elements, so
     every load takes an immediate offset from that base instead of its own 64-bit address (the
-    address registers of 32 loads per tile had warps waiting on them, docs/perf.md)."""
+    address registers of 32 loads per tile had warps waiting on them, docs/perf.md). With NG channel
+    groups per token, a token's NG parameters are consecutive: this loads group ``g``'s."""
     lo = tm & 7          # the lane's row g, the same in every register
     hi = tm & -8         # 8j: a constant per register
+    if NG == 1:
+        if H == 1:
+            ptr = (P + n0 + lo) + hi
+        else:
+            ptr = (P + n0 + head_c[None, :] * stride_h + lo[:, None]) + hi[:, None]
+    else:
+        if H == 1:
+            ptr = (P + (n0 + lo) * NG + g) + hi * NG
+        else:
+            ptr = (P + head_c[None, :] * stride_h + ((n0 + lo) * NG + g)[:, None]) + (hi * NG)[:, None]
     if H == 1:
-        ptr = (P + n0 + lo) + hi
         ok = live
     else:
-        ptr = (P + n0 + head_c[None, :] * stride_h + lo[:, None]) + hi[:, None]
         ok = live[:, None]
     if MASKED:
         x = gl.load(ptr, mask=ok, other=0.0)
@@ -73,20 +83,39 @@ def _param(P, n0, tm, head_c, stride_h, live, H: gl.constexpr, MASKED: gl.conste
 
 
 @gluon.jit
+def _params(P, n0, tm, head_c, stride_h, live, H: gl.constexpr, MASKED: gl.constexpr, NG: gl.constexpr):
+    """A token-wise parameter of one tile: one tensor (_param) for one group per token, else a tuple
+    of NG, group g's at index g."""
+    if NG == 1:
+        x = _param(P, n0, tm, head_c, stride_h, live, H, MASKED)
+    elif NG == 2:
+        x = (_param(P, n0, tm, head_c, stride_h, live, H, MASKED, NG, 0),
+             _param(P, n0, tm, head_c, stride_h, live, H, MASKED, NG, 1))
+    else:
+        x = (_param(P, n0, tm, head_c, stride_h, live, H, MASKED, NG, 0),
+             _param(P, n0, tm, head_c, stride_h, live, H, MASKED, NG, 1),
+             _param(P, n0, tm, head_c, stride_h, live, H, MASKED, NG, 2),
+             _param(P, n0, tm, head_c, stride_h, live, H, MASKED, NG, 3))
+    return x
+
+
+@gluon.jit
 def tile_scales(n0, end, tm, head_c, KSp, KZp, VSp, VZp, stride_ksh, stride_vsh, KEY_G: gl.constexpr,
-                VAL_G: gl.constexpr, H: gl.constexpr, MASKED: gl.constexpr):
-    """Per-token scale and zero of the token-wise sides (placeholders for channel-wise ones)."""
+                VAL_G: gl.constexpr, H: gl.constexpr, MASKED: gl.constexpr, KEY_NG: gl.constexpr = 1,
+                VAL_NG: gl.constexpr = 1):
+    """Per-token scale and zero of the token-wise sides (placeholders for channel-wise ones); tuples
+    of KEY_NG / VAL_NG with several channel groups per token (_params)."""
     tok = n0 + tm
     live = tok < end
     if KEY_G == 0:
-        ks = _param(KSp, n0, tm, head_c, stride_ksh, live, H, MASKED)
-        kz = _param(KZp, n0, tm, head_c, stride_ksh, live, H, MASKED)
+        ks = _params(KSp, n0, tm, head_c, stride_ksh, live, H, MASKED, KEY_NG)
+        kz = _params(KZp, n0, tm, head_c, stride_ksh, live, H, MASKED, KEY_NG)
     else:
         ks = tm
         kz = tm
     if VAL_G == 0:
-        vs = _param(VSp, n0, tm, head_c, stride_vsh, live, H, MASKED)
-        vz = _param(VZp, n0, tm, head_c, stride_vsh, live, H, MASKED)
+        vs = _params(VSp, n0, tm, head_c, stride_vsh, live, H, MASKED, VAL_NG)
+        vz = _params(VZp, n0, tm, head_c, stride_vsh, live, H, MASKED, VAL_NG)
     else:
         vs = tm
         vz = tm
@@ -137,7 +166,7 @@ def next_tile(t, drawn, t_stop, counter, first, CHUNK: gl.constexpr, DYNAMIC: gl
 
 @gluon.jit
 def tile_bases(n0, b, h, cache, table, strides, W: gl.constexpr, KEY_G: gl.constexpr, VAL_G: gl.constexpr,
-               PAGE: gl.constexpr):
+               PAGE: gl.constexpr, KEY_NG: gl.constexpr = 1, VAL_NG: gl.constexpr = 1):
     """Base pointers of the code words and the scales/zeros for the tile holding token n0.
     Contiguous cache (PAGE == 0): batch b's. Paged (PAGE tokens a page, FlashInfer's table): the page
     that holds n0, *rebased* by that page's first token tok0, so that ``base + token * row_stride``
@@ -158,12 +187,12 @@ def tile_bases(n0, b, h, cache, table, strides, W: gl.constexpr, KEY_G: gl.const
         tok0 = 0
     k_base = KC + unit * stride_kb + h * stride_kh - tok0 * W
     v_base = VC + unit * stride_vb + h * stride_vh - tok0 * W
-    if KEY_G == 0:      # scale/zero rows: tokens (stride 1) or token groups (stride_ksn)
-        k_row = tok0
+    if KEY_G == 0:      # scale/zero rows: tokens (KEY_NG groups each) or token groups (stride_ksn)
+        k_row = tok0 * KEY_NG
     else:
         k_row = (tok0 // KEY_G) * stride_ksn
     if VAL_G == 0:
-        v_row = tok0
+        v_row = tok0 * VAL_NG
     else:
         v_row = (tok0 // VAL_G) * stride_vsn
     KSp = KS + unit * stride_ksb + h * stride_ksh - k_row

@@ -11,6 +11,7 @@ import math
 from triton.experimental import gluon
 from triton.experimental.gluon import constexpr_function
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 LANES_KEY = [[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]]
 LANES_VALUE = [[0, 8], [0, 16], [1, 0], [2, 0], [4, 0]]
@@ -173,3 +174,122 @@ def per_channel(x, H: gl.constexpr):
     else:
         y = x
     return y
+
+
+@gluon.jit
+def split_groups(x, NG: gl.constexpr, AXIS: gl.constexpr):
+    """x [R, C] cut along AXIS into NG consecutive equal pieces, a tuple (x itself when NG == 1): a
+    token-wise channel group's slice of an operand whose K (or M) index is field-major (operands.py),
+    so that a group of whole fields is a contiguous range. The cut axis's top index bits are register
+    bits of the MMA layouts, so no data moves."""
+    R: gl.constexpr = x.shape[0]
+    C: gl.constexpr = x.shape[1]
+    if NG == 1:
+        out = x
+    elif NG == 2:
+        if AXIS == 0:
+            y = gl.permute(gl.reshape(x, [2, R // 2, C]), (1, 2, 0))
+        else:
+            y = gl.permute(gl.reshape(x, [R, 2, C // 2]), (0, 2, 1))
+        out = gl.split(y)
+    else:
+        if AXIS == 0:
+            y = gl.permute(gl.reshape(x, [2, 2, R // 4, C]), (2, 3, 0, 1))
+        else:
+            y = gl.permute(gl.reshape(x, [R, 2, 2, C // 4]), (0, 3, 1, 2))
+        even, odd = gl.split(y)      # bit 0 of the piece index; each still holds bit 1 last
+        p0, p2 = gl.split(even)
+        p1, p3 = gl.split(odd)
+        out = (p0, p1, p2, p3)
+    return out
+
+
+@gluon.jit
+def join_groups(parts, NG: gl.constexpr):
+    """The inverse of split_groups along axis 0: NG pieces [G, C] back into [NG * G, C]."""
+    if NG == 1:
+        out = parts
+    elif NG == 2:
+        G: gl.constexpr = parts[0].shape[0]
+        C: gl.constexpr = parts[0].shape[1]
+        out = gl.reshape(gl.permute(gl.join(parts[0], parts[1]), (2, 0, 1)), [2 * G, C])
+    else:
+        G: gl.constexpr = parts[0].shape[0]
+        C: gl.constexpr = parts[0].shape[1]
+        j = gl.join(gl.join(parts[0], parts[1]), gl.join(parts[2], parts[3]))   # [G, C, bit 0, bit 1]
+        out = gl.reshape(gl.permute(j, (3, 2, 0, 1)), [4 * G, C])
+    return out
+
+
+@gluon.jit
+def group_mmas(a_parts, b_parts, accs, a_l: gl.constexpr, b_l: gl.constexpr, NG: gl.constexpr):
+    """One MMA per channel group, group g's operands into accumulator accs[g]: a tuple of NG."""
+    a0 = gl.convert_layout(a_parts[0], a_l, assert_trivial=True)
+    a1 = gl.convert_layout(a_parts[1], a_l, assert_trivial=True)
+    b0 = gl.convert_layout(b_parts[0], b_l, assert_trivial=True)
+    b1 = gl.convert_layout(b_parts[1], b_l, assert_trivial=True)
+    if NG == 2:
+        out = (mma_v2(a0, b0, accs[0]), mma_v2(a1, b1, accs[1]))
+    else:
+        a2 = gl.convert_layout(a_parts[2], a_l, assert_trivial=True)
+        a3 = gl.convert_layout(a_parts[3], a_l, assert_trivial=True)
+        b2 = gl.convert_layout(b_parts[2], b_l, assert_trivial=True)
+        b3 = gl.convert_layout(b_parts[3], b_l, assert_trivial=True)
+        out = (mma_v2(a0, b0, accs[0]), mma_v2(a1, b1, accs[1]), mma_v2(a2, b2, accs[2]), mma_v2(a3, b3, accs[3]))
+    return out
+
+
+@gluon.jit
+def select_groups(keep, new, old, NG: gl.constexpr):
+    """Per group, ``new`` where ``keep`` else ``old`` (tuples of NG)."""
+    if NG == 2:
+        out = (gl.where(keep, new[0], old[0]), gl.where(keep, new[1], old[1]))
+    else:
+        out = (gl.where(keep, new[0], old[0]), gl.where(keep, new[1], old[1]), gl.where(keep, new[2], old[2]),
+               gl.where(keep, new[3], old[3]))
+    return out
+
+
+@gluon.jit
+def zeros_groups(shape: gl.constexpr, layout: gl.constexpr, NG: gl.constexpr):
+    """A float32 zero tensor per group: a tuple of NG (one tensor for NG == 1)."""
+    z = gl.zeros(shape, gl.float32, layout=layout)
+    if NG == 1:
+        out = z
+    elif NG == 2:
+        out = (z, z)
+    else:
+        out = (z, z, z, z)
+    return out
+
+
+@gluon.jit
+def group_sums(parts, scale, layout: gl.constexpr, NG: gl.constexpr):
+    """Per group, the sum of its piece over axis 0 times ``scale``, as ``layout``: a tuple of NG."""
+    s0 = gl.convert_layout(gl.sum(parts[0], axis=0) * scale, layout)
+    s1 = gl.convert_layout(gl.sum(parts[1], axis=0) * scale, layout)
+    if NG == 2:
+        out = (s0, s1)
+    else:
+        out = (s0, s1, gl.convert_layout(gl.sum(parts[2], axis=0) * scale, layout),
+               gl.convert_layout(gl.sum(parts[3], axis=0) * scale, layout))
+    return out
+
+
+@gluon.jit
+def scaled_p(p, vs, vz, zsum, alpha, b_l: gl.constexpr, H: gl.constexpr, NG: gl.constexpr):
+    """Token-wise V with NG channel groups per token (operand-fold, eq. 4, 6): per group, P times the
+    group's scale as the value MMA's fp16 operand, and the running sum(P x zero) (tuples of NG)."""
+    pb0 = gl.convert_layout((p * per_row(vs[0], H)).to(gl.float16), b_l)
+    pb1 = gl.convert_layout((p * per_row(vs[1], H)).to(gl.float16), b_l)
+    z0 = zsum[0] * alpha + gl.sum(p * per_row(vz[0], H), axis=0)
+    z1 = zsum[1] * alpha + gl.sum(p * per_row(vz[1], H), axis=0)
+    if NG == 2:
+        pbs = (pb0, pb1)
+        zs = (z0, z1)
+    else:
+        pbs = (pb0, pb1, gl.convert_layout((p * per_row(vs[2], H)).to(gl.float16), b_l),
+               gl.convert_layout((p * per_row(vs[3], H)).to(gl.float16), b_l))
+        zs = (z0, z1, zsum[2] * alpha + gl.sum(p * per_row(vz[2], H), axis=0),
+              zsum[3] * alpha + gl.sum(p * per_row(vz[3], H), axis=0))
+    return pbs, zs
