@@ -63,6 +63,12 @@ def with_unpack(attn, path: str):
     return attn
 
 
+def _encoding(bits: int, layout: str) -> foldc.Affine:
+    """``token``/``channel`` with groups of 128, or e.g. ``token64``: token-wise groups of 64 channels."""
+    name = layout.rstrip("0123456789")
+    return foldc.Affine(bits, name, int(layout[len(name):] or 128))
+
+
 def _option(name: str, value: str):
     """A launcher option's value from the command line: booleans as 0/1, else an int."""
     if name in ("dynamic_tiles", "scale_ahead"):
@@ -83,7 +89,8 @@ def main() -> int:
                          "e.g. dyn=dynamic_tiles:1 (values: ints, or 0/1 for booleans)")
     ap.add_argument("--cases", default="2:token/token:8x65536,2:token/token:32x16384,2:token/token:32x65536,"
                     "4:token/token:32x16384,2:channel/token:32x65536,2:channel/channel:32x65536",
-                    help="BITS:K/V:BATCHxTOKENS, comma-separated")
+                    help="BITS:K/V:BATCHxTOKENS, comma-separated; K and V as token, channel or e.g. token64 "
+                         "(token-wise groups of 64 channels)")
     ap.add_argument("--rounds", type=int, default=3, help="alternating timing rounds (the best of each is kept)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -98,7 +105,7 @@ def main() -> int:
         bits, layouts, shape = case.split(":")
         kl, vl = layouts.split("/")
         b, n = (int(x) for x in shape.split("x"))
-        spec = foldc.AttentionSpec(32, 8, 128, foldc.Affine(int(bits), kl, 128), foldc.Affine(int(bits), vl, 128))
+        spec = foldc.AttentionSpec(32, 8, 128, _encoding(int(bits), kl), _encoding(int(bits), vl))
         q, k, v = decode_case(spec, b, n, seed=b * n + int(bits))
         ref = foldc.attention_reference(q, k, v) if b * n <= 600_000 else None
         kernels = {name: attention(spec, module) for name, module in variants.items()}

@@ -97,9 +97,9 @@ def verdicts(fold: str, bits: int, fold_ops_per_value: Fraction | float) -> list
 #   - per tile, whatever its size (barriers, the copy issue, loop control): about 82;
 #   - with several channel groups per token (token-wise sides, groups of whole bit fields), each
 #     group past the first on each side: its own score accumulator or scaled P, scale and zero
-#     loads and conversions; about 40 per 32 tokens shared by the packed heads and 4 per head
-#     (fitted to five spill-free builds of INT2 groups of 32 and 64 and INT4 groups of 64
-#     channels, within 3.7%).
+#     conversions (a token's groups load as one word); about 24 per 32 tokens shared by the packed
+#     heads and 5.5 per head (fitted to seven builds: INT2 groups of 32 and 64 channels and INT4
+#     groups of 64, 32- and 64-token tiles, 1 and 2 heads; every build within 2.8%).
 #: lane-slots per stored value to build the operands, by code width (see above)
 def key_construction(bits: int) -> float:
     return 0.5 + bits / 32 + bits / 64
@@ -121,8 +121,8 @@ PER_HEAD_PER_32_TOKENS = {"sm_90": 50.7}
 SHARED_PER_32_TOKENS = {"sm_90": 156.5}
 PER_TILE = {"sm_90": 81.5}
 #: warp-instructions per 32 tokens for each channel group past the first, per side: shared, per head
-GROUP_SHARED_PER_32_TOKENS = {"sm_90": 40.3}
-GROUP_PER_HEAD_PER_32_TOKENS = {"sm_90": 3.7}
+GROUP_SHARED_PER_32_TOKENS = {"sm_90": 24.1}
+GROUP_PER_HEAD_PER_32_TOKENS = {"sm_90": 5.5}
 
 
 def token_loop_instructions_per_tile(arch: str, bits: int, head_dim: int, heads: int = 1, block_n: int = 32,

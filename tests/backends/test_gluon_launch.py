@@ -174,6 +174,18 @@ def test_default_tile_is_64_tokens_only_for_packed_int2_whose_groups_hold_it(bit
         assert g % attn.default_block_n == 0
 
 
+@pytest.mark.parametrize("k_group,v_group,pack,want", [(64, 64, 2, 32), (32, 32, 2, 64), (32, 64, 2, 64),
+                                                        (32, 128, 2, 64), (64, 64, 1, 32), (128, 128, 2, 64)])
+def test_default_tile_with_token_wise_channel_groups(k_group, v_group, pack, want):
+    """Packed INT2 with two channel groups per token takes 32-token tiles (168 registers, three warps
+    per scheduler, against 214); with four, 64 (both sizes hold two warps; H200, docs/perf.md). A mix
+    follows the side with more groups (not measured)."""
+    spec = foldc.AttentionSpec(32, 8, 128, foldc.Affine(2, "token", k_group), foldc.Affine(2, "token", v_group))
+    attn = GluonAttention(spec, pack_heads=pack)
+    assert (attn.config.key_groups, attn.config.value_groups) == (128 // k_group, 128 // v_group)
+    assert attn.default_block_n == (want if pack > 1 else 32)
+
+
 CHUNKS = [("token", "token", 64, 1), ("token", "token", 32, 1), ("channel", "token", 64, 2),
           ("token", "channel", 32, 4), ("channel", "channel", 64, 2)]
 

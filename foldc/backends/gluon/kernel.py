@@ -61,9 +61,12 @@ def _scores(n0, end, k_smem, slot, ks, kz, tm, head_c, q16, q_bias, q_sum, row_s
                 sacc = parts
             else:
                 sacc = select_groups((head_c == i)[None, :], parts, sacc, KEY_NG)
-        t = per_row(ks[0], H) * (sacc[0] * row_scale[None, :]) + per_row(kz[0], H) * q_sum[0][None, :]
+        acc = per_row(ks[0], H) * sacc[0]
+        off = per_row(kz[0], H) * q_sum[0][None, :]
         for g in gl.static_range(1, KEY_NG):
-            t = t + per_row(ks[g], H) * (sacc[g] * row_scale[None, :]) + per_row(kz[g], H) * q_sum[g][None, :]
+            acc = acc + per_row(ks[g], H) * sacc[g]
+            off = off + per_row(kz[g], H) * q_sum[g][None, :]
+        t = acc * row_scale[None, :] + off
     else:
         # scores of every packed head: head i's keys against all query rows, kept in the rows of head i
         sacc = gl.zeros([BN, ROWS], gl.float32, layout=mma)
@@ -323,7 +326,7 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
     if n_full > 0:
         if SCALE_AHEAD:   # the first tile's scales; each iteration then loads the next tile's
             ks, kz, vs, vz = tile_scales(start, end, tm, head_c, KSp, KZp, VSp, VZp, stride_ksh, stride_vsh,
-                                         KEY_G, VAL_G, H, False, KEY_NG, VAL_NG)
+                                         KEY_G, VAL_G, H, False, KEY_NG, VAL_NG, True)
         t = start // BN
         i = 0
         while t < t_stop:
@@ -362,10 +365,10 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
                 v_a = v_base
             if SCALE_AHEAD:   # one tile ahead, in registers
                 ks2, kz2, vs2, vz2 = tile_scales(n_next, end, tm, head_c, KSn, KZn, VSn, VZn, stride_ksh, stride_vsh,
-                                             KEY_G, VAL_G, H, False, KEY_NG, VAL_NG)
+                                             KEY_G, VAL_G, H, False, KEY_NG, VAL_NG, True)
             else:             # this tile's, loaded now: fewer live registers, the latency under the key side
                 ks, kz, vs, vz = tile_scales(n0, end, tm, head_c, KSp, KZp, VSp, VZp, stride_ksh, stride_vsh,
-                                             KEY_G, VAL_G, H, False, KEY_NG, VAL_NG)
+                                             KEY_G, VAL_G, H, False, KEY_NG, VAL_NG, True)
             gl.thread_barrier()   # every lane is done reading the stage the next copy overwrites
             if DYNAMIC:   # past the last tile: an empty copy group (the last tile may be a DRAM read away)
                 if t_ahead < t_stop:
@@ -402,7 +405,7 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
                                            VZp + (full_end // VAL_G) * stride_vsn, chan_o, weight_o, head_c, stride_vsh,
                                            H)
         ks, kz, vs, vz = tile_scales(full_end, end, tm, head_c, KSp, KZp, VSp, VZp, stride_ksh, stride_vsh,
-                                     KEY_G, VAL_G, H, True, KEY_NG, VAL_NG)
+                                     KEY_G, VAL_G, H, True, KEY_NG, VAL_NG, True)
         stage_tail(full_end, end, k_smem, v_smem, k_base, v_base, stride_kh, stride_vh, tc, wc, W, H)
         m_i, l_i, zsum, acc_o = _tile(full_end, end, k_smem, v_smem, 0, ks, kz, vs, vz, m_i, l_i, zsum, acc_o, tm,
                                       head_c, head_b, q16, q_bias, q_sum, row_scale, v_scale, v_zero, BN, D, F, ROWS,

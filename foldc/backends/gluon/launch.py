@@ -149,11 +149,14 @@ class GluonAttention:
         self.heads = pack_heads     # the default; a tuned bucket may take one head per program instead
         # 64-token tiles won for packed INT2 at every large shape and layout on the H200 (docs/perf.md):
         # 4-13% faster than 32 for channel-wise sides since their scales arrive as vectors. 32 elsewhere,
-        # and where a channel-wise group of 32 tokens could not hold a 64-token tile, or where four
-        # channel groups per token would spill a 64-token tile's accumulators (AOT SASS)
+        # and where a channel-wise group of 32 tokens could not hold a 64-token tile. With two channel
+        # groups per token, 32-token tiles: 168 registers (three warps per scheduler) against 214,
+        # 1-3% faster at INT2 8 x 64K and 32 x 64K; with four, both sizes hold two warps and 64 was
+        # 6-7% faster (H200, docs/perf.md tenth session); a mix follows the side with more groups
+        # (not measured)
         groups = [g for g in (self.config.key_tokens, self.config.value_tokens) if g]
         wide = pack_heads > 1 and self.config.bits == 2 and all(g % 64 == 0 for g in groups) and \
-            max(self.config.key_groups, self.config.value_groups) <= 2
+            max(self.config.key_groups, self.config.value_groups) != 2
         block_n, stages = block_n or (64 if wide else 32), stages or 2
         if block_n not in (32, 64):
             raise SpecError(f"block_n={block_n!r} must be 32 or 64 for the register-operand kernel")
