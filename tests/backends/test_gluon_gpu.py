@@ -177,6 +177,17 @@ def test_token_wise_channel_groups_match_float64(bits, k_group, v_group, pack, b
     _check(r, f"{spec.describe()} pack_heads={pack} block_n={block_n} {dtype}")
 
 
+@pytest.mark.parametrize("scale_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("k_group,v_group", [(64, 32), (128, 64)], ids=["Kg64-Vg32", "Kg128-Vg64"])
+def test_token_wise_channel_groups_with_other_scale_dtypes(scale_dtype, k_group, v_group):
+    """bf16 parameters take the one-word load too (its halves are bf16); fp32 ones are loaded per group:
+    both give the float64 answer."""
+    spec = foldc.AttentionSpec(32, 8, 128, A(2, "token", k_group, scale_dtype), A(2, "token", v_group, scale_dtype))
+    attn = foldc.compile(spec, "sm_90", kernel="gluon", splits=4)
+    r = run_with_lens(attn, spec, [2049, 3, 1000], 2049, torch.bfloat16, "cuda", seed=90 + k_group + v_group)
+    _check(r, f"{spec.describe()}")
+
+
 @pytest.mark.parametrize("schedule", [dict(scale_ahead=True), dict(dynamic_tiles=True, splits=40)],
                          ids=["scale-ahead", "dynamic-40splits"])
 def test_token_wise_channel_groups_with_other_schedules(schedule):
