@@ -326,7 +326,7 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
     if n_full > 0:
         if SCALE_AHEAD:   # the first tile's scales; each iteration then loads the next tile's
             ks, kz, vs, vz = tile_scales(start, end, tm, head_c, KSp, KZp, VSp, VZp, stride_ksh, stride_vsh,
-                                         KEY_G, VAL_G, H, False, KEY_NG, VAL_NG, True)
+                                         KEY_G, VAL_G, H, False, KEY_NG, VAL_NG)
         t = start // BN
         i = 0
         while t < t_stop:
@@ -365,10 +365,10 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
                 v_a = v_base
             if SCALE_AHEAD:   # one tile ahead, in registers
                 ks2, kz2, vs2, vz2 = tile_scales(n_next, end, tm, head_c, KSn, KZn, VSn, VZn, stride_ksh, stride_vsh,
-                                             KEY_G, VAL_G, H, False, KEY_NG, VAL_NG, True)
+                                             KEY_G, VAL_G, H, False, KEY_NG, VAL_NG)
             else:             # this tile's, loaded now: fewer live registers, the latency under the key side
                 ks, kz, vs, vz = tile_scales(n0, end, tm, head_c, KSp, KZp, VSp, VZp, stride_ksh, stride_vsh,
-                                             KEY_G, VAL_G, H, False, KEY_NG, VAL_NG, True)
+                                             KEY_G, VAL_G, H, False, KEY_NG, VAL_NG)
             gl.thread_barrier()   # every lane is done reading the stage the next copy overwrites
             if DYNAMIC:   # past the last tile: an empty copy group (the last tile may be a DRAM read away)
                 if t_ahead < t_stop:
@@ -405,7 +405,7 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
                                            VZp + (full_end // VAL_G) * stride_vsn, chan_o, weight_o, head_c, stride_vsh,
                                            H)
         ks, kz, vs, vz = tile_scales(full_end, end, tm, head_c, KSp, KZp, VSp, VZp, stride_ksh, stride_vsh,
-                                     KEY_G, VAL_G, H, True, KEY_NG, VAL_NG, True)
+                                     KEY_G, VAL_G, H, True, KEY_NG, VAL_NG)
         stage_tail(full_end, end, k_smem, v_smem, k_base, v_base, stride_kh, stride_vh, tc, wc, W, H)
         m_i, l_i, zsum, acc_o = _tile(full_end, end, k_smem, v_smem, 0, ks, kz, vs, vz, m_i, l_i, zsum, acc_o, tm,
                                       head_c, head_b, q16, q_bias, q_sum, row_scale, v_scale, v_zero, BN, D, F, ROWS,

@@ -83,18 +83,18 @@ def _param(P, n0, tm, head_c, stride_h, live, H: gl.constexpr, MASKED: gl.conste
 
 
 @gluon.jit
-def _params(P, n0, tm, head_c, stride_h, live, H: gl.constexpr, MASKED: gl.constexpr, NG: gl.constexpr,
-            VEC: gl.constexpr = False):
+def _params(P, n0, tm, head_c, stride_h, live, H: gl.constexpr, MASKED: gl.constexpr, NG: gl.constexpr):
     """A token-wise parameter of one tile: one tensor (_param) for one group per token, else a tuple
-    of NG, group g's at index g. ``VEC`` (16-bit parameters): a token's NG parameters in one 32- or
-    64-bit load, unpacked into their halves by one mov (NG loads of 16 bits each otherwise)."""
+    of NG, group g's at index g. 16-bit parameters: a token's NG in one 32- or 64-bit load, split into
+    its halves by one mov (3-10% faster than NG 16-bit loads at INT2, H200, docs/perf.md); fp32 ones
+    one load per group."""
     if NG == 1:
         x = _param(P, n0, tm, head_c, stride_h, live, H, MASKED)
-    elif VEC and P.dtype.element_ty.primitive_bitwidth == 16:
+    elif P.dtype.element_ty.primitive_bitwidth == 16:
         if NG == 2:
             word = _param(P.to(gl.pointer_type(gl.int32)), n0, tm, head_c, stride_h // 2, live, H, MASKED)
-            x = gl.inline_asm_elementwise("mov.b32 {$0, $1}, $2;", "=h,=h,r", [word], dtype=(P.dtype.element_ty,) * 2, is_pure=True,
-                                          pack=1)
+            x = gl.inline_asm_elementwise("mov.b32 {$0, $1}, $2;", "=h,=h,r", [word],
+                                          dtype=(P.dtype.element_ty,) * 2, is_pure=True, pack=1)
         else:
             word = _param(P.to(gl.pointer_type(gl.int64)), n0, tm, head_c, stride_h // 4, live, H, MASKED)
             x = gl.inline_asm_elementwise("mov.b64 {$0, $1, $2, $3}, $4;", "=h,=h,=h,=h,l", [word],
@@ -113,20 +113,20 @@ def _params(P, n0, tm, head_c, stride_h, live, H: gl.constexpr, MASKED: gl.const
 @gluon.jit
 def tile_scales(n0, end, tm, head_c, KSp, KZp, VSp, VZp, stride_ksh, stride_vsh, KEY_G: gl.constexpr,
                 VAL_G: gl.constexpr, H: gl.constexpr, MASKED: gl.constexpr, KEY_NG: gl.constexpr = 1,
-                VAL_NG: gl.constexpr = 1, VEC: gl.constexpr = False):
+                VAL_NG: gl.constexpr = 1):
     """Per-token scale and zero of the token-wise sides (placeholders for channel-wise ones); tuples
     of KEY_NG / VAL_NG with several channel groups per token (_params)."""
     tok = n0 + tm
     live = tok < end
     if KEY_G == 0:
-        ks = _params(KSp, n0, tm, head_c, stride_ksh, live, H, MASKED, KEY_NG, VEC)
-        kz = _params(KZp, n0, tm, head_c, stride_ksh, live, H, MASKED, KEY_NG, VEC)
+        ks = _params(KSp, n0, tm, head_c, stride_ksh, live, H, MASKED, KEY_NG)
+        kz = _params(KZp, n0, tm, head_c, stride_ksh, live, H, MASKED, KEY_NG)
     else:
         ks = tm
         kz = tm
     if VAL_G == 0:
-        vs = _params(VSp, n0, tm, head_c, stride_vsh, live, H, MASKED, VAL_NG, VEC)
-        vz = _params(VZp, n0, tm, head_c, stride_vsh, live, H, MASKED, VAL_NG, VEC)
+        vs = _params(VSp, n0, tm, head_c, stride_vsh, live, H, MASKED, VAL_NG)
+        vz = _params(VZp, n0, tm, head_c, stride_vsh, live, H, MASKED, VAL_NG)
     else:
         vs = tm
         vz = tm
