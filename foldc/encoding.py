@@ -85,6 +85,8 @@ class Affine:
 
     def check_head_dim(self, head_dim: int, field: str = "head_dim") -> None:
         """Raise SpecError if this encoding cannot be applied to rows of ``head_dim`` channels."""
+        if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim < 1:
+            raise SpecError(f"{field}={head_dim!r} must be a positive integer (channels per head)")
         if head_dim % self.codes_per_byte:
             raise SpecError(
                 f"{field}={head_dim} is not a multiple of {self.codes_per_byte}, the number of "
@@ -169,6 +171,12 @@ class AffineTensor:
         enc = self.encoding
         if not isinstance(enc, Affine):
             raise InputTypeError(f"encoding={enc!r} must be a foldc.Affine")
+        for name in ("codes", "scale", "zero"):
+            t = getattr(self, name)
+            if not isinstance(t, torch.Tensor):
+                raise InputTypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}; build an AffineTensor "
+                                     "with foldc.quantize(x, encoding) or from the tensors of one")
+        enc.check_head_dim(self.head_dim)
         if self.codes.dtype != torch.uint8 or self.codes.dim() != 4:
             raise InputError(
                 f"codes must be uint8 [batch, kv_heads, tokens, head_dim*bits/8]; got "
@@ -247,8 +255,10 @@ def quantize(x: torch.Tensor, enc: Affine) -> AffineTensor:
     if not x.is_floating_point():
         raise InputError(f"x dtype={x.dtype} must be a floating-point type")
     b, h, n, d = x.shape
-    if n < 1:
-        raise InputError(f"x has tokens={n}; quantize at least one token")
+    for name, size in (("batch", b), ("kv_heads", h), ("tokens", n), ("head_dim", d)):
+        if size < 1:
+            raise InputError(f"x has {name}={size} (shape={tuple(x.shape)}); quantize at least one value along "
+                             "every axis of [batch, kv_heads, tokens, head_dim]")
     enc.check_head_dim(d)
     if b > 1 and x.numel() > _CHUNK_VALUES:  # bound the float32 temporaries: one sequence at a time
         parts = [quantize(x[i:i + 1], enc) for i in range(b)]

@@ -2,12 +2,17 @@
 equation 14): each part gives its output o_i (already divided by its own denominator) and the
 log-sum-exp lse_i of its scaled logits; the whole is sum_i w_i o_i with w_i = exp(lse_i - lse)
 and lse = log sum_i exp(lse_i). Used to combine a quantized cache body with bf16 sink and
-recent-token windows."""
+recent-token windows.
+
+NaN is never turned into a number here: a part whose lse is NaN (NaN keys or queries reached its
+kernel) makes the merged output and lse NaN, as one attention over all the keys would be. An empty
+part (lse = -inf, output 0/0) contributes nothing."""
 from __future__ import annotations
 
 import torch
 
 from .errors import InputError
+from .validate import check_merge_parts
 
 
 def merge_attention(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -15,20 +20,35 @@ def merge_attention(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[tor
 
     A part with lse = -inf (no keys) contributes nothing. Computed in float32 (float64 when a
     part is float64); the output takes the first part's dtype.
+
+    Raises `foldc.InputError` when a part's lse is NaN or +inf where its output is finite: such a
+    pair did not come from one attention call (its lse is not the log-sum-exp of the logits that
+    gave the output). Outside a CUDA-graph capture that check reads the values (one device sync);
+    inside one it cannot, and such a part makes the result NaN instead.
     """
-    if not parts:
-        raise InputError("merge_attention needs at least one (out, lse) part")
-    shape, lse_shape = parts[0][0].shape, parts[0][1].shape
-    for i, (o, s) in enumerate(parts):
-        if o.shape != shape or s.shape != lse_shape or tuple(s.shape) != tuple(o.shape[:2]):
-            raise InputError(f"part {i}: out {tuple(o.shape)} / lse {tuple(s.shape)} do not match part 0's "
-                             f"{tuple(shape)} / {tuple(lse_shape)} (lse must be out.shape[:2])")
+    check_merge_parts(parts)
+    o0 = parts[0][0]
+    if not (o0.is_cuda and torch.cuda.is_current_stream_capturing()):
+        for i, (o, s) in enumerate(parts):
+            bad = (torch.isnan(s) | (s == float("inf"))) & torch.isfinite(o).all(-1)
+            if bool(bad.any()):
+                where = bad.nonzero()[0].tolist()
+                raise InputError(f"part {i}: lse={float(s[tuple(where)])} at [batch, head] {where} but its output "
+                                 "there is finite; pass the (out, lse) pair one attention call returned "
+                                 "(return_lse=True), lse = log-sum-exp of the scaled logits, -inf for no keys")
+    return merge_parts(parts)
+
+
+def merge_parts(parts) -> tuple[torch.Tensor, torch.Tensor]:
+    """The merge of eq. 14 without checks or host reads (capturable): callers inside foldc that
+    built the parts themselves. NaN in any part's lse or output propagates to the result."""
     work = torch.float64 if any(o.dtype == torch.float64 or s.dtype == torch.float64 for o, s in parts) \
         else torch.float32
     lses = torch.stack([s.to(work) for _, s in parts])           # [parts, batch, heads]
-    total = torch.logsumexp(lses, dim=0)                          # [batch, heads]
-    safe = torch.where(torch.isfinite(total), total, torch.zeros_like(total))
-    weights = torch.exp(lses - safe)                              # 0 for empty parts
-    # where, not a product: an empty part's output may be 0/0 = NaN, and 0 * NaN is NaN
-    out = sum(torch.where(w[..., None] > 0, w[..., None] * o.to(work), 0.0) for w, (o, _) in zip(weights, parts))
+    total = torch.logsumexp(lses, dim=0)                          # [batch, heads]; NaN if any lse is
+    # only "no keys anywhere" (-inf) is replaced: NaN and +inf stay and make the weights NaN
+    safe = torch.where(total == float("-inf"), torch.zeros_like(total), total)
+    weights = torch.exp(lses - safe)                              # 0 for empty parts, NaN for NaN ones
+    # an empty part's output may be 0/0 = NaN and 0 * NaN is NaN: a zero weight adds exactly 0
+    out = sum(torch.where(w[..., None] == 0, 0.0, w[..., None] * o.to(work)) for w, (o, _) in zip(weights, parts))
     return out.to(parts[0][0].dtype), total

@@ -29,6 +29,7 @@ import torch
 from .encoding import AffineTensor, parse_affine
 from .errors import InputTypeError, SpecError
 from .spec import AttentionSpec, spec_from_args
+from .validate import check_sm_scale
 
 
 def layout_key(spec: AttentionSpec) -> str:
@@ -87,7 +88,7 @@ def attention_op(spec: AttentionSpec, q, k, v, sm_scale: float | None = None, se
     """Call ``torch.ops.foldc.decode_attention`` with AffineTensors or plain tensors."""
     def parts(x):
         return (x.codes, x.scale, x.zero) if isinstance(x, AffineTensor) else (x, None, None)
-    scale = float(sm_scale) if sm_scale is not None else spec.head_dim ** -0.5
+    scale = check_sm_scale(sm_scale, spec.head_dim)
     return torch.ops.foldc.decode_attention(q, *parts(k), *parts(v), seq_lens, layout_key(spec), scale)
 
 

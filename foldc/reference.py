@@ -6,6 +6,7 @@ import math
 import torch
 
 from .encoding import AffineTensor
+from .validate import check_sm_scale
 
 
 def dequantized(x) -> torch.Tensor:
@@ -25,7 +26,7 @@ def attention_reference(q: torch.Tensor, k, v, sm_scale: float | None = None,
     kf, vf = dequantized(k), dequantized(v)
     b, hq, d = q.shape
     hkv, n = kf.shape[1], kf.shape[2]
-    scale = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
+    scale = check_sm_scale(sm_scale, d)
     qf = q.to(torch.float64).reshape(b, hkv, hq // hkv, d)
     logits = torch.einsum("bkhd,bknd->bkhn", qf, kf) * scale
     if seq_lens is not None:

@@ -1,8 +1,21 @@
-"""Checks every compiled attention callable runs before touching data: shapes, dtypes,
-encodings, devices, sequence lengths. Each error names the argument, the value and the fix."""
+"""The one validation layer of foldc's public entry points: compiled attention callables, the
+serving caches and wrappers, `merge_attention`, the torch ops. Each check runs on the host before
+any data is touched, names the argument, the value and the fix, and raises a `FoldError`.
+
+Rules shared by every entry point (one function each, so the messages agree):
+
+- `check_sm_scale`: a real, finite number (not text, not a bool); None means head_dim ** -0.5.
+- `check_out`: a floating-point tensor of the wanted shape, one of the allowed dtypes, on the
+  wanted device, unit stride along head_dim.
+- `check_call`: q, k, v and seq_lens of one attention call against its spec.
+- `check_merge_parts`: the (out, lse) parts of `foldc.merge_attention`.
+
+Values that come from the data itself (a NaN key, a NaN query) are not refused here: the
+kernels propagate them as NaN."""
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -63,16 +76,7 @@ def check_call(spec: AttentionSpec, q, k, v, sm_scale, seq_lens,
     nv = _check_cache("v", v, spec.v, spec, batch, q.device)
     if nk != nv:
         raise InputError(f"k holds {nk} tokens but v holds {nv}; they must match")
-    if sm_scale is None:
-        sm_scale = 1.0 / math.sqrt(spec.head_dim)
-    try:
-        if isinstance(sm_scale, (str, bytes)):  # float("0.5") would parse text silently
-            raise TypeError
-        sm_scale = float(sm_scale)
-    except (TypeError, ValueError):
-        raise InputTypeError(f"sm_scale={sm_scale!r} must be a float") from None
-    if not math.isfinite(sm_scale):
-        raise InputError(f"sm_scale={sm_scale} must be finite")
+    sm_scale = check_sm_scale(sm_scale, spec.head_dim)
     lens = None
     if seq_lens is not None:
         try:
@@ -97,17 +101,78 @@ def check_call(spec: AttentionSpec, q, k, v, sm_scale, seq_lens,
     return CallShape(batch, nk, sm_scale, lens)
 
 
+def check_sm_scale(sm_scale, head_dim: int) -> float:
+    """The softmax scale as a finite Python float; None gives ``head_dim ** -0.5``."""
+    if sm_scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(sm_scale, torch.Tensor) and sm_scale.numel() == 1 and not sm_scale.is_complex():
+        sm_scale = sm_scale.item()   # a 0-d or one-element tensor (reads the device once)
+    # text would parse silently (float("0.1")), a bool is an int to Python: neither is a scale
+    if isinstance(sm_scale, (str, bytes, bool)) or not isinstance(sm_scale, numbers.Real):
+        raise InputTypeError(f"sm_scale={sm_scale!r} must be a real number (a float such as "
+                             f"{1.0 / math.sqrt(head_dim):.4g}, or None for head_dim ** -0.5)")
+    value = float(sm_scale)
+    if not math.isfinite(value):
+        raise InputError(f"sm_scale={value} must be finite; pass a finite float, or None for head_dim ** -0.5 "
+                         f"= {1.0 / math.sqrt(head_dim):.4g}")
+    return value
+
+
+def check_out(out, want: tuple[int, ...], device: torch.device, dtypes: tuple[torch.dtype, ...],
+              name: str = "out") -> torch.Tensor | None:
+    """``out`` (or None) as a tensor a kernel may write ``want`` into: floating point, one of
+    ``dtypes``, on ``device``, unit stride along the last axis. An integer or bool ``out`` would
+    truncate the result, so it is refused, as is anything that is not a tensor."""
+    if out is None:
+        return None
+    if not isinstance(out, torch.Tensor):
+        raise InputTypeError(f"{name} must be a torch.Tensor {tuple(want)} or None, got {type(out).__name__}")
+    allowed = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+    if out.dtype not in dtypes:
+        raise InputError(f"{name} dtype={out.dtype} cannot hold the result: use one of {allowed} (an integer or "
+                         f"bool {name} would truncate it)")
+    if tuple(out.shape) != tuple(want):
+        raise InputError(f"{name} shape={tuple(out.shape)} but the result is {tuple(want)}")
+    if out.device != device:
+        raise InputError(f"{name} is on {out.device} but the result is computed on {device}; allocate it there")
+    if out.numel() and out.stride(-1) != 1:
+        raise InputError(f"{name} has strides {out.stride()}; it needs unit stride along head_dim "
+                         f"(allocate it with torch.empty{tuple(want)})")
+    return out
+
+
+def check_merge_parts(parts) -> None:
+    """The parts of `foldc.merge_attention`: a non-empty list of (out [batch, heads, head_dim],
+    lse [batch, heads]) floating-point tensor pairs of one shape and device."""
+    if isinstance(parts, (torch.Tensor, str, bytes)) or not isinstance(parts, (list, tuple)):
+        raise InputTypeError(f"parts must be a list of (out, lse) pairs, got {type(parts).__name__}")
+    if not parts:
+        raise InputError("merge_attention needs at least one (out, lse) part")
+    first = None
+    for i, part in enumerate(parts):
+        if isinstance(part, torch.Tensor) or not isinstance(part, (list, tuple)) or len(part) != 2:
+            raise InputTypeError(f"part {i} must be a pair (out, lse) as returned by attn(..., return_lse=True); "
+                                 f"got {type(part).__name__}")
+        o, s = part
+        for what, t in (("out", o), ("lse", s)):
+            if not isinstance(t, torch.Tensor):
+                raise InputTypeError(f"part {i}: {what} must be a torch.Tensor, got {type(t).__name__}")
+            if not t.is_floating_point():
+                raise InputError(f"part {i}: {what} dtype={t.dtype} must be floating point")
+        if o.dim() != 3 or tuple(s.shape) != tuple(o.shape[:2]):
+            raise InputError(f"part {i}: out {tuple(o.shape)} / lse {tuple(s.shape)}: out must be [batch, heads, "
+                             "head_dim] and lse out.shape[:2]")
+        if first is None:
+            first = (o.shape, o.device)
+        elif o.shape != first[0] or o.device != first[1] or s.device != first[1]:
+            raise InputError(f"part {i}: out {tuple(o.shape)} on {o.device} does not match part 0's "
+                             f"{tuple(first[0])} on {first[1]}; every part covers the same queries")
+
+
 def output_buffer(out: torch.Tensor | None, want: tuple[int, ...], q: torch.Tensor) -> torch.Tensor:
     """The tensor a kernel writes its attention output into: ``out`` when given, else a new one in
     q's dtype. ``out`` may be q's dtype or float32; float32 keeps partial outputs unrounded for a
     later `foldc.merge_attention` (merging two bf16-rounded parts rounds twice)."""
     if out is None:
         return torch.empty(want, device=q.device, dtype=q.dtype)
-    if not isinstance(out, torch.Tensor):
-        raise InputTypeError(f"out must be a torch.Tensor {want}, got {type(out).__name__}")
-    if (tuple(out.shape) != tuple(want) or out.dtype not in (q.dtype, torch.float32) or out.device != q.device
-            or out.stride(-1) != 1):
-        raise InputError(f"out has shape={tuple(out.shape)}, dtype={out.dtype}, device={out.device}, strides "
-                         f"{out.stride()}; it must be {tuple(want)} in q's dtype {q.dtype} or float32, on "
-                         f"{q.device}, with unit stride along head_dim")
-    return out
+    return check_out(out, want, q.device, tuple(dict.fromkeys((q.dtype, torch.float32))))

@@ -2,11 +2,14 @@
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
+
+import foldc
 
 from foldc.encoding import (
     SUPPORTED_BITS,
@@ -717,3 +720,27 @@ def test_large_inputs_quantized_sequence_by_sequence_give_the_same_bits(monkeypa
     chunked = quantize(x, enc)
     for name in ("codes", "scale", "zero"):
         assert torch.equal(getattr(whole, name), getattr(chunked, name)), name
+
+
+@pytest.mark.parametrize("shape, axis", [((0, 2, 4, 64), "batch"), ((1, 0, 4, 64), "kv_heads"),
+                                         ((1, 2, 0, 64), "tokens"), ((1, 2, 4, 0), "head_dim")])
+def test_quantize_refuses_an_empty_axis(shape, axis):
+    with pytest.raises(InputError, match=rf"x has {axis}=0 \(shape={re.escape(str(shape))}\)"):
+        foldc.quantize(torch.randn(shape), foldc.Affine(2, "channel", 32))
+
+
+@pytest.mark.parametrize("field", ["codes", "scale", "zero"])
+def test_affine_tensor_parts_must_be_tensors(field):
+    at = foldc.quantize(torch.randn(1, 2, 4, 64), foldc.Affine(2, "token", 32))
+    parts = {"codes": at.codes, "scale": at.scale, "zero": at.zero, field: [1]}
+    with pytest.raises(InputTypeError, match=rf"{field} must be a torch.Tensor, got list"):
+        foldc.AffineTensor(parts["codes"], parts["scale"], parts["zero"], at.encoding, 64)
+
+
+def test_affine_tensor_token_groups_must_divide_head_dim():
+    enc = foldc.Affine(2, "token", 64)
+    z = torch.zeros(1, 1, 4, 1, dtype=torch.float16)
+    with pytest.raises(SpecError, match=r"group_size=64 does not divide head_dim=96"):
+        foldc.AffineTensor(torch.zeros(1, 1, 4, 24, dtype=torch.uint8), z, z, enc, 96)
+    with pytest.raises(SpecError, match=r"head_dim=0 must be a positive integer"):
+        foldc.AffineTensor(torch.zeros(1, 1, 4, 0, dtype=torch.uint8), z, z, enc, 0)

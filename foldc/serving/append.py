@@ -83,6 +83,11 @@ def _append_token_kernel(
     lo = tl.min(x, axis=2)  # [BLOCK_T, NUM_GROUPS]
     hi = tl.max(x, axis=2)
     raw_scale = tl.math.div_rn(hi - lo, tl.zeros_like(lo) + MAX_CODE)
+    # a group holding NaN or Inf stores NaN scale and zero (min/max would drop a NaN): attention
+    # over it is then NaN, as over the raw values, never a finite wrong number
+    bad = tl.max(((x != x) | (tl.abs(x) == float("inf"))).to(tl.int32), axis=2) > 0
+    lo = tl.where(bad, float("nan"), lo)
+    raw_scale = tl.where(bad, float("nan"), raw_scale)
     if HAS_COUNT:
         t_ok = t_ok & (t < tl.load(COUNTS + b))
     pos = (start + t).to(tl.int64)
@@ -161,6 +166,7 @@ def _append_channel_kernel(
     x_base = X + b * stride_xb + h * stride_xh + grp * GROUP * stride_xn
     lo = tl.full([CPB, WIDTH], float("inf"), tl.float32)
     hi = tl.full([CPB, WIDTH], float("-inf"), tl.float32)
+    bad = tl.zeros([CPB, WIDTH], tl.int32)   # channels whose group holds NaN or Inf
     for t0 in range(0, GROUP, BLOCK_T):
         t = t0 + tl.arange(0, BLOCK_T)
         t_ok = t < GROUP
@@ -172,7 +178,11 @@ def _append_channel_kernel(
             x = tl.load(x_ptr, mask=t_ok[:, None, None], other=0.0).to(tl.float32)
         lo = tl.minimum(lo, tl.min(tl.where(t_ok[:, None, None], x, float("inf")), axis=0))
         hi = tl.maximum(hi, tl.max(tl.where(t_ok[:, None, None], x, float("-inf")), axis=0))
+        nonfinite = ((x != x) | (tl.abs(x) == float("inf"))) & t_ok[:, None, None]
+        bad = tl.maximum(bad, tl.max(nonfinite.to(tl.int32), axis=0))
     raw_scale = tl.math.div_rn(hi - lo, tl.zeros_like(lo) + MAX_CODE)
+    lo = tl.where(bad > 0, float("nan"), lo)             # NaN scale and zero: see the token kernel
+    raw_scale = tl.where(bad > 0, float("nan"), raw_scale)
     pos0 = start + grp * GROUP  # the group's first token (a page holds whole groups)
     ok = pos0 >= 0
     if HAS_COUNT:
@@ -449,7 +459,8 @@ def append_paged(pool: AffineTensor, x: torch.Tensor, kv_indptr: torch.Tensor, k
     ``kv_indices[kv_indptr[b] + (start[b] + t) // page_size]``, with the bits ``foldc.quantize(x)``
     gives (channel-wise: groups are x's runs of group_size tokens). A token whose page-table entry
     lies past the sequence's own pages is not written (the kernel never writes outside them).
-    Values are not checked for NaN/Inf (that needs a sync): check them upstream if needed.
+    Values are not checked for NaN/Inf (that needs a sync): a group holding one gets NaN scale and
+    zero, so attention over it is NaN (never a finite wrong number); target "reference" raises.
 
     Parameters
     ----------

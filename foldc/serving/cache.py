@@ -28,7 +28,7 @@ from ..compile import compile as compile_attention
 from ..compile import detect_target
 from ..encoding import AffineTensor, scale_shape
 from ..errors import InputError, InputTypeError, SpecError
-from ..merge import merge_attention
+from ..merge import merge_parts
 from ..spec import AttentionSpec
 from .append import append_quantized, check_finite, safe_abs_limit
 
@@ -281,7 +281,7 @@ class QuantizedKVCache:
             parts.append(part(self._body_attention, self._body["k"], self._body["v"], self._body_len))
         if plain_len:  # sink and recent are one contiguous prefix of the plain buffer
             parts.append(part(self._plain_attention, self._plain["k"], self._plain["v"], plain_len))
-        out, lse = parts[0] if len(parts) == 1 else merge_attention(parts)
+        out, lse = parts[0] if len(parts) == 1 else merge_parts(parts)
         if wide:
             out = out.to(q.dtype)
         return (out, lse) if return_lse else out

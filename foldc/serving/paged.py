@@ -31,7 +31,7 @@ from ..encoding import AffineTensor
 from ..errors import InputError, InputTypeError, SpecError
 from ..plan import plan as make_plan
 from ..spec import AttentionSpec
-from ..validate import output_buffer
+from ..validate import check_sm_scale, output_buffer
 from .cache import resolve_device
 
 
@@ -450,7 +450,7 @@ class PagedDecodeWrapper:
                              f"wrapper with device={str(q.device)!r}")
         self._check_pool("k", k_pages, q)
         self._check_pool("v", v_pages, q)
-        scale = self.spec.head_dim ** -0.5 if sm_scale is None else float(sm_scale)
+        scale = check_sm_scale(sm_scale, self.spec.head_dim)
         if self.target == "reference":
             return self._run_reference(q, k_pages, v_pages, scale, out, return_lse, seq_lens)
         dtypes = (torch.float16,) if self.interpret else (torch.float16, torch.bfloat16)

@@ -30,13 +30,13 @@ import torch
 
 from ..compile import compile as compile_attention
 from ..encoding import AffineTensor
-from ..errors import InputError, SpecError
-from ..merge import merge_attention
+from ..errors import InputError, InputTypeError, SpecError
+from ..merge import merge_parts
 from ..reference import attention_reference
 from ..spec import AttentionSpec
-from .append import append_paged
-from .cache import check_new_tokens
-from .cache import resolve_device
+from ..validate import check_sm_scale
+from .append import append_paged, check_finite
+from .cache import check_new_tokens, resolve_device
 from .paged import PagedDecodeWrapper, gather_pages, launch_plain, page_pool
 
 
@@ -44,6 +44,21 @@ def _count(name: str, value, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise SpecError(f"{name}={value!r} must be an integer >= {minimum}")
     return value
+
+
+def _lengths(seq_lens) -> list[int]:
+    """Host token counts from a list or an integer tensor (one per sequence)."""
+    if isinstance(seq_lens, (str, bytes)):
+        raise InputTypeError(f"seq_lens={seq_lens!r} must be a list of ints or an integer tensor [batch]")
+    try:
+        lens = torch.as_tensor(seq_lens)
+    except (TypeError, ValueError, RuntimeError):
+        raise InputTypeError(f"seq_lens={seq_lens!r} must be a list of ints or an integer tensor [batch]") from None
+    if lens.dtype.is_floating_point or lens.dtype.is_complex or lens.dtype == torch.bool or lens.dim() != 1 \
+            or lens.numel() < 1:
+        raise InputError(f"seq_lens dtype={lens.dtype} shape={tuple(lens.shape)} must be one integer token count "
+                         "per sequence, shape [batch] with batch >= 1")
+    return [int(n) for n in lens.tolist()]
 
 
 class PagedKVCache:
@@ -126,16 +141,20 @@ class PagedKVCache:
             Tokens each sequence holds now (0 for a new one). A sequence the cache already holds must
             be given its current count.
         """
-        lens = [int(n) for n in torch.as_tensor(seq_lens).reshape(-1).tolist()]
+        lens = _lengths(seq_lens)
         for b, n in enumerate(lens):
             if not 0 <= n <= self.max_seq_len:
                 raise InputError(f"seq_lens[{b}]={n} must lie in [0, max_seq_len={self.max_seq_len}]")
-            if self._layers and b < self.batch and n and n != self._layers[0]["n"][b]:
-                raise InputError(f"seq_lens[{b}]={n} but the cache holds {self._layers[0]['n'][b]} tokens of "
-                                 f"sequence {b}; pass its current count, or 0 to start a new sequence there")
+            for layer, st in enumerate(self._layers or [{"n": []}]):
+                held = st["n"][b] if b < len(st["n"]) else 0
+                if n and n != held:   # lengths may only claim tokens the cache received
+                    raise InputError(f"seq_lens[{b}]={n} but layer {layer} holds {held} tokens of sequence {b}; "
+                                     "pass its current count, or 0 to start a new sequence there (then append() "
+                                     "its tokens)")
         body = [self.body_len(n) for n in lens]
         self.table = self.wrapper.plan(kv_indptr, kv_indices, None, num_pages=self.num_pages, seq_lens=body)
         if len(lens) != self.batch:  # new buffers (a captured graph must be captured again)
+            old, kept = self._layers, min(self.batch, len(lens))
             self.batch = len(lens)
             shape = (self.batch, self.spec.num_kv_heads, self.plain_capacity, self.spec.head_dim)
             self._layers = [{"k": torch.zeros(shape, dtype=self.dtype, device=self.device),
@@ -143,6 +162,9 @@ class PagedKVCache:
                              "body": torch.zeros(self.batch, dtype=torch.int32, device=self.device),
                              "plain": torch.zeros(self.batch, dtype=torch.int32, device=self.device)}
                             for _ in range(self.num_layers)]
+            for before, now in zip(old, self._layers):   # the sequences kept keep their plain tokens
+                for name in "kv":
+                    now[name][:kept].copy_(before[name][:kept])
         for layer in self._layers:
             layer["n"] = list(lens)
             layer["body"].copy_(torch.tensor(body, dtype=torch.int32), non_blocking=True)
@@ -189,7 +211,9 @@ class PagedKVCache:
         """Add ``T`` tokens per sequence to ``layer``.
 
         ``T == 1`` (decode) runs on the device only (capturable; during a capture the host counts do not
-        move: call `before_replay` before each replay). ``T > 1`` (prefill) is planned on the host.
+        move: call `before_replay` before each replay); a NaN or Inf it brings makes attention over its
+        sequence NaN. ``T > 1`` (prefill) is planned on the host and refuses NaN/Inf (InputError), as
+        does every append with target "reference".
         Capacity is checked on the host before anything is written.
 
         Parameters
@@ -207,6 +231,11 @@ class PagedKVCache:
         capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
         if tokens == 0:
             return
+        if (tokens > 1 or self.target == "reference") and not capturing:
+            # host-planned appends read the values anyway: refuse NaN/Inf here, naming the first. A
+            # device-only decode step cannot (a sync); there a NaN key gives NaN attention instead.
+            for name, x in (("k_new", k_new), ("v_new", v_new)):
+                check_finite(x, name)
         if tokens == 1:
             self._decode_append(layer, st, k_new, v_new)
         elif capturing:
@@ -297,7 +326,7 @@ class PagedKVCache:
         if 0 in st["n"]:
             raise InputError(f"sequence {st['n'].index(0)} of layer {layer} holds no tokens; append() its keys and "
                              "values before attention()")
-        scale = self.spec.head_dim ** -0.5 if sm_scale is None else float(sm_scale)
+        scale = check_sm_scale(sm_scale, self.spec.head_dim)
         if self.target == "reference":
             k, v, lens = self.dequantized(layer)
             return attention_reference(q, k, v, sm_scale=scale, seq_lens=torch.tensor(lens)).to(q.dtype)
@@ -308,7 +337,7 @@ class PagedKVCache:
         out = torch.empty(want, dtype=torch.float32, device=q.device)
         lse = torch.empty(want[:2], dtype=torch.float32, device=q.device)
         launch_plain(self._plain_attn, q, st["k"], st["v"], st["plain"], scale, out, lse)
-        merged, _ = merge_attention([body, (out, lse)])
+        merged, _ = merge_parts([body, (out, lse)])
         return merged.to(q.dtype)
 
     def dequantized(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:

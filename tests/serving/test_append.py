@@ -333,3 +333,24 @@ def test_unchecked_tensor_offsets_read_nothing_and_skip_rows_that_do_not_fit(lay
         ref = expected(before, x, [starts[b]] * 4) if b in starts else before
         for part in ("codes", "scale", "zero"):
             assert torch.equal(bits(getattr(dst, part)[b]), bits(getattr(ref, part)[b])), (b, part)
+
+
+@pytest.mark.parametrize("enc", [A(2, "token", 32), A(4, "token", 64, torch.bfloat16), A(2, "channel", 16),
+                                 A(8, "channel", 32, torch.float32)], ids=lambda e: e.short())
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_a_group_holding_nan_or_inf_gets_nan_scale_and_zero(enc, bad):
+    """Without the host check, a non-finite value is not dropped by the group's min/max: its group's
+    scale and zero are NaN (so attention over it is NaN), every other group is as foldc.quantize makes it."""
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(1, 2, 32, 64, generator=gen).half()
+    dst = poisoned(enc, 1, 2, 32, 64, gen)
+    x[0, 1, 5, 40] = bad
+    append_quantized(dst, x, 0, target="interpret", check=False)
+    g = (0, 1, 5, 40 // enc.group_size) if enc.layout == "token" else (0, 1, 5 // enc.group_size, 40)
+    assert torch.isnan(dst.scale[g]) and torch.isnan(dst.zero[g])
+    clean = x.clone()
+    clean[0, 1, 5, 40] = 0.0
+    want = foldc.quantize(clean, enc)
+    finite = ~torch.isnan(dst.scale)
+    assert int((~finite).sum()) == 1
+    assert torch.equal(dst.scale[finite], want.scale[finite]) and torch.equal(dst.zero[finite], want.zero[finite])

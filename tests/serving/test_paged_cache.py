@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import foldc
-from foldc.errors import InputError, SpecError
+from foldc.errors import InputError, InputTypeError, SpecError
 from foldc.serving import PagedKVCache, QuantizedKVCache
 from foldc.testing import rel_l2
 
@@ -137,7 +137,7 @@ def test_a_plain_operand_and_a_bad_replan_are_refused():
         PagedKVCache(S(4, 2, 64, A(2, "token", 32), None), num_layers=1, page_size=16, num_pages=4, max_seq_len=8)
     cache = _small_cache()
     cache.append(0, *_tokens(torch.Generator(), 1, 2, 5, 64))
-    with pytest.raises(InputError, match=r"seq_lens\[0\]=7 but the cache holds 5 tokens of sequence 0"):
+    with pytest.raises(InputError, match=r"seq_lens\[0\]=7 but layer 0 holds 5 tokens of sequence 0"):
         cache.plan(torch.tensor([0, 1], dtype=torch.int32), torch.tensor([3], dtype=torch.int32), seq_lens=[7])
 
 
@@ -186,3 +186,69 @@ def test_run_and_a_decode_step_read_nothing_on_the_host(no_host_reads):
     keys, values, lens = cache.dequantized(0)
     assert lens == [43, 43] and cache.body_len(41) == 16 and cache.body_len(43) == 32
     assert rel_l2(out, foldc.attention_reference(q, keys, values)) <= TOL
+
+
+def test_lengths_cannot_claim_tokens_the_cache_never_received():
+    cache = _small_cache()
+    table = (torch.tensor([0, 1, 2], dtype=torch.int32), torch.tensor([3, 1], dtype=torch.int32))
+    with pytest.raises(InputError, match=r"seq_lens\[0\]=40 but layer 0 holds 0 tokens of sequence 0"):
+        cache.plan(*table, seq_lens=[40, 40])
+    cache.plan(*table, seq_lens=[0, 0])
+    with pytest.raises(InputError, match=r"seq_lens\[1\]=3 but layer 0 holds 0 tokens"):
+        cache.plan(*table, seq_lens=[0, 3])
+    with pytest.raises(InputTypeError, match=r"seq_lens='4' must be a list of ints"):
+        cache.plan(*table, seq_lens="4")
+    with pytest.raises(InputError, match=r"seq_lens dtype=torch.float32"):
+        cache.plan(*table, seq_lens=[1.5, 2.0])
+
+
+def test_a_growing_batch_keeps_the_tokens_of_the_sequences_it_held():
+    gen = torch.Generator().manual_seed(3)
+    cache = PagedKVCache(S(4, 2, 64, A(2, "token", 32), A(4, "channel", 16)), num_layers=1, page_size=16,
+                         num_pages=8, max_seq_len=40, sink=2, window=3, target="reference")
+    cache.plan(torch.tensor([0, 2], dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32), seq_lens=[0])
+    k, v = _tokens(gen, 1, 2, 9, 64)
+    cache.append(0, k, v)
+    before_k, before_v, _ = cache.dequantized(0)
+    cache.plan(torch.tensor([0, 2, 4], dtype=torch.int32), torch.tensor([0, 1, 4, 5], dtype=torch.int32),
+               seq_lens=[9, 0])
+    k2, v2 = _tokens(gen, 2, 2, 9, 64)
+    after_k, after_v, lens = cache.dequantized(0)
+    assert lens == [9, 0]
+    assert torch.equal(after_k[:1, :, :9], before_k) and torch.equal(after_v[:1, :, :9], before_v)
+
+
+@pytest.mark.parametrize("target", ["interpret", "reference"])
+def test_nan_tokens_are_refused_on_the_host_and_propagate_as_nan_on_the_device(target):
+    """A prefill (host-planned) and every reference-target append refuse NaN; a device-only decode
+    step cannot check, and there the NaN reaches attention as NaN, also after it is flushed into the
+    quantized body, never as zeros or a finite mix."""
+    gen = torch.Generator().manual_seed(9)
+    spec = S(4, 2, 64, A(2, "token", 32), A(4, "token", 64))
+    cache = PagedKVCache(spec, num_layers=1, page_size=16, num_pages=8, max_seq_len=64, sink=1, window=2,
+                         target=target)
+    cache.plan(torch.tensor([0, 2, 4], dtype=torch.int32), torch.tensor([0, 1, 2, 3], dtype=torch.int32),
+               seq_lens=[0, 0])
+    k, v = _tokens(gen, 2, 2, 12, 64)
+    bad = k.clone()
+    bad[0, 1, 4, 7] = float("nan")
+    with pytest.raises(InputError, match=r"k_new holds NaN or Inf \(first at index \[0, 1, 4, 7\]\)"):
+        cache.append(0, bad, v)
+    assert cache.num_tokens(0) == [0, 0]
+    cache.append(0, k, v)
+    step_k, step_v = _tokens(gen, 2, 2, 1, 64)
+    step_v[1, 0, 0, 5] = float("nan")
+    if target == "reference":
+        with pytest.raises(InputError, match="v_new holds NaN or Inf"):
+            cache.append(0, step_k, step_v)
+        return
+    cache.append(0, step_k, step_v)
+    q = torch.randn(2, 4, 64, generator=gen).half()
+    for _ in range(4):   # the window (2 + 1) overflows: the NaN token is flushed into the body
+        out = cache.attention(0, q)
+        # value channel 5 of KV head 0 is NaN: query heads 0-1 of sequence 1 there (the whole group once
+        # it is quantized), nothing else
+        assert torch.isnan(out[1, :2, 5]).all() and torch.isfinite(out[1, 2:]).all() and torch.isfinite(out[0]).all()
+        cache.append(0, *_tokens(gen, 2, 2, 1, 64))
+    k_all, v_all, _ = cache.dequantized(0)
+    assert torch.isnan(v_all[1, 0]).any()

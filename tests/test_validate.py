@@ -1,0 +1,173 @@
+"""The shared validation layer (foldc/validate.py): every public entry point refuses the same bad
+scale factors, output buffers and merge parts with the same FoldError, and NaN from the data
+propagates as NaN instead of turning into zeros."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import foldc
+from foldc.errors import FoldError, InputError, InputTypeError
+from foldc.serving import PagedDecodeWrapper, PagedKVCache, QuantizedKVCache, page_pool
+from foldc.validate import check_out, check_sm_scale
+
+A = foldc.Affine
+SPEC = foldc.AttentionSpec(4, 2, 64, k=A(2, "token", 32), v=A(4, "channel", 16))
+pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning",
+                                        "ignore:divide by zero encountered in log2:RuntimeWarning")
+
+BAD_SCALES = [(float("nan"), InputError, "sm_scale=nan must be finite"),
+              (float("inf"), InputError, "sm_scale=inf must be finite"),
+              (-math.inf, InputError, "sm_scale=-inf must be finite"),
+              ("0.1", InputTypeError, "sm_scale='0.1' must be a real number"),
+              (b"1", InputTypeError, "sm_scale=b'1' must be a real number"),
+              (True, InputTypeError, "sm_scale=True must be a real number"),
+              ([0.1], InputTypeError, r"sm_scale=\[0.1\] must be a real number"),
+              (1 + 2j, InputTypeError, r"sm_scale=\(1\+2j\) must be a real number")]
+
+
+def _inputs(gen, batch=1, tokens=32, spec=SPEC):
+    q = torch.randn(batch, spec.num_q_heads, spec.head_dim, generator=gen).half()
+    k = foldc.quantize(torch.randn(batch, spec.num_kv_heads, tokens, spec.head_dim, generator=gen), spec.k)
+    v = foldc.quantize(torch.randn(batch, spec.num_kv_heads, tokens, spec.head_dim, generator=gen), spec.v)
+    return q, k, v
+
+
+@pytest.mark.parametrize("value, exc, match", BAD_SCALES)
+def test_check_sm_scale_refuses_what_is_not_a_finite_real(value, exc, match):
+    with pytest.raises(exc, match=match):
+        check_sm_scale(value, 64)
+
+
+@pytest.mark.parametrize("value", [0.1, 1, torch.tensor(0.3), 2.5e-3])
+def test_check_sm_scale_takes_reals(value):
+    assert check_sm_scale(value, 64) == pytest.approx(float(value))
+    assert check_sm_scale(None, 64) == 0.125
+
+
+def _paged_cache(target):
+    cache = PagedKVCache(SPEC, num_layers=1, page_size=16, num_pages=8, max_seq_len=64, sink=2, window=4,
+                         target=target)
+    cache.plan(torch.tensor([0, 4], dtype=torch.int32), torch.arange(4, dtype=torch.int32), [0])
+    gen = torch.Generator().manual_seed(1)
+    cache.append(0, torch.randn(1, 2, 36, 64, generator=gen).half(), torch.randn(1, 2, 36, 64, generator=gen).half())
+    return cache
+
+
+def _wrapper():
+    w = PagedDecodeWrapper(SPEC, 16, max_seq_len=64, target="interpret")
+    w.plan(torch.tensor([0, 2], dtype=torch.int32), torch.tensor([1, 0], dtype=torch.int32), None, num_pages=4,
+           seq_lens=[20])
+    return w
+
+
+@pytest.mark.parametrize("entry", ["reference", "interpret", "paged-cache", "paged-cache-reference", "wrapper",
+                                   "contiguous-cache", "attention_reference", "torch-op"])
+@pytest.mark.parametrize("value, exc, match", BAD_SCALES[:4])
+def test_every_entry_point_refuses_a_bad_sm_scale(entry, value, exc, match):
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = _inputs(gen)
+    if entry in ("reference", "interpret"):
+        call = lambda: foldc.compile(SPEC, target=entry)(q, k, v, sm_scale=value)  # noqa: E731
+    elif entry.startswith("paged-cache"):
+        cache = _paged_cache("reference" if entry.endswith("reference") else "interpret")
+        call = lambda: cache.attention(0, q, sm_scale=value)  # noqa: E731
+    elif entry == "wrapper":
+        w = _wrapper()
+        call = lambda: w.run(q, page_pool(SPEC, "k", 4, 16), page_pool(SPEC, "v", 4, 16), sm_scale=value)  # noqa
+    elif entry == "contiguous-cache":
+        cache = QuantizedKVCache(SPEC, 1, 64, window=4, target="interpret")
+        cache.append(torch.randn(1, 2, 20, 64, generator=gen).half(), torch.randn(1, 2, 20, 64, generator=gen).half())
+        call = lambda: cache.attention(q, sm_scale=value)  # noqa: E731
+    elif entry == "attention_reference":
+        call = lambda: foldc.attention_reference(q, k, v, sm_scale=value)  # noqa: E731
+    else:
+        from foldc.ops import attention_op
+        call = lambda: attention_op(SPEC, q, k, v, sm_scale=value)  # noqa: E731
+    with pytest.raises(exc, match=match):
+        call()
+
+
+@pytest.mark.parametrize("target", ["reference", "interpret"])
+@pytest.mark.parametrize("out, exc, match", [
+    (torch.empty(1, 4, 64, dtype=torch.int32), InputError, "out dtype=torch.int32 cannot hold the result"),
+    (torch.empty(1, 4, 64, dtype=torch.bool), InputError, "out dtype=torch.bool cannot hold the result"),
+    ([1], InputTypeError, "out must be a torch.Tensor"),
+    (torch.empty(1, 4, 32), InputError, r"out shape=\(1, 4, 32\) but the result is \(1, 4, 64\)"),
+    (torch.empty(1, 64, 4).transpose(1, 2), InputError, "needs unit stride along head_dim"),
+    (torch.empty(1, 4, 64, device="meta"), InputError, "out is on meta but the result is computed on cpu"),
+])
+def test_a_bad_out_is_refused_before_anything_is_written(target, out, exc, match):
+    q, k, v = _inputs(torch.Generator().manual_seed(2))
+    with pytest.raises(exc, match=match):
+        foldc.compile(SPEC, target=target)(q, k, v, out=out)
+
+
+def test_out_is_written_in_place_when_it_is_good():
+    q, k, v = _inputs(torch.Generator().manual_seed(3))
+    want = foldc.attention_reference(q, k, v)
+    for dtype in (torch.float64, torch.float32):
+        out = torch.full((1, 4, 64), 7.0, dtype=dtype)
+        got = foldc.compile(SPEC, target="reference")(q, k, v, out=out)
+        assert got is out and torch.allclose(out.double(), want, rtol=1e-6, atol=1e-6)
+    assert check_out(None, (1,), torch.device("cpu"), (torch.float32,)) is None
+
+
+def test_the_wrapper_refuses_an_integer_out():
+    q, _, _ = _inputs(torch.Generator().manual_seed(4))
+    with pytest.raises(InputError, match="out dtype=torch.int64 cannot hold the result"):
+        _wrapper().run(q, page_pool(SPEC, "k", 4, 16), page_pool(SPEC, "v", 4, 16),
+                       out=torch.empty(1, 4, 64, dtype=torch.int64))
+
+
+# ---- merge_attention --------------------------------------------------------------------------
+
+def _parts(gen, n=2):
+    return [(torch.randn(2, 4, 8, generator=gen), torch.randn(2, 4, generator=gen)) for _ in range(n)]
+
+
+@pytest.mark.parametrize("bad, exc, match", [
+    (lambda p: [p[0][0]], InputTypeError, r"part 0 must be a pair \(out, lse\)"),
+    (lambda p: p[0][0], InputTypeError, "parts must be a list of"),
+    (lambda p: [], InputError, "at least one"),
+    (lambda p: [(p[0][0], [1.0])], InputTypeError, "part 0: lse must be a torch.Tensor"),
+    (lambda p: [(p[0][0].long(), p[0][1])], InputError, "part 0: out dtype=torch.int64 must be floating point"),
+    (lambda p: [p[0], (p[1][0][:1], p[1][1][:1])], InputError, r"part 1: out \(1, 4, 8\) .* does not match"),
+    (lambda p: [(p[0][0], p[0][1][:, :2])], InputError, r"and lse out.shape\[:2\]"),
+    (lambda p: [(p[0][0], p[0][1].index_put((torch.tensor([1]), torch.tensor([2])), torch.tensor(math.nan))),
+                p[1]], InputError, r"part 0: lse=nan at \[batch, head\] \[1, 2\] but its output there is finite"),
+    (lambda p: [(p[0][0], p[0][1].index_put((torch.tensor([0]), torch.tensor([0])), torch.tensor(math.inf)))],
+     InputError, r"part 0: lse=inf at \[batch, head\] \[0, 0\]"),
+])
+def test_merge_refuses_parts_that_did_not_come_from_attention(bad, exc, match):
+    with pytest.raises(exc, match=match):
+        foldc.merge_attention(bad(_parts(torch.Generator().manual_seed(5))))
+
+
+def test_merge_propagates_nan_from_the_data():
+    """A part whose keys held NaN has NaN output and lse: the merge is NaN there, and only there."""
+    (o1, l1), (o2, l2) = _parts(torch.Generator().manual_seed(6))
+    o1[1, 3] = math.nan
+    l1[1, 3] = math.nan
+    out, lse = foldc.merge_attention([(o1, l1), (o2, l2)])
+    assert torch.isnan(out[1, 3]).all() and torch.isnan(lse[1, 3])
+    mask = torch.ones(2, 4, dtype=torch.bool)
+    mask[1, 3] = False
+    assert torch.isfinite(out[mask]).all() and torch.isfinite(lse[mask]).all()
+    alone, lse1 = foldc.merge_attention([(o1, l1)])   # one NaN part alone stays NaN, never zeros
+    assert torch.isnan(alone[1, 3]).all() and torch.isnan(lse1[1, 3])
+
+
+# ---- NaN from the data through the kernels ------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["k", "v"])
+def test_a_nan_in_the_cache_gives_nan_attention_on_every_target(name):
+    q, k, v = _inputs(torch.Generator().manual_seed(7))
+    x = {"k": k, "v": v}[name]
+    x.scale[0, 1, 0, 0] = math.nan   # KV head 1: its query heads 2 and 3 see the NaN
+    for target in ("reference", "interpret"):
+        out = foldc.compile(SPEC, target=target)(q, k, v)
+        assert torch.isnan(out[0, 2:]).any(), target
+        assert torch.isfinite(out[0, :2]).all(), target
