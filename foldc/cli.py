@@ -91,11 +91,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sm_90/sm_100: AOT build into --out; interpret: run the kernel on the CPU against the "
                    "float64 executor; reference: check the float64 executor (default interpret)")
     p.add_argument("--out", help="folder for the kernel source (and PTX, cubin, JSON report for a GPU target)")
-    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"], help="MMA dtype of a GPU build (default bf16)")
+    p.add_argument("--dtype", default=None, choices=["bf16", "fp16"],
+                   help="MMA dtype of a GPU build (default bf16; the interpreter runs fp16)")
     p.add_argument("--seed", type=int, default=0, help="random inputs of the interpret/reference check")
-    p.add_argument("--block-n", type=int, default=None, help="attention: tokens per tile (default 64)")
-    p.add_argument("--num-warps", type=int, default=None)
-    p.add_argument("--num-stages", type=int, default=None)
+    p.add_argument("--block-n", type=int, default=None, help="attention: tokens per tile, a power of two in "
+                   "16..256 (default 64; the register-operand kernel: 32 or 64)")
+    p.add_argument("--num-warps", type=int, default=None, help="generated Triton kernels: warps per program, a "
+                   "power of two in 1..32 (default 4)")
+    p.add_argument("--num-stages", type=int, default=None, help="generated Triton kernels: pipeline stages, 1..8 "
+                   "(default 2); the register-operand kernel: code tiles in flight, 2..4")
     p.add_argument("--kernel", default="auto", choices=["auto", "triton", "gluon"],
                    help="attention on sm_90: the register-operand kernel where it lowers the plan (auto, gluon) or the "
                    "generated Triton kernel (triton)")

@@ -18,13 +18,15 @@ from .encoding import AffineTensor
 from .errors import InputError, SpecError
 from .executor import Executor, TorchOps
 from .ir import BATCH, CHANNEL, KV_HEAD, Q_PER_KV, TOKEN
+from .options import KERNELS, attention_kernel, check_kernel  # noqa: F401 - KERNELS: public name
 from .plan import Plan, plan
 from .spec import AttentionSpec
-from .validate import check_call
+from .validate import check_call, check_out
 
 TARGETS = ("reference", "auto", "sm_90", "sm_100", "interpret")
 GPU_TARGETS = {"sm_90": 9, "sm_100": 10}
-KERNELS = ("auto", "triton", "gluon")
+# the float64 result may be written into any floating-point out (rounded once)
+REFERENCE_OUT_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 
 
 def bind_inputs(spec: AttentionSpec, q: torch.Tensor, k, v) -> dict:
@@ -52,6 +54,8 @@ class ReferenceAttention:
     def __call__(self, q, k, v, sm_scale=None, seq_lens=None, out: torch.Tensor | None = None,
                  return_lse: bool = False):
         call = check_call(self.spec, q, k, v, sm_scale, seq_lens)
+        want = (call.batch, self.spec.num_q_heads, self.spec.head_dim)
+        out = check_out(out, want, q.device, REFERENCE_OUT_DTYPES)
         sizes = {BATCH: call.batch, KV_HEAD: self.spec.num_kv_heads, Q_PER_KV: self.spec.q_per_kv,
                  CHANNEL: self.spec.head_dim, TOKEN: call.tokens}
         tokens = call.tokens if call.seq_lens is None else int(call.seq_lens.max())
@@ -60,8 +64,6 @@ class ReferenceAttention:
         result = env[self.plan.graph.output].data.reshape(call.batch, self.spec.num_q_heads, self.spec.head_dim)
         lse = (env["__max__"].data + torch.log(env["__denominator__"].data)).reshape(call.batch, self.spec.num_q_heads)
         if out is not None:
-            if tuple(out.shape) != tuple(result.shape):
-                raise InputError(f"out shape={tuple(out.shape)} but the result is {tuple(result.shape)}")
             out.copy_(result)
             result = out
         return (result, lse) if return_lse else result
@@ -105,30 +107,17 @@ def compile(spec: AttentionSpec, target: str = "reference", **options):  # noqa:
         raise SpecError(f"unknown option(s) {unknown} for target={target!r}; options are kernel, block_n, splits, "
                         "num_warps, num_stages, fold_policy, split_prescaled, stages, maxnreg, split_factor, "
                         "pack_heads, scale_ahead, dynamic_tiles")
-    kernel = options.pop("kernel", "auto")
-    if kernel not in KERNELS:
-        raise SpecError(f"kernel={kernel!r} is not one of {KERNELS}")
+    kernel = check_kernel(options.pop("kernel", "auto"))
     if target == "auto":
         target = detect_target()
     check_gpu_target(target)
-    if kernel != "triton" and target == "sm_90":
-        from .backends.gluon.lower import lowerable
-
-        ok, reason = lowerable(spec)
+    if attention_kernel(spec, target, kernel, options) == "gluon":
         wrong = sorted(set(options) & triton_only)
-        if kernel == "auto" and options.get("block_n", 32) not in (32, 64):
-            ok = False
-        if ok and not (kernel == "auto" and wrong):
-            if wrong:
-                raise SpecError(f"option(s) {wrong} belong to the Triton kernel; drop them or pass kernel='triton'")
-            from .backends.gluon import GluonAttention
+        if wrong:
+            raise SpecError(f"option(s) {wrong} belong to the Triton kernel; drop them or pass kernel='triton'")
+        from .backends.gluon import GluonAttention
 
-            return GluonAttention(spec, **options)
-        if kernel == "gluon":
-            raise SpecError(f"kernel='gluon' cannot lower this spec: {reason}; use kernel='auto' or 'triton'")
-    elif kernel == "gluon":
-        raise SpecError(f"kernel='gluon' runs on target='sm_90' (a GPU); this call has target={target!r}. "
-                        "Build it ahead of time for sm_90 with `foldc compile --kernel gluon`")
+        return GluonAttention(spec, **options)
     wrong = sorted(set(options) & gluon_only)
     if wrong:
         raise SpecError(f"option(s) {wrong} belong to the register-operand kernel (sm_90, kernel='gluon'); "

@@ -11,6 +11,7 @@ from .compile import compile as compile_attention
 from .compile import detect_target
 from .encoding import Affine, quantize
 from .explain import plan_summary, seed_table
+from .options import check_int
 from .plan import plan
 from .proof import prove
 from .reference import attention_reference
@@ -19,6 +20,9 @@ from .testing import run_case
 
 LAYOUTS = (("token", "token"), ("token", "channel"), ("channel", "token"), ("channel", "channel"))
 HEADS, KV_HEADS, HEAD_DIM, BITS, GROUP = 32, 8, 128, 2, 128
+#: the demo holds several float32 copies of the cache (4 KB per token and KV head group of 8):
+#: at most this many cached tokens over the whole batch (about 256 MB per copy)
+MAX_BATCH, MAX_CACHED = 64, 65536
 
 
 def _rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -26,6 +30,10 @@ def _rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def run_demo(batch: int = 2, tokens: int = 1000, seed: int = 0, kernels: bool = True) -> int:
+    check_int("batch", batch, 1, MAX_BATCH, what="sequences (--batch)")
+    check_int("tokens", tokens, 1, MAX_CACHED // batch, what=f"cached tokens per sequence (--tokens); batch x tokens "
+              f"is at most {MAX_CACHED}")
+    check_int("seed", seed, 0, 2**63 - 1, what="seed of the random inputs (--seed)")
     gen = torch.Generator().manual_seed(seed)
     print(f"foldc demo: {HEADS} query heads / {KV_HEADS} KV heads, head_dim {HEAD_DIM}, INT{BITS}, "
           f"groups of {GROUP}; batch {batch}, {tokens} cached tokens (seed {seed})\n")

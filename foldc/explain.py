@@ -51,6 +51,15 @@ def _issue_text(p) -> str:
     return "\n".join(rows)
 
 
+def _precision_text(p) -> str:
+    """The plan's decision for its dtype; for a plan made without one, what each dtype would get."""
+    from .precision import product_precision
+
+    if p.precision is not None:
+        return str(p.precision)
+    return "\n".join(str(product_precision(p, dtype)) for dtype in ("fp16", "bf16"))
+
+
 def _table(header: list[str], rows: list[list[str]], width: int = 46) -> str:
     wrapped = [[textwrap.wrap(cell, width) or [""] if "\n" not in cell else
                 [w for line in cell.split("\n") for w in textwrap.wrap(line, width)] for cell in row]
@@ -78,6 +87,7 @@ def explain_table(plan) -> str:
         ("code bias (eq. 7)", lambda p: "-" if p.fold in ("none", "dequant") else
          (f"{p.code_bias} folded into the zero" if p.code_bias else "none")),
         ("must land before", lambda p: p.lands_before if p.fold != "none" else "-"),
+        ("operand precision (eq. 6a)", _precision_text),
         ("tiling constraint", lambda p: "\n".join(str(c).split(": ", 1)[1] for c in p.constraints) or "-"),
         ("cost (eq. 12)", _cost_text),
         ("break-even", lambda p: p.break_even or "-"),

@@ -21,10 +21,12 @@ import torch
 
 from .errors import SpecError
 from .gemm.spec import GemmSpec
+from .options import check_choice, check_int, check_out_dir, cli_launch_options
 
 TARGETS = ("sm_90", "sm_100", "interpret", "reference")
 CHECK_ROWS = 4       # rows of x for a GEMM check when the layout leaves m symbolic
 CHECK_TOKENS = 300   # cached tokens for an attention check
+DEFAULTS = {"block_n": 64, "num_warps": 4, "num_stages": 2}   # the generated attention kernel's AOT build
 
 
 def _rel_l2(a, b) -> float:
@@ -52,7 +54,7 @@ def explain(the_plan) -> str:
     return explain_table(the_plan)
 
 
-def _check_gemm(spec: GemmSpec, target: str, seed: int) -> tuple[str, bool]:
+def _check_gemm(spec: GemmSpec, target: str, seed: int, gemm) -> tuple[str, bool]:
     import foldc
     from .gemm.reference import gemm_reference, quantize_2d
 
@@ -66,18 +68,16 @@ def _check_gemm(spec: GemmSpec, target: str, seed: int) -> tuple[str, bool]:
     if target == "reference":
         err = _rel_l2(want, gemm_reference(xq, wq))
         return (f"checked: float64 plan executor vs dequantize-then-matmul, m={m}: rel L2 {err:.2e}", err < 1e-12)
-    got = foldc.compile(spec, target="interpret")(xq, wq)
+    got = gemm(xq, wq)
     err, rounding = _rel_l2(got, want), _rel_l2(want.half(), want)
     return (f"checked: interpreter kernel vs float64 plan executor, m={m}, seed {seed}: rel L2 {err:.2e} "
             f"(fp16 output rounding alone {rounding:.2e})", err < 3 * rounding + 1e-4)
 
 
-def _check_attention(spec, target: str, seed: int) -> tuple[str, bool]:
-    import foldc
+def _check_attention(spec, target: str, seed: int, attn) -> tuple[str, bool]:
     from .reference import attention_reference
     from .testing import random_inputs, run_case
 
-    attn = foldc.compile(spec, target=target)
     if target == "reference":
         q, k, v, lens = random_inputs(spec, 2, CHECK_TOKENS, torch.float16, "cpu", torch.Generator().manual_seed(seed))
         err = _rel_l2(attn(q, k, v, seq_lens=lens), attention_reference(q, k, v, seq_lens=lens))
@@ -88,72 +88,77 @@ def _check_attention(spec, target: str, seed: int) -> tuple[str, bool]:
             f"{res.error:.2e} (plain bf16 attention {res.bf16_error:.2e})", res.error <= res.bf16_error)
 
 
-def _register_operand(spec, target: str, kernel: str, block_n: int | None) -> bool:
-    """Whether an attention AOT build for ``target`` uses the register-operand kernel: "auto" does on
-    sm_90 where it lowers the plan (and block_n, if given, is one it runs: 32 or 64), "gluon"
-    insists (and says why it cannot), "triton" never."""
-    if kernel not in ("auto", "triton", "gluon"):
-        raise SpecError(f"kernel={kernel!r} is not one of ('auto', 'triton', 'gluon')")
-    if kernel == "triton" or (kernel == "auto" and (target != "sm_90" or block_n not in (None, 32, 64))):
-        return False
-    if block_n not in (None, 32, 64):
-        raise SpecError(f"block_n={block_n} must be 32 or 64 for the register-operand kernel")
-    from .backends.gluon.lower import lowerable
+def _prepare(spec, target: str, kernel: str | None, options: dict):
+    """Everything that can fail on the layout and options before anything is printed: the
+    interpret/reference callable (or None for a GPU build), and the Triton kernel's tiling."""
+    import foldc
 
-    ok, reason = lowerable(spec)
-    if kernel == "gluon" and not ok:
-        raise SpecError(f"--kernel gluon cannot lower this layout: {reason}; use --kernel auto or triton")
-    return ok
+    if target in ("interpret", "reference"):
+        return foldc.compile(spec, target=target, **options)
+    if kernel == "triton":
+        from .backends.triton.layout import geometry
+
+        geometry(spec, options.get("block_n", DEFAULTS["block_n"]))
+    return None
 
 
-def compile_layout(spec, target: str, out: str | None, dtype: str = "bf16", seed: int = 0, **aot) -> int:
-    """Print the plan and its proof, then build or check the kernel for ``target``; exit status."""
+def _build(spec, target: str, out: str, dtype: str, kernel: str, options: dict) -> tuple[str, dict]:
+    """The ahead-of-time build of ``kernel``: (artifact name, report)."""
+    if kernel == "gemm":
+        from .backends.triton.gemm_aot import compile_gemm_aot
+
+        return "foldc_gemm", compile_gemm_aot(spec, target, out, dtype=dtype, **options)
+    if kernel == "gluon":
+        from .backends.gluon.aot import compile_gluon_aot
+
+        return "foldc_decode_gluon", compile_gluon_aot(spec, target, out, dtype=dtype,
+                                                       block_n=options.get("block_n", 32),
+                                                       stages=options.get("stages", 2))
+    from .backends.triton.aot import compile_aot
+
+    return "foldc_decode", compile_aot(spec, target, out, dtype=dtype, **{**DEFAULTS, **options})
+
+
+def compile_layout(spec, target: str, out: str | None, dtype: str | None = None, seed: int = 0,
+                   block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
+                   kernel: str = "auto") -> int:
+    """Check the layout and every option, print the plan and its proof, then build or check the
+    kernel for ``target``; exit status. ``dtype``: the MMA dtype of a GPU build (default bf16);
+    the interpreter runs fp16 only."""
     from .proof import prove
 
-    if target not in TARGETS:
-        raise SpecError(f"target={target!r} is not one of {TARGETS}")
+    check_choice("target", target, TARGETS)
+    if dtype is not None:
+        check_choice("dtype", dtype, ("bf16", "fp16"))
+        if target == "interpret" and dtype != "fp16":
+            raise SpecError(f"dtype={dtype!r} (--dtype): the interpreter runs fp16 only; drop --dtype or build for "
+                            "a GPU target")
+    dtype = dtype or ("fp16" if target == "interpret" else "bf16")
+    check_int("seed", seed, 0, 2**63 - 1, what="random inputs of the check")
     if target in ("sm_90", "sm_100") and not out:
         raise SpecError(f"target={target!r} writes the kernel's PTX and cubin: give --out DIR")
-    the_plan = kernel_plan(spec, "fp16" if target == "interpret" else dtype)
+    if out and target == "reference":
+        raise SpecError(f"out={out!r} (--out): target='reference' writes no kernel; drop --out or use "
+                        "--target interpret")
+    which, options = cli_launch_options(spec, target, kernel, block_n, num_warps, num_stages)
+    checker = _prepare(spec, target, which, options)
+    if out:
+        check_out_dir(out)
+    the_plan = kernel_plan(spec, dtype)
     print(explain(the_plan))
     print(prove(the_plan))
     if target in ("sm_90", "sm_100"):
-        if isinstance(spec, GemmSpec):
-            from .backends.triton.gemm_aot import compile_gemm_aot
-
-            report = compile_gemm_aot(spec, target, out, dtype=dtype, num_warps=aot.get("num_warps"),
-                                      num_stages=aot.get("num_stages"))
-            name = "foldc_gemm"
-        elif _register_operand(spec, target, aot.get("kernel") or "auto", aot.get("block_n")):
-            from .backends.gluon.aot import compile_gluon_aot
-
-            report = compile_gluon_aot(spec, target, out, dtype=dtype, block_n=aot.get("block_n") or 32,
-                                       stages=aot.get("num_stages") or 2)
-            name = "foldc_decode_gluon"
-        else:
-            from .backends.triton.aot import compile_aot
-
-            report = compile_aot(spec, target, out, dtype=dtype, block_n=aot.get("block_n") or 64,
-                                 num_warps=aot.get("num_warps") or 4, num_stages=aot.get("num_stages") or 2)
-            name = "foldc_decode"
+        name, report = _build(spec, target, out, dtype, which, options)
         if name == "foldc_decode_gluon":
             print(f"wrote the register-operand kernel's {target} TTGIR/LLIR/PTX/cubin to {out}/{name}.{target}.*")
         else:
             print(f"wrote {out}/{name}.py and the {target} TTIR/TTGIR/LLIR/PTX/cubin")
         print(json.dumps(report, indent=2))
         return 0
-    if out and target == "interpret":
-        Path(out).mkdir(parents=True, exist_ok=True)
-        if isinstance(spec, GemmSpec):
-            from .backends.triton.gemm_launch import gemm_kernel_source
-
-            path, source = Path(out) / "foldc_gemm.py", gemm_kernel_source(spec, "fp16")[0].source
-        else:
-            from .backends.triton.launch import kernel_source
-
-            path, source = Path(out) / "foldc_decode.py", kernel_source(spec, "fp16")[0].source
-        path.write_text(source)
+    if out:  # the interpreter's kernel, with the options given
+        path = Path(out) / ("foldc_gemm.py" if isinstance(spec, GemmSpec) else "foldc_decode.py")
+        path.write_text(checker.source(torch.float16))
         print(f"wrote {path}")
-    line, ok = (_check_gemm if isinstance(spec, GemmSpec) else _check_attention)(spec, target, seed)
+    line, ok = (_check_gemm if isinstance(spec, GemmSpec) else _check_attention)(spec, target, seed, checker)
     print(line + ("" if ok else "  MISMATCH"))
     return 0 if ok else 1

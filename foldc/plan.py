@@ -7,13 +7,14 @@ figures. A backend reads these fields (and the graph) and nothing else.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from fractions import Fraction
 
 from .builder import build_decode_attention
 from .cost import IssueVerdict, verdicts
 from .errors import SpecError
 from .ir import Contract, Correction, Graph, Input
+from .precision import UNIT_ROUNDOFF, PrecisionDecision, product_precision
 from .passes import FOLD_POLICIES, PassRecord, TileConstraint, default_passes, fold_cost, rows_sharing_group, run_pipeline
 from .spec import AttentionSpec
 
@@ -40,6 +41,9 @@ class ProductPlan:
     reason: str = ""
     break_even: str = ""
     issue: tuple[IssueVerdict, ...] = field(default=(), compare=False)
+    #: how the MMA operand is rounded for the query dtype the plan was made for (eq. 6a); None
+    #: for a plan made without a dtype (reference, executor, proofs: no rounding)
+    precision: PrecisionDecision | None = None
 
 
 @dataclass(frozen=True)
@@ -49,6 +53,8 @@ class Plan:
     products: dict[str, ProductPlan] = field(compare=False)
     constraints: tuple[TileConstraint, ...] = ()
     passes: tuple[PassRecord, ...] = ()
+    dtype: str | None = None     # the query dtype the precision decisions are for (eq. 6a)
+    operand_dtype: str | None = None   # the MMA operand dtype where it is not the query's
 
     @property
     def folds(self) -> dict[str, str]:
@@ -57,7 +63,7 @@ class Plan:
 
     def with_graph(self, graph: Graph) -> "Plan":
         """The same plan over an edited graph (used to check hand-made or mutated plans)."""
-        return _make_plan(self.spec, graph, self.passes)
+        return _make_plan(self.spec, graph, self.passes, self.dtype, self.operand_dtype)
 
     def __str__(self) -> str:
         from .explain import plan_summary
@@ -65,11 +71,16 @@ class Plan:
         return plan_summary(self)
 
 
-def plan(spec: AttentionSpec, code_bias: dict[str, int] | None = None, fold_policy: str = "auto") -> Plan:
+def plan(spec: AttentionSpec, code_bias: dict[str, int] | None = None, fold_policy: str = "auto",
+         dtype: str | None = None, operand_dtype: str | None = None) -> Plan:
     """Plan decode attention for ``spec``: pick each fold, insert corrections, check ordering.
 
     ``code_bias`` maps "key"/"value" to the constant a backend ORs into the codes (eq. 7); the
     reference plan uses none. ``fold_policy="dequant"`` forces per-value reconstruction.
+    ``dtype`` ("fp16" or "bf16", the query's): also choose each product's operand precision from
+    the error model of eq. 6a (`ProductPlan.precision`); without it no precision is decided.
+    ``operand_dtype``: the matrix unit's operand dtype where it differs from the query's (the
+    register-operand kernel feeds fp16 operands to bf16 queries' products).
     A `foldc.GemmSpec` is planned by `foldc.gemm.plan.gemm_plan` with the same passes.
     """
     from .gemm.spec import GemmSpec
@@ -82,19 +93,28 @@ def plan(spec: AttentionSpec, code_bias: dict[str, int] | None = None, fold_poli
         raise SpecError(f"spec must be a foldc.AttentionSpec, got {type(spec).__name__}")
     if fold_policy not in FOLD_POLICIES:
         raise SpecError(f"fold_policy={fold_policy!r} is not one of {FOLD_POLICIES}")
+    if dtype is not None and dtype not in UNIT_ROUNDOFF:
+        raise SpecError(f"dtype={dtype!r} is not one of {sorted(UNIT_ROUNDOFF)} (the query's dtype) or None")
+    if operand_dtype is not None and (dtype is None or operand_dtype not in UNIT_ROUNDOFF):
+        raise SpecError(f"operand_dtype={operand_dtype!r} needs a query dtype and must be one of "
+                        f"{sorted(UNIT_ROUNDOFF)} or None")
     unknown = sorted(set(code_bias or {}) - {"key", "value"})
     if unknown:
         raise SpecError(f"code_bias has unknown role(s) {unknown}; use 'key' and/or 'value'")
     graph, log = run_pipeline(build_decode_attention(spec), default_passes(code_bias, fold_policy))
-    return _make_plan(spec, graph, tuple(log))
+    return _make_plan(spec, graph, tuple(log), dtype, operand_dtype)
 
 
-def _make_plan(spec: AttentionSpec, graph: Graph, log) -> Plan:
+def _make_plan(spec: AttentionSpec, graph: Graph, log, dtype: str | None = None,
+               operand_dtype: str | None = None) -> Plan:
     constraints = tuple(graph.meta.get("constraint", ()))
     products = {}
     for name in PRODUCT_ORDER:
-        products[name] = _product_plan(graph, name, spec, constraints)
-    return Plan(spec, graph, products, constraints, tuple(log))
+        p = _product_plan(graph, name, spec, constraints)
+        if dtype is not None:   # eq. 6a: the operand precision, from the product's decisions
+            p = replace(p, precision=product_precision(p, dtype, operand_dtype=operand_dtype))
+        products[name] = p
+    return Plan(spec, graph, products, constraints, tuple(log), dtype, operand_dtype)
 
 
 def _product_plan(graph: Graph, name: str, spec: AttentionSpec, constraints) -> ProductPlan:

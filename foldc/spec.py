@@ -8,6 +8,14 @@ from typing import Any
 
 from .encoding import Affine, parse_affine
 from .errors import SpecError
+from .options import check_int
+
+#: the largest head counts and head size a spec may declare: every target allocates per head and
+#: per channel (the Triton kernel pads query heads per KV head to a power of two of MMA rows);
+#: real models stay far below (128 query heads, head_dim 576 at most)
+MAX_HEADS = 1024
+MAX_HEAD_DIM = 1024
+ATTENTION_KEYS = ("heads", "head_dim", "k", "v")
 
 
 @dataclass(frozen=True)
@@ -15,9 +23,10 @@ class AttentionSpec:
     """Decode attention (one query token per sequence) over a possibly quantized KV cache.
 
     Args:
-        num_q_heads: query heads.
+        num_q_heads: query heads, 1 to MAX_HEADS (1024).
         num_kv_heads: KV heads; ``num_q_heads`` must be a multiple (GQA when larger than 1).
-        head_dim: channels per head.
+        head_dim: channels per head, 1 to MAX_HEAD_DIM (1024); the Triton kernels also need a
+            power of two >= 16.
         k, v: the Affine encoding of keys / values, or None for a plain fp16/bf16 operand.
     """
 
@@ -28,10 +37,9 @@ class AttentionSpec:
     v: Affine | None = None
 
     def __post_init__(self) -> None:
-        for field in ("num_q_heads", "num_kv_heads", "head_dim"):
-            val = getattr(self, field)
-            if isinstance(val, bool) or not isinstance(val, int) or val < 1:
-                raise SpecError(f"{field}={val!r} must be a positive integer")
+        heads, dim = (MAX_HEADS, "foldc.spec.MAX_HEADS"), (MAX_HEAD_DIM, "foldc.spec.MAX_HEAD_DIM")
+        for field, (most, name) in (("num_q_heads", heads), ("num_kv_heads", heads), ("head_dim", dim)):
+            check_int(field, getattr(self, field), 1, most, what=name)
         if self.num_q_heads % self.num_kv_heads:
             raise SpecError(
                 f"num_q_heads={self.num_q_heads} is not a multiple of num_kv_heads={self.num_kv_heads}; "
@@ -75,6 +83,26 @@ def spec_from_args(k: str | None, v: str | None, heads: str, head_dim: int) -> A
     return AttentionSpec(q, kv, head_dim, k=enc(k), v=enc(v))
 
 
+def _attention_table(data: dict, path) -> dict:
+    """The keys of an attention layout: the [attention] table, or the whole file without one. Next
+    to an [attention] table nothing else may stand: a key above its header is top-level, not in it."""
+    if "attention" not in data:
+        return data
+    table = data["attention"]
+    if not isinstance(table, dict):
+        raise SpecError(f"{path}: attention={table!r} must be a table: write [attention] on its own line, "
+                        "then heads, head_dim, k, v below it")
+    misplaced = sorted(key for key in data if key in ATTENTION_KEYS)
+    if misplaced:
+        raise SpecError(f"{path}: top-level key(s) {misplaced} stand above the [attention] header, outside the "
+                        "table; move them below [attention]")
+    extra = sorted(key for key in data if key != "attention" and key not in ATTENTION_KEYS)
+    if extra:
+        raise SpecError(f"{path}: unknown top-level key(s) or table(s) {extra}; an attention layout has only an "
+                        "[attention] table (with heads, head_dim, k, v)")
+    return table
+
+
 def spec_from_toml(path: str | Path):
     """Read a spec from TOML: an `AttentionSpec` from::
 
@@ -94,9 +122,12 @@ def spec_from_toml(path: str | Path):
         activation = "per-token:8" # optional: INT8 activations with zero points
     """
     try:
-        data: dict[str, Any] = tomllib.loads(Path(path).read_text())
+        data: dict[str, Any] = tomllib.loads(Path(path).read_text(encoding="utf-8"))
     except OSError as e:
-        raise SpecError(f"cannot read layout file {str(path)!r}: {e.strerror}") from None
+        raise SpecError(f"cannot read layout file {str(path)!r}: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise SpecError(f"layout file {str(path)!r} is not UTF-8 text (byte {e.start}: {e.reason}); "
+                        "save it as UTF-8") from None
     except tomllib.TOMLDecodeError as e:
         raise SpecError(f"layout file {str(path)!r} is not valid TOML: {e}") from None
     sections = [key for key in ("attention", "gemm") if key in data]
@@ -111,8 +142,8 @@ def spec_from_toml(path: str | Path):
         if not isinstance(data["gemm"], dict):
             raise SpecError(f"{path}: gemm must be a table ([gemm]), got {data['gemm']!r}")
         return gemm_spec_from_table(data["gemm"], where=f"{path}: [gemm]")
-    table = data.get("attention", data)
-    unknown = set(table) - {"heads", "head_dim", "k", "v"}
+    table = _attention_table(data, path)
+    unknown = set(table) - set(ATTENTION_KEYS)
     if unknown:
         raise SpecError(f"{path}: unknown keys {sorted(unknown)}; expected heads, head_dim, k, v")
     for key in ("heads", "head_dim"):

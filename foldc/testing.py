@@ -3,7 +3,9 @@
 A case draws fresh random inputs (never zeros: keys get outlier channels, values an offset so
 zeros are not special), quantizes them, runs a compiled kernel into a NaN-poisoned output and
 compares it with float64 attention over the same dequantized cache; it also reports the error
-of plain bf16 attention over those dequantized values, the bar a kernel must not exceed.
+of plain bf16 attention over those dequantized values, the bar a kernel must not exceed, and the
+error of plain attention in the query's dtype (`plain_attention`), which the operand precision
+model (docs/derivation.md, eq. 6a) bounds every kernel by: at most 2x.
 """
 from __future__ import annotations
 
@@ -26,10 +28,16 @@ class CaseResult:
     error: float            # relative L2 of the kernel vs float64 over the dequantized cache
     bf16_error: float       # relative L2 of bf16 attention over the same dequantized values
     unwritten: int          # output elements still NaN after the call
+    plain_error: float = float("nan")   # relative L2 of plain attention in the query's dtype (eq. 6a)
 
     @property
     def ratio(self) -> float:
         return self.error / self.bf16_error
+
+    @property
+    def plain_ratio(self) -> float:
+        """error over plain attention's in the query's dtype: the eq. 6a model bounds it by 2."""
+        return self.error / self.plain_error
 
 
 def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -62,6 +70,26 @@ def bf16_attention(q, k, v, sm_scale, seq_lens) -> torch.Tensor:
     return torch.einsum("bkhn,bknd->bkhd", p, vf).float().reshape(b, hq, d)
 
 
+def plain_attention(q, k, v, sm_scale, seq_lens, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Plain attention in ``dtype`` (default q's) over the dequantized values, as an fp16/bf16
+    FlashAttention kernel runs it: q, K and V rounded to ``dtype``; logits, max, exp and the
+    denominator in fp32; the unnormalised weights P = exp(t - max) rounded to ``dtype`` before the
+    PV product, accumulated in fp32; divided by the fp32 denominator; the output rounded to
+    ``dtype``. One tile over all tokens (the running max of eq. 9 changes no rounding to first
+    order). The reference of the operand precision model (docs/derivation.md, eq. 6a)."""
+    dt = q.dtype if dtype is None else dtype
+    kf, vf = dequantized(k).to(dt).float(), dequantized(v).to(dt).float()
+    b, hq, d = q.shape
+    hkv, n = kf.shape[1], kf.shape[2]
+    qf = q.to(dt).float().reshape(b, hkv, hq // hkv, d)
+    logits = torch.einsum("bkhd,bknd->bkhn", qf, kf) * sm_scale
+    mask = torch.arange(n, device=q.device)[None, :] >= seq_lens[:, None]
+    logits = logits.masked_fill(mask[:, None, None, :], -math.inf)
+    p = torch.exp(logits - logits.amax(-1, keepdim=True))
+    out = torch.einsum("bkhn,bknd->bkhd", p.to(dt).float(), vf) / p.sum(-1, keepdim=True)
+    return out.to(dt).reshape(b, hq, d)
+
+
 def run_case(attn, spec: AttentionSpec, batch: int, tokens: int, dtype: torch.dtype, device, seed: int) -> CaseResult:
     gen = torch.Generator().manual_seed(seed)
     q, k, v, lens = random_inputs(spec, batch, tokens, dtype, device, gen)
@@ -70,5 +98,6 @@ def run_case(attn, spec: AttentionSpec, batch: int, tokens: int, dtype: torch.dt
     got = attn(q, k, v, sm_scale=sm_scale, seq_lens=lens, out=out)
     ref = attention_reference(q, k, v, sm_scale=sm_scale, seq_lens=lens)
     base = bf16_attention(q, k, v, sm_scale, lens)
+    plain = plain_attention(q, k, v, sm_scale, lens)
     return CaseResult(spec, dtype, batch, tokens, rel_l2(got, ref), rel_l2(base, ref),
-                      int(torch.isnan(out).sum().item()))
+                      int(torch.isnan(out).sum().item()), rel_l2(plain, ref))

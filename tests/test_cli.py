@@ -2,6 +2,8 @@
 the `python -m foldc` entry point."""
 from __future__ import annotations
 
+import importlib
+import json
 import os
 import subprocess
 import sys
@@ -240,3 +242,123 @@ def test_explain_says_when_the_register_operand_kernel_is_not_used(capsys):
     assert rc == 0
     tail = " ".join(out.split("+\n")[-1].split())
     assert "not used for this layout" in tail and "generated Triton kernel" in tail
+
+
+# -- issue 17: every option checked before the plan prints, every failure a one-line error ---------
+
+def _fails_before_printing(capsys, argv, fragments):
+    rc, out, err = _run(capsys, *argv)
+    assert rc == 2, (rc, out, err)
+    assert out == "", f"printed before the error:\n{out[:300]}"
+    assert err.startswith("foldc: error: ") and err.count("\n") == 1 and "Traceback" not in err
+    for frag in fragments:
+        assert frag in err, f"{frag!r} missing from {err!r}"
+    return err
+
+
+@pytest.mark.parametrize("argv,fragments", [
+    (["--target", "interpret", "--block-n", "0"], ["block_n=0", "power of two >= 16"]),
+    (["--target", "interpret", "--num-warps", "3"], ["num_warps=3", "power of two"]),
+    (["--target", "interpret", "--num-stages", "0"], ["num_stages=0", "positive integer"]),
+    (["--target", "interpret", "--block-n", "1048576"], ["block_n=1048576", "<= 256"]),
+    (["--target", "reference", "--block-n", "64"], ["block_n=64 (--block-n)", "target='reference'", "drop"]),
+    (["--target", "reference", "--num-warps", "4"], ["num_warps=4 (--num-warps)", "target='reference'"]),
+    (["--target", "reference", "--kernel", "triton"], ["kernel='triton' (--kernel)", "drop --kernel"]),
+    (["--target", "reference", "--out", "build"], ["out='build' (--out)", "writes no kernel"]),
+    (["--target", "interpret", "--kernel", "gluon"], ["kernel='gluon'", "target='interpret'"]),
+    (["--target", "interpret", "--dtype", "bf16"], ["dtype='bf16' (--dtype)", "fp16 only"]),
+    (["--target", "interpret", "--seed", "-1"], ["seed=-1", ">= 0"]),
+    (["--target", "sm_90", "--out", "OUT", "--num-warps", "64"], ["num_warps=64", "<= 32", "1024 threads"]),
+    (["--target", "sm_90", "--out", "OUT", "--block-n", "0"], ["block_n=0", "power of two"]),
+    (["--target", "sm_100", "--out", "OUT", "--num-warps", "3"], ["num_warps=3", "power of two"]),
+    (["--target", "sm_90", "--out", "OUT", "--num-stages", "9", "--kernel", "triton"], ["num_stages=9", "<= 8"]),
+    (["--target", "reference", "--head-dim", "1000000"], ["head_dim=1000000", "<= 1024", "MAX_HEAD_DIM"]),
+    (["--target", "interpret", "--heads", "100000/1"], ["num_q_heads=100000", "<= 1024", "MAX_HEADS"]),
+    (["--target", "reference", "--heads", "8/2000"], ["num_kv_heads=2000", "<= 1024"]),
+], ids=["block-n-0", "warps-3", "stages-0", "block-n-huge", "ref-block-n", "ref-warps", "ref-kernel", "ref-out",
+        "interp-gluon", "interp-bf16", "seed", "aot-warps-64", "aot-block-n-0", "sm100-warps-3", "aot-stages-9",
+        "head-dim-huge", "heads-huge", "kv-heads-huge"])
+def test_compile_option_errors_come_before_the_plan(capsys, tmp_path, argv, fragments):
+    argv = [str(tmp_path / "out") if a == "OUT" else a for a in argv]
+    _fails_before_printing(capsys, ["compile", "--k", "token:2:128", "--v", "token:2:128", *argv], fragments)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("argv,fragments", [
+    (["--block-n", "16", "--kernel", "gluon"], ["block_n=16", "32 or 64"]),
+    (["--num-warps", "4", "--kernel", "gluon"], ["num_warps=4 (--num-warps)", "one warp per program",
+                                                 "--kernel triton"]),
+    (["--num-stages", "1"], ["num_stages=1 (--num-stages)", "--kernel auto picks the register-operand kernel",
+                             "--kernel triton"]),
+], ids=["gluon-block-n", "gluon-warps", "auto-gluon-stages"])
+def test_register_operand_option_errors_come_before_the_plan(capsys, tmp_path, monkeypatch, argv, fragments):
+    """On sm_90 the register-operand kernel (picked by --kernel auto where it lowers the plan, here
+    forced to lower) takes no --num-warps, 32/64-token tiles and 2-4 stages: said before the plan."""
+    lower = importlib.import_module("foldc.backends.gluon.lower")   # the module, not its lower()
+
+    monkeypatch.setattr(lower, "lowerable", lambda spec: (True, ""))
+    _fails_before_printing(capsys, ["compile", "--k", "token:2:128", "--v", "token:2:128", "--target", "sm_90",
+                                    "--out", str(tmp_path / "out"), *argv], fragments)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("where", ["under-a-file", "proc"])
+def test_compile_unwritable_out(capsys, tmp_path, where):
+    (tmp_path / "file").write_text("x")
+    out = str(tmp_path / "file" / "sub") if where == "under-a-file" else "/proc/foldc-test/sub"
+    _fails_before_printing(capsys, ["compile", "--target", "sm_90", "--out", out], [f"out={out!r}",
+                                                                                    "not a writable folder"])
+
+
+def test_compile_interpret_uses_the_block_n_given(capsys, tmp_path):
+    """--block-n reaches the interpreter's kernel (it used to run the default 64)."""
+    rc, out, err = _run(capsys, "compile", "--k", "token:2:64", "--v", "channel:2:32", "--heads", "4/2",
+                        "--head-dim", "64", "--block-n", "16", "--out", str(tmp_path))
+    assert rc == 0, err
+    assert "x 16 tokens" in (tmp_path / "foldc_decode.py").read_text()
+    assert "checked: interpreter kernel" in out and "MISMATCH" not in out
+
+
+def test_aot_build_records_the_options_given(tmp_path):
+    """A real sm_100 build: the JSON report carries the block_n, num_warps and num_stages given."""
+    out = tmp_path / "build"
+    env = {**os.environ, "FOLDC_CACHE_DIR": str(tmp_path / "cache")}
+    env.pop("TRITON_INTERPRET", None)
+    r = subprocess.run([sys.executable, "-m", "foldc", "compile", "--k", "token:2:128", "--v", "token:2:128",
+                        "--target", "sm_100", "--block-n", "32", "--num-warps", "2", "--num-stages", "3",
+                        "--out", str(out)], capture_output=True, text=True, cwd=REPO, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    report = json.loads(r.stdout[r.stdout.index("\nwrote ") + 1:].split("\n", 1)[1])
+    assert (report["block_n"], report["num_warps"], report["num_stages"]) == (32, 2, 3)
+
+
+@pytest.mark.parametrize("argv,fragment", [
+    (["--tokens", "-5"], "tokens=-5"), (["--tokens", "0"], "tokens=0"), (["--batch", "0"], "batch=0"),
+    (["--batch", "1000"], "batch=1000"), (["--batch", "64", "--tokens", "65536"], "tokens=65536"),
+    (["--seed", "-3"], "seed=-3")])
+def test_demo_bad_sizes_exit_2_before_printing(capsys, argv, fragment):
+    err = _fails_before_printing(capsys, ["demo", "--no-kernels", *argv], [fragment])
+    assert "must be" in err
+
+
+@pytest.mark.parametrize("content,fragments", [
+    ('k = "token:2:64"\n[attention]\nheads = "8/2"\nhead_dim = 64\n', ["['k']", "above the [attention] header",
+                                                                        "move them below [attention]"]),
+    ('[attention]\nheads = "8/2"\nhead_dim = 64\n[extra]\nx = 1\n', ["['extra']", "only an [attention] table"]),
+    ('attention = 5\n', ["attention=5 must be a table"]),
+], ids=["key-above-table", "extra-table", "attention-not-a-table"])
+def test_misplaced_toml_keys_exit_2(capsys, tmp_path, content, fragments):
+    path = tmp_path / "bad.toml"
+    path.write_text(content)
+    _fails_before_printing(capsys, ["explain", str(path)], [str(path), *fragments])
+
+
+def test_non_utf8_toml_exits_2(capsys, tmp_path):
+    path = tmp_path / "bad.toml"
+    path.write_bytes(b'\xff\xfe[attention]\nheads = "8/2"\n')
+    _fails_before_printing(capsys, ["explain", str(path)], [repr(str(path)), "not UTF-8"])
+
+
+def test_missing_toml_file_for_compile(capsys, tmp_path):
+    path = tmp_path / "nope.toml"
+    _fails_before_printing(capsys, ["compile", str(path)], [f"cannot read layout file {str(path)!r}"])

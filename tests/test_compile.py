@@ -211,7 +211,7 @@ def test_sm_scale_not_finite(attn, inputs, value):
 
 @pytest.mark.parametrize("value", ["0.5", "abc", [0.5], torch.tensor([0.5, 0.5]), 1j], ids=str)
 def test_sm_scale_not_a_number(attn, inputs, value):
-    _raises(InputTypeError, lambda: attn(*inputs, sm_scale=value), f"sm_scale={value!r}", "must be a float")
+    _raises(InputTypeError, lambda: attn(*inputs, sm_scale=value), f"sm_scale={value!r}", "must be a real number")
 
 
 # ------------------------------------------------------------------------------------------

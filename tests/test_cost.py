@@ -117,7 +117,8 @@ def squash(text: str) -> str:
 
 
 ROWS = ["product", "encoded operand", "fold", "scale goes to", "correction term", "code bias (eq. 7)",
-        "must land before", "tiling constraint", "cost (eq. 12)", "break-even", "issue budget (eq. 13)"]
+        "must land before", "operand precision (eq. 6a)", "tiling constraint", "cost (eq. 12)", "break-even",
+        "issue budget (eq. 13)"]
 
 
 @pytest.mark.parametrize("k, v", [("token", "token"), ("token", "channel"), ("channel", "token"),
@@ -138,6 +139,10 @@ def test_explain_table_rows_for_each_product(k, v):
         assert squash(cell["break-even"]) == squash(prod.break_even)
         assert squash(cell["cost (eq. 12)"]).startswith(squash("fold 2*h/g = 2*4/128 = 0.0625"))
         assert cell["code bias (eq. 7)"] == ("1024 folded into the zero" if name == "qk" else "none")
+        # a plan without a query dtype: the decision for each (eq. 6a), split exactly for operand-folds
+        want = "split" if prod.fold == "operand-fold" else "plain"
+        assert squash(f"fp16: {want}") in squash(cell["operand precision (eq. 6a)"])
+        assert squash(f"bf16: {want}") in squash(cell["operand precision (eq. 6a)"])
         constraints = [str(c).split(": ", 1)[1] for c in prod.constraints]
         assert len(constraints) == 1
         assert squash(cell["tiling constraint"]) == squash(" ".join(constraints))

@@ -283,3 +283,77 @@ def test_toml_invalid_values_raise_spec_error(tmp_path, body, needle):
     with pytest.raises(SpecError) as ei:
         spec_from_toml(path)
     assert needle in str(ei.value)
+
+
+# --------------------------------------------------------------------------------------------
+# limits and misplaced TOML keys (issue 17)
+# --------------------------------------------------------------------------------------------
+
+def test_largest_spec_is_accepted():
+    from foldc.spec import MAX_HEAD_DIM, MAX_HEADS
+
+    spec = AttentionSpec(MAX_HEADS, MAX_HEADS, MAX_HEAD_DIM)
+    assert (spec.num_q_heads, spec.head_dim) == (1024, 1024)
+
+
+@pytest.mark.parametrize("field,value,limit", [("num_q_heads", 2048, "MAX_HEADS"), ("num_kv_heads", 1025, "MAX_HEADS"),
+                                               ("head_dim", 1025, "MAX_HEAD_DIM"), ("head_dim", 10**6, "MAX_HEAD_DIM")])
+def test_sizes_past_the_limits(field, value, limit):
+    args = {"num_q_heads": 8, "num_kv_heads": 8, "head_dim": 128, field: value}
+    with pytest.raises(SpecError) as ei:
+        AttentionSpec(**args)
+    assert f"{field}={value!r} must be a positive integer <= 1024" in str(ei.value) and limit in str(ei.value)
+
+
+def test_spec_from_args_huge_heads():
+    with pytest.raises(SpecError, match="num_q_heads=100000 must be a positive integer <= 1024"):
+        spec_from_args("token:2:128", "none", "100000/1", 128)
+
+
+@pytest.mark.parametrize("key", ["k", "v", "heads", "head_dim"])
+def test_toml_key_above_the_attention_header(tmp_path, key):
+    value = {"k": '"token:2:64"', "v": '"token:2:64"', "heads": '"8/2"', "head_dim": "64"}[key]
+    body = {"heads": 'heads = "8/2"', "head_dim": "head_dim = 64"}
+    body.pop(key, None)
+    path = write(tmp_path, f"{key} = {value}\n[attention]\n" + "\n".join(body.values()) + "\n")
+    with pytest.raises(SpecError) as ei:
+        spec_from_toml(path)
+    assert f"[{key!r}] stand above the [attention] header" in str(ei.value) and str(path) in str(ei.value)
+
+
+@pytest.mark.parametrize("extra", ["[extra]\nx = 1\n", "[gemmm]\nn = 4\n", "note = 'hi'\n"])
+def test_toml_extra_table_next_to_attention(tmp_path, extra):
+    first, rest = ("", extra) if extra.startswith("[") else (extra, "")
+    path = write(tmp_path, f'{first}[attention]\nheads = "8/2"\nhead_dim = 64\n{rest}')
+    with pytest.raises(SpecError) as ei:
+        spec_from_toml(path)
+    name = extra.strip("[").split("]")[0].split(" = ")[0]
+    assert f"unknown top-level key(s) or table(s) [{name!r}]" in str(ei.value)
+
+
+@pytest.mark.parametrize("text", ["attention = 5\n", 'attention = "8/2"\n', "attention = [1, 2]\n"])
+def test_toml_attention_not_a_table(tmp_path, text):
+    path = write(tmp_path, text)
+    with pytest.raises(SpecError) as ei:
+        spec_from_toml(path)
+    assert f"attention={tomllib_value(text)!r} must be a table" in str(ei.value)
+
+
+def tomllib_value(text: str):
+    import tomllib
+
+    return tomllib.loads(text)["attention"]
+
+
+def test_toml_not_utf8(tmp_path):
+    path = tmp_path / "latin1.toml"
+    path.write_bytes('[attention]\nheads = "8/2"  # caf\xe9\nhead_dim = 64\n'.encode("latin-1"))
+    with pytest.raises(SpecError) as ei:
+        spec_from_toml(path)
+    assert f"layout file {str(path)!r} is not UTF-8 text" in str(ei.value) and "save it as UTF-8" in str(ei.value)
+
+
+def test_toml_path_is_a_folder(tmp_path):
+    with pytest.raises(SpecError) as ei:
+        spec_from_toml(tmp_path)
+    assert f"cannot read layout file {str(tmp_path)!r}" in str(ei.value)

@@ -353,6 +353,9 @@ class PagedDecodeWrapper:
         tokens = self.max_seq_len
         if self._gluon is not None:   # the tuned or default launch for this batch (bf16 bucket)
             self._launch = self._gluon.launch_config(torch.bfloat16, batch, tokens)
+            # fp16 queries: the same tiles and workspace, the kernel variant of their plan (eq. 6a)
+            self._launches = {torch.bfloat16: self._launch,
+                              torch.float16: self._gluon.for_dtype(self._launch, torch.float16)}
             self._num_splits, self._per_split = self._gluon.split_plan(self._launch, batch, tokens, self.device,
                                                                         has_lens=True, page=self.page_size)
             ws = self._buffers.get("ws_m")
@@ -427,7 +430,7 @@ class PagedDecodeWrapper:
             Also return the log-sum-exp of the scaled logits.
         seq_lens : torch.Tensor, int32 ``[batch]``, optional
             Device lengths to read instead of the plan's (e.g. advanced on the device by appends).
-            Not checked (that needs a sync): each must stay within the pages its sequence owns.
+            Not checked (that needs a sync): a length past the pages its sequence owns reads only those pages.
 
         Returns
         -------
@@ -465,7 +468,7 @@ class PagedDecodeWrapper:
             self._check_lens(seq_lens, want)
             buf = self._buffers
             lens = buf["seq_lens"] if seq_lens is None else seq_lens
-            self._gluon.launch(self._launch, q, k_pages, v_pages, lens, (buf["ws_m"], buf["ws_l"], buf["ws_acc"]),
+            self._gluon.launch(self._launches[q.dtype], q, k_pages, v_pages, lens, (buf["ws_m"], buf["ws_l"], buf["ws_acc"]),
                                out, lse, scale, self._per_split, self._num_splits,
                                self._per_split * self._num_splits,
                                paged=(buf["kv_indptr"], buf["kv_indices"], self.page_size))

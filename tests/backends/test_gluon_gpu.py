@@ -282,3 +282,38 @@ def test_repeated_calls_reuse_the_compiled_kernel_only_for_the_same_specialisati
     decode, merge = attn._launchers()
     assert len(decode.compiled) == 3, list(decode.compiled)
     assert len(merge.compiled) == 1
+
+
+def _large_zero_inputs(spec, batch, tokens, dtype, gen):
+    """Values whose group zero is large against the values (a large negative outlier per token or
+    channel over small values): one rounding of P x scale or q x scale cancels against the zero
+    correction there (docs/derivation.md, eq. 6a)."""
+    q = torch.randn(batch, spec.num_q_heads, spec.head_dim, generator=gen)
+    k = torch.randn(batch, spec.num_kv_heads, tokens, spec.head_dim, generator=gen) * 0.2
+    v = torch.randn(batch, spec.num_kv_heads, tokens, spec.head_dim, generator=gen) * 0.1
+    for x, enc in ((k, spec.k), (v, spec.v)):
+        along_tokens = enc.layout == "channel"
+        shape = (batch, spec.num_kv_heads, 1, spec.head_dim) if along_tokens else (batch, spec.num_kv_heads, tokens, 1)
+        idx = torch.randint(0, tokens if along_tokens else spec.head_dim, shape, generator=gen)
+        x.scatter_(2 if along_tokens else 3, idx, -30.0 * torch.rand(shape, generator=gen))
+    lens = torch.randint(tokens // 2, tokens + 1, (batch,), generator=gen)
+    return q.cuda().to(dtype), foldc.quantize(k.cuda(), spec.k), foldc.quantize(v.cuda(), spec.v), lens.cuda()
+
+
+@pytest.mark.parametrize("kl, vl", LAYOUTS)
+@pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_error_within_2x_plain_attention_in_the_query_dtype(kl, vl, bits, dtype):
+    """eq. 6a's bar on the data where one rounding fails it: fp16 queries run hi + lo operands,
+    bf16 queries one fp16 rounding; both within 2x plain attention in the query's dtype."""
+    from foldc.reference import attention_reference
+    from foldc.testing import plain_attention
+
+    spec = _spec(bits=bits, kl=kl, vl=vl)
+    attn = foldc.compile(spec, "sm_90", kernel="gluon")
+    for seed in range(3):
+        q, k, v, lens = _large_zero_inputs(spec, 2, 2048, DTYPES[dtype], torch.Generator().manual_seed(seed))
+        ref = attention_reference(q, k, v, sm_scale=0.1, seq_lens=lens)
+        err = rel_l2(attn(q, k, v, sm_scale=0.1, seq_lens=lens), ref)
+        plain = rel_l2(plain_attention(q, k, v, 0.1, lens), ref)
+        assert err <= 2 * plain, f"seed {seed}: error {err:.3e} > 2 x plain {dtype} attention's {plain:.3e}"

@@ -298,7 +298,7 @@ def test_out_wrong_shape(vattn, vinputs):
 def test_out_wrong_dtype(vattn, vinputs):
     q, k, v = vinputs
     _raises(InputError, lambda: vattn(q, k, v, out=torch.empty(2, 4, 64, dtype=torch.float64)),
-            "dtype=torch.float64", "q's dtype torch.float16 or float32")
+            "dtype=torch.float64", "use one of float16, float32")
 
 
 @needs_interpreter

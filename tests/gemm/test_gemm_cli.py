@@ -105,3 +105,49 @@ def test_one_command_for_an_attention_layout(capsys, tmp_path):
     assert "proof of plan {'qk': 'acc-fold', 'pv': 'acc-fold'}: exact" in out
     assert "checked: interpreter kernel vs float64 attention" in out and "MISMATCH" not in out
     assert "def foldc_decode(" in (tmp_path / "build" / "foldc_decode.py").read_text()
+
+
+GEMM_FILE = '[gemm]\nn = 64\nk = 128\nweight = "k-group:4:32"\n'
+
+
+@pytest.mark.parametrize("argv,fragments", [
+    (["--target", "interpret", "--block-n", "64"], ["block_n=64 (--block-n)", "drop --block-n"]),
+    (["--target", "sm_90", "--out", "OUT", "--block-n", "32"], ["block_n=32 (--block-n)", "GEMM"]),
+    (["--target", "sm_90", "--out", "OUT", "--kernel", "gluon"], ["kernel='gluon'", "drop --kernel"]),
+    (["--target", "sm_90", "--out", "OUT", "--num-warps", "3"], ["num_warps=3", "power of two"]),
+    (["--target", "interpret", "--num-stages", "0"], ["num_stages=0", "positive integer"]),
+    (["--target", "reference", "--num-warps", "4"], ["num_warps=4 (--num-warps)", "target='reference'"]),
+], ids=["interp-block-n", "aot-block-n", "gluon", "warps-3", "stages-0", "ref-warps"])
+def test_gemm_compile_option_errors_before_the_plan(capsys, tmp_path, argv, fragments):
+    argv = [str(tmp_path / "out") if a == "OUT" else a for a in argv]
+    rc, out, err = run(capsys, "compile", write(tmp_path, GEMM_FILE), *argv)
+    assert rc == 2 and out == "", (rc, out, err)
+    assert err.startswith("foldc: error: ") and err.count("\n") == 1
+    for fragment in fragments:
+        assert fragment in err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("text,fragments", [
+    ("gemm = 5\n", ["gemm must be a table", "5"]),
+    ('note = 1\n[gemm]\nn = 64\nk = 128\nweight = "per-channel:8"\n', ["unknown top-level keys ['note']"]),
+    ('[gemm]\nn = 64\nk = 128\nweight = "per-channel:8"\n[gemm.extra]\nx = 1\n', ["unknown keys ['extra']"]),
+], ids=["not-a-table", "top-level-key", "sub-table"])
+def test_gemm_misplaced_keys(capsys, tmp_path, text, fragments):
+    rc, out, err = run(capsys, "explain", write(tmp_path, text))
+    assert rc == 2 and out == ""
+    for fragment in fragments:
+        assert fragment in err
+
+
+def test_gemm_file_not_utf8(capsys, tmp_path):
+    path = tmp_path / "layout.toml"
+    path.write_bytes(b"[gemm]\nn = 64 # \xff\nk = 128\n")
+    rc, out, err = run(capsys, "explain", path)
+    assert rc == 2 and out == "" and "is not UTF-8 text" in err
+
+
+def test_gemm_interpret_runs_the_options_given(capsys, tmp_path):
+    rc, out, err = run(capsys, "compile", write(tmp_path, GEMM_FILE), "--target", "interpret", "--num-warps", "2")
+    assert rc == 0, err
+    assert "checked: interpreter kernel vs float64 plan executor" in out and "MISMATCH" not in out

@@ -252,3 +252,23 @@ def test_nan_tokens_are_refused_on_the_host_and_propagate_as_nan_on_the_device(t
         cache.append(0, *_tokens(gen, 2, 2, 1, 64))
     k_all, v_all, _ = cache.dequantized(0)
     assert torch.isnan(v_all[1, 0]).any()
+
+
+def test_device_lengths_past_a_sequences_pages_read_only_its_pages():
+    """run(seq_lens=...) is not checked on the host (that needs a sync): a length past the pages a
+    sequence owns must still read only those pages: the answer is attention over them, never a read
+    past the page table (here the last sequence's pages end the table)."""
+    from foldc.serving import PagedDecodeWrapper, gather_pages, page_pool
+
+    spec = S(4, 2, 64, A(2, "token", 32), A(4, "token", 64))
+    gen = torch.Generator().manual_seed(5)
+    w = PagedDecodeWrapper(spec, 32, max_seq_len=256, target="interpret")
+    indptr, indices = torch.tensor([0, 1, 3], dtype=torch.int32), torch.tensor([2, 0, 3], dtype=torch.int32)
+    w.plan(indptr, indices, None, num_pages=4, seq_lens=[20, 64])
+    pools = {n: foldc.quantize(torch.randn(4, 2, 32, 64, generator=gen), getattr(spec, n)) for n in "kv"}
+    q = torch.randn(2, 4, 64, generator=gen).half()
+    got = w.run(q, pools["k"], pools["v"], seq_lens=torch.tensor([20, 250], dtype=torch.int32))
+    k, _ = gather_pages(pools["k"], indptr, indices, [20, 64], 32)
+    v, _ = gather_pages(pools["v"], indptr, indices, [20, 64], 32)
+    want = foldc.attention_reference(q, k, v, seq_lens=torch.tensor([20, 64]))
+    assert rel_l2(got, want) < TOL

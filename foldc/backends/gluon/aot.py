@@ -14,7 +14,8 @@ from pathlib import Path
 
 from ...cost import token_loop_lane_slots_per_byte
 from ...errors import SpecError
-from ..triton.aot import write_artifacts
+from ...options import check_launch_options, check_out_dir
+from ..triton.aot import build_errors, write_artifacts
 from ..triton.sass import _tool, lane_slots_per_byte, loop_instructions, skippable
 from .launch import constexprs, default_pack_heads
 from .lower import gluon_plan, lower
@@ -45,9 +46,9 @@ def compile_gluon_aot(spec, arch: str, out_dir: str | Path, dtype: str = "bf16",
     `GluonAttention`'s option; ``dynamic``: tiles drawn from a counter (its ``dynamic_tiles``)."""
     if arch not in ("sm_90", "sm_100"):
         raise SpecError(f"arch={arch!r}: the register-operand kernel builds for sm_90 (and sm_100)")
-    if block_n not in (32, 64) or stages not in (2, 3, 4):
-        raise SpecError(f"block_n={block_n} must be 32 or 64 and stages={stages} 2, 3 or 4 for the register-operand "
-                        "kernel")
+    check_launch_options(arch, "gluon", block_n=block_n, stages=stages)
+    if block_n is None or stages is None:
+        raise SpecError(f"block_n={block_n!r}, stages={stages!r}: an ahead-of-time build needs both (e.g. 32 and 2)")
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise SpecError("ahead-of-time compilation needs TRITON_INTERPRET unset in this process")
     import triton
@@ -56,8 +57,9 @@ def compile_gluon_aot(spec, arch: str, out_dir: str | Path, dtype: str = "bf16",
 
     from .kernel import foldc_decode_gluon
 
-    cfg = lower(gluon_plan(spec))
+    cfg = lower(gluon_plan(spec, dtype))   # the operand precision (eq. 6a) depends on the query dtype
     heads = default_pack_heads(cfg, spec.num_kv_heads) if pack_heads is None else pack_heads
+    check_out_dir(out_dir)
     consts = dict(constexprs(cfg, block_n, stages, heads, scale_ahead, dynamic), HAS_LENS=True, PAGE=page_size)
     signature, attrs = {}, {}
     for i, name in enumerate(foldc_decode_gluon.arg_names):
@@ -76,8 +78,10 @@ def compile_gluon_aot(spec, arch: str, out_dir: str | Path, dtype: str = "bf16",
     options = {"num_warps": 1}
     if maxnreg:
         options["maxnreg"] = maxnreg
-    compiled = triton.compile(GluonASTSource(foldc_decode_gluon, signature, constexprs=consts, attrs=attrs),
-                              target=GPUTarget("cuda", {"sm_90": 90, "sm_100": 100}[arch], 32), options=options)
+    with build_errors(f"the register-operand kernel for {arch} with block_n={block_n}, stages={stages}, "
+                      f"maxnreg={maxnreg!r}"):
+        compiled = triton.compile(GluonASTSource(foldc_decode_gluon, signature, constexprs=consts, attrs=attrs),
+                                  target=GPUTarget("cuda", {"sm_90": 90, "sm_100": 100}[arch], 32), options=options)
     out = Path(out_dir)
     cubin = write_artifacts(out, "foldc_decode_gluon", arch, compiled)
     body = loop_instructions(cubin)

@@ -13,6 +13,7 @@ import torch
 
 from ...encoding import scale_shape
 from ...errors import InputError, SpecError
+from ...options import check_launch_options, check_splits
 from ...validate import check_call, output_buffer
 from ..triton.fast_launch import FastLaunch
 from ..triton.launch import MERGE_SOURCE, launch_merge, load_module, num_sms
@@ -20,6 +21,7 @@ from .lower import FoldKernel, gluon_plan, lower
 from .operands import KEY_EXPONENT, VALUE_EXPONENT, key_unpack_asm, value_unpack_asm
 
 DTYPES = (torch.float16, torch.bfloat16)
+DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 TUNED_OPTIONS = {"block_n", "stages", "maxnreg", "split_factor", "heads"}   # what a tuned bucket sets
 # Hopper's register file and block limits, for the resident programs of one SM (resident_programs)
 PARTITIONS, REGISTERS_PER_PARTITION, REGISTER_UNIT = 4, 16384, 256
@@ -45,7 +47,8 @@ def constexprs(cfg: FoldKernel, block_n: int, stages: int, heads: int = 1, scale
                 SCALE_AHEAD=bool(scale_ahead), KASM=key_asm, KCONS=key_cons, VA0=values[0][0],
                 VA1=values[1][0], VA2=values[2][0], VA3=values[3][0], VCONS=values[0][1], VALUE_EXP=VALUE_EXPONENT,
                 KEY_EXP=0 if cfg.key_bias else KEY_EXPONENT, PREFETCH=default_prefetch(cfg), DYNAMIC=bool(dynamic),
-                CHUNK=chunk_tiles(cfg, block_n), KEY_NG=cfg.key_groups, VAL_NG=cfg.value_groups)
+                CHUNK=chunk_tiles(cfg, block_n), KEY_NG=cfg.key_groups, VAL_NG=cfg.value_groups,
+                KEY_SPLIT=cfg.key_split, VAL_SPLIT=cfg.value_split)
 
 
 def chunk_tiles(cfg: FoldKernel, block_n: int) -> int:
@@ -130,8 +133,13 @@ class GluonAttention:
                  maxnreg: int | None = None, split_factor: float | None = None, pack_heads: int | None = None,
                  scale_ahead: bool | None = None, dynamic_tiles: bool = False):
         self.spec, self.target = spec, "sm_90"
-        self.plan = gluon_plan(spec)
-        self.config = lower(self.plan)      # raises NotLowerable with the reason
+        check_launch_options("sm_90", "gluon", block_n=block_n, stages=stages)   # before any default
+        check_splits(splits)
+        # one plan per query dtype: the operand precision of eq. 6a depends on it (fp16 queries split
+        # the pre-scaled operands into hi + lo); the tiles and every other decision do not
+        self.plans = {dt: gluon_plan(spec, DTYPE_NAMES[dt]) for dt in DTYPES}
+        self.configs = {dt: lower(p) for dt, p in self.plans.items()}   # raises NotLowerable with the reason
+        self.plan, self.config = self.plans[torch.bfloat16], self.configs[torch.bfloat16]
         most = packable_heads(self.config, spec.num_kv_heads)
         bad_pack = pack_heads is not None and (
             isinstance(pack_heads, bool) or not isinstance(pack_heads, int) or pack_heads < 1
@@ -158,16 +166,10 @@ class GluonAttention:
         wide = pack_heads > 1 and self.config.bits == 2 and all(g % 64 == 0 for g in groups) and \
             max(self.config.key_groups, self.config.value_groups) != 2
         block_n, stages = block_n or (64 if wide else 32), stages or 2
-        if block_n not in (32, 64):
-            raise SpecError(f"block_n={block_n!r} must be 32 or 64 for the register-operand kernel")
         for name, group in (("k", self.config.key_tokens), ("v", self.config.value_tokens)):
             if group and group % block_n:
                 raise SpecError(f"block_n={block_n} must divide {name}'s channel-wise group of {group} tokens (a tile "
                                 "lies in one group); use block_n=32")
-        if stages not in (2, 3, 4):
-            raise SpecError(f"stages={stages!r} must be 2, 3 or 4 (code tiles in flight)")
-        if splits is not None and (isinstance(splits, bool) or not isinstance(splits, int) or splits < 1):
-            raise SpecError(f"splits={splits!r} must be a positive integer or None for automatic")
         if scale_ahead is not None and not isinstance(scale_ahead, bool):
             raise SpecError(f"scale_ahead={scale_ahead!r} must be True, False or None (the default)")
         if not isinstance(dynamic_tiles, bool):
@@ -204,6 +206,11 @@ class GluonAttention:
         bucket = (dtype, batch, tokens)
         if bucket not in self._configs:
             opts = dict(self._defaults)
+            cfg = self.configs[dtype]
+            if (cfg.key_split or cfg.value_split) and "block_n" not in self.explicit:
+                # hi + lo operands (eq. 6a, fp16 queries) hold a second P or query: 64-token tiles then
+                # spill (sm_90 AOT: 10 and 121 spill instructions at INT2 token- and channel-wise K), 32 do not
+                opts["block_n"] = 32
             if not TUNED_OPTIONS <= set(self.explicit):   # some option is left to the tuning cache
                 from ..triton.autotune import lookup
 
@@ -214,10 +221,16 @@ class GluonAttention:
             opts.update(self.explicit)
             if self.dynamic_tiles:   # a tuned bucket's stages give way: dynamic tiles copy one tile ahead
                 opts["stages"] = 2
-            opts["constexprs"] = constexprs(self.config, opts["block_n"], opts["stages"], opts["heads"],
+            opts["constexprs"] = constexprs(self.configs[dtype], opts["block_n"], opts["stages"], opts["heads"],
                                            opts["scale_ahead"], self.dynamic_tiles)
             self._configs[bucket] = opts
         return self._configs[bucket]
+
+    def for_dtype(self, launch: dict, dtype: torch.dtype) -> dict:
+        """``launch`` for ``dtype`` queries: the same tiles, heads and stages, the kernel variant of
+        that dtype's plan (its operand precision, eq. 6a)."""
+        return dict(launch, constexprs=constexprs(self.configs[dtype], launch["block_n"], launch["stages"],
+                                                  launch["heads"], launch["scale_ahead"], self.dynamic_tiles))
 
     def _kernels(self):
         if self._modules is None:

@@ -33,6 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ...plan import Plan, plan
+from ...precision import OperandPrecision
 from ...spec import AttentionSpec
 from .operands import MAGIC_VALUE
 
@@ -60,19 +61,45 @@ class FoldKernel:
     value_tokens: int    # 0: token-wise V (operand-fold); G: channel-wise V in groups of G tokens
     key_groups: int = 1      # token-wise K: channel groups per token (head_dim // group_size)
     value_groups: int = 1    # token-wise V: channel groups per token
+    key_precision: OperandPrecision | None = None     # the plan's operand precision (eq. 6a), None if
+    value_precision: OperandPrecision | None = None   # the plan was made without a dtype
+
+    @property
+    def key_split(self) -> bool:
+        """Channel-wise K: the pre-scaled query as hi + lo (two MMAs per tile, eq. 6a)."""
+        return self.key_tokens > 0 and self.key_precision is OperandPrecision.SPLIT
+
+    @property
+    def value_split(self) -> bool:
+        """Token-wise V: P x scale as hi + lo (two MMAs per tile, eq. 6a)."""
+        return self.value_tokens == 0 and self.value_precision is OperandPrecision.SPLIT
 
     @property
     def words_per_token(self) -> int:
         return self.head_dim * self.bits // 32
 
 
-def gluon_plan(spec: AttentionSpec) -> Plan:
-    """The plan the Gluon kernel runs: no code bias on either side (subnormal codes)."""
-    return plan(spec, code_bias={"key": KEY_BIAS, "value": VALUE_BIAS})
+#: the operand precisions the kernel implements (eq. 6a): its pre-scaled operands (P x scale for
+#: token-wise V, q x scale for channel-wise K) rounded once to fp16, or as hi + lo (a second MMA on
+#: the same unpacked codes)
+PRECISIONS = (OperandPrecision.PLAIN, OperandPrecision.SINGLE, OperandPrecision.SPLIT)
+QUERY_DTYPES = ("fp16", "bf16")
+
+
+def gluon_plan(spec: AttentionSpec, dtype: str = "bf16") -> Plan:
+    """The plan the Gluon kernel runs for ``dtype`` queries: no code bias on either side (subnormal
+    codes) and fp16 operands, so each product carries the operand precision the error model of
+    eq. 6a picks against plain ``dtype`` attention (fp16 queries: hi + lo for every operand-fold;
+    bf16 queries: one fp16 rounding up to groups of 128)."""
+    if dtype not in QUERY_DTYPES:
+        raise NotLowerable(f"dtype={dtype!r}: the register-operand kernel takes {QUERY_DTYPES} queries")
+    return plan(spec, code_bias={"key": KEY_BIAS, "value": VALUE_BIAS}, dtype=dtype, operand_dtype="fp16")
 
 
 def lower(the_plan: Plan) -> FoldKernel:
-    """The kernel configuration for ``the_plan``; raises NotLowerable with the reason otherwise."""
+    """The kernel configuration for ``the_plan``; raises NotLowerable with the reason otherwise.
+    The plan's operand precisions (eq. 6a) become the kernel's KEY_SPLIT / VAL_SPLIT; a plan made
+    without a query dtype is lowered as one fp16 rounding (what the kernel did before eq. 6a)."""
     spec = the_plan.spec
     qk, pv = the_plan.products["qk"], the_plan.products["pv"]
     token_groups, channel_groups = {}, {}
@@ -115,10 +142,20 @@ def lower(the_plan: Plan) -> FoldKernel:
     if qk.code_bias and channel_groups["qk"] > 1:
         raise NotLowerable(f"key code bias {qk.code_bias} with {channel_groups['qk']} channel groups per token; the "
                            "kernel removes a folded key bias for one group per token only (plan it with gluon_plan)")
+    for p in (qk, pv):   # eq. 6a: the plan's error model decides how the pre-scaled operand is carried
+        if p.precision is not None and p.precision.precision not in PRECISIONS:
+            raise NotLowerable(f"{p.product}: operand precision {p.precision.precision} is not one the kernel "
+                               f"implements ({', '.join(map(str, PRECISIONS))})")
+        operands = the_plan.operand_dtype or the_plan.dtype
+        if p.precision is not None and operands != "fp16":
+            raise NotLowerable(f"the plan's precision is for {operands} operands; the kernel's are fp16 "
+                               "(plan it with gluon_plan)")
     rows = 8 if spec.q_per_kv <= 8 else 16
     return FoldKernel(bits=qk.bits, head_dim=spec.head_dim, q_per_kv=spec.q_per_kv, rows=rows, key_bias=qk.code_bias,
                       key_tokens=token_groups["qk"], value_tokens=token_groups["pv"],
-                      key_groups=channel_groups["qk"], value_groups=channel_groups["pv"])
+                      key_groups=channel_groups["qk"], value_groups=channel_groups["pv"],
+                      key_precision=qk.precision.precision if qk.precision is not None else None,
+                      value_precision=pv.precision.precision if pv.precision is not None else None)
 
 
 def lowerable(spec: AttentionSpec) -> tuple[bool, str]:

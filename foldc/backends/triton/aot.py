@@ -10,12 +10,14 @@ from __future__ import annotations
 import json
 import os
 import re
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
-from ...errors import SpecError
 from ...cost import lane_slots_per_byte as lane_slots_per_byte_model
+from ...errors import SpecError
+from ...options import check_launch_options, check_out_dir
 from .launch import _interpret, kernel_source, load_module
 from .sass import inner_loop, lane_slots_per_byte
 
@@ -87,6 +89,20 @@ def write_artifacts(out_dir, name: str, arch: str, compiled, source: str | None 
     return cubin
 
 
+@contextmanager
+def build_errors(what: str):
+    """Turn a failure of triton.compile (a CompilationError, an MLIR pass or ptxas failing on tile
+    sizes it cannot fit) into a SpecError naming the build and its options."""
+    from triton.compiler.errors import CompilationError
+
+    try:
+        yield
+    except (CompilationError, RuntimeError, AssertionError, ValueError, IndexError) as e:
+        first = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
+        raise SpecError(f"{what} did not compile: {type(e).__name__}: {first[:300]}; use the default launch "
+                        "options or smaller tiles") from None
+
+
 def mma_instructions(ptx: str) -> dict[str, int]:
     return {name: len(re.findall(pat, ptx)) for name, pat in MMA_PATTERNS.items()}
 
@@ -96,6 +112,10 @@ def compile_aot(spec, arch: str, out_dir: str | Path, dtype: str = "bf16", block
     """Compile the decode kernel of ``spec`` for ``arch``; write artifacts into ``out_dir``."""
     if arch not in ARCHS:
         raise SpecError(f"arch={arch!r} is not supported for ahead-of-time builds; use one of {sorted(ARCHS)}")
+    check_launch_options(arch, "triton", block_n=block_n, num_warps=num_warps, num_stages=num_stages)
+    if None in (block_n, num_warps, num_stages):
+        raise SpecError(f"block_n={block_n!r}, num_warps={num_warps!r}, num_stages={num_stages!r}: an "
+                        "ahead-of-time build needs all three (e.g. 64, 4 and 2)")
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise SpecError("ahead-of-time compilation needs TRITON_INTERPRET unset in this process; run "
                         "`foldc compile` in a fresh shell")
@@ -104,13 +124,15 @@ def compile_aot(spec, arch: str, out_dir: str | Path, dtype: str = "bf16", block
     from triton.compiler import ASTSource
 
     ks, geo, the_plan = kernel_source(spec, dtype, block_n, fold_policy, fast=True)
+    check_out_dir(out_dir)
     module = load_module(ks.source, interpret=False)
     signature, constexprs, attrs = _specialize(spec, ks, geo, dtype)
     constexprs.update({"Q_PER_KV": spec.q_per_kv, "ROWS": geo.rows, "BLOCK_N": geo.block_n,
                        "HEAD_DIM": spec.head_dim, "NUM_KV_HEADS": spec.num_kv_heads})
     signature.update({k: "constexpr" for k in constexprs})
     target = GPUTarget("cuda", ARCHS[arch], 32)
-    with _interpret(False):
+    with _interpret(False), build_errors(f"the decode kernel for {arch} with block_n={block_n}, "
+                                         f"num_warps={num_warps}, num_stages={num_stages}"):
         compiled = triton.compile(ASTSource(module.foldc_decode, signature, constexprs=constexprs, attrs=attrs),
                                   target=target, options={"num_warps": num_warps, "num_stages": num_stages})
     out = Path(out_dir)

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ...errors import PlanError
+from ...precision import product_precision
 from ...ir import (TOKEN, Accumulate, Add, Codes, Contract, Correction, Dequantize, Divide, GroupedAxis,
                    GroupParam, Input, MulScalar, OnlineSoftmax, Prescale, ScaleGroups, param_axes)
 from .layout import TileGeometry
@@ -67,9 +68,9 @@ class KernelSource:
 
 
 class _Emitter:
-    def __init__(self, plan, geo: TileGeometry, dtype: str, fast: bool, split_prescaled: bool):
+    def __init__(self, plan, geo: TileGeometry, dtype: str, fast: bool, split: dict[str, bool]):
         self.plan, self.graph, self.geo, self.dtype, self.fast = plan, plan.graph, geo, dtype, fast
-        self.split_prescaled = split_prescaled
+        self.split = split          # product -> feed its pre-scaled operand as hi + lo (eq. 6a)
         self.tl_dtype = {"fp16": "tl.float16", "bf16": "tl.bfloat16"}[dtype]
         self.pre: list[str] = []    # before the token loop
         self.key: list[str] = []    # loop body, before the softmax
@@ -331,7 +332,7 @@ class _Emitter:
         operand, scale = self.vals[node.operand], self.vals[node.scale]
         name = node.name.replace(".", "_")
         out = {}
-        lo = {} if self.split_prescaled else None
+        lo = {} if self.split.get(node.product, False) else None
         if operand.form == "RC" and scale.form == "C":      # prescale the query per chunk
             for c in sorted(operand.vars):
                 v = f"{name}_c{c}"
@@ -413,7 +414,9 @@ class _Emitter:
         if node.reduce == "token" and other.form == "RT":
             p = other.vars[None]
             if zero.form == "C":    # eq. 6, acc-fold: zero x sum of p over the tile's token group
-                lines.append(f"{name}_psum = tl.sum({p}, 1)")
+                # eq. 6a: the sum of P as the MMA reads it (rounded), so its rounding meets z + s*c = v
+                # as in plain attention, not s*c alone (which cancels against z)
+                lines.append(f"{name}_psum = tl.sum({self._mma_p(other)}.to(tl.float32), 1)")
                 out = {}
                 for c in sorted(zero.vars):
                     v = f"{name}_c{c}"
@@ -497,17 +500,32 @@ def _unmasked(lines: list[str]) -> list[str]:
     return out
 
 
+def split_operands(plan, dtype: str, split_prescaled: bool | None = None) -> dict[str, bool]:
+    """Product -> whether its pre-scaled operand goes to the MMA as hi + lo. By default the plan's
+    precision decision (eq. 6a; decided here for ``dtype`` if the plan was made without one); an
+    explicit ``split_prescaled`` overrides it for every operand-fold."""
+    out = {}
+    for name, p in plan.products.items():
+        if p.fold != "operand-fold":
+            out[name] = False
+        elif split_prescaled is not None:
+            out[name] = bool(split_prescaled)
+        else:
+            decision = p.precision if p.precision is not None and plan.dtype == dtype else product_precision(p, dtype)
+            out[name] = decision.split_operand
+    return out
+
+
 def generate(plan, geo: TileGeometry, dtype: str, fast: bool = False,
              split_prescaled: bool | None = None, paged: bool = False) -> KernelSource:
     """Triton source of the decode kernel for ``plan`` with MMA inputs in ``dtype``. ``fast``
     selects GPU-only instruction sequences (inline PTX); without it the same plan is lowered
-    with plain Triton ops that the interpreter runs. ``split_prescaled`` (default: on for bf16)
-    feeds each operand-fold's pre-scaled operand to the MMA as hi + lo, so rounding it to bf16
-    costs no accuracy against bf16 attention. ``paged`` reads K/V through a page table
-    (paging.py): the same tile body, with per-tile bases from the page that holds the tile."""
-    if split_prescaled is None:
-        split_prescaled = dtype == "bf16"
-    em = _Emitter(plan, geo, dtype, fast, split_prescaled)
+    with plain Triton ops that the interpreter runs. ``split_prescaled`` (default: the plan's
+    operand precision, eq. 6a) feeds each operand-fold's pre-scaled operand to the MMA as hi + lo,
+    so rounding it costs no accuracy against attention in ``dtype``; True or False overrides the
+    plan. ``paged`` reads K/V through a page table (paging.py): the same tile body, with per-tile
+    bases from the page that holds the tile."""
+    em = _Emitter(plan, geo, dtype, fast, split_operands(plan, dtype, split_prescaled))
     em.run()
     pv_chunks, w_pv = geo.chunks("pv"), geo.width("pv")
     inputs = {n.name: ("encoded" if n.encoding is not None else "values")

@@ -11,7 +11,8 @@ import os
 from pathlib import Path
 
 from ...errors import SpecError
-from .aot import ARCHS, mma_instructions, write_artifacts
+from ...options import check_choice, check_gemm_options, check_int, check_out_dir
+from .aot import ARCHS, build_errors, mma_instructions, write_artifacts
 from .gemm_launch import gemm_kernel_source, k_chunk, launch_config
 from .launch import _interpret, load_module
 
@@ -41,9 +42,15 @@ def compile_gemm_aot(spec, arch: str, out_dir: str | Path, dtype: str = "bf16", 
     or the tile sizes given."""
     if arch not in ARCHS:
         raise SpecError(f"arch={arch!r} is not supported for ahead-of-time builds; use one of {sorted(ARCHS)}")
+    check_choice("dtype", dtype, tuple(PTR))
+    explicit = check_gemm_options(num_warps=num_warps, num_stages=num_stages, block_m=block_m, block_n=block_n,
+                                  block_k=block_k, split_k=split_k)
+    if m is not None:
+        check_int("m", m, 1, what="rows of the launch tiles")
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise SpecError("ahead-of-time compilation needs TRITON_INTERPRET unset in this process; run "
                         "`foldc compile` in a fresh shell")
+    check_out_dir(out_dir)
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -52,17 +59,16 @@ def compile_gemm_aot(spec, arch: str, out_dir: str | Path, dtype: str = "bf16", 
     module = load_module(ks.source, interpret=False)
     rows = m or spec.m or 16
     cfg = launch_config(rows, spec.n)
-    cfg.update({k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages), ("block_m", block_m),
-                                  ("block_n", block_n), ("block_k", block_k)) if v is not None})
+    cfg.update(explicit)
     constexprs = {"N": spec.n, "K": spec.k, "GROUP": ks.group, "BLOCK_M": cfg["block_m"],
                   "BLOCK_N": cfg["block_n"], "BLOCK_K": k_chunk(spec, ks.group, cfg["block_k"]),
-                  "SPLIT_K": split_k or cfg["split_k"]}
+                  "SPLIT_K": cfg["split_k"]}
     signature = _signature(ks, spec, dtype)
     if constexprs["SPLIT_K"] > 1:  # split-K programs add into a float32 buffer (gemm_launch.py)
         signature["Y"] = "*fp32"
     signature.update({k: "constexpr" for k in constexprs})
     attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(ks.args) if signature[a].startswith("*")}
-    with _interpret(False):
+    with _interpret(False), build_errors(f"the GEMM kernel for {arch} with {cfg}"):
         compiled = triton.compile(ASTSource(module.foldc_gemm, signature, constexprs=constexprs, attrs=attrs),
                                   target=GPUTarget("cuda", ARCHS[arch], 32),
                                   options={"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]})

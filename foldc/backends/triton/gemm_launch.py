@@ -16,6 +16,7 @@ from ...errors import InputError, SpecError
 from ...gemm.plan import GemmPlan, gemm_plan
 from ...gemm.reference import check_operand
 from ...gemm.spec import GemmSpec
+from ...options import check_gemm_options
 from .gemm_codegen import GemmKernelSource, generate_gemm
 from .launch import _interpret, load_module
 
@@ -86,15 +87,7 @@ class TritonGemm:
         self.interpret = target == "interpret"
         options = (("block_m", block_m), ("block_n", block_n), ("block_k", block_k), ("split_k", split_k),
                    ("num_warps", num_warps), ("num_stages", num_stages))
-        self.explicit = {k: v for k, v in options if v is not None}
-        for key, val in self.explicit.items():
-            if isinstance(val, bool) or not isinstance(val, int) or val < 1:
-                raise SpecError(f"{key}={val!r} must be a positive integer")
-        if split_k is not None and split_k > 64:
-            raise SpecError(f"split_k={split_k} is too large; use 1 to 64")
-        for key in ("block_m", "block_n", "block_k"):
-            if key in self.explicit and (self.explicit[key] < 16 or self.explicit[key] & (self.explicit[key] - 1)):
-                raise SpecError(f"{key}={self.explicit[key]} must be a power of two >= 16 (tensor-core tiles)")
+        self.explicit = check_gemm_options(**dict(options))
         if out_dtype not in DTYPES:
             raise SpecError(f"out_dtype={out_dtype} must be torch.float16 or torch.bfloat16")
         self.out_dtype = out_dtype

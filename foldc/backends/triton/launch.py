@@ -20,7 +20,8 @@ import torch
 import triton
 
 from ...encoding import AffineTensor
-from ...errors import InputError, SpecError
+from ...errors import InputError
+from ...options import check_launch_options
 from ...plan import Plan, plan
 from ...validate import check_call, output_buffer
 from .codegen import MAGIC, KernelSource, generate, magic_ok
@@ -196,15 +197,17 @@ def load_module(source: str, interpret: bool):
 def triton_plan(spec, dtype: str, fold_policy: str = "auto") -> Plan:
     """The plan the Triton backend lowers: key codes carry the OR-trick bias folded into the
     zero (eq. 7); value codes have it subtracted per value (fold-kernel-probe.md: folding it
-    through the value accumulator loses accuracy on the GPU)."""
+    through the value accumulator loses accuracy on the GPU). Planned for ``dtype``, so each
+    product carries its operand precision (eq. 6a), which the generated code follows."""
     key_bias = MAGIC[dtype][1] if spec.k is not None and magic_ok(spec.k.bits, dtype) else 0
-    return plan(spec, code_bias={"key": key_bias}, fold_policy=fold_policy)
+    return plan(spec, code_bias={"key": key_bias}, fold_policy=fold_policy, dtype=dtype)
 
 
 def kernel_source(spec, dtype: str, block_n: int = 64, fold_policy: str = "auto", fast: bool = False,
                   split_prescaled: bool | None = None, paged: bool = False) -> tuple[KernelSource, TileGeometry, Plan]:
     """Generated source (decode + merge kernels); ``fast`` uses GPU-only inline PTX; ``paged``
-    reads K/V through a page table (paging.py)."""
+    reads K/V through a page table (paging.py); ``split_prescaled`` None follows the plan's
+    operand precision (eq. 6a), True/False overrides it."""
     the_plan = triton_plan(spec, dtype, fold_policy)
     geo = geometry(spec, block_n)
     ks = generate(the_plan, geo, dtype, fast=fast, split_prescaled=split_prescaled, paged=paged)
@@ -268,14 +271,8 @@ class TritonAttention:
         self.explicit = {k: v for k, v in (("block_n", block_n), ("num_warps", num_warps),
                                            ("num_stages", num_stages)) if v is not None}
         self.splits = splits
-        if splits is not None and (isinstance(splits, bool) or not isinstance(splits, int) or splits < 1):
-            raise SpecError(f"splits={splits!r} must be a positive integer (split-KV count) or None for automatic")
-        if num_warps is not None and (isinstance(num_warps, bool) or not isinstance(num_warps, int) or num_warps < 1
-                                      or num_warps & (num_warps - 1)):
-            raise SpecError(f"num_warps={num_warps!r} must be a power of two >= 1, e.g. 4 or 8")
-        if num_stages is not None and (isinstance(num_stages, bool) or not isinstance(num_stages, int)
-                                       or num_stages < 1):
-            raise SpecError(f"num_stages={num_stages!r} must be a positive integer, e.g. 2")
+        check_launch_options(target, "triton", block_n=block_n, num_warps=num_warps, num_stages=num_stages,
+                             splits=splits)
         geometry(spec, self.DEFAULTS["block_n"] if block_n is None else block_n)  # raise now if the spec cannot be tiled
         self._kernels: dict[tuple, tuple] = {}
         self._configs: dict[tuple, dict] = {}

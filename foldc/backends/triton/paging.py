@@ -71,8 +71,11 @@ def paged_block_n(spec, page_size: int, block_n: int | None) -> int:
 
 
 def hoisted_lines() -> list[str]:
-    """Kernel lines before the token loop: where this sequence's page list starts."""
-    return ["page_first = tl.load(KV_INDPTR + b)  # this sequence's first entry in KV_INDICES"]
+    """Kernel lines before the token loop: where this sequence's page list starts, and the split's
+    end clamped to the tokens its pages hold."""
+    return ["page_first = tl.load(KV_INDPTR + b)  # this sequence's first entry in KV_INDICES",
+            # device lengths are not checked on the host (a sync): never read past the sequence's own pages
+            "end = tl.minimum(end, (tl.load(KV_INDPTR + b + 1) - page_first) * PAGE_SIZE)"]
 
 
 def tile_base_lines(inputs: dict) -> list[str]:
