@@ -117,14 +117,50 @@ def compile(spec: AttentionSpec, target: str = "reference", **options):  # noqa:
             raise SpecError(f"option(s) {wrong} belong to the Triton kernel; drop them or pass kernel='triton'")
         from .backends.gluon import GluonAttention
 
-        return GluonAttention(spec, **options)
+        gluon = GluonAttention(spec, **options)
+        if kernel == "gluon":
+            return gluon   # bf16 queries only (foldc.backends.gluon.lower.FP16_REASON)
+        shared = {k: v for k, v in options.items() if k in ("block_n", "splits")}
+        return ByQueryDtype(gluon, lambda: _triton(spec, target, shared))
     wrong = sorted(set(options) & gluon_only)
     if wrong:
         raise SpecError(f"option(s) {wrong} belong to the register-operand kernel (sm_90, kernel='gluon'); "
                         "drop them for this target")
+    return _triton(spec, target, options)
+
+
+def _triton(spec, target: str, options: dict):
     from .backends.triton import TritonAttention
 
     return TritonAttention(spec, target, **options)
+
+
+class ByQueryDtype:
+    """``kernel="auto"`` on sm_90 where the register-operand kernel lowers the plan: bf16 queries run
+    it, fp16 queries the generated Triton kernel (built on their first call), whose error stays
+    within 2x plain fp16 attention's where the register-operand kernel's does not
+    (foldc.backends.gluon.lower.FP16_REASON, docs/derivation.md eq. 6a). Other attributes are the
+    register-operand kernel's."""
+
+    def __init__(self, bf16, make_fp16):
+        self.bf16, self._make_fp16, self._fp16 = bf16, make_fp16, None
+
+    @property
+    def fp16(self):
+        if self._fp16 is None:
+            self._fp16 = self._make_fp16()
+        return self._fp16
+
+    def for_dtype(self, dtype: torch.dtype):
+        """The callable that runs ``dtype`` queries."""
+        return self.fp16 if dtype == torch.float16 else self.bf16
+
+    def __call__(self, q, *args, **kwargs):
+        attn = self.fp16 if isinstance(q, torch.Tensor) and q.dtype == torch.float16 else self.bf16
+        return attn(q, *args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.__dict__["bf16"], name)
 
 
 def check_gpu_target(target: str) -> None:

@@ -140,7 +140,7 @@ def compile_layout(spec, target: str, out: str | None, dtype: str | None = None,
     if out and target == "reference":
         raise SpecError(f"out={out!r} (--out): target='reference' writes no kernel; drop --out or use "
                         "--target interpret")
-    which, options = cli_launch_options(spec, target, kernel, block_n, num_warps, num_stages)
+    which, options = cli_launch_options(spec, target, kernel, block_n, num_warps, num_stages, dtype=dtype)
     checker = _prepare(spec, target, which, options)
     if out:
         check_out_dir(out)

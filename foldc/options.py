@@ -155,11 +155,12 @@ def check_launch_options(target: str, kernel: str, **options) -> dict:
     return given
 
 
-def attention_kernel(spec, target: str, kernel: str = "auto", options=(), aot: bool = False) -> str:
-    """"triton" or "gluon": the kernel that lowers attention ``spec`` for ``target``. "auto" takes
-    the register-operand kernel on sm_90 where it lowers the plan and none of ``options`` (a
-    mapping of the options given) is one it does not take; "gluon" insists (on sm_90, or sm_100
-    for an ahead-of-time build: ``aot``) and says why it cannot; "triton" never."""
+def attention_kernel(spec, target: str, kernel: str = "auto", options=(), aot: bool = False,
+                     dtype: str = "bf16") -> str:
+    """"triton" or "gluon": the kernel that lowers attention ``spec`` for ``target`` and ``dtype``
+    queries. "auto" takes the register-operand kernel on sm_90 where it lowers the plan and none of
+    ``options`` (a mapping of the options given) is one it does not take; "gluon" insists (on sm_90,
+    or sm_100 for an ahead-of-time build: ``aot``) and says why it cannot; "triton" never."""
     check_kernel(kernel)
     given = {k: v for k, v in dict(options).items() if v is not None}
     if kernel == "triton":
@@ -172,7 +173,7 @@ def attention_kernel(spec, target: str, kernel: str = "auto", options=(), aot: b
         return "triton"
     from .backends.gluon.lower import lowerable
 
-    ok, reason = lowerable(spec)
+    ok, reason = lowerable(spec, dtype)
     if kernel == "gluon":
         if not ok:
             raise SpecError(f"kernel='gluon' (--kernel gluon) cannot lower this spec: {reason}; use kernel='auto' "
@@ -185,7 +186,7 @@ def attention_kernel(spec, target: str, kernel: str = "auto", options=(), aot: b
 
 
 def cli_launch_options(spec, target: str, kernel: str = "auto", block_n=None, num_warps=None,
-                       num_stages=None) -> tuple[str | None, dict]:
+                       num_stages=None, dtype: str = "bf16") -> tuple[str | None, dict]:
     """`foldc compile`'s flags --kernel, --block-n, --num-warps, --num-stages for ``spec`` on
     ``target``: (the kernel that will run, "triton", "gluon", "gemm" or None for the reference
     target; its validated options by their Python names). --num-stages is the register-operand
@@ -207,7 +208,8 @@ def cli_launch_options(spec, target: str, kernel: str = "auto", block_n=None, nu
             raise SpecError("kernel='gluon' (--kernel gluon): the register-operand kernel computes attention; a "
                             "GEMM layout runs the generated Triton kernel: drop --kernel")
         return "gemm", check_launch_options(target, "gemm", num_warps=num_warps, num_stages=num_stages)
-    which = attention_kernel(spec, target, kernel, {"block_n": block_n, "num_warps": num_warps}, aot=True)
+    which = attention_kernel(spec, target, kernel, {"block_n": block_n, "num_warps": num_warps}, aot=True,
+                             dtype=dtype)
     if which == "triton":
         return "triton", check_launch_options(target, "triton", **flags)
     if num_stages is not None and (isinstance(num_stages, bool) or num_stages not in GLUON_STAGES):

@@ -30,6 +30,11 @@ UNIT_ROUNDOFF = {"fp16": 2.0 ** -11, "bf16": 2.0 ** -8}
 ACCUMULATOR_ROUNDOFF = 2.0 ** -24
 #: every product's rounding error must stay within this multiple of plain attention's
 TARGET = 2.0
+#: most of plain attention's error a folded code bias may add through the fp32 accumulator (eq. 6a):
+#: the bound assumes the query's weight spreads like the values; a query that meets the keys where
+#: they are small breaks it by several times (fp16, bias 1024, INT2 keys with outlier channels: 3.5x
+#: plain fp16 attention's error under the interpreter, 2.6x on the H200; with bias 0, 0.8x)
+BIAS_BUDGET = 0.1
 
 
 class OperandPrecision(Enum):
@@ -121,6 +126,15 @@ def choose_precision(fold: str, dtype: str, group_size: int | None, bits: int | 
     raise PlanError("precision", f"operand-fold of {bits}-bit codes in groups of {group_size}, code bias "
                     f"{code_bias}: even hi + lo bounds the error at {split:.3g}x plain {dtype} attention's, above "
                     f"{target:g}x; plan with bias 0 or fold_policy='dequant'")
+
+
+def code_bias_allowed(dtype: str, bits: int, group_size: int, code_bias: int, operand_dtype: str | None = None,
+                      budget: float = BIAS_BUDGET) -> bool:
+    """Whether a code bias folded into the zero (eq. 7) keeps its accumulator term of eq. 6a within
+    ``budget`` of plain ``dtype`` attention's error; else the backend subtracts it per value."""
+    u = UNIT_ROUNDOFF[dtype]
+    cmax = (1 << bits) - 1
+    return spread_bound(group_size) * (abs(code_bias) + cmax) / cmax * ACCUMULATOR_ROUNDOFF / u <= budget
 
 
 def product_precision(product, dtype: str, target: float = TARGET, operand_dtype: str | None = None

@@ -296,7 +296,7 @@ def test_register_operand_option_errors_come_before_the_plan(capsys, tmp_path, m
     forced to lower) takes no --num-warps, 32/64-token tiles and 2-4 stages: said before the plan."""
     lower = importlib.import_module("foldc.backends.gluon.lower")   # the module, not its lower()
 
-    monkeypatch.setattr(lower, "lowerable", lambda spec: (True, ""))
+    monkeypatch.setattr(lower, "lowerable", lambda spec, dtype="bf16": (True, ""))
     _fails_before_printing(capsys, ["compile", "--k", "token:2:128", "--v", "token:2:128", "--target", "sm_90",
                                     "--out", str(tmp_path / "out"), *argv], fragments)
     assert not (tmp_path / "out").exists()

@@ -119,7 +119,7 @@ def lowers(monkeypatch):
     """The register-operand kernel lowers every plan (its own rules are tested in tests/backends)."""
     lower = importlib.import_module("foldc.backends.gluon.lower")   # the module, not its lower()
 
-    monkeypatch.setattr(lower, "lowerable", lambda spec: (True, ""))
+    monkeypatch.setattr(lower, "lowerable", lambda spec, dtype="bf16": (True, ""))
 
 
 def test_attention_kernel_auto_on_sm_90_follows_the_options(lowers):
@@ -133,7 +133,7 @@ def test_attention_kernel_auto_on_sm_90_follows_the_options(lowers):
 def test_attention_kernel_gluon_says_why_it_cannot(monkeypatch):
     lower = importlib.import_module("foldc.backends.gluon.lower")   # the module, not its lower()
 
-    monkeypatch.setattr(lower, "lowerable", lambda spec: (False, "a reason"))
+    monkeypatch.setattr(lower, "lowerable", lambda spec, dtype="bf16": (False, "a reason"))
     assert attention_kernel(SPEC, "sm_90") == "triton"
     _raises(lambda: attention_kernel(SPEC, "sm_90", "gluon"), "kernel='gluon'", "a reason", "'triton'")
 

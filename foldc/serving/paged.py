@@ -353,9 +353,6 @@ class PagedDecodeWrapper:
         tokens = self.max_seq_len
         if self._gluon is not None:   # the tuned or default launch for this batch (bf16 bucket)
             self._launch = self._gluon.launch_config(torch.bfloat16, batch, tokens)
-            # fp16 queries: the same tiles and workspace, the kernel variant of their plan (eq. 6a)
-            self._launches = {torch.bfloat16: self._launch,
-                              torch.float16: self._gluon.for_dtype(self._launch, torch.float16)}
             self._num_splits, self._per_split = self._gluon.split_plan(self._launch, batch, tokens, self.device,
                                                                         has_lens=True, page=self.page_size)
             ws = self._buffers.get("ws_m")
@@ -462,13 +459,18 @@ class PagedDecodeWrapper:
                              f"{list(dtypes)}")
         if q.stride(-1) != 1:
             raise InputError(f"q must have unit stride along head_dim; got strides {q.stride()}")
+        if self._gluon is not None and q.dtype == torch.float16:
+            from ..backends.gluon.lower import FP16_REASON
+
+            raise InputError(f"q dtype=torch.float16 but this wrapper runs the register-operand kernel ({FP16_REASON}); "
+                             "build the wrapper with kernel='triton' for float16 queries")
         out = output_buffer(out, want, q)
         lse = torch.empty(want[:2], device=q.device, dtype=torch.float32)
         if self._gluon is not None:
             self._check_lens(seq_lens, want)
             buf = self._buffers
             lens = buf["seq_lens"] if seq_lens is None else seq_lens
-            self._gluon.launch(self._launches[q.dtype], q, k_pages, v_pages, lens, (buf["ws_m"], buf["ws_l"], buf["ws_acc"]),
+            self._gluon.launch(self._launch, q, k_pages, v_pages, lens, (buf["ws_m"], buf["ws_l"], buf["ws_acc"]),
                                out, lse, scale, self._per_split, self._num_splits,
                                self._per_split * self._num_splits,
                                paged=(buf["kv_indptr"], buf["kv_indices"], self.page_size))

@@ -106,8 +106,10 @@ class PagedKVCache:
         groups = [e.group_size for e in (spec.k, spec.v) if e.layout == "channel"]
         self.unit = math.lcm(*groups) if groups else 1
         self.plain_capacity = self.sink + self.window + self.unit
+        # float16 queries run the generated Triton kernel on sm_90 too (the register-operand kernel takes
+        # bf16 ones: foldc.backends.gluon.lower.FP16_REASON)
         self.wrapper = PagedDecodeWrapper(spec, page_size, max_seq_len=max_seq_len, device=self.device,
-                                          target=target)
+                                          target=target, kernel="triton" if dtype == torch.float16 else "auto")
         self.target, self.page_size = self.wrapper.target, page_size
         if self.target == "interpret" and (self.device.type != "cpu" or dtype != torch.float16):
             raise SpecError(f"target='interpret' runs Triton's interpreter, float16 on the CPU; got dtype={dtype} on "

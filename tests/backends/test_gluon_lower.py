@@ -33,6 +33,12 @@ def _spec(kl="token", vl="token", bits=2, group=128, heads=(32, 8), head_dim=128
 def test_folded_plans_lower(bits, head_dim, heads, kl, vl):
     spec = foldc.AttentionSpec(*heads, head_dim, A(bits, kl, head_dim if kl == "token" else 64),
                                A(bits, vl, head_dim if vl == "token" else 128))
+    if vl == "token" and head_dim > 128:
+        # P x scale rounded once to fp16 for groups of 256 channels: eq. 6a bounds it at 2.8x plain
+        # bf16 attention's, above the bar; the plan asks for hi + lo, which this kernel does not do
+        with pytest.raises(NotLowerable, match="pv: the error model asks for operand precision split"):
+            lower(gluon_plan(spec))
+        return
     cfg = lower(gluon_plan(spec))
     assert (cfg.bits, cfg.head_dim, cfg.q_per_kv) == (bits, head_dim, spec.q_per_kv)
     assert cfg.rows == (8 if spec.q_per_kv <= 8 else 16) and cfg.key_bias == KEY_BIAS
@@ -50,6 +56,10 @@ def test_token_wise_groups_of_whole_bit_fields_lower(bits, group, head_dim, head
     k_group = group if side in ("both", "k") else head_dim
     v_group = group if side in ("both", "v") else head_dim
     spec = foldc.AttentionSpec(*heads, head_dim, A(bits, "token", k_group), A(bits, "token", v_group))
+    if v_group > 128:   # eq. 6a: one fp16 rounding of P x scale over 256 channels is above the bar
+        with pytest.raises(NotLowerable, match="operand precision split"):
+            lower(gluon_plan(spec))
+        return
     cfg = lower(gluon_plan(spec))
     assert (cfg.key_groups, cfg.value_groups) == (head_dim // k_group, head_dim // v_group)
     assert cfg.key_tokens == cfg.value_tokens == 0

@@ -33,19 +33,17 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 from foldc.backends.gluon.tile_memory import (copy_layout, draw_chunk, issue_copies, next_tile, prefetch_scales,
                                               stage_tail, tile_bases, tile_scales)
 from foldc.backends.gluon.tile_operands import (group_mmas, group_sums, join_groups, key_group, key_operand,
-                                                key_words_layout, per_channel, per_row, scaled_p, scaled_p_lo, select_groups,
+                                                key_words_layout, per_channel, per_row, scaled_p, select_groups,
                                                 split_groups, swap_k01, value_group, value_operand, value_words_layout,
                                                 zeros_groups)
 
 
 @gluon.jit
-def _scores(n0, end, k_smem, slot, ks, kz, tm, head_c, q16, q_lo, q_bias, q_sum, row_scale, BN: gl.constexpr,
+def _scores(n0, end, k_smem, slot, ks, kz, tm, head_c, q16, q_bias, q_sum, row_scale, BN: gl.constexpr,
             D: gl.constexpr, F: gl.constexpr, ROWS: gl.constexpr, H: gl.constexpr, KEY_G: gl.constexpr,
             KEY_BIAS: gl.constexpr, KASM: gl.constexpr, KCONS: gl.constexpr, MASKED: gl.constexpr,
-            KEY_NG: gl.constexpr, KEY_SPLIT: gl.constexpr):
-    """Key side of one tile: the logits t [BN tokens, ROWS] (log2 units), -inf past ``end``. With
-    KEY_SPLIT (channel-wise K), the pre-scaled query enters as hi + lo: a second MMA on the same
-    unpacked key codes (eq. 6a)."""
+            KEY_NG: gl.constexpr):
+    """Key side of one tile: the logits t [BN tokens, ROWS] (log2 units), -inf past ``end``."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
     a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=8)
     b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=8)
@@ -77,13 +75,9 @@ def _scores(n0, end, k_smem, slot, ks, kz, tm, head_c, q16, q_lo, q_bias, q_sum,
             ka = gl.convert_layout(key_operand(kw, BN, D, F, KASM, KCONS), a_l, assert_trivial=True)
             if H == 1:
                 sacc = mma_v2(ka, q16, sacc)
-                if KEY_SPLIT:
-                    sacc = mma_v2(ka, q_lo, sacc)
             else:
-                part = mma_v2(ka, q16, gl.zeros([BN, ROWS], gl.float32, layout=mma))
-                if KEY_SPLIT:
-                    part = mma_v2(ka, q_lo, part)
-                sacc = gl.where((head_c == i)[None, :], part, sacc)
+                sacc = gl.where((head_c == i)[None, :], mma_v2(ka, q16, gl.zeros([BN, ROWS], gl.float32, layout=mma)),
+                                sacc)
         if KEY_G == 0:
             ks2 = per_row(ks, H)
             kz2 = per_row(kz, H)
@@ -106,11 +100,10 @@ def _scores(n0, end, k_smem, slot, ks, kz, tm, head_c, q16, q_lo, q_bias, q_sum,
 def _consume(t, v_smem, slot, vs, vz, m_i, l_i, zsum, acc_o, head_b, v_scale, v_zero, BN: gl.constexpr,
              D: gl.constexpr, F: gl.constexpr, ROWS: gl.constexpr, H: gl.constexpr, VAL_G: gl.constexpr,
              VA0: gl.constexpr, VA1: gl.constexpr, VA2: gl.constexpr, VA3: gl.constexpr, VCONS: gl.constexpr,
-             AND_P: gl.constexpr, VAL_NG: gl.constexpr, VAL_SPLIT: gl.constexpr):
+             AND_P: gl.constexpr, VAL_NG: gl.constexpr):
     """Online softmax of one tile's logits ``t`` and its value side into (max, denominator, zero sum, O^T).
     ``AND_P``: mask each packed head's P by an AND per register instead of a select per half. With
-    VAL_NG channel groups per token (token-wise V), vs, vz and zsum are tuples of VAL_NG. VAL_SPLIT
-    (token-wise V): P x scale enters as hi + lo, a second MMA on the same unpacked codes (eq. 6a)."""
+    VAL_NG channel groups per token (token-wise V), vs, vz and zsum are tuples of VAL_NG."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
     a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=8)
     b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=8)
@@ -125,33 +118,21 @@ def _consume(t, v_smem, slot, vs, vz, m_i, l_i, zsum, acc_o, head_b, v_scale, v_
         # operand-fold per channel group: group g's output channels (a range of O^T's rows) take P
         # scaled by group g's scales (eq. 4, 6)
         pbs, zsum = scaled_p(p, vs, vz, zsum, alpha, b_l, H, VAL_NG)
-        if VAL_SPLIT:
-            pls = scaled_p_lo(p, vs, b_l, H, VAL_NG)
         pv = zeros_groups([D // VAL_NG, ROWS], mma, VAL_NG)
         for i in gl.static_range(H):
             vw = v_smem.index(slot + i).permute((1, 0)).load(vw_l)
-            va = split_groups(value_operand(vw, BN, D, F, VA0, VA1, VA2, VA3, VCONS), VAL_NG, 0)
-            pv = group_mmas(va, _head_ps(pbs, head_b, i, b_l, H, AND_P, VAL_NG), pv, a_l, b_l, VAL_NG)
-            if VAL_SPLIT:
-                pv = group_mmas(va, _head_ps(pls, head_b, i, b_l, H, AND_P, VAL_NG), pv, a_l, b_l, VAL_NG)
+            va = value_operand(vw, BN, D, F, VA0, VA1, VA2, VA3, VCONS)
+            pv = group_mmas(split_groups(va, VAL_NG, 0), _head_ps(pbs, head_b, i, b_l, H, AND_P, VAL_NG), pv, a_l,
+                            b_l, VAL_NG)
         acc_o = acc_o * alpha[None, :] + gl.convert_layout(join_groups(pv, VAL_NG), mma, assert_trivial=True)
     elif VAL_G == 0:
         vs2 = per_row(vs, H)
         vz2 = per_row(vz, H)
-        # operand-fold: P x scale before the product; sum(P x zero) beside it (eq. 4, 6); with
-        # VAL_SPLIT its fp16 remainder too, for a second MMA (eq. 6a)
-        ps = p * vs2
-        pb = gl.convert_layout(ps.to(gl.float16), b_l)
-        if VAL_SPLIT:
-            pl = gl.convert_layout((ps - ps.to(gl.float16).to(gl.float32)).to(gl.float16), b_l)
+        # operand-fold: P x scale before the product; sum(P x zero) beside it (eq. 4, 6)
+        pb = gl.convert_layout((p * vs2).to(gl.float16), b_l)
         zsum = zsum * alpha + gl.sum(p * vz2, axis=0)
     else:
-        # acc-fold: zero x sum(P) sums P as the MMA reads it, rounded, so P's rounding meets
-        # z + s*c = v as in plain attention, not s*c alone (docs/derivation.md, eq. 6a); l_i above
-        # keeps the unrounded sum, as plain attention does
-        p16 = p.to(gl.float16)
-        pb = gl.convert_layout(p16, b_l)
-        p_sum = gl.sum(p16.to(gl.float32), axis=0)
+        pb = gl.convert_layout(p.to(gl.float16), b_l)
     if VAL_NG == 1:
         # a fresh accumulator per tile: the tensor core's own running sum over many tiles loses low bits;
         # head i's values meet only the columns (query rows) of head i
@@ -160,8 +141,6 @@ def _consume(t, v_smem, slot, vs, vz, m_i, l_i, zsum, acc_o, head_b, v_scale, v_
             vw = v_smem.index(slot + i).permute((1, 0)).load(vw_l)
             va = gl.convert_layout(value_operand(vw, BN, D, F, VA0, VA1, VA2, VA3, VCONS), a_l, assert_trivial=True)
             pv = mma_v2(va, _head_p(pb, head_b, i, b_l, H, AND_P), pv)
-            if VAL_SPLIT and VAL_G == 0:
-                pv = mma_v2(va, _head_p(pl, head_b, i, b_l, H, AND_P), pv)
         if VAL_G == 0:
             acc_o = acc_o * alpha[None, :] + pv
         else:
@@ -205,17 +184,17 @@ def _and_p(heads, dynamic, page):
 
 
 @gluon.jit
-def _tile(n0, end, k_smem, v_smem, slot, ks, kz, vs, vz, m_i, l_i, zsum, acc_o, tm, head_c, head_b, q16, q_lo,
-          q_bias, q_sum, row_scale, v_scale, v_zero, BN: gl.constexpr, D: gl.constexpr, F: gl.constexpr,
-          ROWS: gl.constexpr, H: gl.constexpr, KEY_G: gl.constexpr, VAL_G: gl.constexpr, KEY_BIAS: gl.constexpr,
-          KASM: gl.constexpr, KCONS: gl.constexpr, VA0: gl.constexpr, VA1: gl.constexpr, VA2: gl.constexpr,
-          VA3: gl.constexpr, VCONS: gl.constexpr, MASKED: gl.constexpr, AND_P: gl.constexpr, KEY_NG: gl.constexpr,
-          VAL_NG: gl.constexpr, KEY_SPLIT: gl.constexpr, VAL_SPLIT: gl.constexpr):
+def _tile(n0, end, k_smem, v_smem, slot, ks, kz, vs, vz, m_i, l_i, zsum, acc_o, tm, head_c, head_b, q16, q_bias,
+          q_sum, row_scale, v_scale, v_zero, BN: gl.constexpr, D: gl.constexpr, F: gl.constexpr, ROWS: gl.constexpr,
+          H: gl.constexpr, KEY_G: gl.constexpr, VAL_G: gl.constexpr, KEY_BIAS: gl.constexpr, KASM: gl.constexpr,
+          KCONS: gl.constexpr, VA0: gl.constexpr, VA1: gl.constexpr, VA2: gl.constexpr, VA3: gl.constexpr,
+          VCONS: gl.constexpr, MASKED: gl.constexpr, AND_P: gl.constexpr, KEY_NG: gl.constexpr,
+          VAL_NG: gl.constexpr):
     """One tile, key side then value side."""
-    t = _scores(n0, end, k_smem, slot, ks, kz, tm, head_c, q16, q_lo, q_bias, q_sum, row_scale, BN, D, F, ROWS, H,
-                KEY_G, KEY_BIAS, KASM, KCONS, MASKED, KEY_NG, KEY_SPLIT)
+    t = _scores(n0, end, k_smem, slot, ks, kz, tm, head_c, q16, q_bias, q_sum, row_scale, BN, D, F, ROWS, H, KEY_G,
+                KEY_BIAS, KASM, KCONS, MASKED, KEY_NG)
     return _consume(t, v_smem, slot, vs, vz, m_i, l_i, zsum, acc_o, head_b, v_scale, v_zero, BN, D, F, ROWS, H,
-                    VAL_G, VA0, VA1, VA2, VA3, VCONS, AND_P, VAL_NG, VAL_SPLIT)
+                    VAL_G, VA0, VA1, VA2, VA3, VCONS, AND_P, VAL_NG)
 
 
 @gluon.jit
@@ -230,7 +209,7 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
                        KCONS: gl.constexpr, VA0: gl.constexpr, VA1: gl.constexpr, VA2: gl.constexpr,
                        VA3: gl.constexpr, VCONS: gl.constexpr, VALUE_EXP: gl.constexpr, KEY_EXP: gl.constexpr,
                        PREFETCH: gl.constexpr, DYNAMIC: gl.constexpr, CHUNK: gl.constexpr, KEY_NG: gl.constexpr,
-                       VAL_NG: gl.constexpr, KEY_SPLIT: gl.constexpr, VAL_SPLIT: gl.constexpr):
+                       VAL_NG: gl.constexpr):
     NB: gl.constexpr = D * BITS // 8
     W: gl.constexpr = NB // 4
     F: gl.constexpr = 8 // BITS
@@ -321,12 +300,10 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
         else:   # per channel group: its piece of Q'^T for its own MMA, and its sum(q) (_scores)
             q16 = split_groups(q16, KEY_NG, 0)
             q_sum = group_sums(split_groups(qv, KEY_NG, 0), qk_scale, row_l, KEY_NG)
-        q_lo = q16   # token-wise K (acc-fold) has no pre-scaled query to split (unused)
     else:
         g0 = start // KEY_G
-        q16, q_lo, q_bias, q_sum = key_group(qv, field, chan, head_q, stride_ksh, KSp + g0 * stride_ksn,
-                                              KZp + g0 * stride_ksn, qk_scale, BITS, KEY_BIAS, KEY_EXP, H, D, ROWS,
-                                              KEY_SPLIT)
+        q16, q_bias, q_sum = key_group(qv, field, chan, head_q, stride_ksh, KSp + g0 * stride_ksn,
+                                        KZp + g0 * stride_ksn, qk_scale, BITS, KEY_BIAS, KEY_EXP, H, D, ROWS)
     # row m of O^T is channel operands.value_channel(m)
     cm = gl.arange(0, D, layout=tok_l)
     chan_o = (cm // NB) * NB + 4 * (cm % W) + (cm // W) % 4
@@ -359,10 +336,9 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
                                                       KEY_NG, VAL_NG)
             if KEY_G > 0:
                 if n0 % KEY_G == 0:
-                    q16, q_lo, q_bias, q_sum = key_group(qv, field, chan, head_q, stride_ksh,
-                                                          KSp + (n0 // KEY_G) * stride_ksn,
-                                                          KZp + (n0 // KEY_G) * stride_ksn, qk_scale, BITS, KEY_BIAS,
-                                                          KEY_EXP, H, D, ROWS, KEY_SPLIT)
+                    q16, q_bias, q_sum = key_group(qv, field, chan, head_q, stride_ksh,
+                                                    KSp + (n0 // KEY_G) * stride_ksn, KZp + (n0 // KEY_G) * stride_ksn,
+                                                    qk_scale, BITS, KEY_BIAS, KEY_EXP, H, D, ROWS)
             if VAL_G > 0:
                 if n0 % VAL_G == 0:
                     v_scale, v_zero = value_group(VSp + (n0 // VAL_G) * stride_vsn, VZp + (n0 // VAL_G) * stride_vsn,
@@ -407,9 +383,9 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
             async_copy.wait_group(STAGES - 1)
             gl.thread_barrier()   # tile i's words, copied by every lane, are visible
             m_i, l_i, zsum, acc_o = _tile(n0, end, k_smem, v_smem, (i % STAGES) * H, ks, kz, vs, vz, m_i, l_i, zsum,
-                                          acc_o, tm, head_c, head_b, q16, q_lo, q_bias, q_sum, row_scale, v_scale,
-                                          v_zero, BN, D, F, ROWS, H, KEY_G, VAL_G, KEY_BIAS, KASM, KCONS, VA0, VA1,
-                                          VA2, VA3, VCONS, False, AND_P, KEY_NG, VAL_NG, KEY_SPLIT, VAL_SPLIT)
+                                          acc_o, tm, head_c, head_b, q16, q_bias, q_sum, row_scale, v_scale, v_zero,
+                                          BN, D, F, ROWS, H, KEY_G, VAL_G, KEY_BIAS, KASM, KCONS, VA0, VA1, VA2, VA3,
+                                          VCONS, False, AND_P, KEY_NG, VAL_NG)
             if SCALE_AHEAD:
                 ks, kz, vs, vz = ks2, kz2, vs2, vz2
             t = t_next
@@ -422,9 +398,8 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
                                                             PAGE, KEY_NG, VAL_NG)
         if KEY_G > 0:
             g_end = full_end // KEY_G
-            q16, q_lo, q_bias, q_sum = key_group(qv, field, chan, head_q, stride_ksh, KSp + g_end * stride_ksn,
-                                                  KZp + g_end * stride_ksn, qk_scale, BITS, KEY_BIAS, KEY_EXP, H, D,
-                                                  ROWS, KEY_SPLIT)
+            q16, q_bias, q_sum = key_group(qv, field, chan, head_q, stride_ksh, KSp + g_end * stride_ksn,
+                                            KZp + g_end * stride_ksn, qk_scale, BITS, KEY_BIAS, KEY_EXP, H, D, ROWS)
         if VAL_G > 0:
             v_scale, v_zero = value_group(VSp + (full_end // VAL_G) * stride_vsn,
                                            VZp + (full_end // VAL_G) * stride_vsn, chan_o, weight_o, head_c, stride_vsh,
@@ -433,9 +408,9 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
                                      KEY_G, VAL_G, H, True, KEY_NG, VAL_NG)
         stage_tail(full_end, end, k_smem, v_smem, k_base, v_base, stride_kh, stride_vh, tc, wc, W, H)
         m_i, l_i, zsum, acc_o = _tile(full_end, end, k_smem, v_smem, 0, ks, kz, vs, vz, m_i, l_i, zsum, acc_o, tm,
-                                      head_c, head_b, q16, q_lo, q_bias, q_sum, row_scale, v_scale, v_zero, BN, D, F,
-                                      ROWS, H, KEY_G, VAL_G, KEY_BIAS, KASM, KCONS, VA0, VA1, VA2, VA3, VCONS, True,
-                                      AND_P, KEY_NG, VAL_NG, KEY_SPLIT, VAL_SPLIT)
+                                      head_c, head_b, q16, q_bias, q_sum, row_scale, v_scale, v_zero, BN, D, F, ROWS,
+                                      H, KEY_G, VAL_G, KEY_BIAS, KASM, KCONS, VA0, VA1, VA2, VA3, VCONS, True,
+                                      AND_P, KEY_NG, VAL_NG)
 
     # token-wise V: undo the field weights 2^(bits*field) per output row, add the zero term (eq. 6);
     # channel-wise V has both in acc_o already. The workspace sees the H packed heads as one head

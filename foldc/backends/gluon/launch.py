@@ -17,11 +17,10 @@ from ...options import check_launch_options, check_splits
 from ...validate import check_call, output_buffer
 from ..triton.fast_launch import FastLaunch
 from ..triton.launch import MERGE_SOURCE, launch_merge, load_module, num_sms
-from .lower import FoldKernel, gluon_plan, lower
+from .lower import FP16_REASON, FoldKernel, gluon_plan, lower
 from .operands import KEY_EXPONENT, VALUE_EXPONENT, key_unpack_asm, value_unpack_asm
 
-DTYPES = (torch.float16, torch.bfloat16)
-DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
+DTYPES = (torch.bfloat16,)   # lower.QUERY_DTYPES: fp16 queries run the Triton kernel (lower.FP16_REASON)
 TUNED_OPTIONS = {"block_n", "stages", "maxnreg", "split_factor", "heads"}   # what a tuned bucket sets
 # Hopper's register file and block limits, for the resident programs of one SM (resident_programs)
 PARTITIONS, REGISTERS_PER_PARTITION, REGISTER_UNIT = 4, 16384, 256
@@ -47,8 +46,7 @@ def constexprs(cfg: FoldKernel, block_n: int, stages: int, heads: int = 1, scale
                 SCALE_AHEAD=bool(scale_ahead), KASM=key_asm, KCONS=key_cons, VA0=values[0][0],
                 VA1=values[1][0], VA2=values[2][0], VA3=values[3][0], VCONS=values[0][1], VALUE_EXP=VALUE_EXPONENT,
                 KEY_EXP=0 if cfg.key_bias else KEY_EXPONENT, PREFETCH=default_prefetch(cfg), DYNAMIC=bool(dynamic),
-                CHUNK=chunk_tiles(cfg, block_n), KEY_NG=cfg.key_groups, VAL_NG=cfg.value_groups,
-                KEY_SPLIT=cfg.key_split, VAL_SPLIT=cfg.value_split)
+                CHUNK=chunk_tiles(cfg, block_n), KEY_NG=cfg.key_groups, VAL_NG=cfg.value_groups)
 
 
 def chunk_tiles(cfg: FoldKernel, block_n: int) -> int:
@@ -135,11 +133,8 @@ class GluonAttention:
         self.spec, self.target = spec, "sm_90"
         check_launch_options("sm_90", "gluon", block_n=block_n, stages=stages)   # before any default
         check_splits(splits)
-        # one plan per query dtype: the operand precision of eq. 6a depends on it (fp16 queries split
-        # the pre-scaled operands into hi + lo); the tiles and every other decision do not
-        self.plans = {dt: gluon_plan(spec, DTYPE_NAMES[dt]) for dt in DTYPES}
-        self.configs = {dt: lower(p) for dt, p in self.plans.items()}   # raises NotLowerable with the reason
-        self.plan, self.config = self.plans[torch.bfloat16], self.configs[torch.bfloat16]
+        self.plan = gluon_plan(spec, "bf16")   # bf16 queries (lower.QUERY_DTYPES): eq. 6a's precision for them
+        self.config = lower(self.plan)      # raises NotLowerable with the reason
         most = packable_heads(self.config, spec.num_kv_heads)
         bad_pack = pack_heads is not None and (
             isinstance(pack_heads, bool) or not isinstance(pack_heads, int) or pack_heads < 1
@@ -206,11 +201,6 @@ class GluonAttention:
         bucket = (dtype, batch, tokens)
         if bucket not in self._configs:
             opts = dict(self._defaults)
-            cfg = self.configs[dtype]
-            if (cfg.key_split or cfg.value_split) and "block_n" not in self.explicit:
-                # hi + lo operands (eq. 6a, fp16 queries) hold a second P or query: 64-token tiles then
-                # spill (sm_90 AOT: 10 and 121 spill instructions at INT2 token- and channel-wise K), 32 do not
-                opts["block_n"] = 32
             if not TUNED_OPTIONS <= set(self.explicit):   # some option is left to the tuning cache
                 from ..triton.autotune import lookup
 
@@ -221,16 +211,10 @@ class GluonAttention:
             opts.update(self.explicit)
             if self.dynamic_tiles:   # a tuned bucket's stages give way: dynamic tiles copy one tile ahead
                 opts["stages"] = 2
-            opts["constexprs"] = constexprs(self.configs[dtype], opts["block_n"], opts["stages"], opts["heads"],
+            opts["constexprs"] = constexprs(self.config, opts["block_n"], opts["stages"], opts["heads"],
                                            opts["scale_ahead"], self.dynamic_tiles)
             self._configs[bucket] = opts
         return self._configs[bucket]
-
-    def for_dtype(self, launch: dict, dtype: torch.dtype) -> dict:
-        """``launch`` for ``dtype`` queries: the same tiles, heads and stages, the kernel variant of
-        that dtype's plan (its operand precision, eq. 6a)."""
-        return dict(launch, constexprs=constexprs(self.configs[dtype], launch["block_n"], launch["stages"],
-                                                  launch["heads"], launch["scale_ahead"], self.dynamic_tiles))
 
     def _kernels(self):
         if self._modules is None:
@@ -250,8 +234,10 @@ class GluonAttention:
 
     def __call__(self, q, k, v, sm_scale=None, seq_lens=None, out: torch.Tensor | None = None,
                  return_lse: bool = False):
-        """Same call as foldc.compile(...)'s other targets: q [batch, num_q_heads, head_dim] fp16/bf16 on
-        the GPU, k and v AffineTensors of the spec's encodings; returns out (and the lse if asked)."""
+        """Same call as foldc.compile(...)'s other targets: q [batch, num_q_heads, head_dim] bf16 on
+        the GPU (fp16: `lower.FP16_REASON`), k and v AffineTensors of the spec's encodings; returns out (and the lse if asked)."""
+        if isinstance(q, torch.Tensor) and q.dtype == torch.float16:
+            raise InputError(f"q dtype=torch.float16: {FP16_REASON}")
         call = check_call(self.spec, q, k, v, sm_scale, seq_lens, q_dtypes=DTYPES)
         device = q.device
         if device.type != "cuda":

@@ -133,33 +133,24 @@ def _channel_param(P, head_q, stride_h, D: gl.constexpr, ROWS: gl.constexpr, H: 
 
 @gluon.jit
 def key_group(qv, field, chan, head_q, stride_ksh, KSg, KZg, qk_scale, BITS: gl.constexpr, KEY_BIAS: gl.constexpr,
-              KEY_EXP: gl.constexpr, H: gl.constexpr, D: gl.constexpr, ROWS: gl.constexpr, SPLIT: gl.constexpr):
+              KEY_EXP: gl.constexpr, H: gl.constexpr, D: gl.constexpr, ROWS: gl.constexpr):
     """Channel-wise K, one token group: the query pre-scaled by the group's channel scales and field
     weights (operand-fold, eq. 4), each row by its own power of two c so the largest entry sits
     near 2^12 (large channel scales must not overflow fp16), and the logits' affine map
     ``t = acc * mul + add`` with mul = qk_scale * 2^KEY_EXP / c and add = -mul * bias * sum(q') +
-    qk_scale * sum(q x zero) (eq. 6, 7; subnormal codes: bias 0, KEY_EXP 24). Returns (q', q'_lo,
-    mul, add): with SPLIT, q'_lo is the fp16 remainder of q' for a second MMA (hi + lo, eq. 6a),
-    else q' again (unused)."""
+    qk_scale * sum(q x zero) (eq. 6, 7; subnormal codes: bias 0, KEY_EXP 24)."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
     row_l: gl.constexpr = gl.SliceLayout(0, mma)
     sk = _channel_param(KSg, head_q, stride_ksh, D, ROWS, H)   # each row its own head's
     zk = _channel_param(KZg, head_q, stride_ksh, D, ROWS, H)
     qs = qv * sk * gl.exp2(-(field * BITS).to(gl.float32))[:, None]
     c = gl.exp2(12.0 - gl.floor(gl.log2(gl.maximum(gl.max(gl.abs(qs), axis=0), 1e-30))))
-    qc = qs * c[None, :]
-    q16 = qc.to(gl.float16)
-    if SPLIT:
-        q_lo = (qc - q16.to(gl.float32)).to(gl.float16)
-        q_fed = q16.to(gl.float32) + q_lo.to(gl.float32)   # what the two MMAs see
-    else:
-        q_lo = q16
-        q_fed = q16.to(gl.float32)
+    q16 = (qs * c[None, :]).to(gl.float16)
     mul = qk_scale * (2.0 ** KEY_EXP) / c
     add = gl.sum(qv * zk, axis=0) * qk_scale
     if KEY_BIAS != 0:
-        add = add - mul * KEY_BIAS * gl.sum(q_fed, axis=0)
-    return q16, q_lo, gl.convert_layout(mul, row_l), gl.convert_layout(add, row_l)
+        add = add - mul * KEY_BIAS * gl.sum(q16.to(gl.float32), axis=0)
+    return q16, gl.convert_layout(mul, row_l), gl.convert_layout(add, row_l)
 
 
 @gluon.jit
@@ -282,24 +273,6 @@ def group_sums(parts, scale, layout: gl.constexpr, NG: gl.constexpr):
     else:
         out = (s0, s1, gl.convert_layout(gl.sum(parts[2], axis=0) * scale, layout),
                gl.convert_layout(gl.sum(parts[3], axis=0) * scale, layout))
-    return out
-
-
-@gluon.jit
-def scaled_p_lo(p, vs, b_l: gl.constexpr, H: gl.constexpr, NG: gl.constexpr):
-    """`scaled_p`'s remainders: per group, P x scale minus its fp16 rounding, rounded to fp16, the
-    lo half of hi + lo for a second MMA (eq. 6a)."""
-    ps0 = p * per_row(vs[0], H)
-    ps1 = p * per_row(vs[1], H)
-    lo0 = gl.convert_layout((ps0 - ps0.to(gl.float16).to(gl.float32)).to(gl.float16), b_l)
-    lo1 = gl.convert_layout((ps1 - ps1.to(gl.float16).to(gl.float32)).to(gl.float16), b_l)
-    if NG == 2:
-        out = (lo0, lo1)
-    else:
-        ps2 = p * per_row(vs[2], H)
-        ps3 = p * per_row(vs[3], H)
-        out = (lo0, lo1, gl.convert_layout((ps2 - ps2.to(gl.float16).to(gl.float32)).to(gl.float16), b_l),
-               gl.convert_layout((ps3 - ps3.to(gl.float16).to(gl.float32)).to(gl.float16), b_l))
     return out
 
 
