@@ -324,3 +324,20 @@ def test_error_within_2x_plain_attention_in_the_query_dtype(kl, vl, bits, dtype)
     if dtype == "fp16":
         with pytest.raises(foldc.InputError, match="q dtype=torch.float16: fp16 queries: the register-operand"):
             foldc.compile(spec, "sm_90", kernel="gluon")(q, k, v)
+
+
+@pytest.mark.parametrize("kl, vl", LAYOUTS)
+@pytest.mark.parametrize("name", ["k", "v"])
+def test_nan_in_the_cache_propagates_as_nan(kl, vl, name):
+    """A NaN scale (NaN keys or values quantized on the device) reaches the output as NaN for the
+    query heads of that KV head only, never as zeros or a finite number."""
+    spec = _spec(kl=kl, vl=vl)
+    gen = torch.Generator().manual_seed(3)
+    q, k, v, lens = random_inputs(spec, 2, 1500, torch.bfloat16, "cuda", gen)
+    x = {"k": k, "v": v}[name]
+    x.scale[1, 3, 0, 0] = float("nan")   # batch 1, KV head 3: query heads 12-15
+    out = foldc.compile(spec, "sm_90")(q, k, v, seq_lens=lens)
+    assert torch.isnan(out[1, 12:16]).any()
+    mask = torch.ones(2, 32, dtype=torch.bool)
+    mask[1, 12:16] = False
+    assert torch.isfinite(out[mask]).all()

@@ -138,13 +138,18 @@ def _src(k, v, heads=(8, 2), head_dim=64, dtype=F16, block_n=16):
 
 
 def test_source_acc_fold_key_folds_code_bias_into_zero():
-    src = _src(A(2, "token", 32), None)
+    """bf16: the OR trick's 128 folded into the zero (eq. 7); fp16: its 1024 breaks the error bar of
+    eq. 6a (code_bias_allowed), so it is subtracted per value and the zero carries none."""
+    src = _src(A(2, "token", 32), None, dtype=torch.bfloat16)
     assert "scores_partial_g0" in src and "scores_partial_g1" in src  # one partial per channel group
     assert "k_zero_g0" in src
-    assert "- 1024.0 * k_scale_g0" in src       # eq. 7: the OR-trick bias folded into the zero
-    assert "| 25600" in src                      # 0x6400: fp16 1024 + code
+    assert "- 128.0 * k_scale_g0" in src        # eq. 7: the OR-trick bias folded into the zero
+    assert "| 17152" in src                      # 0x4300: bf16 128 + code
     assert "K_VALUES" not in src and "V_VALUES" in src
     assert "_deq_" not in src
+    half = _src(A(2, "token", 32), None)
+    assert "| 25600" in half and "k_code_c0 - 1024.0" in half   # 0x6400: fp16 1024 + code, then - 1024
+    assert "1024.0 * k_scale" not in half
 
 
 def test_source_operand_fold_value_prescales_weights():
