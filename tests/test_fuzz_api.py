@@ -501,3 +501,85 @@ def test_append_quantized_refuses_what_does_not_fit(data):
         args["target"] = "gpu"
     with pytest.raises(FoldError):
         append_quantized(dst, x, **args)
+
+
+# ---- the torch op, AffineTensor parts, GEMM -----------------------------------------------------
+
+@fuzz(40)
+@given(c=calls(torch.float32, 40, head_dims=(32, 64)), data=st.data())
+def test_the_torch_op_matches_float64_or_refuses(c, data):
+    """torch.ops.foldc.decode_attention (float32 queries on the CPU: the reference target)."""
+    from foldc.ops import attention_op, layout_key
+
+    spec = c["spec"]
+    how = data.draw(st.sampled_from([None, "layout", "sm_scale", "scale-missing", "codes-dtype"]))
+    if how is None:
+        got = attention_op(spec, c["q"], c["k"], c["v"], sm_scale=c["sm_scale"], seq_lens=c["seq_lens"])
+        assert rel_l2(got, _exact(c)) < 1e-6   # float32 output
+        return
+    parts = lambda x: (x.codes, x.scale, x.zero) if isinstance(x, foldc.AffineTensor) else (x, None, None)  # noqa
+    args = [c["q"], *parts(c["k"]), *parts(c["v"]), c["seq_lens"], layout_key(spec), 0.1]
+    if how == "layout":
+        args[8] = data.draw(st.sampled_from(["", "heads=x", "8/2:64:token:2:128|none", "garbage"]))
+    elif how == "sm_scale":
+        args[9] = math.nan
+    elif how == "scale-missing":
+        assume(spec.k is not None)
+        args[2] = None
+    else:
+        assume(spec.k is not None)
+        args[1] = args[1].to(torch.int32)
+    with pytest.raises(FoldError):
+        torch.ops.foldc.decode_attention(*args)
+
+
+@fuzz(60)
+@given(data=st.data())
+def test_affine_tensor_refuses_parts_that_do_not_fit(data):
+    head_dim = data.draw(st.sampled_from([16, 64]))
+    enc = data.draw(encodings(head_dim).filter(lambda e: e is not None))
+    good = foldc.quantize(torch.randn(1, 2, 8, head_dim), enc)
+    parts = {"codes": good.codes, "scale": good.scale, "zero": good.zero, "encoding": enc, "head_dim": head_dim}
+    field = data.draw(st.sampled_from(sorted(parts)))
+    bad = {"codes": [good.codes[..., :1], good.codes.int(), good.codes.tolist()],
+           "scale": [good.scale[..., :1, :1], good.scale.double(), None],
+           "zero": [good.zero.to(torch.float16 if enc.scale_dtype != torch.float16 else torch.float32), "0"],
+           "encoding": ["token:2:8", None], "head_dim": [head_dim * 2, 0, -head_dim, True]}[field]
+    parts[field] = data.draw(st.sampled_from(bad))
+    with pytest.raises(FoldError):
+        foldc.AffineTensor(parts["codes"], parts["scale"], parts["zero"], parts["encoding"], parts["head_dim"])
+
+
+@fuzz(40)
+@given(data=st.data())
+def test_gemm_specs_and_calls_refuse_bad_values(data):
+    from foldc.gemm.reference import gemm_reference, quantize_2d
+    from foldc.gemm.spec import GemmEncoding, parse_gemm_encoding
+
+    n, k = data.draw(st.sampled_from([16, 32])), data.draw(st.sampled_from([64, 128]))
+    weight = GemmEncoding("k-group", data.draw(st.sampled_from([2, 4, 8])), data.draw(st.sampled_from([32, 64])))
+    spec = foldc.GemmSpec(n, k, weight=weight)
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31 - 1)))
+    x = torch.randn(3, k, generator=gen).half()
+    w = quantize_2d(torch.randn(n, k, generator=gen), weight)
+    how = data.draw(st.sampled_from([None, "n", "bits", "group", "text", "x-shape", "w-plain", "target"]))
+    if how is None:
+        got = foldc.compile(spec, target="reference")(x, w)
+        assert rel_l2(got, gemm_reference(x, w)) < 1e-12
+        return
+    with pytest.raises(FoldError):
+        if how == "n":
+            foldc.GemmSpec(data.draw(st.sampled_from([0, -1, 2.5, "16"])), k, weight=weight)
+        elif how == "bits":
+            GemmEncoding("k-group", data.draw(st.sampled_from([3, 0, 16])), 32)
+        elif how == "group":
+            GemmEncoding("k-group", 4, data.draw(st.sampled_from([0, None, -32])))
+        elif how == "text":
+            parse_gemm_encoding(data.draw(st.sampled_from(["k-group:4", "k-group:x:128", "per-token:4:32", 7])),
+                                "weight")
+        elif how == "x-shape":
+            foldc.compile(spec, target="reference")(x[:, :-1], w)
+        elif how == "w-plain":
+            foldc.compile(spec, target="reference")(x, torch.randn(n, k))
+        else:
+            foldc.compile(spec, target=data.draw(st.sampled_from(["gpu", "sm_80", ""])))
