@@ -137,6 +137,12 @@ def code_bias_allowed(dtype: str, bits: int, group_size: int, code_bias: int, op
     return spread_bound(group_size) * (abs(code_bias) + cmax) / cmax * ACCUMULATOR_ROUNDOFF / u <= budget
 
 
+def key_reduction_group(spec) -> int:
+    """Key values sharing one (scale, zero) along the scores' reduction (channels): a token-wise
+    group, or the whole head for channel-wise keys (their groups run along tokens)."""
+    return spec.k.group_size if spec.k.group_axis == "channel" else spec.head_dim
+
+
 def product_precision(product, dtype: str, target: float = TARGET, operand_dtype: str | None = None
                       ) -> PrecisionDecision:
     """`choose_precision` for a `foldc.plan.ProductPlan`."""

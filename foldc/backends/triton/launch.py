@@ -23,7 +23,7 @@ from ...encoding import AffineTensor
 from ...errors import InputError
 from ...options import check_launch_options
 from ...plan import Plan, plan
-from ...precision import code_bias_allowed
+from ...precision import code_bias_allowed, key_reduction_group
 from ...validate import check_call, output_buffer
 from .codegen import MAGIC, KernelSource, generate, magic_ok
 from .layout import TileGeometry, geometry
@@ -203,8 +203,7 @@ def triton_plan(spec, dtype: str, fold_policy: str = "auto") -> Plan:
     key_bias = 0
     if spec.k is not None and magic_ok(spec.k.bits, dtype):
         bias = MAGIC[dtype][1]   # folded only where the error model of eq. 6a allows it (bf16: 128 yes, fp16: 1024 no)
-        group = spec.k.group_size if spec.k.layout == "token" else spec.head_dim
-        if code_bias_allowed(dtype, spec.k.bits, group, bias):
+        if code_bias_allowed(dtype, spec.k.bits, key_reduction_group(spec), bias):
             key_bias = bias
     return plan(spec, code_bias={"key": key_bias}, fold_policy=fold_policy, dtype=dtype)
 
