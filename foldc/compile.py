@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from .encoding import AffineTensor
-from .errors import InputError, SpecError
+from .errors import SpecError
 from .executor import Executor, TorchOps
 from .ir import BATCH, CHANNEL, KV_HEAD, Q_PER_KV, TOKEN
 from .options import KERNELS, attention_kernel, check_kernel  # noqa: F401 - KERNELS: public name

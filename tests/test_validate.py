@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import foldc
-from foldc.errors import FoldError, InputError, InputTypeError
+from foldc.errors import InputError, InputTypeError
 from foldc.serving import PagedDecodeWrapper, PagedKVCache, QuantizedKVCache, page_pool
 from foldc.validate import check_out, check_sm_scale
 

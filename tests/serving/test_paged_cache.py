@@ -258,7 +258,7 @@ def test_device_lengths_past_a_sequences_pages_read_only_its_pages():
     """run(seq_lens=...) is not checked on the host (that needs a sync): a length past the pages a
     sequence owns must still read only those pages: the answer is attention over them, never a read
     past the page table (here the last sequence's pages end the table)."""
-    from foldc.serving import PagedDecodeWrapper, gather_pages, page_pool
+    from foldc.serving import PagedDecodeWrapper, gather_pages
 
     spec = S(4, 2, 64, A(2, "token", 32), A(4, "token", 64))
     gen = torch.Generator().manual_seed(5)
