@@ -53,8 +53,8 @@ def with_unpack(attn, path: str):
     def launch_config(dtype, batch, tokens):
         opts = base(dtype, batch, tokens)
         cfg = attn.config
-        kasm, kcons = module.key_unpack_asm(cfg.bits, cfg.key_bias)
-        values = [module.value_unpack_asm(cfg.bits, byte) for byte in range(4)]
+        kasm, kcons = module.key_unpack_asm(cfg.key_bits, cfg.key_bias)
+        values = [module.value_unpack_asm(cfg.value_bits, byte) for byte in range(4)]
         opts["constexprs"] = dict(opts["constexprs"], KASM=kasm, KCONS=kcons, VA0=values[0][0], VA1=values[1][0],
                                   VA2=values[2][0], VA3=values[3][0], VCONS=values[0][1])
         return opts

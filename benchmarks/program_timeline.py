@@ -35,7 +35,7 @@ def _stamp(x, ASM: gl.constexpr):
 
 # (anchor text in kernel.py, text put after it): each anchor must occur exactly once
 PATCHES = [
-    ("    smem_l: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])\n",
+    ("    tok_l: gl.constexpr = gl.SliceLayout(1, mma)\n",
      "    rr_t = gl.arange(0, ROWS, layout=gl.SliceLayout(0, mma))\n"
      "    t_start = _stamp(rr_t, 'mov.u32 $0, %globaltimer_lo;')\n"),
     ("    acc_o = gl.zeros([D, ROWS], gl.float32, layout=mma)\n",

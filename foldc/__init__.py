@@ -6,6 +6,7 @@ Public API::
     kq = foldc.quantize(k, enc)                      # AffineTensor (packed codes, scale, zero)
     spec = foldc.AttentionSpec(32, 8, 128, k=enc, v=enc)
     p = foldc.plan(spec); print(p); p.folds          # {"qk": "acc-fold", "pv": "operand-fold"}
+    foldc.check_plan(p)                              # the fold rules alone (PlanError names rule and product)
     foldc.prove(p)                                   # sympy proof, raises FoldError if not exact
     attn = foldc.compile(spec, target="reference")   # float64 plan executor
     out = attn(q, kq, vq, sm_scale=None, seq_lens=None)
@@ -14,7 +15,7 @@ from .compile import compile
 from .encoding import Affine, AffineTensor, quantize
 from .merge import merge_attention
 from .errors import FoldError, GraphError, InputError, InputTypeError, PlanError, ProofError, SpecError
-from .plan import Plan, ProductPlan, plan
+from .plan import Plan, ProductPlan, check_plan, plan
 from .proof import ProofReport, prove
 from .reference import attention_reference
 from .spec import AttentionSpec
@@ -23,5 +24,5 @@ from .gemm import GemmEncoding, GemmSpec
 __all__ = [
     "Affine", "AffineTensor", "AttentionSpec", "GemmEncoding", "GemmSpec", "FoldError", "GraphError", "InputError", "InputTypeError",
     "Plan", "PlanError", "ProductPlan", "ProofError", "ProofReport", "SpecError", "attention_reference",
-    "compile", "merge_attention", "plan", "prove", "quantize",
+    "check_plan", "compile", "merge_attention", "plan", "prove", "quantize",
 ]

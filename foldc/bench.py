@@ -116,7 +116,7 @@ def gluon_call_parts(attn, q, k, v, sm_scale: float) -> dict:
     ws = attn.workspace(launch, b, splits, q.device)
     args, kwargs = attn.decode_arguments(launch, q, k, v, None, ws, sm_scale, per_split, n, None)
     return dict(launch=launch, splits=splits, per_split=per_split, ws=ws, args=args, kwargs=kwargs,
-                grid=(b, attn.spec.num_kv_heads // launch["heads"], splits))
+                grid=(b, attn.head_programs(launch), splits))
 
 def save_rows(rows: list, path: str) -> None:
     """Write the rows so far (a sweep cut off by its time limit keeps what it measured) and give the
@@ -329,7 +329,14 @@ def plot(results: dict, path: Path) -> None:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--layouts" in argv:  # the layout grid has its own options: foldc/bench_layouts.py
+        from .bench_layouts import main as layouts_main
+
+        return layouts_main([a for a in argv if a != "--layouts"])
     ap = argparse.ArgumentParser(prog="foldc bench", description=__doc__.split("\n")[0])
+    ap.add_argument("--layouts", action="store_true",
+                    help="the K/V layout grid instead, checked and timed (see foldc bench --layouts --help)")
     ap.add_argument("--out", default="results", help="output folder (default results/)")
     ap.add_argument("--quick", action="store_true", help="three shapes, fewer kernels and configs")
     ap.add_argument("--no-tune", action="store_true", help="default launch config instead of autotuning")

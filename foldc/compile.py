@@ -4,9 +4,10 @@ Targets:
 - ``"reference"``: the float64 executor runs the plan step by step (folds, corrections, online
   softmax in token tiles). Returns float64 ``[batch, num_q_heads, head_dim]``.
 - ``"sm_90"``, ``"sm_100"``: a fused kernel on a CUDA GPU of that generation (fp16 or bf16
-  queries; output in the query's dtype). On sm_90, plans with one scale and zero per token go to
-  the register-operand kernel (foldc/backends/gluon) unless ``kernel="triton"``; every other plan
-  to the generated Triton kernel (foldc/backends/triton).
+  queries; output in the query's dtype). Plans the register-operand kernel lowers
+  (foldc/backends/gluon: folded K and V at 2, 4 or 8 bits each) run it for bf16 queries unless
+  ``kernel="triton"``; every other plan, and fp16 queries, the generated Triton kernel
+  (foldc/backends/triton).
 - ``"interpret"``: the same generated kernel under Triton's interpreter on the CPU (fp16 only).
 - ``"auto"``: ``sm_90``/``sm_100`` by the GPU found, else ``interpret``.
 """
@@ -117,7 +118,7 @@ def compile(spec: AttentionSpec, target: str = "reference", **options):  # noqa:
             raise SpecError(f"option(s) {wrong} belong to the Triton kernel; drop them or pass kernel='triton'")
         from .backends.gluon import GluonAttention
 
-        gluon = GluonAttention(spec, **options)
+        gluon = GluonAttention(spec, target=target, **options)
         if kernel == "gluon":
             return gluon   # bf16 queries only (foldc.backends.gluon.lower.FP16_REASON)
         shared = {k: v for k, v in options.items() if k in ("block_n", "splits")}

@@ -126,12 +126,15 @@ GROUP_PER_HEAD_PER_32_TOKENS = {"sm_90": 5.5}
 
 
 def token_loop_instructions_per_tile(arch: str, bits: int, head_dim: int, heads: int = 1, block_n: int = 32,
-                                     key_groups: int = 1, value_groups: int = 1) -> float:
+                                     key_groups: int = 1, value_groups: int = 1,
+                                     value_bits: int | None = None) -> float:
     """Warp-instructions one program issues per tile of ``block_n`` tokens of ``heads`` KV heads
-    (token-wise K and V with ``key_groups`` / ``value_groups`` channel groups per token): the fit above."""
+    (token-wise K at ``bits`` and V at ``value_bits``, default the same, with ``key_groups`` /
+    ``value_groups`` channel groups per token): the fit above."""
     if arch not in PER_TILE:
         raise ValueError(f"arch={arch!r} has no measured token-loop figure; use one of {sorted(PER_TILE)}")
-    build = head_dim * (key_construction(bits) + value_construction(bits))   # per 32 tokens per head
+    value_bits = bits if value_bits is None else value_bits
+    build = head_dim * (key_construction(bits) + value_construction(value_bits))   # per 32 tokens per head
     per_32 = heads * (build + p_mask_per_head(heads) + PER_HEAD_PER_32_TOKENS[arch]) + SHARED_PER_32_TOKENS[arch]
     extra_groups = key_groups - 1 + value_groups - 1
     per_32 += extra_groups * (GROUP_SHARED_PER_32_TOKENS[arch] + heads * GROUP_PER_HEAD_PER_32_TOKENS[arch])
@@ -140,10 +143,13 @@ def token_loop_instructions_per_tile(arch: str, bits: int, head_dim: int, heads:
 
 def token_loop_lane_slots_per_byte(arch: str, bits: int, head_dim: int, param_bytes: int = 2,
                                    heads: int = 1, block_n: int = 32, key_groups: int = 1,
-                                   value_groups: int = 1) -> float:
+                                   value_groups: int = 1, value_bits: int | None = None) -> float:
     """Issue demand of the register-operand kernel's whole token loop per byte it reads (token-wise
-    K and V, fp16 scale and zero per channel group of each token): construction of both operands plus
-    the per-token and per-tile work, part of which the ``heads`` KV heads packed into one program share."""
-    bytes_per_tile = heads * block_n * (2 * head_dim * bits / 8 + 2 * param_bytes * (key_groups + value_groups))
+    K at ``bits`` and V at ``value_bits`` (default the same), fp16 scale and zero per channel group of
+    each token): construction of both operands plus the per-token and per-tile work, part of which
+    the ``heads`` KV heads packed into one program share."""
+    value_bits = bits if value_bits is None else value_bits
+    bytes_per_tile = heads * block_n * (head_dim * (bits + value_bits) / 8
+                                        + 2 * param_bytes * (key_groups + value_groups))
     return 32 * token_loop_instructions_per_tile(arch, bits, head_dim, heads, block_n, key_groups,
-                                                 value_groups) / bytes_per_tile
+                                                 value_groups, value_bits) / bytes_per_tile

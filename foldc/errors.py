@@ -27,11 +27,13 @@ class GraphError(FoldError):
 
 
 class PlanError(FoldError):
-    """A plan that breaks a fold rule. `rule` names the rule (see docs/derivation.md)."""
+    """A plan that breaks a fold rule. `rule` names the rule (see docs/derivation.md); `product`
+    the product at fault ("qk", "pv", "xw"), where the rule knows it."""
 
-    def __init__(self, rule: str, detail: str):
+    def __init__(self, rule: str, detail: str, product: str | None = None):
         self.rule = rule
         self.detail = detail
+        self.product = product
         super().__init__(f"[{rule}] {detail}")
 
 

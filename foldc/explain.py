@@ -5,14 +5,32 @@ from __future__ import annotations
 import textwrap
 
 from .cost import lane_slots_per_byte
+from .decisions import FoldKind
 
 SEED_TABLE_HEADER = ("cache layout", "product (sums over)", "fold", "where the scale goes")
+
+
+def scale_text(p) -> str:
+    """The scale site's text; "-" for a plain operand."""
+    return "-" if p.scale_site is None else str(p.scale_site)
+
+
+def correction_text(p) -> str:
+    """The correction term's text ("MISSING" where a folded product lacks it); "-" for a plain
+    operand, and for dequant the note that the zero is applied per value."""
+    if p.correction is not None:
+        return str(p.correction)
+    return "-" if p.encoded is None else "none (zero applied per value)"
+
+
+def lands_text(p) -> str:
+    return "-" if p.lands_before is None else str(p.lands_before)
 
 
 def plan_summary(plan) -> str:
     lines = [f"plan for {plan.spec.describe()}"]
     for name, p in plan.products.items():
-        lines.append(f"  {name}: {p.fold:<12} scale -> {p.scale_site}; correction: {p.correction}")
+        lines.append(f"  {name}: {p.fold:<12} scale -> {scale_text(p)}; correction: {correction_text(p)}")
     for c in plan.constraints:
         lines.append(f"  tiling: {c}")
     return "\n".join(lines)
@@ -27,13 +45,13 @@ def _encoding_text(p, spec) -> str:
 
 
 def _fold_text(p) -> str:
-    if p.fold == "dequant":
+    if p.fold is FoldKind.DEQUANT:
         return f"dequant: the fold does not pay here (see break-even); by the axes alone: {p.reason}"
-    return p.fold + (f": {p.reason}" if p.reason else "")
+    return f"{p.fold}" + (f": {p.reason}" if p.reason else "")
 
 
 def _cost_text(p) -> str:
-    if p.fold == "none":
+    if p.fold is FoldKind.NONE:
         return "-"
     h, g = p.rows_per_group, p.group_size
     return (f"fold 2*h/g = 2*{h}/{g} = {float(p.fold_ops_per_value):.4g} scale+offset ops per stored value; "
@@ -41,7 +59,7 @@ def _cost_text(p) -> str:
 
 
 def _issue_text(p) -> str:
-    if p.fold == "none":
+    if p.fold is FoldKind.NONE:
         return "-"
     rows = []
     for v in p.issue:
@@ -82,11 +100,11 @@ def explain_table(plan) -> str:
                                "pv": "out = p . v (sums over token)"}[p.product]),
         ("encoded operand", lambda p: _encoding_text(p, spec)),
         ("fold", _fold_text),
-        ("scale goes to", lambda p: p.scale_site),
-        ("correction term", lambda p: p.correction),
-        ("code bias (eq. 7)", lambda p: "-" if p.fold in ("none", "dequant") else
+        ("scale goes to", scale_text),
+        ("correction term", correction_text),
+        ("code bias (eq. 7)", lambda p: "-" if not p.fold.folded else
          (f"{p.code_bias} folded into the zero" if p.code_bias else "none")),
-        ("must land before", lambda p: p.lands_before if p.fold != "none" else "-"),
+        ("must land before", lands_text),
         ("operand precision (eq. 6a)", _precision_text),
         ("tiling constraint", lambda p: "\n".join(str(c).split(": ", 1)[1] for c in p.constraints) or "-"),
         ("cost (eq. 12)", _cost_text),
@@ -119,8 +137,9 @@ def _kernel_text(spec) -> str:
                 "channel-wise sides; `foldc compile --target sm_90` reports the SASS count per tile "
                 "(instructions_per_tile) and docs/perf.md compares the layouts")
     h200 = next(g for g in GPUS if g.name == "H200")
-    demand = token_loop_lane_slots_per_byte("sm_90", cfg.bits, cfg.head_dim, heads=heads, block_n=block_n,
-                                            key_groups=cfg.key_groups, value_groups=cfg.value_groups)
+    demand = token_loop_lane_slots_per_byte("sm_90", cfg.key_bits, cfg.head_dim, heads=heads, block_n=block_n,
+                                            key_groups=cfg.key_groups, value_groups=cfg.value_groups,
+                                            value_bits=cfg.value_bits)
     groups = "" if cfg.key_groups == cfg.value_groups == 1 else \
         f", {cfg.key_groups} K and {cfg.value_groups} V channel group(s) per token"
     return (f"register-operand kernel (sm_90), whole token loop with {heads} KV head(s) per program and "
@@ -142,6 +161,6 @@ def seed_table(plans) -> str:
             seen.add((name, enc.layout))
             operand = "K" if name == "qk" else "V"
             prod = "QK^T, sums over channels" if name == "qk" else "PV, sums over tokens"
-            rows.append([f"{enc.layout}-wise {operand}", prod, p.fold, p.scale_site])
+            rows.append([f"{enc.layout}-wise {operand}", prod, str(p.fold), scale_text(p)])
     rows.sort(key=lambda r: (r[0][-1], r[0].startswith("channel")))
     return _table(list(SEED_TABLE_HEADER), rows, width=50)

@@ -111,9 +111,8 @@ def _build(spec, target: str, out: str, dtype: str, kernel: str, options: dict) 
     if kernel == "gluon":
         from .backends.gluon.aot import compile_gluon_aot
 
-        return "foldc_decode_gluon", compile_gluon_aot(spec, target, out, dtype=dtype,
-                                                       block_n=options.get("block_n", 32),
-                                                       stages=options.get("stages", 2))
+        return "foldc_decode_gluon", compile_gluon_aot(spec, target, out, dtype=dtype,   # the launcher's defaults
+                                                       block_n=options.get("block_n"), stages=options.get("stages"))
     from .backends.triton.aot import compile_aot
 
     return "foldc_decode", compile_aot(spec, target, out, dtype=dtype, **{**DEFAULTS, **options})

@@ -155,21 +155,25 @@ def check_launch_options(target: str, kernel: str, **options) -> dict:
     return given
 
 
+GLUON_TARGETS = ("sm_90", "sm_100")   # the register-operand kernel's (mma.sync on register operands)
+
+
 def attention_kernel(spec, target: str, kernel: str = "auto", options=(), aot: bool = False,
                      dtype: str = "bf16") -> str:
     """"triton" or "gluon": the kernel that lowers attention ``spec`` for ``target`` and ``dtype``
-    queries. "auto" takes the register-operand kernel on sm_90 where it lowers the plan and none of
-    ``options`` (a mapping of the options given) is one it does not take; "gluon" insists (on sm_90,
-    or sm_100 for an ahead-of-time build: ``aot``) and says why it cannot; "triton" never."""
+    queries. "auto" takes the register-operand kernel on sm_90 and sm_100 (which keeps mma.sync) where
+    it lowers the plan and none of ``options`` (a mapping of the options given) is one it does not
+    take; "gluon" insists and says why it cannot; "triton" never. ``aot``: an ahead-of-time build
+    (no GPU needed)."""
     check_kernel(kernel)
     given = {k: v for k, v in dict(options).items() if v is not None}
     if kernel == "triton":
         return "triton"
-    if target != "sm_90" and not (aot and kernel == "gluon" and target == "sm_100"):
+    if target not in GLUON_TARGETS:
         if kernel == "gluon":
-            raise SpecError(f"kernel='gluon' runs on target='sm_90' (a GPU); this call has target={target!r}. "
-                            "Build it ahead of time for sm_90 with `foldc compile --kernel gluon`, or use "
-                            "kernel='auto' or 'triton'")
+            raise SpecError(f"kernel='gluon' runs on target='sm_90' or 'sm_100' (a GPU); this call has "
+                            f"target={target!r}. Build it ahead of time with `foldc compile --kernel gluon --target "
+                            "sm_90`, or use kernel='auto' or 'triton'")
         return "triton"
     from .backends.gluon.lower import lowerable
 

@@ -3,39 +3,57 @@
 A `ProductPlan` says, for one contraction, with no reference to the layout it came from:
 which operand is encoded and along which axis its groups run, the fold kind, where the scale
 goes, the correction term, what it must land before, the tiling constraint, and the cost
-figures. A backend reads these fields (and the graph) and nothing else.
+figures, each a typed decision of foldc/decisions.py. A backend and a serving layer read these
+fields (and the graph) and nothing else; `plan_of(spec)` gives the (cached) plan of a spec, and
+`check_plan` refuses a plan that breaks a fold rule.
 """
 from __future__ import annotations
 
+import functools
+import math
 from dataclasses import dataclass, field, replace
 from fractions import Fraction
 
+import torch
+
 from .builder import build_decode_attention
 from .cost import IssueVerdict, verdicts
-from .errors import SpecError
+from .decisions import (STAGE_OF, CorrectionTerm, FoldKind, GroupAxis, Missing, ScaleSite, ScaleTarget, Stage,
+                        TilingConstraint)
+from .errors import PlanError, SpecError
 from .ir import Contract, Correction, Graph, Input
 from .precision import UNIT_ROUNDOFF, PrecisionDecision, product_precision
-from .passes import FOLD_POLICIES, PassRecord, TileConstraint, default_passes, fold_cost, rows_sharing_group, run_pipeline
+from .passes import (FOLD_POLICIES, PassRecord, TileConstraint, check_plan_rules, default_passes, fold_cost,
+                     rows_sharing_group, run_pipeline)
 from .spec import AttentionSpec
 
 PRODUCT_ORDER = ("qk", "pv")
+OPERAND_PRODUCT = {"k": "qk", "v": "pv"}
+SCALE_DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 
 
 @dataclass(frozen=True)
 class ProductPlan:
+    """One product's decisions. For a plain operand (``encoded`` None, fold NONE) the encoding
+    fields, ``scale_site`` and ``correction`` are None; a dequant product has no correction (None);
+    a folded one whose graph adds none has ``correction`` `Missing.CORRECTION` (`check_plan`
+    refuses it). ``constraints``: the ordering pass's records for this product (eq. 5);
+    ``tiling``: the numbers a kernel's tiles and a cache's writes must respect."""
+
     product: str
     encoded: str | None
     other: str
     reduce: str
-    fold: str
-    group_axis: str | None = None
+    fold: FoldKind
+    group_axis: GroupAxis | None = None
     group_size: int | None = None
     bits: int | None = None
+    scale_dtype: str | None = None
     code_bias: int = 0
-    scale_site: str = "-"
-    correction: str = "-"
-    lands_before: str = "-"
+    scale_site: ScaleSite | None = None
+    correction: CorrectionTerm | Missing | None = None
     constraints: tuple[TileConstraint, ...] = ()
+    tiling: TilingConstraint = TilingConstraint()
     rows_per_group: int | None = None
     fold_ops_per_value: Fraction | None = None
     reason: str = ""
@@ -44,6 +62,24 @@ class ProductPlan:
     #: how the MMA operand is rounded for the query dtype the plan was made for (eq. 6a); None
     #: for a plan made without a dtype (reference, executor, proofs: no rounding)
     precision: PrecisionDecision | None = None
+
+    @property
+    def lands_before(self) -> Stage | None:
+        """What this product's terms must reach first: the softmax (qk, eq. 8) or the division
+        (pv, eq. 10); None for a plain operand."""
+        if isinstance(self.correction, CorrectionTerm):
+            return self.correction.lands_before
+        return STAGE_OF[self.product] if self.encoded is not None else None
+
+    @property
+    def correction_missing(self) -> bool:
+        """A folded product whose graph adds no correction term (eq. 6)."""
+        return self.correction is Missing.CORRECTION
+
+    @property
+    def token_tile_multiple(self) -> int | None:
+        """Channel-wise groups of G tokens: G (a token tile divides it); else None."""
+        return self.tiling.token_tile_multiple
 
 
 @dataclass(frozen=True)
@@ -58,8 +94,19 @@ class Plan:
 
     @property
     def folds(self) -> dict[str, str]:
-        """``{"qk": ..., "pv": ...}`` with values acc-fold, operand-fold, dequant or none."""
-        return {name: p.fold for name, p in self.products.items()}
+        """``{"qk": ..., "pv": ...}`` with values acc-fold, operand-fold, dequant or none (plain
+        strings, for reports; each product's `ProductPlan.fold` is the `FoldKind`)."""
+        return {name: str(p.fold) for name, p in self.products.items()}
+
+    @property
+    def token_alignment(self) -> int:
+        """The lcm of the channel-wise groups' sizes (1 if none): a cache append, a page or a
+        sequence's quantized body must hold a multiple of this many tokens."""
+        return math.lcm(*(p.tiling.token_alignment for p in self.products.values()))
+
+    def of_operand(self, name: str) -> ProductPlan:
+        """The product that reads cache operand ``name``: "k" -> qk, "v" -> pv."""
+        return self.products[OPERAND_PRODUCT[name]]
 
     def with_graph(self, graph: Graph) -> "Plan":
         """The same plan over an edited graph (used to check hand-made or mutated plans)."""
@@ -105,6 +152,39 @@ def plan(spec: AttentionSpec, code_bias: dict[str, int] | None = None, fold_poli
     return _make_plan(spec, graph, tuple(log), dtype, operand_dtype)
 
 
+@functools.lru_cache(maxsize=256)
+def plan_of(spec: AttentionSpec) -> Plan:
+    """``plan(spec)``, cached per spec: for code that holds a spec and reads its decisions (the
+    tiling numbers, the token alignment). Shared between callers: do not edit its graph."""
+    if not isinstance(spec, AttentionSpec):
+        raise SpecError(f"spec must be a foldc.AttentionSpec, got {type(spec).__name__}")
+    return plan(spec)
+
+
+def check_plan(the_plan: Plan) -> Plan:
+    """Return ``the_plan`` if it keeps the fold rules, else raise PlanError naming the rule and the
+    product: a folded product without its correction (eq. 6), a key correction that does not land
+    before the softmax (eq. 8) or a value correction after the division (eq. 10), an unscaled
+    partial sum across a group (eq. 5). `plan` holds its graphs to these rules (the ordering
+    pass); a plan made with `Plan.with_graph` or `dataclasses.replace` is checked here."""
+    for name, p in the_plan.products.items():
+        if p.correction_missing:
+            raise PlanError("missing-correction", f"{name}: %{p.encoded} is folded ({p.fold}) but the plan adds no "
+                            f"correction term (zero x sum of {p.other}, eq. 6)", product=name)
+        stage = STAGE_OF.get(name)
+        if isinstance(p.correction, CorrectionTerm) and stage is not None and p.correction.lands_before is not stage:
+            rule = "key-correction-after-softmax" if stage is Stage.SOFTMAX else "value-correction-after-division"
+            raise PlanError(rule, f"{name}: its correction lands before {p.correction.lands_before}; it must land "
+                            f"before {stage} (eq. {8 if stage is Stage.SOFTMAX else 10})", product=name)
+    try:
+        check_plan_rules(the_plan.graph)
+    except PlanError as e:
+        if not e.product or e.detail.startswith(f"{e.product}: "):
+            raise
+        raise PlanError(e.rule, f"{e.product}: {e.detail}", product=e.product) from e
+    return the_plan
+
+
 def _make_plan(spec: AttentionSpec, graph: Graph, log, dtype: str | None = None,
                operand_dtype: str | None = None) -> Plan:
     constraints = tuple(graph.meta.get("constraint", ()))
@@ -120,33 +200,29 @@ def _make_plan(spec: AttentionSpec, graph: Graph, log, dtype: str | None = None,
 def _product_plan(graph: Graph, name: str, spec: AttentionSpec, constraints) -> ProductPlan:
     role, other, reduce = {"qk": ("key", "q", "channel"), "pv": ("value", "p", "token")}[name]
     contracts = [n for n in graph.nodes_of(Contract) if n.product == name]
-    fold = contracts[0].fold if contracts else "none"
+    fold = FoldKind(contracts[0].fold if contracts else "none")
     inp = next(n for n in graph.nodes_of(Input) if n.role == role)
     enc = inp.encoding
     if enc is None:
-        return ProductPlan(name, None, other, reduce, "none", reason=f"%{inp.name} is a plain operand")
+        return ProductPlan(name, None, other, reduce, FoldKind.NONE, reason=f"%{inp.name} is a plain operand")
     h = rows_sharing_group(graph, _probe_contract(name, inp, other, reduce))
     cost = fold_cost(h, enc.group_size)
-    lands = "the softmax (max, exp)" if role == "key" else "the division by the denominator (rescaled with acc)"
-    corr_node = next((n for n in graph.nodes_of(Correction) if n.product == name), None)
-    if fold == "acc-fold":
-        site = f"each group's partial sum (per {enc.group_size} {reduce}s)"
-        corr = f"zero x sum of {other} over each group of {enc.group_size} {reduce}s"
-    elif fold == "operand-fold":
-        site = f"the other operand: {other} x scale, before the product"
-        corr = f"sum over {reduce} of {other} x zero"
-    else:
-        site, corr = "each value (s*c + z, then the product)", "none (zero applied per value)"
-    if corr_node is None and fold in ("acc-fold", "operand-fold"):
-        corr = "MISSING"
+    axis, g = GroupAxis.of(enc), enc.group_size
+    target = {FoldKind.ACC_FOLD: ScaleTarget.ACCUMULATOR, FoldKind.OPERAND_FOLD: ScaleTarget.OPERAND}
+    site = ScaleSite(target.get(fold, ScaleTarget.VALUE), other if fold.folded else inp.name, axis, g)
+    corr = None
+    if fold.folded:   # eq. 6: acc-fold sums the other operand per group, operand-fold contracts it with the zero
+        corr = CorrectionTerm(inp.name, other, reduce, g if fold is FoldKind.ACC_FOLD else None, STAGE_OF[name])
+        if not any(n.product == name for n in graph.nodes_of(Correction)):
+            corr = Missing.CORRECTION
     codes = graph[f"{inp.name}.codes"] if f"{inp.name}.codes" in graph else None
     return ProductPlan(
-        product=name, encoded=inp.name, other=other, reduce=reduce, fold=fold, group_axis=enc.group_axis,
-        group_size=enc.group_size, bits=enc.bits, code_bias=getattr(codes, "bias", 0), scale_site=site,
-        correction=corr, lands_before=lands, constraints=tuple(c for c in constraints if c.product == name),
-        rows_per_group=h, fold_ops_per_value=cost, reason=graph.meta.get(f"reason.{name}", ""),
-        break_even=graph.meta.get(f"break-even.{name}", ""),
-        issue=tuple(verdicts(fold, enc.bits, cost if fold != "dequant" else 0)),
+        product=name, encoded=inp.name, other=other, reduce=reduce, fold=fold, group_axis=axis,
+        group_size=g, bits=enc.bits, scale_dtype=SCALE_DTYPES[enc.scale_dtype], code_bias=getattr(codes, "bias", 0),
+        scale_site=site, correction=corr, constraints=tuple(c for c in constraints if c.product == name),
+        tiling=TilingConstraint.of(enc, spec.head_dim), rows_per_group=h, fold_ops_per_value=cost,
+        reason=graph.meta.get(f"reason.{name}", ""), break_even=graph.meta.get(f"break-even.{name}", ""),
+        issue=tuple(verdicts(fold, enc.bits, cost if fold is not FoldKind.DEQUANT else 0)),
     )
 
 

@@ -109,9 +109,18 @@ def test_gemm_options(option, value, fragment):
 
 def test_attention_kernel_choice_without_a_gpu_target():
     assert attention_kernel(SPEC, "interpret") == "triton"
-    assert attention_kernel(SPEC, "sm_100", "auto") == "triton"
-    _raises(lambda: attention_kernel(SPEC, "sm_100", "gluon"), "kernel='gluon'", "target='sm_100'")
+    _raises(lambda: attention_kernel(SPEC, "interpret", "gluon"), "kernel='gluon'", "target='interpret'")
     _raises(lambda: attention_kernel(SPEC, "interpret", "cuda"), "kernel='cuda'")
+
+
+def test_sm_100_takes_the_register_operand_kernel_as_sm_90_does():
+    """B200 keeps mma.sync: the same lowering rules on both targets (SPEC: 64 channels at 2 bits is one
+    128-bit row per token, which the register layouts do not read)."""
+    lowered = foldc.AttentionSpec(32, 8, 128, A(4, "token", 128), A(2, "channel", 64))
+    for target in ("sm_90", "sm_100"):
+        assert attention_kernel(lowered, target, "auto") == "gluon"
+        assert attention_kernel(SPEC, target, "auto") == "triton"
+        _raises(lambda: attention_kernel(SPEC, target, "gluon"), "kernel='gluon'", "128 bits per token")
 
 
 @pytest.fixture

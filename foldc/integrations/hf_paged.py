@@ -27,6 +27,7 @@ import math
 import torch
 
 from ..errors import SpecError
+from ..plan import plan_of
 from ..serving import PagedKVCache
 from .hf import FoldcCache, FoldcLayer
 
@@ -105,9 +106,8 @@ class PagedFoldcCache(FoldcCache):
         if self.spec.k is None or self.spec.v is None:
             raise SpecError(f"PagedFoldcCache quantizes both K and V (k={k!r}, v={v!r}); use FoldcCache for a "
                             "plain operand")
-        groups = [e.group_size for e in (self.spec.k, self.spec.v) if e.layout == "channel"]
-        if page_size is None:
-            page_size = math.lcm(16, *groups)
+        if page_size is None:   # whole channel-wise groups in a page (the plan's token alignment)
+            page_size = math.lcm(16, plan_of(self.spec).token_alignment)
         shared = {"cache": None, "page_size": page_size, "num_layers": len(self.layers)}
         self.layers = [PagedFoldcLayer(shared, i, self.spec, max_cache_len, sink, window, target)
                        for i in range(len(self.layers))]

@@ -14,7 +14,8 @@ Rules (each raises PlanError with the rule's name):
   scaled partial meets its own operand's correction before another operand's scale multiplies
   it (the nested folds of eq. 15).
 
-The same checks run inside `foldc.prove`, so a hand-edited plan is held to them too.
+The same checks run inside `foldc.prove` and `foldc.plan.check_plan`, so a hand-edited plan is
+held to them too; each error carries the product at fault (``PlanError.product``).
 """
 from __future__ import annotations
 
@@ -29,7 +30,10 @@ from .base import Pass
 
 @dataclass(frozen=True)
 class TileConstraint:
-    """Along ``axis``, a kernel tile must not let ``what`` straddle a multiple of ``every``."""
+    """Along ``axis``, a kernel tile must not let ``what`` straddle a multiple of ``every``.
+
+    The pass-level record, read from the folded graph; `foldc.plan.ProductPlan.tiling` holds the
+    numbers a kernel and a cache read (`foldc.decisions.TilingConstraint`)."""
 
     product: str
     axis: str
@@ -55,38 +59,41 @@ def check_correction_placement(graph) -> None:
         below = graph.descendants(corr.name)
         corrected.add(graph[corr.zero].source)
         if graph.output not in below:
-            raise PlanError("missing-correction", f"%{corr.name} is computed but never added to the result")
+            raise PlanError("missing-correction", f"%{corr.name} is computed but never added to the result",
+                              product=corr.product)
         if role == "key":
             for sm in softmaxes:
                 if sm.name not in below:
                     raise PlanError("key-correction-after-softmax",
                                     f"%{corr.name} (key side) is added after the softmax %{sm.name}; it must "
-                                    "reach the logits before the max and exp (eq. 8)")
+                                    "reach the logits before the max and exp (eq. 8)", product=corr.product)
         elif role == "value":
             if any(d.name in graph.ancestors(corr.name) | {corr.name} for d in divides) or \
                     any(d.name not in below for d in divides):
                 raise PlanError("value-correction-after-division",
                                 f"%{corr.name} (value side) is added after the division by the softmax "
-                                "denominator; it must land in the accumulator before it (eq. 10)")
+                                "denominator; it must land in the accumulator before it (eq. 10)",
+                                product=corr.product)
             for acc in accs:
                 if acc.name not in below or acc.name in graph.ancestors(corr.name):
                     raise PlanError("value-correction-after-division",
                                     f"%{corr.name} (value side) does not feed the accumulator %{acc.name}, "
                                     "so the online softmax cannot rescale it; add it to the per-tile "
-                                    "contribution before the division (eq. 10)")
+                                    "contribution before the division (eq. 10)", product=corr.product)
     for node in graph.nodes_of(Contract):
         if node.fold in ("acc-fold", "operand-fold"):
             codes = graph[node.rhs] if node.rhs.endswith(".codes") else graph[node.lhs]
             source = getattr(codes, "source", None)
             if source is not None and source not in corrected:
                 raise PlanError("missing-correction",
-                                f"%{node.name} folds %{source} but no correction adds zero x other (eq. 6)")
+                                f"%{node.name} folds %{source} but no correction adds zero x other (eq. 6)",
+                                product=node.product)
     for node in (*graph.nodes_of(ScaleGroups), *graph.nodes_of(Prescale)):
         source = graph[node.scale].source
         if source not in corrected:
             raise PlanError("missing-correction",
                             f"%{node.name} applies the scale of %{source} but no correction adds its zero x "
-                            "the sum of the other operand (eq. 6)")
+                            "the sum of the other operand (eq. 6)", product=node.product)
 
 
 def check_group_boundaries(graph) -> None:
@@ -106,12 +113,13 @@ def check_group_boundaries(graph) -> None:
             raise PlanError("partial-sum-crosses-group",
                             f"%{sg.name} scales %{partial.name}, which is not split per group along "
                             f"{sg.groups.base if sg.groups else '?'}; an unscaled partial sum would cross "
-                            "a group boundary (eq. 5)")
+                            "a group boundary (eq. 5)", product=sg.product)
         if isinstance(scale_axis, GroupedAxis) and scale_axis.group_size % split.group_size:
             raise PlanError("partial-sum-crosses-group",
                             f"%{partial.name} keeps partial sums per {split.group_size} along {split.base} "
                             f"but the scale %{sg.scale} changes every {scale_axis.group_size}; an unscaled "
-                            f"partial sum crosses a group boundary (eq. 5): split every {scale_axis.group_size}")
+                            f"partial sum crosses a group boundary (eq. 5): split every {scale_axis.group_size}",
+                            product=sg.product)
 
 
 def tile_constraints(graph) -> list[TileConstraint]:
@@ -146,9 +154,11 @@ def check_offsets_paired(graph) -> None:
         if not any(graph[c.zero].source == source and (graph.descendants(c.name) & reach) for c in corrections):
             raise PlanError("missing-correction",
                             f"%{sg.name} scales by %{sg.scale} but is not added to the offset correction of "
-                            f"%{source} (zero x sum of the other operand, eq. 6)")
+                            f"%{source} (zero x sum of the other operand, eq. 6)", product=sg.product)
+
 
 def check_plan_rules(graph) -> None:
+    """Every rule of this module on ``graph`` (`foldc.plan.check_plan` runs them on a plan)."""
     check_correction_placement(graph)
     check_offsets_paired(graph)
     check_group_boundaries(graph)

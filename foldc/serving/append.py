@@ -35,6 +35,7 @@ import math
 import torch
 import triton.language as tl
 
+from ..decisions import GroupAxis, token_group
 from ..encoding import AffineTensor
 from ..errors import InputError, InputTypeError, SpecError
 
@@ -306,6 +307,7 @@ def _offsets(offset, dst: AffineTensor, tokens: int, read_device: bool = True):
     ``read_device``, the values of an offset tensor are not read (no sync; the kernel skips tokens
     that would land outside dst)."""
     batch, cap, enc = dst.shape[0], dst.num_tokens, dst.encoding
+    group = token_group(enc)   # channel-wise: offsets start groups of G tokens
     if isinstance(offset, torch.Tensor):
         if offset.dtype.is_floating_point or offset.dtype.is_complex or offset.dtype == torch.bool:
             raise InputError(f"offset dtype={offset.dtype} must be an integer type (token positions)")
@@ -316,7 +318,7 @@ def _offsets(offset, dst: AffineTensor, tokens: int, read_device: bool = True):
         if not read_device:
             return None, per_row
         lo, hi = int(offset.min()), int(offset.max())
-        if enc.layout == "channel" and bool((per_row % enc.group_size != 0).any()):
+        if group and bool((per_row % group != 0).any()):
             bad = int(per_row[per_row % enc.group_size != 0][0])
             raise InputError(f"offset={bad} is not a multiple of group_size={enc.group_size}; channel-wise "
                              "groups are written whole, so every offset must start a group")
@@ -328,7 +330,7 @@ def _offsets(offset, dst: AffineTensor, tokens: int, read_device: bool = True):
         lo = hi = offset
         per_row = None
         scalar = offset
-        if enc.layout == "channel" and offset % enc.group_size:
+        if group and offset % group:
             raise InputError(f"offset={offset} is not a multiple of group_size={enc.group_size}; channel-wise "
                              "groups are written whole, so the offset must start a group")
     if lo < 0:
@@ -370,8 +372,8 @@ def append_quantized(dst: AffineTensor, x: torch.Tensor, offset=0, *, target: st
         raise InputError(f"x dtype={x.dtype} is not supported; use one of {list(INPUT_DTYPES)}")
     if x.device != dst.device:
         raise InputError(f"x is on {x.device} but dst is on {dst.device}; move x to {dst.device}")
-    tokens = x.shape[2]
-    if enc.layout == "channel" and tokens % enc.group_size:
+    tokens, group = x.shape[2], token_group(enc)
+    if group and tokens % group:
         raise InputError(f"x holds {tokens} tokens, not a multiple of group_size={enc.group_size}; channel-wise "
                          "groups are written whole (keep the partial group in the model dtype until it fills)")
     scalar, per_row = _offsets(offset, dst, tokens, read_device=check)
@@ -421,7 +423,7 @@ def _launch(dst: AffineTensor, x: torch.Tensor, scalar, per_row, interpret: bool
                   SCALE_KIND=SCALE_KIND[enc.scale_dtype], PER_ROW=per_row is not None, PAGED=paging is not None,
                   PAGE_SIZE=page_size, HAS_COUNT=counts is not None, num_warps=4)
     with _interpret(interpret):
-        if enc.layout == "token":
+        if GroupAxis.of(enc) is GroupAxis.CHANNEL:   # token-wise: groups of channels, a scale row per token
             block_t = min(BLOCK_T_TOKEN, 1 << (tokens - 1).bit_length())
             grid = (batch * heads, math.ceil(tokens / block_t))
             _kernel("token", interpret)[grid](*args, tokens, heads, *table, NUM_GROUPS=head_dim // enc.group_size,
@@ -441,7 +443,7 @@ def _append_reference(dst: AffineTensor, x: torch.Tensor, scalar, per_row) -> No
     starts = [scalar] * dst.shape[0] if per_row is None else per_row.tolist()
     for b, start in enumerate(starts):
         dst.codes[b, :, start:start + tokens] = q.codes[b]
-        if enc.layout == "token":
+        if GroupAxis.of(enc) is GroupAxis.CHANNEL:
             dst.scale[b, :, start:start + tokens] = q.scale[b]
             dst.zero[b, :, start:start + tokens] = q.zero[b]
         else:
@@ -510,7 +512,8 @@ def append_paged(pool: AffineTensor, x: torch.Tensor, kv_indptr: torch.Tensor, k
             raise InputError(f"{name} is on {t.device} but the pool is on {pool.device}; move it there")
     if x.device != pool.device:
         raise InputError(f"x is on {x.device} but the pool is on {pool.device}; move x there")
-    if enc.layout == "channel" and tokens % enc.group_size:
+    group = token_group(enc)
+    if group and tokens % group:
         raise InputError(f"x holds {tokens} tokens, not a multiple of group_size={enc.group_size}; channel-wise "
                          "groups are written whole (keep the partial group in the model dtype until it fills)")
     mode = resolve_target(target, pool.device)
@@ -543,7 +546,7 @@ def _append_paged_reference(pool, x, kv_indptr, kv_indices, start, page_size, co
                 break
             page, row = owned[pos // page_size], pos % page_size
             pool.codes[page, :, row] = q.codes[0, :, t]
-            if enc.layout == "token":
+            if GroupAxis.of(enc) is GroupAxis.CHANNEL:
                 pool.scale[page, :, row] = q.scale[0, :, t]
                 pool.zero[page, :, row] = q.zero[0, :, t]
             elif t % enc.group_size == 0:

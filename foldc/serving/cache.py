@@ -29,6 +29,7 @@ from ..compile import detect_target
 from ..encoding import AffineTensor, scale_shape
 from ..errors import InputError, InputTypeError, SpecError
 from ..merge import merge_parts
+from ..plan import plan_of
 from ..spec import AttentionSpec
 from .append import append_quantized, check_finite, safe_abs_limit
 
@@ -109,8 +110,8 @@ class QuantizedKVCache:
             raise SpecError(f"target={target!r} attends with float16 or bfloat16 tokens; got dtype={dtype}. "
                             "Use dtype=torch.float16 or torch.bfloat16, or target='reference'")
         self.target = target
-        groups = [e.group_size for e in (spec.k, spec.v) if e is not None and e.layout == "channel"]
-        self.unit = math.lcm(*groups) if groups else 1
+        self._plan = plan_of(spec)
+        self.unit = self._plan.token_alignment   # the lcm of the channel-wise groups' sizes (1 if none)
         self.body_capacity = self.capacity - min(self.sink, self.capacity)
         self.plain_capacity = min(self.capacity, self.sink + self.window + self.unit - 1)
         hkv, d = spec.num_kv_heads, spec.head_dim
@@ -236,7 +237,8 @@ class QuantizedKVCache:
             if enc is None:
                 out.append(x[:, :, :n])
                 continue
-            rows = n if enc.layout == "token" else math.ceil(n / enc.group_size)
+            # one scale row per token, or per group of G tokens (channel-wise)
+            rows = math.ceil(n / self._plan.of_operand(name).tiling.token_alignment)
             out.append(AffineTensor(x.codes[:, :, :n], x.scale[:, :, :rows], x.zero[:, :, :rows], enc,
                                     self.spec.head_dim))
         return tuple(out)

@@ -181,8 +181,8 @@ def register_operand_kernel(spec: AttentionSpec, page_size: int, target: str, ke
                             "runs the generated Triton kernel; use kernel='auto' or 'gluon', or dynamic_tiles=False")
         return None
     reason = None
-    if target != "sm_90":
-        reason = f"it runs on sm_90 and this wrapper's target is {target!r}"
+    if target not in ("sm_90", "sm_100"):
+        reason = f"it runs on sm_90 and sm_100 and this wrapper's target is {target!r}"
     elif page_size % 32:
         reason = f"its tiles are 32 or 64 tokens and page_size={page_size} is not a multiple of 32"
     elif block_n is not None and block_n not in (32, 64):
@@ -199,7 +199,7 @@ def register_operand_kernel(spec: AttentionSpec, page_size: int, target: str, ke
             tile = block_n or GluonAttention(spec).default_block_n
             if page_size % tile:   # the kernel's default tile would span two pages
                 tile = 32
-            return GluonAttention(spec, block_n=tile, splits=splits, dynamic_tiles=dynamic_tiles)
+            return GluonAttention(spec, block_n=tile, splits=splits, dynamic_tiles=dynamic_tiles, target=target)
         except SpecError as err:   # e.g. a 64-token tile over 32-token channel groups
             reason = str(err)
     if kernel == "gluon":
@@ -356,7 +356,7 @@ class PagedDecodeWrapper:
             self._num_splits, self._per_split = self._gluon.split_plan(self._launch, batch, tokens, self.device,
                                                                         has_lens=True, page=self.page_size)
             ws = self._buffers.get("ws_m")
-            shape = (batch, hkv // self._launch["heads"], self._num_splits, self._gluon.config.rows)
+            shape = (batch, self._gluon.head_programs(self._launch), self._num_splits, self._gluon.config.rows)
             if ws is None or tuple(ws.shape) != shape:
                 names = ("ws_m", "ws_l", "ws_acc")
                 self._buffers.update(zip(names, self._gluon.workspace(self._launch, batch, self._num_splits,

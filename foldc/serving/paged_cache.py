@@ -24,14 +24,13 @@ size: same buffers) whenever the page table grows, e.g. before each replay of a 
 """
 from __future__ import annotations
 
-import math
-
 import torch
 
 from ..compile import compile as compile_attention
 from ..encoding import AffineTensor
 from ..errors import InputError, InputTypeError, SpecError
 from ..merge import merge_parts
+from ..plan import plan_of
 from ..reference import attention_reference
 from ..spec import AttentionSpec
 from ..validate import check_sm_scale
@@ -103,8 +102,7 @@ class PagedKVCache:
         if dtype not in (torch.float16, torch.bfloat16):
             raise SpecError(f"dtype={dtype} is not supported; use torch.float16 or torch.bfloat16")
         self.device, self.dtype = resolve_device(device), dtype
-        groups = [e.group_size for e in (spec.k, spec.v) if e.layout == "channel"]
-        self.unit = math.lcm(*groups) if groups else 1
+        self.unit = plan_of(spec).token_alignment   # the lcm of the channel-wise groups' sizes (1 if none)
         self.plain_capacity = self.sink + self.window + self.unit
         # float16 queries run the generated Triton kernel on sm_90 too (the register-operand kernel takes
         # bf16 ones: foldc.backends.gluon.lower.FP16_REASON)

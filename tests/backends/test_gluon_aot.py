@@ -133,9 +133,14 @@ def test_foldc_compile_builds_the_register_operand_kernel(tmp_path):
     done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "register-operand kernel" in done.stdout and (tmp_path / "out" / "foldc_decode_gluon.sm_90.cubin").exists()
-    refused = subprocess.run(args[:5] + ["token:4:32", "--v", "token:4:32"] + args[8:] + ["--kernel", "gluon"],
+    refused = subprocess.run(args[:5] + ["token:4:16", "--v", "token:4:16"] + args[8:] + ["--kernel", "gluon"],
                              env=env, capture_output=True, text=True, timeout=300)
-    assert refused.returncode != 0 and "token-wise groups of 32 channels" in refused.stderr
+    assert refused.returncode != 0 and "token-wise groups of 16 channels" in refused.stderr
+    blackwell = subprocess.run(args[:5] + ["token:4:128", "--v", "token:2:128"] + args[8:13] + ["sm_100", "--out",
+                               str(tmp_path / "b200"), "--kernel", "gluon"], env=env, capture_output=True, text=True,
+                               timeout=300)
+    assert blackwell.returncode == 0, blackwell.stderr[-2000:]
+    assert (tmp_path / "b200" / "foldc_decode_gluon.sm_100.cubin").exists()
 
 
 def test_paged_reads_cost_little_in_the_token_loop(reports):

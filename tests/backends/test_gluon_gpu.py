@@ -41,7 +41,47 @@ def test_auto_takes_the_register_operand_kernel_for_token_wise_plans():
     whole_fields = foldc.AttentionSpec(32, 8, 128, A(2, "token", 32), A(2, "token", 64))
     assert type(foldc.compile(whole_fields, "auto").bf16).__name__ == "GluonAttention"
     split_fields = foldc.AttentionSpec(32, 8, 128, A(4, "token", 32), A(4, "token", 32))
-    assert type(foldc.compile(split_fields, "auto")).__name__ == "TritonAttention"
+    assert type(foldc.compile(split_fields, "auto").bf16).__name__ == "GluonAttention"
+    mixed = foldc.AttentionSpec(32, 8, 128, A(4, "token", 128), A(2, "token", 128))
+    assert type(foldc.compile(mixed, "auto").bf16).__name__ == "GluonAttention"
+
+
+# (K, V as "layout:bits:group", query heads / KV heads, head_dim): layouts the generator lowers
+# beyond one width and whole-field groups: mixed widths, INT8, groups inside a bit field, row blocks
+# (more query rows per KV head than the MMA's N), head_dim 64 and 256, other scale dtypes
+GRID = [("token:4:128", "token:2:128", "32/8", 128), ("token:2:128", "token:4:128", "32/8", 128),
+        ("channel:4:128", "token:2:128", "32/8", 128), ("token:4:128", "channel:2:128", "32/8", 128),
+        ("token:8:128", "token:8:128", "32/8", 128), ("channel:8:128", "channel:8:128", "32/8", 128),
+        ("token:8:128", "token:4:128", "32/8", 128), ("token:4:32", "token:4:32", "32/8", 128),
+        ("token:8:32", "token:8:64", "32/8", 128), ("token:4:64", "token:8:32", "32/8", 128),
+        ("channel:8:32", "token:4:32", "32/8", 128), ("channel:2:32", "channel:8:64", "32/8", 128),
+        ("token:2:128", "token:2:128", "32/1", 128), ("token:4:128", "channel:4:128", "64/2", 128),
+        ("token:2:128", "token:2:128", "48/2", 128), ("token:4:128", "token:2:128", "40/8", 128),
+        ("token:4:128", "token:4:128", "56/8", 128), ("token:4:128", "token:4:128", "8/8", 128),
+        ("token:4:128", "token:4:128", "32/8", 256), ("channel:4:128", "token:2:128", "16/4", 256),
+        ("token:2:128", "token:2:128", "32/2", 256), ("token:8:64", "token:4:64", "32/8", 64),
+        ("channel:8:64", "token:8:64", "16/8", 64), ("token:4:128:fp32", "token:2:128:bf16", "32/8", 128),
+        ("channel:4:64:bf16", "token:4:32:fp32", "32/8", 128), ("none", "token:4:128", "32/8", 128),
+        ("token:4:128", "none", "32/8", 128), ("none", "channel:2:128", "32/8", 128),
+        ("channel:4:64", "none", "32/8", 128), ("none", "token:8:64", "16/8", 64),
+        ("token:2:128", "none", "16/4", 256), ("none", "token:2:128", "64/2", 128)]
+
+
+def _grid_spec(k, v, heads, head_dim):
+    from foldc.spec import spec_from_args
+
+    return spec_from_args(k, v, heads, head_dim)
+
+
+@pytest.mark.parametrize("k,v,heads,head_dim", GRID, ids=[f"{k}-{v}-{h}-d{d}" for k, v, h, d in GRID])
+def test_generated_layouts_match_float64(k, v, heads, head_dim):
+    """Each side lowered on its own (widths, groups, layouts, a plain bf16 side) gives the float64 answer within the bar,
+    ragged lengths with a 1-token sequence and a partial last tile, splits that start mid-sequence."""
+    spec = _grid_spec(k, v, heads, head_dim)
+    attn = foldc.compile(spec, "sm_90", kernel="gluon", splits=5)
+    r = run_with_lens(attn, spec, [3001, 1, 1500, 2047], 3001, torch.bfloat16, "cuda",
+                      seed=sum(map(ord, k + v + heads)) + head_dim)
+    _check(r, f"{spec.describe()}")
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))

@@ -161,17 +161,34 @@ def test_residency_compiles_each_variant_once_for_every_bucket(monkeypatch, tmp_
 @pytest.mark.parametrize("group", [128, 64, 32])
 @pytest.mark.parametrize("pack", [1, 2])
 def test_default_tile_is_64_tokens_only_for_packed_int2_whose_groups_hold_it(bits, kl, vl, group, pack):
-    """64-token tiles for packed INT2 of every layout (measured faster on the H200), 32 otherwise;
-    never a tile that straddles a channel-wise group."""
+    """64-token tiles for INT2 of every layout with one or two KV heads per program (measured faster on
+    the H200), 32 otherwise; never a tile that straddles a channel-wise group."""
     def enc(layout):
         return foldc.Affine(bits, layout, 128 if layout == "token" else group)
     spec = foldc.AttentionSpec(32, 8, 128, enc(kl), enc(vl))
     attn = GluonAttention(spec, pack_heads=pack)
     channel_groups = [group for layout in (kl, vl) if layout == "channel"]
-    want = 64 if bits == 2 and pack > 1 and all(g % 64 == 0 for g in channel_groups) else 32
+    want = 64 if bits == 2 and pack <= 2 and all(g % 64 == 0 for g in channel_groups) else 32
     assert attn.default_block_n == want
     for g in channel_groups:
         assert g % attn.default_block_n == 0
+
+
+@pytest.mark.parametrize("heads,kl,vl,block_n,maxnreg", [((64, 4), "token", "token", 32, None),
+                                                         ((64, 2), "token", "token", 32, None),
+                                                         ((32, 2), "token", "token", 32, None),
+                                                         ((64, 4), "channel", "token", 32, None),
+                                                         ((8, 8), "token", "token", 32, None),
+                                                         ((40, 8), "token", "token", 64, None),
+                                                         ((32, 8), "token", "token", 64, None)])
+def test_default_tile_and_register_cap_by_query_rows(heads, kl, vl, block_n, maxnreg):
+    """16 query rows of one KV head (q_per_kv 16, or a row block of 32): 32-token tiles, no register cap
+    (168 was slower on the H200; benchmarks/gqa_sweep.py). One head of 5 rows: 64-token tiles. Four
+    one-row heads per program (query heads = KV heads): 32."""
+    spec = foldc.AttentionSpec(*heads, 128, foldc.Affine(2, kl, 128), foldc.Affine(2, vl, 128))
+    attn = GluonAttention(spec)
+    assert (attn.default_block_n, attn.default_maxnreg) == (block_n, maxnreg)
+    assert attn.heads == (4 if heads == (8, 8) else 2 if heads == (32, 8) else 1)
 
 
 @pytest.mark.parametrize("k_group,v_group,pack,want", [(64, 64, 2, 32), (32, 32, 2, 64), (32, 64, 2, 64),

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import foldc
-from foldc.backends.gluon.lower import KEY_BIAS, NotLowerable, gluon_plan, lower, lowerable
+from foldc.backends.gluon.lower import KEY_BIAS, NotLowerable, gluon_plan, lower, lowerable, max_rows
 from foldc.backends.gluon.operands import (KEY_EXPONENT, VALUE_EXPONENT, key_channel, key_unpack_asm, value_channel,
                                            value_unpack_asm)
 from foldc.encoding import pack_codes
@@ -39,8 +39,13 @@ def test_folded_plans_lower(bits, head_dim, heads, kl, vl):
         with pytest.raises(NotLowerable, match="pv: the error model asks for operand precision split"):
             lower(gluon_plan(spec))
         return
+    if kl == vl == "channel" and head_dim > 128:   # both sides' per-channel parameters spill (AOT SASS)
+        with pytest.raises(NotLowerable, match="both sides channel-wise"):
+            lower(gluon_plan(spec))
+        return
     cfg = lower(gluon_plan(spec))
-    assert (cfg.bits, cfg.head_dim, cfg.q_per_kv) == (bits, head_dim, spec.q_per_kv)
+    assert (cfg.key_bits, cfg.value_bits, cfg.head_dim, cfg.q_per_kv) == (bits, bits, head_dim, spec.q_per_kv)
+    assert cfg.row_blocks == 1
     assert cfg.rows == (8 if spec.q_per_kv <= 8 else 16) and cfg.key_bias == KEY_BIAS
     assert cfg.key_tokens == (0 if kl == "token" else 64) and cfg.value_tokens == (0 if vl == "token" else 128)
     assert foldc.prove(gluon_plan(spec)) is not None   # the plan the kernel runs is proved exact
@@ -68,17 +73,95 @@ def test_token_wise_groups_of_whole_bit_fields_lower(bits, group, head_dim, head
     assert foldc.prove(gluon_plan(spec)) is not None
 
 
+WIDTHS = [(kb, vb) for kb in (2, 4, 8) for vb in (2, 4, 8)]
+
+
+@pytest.mark.parametrize("kl,vl", [("token", "token"), ("channel", "token"), ("token", "channel"),
+                                   ("channel", "channel")])
+@pytest.mark.parametrize("key_bits,value_bits", WIDTHS, ids=[f"K{k}V{v}" for k, v in WIDTHS])
+def test_each_side_lowers_at_its_own_width(key_bits, value_bits, kl, vl):
+    """K and V at any two of 2, 4 and 8 bits: each side's unpack, words per token and field weights
+    are its own (the mixed recipe K4/V2 among them), and the plan the kernel runs is proved."""
+    spec = foldc.AttentionSpec(32, 8, 128, A(key_bits, kl, 128), A(value_bits, vl, 128))
+    cfg = lower(gluon_plan(spec))
+    assert (cfg.key_bits, cfg.value_bits) == (key_bits, value_bits)
+    assert (cfg.key_words, cfg.value_words) == (128 * key_bits // 32, 128 * value_bits // 32)
+    assert cfg.code_bytes_per_token == 128 * (key_bits + value_bits) // 8
+    assert foldc.prove(gluon_plan(spec)) is not None
+
+
+@pytest.mark.parametrize("heads,head_dim,blocks,rows", [((32, 8), 128, 1, 4), ((64, 2), 128, 2, 16),
+                                                        ((48, 2), 128, 2, 12), ((32, 1), 128, 2, 16),
+                                                        ((96, 2), 128, 3, 16), ((16, 2), 256, 1, 8),
+                                                        ((32, 2), 256, 2, 8), ((40, 8), 128, 1, 5)])
+def test_more_query_rows_than_the_mma_holds_take_row_blocks(heads, head_dim, blocks, rows):
+    """Past 16 query rows per KV head (8 past 128 channels, where a 16-row output accumulator would
+    not fit a lane's registers) each KV head takes equal row blocks, one program each."""
+    spec = foldc.AttentionSpec(*heads, head_dim, A(2, "token", 128), A(2, "token", 128))
+    cfg = lower(gluon_plan(spec))
+    assert (cfg.row_blocks, cfg.q_per_kv) == (blocks, rows)
+    assert cfg.row_blocks * cfg.q_per_kv == spec.q_per_kv and cfg.q_per_kv <= max_rows(head_dim)
+    assert cfg.rows == (8 if rows <= 8 else 16)
+
+
+@pytest.mark.parametrize("k,v", [("none", "token:4:128"), ("token:2:64", "none"), ("none", "channel:8:64"),
+                                 ("channel:4:128", "none")])
+def test_one_plain_side_lowers(k, v):
+    """A plain (bf16) side is read as it is: no fold, no correction, no scale on that side; the other
+    side is lowered as usual."""
+    from foldc.spec import spec_from_args
+
+    spec = spec_from_args(k, v, "32/8", 128)
+    cfg = lower(gluon_plan(spec))
+    assert (cfg.key_plain, cfg.value_plain) == (k == "none", v == "none")
+    plain_words = 128 // 2
+    assert (cfg.key_words if k == "none" else cfg.value_words) == plain_words
+    assert foldc.prove(gluon_plan(spec)) is not None
+
+
+@pytest.mark.parametrize("bits,group", [(4, 32), (8, 32), (8, 64)])
+def test_token_wise_groups_inside_a_bit_field_lower(bits, group):
+    """Groups smaller than a bit field (head_dim x bits / 8 channels): an aligned part of one."""
+    spec = foldc.AttentionSpec(32, 8, 128, A(bits, "token", group), A(bits, "token", group))
+    cfg = lower(gluon_plan(spec))
+    assert cfg.key_groups == cfg.value_groups == 128 // group
+    assert (128 * bits // 8) % group == 0
+
+
+@pytest.mark.parametrize("bits,head_dim,group", [(4, 128, 32), (8, 128, 32), (8, 128, 64), (8, 64, 32),
+                                                 (4, 256, 64), (8, 256, 64)])
+def test_split_field_groups_gives_each_group_its_own_rows(bits, head_dim, group):
+    """split_field_groups / join_field_groups (tile_operands.py) on the value operand's rows, emulated
+    with numpy's reshape, permute and split (the same logical semantics as Gluon's): piece g holds
+    exactly the rows whose channel (operands.value_channel) is in group g, and join inverts split."""
+    f, w = 8 // bits, head_dim * bits // 32
+    ng = head_dim // group
+    if ng > 4:
+        pytest.skip("at most 4 groups per token")
+    wl = w * f // ng
+    wh = w // wl
+    rows = np.arange(head_dim)
+    y = rows.reshape(f, 4, wh, wl).transpose(1, 3, 0, 2)          # [byte, WL, field, WH] (C axis dropped)
+    flat = y.reshape(4 * wl, ng)
+    pieces = [flat[:, g] for g in range(ng)]                       # last index = field * WH + word high part
+    for g, piece in enumerate(pieces):
+        channels = {value_channel(int(m), bits, head_dim) for m in piece}
+        assert channels == set(range(g * group, (g + 1) * group)), (g, sorted(channels)[:8])
+    back = np.stack(pieces, axis=-1).reshape(4, wl, f, wh).transpose(2, 0, 3, 1).reshape(head_dim)
+    assert (back == rows).all()
+
+
 @pytest.mark.parametrize("spec,reason", [
-    (_spec(bits=4, group=32), "token-wise groups of 32 channels; the register-operand kernel needs whole bit "
-                              "fields of 64 channels"),
     (_spec(group=16), "token-wise groups of 16 channels"),
+    (_spec(bits=8, group=16), "or of an aligned part of one of >= 32 channels"),
     (foldc.AttentionSpec(16, 2, 256, A(2, "token", 32), A(2, "token", 256)), "at most 4 groups per token"),
     (_spec("channel", "channel", group=16), "channel-wise groups of 16 tokens"),
-    (_spec(bits=8), "2 or 4 bits"),
     (_spec(bits=2, head_dim=64, group=64, heads=(8, 8)), "256 or 512"),
-    (_spec(heads=(32, 1)), "at most 16"),
-    (_spec(None, None), "qk is none"),
-    (foldc.AttentionSpec(32, 8, 128, A(2, "token", 128), None), "pv is none"),
+    (_spec(heads=(34, 1)), "17 equal blocks of 2 rows"),
+    (_spec(heads=(22, 2), head_dim=256, group=128), "11 equal blocks of 1 rows"),
+    (_spec("channel", "channel", head_dim=256, heads=(16, 4)), "with both sides channel-wise"),
+    (_spec(None, None), "qk and pv are both plain"),
+    (foldc.AttentionSpec(8, 8, 512, A(2, "token", 128), None), "plain side of head_dim=512"),
 ])
 def test_other_plans_do_not_lower(spec, reason):
     ok, why = lowerable(spec)
@@ -235,7 +318,7 @@ def test_value_unpack_gives_two_tokens_of_one_channel_per_register(bits, head_di
 
 PACK_CASES = [((32, 8), "token", "token", 2), ((32, 8), "channel", "token", 2), ((32, 8), "token", "channel", 2),
               ((16, 8), "token", "token", 4), ((24, 8), "token", "token", 2), ((28, 4), "token", "token", 1),
-              ((8, 8), "token", "token", 8), ((6, 6), "token", "token", 2), ((32, 2), "token", "token", 1),
+              ((8, 8), "token", "token", 4), ((6, 6), "token", "token", 2), ((32, 2), "token", "token", 1),
               ((4, 1), "token", "token", 1)]
 
 
@@ -250,6 +333,7 @@ def test_default_packing_fills_the_query_rows(heads, kl, vl, want):
     attn = GluonAttention(spec)
     assert attn.heads == want
     assert want * spec.q_per_kv <= attn.config.rows and spec.num_kv_heads % want == 0
+    assert want <= 4   # eight one-row heads per program were 2.3x slower than four (H200, docs/perf.md)
 
 
 @pytest.mark.parametrize("pack", [3, 4, 0, True, "2"])
@@ -304,3 +388,46 @@ def test_key_channel_is_k_with_bits_0_and_1_swapped(bits, head_dim):
     bits 0 and 1."""
     for k in range(head_dim):
         assert key_channel(k, bits, head_dim) == (k & ~3) | ((k & 1) << 1) | ((k >> 1) & 1)
+
+
+# --- wrong plans never reach code generation --------------------------------------------------------
+
+def test_a_key_correction_after_the_softmax_is_refused_before_lowering():
+    """The plan is the contract: a plan whose key correction lands after the softmax (typed or in the
+    graph) raises PlanError in lower(), before any kernel configuration exists."""
+    import dataclasses
+
+    from foldc.decisions import Stage
+    from foldc.errors import PlanError
+    from foldc.ir import Add
+
+    the_plan = gluon_plan(_spec())
+    qk = the_plan.products["qk"]
+    late = dataclasses.replace(qk, correction=dataclasses.replace(qk.correction, lands_before=Stage.DIVISION))
+    with pytest.raises(PlanError, match="key-correction-after-softmax"):
+        lower(dataclasses.replace(the_plan, products={**the_plan.products, "qk": late}))
+    g = the_plan.graph.copy()   # the key correction added to the softmax weights instead of the scores
+    g.rename_uses("scores", "scores.scaled")
+    g.remove("scores")
+    g.add(Add("p.corr", g["p"].axes, lhs="p", rhs="scores.offset"))
+    g.rename_uses("p", "p.corr", skip=["p.corr", "acc", "out"])
+    with pytest.raises(PlanError, match="key-correction-after-softmax"):
+        lower(the_plan.with_graph(g))
+
+
+def test_an_unscaled_partial_sum_across_a_group_is_refused_before_lowering():
+    import dataclasses
+
+    from foldc.errors import PlanError
+    from foldc.ir import GroupedAxis
+    from foldc.ir.axes import canonical
+
+    the_plan = gluon_plan(_spec("token", "channel", group=32))
+    g = the_plan.graph.copy()
+    coarse = GroupedAxis("token", 64)   # partial sums over 64 tokens, scales every 32
+    n = g["pv.partial"]
+    g.replace_node(dataclasses.replace(n, split=coarse, axes=canonical(
+        [coarse if isinstance(a, GroupedAxis) else a for a in n.axes])))
+    g.replace_node(dataclasses.replace(g["pv.scaled"], groups=coarse))
+    with pytest.raises(PlanError, match="partial-sum-crosses-group"):
+        lower(the_plan.with_graph(g))

@@ -190,13 +190,14 @@ def test_cli_compile_from_layout_file(tmp_path):
     layout = tmp_path / "layout.toml"
     layout.write_text('[attention]\nheads = "16/4"\nhead_dim = 64\nk = "channel:4:64"\nv = "token:8:32"\n')
     out = tmp_path / "build"
-    proc = subprocess.run([sys.executable, "-m", "foldc", "compile", str(layout), "--target", "sm_90",
-                           "--out", str(out)],
-                          cwd=ROOT, env=_env(str(tmp_path / "cache")), capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads(proc.stdout[proc.stdout.index("\nwrote ") + 1:].split("\n", 1)[1])
-    assert report["spec"] == "heads 16/4, head_dim 64, K channel:4:64, V token:8:32"
-    assert sum(report["mma"].values()) >= 1 and (out / "foldc_decode.sm_90.cubin").stat().st_size > 0
+    for kernel, name in (("triton", "foldc_decode"), ("auto", "foldc_decode_gluon")):   # auto: it lowers there
+        proc = subprocess.run([sys.executable, "-m", "foldc", "compile", str(layout), "--target", "sm_90",
+                               "--out", str(out / kernel), "--kernel", kernel],
+                              cwd=ROOT, env=_env(str(tmp_path / "cache")), capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        report = json.loads(proc.stdout[proc.stdout.index("\nwrote ") + 1:].split("\n", 1)[1])
+        assert report["spec"] == "heads 16/4, head_dim 64, K channel:4:64, V token:8:32"
+        assert sum(report["mma"].values()) >= 1 and (out / kernel / f"{name}.sm_90.cubin").stat().st_size > 0
 
 
 @needs_cli

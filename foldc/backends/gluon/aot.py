@@ -12,17 +12,21 @@ import subprocess
 from collections import Counter
 from pathlib import Path
 
+import torch
+
 from ...cost import token_loop_lane_slots_per_byte
 from ...errors import SpecError
 from ...options import check_launch_options, check_out_dir
 from ..triton.aot import build_errors, write_artifacts
 from ..triton.sass import _tool, lane_slots_per_byte, loop_instructions, skippable
-from .launch import constexprs, default_pack_heads
+from .launch import GluonAttention, constexprs, default_pack_heads
 from .lower import gluon_plan, lower
 
 POINTERS = {"Q": "*bf16", "KC": "*i32", "KS": "*fp16", "KZ": "*fp16", "VC": "*i32", "VS": "*fp16", "VZ": "*fp16",
             "SEQ_LENS": "*i32", "WS_M": "*fp32", "WS_L": "*fp32", "WS_ACC": "*fp32", "KV_INDPTR": "*i32",
             "KV_INDICES": "*i32", "COUNTERS": "*i32"}
+SCALE_POINTERS = ("KS", "KZ", "VS", "VZ")
+SCALE_TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 # runtime ints the JIT sees as multiples of 16 for caches whose token count is a multiple of 16
 ALIGNED_INTS = ("stride_qb", "stride_qh", "stride_kb", "stride_kh", "stride_ksb", "stride_ksh", "stride_vb",
                 "stride_vh", "stride_vsb", "stride_vsh", "tokens_per_split", "cache_tokens")
@@ -37,18 +41,22 @@ def registers(cubin: Path) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def compile_gluon_aot(spec, arch: str, out_dir: str | Path, dtype: str = "bf16", block_n: int = 32,
-                      stages: int = 2, maxnreg: int | None = None, pack_heads: int | None = None,
+def compile_gluon_aot(spec, arch: str, out_dir: str | Path, dtype: str = "bf16", block_n: int | None = None,
+                      stages: int | None = None, maxnreg: int | None = None, pack_heads: int | None = None,
                       page_size: int = 0, scale_ahead: bool | None = None, dynamic: bool = False) -> dict:
     """Build the register-operand kernel of ``spec`` for ``arch`` into ``out_dir``; return a report.
-    ``pack_heads``: KV heads per program (default: `default_pack_heads`, as the launcher picks);
-    ``page_size``: tokens per page for the paged build (0: contiguous cache); ``scale_ahead``: as
-    `GluonAttention`'s option; ``dynamic``: tiles drawn from a counter (its ``dynamic_tiles``)."""
+    ``block_n``, ``stages``, ``maxnreg`` and ``pack_heads`` (KV heads per program) default to what
+    the launcher picks for ``spec`` (`GluonAttention`'s defaults, no tuning cache); ``page_size``:
+    tokens per page for the paged build (0: contiguous cache); ``scale_ahead``: as `GluonAttention`'s
+    option; ``dynamic``: tiles drawn from a counter (its ``dynamic_tiles``)."""
     if arch not in ("sm_90", "sm_100"):
-        raise SpecError(f"arch={arch!r}: the register-operand kernel builds for sm_90 (and sm_100)")
+        raise SpecError(f"arch={arch!r}: the register-operand kernel builds for sm_90 and sm_100")
     check_launch_options(arch, "gluon", block_n=block_n, stages=stages)
-    if block_n is None or stages is None:
-        raise SpecError(f"block_n={block_n!r}, stages={stages!r}: an ahead-of-time build needs both (e.g. 32 and 2)")
+    if None in (block_n, stages, maxnreg, pack_heads):
+        launcher = GluonAttention(spec, target=arch, block_n=block_n, pack_heads=pack_heads)
+        block_n, pack_heads = launcher.default_block_n, launcher.heads
+        stages = launcher.default_stages if stages is None else stages
+        maxnreg = launcher.default_maxnreg if maxnreg is None else maxnreg
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise SpecError("ahead-of-time compilation needs TRITON_INTERPRET unset in this process")
     import triton
@@ -66,7 +74,12 @@ def compile_gluon_aot(spec, arch: str, out_dir: str | Path, dtype: str = "bf16",
         if name in consts:
             signature[name] = "constexpr"
         elif name in POINTERS:
-            signature[name] = POINTERS[name] if name != "Q" else ("*bf16" if dtype == "bf16" else "*fp16")
+            signature[name] = POINTERS[name]
+            if name == "Q":
+                signature[name] = "*bf16" if dtype == "bf16" else "*fp16"
+            elif name in SCALE_POINTERS:   # the encoding's scale dtype (a plain side: the query stands in)
+                enc = spec.k if name.startswith("K") else spec.v
+                signature[name] = "*" + (SCALE_TYPES[enc.scale_dtype] if enc is not None else dtype)
             attrs[(i,)] = [["tt.divisibility", 16]]
         elif name == "qk_scale":
             signature[name] = "fp32"
@@ -92,7 +105,8 @@ def compile_gluon_aot(spec, arch: str, out_dir: str | Path, dtype: str = "bf16",
     groups = [g for g in (cfg.key_tokens, cfg.value_tokens) if g]
     per_tile = len(body) - once_per_group + (once_per_group * block_n / min(groups) if groups else 0)
     # codes + fp16 scale and zero, K and V, of every packed head
-    tile_bytes = heads * block_n * (2 * cfg.head_dim * cfg.bits / 8 + 4 * (cfg.key_groups + cfg.value_groups))
+    params = (0 if cfg.key_plain else cfg.key_groups) + (0 if cfg.value_plain else cfg.value_groups)
+    tile_bytes = heads * block_n * (cfg.code_bytes_per_token + 4 * params)
     # global loads in the token loop (the token-wise scales and zeros), and the address registers
     # they use: one base per parameter when each load takes an immediate offset (_param)
     loads = [args for _, op, args in body if op == "LDG"]
@@ -108,11 +122,13 @@ def compile_gluon_aot(spec, arch: str, out_dir: str | Path, dtype: str = "bf16",
         "inner_loop": {"instructions_per_warp": sum(loop.values()), "once_per_group": once_per_group,
                        "instructions_per_tile": per_tile, "bytes_per_tile": tile_bytes,
                        "lane_slots_per_byte": lane_slots_per_byte(loop, 1, tile_bytes),
-                       "model_lane_slots_per_byte": (token_loop_lane_slots_per_byte("sm_90", cfg.bits, cfg.head_dim,
+                       "model_lane_slots_per_byte": (token_loop_lane_slots_per_byte("sm_90", cfg.key_bits, cfg.head_dim,
                                                                                      heads=heads, block_n=block_n,
                                                                                      key_groups=cfg.key_groups,
-                                                                                     value_groups=cfg.value_groups)
-                                                     if not (cfg.key_tokens or cfg.value_tokens) else None),
+                                                                                     value_groups=cfg.value_groups,
+                                                                                     value_bits=cfg.value_bits)
+                                                     if not (cfg.key_tokens or cfg.value_tokens or cfg.key_plain
+                                                             or cfg.value_plain) else None),
                        "top_opcodes": dict(loop.most_common(12)),
                        "global_loads": len(loads), "global_load_bases": len(bases),
                        "l2_prefetches": loop.get("CCTL", 0), "atomics": loop.get("ATOMG", 0)},

@@ -32,10 +32,10 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 # absolute imports: benchmarks load copies of this file as modules of their own (ab_kernel.py, program_timeline.py)
 from foldc.backends.gluon.tile_memory import (copy_layout, draw_chunk, issue_copies, next_tile, prefetch_scales,
                                               stage_tail, tile_bases, tile_scales)
-from foldc.backends.gluon.tile_operands import (group_mmas, group_sums, join_groups, key_group, key_operand,
-                                                key_words_layout, per_channel, per_row, scaled_p, select_groups,
-                                                split_groups, swap_k01, value_group, value_operand, value_words_layout,
-                                                zeros_groups)
+from foldc.backends.gluon.tile_operands import (group_mmas, group_sums, join_field_groups, join_groups, key_group,
+                                                key_operand, key_words_layout, per_channel, per_row, scaled_p,
+                                                select_groups, split_field_groups, split_groups, swap_k01, value_group,
+                                                value_operand, value_words_layout, zeros_groups)
 
 
 @gluon.jit
@@ -43,13 +43,27 @@ def _scores(n0, end, k_smem, slot, ks, kz, tm, head_c, q16, q_bias, q_sum, row_s
             D: gl.constexpr, F: gl.constexpr, ROWS: gl.constexpr, H: gl.constexpr, KEY_G: gl.constexpr,
             KEY_BIAS: gl.constexpr, KASM: gl.constexpr, KCONS: gl.constexpr, MASKED: gl.constexpr,
             KEY_NG: gl.constexpr):
-    """Key side of one tile: the logits t [BN tokens, ROWS] (log2 units), -inf past ``end``."""
+    """Key side of one tile: the logits t [BN tokens, ROWS] (log2 units), -inf past ``end``. F == 0:
+    a plain bf16 key side (its words are bf16 pairs, read from shared memory as the MMA operand)."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
     a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=8)
     b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=8)
-    W: gl.constexpr = D // F // 4
+    W: gl.constexpr = _words(D, F)
     kw_l: gl.constexpr = key_words_layout(BN, W)
-    if KEY_NG > 1:
+    if F == 0:
+        # plain keys: S^T = K.Q^T in bf16, the logits' scale on the rows (no fold, no correction); the
+        # operands in the k_width=2 layout ldmatrix loads (q16 is in it, kernel prologue)
+        a2_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+        sacc = gl.zeros([BN, ROWS], gl.float32, layout=mma)
+        for i in gl.static_range(H):
+            ka = k_smem.index(slot + i)._reinterpret(gl.bfloat16, [BN, D], PLAIN_VIEW).load(a2_l)
+            if H == 1:
+                sacc = mma_v2(ka, q16, sacc)
+            else:
+                sacc = gl.where((head_c == i)[None, :], mma_v2(ka, q16, gl.zeros([BN, ROWS], gl.float32, layout=mma)),
+                                sacc)
+        t = sacc * row_scale[None, :]
+    elif KEY_NG > 1:
         # token-wise K in KEY_NG channel groups: one accumulator per group (q16 and q_sum are tuples
         # of the groups' pieces), each scaled by its group's scale before the groups meet (eq. 3, 6)
         sacc = zeros_groups([BN, ROWS], mma, KEY_NG)
@@ -107,14 +121,22 @@ def _consume(t, v_smem, slot, vs, vz, m_i, l_i, zsum, acc_o, head_b, v_scale, v_
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
     a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=8)
     b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=8)
-    W: gl.constexpr = D // F // 4
+    W: gl.constexpr = _words(D, F)
     vw_l: gl.constexpr = value_words_layout(BN, W)
     m_new = gl.maximum(m_i, gl.max(t, axis=0))
     alpha = gl.exp2(m_i - m_new)
     p = gl.exp2(t - m_new[None, :])
     p_sum = gl.sum(p, axis=0)
     l_i = l_i * alpha + p_sum
-    if VAL_NG > 1:
+    if F == 0:
+        # plain values (bf16): O^T += V^T.P^T, V^T read from shared memory as the MMA operand
+        pb = gl.convert_layout(p.to(gl.bfloat16), b_l)
+        pv = gl.zeros([D, ROWS], gl.float32, layout=mma)
+        for i in gl.static_range(H):
+            va = v_smem.index(slot + i)._reinterpret(gl.bfloat16, [BN, D], PLAIN_VIEW).permute((1, 0)).load(a_l)
+            pv = mma_v2(va, _head_p(pb, head_b, i, b_l, H, False), pv)
+        acc_o = acc_o * alpha[None, :] + pv
+    elif VAL_NG > 1:
         # operand-fold per channel group: group g's output channels (a range of O^T's rows) take P
         # scaled by group g's scales (eq. 4, 6)
         pbs, zsum = scaled_p(p, vs, vz, zsum, alpha, b_l, H, VAL_NG)
@@ -122,9 +144,16 @@ def _consume(t, v_smem, slot, vs, vz, m_i, l_i, zsum, acc_o, head_b, v_scale, v_
         for i in gl.static_range(H):
             vw = v_smem.index(slot + i).permute((1, 0)).load(vw_l)
             va = value_operand(vw, BN, D, F, VA0, VA1, VA2, VA3, VCONS)
-            pv = group_mmas(split_groups(va, VAL_NG, 0), _head_ps(pbs, head_b, i, b_l, H, AND_P, VAL_NG), pv, a_l,
-                            b_l, VAL_NG)
-        acc_o = acc_o * alpha[None, :] + gl.convert_layout(join_groups(pv, VAL_NG), mma, assert_trivial=True)
+            if D // VAL_NG < D // F:   # groups smaller than a bit field
+                va_parts = split_field_groups(va, F, W, VAL_NG)
+            else:                      # groups of whole fields: consecutive rows
+                va_parts = split_groups(va, VAL_NG, 0)
+            pv = group_mmas(va_parts, _head_ps(pbs, head_b, i, b_l, H, AND_P, VAL_NG), pv, a_l, b_l, VAL_NG)
+        if D // VAL_NG < D // F:
+            pv_all = join_field_groups(pv, F, W, VAL_NG)
+        else:
+            pv_all = join_groups(pv, VAL_NG)
+        acc_o = acc_o * alpha[None, :] + gl.convert_layout(pv_all, mma, assert_trivial=True)
     elif VAL_G == 0:
         vs2 = per_row(vs, H)
         vz2 = per_row(vz, H)
@@ -133,7 +162,7 @@ def _consume(t, v_smem, slot, vs, vz, m_i, l_i, zsum, acc_o, head_b, v_scale, v_
         zsum = zsum * alpha + gl.sum(p * vz2, axis=0)
     else:
         pb = gl.convert_layout(p.to(gl.float16), b_l)
-    if VAL_NG == 1:
+    if VAL_NG == 1 and F > 0:
         # a fresh accumulator per tile: the tensor core's own running sum over many tiles loses low bits;
         # head i's values meet only the columns (query rows) of head i
         pv = gl.zeros([D, ROWS], gl.float32, layout=mma)
@@ -179,21 +208,48 @@ def _head_ps(pbs, head_b, i, b_l: gl.constexpr, H: gl.constexpr, AND_P: gl.const
 
 
 @constexpr_function
-def _and_p(heads, dynamic, page):
-    return heads == 2 and not (dynamic and page > 0)
+def _and_p(heads, dynamic, page, value_plain=False):
+    return heads == 2 and not (dynamic and page > 0) and not value_plain
+
+
+#: a plain side's tiles in shared memory: 16-byte chunks of a row XOR-swizzled over 8 rows, so that
+#: ldmatrix's eight rows fall in different banks; PLAIN_WORDS as the copies write it (32-bit words),
+#: PLAIN_VIEW as the operand loads read it (bf16), the same bytes
+PLAIN_WORDS: gl.constexpr = gl.SwizzledSharedLayout(vec=4, per_phase=1, max_phase=8, order=[1, 0])
+PLAIN_VIEW: gl.constexpr = gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[1, 0])
+CODE_WORDS: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
+
+
+@constexpr_function
+def _side_smem(fields):
+    """Shared-memory layout of one side's word tiles: codes as written, a plain side swizzled."""
+    return PLAIN_WORDS if int(fields) == 0 else CODE_WORDS
+
+
+@constexpr_function
+def _fields(bits):
+    """Codes per byte; 0 for a plain (bf16) side, whose "words" are bf16 pairs."""
+    return 8 // int(bits) if int(bits) <= 8 else 0
+
+
+@constexpr_function
+def _words(head_dim, fields):
+    """32-bit words per token: head_dim x bits / 32, or head_dim / 2 for a plain bf16 side."""
+    return int(head_dim) // int(fields) // 4 if int(fields) else int(head_dim) // 2
 
 
 @gluon.jit
 def _tile(n0, end, k_smem, v_smem, slot, ks, kz, vs, vz, m_i, l_i, zsum, acc_o, tm, head_c, head_b, q16, q_bias,
-          q_sum, row_scale, v_scale, v_zero, BN: gl.constexpr, D: gl.constexpr, F: gl.constexpr, ROWS: gl.constexpr,
+          q_sum, row_scale, v_scale, v_zero, BN: gl.constexpr, D: gl.constexpr, KF: gl.constexpr, VF: gl.constexpr,
+          ROWS: gl.constexpr,
           H: gl.constexpr, KEY_G: gl.constexpr, VAL_G: gl.constexpr, KEY_BIAS: gl.constexpr, KASM: gl.constexpr,
           KCONS: gl.constexpr, VA0: gl.constexpr, VA1: gl.constexpr, VA2: gl.constexpr, VA3: gl.constexpr,
           VCONS: gl.constexpr, MASKED: gl.constexpr, AND_P: gl.constexpr, KEY_NG: gl.constexpr,
           VAL_NG: gl.constexpr):
     """One tile, key side then value side."""
-    t = _scores(n0, end, k_smem, slot, ks, kz, tm, head_c, q16, q_bias, q_sum, row_scale, BN, D, F, ROWS, H, KEY_G,
+    t = _scores(n0, end, k_smem, slot, ks, kz, tm, head_c, q16, q_bias, q_sum, row_scale, BN, D, KF, ROWS, H, KEY_G,
                 KEY_BIAS, KASM, KCONS, MASKED, KEY_NG)
-    return _consume(t, v_smem, slot, vs, vz, m_i, l_i, zsum, acc_o, head_b, v_scale, v_zero, BN, D, F, ROWS, H,
+    return _consume(t, v_smem, slot, vs, vz, m_i, l_i, zsum, acc_o, head_b, v_scale, v_zero, BN, D, VF, ROWS, H,
                     VAL_G, VA0, VA1, VA2, VA3, VCONS, AND_P, VAL_NG)
 
 
@@ -204,28 +260,38 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
                        cache_tokens, HAS_LENS: gl.constexpr, PAGE: gl.constexpr, Q_PER_KV: gl.constexpr,
                        ROWS: gl.constexpr,
                        H: gl.constexpr, BN: gl.constexpr,
-                       D: gl.constexpr, BITS: gl.constexpr, KEY_BIAS: gl.constexpr, KEY_G: gl.constexpr,
+                       D: gl.constexpr, KBITS: gl.constexpr, VBITS: gl.constexpr, KEY_BIAS: gl.constexpr,
+                       KEY_G: gl.constexpr,
                        VAL_G: gl.constexpr, STAGES: gl.constexpr, SCALE_AHEAD: gl.constexpr, KASM: gl.constexpr,
                        KCONS: gl.constexpr, VA0: gl.constexpr, VA1: gl.constexpr, VA2: gl.constexpr,
                        VA3: gl.constexpr, VCONS: gl.constexpr, VALUE_EXP: gl.constexpr, KEY_EXP: gl.constexpr,
                        PREFETCH: gl.constexpr, DYNAMIC: gl.constexpr, CHUNK: gl.constexpr, KEY_NG: gl.constexpr,
-                       VAL_NG: gl.constexpr):
-    NB: gl.constexpr = D * BITS // 8
-    W: gl.constexpr = NB // 4
-    F: gl.constexpr = 8 // BITS
+                       VAL_NG: gl.constexpr, RB: gl.constexpr):
+    # each side's bytes per token per bit field (NB), 32-bit words per token (W), fields per byte (F)
+    # (a plain side: KBITS or VBITS 16, fields 0, its words bf16 pairs)
+    KNB: gl.constexpr = D * KBITS // 8
+    KW: gl.constexpr = KNB // 4
+    KF: gl.constexpr = _fields(KBITS)
+    VNB: gl.constexpr = D * VBITS // 8
+    VW: gl.constexpr = VNB // 4
+    VF: gl.constexpr = _fields(VBITS)
     # P masked per head by ANDs with two packed heads: 3.6% fewer instructions per INT2 tile, 1-3% faster
     # at INT2 on the H200 (docs/perf.md). Not with 4 or 8 heads, where ptxas then allocates 207-234
     # registers against 168-226, nor on dynamic paged builds (178 against 168; AOT SASS)
-    AND_P: gl.constexpr = _and_p(H, DYNAMIC, PAGE)
+    AND_P: gl.constexpr = _and_p(H, DYNAMIC, PAGE, VF == 0)
     b = gl.program_id(0)
-    h = gl.program_id(1) * H     # the first of the H KV heads this program packs into the MMA's N
+    # the first of the H KV heads this program packs into the MMA's N; with RB row blocks per KV head
+    # (more query rows per KV head than the N axis holds; then H == 1) the program takes rows
+    # [rb * Q_PER_KV, (rb + 1) * Q_PER_KV) of its head, and q_head0 is the first query head it reads
+    h = (gl.program_id(1) // RB) * H
+    q_head0 = (h * RB + gl.program_id(1) % RB) * Q_PER_KV
     s = gl.program_id(2)
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
     b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=8)
-    cp_l: gl.constexpr = copy_layout(BN, W)
+    kcp_l: gl.constexpr = copy_layout(BN, KW)
+    vcp_l: gl.constexpr = copy_layout(BN, VW)
     row_l: gl.constexpr = gl.SliceLayout(0, mma)
     tok_l: gl.constexpr = gl.SliceLayout(1, mma)
-    smem_l: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
 
     if HAS_LENS:
         seq_len = gl.minimum(gl.load(SEQ_LENS + b), cache_tokens)   # lengths past the cache are clamped
@@ -257,15 +323,15 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
 
     # the first tiles' code words start on their way before the query is read and rescaled, so
     # that the two memory latencies overlap (a program of one or two tiles, at batch 1, waits on both)
-    tc = gl.arange(0, BN, layout=gl.SliceLayout(1, cp_l))
-    wc = gl.arange(0, W, layout=gl.SliceLayout(0, cp_l))
-    k_smem = gl.allocate_shared_memory(gl.int32, [STAGES * H, BN, W], smem_l)
-    v_smem = gl.allocate_shared_memory(gl.int32, [STAGES * H, BN, W], smem_l)
+    lanes = (gl.arange(0, BN, layout=gl.SliceLayout(1, kcp_l)), gl.arange(0, KW, layout=gl.SliceLayout(0, kcp_l)),
+             gl.arange(0, BN, layout=gl.SliceLayout(1, vcp_l)), gl.arange(0, VW, layout=gl.SliceLayout(0, vcp_l)))
+    k_smem = gl.allocate_shared_memory(gl.int32, [STAGES * H, BN, KW], _side_smem(KF))
+    v_smem = gl.allocate_shared_memory(gl.int32, [STAGES * H, BN, VW], _side_smem(VF))
     if n_full > 0:
         for i in gl.static_range(STAGES - 1):
             n_i = start + gl.minimum(i, n_full - 1) * BN
-            k_i, v_i, _, _, _, _ = tile_bases(n_i, b, h, cache, table, strides, W, KEY_G, VAL_G, PAGE, KEY_NG, VAL_NG)
-            issue_copies(i, n_i, k_smem, v_smem, k_i, v_i, stride_kh, stride_vh, tc, wc, W, H)
+            k_i, v_i, _, _, _, _ = tile_bases(n_i, b, h, cache, table, strides, KW, VW, KEY_G, VAL_G, PAGE, KEY_NG, VAL_NG)
+            issue_copies(i, n_i, k_smem, v_smem, k_i, v_i, stride_kh, stride_vh, lanes, KW, VW, H)
     # the chunk this program takes after its first, drawn now so that its latency hides under the prologue
     drawn = draw_chunk(counter, gl.num_programs(2), n_full > 0, 0, DYNAMIC)
 
@@ -274,23 +340,33 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
     # Row r is query head h * Q_PER_KV + r: the query rows of the H packed KV heads, one after another
     kq = gl.arange(0, D, layout=gl.SliceLayout(1, b_l))
     rq = gl.arange(0, ROWS, layout=gl.SliceLayout(0, b_l))
-    field = kq // NB
-    j = kq % NB
-    chan = field * NB + ((j & ~3) | ((j & 1) << 1) | ((j >> 1) & 1))
+    field = kq // KNB
+    j = kq % KNB
+    chan = field * KNB + ((j & ~3) | ((j & 1) << 1) | ((j >> 1) & 1))
     # each lane's eight consecutive channels in one vector load, then put in k order (swap_k01)
-    q_nat = gl.load(Q + b * stride_qb + (h * Q_PER_KV + rq)[None, :] * stride_qh + kq[:, None],
+    q_nat = gl.load(Q + b * stride_qb + (q_head0 + rq)[None, :] * stride_qh + kq[:, None],
                     mask=(rq < Q_PER_KV * H)[None, :], other=0.0)
-    qv = gl.convert_layout(swap_k01(q_nat, D, ROWS), b_l, assert_trivial=True).to(gl.float32)
+    if KF > 0:
+        qv = gl.convert_layout(swap_k01(q_nat, D, ROWS), b_l, assert_trivial=True).to(gl.float32)
     head_q = gl.minimum(rq // Q_PER_KV, H - 1)                                  # packed head of each row
     head_b = head_q
     head_c = gl.minimum(gl.arange(0, ROWS, layout=row_l) // Q_PER_KV, H - 1)
-    amax = gl.maximum(gl.max(gl.abs(qv), axis=0), 1e-30)
-    c = gl.exp2(12.0 - gl.floor(gl.log2(amax)))
-    row_scale = gl.convert_layout(qk_scale * (2.0 ** KEY_EXP) / c, row_l)
-    k_base, v_base, KSp, KZp, VSp, VZp = tile_bases(start, b, h, cache, table, strides, W, KEY_G, VAL_G, PAGE,
+    if KF == 0:   # plain keys (KEY_G -1): the query as it is, in channel order, the softmax scale per row
+        q16 = gl.convert_layout(q_nat, gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2))
+        row_scale = gl.convert_layout(gl.full([ROWS], 1.0, gl.float32, layout=gl.SliceLayout(0, b_l)) * qk_scale,
+                                      row_l)
+        q_bias = row_scale
+        q_sum = row_scale
+    else:
+        amax = gl.maximum(gl.max(gl.abs(qv), axis=0), 1e-30)
+        c = gl.exp2(12.0 - gl.floor(gl.log2(amax)))
+        row_scale = gl.convert_layout(qk_scale * (2.0 ** KEY_EXP) / c, row_l)
+    k_base, v_base, KSp, KZp, VSp, VZp = tile_bases(start, b, h, cache, table, strides, KW, VW, KEY_G, VAL_G, PAGE,
                                                     KEY_NG, VAL_NG)
-    if KEY_G == 0:
-        q16 = (qv * c[None, :] * gl.exp2(-(field * BITS).to(gl.float32))[:, None]).to(gl.float16)
+    if KF == 0:
+        pass
+    elif KEY_G == 0:
+        q16 = (qv * c[None, :] * gl.exp2(-(field * KBITS).to(gl.float32))[:, None]).to(gl.float16)
         if KEY_BIAS == 0:   # subnormal key codes: no bias to remove (q_bias is unused)
             q_bias = row_scale
         else:
@@ -303,12 +379,15 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
     else:
         g0 = start // KEY_G
         q16, q_bias, q_sum = key_group(qv, field, chan, head_q, stride_ksh, KSp + g0 * stride_ksn,
-                                        KZp + g0 * stride_ksn, qk_scale, BITS, KEY_BIAS, KEY_EXP, H, D, ROWS)
+                                        KZp + g0 * stride_ksn, qk_scale, KBITS, KEY_BIAS, KEY_EXP, H, D, ROWS)
     # row m of O^T is channel operands.value_channel(m)
     cm = gl.arange(0, D, layout=tok_l)
-    chan_o = (cm // NB) * NB + 4 * (cm % W) + (cm // W) % 4
+    if VF == 0:   # plain values: channel order
+        chan_o = cm
+    else:
+        chan_o = (cm // VNB) * VNB + 4 * (cm % VW) + (cm // VW) % 4
     # the value codes enter the MMA as fp16 subnormals code * 2^(bits*field - VALUE_EXP) (operands.py)
-    weight_o = gl.exp2((VALUE_EXP - (cm // NB) * BITS).to(gl.float32))
+    weight_o = gl.exp2((VALUE_EXP - (cm // VNB) * VBITS).to(gl.float32))
     if VAL_G == 0:
         v_scale = weight_o
         v_zero = weight_o
@@ -332,13 +411,13 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
         while t < t_stop:
             n0 = t * BN
             if PAGE > 0:   # this tile's page: its group scales
-                _, _, KSp, KZp, VSp, VZp = tile_bases(n0, b, h, cache, table, strides, W, KEY_G, VAL_G, PAGE,
+                _, _, KSp, KZp, VSp, VZp = tile_bases(n0, b, h, cache, table, strides, KW, VW, KEY_G, VAL_G, PAGE,
                                                       KEY_NG, VAL_NG)
             if KEY_G > 0:
                 if n0 % KEY_G == 0:
                     q16, q_bias, q_sum = key_group(qv, field, chan, head_q, stride_ksh,
                                                     KSp + (n0 // KEY_G) * stride_ksn, KZp + (n0 // KEY_G) * stride_ksn,
-                                                    qk_scale, BITS, KEY_BIAS, KEY_EXP, H, D, ROWS)
+                                                    qk_scale, KBITS, KEY_BIAS, KEY_EXP, H, D, ROWS)
             if VAL_G > 0:
                 if n0 % VAL_G == 0:
                     v_scale, v_zero = value_group(VSp + (n0 // VAL_G) * stride_vsn, VZp + (n0 // VAL_G) * stride_vsn,
@@ -352,9 +431,9 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
             n_ahead = gl.minimum(t_ahead, t_stop - 1) * BN
             ahead = i + STAGES - 1
             if PAGE > 0:   # the pages of the next tile (its scales) and of the tile copied ahead
-                _, _, KSn, KZn, VSn, VZn = tile_bases(n_next, b, h, cache, table, strides, W, KEY_G, VAL_G, PAGE,
+                _, _, KSn, KZn, VSn, VZn = tile_bases(n_next, b, h, cache, table, strides, KW, VW, KEY_G, VAL_G, PAGE,
                                                       KEY_NG, VAL_NG)
-                k_a, v_a, _, _, _, _ = tile_bases(n_ahead, b, h, cache, table, strides, W, KEY_G, VAL_G, PAGE,
+                k_a, v_a, _, _, _, _ = tile_bases(n_ahead, b, h, cache, table, strides, KW, VW, KEY_G, VAL_G, PAGE,
                                                   KEY_NG, VAL_NG)
             else:
                 KSn = KSp
@@ -372,11 +451,11 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
             gl.thread_barrier()   # every lane is done reading the stage the next copy overwrites
             if DYNAMIC:   # past the last tile: an empty copy group (the last tile may be a DRAM read away)
                 if t_ahead < t_stop:
-                    issue_copies(ahead % STAGES, n_ahead, k_smem, v_smem, k_a, v_a, stride_kh, stride_vh, tc, wc, W, H)
+                    issue_copies(ahead % STAGES, n_ahead, k_smem, v_smem, k_a, v_a, stride_kh, stride_vh, lanes, KW, VW, H)
                 else:
                     async_copy.commit_group()
             else:         # a copy of the last tile again, just read: from L2
-                issue_copies(ahead % STAGES, n_ahead, k_smem, v_smem, k_a, v_a, stride_kh, stride_vh, tc, wc, W, H)
+                issue_copies(ahead % STAGES, n_ahead, k_smem, v_smem, k_a, v_a, stride_kh, stride_vh, lanes, KW, VW, H)
             if PREFETCH and not SCALE_AHEAD:   # the next tile's scales on their way to L2 (loaded at its start);
                 if (KEY_G == 0 or VAL_G == 0) and PAGE == 0:   # not measured on pages, where it costs 7% more SASS
                     prefetch_scales(n_next, KSn, KZn, VSn, VZn, stride_ksh, stride_vsh, KEY_G, VAL_G, H, BN)
@@ -384,7 +463,7 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
             gl.thread_barrier()   # tile i's words, copied by every lane, are visible
             m_i, l_i, zsum, acc_o = _tile(n0, end, k_smem, v_smem, (i % STAGES) * H, ks, kz, vs, vz, m_i, l_i, zsum,
                                           acc_o, tm, head_c, head_b, q16, q_bias, q_sum, row_scale, v_scale, v_zero,
-                                          BN, D, F, ROWS, H, KEY_G, VAL_G, KEY_BIAS, KASM, KCONS, VA0, VA1, VA2, VA3,
+                                          BN, D, KF, VF, ROWS, H, KEY_G, VAL_G, KEY_BIAS, KASM, KCONS, VA0, VA1, VA2, VA3,
                                           VCONS, False, AND_P, KEY_NG, VAL_NG)
             if SCALE_AHEAD:
                 ks, kz, vs, vz = ks2, kz2, vs2, vz2
@@ -394,21 +473,21 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
     full_end = t_stop * BN
     if full_end < end:
         if PAGE > 0:
-            k_base, v_base, KSp, KZp, VSp, VZp = tile_bases(full_end, b, h, cache, table, strides, W, KEY_G, VAL_G,
+            k_base, v_base, KSp, KZp, VSp, VZp = tile_bases(full_end, b, h, cache, table, strides, KW, VW, KEY_G, VAL_G,
                                                             PAGE, KEY_NG, VAL_NG)
         if KEY_G > 0:
             g_end = full_end // KEY_G
             q16, q_bias, q_sum = key_group(qv, field, chan, head_q, stride_ksh, KSp + g_end * stride_ksn,
-                                            KZp + g_end * stride_ksn, qk_scale, BITS, KEY_BIAS, KEY_EXP, H, D, ROWS)
+                                            KZp + g_end * stride_ksn, qk_scale, KBITS, KEY_BIAS, KEY_EXP, H, D, ROWS)
         if VAL_G > 0:
             v_scale, v_zero = value_group(VSp + (full_end // VAL_G) * stride_vsn,
                                            VZp + (full_end // VAL_G) * stride_vsn, chan_o, weight_o, head_c, stride_vsh,
                                            H)
         ks, kz, vs, vz = tile_scales(full_end, end, tm, head_c, KSp, KZp, VSp, VZp, stride_ksh, stride_vsh,
                                      KEY_G, VAL_G, H, True, KEY_NG, VAL_NG)
-        stage_tail(full_end, end, k_smem, v_smem, k_base, v_base, stride_kh, stride_vh, tc, wc, W, H)
+        stage_tail(full_end, end, k_smem, v_smem, k_base, v_base, stride_kh, stride_vh, lanes, KW, VW, H)
         m_i, l_i, zsum, acc_o = _tile(full_end, end, k_smem, v_smem, 0, ks, kz, vs, vz, m_i, l_i, zsum, acc_o, tm,
-                                      head_c, head_b, q16, q_bias, q_sum, row_scale, v_scale, v_zero, BN, D, F, ROWS,
+                                      head_c, head_b, q16, q_bias, q_sum, row_scale, v_scale, v_zero, BN, D, KF, VF, ROWS,
                                       H, KEY_G, VAL_G, KEY_BIAS, KASM, KCONS, VA0, VA1, VA2, VA3, VCONS, True,
                                       AND_P, KEY_NG, VAL_NG)
 
@@ -419,10 +498,14 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
     if VAL_G == 0:
         if VAL_NG == 1:
             zrow = zsum[None, :]
-        else:   # row m of O^T lies in channel group m // (D // VAL_NG) (whole fields, lower.py)
+        else:   # row m of O^T is channel chan_o[m], in group chan_o[m] // (D // VAL_NG)
             zrow = gl.zeros([D, ROWS], gl.float32, layout=mma)
+            if D // VAL_NG < VNB:   # groups smaller than a bit field
+                row_group = chan_o // (D // VAL_NG)
+            else:                   # whole fields: consecutive rows
+                row_group = cm // (D // VAL_NG)
             for g in gl.static_range(VAL_NG):
-                zrow = gl.where((cm // (D // VAL_NG) == g)[:, None], zsum[g][None, :], zrow)
+                zrow = gl.where((row_group == g)[:, None], zsum[g][None, :], zrow)
         res = acc_o * weight_o[:, None] + zrow
     else:
         res = acc_o

@@ -1,4 +1,4 @@
-"""The register-operand kernel as an attention callable (sm_90 GPUs).
+"""The register-operand kernel as an attention callable (sm_90 and sm_100 GPUs).
 
 `GluonAttention` validates a call like the Triton backend, launches the Gluon decode kernel
 (kernel.py) over (batch, kv_head, split) programs of one warp each and the Triton backend's merge
@@ -39,10 +39,13 @@ def constexprs(cfg: FoldKernel, block_n: int, stages: int, heads: int = 1, scale
                         f"stages={stages}: use stages=2 or dynamic_tiles=False")
     if scale_ahead is None:
         scale_ahead = default_scale_ahead(cfg)
-    key_asm, key_cons = key_unpack_asm(cfg.bits, cfg.key_bias)
-    values = [value_unpack_asm(cfg.bits, byte) for byte in range(4)]
-    return dict(Q_PER_KV=cfg.q_per_kv, ROWS=cfg.rows, H=heads, BN=block_n, D=cfg.head_dim, BITS=cfg.bits,
-                KEY_BIAS=cfg.key_bias, KEY_G=cfg.key_tokens, VAL_G=cfg.value_tokens, STAGES=stages,
+    # a plain side has no unpack (its KEY_G / VAL_G is -1: no scales, no groups)
+    key_asm, key_cons = ("", "") if cfg.key_plain else key_unpack_asm(cfg.key_bits, cfg.key_bias)
+    values = [("", "")] * 4 if cfg.value_plain else [value_unpack_asm(cfg.value_bits, byte) for byte in range(4)]
+    return dict(Q_PER_KV=cfg.q_per_kv, ROWS=cfg.rows, H=heads, BN=block_n, D=cfg.head_dim, KBITS=cfg.key_bits,
+                VBITS=cfg.value_bits, RB=cfg.row_blocks,
+                KEY_BIAS=cfg.key_bias, KEY_G=-1 if cfg.key_plain else cfg.key_tokens,
+                VAL_G=-1 if cfg.value_plain else cfg.value_tokens, STAGES=stages,
                 SCALE_AHEAD=bool(scale_ahead), KASM=key_asm, KCONS=key_cons, VA0=values[0][0],
                 VA1=values[1][0], VA2=values[2][0], VA3=values[3][0], VCONS=values[0][1], VALUE_EXP=VALUE_EXPONENT,
                 KEY_EXP=0 if cfg.key_bias else KEY_EXPONENT, PREFETCH=default_prefetch(cfg), DYNAMIC=bool(dynamic),
@@ -54,6 +57,9 @@ def chunk_tiles(cfg: FoldKernel, block_n: int) -> int:
     a chunk starts on a group boundary and walks its group in order (the kernel reloads a group's
     scales at its first tile)."""
     return max([block_n] + [g for g in (cfg.key_tokens, cfg.value_tokens) if g]) // block_n
+
+
+DEFAULT_MAX_PACK = 4   # KV heads per program the launcher packs by default (default_pack_heads)
 
 
 def packable_heads(cfg: FoldKernel, num_kv_heads: int) -> int:
@@ -69,8 +75,14 @@ def packable_heads(cfg: FoldKernel, num_kv_heads: int) -> int:
 def default_pack_heads(cfg: FoldKernel, num_kv_heads: int) -> int:
     """The launcher's choice: pack as many heads as fit, every layout. With a channel-wise side the
     packed kernel needs more registers (227-255 at INT2 against 168-237 for one head, AOT SASS), yet
-    it was 9-62% faster on the H200 at 8 x 64K and 32 x 64K, INT2 and INT4 (docs/perf.md)."""
-    return packable_heads(cfg, num_kv_heads)
+    it was 9-62% faster on the H200 at 8 x 64K and 32 x 64K, INT2 and INT4 (docs/perf.md). Past 128
+    channels with a channel-wise side, one head: two spill (per-row channel scales of 256 channels)."""
+    if cfg.head_dim > 128 and (cfg.key_tokens or cfg.value_tokens):
+        return 1
+    # at most DEFAULT_MAX_PACK: eight one-row heads (query heads = KV heads) took 235 us at INT2 8 x 64K
+    # on the H200 against 104 with four and 108 with two (each head's P masked by a select per half
+    # with more than two; benchmarks/gqa_sweep.py, docs/perf.md)
+    return min(packable_heads(cfg, num_kv_heads), DEFAULT_MAX_PACK)
 
 
 def default_scale_ahead(cfg: FoldKernel) -> bool:
@@ -87,7 +99,7 @@ def default_prefetch(cfg: FoldKernel) -> bool:
     instead of 12) and it was 0.4% slower (docs/perf.md). The kernel prefetches on contiguous
     caches only: on pages, rebasing the four pointers per tile adds 7% to the loop, unmeasured. Not
     with several channel groups per token, whose parameters span more than one line per tile row."""
-    return cfg.bits == 2 and cfg.key_groups == 1 and cfg.value_groups == 1
+    return cfg.key_bits == cfg.value_bits == 2 and cfg.key_groups == 1 and cfg.value_groups == 1   # never plain
 
 
 def resident_programs(n_regs: int, shared_bytes: int, max_shared: int) -> int:
@@ -129,9 +141,11 @@ class GluonAttention:
 
     def __init__(self, spec, block_n: int | None = None, stages: int | None = None, splits: int | None = None,
                  maxnreg: int | None = None, split_factor: float | None = None, pack_heads: int | None = None,
-                 scale_ahead: bool | None = None, dynamic_tiles: bool = False):
-        self.spec, self.target = spec, "sm_90"
-        check_launch_options("sm_90", "gluon", block_n=block_n, stages=stages)   # before any default
+                 scale_ahead: bool | None = None, dynamic_tiles: bool = False, target: str = "sm_90"):
+        if target not in ("sm_90", "sm_100"):
+            raise SpecError(f"target={target!r}: the register-operand kernel runs on 'sm_90' or 'sm_100'")
+        self.spec, self.target = spec, target
+        check_launch_options(target, "gluon", block_n=block_n, stages=stages)   # before any default
         check_splits(splits)
         self.plan = gluon_plan(spec, "bf16")   # bf16 queries (lower.QUERY_DTYPES): eq. 6a's precision for them
         self.config = lower(self.plan)      # raises NotLowerable with the reason
@@ -158,7 +172,13 @@ class GluonAttention:
         # 6-7% faster (H200, docs/perf.md tenth session); a mix follows the side with more groups
         # (not measured)
         groups = [g for g in (self.config.key_tokens, self.config.value_tokens) if g]
-        wide = pack_heads > 1 and self.config.bits == 2 and all(g % 64 == 0 for g in groups) and \
+        # one KV head per program: 64 also won at INT2 (114.5 against 118.3 us at 32/8, 115.6 against
+        # 119.2 at 40/8); four packed heads: 32 (103.8 against 123.1 us at 8/8; benchmarks/gqa_sweep.py)
+        # 16 rows of one head: 32 (94.3 against 94.8 us at 64/4; a cap of 168 registers, 12 programs per SM
+        # instead of 8 and no spills at 32, was slower: 98.0 against 94.5, docs/perf.md)
+        one_wide_head = self.config.rows == 16 and pack_heads == 1
+        wide = pack_heads <= 2 and not one_wide_head and self.config.key_bits == self.config.value_bits == 2 and \
+            all(g % 64 == 0 for g in groups) and \
             max(self.config.key_groups, self.config.value_groups) != 2
         block_n, stages = block_n or (64 if wide else 32), stages or 2
         for name, group in (("k", self.config.key_tokens), ("v", self.config.value_tokens)):
@@ -195,6 +215,15 @@ class GluonAttention:
     def default_block_n(self) -> int:
         """Tokens per tile when neither the call's options nor a tuned bucket say otherwise."""
         return self._defaults["block_n"]
+
+    @property
+    def default_stages(self) -> int:
+        return self._defaults["stages"]
+
+    @property
+    def default_maxnreg(self) -> int | None:
+        """The register cap per thread unless a tuned bucket sets one (the ``maxnreg`` option; None: none)."""
+        return self._defaults["maxnreg"]
 
     def launch_config(self, dtype: torch.dtype, batch: int, tokens: int) -> dict:
         """block_n / stages / maxnreg / split factor for this call (memoised per shape bucket)."""
@@ -244,6 +273,14 @@ class GluonAttention:
             raise InputError(f"the register-operand kernel runs on a CUDA GPU; q is on {device}. Use "
                              "target='interpret' (CPU, fp16) or 'reference'")
         for name, x in (("k", k), ("v", v)):
+            if isinstance(x, torch.Tensor):   # a plain side: bf16 rows, read as 32-bit words
+                if x.dtype != torch.bfloat16:
+                    raise InputError(f"{name} dtype={x.dtype}: the register-operand kernel reads a plain side in bf16, "
+                                     f"the queries' dtype; pass {name}.to(torch.bfloat16)")
+                if not x.is_contiguous() or x.data_ptr() % 16:
+                    raise InputError(f"{name} must be contiguous and 16-byte aligned (strides {x.stride()}); call "
+                                     ".contiguous() on it first")
+                continue
             for t in (x.codes, x.scale, x.zero):
                 if not t.is_contiguous():
                     raise InputError(f"{name} must be contiguous (a part of it has strides {t.stride()}); "
@@ -271,7 +308,7 @@ class GluonAttention:
         """(splits, tokens per split) for ``tokens`` cached tokens: whole tiles per split; unless the
         call fixed the split count, as many as fill the launch's ``split_factor`` waves of resident
         programs (`wave_splits`; ``q_dtype``, ``has_lens``, ``page``: the kernel variant it runs)."""
-        block_n, hkv = launch["block_n"], self.spec.num_kv_heads // launch["heads"]
+        block_n, hkv = launch["block_n"], self.head_programs(launch)
         splits = self.splits
         if splits is None:
             resident = self.resident(launch, q_dtype, has_lens, page, device)
@@ -307,19 +344,25 @@ class GluonAttention:
         """The decode kernel's arguments for one sequence with no memory behind them (triton's
         MockTensor: dtypes, shapes, strides): enough to compile the variant a call would run."""
         spec, cfg = self.spec, self.config
-        d, w, h = cfg.head_dim, cfg.words_per_token, spec.num_kv_heads
+        d, h = cfg.head_dim, spec.num_kv_heads
         q = _mock(q_dtype, [1, spec.num_q_heads, d])
-        k, v = (_MockAffine(enc, h, d, w, page or 4096) for enc in (spec.k, spec.v))
+        k, v = (_MockAffine(enc, h, d, w, page or 4096) if enc is not None else _MockPlain(h, w, page or 4096)
+                for enc, w in ((spec.k, cfg.key_words), (spec.v, cfg.value_words)))
         int32 = _mock(torch.int32, [1])
         ws = (_mock(torch.float32, [1]),) * 3
         paged = (int32, int32, page) if page else None
         return self.decode_arguments(launch, q, k, v, int32 if has_lens else None, ws, 1.0, 2 * launch["block_n"],
                                      4096, paged, int32 if _dynamic(launch) else None)
 
+    def head_programs(self, launch: dict) -> int:
+        """Programs per sequence and split (the grid's second axis): one per group of ``launch["heads"]``
+        packed KV heads, or ``row_blocks`` per KV head when its query rows exceed the MMA's N axis."""
+        return self.spec.num_kv_heads // launch["heads"] * self.config.row_blocks
+
     def workspace(self, launch: dict, batch: int, splits: int, device) -> tuple[torch.Tensor, ...]:
         """Per-split (max, denominator, accumulator): H packed KV heads are one head of H x q_per_kv
         rows for the workspace and the merge."""
-        hkv, rows = self.spec.num_kv_heads // launch["heads"], self.config.rows
+        hkv, rows = self.head_programs(launch), self.config.rows
         ws_m = torch.empty(batch, hkv, splits, rows, device=device, dtype=torch.float32)
         return ws_m, torch.empty_like(ws_m), torch.empty(batch, hkv, splits, rows, self.config.head_dim,
                                                           device=device, dtype=torch.float32)
@@ -332,14 +375,14 @@ class GluonAttention:
         decode, merge = self._launchers()
         counters = None
         if _dynamic(launch):   # one tile counter per (batch, head group), zeroed each call
-            counters = torch.zeros(q.shape[0] * (self.spec.num_kv_heads // launch["heads"]), device=q.device,
+            counters = torch.zeros(q.shape[0] * self.head_programs(launch), device=q.device,
                                    dtype=torch.int32)
         args, kwargs = self.decode_arguments(launch, q, k, v, lens, ws, sm_scale, per_split, cache_tokens, paged,
                                              counters)
-        decode[(q.shape[0], self.spec.num_kv_heads // launch["heads"], splits)](*args, **kwargs)
+        decode[(q.shape[0], self.head_programs(launch), splits)](*args, **kwargs)
         # PDL under CUDA-graph capture only: launched eagerly, the programmatic dependent merge cost
         # ~44 µs of GPU time per call at INT2 1 x 16K (H200, docs/perf.md ninth session)
-        launch_merge(merge, *ws, out, lse, self.spec.q_per_kv * launch["heads"],
+        launch_merge(merge, *ws, out, lse, self.config.q_per_kv * launch["heads"],
                      pdl=self.pdl and torch.cuda.is_current_stream_capturing())
 
     @staticmethod
@@ -347,15 +390,30 @@ class GluonAttention:
                          paged: tuple | None, counters=None) -> tuple[tuple, dict]:
         """The decode kernel's arguments (positional, keyword) for one call (see `launch`); ``counters``:
         int32 zeros, one per (batch, head group), for dynamic tiles."""
-        kc, vc = k.codes.view(torch.int32), v.codes.view(torch.int32)
+        (kc, ks, kz), (vc, vs, vz) = (_parts(x, q) for x in (k, v))
         indptr, indices, page = paged if paged is not None else (q, q, 0)
         extra = {"maxnreg": launch["maxnreg"]} if launch["maxnreg"] else {}
-        args = (q, kc, k.scale, k.zero, vc, v.scale, v.zero, q if lens is None else lens, *ws, indptr, indices,
+        args = (q, kc, ks, kz, vc, vs, vz, q if lens is None else lens, *ws, indptr, indices,
                 q if counters is None else counters,
-                q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), k.scale.stride(0), k.scale.stride(1),
-                k.scale.stride(2), vc.stride(0), vc.stride(1), v.scale.stride(0), v.scale.stride(1),
-                v.scale.stride(2), sm_scale * 1.4426950408889634, per_split, cache_tokens)
+                q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), *_scale_strides(ks, kc), vc.stride(0),
+                vc.stride(1), *_scale_strides(vs, vc), sm_scale * 1.4426950408889634, per_split, cache_tokens)
         return args, dict(HAS_LENS=lens is not None, PAGE=page, **launch["constexprs"], num_warps=1, **extra)
+
+
+def _parts(x, q):
+    """(32-bit code words, scale, zero) of an encoded side; a plain side's bf16 rows as 32-bit words
+    and the query standing in for the scales it has none of (the kernel reads none)."""
+    if isinstance(x, torch.Tensor) or isinstance(x, _MockPlain):
+        return x.view(torch.int32), q, q
+    return x.codes.view(torch.int32), x.scale, x.zero
+
+
+def _scale_strides(scale, words) -> tuple[int, int, int]:
+    """The scale tensor's (batch, head, token or group) strides; zeros for a plain side (``scale`` is
+    the query then, whose shape is not the codes')."""
+    if len(scale.shape) != 4 or list(scale.shape[:2]) != list(words.shape[:2]):
+        return 0, 0, 0
+    return scale.stride(0), scale.stride(1), scale.stride(2)
 
 
 def _dynamic(launch: dict) -> bool:
@@ -382,6 +440,16 @@ class _MockAffine:
     def __init__(self, enc, heads: int, head_dim: int, words: int, tokens: int):
         self.codes = _MockCodes(_mock(torch.int32, [1, heads, tokens, words]))
         self.scale = self.zero = _mock(enc.scale_dtype, scale_shape(enc, 1, heads, tokens, head_dim))
+
+
+class _MockPlain:
+    """Stand-in for a plain bf16 side of ``tokens`` tokens: its 32-bit view is what the kernel takes."""
+
+    def __init__(self, heads: int, words: int, tokens: int):
+        self.words = _mock(torch.int32, [1, heads, tokens, words])
+
+    def view(self, dtype):
+        return self.words
 
 
 class _MockCodes:

@@ -32,7 +32,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ...plan import Plan, plan
+from ...decisions import FoldKind, GroupAxis
+from ...plan import Plan, check_plan, plan
 from ...precision import OperandPrecision
 from ...spec import AttentionSpec
 from .operands import MAGIC_VALUE
@@ -40,8 +41,13 @@ from .operands import MAGIC_VALUE
 KEY_BIAS = 0       # key codes enter as exact fp16 subnormals too (operands.py): no bias to fold
 KEY_BIASES = (0, MAGIC_VALUE)   # what the key unpack builds: subnormal codes, or the OR trick's 1024 + code (eq. 7)
 VALUE_BIAS = 0     # value codes enter as exact fp16 subnormals (operands.py): no bias to fold
-MAX_ROWS = 16      # query rows per KV head the MMA's N axis holds (8 or 16)
+MAX_ROWS = 16      # query rows one program's MMA N axis holds (8 or 16); more per KV head: row blocks
+BITS = (2, 4, 8)   # code widths the unpack builds (operands.py), each side on its own
+WORDS = (8, 16, 32, 64)   # 32-bit code words per token the register layouts read (tile_operands.py)
+PLAIN_BITS = 16    # a plain side: bf16 values, read from shared memory as the MMA operand (kernel.py)
+PLAIN_WORDS = (32, 64, 128)   # bf16 pairs per token of a plain side
 MAX_GROUPS_PER_TOKEN = 4   # token-wise channel groups per token: one score accumulator and one P each
+MIN_GROUP = 32     # token-wise channels per group inside a bit field: 8 words, the value operand's lane rows
 
 
 class NotLowerable(Exception):
@@ -52,9 +58,10 @@ class NotLowerable(Exception):
 class FoldKernel:
     """What the Gluon kernel is specialised on, all read from the plan."""
 
-    bits: int            # code width of K and V
+    key_bits: int        # code width of K (2, 4 or 8; PLAIN_BITS: plain bf16 keys)
+    value_bits: int      # code width of V
     head_dim: int
-    q_per_kv: int
+    q_per_kv: int        # query rows of one KV head a program takes (all of them, or one row block's)
     rows: int            # q_per_kv padded to the MMA's N (8 or 16)
     key_bias: int        # bias carried by the key operand, removed through sum(q') (eq. 7)
     key_tokens: int      # 0: token-wise K (acc-fold); G: channel-wise K in groups of G tokens
@@ -63,11 +70,31 @@ class FoldKernel:
     value_groups: int = 1    # token-wise V: channel groups per token
     key_precision: OperandPrecision | None = None     # the plan's operand precision (eq. 6a), None if
     value_precision: OperandPrecision | None = None   # the plan was made without a dtype
-
+    row_blocks: int = 1  # programs per KV head, each taking q_per_kv of its query rows (> 1: more rows
+    #                      per KV head than the MMA's N axis holds)
 
     @property
-    def words_per_token(self) -> int:
-        return self.head_dim * self.bits // 32
+    def key_plain(self) -> bool:
+        """K is a plain bf16 operand (no encoding)."""
+        return self.key_bits == PLAIN_BITS
+
+    @property
+    def value_plain(self) -> bool:
+        return self.value_bits == PLAIN_BITS
+
+    @property
+    def key_words(self) -> int:
+        """32-bit words of key codes per token."""
+        return self.head_dim * self.key_bits // 32
+
+    @property
+    def value_words(self) -> int:
+        return self.head_dim * self.value_bits // 32
+
+    @property
+    def code_bytes_per_token(self) -> int:
+        """Bytes of K and V codes per token and KV head."""
+        return 4 * (self.key_words + self.value_words)
 
 
 #: the query dtypes the kernel takes, and why not fp16: its error against plain fp16 attention reached
@@ -102,41 +129,64 @@ def lower(the_plan: Plan) -> FoldKernel:
     """The kernel configuration for ``the_plan``; raises NotLowerable with the reason otherwise.
     A plan made for a query dtype must ask for precisions the kernel implements (eq. 6a); one made
     without a dtype is lowered as one fp16 rounding."""
+    check_plan(the_plan)   # a wrong plan (a key correction after the softmax, ...) never reaches code generation
     spec = the_plan.spec
     qk, pv = the_plan.products["qk"], the_plan.products["pv"]
     token_groups, channel_groups = {}, {}
-    for p, tokenwise_fold in ((qk, "acc-fold"), (pv, "operand-fold")):
-        if p.fold not in ("acc-fold", "operand-fold"):
-            raise NotLowerable(f"{p.product} is {p.fold}; the register-operand kernel lowers folded products only")
-        if p.correction == "MISSING":
+    plain = {}
+    for p, tokenwise_fold in ((qk, FoldKind.ACC_FOLD), (pv, FoldKind.OPERAND_FOLD)):
+        plain[p.product] = p.fold is FoldKind.NONE
+        if plain[p.product]:   # a plain (bf16) operand: read as it is, no fold
+            token_groups[p.product], channel_groups[p.product] = 0, 1
+            continue
+        if not p.fold.folded:
+            raise NotLowerable(f"{p.product} is {p.fold}; the register-operand kernel lowers folded products and "
+                               "plain operands")
+        if p.correction_missing:
             raise NotLowerable(f"{p.product}: the plan has no zero correction")
-        if p.group_axis == "channel":   # token-wise encoding: groups run along head_dim
+        if p.group_axis is GroupAxis.CHANNEL:   # token-wise encoding: groups run along head_dim
             if p.fold != tokenwise_fold:
                 raise NotLowerable(f"{p.product}: token-wise groups folded as {p.fold}; the register-operand "
                                    f"kernel folds token-wise {p.product} as {tokenwise_fold}")
-            field = spec.head_dim * p.bits // 8   # channels per bit field of the planar packing
-            groups = spec.head_dim // p.group_size
-            if p.group_size % field or groups > MAX_GROUPS_PER_TOKEN:
+            field = p.tiling.channels_per_field   # channels per bit field of the planar packing
+            groups = spec.head_dim // p.tiling.channel_group
+            # a group is whole fields, or an aligned part of one of at least 32 channels: a contiguous
+            # range of the key operand's K index, register bits of the value operand's M index
+            fits = p.group_size % field == 0 or (field % p.group_size == 0 and p.group_size >= MIN_GROUP)
+            if not fits or groups > MAX_GROUPS_PER_TOKEN:
                 raise NotLowerable(f"{p.product}: token-wise groups of {p.group_size} channels; the register-operand "
-                                   f"kernel needs whole bit fields of {field} channels (head_dim x bits / 8) per "
-                                   f"group and at most {MAX_GROUPS_PER_TOKEN} groups per token, e.g. group_size "
-                                   f"{max(field, spec.head_dim // MAX_GROUPS_PER_TOKEN)} or {spec.head_dim}")
+                                   f"kernel needs groups of whole bit fields of {field} channels (head_dim x bits / 8) "
+                                   f"or of an aligned part of one of >= {MIN_GROUP} channels, and at most "
+                                   f"{MAX_GROUPS_PER_TOKEN} groups per token, e.g. group_size "
+                                   f"{max(MIN_GROUP, spec.head_dim // MAX_GROUPS_PER_TOKEN)} or {spec.head_dim}")
             token_groups[p.product] = 0
             channel_groups[p.product] = groups
-        else:                           # channel-wise encoding: groups of G tokens
-            if p.group_size % 32:
-                raise NotLowerable(f"{p.product}: channel-wise groups of {p.group_size} tokens; the register-operand "
-                                   "kernel needs a multiple of 32 (a token tile must lie in one group)")
-            token_groups[p.product] = p.group_size
+        else:                           # channel-wise encoding: a token tile inside one group of G tokens
+            if p.token_tile_multiple % 32:
+                raise NotLowerable(f"{p.product}: channel-wise groups of {p.token_tile_multiple} tokens; the "
+                                   "register-operand kernel needs a multiple of 32 (a token tile must lie in one group)")
+            token_groups[p.product] = p.token_tile_multiple
             channel_groups[p.product] = 1
-    if qk.bits != pv.bits or qk.bits not in (2, 4):
-        raise NotLowerable(f"needs K and V at the same width, 2 or 4 bits; got {qk.bits} and {pv.bits}")
-    words = spec.head_dim * qk.bits // 32
-    if words not in (8, 16):
-        raise NotLowerable(f"head_dim x bits = {spec.head_dim * qk.bits} bits per token; the register layouts "
-                           "need 256 or 512 (e.g. 128 channels at 2 or 4 bits, 64 at 4, 256 at 2)")
-    if spec.q_per_kv > MAX_ROWS:
-        raise NotLowerable(f"q_per_kv={spec.q_per_kv} query heads per KV head; at most {MAX_ROWS}")
+    if plain["qk"] and plain["pv"]:
+        raise NotLowerable("qk and pv are both plain (no encoding); the register-operand kernel reads codes on at "
+                           "least one side; the generated Triton kernel runs plain attention")
+    for p in (qk, pv):
+        if plain[p.product]:
+            if spec.head_dim // 2 not in PLAIN_WORDS:
+                raise NotLowerable(f"{p.product}: a plain side of head_dim={spec.head_dim}; the register-operand kernel "
+                                   "reads plain bf16 rows of 64, 128 or 256 channels")
+            continue
+        if p.bits not in BITS:
+            raise NotLowerable(f"{p.product}: {p.bits}-bit codes; the register-operand kernel unpacks {BITS} bits")
+        words = spec.head_dim * p.bits // 32
+        if words not in WORDS:
+            raise NotLowerable(f"{p.product}: head_dim x bits = {spec.head_dim * p.bits} bits per token; the register "
+                               f"layouts need {' or '.join(str(32 * w) for w in WORDS)} (e.g. 128 channels at 2, 4 "
+                               "or 8 bits, 64 at 4 or 8, 256 at 2 or 4)")
+    if spec.head_dim > 128 and token_groups["qk"] and token_groups["pv"]:
+        raise NotLowerable(f"head_dim={spec.head_dim} with both sides channel-wise: their per-channel group "
+                           "parameters spill the one-warp program's registers (AOT SASS); one side token-wise lowers")
+    row_blocks = _row_blocks(spec.q_per_kv, max_rows(spec.head_dim))
     if qk.code_bias not in KEY_BIASES or pv.code_bias != VALUE_BIAS:
         raise NotLowerable(f"the plan's code biases are key {qk.code_bias}, value {pv.code_bias}; this kernel "
                            f"builds key {' or '.join(map(str, KEY_BIASES))}, value {VALUE_BIAS} (plan it with "
@@ -152,12 +202,36 @@ def lower(the_plan: Plan) -> FoldKernel:
         if p.precision is not None and p.precision.precision not in PRECISIONS:
             raise NotLowerable(f"{p.product}: the error model asks for operand precision {p.precision.precision} "
                                f"(eq. 6a); the register-operand kernel rounds its pre-scaled operand once")
-    rows = 8 if spec.q_per_kv <= 8 else 16
-    return FoldKernel(bits=qk.bits, head_dim=spec.head_dim, q_per_kv=spec.q_per_kv, rows=rows, key_bias=qk.code_bias,
+    block_rows = spec.q_per_kv // row_blocks
+    rows = 8 if block_rows <= 8 else 16   # the MMA's N: 8 or 16
+    return FoldKernel(key_bits=PLAIN_BITS if plain["qk"] else qk.bits, value_bits=PLAIN_BITS if plain["pv"] else pv.bits,
+                      head_dim=spec.head_dim, q_per_kv=block_rows, rows=rows,
+                      key_bias=qk.code_bias, row_blocks=row_blocks,
                       key_tokens=token_groups["qk"], value_tokens=token_groups["pv"],
                       key_groups=channel_groups["qk"], value_groups=channel_groups["pv"],
                       key_precision=qk.precision.precision if qk.precision is not None else None,
                       value_precision=pv.precision.precision if pv.precision is not None else None)
+
+
+def max_rows(head_dim: int) -> int:
+    """Query rows one program's MMA N axis takes: 16, or 8 past 128 channels, where the output
+    accumulator [head_dim, rows] in float32 would take more than 64 of a lane's registers."""
+    return MAX_ROWS if head_dim <= 128 else MAX_ROWS // 2
+
+
+def _row_blocks(q_per_kv: int, most: int) -> int:
+    """Programs per KV head: 1 when its query rows fit ``most`` rows of the MMA's N axis, else the
+    fewest equal blocks of at most ``most`` rows (each program reads the head's codes; the blocks are
+    neighbours in the grid, so all but the first read them from L2 when they run together)."""
+    for blocks in range(1, q_per_kv + 1):
+        if q_per_kv % blocks == 0 and q_per_kv // blocks <= most:
+            if blocks > 1 and q_per_kv // blocks <= most // 2:
+                raise NotLowerable(f"q_per_kv={q_per_kv} query heads per KV head split into {blocks} equal blocks of "
+                                   f"{q_per_kv // blocks} rows, at most half the MMA's {most}; the register-operand "
+                                   f"kernel takes up to {most} rows per KV head, or a number that splits into equal "
+                                   f"blocks of {most // 2 + 1} to {most} (e.g. {2 * most}, {3 * most})")
+            return blocks
+    raise AssertionError("unreachable: one row per block always fits")
 
 
 def lowerable(spec: AttentionSpec, dtype: str = "bf16") -> tuple[bool, str]:

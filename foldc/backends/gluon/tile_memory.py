@@ -20,13 +20,17 @@ def copy_layout(BN, W):
 
 
 @gluon.jit
-def issue_copies(stage, n0, k_smem, v_smem, k_base, v_base, stride_kh, stride_vh, tc, wc, W: gl.constexpr,
-                 H: gl.constexpr):
-    """Start copying the code words of tile n0, every packed head, into pipeline stage ``stage``."""
-    rows = (n0 + tc)[:, None] * W + wc[None, :]
+def issue_copies(stage, n0, k_smem, v_smem, k_base, v_base, stride_kh, stride_vh, lanes, KW: gl.constexpr,
+                 VW: gl.constexpr, H: gl.constexpr):
+    """Start copying the code words of tile n0, every packed head, into pipeline stage ``stage``.
+    ``lanes``: the (token, word) index vectors of each side's copy layout, ``(tck, wck, tcv, wcv)``;
+    KW, VW: words per token of K and V (they differ when K and V have different widths)."""
+    tck, wck, tcv, wcv = lanes
+    k_rows = (n0 + tck)[:, None] * KW + wck[None, :]
+    v_rows = (n0 + tcv)[:, None] * VW + wcv[None, :]
     for i in gl.static_range(H):
-        async_copy.async_copy_global_to_shared(k_smem.index(stage * H + i), k_base + i * stride_kh + rows)
-        async_copy.async_copy_global_to_shared(v_smem.index(stage * H + i), v_base + i * stride_vh + rows)
+        async_copy.async_copy_global_to_shared(k_smem.index(stage * H + i), k_base + i * stride_kh + k_rows)
+        async_copy.async_copy_global_to_shared(v_smem.index(stage * H + i), v_base + i * stride_vh + v_rows)
     async_copy.commit_group()
 
 
@@ -134,16 +138,21 @@ def tile_scales(n0, end, tm, head_c, KSp, KZp, VSp, VZp, stride_ksh, stride_vsh,
 
 
 @gluon.jit
-def stage_tail(n0, end, k_smem, v_smem, k_base, v_base, stride_kh, stride_vh, tc, wc, W: gl.constexpr,
-               H: gl.constexpr):
-    """The last, partial tile into stage 0 of the pipeline's shared memory, zeros past the end."""
-    tok = n0 + tc
-    rows = tok[:, None] * W + wc[None, :]
-    live = (tok < end)[:, None]
+def stage_tail(n0, end, k_smem, v_smem, k_base, v_base, stride_kh, stride_vh, lanes, KW: gl.constexpr,
+               VW: gl.constexpr, H: gl.constexpr):
+    """The last, partial tile into stage 0 of the pipeline's shared memory, zeros past the end
+    (``lanes``, KW, VW as in issue_copies)."""
+    tck, wck, tcv, wcv = lanes
+    k_tok = n0 + tck
+    v_tok = n0 + tcv
+    k_rows = k_tok[:, None] * KW + wck[None, :]
+    v_rows = v_tok[:, None] * VW + wcv[None, :]
+    k_live = (k_tok < end)[:, None]
+    v_live = (v_tok < end)[:, None]
     gl.thread_barrier()   # every lane is done reading the stages
     for i in gl.static_range(H):
-        k_smem.index(i).store(gl.load(k_base + i * stride_kh + rows, mask=live, other=0))
-        v_smem.index(i).store(gl.load(v_base + i * stride_vh + rows, mask=live, other=0))
+        k_smem.index(i).store(gl.load(k_base + i * stride_kh + k_rows, mask=k_live, other=0))
+        v_smem.index(i).store(gl.load(v_base + i * stride_vh + v_rows, mask=v_live, other=0))
     gl.thread_barrier()   # the words are visible to every lane
 
 
@@ -176,8 +185,8 @@ def next_tile(t, drawn, t_stop, counter, first, CHUNK: gl.constexpr, DYNAMIC: gl
 
 
 @gluon.jit
-def tile_bases(n0, b, h, cache, table, strides, W: gl.constexpr, KEY_G: gl.constexpr, VAL_G: gl.constexpr,
-               PAGE: gl.constexpr, KEY_NG: gl.constexpr = 1, VAL_NG: gl.constexpr = 1):
+def tile_bases(n0, b, h, cache, table, strides, KW: gl.constexpr, VW: gl.constexpr, KEY_G: gl.constexpr,
+               VAL_G: gl.constexpr, PAGE: gl.constexpr, KEY_NG: gl.constexpr = 1, VAL_NG: gl.constexpr = 1):
     """Base pointers of the code words and the scales/zeros for the tile holding token n0.
     Contiguous cache (PAGE == 0): batch b's. Paged (PAGE tokens a page, FlashInfer's table): the page
     that holds n0, *rebased* by that page's first token tok0, so that ``base + token * row_stride``
@@ -196,8 +205,8 @@ def tile_bases(n0, b, h, cache, table, strides, W: gl.constexpr, KEY_G: gl.const
     else:
         unit = b
         tok0 = 0
-    k_base = KC + unit * stride_kb + h * stride_kh - tok0 * W
-    v_base = VC + unit * stride_vb + h * stride_vh - tok0 * W
+    k_base = KC + unit * stride_kb + h * stride_kh - tok0 * KW   # KW, VW: words per token of K and V
+    v_base = VC + unit * stride_vb + h * stride_vh - tok0 * VW
     if KEY_G == 0:      # scale/zero rows: tokens (KEY_NG groups each) or token groups (stride_ksn)
         k_row = tok0 * KEY_NG
     else:

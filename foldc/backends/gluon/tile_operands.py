@@ -58,9 +58,12 @@ def key_operand(kw, BN: gl.constexpr, D: gl.constexpr, F: gl.constexpr, ASM: gl.
             ASM, CONS, [x], dtype=(gl.float16,) * 8, is_pure=True, pack=2)
         op = _join4(_pairs(a0, a1, BN, NB), _pairs(b0, b1, BN, NB), _pairs(c0, c1, BN, NB), _pairs(d0, d1, BN, NB))
         op = gl.reshape(gl.permute(op, (0, 2, 3, 1)), [BN, D])
-    else:
+    elif F == 2:
         a0, a1, b0, b1 = gl.inline_asm_elementwise(ASM, CONS, [x], dtype=(gl.float16,) * 4, is_pure=True, pack=2)
         op = gl.reshape(gl.permute(gl.join(_pairs(a0, a1, BN, NB), _pairs(b0, b1, BN, NB)), (0, 2, 1)), [BN, D])
+    else:   # 8-bit codes: one field, the k index is the byte's
+        a0, a1 = gl.inline_asm_elementwise(ASM, CONS, [x], dtype=(gl.float16,) * 2, is_pure=True, pack=2)
+        op = _pairs(a0, a1, BN, NB)
     return op
 
 
@@ -68,10 +71,15 @@ def key_operand(kw, BN: gl.constexpr, D: gl.constexpr, F: gl.constexpr, ASM: gl.
 def _value_fields(vw, ASM: gl.constexpr, CONS: gl.constexpr, F: gl.constexpr):
     if F == 4:
         r0, r1, r2, r3 = gl.inline_asm_elementwise(ASM, CONS, [vw], dtype=(gl.float16,) * 4, is_pure=True, pack=4)
-    else:
+    elif F == 2:
         r0, r1 = gl.inline_asm_elementwise(ASM, CONS, [vw], dtype=(gl.float16,) * 2, is_pure=True, pack=4)
         r2 = r0
         r3 = r1
+    else:   # 8-bit codes: one field
+        r0 = gl.inline_asm_elementwise(ASM, CONS, [vw], dtype=gl.float16, is_pure=True, pack=4)
+        r1 = r0
+        r2 = r0
+        r3 = r0
     return r0, r1, r2, r3
 
 
@@ -83,12 +91,14 @@ def value_operand(vw, BN: gl.constexpr, D: gl.constexpr, F: gl.constexpr, VA0: g
     p02, p12, p22, p32 = _value_fields(vw, VA2, VCONS, F)
     p03, p13, p23, p33 = _value_fields(vw, VA3, VCONS, F)
     j0 = _join4(p00, p01, p02, p03)      # [W, BN, u, v]: byte 2u+v of field 0
-    j1 = _join4(p10, p11, p12, p13)
+    j1 = _join4(p10, p11, p12, p13)      # (unused with one field)
     if F == 4:
         op = _join4(j0, j1, _join4(p20, p21, p22, p23), _join4(p30, p31, p32, p33))
         op = gl.reshape(gl.permute(op, (4, 5, 2, 3, 0, 1)), [D, BN])
-    else:
+    elif F == 2:
         op = gl.reshape(gl.permute(gl.join(j0, j1), (4, 2, 3, 0, 1)), [D, BN])
+    else:   # 8-bit codes: row m = byte * W + word
+        op = gl.reshape(gl.permute(j0, (2, 3, 0, 1)), [D, BN])
     return op
 
 
@@ -219,6 +229,42 @@ def join_groups(parts, NG: gl.constexpr):
         j = gl.join(gl.join(parts[0], parts[1]), gl.join(parts[2], parts[3]))   # [G, C, bit 0, bit 1]
         out = gl.reshape(gl.permute(j, (3, 2, 0, 1)), [4 * G, C])
     return out
+
+
+@gluon.jit
+def split_field_groups(x, F: gl.constexpr, W: gl.constexpr, NG: gl.constexpr):
+    """The value operand x [D, BN] (or an accumulator [D, ROWS]) cut into its NG token-wise channel
+    groups when a group is smaller than a bit field: row m = field * 4W + byte * W + word holds
+    channel field * 4W + 4 * word + byte, so group g = field * WH + word // WL (WH groups per field,
+    WL = group / 4 words each) is the rows of one field whose word index has high part g % WH. The
+    group bits are register bits of the MMA layouts (WL >= 8: the lane bits stay inside a group), so
+    no data moves. Returns a tuple of NG pieces [4 * WL, C] (row r = byte * WL + word low part)."""
+    C: gl.constexpr = x.shape[1]
+    WL: gl.constexpr = W * F // NG
+    WH: gl.constexpr = W // WL
+    y = gl.permute(gl.reshape(x, [F, 4, WH, WL, C]), (1, 3, 4, 0, 2))   # [byte, WL, C, field, WH]
+    if NG == 2:
+        out = gl.split(gl.reshape(y, [4 * WL, C, 2]))
+    else:
+        even, odd = gl.split(gl.reshape(y, [4 * WL, C, 2, 2]))   # bit 0 of the group index, then bit 1
+        p0, p2 = gl.split(even)
+        p1, p3 = gl.split(odd)
+        out = (p0, p1, p2, p3)
+    return out
+
+
+@gluon.jit
+def join_field_groups(parts, F: gl.constexpr, W: gl.constexpr, NG: gl.constexpr):
+    """The inverse of split_field_groups: NG pieces [4 * WL, C] back into [D, C]."""
+    C: gl.constexpr = parts[0].shape[1]
+    WL: gl.constexpr = W * F // NG
+    WH: gl.constexpr = W // WL
+    if NG == 2:
+        j = gl.join(parts[0], parts[1])                                           # [G, C, g]
+    else:
+        j = gl.permute(gl.join(gl.join(parts[0], parts[1]), gl.join(parts[2], parts[3])), (0, 1, 3, 2))
+    y = gl.reshape(j, [4, WL, C, F, WH])
+    return gl.reshape(gl.permute(y, (3, 0, 4, 1, 2)), [F * 4 * W, C])
 
 
 @gluon.jit

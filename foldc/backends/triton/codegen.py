@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from ...errors import PlanError
 from ...precision import product_precision
+from ...plan import check_plan
 from ...ir import (TOKEN, Accumulate, Add, Codes, Contract, Correction, Dequantize, Divide, GroupedAxis,
                    GroupParam, Input, MulScalar, OnlineSoftmax, Prescale, ScaleGroups, param_axes)
 from .layout import TileGeometry
@@ -525,6 +526,7 @@ def generate(plan, geo: TileGeometry, dtype: str, fast: bool = False,
     so rounding it costs no accuracy against attention in ``dtype``; True or False overrides the
     plan. ``paged`` reads K/V through a page table (paging.py): the same tile body, with per-tile
     bases from the page that holds the tile."""
+    check_plan(plan)   # a wrong plan (a key correction after the softmax, ...) never reaches code generation
     em = _Emitter(plan, geo, dtype, fast, split_operands(plan, dtype, split_prescaled))
     em.run()
     pv_chunks, w_pv = geo.chunks("pv"), geo.width("pv")

@@ -214,7 +214,7 @@ def kernel_source(spec, dtype: str, block_n: int = 64, fold_policy: str = "auto"
     reads K/V through a page table (paging.py); ``split_prescaled`` None follows the plan's
     operand precision (eq. 6a), True/False overrides it."""
     the_plan = triton_plan(spec, dtype, fold_policy)
-    geo = geometry(spec, block_n)
+    geo = geometry(spec, block_n, the_plan)
     ks = generate(the_plan, geo, dtype, fast=fast, split_prescaled=split_prescaled, paged=paged)
     ks.source = ks.source + MERGE_SOURCE
     return ks, geo, the_plan

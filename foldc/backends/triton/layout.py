@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from ...errors import SpecError
 from ...ir import CHANNEL, TOKEN
+from ...plan import plan_of
 
 MIN_DOT = 16  # smallest M, N and K of tl.dot
 
@@ -45,32 +46,32 @@ class TileGeometry:
         return self.width_qk if product == "qk" else self.width_pv
 
 
-def channel_width(head_dim: int, enc, product: str) -> int:
-    """Chunk width for one product: inside one bit field and one channel group, >= 16."""
+def channel_width(spec, product) -> int:
+    """Chunk width for one product (a `foldc.plan.ProductPlan`): inside one bit field and one
+    channel group (its tiling numbers), >= 16."""
     cap = 64
-    limit = head_dim
-    if enc is not None:
-        limit = math.gcd(limit, head_dim // enc.codes_per_byte)
-        if enc.layout == "token":
-            limit = math.gcd(limit, enc.group_size)
+    head_dim, t = spec.head_dim, product.tiling
+    limit = math.gcd(head_dim, t.channels_per_field or head_dim, t.channel_group or head_dim)
     width = _pow2_divisor(limit, cap)
     if width < MIN_DOT:
+        enc = spec.k if product.product == "qk" else spec.v
         raise SpecError(
-            f"the Triton backend splits {product} channels into chunks inside one bit field and one "
+            f"the Triton backend splits {product.product} channels into chunks inside one bit field and one "
             f"channel group; with head_dim={head_dim} and {enc.short() if enc else 'plain'} a chunk "
             f"would hold {width} channels, below the tensor-core minimum of {MIN_DOT}: use a larger "
             "group_size or head_dim, or the reference target")
     return width
 
 
-def token_block(spec, requested: int) -> int:
-    """Tokens per tile: a power of two >= 16 that divides every token-group size (eq. 5)."""
+def token_block(spec, requested: int, the_plan=None) -> int:
+    """Tokens per tile: a power of two >= 16 that divides every token-group size (eq. 5), the
+    plan's `token_tile_multiple` (``the_plan`` defaults to `plan_of(spec)`)."""
+    the_plan = the_plan or plan_of(spec)
+    groups = [p.token_tile_multiple for p in the_plan.products.values() if p.token_tile_multiple]
     block = requested
-    for enc in (spec.k, spec.v):
-        if enc is not None and enc.layout == "channel":
-            block = min(block, _pow2_divisor(enc.group_size, requested))
+    for group in groups:
+        block = min(block, _pow2_divisor(group, requested))
     if block < MIN_DOT:
-        groups = [e.group_size for e in (spec.k, spec.v) if e is not None and e.layout == "channel"]
         raise SpecError(
             f"channel-wise group_size={groups} admits no token tile of >= {MIN_DOT} tokens that stays "
             "inside one group (the plan's tiling constraint): use a group size that is a multiple of 16")
@@ -83,13 +84,15 @@ def check_block_n(block_n) -> None:
         raise SpecError(f"block_n={block_n!r} must be a power of two >= {MIN_DOT} (tokens per tile), e.g. 32 or 64")
 
 
-def geometry(spec, block_n: int = 64) -> TileGeometry:
+def geometry(spec, block_n: int = 64, the_plan=None) -> TileGeometry:
+    """The tiles for ``spec``, from its plan's tiling numbers (``the_plan`` defaults to `plan_of(spec)`)."""
     check_block_n(block_n)
     if spec.head_dim < MIN_DOT or spec.head_dim & (spec.head_dim - 1):
         raise SpecError(f"head_dim={spec.head_dim} must be a power of two >= {MIN_DOT} for the Triton backend")
+    the_plan = the_plan or plan_of(spec)
     rows = max(MIN_DOT, 1 << (spec.q_per_kv - 1).bit_length())
-    return TileGeometry(spec.head_dim, rows, token_block(spec, block_n),
-                        channel_width(spec.head_dim, spec.k, "qk"), channel_width(spec.head_dim, spec.v, "pv"))
+    return TileGeometry(spec.head_dim, rows, token_block(spec, block_n, the_plan),
+                        channel_width(spec, the_plan.products["qk"]), channel_width(spec, the_plan.products["pv"]))
 
 
 def tile_kind(axes) -> tuple[bool, bool, str | None]:

@@ -25,24 +25,30 @@ from __future__ import annotations
 
 import math
 
+from ...decisions import token_group
 from ...errors import SpecError
+from ...plan import plan_of
 from .layout import MIN_DOT, check_block_n
 
 PAGED_ARGS = ("KV_INDPTR", "KV_INDICES")
 
 
 def check_page_size(spec, page_size) -> int:
-    """P must be a positive integer; channel-wise encodings need whole groups in a page."""
+    """P must be a positive integer; channel-wise encodings need whole groups in a page (each
+    product's `token_tile_multiple` in the spec's plan)."""
+    the_plan = plan_of(spec)
     for name in ("k", "v"):
-        check_page_size_for(getattr(spec, name), page_size, name)
+        check_page_size_for(getattr(spec, name), page_size, name, the_plan.of_operand(name).token_tile_multiple)
     return page_size
 
 
-def check_page_size_for(enc, page_size, name: str = "") -> int:
-    """`check_page_size` for one operand's encoding (None: plain)."""
+def check_page_size_for(enc, page_size, name: str = "", group: int | None = None) -> int:
+    """`check_page_size` for one operand's encoding (None: plain); ``group``: its plan's
+    `token_tile_multiple` (None: read from ``enc``, `foldc.decisions.token_group`)."""
     if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
         raise SpecError(f"page_size={page_size!r} must be a positive integer (tokens per page), e.g. 16 or 64")
-    if enc is not None and enc.layout == "channel" and page_size % enc.group_size:
+    group = token_group(enc) if group is None else group
+    if group and page_size % group:
         raise SpecError(f"page_size={page_size} is not a multiple of group_size={enc.group_size} of the "
                         f"channel-wise {name + ' ' if name else ''}encoding ({enc.short()}): a page must hold whole "
                         f"groups, so use page_size={math.lcm(page_size, enc.group_size)} or another multiple of "
@@ -90,6 +96,7 @@ def tile_base_lines(inputs: dict) -> list[str]:
         lines.append(f"{name}_base = page * stride_{name}b + kvh * stride_{name}h - page_token0 * stride_{name}n")
         if kind == "encoded":
             # token-wise parameters are addressed per token, channel-wise ones per token group
-            row0 = "page_token0" if enc.layout == "token" else f"(page_token0 // {enc.group_size})"
+            group = token_group(enc)
+            row0 = "page_token0" if group is None else f"(page_token0 // {group})"
             lines.append(f"{name}_sbase = page * stride_{name}sb + kvh * stride_{name}sh - {row0} * stride_{name}sn")
     return lines

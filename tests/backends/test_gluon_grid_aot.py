@@ -1,0 +1,154 @@
+"""Ahead-of-time builds of the register-operand kernel over the layout grid, for sm_90 and sm_100 (no
+GPU needed): each side at its own width (2, 4, 8 bits, or plain bf16), layout (token- or
+channel-wise) and group size (32, 64, 128), query rows per KV head from 1 to 32 (row blocks past 16), head_dim 64, 128 and
+256, fp16, bf16 and fp32 scales. Every build takes the launcher's default tile and KV heads per
+program, and is checked against the design: mma.sync on register operands and no wgmma, the
+expected number of HMMA per tile, one LOP3 per two codes for the unpack (within a few for the
+rest of the loop), no register spills in the token loop, and for token-wise builds the cost model's
+estimate of the whole loop within 12% of the SASS.
+
+The builds run in one fresh subprocess, two at a time (TRITON_INTERPRET must be unset when triton
+is imported).
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# (K, V, query heads / KV heads, head_dim): 48 layouts
+GRID = [(f"{kl}:{b}:{g}", f"{vl}:{b}:{g}", "32/8", 128) for b in (2, 4, 8) for kl, vl in
+        (("token", "token"), ("channel", "channel")) for g in (32, 128)]
+GRID += [("token:4:128", "token:2:128", "32/8", 128), ("token:2:128", "token:4:128", "32/8", 128),
+         ("token:8:128", "token:4:128", "32/8", 128), ("token:8:128", "token:2:128", "32/8", 128),
+         ("token:2:128", "token:8:128", "32/8", 128), ("token:4:64", "token:4:64", "32/8", 128),
+         ("token:8:64", "token:8:32", "32/8", 128), ("token:4:32", "token:8:64", "32/8", 128),
+         ("channel:4:128", "token:2:128", "32/8", 128), ("channel:8:64", "token:4:128", "32/8", 128),
+         ("token:4:128", "channel:2:128", "32/8", 128), ("token:8:32", "channel:4:64", "32/8", 128),
+         ("channel:2:32", "channel:8:64", "32/8", 128), ("channel:4:64", "token:4:32", "32/8", 128),
+         ("token:2:128", "token:2:128", "8/8", 128), ("token:4:128", "token:4:128", "40/8", 128),
+         ("token:4:128", "token:2:128", "56/8", 128), ("token:2:128", "token:2:128", "64/4", 128),
+         ("token:4:128", "token:4:128", "128/4", 128), ("token:2:128", "token:2:128", "64/2", 128),
+         ("channel:4:128", "token:4:128", "64/2", 128), ("token:4:128", "token:4:128", "32/8", 256),
+         ("token:2:128", "token:2:128", "32/4", 256), ("channel:4:128", "token:4:128", "16/4", 256),
+         ("token:4:64", "token:8:64", "32/8", 64), ("channel:8:64", "token:8:64", "16/8", 64),
+         ("token:4:128:fp32", "token:2:128:bf16", "32/8", 128), ("channel:4:64:bf16", "token:4:32:fp32", "32/8", 128),
+         ("token:8:128:bf16", "channel:8:128:fp32", "32/8", 128), ("token:2:64:fp32", "token:2:64:fp32", "32/8", 128),
+         ("token:4:32", "token:4:32", "40/8", 128), ("token:8:64", "token:8:64", "24/2", 128),
+         ("none", "token:4:128", "32/8", 128), ("token:2:128", "none", "32/8", 128),
+         ("none", "channel:2:64", "32/8", 128), ("channel:8:128", "none", "16/8", 64)]
+ARCHS = ("sm_90", "sm_100")
+JOBS = [(k, v, h, d, arch) for k, v, h, d in GRID for arch in ARCHS]
+
+SCRIPT = r"""
+import json, sys
+from concurrent.futures import ProcessPoolExecutor
+
+def build(job):
+    import tempfile
+    from foldc.backends.gluon.aot import compile_gluon_aot
+    from foldc.backends.gluon.lower import gluon_plan, lower
+    from foldc.spec import spec_from_args
+    k, v, heads, d, arch = job
+    spec = spec_from_args(k, v, heads, d)
+    r = compile_gluon_aot(spec, arch, tempfile.mkdtemp())   # the launcher's defaults: tile, heads, register cap
+    cfg = lower(gluon_plan(spec))
+    r["config"] = dict(key_bits=cfg.key_bits, value_bits=cfg.value_bits, rows=cfg.rows, row_blocks=cfg.row_blocks,
+                       key_words=cfg.key_words, value_words=cfg.value_words, key_tokens=cfg.key_tokens,
+                       value_tokens=cfg.value_tokens, key_groups=cfg.key_groups, value_groups=cfg.value_groups)
+    return r
+
+with ProcessPoolExecutor(2) as pool:
+    out = list(pool.map(build, json.loads(sys.argv[1])))
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def reports(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gluon_grid_aot")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    env["TRITON_CACHE_DIR"] = str(root / "triton")
+    done = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(JOBS)], env=env, capture_output=True, text=True,
+                          timeout=1500)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return dict(zip(JOBS, json.loads(done.stdout.strip().splitlines()[-1])))
+
+
+def test_the_grid_covers_every_axis():
+    """At least 40 layouts, and each axis of the issue's grid appears: widths per side, mixed widths,
+    both layouts per side, group sizes, query rows per KV head, head dims, scale dtypes."""
+    from foldc.spec import spec_from_args
+
+    every = [spec_from_args(k, v, h, d) for k, v, h, d in GRID]
+    specs = [s for s in every if s.k is not None and s.v is not None]
+    assert len(GRID) >= 40 and len(set(GRID)) == len(GRID)
+    assert any(s.k is None for s in every) and any(s.v is None for s in every)   # a plain side each way
+    assert {s.k.bits for s in specs} == {s.v.bits for s in specs} == {2, 4, 8}
+    assert any(s.k.bits != s.v.bits for s in specs)
+    assert {(s.k.layout, s.v.layout) for s in specs} == {("token", "token"), ("token", "channel"),
+                                                         ("channel", "token"), ("channel", "channel")}
+    assert {s.k.group_size for s in specs} >= {32, 64, 128} and {s.v.group_size for s in specs} >= {32, 64, 128}
+    assert {s.q_per_kv for s in specs} >= {1, 4, 5, 7, 8, 12, 16, 32}
+    assert {s.head_dim for s in specs} == {64, 128, 256}
+    assert {str(s.k.scale_dtype) for s in specs} | {str(s.v.scale_dtype) for s in specs} >= \
+        {"torch.float16", "torch.bfloat16", "torch.float32"}
+
+
+@pytest.mark.parametrize("job", JOBS, ids=[f"{k}-{v}-{h}-d{d}-{a}" for k, v, h, d, a in JOBS])
+def test_grid_build_is_the_designed_kernel(job, reports):
+    r = reports[job]
+    cfg = r["config"]
+    assert r["mma"]["mma.sync"] > 0 and r["mma"]["wgmma"] == 0
+    assert r["registers"] is not None and r["registers"] <= 255
+    loop = r["inner_loop"]["top_opcodes"]
+    assert "LDL" not in loop and "STL" not in loop, f"register spills in the token loop: {loop}"
+    heads, block_n, rows = r["pack_heads"], r["block_n"], cfg["rows"]
+    # one HMMA per 16 x 8 x 16 block: keys [tokens, channels] x [channels, rows], values
+    # [channels, tokens] x [tokens, rows], every packed head
+    assert loop.get("HMMA", 0) == heads * 2 * (block_n // 16) * (job[3] // 16) * (rows // 8), loop
+    # one LOP3 per two codes on each side: a side of W words per token unpacks 2 x fields registers
+    # per word (operands.py); the rest of the loop adds a few (masks, group reloads, addressing)
+    unpack = sum(heads * block_n * words * 2 * (8 // bits) // 32
+                 for words, bits in ((cfg["key_words"], cfg["key_bits"]), (cfg["value_words"], cfg["value_bits"])))
+    assert unpack <= loop.get("LOP3", 0) <= unpack + 24 + unpack // 4, (unpack, loop)
+
+
+def _in_the_fit(job) -> bool:
+    """Token-wise builds of the shapes the whole-loop model was fitted on: 8 query rows per MMA (up to 8
+    per KV head) and head_dim <= 128. With 16 rows and at 256 channels it overestimates (by 12-40%:
+    the per-head figures were fitted with 8 rows), so those builds are held to the unpack count only."""
+    from foldc.backends.gluon.lower import gluon_plan, lower
+    from foldc.spec import spec_from_args
+
+    k, v, heads, d, arch = job
+    cfg = lower(gluon_plan(spec_from_args(k, v, heads, d)))
+    return arch == "sm_90" and not (cfg.key_tokens or cfg.value_tokens or cfg.key_plain or cfg.value_plain) and \
+        cfg.rows == 8 and d <= 128
+
+
+@pytest.mark.parametrize("job", [j for j in JOBS if _in_the_fit(j)], ids=lambda j: f"{j[0]}-{j[1]}-{j[2]}-d{j[3]}")
+def test_token_wise_grid_builds_match_the_cost_model(job, reports):
+    """The fitted whole-loop cost model (foldc/cost.py, eq. 13), now per side's width, within 12% of
+    the SASS of the token-wise builds of the grid it covers (fitted to INT2 and INT4 at one width; it
+    holds for mixed widths and INT8 too)."""
+    r = reports[job]["inner_loop"]
+    assert r["model_lane_slots_per_byte"] == pytest.approx(r["lane_slots_per_byte"], rel=0.12), r
+
+
+def test_sm_100_builds_the_same_token_loop(reports):
+    """B200 keeps mma.sync: the sm_100 build of every layout has the same matrix instructions and unpack
+    as sm_90's, and a token loop within 10% of its length."""
+    for k, v, h, d, arch in JOBS:
+        if arch != "sm_100":
+            continue
+        b100, b90 = reports[(k, v, h, d, "sm_100")]["inner_loop"], reports[(k, v, h, d, "sm_90")]["inner_loop"]
+        assert b100["top_opcodes"].get("HMMA") == b90["top_opcodes"].get("HMMA"), (k, v, h, d)
+        assert abs(b100["instructions_per_tile"] - b90["instructions_per_tile"]) <= 0.1 * b90["instructions_per_tile"]

@@ -1,0 +1,289 @@
+"""`foldc bench --layouts` (foldc/bench_layouts.py): the grid as data, the byte arithmetic, the table,
+refusals, and a small end-to-end run of the checks under Triton's interpreter (CPU). The timing
+itself needs a GPU: its test is skipped without one."""
+from __future__ import annotations
+
+import json
+import math
+
+import numpy
+import pytest
+import torch
+
+import foldc
+from foldc import bench
+from foldc import bench_layouts as bl
+
+A = foldc.Affine
+#: triton 3.6's interpreter needs numpy < 2.4 (tests/backends/_kernel_cases.py)
+needs_interpreter = pytest.mark.skipif(
+    tuple(int(p) for p in numpy.__version__.split(".")[:2]) >= (2, 4),
+    reason=f"triton 3.6's interpreter needs numpy < 2.4; this python has {numpy.__version__}")
+pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
+
+
+# --- the grid -----------------------------------------------------------------------------------
+
+def test_full_grid_is_the_product_of_both_sides_plus_plain_sides_and_extras():
+    grid = bl.full_grid()
+    sides = bl.side_encodings()
+    assert len(sides) == 2 * 3 * 3 == 18
+    extras = len(bl.SCALE_DTYPE_EXTRAS) + len(bl.GQA_EXTRAS) + len(bl.HEAD_DIM_EXTRAS)
+    assert len(grid) == 18 * 18 + 2 * 18 + extras == 387
+    assert len({lay.label for lay in grid}) == len(grid)            # no duplicates
+    base = [lay for lay in grid if (lay.q_heads, lay.kv_heads, lay.head_dim) == (32, 8, 128)]
+    pairs = {(bl.side_text(lay.k), bl.side_text(lay.v)) for lay in base}
+    assert {(k, v) for k in sides for v in sides} <= pairs            # mixed widths and groups included
+    assert {(k, "plain") for k in sides} | {("plain", v) for v in sides} <= pairs
+    assert bl.axes(grid)["gqa ratio"] == {1, 4, 5, 7, 8, 16, 32}
+    assert bl.axes(grid)["head_dim"] == {64, 128, 256}
+    assert bl.axes(grid)["scale dtype"] == {"fp16", "bf16", "fp32"}
+    assert {(lay.q_heads, lay.kv_heads) for lay in grid} == set(bl.GQA_HEADS.values())
+    assert max(lay.q_heads for lay in grid) == 64
+
+
+def test_timed_subset_covers_every_axis_of_the_grid():
+    timed = bl.grid("timed")
+    assert len(timed) >= 24
+    assert set(timed) <= set(bl.full_grid())
+    assert bl.uncovered(timed) == {}
+    seen = bl.axes(timed)
+    # spelled out, so that a shrinking subset (or a shrinking TIMED_MUST_COVER) fails here
+    assert seen["k bits"] == seen["v bits"] == {2, 4, 8}
+    assert seen["k layout"] == seen["v layout"] == {"token", "channel", "plain"}
+    assert seen["group size"] == {32, 64, 128}
+    assert True in seen["mixed bits"]
+    assert {"bf16", "fp32"} <= seen["scale dtype"]
+    assert {1, 5, 7, 16, 32} <= seen["gqa ratio"]
+    assert {64, 256} <= seen["head_dim"]
+    for lay in timed:
+        lay.spec()   # none of the timed layouts is one foldc refuses
+    assert bl.CHECK_SHAPES["timed"][1] >= 16384
+    assert all(b * n >= 512 * 1024 for b, n in bl.TIME_SHAPES)
+
+
+def test_uncovered_names_what_a_subset_lacks():
+    timed = bl.grid("timed")
+    no_plain_k = [lay for lay in timed if lay.k is not None]
+    assert bl.uncovered(no_plain_k) == {"k layout": {"plain"}}
+    only_base = [lay for lay in timed if lay.gqa == 4 and lay.head_dim == 128]
+    assert bl.uncovered(only_base) == {"gqa ratio": {1, 5, 7, 8, 16, 32}, "head_dim": {64, 256}}
+
+
+def test_quick_grid_and_only_filter():
+    quick = bl.grid("quick")
+    assert len(quick) == 6 and set(quick) <= set(bl.full_grid())
+    label = "K token:2:128 V token:2:128 32/8 d128"
+    assert [lay.label for lay in bl.pick(quick, [label])] == [label]     # an exact label alone
+    assert len(bl.pick(quick, ["V token:2:128"])) == 2                  # else every label containing it
+    assert bl.pick(quick, None) == quick
+
+
+def test_layout_labels_and_heads():
+    lay = bl.layout("channel:4:64:fp32", "plain", 64, 2, 256)
+    assert lay.label == "K channel:4:64:fp32 V plain 64/2 d256" and lay.gqa == 32
+    assert lay.k == A(4, "channel", 64, torch.float32) and lay.v is None
+    assert lay.spec().describe() == "heads 64/2, head_dim 256, K channel:4:64:fp32, V plain"
+
+
+# --- bytes and speed ----------------------------------------------------------------------------
+
+def test_bytes_of_int2_token_wise_by_hand():
+    lay = bl.layout("token:2:128", "token:2:128")
+    values = 8 * 8 * 65536 * 128                       # 536,870,912 per side
+    side = values // 4 + (values // 128) * 2 * 2      # 2-bit codes; one fp16 scale and zero per 128 values
+    assert side == 150_994_944
+    q_out = 2 * 2 * 8 * 32 * 128                      # bf16 query and output
+    assert bl.must_read(lay, 8, 65536) == 2 * side + q_out == 302_120_960
+    assert bl.bf16_bytes(lay, 8, 65536) == 2 * 2 * values + q_out == 2_147_614_720
+    enc = A(2, "token", 128)
+    assert bl.must_read(lay, 8, 65536) == bench.must_read(enc, enc, 8, 65536)   # bench.py's 32/8/128 sum
+    assert bl.bf16_bytes(lay, 8, 65536) == bench.must_read(None, None, 8, 65536)
+
+
+def test_speed_figures_by_hand():
+    lay = bl.layout("token:2:128", "token:2:128")
+    got = bl.speed(lay, 8, 65536, us=100.0, cudnn_us=500.0, ceiling=4e12)
+    assert got["bytes"] == 302_120_960 and got["bf16_bytes"] == 2_147_614_720
+    assert got["pct_ceiling"] == pytest.approx(100 * 302_120_960 / 100e-6 / 4e12)   # 75.5%
+    assert got["pct_ceiling"] == pytest.approx(75.53024)
+    assert got["ideal"] == pytest.approx(2_147_614_720 / 302_120_960)              # 7.11x fewer bytes
+    assert got["x_cudnn"] == 5.0
+    assert got["x_ideal"] == pytest.approx(5.0 / (2_147_614_720 / 302_120_960))    # 0.70
+    assert got["x_ideal"] == pytest.approx(0.703387, abs=1e-6)
+    none = bl.speed(lay, 8, 65536, us=100.0, cudnn_us=None, ceiling=4e12)
+    assert math.isnan(none["x_cudnn"]) and math.isnan(none["x_ideal"])
+
+
+def test_bytes_of_a_partial_channel_group_fp32_scales_and_a_plain_side():
+    lay = bl.layout("channel:4:64:fp32", "plain", 64, 2, 256)
+    values = 1 * 2 * 100 * 256                         # 51,200
+    k_side = values // 2 + 2 * (2 * 2 * 256) * 4      # 4-bit codes; ceil(100 / 64) = 2 groups per channel, fp32
+    assert k_side == 33_792
+    q_out = 2 * 2 * 1 * 64 * 256
+    assert bl.must_read(lay, 1, 100) == k_side + 2 * values + q_out == 201_728
+    assert bl.bf16_bytes(lay, 1, 100) == 4 * values + q_out == 270_336
+    bf16_scales = bl.layout("token:2:32:bf16", "token:2:32:bf16", 32, 8, 64)
+    values = 2 * 8 * 10 * 64
+    assert bl.side_bytes(bf16_scales.k, 2, 8, 10, 64) == values // 4 + (values // 32) * 2 * 2 == 3_840
+
+
+# --- bar, table, refusals -----------------------------------------------------------------------
+
+def test_meets_bar_is_two_times_plain_attention():
+    ok = {"unwritten": 0, "error": 2e-3, "plain_error": 1e-3}
+    assert bl.meets_bar(ok)
+    assert not bl.meets_bar({**ok, "error": 2.1e-3})
+    assert not bl.meets_bar({**ok, "unwritten": 1})
+    assert not bl.meets_bar({**ok, "error": float("nan")})
+    assert bl.meets_bar({"unwritten": 0, "error": 1.1e-5, "plain_error": 1e-6})   # 2e-6 + the noise floor 1e-5
+    assert not bl.meets_bar({"unwritten": 0, "error": 1.3e-5, "plain_error": 1e-6})
+
+
+def _check(kernel: str, error: float, plain: float) -> dict:
+    row = {"kernel": kernel, "error": error, "plain_error": plain, "ratio": error / plain, "unwritten": 0}
+    return {**row, "meets_bar": bl.meets_bar(row)}
+
+
+def _results(rows: list) -> dict:
+    for row in rows:
+        row["status"] = bl.status(row)
+    return {"gpu": "NVIDIA H200", "date": "2026-12-01", "torch": "2.11.0", "triton": "3.6.0", "grid": "timed",
+            "target": "auto", "options": "default (no tuning cache)", "check_shape": [2, 16384],
+            "time_shapes": [[8, 65536]], "ceiling_tb_s": 4.3, "rows": rows}
+
+
+def test_table_formatting():
+    lay = bl.layout("token:2:128", "token:2:128")
+    timing = {"batch": 8, "tokens": 65536, "us": 100.0,
+              **bl.speed(lay, 8, 65536, us=100.0, cudnn_us=500.0, ceiling=4.3e12)}
+    good = {**lay.describe(), "timings": [timing],
+            "checks": {"bf16": _check("GluonAttention", 2.0e-3, 2.5e-3), "fp16": _check("TritonAttention", 3e-4, 4e-4)}}
+    over = {**bl.layout("token:8:32", "plain", 64, 2, 128).describe(), "timings": [],
+            "checks": {"bf16": _check("TritonAttention", 6e-3, 2e-3), "fp16": {"refused": "PlanError: too big"}}}
+    refused = {**bl.layout("token:2:128", "token:2:128", 32, 8, 64).describe(), "checks": {}, "timings": [],
+               "status": "refused", "message": "SpecError: group_size=128 does not divide head_dim=64"}
+    text = bl.format_table(_results([good, over, refused]))
+    lines = text.splitlines()
+    assert lines[0].startswith("NVIDIA H200, 2026-12-01, torch 2.11.0, triton 3.6.0; grid timed (3 layouts)")
+    assert "ceiling 4.30 TB/s" in lines[1] and "x ideal = x cuDNN / (bf16 bytes / ours)" in lines[1]
+    assert "at 2 x 16384 tokens, ragged lengths" in lines[2] and "bar: <= 2x" in lines[2]
+    assert ("| K | V | GQA | head_dim | shape | kernel | µs | % ceiling | x cuDNN | x ideal | err bf16 | err fp16 "
+            "| bar |") in lines
+    assert ("| token:2:128 | token:2:128 | 32/8 (4) | 128 | 8x65536 | GluonAttention (fp16: TritonAttention) | "
+            "100.0 | 70 | 5.00 | 0.70 | 2.0e-03 (0.80x) | 3.0e-04 (0.75x) | yes |") in lines
+    assert ("| token:8:32 | plain | 64/2 (32) | 128 | - | TritonAttention | - | - | - | - | 6.0e-03 (3.00x) | "
+            "refused | NO |") in lines
+    assert not any(line.startswith("| token:2:128 | token:2:128 | 32/8 (4) | 64 |") for line in lines)
+    assert "3 layouts: 1 meet the bar, 1 over it, 1 refused, 0 failed" in lines
+    at = lines.index("refused:")
+    assert lines[at + 1:at + 3] == [
+        "- K token:8:32 V plain 64/2 d128: fp16 queries: PlanError: too big",
+        "- K token:2:128 V token:2:128 32/8 d64: SpecError: group_size=128 does not divide head_dim=64"]
+    assert "failed:" not in lines
+
+
+def test_status_of_partial_refusals_and_failures():
+    base = bl.layout("token:2:128", "token:2:128").describe()
+    status = lambda checks, timings=(): bl.status({**base, "checks": checks, "timings": list(timings)})  # noqa: E731
+    ok = _check("TritonAttention", 1e-3, 1e-3)
+    assert status({"bf16": {"refused": "x"}, "fp16": {"refused": "y"}}) == "refused"
+    assert status({"bf16": {"failed": "x"}, "fp16": ok}) == "failed"
+    assert status({"fp16": ok}, [{"batch": 1, "tokens": 2, "failed": "OOM"}]) == "failed"
+    assert status({"bf16": {"refused": "x"}, "fp16": ok}) == "ok"     # one dtype refused, the other meets the bar
+    assert status({"bf16": _check("GluonAttention", 3e-3, 1e-3), "fp16": ok}) == "over bar"
+
+
+def test_a_layout_foldc_refuses_is_reported_not_raised():
+    run = bl.Run("interpret", (2, 80))
+    row = bl.run_layout(bl.layout("token:2:128", "channel:2:128", 32, 8, 64), run)
+    assert row["status"] == "refused" and "group_size=128 does not divide" in row["message"]
+    assert row["message"].startswith("SpecError: ")
+
+
+def test_a_crash_is_reported_as_failed(monkeypatch):
+    def boom(*args, **kwargs):
+        raise RuntimeError("boom\nsecond line")
+    monkeypatch.setattr(foldc, "compile", boom)
+    row = bl.run_layout(bl.layout("token:2:128", "token:2:128"), bl.Run("interpret", (2, 80)))
+    assert row["status"] == "failed" and row["message"] == "RuntimeError: boom"
+
+
+def test_without_tuning_cache_points_the_cache_at_an_empty_folder():
+    import os
+
+    from foldc.backends.triton.autotune import cache_path, load_cache
+
+    before = os.environ.get("FOLDC_CACHE_DIR")
+    with bl.without_tuning_cache() as folder:
+        assert str(cache_path()).startswith(folder) and load_cache() == {}
+    assert os.environ.get("FOLDC_CACHE_DIR") == before
+
+
+# --- the command line ---------------------------------------------------------------------------
+
+def test_bench_dispatches_layouts_and_lists_the_grid(capsys):
+    assert bench.main(["--layouts", "--grid", "quick", "--list"]) == 0
+    labels = capsys.readouterr().out.split("\n")
+    assert labels[:2] == ["K token:2:128 V token:2:128 32/8 d128", "K token:2:128 V channel:2:128 32/8 d128"]
+    assert len([line for line in labels if line]) == 6
+
+
+def test_without_a_gpu_it_says_so_and_fails(monkeypatch, capsys, tmp_path):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert bench.main(["--layouts", "--grid", "quick", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "needs a CUDA GPU" in err and "--check-only --target interpret" in err
+    assert not (tmp_path / "layouts.json").exists()
+
+
+@pytest.mark.parametrize("argv,wanted", [
+    (["--target", "interpret"], "add --check-only"),
+    (["--only", "INT3"], "--only='INT3' matches no layout"),
+    (["--shapes", "8by4096"], "--shapes="),
+    (["--check-only", "--check-shape", "0x16"], "--check-shape="),
+])
+def test_bad_arguments_are_refused(argv, wanted, capsys):
+    with pytest.raises(SystemExit) as info:
+        bl.main(argv)
+    assert info.value.code == 2 and wanted in capsys.readouterr().err
+
+
+@needs_interpreter
+def test_check_only_under_the_interpreter_end_to_end(tmp_path, capsys):
+    """Three layouts of the full grid through `foldc bench --layouts --check-only --target interpret`:
+    a refused one (groups of 128 over head_dim 64), GQA 1 with mixed sides, and a plain V side."""
+    only = "K token:2:128 V token:2:128 32/8 d64,K channel:4:64 V token:4:64 8/8 d128,K token:2:32 V plain 32/8 d128"
+    rc = bench.main(["--layouts", "--grid", "full", "--check-only", "--target", "interpret", "--only", only,
+                     "--out", str(tmp_path)])
+    assert rc == 0
+    results = json.loads((tmp_path / "layouts.json").read_text())
+    assert results["target"] == "interpret" and results["check_shape"] == [2, 80] and results["time_shapes"] == []
+    rows = {row["label"]: row for row in results["rows"]}
+    assert sorted(rows) == sorted(only.split(","))     # in the grid's order
+    refused = rows["K token:2:128 V token:2:128 32/8 d64"]
+    assert refused["status"] == "refused" and "does not divide" in refused["message"]
+    for label in only.split(",")[1:]:
+        row = rows[label]
+        assert row["status"] == "ok" and list(row["checks"]) == ["fp16"] and row["timings"] == []
+        fp16 = row["checks"]["fp16"]
+        assert fp16["kernel"] == "TritonAttention" and fp16["unwritten"] == 0 and fp16["meets_bar"]
+        assert 0 < fp16["error"] <= 2 * fp16["plain_error"] + bl.ERROR_FLOOR
+    assert rows[only.split(",")[2]]["checks"]["fp16"]["folds"]["pv"] == "none"
+    table = (tmp_path / "layouts.txt").read_text()
+    assert "3 layouts: 2 meet the bar, 0 over it, 1 refused, 0 failed" in table
+    assert "- K token:2:128 V token:2:128 32/8 d64: SpecError: group_size=128 does not divide" in table
+    assert "| channel:4:64 | token:4:64 | 8/8 (1) | 128 | - | TritonAttention |" in table
+    assert table in capsys.readouterr().out
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="times kernels: needs a CUDA GPU")
+def test_one_layout_timed_on_the_gpu(tmp_path):
+    rc = bl.main(["--grid", "quick", "--only", "K token:2:128 V token:2:128 32/8 d128", "--shapes", "1x4096",
+                  "--check-shape", "1x1024", "--out", str(tmp_path)])
+    results = json.loads((tmp_path / "layouts.json").read_text())
+    row = results["rows"][0]
+    assert rc == 0 and row["status"] == "ok" and set(row["checks"]) == {"bf16", "fp16"}
+    timing = row["timings"][0]
+    assert timing["us"] > 0 and timing["bytes"] == bl.must_read(bl.grid("quick")[0], 1, 4096)
+    assert timing["error"] < 1e-2 and results["ceiling_tb_s"] > 0
