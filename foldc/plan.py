@@ -119,8 +119,15 @@ class Plan:
 
 
 def plan(spec: AttentionSpec, code_bias: dict[str, int] | None = None, fold_policy: str = "auto",
-         dtype: str | None = None, operand_dtype: str | None = None) -> Plan:
+         dtype: str | None = None, operand_dtype: str | None = None, target: str | None = None,
+         kernel: str = "auto") -> Plan:
     """Plan decode attention for ``spec``: pick each fold, insert corrections, check ordering.
+
+    ``target`` ("sm_90", "sm_100", "interpret"): the plan the kernel ``foldc.compile(spec, target,
+    kernel=kernel)`` runs for ``dtype`` queries (default bf16), with that kernel's code biases and
+    operand dtype: the register-operand kernel's (`foldc.backends.gluon.lower.gluon_plan`) where it
+    lowers the plan, else the generated Triton kernel's (`triton_plan`). The kernel is generated
+    from exactly this plan. ``code_bias`` and ``operand_dtype`` are then the target's, not options.
 
     ``code_bias`` maps "key"/"value" to the constant a backend ORs into the codes (eq. 7); the
     reference plan uses none. ``fold_policy="dequant"`` forces per-value reconstruction.
@@ -132,6 +139,8 @@ def plan(spec: AttentionSpec, code_bias: dict[str, int] | None = None, fold_poli
     """
     from .gemm.spec import GemmSpec
 
+    if target is not None:
+        return _target_plan(spec, target, kernel, dtype or "bf16", code_bias, operand_dtype, fold_policy)
     if isinstance(spec, GemmSpec):
         from .gemm.plan import gemm_plan
 
@@ -150,6 +159,30 @@ def plan(spec: AttentionSpec, code_bias: dict[str, int] | None = None, fold_poli
         raise SpecError(f"code_bias has unknown role(s) {unknown}; use 'key' and/or 'value'")
     graph, log = run_pipeline(build_decode_attention(spec), default_passes(code_bias, fold_policy))
     return _make_plan(spec, graph, tuple(log), dtype, operand_dtype)
+
+
+def _target_plan(spec, target: str, kernel: str, dtype: str, code_bias, operand_dtype, fold_policy) -> Plan:
+    """The plan of the kernel that runs ``spec`` on ``target`` for ``dtype`` queries (`plan`'s ``target``)."""
+    from .options import attention_kernel
+
+    if not isinstance(spec, AttentionSpec):
+        raise SpecError(f"plan(..., target={target!r}) plans attention; got {type(spec).__name__} (plan a GemmSpec "
+                        "without a target)")
+    if target not in ("sm_90", "sm_100", "interpret"):
+        raise SpecError(f"target={target!r}: plan(..., target=) takes 'sm_90', 'sm_100' or 'interpret' (the "
+                        "reference plan has no target: leave it out)")
+    if code_bias is not None or operand_dtype is not None:
+        raise SpecError("code_bias and operand_dtype are the target's with target= set; drop them or drop target")
+    if dtype not in UNIT_ROUNDOFF:
+        raise SpecError(f"dtype={dtype!r} is not one of {sorted(UNIT_ROUNDOFF)} (the query's dtype)")
+    options = {} if fold_policy == "auto" else {"fold_policy": fold_policy}
+    if attention_kernel(spec, target, kernel, options, aot=True, dtype=dtype) == "gluon":
+        from .backends.gluon.lower import gluon_plan
+
+        return gluon_plan(spec, dtype)
+    from .backends.triton.launch import triton_plan
+
+    return triton_plan(spec, dtype, fold_policy)
 
 
 @functools.lru_cache(maxsize=256)

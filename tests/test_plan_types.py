@@ -290,3 +290,36 @@ def test_token_tiles_and_pages_follow_the_plan():
         check_page_size(spec, 48)
     with pytest.raises(SpecError, match=r"channel-wise group_size=\[8\] admits no token tile"):
         token_block(foldc.AttentionSpec(8, 2, 64, A(2, "channel", 8)), 64)
+
+
+# ---- the plan a target's kernel runs ----------------------------------------------------------------
+
+@pytest.mark.parametrize("k,v,target,kernel,dtype,want", [
+    ("token:4:128", "token:2:128", "sm_90", "auto", "bf16", "gluon"),
+    ("token:4:128", "token:2:128", "sm_100", "auto", "bf16", "gluon"),
+    ("token:4:128", "token:2:128", "sm_90", "auto", "fp16", "triton"),
+    ("token:4:128", "token:2:128", "sm_90", "triton", "bf16", "triton"),
+    ("channel:2:64", "none", "interpret", "auto", "fp16", "triton"),
+])
+def test_plan_for_a_target_is_the_plan_its_kernel_runs(k, v, target, kernel, dtype, want):
+    """foldc.plan(spec, target=..., kernel=..., dtype=...) is the plan compile's kernel is generated from:
+    equal, decision by decision, to the backend's own planning rule (gluon_plan or triton_plan)."""
+    from foldc.backends.gluon.lower import gluon_plan
+    from foldc.backends.triton.launch import triton_plan
+    from foldc.spec import spec_from_args
+
+    spec = spec_from_args(k, v, "32/8", 128)
+    got = foldc.plan(spec, target=target, kernel=kernel, dtype=dtype)
+    ref = gluon_plan(spec, dtype) if want == "gluon" else triton_plan(spec, dtype)
+    assert got.products == ref.products and (got.dtype, got.operand_dtype) == (ref.dtype, ref.operand_dtype)
+    assert check_plan(got) is got
+
+
+def test_plan_for_a_target_refuses_what_it_cannot_mean():
+    spec = foldc.AttentionSpec(32, 8, 128, A(2, "token", 128), A(2, "token", 128))
+    with pytest.raises(foldc.SpecError, match="target='reference'"):
+        foldc.plan(spec, target="reference")
+    with pytest.raises(foldc.SpecError, match="code_bias and operand_dtype are the target's"):
+        foldc.plan(spec, target="sm_90", code_bias={"key": 0})
+    with pytest.raises(foldc.SpecError, match="kernel='gluon'"):
+        foldc.plan(spec, target="interpret", kernel="gluon")
