@@ -13,17 +13,9 @@ import torch
 
 import foldc
 from foldc.bench import decode_case, stream_read_ceiling
-from foldc.timing import capture_graph
+from foldc.timing import graph_us
 
 HEADS = ((8, 8), (32, 8), (40, 8), (64, 8), (64, 4), (64, 2))
-
-
-def graph_us(fn) -> float:
-    from triton.testing import do_bench
-
-    fn()
-    g = capture_graph(fn)
-    return do_bench(g.replay, warmup=25, rep=100, return_mode="median") * 1e3
 
 
 def main(argv=None):

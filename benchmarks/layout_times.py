@@ -13,7 +13,8 @@ import time
 import torch
 
 import foldc
-from foldc.bench import capture_graph, stream_read_ceiling
+from foldc.bench import stream_read_ceiling
+from foldc.timing import graph_us
 from foldc.spec import spec_from_args
 
 
@@ -21,14 +22,6 @@ def nbytes(x) -> int:
     if isinstance(x, torch.Tensor):
         return x.numel() * x.element_size()
     return sum(nbytes(t) for t in (x.codes, x.scale, x.zero))
-
-
-def graph_time(fn) -> float:
-    from triton.testing import do_bench
-
-    fn()
-    g = capture_graph(fn)
-    return do_bench(g.replay, warmup=25, rep=100, return_mode="median") * 1e3
 
 
 def main(argv=None):
@@ -61,7 +54,7 @@ def main(argv=None):
             with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
                 return torch.nn.functional.scaled_dot_product_attention(q4, kb, vb, enable_gqa=True)
         try:
-            row["cudnn_us"] = graph_time(cudnn)
+            row["cudnn_us"] = graph_us(cudnn)
         except Exception as e:
             row["cudnn_us"] = None
             row["cudnn_error"] = str(e)[:200]
@@ -72,7 +65,7 @@ def main(argv=None):
                 attn = foldc.compile(spec, "sm_90", kernel=kernel)
                 name = type(getattr(attn, "bf16", attn)).__name__
                 attn(q, k, v)
-                us = graph_time(lambda: attn(q, k, v))
+                us = graph_us(lambda: attn(q, k, v))
                 row[f"{kernel}_kernel"] = name
                 row[f"{kernel}_us"] = us
                 row[f"{kernel}_pct"] = 100 * read / (us * 1e-6) / ceiling

@@ -35,3 +35,13 @@ def host_us(fn, calls: int = 200) -> float:
         took.append(time.perf_counter() - start)
     torch.cuda.synchronize()
     return statistics.median(took) * 1e6
+
+
+def graph_us(fn) -> float:
+    """Median microseconds of ``fn`` replayed from a CUDA graph, L2 flushed between replays (triton's
+    ``do_bench``): the GPU time of one decode step as a serving engine runs it."""
+    from triton.testing import do_bench
+
+    fn()
+    graph = capture_graph(fn)
+    return do_bench(graph.replay, warmup=25, rep=100, return_mode="median") * 1e3
