@@ -132,17 +132,19 @@ def _kernel_text(spec) -> str:
 
     launcher = GluonAttention(spec)          # its defaults: KV heads per program and tokens per tile
     heads, block_n = launcher.heads, launcher.default_block_n
-    if cfg.key_tokens or cfg.value_tokens:
-        return (f"register-operand kernel (sm_90), {heads} KV head(s) per program: no fitted whole-loop figure for "
-                "channel-wise sides; `foldc compile --target sm_90` reports the SASS count per tile "
-                "(instructions_per_tile) and docs/perf.md compares the layouts")
+    blocks = f", {cfg.row_blocks} row blocks of {cfg.q_per_kv} query rows per KV head" if cfg.row_blocks > 1 else ""
+    if cfg.key_tokens or cfg.value_tokens or cfg.key_plain or cfg.value_plain or cfg.rows == 16 or cfg.head_dim > 128:
+        return (f"register-operand kernel (sm_90, sm_100), {heads} KV head(s) per program{blocks}: no fitted "
+                "whole-loop figure for this layout (the fit covers token-wise sides, 8 query rows per MMA, head_dim "
+                "<= 128); `foldc compile --target sm_90` reports the SASS count per tile (instructions_per_tile) and "
+                "docs/perf.md (\"Layout grid\") has its H200 time")
     h200 = next(g for g in GPUS if g.name == "H200")
     demand = token_loop_lane_slots_per_byte("sm_90", cfg.key_bits, cfg.head_dim, heads=heads, block_n=block_n,
                                             key_groups=cfg.key_groups, value_groups=cfg.value_groups,
                                             value_bits=cfg.value_bits)
     groups = "" if cfg.key_groups == cfg.value_groups == 1 else \
         f", {cfg.key_groups} K and {cfg.value_groups} V channel group(s) per token"
-    return (f"register-operand kernel (sm_90), whole token loop with {heads} KV head(s) per program and "
+    return (f"register-operand kernel (sm_90, sm_100), whole token loop with {heads} KV head(s) per program and "
             f"{block_n}-token tiles{groups} (fitted to its SASS): {demand:.2f} of the {h200.name}'s "
             f"{h200.lane_slots_per_byte:.2f} lane-slots/byte "
             f"({100 * demand / h200.lane_slots_per_byte:.0f}% of the issue slots at full bandwidth; warps that wait "

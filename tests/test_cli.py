@@ -227,7 +227,7 @@ def test_explain_gives_the_register_operand_kernels_whole_loop_demand(capsys, k_
                       "--heads", "32/8", "--head-dim", "128")
     assert rc == 0
     tail = " ".join(out.split("+\n")[-1].split())
-    assert tail.startswith("register-operand kernel (sm_90)") and "2 KV head(s) per program" in tail
+    assert tail.startswith("register-operand kernel (sm_90, sm_100)") and "2 KV head(s) per program" in tail
     if want == "fitted":
         block_n = 64 if bits == 2 else 32      # the launcher's default tiles for two packed heads
         assert f"{block_n}-token tiles" in tail
@@ -362,3 +362,16 @@ def test_non_utf8_toml_exits_2(capsys, tmp_path):
 def test_missing_toml_file_for_compile(capsys, tmp_path):
     path = tmp_path / "nope.toml"
     _fails_before_printing(capsys, ["compile", str(path)], [f"cannot read layout file {str(path)!r}"])
+
+
+@pytest.mark.parametrize("argv,fragment", [(["--k", "token:4:128", "--v", "none", "--heads", "32/8"],
+                                            "2 KV head(s) per program:"),
+                                           (["--k", "token:2:128", "--v", "token:2:128", "--heads", "64/2"],
+                                            "2 row blocks of 16 query rows per KV head")])
+def test_explain_gives_no_fitted_figure_outside_the_fit(capsys, argv, fragment):
+    """A plain side or row blocks lower to the register-operand kernel, but the whole-loop model was not
+    fitted to them: explain says so instead of printing a figure."""
+    rc, out, _ = _run(capsys, "explain", *argv, "--head-dim", "128")
+    tail = " ".join(out.split("+\n")[-1].split())
+    assert rc == 0 and "no fitted whole-loop figure" in tail and "lane-slots/byte" not in tail
+    assert fragment in tail
