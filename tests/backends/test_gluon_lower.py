@@ -431,3 +431,24 @@ def test_an_unscaled_partial_sum_across_a_group_is_refused_before_lowering():
     g.replace_node(dataclasses.replace(g["pv.scaled"], groups=coarse))
     with pytest.raises(PlanError, match="partial-sum-crosses-group"):
         lower(the_plan.with_graph(g))
+
+
+def test_the_full_layout_grid_lowers_but_for_two_known_cases():
+    """`foldc bench --layouts --grid full` (387 layouts): every layout the spec accepts lowers to the
+    register-operand kernel except head_dim 64 at 2 bits (4 words per token, under the register
+    layouts' 8) and plans the break-even verdict makes dequant; both run the generated Triton kernel."""
+    from foldc.bench_layouts import grid
+
+    refused = []
+    for layout in grid("full"):
+        try:
+            spec = layout.spec()
+        except SpecError:   # e.g. groups of 128 channels on head_dim 64
+            continue
+        ok, why = lowerable(spec)
+        if not ok:
+            refused.append((spec, why))
+    assert len(refused) <= 8, [why for _, why in refused]
+    for spec, why in refused:
+        two_bit_d64 = spec.head_dim == 64 and 2 in {e.bits for e in (spec.k, spec.v) if e is not None}
+        assert (two_bit_d64 and "128 bits per token" in why) or "is dequant" in why, (spec.describe(), why)
