@@ -169,7 +169,9 @@ def peers():
             kp = k.permute(0, 2, 1, 3).reshape(b * pages, page, hkv, d).contiguous()
             vp = v.permute(0, 2, 1, 3).reshape(b * pages, page, hkv, d).contiguous()
             ws = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
-            w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD")
+            # the tensor-core decode: FlashInfer's own choice for grouped-query heads, ~1.5x faster
+            # than its default CUDA-core decode on these shapes (level with cuDNN)
+            w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=True)
             indptr = torch.arange(b + 1, device="cuda", dtype=torch.int32) * pages
             indices = torch.arange(b * pages, device="cuda", dtype=torch.int32)
             last = torch.full((b,), page, device="cuda", dtype=torch.int32)

@@ -45,18 +45,18 @@ def compile_gluon_aot(spec, arch: str, out_dir: str | Path, dtype: str = "bf16",
                       stages: int | None = None, maxnreg: int | None = None, pack_heads: int | None = None,
                       page_size: int = 0, scale_ahead: bool | None = None, dynamic: bool = False) -> dict:
     """Build the register-operand kernel of ``spec`` for ``arch`` into ``out_dir``; return a report.
-    ``block_n``, ``stages``, ``maxnreg`` and ``pack_heads`` (KV heads per program) default to what
-    the launcher picks for ``spec`` (`GluonAttention`'s defaults, no tuning cache); ``page_size``:
+    ``block_n``, ``stages`` and ``pack_heads`` (KV heads per program) default to what the launcher
+    picks for ``spec`` (`GluonAttention`'s defaults, no tuning cache); ``maxnreg``: a register cap
+    (None: none, as the launcher's default); ``page_size``:
     tokens per page for the paged build (0: contiguous cache); ``scale_ahead``: as `GluonAttention`'s
     option; ``dynamic``: tiles drawn from a counter (its ``dynamic_tiles``)."""
     if arch not in ("sm_90", "sm_100"):
         raise SpecError(f"arch={arch!r}: the register-operand kernel builds for sm_90 and sm_100")
     check_launch_options(arch, "gluon", block_n=block_n, stages=stages)
-    if None in (block_n, stages, maxnreg, pack_heads):
+    if None in (block_n, stages, pack_heads):
         launcher = GluonAttention(spec, target=arch, block_n=block_n, pack_heads=pack_heads)
         block_n, pack_heads = launcher.default_block_n, launcher.heads
         stages = launcher.default_stages if stages is None else stages
-        maxnreg = launcher.default_maxnreg if maxnreg is None else maxnreg
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise SpecError("ahead-of-time compilation needs TRITON_INTERPRET unset in this process")
     import triton

@@ -220,11 +220,6 @@ class GluonAttention:
     def default_stages(self) -> int:
         return self._defaults["stages"]
 
-    @property
-    def default_maxnreg(self) -> int | None:
-        """The register cap per thread unless a tuned bucket sets one (the ``maxnreg`` option; None: none)."""
-        return self._defaults["maxnreg"]
-
     def launch_config(self, dtype: torch.dtype, batch: int, tokens: int) -> dict:
         """block_n / stages / maxnreg / split factor for this call (memoised per shape bucket)."""
         bucket = (dtype, batch, tokens)
