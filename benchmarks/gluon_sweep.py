@@ -5,6 +5,8 @@ cache (shapes up to 600K tokens), time of eager calls and of CUDA-graph replays 
 triton.testing.do_bench), and % of the HBM read ceiling on the bytes the kernel must read.
 
     PYTHONPATH=. python3 benchmarks/gluon_sweep.py --out results/sweep.json [--quick]
+    PYTHONPATH=. python3 benchmarks/gluon_sweep.py --out d64.json --bits 2 --head-dim 64 --group 64 \
+        --shapes 8x65536 --pack 2,4 --block-n 32,64 --stages 2,3,4 --maxnreg none --scale-ahead 0,1
 """
 from __future__ import annotations
 
@@ -37,8 +39,12 @@ def main() -> int:
     ap.add_argument("--bits", default="2,4")
     ap.add_argument("--layouts", default="token/token", help="K/V layouts, e.g. token/token,token/channel "
                     "(channel-wise sides in groups of 128 tokens)")
+    ap.add_argument("--heads", default="32/8", help="query heads / KV heads")
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--group", type=int, default=128, help="group size of both sides")
     ap.add_argument("--deadline", type=float, default=1e9, help="seconds after which no new shape starts")
     args = ap.parse_args()
+    num_q, num_kv = map(int, args.heads.split("/"))
     shapes = [(1, 4096), (1, 16384), (1, 131072), (8, 4096), (8, 65536), (32, 16384), (64, 32768)]
     if args.shapes:
         shapes = [tuple(int(x) for x in sh.split("x")) for sh in args.shapes.split(",")]
@@ -56,7 +62,8 @@ def main() -> int:
     t0 = time.time()
     for bits, layouts in itertools.product(values(args.bits, int), args.layouts.split(",")):
         kl, vl = layouts.split("/")
-        spec = foldc.AttentionSpec(32, 8, 128, foldc.Affine(bits, kl, 128), foldc.Affine(bits, vl, 128))
+        spec = foldc.AttentionSpec(num_q, num_kv, args.head_dim, foldc.Affine(bits, kl, args.group),
+                                   foldc.Affine(bits, vl, args.group))
         for b, n in shapes:
             if time.time() - t0 > args.deadline:
                 print(f"int{bits} {b}x{n}: not run, deadline of {args.deadline:g} s reached", flush=True)
@@ -66,9 +73,8 @@ def main() -> int:
             nbytes = sum(t.numel() * t.element_size() for x in (k, v) for t in (x.codes, x.scale, x.zero)) + \
                 2 * q.numel() * 2
             for opt in options:
-                if opt["block_n"] == 64 and bits == 4:
-                    continue
-                row = {"bits": bits, "layouts": layouts, "batch": b, "tokens": n, **opt}
+                row = {"bits": bits, "layouts": layouts, "heads": args.heads, "head_dim": args.head_dim,
+                       "group": args.group, "batch": b, "tokens": n, **opt}
                 try:
                     attn = foldc.compile(spec, "sm_90", kernel="gluon", **{k: v for k, v in opt.items()
                                                                              if v is not None})

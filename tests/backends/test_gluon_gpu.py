@@ -64,7 +64,11 @@ GRID = [("token:4:128", "token:2:128", "32/8", 128), ("token:2:128", "token:4:12
         ("channel:4:64:bf16", "token:4:32:fp32", "32/8", 128), ("none", "token:4:128", "32/8", 128),
         ("token:4:128", "none", "32/8", 128), ("none", "channel:2:128", "32/8", 128),
         ("channel:4:64", "none", "32/8", 128), ("none", "token:8:64", "16/8", 64),
-        ("token:2:128", "none", "16/4", 256), ("none", "token:2:128", "64/2", 128)]
+        ("token:2:128", "none", "16/4", 256), ("none", "token:2:128", "64/2", 128),
+        ("token:2:64", "token:2:64", "32/8", 64), ("channel:2:64", "token:2:32", "32/8", 64),
+        ("token:2:64", "channel:2:32", "8/8", 64), ("token:2:64", "token:4:64", "64/4", 64),
+        ("channel:2:64", "channel:2:64", "16/8", 64), ("token:2:64", "none", "32/8", 64),
+        ("none", "token:2:32", "40/8", 64), ("token:2:64:fp32", "token:2:64:bf16", "48/4", 64)]
 
 
 def _grid_spec(k, v, heads, head_dim):

@@ -22,7 +22,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
-# (K, V, query heads / KV heads, head_dim): 48 layouts
+# (K, V, query heads / KV heads, head_dim): 52 layouts
 GRID = [(f"{kl}:{b}:{g}", f"{vl}:{b}:{g}", "32/8", 128) for b in (2, 4, 8) for kl, vl in
         (("token", "token"), ("channel", "channel")) for g in (32, 128)]
 GRID += [("token:4:128", "token:2:128", "32/8", 128), ("token:2:128", "token:4:128", "32/8", 128),
@@ -42,7 +42,9 @@ GRID += [("token:4:128", "token:2:128", "32/8", 128), ("token:2:128", "token:4:1
          ("token:8:128:bf16", "channel:8:128:fp32", "32/8", 128), ("token:2:64:fp32", "token:2:64:fp32", "32/8", 128),
          ("token:4:32", "token:4:32", "40/8", 128), ("token:8:64", "token:8:64", "24/2", 128),
          ("none", "token:4:128", "32/8", 128), ("token:2:128", "none", "32/8", 128),
-         ("none", "channel:2:64", "32/8", 128), ("channel:8:128", "none", "16/8", 64)]
+         ("none", "channel:2:64", "32/8", 128), ("channel:8:128", "none", "16/8", 64),
+         ("token:2:64", "token:2:64", "32/8", 64), ("channel:2:64", "token:2:32", "32/8", 64),
+         ("token:2:64", "channel:2:32", "8/8", 64), ("token:2:64", "token:4:64", "64/4", 64)]
 ARCHS = ("sm_90", "sm_100")
 JOBS = [(k, v, h, d, arch) for k, v, h, d in GRID for arch in ARCHS]
 
@@ -123,15 +125,17 @@ def test_grid_build_is_the_designed_kernel(job, reports):
 
 def _in_the_fit(job) -> bool:
     """Token-wise builds of the shapes the whole-loop model was fitted on: 8 query rows per MMA (up to 8
-    per KV head) and head_dim <= 128. With 16 rows and at 256 channels it overestimates (by 12-40%:
-    the per-head figures were fitted with 8 rows), so those builds are held to the unpack count only."""
+    per KV head), head_dim <= 128 and eight or more words per token. With 16 rows and at 256 channels it
+    overestimates (by 12-40%: the per-head figures were fitted with 8 rows), and four-word tokens (head_dim 64
+    at 2 bits: 11% below the SASS, whose value words are read twice and shifted), so those builds are held
+    to the unpack count only."""
     from foldc.backends.gluon.lower import gluon_plan, lower
     from foldc.spec import spec_from_args
 
     k, v, heads, d, arch = job
     cfg = lower(gluon_plan(spec_from_args(k, v, heads, d)))
     return arch == "sm_90" and not (cfg.key_tokens or cfg.value_tokens or cfg.key_plain or cfg.value_plain) and \
-        cfg.rows == 8 and d <= 128
+        cfg.rows == 8 and d <= 128 and not cfg.narrow
 
 
 @pytest.mark.parametrize("job", [j for j in JOBS if _in_the_fit(j)], ids=lambda j: f"{j[0]}-{j[1]}-{j[2]}-d{j[3]}")

@@ -32,10 +32,10 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 # absolute imports: benchmarks load copies of this file as modules of their own (ab_kernel.py, program_timeline.py)
 from foldc.backends.gluon.tile_memory import (copy_layout, draw_chunk, issue_copies, next_tile, prefetch_scales,
                                               stage_tail, tile_bases, tile_scales)
-from foldc.backends.gluon.tile_operands import (group_mmas, group_sums, join_field_groups, join_groups, key_group,
-                                                key_operand, key_words_layout, per_channel, per_row, scaled_p,
-                                                select_groups, split_field_groups, split_groups, swap_k01, value_group,
-                                                value_operand, value_words_layout, zeros_groups)
+from foldc.backends.gluon.tile_operands import (NARROW, group_mmas, group_sums, join_field_groups, join_groups,
+                                                key_group, key_operand, key_words_layout, load_value_words, per_channel,
+                                                per_row, scaled_p, select_groups, split_field_groups, split_groups,
+                                                swap_k01, value_group, value_operand, value_tile_words, zeros_groups)
 
 
 @gluon.jit
@@ -122,7 +122,6 @@ def _consume(t, v_smem, slot, vs, vz, m_i, l_i, zsum, acc_o, head_b, v_scale, v_
     a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=8)
     b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=8)
     W: gl.constexpr = _words(D, F)
-    vw_l: gl.constexpr = value_words_layout(BN, W)
     m_new = gl.maximum(m_i, gl.max(t, axis=0))
     alpha = gl.exp2(m_i - m_new)
     p = gl.exp2(t - m_new[None, :])
@@ -142,7 +141,7 @@ def _consume(t, v_smem, slot, vs, vz, m_i, l_i, zsum, acc_o, head_b, v_scale, v_
         pbs, zsum = scaled_p(p, vs, vz, zsum, alpha, b_l, H, VAL_NG)
         pv = zeros_groups([D // VAL_NG, ROWS], mma, VAL_NG)
         for i in gl.static_range(H):
-            vw = v_smem.index(slot + i).permute((1, 0)).load(vw_l)
+            vw = load_value_words(v_smem.index(slot + i), BN, W)
             va = value_operand(vw, BN, D, F, VA0, VA1, VA2, VA3, VCONS)
             if D // VAL_NG < D // F:   # groups smaller than a bit field
                 va_parts = split_field_groups(va, F, W, VAL_NG)
@@ -167,7 +166,7 @@ def _consume(t, v_smem, slot, vs, vz, m_i, l_i, zsum, acc_o, head_b, v_scale, v_
         # head i's values meet only the columns (query rows) of head i
         pv = gl.zeros([D, ROWS], gl.float32, layout=mma)
         for i in gl.static_range(H):
-            vw = v_smem.index(slot + i).permute((1, 0)).load(vw_l)
+            vw = load_value_words(v_smem.index(slot + i), BN, W)
             va = gl.convert_layout(value_operand(vw, BN, D, F, VA0, VA1, VA2, VA3, VCONS), a_l, assert_trivial=True)
             pv = mma_v2(va, _head_p(pb, head_b, i, b_l, H, AND_P), pv)
         if VAL_G == 0:
@@ -288,8 +287,10 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
     s = gl.program_id(2)
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
     b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=8)
+    # four-word value tokens: each word copied twice into the tile (load_value_words)
+    VWT: gl.constexpr = value_tile_words(VW) if VF > 0 else VW
     kcp_l: gl.constexpr = copy_layout(BN, KW)
-    vcp_l: gl.constexpr = copy_layout(BN, VW)
+    vcp_l: gl.constexpr = copy_layout(BN, VWT)
     row_l: gl.constexpr = gl.SliceLayout(0, mma)
     tok_l: gl.constexpr = gl.SliceLayout(1, mma)
 
@@ -324,9 +325,9 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
     # the first tiles' code words start on their way before the query is read and rescaled, so
     # that the two memory latencies overlap (a program of one or two tiles, at batch 1, waits on both)
     lanes = (gl.arange(0, BN, layout=gl.SliceLayout(1, kcp_l)), gl.arange(0, KW, layout=gl.SliceLayout(0, kcp_l)),
-             gl.arange(0, BN, layout=gl.SliceLayout(1, vcp_l)), gl.arange(0, VW, layout=gl.SliceLayout(0, vcp_l)))
+             gl.arange(0, BN, layout=gl.SliceLayout(1, vcp_l)), gl.arange(0, VWT, layout=gl.SliceLayout(0, vcp_l)) % VW)
     k_smem = gl.allocate_shared_memory(gl.int32, [STAGES * H, BN, KW], _side_smem(KF))
-    v_smem = gl.allocate_shared_memory(gl.int32, [STAGES * H, BN, VW], _side_smem(VF))
+    v_smem = gl.allocate_shared_memory(gl.int32, [STAGES * H, BN, VWT], _side_smem(VF))
     if n_full > 0:
         for i in gl.static_range(STAGES - 1):
             n_i = start + gl.minimum(i, n_full - 1) * BN
@@ -340,14 +341,25 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
     # Row r is query head h * Q_PER_KV + r: the query rows of the H packed KV heads, one after another
     kq = gl.arange(0, D, layout=gl.SliceLayout(1, b_l))
     rq = gl.arange(0, ROWS, layout=gl.SliceLayout(0, b_l))
-    field = kq // KNB
-    j = kq % KNB
-    chan = field * KNB + ((j & ~3) | ((j & 1) << 1) | ((j >> 1) & 1))
+    # (four words per token: operands.key_k's order, each k's channel loaded where it is used)
+    KSWAP: gl.constexpr = KW != NARROW
+    if KSWAP:
+        field = kq // KNB
+        j = kq % KNB
+        chan = field * KNB + ((j & ~3) | ((j & 1) << 1) | ((j >> 1) & 1))
+        q_off = kq
+    else:
+        field = 2 * ((kq >> 5) & 1) + ((kq >> 2) & 1)
+        chan = field * KNB + 4 * ((kq >> 3) & 3) + ((kq >> 1) & 1) + 2 * (kq & 1)
+        q_off = chan
     # each lane's eight consecutive channels in one vector load, then put in k order (swap_k01)
-    q_nat = gl.load(Q + b * stride_qb + (q_head0 + rq)[None, :] * stride_qh + kq[:, None],
+    q_nat = gl.load(Q + b * stride_qb + (q_head0 + rq)[None, :] * stride_qh + q_off[:, None],
                     mask=(rq < Q_PER_KV * H)[None, :], other=0.0)
     if KF > 0:
-        qv = gl.convert_layout(swap_k01(q_nat, D, ROWS), b_l, assert_trivial=True).to(gl.float32)
+        if KSWAP:
+            qv = gl.convert_layout(swap_k01(q_nat, D, ROWS), b_l, assert_trivial=True).to(gl.float32)
+        else:
+            qv = q_nat.to(gl.float32)
     head_q = gl.minimum(rq // Q_PER_KV, H - 1)                                  # packed head of each row
     head_b = head_q
     head_c = gl.minimum(gl.arange(0, ROWS, layout=row_l) // Q_PER_KV, H - 1)
@@ -379,11 +391,13 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
     else:
         g0 = start // KEY_G
         q16, q_bias, q_sum = key_group(qv, field, chan, head_q, stride_ksh, KSp + g0 * stride_ksn,
-                                        KZp + g0 * stride_ksn, qk_scale, KBITS, KEY_BIAS, KEY_EXP, H, D, ROWS)
+                                        KZp + g0 * stride_ksn, qk_scale, KBITS, KEY_BIAS, KEY_EXP, H, D, ROWS, KSWAP)
     # row m of O^T is channel operands.value_channel(m)
     cm = gl.arange(0, D, layout=tok_l)
     if VF == 0:   # plain values: channel order
         chan_o = cm
+    elif VW == NARROW:   # row 16 field + 8 byte + word + 4 (byte // 2), operands.value_row
+        chan_o = (cm // VNB) * VNB + 4 * (cm & 3) + ((cm >> 3) & 1) + 2 * ((cm >> 2) & 1)
     else:
         chan_o = (cm // VNB) * VNB + 4 * (cm % VW) + (cm // VW) % 4
     # the value codes enter the MMA as fp16 subnormals code * 2^(bits*field - VALUE_EXP) (operands.py)
@@ -417,7 +431,7 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
                 if n0 % KEY_G == 0:
                     q16, q_bias, q_sum = key_group(qv, field, chan, head_q, stride_ksh,
                                                     KSp + (n0 // KEY_G) * stride_ksn, KZp + (n0 // KEY_G) * stride_ksn,
-                                                    qk_scale, KBITS, KEY_BIAS, KEY_EXP, H, D, ROWS)
+                                                    qk_scale, KBITS, KEY_BIAS, KEY_EXP, H, D, ROWS, KSWAP)
             if VAL_G > 0:
                 if n0 % VAL_G == 0:
                     v_scale, v_zero = value_group(VSp + (n0 // VAL_G) * stride_vsn, VZp + (n0 // VAL_G) * stride_vsn,
@@ -478,7 +492,7 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
         if KEY_G > 0:
             g_end = full_end // KEY_G
             q16, q_bias, q_sum = key_group(qv, field, chan, head_q, stride_ksh, KSp + g_end * stride_ksn,
-                                            KZp + g_end * stride_ksn, qk_scale, KBITS, KEY_BIAS, KEY_EXP, H, D, ROWS)
+                                            KZp + g_end * stride_ksn, qk_scale, KBITS, KEY_BIAS, KEY_EXP, H, D, ROWS, KSWAP)
         if VAL_G > 0:
             v_scale, v_zero = value_group(VSp + (full_end // VAL_G) * stride_vsn,
                                            VZp + (full_end // VAL_G) * stride_vsn, chan_o, weight_o, head_c, stride_vsh,

@@ -43,7 +43,8 @@ KEY_BIASES = (0, MAGIC_VALUE)   # what the key unpack builds: subnormal codes, o
 VALUE_BIAS = 0     # value codes enter as exact fp16 subnormals (operands.py): no bias to fold
 MAX_ROWS = 16      # query rows one program's MMA N axis holds (8 or 16); more per KV head: row blocks
 BITS = (2, 4, 8)   # code widths the unpack builds (operands.py), each side on its own
-WORDS = (8, 16, 32, 64)   # 32-bit code words per token the register layouts read (tile_operands.py)
+WORDS = (4, 8, 16, 32, 64)   # 32-bit code words per token the register layouts read (tile_operands.py)
+NARROW_BITS = 2    # four words per token (head_dim 64): only 2-bit codes, four fields per byte (operands.key_k)
 PLAIN_BITS = 16    # a plain side: bf16 values, read from shared memory as the MMA operand (kernel.py)
 PLAIN_WORDS = (32, 64, 128)   # bf16 pairs per token of a plain side
 MAX_GROUPS_PER_TOKEN = 4   # token-wise channel groups per token: one score accumulator and one P each
@@ -90,6 +91,13 @@ class FoldKernel:
     @property
     def value_words(self) -> int:
         return self.head_dim * self.value_bits // 32
+
+    @property
+    def narrow(self) -> bool:
+        """A side of four words per token (head_dim 64 at 2 bits): its words read once per lane on the
+        key side and twice on the value side (operands.key_k, value_row)."""
+        return WORDS[0] in [w for w, plain in ((self.key_words, self.key_plain), (self.value_words, self.value_plain))
+                            if not plain]
 
     @property
     def code_bytes_per_token(self) -> int:
@@ -179,10 +187,10 @@ def lower(the_plan: Plan) -> FoldKernel:
         if p.bits not in BITS:
             raise NotLowerable(f"{p.product}: {p.bits}-bit codes; the register-operand kernel unpacks {BITS} bits")
         words = spec.head_dim * p.bits // 32
-        if words not in WORDS:
+        if words not in WORDS or (words == WORDS[0] and p.bits != NARROW_BITS):
             raise NotLowerable(f"{p.product}: head_dim x bits = {spec.head_dim * p.bits} bits per token; the register "
-                               f"layouts need {' or '.join(str(32 * w) for w in WORDS)} (e.g. 128 channels at 2, 4 "
-                               "or 8 bits, 64 at 4 or 8, 256 at 2 or 4)")
+                               f"layouts need {' or '.join(str(32 * w) for w in WORDS[1:])}, or 128 at 2 bits (e.g. 128 "
+                               "channels at 2, 4 or 8 bits, 64 at 2, 4 or 8, 256 at 2 or 4)")
     if spec.head_dim > 128 and token_groups["qk"] and token_groups["pv"]:
         raise NotLowerable(f"head_dim={spec.head_dim} with both sides channel-wise: their per-channel group "
                            "parameters spill the one-warp program's registers (AOT SASS); one side token-wise lowers")

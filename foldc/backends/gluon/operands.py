@@ -29,6 +29,7 @@ MAGIC = 0x64006400  # fp16 pair (1024, 1024)
 MAGIC_VALUE = 1024  # the value of fp16 0x6400, the OR trick's bias
 VALUE_EXPONENT = 24  # an fp16 bit pattern m below 0x0400 (a subnormal) is m * 2^-24
 KEY_EXPONENT = VALUE_EXPONENT   # subnormal key codes: the same unit
+NARROW_WORDS = 4    # words per token (head_dim 64 at 2 bits) below the MMA's eight lane rows: key_k, value_row
 
 
 def _mask(bits: int, field: int) -> int:
@@ -71,14 +72,47 @@ def value_unpack_asm(bits: int, byte: int) -> tuple[str, str]:
 
 
 def key_channel(k: int, bits: int, head_dim: int) -> int:
-    """Channel of k index ``k`` of the key operand (field-major, byte bits 0 and 1 swapped)."""
+    """Channel of k index ``k`` of the key operand (field-major, byte bits 0 and 1 swapped; with
+    four words per token, `key_k`'s order)."""
     nb = head_dim * bits // 8
+    if nb == 4 * NARROW_WORDS:
+        field = 2 * ((k >> 5) & 1) + ((k >> 2) & 1)
+        byte = 4 * ((k >> 3) & 3) + ((k >> 1) & 1) + 2 * (k & 1)
+        return field * nb + byte
     field, j = divmod(k, nb)
     return field * nb + ((j & ~3) | ((j & 1) << 1) | ((j >> 1) & 1))
 
 
+def key_k(word: int, field: int, p: int, e: int, bits: int, head_dim: int) -> int:
+    """k index of half ``e`` of key unpack result ``2*field + p`` of word ``word`` (byte
+    ``4*word + p + 2*e``). Eight or more words per token: a lane reads two words and k is
+    ``field*NB + 4*word + 2*p + e``. Four words (head_dim 64 at 2 bits): a lane reads one word, the
+    MMA's lane bits of k (3, 4) are the word, and the fields take the register bits 2 and 5:
+    ``k = 32*(field // 2) + 8*word + 4*(field % 2) + 2*p + e``."""
+    nb = head_dim * bits // 8
+    if nb == 4 * NARROW_WORDS:
+        return 32 * (field // 2) + 8 * word + 4 * (field % 2) + 2 * p + e
+    return field * nb + 4 * word + 2 * p + e
+
+
 def value_channel(m: int, bits: int, head_dim: int) -> int:
-    """Channel of row ``m`` of the value operand."""
+    """Channel of row ``m`` of the value operand (`value_row`'s order)."""
     nb = head_dim * bits // 8
     w = nb // 4
+    if w == NARROW_WORDS:
+        r = m & 7
+        return (m // nb) * nb + 4 * (r & 3) + ((m >> 3) & 1) + 2 * (r >> 2)
     return (m // nb) * nb + 4 * (m % w) + (m // w) % 4
+
+
+def value_row(word: int, byte: int, field: int, bits: int, head_dim: int) -> int:
+    """Row of the value operand that holds field ``field`` of byte ``byte`` of word ``word``. Eight
+    or more words: ``field*NB + W*byte + word``. Four words (head_dim 64 at 2 bits): the eight lane
+    rows of the MMA need eight words, so the kernel reads each word twice, as row ``r = word`` and
+    as row ``r = word + 4`` shifted right by 16 bits, and unpacks bytes 0 and 1 of each:
+    ``row = 16*field + 8*(byte % 2) + word + 4*(byte // 2)``."""
+    nb = head_dim * bits // 8
+    w = nb // 4
+    if w == NARROW_WORDS:
+        return 16 * field + 8 * (byte % 2) + word + 4 * (byte // 2)
+    return field * nb + w * byte + word

@@ -13,14 +13,31 @@ from triton.experimental.gluon import constexpr_function
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
+from foldc.backends.gluon.operands import NARROW_WORDS
+
 LANES_KEY = [[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]]
+LANES_KEY_NARROW = [[0, 1], [0, 2], [1, 0], [2, 0], [4, 0]]   # four words per token: one word per lane
 LANES_VALUE = [[0, 8], [0, 16], [1, 0], [2, 0], [4, 0]]
+# words per token below the MMA's eight lane rows (head_dim 64 at 2 bits), as the kernels see it
+NARROW = gl.constexpr(NARROW_WORDS)
+
+
+@constexpr_function
+def value_tile_words(W):
+    """Words per token of a value tile in shared memory: W, or 8 for four-word tokens, whose words
+    the copy writes twice (rows w and w + 4, operands.value_row)."""
+    return 8 if int(W) == NARROW_WORDS else int(W)
 
 
 @constexpr_function
 def key_words_layout(BN, W):
-    """Key words [BN tokens, W words]: words 2t, 2t+1 of rows g, g+8 per lane (the k_width=8 A operand)."""
+    """Key words [BN tokens, W words]: words 2t, 2t+1 of rows g, g+8 per lane (the k_width=8 A operand);
+    with four words per token, word t (operands.key_k)."""
     BN, W = int(BN), int(W)
+    if W == NARROW_WORDS:
+        reg = [[8, 0]] + [[16 << i, 0] for i in range(int(math.log2(BN // 16)))]
+        return gl.DistributedLinearLayout(reg_bases=reg, lane_bases=LANES_KEY_NARROW, warp_bases=[], block_bases=[],
+                                          shape=[BN, W])
     reg = [[0, 1], [8, 0]] + [[0, 8 << i] for i in range(int(math.log2(W // 8)))] + \
         [[16 << i, 0] for i in range(int(math.log2(BN // 16)))]
     return gl.DistributedLinearLayout(reg_bases=reg, lane_bases=LANES_KEY, warp_bases=[], block_bases=[],
@@ -53,7 +70,18 @@ def _pairs(x0, x1, BN: gl.constexpr, NB: gl.constexpr):
 def key_operand(kw, BN: gl.constexpr, D: gl.constexpr, F: gl.constexpr, ASM: gl.constexpr, CONS: gl.constexpr):
     NB: gl.constexpr = D // F
     x = gl.join(kw, kw)
-    if F == 4:
+    if NB == 4 * NARROW:
+        # four words per token, one per lane: k = 32 (field // 2) + 8 word + 4 (field % 2) + 2p + e
+        # (operands.key_k), so that the MMA's lane bits of k are the word's
+        a0, a1, b0, b1, c0, c1, d0, d1 = gl.inline_asm_elementwise(
+            ASM, CONS, [x], dtype=(gl.float16,) * 8, is_pure=True, pack=2)
+        f0 = gl.permute(gl.join(a0, a1), (0, 1, 3, 2))    # [BN, word, p, e]
+        f1 = gl.permute(gl.join(b0, b1), (0, 1, 3, 2))
+        f2 = gl.permute(gl.join(c0, c1), (0, 1, 3, 2))
+        f3 = gl.permute(gl.join(d0, d1), (0, 1, 3, 2))
+        op = gl.join(gl.join(f0, f1), gl.join(f2, f3))    # [BN, word, p, e, field % 2, field // 2]
+        op = gl.reshape(gl.permute(op, (0, 5, 1, 4, 2, 3)), [BN, D])
+    elif F == 4:
         a0, a1, b0, b1, c0, c1, d0, d1 = gl.inline_asm_elementwise(
             ASM, CONS, [x], dtype=(gl.float16,) * 8, is_pure=True, pack=2)
         op = _join4(_pairs(a0, a1, BN, NB), _pairs(b0, b1, BN, NB), _pairs(c0, c1, BN, NB), _pairs(d0, d1, BN, NB))
@@ -84,8 +112,43 @@ def _value_fields(vw, ASM: gl.constexpr, CONS: gl.constexpr, F: gl.constexpr):
 
 
 @gluon.jit
+def load_value_words(tile, BN: gl.constexpr, W: gl.constexpr):
+    """A value tile's words [value_tile_words(W), BN] in the value operand's layout. Four words per
+    token: the tile holds each word twice and rows w + 4 come shifted right by 16 bits, so that
+    bytes 0 and 1 of row r are bytes 2 (r // 4) + (0, 1) of word r % 4 (operands.value_row)."""
+    WT: gl.constexpr = value_tile_words(W)
+    vw_l: gl.constexpr = value_words_layout(BN, WT)
+    vw = tile.permute((1, 0)).load(vw_l)
+    if W == NARROW:
+        r = gl.arange(0, WT, layout=gl.SliceLayout(1, vw_l))
+        vw = vw >> ((r // NARROW) * 16)[:, None]
+    return vw
+
+
+@gluon.jit
 def value_operand(vw, BN: gl.constexpr, D: gl.constexpr, F: gl.constexpr, VA0: gl.constexpr, VA1: gl.constexpr,
                   VA2: gl.constexpr, VA3: gl.constexpr, VCONS: gl.constexpr):
+    if D // F == 4 * NARROW:
+        op = _narrow_value_operand(vw, BN, D, F, VA0, VA1, VCONS)
+    else:
+        op = _value_operand(vw, BN, D, F, VA0, VA1, VA2, VA3, VCONS)
+    return op
+
+
+@gluon.jit
+def _narrow_value_operand(vw, BN: gl.constexpr, D: gl.constexpr, F: gl.constexpr, VA0: gl.constexpr,
+                          VA1: gl.constexpr, VCONS: gl.constexpr):
+    # four words per token (load_value_words): bytes 0 and 1 of each of the eight rows;
+    # row m = 16 field + 8 byte + r (operands.value_row)
+    p00, p10, p20, p30 = _value_fields(vw, VA0, VCONS, F)   # p<field><byte>
+    p01, p11, p21, p31 = _value_fields(vw, VA1, VCONS, F)
+    op = _join4(gl.join(p00, p01), gl.join(p10, p11), gl.join(p20, p21), gl.join(p30, p31))   # [8, BN, byte, fu, fv]
+    return gl.reshape(gl.permute(op, (3, 4, 2, 0, 1)), [D, BN])
+
+
+@gluon.jit
+def _value_operand(vw, BN: gl.constexpr, D: gl.constexpr, F: gl.constexpr, VA0: gl.constexpr, VA1: gl.constexpr,
+                   VA2: gl.constexpr, VA3: gl.constexpr, VCONS: gl.constexpr):
     p00, p10, p20, p30 = _value_fields(vw, VA0, VCONS, F)   # p<field><byte>
     p01, p11, p21, p31 = _value_fields(vw, VA1, VCONS, F)
     p02, p12, p22, p32 = _value_fields(vw, VA2, VCONS, F)
@@ -124,14 +187,21 @@ def swap_k01(x, D: gl.constexpr, ROWS: gl.constexpr):
 
 
 @gluon.jit
-def _channel_param(P, head_q, stride_h, D: gl.constexpr, ROWS: gl.constexpr, H: gl.constexpr):
+def _channel_param(P, chan, head_q, stride_h, D: gl.constexpr, ROWS: gl.constexpr, H: gl.constexpr,
+                   SWAP: gl.constexpr):
     """A channel-wise K parameter (scale or zero) of one token group as float32 in the query
     operand's layout, [D, 1] or [D, ROWS] with each row's own head: each lane's eight consecutive
-    channels in one vector load, then put in k order (swap_k01)."""
+    channels in one vector load, then put in k order (swap_k01). Not SWAP (four words per token,
+    whose k order moves channels across lanes): each k's channel ``chan`` loaded where it is used."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
     b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=8)
     c = gl.arange(0, D, layout=gl.SliceLayout(1, b_l))
-    if H == 1:
+    if not SWAP:
+        if H == 1:
+            out = gl.load(P + chan).to(gl.float32)[:, None]
+        else:
+            out = gl.load(P + head_q[None, :] * stride_h + chan[:, None]).to(gl.float32)
+    elif H == 1:
         x = gl.load(P + c)
         y = gl.convert_layout(swap_k01(x, D, 0), gl.SliceLayout(1, b_l), assert_trivial=True)
         out = y.to(gl.float32)[:, None]
@@ -143,7 +213,7 @@ def _channel_param(P, head_q, stride_h, D: gl.constexpr, ROWS: gl.constexpr, H: 
 
 @gluon.jit
 def key_group(qv, field, chan, head_q, stride_ksh, KSg, KZg, qk_scale, BITS: gl.constexpr, KEY_BIAS: gl.constexpr,
-              KEY_EXP: gl.constexpr, H: gl.constexpr, D: gl.constexpr, ROWS: gl.constexpr):
+              KEY_EXP: gl.constexpr, H: gl.constexpr, D: gl.constexpr, ROWS: gl.constexpr, SWAP: gl.constexpr = True):
     """Channel-wise K, one token group: the query pre-scaled by the group's channel scales and field
     weights (operand-fold, eq. 4), each row by its own power of two c so the largest entry sits
     near 2^12 (large channel scales must not overflow fp16), and the logits' affine map
@@ -151,8 +221,8 @@ def key_group(qv, field, chan, head_q, stride_ksh, KSg, KZg, qk_scale, BITS: gl.
     qk_scale * sum(q x zero) (eq. 6, 7; subnormal codes: bias 0, KEY_EXP 24)."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
     row_l: gl.constexpr = gl.SliceLayout(0, mma)
-    sk = _channel_param(KSg, head_q, stride_ksh, D, ROWS, H)   # each row its own head's
-    zk = _channel_param(KZg, head_q, stride_ksh, D, ROWS, H)
+    sk = _channel_param(KSg, chan, head_q, stride_ksh, D, ROWS, H, SWAP)   # each row its own head's
+    zk = _channel_param(KZg, chan, head_q, stride_ksh, D, ROWS, H, SWAP)
     qs = qv * sk * gl.exp2(-(field * BITS).to(gl.float32))[:, None]
     c = gl.exp2(12.0 - gl.floor(gl.log2(gl.maximum(gl.max(gl.abs(qs), axis=0), 1e-30))))
     q16 = (qs * c[None, :]).to(gl.float16)
