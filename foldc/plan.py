@@ -91,6 +91,8 @@ class Plan:
     passes: tuple[PassRecord, ...] = ()
     dtype: str | None = None     # the query dtype the precision decisions are for (eq. 6a)
     operand_dtype: str | None = None   # the MMA operand dtype where it is not the query's
+    rows_per_program: int | None = None   # query rows sharing one reconstructed tile, where a kernel
+    #                                       splits a KV head's rows into blocks (eq. 16's h); None: all
 
     @property
     def folds(self) -> dict[str, str]:
@@ -110,7 +112,7 @@ class Plan:
 
     def with_graph(self, graph: Graph) -> "Plan":
         """The same plan over an edited graph (used to check hand-made or mutated plans)."""
-        return _make_plan(self.spec, graph, self.passes, self.dtype, self.operand_dtype)
+        return _make_plan(self.spec, graph, self.passes, self.dtype, self.operand_dtype, self.rows_per_program)
 
     def __str__(self) -> str:
         from .explain import plan_summary
@@ -120,7 +122,7 @@ class Plan:
 
 def plan(spec: AttentionSpec, code_bias: dict[str, int] | None = None, fold_policy: str = "auto",
          dtype: str | None = None, operand_dtype: str | None = None, target: str | None = None,
-         kernel: str = "auto") -> Plan:
+         kernel: str = "auto", rows_per_program: int | None = None) -> Plan:
     """Plan decode attention for ``spec``: pick each fold, insert corrections, check ordering.
 
     ``target`` ("sm_90", "sm_100", "interpret"): the plan the kernel ``foldc.compile(spec, target,
@@ -135,6 +137,9 @@ def plan(spec: AttentionSpec, code_bias: dict[str, int] | None = None, fold_poli
     the error model of eq. 6a (`ProductPlan.precision`); without it no precision is decided.
     ``operand_dtype``: the matrix unit's operand dtype where it differs from the query's (the
     register-operand kernel feeds fp16 operands to bf16 queries' products).
+    ``rows_per_program``: the query rows of a KV head one program takes, where a kernel splits them
+    into blocks that each reconstruct the tile on their own; the break-even (eq. 16) then weighs a
+    fold against that many rows (None: all the query heads of a KV head).
     A `foldc.GemmSpec` is planned by `foldc.gemm.plan.gemm_plan` with the same passes.
     """
     from .gemm.spec import GemmSpec
@@ -157,8 +162,12 @@ def plan(spec: AttentionSpec, code_bias: dict[str, int] | None = None, fold_poli
     unknown = sorted(set(code_bias or {}) - {"key", "value"})
     if unknown:
         raise SpecError(f"code_bias has unknown role(s) {unknown}; use 'key' and/or 'value'")
-    graph, log = run_pipeline(build_decode_attention(spec), default_passes(code_bias, fold_policy))
-    return _make_plan(spec, graph, tuple(log), dtype, operand_dtype)
+    if rows_per_program is not None and (isinstance(rows_per_program, bool) or not isinstance(rows_per_program, int)
+                                         or not 1 <= rows_per_program <= spec.q_per_kv):
+        raise SpecError(f"rows_per_program={rows_per_program!r} must be an int from 1 to the query heads per KV head "
+                        f"({spec.q_per_kv}), or None")
+    graph, log = run_pipeline(build_decode_attention(spec), default_passes(code_bias, fold_policy, rows_per_program))
+    return _make_plan(spec, graph, tuple(log), dtype, operand_dtype, rows_per_program)
 
 
 def _target_plan(spec, target: str, kernel: str, dtype: str, code_bias, operand_dtype, fold_policy) -> Plan:
@@ -219,7 +228,7 @@ def check_plan(the_plan: Plan) -> Plan:
 
 
 def _make_plan(spec: AttentionSpec, graph: Graph, log, dtype: str | None = None,
-               operand_dtype: str | None = None) -> Plan:
+               operand_dtype: str | None = None, rows_per_program: int | None = None) -> Plan:
     constraints = tuple(graph.meta.get("constraint", ()))
     products = {}
     for name in PRODUCT_ORDER:
@@ -227,7 +236,7 @@ def _make_plan(spec: AttentionSpec, graph: Graph, log, dtype: str | None = None,
         if dtype is not None:   # eq. 6a: the operand precision, from the product's decisions
             p = replace(p, precision=product_precision(p, dtype, operand_dtype=operand_dtype))
         products[name] = p
-    return Plan(spec, graph, products, constraints, tuple(log), dtype, operand_dtype)
+    return Plan(spec, graph, products, constraints, tuple(log), dtype, operand_dtype, rows_per_program)
 
 
 def _product_plan(graph: Graph, name: str, spec: AttentionSpec, constraints) -> ProductPlan:

@@ -9,8 +9,9 @@ from .ordering import Ordering, TileConstraint, check_plan_rules, tile_constrain
 FOLD_POLICIES = ("auto", "dequant")
 
 
-def default_passes(code_bias=None, fold_policy: str = "auto") -> list[Pass]:
-    return [AxisAnalysis(), BreakEven(policy=fold_policy), FoldRewrite(code_bias=dict(code_bias or {})), Ordering()]
+def default_passes(code_bias=None, fold_policy: str = "auto", rows_per_program: int | None = None) -> list[Pass]:
+    return [AxisAnalysis(), BreakEven(policy=fold_policy, rows_per_program=rows_per_program),
+            FoldRewrite(code_bias=dict(code_bias or {})), Ordering()]
 
 
 __all__ = [

@@ -7,7 +7,9 @@ one group (the query heads per KV head in attention) and g the group size. Recon
 (s * c + z per value) costs 1. The fold is kept only while g > 2 * h; otherwise the contraction
 falls back to "dequant" and the plan records why. In a GEMM (eq. 16) h is the number of
 activation rows that share one dequantized weight tile, min(m, rows per tile): decode GEMVs
-fold, large-m GEMMs with small groups reconstruct.
+fold, large-m GEMMs with small groups reconstruct. Attention likewise: a kernel whose programs take
+blocks of r of the query rows per KV head, each block reconstructing the tile again, shares each
+reconstruction among r rows, so h = min(query heads per KV head, r) (``rows_per_program``).
 """
 from __future__ import annotations
 
@@ -44,6 +46,7 @@ class BreakEven(Pass):
     name = "break-even"
     equation = "12, 16"
     policy: str = "auto"
+    rows_per_program: int | None = None   # r: rows that share one reconstructed tile (None: all of them)
 
     def apply(self, graph):
         out = graph.copy()
@@ -53,6 +56,10 @@ class BreakEven(Pass):
                 continue
             enc, _ = encoded_operand(graph, node)
             h, g = rows_sharing_group(graph, node), enc.encoding.group_size
+            blocked = self.rows_per_program is not None and self.rows_per_program < h
+            if blocked:   # each program reconstructs the tile for its own block of rows
+                h = self.rows_per_program
+            per = " (rows per program)" if blocked else ""
             cost = fold_cost(h, g)
             if self.policy == "dequant":
                 out.replace_node(replace(node, fold="dequant"))
@@ -63,12 +70,12 @@ class BreakEven(Pass):
                 continue
             if g > 2 * h:
                 out.meta[f"break-even.{node.product}"] = (
-                    f"fold costs 2*h/g = 2*{h}/{g} = {float(cost):.4g} ops/value < 1 for per-value "
+                    f"fold costs 2*h/g = 2*{h}{per}/{g} = {float(cost):.4g} ops/value < 1 for per-value "
                     f"reconstruction: {node.fold} kept")
                 continue
             out.replace_node(replace(node, fold="dequant"))
             out.meta[f"break-even.{node.product}"] = (
-                f"group_size={g} <= 2*h={2 * h}: the {node.fold} would cost 2*h/g = {float(cost):.4g} "
+                f"group_size={g} <= 2*h={2 * h}{per}: the {node.fold} would cost 2*h/g = {float(cost):.4g} "
                 "ops/value, not less than 1 for per-value reconstruction: dequant")
             changed = True
         return out, changed

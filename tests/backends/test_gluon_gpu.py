@@ -68,7 +68,8 @@ GRID = [("token:4:128", "token:2:128", "32/8", 128), ("token:2:128", "token:4:12
         ("token:2:64", "token:2:64", "32/8", 64), ("channel:2:64", "token:2:32", "32/8", 64),
         ("token:2:64", "channel:2:32", "8/8", 64), ("token:2:64", "token:4:64", "64/4", 64),
         ("channel:2:64", "channel:2:64", "16/8", 64), ("token:2:64", "none", "32/8", 64),
-        ("none", "token:2:32", "40/8", 64), ("token:2:64:fp32", "token:2:64:bf16", "48/4", 64)]
+        ("none", "token:2:32", "40/8", 64), ("token:2:64:fp32", "token:2:64:bf16", "48/4", 64),
+        ("channel:4:64", "token:4:64", "64/2", 128), ("token:2:128:fp32", "token:2:128", "32/8", 128)]
 
 
 def _grid_spec(k, v, heads, head_dim):

@@ -22,7 +22,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
-# (K, V, query heads / KV heads, head_dim): 52 layouts
+# (K, V, query heads / KV heads, head_dim): 54 layouts
 GRID = [(f"{kl}:{b}:{g}", f"{vl}:{b}:{g}", "32/8", 128) for b in (2, 4, 8) for kl, vl in
         (("token", "token"), ("channel", "channel")) for g in (32, 128)]
 GRID += [("token:4:128", "token:2:128", "32/8", 128), ("token:2:128", "token:4:128", "32/8", 128),
@@ -44,7 +44,9 @@ GRID += [("token:4:128", "token:2:128", "32/8", 128), ("token:2:128", "token:4:1
          ("none", "token:4:128", "32/8", 128), ("token:2:128", "none", "32/8", 128),
          ("none", "channel:2:64", "32/8", 128), ("channel:8:128", "none", "16/8", 64),
          ("token:2:64", "token:2:64", "32/8", 64), ("channel:2:64", "token:2:32", "32/8", 64),
-         ("token:2:64", "channel:2:32", "8/8", 64), ("token:2:64", "token:4:64", "64/4", 64)]
+         ("token:2:64", "channel:2:32", "8/8", 64), ("token:2:64", "token:4:64", "64/4", 64),
+         ("token:2:128:fp32", "token:2:128", "32/8", 128),   # K and V scale dtypes differ, scales prefetched
+         ("channel:4:64", "token:4:64", "64/2", 128)]         # folds for its row blocks' 16 rows (eq. 16)
 ARCHS = ("sm_90", "sm_100")
 JOBS = [(k, v, h, d, arch) for k, v, h, d in GRID for arch in ARCHS]
 

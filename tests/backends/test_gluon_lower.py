@@ -452,10 +452,10 @@ def test_an_unscaled_partial_sum_across_a_group_is_refused_before_lowering():
         lower(the_plan.with_graph(g))
 
 
-def test_the_full_layout_grid_lowers_but_for_dequant_plans():
+def test_the_full_layout_grid_lowers():
     """`foldc bench --layouts --grid full` (387 layouts): every layout the spec accepts lowers to the
-    register-operand kernel (head_dim 64 at 2 bits included: four words per token) except plans the
-    break-even verdict makes dequant, which run the generated Triton kernel."""
+    register-operand kernel (head_dim 64 at 2 bits included: four words per token; K channel:4:64 at
+    32 query heads per KV head folds for the 16 rows of each of its row blocks)."""
     from foldc.bench_layouts import grid
 
     refused, narrow = [], 0
@@ -469,6 +469,26 @@ def test_the_full_layout_grid_lowers_but_for_dequant_plans():
         if not ok:
             refused.append((spec, why))
     assert narrow > 0
-    assert len(refused) <= 2, [why for _, why in refused]
-    for spec, why in refused:
-        assert "is dequant" in why, (spec.describe(), why)
+    assert refused == [], [why for _, why in refused]
+
+
+def test_row_blocks_weigh_the_break_even_against_one_blocks_rows():
+    """eq. 16's h is the rows that share one reconstructed tile: with 32 query rows per KV head in two
+    row blocks, each block rebuilds the codes for its 16 rows, so channel-wise groups of 64 tokens fold
+    (2 * 16 / 64 < 1) where the one-program plan reconstructs (2 * 32 / 64 = 1). The reference plan keeps
+    all the rows; the kernel refuses a plan weighed for other blocks."""
+    spec = foldc.AttentionSpec(64, 2, 128, A(4, "channel", 64), A(4, "token", 64))
+    assert foldc.plan(spec).products["qk"].fold == "dequant"
+    blocked = gluon_plan(spec)
+    assert blocked.rows_per_program == 16 and blocked.products["qk"].fold == "operand-fold"
+    assert "16 (rows per program)" in blocked.products["qk"].break_even
+    assert lower(blocked).row_blocks == 2
+    assert foldc.plan(spec, target="sm_90").rows_per_program == 16
+    other = foldc.plan(spec, code_bias={"key": 0, "value": 0}, dtype="bf16", operand_dtype="fp16", rows_per_program=8)
+    with pytest.raises(NotLowerable, match="8 query rows per program"):
+        lower(other)
+    # one block: the plan is the reference plan's decision (no rows_per_program)
+    assert gluon_plan(_spec()).rows_per_program is None
+    for bad in (0, 33, 2.0, True):
+        with pytest.raises(SpecError, match="rows_per_program"):
+            foldc.plan(spec, rows_per_program=bad)

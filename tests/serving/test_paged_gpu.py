@@ -29,7 +29,8 @@ def _pools(spec, num_pages, page_size, gen):
     k = torch.randn(num_pages, spec.num_kv_heads, page_size, spec.head_dim, generator=gen)
     k[..., :3] *= 6.0
     v = torch.randn(num_pages, spec.num_kv_heads, page_size, spec.head_dim, generator=gen) + 0.5
-    return foldc.quantize(k.cuda(), spec.k), foldc.quantize(v.cuda(), spec.v)
+    return tuple(foldc.quantize(x.cuda(), enc) if enc is not None else x.cuda().bfloat16()   # a plain side: bf16
+                 for x, enc in ((k, spec.k), (v, spec.v)))
 
 
 def _table(lens, page_size, num_pages, gen):
@@ -199,7 +200,11 @@ GLUON_CASES = [("int2 packed", S(32, 8, 128, A(2, "token", 128), A(2, "token", 1
                ("int4 packed", S(32, 8, 128, A(4, "token", 128), A(4, "token", 128)), 128),
                ("int2 K-channel", S(32, 8, 128, A(2, "channel", 128), A(2, "token", 128)), 128),
                ("int4 V-channel", S(32, 8, 128, A(4, "token", 128), A(4, "channel", 64)), 64),
-               ("int2 g32/g64", S(32, 8, 128, A(2, "token", 32), A(2, "token", 64)), 64)]
+               ("int2 g32/g64", S(32, 8, 128, A(2, "token", 32), A(2, "token", 64)), 64),
+               ("int2 d64", S(32, 8, 64, A(2, "token", 64), A(2, "channel", 64)), 64),
+               ("K4/V2", S(32, 8, 128, A(4, "token", 128), A(2, "token", 128)), 128),
+               ("int2 row blocks", S(64, 2, 128, A(2, "token", 128), A(2, "token", 128)), 64),
+               ("int4 plain V", S(32, 8, 128, A(4, "token", 128), None), 64)]
 
 
 def _gluon_case(spec, page_size: int, seed: int):

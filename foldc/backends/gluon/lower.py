@@ -125,12 +125,17 @@ def gluon_plan(spec: AttentionSpec, dtype: str = "bf16") -> Plan:
     """The plan the Gluon kernel runs for ``dtype`` queries: no code bias on either side (subnormal
     codes) and fp16 operands, so each product carries the operand precision the error model of
     eq. 6a picks against plain ``dtype`` attention (bf16 queries: one fp16 rounding up to groups of
-    128). NotLowerable for fp16 queries (`FP16_REASON`)."""
+    128); with row blocks, the break-even of one block's rows. NotLowerable for fp16 queries
+    (`FP16_REASON`)."""
     if dtype == "fp16":
         raise NotLowerable(FP16_REASON)
     if dtype not in QUERY_DTYPES:
         raise NotLowerable(f"dtype={dtype!r}: the register-operand kernel takes {QUERY_DTYPES} queries")
-    return plan(spec, code_bias={"key": KEY_BIAS, "value": VALUE_BIAS}, dtype=dtype, operand_dtype="fp16")
+    # past the rows one program holds, each block of rows reads and rebuilds the codes itself: the
+    # break-even weighs a fold against one block's rows (eq. 16)
+    blocks = _row_blocks(spec.q_per_kv, max_rows(spec.head_dim))
+    return plan(spec, code_bias={"key": KEY_BIAS, "value": VALUE_BIAS}, dtype=dtype, operand_dtype="fp16",
+                rows_per_program=spec.q_per_kv // blocks if blocks > 1 else None)
 
 
 def lower(the_plan: Plan) -> FoldKernel:
@@ -195,6 +200,9 @@ def lower(the_plan: Plan) -> FoldKernel:
         raise NotLowerable(f"head_dim={spec.head_dim} with both sides channel-wise: their per-channel group "
                            "parameters spill the one-warp program's registers (AOT SASS); one side token-wise lowers")
     row_blocks = _row_blocks(spec.q_per_kv, max_rows(spec.head_dim))
+    if the_plan.rows_per_program not in (None, spec.q_per_kv // row_blocks):
+        raise NotLowerable(f"the plan weighs its folds for {the_plan.rows_per_program} query rows per program; the "
+                           f"kernel's programs take {spec.q_per_kv // row_blocks} (plan it with gluon_plan)")
     if qk.code_bias not in KEY_BIASES or pv.code_bias != VALUE_BIAS:
         raise NotLowerable(f"the plan's code biases are key {qk.code_bias}, value {pv.code_bias}; this kernel "
                            f"builds key {' or '.join(map(str, KEY_BIASES))}, value {VALUE_BIAS} (plan it with "

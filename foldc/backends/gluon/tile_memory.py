@@ -44,13 +44,18 @@ def prefetch_scales(n0, KSp, KZp, VSp, VZp, stride_ksh, stride_vsh, KEY_G: gl.co
     lane = gl.arange(0, 32, layout=gl.BlockedLayout([1], [32], [1], [0]))
     p = lane % 4
     head = (lane // 4) % H
+    byte: gl.constexpr = gl.pointer_type(gl.int8)   # K and V scales may differ in dtype: byte addresses
+    ks = (KSp + head * stride_ksh + n0).to(byte)
+    kz = (KZp + head * stride_ksh + n0).to(byte)
+    vs = (VSp + head * stride_vsh + n0).to(byte)
+    vz = (VZp + head * stride_vsh + n0).to(byte)
     if KEY_G == 0:
-        ptr = gl.where(p == 0, KSp + head * stride_ksh, KZp + head * stride_ksh)
+        ptr = gl.where(p == 0, ks, kz)
     else:
-        ptr = VSp + head * stride_vsh
+        ptr = vs
     if VAL_G == 0:
-        ptr = gl.where(p == 2, VSp + head * stride_vsh, gl.where(p == 3, VZp + head * stride_vsh, ptr))
-    gl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.b32 $0, 0;", "=r,l", [ptr + n0], dtype=gl.int32,
+        ptr = gl.where(p == 2, vs, gl.where(p == 3, vz, ptr))
+    gl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.b32 $0, 0;", "=r,l", [ptr], dtype=gl.int32,
                               is_pure=False, pack=1)
 
 
