@@ -133,8 +133,8 @@ def _kernel_text(spec) -> str:
     launcher = GluonAttention(spec)          # its defaults: KV heads per program and tokens per tile
     heads, block_n = launcher.heads, launcher.default_block_n
     blocks = f", {cfg.row_blocks} row blocks of {cfg.q_per_kv} query rows per KV head" if cfg.row_blocks > 1 else ""
-    if cfg.key_tokens or cfg.value_tokens or cfg.key_plain or cfg.value_plain or cfg.rows == 16 or cfg.head_dim > 128 \
-            or cfg.narrow:
+    if cfg.key_tokens or cfg.value_tokens or cfg.key_plain or cfg.value_plain or cfg.rows == 16 or cfg.width > 128 \
+            or cfg.narrow or cfg.padded_dim:
         return (f"register-operand kernel (sm_90, sm_100), {heads} KV head(s) per program{blocks}: no fitted "
                 "whole-loop figure for this layout (the fit covers token-wise sides, 8 query rows per MMA, head_dim "
                 "<= 128, eight or more words per token); `foldc compile --target sm_90` reports the SASS count per tile (instructions_per_tile) and "

@@ -69,7 +69,11 @@ GRID = [("token:4:128", "token:2:128", "32/8", 128), ("token:2:128", "token:4:12
         ("token:2:64", "channel:2:32", "8/8", 64), ("token:2:64", "token:4:64", "64/4", 64),
         ("channel:2:64", "channel:2:64", "16/8", 64), ("token:2:64", "none", "32/8", 64),
         ("none", "token:2:32", "40/8", 64), ("token:2:64:fp32", "token:2:64:bf16", "48/4", 64),
-        ("channel:4:64", "token:4:64", "64/2", 128), ("token:2:128:fp32", "token:2:128", "32/8", 128)]
+        ("channel:4:64", "token:4:64", "64/2", 128), ("token:2:128:fp32", "token:2:128", "32/8", 128),
+        ("token:4:96", "token:4:96", "32/8", 96), ("token:2:48", "channel:2:64", "32/8", 96),
+        ("channel:4:64", "token:2:96", "24/8", 96), ("token:2:80", "none", "32/8", 80),
+        ("none", "token:4:112", "32/8", 112), ("channel:8:64", "token:4:80", "16/8", 160),
+        ("channel:4:32", "channel:4:32", "32/8", 96)]
 
 
 def _grid_spec(k, v, heads, head_dim):

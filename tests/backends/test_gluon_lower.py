@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 
 import foldc
 from foldc.backends.gluon.lower import KEY_BIAS, NotLowerable, gluon_plan, lower, lowerable, max_rows
-from foldc.backends.gluon.operands import (KEY_EXPONENT, NARROW_WORDS, VALUE_EXPONENT, key_channel, key_k,
-                                           key_unpack_asm, value_channel, value_row, value_unpack_asm)
+from foldc.backends.gluon.operands import (KEY_EXPONENT, NARROW_WORDS, VALUE_EXPONENT, cache_channel, key_channel,
+                                           key_k, key_unpack_asm, value_channel, value_row, value_unpack_asm)
 from foldc.encoding import pack_codes
 from foldc.errors import SpecError
 
@@ -492,3 +492,65 @@ def test_row_blocks_weigh_the_break_even_against_one_blocks_rows():
     for bad in (0, 33, 2.0, True):
         with pytest.raises(SpecError, match="rows_per_program"):
             foldc.plan(spec, rows_per_program=bad)
+
+
+# --- a head_dim between powers of two, padded in the registers ---------------------------------------
+
+@pytest.mark.parametrize("head_dim,width", [(96, 128), (80, 128), (112, 128), (160, 256), (192, 256), (128, 128)])
+def test_register_width_pads_to_the_next_layout_width(head_dim, width):
+    from foldc.backends.gluon.lower import register_width
+
+    assert register_width(head_dim) == width
+    group = head_dim if head_dim <= 128 else head_dim // 2   # groups of at most 128 (eq. 6a: one fp16 rounding)
+    cfg = lower(gluon_plan(foldc.AttentionSpec(32, 8, head_dim, A(4, "token", group), A(4, "token", group))))
+    assert (cfg.head_dim, cfg.width, cfg.padded_dim) == (head_dim, width, 0 if head_dim == width else width)
+    assert cfg.key_words == head_dim * 4 // 32 and cfg.key_tile_words == width * 4 // 32
+
+
+@settings(max_examples=20, deadline=None)
+@given(bits=st.sampled_from([2, 4, 8]), head_dim=st.sampled_from([80, 96, 112]), seed=st.integers(0, 2**31 - 1))
+def test_padded_tiles_put_each_cache_code_where_the_registers_expect_it(bits, head_dim, seed):
+    """The kernel copies a token's words into a tile of the padded width's words (the rest zero) and
+    reads it as a head_dim of that width: register channel c of the tile (the planar packing of the
+    padded width) holds the cache's channel cache_channel(c) (its code), and a padding channel code
+    0, whose query channel is 0. Checked through the key unpack PTX on packed codes."""
+    from foldc.backends.gluon.lower import register_width
+
+    width = register_width(head_dim)
+    if head_dim * bits % 32:
+        pytest.skip("not whole words per token")
+    rng = np.random.default_rng(seed)
+    codes = rng.integers(0, 1 << bits, size=(1, head_dim), dtype=np.uint8)
+    words = _words(codes, bits)[0]
+    tile = np.zeros(width * bits // 32, dtype=np.int64)
+    tile[:len(words)] = words
+    fields = 8 // bits
+    asm, _ = key_unpack_asm(bits, 0)
+    seen = set()
+    for w, word in enumerate(tile):
+        out = run_ptx(asm, [int(word), int(word)], 2 * fields)
+        for i in range(fields):
+            for p in range(2):
+                for e in range(2):
+                    c = key_channel(key_k(w, i, p, e, bits, width), bits, width)   # register channel
+                    got = _f16((out[2 * i + p] >> (16 * e)) & 0xFFFF) * 2.0 ** (KEY_EXPONENT - bits * i)
+                    real = cache_channel(c, width // fields, head_dim // fields)
+                    assert got == (0 if real is None else codes[0, real]), (w, i, p, e, c, real)
+                    if real is not None:
+                        seen.add(real)
+    assert seen == set(range(head_dim))
+    # the kernel's inline arithmetic (kernel.py: q_off, chan_o; tile_operands._channel_param)
+    ch, chr_ = width // fields, head_dim // fields
+    for c in range(width):
+        real = (c // ch) * chr_ + c % ch if c % ch < chr_ else None
+        assert real == cache_channel(c, ch, chr_)
+
+
+def test_padded_widths_refuse_groups_inside_a_field():
+    """A padded head_dim lowers token-wise groups of whole bit fields only (a group inside a field
+    would cut the padding into it)."""
+    assert lowerable(foldc.AttentionSpec(32, 8, 96, A(4, "token", 48), A(2, "token", 48)))[0]
+    ok, why = lowerable(foldc.AttentionSpec(32, 8, 96, A(8, "token", 32), A(8, "token", 96)))
+    assert not ok and "whole bit fields" in why
+    ok, why = lowerable(foldc.AttentionSpec(8, 8, 300, A(8, "token", 300), A(8, "token", 300)))
+    assert not ok and "at most 256" in why

@@ -259,7 +259,7 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
                        cache_tokens, HAS_LENS: gl.constexpr, PAGE: gl.constexpr, Q_PER_KV: gl.constexpr,
                        ROWS: gl.constexpr,
                        H: gl.constexpr, BN: gl.constexpr,
-                       D: gl.constexpr, KBITS: gl.constexpr, VBITS: gl.constexpr, KEY_BIAS: gl.constexpr,
+                       D: gl.constexpr, DR: gl.constexpr, KBITS: gl.constexpr, VBITS: gl.constexpr, KEY_BIAS: gl.constexpr,
                        KEY_G: gl.constexpr,
                        VAL_G: gl.constexpr, STAGES: gl.constexpr, SCALE_AHEAD: gl.constexpr, KASM: gl.constexpr,
                        KCONS: gl.constexpr, VA0: gl.constexpr, VA1: gl.constexpr, VA2: gl.constexpr,
@@ -274,6 +274,16 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
     VNB: gl.constexpr = D * VBITS // 8
     VW: gl.constexpr = VNB // 4
     VF: gl.constexpr = _fields(VBITS)
+    # a head_dim between powers of two (DR) is padded to D channels in the registers: each bit field
+    # of a token holds CH channels there and CHR in the cache (the rest zero codes, zero query
+    # channels); KWR, VWR: words per token in the cache
+    PAD: gl.constexpr = D != DR
+    KCH: gl.constexpr = D // KF if KF > 0 else D
+    KCHR: gl.constexpr = DR // KF if KF > 0 else DR
+    VCH: gl.constexpr = D // VF if VF > 0 else D
+    VCHR: gl.constexpr = DR // VF if VF > 0 else DR
+    KWR: gl.constexpr = DR * KBITS // 32
+    VWR: gl.constexpr = DR * VBITS // 32
     # P masked per head by ANDs with two packed heads: 3.6% fewer instructions per INT2 tile, 1-3% faster
     # at INT2 on the H200 (docs/perf.md). Not with 4 or 8 heads, where ptxas then allocates 207-234
     # registers against 168-226, nor on dynamic paged builds (178 against 168; AOT SASS)
@@ -331,8 +341,8 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
     if n_full > 0:
         for i in gl.static_range(STAGES - 1):
             n_i = start + gl.minimum(i, n_full - 1) * BN
-            k_i, v_i, _, _, _, _ = tile_bases(n_i, b, h, cache, table, strides, KW, VW, KEY_G, VAL_G, PAGE, KEY_NG, VAL_NG)
-            issue_copies(i, n_i, k_smem, v_smem, k_i, v_i, stride_kh, stride_vh, lanes, KW, VW, H)
+            k_i, v_i, _, _, _, _ = tile_bases(n_i, b, h, cache, table, strides, KWR, VWR, KEY_G, VAL_G, PAGE, KEY_NG, VAL_NG)
+            issue_copies(i, n_i, k_smem, v_smem, k_i, v_i, stride_kh, stride_vh, lanes, KWR, VWR, H, PAD)
     # the chunk this program takes after its first, drawn now so that its latency hides under the prologue
     drawn = draw_chunk(counter, gl.num_programs(2), n_full > 0, 0, DYNAMIC)
 
@@ -353,8 +363,14 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
         chan = field * KNB + 4 * ((kq >> 3) & 3) + ((kq >> 1) & 1) + 2 * (kq & 1)
         q_off = chan
     # each lane's eight consecutive channels in one vector load, then put in k order (swap_k01)
-    q_nat = gl.load(Q + b * stride_qb + (q_head0 + rq)[None, :] * stride_qh + q_off[:, None],
-                    mask=(rq < Q_PER_KV * H)[None, :], other=0.0)
+    if PAD:   # the cache's channel of each register channel; the padding reads nothing (zero)
+        q_ok = (q_off % KCH < KCHR)[:, None]
+        q_off = (q_off // KCH) * KCHR + q_off % KCH
+        q_nat = gl.load(Q + b * stride_qb + (q_head0 + rq)[None, :] * stride_qh + q_off[:, None],
+                        mask=(rq < Q_PER_KV * H)[None, :] & q_ok, other=0.0)
+    else:
+        q_nat = gl.load(Q + b * stride_qb + (q_head0 + rq)[None, :] * stride_qh + q_off[:, None],
+                        mask=(rq < Q_PER_KV * H)[None, :], other=0.0)
     if KF > 0:
         if KSWAP:
             qv = gl.convert_layout(swap_k01(q_nat, D, ROWS), b_l, assert_trivial=True).to(gl.float32)
@@ -373,7 +389,7 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
         amax = gl.maximum(gl.max(gl.abs(qv), axis=0), 1e-30)
         c = gl.exp2(12.0 - gl.floor(gl.log2(amax)))
         row_scale = gl.convert_layout(qk_scale * (2.0 ** KEY_EXP) / c, row_l)
-    k_base, v_base, KSp, KZp, VSp, VZp = tile_bases(start, b, h, cache, table, strides, KW, VW, KEY_G, VAL_G, PAGE,
+    k_base, v_base, KSp, KZp, VSp, VZp = tile_bases(start, b, h, cache, table, strides, KWR, VWR, KEY_G, VAL_G, PAGE,
                                                     KEY_NG, VAL_NG)
     if KF == 0:
         pass
@@ -391,7 +407,7 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
     else:
         g0 = start // KEY_G
         q16, q_bias, q_sum = key_group(qv, field, chan, head_q, stride_ksh, KSp + g0 * stride_ksn,
-                                        KZp + g0 * stride_ksn, qk_scale, KBITS, KEY_BIAS, KEY_EXP, H, D, ROWS, KSWAP)
+                                        KZp + g0 * stride_ksn, qk_scale, KBITS, KEY_BIAS, KEY_EXP, H, D, ROWS, KSWAP, KCH, KCHR)
     # row m of O^T is channel operands.value_channel(m)
     cm = gl.arange(0, D, layout=tok_l)
     if VF == 0:   # plain values: channel order
@@ -402,13 +418,17 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
         chan_o = (cm // VNB) * VNB + 4 * (cm % VW) + (cm // VW) % 4
     # the value codes enter the MMA as fp16 subnormals code * 2^(bits*field - VALUE_EXP) (operands.py)
     weight_o = gl.exp2((VALUE_EXP - (cm // VNB) * VBITS).to(gl.float32))
+    out_ok = cm < D
+    if PAD:   # output row -> the cache's channel; padding rows are computed and not stored
+        out_ok = chan_o % VCH < VCHR
+        chan_o = (chan_o // VCH) * VCHR + chan_o % VCH
     if VAL_G == 0:
         v_scale = weight_o
         v_zero = weight_o
     else:
         g0 = start // VAL_G
-        v_scale, v_zero = value_group(VSp + g0 * stride_vsn, VZp + g0 * stride_vsn, chan_o, weight_o, head_c,
-                                       stride_vsh, H)
+        v_scale, v_zero = value_group(VSp + g0 * stride_vsn, VZp + g0 * stride_vsn, chan_o, weight_o, head_c, out_ok,
+                                       stride_vsh, H, PAD)
 
     tm = gl.arange(0, BN, layout=tok_l)
 
@@ -425,17 +445,17 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
         while t < t_stop:
             n0 = t * BN
             if PAGE > 0:   # this tile's page: its group scales
-                _, _, KSp, KZp, VSp, VZp = tile_bases(n0, b, h, cache, table, strides, KW, VW, KEY_G, VAL_G, PAGE,
+                _, _, KSp, KZp, VSp, VZp = tile_bases(n0, b, h, cache, table, strides, KWR, VWR, KEY_G, VAL_G, PAGE,
                                                       KEY_NG, VAL_NG)
             if KEY_G > 0:
                 if n0 % KEY_G == 0:
                     q16, q_bias, q_sum = key_group(qv, field, chan, head_q, stride_ksh,
                                                     KSp + (n0 // KEY_G) * stride_ksn, KZp + (n0 // KEY_G) * stride_ksn,
-                                                    qk_scale, KBITS, KEY_BIAS, KEY_EXP, H, D, ROWS, KSWAP)
+                                                    qk_scale, KBITS, KEY_BIAS, KEY_EXP, H, D, ROWS, KSWAP, KCH, KCHR)
             if VAL_G > 0:
                 if n0 % VAL_G == 0:
                     v_scale, v_zero = value_group(VSp + (n0 // VAL_G) * stride_vsn, VZp + (n0 // VAL_G) * stride_vsn,
-                                                   chan_o, weight_o, head_c, stride_vsh, H)
+                                                   chan_o, weight_o, head_c, out_ok, stride_vsh, H, PAD)
             t_next, drawn = next_tile(t, drawn, t_stop, counter, gl.num_programs(2), CHUNK, DYNAMIC)
             if DYNAMIC:   # STAGES == 2: the tile copied ahead is the next one
                 t_ahead = t_next
@@ -445,9 +465,9 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
             n_ahead = gl.minimum(t_ahead, t_stop - 1) * BN
             ahead = i + STAGES - 1
             if PAGE > 0:   # the pages of the next tile (its scales) and of the tile copied ahead
-                _, _, KSn, KZn, VSn, VZn = tile_bases(n_next, b, h, cache, table, strides, KW, VW, KEY_G, VAL_G, PAGE,
+                _, _, KSn, KZn, VSn, VZn = tile_bases(n_next, b, h, cache, table, strides, KWR, VWR, KEY_G, VAL_G, PAGE,
                                                       KEY_NG, VAL_NG)
-                k_a, v_a, _, _, _, _ = tile_bases(n_ahead, b, h, cache, table, strides, KW, VW, KEY_G, VAL_G, PAGE,
+                k_a, v_a, _, _, _, _ = tile_bases(n_ahead, b, h, cache, table, strides, KWR, VWR, KEY_G, VAL_G, PAGE,
                                                   KEY_NG, VAL_NG)
             else:
                 KSn = KSp
@@ -465,11 +485,11 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
             gl.thread_barrier()   # every lane is done reading the stage the next copy overwrites
             if DYNAMIC:   # past the last tile: an empty copy group (the last tile may be a DRAM read away)
                 if t_ahead < t_stop:
-                    issue_copies(ahead % STAGES, n_ahead, k_smem, v_smem, k_a, v_a, stride_kh, stride_vh, lanes, KW, VW, H)
+                    issue_copies(ahead % STAGES, n_ahead, k_smem, v_smem, k_a, v_a, stride_kh, stride_vh, lanes, KWR, VWR, H, PAD)
                 else:
                     async_copy.commit_group()
             else:         # a copy of the last tile again, just read: from L2
-                issue_copies(ahead % STAGES, n_ahead, k_smem, v_smem, k_a, v_a, stride_kh, stride_vh, lanes, KW, VW, H)
+                issue_copies(ahead % STAGES, n_ahead, k_smem, v_smem, k_a, v_a, stride_kh, stride_vh, lanes, KWR, VWR, H, PAD)
             if PREFETCH and not SCALE_AHEAD:   # the next tile's scales on their way to L2 (loaded at its start);
                 if (KEY_G == 0 or VAL_G == 0) and PAGE == 0:   # not measured on pages, where it costs 7% more SASS
                     prefetch_scales(n_next, KSn, KZn, VSn, VZn, stride_ksh, stride_vsh, KEY_G, VAL_G, H, BN)
@@ -487,19 +507,19 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
     full_end = t_stop * BN
     if full_end < end:
         if PAGE > 0:
-            k_base, v_base, KSp, KZp, VSp, VZp = tile_bases(full_end, b, h, cache, table, strides, KW, VW, KEY_G, VAL_G,
+            k_base, v_base, KSp, KZp, VSp, VZp = tile_bases(full_end, b, h, cache, table, strides, KWR, VWR, KEY_G, VAL_G,
                                                             PAGE, KEY_NG, VAL_NG)
         if KEY_G > 0:
             g_end = full_end // KEY_G
             q16, q_bias, q_sum = key_group(qv, field, chan, head_q, stride_ksh, KSp + g_end * stride_ksn,
-                                            KZp + g_end * stride_ksn, qk_scale, KBITS, KEY_BIAS, KEY_EXP, H, D, ROWS, KSWAP)
+                                            KZp + g_end * stride_ksn, qk_scale, KBITS, KEY_BIAS, KEY_EXP, H, D, ROWS, KSWAP, KCH, KCHR)
         if VAL_G > 0:
             v_scale, v_zero = value_group(VSp + (full_end // VAL_G) * stride_vsn,
-                                           VZp + (full_end // VAL_G) * stride_vsn, chan_o, weight_o, head_c, stride_vsh,
-                                           H)
+                                           VZp + (full_end // VAL_G) * stride_vsn, chan_o, weight_o, head_c, out_ok,
+                                           stride_vsh, H, PAD)
         ks, kz, vs, vz = tile_scales(full_end, end, tm, head_c, KSp, KZp, VSp, VZp, stride_ksh, stride_vsh,
                                      KEY_G, VAL_G, H, True, KEY_NG, VAL_NG)
-        stage_tail(full_end, end, k_smem, v_smem, k_base, v_base, stride_kh, stride_vh, lanes, KW, VW, H)
+        stage_tail(full_end, end, k_smem, v_smem, k_base, v_base, stride_kh, stride_vh, lanes, KWR, VWR, H, PAD)
         m_i, l_i, zsum, acc_o = _tile(full_end, end, k_smem, v_smem, 0, ks, kz, vs, vz, m_i, l_i, zsum, acc_o, tm,
                                       head_c, head_b, q16, q_bias, q_sum, row_scale, v_scale, v_zero, BN, D, KF, VF, ROWS,
                                       H, KEY_G, VAL_G, KEY_BIAS, KASM, KCONS, VA0, VA1, VA2, VA3, VCONS, True,
@@ -524,6 +544,9 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
     else:
         res = acc_o
     base = ((b * gl.num_programs(1) + gl.program_id(1)) * gl.num_programs(2) + s) * ROWS
-    gl.store(WS_ACC + (base + rr)[None, :] * D + chan_o[:, None], res)
+    if PAD:
+        gl.store(WS_ACC + (base + rr)[None, :] * DR + chan_o[:, None], res, mask=out_ok[:, None])
+    else:
+        gl.store(WS_ACC + (base + rr)[None, :] * D + chan_o[:, None], res)
     gl.store(WS_M + base + rr, m_i)
     gl.store(WS_L + base + rr, l_i)

@@ -42,7 +42,8 @@ def constexprs(cfg: FoldKernel, block_n: int, stages: int, heads: int = 1, scale
     # a plain side has no unpack (its KEY_G / VAL_G is -1: no scales, no groups)
     key_asm, key_cons = ("", "") if cfg.key_plain else key_unpack_asm(cfg.key_bits, cfg.key_bias)
     values = [("", "")] * 4 if cfg.value_plain else [value_unpack_asm(cfg.value_bits, byte) for byte in range(4)]
-    return dict(Q_PER_KV=cfg.q_per_kv, ROWS=cfg.rows, H=heads, BN=block_n, D=cfg.head_dim, KBITS=cfg.key_bits,
+    return dict(Q_PER_KV=cfg.q_per_kv, ROWS=cfg.rows, H=heads, BN=block_n, D=cfg.width, DR=cfg.head_dim,
+                KBITS=cfg.key_bits,
                 VBITS=cfg.value_bits, RB=cfg.row_blocks,
                 KEY_BIAS=cfg.key_bias, KEY_G=-1 if cfg.key_plain else cfg.key_tokens,
                 VAL_G=-1 if cfg.value_plain else cfg.value_tokens, STAGES=stages,
@@ -77,7 +78,7 @@ def default_pack_heads(cfg: FoldKernel, num_kv_heads: int) -> int:
     packed kernel needs more registers (227-255 at INT2 against 168-237 for one head, AOT SASS), yet
     it was 9-62% faster on the H200 at 8 x 64K and 32 x 64K, INT2 and INT4 (docs/perf.md). Past 128
     channels with a channel-wise side, one head: two spill (per-row channel scales of 256 channels)."""
-    if cfg.head_dim > 128 and (cfg.key_tokens or cfg.value_tokens):
+    if cfg.width > 128 and (cfg.key_tokens or cfg.value_tokens):
         return 1
     # at most DEFAULT_MAX_PACK: eight one-row heads (query heads = KV heads) took 235 us at INT2 8 x 64K
     # on the H200 against 104 with four and 108 with two (each head's P masked by a select per half

@@ -49,6 +49,7 @@ PLAIN_BITS = 16    # a plain side: bf16 values, read from shared memory as the M
 PLAIN_WORDS = (32, 64, 128)   # bf16 pairs per token of a plain side
 MAX_GROUPS_PER_TOKEN = 4   # token-wise channel groups per token: one score accumulator and one P each
 MIN_GROUP = 32     # token-wise channels per group inside a bit field: 8 words, the value operand's lane rows
+PADDED_WIDTHS = (128, 256)   # register widths a head_dim between powers of two is padded to (96 -> 128, 160 -> 256)
 
 
 class NotLowerable(Exception):
@@ -73,6 +74,22 @@ class FoldKernel:
     value_precision: OperandPrecision | None = None   # the plan was made without a dtype
     row_blocks: int = 1  # programs per KV head, each taking q_per_kv of its query rows (> 1: more rows
     #                      per KV head than the MMA's N axis holds)
+    padded_dim: int = 0  # head_dim rounded up to the register layouts' width (0: head_dim, a power of two):
+    #                      each bit field of a token padded with zero codes and zero query channels
+
+    @property
+    def width(self) -> int:
+        """Channels the registers hold per token: head_dim, or the power of two it is padded to."""
+        return self.padded_dim or self.head_dim
+
+    @property
+    def key_tile_words(self) -> int:
+        """32-bit words per token of a key tile in the registers (the padded width's)."""
+        return self.width // 2 if self.key_plain else self.width * self.key_bits // 32
+
+    @property
+    def value_tile_words(self) -> int:
+        return self.width // 2 if self.value_plain else self.width * self.value_bits // 32
 
     @property
     def key_plain(self) -> bool:
@@ -96,8 +113,8 @@ class FoldKernel:
     def narrow(self) -> bool:
         """A side of four words per token (head_dim 64 at 2 bits): its words read once per lane on the
         key side and twice on the value side (operands.key_k, value_row)."""
-        return WORDS[0] in [w for w, plain in ((self.key_words, self.key_plain), (self.value_words, self.value_plain))
-                            if not plain]
+        return WORDS[0] in [w for w, plain in ((self.key_tile_words, self.key_plain),
+                                               (self.value_tile_words, self.value_plain)) if not plain]
 
     @property
     def code_bytes_per_token(self) -> int:
@@ -133,7 +150,7 @@ def gluon_plan(spec: AttentionSpec, dtype: str = "bf16") -> Plan:
         raise NotLowerable(f"dtype={dtype!r}: the register-operand kernel takes {QUERY_DTYPES} queries")
     # past the rows one program holds, each block of rows reads and rebuilds the codes itself: the
     # break-even weighs a fold against one block's rows (eq. 16)
-    blocks = _row_blocks(spec.q_per_kv, max_rows(spec.head_dim))
+    blocks = _row_blocks(spec.q_per_kv, max_rows(register_width(spec.head_dim)))
     return plan(spec, code_bias={"key": KEY_BIAS, "value": VALUE_BIAS}, dtype=dtype, operand_dtype="fp16",
                 rows_per_program=spec.q_per_kv // blocks if blocks > 1 else None)
 
@@ -145,6 +162,8 @@ def lower(the_plan: Plan) -> FoldKernel:
     check_plan(the_plan)   # a wrong plan (a key correction after the softmax, ...) never reaches code generation
     spec = the_plan.spec
     qk, pv = the_plan.products["qk"], the_plan.products["pv"]
+    width = register_width(spec.head_dim)
+    padded = width != spec.head_dim
     token_groups, channel_groups = {}, {}
     plain = {}
     for p, tokenwise_fold in ((qk, FoldKind.ACC_FOLD), (pv, FoldKind.OPERAND_FOLD)):
@@ -165,7 +184,8 @@ def lower(the_plan: Plan) -> FoldKernel:
             groups = spec.head_dim // p.tiling.channel_group
             # a group is whole fields, or an aligned part of one of at least 32 channels: a contiguous
             # range of the key operand's K index, register bits of the value operand's M index
-            fits = p.group_size % field == 0 or (field % p.group_size == 0 and p.group_size >= MIN_GROUP)
+            fits = p.group_size % field == 0 or (field % p.group_size == 0 and p.group_size >= MIN_GROUP
+                                                 and not padded)
             if not fits or groups > MAX_GROUPS_PER_TOKEN:
                 raise NotLowerable(f"{p.product}: token-wise groups of {p.group_size} channels; the register-operand "
                                    f"kernel needs groups of whole bit fields of {field} channels (head_dim x bits / 8) "
@@ -185,21 +205,22 @@ def lower(the_plan: Plan) -> FoldKernel:
                            "least one side; the generated Triton kernel runs plain attention")
     for p in (qk, pv):
         if plain[p.product]:
-            if spec.head_dim // 2 not in PLAIN_WORDS:
+            if width // 2 not in PLAIN_WORDS:
                 raise NotLowerable(f"{p.product}: a plain side of head_dim={spec.head_dim}; the register-operand kernel "
                                    "reads plain bf16 rows of 64, 128 or 256 channels")
             continue
         if p.bits not in BITS:
             raise NotLowerable(f"{p.product}: {p.bits}-bit codes; the register-operand kernel unpacks {BITS} bits")
-        words = spec.head_dim * p.bits // 32
-        if words not in WORDS or (words == WORDS[0] and p.bits != NARROW_BITS):
+        words = width * p.bits // 32
+        if spec.head_dim * p.bits % 32 or words not in WORDS or (words == WORDS[0] and (p.bits != NARROW_BITS
+                                                                                         or padded)):
             raise NotLowerable(f"{p.product}: head_dim x bits = {spec.head_dim * p.bits} bits per token; the register "
                                f"layouts need {' or '.join(str(32 * w) for w in WORDS[1:])}, or 128 at 2 bits (e.g. 128 "
                                "channels at 2, 4 or 8 bits, 64 at 2, 4 or 8, 256 at 2 or 4)")
-    if spec.head_dim > 128 and token_groups["qk"] and token_groups["pv"]:
+    if width > 128 and token_groups["qk"] and token_groups["pv"]:
         raise NotLowerable(f"head_dim={spec.head_dim} with both sides channel-wise: their per-channel group "
                            "parameters spill the one-warp program's registers (AOT SASS); one side token-wise lowers")
-    row_blocks = _row_blocks(spec.q_per_kv, max_rows(spec.head_dim))
+    row_blocks = _row_blocks(spec.q_per_kv, max_rows(width))
     if the_plan.rows_per_program not in (None, spec.q_per_kv // row_blocks):
         raise NotLowerable(f"the plan weighs its folds for {the_plan.rows_per_program} query rows per program; the "
                            f"kernel's programs take {spec.q_per_kv // row_blocks} (plan it with gluon_plan)")
@@ -226,7 +247,21 @@ def lower(the_plan: Plan) -> FoldKernel:
                       key_tokens=token_groups["qk"], value_tokens=token_groups["pv"],
                       key_groups=channel_groups["qk"], value_groups=channel_groups["pv"],
                       key_precision=qk.precision.precision if qk.precision is not None else None,
-                      value_precision=pv.precision.precision if pv.precision is not None else None)
+                      value_precision=pv.precision.precision if pv.precision is not None else None,
+                      padded_dim=width if padded else 0)
+
+
+def register_width(head_dim: int) -> int:
+    """Channels per token the register layouts hold for ``head_dim``: itself when a power of two, else
+    the next of PADDED_WIDTHS (96 -> 128, 160 -> 256); the codes of each bit field and the query are
+    padded with zeros, which add nothing to a score or an output (NotLowerable past 256)."""
+    if head_dim & (head_dim - 1) == 0:
+        return head_dim
+    for width in PADDED_WIDTHS:
+        if head_dim < width:
+            return width
+    raise NotLowerable(f"head_dim={head_dim}: the register-operand kernel pads a head_dim to at most "
+                       f"{PADDED_WIDTHS[-1]} channels")
 
 
 def max_rows(head_dim: int) -> int:

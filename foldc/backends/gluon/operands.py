@@ -116,3 +116,11 @@ def value_row(word: int, byte: int, field: int, bits: int, head_dim: int) -> int
     if w == NARROW_WORDS:
         return 16 * field + 8 * (byte % 2) + word + 4 * (byte // 2)
     return field * nb + w * byte + word
+
+
+def cache_channel(c: int, per_field: int, per_field_cache: int) -> int | None:
+    """The cache's channel of register channel ``c`` when a head_dim between powers of two is padded
+    (each bit field holds ``per_field`` channels in the registers, ``per_field_cache`` in the cache,
+    the rest zero codes); None for a padding channel. The kernel computes the same inline."""
+    field, j = divmod(c, per_field)
+    return field * per_field_cache + j if j < per_field_cache else None

@@ -21,16 +21,23 @@ def copy_layout(BN, W):
 
 @gluon.jit
 def issue_copies(stage, n0, k_smem, v_smem, k_base, v_base, stride_kh, stride_vh, lanes, KW: gl.constexpr,
-                 VW: gl.constexpr, H: gl.constexpr):
+                 VW: gl.constexpr, H: gl.constexpr, PAD: gl.constexpr = False):
     """Start copying the code words of tile n0, every packed head, into pipeline stage ``stage``.
     ``lanes``: the (token, word) index vectors of each side's copy layout, ``(tck, wck, tcv, wcv)``;
-    KW, VW: words per token of K and V (they differ when K and V have different widths)."""
+    KW, VW: words per token of K and V in the cache (they differ when K and V have different widths).
+    PAD: the tiles hold more words per token than the cache (a padded head_dim); the rest are zeros."""
     tck, wck, tcv, wcv = lanes
     k_rows = (n0 + tck)[:, None] * KW + wck[None, :]
     v_rows = (n0 + tcv)[:, None] * VW + wcv[None, :]
     for i in gl.static_range(H):
-        async_copy.async_copy_global_to_shared(k_smem.index(stage * H + i), k_base + i * stride_kh + k_rows)
-        async_copy.async_copy_global_to_shared(v_smem.index(stage * H + i), v_base + i * stride_vh + v_rows)
+        if PAD:
+            async_copy.async_copy_global_to_shared(k_smem.index(stage * H + i), k_base + i * stride_kh + k_rows,
+                                                   mask=(wck < KW)[None, :])
+            async_copy.async_copy_global_to_shared(v_smem.index(stage * H + i), v_base + i * stride_vh + v_rows,
+                                                   mask=(wcv < VW)[None, :])
+        else:
+            async_copy.async_copy_global_to_shared(k_smem.index(stage * H + i), k_base + i * stride_kh + k_rows)
+            async_copy.async_copy_global_to_shared(v_smem.index(stage * H + i), v_base + i * stride_vh + v_rows)
     async_copy.commit_group()
 
 
@@ -144,7 +151,7 @@ def tile_scales(n0, end, tm, head_c, KSp, KZp, VSp, VZp, stride_ksh, stride_vsh,
 
 @gluon.jit
 def stage_tail(n0, end, k_smem, v_smem, k_base, v_base, stride_kh, stride_vh, lanes, KW: gl.constexpr,
-               VW: gl.constexpr, H: gl.constexpr):
+               VW: gl.constexpr, H: gl.constexpr, PAD: gl.constexpr = False):
     """The last, partial tile into stage 0 of the pipeline's shared memory, zeros past the end
     (``lanes``, KW, VW as in issue_copies)."""
     tck, wck, tcv, wcv = lanes
@@ -154,6 +161,9 @@ def stage_tail(n0, end, k_smem, v_smem, k_base, v_base, stride_kh, stride_vh, la
     v_rows = v_tok[:, None] * VW + wcv[None, :]
     k_live = (k_tok < end)[:, None]
     v_live = (v_tok < end)[:, None]
+    if PAD:   # the padding words: zeros
+        k_live = k_live & (wck < KW)[None, :]
+        v_live = v_live & (wcv < VW)[None, :]
     gl.thread_barrier()   # every lane is done reading the stages
     for i in gl.static_range(H):
         k_smem.index(i).store(gl.load(k_base + i * stride_kh + k_rows, mask=k_live, other=0))

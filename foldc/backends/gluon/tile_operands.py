@@ -188,15 +188,27 @@ def swap_k01(x, D: gl.constexpr, ROWS: gl.constexpr):
 
 @gluon.jit
 def _channel_param(P, chan, head_q, stride_h, D: gl.constexpr, ROWS: gl.constexpr, H: gl.constexpr,
-                   SWAP: gl.constexpr):
+                   SWAP: gl.constexpr, CH: gl.constexpr, CHR: gl.constexpr):
     """A channel-wise K parameter (scale or zero) of one token group as float32 in the query
     operand's layout, [D, 1] or [D, ROWS] with each row's own head: each lane's eight consecutive
     channels in one vector load, then put in k order (swap_k01). Not SWAP (four words per token,
-    whose k order moves channels across lanes): each k's channel ``chan`` loaded where it is used."""
+    whose k order moves channels across lanes): each k's channel ``chan`` loaded where it is used.
+    CH, CHR: channels per bit field in the registers and in the cache (a padded head_dim:
+    the padding channels load zero)."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
     b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=8)
     c = gl.arange(0, D, layout=gl.SliceLayout(1, b_l))
-    if not SWAP:
+    if CH != CHR:   # a padded head_dim: each lane's channels mapped to the cache's, the padding zero
+        ok = c % CH < CHR
+        c = (c // CH) * CHR + c % CH
+        if H == 1:
+            x = gl.load(P + c, mask=ok, other=0)
+            y = gl.convert_layout(swap_k01(x, D, 0), gl.SliceLayout(1, b_l), assert_trivial=True)
+            out = y.to(gl.float32)[:, None]
+        else:
+            x = gl.load(P + head_q[None, :] * stride_h + c[:, None], mask=ok[:, None], other=0)
+            out = gl.convert_layout(swap_k01(x, D, ROWS), b_l, assert_trivial=True).to(gl.float32)
+    elif not SWAP:
         if H == 1:
             out = gl.load(P + chan).to(gl.float32)[:, None]
         else:
@@ -213,7 +225,8 @@ def _channel_param(P, chan, head_q, stride_h, D: gl.constexpr, ROWS: gl.constexp
 
 @gluon.jit
 def key_group(qv, field, chan, head_q, stride_ksh, KSg, KZg, qk_scale, BITS: gl.constexpr, KEY_BIAS: gl.constexpr,
-              KEY_EXP: gl.constexpr, H: gl.constexpr, D: gl.constexpr, ROWS: gl.constexpr, SWAP: gl.constexpr = True):
+              KEY_EXP: gl.constexpr, H: gl.constexpr, D: gl.constexpr, ROWS: gl.constexpr, SWAP: gl.constexpr = True,
+              CH: gl.constexpr = 0, CHR: gl.constexpr = 0):
     """Channel-wise K, one token group: the query pre-scaled by the group's channel scales and field
     weights (operand-fold, eq. 4), each row by its own power of two c so the largest entry sits
     near 2^12 (large channel scales must not overflow fp16), and the logits' affine map
@@ -221,8 +234,8 @@ def key_group(qv, field, chan, head_q, stride_ksh, KSg, KZg, qk_scale, BITS: gl.
     qk_scale * sum(q x zero) (eq. 6, 7; subnormal codes: bias 0, KEY_EXP 24)."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
     row_l: gl.constexpr = gl.SliceLayout(0, mma)
-    sk = _channel_param(KSg, chan, head_q, stride_ksh, D, ROWS, H, SWAP)   # each row its own head's
-    zk = _channel_param(KZg, chan, head_q, stride_ksh, D, ROWS, H, SWAP)
+    sk = _channel_param(KSg, chan, head_q, stride_ksh, D, ROWS, H, SWAP, CH, CHR)   # each row its own head's
+    zk = _channel_param(KZg, chan, head_q, stride_ksh, D, ROWS, H, SWAP, CH, CHR)
     qs = qv * sk * gl.exp2(-(field * BITS).to(gl.float32))[:, None]
     c = gl.exp2(12.0 - gl.floor(gl.log2(gl.maximum(gl.max(gl.abs(qs), axis=0), 1e-30))))
     q16 = (qs * c[None, :]).to(gl.float16)
@@ -234,16 +247,23 @@ def key_group(qv, field, chan, head_q, stride_ksh, KSg, KZg, qk_scale, BITS: gl.
 
 
 @gluon.jit
-def value_group(VSg, VZg, chan_o, weight, head_c, stride_vsh, H: gl.constexpr):
+def value_group(VSg, VZg, chan_o, weight, head_c, ok, stride_vsh, H: gl.constexpr, PAD: gl.constexpr = False):
     """Channel-wise V: one token group's scale (times the field weight) and zero per output row
-    [D], or per output row and query row [D, ROWS] with packed heads (each row its own head's)."""
+    [D], or per output row and query row [D, ROWS] with packed heads (each row its own head's).
+    PAD: a padded head_dim, whose padding rows (not ``ok``) load zero."""
     if H == 1:
         off = chan_o
         w = weight
+        m = ok
     else:
         off = head_c[None, :] * stride_vsh + chan_o[:, None]
         w = weight[:, None]
-    return gl.load(VSg + off).to(gl.float32) * w, gl.load(VZg + off).to(gl.float32)
+        m = ok[:, None]
+    if PAD:
+        out = gl.load(VSg + off, mask=m, other=0).to(gl.float32) * w, gl.load(VZg + off, mask=m, other=0).to(gl.float32)
+    else:
+        out = gl.load(VSg + off).to(gl.float32) * w, gl.load(VZg + off).to(gl.float32)
+    return out
 
 
 @gluon.jit

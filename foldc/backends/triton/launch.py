@@ -85,13 +85,15 @@ def foldc_merge(WS_M, WS_L, WS_ACC, OUT, LSE, stride_ob, stride_oh, num_splits,
 def launch_merge(merge_kernel, ws_m, ws_l, ws_acc, out, lse, q_per_kv: int, pdl: bool = False) -> None:
     """Launch ``foldc_merge`` over the workspace [batch, kv_heads, splits, rows(, head_dim)]: one
     program per (batch, head, real query row, block of channels), up to 128 splits per step.
-    Padding rows (rows >= q_per_kv) get no program. Blocks of 32 channels on a GPU; all channels
-    in one program under the interpreter (CPU tensors), which runs programs one after another.
+    Padding rows (rows >= q_per_kv) get no program. Blocks of 32 channels on a GPU (16 or fewer where
+    32 does not divide head_dim, e.g. 80 or 112); all channels in one program under the interpreter
+    (CPU tensors), which runs programs one after another.
     ``pdl``: a programmatic dependent launch (sm_90+): the merge's launch overlaps the end of the
     kernel before it on the stream, and its programs wait for that kernel's writes."""
     b, hkv, splits, rows = ws_m.shape
     head_dim = ws_acc.shape[-1]
-    d_block = head_dim if ws_m.device.type == "cpu" else min(head_dim, 32)
+    whole = ws_m.device.type == "cpu" and head_dim & (head_dim - 1) == 0
+    d_block = head_dim if whole else math.gcd(head_dim, 32)   # a power of two that divides head_dim
     # one pass, one round trip per step: 128 splits of 32 channels per step is 32 values per thread
     split_block = min(128 if d_block <= 32 else 64, max(2, triton.next_power_of_2(splits)))
     merge_kernel[(b, hkv, q_per_kv * (head_dim // d_block))](
