@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 import foldc
-from foldc.backends.triton.launch import launch_merge
+from foldc.backends.runtime.merge import launch_merge
 from foldc.bench import decode_case, gluon_call_parts
 from foldc.timing import capture_graph, host_us
 

@@ -195,7 +195,8 @@ def run_bench(out_dir: Path, quick: bool = False, tune: bool = True, shapes=None
     """Time every row on every shape; ``kernels``: only the foldc rows whose label contains one of
     these strings (the ceiling and the peers always run)."""
     from .backends.gluon.lower import lowerable
-    from .backends.triton.autotune import CANDIDATES, GLUON_CANDIDATES, Config, GluonConfig, launch_options
+    from .backends.runtime.tuning import CANDIDATES, GLUON_CANDIDATES, Config, GluonConfig
+    from .backends.triton.autotune import launch_options
     from .backends.triton.autotune import tune as autotune
     from .compile import compile as compile_attention
     from .encoding import quantize

@@ -25,7 +25,7 @@ Grids (data below): ``quick`` (6 layouts), ``timed`` (a representative subset th
 axis of the full grid, timed at 8 x 64K and checked at 2 x 16K) and ``full`` (every layout, checked
 at 2 x 4K; timed too with ``--time-all``). ``--check-only --target interpret`` runs the checks
 alone on the CPU under Triton's interpreter (fp16 queries, tiny shapes): foldc's launcher switches
-Triton into interpreter mode itself (foldc/backends/triton/launch.py, ``_interpret``).
+Triton into interpreter mode itself (foldc/backends/runtime/modules.py, ``interpreter``).
 
 Writes ``layouts.json`` (after every layout, so a run cut short keeps what it measured) and
 ``layouts.txt`` (the table) under the output folder. Exit status: 0 when every layout that was not

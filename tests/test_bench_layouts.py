@@ -212,7 +212,7 @@ def test_a_crash_is_reported_as_failed(monkeypatch):
 def test_without_tuning_cache_points_the_cache_at_an_empty_folder():
     import os
 
-    from foldc.backends.triton.autotune import cache_path, load_cache
+    from foldc.backends.runtime.tuning import cache_path, load_cache
 
     before = os.environ.get("FOLDC_CACHE_DIR")
     with bl.without_tuning_cache() as folder:

@@ -47,7 +47,7 @@ BLOCK_T_CHANNEL = 32  # tokens per step of the channel-wise kernel's loop over o
 
 
 # The kernels are plain functions wrapped on first use as a JITFunction (GPU) or an
-# InterpretedFunction (CPU), so one process can run both (see launch._interpret).
+# InterpretedFunction (CPU), so one process can run both (see foldc/backends/runtime/modules.py, interpreter).
 
 def _append_token_kernel(
     X, stride_xb, stride_xh, stride_xn,
@@ -404,7 +404,7 @@ def _launch(dst: AffineTensor, x: torch.Tensor, scalar, per_row, interpret: bool
             counts: torch.Tensor | None = None) -> None:
     """Launch the append kernel of dst's layout. ``paging`` = (kv_indptr, kv_indices, page_size): dst is
     a page pool and positions map through the table; ``counts``: tokens to write per row."""
-    from ..backends.triton.launch import _interpret
+    from ..backends.runtime.modules import interpreter
 
     enc = dst.encoding
     heads, head_dim = dst.shape[1], dst.shape[3]
@@ -422,7 +422,7 @@ def _launch(dst: AffineTensor, x: torch.Tensor, scalar, per_row, interpret: bool
                   MAX_CODE=enc.max_code, X_BF16=x.dtype == torch.bfloat16,
                   SCALE_KIND=SCALE_KIND[enc.scale_dtype], PER_ROW=per_row is not None, PAGED=paging is not None,
                   PAGE_SIZE=page_size, HAS_COUNT=counts is not None, num_warps=4)
-    with _interpret(interpret):
+    with interpreter(interpret):
         if GroupAxis.of(enc) is GroupAxis.CHANNEL:   # token-wise: groups of channels, a scale row per token
             block_t = min(BLOCK_T_TOKEN, 1 << (tokens - 1).bit_length())
             grid = (batch * heads, math.ceil(tokens / block_t))

@@ -24,7 +24,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..backends.triton.launch import DTYPES, _interpret, choose_splits, num_sms, runtime_arguments
+from ..backends.runtime.modules import interpreter
+from ..backends.runtime.modules import num_sms
+from ..backends.triton.launch import DTYPES, choose_splits, runtime_arguments
 from ..backends.triton.paging import check_page_size, paged_block_n
 from ..compile import TARGETS, ReferenceAttention, detect_target
 from ..encoding import AffineTensor
@@ -483,7 +485,7 @@ class PagedDecodeWrapper:
         runtime = runtime_arguments(q, k_pages, v_pages, lens, ws, scale, self._per_split, self._num_splits)
         runtime.update(KV_INDPTR=buf["kv_indptr"], KV_INDICES=buf["kv_indices"],
                        cache_tokens=self._per_split * self._num_splits)
-        with _interpret(self.interpret):
+        with interpreter(self.interpret):
             self._attn._launch(module, [runtime[a] for a in ks.args], want[0], self.spec.num_kv_heads,
                                self._num_splits, geo, *ws, out, lse, self._cfg, PAGE_SIZE=self.page_size)
         return (out, lse) if return_lse else out
@@ -519,5 +521,5 @@ def launch_plain(attn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: 
           torch.empty(batch, hkv, splits, rows, attn.spec.head_dim, device=q.device))
     runtime = runtime_arguments(q, k, v, lens, ws, sm_scale, per_split, splits)
     cfg = dict(attn.DEFAULTS, **attn.explicit)
-    with _interpret(attn.interpret):
+    with interpreter(attn.interpret):
         attn._launch(module, [runtime[a] for a in ks.args], batch, hkv, splits, geo, *ws, out, lse, cfg)

@@ -13,8 +13,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import foldc
+from foldc.backends.runtime import tuning
 from foldc.backends.triton import autotune
-from foldc.backends.triton.autotune import Config, GluonConfig, bucket_key, lookup, store
+from foldc.backends.runtime.tuning import Config, GluonConfig, bucket_key, lookup, store
 
 ROOT = Path(__file__).resolve().parents[2]
 ENC = foldc.Affine(2, "token", 128)
@@ -24,9 +25,9 @@ SPEC = foldc.AttentionSpec(32, 8, 128, ENC, ENC)
 @pytest.fixture
 def cache_dir(tmp_path, monkeypatch):
     monkeypatch.setenv("FOLDC_CACHE_DIR", str(tmp_path))
-    autotune._KEYS.clear()
+    tuning._KEYS.clear()
     yield tmp_path
-    autotune._KEYS.clear()
+    tuning._KEYS.clear()
 
 
 def test_buckets_separate_kernels_shapes_and_versions():
@@ -43,7 +44,7 @@ def test_store_then_lookup_round_trips_and_survives_a_restart(cache_dir):
     store(bucket_key(SPEC, torch.bfloat16, 8, 65536, kernel="gluon"), cfg, 123.0)
     assert lookup(SPEC, torch.bfloat16, 8, 65536, kernel="gluon") == cfg
     assert lookup(SPEC, torch.bfloat16, 8, 65536, kernel="triton") is None
-    code = ("import torch, foldc; from foldc.backends.triton.autotune import lookup; "
+    code = ("import torch, foldc; from foldc.backends.runtime.tuning import lookup; "
             "e = foldc.Affine(2, 'token', 128); s = foldc.AttentionSpec(32, 8, 128, e, e); "
             "print(lookup(s, torch.bfloat16, 7, 40000, kernel='gluon'))")
     env = {"FOLDC_CACHE_DIR": str(cache_dir), "PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}
@@ -57,13 +58,13 @@ def test_an_old_entry_without_pack_heads_still_loads(cache_dir):
     entry = {"config": {"block_n": 32, "stages": 2, "maxnreg": None, "split_factor": 2.0}, "us": 40.0,
              "kernel": "gluon"}
     (cache_dir / "autotune.json").write_text(json.dumps({key: entry}))
-    autotune.load_cache(refresh=True)
+    tuning.load_cache(refresh=True)
     assert lookup(SPEC, torch.bfloat16, 1, 16384, kernel="gluon") == GluonConfig(32, 2, None, 2.0, None)
 
 
 def test_a_damaged_cache_file_only_costs_a_retune(cache_dir):
     (cache_dir / "autotune.json").write_text("{not json")
-    autotune.load_cache(refresh=True)
+    tuning.load_cache(refresh=True)
     assert lookup(SPEC, torch.bfloat16, 1, 16384) is None
     store(bucket_key(SPEC, torch.bfloat16, 1, 16384), Config(), 10.0)
     assert lookup(SPEC, torch.bfloat16, 1, 16384) == Config()
@@ -127,9 +128,9 @@ def test_an_entry_tuned_against_other_kernel_sources_is_not_applied(cache_dir, m
     store(bucket_key(SPEC, torch.bfloat16, 8, 65536, kernel="gluon"), cfg, 100.0)
     store(bucket_key(SPEC, torch.bfloat16, 8, 65536, kernel="triton"), Config(64, 4, 2, 1.0), 300.0)
     assert lookup(SPEC, torch.bfloat16, 8, 65536, kernel="gluon") == cfg
-    fingerprints = {"gluon": "0badc0de", "triton": autotune.kernel_fingerprint("triton")}
-    monkeypatch.setattr(autotune, "_FINGERPRINTS", fingerprints)
-    autotune._KEYS.clear()
+    fingerprints = {"gluon": "0badc0de", "triton": tuning.kernel_fingerprint("triton")}
+    monkeypatch.setattr(tuning, "_FINGERPRINTS", fingerprints)
+    tuning._KEYS.clear()
     assert "kernel 0badc0de" in bucket_key(SPEC, torch.bfloat16, 8, 65536, kernel="gluon")
     assert lookup(SPEC, torch.bfloat16, 8, 65536, kernel="gluon") is None
     assert lookup(SPEC, torch.bfloat16, 8, 65536, kernel="triton") == Config(64, 4, 2, 1.0)
@@ -138,12 +139,12 @@ def test_an_entry_tuned_against_other_kernel_sources_is_not_applied(cache_dir, m
 def test_the_fingerprint_follows_the_source_bytes(tmp_path, monkeypatch):
     src = tmp_path / "kernel.py"
     src.write_text("x = 1\n")
-    monkeypatch.setattr(autotune, "KERNEL_SOURCES", {"gluon": (str(src),)})
-    monkeypatch.setattr(autotune, "_FINGERPRINTS", {})
-    first = autotune.kernel_fingerprint("gluon")
+    monkeypatch.setattr(tuning, "KERNEL_SOURCES", {"gluon": (str(src),)})
+    monkeypatch.setattr(tuning, "_FINGERPRINTS", {})
+    first = tuning.kernel_fingerprint("gluon")
     src.write_text("x = 2\n")
-    autotune._FINGERPRINTS.clear()
-    assert len(first) == 8 and autotune.kernel_fingerprint("gluon") != first
+    tuning._FINGERPRINTS.clear()
+    assert len(first) == 8 and tuning.kernel_fingerprint("gluon") != first
 
 
 def test_candidates_that_launch_the_same_kernel_are_timed_once(cache_dir, monkeypatch):
@@ -211,7 +212,7 @@ def test_one_lucky_first_reading_does_not_pick_the_config(order, n, lucky, seed)
 
     with tempfile.TemporaryDirectory() as tmp, pytest.MonkeyPatch.context() as mp:
         mp.setenv("FOLDC_CACHE_DIR", tmp)
-        autotune._KEYS.clear()
+        tuning._KEYS.clear()
         mp.setattr(sys.modules["foldc.compile"], "compile", lambda spec, target, **opts: FakeAttn(opts))
         mp.setattr(autotune, "_gluon_launch", lambda attn, q, k, seq_lens: attn.i)
         mp.setattr(triton.testing, "do_bench", bench)
@@ -220,7 +221,7 @@ def test_one_lucky_first_reading_does_not_pick_the_config(order, n, lucky, seed)
         q = torch.zeros(1, 32, 128, dtype=torch.bfloat16)
         k = torch.zeros(1, 8, 4096, 32, dtype=torch.uint8)
         best, _ = autotune.tune(SPEC, q, k, k, candidates=cands)
-        autotune._KEYS.clear()
+        tuning._KEYS.clear()
     fastest = min(range(n), key=true_us.__getitem__)
     # the truly fastest is timed again unless the lucky reading beat it by more than 5%; then the
     # lucky config is at most 3.5% slower, and nothing re-times it

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import torch
 
-from foldc.backends.triton.fast_launch import FastLaunch
-from foldc.backends.triton.launch import MERGE_SOURCE, _interpret, launch_merge, load_module
+from foldc.backends.runtime.fast_launch import FastLaunch
+from foldc.backends.runtime.merge import MERGE_SOURCE, launch_merge
+from foldc.backends.runtime.modules import interpreter
+from foldc.backends.runtime.modules import load_module
 
 
 def test_interpreted_kernels_pass_through_and_nothing_is_kept():
@@ -21,7 +23,7 @@ def test_interpreted_kernels_pass_through_and_nothing_is_kept():
     for kernel in (merge, FastLaunch(merge)):
         out = torch.full((batch, heads * 4, dim), float("nan"), dtype=torch.float16)
         lse = torch.full((batch, heads * 4), float("nan"))
-        with _interpret(True):
+        with interpreter(True):
             launch_merge(kernel, ws_m, ws_l, ws_acc, out, lse, 4)
         outs.append((out, lse))
         if isinstance(kernel, FastLaunch):

@@ -264,7 +264,7 @@ def test_key_unpack_puts_every_code_where_the_query_expects_it(bits, head_dim, b
     rng = np.random.default_rng(seed)
     codes = rng.integers(0, 1 << bits, size=(1, head_dim), dtype=np.uint8)
     words = _words(codes, bits)[0]
-    fields, nb = 8 // bits, head_dim * bits // 8
+    fields = 8 // bits
     asm, cons = key_unpack_asm(bits, bias)
     assert cons.count("=r") == 2 * fields
     seen = set()

@@ -9,7 +9,9 @@ from _kernel_cases import needs_interpreter
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from foldc.backends.triton.launch import MERGE_SOURCE, _interpret, launch_merge, load_module
+from foldc.backends.runtime.merge import MERGE_SOURCE, launch_merge
+from foldc.backends.runtime.modules import interpreter
+from foldc.backends.runtime.modules import load_module
 
 
 def _merge64(ws_m, ws_l, ws_acc, q_per_kv):
@@ -44,7 +46,7 @@ def test_merge_matches_float64_for_any_split_count(seed, splits, q_per_kv, empty
     ws_acc = ws_acc.masked_fill(gone[..., None], 0.0)
     out = torch.full((b, hkv * q_per_kv, d), float("nan"), dtype=torch.float32)
     lse = torch.full((b, hkv * q_per_kv), float("nan"), dtype=torch.float32)
-    with _interpret(True):
+    with interpreter(True):
         launch_merge(merge, ws_m, ws_l, ws_acc, out, lse, q_per_kv)
     want, want_lse = _merge64(ws_m, ws_l, ws_acc, q_per_kv)
     assert not out.isnan().any() and not lse.isnan().any()

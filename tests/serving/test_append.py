@@ -182,7 +182,7 @@ import json, re, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from foldc.backends.triton.launch import _interpret
+from foldc.backends.runtime.modules import interpreter
 from foldc.serving.append import _kernel
 out = []
 for layout, x_bf16, scale_kind, per_row, paged in json.loads(sys.argv[1]):
@@ -199,7 +199,7 @@ for layout, x_bf16, scale_kind, per_row, paged in json.loads(sys.argv[1]):
                  PAGED=paged, PAGE_SIZE=128 if paged else 1, HAS_COUNT=paged)
     if layout == "token":
         const["NUM_GROUPS"] = 4
-    with _interpret(False):
+    with interpreter(False):
         c = triton.compile(ASTSource(fn, sig, constexprs=const), target=GPUTarget("cuda", 90, 32),
                            options={"num_warps": 4})
     ptx = c.asm["ptx"]

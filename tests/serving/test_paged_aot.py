@@ -19,7 +19,9 @@ from foldc.backends.triton.aot import specialize
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 import foldc
-from foldc.backends.triton.launch import _interpret, kernel_source, load_module, runtime_arguments
+from foldc.backends.runtime.modules import interpreter
+from foldc.backends.runtime.modules import load_module
+from foldc.backends.triton.launch import kernel_source, runtime_arguments
 
 A = foldc.Affine
 out = []
@@ -38,7 +40,7 @@ for arch, dtype, k, v in json.loads(sys.argv[1]):
     sig, const, attrs = specialize(ks.args, values)
     const.update(Q_PER_KV=4, ROWS=geo.rows, BLOCK_N=geo.block_n, HEAD_DIM=128, NUM_KV_HEADS=8, PAGE_SIZE=128)
     sig.update({c: "constexpr" for c in const})
-    with _interpret(False):
+    with interpreter(False):
         c = triton.compile(ASTSource(module.foldc_decode, sig, constexprs=const, attrs=attrs),
                            target=GPUTarget("cuda", {"sm_90": 90, "sm_100": 100}[arch], 32),
                            options={"num_warps": 4, "num_stages": 2})

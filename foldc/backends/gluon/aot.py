@@ -17,8 +17,8 @@ import torch
 from ...cost import token_loop_lane_slots_per_byte
 from ...errors import SpecError
 from ...options import check_launch_options, check_out_dir
-from ..triton.aot import build_errors, write_artifacts
-from ..triton.sass import _tool, lane_slots_per_byte, loop_instructions, skippable
+from ..runtime.artifacts import build_errors, write_artifacts
+from ..runtime.sass import _tool, lane_slots_per_byte, loop_instructions, skippable
 from .launch import GluonAttention, constexprs, default_pack_heads
 from .lower import gluon_plan, lower
 

@@ -15,8 +15,9 @@ from ...encoding import scale_shape
 from ...errors import InputError, SpecError
 from ...options import check_launch_options, check_splits
 from ...validate import check_call, output_buffer
-from ..triton.fast_launch import FastLaunch
-from ..triton.launch import MERGE_SOURCE, launch_merge, load_module, num_sms
+from ..runtime.fast_launch import FastLaunch
+from ..runtime.merge import MERGE_SOURCE, launch_merge
+from ..runtime.modules import load_module, num_sms
 from .lower import FP16_REASON, FoldKernel, gluon_plan, lower
 from .operands import KEY_EXPONENT, VALUE_EXPONENT, key_unpack_asm, value_unpack_asm
 
@@ -227,7 +228,7 @@ class GluonAttention:
         if bucket not in self._configs:
             opts = dict(self._defaults)
             if not TUNED_OPTIONS <= set(self.explicit):   # some option is left to the tuning cache
-                from ..triton.autotune import lookup
+                from ..runtime.tuning import lookup
 
                 tuned = lookup(self.spec, dtype, batch, tokens, kernel="gluon")
                 if tuned is not None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import re
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -18,8 +17,11 @@ import torch
 from ...cost import lane_slots_per_byte as lane_slots_per_byte_model
 from ...errors import SpecError
 from ...options import check_launch_options, check_out_dir
-from .launch import _interpret, kernel_source, load_module
-from .sass import inner_loop, lane_slots_per_byte
+from ..runtime.artifacts import build_errors, write_artifacts
+from ..runtime.modules import interpreter
+from ..runtime.modules import load_module
+from ..runtime.sass import inner_loop, lane_slots_per_byte
+from .launch import kernel_source
 
 
 def bytes_per_tile(enc, block_n: int, head_dim: int) -> float:
@@ -74,35 +76,6 @@ def specialize(arg_names, values: dict) -> tuple[dict, dict, dict]:
     return signature, constexprs, attrs
 
 
-def write_artifacts(out_dir, name: str, arch: str, compiled, source: str | None = None) -> Path:
-    """Write ``name``.py (the generated source, if any) and its TTIR/TTGIR/LLIR/PTX/cubin for
-    ``arch`` into ``out_dir``; return the cubin's path."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    if source is not None:
-        (out / f"{name}.py").write_text(source)
-    for ext in ("ttir", "ttgir", "llir", "ptx"):
-        if ext in compiled.asm:
-            (out / f"{name}.{arch}.{ext}").write_text(compiled.asm[ext])
-    cubin = out / f"{name}.{arch}.cubin"
-    cubin.write_bytes(compiled.asm["cubin"])
-    return cubin
-
-
-@contextmanager
-def build_errors(what: str):
-    """Turn a failure of triton.compile (a CompilationError, an MLIR pass or ptxas failing on tile
-    sizes it cannot fit) into a SpecError naming the build and its options."""
-    from triton.compiler.errors import CompilationError
-
-    try:
-        yield
-    except (CompilationError, RuntimeError, AssertionError, ValueError, IndexError) as e:
-        first = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
-        raise SpecError(f"{what} did not compile: {type(e).__name__}: {first[:300]}; use the default launch "
-                        "options or smaller tiles") from None
-
-
 def mma_instructions(ptx: str) -> dict[str, int]:
     return {name: len(re.findall(pat, ptx)) for name, pat in MMA_PATTERNS.items()}
 
@@ -131,7 +104,7 @@ def compile_aot(spec, arch: str, out_dir: str | Path, dtype: str = "bf16", block
                        "HEAD_DIM": spec.head_dim, "NUM_KV_HEADS": spec.num_kv_heads})
     signature.update({k: "constexpr" for k in constexprs})
     target = GPUTarget("cuda", ARCHS[arch], 32)
-    with _interpret(False), build_errors(f"the decode kernel for {arch} with block_n={block_n}, "
+    with interpreter(False), build_errors(f"the decode kernel for {arch} with block_n={block_n}, "
                                          f"num_warps={num_warps}, num_stages={num_stages}"):
         compiled = triton.compile(ASTSource(module.foldc_decode, signature, constexprs=constexprs, attrs=attrs),
                                   target=target, options={"num_warps": num_warps, "num_stages": num_stages})

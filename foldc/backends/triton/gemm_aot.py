@@ -12,9 +12,11 @@ from pathlib import Path
 
 from ...errors import SpecError
 from ...options import check_choice, check_gemm_options, check_int, check_out_dir
-from .aot import ARCHS, build_errors, mma_instructions, write_artifacts
+from ..runtime.artifacts import build_errors, write_artifacts
+from .aot import ARCHS, mma_instructions
 from .gemm_launch import gemm_kernel_source, k_chunk, launch_config
-from .launch import _interpret, load_module
+from ..runtime.modules import interpreter
+from ..runtime.modules import load_module
 
 PTR = {"fp16": "*fp16", "bf16": "*bf16"}
 SCALE_PTR = {"float16": "*fp16", "bfloat16": "*bf16", "float32": "*fp32"}
@@ -68,7 +70,7 @@ def compile_gemm_aot(spec, arch: str, out_dir: str | Path, dtype: str = "bf16", 
         signature["Y"] = "*fp32"
     signature.update({k: "constexpr" for k in constexprs})
     attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(ks.args) if signature[a].startswith("*")}
-    with _interpret(False), build_errors(f"the GEMM kernel for {arch} with {cfg}"):
+    with interpreter(False), build_errors(f"the GEMM kernel for {arch} with {cfg}"):
         compiled = triton.compile(ASTSource(module.foldc_gemm, signature, constexprs=constexprs, attrs=attrs),
                                   target=GPUTarget("cuda", ARCHS[arch], 32),
                                   options={"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]})

@@ -18,7 +18,8 @@ from ...gemm.reference import check_operand
 from ...gemm.spec import GemmSpec
 from ...options import check_gemm_options
 from .gemm_codegen import GemmKernelSource, generate_gemm
-from .launch import _interpret, load_module
+from ..runtime.modules import interpreter
+from ..runtime.modules import load_module
 
 DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 INT8_CODE_BIAS = -128  # unsigned 8-bit codes become int8 for the integer tensor cores (eq. 7)
@@ -137,7 +138,7 @@ class TritonGemm:
         target = out if split == 1 else torch.zeros(m, n, device=device, dtype=torch.float32)
         runtime = runtime_arguments(x, w, target)
         grid = (triton_cdiv(m, cfg["block_m"]), triton_cdiv(n, cfg["block_n"]), split)
-        with _interpret(self.interpret):
+        with interpreter(self.interpret):
             module.foldc_gemm[grid](*[runtime[a] for a in ks.args], N=n, K=spec.k, GROUP=ks.group,
                                     BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"],
                                     BLOCK_K=k_chunk(spec, ks.group, cfg["block_k"]), SPLIT_K=split,

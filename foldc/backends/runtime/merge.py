@@ -1,0 +1,79 @@
+"""The merge kernel both attention backends launch after their split kernels (eq. 14): each
+split's (max, denominator, accumulator) of one query row into the output and its log-sum-exp."""
+from __future__ import annotations
+
+import math
+
+import triton
+
+MERGE_SOURCE = '''
+from triton.language.extra.cuda import gdc_wait
+
+
+@triton.jit
+def foldc_merge(WS_M, WS_L, WS_ACC, OUT, LSE, stride_ob, stride_oh, num_splits,
+                Q_PER_KV: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                NUM_KV_HEADS: tl.constexpr, SPLIT_BLOCK: tl.constexpr, D_BLOCK: tl.constexpr,
+                PDL: tl.constexpr):
+    """Merge the per-split (max, denominator, accumulator) states (eq. 14) and divide (eq. 10).
+    Program (b, kv_head, row x channel block): one query row's channels d*D_BLOCK.., SPLIT_BLOCK
+    splits per step in one pass: a step's max, denominators and accumulators load together (one
+    memory round trip per step) and rescale the running sums to the new maximum (eq. 14 again).
+    Rows are independent, so a call with few (batch, head) pairs and many splits (batch 1, long
+    context) still spreads over ROWS * HEAD_DIM / D_BLOCK programs per head. PDL: launched as a
+    programmatic dependent of the decode kernel, so wait until its writes are visible."""
+    if PDL:
+        gdc_wait()
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    row = tl.program_id(2) // (HEAD_DIM // D_BLOCK)
+    dblk = tl.program_id(2) % (HEAD_DIM // D_BLOCK)
+    real = row < Q_PER_KV          # rows past q_per_kv are the MMA's padding: nothing to write
+    cols = dblk * D_BLOCK + tl.arange(0, D_BLOCK)
+    sb = tl.arange(0, SPLIT_BLOCK)
+    base = (b * NUM_KV_HEADS + kvh) * num_splits * ROWS + row
+    m = tl.max(tl.full([SPLIT_BLOCK], float("-inf"), tl.float32), axis=0)
+    l = tl.sum(tl.zeros([SPLIT_BLOCK], tl.float32), axis=0)
+    acc = tl.zeros([D_BLOCK], tl.float32)
+    for s0 in range(0, num_splits, SPLIT_BLOCK):
+        live = ((s0 + sb) < num_splits) & real
+        idx = base + (s0 + sb) * ROWS
+        m_s = tl.load(WS_M + idx, mask=live, other=float("-inf"))
+        l_s = tl.load(WS_L + idx, mask=live, other=0.0)
+        acc_s = tl.load(WS_ACC + idx[:, None] * HEAD_DIM + cols[None, :], mask=live[:, None], other=0.0)
+        m_new = tl.maximum(m, tl.max(m_s, axis=0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)   # nothing yet: every weight is 0
+        alpha = tl.exp2(m - m_safe)
+        w = tl.exp2(m_s - m_safe)
+        l = l * alpha + tl.sum(l_s * w, axis=0)
+        acc = acc * alpha + tl.sum(acc_s * w[:, None], axis=0)
+        m = m_new
+    l_total = tl.where(real, l, 1.0)   # a padding row divides by 1, not 0
+    out = acc / l_total
+    ptr = OUT + b * stride_ob + (kvh * Q_PER_KV + row) * stride_oh + cols
+    tl.store(ptr, out.to(OUT.dtype.element_ty), mask=real & (cols < HEAD_DIM))
+    # natural-log sum of exp of the logits (m is in log2 units): lets callers merge attention
+    # over several caches, e.g. a quantized body and a bf16 window (eq. 14)
+    lse = (m + tl.log2(l_total)) * 0.6931471805599453
+    tl.store(LSE + b * NUM_KV_HEADS * Q_PER_KV + kvh * Q_PER_KV + row, lse, mask=real & (dblk == 0))
+'''
+
+
+def launch_merge(merge_kernel, ws_m, ws_l, ws_acc, out, lse, q_per_kv: int, pdl: bool = False) -> None:
+    """Launch ``foldc_merge`` over the workspace [batch, kv_heads, splits, rows(, head_dim)]: one
+    program per (batch, head, real query row, block of channels), up to 128 splits per step.
+    Padding rows (rows >= q_per_kv) get no program. Blocks of 32 channels on a GPU (16 or fewer where
+    32 does not divide head_dim, e.g. 80 or 112); all channels in one program under the interpreter
+    (CPU tensors), which runs programs one after another.
+    ``pdl``: a programmatic dependent launch (sm_90+): the merge's launch overlaps the end of the
+    kernel before it on the stream, and its programs wait for that kernel's writes."""
+    b, hkv, splits, rows = ws_m.shape
+    head_dim = ws_acc.shape[-1]
+    whole = ws_m.device.type == "cpu" and head_dim & (head_dim - 1) == 0
+    d_block = head_dim if whole else math.gcd(head_dim, 32)   # a power of two that divides head_dim
+    # one pass, one round trip per step: 128 splits of 32 channels per step is 32 values per thread
+    split_block = min(128 if d_block <= 32 else 64, max(2, triton.next_power_of_2(splits)))
+    merge_kernel[(b, hkv, q_per_kv * (head_dim // d_block))](
+        ws_m, ws_l, ws_acc, out, lse, out.stride(0), out.stride(1), splits, Q_PER_KV=q_per_kv, ROWS=rows,
+        HEAD_DIM=head_dim, NUM_KV_HEADS=hkv, SPLIT_BLOCK=split_block, D_BLOCK=d_block, PDL=pdl,
+        num_warps=4 if split_block * d_block >= 1024 else 1, **({"launch_pdl": True} if pdl else {}))

@@ -1,0 +1,118 @@
+"""Loading generated kernel modules, the interpreter switch and the SM count: what every backend
+needs to run a kernel, written once."""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+def cache_dir() -> Path:
+    root = os.environ.get("FOLDC_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "foldc")
+    path = Path(root) / "kernels"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+_MISSING = object()
+_TWINS: dict[int, tuple] = {}  # id(library function) -> (it, the same function in the other mode)
+
+
+def _library_twin(obj, interpret: bool):
+    """``obj``, a @triton.jit function of triton.language, in the other execution mode; None if
+    it already suits ``interpret`` (or is not such a function). Pinned to triton 3.6 internals."""
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    if interpret and isinstance(obj, JITFunction):
+        make = lambda: InterpretedFunction(  # noqa: E731
+            obj.fn, version=obj.version, do_not_specialize=obj.do_not_specialize,
+            do_not_specialize_on_alignment=obj.do_not_specialize_on_alignment, debug=obj.debug,
+            noinline=obj.noinline, repr=obj._repr, launch_metadata=obj.launch_metadata)
+    elif not interpret and isinstance(obj, InterpretedFunction):
+        make = lambda: JITFunction(obj.fn, **obj.kwargs)  # noqa: E731
+    else:
+        return None
+    if id(obj) not in _TWINS:
+        _TWINS[id(obj)] = (obj, make())
+    return _TWINS[id(obj)][1]
+
+
+@contextmanager
+def interpreter(on: bool):
+    """Run Triton in interpreter mode (``on``) or native mode for the duration.
+
+    Triton fixes the mode of its own library functions (tl.sum, tl.max, tl.zeros, ... are
+    @triton.jit functions) when triton.language is first imported: a process that imported
+    triton with TRITON_INTERPRET unset cannot interpret a kernel that calls them ("Cannot call
+    @triton.jit'd outside of the scope of a kernel"), and one that imported it under the
+    interpreter cannot compile them natively. And an interpreted call of one of them patches
+    triton.language for the interpreter without undoing it. So besides setting the variable,
+    swap those functions for twins of the wanted mode, and on exit put back every attribute of
+    triton.language that changed."""
+    old = os.environ.get("TRITON_INTERPRET")
+    if on:
+        os.environ["TRITON_INTERPRET"] = "1"
+    else:
+        os.environ.pop("TRITON_INTERPRET", None)
+    saved = []
+    try:
+        import triton.language as tl  # a first import happens in the wanted mode
+
+        if not on and type(tl.standard.sum).__name__ == "JITFunction":
+            yield  # native mode, native library: nothing to swap (the fast path of GPU launches)
+            return
+        holders = [m for n, m in list(sys.modules.items()) if n.startswith("triton.language") and m is not None]
+        holders += [tl.tensor, tl.dtype, tl.core.tensor_descriptor_base]
+        saved = [(h, dict(vars(h))) for h in holders]
+        for holder in holders:
+            for name, obj in list(vars(holder).items()):
+                twin = _library_twin(obj, on)
+                if twin is not None:
+                    setattr(holder, name, twin)
+        yield
+    finally:
+        for holder, before in saved:
+            now = vars(holder)
+            for name, value in before.items():
+                if now.get(name, _MISSING) is not value:
+                    setattr(holder, name, value)
+        if old is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = old
+
+
+def load_module(source: str, interpret: bool):
+    """Write ``source`` to the kernel cache and import it (Triton needs a real file)."""
+    key = hashlib.sha256((source + str(interpret)).encode()).hexdigest()[:20]
+    mod_name = f"foldc_kernel_{key}_{'interp' if interpret else 'native'}"
+    if mod_name in sys.modules:
+        return sys.modules[mod_name]
+    path = cache_dir() / f"{mod_name}.py"
+    if not path.exists() or path.read_text() != source:
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(source)
+        tmp.replace(path)
+    spec = importlib.util.spec_from_file_location(mod_name, path)
+    module = importlib.util.module_from_spec(spec)
+    with interpreter(interpret):
+        spec.loader.exec_module(module)
+    sys.modules[mod_name] = module
+    return module
+
+
+_SMS: dict = {}   # CUDA device index -> SM count (get_device_properties costs ~10 us per call)
+
+
+def num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        if index not in _SMS:
+            _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+        return _SMS[index]
+    return 2
