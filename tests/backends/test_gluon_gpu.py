@@ -100,7 +100,7 @@ def test_generated_layouts_match_float64(k, v, heads, head_dim):
 def test_every_layout_matches_float64(kl, vl, bits, group, dtype):
     """Channel-wise groups of 128 and of 32 tokens (one group per tile), ragged lengths."""
     if group == 32 and kl == vl == "token":
-        return
+        pytest.skip("token-wise K and V have no token groups: group 32 is the g128 case again")
     spec = _spec(bits, kl=kl, vl=vl, group=group)
     attn = foldc.compile(spec, "sm_90", kernel="gluon")
     seed = bits * 1000 + LAYOUTS.index((kl, vl)) * 10 + group
