@@ -149,7 +149,13 @@ class ByQueryDtype:
     @property
     def fp16(self):
         if self._fp16 is None:
-            self._fp16 = self._make_fp16()
+            try:
+                self._fp16 = self._make_fp16()
+            except SpecError as e:   # e.g. a head_dim the register-operand kernel pads and Triton cannot
+                raise SpecError(f"fp16 queries run the generated Triton kernel (the register-operand kernel's "
+                                f"fp16 error is above the bar, docs/derivation.md eq. 6a), which cannot run this "
+                                f"spec: {e}; pass bf16 queries (q.to(torch.bfloat16)), which run the "
+                                "register-operand kernel") from None
         return self._fp16
 
     def for_dtype(self, dtype: torch.dtype):
