@@ -22,6 +22,8 @@ from foldc.ir import Add, GroupedAxis, canonical
 from foldc.passes import TileConstraint
 from foldc.plan import Plan, ProductPlan, check_plan, plan_of
 
+from test_cost import parse_table   # the explain_table reader of tests/test_cost.py
+
 A = foldc.Affine
 SCALE_DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 TARGETS = {FoldKind.ACC_FOLD: ScaleTarget.ACCUMULATOR, FoldKind.OPERAND_FOLD: ScaleTarget.OPERAND,
@@ -170,20 +172,6 @@ def test_every_product_field_is_typed_and_matches_the_encoding(p):
             assert cells["correction term"] == squash(str(prod.correction))
             assert str(prod.correction) in summary
         assert cells["must land before"] == squash(str(prod.lands_before) if prod.lands_before else "-")
-
-
-def parse_table(text: str) -> dict[str, list[str]]:
-    """``explain_table`` text -> {row label: [cell text per column]} (as tests/test_cost.py reads it)."""
-    rows, block = [], []
-    for line in (ln for ln in text.splitlines() if ln.startswith(("|", "+"))):
-        if line.startswith("+"):
-            if block:
-                rows.append(block)
-            block = []
-        else:
-            block.append([c.strip() for c in line.strip()[1:-1].split(" | ")])
-    cells = [[" ".join(part[i] for part in block if part[i]) for i in range(len(block[0]))] for block in rows]
-    return {c[0]: c[1:] for c in cells}
 
 
 def squash(text: str) -> str:

@@ -249,6 +249,20 @@ def run_ptx(asm: str, inputs: list[int], n_out: int) -> list[int]:
     return [regs[f"${i}"] for i in range(n_out)]
 
 
+def _key_unpack_halves(words, bits: int, head_dim: int, bias: int):
+    """The key unpack PTX run on each word of a token (operands.key_unpack_asm): (field, channel of
+    its k index in the operand, the fp16 bits) for every half of every result register."""
+    fields = 8 // bits
+    asm, _ = key_unpack_asm(bits, bias)
+    for w, word in enumerate(words):
+        out = run_ptx(asm, [int(word), int(word)], 2 * fields)
+        for i in range(fields):
+            for p in range(2):
+                for e in range(2):
+                    k = key_k(w, i, p, e, bits, head_dim)     # k index of this half in the operand
+                    yield i, key_channel(k, bits, head_dim), (out[2 * i + p] >> (16 * e)) & 0xFFFF
+
+
 def _words(codes: np.ndarray, bits: int) -> np.ndarray:
     """Pack codes [tokens, head_dim] the way foldc stores them and view them as 32-bit words."""
     import torch
@@ -265,24 +279,16 @@ def test_key_unpack_puts_every_code_where_the_query_expects_it(bits, head_dim, b
     codes = rng.integers(0, 1 << bits, size=(1, head_dim), dtype=np.uint8)
     words = _words(codes, bits)[0]
     fields = 8 // bits
-    asm, cons = key_unpack_asm(bits, bias)
-    assert cons.count("=r") == 2 * fields
+    assert key_unpack_asm(bits, bias)[1].count("=r") == 2 * fields
     seen = set()
-    for w, word in enumerate(words):
-        out = run_ptx(asm, [int(word), int(word)], 2 * fields)
-        for i in range(fields):
-            for p in range(2):
-                for e in range(2):
-                    k = key_k(w, i, p, e, bits, head_dim)     # k index of this half in the operand
-                    ch = key_channel(k, bits, head_dim)
-                    got = _f16((out[2 * i + p] >> (16 * e)) & 0xFFFF)
-                    if bias:   # the OR trick: 1024 + the weighted code, in the mantissa
-                        want = 1024 + 2.0 ** (bits * i) * codes[0, ch]
-                    else:      # an fp16 subnormal: exactly code * 2^(bits*i) * 2^-24
-                        want = 2.0 ** (bits * i - KEY_EXPONENT) * codes[0, ch]
-                        assert (out[2 * i + p] >> (16 * e)) & 0x7C00 == 0
-                    assert got == want, (w, i, p, e, ch)
-                    seen.add(ch)
+    for i, ch, half in _key_unpack_halves(words, bits, head_dim, bias):
+        if bias:   # the OR trick: 1024 + the weighted code, in the mantissa
+            want = 1024 + 2.0 ** (bits * i) * codes[0, ch]
+        else:      # an fp16 subnormal: exactly code * 2^(bits*i) * 2^-24
+            want = 2.0 ** (bits * i - KEY_EXPONENT) * codes[0, ch]
+            assert half & 0x7C00 == 0
+        assert _f16(half) == want, (i, ch)
+        seen.add(ch)
     assert seen == set(range(head_dim))
 
 
@@ -525,19 +531,13 @@ def test_padded_tiles_put_each_cache_code_where_the_registers_expect_it(bits, he
     tile = np.zeros(width * bits // 32, dtype=np.int64)
     tile[:len(words)] = words
     fields = 8 // bits
-    asm, _ = key_unpack_asm(bits, 0)
     seen = set()
-    for w, word in enumerate(tile):
-        out = run_ptx(asm, [int(word), int(word)], 2 * fields)
-        for i in range(fields):
-            for p in range(2):
-                for e in range(2):
-                    c = key_channel(key_k(w, i, p, e, bits, width), bits, width)   # register channel
-                    got = _f16((out[2 * i + p] >> (16 * e)) & 0xFFFF) * 2.0 ** (KEY_EXPONENT - bits * i)
-                    real = cache_channel(c, width // fields, head_dim // fields)
-                    assert got == (0 if real is None else codes[0, real]), (w, i, p, e, c, real)
-                    if real is not None:
-                        seen.add(real)
+    for i, c, half in _key_unpack_halves(tile, bits, width, 0):   # c: the register channel
+        got = _f16(half) * 2.0 ** (KEY_EXPONENT - bits * i)
+        real = cache_channel(c, width // fields, head_dim // fields)
+        assert got == (0 if real is None else codes[0, real]), (i, c, real)
+        if real is not None:
+            seen.add(real)
     assert seen == set(range(head_dim))
     # the kernel's inline arithmetic (kernel.py: q_off, chan_o; tile_operands._channel_param)
     ch, chr_ = width // fields, head_dim // fields

@@ -259,7 +259,8 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
                        cache_tokens, HAS_LENS: gl.constexpr, PAGE: gl.constexpr, Q_PER_KV: gl.constexpr,
                        ROWS: gl.constexpr,
                        H: gl.constexpr, BN: gl.constexpr,
-                       D: gl.constexpr, DR: gl.constexpr, KBITS: gl.constexpr, VBITS: gl.constexpr, KEY_BIAS: gl.constexpr,
+                       D: gl.constexpr, DR: gl.constexpr, KBITS: gl.constexpr, VBITS: gl.constexpr,
+                       KEY_BIAS: gl.constexpr,
                        KEY_G: gl.constexpr,
                        VAL_G: gl.constexpr, STAGES: gl.constexpr, SCALE_AHEAD: gl.constexpr, KASM: gl.constexpr,
                        KCONS: gl.constexpr, VA0: gl.constexpr, VA1: gl.constexpr, VA2: gl.constexpr,
@@ -341,7 +342,8 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
     if n_full > 0:
         for i in gl.static_range(STAGES - 1):
             n_i = start + gl.minimum(i, n_full - 1) * BN
-            k_i, v_i, _, _, _, _ = tile_bases(n_i, b, h, cache, table, strides, KWR, VWR, KEY_G, VAL_G, PAGE, KEY_NG, VAL_NG)
+            k_i, v_i, _, _, _, _ = tile_bases(n_i, b, h, cache, table, strides, KWR, VWR, KEY_G, VAL_G, PAGE, KEY_NG,
+                                              VAL_NG)
             issue_copies(i, n_i, k_smem, v_smem, k_i, v_i, stride_kh, stride_vh, lanes, KWR, VWR, H, PAD)
     # the chunk this program takes after its first, drawn now so that its latency hides under the prologue
     drawn = draw_chunk(counter, gl.num_programs(2), n_full > 0, 0, DYNAMIC)
@@ -363,14 +365,11 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
         chan = field * KNB + 4 * ((kq >> 3) & 3) + ((kq >> 1) & 1) + 2 * (kq & 1)
         q_off = chan
     # each lane's eight consecutive channels in one vector load, then put in k order (swap_k01)
+    q_mask = (rq < Q_PER_KV * H)[None, :]
     if PAD:   # the cache's channel of each register channel; the padding reads nothing (zero)
-        q_ok = (q_off % KCH < KCHR)[:, None]
+        q_mask = q_mask & (q_off % KCH < KCHR)[:, None]
         q_off = (q_off // KCH) * KCHR + q_off % KCH
-        q_nat = gl.load(Q + b * stride_qb + (q_head0 + rq)[None, :] * stride_qh + q_off[:, None],
-                        mask=(rq < Q_PER_KV * H)[None, :] & q_ok, other=0.0)
-    else:
-        q_nat = gl.load(Q + b * stride_qb + (q_head0 + rq)[None, :] * stride_qh + q_off[:, None],
-                        mask=(rq < Q_PER_KV * H)[None, :], other=0.0)
+    q_nat = gl.load(Q + b * stride_qb + (q_head0 + rq)[None, :] * stride_qh + q_off[:, None], mask=q_mask, other=0.0)
     if KF > 0:
         if KSWAP:
             qv = gl.convert_layout(swap_k01(q_nat, D, ROWS), b_l, assert_trivial=True).to(gl.float32)
@@ -407,7 +406,8 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
     else:
         g0 = start // KEY_G
         q16, q_bias, q_sum = key_group(qv, field, chan, head_q, stride_ksh, KSp + g0 * stride_ksn,
-                                        KZp + g0 * stride_ksn, qk_scale, KBITS, KEY_BIAS, KEY_EXP, H, D, ROWS, KSWAP, KCH, KCHR)
+                                        KZp + g0 * stride_ksn, qk_scale, KBITS, KEY_BIAS, KEY_EXP, H, D, ROWS,
+                                        KSWAP, KCH, KCHR)
     # row m of O^T is channel operands.value_channel(m)
     cm = gl.arange(0, D, layout=tok_l)
     if VF == 0:   # plain values: channel order
@@ -418,7 +418,7 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
         chan_o = (cm // VNB) * VNB + 4 * (cm % VW) + (cm // VW) % 4
     # the value codes enter the MMA as fp16 subnormals code * 2^(bits*field - VALUE_EXP) (operands.py)
     weight_o = gl.exp2((VALUE_EXP - (cm // VNB) * VBITS).to(gl.float32))
-    out_ok = cm < D
+    out_ok = None   # every output row is a channel of the cache
     if PAD:   # output row -> the cache's channel; padding rows are computed and not stored
         out_ok = chan_o % VCH < VCHR
         chan_o = (chan_o // VCH) * VCHR + chan_o % VCH
@@ -485,11 +485,13 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
             gl.thread_barrier()   # every lane is done reading the stage the next copy overwrites
             if DYNAMIC:   # past the last tile: an empty copy group (the last tile may be a DRAM read away)
                 if t_ahead < t_stop:
-                    issue_copies(ahead % STAGES, n_ahead, k_smem, v_smem, k_a, v_a, stride_kh, stride_vh, lanes, KWR, VWR, H, PAD)
+                    issue_copies(ahead % STAGES, n_ahead, k_smem, v_smem, k_a, v_a, stride_kh, stride_vh, lanes, KWR,
+                                 VWR, H, PAD)
                 else:
                     async_copy.commit_group()
             else:         # a copy of the last tile again, just read: from L2
-                issue_copies(ahead % STAGES, n_ahead, k_smem, v_smem, k_a, v_a, stride_kh, stride_vh, lanes, KWR, VWR, H, PAD)
+                issue_copies(ahead % STAGES, n_ahead, k_smem, v_smem, k_a, v_a, stride_kh, stride_vh, lanes, KWR, VWR,
+                             H, PAD)
             if PREFETCH and not SCALE_AHEAD:   # the next tile's scales on their way to L2 (loaded at its start);
                 if (KEY_G == 0 or VAL_G == 0) and PAGE == 0:   # not measured on pages, where it costs 7% more SASS
                     prefetch_scales(n_next, KSn, KZn, VSn, VZn, stride_ksh, stride_vsh, KEY_G, VAL_G, H, BN)
@@ -507,12 +509,13 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
     full_end = t_stop * BN
     if full_end < end:
         if PAGE > 0:
-            k_base, v_base, KSp, KZp, VSp, VZp = tile_bases(full_end, b, h, cache, table, strides, KWR, VWR, KEY_G, VAL_G,
-                                                            PAGE, KEY_NG, VAL_NG)
+            k_base, v_base, KSp, KZp, VSp, VZp = tile_bases(full_end, b, h, cache, table, strides, KWR, VWR, KEY_G,
+                                                            VAL_G, PAGE, KEY_NG, VAL_NG)
         if KEY_G > 0:
             g_end = full_end // KEY_G
             q16, q_bias, q_sum = key_group(qv, field, chan, head_q, stride_ksh, KSp + g_end * stride_ksn,
-                                            KZp + g_end * stride_ksn, qk_scale, KBITS, KEY_BIAS, KEY_EXP, H, D, ROWS, KSWAP, KCH, KCHR)
+                                            KZp + g_end * stride_ksn, qk_scale, KBITS, KEY_BIAS, KEY_EXP, H, D, ROWS,
+                                            KSWAP, KCH, KCHR)
         if VAL_G > 0:
             v_scale, v_zero = value_group(VSp + (full_end // VAL_G) * stride_vsn,
                                            VZp + (full_end // VAL_G) * stride_vsn, chan_o, weight_o, head_c, out_ok,
@@ -545,8 +548,7 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
         res = acc_o
     base = ((b * gl.num_programs(1) + gl.program_id(1)) * gl.num_programs(2) + s) * ROWS
     if PAD:
-        gl.store(WS_ACC + (base + rr)[None, :] * DR + chan_o[:, None], res, mask=out_ok[:, None])
-    else:
-        gl.store(WS_ACC + (base + rr)[None, :] * D + chan_o[:, None], res)
+        out_ok = out_ok[:, None]
+    gl.store(WS_ACC + (base + rr)[None, :] * DR + chan_o[:, None], res, mask=out_ok)
     gl.store(WS_M + base + rr, m_i)
     gl.store(WS_L + base + rr, l_i)

@@ -29,15 +29,16 @@ def issue_copies(stage, n0, k_smem, v_smem, k_base, v_base, stride_kh, stride_vh
     tck, wck, tcv, wcv = lanes
     k_rows = (n0 + tck)[:, None] * KW + wck[None, :]
     v_rows = (n0 + tcv)[:, None] * VW + wcv[None, :]
+    k_mask = None
+    v_mask = None
+    if PAD:
+        k_mask = (wck < KW)[None, :]
+        v_mask = (wcv < VW)[None, :]
     for i in gl.static_range(H):
-        if PAD:
-            async_copy.async_copy_global_to_shared(k_smem.index(stage * H + i), k_base + i * stride_kh + k_rows,
-                                                   mask=(wck < KW)[None, :])
-            async_copy.async_copy_global_to_shared(v_smem.index(stage * H + i), v_base + i * stride_vh + v_rows,
-                                                   mask=(wcv < VW)[None, :])
-        else:
-            async_copy.async_copy_global_to_shared(k_smem.index(stage * H + i), k_base + i * stride_kh + k_rows)
-            async_copy.async_copy_global_to_shared(v_smem.index(stage * H + i), v_base + i * stride_vh + v_rows)
+        async_copy.async_copy_global_to_shared(k_smem.index(stage * H + i), k_base + i * stride_kh + k_rows,
+                                               mask=k_mask)
+        async_copy.async_copy_global_to_shared(v_smem.index(stage * H + i), v_base + i * stride_vh + v_rows,
+                                               mask=v_mask)
     async_copy.commit_group()
 
 

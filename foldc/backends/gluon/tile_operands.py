@@ -250,16 +250,15 @@ def key_group(qv, field, chan, head_q, stride_ksh, KSg, KZg, qk_scale, BITS: gl.
 def value_group(VSg, VZg, chan_o, weight, head_c, ok, stride_vsh, H: gl.constexpr, PAD: gl.constexpr = False):
     """Channel-wise V: one token group's scale (times the field weight) and zero per output row
     [D], or per output row and query row [D, ROWS] with packed heads (each row its own head's).
-    PAD: a padded head_dim, whose padding rows (not ``ok``) load zero."""
+    PAD: a padded head_dim, whose padding rows (not ``ok``) load zero (``ok`` is None otherwise)."""
     if H == 1:
         off = chan_o
         w = weight
-        m = ok
     else:
         off = head_c[None, :] * stride_vsh + chan_o[:, None]
         w = weight[:, None]
-        m = ok[:, None]
     if PAD:
+        m = ok if H == 1 else ok[:, None]
         out = gl.load(VSg + off, mask=m, other=0).to(gl.float32) * w, gl.load(VZg + off, mask=m, other=0).to(gl.float32)
     else:
         out = gl.load(VSg + off).to(gl.float32) * w, gl.load(VZg + off).to(gl.float32)
