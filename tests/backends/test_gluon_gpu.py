@@ -73,7 +73,13 @@ GRID = [("token:4:128", "token:2:128", "32/8", 128), ("token:2:128", "token:4:12
         ("token:4:96", "token:4:96", "32/8", 96), ("token:2:48", "channel:2:64", "32/8", 96),
         ("channel:4:64", "token:2:96", "24/8", 96), ("token:2:80", "none", "32/8", 80),
         ("none", "token:4:112", "32/8", 112), ("channel:8:64", "token:4:80", "16/8", 160),
-        ("channel:4:32", "channel:4:32", "32/8", 96)]
+        ("channel:4:32", "channel:4:32", "32/8", 96),
+        # dequant plans (eq. 16's verdict at 16 rows per program), each side rebuilt per value or folded
+        ("token:2:32", "token:2:32", "64/4", 128), ("channel:2:32", "channel:4:32", "64/4", 128),
+        ("token:4:32", "channel:2:32", "64/2", 128), ("channel:2:32", "token:2:128", "64/4", 128),
+        ("token:4:64", "token:4:32", "64/2", 128), ("channel:8:32", "token:8:32", "64/4", 64),
+        ("token:2:32", "token:4:32", "64/4", 64), ("channel:4:32", "channel:4:32", "64/4", 96),
+        ("token:8:32", "token:2:32:fp32", "64/4", 128), ("channel:4:32:bf16", "channel:2:32:fp32", "64/2", 128)]
 
 
 def _grid_spec(k, v, heads, head_dim):
@@ -91,6 +97,34 @@ def test_generated_layouts_match_float64(k, v, heads, head_dim):
     r = run_with_lens(attn, spec, [3001, 1, 1500, 2047], 3001, torch.bfloat16, "cuda",
                       seed=sum(map(ord, k + v + heads)) + head_dim)
     _check(r, f"{spec.describe()}")
+
+
+DEQUANT_RANGES = [("token:2:32", "token:2:32"), ("channel:4:32", "channel:2:32")]
+
+
+@pytest.mark.parametrize("k,v", DEQUANT_RANGES, ids=[f"{k}-{v}" for k, v in DEQUANT_RANGES])
+@pytest.mark.parametrize("k_mult,v_mult", [(1e-4, 1e-4), (300.0, 200.0), (1e-3, 50.0)],
+                         ids=["tiny", "large", "mixed"])
+def test_dequant_plans_keep_values_in_range(k, v, k_mult, v_mult):
+    """A dequant plan rebuilds values in fp16 at a power of two per token or group (tile_dequant.py):
+    caches of keys and values 1e-4 or hundreds of times the usual size stay within the bar."""
+    from foldc.reference import attention_reference
+    from foldc.testing import bf16_attention
+
+    spec = _grid_spec(k, v, "64/4", 128)
+    gen = torch.Generator().manual_seed(int(k_mult * 1e4) + int(v_mult))
+    q = torch.randn(2, 64, 128, generator=gen).to("cuda", torch.bfloat16)
+    keys = torch.randn(2, 4, 1500, 128, generator=gen) * k_mult
+    values = (torch.randn(2, 4, 1500, 128, generator=gen) + 0.5) * v_mult
+    kq, vq = foldc.quantize(keys.cuda(), spec.k), foldc.quantize(values.cuda(), spec.v)
+    lens = torch.tensor([1500, 777], device="cuda")
+    sm_scale = 0.5 / (k_mult * 128 ** 0.5)   # logits of order one whatever the keys' size
+    out = torch.full((2, 64, 128), float("nan"), device="cuda", dtype=torch.bfloat16)
+    got = foldc.compile(spec, "sm_90", kernel="gluon")(q, kq, vq, sm_scale=sm_scale, seq_lens=lens, out=out)
+    ref = attention_reference(q, kq, vq, sm_scale=sm_scale, seq_lens=lens)
+    err, base = rel_l2(got, ref), rel_l2(bf16_attention(q, kq, vq, sm_scale, lens), ref)
+    assert not torch.isnan(out).any()
+    assert err <= TOLERANCE * base, f"{spec.describe()} x({k_mult}, {v_mult}): error {err:.3e} > bf16's {base:.3e}"
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))

@@ -48,7 +48,11 @@ GRID += [("token:4:128", "token:2:128", "32/8", 128), ("token:2:128", "token:4:1
          ("token:2:128:fp32", "token:2:128", "32/8", 128),   # K and V scale dtypes differ, scales prefetched
          ("channel:4:64", "token:4:64", "64/2", 128),         # folds for its row blocks' 16 rows (eq. 16)
          ("token:4:96", "token:4:96", "32/8", 96), ("token:2:48", "channel:2:64", "32/8", 96),   # padded to 128
-         ("token:2:80", "none", "32/8", 80), ("channel:8:64", "token:4:80", "16/8", 160)]
+         ("token:2:80", "none", "32/8", 80), ("channel:8:64", "token:4:80", "16/8", 160),
+         # dequant plans (eq. 16: groups of at most twice a program's 16 rows), rebuilt per value
+         ("token:2:32", "token:2:32", "64/4", 128), ("channel:2:32", "channel:4:32", "64/4", 128),
+         ("token:4:32", "channel:2:32", "64/2", 128), ("channel:8:32", "token:8:32", "64/4", 64),
+         ("channel:4:32", "channel:4:32", "64/4", 96)]
 ARCHS = ("sm_90", "sm_100")
 JOBS = [(k, v, h, d, arch) for k, v, h, d in GRID for arch in ARCHS]
 

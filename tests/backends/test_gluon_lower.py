@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 
 import foldc
 from foldc.backends.gluon.lower import KEY_BIAS, NotLowerable, gluon_plan, lower, lowerable, max_rows
-from foldc.backends.gluon.operands import (KEY_EXPONENT, NARROW_WORDS, VALUE_EXPONENT, cache_channel, key_channel,
+from foldc.backends.gluon.operands import (DEQUANT_ASM, DEQUANT_KEY_EXPONENTS, DEQUANT_VALUE_EXPONENTS, KEY_EXPONENT,
+                                           NARROW_WORDS, VALUE_EXPONENT, cache_channel, dequant_exponent, key_channel,
                                            key_k, key_unpack_asm, value_channel, value_row, value_unpack_asm)
 from foldc.encoding import pack_codes
 from foldc.errors import SpecError
@@ -213,7 +214,8 @@ def _bits16(x: float) -> int:
 
 
 def run_ptx(asm: str, inputs: list[int], n_out: int) -> list[int]:
-    """Execute the unpack PTX: mov, shr, and, lop3 (0xea: (a & b) | c), prmt, sub.f16x2 on uint32."""
+    """Execute the unpack PTX: mov, shr, and, lop3 (0xea: (a & b) | c), prmt, sub.f16x2 and fma.rn.f16x2
+    on uint32."""
     regs = {f"${n_out + i}": v & 0xFFFFFFFF for i, v in enumerate(inputs)}
 
     def val(x: str) -> int:
@@ -239,6 +241,10 @@ def run_ptx(asm: str, inputs: list[int], n_out: int) -> list[int]:
             src = val(args[1]) | (val(args[2]) << 32)
             sel = val(args[3])
             regs[args[0]] = sum(((src >> (8 * ((sel >> (4 * k)) & 7))) & 0xFF) << (8 * k) for k in range(4))
+        elif op == "fma.rn.f16x2":
+            a, b, c = val(args[1]), val(args[2]), val(args[3])
+            regs[args[0]] = sum(_bits16(_f16((a >> sh) & 0xFFFF) * _f16((b >> sh) & 0xFFFF) + _f16((c >> sh) & 0xFFFF))
+                                << sh for sh in (0, 16))
         elif op == "sub.f16x2":
             a, b = val(args[1]), val(args[2])
             lo = _bits16(_f16(a & 0xFFFF) - _f16(b & 0xFFFF))
@@ -249,11 +255,11 @@ def run_ptx(asm: str, inputs: list[int], n_out: int) -> list[int]:
     return [regs[f"${i}"] for i in range(n_out)]
 
 
-def _key_unpack_halves(words, bits: int, head_dim: int, bias: int):
+def _key_unpack_halves(words, bits: int, head_dim: int, bias: int, integer: bool = False):
     """The key unpack PTX run on each word of a token (operands.key_unpack_asm): (field, channel of
     its k index in the operand, the fp16 bits) for every half of every result register."""
     fields = 8 // bits
-    asm, _ = key_unpack_asm(bits, bias)
+    asm, _ = key_unpack_asm(bits, bias, integer)
     for w, word in enumerate(words):
         out = run_ptx(asm, [int(word), int(word)], 2 * fields)
         for i in range(fields):
@@ -272,18 +278,21 @@ def _words(codes: np.ndarray, bits: int) -> np.ndarray:
 
 
 @settings(max_examples=25, deadline=None)
-@given(bits=st.sampled_from([2, 4]), head_dim=st.sampled_from([64, 128, 256]), bias=st.sampled_from([0, 1024]),
-       seed=st.integers(0, 2**31 - 1))
-def test_key_unpack_puts_every_code_where_the_query_expects_it(bits, head_dim, bias, seed):
+@given(bits=st.sampled_from([2, 4, 8]), head_dim=st.sampled_from([64, 128, 256]),
+       mode=st.sampled_from(["subnormal", "bias", "integer"]), seed=st.integers(0, 2**31 - 1))
+def test_key_unpack_puts_every_code_where_the_query_expects_it(bits, head_dim, mode, seed):
     rng = np.random.default_rng(seed)
     codes = rng.integers(0, 1 << bits, size=(1, head_dim), dtype=np.uint8)
     words = _words(codes, bits)[0]
     fields = 8 // bits
-    assert key_unpack_asm(bits, bias)[1].count("=r") == 2 * fields
+    bias, integer = (1024 if mode == "bias" else 0), mode == "integer"
+    assert key_unpack_asm(bits, bias, integer)[1].count("=r") == 2 * fields
     seen = set()
-    for i, ch, half in _key_unpack_halves(words, bits, head_dim, bias):
+    for i, ch, half in _key_unpack_halves(words, bits, head_dim, bias, integer):
         if bias:   # the OR trick: 1024 + the weighted code, in the mantissa
             want = 1024 + 2.0 ** (bits * i) * codes[0, ch]
+        elif integer:   # a dequant plan's: the weighted code as an exact fp16 integer
+            want = 2.0 ** (bits * i) * codes[0, ch]
         else:      # an fp16 subnormal: exactly code * 2^(bits*i) * 2^-24
             want = 2.0 ** (bits * i - KEY_EXPONENT) * codes[0, ch]
             assert half & 0x7C00 == 0
@@ -293,8 +302,9 @@ def test_key_unpack_puts_every_code_where_the_query_expects_it(bits, head_dim, b
 
 
 @settings(max_examples=25, deadline=None)
-@given(bits=st.sampled_from([2, 4]), head_dim=st.sampled_from([64, 128, 256]), seed=st.integers(0, 2**31 - 1))
-def test_value_unpack_gives_two_tokens_of_one_channel_per_register(bits, head_dim, seed):
+@given(bits=st.sampled_from([2, 4]), head_dim=st.sampled_from([64, 128, 256]), integer=st.booleans(),
+       seed=st.integers(0, 2**31 - 1))
+def test_value_unpack_gives_two_tokens_of_one_channel_per_register(bits, head_dim, integer, seed):
     rng = np.random.default_rng(seed)
     codes = rng.integers(0, 1 << bits, size=(4, head_dim), dtype=np.uint8)     # four tokens
     words = _words(codes, bits)
@@ -308,7 +318,7 @@ def test_value_unpack_gives_two_tokens_of_one_channel_per_register(bits, head_di
         w, shift = (r % 4, 16 * (r // 4)) if narrow else (r, 0)
         for b in range(2 if narrow else 4):
             byte = b + shift // 8                # the byte of word w this call unpacks
-            asm, _ = value_unpack_asm(bits, b)
+            asm, _ = value_unpack_asm(bits, b, integer)
             out = run_ptx(asm, [int(words[t, w]) >> shift for t in range(4)], 2 * fields)
             for i in range(fields):
                 m = value_row(w, byte, i, bits, head_dim)   # the kernel's row order
@@ -317,11 +327,93 @@ def test_value_unpack_gives_two_tokens_of_one_channel_per_register(bits, head_di
                 rows.add(m)
                 for t in range(4):
                     got = _f16((out[2 * i + t // 2] >> (16 * (t % 2))) & 0xFFFF)
+                    if integer:   # a dequant plan's: code * 2^(bits*i), an exact fp16 integer
+                        assert got == 2.0 ** (bits * i) * codes[t, ch], (w, byte, i, t)
+                        continue
                     # an fp16 subnormal: exactly code * 2^(bits*i) * 2^-24
                     assert got == 2.0 ** (bits * i - VALUE_EXPONENT) * codes[t, ch], (w, byte, i, t)
                     assert (out[2 * i + t // 2] >> (16 * (t % 2))) & 0x7C00 == 0 or codes[t, ch] == 0
     assert rows == set(range(head_dim))
     assert sorted(value_channel(m, bits, head_dim) for m in range(head_dim)) == list(range(head_dim))
+
+
+@settings(max_examples=60, deadline=None)
+@given(bits=st.sampled_from([2, 4, 8]), log_scale=st.floats(-30, 20), zero_ratio=st.floats(-300, 300),
+       side=st.sampled_from(["key", "value"]), seed=st.integers(0, 2**31 - 1))
+def test_dequant_rebuilds_every_value_in_fp16_range(bits, log_scale, zero_ratio, side, seed):
+    """A dequant plan's HFMA2 (operands.DEQUANT_ASM) on the integer codes, with a = scale x 2^(e - bits*field)
+    and b = zero x 2^e in fp16 and e from dequant_exponent: every rebuilt value is finite, below 2^15,
+    and within fp16's rounding of (scale x code + zero) x 2^e, for scales from 2^-30 to 2^20 and zeros
+    up to 300 scales away. The value side's e stays in the range P x 2^-e tolerates."""
+    rng = np.random.default_rng(seed)
+    scale = float(np.float16(2.0 ** log_scale)) if -14 <= log_scale <= 15 else float(np.float32(2.0 ** log_scale))
+    zero = float(np.float32(zero_ratio * scale))
+    bounds = DEQUANT_KEY_EXPONENTS if side == "key" else DEQUANT_VALUE_EXPONENTS
+    e = dequant_exponent(scale, zero, bits, bounds)
+    assert bounds[0] <= e <= bounds[1]
+    in_range = max(abs(scale) * 2 ** bits, abs(zero)) * 2.0 ** e
+    for field in range(8 // bits):
+        codes = rng.integers(0, 1 << bits, size=16)
+        a, b = np.float16(scale * 2.0 ** (e - bits * field)), np.float16(zero * 2.0 ** e)
+        ints = [_bits16(float(c) * 2.0 ** (bits * field)) for c in codes]   # the integer unpack's output
+        for pair in range(8):
+            word = ints[2 * pair] | (ints[2 * pair + 1] << 16)
+            aa = int(a.view(np.uint16)) * 0x10001
+            bb = int(b.view(np.uint16)) * 0x10001
+            out = run_ptx(DEQUANT_ASM[0], [word, aa, bb], 1)[0]
+            for h in range(2):
+                got = _f16((out >> (16 * h)) & 0xFFFF)
+                want = (scale * float(codes[2 * pair + h]) + zero) * 2.0 ** e
+                assert np.isfinite(got) and abs(got) < 2 ** 15
+                if 2 ** 13 <= in_range < 2 ** 14:   # e not clamped: fp16's precision, relative to the group's range
+                    assert abs(got - want) <= 2 ** -9 * in_range + 2 ** -24, (got, want)
+
+
+DEQUANT_SPECS = [("token:2:32", "token:2:32", "64/4", 128), ("channel:2:32", "channel:4:32", "64/4", 128),
+                 ("token:4:32", "channel:2:32", "64/2", 128), ("channel:2:32", "token:2:128", "64/4", 128),
+                 ("token:4:64", "token:4:32", "64/2", 128), ("channel:8:32", "token:8:32", "64/4", 64),
+                 ("token:2:32", "token:4:32", "64/4", 64), ("channel:4:32", "channel:4:32", "64/4", 96)]
+
+
+@pytest.mark.parametrize("k,v,heads,head_dim", DEQUANT_SPECS, ids=[f"{k}-{v}-{h}-d{d}" for k, v, h, d in DEQUANT_SPECS])
+def test_dequant_plans_lower_to_the_register_operand_kernel(k, v, heads, head_dim):
+    """Where eq. 16 says the fold does not pay (groups of at most twice a program's rows), the plan
+    dequantizes and the kernel lowers it as planned: the side the plan dequantizes is rebuilt per value
+    (integer unpack, no 2^24 on the logits), the other folds, one KV head per program; the plan is
+    the one foldc.prove checks."""
+    from foldc.backends.gluon.launch import constexprs, packable_heads
+    from foldc.decisions import FoldKind
+    from foldc.spec import spec_from_args
+
+    spec = spec_from_args(k, v, heads, head_dim)
+    plan = gluon_plan(spec)
+    kinds = {name: plan.products[name].fold for name in ("qk", "pv")}
+    assert FoldKind.DEQUANT in kinds.values()
+    assert all(kind in (FoldKind.DEQUANT, FoldKind.ACC_FOLD, FoldKind.OPERAND_FOLD) for kind in kinds.values())
+    cfg = lower(plan)
+    assert cfg.key_dequant == (kinds["qk"] is FoldKind.DEQUANT)
+    assert cfg.value_dequant == (kinds["pv"] is FoldKind.DEQUANT)
+    assert packable_heads(cfg, spec.num_kv_heads) == 1
+    consts = constexprs(cfg, 32, 2)
+    assert (consts["KDQ"], consts["VDQ"]) == (cfg.key_dequant, cfg.value_dequant)
+    assert (consts["KEY_EXP"] == 0) == cfg.key_dequant
+    assert ("sub.f16x2" in consts["KASM"]) == cfg.key_dequant and ("sub.f16x2" in consts["VA0"]) == cfg.value_dequant
+    with pytest.raises(SpecError, match="pack_heads=2 with a dequant plan"):
+        constexprs(cfg, 32, 2, heads=2)
+    assert foldc.prove(plan) is not None
+
+
+def test_dequant_plans_route_to_the_register_operand_kernel():
+    """target='sm_90' with kernel='auto' picks the register-operand kernel for a dequant plan (before,
+    the generated Triton kernel took every dequant plan)."""
+    from foldc.options import attention_kernel
+
+    spec = foldc.AttentionSpec(64, 4, 128, A(2, "token", 32), A(2, "token", 32))
+    assert foldc.plan(spec, target="sm_90").products["qk"].fold == "dequant"
+    assert lowerable(spec) == (True, "")
+    for target in ("sm_90", "sm_100"):
+        assert attention_kernel(spec, target, "auto", {}, aot=True, dtype="bf16") == "gluon"
+    assert foldc.plan(spec, target="sm_90") == gluon_plan(spec)
 
 
 # -- how many KV heads share one program's query rows (no GPU needed to decide) --------------------

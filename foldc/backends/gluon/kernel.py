@@ -36,15 +36,19 @@ from foldc.backends.gluon.tile_operands import (NARROW, group_mmas, group_sums, 
                                                 key_group, key_operand, key_words_layout, load_value_words, per_channel,
                                                 per_row, scaled_p, select_groups, split_field_groups, split_groups,
                                                 swap_k01, value_group, value_operand, value_tile_words, zeros_groups)
+from foldc.backends.gluon.tile_dequant import (KEY_E_HI, KEY_E_LO, VALUE_E_HI, VALUE_E_LO, key_group_dequant,
+                                               key_token_dequant, pow2, rebuild, token_exponent, value_group_dequant,
+                                               value_token_dequant)
 
 
 @gluon.jit
 def _scores(n0, end, k_smem, slot, ks, kz, tm, head_c, q16, q_bias, q_sum, row_scale, BN: gl.constexpr,
             D: gl.constexpr, F: gl.constexpr, ROWS: gl.constexpr, H: gl.constexpr, KEY_G: gl.constexpr,
             KEY_BIAS: gl.constexpr, KASM: gl.constexpr, KCONS: gl.constexpr, MASKED: gl.constexpr,
-            KEY_NG: gl.constexpr):
+            KEY_NG: gl.constexpr, KDQ: gl.constexpr):
     """Key side of one tile: the logits t [BN tokens, ROWS] (log2 units), -inf past ``end``. F == 0:
-    a plain bf16 key side (its words are bf16 pairs, read from shared memory as the MMA operand)."""
+    a plain bf16 key side (its words are bf16 pairs, read from shared memory as the MMA operand).
+    KDQ: a dequant plan (tile_dequant.py; one KV head per program)."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
     a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=8)
     b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=8)
@@ -63,6 +67,23 @@ def _scores(n0, end, k_smem, slot, ks, kz, tm, head_c, q16, q_bias, q_sum, row_s
                 sacc = gl.where((head_c == i)[None, :], mma_v2(ka, q16, gl.zeros([BN, ROWS], gl.float32, layout=mma)),
                                 sacc)
         t = sacc * row_scale[None, :]
+    elif KDQ:
+        # dequant (eq. 16's verdict): each key rebuilt in fp16 as code x scale + zero times 2^e, a plain
+        # MMA against the query, 2^-e on the scores; no correction (eq. 1)
+        gl.static_assert(H == 1, "dequant plans take one KV head per program")
+        kw = k_smem.index(slot).load(kw_l)
+        ka = gl.convert_layout(key_operand(kw, BN, D, F, KASM, KCONS), a_l, assert_trivial=True)
+        if KEY_G == 0:
+            e = token_exponent(ks, kz, 8 // F, KEY_NG, KEY_E_LO, KEY_E_HI)
+            kd = key_token_dequant(ka, ks, kz, e, a_l, D, F, KEY_NG)
+            sacc = mma_v2(kd, q16, gl.zeros([BN, ROWS], gl.float32, layout=mma))
+            t = (sacc * row_scale[None, :]) * pow2(-e)[:, None]
+        else:   # channel-wise: q_bias is the group's (a, b) per k, q_sum the logits' factor per row
+            a, b = gl.broadcast(q_bias[0][None, :], q_bias[1][None, :])
+            a, _ = gl.broadcast(a, ka)
+            b, _ = gl.broadcast(b, ka)
+            sacc = mma_v2(rebuild(ka, a, b), q16, gl.zeros([BN, ROWS], gl.float32, layout=mma))
+            t = sacc * q_sum[None, :]
     elif KEY_NG > 1:
         # token-wise K in KEY_NG channel groups: one accumulator per group (q16 and q_sum are tuples
         # of the groups' pieces), each scaled by its group's scale before the groups meet (eq. 3, 6)
@@ -114,8 +135,9 @@ def _scores(n0, end, k_smem, slot, ks, kz, tm, head_c, q16, q_bias, q_sum, row_s
 def _consume(t, v_smem, slot, vs, vz, m_i, l_i, zsum, acc_o, head_b, v_scale, v_zero, BN: gl.constexpr,
              D: gl.constexpr, F: gl.constexpr, ROWS: gl.constexpr, H: gl.constexpr, VAL_G: gl.constexpr,
              VA0: gl.constexpr, VA1: gl.constexpr, VA2: gl.constexpr, VA3: gl.constexpr, VCONS: gl.constexpr,
-             AND_P: gl.constexpr, VAL_NG: gl.constexpr):
+             AND_P: gl.constexpr, VAL_NG: gl.constexpr, VDQ: gl.constexpr):
     """Online softmax of one tile's logits ``t`` and its value side into (max, denominator, zero sum, O^T).
+    VDQ: a dequant plan (tile_dequant.py; one KV head per program).
     ``AND_P``: mask each packed head's P by an AND per register instead of a select per half. With
     VAL_NG channel groups per token (token-wise V), vs, vz and zsum are tuples of VAL_NG."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
@@ -134,6 +156,25 @@ def _consume(t, v_smem, slot, vs, vz, m_i, l_i, zsum, acc_o, head_b, v_scale, v_
         for i in gl.static_range(H):
             va = v_smem.index(slot + i)._reinterpret(gl.bfloat16, [BN, D], PLAIN_VIEW).permute((1, 0)).load(a_l)
             pv = mma_v2(va, _head_p(pb, head_b, i, b_l, H, False), pv)
+        acc_o = acc_o * alpha[None, :] + pv
+    elif VDQ:
+        # dequant: each value rebuilt in fp16 times 2^e, P times 2^-e, a plain MMA; no correction (eq. 1)
+        gl.static_assert(H == 1, "dequant plans take one KV head per program")
+        if VAL_G == 0:   # 2^e per token
+            e = token_exponent(vs, vz, 8 // F, VAL_NG, VALUE_E_LO, VALUE_E_HI)
+            pb = gl.convert_layout((p * pow2(-e)[:, None]).to(gl.float16), b_l)
+        else:            # one 2^e per group: v_zero holds its 2^-e
+            pb = gl.convert_layout((p * v_zero).to(gl.float16), b_l)
+        vw = load_value_words(v_smem.index(slot), BN, W)
+        va = gl.convert_layout(value_operand(vw, BN, D, F, VA0, VA1, VA2, VA3, VCONS), a_l, assert_trivial=True)
+        if VAL_G == 0:
+            vd = value_token_dequant(va, vs, vz, e, a_l, D, F, VAL_NG)
+        else:            # v_scale: the group's (a, b) per output row
+            rows_l: gl.constexpr = gl.SliceLayout(1, a_l)
+            a, _ = gl.broadcast(gl.convert_layout(v_scale[0], rows_l)[:, None], va)
+            b, _ = gl.broadcast(gl.convert_layout(v_scale[1], rows_l)[:, None], va)
+            vd = rebuild(va, a, b)
+        pv = mma_v2(vd, pb, gl.zeros([D, ROWS], gl.float32, layout=mma))
         acc_o = acc_o * alpha[None, :] + pv
     elif VAL_NG > 1:
         # operand-fold per channel group: group g's output channels (a range of O^T's rows) take P
@@ -161,7 +202,7 @@ def _consume(t, v_smem, slot, vs, vz, m_i, l_i, zsum, acc_o, head_b, v_scale, v_
         zsum = zsum * alpha + gl.sum(p * vz2, axis=0)
     else:
         pb = gl.convert_layout(p.to(gl.float16), b_l)
-    if VAL_NG == 1 and F > 0:
+    if VAL_NG == 1 and F > 0 and not VDQ:
         # a fresh accumulator per tile: the tensor core's own running sum over many tiles loses low bits;
         # head i's values meet only the columns (query rows) of head i
         pv = gl.zeros([D, ROWS], gl.float32, layout=mma)
@@ -238,18 +279,48 @@ def _words(head_dim, fields):
 
 
 @gluon.jit
+def _key_group(qv, field, chan, head_q, stride_ksh, KSg, KZg, qk_scale, BITS: gl.constexpr, KEY_BIAS: gl.constexpr,
+               KEY_EXP: gl.constexpr, H: gl.constexpr, D: gl.constexpr, ROWS: gl.constexpr, SWAP: gl.constexpr,
+               CH: gl.constexpr, CHR: gl.constexpr, DQ: gl.constexpr):
+    """A channel-wise K group's query operand, per-k parameters and logits' map: the fold's
+    (tile_operands.key_group) or, for a dequant plan, tile_dequant.key_group_dequant's."""
+    if DQ:
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
+        out = key_group_dequant(qv, KSg, KZg, qk_scale, gl.DotOperandLayout(operand_index=1, parent=mma, k_width=8),
+                                gl.SliceLayout(0, mma), gl.DotOperandLayout(operand_index=0, parent=mma, k_width=8),
+                                D, 8 // BITS, CH, CHR)
+    else:
+        out = key_group(qv, field, chan, head_q, stride_ksh, KSg, KZg, qk_scale, BITS, KEY_BIAS, KEY_EXP, H, D, ROWS,
+                        SWAP, CH, CHR)
+    return out
+
+
+@gluon.jit
+def _value_group(VSg, VZg, chan_o, weight, head_c, ok, stride_vsh, cm, H: gl.constexpr, PAD: gl.constexpr,
+                 D: gl.constexpr, BITS: gl.constexpr, DQ: gl.constexpr):
+    """A channel-wise V group's (scale, zero) per output row (tile_operands.value_group) or, for a
+    dequant plan, ((a, b) per output row, P's factor 2^-e) (tile_dequant.value_group_dequant)."""
+    if DQ:
+        a, b, f = value_group_dequant(VSg, VZg, chan_o, cm, ok, D, 8 // BITS, PAD)
+        out = (a, b), f
+    else:
+        out = value_group(VSg, VZg, chan_o, weight, head_c, ok, stride_vsh, H, PAD)
+    return out
+
+
+@gluon.jit
 def _tile(n0, end, k_smem, v_smem, slot, ks, kz, vs, vz, m_i, l_i, zsum, acc_o, tm, head_c, head_b, q16, q_bias,
           q_sum, row_scale, v_scale, v_zero, BN: gl.constexpr, D: gl.constexpr, KF: gl.constexpr, VF: gl.constexpr,
           ROWS: gl.constexpr,
           H: gl.constexpr, KEY_G: gl.constexpr, VAL_G: gl.constexpr, KEY_BIAS: gl.constexpr, KASM: gl.constexpr,
           KCONS: gl.constexpr, VA0: gl.constexpr, VA1: gl.constexpr, VA2: gl.constexpr, VA3: gl.constexpr,
           VCONS: gl.constexpr, MASKED: gl.constexpr, AND_P: gl.constexpr, KEY_NG: gl.constexpr,
-          VAL_NG: gl.constexpr):
+          VAL_NG: gl.constexpr, KDQ: gl.constexpr = False, VDQ: gl.constexpr = False):
     """One tile, key side then value side."""
     t = _scores(n0, end, k_smem, slot, ks, kz, tm, head_c, q16, q_bias, q_sum, row_scale, BN, D, KF, ROWS, H, KEY_G,
-                KEY_BIAS, KASM, KCONS, MASKED, KEY_NG)
+                KEY_BIAS, KASM, KCONS, MASKED, KEY_NG, KDQ)
     return _consume(t, v_smem, slot, vs, vz, m_i, l_i, zsum, acc_o, head_b, v_scale, v_zero, BN, D, VF, ROWS, H,
-                    VAL_G, VA0, VA1, VA2, VA3, VCONS, AND_P, VAL_NG)
+                    VAL_G, VA0, VA1, VA2, VA3, VCONS, AND_P, VAL_NG, VDQ)
 
 
 @gluon.jit
@@ -266,7 +337,8 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
                        KCONS: gl.constexpr, VA0: gl.constexpr, VA1: gl.constexpr, VA2: gl.constexpr,
                        VA3: gl.constexpr, VCONS: gl.constexpr, VALUE_EXP: gl.constexpr, KEY_EXP: gl.constexpr,
                        PREFETCH: gl.constexpr, DYNAMIC: gl.constexpr, CHUNK: gl.constexpr, KEY_NG: gl.constexpr,
-                       VAL_NG: gl.constexpr, RB: gl.constexpr):
+                       VAL_NG: gl.constexpr, RB: gl.constexpr, KDQ: gl.constexpr = False,
+                       VDQ: gl.constexpr = False):
     # each side's bytes per token per bit field (NB), 32-bit words per token (W), fields per byte (F)
     # (a plain side: KBITS or VBITS 16, fields 0, its words bf16 pairs)
     KNB: gl.constexpr = D * KBITS // 8
@@ -392,6 +464,10 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
                                                     KEY_NG, VAL_NG)
     if KF == 0:
         pass
+    elif KEY_G == 0 and KDQ:   # dequant: the query as it is, each row times c (the keys carry the scales)
+        q16 = (qv * c[None, :]).to(gl.float16)
+        q_bias = row_scale
+        q_sum = row_scale
     elif KEY_G == 0:
         q16 = (qv * c[None, :] * gl.exp2(-(field * KBITS).to(gl.float32))[:, None]).to(gl.float16)
         if KEY_BIAS == 0:   # subnormal key codes: no bias to remove (q_bias is unused)
@@ -405,9 +481,9 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
             q_sum = group_sums(split_groups(qv, KEY_NG, 0), qk_scale, row_l, KEY_NG)
     else:
         g0 = start // KEY_G
-        q16, q_bias, q_sum = key_group(qv, field, chan, head_q, stride_ksh, KSp + g0 * stride_ksn,
+        q16, q_bias, q_sum = _key_group(qv, field, chan, head_q, stride_ksh, KSp + g0 * stride_ksn,
                                         KZp + g0 * stride_ksn, qk_scale, KBITS, KEY_BIAS, KEY_EXP, H, D, ROWS,
-                                        KSWAP, KCH, KCHR)
+                                        KSWAP, KCH, KCHR, KDQ)
     # row m of O^T is channel operands.value_channel(m)
     cm = gl.arange(0, D, layout=tok_l)
     if VF == 0:   # plain values: channel order
@@ -427,8 +503,8 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
         v_zero = weight_o
     else:
         g0 = start // VAL_G
-        v_scale, v_zero = value_group(VSp + g0 * stride_vsn, VZp + g0 * stride_vsn, chan_o, weight_o, head_c, out_ok,
-                                       stride_vsh, H, PAD)
+        v_scale, v_zero = _value_group(VSp + g0 * stride_vsn, VZp + g0 * stride_vsn, chan_o, weight_o, head_c, out_ok,
+                                       stride_vsh, cm, H, PAD, D, VBITS, VDQ)
 
     tm = gl.arange(0, BN, layout=tok_l)
 
@@ -449,13 +525,15 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
                                                       KEY_NG, VAL_NG)
             if KEY_G > 0:
                 if n0 % KEY_G == 0:
-                    q16, q_bias, q_sum = key_group(qv, field, chan, head_q, stride_ksh,
+                    q16, q_bias, q_sum = _key_group(qv, field, chan, head_q, stride_ksh,
                                                     KSp + (n0 // KEY_G) * stride_ksn, KZp + (n0 // KEY_G) * stride_ksn,
-                                                    qk_scale, KBITS, KEY_BIAS, KEY_EXP, H, D, ROWS, KSWAP, KCH, KCHR)
+                                                    qk_scale, KBITS, KEY_BIAS, KEY_EXP, H, D, ROWS, KSWAP, KCH, KCHR,
+                                                    KDQ)
             if VAL_G > 0:
                 if n0 % VAL_G == 0:
-                    v_scale, v_zero = value_group(VSp + (n0 // VAL_G) * stride_vsn, VZp + (n0 // VAL_G) * stride_vsn,
-                                                   chan_o, weight_o, head_c, out_ok, stride_vsh, H, PAD)
+                    v_scale, v_zero = _value_group(VSp + (n0 // VAL_G) * stride_vsn, VZp + (n0 // VAL_G) * stride_vsn,
+                                                   chan_o, weight_o, head_c, out_ok, stride_vsh, cm, H, PAD, D, VBITS,
+                                                   VDQ)
             t_next, drawn = next_tile(t, drawn, t_stop, counter, gl.num_programs(2), CHUNK, DYNAMIC)
             if DYNAMIC:   # STAGES == 2: the tile copied ahead is the next one
                 t_ahead = t_next
@@ -500,7 +578,7 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
             m_i, l_i, zsum, acc_o = _tile(n0, end, k_smem, v_smem, (i % STAGES) * H, ks, kz, vs, vz, m_i, l_i, zsum,
                                           acc_o, tm, head_c, head_b, q16, q_bias, q_sum, row_scale, v_scale, v_zero,
                                           BN, D, KF, VF, ROWS, H, KEY_G, VAL_G, KEY_BIAS, KASM, KCONS, VA0, VA1, VA2, VA3,
-                                          VCONS, False, AND_P, KEY_NG, VAL_NG)
+                                          VCONS, False, AND_P, KEY_NG, VAL_NG, KDQ, VDQ)
             if SCALE_AHEAD:
                 ks, kz, vs, vz = ks2, kz2, vs2, vz2
             t = t_next
@@ -513,26 +591,26 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
                                                             VAL_G, PAGE, KEY_NG, VAL_NG)
         if KEY_G > 0:
             g_end = full_end // KEY_G
-            q16, q_bias, q_sum = key_group(qv, field, chan, head_q, stride_ksh, KSp + g_end * stride_ksn,
+            q16, q_bias, q_sum = _key_group(qv, field, chan, head_q, stride_ksh, KSp + g_end * stride_ksn,
                                             KZp + g_end * stride_ksn, qk_scale, KBITS, KEY_BIAS, KEY_EXP, H, D, ROWS,
-                                            KSWAP, KCH, KCHR)
+                                            KSWAP, KCH, KCHR, KDQ)
         if VAL_G > 0:
-            v_scale, v_zero = value_group(VSp + (full_end // VAL_G) * stride_vsn,
+            v_scale, v_zero = _value_group(VSp + (full_end // VAL_G) * stride_vsn,
                                            VZp + (full_end // VAL_G) * stride_vsn, chan_o, weight_o, head_c, out_ok,
-                                           stride_vsh, H, PAD)
+                                           stride_vsh, cm, H, PAD, D, VBITS, VDQ)
         ks, kz, vs, vz = tile_scales(full_end, end, tm, head_c, KSp, KZp, VSp, VZp, stride_ksh, stride_vsh,
                                      KEY_G, VAL_G, H, True, KEY_NG, VAL_NG)
         stage_tail(full_end, end, k_smem, v_smem, k_base, v_base, stride_kh, stride_vh, lanes, KWR, VWR, H, PAD)
         m_i, l_i, zsum, acc_o = _tile(full_end, end, k_smem, v_smem, 0, ks, kz, vs, vz, m_i, l_i, zsum, acc_o, tm,
                                       head_c, head_b, q16, q_bias, q_sum, row_scale, v_scale, v_zero, BN, D, KF, VF, ROWS,
                                       H, KEY_G, VAL_G, KEY_BIAS, KASM, KCONS, VA0, VA1, VA2, VA3, VCONS, True,
-                                      AND_P, KEY_NG, VAL_NG)
+                                      AND_P, KEY_NG, VAL_NG, KDQ, VDQ)
 
     # token-wise V: undo the field weights 2^(bits*field) per output row, add the zero term (eq. 6);
     # channel-wise V has both in acc_o already. The workspace sees the H packed heads as one head
     # of H * Q_PER_KV query rows (the merge kernel is launched so)
     rr = gl.arange(0, ROWS, layout=row_l)
-    if VAL_G == 0:
+    if VAL_G == 0 and not VDQ:
         if VAL_NG == 1:
             zrow = zsum[None, :]
         else:   # row m of O^T is channel chan_o[m], in group chan_o[m] // (D // VAL_NG)
@@ -544,7 +622,7 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
             for g in gl.static_range(VAL_NG):
                 zrow = gl.where((row_group == g)[:, None], zsum[g][None, :], zrow)
         res = acc_o * weight_o[:, None] + zrow
-    else:
+    else:   # channel-wise V, or a dequant plan's: the scales and zeros are in acc_o
         res = acc_o
     base = ((b * gl.num_programs(1) + gl.program_id(1)) * gl.num_programs(2) + s) * ROWS
     if PAD:

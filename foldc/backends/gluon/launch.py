@@ -38,11 +38,15 @@ def constexprs(cfg: FoldKernel, block_n: int, stages: int, heads: int = 1, scale
     if dynamic and stages != 2:
         raise SpecError(f"dynamic tiles need stages=2 (the tile copied ahead is the next one drawn); got "
                         f"stages={stages}: use stages=2 or dynamic_tiles=False")
+    if heads > 1 and (cfg.key_dequant or cfg.value_dequant):
+        raise SpecError(f"pack_heads={heads} with a dequant plan: the dequant paths take one KV head per program; "
+                        "use pack_heads=1")
     if scale_ahead is None:
         scale_ahead = default_scale_ahead(cfg)
     # a plain side has no unpack (its KEY_G / VAL_G is -1: no scales, no groups)
-    key_asm, key_cons = ("", "") if cfg.key_plain else key_unpack_asm(cfg.key_bits, cfg.key_bias)
-    values = [("", "")] * 4 if cfg.value_plain else [value_unpack_asm(cfg.value_bits, byte) for byte in range(4)]
+    key_asm, key_cons = ("", "") if cfg.key_plain else key_unpack_asm(cfg.key_bits, cfg.key_bias, cfg.key_dequant)
+    values = [("", "")] * 4 if cfg.value_plain else [value_unpack_asm(cfg.value_bits, byte, cfg.value_dequant)
+                                                     for byte in range(4)]
     return dict(Q_PER_KV=cfg.q_per_kv, ROWS=cfg.rows, H=heads, BN=block_n, D=cfg.width, DR=cfg.head_dim,
                 KBITS=cfg.key_bits,
                 VBITS=cfg.value_bits, RB=cfg.row_blocks,
@@ -50,8 +54,10 @@ def constexprs(cfg: FoldKernel, block_n: int, stages: int, heads: int = 1, scale
                 VAL_G=-1 if cfg.value_plain else cfg.value_tokens, STAGES=stages,
                 SCALE_AHEAD=bool(scale_ahead), KASM=key_asm, KCONS=key_cons, VA0=values[0][0],
                 VA1=values[1][0], VA2=values[2][0], VA3=values[3][0], VCONS=values[0][1], VALUE_EXP=VALUE_EXPONENT,
-                KEY_EXP=0 if cfg.key_bias else KEY_EXPONENT, PREFETCH=default_prefetch(cfg), DYNAMIC=bool(dynamic),
-                CHUNK=chunk_tiles(cfg, block_n), KEY_NG=cfg.key_groups, VAL_NG=cfg.value_groups)
+                KEY_EXP=0 if cfg.key_bias or cfg.key_dequant else KEY_EXPONENT, PREFETCH=default_prefetch(cfg),
+                DYNAMIC=bool(dynamic),
+                CHUNK=chunk_tiles(cfg, block_n), KEY_NG=cfg.key_groups, VAL_NG=cfg.value_groups,
+                KDQ=cfg.key_dequant, VDQ=cfg.value_dequant)
 
 
 def chunk_tiles(cfg: FoldKernel, block_n: int) -> int:
@@ -68,6 +74,8 @@ def packable_heads(cfg: FoldKernel, num_kv_heads: int) -> int:
     """Most KV heads one program can pack into the MMA's N axis: a power of two whose query rows
     together fill at most ``cfg.rows`` (so the softmax works on real rows only) and that divides
     ``num_kv_heads`` (channel-wise sides then take per-row channel scales)."""
+    if cfg.key_dequant or cfg.value_dequant:   # the dequant paths rebuild one head's values per tile
+        return 1
     heads = 1 << (max(1, cfg.rows // cfg.q_per_kv).bit_length() - 1)   # a power of two
     while num_kv_heads % heads:
         heads //= 2

@@ -25,8 +25,15 @@ the OR-trick bias 1024 (folded into the correction, eq. 7) lowers too.
 Token-wise groups smaller than head_dim lower when each group is whole bit fields of the planar
 packing (group_size a multiple of head_dim x bits / 8 channels): a group is then a contiguous range
 of the key operand's K index and of the value operand's M index (operands.py), and at most
-MAX_GROUPS_PER_TOKEN of them. Everything else (other groups, dequant or plain operands, other
-widths) goes to the generated Triton kernel (foldc/backends/triton), which lowers any plan.
+MAX_GROUPS_PER_TOKEN of them.
+
+A dequant product (the break-even of eq. 16 says a fold does not pay: groups of at most twice the
+rows a program takes) gets the same tiles and groups; its codes are unpacked as exact fp16
+integers and rebuilt per value as ``code x scale + zero`` (one HFMA2 per two values), times a
+power of two per token (token-wise) or per group (channel-wise) that keeps them in fp16's range,
+undone on the scores or on P; the MMA then takes plain values and there is no correction.
+Everything else (other groups, other widths) goes to the generated Triton kernel
+(foldc/backends/triton), which lowers any plan.
 """
 from __future__ import annotations
 
@@ -76,6 +83,8 @@ class FoldKernel:
     #                      per KV head than the MMA's N axis holds)
     padded_dim: int = 0  # head_dim rounded up to the register layouts' width (0: head_dim, a power of two):
     #                      each bit field of a token padded with zero codes and zero query channels
+    key_dequant: bool = False    # the plan dequantizes K (eq. 16's verdict): each value rebuilt as
+    value_dequant: bool = False  # code x scale + zero in fp16 before a plain MMA, no correction
 
     @property
     def width(self) -> int:
@@ -166,18 +175,23 @@ def lower(the_plan: Plan) -> FoldKernel:
     padded = width != spec.head_dim
     token_groups, channel_groups = {}, {}
     plain = {}
+    dequant = {}
     for p, tokenwise_fold in ((qk, FoldKind.ACC_FOLD), (pv, FoldKind.OPERAND_FOLD)):
         plain[p.product] = p.fold is FoldKind.NONE
+        dequant[p.product] = p.fold is FoldKind.DEQUANT
         if plain[p.product]:   # a plain (bf16) operand: read as it is, no fold
             token_groups[p.product], channel_groups[p.product] = 0, 1
             continue
-        if not p.fold.folded:
-            raise NotLowerable(f"{p.product} is {p.fold}; the register-operand kernel lowers folded products and "
-                               "plain operands")
-        if p.correction_missing:
+        if not (p.fold.folded or dequant[p.product]):
+            raise NotLowerable(f"{p.product} is {p.fold}; the register-operand kernel lowers folded and dequant "
+                               "products and plain operands")
+        if p.fold.folded and p.correction_missing:
             raise NotLowerable(f"{p.product}: the plan has no zero correction")
+        if dequant[p.product] and p.code_bias:
+            raise NotLowerable(f"{p.product}: a dequant plan with code bias {p.code_bias}; the kernel rebuilds "
+                               "values from unbiased codes (plan it with gluon_plan)")
         if p.group_axis is GroupAxis.CHANNEL:   # token-wise encoding: groups run along head_dim
-            if p.fold != tokenwise_fold:
+            if p.fold.folded and p.fold != tokenwise_fold:
                 raise NotLowerable(f"{p.product}: token-wise groups folded as {p.fold}; the register-operand "
                                    f"kernel folds token-wise {p.product} as {tokenwise_fold}")
             field = p.tiling.channels_per_field   # channels per bit field of the planar packing
@@ -248,7 +262,7 @@ def lower(the_plan: Plan) -> FoldKernel:
                       key_groups=channel_groups["qk"], value_groups=channel_groups["pv"],
                       key_precision=qk.precision.precision if qk.precision is not None else None,
                       value_precision=pv.precision.precision if pv.precision is not None else None,
-                      padded_dim=width if padded else 0)
+                      padded_dim=width if padded else 0, key_dequant=dequant["qk"], value_dequant=dequant["pv"])
 
 
 def register_width(head_dim: int) -> int:

@@ -36,39 +36,75 @@ def _mask(bits: int, field: int) -> int:
     return (((1 << bits) - 1) << (bits * field)) * 0x00010001
 
 
-def key_unpack_asm(bits: int, bias: int) -> tuple[str, str]:
+def key_unpack_asm(bits: int, bias: int, integer: bool = False) -> tuple[str, str]:
     """PTX and constraints for pack=2 over (word, the same word): 2*fields fp16 pairs, result
     ``2i+p`` = field i of bytes (p, p+2). ``bias`` 1024: each ``1024 + 2^(bits*i)*code`` (the OR
     trick, one LOP3); ``bias`` 0: the masked field as an fp16 subnormal, ``2^(bits*i)*code * 2^-24``
-    exactly (one AND; the kernel scales the logits by 2^KEY_EXPONENT)."""
-    if bias not in (0, MAGIC_VALUE):
-        raise ValueError(f"key code bias {bias}: the key unpack builds 0 (subnormal codes) or {MAGIC_VALUE}")
+    exactly (one AND; the kernel scales the logits by 2^KEY_EXPONENT). ``integer`` (a dequant plan,
+    bias 0): the OR trick's 1024 subtracted again, ``2^(bits*i)*code`` as an exact fp16 integer
+    (LOP3 + HSUB2), the input of `DEQUANT_ASM`."""
+    if bias not in (0, MAGIC_VALUE) or (integer and bias):
+        raise ValueError(f"key code bias {bias}: the key unpack builds 0 (subnormal or integer codes) or "
+                         f"{MAGIC_VALUE}")
     fields = 8 // bits
     n = 2 * fields
-    out = ["{ .reg .b32 t, m;", f"mov.b32 m, {MAGIC};"] if bias else ["{ .reg .b32 t;"]
+    out = ["{ .reg .b32 t, m;", f"mov.b32 m, {MAGIC};"] if bias or integer else ["{ .reg .b32 t;"]
     out.append(f"shr.b32 t, ${n}, 8;")
     for i in range(fields):
         for reg, src in ((2 * i, f"${n}"), (2 * i + 1, "t")):
-            if bias:
+            if bias or integer:
                 out.append(f"lop3.b32 ${reg}, {src}, {_mask(bits, i)}, m, 0xea;")
             else:
                 out.append(f"and.b32 ${reg}, {src}, {_mask(bits, i)};")
+            if integer:
+                out.append(f"sub.f16x2 ${reg}, ${reg}, m;")
     out.append("}")
     return " ".join(out), ",".join(["=r"] * n + ["r", "r"])
 
 
-def value_unpack_asm(bits: int, byte: int) -> tuple[str, str]:
+def value_unpack_asm(bits: int, byte: int, integer: bool = False) -> tuple[str, str]:
     """PTX and constraints for pack=4 over four tokens' words: result i = field i of byte
-    ``byte`` of tokens (t0, t1), (t2, t3) as fp16 subnormals, code * 2^(bits*i) * 2^-24 exactly."""
+    ``byte`` of tokens (t0, t1), (t2, t3) as fp16 subnormals, code * 2^(bits*i) * 2^-24 exactly;
+    ``integer`` (a dequant plan): as exact fp16 integers code * 2^(bits*i) (the OR trick's 1024 added
+    and subtracted, LOP3 + HSUB2)."""
     fields = 8 // bits
     n = 2 * fields
     sel = byte | (byte << 4) | ((4 + byte) << 8) | ((4 + byte) << 12)
-    out = ["{ .reg .b32 u, v;", f"prmt.b32 u, ${n}, ${n + 1}, {sel};", f"prmt.b32 v, ${n + 2}, ${n + 3}, {sel};"]
+    out = ["{ .reg .b32 u, v" + (", m;" if integer else ";"), f"prmt.b32 u, ${n}, ${n + 1}, {sel};",
+           f"prmt.b32 v, ${n + 2}, ${n + 3}, {sel};"]
+    if integer:
+        out.append(f"mov.b32 m, {MAGIC};")
     for i in range(fields):
-        out.append(f"and.b32 ${2 * i}, u, {_mask(bits, i)};")
-        out.append(f"and.b32 ${2 * i + 1}, v, {_mask(bits, i)};")
+        for reg, src in ((2 * i, "u"), (2 * i + 1, "v")):
+            if integer:
+                out.append(f"lop3.b32 ${reg}, {src}, {_mask(bits, i)}, m, 0xea;")
+                out.append(f"sub.f16x2 ${reg}, ${reg}, m;")
+            else:
+                out.append(f"and.b32 ${reg}, {src}, {_mask(bits, i)};")
     out.append("}")
     return " ".join(out), ",".join(["=r"] * n + ["r"] * 4)
+
+
+#: a dequant plan's per-value reconstruction (eq. 1), two values per instruction: code x a + b, one
+#: rounding to fp16, with a = scale x 2^(e - bits*field) and b = zero x 2^e for a power of two 2^e
+#: that keeps every reconstructed value below 2^15 (tile_operands.dequant_exponent)
+DEQUANT_ASM = ("fma.rn.f16x2 $0, $1, $2, $3;", "=r,r,r,r")
+#: bounds of that e: the key side's 2^-e is applied in fp32 (to the scores), the value side's rides on
+#: P in fp16, where P x 2^-e must stay below 2^15 (P <= 1) and in fp16's normal range for P near 1
+DEQUANT_KEY_EXPONENTS = (-100, 100)
+DEQUANT_VALUE_EXPONENTS = (-15, 10)
+
+
+def dequant_exponent(scale: float, zero: float, bits: int, bounds: tuple[int, int]) -> int:
+    """The power of two 2^e a dequant plan's values are rebuilt at (tile_dequant.dequant_exponent,
+    here in Python for the tests): m = max(|scale| x 2^bits, |zero|) in float32, e = 13 - floor(log2 m)
+    from m's exponent bits (floor(log2 0) = -127), clamped to ``bounds``; then every
+    ``(scale x code + zero) x 2^e`` with code < 2^bits is below 2^15."""
+    import struct
+
+    m = struct.unpack("<f", struct.pack("<f", max(abs(scale) * 2.0 ** bits, abs(zero))))[0]
+    exponent = ((struct.unpack("<I", struct.pack("<f", m))[0] >> 23) & 255) - 127
+    return min(max(13 - exponent, bounds[0]), bounds[1])
 
 
 def key_channel(k: int, bits: int, head_dim: int) -> int:

@@ -1,0 +1,204 @@
+"""Dequant plans on the register-operand kernel (kernel.py): where the break-even of eq. 16 says a
+fold does not pay (groups of at most twice the query rows a program takes), each value is rebuilt
+in registers as ``code x scale + zero`` (eq. 1) and the MMA takes plain fp16 values, with no
+correction term.
+
+The codes come unpacked as exact fp16 integers ``code x 2^(bits*field)`` (operands.py, ``integer``);
+one HFMA2 per two values (operands.DEQUANT_ASM) computes ``code x a + b`` with
+``a = scale x 2^(e - bits*field)`` and ``b = zero x 2^e``, rounded once to fp16. The power of two
+2^e (`dequant_exponent`) puts the largest reconstructed value of a token (token-wise sides) or of
+a group (channel-wise sides) in [2^13, 2^15): any scale and zero fit fp16, and the products keep
+fp16's relative precision. It is undone exactly: on the key side by 2^-e on the scores (per token
+row, or in the logits' factor per group), on the value side by 2^-e on P before the product.
+
+Import this module only where Triton runs natively (not under TRITON_INTERPRET=1).
+"""
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+
+from foldc.backends.gluon.operands import DEQUANT_ASM, DEQUANT_KEY_EXPONENTS, DEQUANT_VALUE_EXPONENTS
+from foldc.backends.gluon.tile_operands import NARROW
+
+DEQ: gl.constexpr = gl.constexpr(DEQUANT_ASM[0])
+DEQ_CONS: gl.constexpr = gl.constexpr(DEQUANT_ASM[1])
+# the bounds of e (operands.DEQUANT_KEY_EXPONENTS, DEQUANT_VALUE_EXPONENTS)
+KEY_E_LO: gl.constexpr = gl.constexpr(DEQUANT_KEY_EXPONENTS[0])
+KEY_E_HI: gl.constexpr = gl.constexpr(DEQUANT_KEY_EXPONENTS[1])
+VALUE_E_LO: gl.constexpr = gl.constexpr(DEQUANT_VALUE_EXPONENTS[0])
+VALUE_E_HI: gl.constexpr = gl.constexpr(DEQUANT_VALUE_EXPONENTS[1])
+
+
+@gluon.jit
+def pow2(n):
+    """2^n exactly, float32, for int32 n in [-126, 127]."""
+    return ((n + 127) << 23).to(gl.float32, bitcast=True)
+
+
+@gluon.jit
+def _floor_log2(x):
+    """floor(log2 x) of float32 x > 0 from its exponent bits; -127 for 0 and subnormals."""
+    return ((x.to(gl.int32, bitcast=True) >> 23) & 255) - 127
+
+
+@gluon.jit
+def _magnitude(s, z, BITS: gl.constexpr):
+    return gl.maximum(gl.abs(s.to(gl.float32)) * (2.0 ** BITS), gl.abs(z.to(gl.float32)))
+
+
+@gluon.jit
+def dequant_exponent(m, LO: gl.constexpr, HI: gl.constexpr):
+    """e with m x 2^e in [2^13, 2^14), clamped to [LO, HI]: for m = max(|scale| x 2^bits, |zero|),
+    every ``(scale x code + zero) x 2^e`` with code < 2^bits is below 2^15 (operands.dequant_exponent
+    is the same in Python)."""
+    return gl.minimum(gl.maximum(13 - _floor_log2(m), LO), HI)
+
+
+@gluon.jit
+def token_exponent(s, z, BITS: gl.constexpr, NG: gl.constexpr, LO: gl.constexpr, HI: gl.constexpr):
+    """Per token of a token-wise side (s, z: [BN], or tuples of NG channel groups): its 2^e."""
+    if NG == 1:
+        m = _magnitude(s, z, BITS)
+    else:
+        m = gl.maximum(_magnitude(s[0], z[0], BITS), _magnitude(s[1], z[1], BITS))
+        if NG == 4:
+            m = gl.maximum(m, gl.maximum(_magnitude(s[2], z[2], BITS), _magnitude(s[3], z[3], BITS)))
+    return dequant_exponent(m, LO, HI)
+
+
+@gluon.jit
+def rebuild(codes, a, b):
+    """codes x a + b per value, two per HFMA2 (all three fp16 of one shape and layout)."""
+    return gl.inline_asm_elementwise(DEQ, DEQ_CONS, [codes, a, b], dtype=gl.float16, is_pure=True, pack=2)
+
+
+@gluon.jit
+def _select(x, grp, NG: gl.constexpr, AXIS: gl.constexpr):
+    """Per element, group grp's parameter: x a tuple of NG per-token tensors (or one), expanded
+    along AXIS (the token axis of the operand) against grp (the channel axis' group)."""
+    if NG == 1:
+        out = gl.expand_dims(x.to(gl.float32), AXIS)
+    else:
+        out = gl.expand_dims(x[0].to(gl.float32), AXIS) + gl.expand_dims(grp * 0, 1 - AXIS).to(gl.float32)
+        for g in gl.static_range(1, NG):
+            out = gl.where(gl.expand_dims(grp == g, 1 - AXIS), gl.expand_dims(x[g].to(gl.float32), AXIS), out)
+    return out
+
+
+@gluon.jit
+def key_fields(k, D: gl.constexpr, NB: gl.constexpr):
+    """(bit field, channel in the registers) of each k index of the key operand (operands.key_channel)."""
+    if NB == 4 * NARROW:
+        field = 2 * ((k >> 5) & 1) + ((k >> 2) & 1)
+        chan = field * NB + 4 * ((k >> 3) & 3) + ((k >> 1) & 1) + 2 * (k & 1)
+    else:
+        field = k // NB
+        j = k % NB
+        chan = field * NB + ((j & ~3) | ((j & 1) << 1) | ((j >> 1) & 1))
+    return field, chan
+
+
+@gluon.jit
+def value_fields(m, D: gl.constexpr, NB: gl.constexpr):
+    """(bit field, channel in the registers) of each row m of the value operand (operands.value_channel)."""
+    W: gl.constexpr = NB // 4
+    field = m // NB
+    if W == NARROW:
+        r = m & 7
+        chan = field * NB + 4 * (r & 3) + ((m >> 3) & 1) + 2 * (r >> 2)
+    else:
+        chan = field * NB + 4 * (m % W) + (m // W) % 4
+    return field, chan
+
+
+@gluon.jit
+def key_token_dequant(ka, ks, kz, e, a_l: gl.constexpr, D: gl.constexpr, F: gl.constexpr, NG: gl.constexpr):
+    """Token-wise K: the key operand ka [BN, D] (integer codes) rebuilt per value with each token's
+    scale and zero (its group's, NG per token) times 2^e[token] (e: int32 [BN])."""
+    BITS: gl.constexpr = 8 // F
+    rows_l: gl.constexpr = gl.SliceLayout(1, a_l)
+    field, chan = key_fields(gl.arange(0, D, layout=gl.SliceLayout(0, a_l)), D, D // F)
+    grp = chan // (D // NG)
+    e_a = gl.convert_layout(e, rows_l)
+    if NG == 1:
+        s = gl.convert_layout(ks, rows_l)
+        z = gl.convert_layout(kz, rows_l)
+    elif NG == 2:
+        s = (gl.convert_layout(ks[0], rows_l), gl.convert_layout(ks[1], rows_l))
+        z = (gl.convert_layout(kz[0], rows_l), gl.convert_layout(kz[1], rows_l))
+    else:
+        s = (gl.convert_layout(ks[0], rows_l), gl.convert_layout(ks[1], rows_l), gl.convert_layout(ks[2], rows_l),
+             gl.convert_layout(ks[3], rows_l))
+        z = (gl.convert_layout(kz[0], rows_l), gl.convert_layout(kz[1], rows_l), gl.convert_layout(kz[2], rows_l),
+             gl.convert_layout(kz[3], rows_l))
+    a = (_select(s, grp, NG, 1) * pow2(e_a[:, None] - (field * BITS)[None, :])).to(gl.float16)
+    b = (_select(z, grp, NG, 1) * pow2(e_a)[:, None]).to(gl.float16)
+    b, _ = gl.broadcast(b, a)
+    return rebuild(ka, a, b)
+
+
+@gluon.jit
+def value_token_dequant(va, vs, vz, e, a_l: gl.constexpr, D: gl.constexpr, F: gl.constexpr, NG: gl.constexpr):
+    """Token-wise V: the value operand va [D, BN] (integer codes, tokens on K) rebuilt per value
+    with each token's scale and zero (its channel group's) times 2^e[token]."""
+    BITS: gl.constexpr = 8 // F
+    tok_a: gl.constexpr = gl.SliceLayout(0, a_l)
+    field, chan = value_fields(gl.arange(0, D, layout=gl.SliceLayout(1, a_l)), D, D // F)
+    grp = chan // (D // NG)
+    e_a = gl.convert_layout(e, tok_a)
+    if NG == 1:
+        s = gl.convert_layout(vs, tok_a)
+        z = gl.convert_layout(vz, tok_a)
+    elif NG == 2:
+        s = (gl.convert_layout(vs[0], tok_a), gl.convert_layout(vs[1], tok_a))
+        z = (gl.convert_layout(vz[0], tok_a), gl.convert_layout(vz[1], tok_a))
+    else:
+        s = (gl.convert_layout(vs[0], tok_a), gl.convert_layout(vs[1], tok_a), gl.convert_layout(vs[2], tok_a),
+             gl.convert_layout(vs[3], tok_a))
+        z = (gl.convert_layout(vz[0], tok_a), gl.convert_layout(vz[1], tok_a), gl.convert_layout(vz[2], tok_a),
+             gl.convert_layout(vz[3], tok_a))
+    a = (_select(s, grp, NG, 0) * pow2(e_a[None, :] - (field * BITS)[:, None])).to(gl.float16)
+    b = (_select(z, grp, NG, 0) * pow2(e_a)[None, :]).to(gl.float16)
+    b, _ = gl.broadcast(b, a)
+    return rebuild(va, a, b)
+
+
+@gluon.jit
+def key_group_dequant(qv, KSg, KZg, qk_scale, b_l: gl.constexpr, row_l: gl.constexpr, a_l: gl.constexpr,
+                      D: gl.constexpr, F: gl.constexpr, CH: gl.constexpr, CHR: gl.constexpr):
+    """Channel-wise K, one token group: the query as it is (each row times its power of two c, fp16),
+    the group's per-k ``a``, ``b`` (fp16 [D]) and the logits' factor qk_scale x 2^-e / c per row."""
+    BITS: gl.constexpr = 8 // F
+    field, chan = key_fields(gl.arange(0, D, layout=gl.SliceLayout(0, a_l)), D, D // F)
+    if CH != CHR:   # a padded head_dim: the padding channels load zero
+        ok = chan % CH < CHR
+        cc = (chan // CH) * CHR + chan % CH
+        s = gl.load(KSg + cc, mask=ok, other=0).to(gl.float32)
+        z = gl.load(KZg + cc, mask=ok, other=0).to(gl.float32)
+    else:
+        s = gl.load(KSg + chan).to(gl.float32)
+        z = gl.load(KZg + chan).to(gl.float32)
+    e = dequant_exponent(gl.max(_magnitude(s, z, BITS), axis=0), KEY_E_LO, KEY_E_HI)
+    a = (s * pow2(e - field * BITS)).to(gl.float16)
+    b = (z * pow2(e)).to(gl.float16)
+    c = gl.exp2(12.0 - gl.floor(gl.log2(gl.maximum(gl.max(gl.abs(qv), axis=0), 1e-30))))
+    q16 = (qv * c[None, :]).to(gl.float16)
+    mul = gl.convert_layout(qk_scale / c, row_l) * pow2(-e)
+    return q16, (a, b), mul
+
+
+@gluon.jit
+def value_group_dequant(VSg, VZg, chan_o, cm, ok, D: gl.constexpr, F: gl.constexpr, PAD: gl.constexpr):
+    """Channel-wise V, one token group: per output row (cache channel chan_o, operand row cm) the
+    fp16 ``a``, ``b`` of `rebuild`, and P's factor 2^-e (one per group)."""
+    BITS: gl.constexpr = 8 // F
+    if PAD:
+        s = gl.load(VSg + chan_o, mask=ok, other=0).to(gl.float32)
+        z = gl.load(VZg + chan_o, mask=ok, other=0).to(gl.float32)
+    else:
+        s = gl.load(VSg + chan_o).to(gl.float32)
+        z = gl.load(VZg + chan_o).to(gl.float32)
+    e = dequant_exponent(gl.max(_magnitude(s, z, BITS), axis=0), VALUE_E_LO, VALUE_E_HI)
+    field = cm // (D // F)
+    return (s * pow2(e - field * BITS)).to(gl.float16), (z * pow2(e)).to(gl.float16), pow2(-e)
