@@ -79,7 +79,12 @@ GRID = [("token:4:128", "token:2:128", "32/8", 128), ("token:2:128", "token:4:12
         ("token:4:32", "channel:2:32", "64/2", 128), ("channel:2:32", "token:2:128", "64/4", 128),
         ("token:4:64", "token:4:32", "64/2", 128), ("channel:8:32", "token:8:32", "64/4", 64),
         ("token:2:32", "token:4:32", "64/4", 64), ("channel:4:32", "channel:4:32", "64/4", 96),
-        ("token:8:32", "token:2:32:fp32", "64/4", 128), ("channel:4:32:bf16", "channel:2:32:fp32", "64/2", 128)]
+        ("token:8:32", "token:2:32:fp32", "64/4", 128), ("channel:4:32:bf16", "channel:2:32:fp32", "64/2", 128),
+        # channel-wise groups of 16 tokens: two per 32-token tile, folded or (16 rows) rebuilt per value
+        ("channel:2:16", "token:2:128", "32/8", 128), ("token:4:128", "channel:4:16", "32/8", 128),
+        ("channel:2:16", "channel:2:16", "32/8", 128), ("channel:8:16", "token:4:32", "16/8", 64),
+        ("channel:4:16:fp32", "channel:8:16", "40/8", 128), ("channel:2:16", "channel:4:16", "64/4", 128),
+        ("token:2:128", "channel:2:16", "8/8", 128), ("channel:4:16", "token:4:96", "32/8", 96)]
 
 
 def _grid_spec(k, v, heads, head_dim):

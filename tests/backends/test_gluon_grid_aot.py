@@ -52,7 +52,10 @@ GRID += [("token:4:128", "token:2:128", "32/8", 128), ("token:2:128", "token:4:1
          # dequant plans (eq. 16: groups of at most twice a program's 16 rows), rebuilt per value
          ("token:2:32", "token:2:32", "64/4", 128), ("channel:2:32", "channel:4:32", "64/4", 128),
          ("token:4:32", "channel:2:32", "64/2", 128), ("channel:8:32", "token:8:32", "64/4", 64),
-         ("channel:4:32", "channel:4:32", "64/4", 96)]
+         ("channel:4:32", "channel:4:32", "64/4", 96),
+         # channel-wise groups of 16 tokens: two per tile
+         ("channel:2:16", "token:2:128", "32/8", 128), ("token:4:128", "channel:4:16", "32/8", 128),
+         ("channel:2:16", "channel:2:16", "32/8", 128), ("channel:8:16", "token:4:32", "16/8", 64)]
 ARCHS = ("sm_90", "sm_100")
 JOBS = [(k, v, h, d, arch) for k, v, h, d in GRID for arch in ARCHS]
 

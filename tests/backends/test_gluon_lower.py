@@ -156,7 +156,8 @@ def test_split_field_groups_gives_each_group_its_own_rows(bits, head_dim, group)
     (_spec(group=16), "token-wise groups of 16 channels"),
     (_spec(bits=8, group=16), "or of an aligned part of one of >= 32 channels"),
     (foldc.AttentionSpec(16, 2, 256, A(2, "token", 32), A(2, "token", 256)), "at most 4 groups per token"),
-    (_spec("channel", "channel", group=16), "channel-wise groups of 16 tokens"),
+    (foldc.AttentionSpec(16, 8, 256, A(2, "channel", 16), A(2, "token", 256)), "two groups' parameters per tile spill"),
+    (_spec("channel", "channel", group=8), "channel-wise groups of 8 tokens"),
     (_spec(bits=4, head_dim=32, group=32, heads=(8, 8)), "or 128 at 2 bits"),
     (_spec(heads=(34, 1)), "17 equal blocks of 2 rows"),
     (_spec(heads=(22, 2), head_dim=256, group=128), "11 equal blocks of 1 rows"),
@@ -400,6 +401,34 @@ def test_dequant_plans_lower_to_the_register_operand_kernel(k, v, heads, head_di
     assert ("sub.f16x2" in consts["KASM"]) == cfg.key_dequant and ("sub.f16x2" in consts["VA0"]) == cfg.value_dequant
     with pytest.raises(SpecError, match="pack_heads=2 with a dequant plan"):
         constexprs(cfg, 32, 2, heads=2)
+    assert foldc.prove(plan) is not None
+
+
+HALF_TILE_SPECS = [("channel:2:16", "token:2:128", "32/8", 128, 2), ("token:4:128", "channel:4:16", "32/8", 128, 1),
+                   ("channel:2:16", "channel:2:16", "32/8", 128, 1), ("channel:8:16", "token:4:32", "16/8", 64, 4),
+                   ("channel:2:16", "channel:4:16", "64/4", 128, 1)]
+
+
+@pytest.mark.parametrize("k,v,heads,head_dim,pack", HALF_TILE_SPECS,
+                         ids=[f"{k}-{v}-{h}-d{d}" for k, v, h, d, _ in HALF_TILE_SPECS])
+def test_channel_wise_groups_of_16_tokens_lower_two_per_tile(k, v, heads, head_dim, pack):
+    """Channel-wise groups of 16 tokens: a 32-token tile holds two, each half of its tokens against its
+    own group's parameters (folded, or rebuilt per value where eq. 16 says dequant); 64-token tiles
+    are refused; channel-wise V in such groups takes one KV head per program (registers)."""
+    from foldc.backends.gluon.launch import GluonAttention, default_pack_heads
+    from foldc.spec import spec_from_args
+
+    spec = spec_from_args(k, v, heads, head_dim)
+    plan = gluon_plan(spec)
+    cfg = lower(plan)
+    assert 16 in (cfg.key_tokens, cfg.value_tokens)
+    for side, tokens, enc in (("qk", cfg.key_tokens, spec.k), ("pv", cfg.value_tokens, spec.v)):
+        assert tokens == (enc.group_size if enc.layout == "channel" else 0)
+        assert plan.products[side].token_tile_multiple == (enc.group_size if enc.layout == "channel" else None)
+    assert default_pack_heads(cfg, spec.num_kv_heads) == pack
+    assert GluonAttention(spec, target="sm_90").default_block_n == 32
+    with pytest.raises(SpecError, match="block_n=64 must divide"):
+        GluonAttention(spec, target="sm_90", block_n=64)
     assert foldc.prove(plan) is not None
 
 

@@ -204,7 +204,11 @@ GLUON_CASES = [("int2 packed", S(32, 8, 128, A(2, "token", 128), A(2, "token", 1
                ("int2 d64", S(32, 8, 64, A(2, "token", 64), A(2, "channel", 64)), 64),
                ("K4/V2", S(32, 8, 128, A(4, "token", 128), A(2, "token", 128)), 128),
                ("int2 row blocks", S(64, 2, 128, A(2, "token", 128), A(2, "token", 128)), 64),
-               ("int4 plain V", S(32, 8, 128, A(4, "token", 128), None), 64)]
+               ("int4 plain V", S(32, 8, 128, A(4, "token", 128), None), 64),
+               ("int2 K-channel g16", S(32, 8, 128, A(2, "channel", 16), A(2, "token", 128)), 32),
+               ("int4 V-channel g16", S(32, 8, 128, A(4, "token", 128), A(4, "channel", 16)), 64),
+               ("dequant g32", S(64, 4, 128, A(2, "token", 32), A(2, "channel", 32)), 64),
+               ("int4 d96 padded", S(32, 8, 96, A(4, "token", 96), A(4, "token", 96)), 64)]
 
 
 def _gluon_case(spec, page_size: int, seed: int):

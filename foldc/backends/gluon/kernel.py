@@ -42,6 +42,15 @@ from foldc.backends.gluon.tile_dequant import (KEY_E_HI, KEY_E_LO, VALUE_E_HI, V
 
 
 @gluon.jit
+def _rebuild_rows(ka, a, b):
+    """A channel-wise dequant group's keys ka [tokens, D]: code x a[k] + b[k] (tile_dequant.rebuild)."""
+    aa, bb = gl.broadcast(a[None, :], b[None, :])
+    aa, _ = gl.broadcast(aa, ka)
+    bb, _ = gl.broadcast(bb, ka)
+    return rebuild(ka, aa, bb)
+
+
+@gluon.jit
 def _scores(n0, end, k_smem, slot, ks, kz, tm, head_c, q16, q_bias, q_sum, row_scale, BN: gl.constexpr,
             D: gl.constexpr, F: gl.constexpr, ROWS: gl.constexpr, H: gl.constexpr, KEY_G: gl.constexpr,
             KEY_BIAS: gl.constexpr, KASM: gl.constexpr, KCONS: gl.constexpr, MASKED: gl.constexpr,
@@ -78,12 +87,36 @@ def _scores(n0, end, k_smem, slot, ks, kz, tm, head_c, q16, q_bias, q_sum, row_s
             kd = key_token_dequant(ka, ks, kz, e, a_l, D, F, KEY_NG)
             sacc = mma_v2(kd, q16, gl.zeros([BN, ROWS], gl.float32, layout=mma))
             t = (sacc * row_scale[None, :]) * pow2(-e)[:, None]
-        else:   # channel-wise: q_bias is the group's (a, b) per k, q_sum the logits' factor per row
-            a, b = gl.broadcast(q_bias[0][None, :], q_bias[1][None, :])
-            a, _ = gl.broadcast(a, ka)
-            b, _ = gl.broadcast(b, ka)
-            sacc = mma_v2(rebuild(ka, a, b), q16, gl.zeros([BN, ROWS], gl.float32, layout=mma))
+        elif KEY_G >= BN:   # channel-wise: q_bias is the group's (a, b) per k, q_sum the logits' factor per row
+            sacc = mma_v2(_rebuild_rows(ka, q_bias[0], q_bias[1]), q16, gl.zeros([BN, ROWS], gl.float32, layout=mma))
             t = sacc * q_sum[None, :]
+        else:   # two groups per tile: each half of the tile's tokens (a register bit of M) rebuilt with its own
+            halves = split_groups(ka, 2, 0)
+            k0 = _rebuild_rows(gl.convert_layout(halves[0], a_l, assert_trivial=True), q_bias[0][0], q_bias[0][1])
+            k1 = _rebuild_rows(gl.convert_layout(halves[1], a_l, assert_trivial=True), q_bias[1][0], q_bias[1][1])
+            t0 = mma_v2(k0, q16[0], gl.zeros([BN // 2, ROWS], gl.float32, layout=mma)) * q_sum[0][None, :]
+            t1 = mma_v2(k1, q16[0], gl.zeros([BN // 2, ROWS], gl.float32, layout=mma)) * q_sum[1][None, :]
+            t = gl.convert_layout(join_groups((t0, t1), 2), mma, assert_trivial=True)
+    elif KEY_G > 0 and KEY_G < BN:
+        # channel-wise K in groups of half a tile (operand-fold, eq. 4): each half of the tile's tokens (token
+        # bit 4, a register bit of the MMA's M) against the query pre-scaled by its own group's scales
+        s0 = gl.zeros([BN // 2, ROWS], gl.float32, layout=mma)
+        s1 = gl.zeros([BN // 2, ROWS], gl.float32, layout=mma)
+        for i in gl.static_range(H):
+            kw = k_smem.index(slot + i).load(kw_l)
+            halves = split_groups(key_operand(kw, BN, D, F, KASM, KCONS), 2, 0)
+            h0 = mma_v2(gl.convert_layout(halves[0], a_l, assert_trivial=True), q16[0],
+                        gl.zeros([BN // 2, ROWS], gl.float32, layout=mma))
+            h1 = mma_v2(gl.convert_layout(halves[1], a_l, assert_trivial=True), q16[1],
+                        gl.zeros([BN // 2, ROWS], gl.float32, layout=mma))
+            if H == 1:
+                s0 = h0
+                s1 = h1
+            else:
+                s0 = gl.where((head_c == i)[None, :], h0, s0)
+                s1 = gl.where((head_c == i)[None, :], h1, s1)
+        t = gl.convert_layout(join_groups((s0 * q_bias[0][None, :] + q_sum[0][None, :],
+                                           s1 * q_bias[1][None, :] + q_sum[1][None, :]), 2), mma, assert_trivial=True)
     elif KEY_NG > 1:
         # token-wise K in KEY_NG channel groups: one accumulator per group (q16 and q_sum are tuples
         # of the groups' pieces), each scaled by its group's scale before the groups meet (eq. 3, 6)
@@ -163,16 +196,26 @@ def _consume(t, v_smem, slot, vs, vz, m_i, l_i, zsum, acc_o, head_b, v_scale, v_
         if VAL_G == 0:   # 2^e per token
             e = token_exponent(vs, vz, 8 // F, VAL_NG, VALUE_E_LO, VALUE_E_HI)
             pb = gl.convert_layout((p * pow2(-e)[:, None]).to(gl.float16), b_l)
-        else:            # one 2^e per group: v_zero holds its 2^-e
+        elif VAL_G >= BN:   # one 2^e per group: v_zero holds its 2^-e
             pb = gl.convert_layout((p * v_zero).to(gl.float16), b_l)
+        else:               # two groups per tile: each half of the tokens takes its group's 2^-e
+            first = (gl.arange(0, BN, layout=gl.SliceLayout(1, mma)) < VAL_G)[:, None]
+            pb = gl.convert_layout((p * gl.where(first, v_zero[0], v_zero[1])).to(gl.float16), b_l)
         vw = load_value_words(v_smem.index(slot), BN, W)
         va = gl.convert_layout(value_operand(vw, BN, D, F, VA0, VA1, VA2, VA3, VCONS), a_l, assert_trivial=True)
+        rows_l: gl.constexpr = gl.SliceLayout(1, a_l)
         if VAL_G == 0:
             vd = value_token_dequant(va, vs, vz, e, a_l, D, F, VAL_NG)
-        else:            # v_scale: the group's (a, b) per output row
-            rows_l: gl.constexpr = gl.SliceLayout(1, a_l)
+        elif VAL_G >= BN:   # v_scale: the group's (a, b) per output row
             a, _ = gl.broadcast(gl.convert_layout(v_scale[0], rows_l)[:, None], va)
             b, _ = gl.broadcast(gl.convert_layout(v_scale[1], rows_l)[:, None], va)
+            vd = rebuild(va, a, b)
+        else:               # two groups per tile: the tokens (K) of each half take their group's (a, b)
+            first_k = (gl.arange(0, BN, layout=gl.SliceLayout(0, a_l)) < VAL_G)[None, :]
+            a = gl.where(first_k, gl.convert_layout(v_scale[0][0], rows_l)[:, None],
+                         gl.convert_layout(v_scale[1][0], rows_l)[:, None])
+            b = gl.where(first_k, gl.convert_layout(v_scale[0][1], rows_l)[:, None],
+                         gl.convert_layout(v_scale[1][1], rows_l)[:, None])
             vd = rebuild(va, a, b)
         pv = mma_v2(vd, pb, gl.zeros([D, ROWS], gl.float32, layout=mma))
         acc_o = acc_o * alpha[None, :] + pv
@@ -202,7 +245,7 @@ def _consume(t, v_smem, slot, vs, vz, m_i, l_i, zsum, acc_o, head_b, v_scale, v_
         zsum = zsum * alpha + gl.sum(p * vz2, axis=0)
     else:
         pb = gl.convert_layout(p.to(gl.float16), b_l)
-    if VAL_NG == 1 and F > 0 and not VDQ:
+    if VAL_NG == 1 and F > 0 and not VDQ and (VAL_G == 0 or VAL_G >= BN):
         # a fresh accumulator per tile: the tensor core's own running sum over many tiles loses low bits;
         # head i's values meet only the columns (query rows) of head i
         pv = gl.zeros([D, ROWS], gl.float32, layout=mma)
@@ -215,6 +258,22 @@ def _consume(t, v_smem, slot, vs, vz, m_i, l_i, zsum, acc_o, head_b, v_scale, v_
         else:
             # acc-fold: this tile lies in one token group; scale the tile's sum per channel, add zero x sum(P)
             acc_o = acc_o * alpha[None, :] + pv * per_channel(v_scale, H) + per_channel(v_zero, H) * p_sum[None, :]
+    elif F > 0 and not VDQ and VAL_G > 0:
+        # channel-wise V in groups of half a tile (acc-fold, eq. 3): one product per group, P zeroed past
+        # (or before) its tokens, each scaled per channel by its own group's scale with its zero x sum(P)
+        first = (gl.arange(0, BN, layout=gl.SliceLayout(1, b_l)) < VAL_G)[:, None]
+        p0 = gl.where(first, pb, gl.zeros_like(pb))
+        p1 = gl.where(first, gl.zeros_like(pb), pb)
+        pv0 = gl.zeros([D, ROWS], gl.float32, layout=mma)
+        pv1 = gl.zeros([D, ROWS], gl.float32, layout=mma)
+        for i in gl.static_range(H):
+            vw = load_value_words(v_smem.index(slot + i), BN, W)
+            va = gl.convert_layout(value_operand(vw, BN, D, F, VA0, VA1, VA2, VA3, VCONS), a_l, assert_trivial=True)
+            pv0 = mma_v2(va, _head_p(p0, head_b, i, b_l, H, AND_P), pv0)
+            pv1 = mma_v2(va, _head_p(p1, head_b, i, b_l, H, AND_P), pv1)
+        s0 = gl.sum(gl.where((gl.arange(0, BN, layout=gl.SliceLayout(1, mma)) < VAL_G)[:, None], p, 0.0), axis=0)
+        acc_o = (acc_o * alpha[None, :] + pv0 * per_channel(v_scale[0], H) + per_channel(v_zero[0], H) * s0[None, :]
+                 + pv1 * per_channel(v_scale[1], H) + per_channel(v_zero[1], H) * (p_sum - s0)[None, :])
     return m_new, l_i, zsum, acc_o
 
 
@@ -305,6 +364,44 @@ def _value_group(VSg, VZg, chan_o, weight, head_c, ok, stride_vsh, cm, H: gl.con
         out = (a, b), f
     else:
         out = value_group(VSg, VZg, chan_o, weight, head_c, ok, stride_vsh, H, PAD)
+    return out
+
+
+@gluon.jit
+def _key_tile_groups(qv, field, chan, head_q, stride_ksh, KSp, KZp, stride_ksn, n0, end, qk_scale,
+                     BITS: gl.constexpr, KEY_BIAS: gl.constexpr, KEY_EXP: gl.constexpr, H: gl.constexpr,
+                     D: gl.constexpr, ROWS: gl.constexpr, SWAP: gl.constexpr, CH: gl.constexpr, CHR: gl.constexpr,
+                     DQ: gl.constexpr, KEY_G: gl.constexpr, BN: gl.constexpr):
+    """_key_group of the group holding token n0; with groups of half a tile (KEY_G < BN) the two
+    groups' (q16, q_bias, q_sum) as pairs, the second clamped to the last group before ``end``."""
+    g = n0 // KEY_G
+    first = _key_group(qv, field, chan, head_q, stride_ksh, KSp + g * stride_ksn, KZp + g * stride_ksn, qk_scale, BITS,
+                       KEY_BIAS, KEY_EXP, H, D, ROWS, SWAP, CH, CHR, DQ)
+    if KEY_G < BN:
+        g2 = gl.maximum(gl.minimum(g + 1, (end - 1) // KEY_G), g)
+        second = _key_group(qv, field, chan, head_q, stride_ksh, KSp + g2 * stride_ksn, KZp + g2 * stride_ksn,
+                            qk_scale, BITS, KEY_BIAS, KEY_EXP, H, D, ROWS, SWAP, CH, CHR, DQ)
+        out = (first[0], second[0]), (first[1], second[1]), (first[2], second[2])
+    else:
+        out = first
+    return out
+
+
+@gluon.jit
+def _value_tile_groups(VSp, VZp, stride_vsn, n0, end, chan_o, weight, head_c, ok, stride_vsh, cm, H: gl.constexpr,
+                       PAD: gl.constexpr, D: gl.constexpr, BITS: gl.constexpr, DQ: gl.constexpr,
+                       VAL_G: gl.constexpr, BN: gl.constexpr):
+    """_value_group of the group holding token n0; with groups of half a tile, both groups' as pairs."""
+    g = n0 // VAL_G
+    first = _value_group(VSp + g * stride_vsn, VZp + g * stride_vsn, chan_o, weight, head_c, ok, stride_vsh, cm, H, PAD,
+                         D, BITS, DQ)
+    if VAL_G < BN:
+        g2 = gl.maximum(gl.minimum(g + 1, (end - 1) // VAL_G), g)
+        second = _value_group(VSp + g2 * stride_vsn, VZp + g2 * stride_vsn, chan_o, weight, head_c, ok, stride_vsh, cm,
+                              H, PAD, D, BITS, DQ)
+        out = (first[0], second[0]), (first[1], second[1])
+    else:
+        out = first
     return out
 
 
@@ -480,10 +577,9 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
             q16 = split_groups(q16, KEY_NG, 0)
             q_sum = group_sums(split_groups(qv, KEY_NG, 0), qk_scale, row_l, KEY_NG)
     else:
-        g0 = start // KEY_G
-        q16, q_bias, q_sum = _key_group(qv, field, chan, head_q, stride_ksh, KSp + g0 * stride_ksn,
-                                        KZp + g0 * stride_ksn, qk_scale, KBITS, KEY_BIAS, KEY_EXP, H, D, ROWS,
-                                        KSWAP, KCH, KCHR, KDQ)
+        q16, q_bias, q_sum = _key_tile_groups(qv, field, chan, head_q, stride_ksh, KSp, KZp, stride_ksn, start, end,
+                                              qk_scale, KBITS, KEY_BIAS, KEY_EXP, H, D, ROWS, KSWAP, KCH, KCHR, KDQ,
+                                              KEY_G, BN)
     # row m of O^T is channel operands.value_channel(m)
     cm = gl.arange(0, D, layout=tok_l)
     if VF == 0:   # plain values: channel order
@@ -502,9 +598,8 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
         v_scale = weight_o
         v_zero = weight_o
     else:
-        g0 = start // VAL_G
-        v_scale, v_zero = _value_group(VSp + g0 * stride_vsn, VZp + g0 * stride_vsn, chan_o, weight_o, head_c, out_ok,
-                                       stride_vsh, cm, H, PAD, D, VBITS, VDQ)
+        v_scale, v_zero = _value_tile_groups(VSp, VZp, stride_vsn, start, end, chan_o, weight_o, head_c, out_ok,
+                                             stride_vsh, cm, H, PAD, D, VBITS, VDQ, VAL_G, BN)
 
     tm = gl.arange(0, BN, layout=tok_l)
 
@@ -525,15 +620,13 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
                                                       KEY_NG, VAL_NG)
             if KEY_G > 0:
                 if n0 % KEY_G == 0:
-                    q16, q_bias, q_sum = _key_group(qv, field, chan, head_q, stride_ksh,
-                                                    KSp + (n0 // KEY_G) * stride_ksn, KZp + (n0 // KEY_G) * stride_ksn,
-                                                    qk_scale, KBITS, KEY_BIAS, KEY_EXP, H, D, ROWS, KSWAP, KCH, KCHR,
-                                                    KDQ)
+                    q16, q_bias, q_sum = _key_tile_groups(qv, field, chan, head_q, stride_ksh, KSp, KZp, stride_ksn,
+                                                          n0, end, qk_scale, KBITS, KEY_BIAS, KEY_EXP, H, D, ROWS,
+                                                          KSWAP, KCH, KCHR, KDQ, KEY_G, BN)
             if VAL_G > 0:
                 if n0 % VAL_G == 0:
-                    v_scale, v_zero = _value_group(VSp + (n0 // VAL_G) * stride_vsn, VZp + (n0 // VAL_G) * stride_vsn,
-                                                   chan_o, weight_o, head_c, out_ok, stride_vsh, cm, H, PAD, D, VBITS,
-                                                   VDQ)
+                    v_scale, v_zero = _value_tile_groups(VSp, VZp, stride_vsn, n0, end, chan_o, weight_o, head_c,
+                                                         out_ok, stride_vsh, cm, H, PAD, D, VBITS, VDQ, VAL_G, BN)
             t_next, drawn = next_tile(t, drawn, t_stop, counter, gl.num_programs(2), CHUNK, DYNAMIC)
             if DYNAMIC:   # STAGES == 2: the tile copied ahead is the next one
                 t_ahead = t_next
@@ -590,14 +683,12 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
             k_base, v_base, KSp, KZp, VSp, VZp = tile_bases(full_end, b, h, cache, table, strides, KWR, VWR, KEY_G,
                                                             VAL_G, PAGE, KEY_NG, VAL_NG)
         if KEY_G > 0:
-            g_end = full_end // KEY_G
-            q16, q_bias, q_sum = _key_group(qv, field, chan, head_q, stride_ksh, KSp + g_end * stride_ksn,
-                                            KZp + g_end * stride_ksn, qk_scale, KBITS, KEY_BIAS, KEY_EXP, H, D, ROWS,
-                                            KSWAP, KCH, KCHR, KDQ)
+            q16, q_bias, q_sum = _key_tile_groups(qv, field, chan, head_q, stride_ksh, KSp, KZp, stride_ksn, full_end,
+                                                  end, qk_scale, KBITS, KEY_BIAS, KEY_EXP, H, D, ROWS, KSWAP, KCH, KCHR,
+                                                  KDQ, KEY_G, BN)
         if VAL_G > 0:
-            v_scale, v_zero = _value_group(VSp + (full_end // VAL_G) * stride_vsn,
-                                           VZp + (full_end // VAL_G) * stride_vsn, chan_o, weight_o, head_c, out_ok,
-                                           stride_vsh, cm, H, PAD, D, VBITS, VDQ)
+            v_scale, v_zero = _value_tile_groups(VSp, VZp, stride_vsn, full_end, end, chan_o, weight_o, head_c, out_ok,
+                                                 stride_vsh, cm, H, PAD, D, VBITS, VDQ, VAL_G, BN)
         ks, kz, vs, vz = tile_scales(full_end, end, tm, head_c, KSp, KZp, VSp, VZp, stride_ksh, stride_vsh,
                                      KEY_G, VAL_G, H, True, KEY_NG, VAL_NG)
         stage_tail(full_end, end, k_smem, v_smem, k_base, v_base, stride_kh, stride_vh, lanes, KWR, VWR, H, PAD)

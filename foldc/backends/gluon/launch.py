@@ -18,7 +18,7 @@ from ...validate import check_call, output_buffer
 from ..runtime.fast_launch import FastLaunch
 from ..runtime.merge import MERGE_SOURCE, launch_merge
 from ..runtime.modules import load_module, num_sms
-from .lower import FP16_REASON, FoldKernel, gluon_plan, lower
+from .lower import FP16_REASON, HALF_TILE_GROUP, FoldKernel, gluon_plan, lower
 from .operands import KEY_EXPONENT, VALUE_EXPONENT, key_unpack_asm, value_unpack_asm
 
 DTYPES = (torch.bfloat16,)   # lower.QUERY_DTYPES: fp16 queries run the Triton kernel (lower.FP16_REASON)
@@ -88,6 +88,12 @@ def default_pack_heads(cfg: FoldKernel, num_kv_heads: int) -> int:
     it was 9-62% faster on the H200 at 8 x 64K and 32 x 64K, INT2 and INT4 (docs/perf.md). Past 128
     channels with a channel-wise side, one head: two spill (per-row channel scales of 256 channels)."""
     if cfg.width > 128 and (cfg.key_tokens or cfg.value_tokens):
+        return 1
+    if cfg.value_tokens == HALF_TILE_GROUP or (cfg.key_tokens and cfg.value_tokens == HALF_TILE_GROUP) or \
+            (cfg.key_tokens == HALF_TILE_GROUP and cfg.value_tokens):
+        # channel-wise V in groups of half a tile (two value products per head, each its own accumulator),
+        # or both sides channel-wise with such groups: packed heads spilled (4 to 335 registers in the
+        # token loop at 2 to 4 heads, AOT SASS); one head each
         return 1
     # at most DEFAULT_MAX_PACK: eight one-row heads (query heads = KV heads) took 235 us at INT2 8 x 64K
     # on the H200 against 104 with four and 108 with two (each head's P masked by a select per half
@@ -192,9 +198,9 @@ class GluonAttention:
             max(self.config.key_groups, self.config.value_groups) != 2
         block_n, stages = block_n or (64 if wide else 32), stages or 2
         for name, group in (("k", self.config.key_tokens), ("v", self.config.value_tokens)):
-            if group and group % block_n:
+            if group and group % block_n and not (group == HALF_TILE_GROUP and block_n == 2 * group):
                 raise SpecError(f"block_n={block_n} must divide {name}'s channel-wise group of {group} tokens (a tile "
-                                "lies in one group); use block_n=32")
+                                "lies in one group), or be twice a group of 16; use block_n=32")
         if scale_ahead is not None and not isinstance(scale_ahead, bool):
             raise SpecError(f"scale_ahead={scale_ahead!r} must be True, False or None (the default)")
         if not isinstance(dynamic_tiles, bool):

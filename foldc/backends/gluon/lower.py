@@ -56,6 +56,8 @@ PLAIN_BITS = 16    # a plain side: bf16 values, read from shared memory as the M
 PLAIN_WORDS = (32, 64, 128)   # bf16 pairs per token of a plain side
 MAX_GROUPS_PER_TOKEN = 4   # token-wise channel groups per token: one score accumulator and one P each
 MIN_GROUP = 32     # token-wise channels per group inside a bit field: 8 words, the value operand's lane rows
+HALF_TILE_GROUP = 16   # channel-wise groups of 16 tokens: two per 32-token tile, token bit 4 a register bit of the
+#                        key operand's M (one MMA per half) and of P (one value product per half, P zeroed past it)
 PADDED_WIDTHS = (128, 256)   # register widths a head_dim between powers of two is padded to (96 -> 128, 160 -> 256)
 
 
@@ -209,9 +211,10 @@ def lower(the_plan: Plan) -> FoldKernel:
             token_groups[p.product] = 0
             channel_groups[p.product] = groups
         else:                           # channel-wise encoding: a token tile inside one group of G tokens
-            if p.token_tile_multiple % 32:
+            if p.token_tile_multiple % 32 and p.token_tile_multiple != HALF_TILE_GROUP:
                 raise NotLowerable(f"{p.product}: channel-wise groups of {p.token_tile_multiple} tokens; the "
-                                   "register-operand kernel needs a multiple of 32 (a token tile must lie in one group)")
+                                   f"register-operand kernel takes {HALF_TILE_GROUP} (two groups per 32-token tile) or "
+                                   "a multiple of 32 (a tile inside one group)")
             token_groups[p.product] = p.token_tile_multiple
             channel_groups[p.product] = 1
     if plain["qk"] and plain["pv"]:
@@ -231,6 +234,10 @@ def lower(the_plan: Plan) -> FoldKernel:
             raise NotLowerable(f"{p.product}: head_dim x bits = {spec.head_dim * p.bits} bits per token; the register "
                                f"layouts need {' or '.join(str(32 * w) for w in WORDS[1:])}, or 128 at 2 bits (e.g. 128 "
                                "channels at 2, 4 or 8 bits, 64 at 2, 4 or 8, 256 at 2 or 4)")
+    if width > 128 and HALF_TILE_GROUP in (token_groups["qk"], token_groups["pv"]):
+        raise NotLowerable(f"head_dim={spec.head_dim} with channel-wise groups of {HALF_TILE_GROUP} tokens: two groups' "
+                           "parameters per tile spill the one-warp program's registers (86-132 in the token loop, AOT "
+                           "SASS); groups of 32 or more tokens lower")
     if width > 128 and token_groups["qk"] and token_groups["pv"]:
         raise NotLowerable(f"head_dim={spec.head_dim} with both sides channel-wise: their per-channel group "
                            "parameters spill the one-warp program's registers (AOT SASS); one side token-wise lowers")
