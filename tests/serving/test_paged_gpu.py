@@ -232,13 +232,16 @@ def test_register_operand_kernel_reads_pages_like_the_triton_kernel(name, spec, 
     generated Triton kernel's answer over the same pages."""
     lens, num_pages, k_pages, v_pages, indptr, indices, last, q = _gluon_case(spec, page_size, page_size + len(name))
     outs = {}
-    for kernel in ("auto", "triton"):
+    # a head_dim between powers of two (padded in the registers) has no Triton kernel: float64 only
+    kernels = ("auto", "triton") if spec.head_dim & (spec.head_dim - 1) == 0 else ("auto",)
+    for kernel in kernels:
         wrapper = PagedDecodeWrapper(spec, page_size, max_seq_len=5120, device="cuda", splits=7, kernel=kernel)
         assert (wrapper._gluon is not None) == (kernel == "auto")
         wrapper.plan(indptr, indices, last, num_pages=num_pages)
         outs[kernel] = wrapper.run(q, k_pages, v_pages)
     _check(spec, q, k_pages, v_pages, indptr, indices, lens, page_size, outs["auto"])
-    assert rel_l2(outs["auto"], outs["triton"].double()) <= 1e-2
+    if "triton" in outs:
+        assert rel_l2(outs["auto"], outs["triton"].double()) <= 1e-2
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
