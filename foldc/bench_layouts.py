@@ -83,6 +83,16 @@ HEAD_DIM_EXTRAS = (
     ("token:4:128", "channel:4:128", *BASE_HEADS, 256), ("channel:2:128", "token:2:128", *BASE_HEADS, 256),
 )
 
+#: the lowerings past one tile per group and powers of two: channel-wise groups of 16 tokens (two per
+#: tile), dequant plans (groups of at most twice the 16 rows of a program, eq. 16) and head_dim 96
+#: (padded to 128 in the registers)
+FEATURE_EXTRAS = (
+    ("channel:2:16", "token:2:128", *BASE_HEADS, BASE_HEAD_DIM), ("token:4:128", "channel:4:16", *BASE_HEADS, 128),
+    ("channel:2:16", "channel:2:16", *BASE_HEADS, BASE_HEAD_DIM),
+    ("token:2:32", "token:2:32", *GQA_HEADS[16], BASE_HEAD_DIM), ("channel:2:32", "channel:4:32", *GQA_HEADS[16], 128),
+    ("token:4:96", "token:4:96", *BASE_HEADS, 96), ("token:2:96", "channel:2:32", *BASE_HEADS, 96),
+)
+
 #: ~6 layouts: the four layouts of the explainer at INT2, INT4 token-wise and one plain side
 QUICK = (
     ("token:2:128", "token:2:128"), ("token:2:128", "channel:2:128"), ("channel:2:128", "token:2:128"),
@@ -105,6 +115,8 @@ TIMED = (
     ("channel:4:64", "token:4:64", *GQA_HEADS[16], 128),
     ("token:2:64", "token:2:64", *BASE_HEADS, 64), ("token:2:128", "token:2:128", *BASE_HEADS, 256),
     ("token:4:128", "channel:4:128", *BASE_HEADS, 256),
+    ("channel:2:16", "token:2:128"), ("token:2:32", "token:2:32", *GQA_HEADS[16], 128),
+    ("token:4:96", "token:4:96", *BASE_HEADS, 96),
 )
 
 #: what the timed subset must cover (`uncovered`): each side's bits and layouts, both groups of
@@ -172,11 +184,11 @@ def side_encodings() -> list[str]:
 
 def full_grid() -> list[Layout]:
     """K x V over `side_encodings` (mixed widths and group sizes included), each side quantized
-    with the other plain, then the scale-dtype, GQA and head_dim extras; in that order."""
+    with the other plain, then the scale-dtype, GQA, head_dim and feature extras; in that order."""
     sides = side_encodings()
     rows = [layout(k, v) for k in sides for v in sides]
     rows += [layout(k, PLAIN) for k in sides] + [layout(PLAIN, v) for v in sides]
-    rows += [layout(*extra) for extra in SCALE_DTYPE_EXTRAS + GQA_EXTRAS + HEAD_DIM_EXTRAS]
+    rows += [layout(*extra) for extra in SCALE_DTYPE_EXTRAS + GQA_EXTRAS + HEAD_DIM_EXTRAS + FEATURE_EXTRAS]
     return list(dict.fromkeys(rows))
 
 

@@ -28,15 +28,15 @@ def test_full_grid_is_the_product_of_both_sides_plus_plain_sides_and_extras():
     grid = bl.full_grid()
     sides = bl.side_encodings()
     assert len(sides) == 2 * 3 * 3 == 18
-    extras = len(bl.SCALE_DTYPE_EXTRAS) + len(bl.GQA_EXTRAS) + len(bl.HEAD_DIM_EXTRAS)
-    assert len(grid) == 18 * 18 + 2 * 18 + extras == 387
+    extras = len(bl.SCALE_DTYPE_EXTRAS) + len(bl.GQA_EXTRAS) + len(bl.HEAD_DIM_EXTRAS) + len(bl.FEATURE_EXTRAS)
+    assert len(grid) == 18 * 18 + 2 * 18 + extras == 394
     assert len({lay.label for lay in grid}) == len(grid)            # no duplicates
     base = [lay for lay in grid if (lay.q_heads, lay.kv_heads, lay.head_dim) == (32, 8, 128)]
     pairs = {(bl.side_text(lay.k), bl.side_text(lay.v)) for lay in base}
     assert {(k, v) for k in sides for v in sides} <= pairs            # mixed widths and groups included
     assert {(k, "plain") for k in sides} | {("plain", v) for v in sides} <= pairs
     assert bl.axes(grid)["gqa ratio"] == {1, 4, 5, 7, 8, 16, 32}
-    assert bl.axes(grid)["head_dim"] == {64, 128, 256}
+    assert bl.axes(grid)["head_dim"] == {64, 96, 128, 256}
     assert bl.axes(grid)["scale dtype"] == {"fp16", "bf16", "fp32"}
     assert {(lay.q_heads, lay.kv_heads) for lay in grid} == set(bl.GQA_HEADS.values())
     assert max(lay.q_heads for lay in grid) == 64
@@ -51,11 +51,11 @@ def test_timed_subset_covers_every_axis_of_the_grid():
     # spelled out, so that a shrinking subset (or a shrinking TIMED_MUST_COVER) fails here
     assert seen["k bits"] == seen["v bits"] == {2, 4, 8}
     assert seen["k layout"] == seen["v layout"] == {"token", "channel", "plain"}
-    assert seen["group size"] == {32, 64, 128}
+    assert seen["group size"] >= {16, 32, 64, 128}
     assert True in seen["mixed bits"]
     assert {"bf16", "fp32"} <= seen["scale dtype"]
     assert {1, 5, 7, 16, 32} <= seen["gqa ratio"]
-    assert {64, 256} <= seen["head_dim"]
+    assert {64, 96, 256} <= seen["head_dim"]
     for lay in timed:
         lay.spec()   # none of the timed layouts is one foldc refuses
     assert bl.CHECK_SHAPES["timed"][1] >= 16384
