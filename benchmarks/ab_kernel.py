@@ -93,6 +93,7 @@ def main() -> int:
                          "(token-wise groups of 64 channels)")
     ap.add_argument("--head-dim", type=int, default=128, help="head_dim of every case (groups of token64 etc. "
                     "must divide it)")
+    ap.add_argument("--heads", default="32/8", help="query heads / KV heads of every case, e.g. 64/4")
     ap.add_argument("--rounds", type=int, default=3, help="alternating timing rounds (the best of each is kept)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -107,7 +108,8 @@ def main() -> int:
         bits, layouts, shape = case.split(":")
         kl, vl = layouts.split("/")
         b, n = (int(x) for x in shape.split("x"))
-        spec = foldc.AttentionSpec(32, 8, args.head_dim, _encoding(int(bits), kl), _encoding(int(bits), vl))
+        q_heads, kv_heads = (int(x) for x in args.heads.split("/"))
+        spec = foldc.AttentionSpec(q_heads, kv_heads, args.head_dim, _encoding(int(bits), kl), _encoding(int(bits), vl))
         q, k, v = decode_case(spec, b, n, seed=b * n + int(bits))
         ref = foldc.attention_reference(q, k, v) if b * n <= 600_000 else None
         kernels = {name: attention(spec, module) for name, module in variants.items()}
