@@ -84,7 +84,13 @@ GRID = [("token:4:128", "token:2:128", "32/8", 128), ("token:2:128", "token:4:12
         ("channel:2:16", "token:2:128", "32/8", 128), ("token:4:128", "channel:4:16", "32/8", 128),
         ("channel:2:16", "channel:2:16", "32/8", 128), ("channel:8:16", "token:4:32", "16/8", 64),
         ("channel:4:16:fp32", "channel:8:16", "40/8", 128), ("channel:2:16", "channel:4:16", "64/4", 128),
-        ("token:2:128", "channel:2:16", "8/8", 128), ("channel:4:16", "token:4:96", "32/8", 96)]
+        ("token:2:128", "channel:2:16", "8/8", 128), ("channel:4:16", "token:4:96", "32/8", 96),
+        # both sides channel-wise past 128 channels
+        ("channel:2:128", "channel:2:128", "32/8", 256), ("channel:4:64", "channel:8:64", "16/4", 256),
+        ("channel:2:32:bf16", "channel:4:32", "16/8", 256), ("channel:8:128", "channel:2:128", "8/8", 256),
+        # eight token-wise channel groups per token
+        ("token:2:32", "token:2:32", "32/8", 256), ("token:4:32:fp32", "token:4:32", "16/8", 256),
+        ("token:8:32", "token:2:128", "32/8", 256), ("token:2:128", "token:2:32:bf16", "32/2", 256)]
 
 
 def _grid_spec(k, v, heads, head_dim):

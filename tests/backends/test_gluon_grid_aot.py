@@ -55,7 +55,11 @@ GRID += [("token:4:128", "token:2:128", "32/8", 128), ("token:2:128", "token:4:1
          ("channel:4:32", "channel:4:32", "64/4", 96),
          # channel-wise groups of 16 tokens: two per tile
          ("channel:2:16", "token:2:128", "32/8", 128), ("token:4:128", "channel:4:16", "32/8", 128),
-         ("channel:2:16", "channel:2:16", "32/8", 128), ("channel:8:16", "token:4:32", "16/8", 64)]
+         ("channel:2:16", "channel:2:16", "32/8", 128), ("channel:8:16", "token:4:32", "16/8", 64),
+         # both sides channel-wise past 128 channels (the query re-read per group, 16-bit V parameters)
+         ("channel:2:128", "channel:2:128", "32/8", 256), ("channel:4:64", "channel:4:64", "16/4", 256),
+         # eight token-wise channel groups per token (head_dim 256 in groups of 32)
+         ("token:2:32", "token:2:32", "32/8", 256), ("token:8:32", "token:2:128", "32/8", 256)]
 ARCHS = ("sm_90", "sm_100")
 JOBS = [(k, v, h, d, arch) for k, v, h, d in GRID for arch in ARCHS]
 
@@ -126,9 +130,12 @@ def test_grid_build_is_the_designed_kernel(job, reports):
     assert "LDL" not in loop and "STL" not in loop, f"register spills in the token loop: {loop}"
     heads, block_n, rows = r["pack_heads"], r["block_n"], cfg["rows"]
     # one HMMA per 16 x 8 x 16 block: keys [tokens, channels] x [channels, rows], values
-    # [channels, tokens] x [tokens, rows], every packed head; a padded head_dim's plain values: the MMAs
+    # [channels, tokens] x [tokens, rows], every packed head (two value products with groups of 16 tokens);
+    # a padded head_dim's plain values: the MMAs
     # of output rows past head_dim, never stored, are dropped by the compiler
     value_tiles = -(-job[3] // 16) if cfg["value_bits"] == 16 else cfg["width"] // 16
+    if cfg["value_tokens"] == 16:   # channel-wise V in groups of half a tile: one value product per group
+        value_tiles *= 2
     assert loop.get("HMMA", 0) == heads * (block_n // 16) * (cfg["width"] // 16 + value_tiles) * (rows // 8), loop
     # one LOP3 per two codes on each side: a side of W words per token unpacks 2 x fields registers
     # per word (operands.py); the rest of the loop adds a few (masks, group reloads, addressing)

@@ -34,8 +34,10 @@ from foldc.backends.gluon.tile_memory import (copy_layout, draw_chunk, issue_cop
                                               stage_tail, tile_bases, tile_scales)
 from foldc.backends.gluon.tile_operands import (NARROW, group_mmas, group_sums, join_field_groups, join_groups,
                                                 key_group, key_operand, key_words_layout, load_value_words, per_channel,
+                                                per_channel16,
                                                 per_row, scaled_p, select_groups, split_field_groups, split_groups,
                                                 swap_k01, value_group, value_operand, value_tile_words, zeros_groups)
+from foldc.backends.gluon.operands import VALUE_EXPONENT
 from foldc.backends.gluon.tile_dequant import (KEY_E_HI, KEY_E_LO, VALUE_E_HI, VALUE_E_LO, key_group_dequant,
                                                key_token_dequant, pow2, rebuild, token_exponent, value_group_dequant,
                                                value_token_dequant)
@@ -48,6 +50,9 @@ def _rebuild_rows(ka, a, b):
     aa, _ = gl.broadcast(aa, ka)
     bb, _ = gl.broadcast(bb, ka)
     return rebuild(ka, aa, bb)
+
+
+VALUE_EXP_C: gl.constexpr = gl.constexpr(VALUE_EXPONENT)   # the value codes' subnormal unit (operands.py)
 
 
 @gluon.jit
@@ -165,12 +170,22 @@ def _scores(n0, end, k_smem, slot, ks, kz, tm, head_c, q16, q_bias, q_sum, row_s
 
 
 @gluon.jit
+def _value_weights(D: gl.constexpr, F: gl.constexpr):
+    """The field weight 2^(VALUE_EXP - bits*field) of each output row, applied at use where a channel-wise
+    V group's scales stay 16-bit (past 128 channels, value_group's KEEP16)."""
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
+    cm = gl.arange(0, D, layout=gl.SliceLayout(1, mma))
+    return gl.exp2((VALUE_EXP_C - (cm // (D // F)) * (8 // F)).to(gl.float32))
+
+
+@gluon.jit
 def _consume(t, v_smem, slot, vs, vz, m_i, l_i, zsum, acc_o, head_b, v_scale, v_zero, BN: gl.constexpr,
              D: gl.constexpr, F: gl.constexpr, ROWS: gl.constexpr, H: gl.constexpr, VAL_G: gl.constexpr,
              VA0: gl.constexpr, VA1: gl.constexpr, VA2: gl.constexpr, VA3: gl.constexpr, VCONS: gl.constexpr,
-             AND_P: gl.constexpr, VAL_NG: gl.constexpr, VDQ: gl.constexpr):
+             AND_P: gl.constexpr, VAL_NG: gl.constexpr, VDQ: gl.constexpr, LEAN: gl.constexpr = False):
     """Online softmax of one tile's logits ``t`` and its value side into (max, denominator, zero sum, O^T).
-    VDQ: a dequant plan (tile_dequant.py; one KV head per program).
+    VDQ: a dequant plan (tile_dequant.py; one KV head per program). LEAN: channel-wise V's group
+    parameters held 16-bit (both sides channel-wise past 128 channels, `_value_group`).
     ``AND_P``: mask each packed head's P by an AND per register instead of a select per half. With
     VAL_NG channel groups per token (token-wise V), vs, vz and zsum are tuples of VAL_NG."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
@@ -257,7 +272,12 @@ def _consume(t, v_smem, slot, vs, vz, m_i, l_i, zsum, acc_o, head_b, v_scale, v_
             acc_o = acc_o * alpha[None, :] + pv
         else:
             # acc-fold: this tile lies in one token group; scale the tile's sum per channel, add zero x sum(P)
-            acc_o = acc_o * alpha[None, :] + pv * per_channel(v_scale, H) + per_channel(v_zero, H) * p_sum[None, :]
+            if LEAN:   # 16-bit group parameters (value_group's KEEP16), the field weights applied here
+                w = _value_weights(D, F)
+                acc_o = acc_o * alpha[None, :] + pv * per_channel16(v_scale, H, w) + \
+                    per_channel16(v_zero, H) * p_sum[None, :]
+            else:
+                acc_o = acc_o * alpha[None, :] + pv * per_channel(v_scale, H) + per_channel(v_zero, H) * p_sum[None, :]
     elif F > 0 and not VDQ and VAL_G > 0:
         # channel-wise V in groups of half a tile (acc-fold, eq. 3): one product per group, P zeroed past
         # (or before) its tokens, each scaled per channel by its own group's scale with its zero x sum(P)
@@ -297,12 +317,15 @@ def _head_p(pb, head_b, i, b_l: gl.constexpr, H: gl.constexpr, AND_P: gl.constex
 @gluon.jit
 def _head_ps(pbs, head_b, i, b_l: gl.constexpr, H: gl.constexpr, AND_P: gl.constexpr, NG: gl.constexpr):
     """_head_p of each group's P (a tuple of NG)."""
-    p0 = _head_p(pbs[0], head_b, i, b_l, H, AND_P)
-    p1 = _head_p(pbs[1], head_b, i, b_l, H, AND_P)
-    if NG == 2:
-        out = (p0, p1)
+    if NG == 8:
+        lo = _head_ps((pbs[0], pbs[1], pbs[2], pbs[3]), head_b, i, b_l, H, AND_P, 4)
+        hi = _head_ps((pbs[4], pbs[5], pbs[6], pbs[7]), head_b, i, b_l, H, AND_P, 4)
+        out = (lo[0], lo[1], lo[2], lo[3], hi[0], hi[1], hi[2], hi[3])
+    elif NG == 2:
+        out = (_head_p(pbs[0], head_b, i, b_l, H, AND_P), _head_p(pbs[1], head_b, i, b_l, H, AND_P))
     else:
-        out = (p0, p1, _head_p(pbs[2], head_b, i, b_l, H, AND_P), _head_p(pbs[3], head_b, i, b_l, H, AND_P))
+        out = (_head_p(pbs[0], head_b, i, b_l, H, AND_P), _head_p(pbs[1], head_b, i, b_l, H, AND_P),
+               _head_p(pbs[2], head_b, i, b_l, H, AND_P), _head_p(pbs[3], head_b, i, b_l, H, AND_P))
     return out
 
 
@@ -338,6 +361,20 @@ def _words(head_dim, fields):
 
 
 @gluon.jit
+def _query(Q, b, stride_qb, q_head0, stride_qh, rq, q_off, q_mask, D: gl.constexpr, ROWS: gl.constexpr,
+           SWAP: gl.constexpr):
+    """The program's query rows [D, ROWS] as read from Q (each lane's channels in k order) and in float32."""
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
+    b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=8)
+    q_nat = gl.load(Q + b * stride_qb + (q_head0 + rq)[None, :] * stride_qh + q_off[:, None], mask=q_mask, other=0.0)
+    if SWAP:
+        qv = gl.convert_layout(swap_k01(q_nat, D, ROWS), b_l, assert_trivial=True).to(gl.float32)
+    else:
+        qv = q_nat.to(gl.float32)
+    return q_nat, qv
+
+
+@gluon.jit
 def _key_group(qv, field, chan, head_q, stride_ksh, KSg, KZg, qk_scale, BITS: gl.constexpr, KEY_BIAS: gl.constexpr,
                KEY_EXP: gl.constexpr, H: gl.constexpr, D: gl.constexpr, ROWS: gl.constexpr, SWAP: gl.constexpr,
                CH: gl.constexpr, CHR: gl.constexpr, DQ: gl.constexpr):
@@ -356,14 +393,14 @@ def _key_group(qv, field, chan, head_q, stride_ksh, KSg, KZg, qk_scale, BITS: gl
 
 @gluon.jit
 def _value_group(VSg, VZg, chan_o, weight, head_c, ok, stride_vsh, cm, H: gl.constexpr, PAD: gl.constexpr,
-                 D: gl.constexpr, BITS: gl.constexpr, DQ: gl.constexpr):
+                 D: gl.constexpr, BITS: gl.constexpr, DQ: gl.constexpr, LEAN: gl.constexpr = False):
     """A channel-wise V group's (scale, zero) per output row (tile_operands.value_group) or, for a
     dequant plan, ((a, b) per output row, P's factor 2^-e) (tile_dequant.value_group_dequant)."""
     if DQ:
         a, b, f = value_group_dequant(VSg, VZg, chan_o, cm, ok, D, 8 // BITS, PAD)
         out = (a, b), f
     else:
-        out = value_group(VSg, VZg, chan_o, weight, head_c, ok, stride_vsh, H, PAD)
+        out = value_group(VSg, VZg, chan_o, weight, head_c, ok, stride_vsh, H, PAD, LEAN)
     return out
 
 
@@ -390,15 +427,15 @@ def _key_tile_groups(qv, field, chan, head_q, stride_ksh, KSp, KZp, stride_ksn, 
 @gluon.jit
 def _value_tile_groups(VSp, VZp, stride_vsn, n0, end, chan_o, weight, head_c, ok, stride_vsh, cm, H: gl.constexpr,
                        PAD: gl.constexpr, D: gl.constexpr, BITS: gl.constexpr, DQ: gl.constexpr,
-                       VAL_G: gl.constexpr, BN: gl.constexpr):
+                       VAL_G: gl.constexpr, BN: gl.constexpr, LEAN: gl.constexpr = False):
     """_value_group of the group holding token n0; with groups of half a tile, both groups' as pairs."""
     g = n0 // VAL_G
     first = _value_group(VSp + g * stride_vsn, VZp + g * stride_vsn, chan_o, weight, head_c, ok, stride_vsh, cm, H, PAD,
-                         D, BITS, DQ)
+                         D, BITS, DQ, LEAN)
     if VAL_G < BN:
         g2 = gl.maximum(gl.minimum(g + 1, (end - 1) // VAL_G), g)
         second = _value_group(VSp + g2 * stride_vsn, VZp + g2 * stride_vsn, chan_o, weight, head_c, ok, stride_vsh, cm,
-                              H, PAD, D, BITS, DQ)
+                              H, PAD, D, BITS, DQ, LEAN)
         out = (first[0], second[0]), (first[1], second[1])
     else:
         out = first
@@ -412,12 +449,12 @@ def _tile(n0, end, k_smem, v_smem, slot, ks, kz, vs, vz, m_i, l_i, zsum, acc_o, 
           H: gl.constexpr, KEY_G: gl.constexpr, VAL_G: gl.constexpr, KEY_BIAS: gl.constexpr, KASM: gl.constexpr,
           KCONS: gl.constexpr, VA0: gl.constexpr, VA1: gl.constexpr, VA2: gl.constexpr, VA3: gl.constexpr,
           VCONS: gl.constexpr, MASKED: gl.constexpr, AND_P: gl.constexpr, KEY_NG: gl.constexpr,
-          VAL_NG: gl.constexpr, KDQ: gl.constexpr = False, VDQ: gl.constexpr = False):
+          VAL_NG: gl.constexpr, KDQ: gl.constexpr = False, VDQ: gl.constexpr = False, LEAN: gl.constexpr = False):
     """One tile, key side then value side."""
     t = _scores(n0, end, k_smem, slot, ks, kz, tm, head_c, q16, q_bias, q_sum, row_scale, BN, D, KF, ROWS, H, KEY_G,
                 KEY_BIAS, KASM, KCONS, MASKED, KEY_NG, KDQ)
     return _consume(t, v_smem, slot, vs, vz, m_i, l_i, zsum, acc_o, head_b, v_scale, v_zero, BN, D, VF, ROWS, H,
-                    VAL_G, VA0, VA1, VA2, VA3, VCONS, AND_P, VAL_NG, VDQ)
+                    VAL_G, VA0, VA1, VA2, VA3, VCONS, AND_P, VAL_NG, VDQ, LEAN)
 
 
 @gluon.jit
@@ -452,6 +489,9 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
     KCHR: gl.constexpr = DR // KF if KF > 0 else DR
     VCH: gl.constexpr = D // VF if VF > 0 else D
     VCHR: gl.constexpr = DR // VF if VF > 0 else DR
+    # both sides channel-wise past 128 channels: the query is read again at each key group instead of held
+    # in float32, and the value groups' parameters are held 16-bit (they spilled, AOT SASS)
+    LEAN: gl.constexpr = D > 128 and KEY_G > 0 and VAL_G > 0
     KWR: gl.constexpr = DR * KBITS // 32
     VWR: gl.constexpr = DR * VBITS // 32
     # P masked per head by ANDs with two packed heads: 3.6% fewer instructions per INT2 tile, 1-3% faster
@@ -538,12 +578,7 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
     if PAD:   # the cache's channel of each register channel; the padding reads nothing (zero)
         q_mask = q_mask & (q_off % KCH < KCHR)[:, None]
         q_off = (q_off // KCH) * KCHR + q_off % KCH
-    q_nat = gl.load(Q + b * stride_qb + (q_head0 + rq)[None, :] * stride_qh + q_off[:, None], mask=q_mask, other=0.0)
-    if KF > 0:
-        if KSWAP:
-            qv = gl.convert_layout(swap_k01(q_nat, D, ROWS), b_l, assert_trivial=True).to(gl.float32)
-        else:
-            qv = q_nat.to(gl.float32)
+    q_nat, qv = _query(Q, b, stride_qb, q_head0, stride_qh, rq, q_off, q_mask, D, ROWS, KSWAP)
     head_q = gl.minimum(rq // Q_PER_KV, H - 1)                                  # packed head of each row
     head_b = head_q
     head_c = gl.minimum(gl.arange(0, ROWS, layout=row_l) // Q_PER_KV, H - 1)
@@ -599,7 +634,7 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
         v_zero = weight_o
     else:
         v_scale, v_zero = _value_tile_groups(VSp, VZp, stride_vsn, start, end, chan_o, weight_o, head_c, out_ok,
-                                             stride_vsh, cm, H, PAD, D, VBITS, VDQ, VAL_G, BN)
+                                             stride_vsh, cm, H, PAD, D, VBITS, VDQ, VAL_G, BN, LEAN)
 
     tm = gl.arange(0, BN, layout=tok_l)
 
@@ -620,13 +655,17 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
                                                       KEY_NG, VAL_NG)
             if KEY_G > 0:
                 if n0 % KEY_G == 0:
-                    q16, q_bias, q_sum = _key_tile_groups(qv, field, chan, head_q, stride_ksh, KSp, KZp, stride_ksn,
+                    if LEAN:   # the query read again (L1/L2) at each group: no float32 copy held across the loop
+                        _, qg = _query(Q, b, stride_qb, q_head0, stride_qh, rq, q_off, q_mask, D, ROWS, KSWAP)
+                    else:
+                        qg = qv
+                    q16, q_bias, q_sum = _key_tile_groups(qg, field, chan, head_q, stride_ksh, KSp, KZp, stride_ksn,
                                                           n0, end, qk_scale, KBITS, KEY_BIAS, KEY_EXP, H, D, ROWS,
                                                           KSWAP, KCH, KCHR, KDQ, KEY_G, BN)
             if VAL_G > 0:
                 if n0 % VAL_G == 0:
                     v_scale, v_zero = _value_tile_groups(VSp, VZp, stride_vsn, n0, end, chan_o, weight_o, head_c,
-                                                         out_ok, stride_vsh, cm, H, PAD, D, VBITS, VDQ, VAL_G, BN)
+                                                         out_ok, stride_vsh, cm, H, PAD, D, VBITS, VDQ, VAL_G, BN, LEAN)
             t_next, drawn = next_tile(t, drawn, t_stop, counter, gl.num_programs(2), CHUNK, DYNAMIC)
             if DYNAMIC:   # STAGES == 2: the tile copied ahead is the next one
                 t_ahead = t_next
@@ -671,7 +710,7 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
             m_i, l_i, zsum, acc_o = _tile(n0, end, k_smem, v_smem, (i % STAGES) * H, ks, kz, vs, vz, m_i, l_i, zsum,
                                           acc_o, tm, head_c, head_b, q16, q_bias, q_sum, row_scale, v_scale, v_zero,
                                           BN, D, KF, VF, ROWS, H, KEY_G, VAL_G, KEY_BIAS, KASM, KCONS, VA0, VA1, VA2, VA3,
-                                          VCONS, False, AND_P, KEY_NG, VAL_NG, KDQ, VDQ)
+                                          VCONS, False, AND_P, KEY_NG, VAL_NG, KDQ, VDQ, LEAN)
             if SCALE_AHEAD:
                 ks, kz, vs, vz = ks2, kz2, vs2, vz2
             t = t_next
@@ -683,19 +722,23 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
             k_base, v_base, KSp, KZp, VSp, VZp = tile_bases(full_end, b, h, cache, table, strides, KWR, VWR, KEY_G,
                                                             VAL_G, PAGE, KEY_NG, VAL_NG)
         if KEY_G > 0:
-            q16, q_bias, q_sum = _key_tile_groups(qv, field, chan, head_q, stride_ksh, KSp, KZp, stride_ksn, full_end,
+            if LEAN:
+                _, qg = _query(Q, b, stride_qb, q_head0, stride_qh, rq, q_off, q_mask, D, ROWS, KSWAP)
+            else:
+                qg = qv
+            q16, q_bias, q_sum = _key_tile_groups(qg, field, chan, head_q, stride_ksh, KSp, KZp, stride_ksn, full_end,
                                                   end, qk_scale, KBITS, KEY_BIAS, KEY_EXP, H, D, ROWS, KSWAP, KCH, KCHR,
                                                   KDQ, KEY_G, BN)
         if VAL_G > 0:
             v_scale, v_zero = _value_tile_groups(VSp, VZp, stride_vsn, full_end, end, chan_o, weight_o, head_c, out_ok,
-                                                 stride_vsh, cm, H, PAD, D, VBITS, VDQ, VAL_G, BN)
+                                                 stride_vsh, cm, H, PAD, D, VBITS, VDQ, VAL_G, BN, LEAN)
         ks, kz, vs, vz = tile_scales(full_end, end, tm, head_c, KSp, KZp, VSp, VZp, stride_ksh, stride_vsh,
                                      KEY_G, VAL_G, H, True, KEY_NG, VAL_NG)
         stage_tail(full_end, end, k_smem, v_smem, k_base, v_base, stride_kh, stride_vh, lanes, KWR, VWR, H, PAD)
         m_i, l_i, zsum, acc_o = _tile(full_end, end, k_smem, v_smem, 0, ks, kz, vs, vz, m_i, l_i, zsum, acc_o, tm,
                                       head_c, head_b, q16, q_bias, q_sum, row_scale, v_scale, v_zero, BN, D, KF, VF, ROWS,
                                       H, KEY_G, VAL_G, KEY_BIAS, KASM, KCONS, VA0, VA1, VA2, VA3, VCONS, True,
-                                      AND_P, KEY_NG, VAL_NG, KDQ, VDQ)
+                                      AND_P, KEY_NG, VAL_NG, KDQ, VDQ, LEAN)
 
     # token-wise V: undo the field weights 2^(bits*field) per output row, add the zero term (eq. 6);
     # channel-wise V has both in acc_o already. The workspace sees the H packed heads as one head

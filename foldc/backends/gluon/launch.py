@@ -89,6 +89,10 @@ def default_pack_heads(cfg: FoldKernel, num_kv_heads: int) -> int:
     channels with a channel-wise side, one head: two spill (per-row channel scales of 256 channels)."""
     if cfg.width > 128 and (cfg.key_tokens or cfg.value_tokens):
         return 1
+    if max(cfg.key_groups, cfg.value_groups) > 4:
+        # eight channel groups per token (head_dim 256 in groups of 32): eight score accumulators and
+        # eight P's per head; two packed heads spilled 194-257 registers, one head none (AOT SASS)
+        return 1
     if cfg.value_tokens == HALF_TILE_GROUP or (cfg.key_tokens and cfg.value_tokens == HALF_TILE_GROUP) or \
             (cfg.key_tokens == HALF_TILE_GROUP and cfg.value_tokens):
         # channel-wise V in groups of half a tile (two value products per head, each its own accumulator),
@@ -195,7 +199,7 @@ class GluonAttention:
         one_wide_head = self.config.rows == 16 and pack_heads == 1
         wide = pack_heads <= 2 and not one_wide_head and self.config.key_bits == self.config.value_bits == 2 and \
             all(g % 64 == 0 for g in groups) and \
-            max(self.config.key_groups, self.config.value_groups) != 2
+            max(self.config.key_groups, self.config.value_groups) in (1, 4)
         block_n, stages = block_n or (64 if wide else 32), stages or 2
         for name, group in (("k", self.config.key_tokens), ("v", self.config.value_tokens)):
             if group and group % block_n and not (group == HALF_TILE_GROUP and block_n == 2 * group):

@@ -54,7 +54,8 @@ WORDS = (4, 8, 16, 32, 64)   # 32-bit code words per token the register layouts 
 NARROW_BITS = 2    # four words per token (head_dim 64): only 2-bit codes, four fields per byte (operands.key_k)
 PLAIN_BITS = 16    # a plain side: bf16 values, read from shared memory as the MMA operand (kernel.py)
 PLAIN_WORDS = (32, 64, 128)   # bf16 pairs per token of a plain side
-MAX_GROUPS_PER_TOKEN = 4   # token-wise channel groups per token: one score accumulator and one P each
+MAX_GROUPS_PER_TOKEN = 8   # token-wise channel groups per token: one score accumulator and one P each
+MAX_DEQUANT_GROUPS = 4     # a dequant plan's token-wise groups per token (tile_dequant.token_exponent)
 MIN_GROUP = 32     # token-wise channels per group inside a bit field: 8 words, the value operand's lane rows
 HALF_TILE_GROUP = 16   # channel-wise groups of 16 tokens: two per 32-token tile, token bit 4 a register bit of the
 #                        key operand's M (one MMA per half) and of P (one value product per half, P zeroed past it)
@@ -208,6 +209,9 @@ def lower(the_plan: Plan) -> FoldKernel:
                                    f"or of an aligned part of one of >= {MIN_GROUP} channels, and at most "
                                    f"{MAX_GROUPS_PER_TOKEN} groups per token, e.g. group_size "
                                    f"{max(MIN_GROUP, spec.head_dim // MAX_GROUPS_PER_TOKEN)} or {spec.head_dim}")
+            if dequant[p.product] and groups > MAX_DEQUANT_GROUPS:
+                raise NotLowerable(f"{p.product}: a dequant plan with {groups} token-wise groups per token; the "
+                                   f"register-operand kernel rebuilds values with at most {MAX_DEQUANT_GROUPS}")
             token_groups[p.product] = 0
             channel_groups[p.product] = groups
         else:                           # channel-wise encoding: a token tile inside one group of G tokens
@@ -234,13 +238,14 @@ def lower(the_plan: Plan) -> FoldKernel:
             raise NotLowerable(f"{p.product}: head_dim x bits = {spec.head_dim * p.bits} bits per token; the register "
                                f"layouts need {' or '.join(str(32 * w) for w in WORDS[1:])}, or 128 at 2 bits (e.g. 128 "
                                "channels at 2, 4 or 8 bits, 64 at 2, 4 or 8, 256 at 2 or 4)")
+    if max(channel_groups.values()) > 4 and (token_groups["qk"] or token_groups["pv"]):
+        raise NotLowerable(f"{max(channel_groups.values())} token-wise channel groups per token beside a channel-wise "
+                           "side: their parameters spill the one-warp program's registers (66 in the token loop, AOT "
+                           "SASS); groups of 64 channels or more lower")
     if width > 128 and HALF_TILE_GROUP in (token_groups["qk"], token_groups["pv"]):
         raise NotLowerable(f"head_dim={spec.head_dim} with channel-wise groups of {HALF_TILE_GROUP} tokens: two groups' "
                            "parameters per tile spill the one-warp program's registers (86-132 in the token loop, AOT "
                            "SASS); groups of 32 or more tokens lower")
-    if width > 128 and token_groups["qk"] and token_groups["pv"]:
-        raise NotLowerable(f"head_dim={spec.head_dim} with both sides channel-wise: their per-channel group "
-                           "parameters spill the one-warp program's registers (AOT SASS); one side token-wise lowers")
     row_blocks = _row_blocks(spec.q_per_kv, max_rows(width))
     if the_plan.rows_per_program not in (None, spec.q_per_kv // row_blocks):
         raise NotLowerable(f"the plan weighs its folds for {the_plan.rows_per_program} query rows per program; the "

@@ -112,18 +112,36 @@ def _params(P, n0, tm, head_c, stride_h, live, H: gl.constexpr, MASKED: gl.const
             word = _param(P.to(gl.pointer_type(gl.int32)), n0, tm, head_c, stride_h // 2, live, H, MASKED)
             x = gl.inline_asm_elementwise("mov.b32 {$0, $1}, $2;", "=h,=h,r", [word],
                                           dtype=(P.dtype.element_ty,) * 2, is_pure=True, pack=1)
-        else:
+        elif NG == 4:
             word = _param(P.to(gl.pointer_type(gl.int64)), n0, tm, head_c, stride_h // 4, live, H, MASKED)
             x = gl.inline_asm_elementwise("mov.b64 {$0, $1, $2, $3}, $4;", "=h,=h,=h,=h,l", [word],
                                           dtype=(P.dtype.element_ty,) * 4, is_pure=True, pack=1)
+        else:   # eight groups: two 64-bit words per token
+            P64 = P.to(gl.pointer_type(gl.int64))
+            lo = _param(P64, n0, tm, head_c, stride_h // 4, live, H, MASKED, 2, 0)
+            hi = _param(P64, n0, tm, head_c, stride_h // 4, live, H, MASKED, 2, 1)
+            a = gl.inline_asm_elementwise("mov.b64 {$0, $1, $2, $3}, $4;", "=h,=h,=h,=h,l", [lo],
+                                          dtype=(P.dtype.element_ty,) * 4, is_pure=True, pack=1)
+            b = gl.inline_asm_elementwise("mov.b64 {$0, $1, $2, $3}, $4;", "=h,=h,=h,=h,l", [hi],
+                                          dtype=(P.dtype.element_ty,) * 4, is_pure=True, pack=1)
+            x = (a[0], a[1], a[2], a[3], b[0], b[1], b[2], b[3])
     elif NG == 2:
         x = (_param(P, n0, tm, head_c, stride_h, live, H, MASKED, NG, 0),
              _param(P, n0, tm, head_c, stride_h, live, H, MASKED, NG, 1))
-    else:
+    elif NG == 4:
         x = (_param(P, n0, tm, head_c, stride_h, live, H, MASKED, NG, 0),
              _param(P, n0, tm, head_c, stride_h, live, H, MASKED, NG, 1),
              _param(P, n0, tm, head_c, stride_h, live, H, MASKED, NG, 2),
              _param(P, n0, tm, head_c, stride_h, live, H, MASKED, NG, 3))
+    else:
+        x = (_param(P, n0, tm, head_c, stride_h, live, H, MASKED, NG, 0),
+             _param(P, n0, tm, head_c, stride_h, live, H, MASKED, NG, 1),
+             _param(P, n0, tm, head_c, stride_h, live, H, MASKED, NG, 2),
+             _param(P, n0, tm, head_c, stride_h, live, H, MASKED, NG, 3),
+             _param(P, n0, tm, head_c, stride_h, live, H, MASKED, NG, 4),
+             _param(P, n0, tm, head_c, stride_h, live, H, MASKED, NG, 5),
+             _param(P, n0, tm, head_c, stride_h, live, H, MASKED, NG, 6),
+             _param(P, n0, tm, head_c, stride_h, live, H, MASKED, NG, 7))
     return x
 
 

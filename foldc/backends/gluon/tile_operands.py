@@ -247,17 +247,25 @@ def key_group(qv, field, chan, head_q, stride_ksh, KSg, KZg, qk_scale, BITS: gl.
 
 
 @gluon.jit
-def value_group(VSg, VZg, chan_o, weight, head_c, ok, stride_vsh, H: gl.constexpr, PAD: gl.constexpr = False):
+def value_group(VSg, VZg, chan_o, weight, head_c, ok, stride_vsh, H: gl.constexpr, PAD: gl.constexpr = False,
+                KEEP16: gl.constexpr = False):
     """Channel-wise V: one token group's scale (times the field weight) and zero per output row
     [D], or per output row and query row [D, ROWS] with packed heads (each row its own head's).
-    PAD: a padded head_dim, whose padding rows (not ``ok``) load zero (``ok`` is None otherwise)."""
+    PAD: a padded head_dim, whose padding rows (not ``ok``) load zero (``ok`` is None otherwise).
+    KEEP16: 16-bit scales and zeros as loaded (`per_channel` applies ``weight``), half the registers."""
     if H == 1:
         off = chan_o
         w = weight
     else:
         off = head_c[None, :] * stride_vsh + chan_o[:, None]
         w = weight[:, None]
-    if PAD:
+    if KEEP16:   # held in their 16-bit dtype across the tiles of the group, the field weight applied at use
+        if PAD:
+            m = ok if H == 1 else ok[:, None]
+            out = gl.load(VSg + off, mask=m, other=0), gl.load(VZg + off, mask=m, other=0)
+        else:
+            out = gl.load(VSg + off), gl.load(VZg + off)
+    elif PAD:
         m = ok if H == 1 else ok[:, None]
         out = gl.load(VSg + off, mask=m, other=0).to(gl.float32) * w, gl.load(VZg + off, mask=m, other=0).to(gl.float32)
     else:
@@ -276,6 +284,19 @@ def per_channel(x, H: gl.constexpr):
 
 
 @gluon.jit
+def per_channel16(x, H: gl.constexpr, weight=None):
+    """per_channel of a 16-bit parameter (value_group's KEEP16) in float32, times ``weight`` per row
+    where given."""
+    y = x.to(gl.float32)
+    if weight is not None:
+        if H == 1:
+            y = y * weight
+        else:
+            y = y * weight[:, None]
+    return per_channel(y, H)
+
+
+@gluon.jit
 def split_groups(x, NG: gl.constexpr, AXIS: gl.constexpr):
     """x [R, C] cut along AXIS into NG consecutive equal pieces, a tuple (x itself when NG == 1): a
     token-wise channel group's slice of an operand whose K (or M) index is field-major (operands.py),
@@ -285,6 +306,11 @@ def split_groups(x, NG: gl.constexpr, AXIS: gl.constexpr):
     C: gl.constexpr = x.shape[1]
     if NG == 1:
         out = x
+    elif NG == 8:   # halves first (groups 0-3 and 4-7), then each half in four
+        h0, h1 = split_groups(x, 2, AXIS)
+        a = split_groups(h0, 4, AXIS)
+        b = split_groups(h1, 4, AXIS)
+        out = (a[0], a[1], a[2], a[3], b[0], b[1], b[2], b[3])
     elif NG == 2:
         if AXIS == 0:
             y = gl.permute(gl.reshape(x, [2, R // 2, C]), (1, 2, 0))
@@ -308,6 +334,9 @@ def join_groups(parts, NG: gl.constexpr):
     """The inverse of split_groups along axis 0: NG pieces [G, C] back into [NG * G, C]."""
     if NG == 1:
         out = parts
+    elif NG == 8:
+        out = join_groups((join_groups((parts[0], parts[1], parts[2], parts[3]), 4),
+                           join_groups((parts[4], parts[5], parts[6], parts[7]), 4)), 2)
     elif NG == 2:
         G: gl.constexpr = parts[0].shape[0]
         C: gl.constexpr = parts[0].shape[1]
@@ -334,11 +363,20 @@ def split_field_groups(x, F: gl.constexpr, W: gl.constexpr, NG: gl.constexpr):
     y = gl.permute(gl.reshape(x, [F, 4, WH, WL, C]), (1, 3, 4, 0, 2))   # [byte, WL, C, field, WH]
     if NG == 2:
         out = gl.split(gl.reshape(y, [4 * WL, C, 2]))
-    else:
+    elif NG == 4:
         even, odd = gl.split(gl.reshape(y, [4 * WL, C, 2, 2]))   # bit 0 of the group index, then bit 1
         p0, p2 = gl.split(even)
         p1, p3 = gl.split(odd)
         out = (p0, p1, p2, p3)
+    else:
+        even, odd = gl.split(gl.reshape(y, [4 * WL, C, 2, 2, 2]))   # bits 0, 1, 2 of the group index
+        e0, e2 = gl.split(even)
+        o1, o3 = gl.split(odd)
+        p0, p4 = gl.split(e0)
+        p2, p6 = gl.split(e2)
+        p1, p5 = gl.split(o1)
+        p3, p7 = gl.split(o3)
+        out = (p0, p1, p2, p3, p4, p5, p6, p7)
     return out
 
 
@@ -350,8 +388,12 @@ def join_field_groups(parts, F: gl.constexpr, W: gl.constexpr, NG: gl.constexpr)
     WH: gl.constexpr = W // WL
     if NG == 2:
         j = gl.join(parts[0], parts[1])                                           # [G, C, g]
-    else:
+    elif NG == 4:
         j = gl.permute(gl.join(gl.join(parts[0], parts[1]), gl.join(parts[2], parts[3])), (0, 1, 3, 2))
+    else:   # [G, C, bit 0, bit 1, bit 2] -> [G, C, bit 2, bit 1, bit 0]
+        j = gl.join(gl.join(gl.join(parts[0], parts[1]), gl.join(parts[2], parts[3])),
+                    gl.join(gl.join(parts[4], parts[5]), gl.join(parts[6], parts[7])))
+        j = gl.reshape(gl.permute(j, (0, 1, 4, 3, 2)), [parts[0].shape[0], C, 8])
     y = gl.reshape(j, [4, WL, C, F, WH])
     return gl.reshape(gl.permute(y, (3, 0, 4, 1, 2)), [F * 4 * W, C])
 
@@ -365,6 +407,12 @@ def group_mmas(a_parts, b_parts, accs, a_l: gl.constexpr, b_l: gl.constexpr, NG:
     b1 = gl.convert_layout(b_parts[1], b_l, assert_trivial=True)
     if NG == 2:
         out = (mma_v2(a0, b0, accs[0]), mma_v2(a1, b1, accs[1]))
+    elif NG == 8:
+        lo = group_mmas((a_parts[0], a_parts[1], a_parts[2], a_parts[3]), (b_parts[0], b_parts[1], b_parts[2], b_parts[3]),
+                        (accs[0], accs[1], accs[2], accs[3]), a_l, b_l, 4)
+        hi = group_mmas((a_parts[4], a_parts[5], a_parts[6], a_parts[7]), (b_parts[4], b_parts[5], b_parts[6], b_parts[7]),
+                        (accs[4], accs[5], accs[6], accs[7]), a_l, b_l, 4)
+        out = (lo[0], lo[1], lo[2], lo[3], hi[0], hi[1], hi[2], hi[3])
     else:
         a2 = gl.convert_layout(a_parts[2], a_l, assert_trivial=True)
         a3 = gl.convert_layout(a_parts[3], a_l, assert_trivial=True)
@@ -379,9 +427,13 @@ def select_groups(keep, new, old, NG: gl.constexpr):
     """Per group, ``new`` where ``keep`` else ``old`` (tuples of NG)."""
     if NG == 2:
         out = (gl.where(keep, new[0], old[0]), gl.where(keep, new[1], old[1]))
-    else:
+    elif NG == 4:
         out = (gl.where(keep, new[0], old[0]), gl.where(keep, new[1], old[1]), gl.where(keep, new[2], old[2]),
                gl.where(keep, new[3], old[3]))
+    else:
+        out = (gl.where(keep, new[0], old[0]), gl.where(keep, new[1], old[1]), gl.where(keep, new[2], old[2]),
+               gl.where(keep, new[3], old[3]), gl.where(keep, new[4], old[4]), gl.where(keep, new[5], old[5]),
+               gl.where(keep, new[6], old[6]), gl.where(keep, new[7], old[7]))
     return out
 
 
@@ -393,20 +445,27 @@ def zeros_groups(shape: gl.constexpr, layout: gl.constexpr, NG: gl.constexpr):
         out = z
     elif NG == 2:
         out = (z, z)
-    else:
+    elif NG == 4:
         out = (z, z, z, z)
+    else:
+        out = (z, z, z, z, z, z, z, z)
     return out
 
 
 @gluon.jit
 def group_sums(parts, scale, layout: gl.constexpr, NG: gl.constexpr):
     """Per group, the sum of its piece over axis 0 times ``scale``, as ``layout``: a tuple of NG."""
-    s0 = gl.convert_layout(gl.sum(parts[0], axis=0) * scale, layout)
-    s1 = gl.convert_layout(gl.sum(parts[1], axis=0) * scale, layout)
-    if NG == 2:
-        out = (s0, s1)
+    if NG == 8:
+        lo = group_sums((parts[0], parts[1], parts[2], parts[3]), scale, layout, 4)
+        hi = group_sums((parts[4], parts[5], parts[6], parts[7]), scale, layout, 4)
+        out = (lo[0], lo[1], lo[2], lo[3], hi[0], hi[1], hi[2], hi[3])
+    elif NG == 2:
+        out = (gl.convert_layout(gl.sum(parts[0], axis=0) * scale, layout),
+               gl.convert_layout(gl.sum(parts[1], axis=0) * scale, layout))
     else:
-        out = (s0, s1, gl.convert_layout(gl.sum(parts[2], axis=0) * scale, layout),
+        out = (gl.convert_layout(gl.sum(parts[0], axis=0) * scale, layout),
+               gl.convert_layout(gl.sum(parts[1], axis=0) * scale, layout),
+               gl.convert_layout(gl.sum(parts[2], axis=0) * scale, layout),
                gl.convert_layout(gl.sum(parts[3], axis=0) * scale, layout))
     return out
 
@@ -415,6 +474,20 @@ def group_sums(parts, scale, layout: gl.constexpr, NG: gl.constexpr):
 def scaled_p(p, vs, vz, zsum, alpha, b_l: gl.constexpr, H: gl.constexpr, NG: gl.constexpr):
     """Token-wise V with NG channel groups per token (operand-fold, eq. 4, 6): per group, P times the
     group's scale as the value MMA's fp16 operand, and the running sum(P x zero) (tuples of NG)."""
+    if NG == 8:
+        lo, zlo = _scaled_p(p, (vs[0], vs[1], vs[2], vs[3]), (vz[0], vz[1], vz[2], vz[3]),
+                            (zsum[0], zsum[1], zsum[2], zsum[3]), alpha, b_l, H, 4)
+        hi, zhi = _scaled_p(p, (vs[4], vs[5], vs[6], vs[7]), (vz[4], vz[5], vz[6], vz[7]),
+                            (zsum[4], zsum[5], zsum[6], zsum[7]), alpha, b_l, H, 4)
+        pbs = (lo[0], lo[1], lo[2], lo[3], hi[0], hi[1], hi[2], hi[3])
+        zs = (zlo[0], zlo[1], zlo[2], zlo[3], zhi[0], zhi[1], zhi[2], zhi[3])
+    else:
+        pbs, zs = _scaled_p(p, vs, vz, zsum, alpha, b_l, H, NG)
+    return pbs, zs
+
+
+@gluon.jit
+def _scaled_p(p, vs, vz, zsum, alpha, b_l: gl.constexpr, H: gl.constexpr, NG: gl.constexpr):
     pb0 = gl.convert_layout((p * per_row(vs[0], H)).to(gl.float16), b_l)
     pb1 = gl.convert_layout((p * per_row(vs[1], H)).to(gl.float16), b_l)
     z0 = zsum[0] * alpha + gl.sum(p * per_row(vz[0], H), axis=0)
