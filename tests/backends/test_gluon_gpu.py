@@ -90,7 +90,11 @@ GRID = [("token:4:128", "token:2:128", "32/8", 128), ("token:2:128", "token:4:12
         ("channel:2:32:bf16", "channel:4:32", "16/8", 256), ("channel:8:128", "channel:2:128", "8/8", 256),
         # eight token-wise channel groups per token
         ("token:2:32", "token:2:32", "32/8", 256), ("token:4:32:fp32", "token:4:32", "16/8", 256),
-        ("token:8:32", "token:2:128", "32/8", 256), ("token:2:128", "token:2:32:bf16", "32/2", 256)]
+        ("token:8:32", "token:2:128", "32/8", 256), ("token:2:128", "token:2:32:bf16", "32/2", 256),
+        # token-wise groups across a padded head_dim's bit fields
+        ("token:2:32", "token:2:32", "32/8", 96), ("token:4:32", "token:2:96", "32/8", 96),
+        ("token:8:48", "token:8:32:fp32", "32/8", 96), ("token:8:80", "token:8:80", "16/8", 160),
+        ("token:2:32", "channel:2:32", "40/8", 96)]
 
 
 def _grid_spec(k, v, heads, head_dim):

@@ -428,6 +428,28 @@ def test_channel_wise_groups_of_16_tokens_lower_two_per_tile(k, v, heads, head_d
     assert foldc.prove(plan) is not None
 
 
+MASKED_SPECS = [("token:2:32", "token:2:32", 96, (True, True), (3, 3)), ("token:4:32", "token:2:96", 96, (True, False), (3, 1)),
+                ("token:8:48", "token:8:32", 96, (True, True), (2, 3)), ("token:8:80", "token:8:80", 160, (True, True), (2, 2)),
+                ("token:2:48", "token:2:48", 96, (False, False), (2, 2))]
+
+
+@pytest.mark.parametrize("k,v,head_dim,masked,groups", MASKED_SPECS, ids=[f"{k}-{v}-d{d}" for k, v, d, _, _ in MASKED_SPECS])
+def test_groups_across_padded_bit_fields_lower_with_masked_operands(k, v, head_dim, masked, groups):
+    """A padded head_dim's bit fields hold fewer channels than the registers' (96 at 2 bits: 24 of 32),
+    so token-wise groups that are not whole fields are no range of K or M: each group's MMA takes the
+    whole operand with the other groups' channels masked (one KV head per program). Whole-field groups
+    (48 channels at 2 bits on head_dim 96) keep their ranges."""
+    from foldc.backends.gluon.launch import default_pack_heads
+    from foldc.spec import spec_from_args
+
+    spec = spec_from_args(k, v, "32/8", head_dim)
+    cfg = lower(gluon_plan(spec))
+    assert (cfg.key_masked_groups, cfg.value_masked_groups) == masked
+    assert (cfg.key_groups, cfg.value_groups) == groups
+    assert cfg.padded_dim in (128, 256)
+    assert (default_pack_heads(cfg, spec.num_kv_heads) == 1) == any(masked)
+
+
 def test_dequant_plans_route_to_the_register_operand_kernel():
     """target='sm_90' with kernel='auto' picks the register-operand kernel for a dequant plan (before,
     the generated Triton kernel took every dequant plan)."""
@@ -663,11 +685,15 @@ def test_padded_tiles_put_each_cache_code_where_the_registers_expect_it(bits, he
         assert real == cache_channel(c, ch, chr_)
 
 
-def test_padded_widths_refuse_groups_inside_a_field():
-    """A padded head_dim lowers token-wise groups of whole bit fields only (a group inside a field
-    would cut the padding into it)."""
+def test_padded_widths_take_groups_inside_a_field_masked_and_refuse_them_for_dequant():
+    """A padded head_dim lowers token-wise groups of whole bit fields as ranges, groups inside a field
+    as masked operands (one MMA per group), and refuses those in a dequant plan (16 rows per program)."""
     assert lowerable(foldc.AttentionSpec(32, 8, 96, A(4, "token", 48), A(2, "token", 48)))[0]
-    ok, why = lowerable(foldc.AttentionSpec(32, 8, 96, A(8, "token", 32), A(8, "token", 96)))
+    cfg = lower(gluon_plan(foldc.AttentionSpec(32, 8, 96, A(8, "token", 32), A(8, "token", 96))))
+    assert cfg.key_masked_groups and not cfg.value_masked_groups
+    ok, why = lowerable(foldc.AttentionSpec(64, 4, 96, A(8, "token", 32), A(8, "token", 96)))
+    assert gluon_plan(foldc.AttentionSpec(64, 4, 96, A(8, "token", 32), A(8, "token", 96))).products["qk"].fold == \
+        "dequant"
     assert not ok and "whole bit fields" in why
     ok, why = lowerable(foldc.AttentionSpec(8, 8, 300, A(8, "token", 300), A(8, "token", 300)))
     assert not ok and "at most 256" in why

@@ -38,9 +38,9 @@ from foldc.backends.gluon.tile_operands import (NARROW, group_mmas, group_sums, 
                                                 per_row, scaled_p, select_groups, split_field_groups, split_groups,
                                                 swap_k01, value_group, value_operand, value_tile_words, zeros_groups)
 from foldc.backends.gluon.operands import VALUE_EXPONENT
-from foldc.backends.gluon.tile_dequant import (KEY_E_HI, KEY_E_LO, VALUE_E_HI, VALUE_E_LO, key_group_dequant,
-                                               key_token_dequant, pow2, rebuild, token_exponent, value_group_dequant,
-                                               value_token_dequant)
+from foldc.backends.gluon.tile_dequant import (KEY_E_HI, KEY_E_LO, VALUE_E_HI, VALUE_E_LO, key_fields, key_group_dequant,
+                                               key_token_dequant, pow2, rebuild, token_exponent, value_fields,
+                                               value_group_dequant, value_token_dequant)
 
 
 @gluon.jit
@@ -59,10 +59,12 @@ VALUE_EXP_C: gl.constexpr = gl.constexpr(VALUE_EXPONENT)   # the value codes' su
 def _scores(n0, end, k_smem, slot, ks, kz, tm, head_c, q16, q_bias, q_sum, row_scale, BN: gl.constexpr,
             D: gl.constexpr, F: gl.constexpr, ROWS: gl.constexpr, H: gl.constexpr, KEY_G: gl.constexpr,
             KEY_BIAS: gl.constexpr, KASM: gl.constexpr, KCONS: gl.constexpr, MASKED: gl.constexpr,
-            KEY_NG: gl.constexpr, KDQ: gl.constexpr):
+            KEY_NG: gl.constexpr, KDQ: gl.constexpr, KMG: gl.constexpr = 0):
     """Key side of one tile: the logits t [BN tokens, ROWS] (log2 units), -inf past ``end``. F == 0:
     a plain bf16 key side (its words are bf16 pairs, read from shared memory as the MMA operand).
-    KDQ: a dequant plan (tile_dequant.py; one KV head per program)."""
+    KDQ: a dequant plan (tile_dequant.py; one KV head per program). KMG: the real head_dim where the
+    KEY_NG groups cross a padded head_dim's bit fields (0 otherwise): one MMA per group over all of K,
+    the other groups' channels masked to zero (one KV head per program)."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
     a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=8)
     b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=8)
@@ -122,6 +124,22 @@ def _scores(n0, end, k_smem, slot, ks, kz, tm, head_c, q16, q_bias, q_sum, row_s
                 s1 = gl.where((head_c == i)[None, :], h1, s1)
         t = gl.convert_layout(join_groups((s0 * q_bias[0][None, :] + q_sum[0][None, :],
                                            s1 * q_bias[1][None, :] + q_sum[1][None, :]), 2), mma, assert_trivial=True)
+    elif KEY_NG > 1 and KMG > 0:
+        # token-wise K in groups across the padded bit fields: group g's MMA takes the keys of its own
+        # channels (the rest zero) against the whole query; scaled per group before the groups meet (eq. 3, 6)
+        gl.static_assert(H == 1, "groups across padded bit fields take one KV head per program")
+        kw = k_smem.index(slot).load(kw_l)
+        ka = gl.convert_layout(key_operand(kw, BN, D, F, KASM, KCONS), a_l, assert_trivial=True)
+        field, chan = key_fields(gl.arange(0, D, layout=gl.SliceLayout(0, a_l)), D, D // F)
+        grp = (field * (KMG // F) + chan % (D // F)) // (KMG // KEY_NG)   # the cache channel's group
+        acc = gl.zeros([BN, ROWS], gl.float32, layout=mma)
+        for g in gl.static_range(KEY_NG):
+            kg = gl.where((grp == g)[None, :], ka, gl.zeros_like(ka))
+            acc = acc + per_row(ks[g], H) * mma_v2(kg, q16, gl.zeros([BN, ROWS], gl.float32, layout=mma))
+        off = per_row(kz[0], H) * q_sum[0][None, :]
+        for g in gl.static_range(1, KEY_NG):
+            off = off + per_row(kz[g], H) * q_sum[g][None, :]
+        t = acc * row_scale[None, :] + off
     elif KEY_NG > 1:
         # token-wise K in KEY_NG channel groups: one accumulator per group (q16 and q_sum are tuples
         # of the groups' pieces), each scaled by its group's scale before the groups meet (eq. 3, 6)
@@ -182,10 +200,11 @@ def _value_weights(D: gl.constexpr, F: gl.constexpr):
 def _consume(t, v_smem, slot, vs, vz, m_i, l_i, zsum, acc_o, head_b, v_scale, v_zero, BN: gl.constexpr,
              D: gl.constexpr, F: gl.constexpr, ROWS: gl.constexpr, H: gl.constexpr, VAL_G: gl.constexpr,
              VA0: gl.constexpr, VA1: gl.constexpr, VA2: gl.constexpr, VA3: gl.constexpr, VCONS: gl.constexpr,
-             AND_P: gl.constexpr, VAL_NG: gl.constexpr, VDQ: gl.constexpr, LEAN: gl.constexpr = False):
+             AND_P: gl.constexpr, VAL_NG: gl.constexpr, VDQ: gl.constexpr, LEAN: gl.constexpr = False,
+             VMG: gl.constexpr = 0):
     """Online softmax of one tile's logits ``t`` and its value side into (max, denominator, zero sum, O^T).
     VDQ: a dequant plan (tile_dequant.py; one KV head per program). LEAN: channel-wise V's group
-    parameters held 16-bit (both sides channel-wise past 128 channels, `_value_group`).
+    parameters held 16-bit (both sides channel-wise past 128 channels, `_value_group`). VMG: as _scores' KMG.
     ``AND_P``: mask each packed head's P by an AND per register instead of a select per half. With
     VAL_NG channel groups per token (token-wise V), vs, vz and zsum are tuples of VAL_NG."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
@@ -233,6 +252,19 @@ def _consume(t, v_smem, slot, vs, vz, m_i, l_i, zsum, acc_o, head_b, v_scale, v_
                          gl.convert_layout(v_scale[1][1], rows_l)[:, None])
             vd = rebuild(va, a, b)
         pv = mma_v2(vd, pb, gl.zeros([D, ROWS], gl.float32, layout=mma))
+        acc_o = acc_o * alpha[None, :] + pv
+    elif VAL_NG > 1 and VMG > 0:
+        # token-wise V in groups across the padded bit fields: each group's product over all output rows
+        # with P scaled by its scales, kept in the rows of its own channels (eq. 4, 6)
+        gl.static_assert(H == 1, "groups across padded bit fields take one KV head per program")
+        pbs, zsum = scaled_p(p, vs, vz, zsum, alpha, b_l, H, VAL_NG)
+        vw = load_value_words(v_smem.index(slot), BN, W)
+        va = gl.convert_layout(value_operand(vw, BN, D, F, VA0, VA1, VA2, VA3, VCONS), a_l, assert_trivial=True)
+        field, chan = value_fields(gl.arange(0, D, layout=gl.SliceLayout(1, mma)), D, D // F)
+        grp = (field * (VMG // F) + chan % (D // F)) // (VMG // VAL_NG)
+        pv = gl.zeros([D, ROWS], gl.float32, layout=mma)
+        for g in gl.static_range(VAL_NG):
+            pv = gl.where((grp == g)[:, None], mma_v2(va, pbs[g], gl.zeros([D, ROWS], gl.float32, layout=mma)), pv)
         acc_o = acc_o * alpha[None, :] + pv
     elif VAL_NG > 1:
         # operand-fold per channel group: group g's output channels (a range of O^T's rows) take P
@@ -375,6 +407,21 @@ def _query(Q, b, stride_qb, q_head0, stride_qh, rq, q_off, q_mask, D: gl.constex
 
 
 @gluon.jit
+def _masked_sums(qv, grp, scale, layout: gl.constexpr, NG: gl.constexpr):
+    """Per group g (grp: each channel's group), sum(q) over its channels times ``scale``: a tuple of NG."""
+    s0 = gl.convert_layout(gl.sum(gl.where((grp == 0)[:, None], qv, 0.0), axis=0) * scale, layout)
+    s1 = gl.convert_layout(gl.sum(gl.where((grp == 1)[:, None], qv, 0.0), axis=0) * scale, layout)
+    if NG == 2:
+        out = (s0, s1)
+    elif NG == 3:
+        out = (s0, s1, gl.convert_layout(gl.sum(gl.where((grp == 2)[:, None], qv, 0.0), axis=0) * scale, layout))
+    else:
+        out = (s0, s1, gl.convert_layout(gl.sum(gl.where((grp == 2)[:, None], qv, 0.0), axis=0) * scale, layout),
+               gl.convert_layout(gl.sum(gl.where((grp == 3)[:, None], qv, 0.0), axis=0) * scale, layout))
+    return out
+
+
+@gluon.jit
 def _key_group(qv, field, chan, head_q, stride_ksh, KSg, KZg, qk_scale, BITS: gl.constexpr, KEY_BIAS: gl.constexpr,
                KEY_EXP: gl.constexpr, H: gl.constexpr, D: gl.constexpr, ROWS: gl.constexpr, SWAP: gl.constexpr,
                CH: gl.constexpr, CHR: gl.constexpr, DQ: gl.constexpr):
@@ -449,12 +496,13 @@ def _tile(n0, end, k_smem, v_smem, slot, ks, kz, vs, vz, m_i, l_i, zsum, acc_o, 
           H: gl.constexpr, KEY_G: gl.constexpr, VAL_G: gl.constexpr, KEY_BIAS: gl.constexpr, KASM: gl.constexpr,
           KCONS: gl.constexpr, VA0: gl.constexpr, VA1: gl.constexpr, VA2: gl.constexpr, VA3: gl.constexpr,
           VCONS: gl.constexpr, MASKED: gl.constexpr, AND_P: gl.constexpr, KEY_NG: gl.constexpr,
-          VAL_NG: gl.constexpr, KDQ: gl.constexpr = False, VDQ: gl.constexpr = False, LEAN: gl.constexpr = False):
+          VAL_NG: gl.constexpr, KDQ: gl.constexpr = False, VDQ: gl.constexpr = False, LEAN: gl.constexpr = False,
+          KMG: gl.constexpr = 0, VMG: gl.constexpr = 0):
     """One tile, key side then value side."""
     t = _scores(n0, end, k_smem, slot, ks, kz, tm, head_c, q16, q_bias, q_sum, row_scale, BN, D, KF, ROWS, H, KEY_G,
-                KEY_BIAS, KASM, KCONS, MASKED, KEY_NG, KDQ)
+                KEY_BIAS, KASM, KCONS, MASKED, KEY_NG, KDQ, KMG)
     return _consume(t, v_smem, slot, vs, vz, m_i, l_i, zsum, acc_o, head_b, v_scale, v_zero, BN, D, VF, ROWS, H,
-                    VAL_G, VA0, VA1, VA2, VA3, VCONS, AND_P, VAL_NG, VDQ, LEAN)
+                    VAL_G, VA0, VA1, VA2, VA3, VCONS, AND_P, VAL_NG, VDQ, LEAN, VMG)
 
 
 @gluon.jit
@@ -472,7 +520,7 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
                        VA3: gl.constexpr, VCONS: gl.constexpr, VALUE_EXP: gl.constexpr, KEY_EXP: gl.constexpr,
                        PREFETCH: gl.constexpr, DYNAMIC: gl.constexpr, CHUNK: gl.constexpr, KEY_NG: gl.constexpr,
                        VAL_NG: gl.constexpr, RB: gl.constexpr, KDQ: gl.constexpr = False,
-                       VDQ: gl.constexpr = False):
+                       VDQ: gl.constexpr = False, KMG: gl.constexpr = False, VMG: gl.constexpr = False):
     # each side's bytes per token per bit field (NB), 32-bit words per token (W), fields per byte (F)
     # (a plain side: KBITS or VBITS 16, fields 0, its words bf16 pairs)
     KNB: gl.constexpr = D * KBITS // 8
@@ -492,6 +540,9 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
     # both sides channel-wise past 128 channels: the query is read again at each key group instead of held
     # in float32, and the value groups' parameters are held 16-bit (they spilled, AOT SASS)
     LEAN: gl.constexpr = D > 128 and KEY_G > 0 and VAL_G > 0
+    # groups across a padded head_dim's bit fields (KMG, VMG): _scores and _consume take the real head_dim
+    KMGD: gl.constexpr = DR if KMG else 0
+    VMGD: gl.constexpr = DR if VMG else 0
     KWR: gl.constexpr = DR * KBITS // 32
     VWR: gl.constexpr = DR * VBITS // 32
     # P masked per head by ANDs with two packed heads: 3.6% fewer instructions per INT2 tile, 1-3% faster
@@ -608,6 +659,9 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
             q_bias = gl.convert_layout(gl.sum(q16.to(gl.float32), axis=0) * KEY_BIAS, row_l)
         if KEY_NG == 1:
             q_sum = gl.convert_layout(gl.sum(qv, axis=0) * qk_scale, row_l)
+        elif KMG:   # groups across the padded bit fields: the whole Q'^T, each group's sum(q) over its channels
+            grp_q = (field * KCHR + chan % KCH) // (DR // KEY_NG)
+            q_sum = _masked_sums(qv, grp_q, qk_scale, row_l, KEY_NG)
         else:   # per channel group: its piece of Q'^T for its own MMA, and its sum(q) (_scores)
             q16 = split_groups(q16, KEY_NG, 0)
             q_sum = group_sums(split_groups(qv, KEY_NG, 0), qk_scale, row_l, KEY_NG)
@@ -710,7 +764,7 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
             m_i, l_i, zsum, acc_o = _tile(n0, end, k_smem, v_smem, (i % STAGES) * H, ks, kz, vs, vz, m_i, l_i, zsum,
                                           acc_o, tm, head_c, head_b, q16, q_bias, q_sum, row_scale, v_scale, v_zero,
                                           BN, D, KF, VF, ROWS, H, KEY_G, VAL_G, KEY_BIAS, KASM, KCONS, VA0, VA1, VA2, VA3,
-                                          VCONS, False, AND_P, KEY_NG, VAL_NG, KDQ, VDQ, LEAN)
+                                          VCONS, False, AND_P, KEY_NG, VAL_NG, KDQ, VDQ, LEAN, KMGD, VMGD)
             if SCALE_AHEAD:
                 ks, kz, vs, vz = ks2, kz2, vs2, vz2
             t = t_next
@@ -738,7 +792,7 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
         m_i, l_i, zsum, acc_o = _tile(full_end, end, k_smem, v_smem, 0, ks, kz, vs, vz, m_i, l_i, zsum, acc_o, tm,
                                       head_c, head_b, q16, q_bias, q_sum, row_scale, v_scale, v_zero, BN, D, KF, VF, ROWS,
                                       H, KEY_G, VAL_G, KEY_BIAS, KASM, KCONS, VA0, VA1, VA2, VA3, VCONS, True,
-                                      AND_P, KEY_NG, VAL_NG, KDQ, VDQ, LEAN)
+                                      AND_P, KEY_NG, VAL_NG, KDQ, VDQ, LEAN, KMGD, VMGD)
 
     # token-wise V: undo the field weights 2^(bits*field) per output row, add the zero term (eq. 6);
     # channel-wise V has both in acc_o already. The workspace sees the H packed heads as one head
@@ -749,7 +803,9 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
             zrow = zsum[None, :]
         else:   # row m of O^T is channel chan_o[m], in group chan_o[m] // (D // VAL_NG)
             zrow = gl.zeros([D, ROWS], gl.float32, layout=mma)
-            if D // VAL_NG < VNB:   # groups smaller than a bit field
+            if VMG:                 # groups across a padded head_dim's bit fields: the cache's channel
+                row_group = chan_o // (DR // VAL_NG)
+            elif D // VAL_NG < VNB:   # groups smaller than a bit field
                 row_group = chan_o // (D // VAL_NG)
             else:                   # whole fields: consecutive rows
                 row_group = cm // (D // VAL_NG)

@@ -57,7 +57,7 @@ def constexprs(cfg: FoldKernel, block_n: int, stages: int, heads: int = 1, scale
                 KEY_EXP=0 if cfg.key_bias or cfg.key_dequant else KEY_EXPONENT, PREFETCH=default_prefetch(cfg),
                 DYNAMIC=bool(dynamic),
                 CHUNK=chunk_tiles(cfg, block_n), KEY_NG=cfg.key_groups, VAL_NG=cfg.value_groups,
-                KDQ=cfg.key_dequant, VDQ=cfg.value_dequant)
+                KDQ=cfg.key_dequant, VDQ=cfg.value_dequant, KMG=cfg.key_masked_groups, VMG=cfg.value_masked_groups)
 
 
 def chunk_tiles(cfg: FoldKernel, block_n: int) -> int:
@@ -89,6 +89,8 @@ def default_pack_heads(cfg: FoldKernel, num_kv_heads: int) -> int:
     channels with a channel-wise side, one head: two spill (per-row channel scales of 256 channels)."""
     if cfg.width > 128 and (cfg.key_tokens or cfg.value_tokens):
         return 1
+    if cfg.key_masked_groups or cfg.value_masked_groups:
+        return 1   # one MMA per group over the whole operand: one head's accumulators per program
     if max(cfg.key_groups, cfg.value_groups) > 4:
         # eight channel groups per token (head_dim 256 in groups of 32): eight score accumulators and
         # eight P's per head; two packed heads spilled 194-257 registers, one head none (AOT SASS)

@@ -56,6 +56,7 @@ PLAIN_BITS = 16    # a plain side: bf16 values, read from shared memory as the M
 PLAIN_WORDS = (32, 64, 128)   # bf16 pairs per token of a plain side
 MAX_GROUPS_PER_TOKEN = 8   # token-wise channel groups per token: one score accumulator and one P each
 MAX_DEQUANT_GROUPS = 4     # a dequant plan's token-wise groups per token (tile_dequant.token_exponent)
+MAX_MASKED_GROUPS = 4      # groups across a padded head_dim's bit fields: one full MMA per group
 MIN_GROUP = 32     # token-wise channels per group inside a bit field: 8 words, the value operand's lane rows
 HALF_TILE_GROUP = 16   # channel-wise groups of 16 tokens: two per 32-token tile, token bit 4 a register bit of the
 #                        key operand's M (one MMA per half) and of P (one value product per half, P zeroed past it)
@@ -88,6 +89,8 @@ class FoldKernel:
     #                      each bit field of a token padded with zero codes and zero query channels
     key_dequant: bool = False    # the plan dequantizes K (eq. 16's verdict): each value rebuilt as
     value_dequant: bool = False  # code x scale + zero in fp16 before a plain MMA, no correction
+    key_masked_groups: bool = False    # token-wise groups across a padded head_dim's bit fields: each
+    value_masked_groups: bool = False  # group's MMA takes the whole operand, the other channels masked
 
     @property
     def width(self) -> int:
@@ -179,6 +182,7 @@ def lower(the_plan: Plan) -> FoldKernel:
     token_groups, channel_groups = {}, {}
     plain = {}
     dequant = {}
+    masked = {"qk": False, "pv": False}
     for p, tokenwise_fold in ((qk, FoldKind.ACC_FOLD), (pv, FoldKind.OPERAND_FOLD)):
         plain[p.product] = p.fold is FoldKind.NONE
         dequant[p.product] = p.fold is FoldKind.DEQUANT
@@ -203,6 +207,12 @@ def lower(the_plan: Plan) -> FoldKernel:
             # range of the key operand's K index, register bits of the value operand's M index
             fits = p.group_size % field == 0 or (field % p.group_size == 0 and p.group_size >= MIN_GROUP
                                                  and not padded)
+            # a padded head_dim's bit fields hold fewer channels than the registers' (96 -> 24 of 32 at 2
+            # bits): a group that is not whole fields is no range of K or M there; each group's MMA takes
+            # the whole operand with the other groups' channels masked to zero (one MMA per group)
+            masked[p.product] = (not fits and padded and p.group_size >= MIN_GROUP and groups <= MAX_MASKED_GROUPS
+                                 and not dequant[p.product])
+            fits = fits or masked[p.product]
             if not fits or groups > MAX_GROUPS_PER_TOKEN:
                 raise NotLowerable(f"{p.product}: token-wise groups of {p.group_size} channels; the register-operand "
                                    f"kernel needs groups of whole bit fields of {field} channels (head_dim x bits / 8) "
@@ -274,7 +284,8 @@ def lower(the_plan: Plan) -> FoldKernel:
                       key_groups=channel_groups["qk"], value_groups=channel_groups["pv"],
                       key_precision=qk.precision.precision if qk.precision is not None else None,
                       value_precision=pv.precision.precision if pv.precision is not None else None,
-                      padded_dim=width if padded else 0, key_dequant=dequant["qk"], value_dequant=dequant["pv"])
+                      padded_dim=width if padded else 0, key_dequant=dequant["qk"], value_dequant=dequant["pv"],
+                      key_masked_groups=masked["qk"], value_masked_groups=masked["pv"])
 
 
 def register_width(head_dim: int) -> int:

@@ -107,6 +107,10 @@ def _params(P, n0, tm, head_c, stride_h, live, H: gl.constexpr, MASKED: gl.const
     one load per group."""
     if NG == 1:
         x = _param(P, n0, tm, head_c, stride_h, live, H, MASKED)
+    elif NG == 3:   # three groups (head_dim 96 in groups of 32): one load each
+        x = (_param(P, n0, tm, head_c, stride_h, live, H, MASKED, NG, 0),
+             _param(P, n0, tm, head_c, stride_h, live, H, MASKED, NG, 1),
+             _param(P, n0, tm, head_c, stride_h, live, H, MASKED, NG, 2))
     elif P.dtype.element_ty.primitive_bitwidth == 16:
         if NG == 2:
             word = _param(P.to(gl.pointer_type(gl.int32)), n0, tm, head_c, stride_h // 2, live, H, MASKED)

@@ -445,6 +445,8 @@ def zeros_groups(shape: gl.constexpr, layout: gl.constexpr, NG: gl.constexpr):
         out = z
     elif NG == 2:
         out = (z, z)
+    elif NG == 3:
+        out = (z, z, z)
     elif NG == 4:
         out = (z, z, z, z)
     else:
@@ -495,6 +497,9 @@ def _scaled_p(p, vs, vz, zsum, alpha, b_l: gl.constexpr, H: gl.constexpr, NG: gl
     if NG == 2:
         pbs = (pb0, pb1)
         zs = (z0, z1)
+    elif NG == 3:
+        pbs = (pb0, pb1, gl.convert_layout((p * per_row(vs[2], H)).to(gl.float16), b_l))
+        zs = (z0, z1, zsum[2] * alpha + gl.sum(p * per_row(vz[2], H), axis=0))
     else:
         pbs = (pb0, pb1, gl.convert_layout((p * per_row(vs[2], H)).to(gl.float16), b_l),
                gl.convert_layout((p * per_row(vs[3], H)).to(gl.float16), b_l))
