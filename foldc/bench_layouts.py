@@ -84,7 +84,7 @@ HEAD_DIM_EXTRAS = (
 )
 
 #: the lowerings past one tile per group and powers of two: channel-wise groups of 16 tokens (two per
-#: tile), dequant plans (groups of at most twice the 16 rows of a program, eq. 16) and head_dim 96
+#: tile), dequant plans (groups of at most twice the 16 rows of a program, eq. 12) and head_dim 96
 #: (padded to 128 in the registers)
 FEATURE_EXTRAS = (
     ("channel:2:16", "token:2:128", *BASE_HEADS, BASE_HEAD_DIM), ("token:4:128", "channel:4:16", *BASE_HEADS, 128),

@@ -92,7 +92,7 @@ class Plan:
     dtype: str | None = None     # the query dtype the precision decisions are for (eq. 6a)
     operand_dtype: str | None = None   # the MMA operand dtype where it is not the query's
     rows_per_program: int | None = None   # query rows sharing one reconstructed tile, where a kernel
-    #                                       splits a KV head's rows into blocks (eq. 16's h); None: all
+    #                                       splits a KV head's rows into blocks (eq. 12's h); None: all
 
     @property
     def folds(self) -> dict[str, str]:
@@ -138,7 +138,7 @@ def plan(spec: AttentionSpec, code_bias: dict[str, int] | None = None, fold_poli
     ``operand_dtype``: the matrix unit's operand dtype where it differs from the query's (the
     register-operand kernel feeds fp16 operands to bf16 queries' products).
     ``rows_per_program``: the query rows of a KV head one program takes, where a kernel splits them
-    into blocks that each reconstruct the tile on their own; the break-even (eq. 16) then weighs a
+    into blocks that each reconstruct the tile on their own; the break-even (eq. 12) then weighs a
     fold against that many rows (None: all the query heads of a KV head).
     A `foldc.GemmSpec` is planned by `foldc.gemm.plan.gemm_plan` with the same passes.
     """

@@ -74,7 +74,7 @@ GRID = [("token:4:128", "token:2:128", "32/8", 128), ("token:2:128", "token:4:12
         ("channel:4:64", "token:2:96", "24/8", 96), ("token:2:80", "none", "32/8", 80),
         ("none", "token:4:112", "32/8", 112), ("channel:8:64", "token:4:80", "16/8", 160),
         ("channel:4:32", "channel:4:32", "32/8", 96),
-        # dequant plans (eq. 16's verdict at 16 rows per program), each side rebuilt per value or folded
+        # dequant plans (eq. 12's verdict at 16 rows per program), each side rebuilt per value or folded
         ("token:2:32", "token:2:32", "64/4", 128), ("channel:2:32", "channel:4:32", "64/4", 128),
         ("token:4:32", "channel:2:32", "64/2", 128), ("channel:2:32", "token:2:128", "64/4", 128),
         ("token:4:64", "token:4:32", "64/2", 128), ("channel:8:32", "token:8:32", "64/4", 64),

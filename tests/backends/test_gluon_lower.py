@@ -374,7 +374,7 @@ DEQUANT_SPECS = [("token:2:32", "token:2:32", "64/4", 128), ("channel:2:32", "ch
 
 @pytest.mark.parametrize("k,v,heads,head_dim", DEQUANT_SPECS, ids=[f"{k}-{v}-{h}-d{d}" for k, v, h, d in DEQUANT_SPECS])
 def test_dequant_plans_lower_to_the_register_operand_kernel(k, v, heads, head_dim):
-    """Where eq. 16 says the fold does not pay (groups of at most twice a program's rows), the plan
+    """Where eq. 12 says the fold does not pay (groups of at most twice a program's rows), the plan
     dequantizes and the kernel lowers it as planned: the side the plan dequantizes is rebuilt per value
     (integer unpack, no 2^24 on the logits), the other folds, one KV head per program; the plan is
     the one foldc.prove checks."""
@@ -409,7 +409,7 @@ HALF_TILE_SPECS = [("channel:2:16", "token:2:128", "32/8", 128, 2), ("token:4:12
                          ids=[f"{k}-{v}-{h}-d{d}" for k, v, h, d, _ in HALF_TILE_SPECS])
 def test_channel_wise_groups_of_16_tokens_lower_two_per_tile(k, v, heads, head_dim, pack):
     """Channel-wise groups of 16 tokens: a 32-token tile holds two, each half of its tokens against its
-    own group's parameters (folded, or rebuilt per value where eq. 16 says dequant); 64-token tiles
+    own group's parameters (folded, or rebuilt per value where eq. 12 says dequant); 64-token tiles
     are refused; channel-wise V in such groups takes one KV head per program (registers)."""
     from foldc.backends.gluon.launch import GluonAttention, default_pack_heads
     from foldc.spec import spec_from_args
@@ -618,7 +618,7 @@ def test_the_full_layout_grid_lowers():
 
 
 def test_row_blocks_weigh_the_break_even_against_one_blocks_rows():
-    """eq. 16's h is the rows that share one reconstructed tile: with 32 query rows per KV head in two
+    """eq. 12's h is the rows that share one reconstructed tile: with 32 query rows per KV head in two
     row blocks, each block rebuilds the codes for its 16 rows, so channel-wise groups of 64 tokens fold
     (2 * 16 / 64 < 1) where the one-program plan reconstructs (2 * 32 / 64 = 1). The reference plan keeps
     all the rows; the kernel refuses a plan weighed for other blocks."""

@@ -84,7 +84,7 @@ def _scores(n0, end, k_smem, slot, ks, kz, tm, head_c, q16, q_bias, q_sum, row_s
                                 sacc)
         t = sacc * row_scale[None, :]
     elif KDQ:
-        # dequant (eq. 16's verdict): each key rebuilt in fp16 as code x scale + zero times 2^e, a plain
+        # dequant (eq. 12's verdict): each key rebuilt in fp16 as code x scale + zero times 2^e, a plain
         # MMA against the query, 2^-e on the scores; no correction (eq. 1)
         gl.static_assert(H == 1, "dequant plans take one KV head per program")
         kw = k_smem.index(slot).load(kw_l)

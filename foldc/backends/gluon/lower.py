@@ -27,7 +27,7 @@ packing (group_size a multiple of head_dim x bits / 8 channels): a group is then
 of the key operand's K index and of the value operand's M index (operands.py), and at most
 MAX_GROUPS_PER_TOKEN of them.
 
-A dequant product (the break-even of eq. 16 says a fold does not pay: groups of at most twice the
+A dequant product (the break-even of eq. 12 says a fold does not pay: groups of at most twice the
 rows a program takes) gets the same tiles and groups; its codes are unpacked as exact fp16
 integers and rebuilt per value as ``code x scale + zero`` (one HFMA2 per two values), times a
 power of two per token (token-wise) or per group (channel-wise) that keeps them in fp16's range,
@@ -87,7 +87,7 @@ class FoldKernel:
     #                      per KV head than the MMA's N axis holds)
     padded_dim: int = 0  # head_dim rounded up to the register layouts' width (0: head_dim, a power of two):
     #                      each bit field of a token padded with zero codes and zero query channels
-    key_dequant: bool = False    # the plan dequantizes K (eq. 16's verdict): each value rebuilt as
+    key_dequant: bool = False    # the plan dequantizes K (eq. 12's verdict): each value rebuilt as
     value_dequant: bool = False  # code x scale + zero in fp16 before a plain MMA, no correction
     key_masked_groups: bool = False    # token-wise groups across a padded head_dim's bit fields: each
     value_masked_groups: bool = False  # group's MMA takes the whole operand, the other channels masked
@@ -164,7 +164,7 @@ def gluon_plan(spec: AttentionSpec, dtype: str = "bf16") -> Plan:
     if dtype not in QUERY_DTYPES:
         raise NotLowerable(f"dtype={dtype!r}: the register-operand kernel takes {QUERY_DTYPES} queries")
     # past the rows one program holds, each block of rows reads and rebuilds the codes itself: the
-    # break-even weighs a fold against one block's rows (eq. 16)
+    # break-even weighs a fold against one block's rows (eq. 12)
     blocks = _row_blocks(spec.q_per_kv, max_rows(register_width(spec.head_dim)))
     return plan(spec, code_bias={"key": KEY_BIAS, "value": VALUE_BIAS}, dtype=dtype, operand_dtype="fp16",
                 rows_per_program=spec.q_per_kv // blocks if blocks > 1 else None)

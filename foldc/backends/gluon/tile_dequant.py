@@ -1,4 +1,4 @@
-"""Dequant plans on the register-operand kernel (kernel.py): where the break-even of eq. 16 says a
+"""Dequant plans on the register-operand kernel (kernel.py): where the break-even of eq. 12 says a
 fold does not pay (groups of at most twice the query rows a program takes), each value is rebuilt
 in registers as ``code x scale + zero`` (eq. 1) and the MMA takes plain fp16 values, with no
 correction term.
@@ -8,7 +8,7 @@ one HFMA2 per two values (operands.DEQUANT_ASM) computes ``code x a + b`` with
 ``a = scale x 2^(e - bits*field)`` and ``b = zero x 2^e``, rounded once to fp16. The power of two
 2^e (`dequant_exponent`) puts the largest reconstructed value of a token (token-wise sides) or of
 a group (channel-wise sides) in [2^13, 2^15): any scale and zero fit fp16, and the products keep
-fp16's relative precision. It is undone exactly: on the key side by 2^-e on the scores (per token
+fp16's relative precision (docs/derivation.md section 12). It is undone exactly: on the key side by 2^-e on the scores (per token
 row, or in the logits' factor per group), on the value side by 2^-e on P before the product.
 
 Import this module only where Triton runs natively (not under TRITON_INTERPRET=1).
