@@ -94,7 +94,10 @@ GRID = [("token:4:128", "token:2:128", "32/8", 128), ("token:2:128", "token:4:12
         # token-wise groups across a padded head_dim's bit fields
         ("token:2:32", "token:2:32", "32/8", 96), ("token:4:32", "token:2:96", "32/8", 96),
         ("token:8:48", "token:8:32:fp32", "32/8", 96), ("token:8:80", "token:8:80", "16/8", 160),
-        ("token:2:32", "channel:2:32", "40/8", 96)]
+        ("token:2:32", "channel:2:32", "40/8", 96),
+        # eight token-wise groups beside a channel-wise side at head_dim 256
+        ("token:2:32", "channel:2:64", "16/4", 256), ("channel:2:64", "token:2:32", "16/4", 256),
+        ("token:4:32", "channel:4:128", "32/8", 256)]
 
 
 def _grid_spec(k, v, heads, head_dim):

@@ -151,7 +151,6 @@ def test_split_field_groups_gives_each_group_its_own_rows(bits, head_dim, group)
 @pytest.mark.parametrize("spec,reason", [
     (_spec(group=16), "token-wise groups of 16 channels"),
     (_spec(bits=8, group=16), "or of an aligned part of one of >= 32 channels"),
-    (foldc.AttentionSpec(16, 2, 256, A(2, "token", 32), A(2, "channel", 64)), "beside a channel-wise side"),
     (foldc.AttentionSpec(16, 2, 128, A(2, "token", 16), A(2, "token", 128)), "token-wise groups of 16 channels"),
     (foldc.AttentionSpec(16, 8, 256, A(2, "channel", 16), A(2, "token", 256)), "two groups' parameters per tile spill"),
     (_spec("channel", "channel", group=8), "channel-wise groups of 8 tokens"),

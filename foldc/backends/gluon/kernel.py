@@ -537,9 +537,11 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
     KCHR: gl.constexpr = DR // KF if KF > 0 else DR
     VCH: gl.constexpr = D // VF if VF > 0 else D
     VCHR: gl.constexpr = DR // VF if VF > 0 else DR
-    # both sides channel-wise past 128 channels: the query is read again at each key group instead of held
-    # in float32, and the value groups' parameters are held 16-bit (they spilled, AOT SASS)
-    LEAN: gl.constexpr = D > 128 and KEY_G > 0 and VAL_G > 0
+    # past 128 channels with both sides channel-wise, or eight token-wise groups beside a channel-wise side:
+    # the query is read again at each key group instead of held in float32, and the value groups'
+    # parameters are held 16-bit (they spilled 66-147 registers, AOT SASS)
+    LEAN: gl.constexpr = D > 128 and ((KEY_G > 0 and VAL_G > 0) or (VAL_G > 0 and KEY_NG > 4) or
+                                      (KEY_G > 0 and VAL_NG > 4))
     # groups across a padded head_dim's bit fields (KMG, VMG): _scores and _consume take the real head_dim
     KMGD: gl.constexpr = DR if KMG else 0
     VMGD: gl.constexpr = DR if VMG else 0
