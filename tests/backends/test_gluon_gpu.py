@@ -97,7 +97,9 @@ GRID = [("token:4:128", "token:2:128", "32/8", 128), ("token:2:128", "token:4:12
         ("token:2:32", "channel:2:32", "40/8", 96),
         # eight token-wise groups beside a channel-wise side at head_dim 256
         ("token:2:32", "channel:2:64", "16/4", 256), ("channel:2:64", "token:2:32", "16/4", 256),
-        ("token:4:32", "channel:4:128", "32/8", 256)]
+        ("token:4:32", "channel:4:128", "32/8", 256),
+        # dequant plans whose token-wise groups cross a padded head_dim's bit fields
+        ("token:2:32", "token:2:32", "64/4", 96), ("token:8:32", "token:4:96", "64/4", 96)]
 
 
 def _grid_spec(k, v, heads, head_dim):

@@ -61,7 +61,8 @@ GRID += [("token:4:128", "token:2:128", "32/8", 128), ("token:2:128", "token:4:1
          # eight token-wise channel groups per token (head_dim 256 in groups of 32)
          ("token:2:32", "token:2:32", "32/8", 256), ("token:8:32", "token:2:128", "32/8", 256),
          # token-wise groups across a padded head_dim's bit fields (one MMA per group, the rest masked)
-         ("token:2:32", "token:2:32", "32/8", 96), ("token:8:48", "token:8:32", "32/8", 96)]
+         ("token:2:32", "token:2:32", "32/8", 96), ("token:8:48", "token:8:32", "32/8", 96),
+         ("token:8:32", "token:4:96", "64/4", 96)]   # a dequant plan's groups across them
 ARCHS = ("sm_90", "sm_100")
 JOBS = [(k, v, h, d, arch) for k, v, h, d in GRID for arch in ARCHS]
 

@@ -684,15 +684,16 @@ def test_padded_tiles_put_each_cache_code_where_the_registers_expect_it(bits, he
         assert real == cache_channel(c, ch, chr_)
 
 
-def test_padded_widths_take_groups_inside_a_field_masked_and_refuse_them_for_dequant():
+def test_padded_widths_take_groups_inside_a_field_masked_or_rebuilt():
     """A padded head_dim lowers token-wise groups of whole bit fields as ranges, groups inside a field
-    as masked operands (one MMA per group), and refuses those in a dequant plan (16 rows per program)."""
+    as masked operands (one MMA per group), and in a dequant plan (16 rows per program) rebuilds each
+    value with its cache channel's group."""
     assert lowerable(foldc.AttentionSpec(32, 8, 96, A(4, "token", 48), A(2, "token", 48)))[0]
     cfg = lower(gluon_plan(foldc.AttentionSpec(32, 8, 96, A(8, "token", 32), A(8, "token", 96))))
     assert cfg.key_masked_groups and not cfg.value_masked_groups
-    ok, why = lowerable(foldc.AttentionSpec(64, 4, 96, A(8, "token", 32), A(8, "token", 96)))
-    assert gluon_plan(foldc.AttentionSpec(64, 4, 96, A(8, "token", 32), A(8, "token", 96))).products["qk"].fold == \
-        "dequant"
-    assert not ok and "whole bit fields" in why
+    spec = foldc.AttentionSpec(64, 4, 96, A(8, "token", 32), A(8, "token", 96))
+    assert gluon_plan(spec).products["qk"].fold == "dequant"
+    cfg = lower(gluon_plan(spec))
+    assert cfg.key_dequant and cfg.key_groups == 3 and not cfg.key_masked_groups
     ok, why = lowerable(foldc.AttentionSpec(8, 8, 300, A(8, "token", 300), A(8, "token", 300)))
     assert not ok and "at most 256" in why

@@ -59,12 +59,13 @@ VALUE_EXP_C: gl.constexpr = gl.constexpr(VALUE_EXPONENT)   # the value codes' su
 def _scores(n0, end, k_smem, slot, ks, kz, tm, head_c, q16, q_bias, q_sum, row_scale, BN: gl.constexpr,
             D: gl.constexpr, F: gl.constexpr, ROWS: gl.constexpr, H: gl.constexpr, KEY_G: gl.constexpr,
             KEY_BIAS: gl.constexpr, KASM: gl.constexpr, KCONS: gl.constexpr, MASKED: gl.constexpr,
-            KEY_NG: gl.constexpr, KDQ: gl.constexpr, KMG: gl.constexpr = 0):
+            KEY_NG: gl.constexpr, KDQ: gl.constexpr, KMG: gl.constexpr = 0, DRK: gl.constexpr = 0):
     """Key side of one tile: the logits t [BN tokens, ROWS] (log2 units), -inf past ``end``. F == 0:
     a plain bf16 key side (its words are bf16 pairs, read from shared memory as the MMA operand).
     KDQ: a dequant plan (tile_dequant.py; one KV head per program). KMG: the real head_dim where the
     KEY_NG groups cross a padded head_dim's bit fields (0 otherwise): one MMA per group over all of K,
-    the other groups' channels masked to zero (one KV head per program)."""
+    the other groups' channels masked to zero (one KV head per program). DRK: the real head_dim of a
+    padded one (a dequant plan's groups follow the cache's channels)."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
     a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=8)
     b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=8)
@@ -91,7 +92,7 @@ def _scores(n0, end, k_smem, slot, ks, kz, tm, head_c, q16, q_bias, q_sum, row_s
         ka = gl.convert_layout(key_operand(kw, BN, D, F, KASM, KCONS), a_l, assert_trivial=True)
         if KEY_G == 0:
             e = token_exponent(ks, kz, 8 // F, KEY_NG, KEY_E_LO, KEY_E_HI)
-            kd = key_token_dequant(ka, ks, kz, e, a_l, D, F, KEY_NG)
+            kd = key_token_dequant(ka, ks, kz, e, a_l, D, F, KEY_NG, DRK)
             sacc = mma_v2(kd, q16, gl.zeros([BN, ROWS], gl.float32, layout=mma))
             t = (sacc * row_scale[None, :]) * pow2(-e)[:, None]
         elif KEY_G >= BN:   # channel-wise: q_bias is the group's (a, b) per k, q_sum the logits' factor per row
@@ -201,7 +202,7 @@ def _consume(t, v_smem, slot, vs, vz, m_i, l_i, zsum, acc_o, head_b, v_scale, v_
              D: gl.constexpr, F: gl.constexpr, ROWS: gl.constexpr, H: gl.constexpr, VAL_G: gl.constexpr,
              VA0: gl.constexpr, VA1: gl.constexpr, VA2: gl.constexpr, VA3: gl.constexpr, VCONS: gl.constexpr,
              AND_P: gl.constexpr, VAL_NG: gl.constexpr, VDQ: gl.constexpr, LEAN: gl.constexpr = False,
-             VMG: gl.constexpr = 0):
+             VMG: gl.constexpr = 0, DRV: gl.constexpr = 0):
     """Online softmax of one tile's logits ``t`` and its value side into (max, denominator, zero sum, O^T).
     VDQ: a dequant plan (tile_dequant.py; one KV head per program). LEAN: channel-wise V's group
     parameters held 16-bit (both sides channel-wise past 128 channels, `_value_group`). VMG: as _scores' KMG.
@@ -239,7 +240,7 @@ def _consume(t, v_smem, slot, vs, vz, m_i, l_i, zsum, acc_o, head_b, v_scale, v_
         va = gl.convert_layout(value_operand(vw, BN, D, F, VA0, VA1, VA2, VA3, VCONS), a_l, assert_trivial=True)
         rows_l: gl.constexpr = gl.SliceLayout(1, a_l)
         if VAL_G == 0:
-            vd = value_token_dequant(va, vs, vz, e, a_l, D, F, VAL_NG)
+            vd = value_token_dequant(va, vs, vz, e, a_l, D, F, VAL_NG, DRV)
         elif VAL_G >= BN:   # v_scale: the group's (a, b) per output row
             a, _ = gl.broadcast(gl.convert_layout(v_scale[0], rows_l)[:, None], va)
             b, _ = gl.broadcast(gl.convert_layout(v_scale[1], rows_l)[:, None], va)
@@ -497,12 +498,12 @@ def _tile(n0, end, k_smem, v_smem, slot, ks, kz, vs, vz, m_i, l_i, zsum, acc_o, 
           KCONS: gl.constexpr, VA0: gl.constexpr, VA1: gl.constexpr, VA2: gl.constexpr, VA3: gl.constexpr,
           VCONS: gl.constexpr, MASKED: gl.constexpr, AND_P: gl.constexpr, KEY_NG: gl.constexpr,
           VAL_NG: gl.constexpr, KDQ: gl.constexpr = False, VDQ: gl.constexpr = False, LEAN: gl.constexpr = False,
-          KMG: gl.constexpr = 0, VMG: gl.constexpr = 0):
+          KMG: gl.constexpr = 0, VMG: gl.constexpr = 0, DRQ: gl.constexpr = 0):
     """One tile, key side then value side."""
     t = _scores(n0, end, k_smem, slot, ks, kz, tm, head_c, q16, q_bias, q_sum, row_scale, BN, D, KF, ROWS, H, KEY_G,
-                KEY_BIAS, KASM, KCONS, MASKED, KEY_NG, KDQ, KMG)
+                KEY_BIAS, KASM, KCONS, MASKED, KEY_NG, KDQ, KMG, DRQ)
     return _consume(t, v_smem, slot, vs, vz, m_i, l_i, zsum, acc_o, head_b, v_scale, v_zero, BN, D, VF, ROWS, H,
-                    VAL_G, VA0, VA1, VA2, VA3, VCONS, AND_P, VAL_NG, VDQ, LEAN, VMG)
+                    VAL_G, VA0, VA1, VA2, VA3, VCONS, AND_P, VAL_NG, VDQ, LEAN, VMG, DRQ)
 
 
 @gluon.jit
@@ -766,7 +767,7 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
             m_i, l_i, zsum, acc_o = _tile(n0, end, k_smem, v_smem, (i % STAGES) * H, ks, kz, vs, vz, m_i, l_i, zsum,
                                           acc_o, tm, head_c, head_b, q16, q_bias, q_sum, row_scale, v_scale, v_zero,
                                           BN, D, KF, VF, ROWS, H, KEY_G, VAL_G, KEY_BIAS, KASM, KCONS, VA0, VA1, VA2, VA3,
-                                          VCONS, False, AND_P, KEY_NG, VAL_NG, KDQ, VDQ, LEAN, KMGD, VMGD)
+                                          VCONS, False, AND_P, KEY_NG, VAL_NG, KDQ, VDQ, LEAN, KMGD, VMGD, DR)
             if SCALE_AHEAD:
                 ks, kz, vs, vz = ks2, kz2, vs2, vz2
             t = t_next
@@ -794,7 +795,7 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
         m_i, l_i, zsum, acc_o = _tile(full_end, end, k_smem, v_smem, 0, ks, kz, vs, vz, m_i, l_i, zsum, acc_o, tm,
                                       head_c, head_b, q16, q_bias, q_sum, row_scale, v_scale, v_zero, BN, D, KF, VF, ROWS,
                                       H, KEY_G, VAL_G, KEY_BIAS, KASM, KCONS, VA0, VA1, VA2, VA3, VCONS, True,
-                                      AND_P, KEY_NG, VAL_NG, KDQ, VDQ, LEAN, KMGD, VMGD)
+                                      AND_P, KEY_NG, VAL_NG, KDQ, VDQ, LEAN, KMGD, VMGD, DR)
 
     # token-wise V: undo the field weights 2^(bits*field) per output row, add the zero term (eq. 6);
     # channel-wise V has both in acc_o already. The workspace sees the H packed heads as one head

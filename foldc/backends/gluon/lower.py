@@ -210,9 +210,9 @@ def lower(the_plan: Plan) -> FoldKernel:
             # a padded head_dim's bit fields hold fewer channels than the registers' (96 -> 24 of 32 at 2
             # bits): a group that is not whole fields is no range of K or M there; each group's MMA takes
             # the whole operand with the other groups' channels masked to zero (one MMA per group)
-            masked[p.product] = (not fits and padded and p.group_size >= MIN_GROUP and groups <= MAX_MASKED_GROUPS
-                                 and not dequant[p.product])
-            fits = fits or masked[p.product]
+            across = not fits and padded and p.group_size >= MIN_GROUP and groups <= MAX_MASKED_GROUPS
+            masked[p.product] = across and not dequant[p.product]   # a dequant plan selects per value instead
+            fits = fits or across
             if not fits or groups > MAX_GROUPS_PER_TOKEN:
                 raise NotLowerable(f"{p.product}: token-wise groups of {p.group_size} channels; the register-operand "
                                    f"kernel needs groups of whole bit fields of {field} channels (head_dim x bits / 8) "

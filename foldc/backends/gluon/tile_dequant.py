@@ -62,7 +62,9 @@ def token_exponent(s, z, BITS: gl.constexpr, NG: gl.constexpr, LO: gl.constexpr,
         m = _magnitude(s, z, BITS)
     else:
         m = gl.maximum(_magnitude(s[0], z[0], BITS), _magnitude(s[1], z[1], BITS))
-        if NG == 4:
+        if NG == 3:
+            m = gl.maximum(m, _magnitude(s[2], z[2], BITS))
+        elif NG == 4:
             m = gl.maximum(m, gl.maximum(_magnitude(s[2], z[2], BITS), _magnitude(s[3], z[3], BITS)))
     return dequant_exponent(m, LO, HI)
 
@@ -113,25 +115,44 @@ def value_fields(m, D: gl.constexpr, NB: gl.constexpr):
 
 
 @gluon.jit
-def key_token_dequant(ka, ks, kz, e, a_l: gl.constexpr, D: gl.constexpr, F: gl.constexpr, NG: gl.constexpr):
+def _to_layout(x, layout: gl.constexpr, NG: gl.constexpr):
+    """x (a tensor, or a tuple of NG) converted to ``layout``."""
+    if NG == 1:
+        out = gl.convert_layout(x, layout)
+    elif NG == 2:
+        out = (gl.convert_layout(x[0], layout), gl.convert_layout(x[1], layout))
+    elif NG == 3:
+        out = (gl.convert_layout(x[0], layout), gl.convert_layout(x[1], layout), gl.convert_layout(x[2], layout))
+    else:
+        out = (gl.convert_layout(x[0], layout), gl.convert_layout(x[1], layout), gl.convert_layout(x[2], layout),
+               gl.convert_layout(x[3], layout))
+    return out
+
+
+@gluon.jit
+def _group(field, chan, D: gl.constexpr, F: gl.constexpr, NG: gl.constexpr, DR: gl.constexpr):
+    """The token-wise group of each register channel: its cache channel's, field * DR/F + its place in
+    the field, on a padded head_dim (DR > 0 and != D); else chan // (D / NG)."""
+    if DR > 0 and DR != D:
+        out = (field * (DR // F) + chan % (D // F)) // (DR // NG)
+    else:
+        out = chan // (D // NG)
+    return out
+
+
+@gluon.jit
+def key_token_dequant(ka, ks, kz, e, a_l: gl.constexpr, D: gl.constexpr, F: gl.constexpr, NG: gl.constexpr,
+                      DR: gl.constexpr = 0):
     """Token-wise K: the key operand ka [BN, D] (integer codes) rebuilt per value with each token's
-    scale and zero (its group's, NG per token) times 2^e[token] (e: int32 [BN])."""
+    scale and zero (its group's, NG per token) times 2^e[token] (e: int32 [BN]). DR: the real
+    head_dim of a padded one (a channel's group is its cache channel's)."""
     BITS: gl.constexpr = 8 // F
     rows_l: gl.constexpr = gl.SliceLayout(1, a_l)
     field, chan = key_fields(gl.arange(0, D, layout=gl.SliceLayout(0, a_l)), D, D // F)
-    grp = chan // (D // NG)
+    grp = _group(field, chan, D, F, NG, DR)
     e_a = gl.convert_layout(e, rows_l)
-    if NG == 1:
-        s = gl.convert_layout(ks, rows_l)
-        z = gl.convert_layout(kz, rows_l)
-    elif NG == 2:
-        s = (gl.convert_layout(ks[0], rows_l), gl.convert_layout(ks[1], rows_l))
-        z = (gl.convert_layout(kz[0], rows_l), gl.convert_layout(kz[1], rows_l))
-    else:
-        s = (gl.convert_layout(ks[0], rows_l), gl.convert_layout(ks[1], rows_l), gl.convert_layout(ks[2], rows_l),
-             gl.convert_layout(ks[3], rows_l))
-        z = (gl.convert_layout(kz[0], rows_l), gl.convert_layout(kz[1], rows_l), gl.convert_layout(kz[2], rows_l),
-             gl.convert_layout(kz[3], rows_l))
+    s = _to_layout(ks, rows_l, NG)
+    z = _to_layout(kz, rows_l, NG)
     a = (_select(s, grp, NG, 1) * pow2(e_a[:, None] - (field * BITS)[None, :])).to(gl.float16)
     b = (_select(z, grp, NG, 1) * pow2(e_a)[:, None]).to(gl.float16)
     b, _ = gl.broadcast(b, a)
@@ -139,25 +160,17 @@ def key_token_dequant(ka, ks, kz, e, a_l: gl.constexpr, D: gl.constexpr, F: gl.c
 
 
 @gluon.jit
-def value_token_dequant(va, vs, vz, e, a_l: gl.constexpr, D: gl.constexpr, F: gl.constexpr, NG: gl.constexpr):
+def value_token_dequant(va, vs, vz, e, a_l: gl.constexpr, D: gl.constexpr, F: gl.constexpr, NG: gl.constexpr,
+                        DR: gl.constexpr = 0):
     """Token-wise V: the value operand va [D, BN] (integer codes, tokens on K) rebuilt per value
     with each token's scale and zero (its channel group's) times 2^e[token]."""
     BITS: gl.constexpr = 8 // F
     tok_a: gl.constexpr = gl.SliceLayout(0, a_l)
     field, chan = value_fields(gl.arange(0, D, layout=gl.SliceLayout(1, a_l)), D, D // F)
-    grp = chan // (D // NG)
+    grp = _group(field, chan, D, F, NG, DR)
     e_a = gl.convert_layout(e, tok_a)
-    if NG == 1:
-        s = gl.convert_layout(vs, tok_a)
-        z = gl.convert_layout(vz, tok_a)
-    elif NG == 2:
-        s = (gl.convert_layout(vs[0], tok_a), gl.convert_layout(vs[1], tok_a))
-        z = (gl.convert_layout(vz[0], tok_a), gl.convert_layout(vz[1], tok_a))
-    else:
-        s = (gl.convert_layout(vs[0], tok_a), gl.convert_layout(vs[1], tok_a), gl.convert_layout(vs[2], tok_a),
-             gl.convert_layout(vs[3], tok_a))
-        z = (gl.convert_layout(vz[0], tok_a), gl.convert_layout(vz[1], tok_a), gl.convert_layout(vz[2], tok_a),
-             gl.convert_layout(vz[3], tok_a))
+    s = _to_layout(vs, tok_a, NG)
+    z = _to_layout(vz, tok_a, NG)
     a = (_select(s, grp, NG, 0) * pow2(e_a[None, :] - (field * BITS)[:, None])).to(gl.float16)
     b = (_select(z, grp, NG, 0) * pow2(e_a)[None, :]).to(gl.float16)
     b, _ = gl.broadcast(b, a)
