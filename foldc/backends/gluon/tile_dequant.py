@@ -141,22 +141,28 @@ def _group(field, chan, D: gl.constexpr, F: gl.constexpr, NG: gl.constexpr, DR: 
 
 
 @gluon.jit
+def _rebuild_tokens(codes, s, z, e, field, grp, tok_l: gl.constexpr, BITS: gl.constexpr, NG: gl.constexpr,
+                    TOK: gl.constexpr):
+    """A token-wise side's operand ``codes`` (integer codes, tokens on axis TOK) rebuilt per value with
+    each token's scale and zero (its channel group's: ``grp`` along the other axis, NG per token)
+    times 2^e[token]; ``field`` is each channel's bit field."""
+    e_t = gl.expand_dims(gl.convert_layout(e, tok_l), 1 - TOK)
+    a = (_select(_to_layout(s, tok_l, NG), grp, NG, 1 - TOK) * pow2(e_t - gl.expand_dims(field * BITS, TOK)))
+    a = a.to(gl.float16)
+    b = (_select(_to_layout(z, tok_l, NG), grp, NG, 1 - TOK) * pow2(e_t)).to(gl.float16)
+    b, _ = gl.broadcast(b, a)
+    return rebuild(codes, a, b)
+
+
+@gluon.jit
 def key_token_dequant(ka, ks, kz, e, a_l: gl.constexpr, D: gl.constexpr, F: gl.constexpr, NG: gl.constexpr,
                       DR: gl.constexpr = 0):
     """Token-wise K: the key operand ka [BN, D] (integer codes) rebuilt per value with each token's
     scale and zero (its group's, NG per token) times 2^e[token] (e: int32 [BN]). DR: the real
     head_dim of a padded one (a channel's group is its cache channel's)."""
-    BITS: gl.constexpr = 8 // F
-    rows_l: gl.constexpr = gl.SliceLayout(1, a_l)
     field, chan = key_fields(gl.arange(0, D, layout=gl.SliceLayout(0, a_l)), D, D // F)
-    grp = _group(field, chan, D, F, NG, DR)
-    e_a = gl.convert_layout(e, rows_l)
-    s = _to_layout(ks, rows_l, NG)
-    z = _to_layout(kz, rows_l, NG)
-    a = (_select(s, grp, NG, 1) * pow2(e_a[:, None] - (field * BITS)[None, :])).to(gl.float16)
-    b = (_select(z, grp, NG, 1) * pow2(e_a)[:, None]).to(gl.float16)
-    b, _ = gl.broadcast(b, a)
-    return rebuild(ka, a, b)
+    return _rebuild_tokens(ka, ks, kz, e, field, _group(field, chan, D, F, NG, DR), gl.SliceLayout(1, a_l), 8 // F,
+                           NG, 0)
 
 
 @gluon.jit
@@ -164,17 +170,9 @@ def value_token_dequant(va, vs, vz, e, a_l: gl.constexpr, D: gl.constexpr, F: gl
                         DR: gl.constexpr = 0):
     """Token-wise V: the value operand va [D, BN] (integer codes, tokens on K) rebuilt per value
     with each token's scale and zero (its channel group's) times 2^e[token]."""
-    BITS: gl.constexpr = 8 // F
-    tok_a: gl.constexpr = gl.SliceLayout(0, a_l)
     field, chan = value_fields(gl.arange(0, D, layout=gl.SliceLayout(1, a_l)), D, D // F)
-    grp = _group(field, chan, D, F, NG, DR)
-    e_a = gl.convert_layout(e, tok_a)
-    s = _to_layout(vs, tok_a, NG)
-    z = _to_layout(vz, tok_a, NG)
-    a = (_select(s, grp, NG, 0) * pow2(e_a[None, :] - (field * BITS)[:, None])).to(gl.float16)
-    b = (_select(z, grp, NG, 0) * pow2(e_a)[None, :]).to(gl.float16)
-    b, _ = gl.broadcast(b, a)
-    return rebuild(va, a, b)
+    return _rebuild_tokens(va, vs, vz, e, field, _group(field, chan, D, F, NG, DR), gl.SliceLayout(0, a_l), 8 // F,
+                           NG, 1)
 
 
 @gluon.jit
