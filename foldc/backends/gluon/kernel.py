@@ -17,7 +17,8 @@ words travel global -> shared memory by cp.async, STAGES tiles ahead; token-wise
 are loaded at each tile's start (SCALE_AHEAD=False; with PREFETCH the next tile's go to L2 first)
 or one tile ahead in registers (SCALE_AHEAD=True). Each split writes (max, denominator,
 accumulator) for the merge kernel (eq. 14), the same workspace the Triton backend uses. The channel and row maps of
-the operands are in operands.py; the unpack and the group parameters in tile_operands.py; copies, scale
+the operands are in operands.py; the unpack and the group parameters in tile_operands.py; a tile's
+group loads in tile_groups.py; dequant plans' per-value rebuild in tile_dequant.py; copies, scale
 loads, cache addressing and tile draws in tile_memory.py.
 
 Import this module only where Triton runs natively (not under TRITON_INTERPRET=1).
@@ -32,27 +33,14 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 # absolute imports: benchmarks load copies of this file as modules of their own (ab_kernel.py, program_timeline.py)
 from foldc.backends.gluon.tile_memory import (copy_layout, draw_chunk, issue_copies, next_tile, prefetch_scales,
                                               stage_tail, tile_bases, tile_scales)
+from foldc.backends.gluon.tile_dequant import (KEY_E_HI, KEY_E_LO, VALUE_E_HI, VALUE_E_LO, key_fields, key_token_dequant,
+                                               pow2, rebuild, token_exponent, value_fields, value_token_dequant)
+from foldc.backends.gluon.tile_groups import (key_tile_params, load_query, masked_sums, rebuild_rows, value_tile_params,
+                                              value_weights)
 from foldc.backends.gluon.tile_operands import (NARROW, group_mmas, group_sums, join_field_groups, join_groups,
-                                                key_group, key_operand, key_words_layout, load_value_words, per_channel,
-                                                per_channel16,
-                                                per_row, scaled_p, select_groups, split_field_groups, split_groups,
-                                                swap_k01, value_group, value_operand, value_tile_words, zeros_groups)
-from foldc.backends.gluon.operands import VALUE_EXPONENT
-from foldc.backends.gluon.tile_dequant import (KEY_E_HI, KEY_E_LO, VALUE_E_HI, VALUE_E_LO, key_fields, key_group_dequant,
-                                               key_token_dequant, pow2, rebuild, token_exponent, value_fields,
-                                               value_group_dequant, value_token_dequant)
-
-
-@gluon.jit
-def _rebuild_rows(ka, a, b):
-    """A channel-wise dequant group's keys ka [tokens, D]: code x a[k] + b[k] (tile_dequant.rebuild)."""
-    aa, bb = gl.broadcast(a[None, :], b[None, :])
-    aa, _ = gl.broadcast(aa, ka)
-    bb, _ = gl.broadcast(bb, ka)
-    return rebuild(ka, aa, bb)
-
-
-VALUE_EXP_C: gl.constexpr = gl.constexpr(VALUE_EXPONENT)   # the value codes' subnormal unit (operands.py)
+                                                key_operand, key_words_layout, load_value_words, per_channel,
+                                                per_channel16, per_row, scaled_p, select_groups, split_field_groups,
+                                                split_groups, value_operand, value_tile_words, zeros_groups)
 
 
 @gluon.jit
@@ -96,12 +84,12 @@ def _scores(n0, end, k_smem, slot, ks, kz, tm, head_c, q16, q_bias, q_sum, row_s
             sacc = mma_v2(kd, q16, gl.zeros([BN, ROWS], gl.float32, layout=mma))
             t = (sacc * row_scale[None, :]) * pow2(-e)[:, None]
         elif KEY_G >= BN:   # channel-wise: q_bias is the group's (a, b) per k, q_sum the logits' factor per row
-            sacc = mma_v2(_rebuild_rows(ka, q_bias[0], q_bias[1]), q16, gl.zeros([BN, ROWS], gl.float32, layout=mma))
+            sacc = mma_v2(rebuild_rows(ka, q_bias[0], q_bias[1]), q16, gl.zeros([BN, ROWS], gl.float32, layout=mma))
             t = sacc * q_sum[None, :]
         else:   # two groups per tile: each half of the tile's tokens (a register bit of M) rebuilt with its own
             halves = split_groups(ka, 2, 0)
-            k0 = _rebuild_rows(gl.convert_layout(halves[0], a_l, assert_trivial=True), q_bias[0][0], q_bias[0][1])
-            k1 = _rebuild_rows(gl.convert_layout(halves[1], a_l, assert_trivial=True), q_bias[1][0], q_bias[1][1])
+            k0 = rebuild_rows(gl.convert_layout(halves[0], a_l, assert_trivial=True), q_bias[0][0], q_bias[0][1])
+            k1 = rebuild_rows(gl.convert_layout(halves[1], a_l, assert_trivial=True), q_bias[1][0], q_bias[1][1])
             t0 = mma_v2(k0, q16[0], gl.zeros([BN // 2, ROWS], gl.float32, layout=mma)) * q_sum[0][None, :]
             t1 = mma_v2(k1, q16[0], gl.zeros([BN // 2, ROWS], gl.float32, layout=mma)) * q_sum[1][None, :]
             t = gl.convert_layout(join_groups((t0, t1), 2), mma, assert_trivial=True)
@@ -189,15 +177,6 @@ def _scores(n0, end, k_smem, slot, ks, kz, tm, head_c, q16, q_bias, q_sum, row_s
 
 
 @gluon.jit
-def _value_weights(D: gl.constexpr, F: gl.constexpr):
-    """The field weight 2^(VALUE_EXP - bits*field) of each output row, applied at use where a channel-wise
-    V group's scales stay 16-bit (past 128 channels, value_group's KEEP16)."""
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
-    cm = gl.arange(0, D, layout=gl.SliceLayout(1, mma))
-    return gl.exp2((VALUE_EXP_C - (cm // (D // F)) * (8 // F)).to(gl.float32))
-
-
-@gluon.jit
 def _consume(t, v_smem, slot, vs, vz, m_i, l_i, zsum, acc_o, head_b, v_scale, v_zero, BN: gl.constexpr,
              D: gl.constexpr, F: gl.constexpr, ROWS: gl.constexpr, H: gl.constexpr, VAL_G: gl.constexpr,
              VA0: gl.constexpr, VA1: gl.constexpr, VA2: gl.constexpr, VA3: gl.constexpr, VCONS: gl.constexpr,
@@ -205,7 +184,7 @@ def _consume(t, v_smem, slot, vs, vz, m_i, l_i, zsum, acc_o, head_b, v_scale, v_
              VMG: gl.constexpr = 0, DRV: gl.constexpr = 0):
     """Online softmax of one tile's logits ``t`` and its value side into (max, denominator, zero sum, O^T).
     VDQ: a dequant plan (tile_dequant.py; one KV head per program). LEAN: channel-wise V's group
-    parameters held 16-bit (both sides channel-wise past 128 channels, `_value_group`). VMG: as _scores' KMG.
+    parameters held 16-bit (both sides channel-wise past 128 channels, `value_params`). VMG: as _scores' KMG.
     ``AND_P``: mask each packed head's P by an AND per register instead of a select per half. With
     VAL_NG channel groups per token (token-wise V), vs, vz and zsum are tuples of VAL_NG."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
@@ -306,7 +285,7 @@ def _consume(t, v_smem, slot, vs, vz, m_i, l_i, zsum, acc_o, head_b, v_scale, v_
         else:
             # acc-fold: this tile lies in one token group; scale the tile's sum per channel, add zero x sum(P)
             if LEAN:   # 16-bit group parameters (value_group's KEEP16), the field weights applied here
-                w = _value_weights(D, F)
+                w = value_weights(D, F)
                 acc_o = acc_o * alpha[None, :] + pv * per_channel16(v_scale, H, w) + \
                     per_channel16(v_zero, H) * p_sum[None, :]
             else:
@@ -391,103 +370,6 @@ def _fields(bits):
 def _words(head_dim, fields):
     """32-bit words per token: head_dim x bits / 32, or head_dim / 2 for a plain bf16 side."""
     return int(head_dim) // int(fields) // 4 if int(fields) else int(head_dim) // 2
-
-
-@gluon.jit
-def _query(Q, b, stride_qb, q_head0, stride_qh, rq, q_off, q_mask, D: gl.constexpr, ROWS: gl.constexpr,
-           SWAP: gl.constexpr):
-    """The program's query rows [D, ROWS] as read from Q (each lane's channels in k order) and in float32."""
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
-    b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=8)
-    q_nat = gl.load(Q + b * stride_qb + (q_head0 + rq)[None, :] * stride_qh + q_off[:, None], mask=q_mask, other=0.0)
-    if SWAP:
-        qv = gl.convert_layout(swap_k01(q_nat, D, ROWS), b_l, assert_trivial=True).to(gl.float32)
-    else:
-        qv = q_nat.to(gl.float32)
-    return q_nat, qv
-
-
-@gluon.jit
-def _masked_sums(qv, grp, scale, layout: gl.constexpr, NG: gl.constexpr):
-    """Per group g (grp: each channel's group), sum(q) over its channels times ``scale``: a tuple of NG."""
-    s0 = gl.convert_layout(gl.sum(gl.where((grp == 0)[:, None], qv, 0.0), axis=0) * scale, layout)
-    s1 = gl.convert_layout(gl.sum(gl.where((grp == 1)[:, None], qv, 0.0), axis=0) * scale, layout)
-    if NG == 2:
-        out = (s0, s1)
-    elif NG == 3:
-        out = (s0, s1, gl.convert_layout(gl.sum(gl.where((grp == 2)[:, None], qv, 0.0), axis=0) * scale, layout))
-    else:
-        out = (s0, s1, gl.convert_layout(gl.sum(gl.where((grp == 2)[:, None], qv, 0.0), axis=0) * scale, layout),
-               gl.convert_layout(gl.sum(gl.where((grp == 3)[:, None], qv, 0.0), axis=0) * scale, layout))
-    return out
-
-
-@gluon.jit
-def _key_group(qv, field, chan, head_q, stride_ksh, KSg, KZg, qk_scale, BITS: gl.constexpr, KEY_BIAS: gl.constexpr,
-               KEY_EXP: gl.constexpr, H: gl.constexpr, D: gl.constexpr, ROWS: gl.constexpr, SWAP: gl.constexpr,
-               CH: gl.constexpr, CHR: gl.constexpr, DQ: gl.constexpr):
-    """A channel-wise K group's query operand, per-k parameters and logits' map: the fold's
-    (tile_operands.key_group) or, for a dequant plan, tile_dequant.key_group_dequant's."""
-    if DQ:
-        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
-        out = key_group_dequant(qv, KSg, KZg, qk_scale, gl.DotOperandLayout(operand_index=1, parent=mma, k_width=8),
-                                gl.SliceLayout(0, mma), gl.DotOperandLayout(operand_index=0, parent=mma, k_width=8),
-                                D, 8 // BITS, CH, CHR)
-    else:
-        out = key_group(qv, field, chan, head_q, stride_ksh, KSg, KZg, qk_scale, BITS, KEY_BIAS, KEY_EXP, H, D, ROWS,
-                        SWAP, CH, CHR)
-    return out
-
-
-@gluon.jit
-def _value_group(VSg, VZg, chan_o, weight, head_c, ok, stride_vsh, cm, H: gl.constexpr, PAD: gl.constexpr,
-                 D: gl.constexpr, BITS: gl.constexpr, DQ: gl.constexpr, LEAN: gl.constexpr = False):
-    """A channel-wise V group's (scale, zero) per output row (tile_operands.value_group) or, for a
-    dequant plan, ((a, b) per output row, P's factor 2^-e) (tile_dequant.value_group_dequant)."""
-    if DQ:
-        a, b, f = value_group_dequant(VSg, VZg, chan_o, cm, ok, D, 8 // BITS, PAD)
-        out = (a, b), f
-    else:
-        out = value_group(VSg, VZg, chan_o, weight, head_c, ok, stride_vsh, H, PAD, LEAN)
-    return out
-
-
-@gluon.jit
-def _key_tile_groups(qv, field, chan, head_q, stride_ksh, KSp, KZp, stride_ksn, n0, end, qk_scale,
-                     BITS: gl.constexpr, KEY_BIAS: gl.constexpr, KEY_EXP: gl.constexpr, H: gl.constexpr,
-                     D: gl.constexpr, ROWS: gl.constexpr, SWAP: gl.constexpr, CH: gl.constexpr, CHR: gl.constexpr,
-                     DQ: gl.constexpr, KEY_G: gl.constexpr, BN: gl.constexpr):
-    """_key_group of the group holding token n0; with groups of half a tile (KEY_G < BN) the two
-    groups' (q16, q_bias, q_sum) as pairs, the second clamped to the last group before ``end``."""
-    g = n0 // KEY_G
-    first = _key_group(qv, field, chan, head_q, stride_ksh, KSp + g * stride_ksn, KZp + g * stride_ksn, qk_scale, BITS,
-                       KEY_BIAS, KEY_EXP, H, D, ROWS, SWAP, CH, CHR, DQ)
-    if KEY_G < BN:
-        g2 = gl.maximum(gl.minimum(g + 1, (end - 1) // KEY_G), g)
-        second = _key_group(qv, field, chan, head_q, stride_ksh, KSp + g2 * stride_ksn, KZp + g2 * stride_ksn,
-                            qk_scale, BITS, KEY_BIAS, KEY_EXP, H, D, ROWS, SWAP, CH, CHR, DQ)
-        out = (first[0], second[0]), (first[1], second[1]), (first[2], second[2])
-    else:
-        out = first
-    return out
-
-
-@gluon.jit
-def _value_tile_groups(VSp, VZp, stride_vsn, n0, end, chan_o, weight, head_c, ok, stride_vsh, cm, H: gl.constexpr,
-                       PAD: gl.constexpr, D: gl.constexpr, BITS: gl.constexpr, DQ: gl.constexpr,
-                       VAL_G: gl.constexpr, BN: gl.constexpr, LEAN: gl.constexpr = False):
-    """_value_group of the group holding token n0; with groups of half a tile, both groups' as pairs."""
-    g = n0 // VAL_G
-    first = _value_group(VSp + g * stride_vsn, VZp + g * stride_vsn, chan_o, weight, head_c, ok, stride_vsh, cm, H, PAD,
-                         D, BITS, DQ, LEAN)
-    if VAL_G < BN:
-        g2 = gl.maximum(gl.minimum(g + 1, (end - 1) // VAL_G), g)
-        second = _value_group(VSp + g2 * stride_vsn, VZp + g2 * stride_vsn, chan_o, weight, head_c, ok, stride_vsh, cm,
-                              H, PAD, D, BITS, DQ, LEAN)
-        out = (first[0], second[0]), (first[1], second[1])
-    else:
-        out = first
-    return out
 
 
 @gluon.jit
@@ -632,7 +514,7 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
     if PAD:   # the cache's channel of each register channel; the padding reads nothing (zero)
         q_mask = q_mask & (q_off % KCH < KCHR)[:, None]
         q_off = (q_off // KCH) * KCHR + q_off % KCH
-    q_nat, qv = _query(Q, b, stride_qb, q_head0, stride_qh, rq, q_off, q_mask, D, ROWS, KSWAP)
+    q_nat, qv = load_query(Q, b, stride_qb, q_head0, stride_qh, rq, q_off, q_mask, D, ROWS, KSWAP)
     head_q = gl.minimum(rq // Q_PER_KV, H - 1)                                  # packed head of each row
     head_b = head_q
     head_c = gl.minimum(gl.arange(0, ROWS, layout=row_l) // Q_PER_KV, H - 1)
@@ -664,12 +546,12 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
             q_sum = gl.convert_layout(gl.sum(qv, axis=0) * qk_scale, row_l)
         elif KMG:   # groups across the padded bit fields: the whole Q'^T, each group's sum(q) over its channels
             grp_q = (field * KCHR + chan % KCH) // (DR // KEY_NG)
-            q_sum = _masked_sums(qv, grp_q, qk_scale, row_l, KEY_NG)
+            q_sum = masked_sums(qv, grp_q, qk_scale, row_l, KEY_NG)
         else:   # per channel group: its piece of Q'^T for its own MMA, and its sum(q) (_scores)
             q16 = split_groups(q16, KEY_NG, 0)
             q_sum = group_sums(split_groups(qv, KEY_NG, 0), qk_scale, row_l, KEY_NG)
     else:
-        q16, q_bias, q_sum = _key_tile_groups(qv, field, chan, head_q, stride_ksh, KSp, KZp, stride_ksn, start, end,
+        q16, q_bias, q_sum = key_tile_params(qv, field, chan, head_q, stride_ksh, KSp, KZp, stride_ksn, start, end,
                                               qk_scale, KBITS, KEY_BIAS, KEY_EXP, H, D, ROWS, KSWAP, KCH, KCHR, KDQ,
                                               KEY_G, BN)
     # row m of O^T is channel operands.value_channel(m)
@@ -690,7 +572,7 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
         v_scale = weight_o
         v_zero = weight_o
     else:
-        v_scale, v_zero = _value_tile_groups(VSp, VZp, stride_vsn, start, end, chan_o, weight_o, head_c, out_ok,
+        v_scale, v_zero = value_tile_params(VSp, VZp, stride_vsn, start, end, chan_o, weight_o, head_c, out_ok,
                                              stride_vsh, cm, H, PAD, D, VBITS, VDQ, VAL_G, BN, LEAN)
 
     tm = gl.arange(0, BN, layout=tok_l)
@@ -713,15 +595,15 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
             if KEY_G > 0:
                 if n0 % KEY_G == 0:
                     if LEAN:   # the query read again (L1/L2) at each group: no float32 copy held across the loop
-                        _, qg = _query(Q, b, stride_qb, q_head0, stride_qh, rq, q_off, q_mask, D, ROWS, KSWAP)
+                        _, qg = load_query(Q, b, stride_qb, q_head0, stride_qh, rq, q_off, q_mask, D, ROWS, KSWAP)
                     else:
                         qg = qv
-                    q16, q_bias, q_sum = _key_tile_groups(qg, field, chan, head_q, stride_ksh, KSp, KZp, stride_ksn,
+                    q16, q_bias, q_sum = key_tile_params(qg, field, chan, head_q, stride_ksh, KSp, KZp, stride_ksn,
                                                           n0, end, qk_scale, KBITS, KEY_BIAS, KEY_EXP, H, D, ROWS,
                                                           KSWAP, KCH, KCHR, KDQ, KEY_G, BN)
             if VAL_G > 0:
                 if n0 % VAL_G == 0:
-                    v_scale, v_zero = _value_tile_groups(VSp, VZp, stride_vsn, n0, end, chan_o, weight_o, head_c,
+                    v_scale, v_zero = value_tile_params(VSp, VZp, stride_vsn, n0, end, chan_o, weight_o, head_c,
                                                          out_ok, stride_vsh, cm, H, PAD, D, VBITS, VDQ, VAL_G, BN, LEAN)
             t_next, drawn = next_tile(t, drawn, t_stop, counter, gl.num_programs(2), CHUNK, DYNAMIC)
             if DYNAMIC:   # STAGES == 2: the tile copied ahead is the next one
@@ -780,14 +662,14 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
                                                             VAL_G, PAGE, KEY_NG, VAL_NG)
         if KEY_G > 0:
             if LEAN:
-                _, qg = _query(Q, b, stride_qb, q_head0, stride_qh, rq, q_off, q_mask, D, ROWS, KSWAP)
+                _, qg = load_query(Q, b, stride_qb, q_head0, stride_qh, rq, q_off, q_mask, D, ROWS, KSWAP)
             else:
                 qg = qv
-            q16, q_bias, q_sum = _key_tile_groups(qg, field, chan, head_q, stride_ksh, KSp, KZp, stride_ksn, full_end,
+            q16, q_bias, q_sum = key_tile_params(qg, field, chan, head_q, stride_ksh, KSp, KZp, stride_ksn, full_end,
                                                   end, qk_scale, KBITS, KEY_BIAS, KEY_EXP, H, D, ROWS, KSWAP, KCH, KCHR,
                                                   KDQ, KEY_G, BN)
         if VAL_G > 0:
-            v_scale, v_zero = _value_tile_groups(VSp, VZp, stride_vsn, full_end, end, chan_o, weight_o, head_c, out_ok,
+            v_scale, v_zero = value_tile_params(VSp, VZp, stride_vsn, full_end, end, chan_o, weight_o, head_c, out_ok,
                                                  stride_vsh, cm, H, PAD, D, VBITS, VDQ, VAL_G, BN, LEAN)
         ks, kz, vs, vz = tile_scales(full_end, end, tm, head_c, KSp, KZp, VSp, VZp, stride_ksh, stride_vsh,
                                      KEY_G, VAL_G, H, True, KEY_NG, VAL_NG)
