@@ -33,8 +33,9 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 # absolute imports: benchmarks load copies of this file as modules of their own (ab_kernel.py, program_timeline.py)
 from foldc.backends.gluon.tile_memory import (copy_layout, draw_chunk, issue_copies, next_tile, prefetch_scales,
                                               stage_tail, tile_bases, tile_scales)
-from foldc.backends.gluon.tile_dequant import (KEY_E_HI, KEY_E_LO, VALUE_E_HI, VALUE_E_LO, key_fields, key_token_dequant,
-                                               pow2, rebuild, token_exponent, value_fields, value_token_dequant)
+from foldc.backends.gluon.tile_dequant import (KEY_E_HI, KEY_E_LO, VALUE_E_HI, VALUE_E_LO, channel_group, key_fields,
+                                               key_token_dequant, pow2, rebuild, token_exponent, value_fields,
+                                               value_token_dequant)
 from foldc.backends.gluon.tile_groups import (key_tile_params, load_query, masked_sums, rebuild_rows, value_tile_params,
                                               value_weights)
 from foldc.backends.gluon.tile_operands import (NARROW, group_mmas, group_sums, join_field_groups, join_groups,
@@ -47,13 +48,13 @@ from foldc.backends.gluon.tile_operands import (NARROW, group_mmas, group_sums, 
 def _scores(n0, end, k_smem, slot, ks, kz, tm, head_c, q16, q_bias, q_sum, row_scale, BN: gl.constexpr,
             D: gl.constexpr, F: gl.constexpr, ROWS: gl.constexpr, H: gl.constexpr, KEY_G: gl.constexpr,
             KEY_BIAS: gl.constexpr, KASM: gl.constexpr, KCONS: gl.constexpr, MASKED: gl.constexpr,
-            KEY_NG: gl.constexpr, KDQ: gl.constexpr, KMG: gl.constexpr = 0, DRK: gl.constexpr = 0):
+            KEY_NG: gl.constexpr, KDQ: gl.constexpr, KMG: gl.constexpr = False, DRK: gl.constexpr = 0):
     """Key side of one tile: the logits t [BN tokens, ROWS] (log2 units), -inf past ``end``. F == 0:
     a plain bf16 key side (its words are bf16 pairs, read from shared memory as the MMA operand).
-    KDQ: a dequant plan (tile_dequant.py; one KV head per program). KMG: the real head_dim where the
-    KEY_NG groups cross a padded head_dim's bit fields (0 otherwise): one MMA per group over all of K,
-    the other groups' channels masked to zero (one KV head per program). DRK: the real head_dim of a
-    padded one (a dequant plan's groups follow the cache's channels)."""
+    KDQ: a dequant plan (tile_dequant.py; one KV head per program). KMG: the KEY_NG groups cross a
+    padded head_dim's bit fields: one MMA per group over all of K, the other groups' channels masked
+    to zero (one KV head per program). DRK: the real head_dim (a padded one's groups follow the
+    cache's channels)."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
     a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=8)
     b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=8)
@@ -113,14 +114,14 @@ def _scores(n0, end, k_smem, slot, ks, kz, tm, head_c, q16, q_bias, q_sum, row_s
                 s1 = gl.where((head_c == i)[None, :], h1, s1)
         t = gl.convert_layout(join_groups((s0 * q_bias[0][None, :] + q_sum[0][None, :],
                                            s1 * q_bias[1][None, :] + q_sum[1][None, :]), 2), mma, assert_trivial=True)
-    elif KEY_NG > 1 and KMG > 0:
+    elif KEY_NG > 1 and KMG:
         # token-wise K in groups across the padded bit fields: group g's MMA takes the keys of its own
         # channels (the rest zero) against the whole query; scaled per group before the groups meet (eq. 3, 6)
         gl.static_assert(H == 1, "groups across padded bit fields take one KV head per program")
         kw = k_smem.index(slot).load(kw_l)
         ka = gl.convert_layout(key_operand(kw, BN, D, F, KASM, KCONS), a_l, assert_trivial=True)
         field, chan = key_fields(gl.arange(0, D, layout=gl.SliceLayout(0, a_l)), D, D // F)
-        grp = (field * (KMG // F) + chan % (D // F)) // (KMG // KEY_NG)   # the cache channel's group
+        grp = channel_group(field, chan, D, F, KEY_NG, DRK)   # the cache channel's group
         acc = gl.zeros([BN, ROWS], gl.float32, layout=mma)
         for g in gl.static_range(KEY_NG):
             kg = gl.where((grp == g)[None, :], ka, gl.zeros_like(ka))
@@ -181,10 +182,11 @@ def _consume(t, v_smem, slot, vs, vz, m_i, l_i, zsum, acc_o, head_b, v_scale, v_
              D: gl.constexpr, F: gl.constexpr, ROWS: gl.constexpr, H: gl.constexpr, VAL_G: gl.constexpr,
              VA0: gl.constexpr, VA1: gl.constexpr, VA2: gl.constexpr, VA3: gl.constexpr, VCONS: gl.constexpr,
              AND_P: gl.constexpr, VAL_NG: gl.constexpr, VDQ: gl.constexpr, LEAN: gl.constexpr = False,
-             VMG: gl.constexpr = 0, DRV: gl.constexpr = 0):
+             VMG: gl.constexpr = False, DRV: gl.constexpr = 0):
     """Online softmax of one tile's logits ``t`` and its value side into (max, denominator, zero sum, O^T).
     VDQ: a dequant plan (tile_dequant.py; one KV head per program). LEAN: channel-wise V's group
-    parameters held 16-bit (both sides channel-wise past 128 channels, `value_params`). VMG: as _scores' KMG.
+    parameters held 16-bit (both sides channel-wise past 128 channels, `value_params`). VMG, DRV: as
+    _scores' KMG, DRK.
     ``AND_P``: mask each packed head's P by an AND per register instead of a select per half. With
     VAL_NG channel groups per token (token-wise V), vs, vz and zsum are tuples of VAL_NG."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
@@ -233,7 +235,7 @@ def _consume(t, v_smem, slot, vs, vz, m_i, l_i, zsum, acc_o, head_b, v_scale, v_
             vd = rebuild(va, a, b)
         pv = mma_v2(vd, pb, gl.zeros([D, ROWS], gl.float32, layout=mma))
         acc_o = acc_o * alpha[None, :] + pv
-    elif VAL_NG > 1 and VMG > 0:
+    elif VAL_NG > 1 and VMG:
         # token-wise V in groups across the padded bit fields: each group's product over all output rows
         # with P scaled by its scales, kept in the rows of its own channels (eq. 4, 6)
         gl.static_assert(H == 1, "groups across padded bit fields take one KV head per program")
@@ -241,7 +243,7 @@ def _consume(t, v_smem, slot, vs, vz, m_i, l_i, zsum, acc_o, head_b, v_scale, v_
         vw = load_value_words(v_smem.index(slot), BN, W)
         va = gl.convert_layout(value_operand(vw, BN, D, F, VA0, VA1, VA2, VA3, VCONS), a_l, assert_trivial=True)
         field, chan = value_fields(gl.arange(0, D, layout=gl.SliceLayout(1, mma)), D, D // F)
-        grp = (field * (VMG // F) + chan % (D // F)) // (VMG // VAL_NG)
+        grp = channel_group(field, chan, D, F, VAL_NG, DRV)
         pv = gl.zeros([D, ROWS], gl.float32, layout=mma)
         for g in gl.static_range(VAL_NG):
             pv = gl.where((grp == g)[:, None], mma_v2(va, pbs[g], gl.zeros([D, ROWS], gl.float32, layout=mma)), pv)
@@ -380,7 +382,7 @@ def _tile(n0, end, k_smem, v_smem, slot, ks, kz, vs, vz, m_i, l_i, zsum, acc_o, 
           KCONS: gl.constexpr, VA0: gl.constexpr, VA1: gl.constexpr, VA2: gl.constexpr, VA3: gl.constexpr,
           VCONS: gl.constexpr, MASKED: gl.constexpr, AND_P: gl.constexpr, KEY_NG: gl.constexpr,
           VAL_NG: gl.constexpr, KDQ: gl.constexpr = False, VDQ: gl.constexpr = False, LEAN: gl.constexpr = False,
-          KMG: gl.constexpr = 0, VMG: gl.constexpr = 0, DRQ: gl.constexpr = 0):
+          KMG: gl.constexpr = False, VMG: gl.constexpr = False, DRQ: gl.constexpr = 0):
     """One tile, key side then value side."""
     t = _scores(n0, end, k_smem, slot, ks, kz, tm, head_c, q16, q_bias, q_sum, row_scale, BN, D, KF, ROWS, H, KEY_G,
                 KEY_BIAS, KASM, KCONS, MASKED, KEY_NG, KDQ, KMG, DRQ)
@@ -425,9 +427,6 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
     # parameters are held 16-bit (they spilled 66-147 registers, AOT SASS)
     LEAN: gl.constexpr = D > 128 and ((KEY_G > 0 and VAL_G > 0) or (VAL_G > 0 and KEY_NG > 4) or
                                       (KEY_G > 0 and VAL_NG > 4))
-    # groups across a padded head_dim's bit fields (KMG, VMG): _scores and _consume take the real head_dim
-    KMGD: gl.constexpr = DR if KMG else 0
-    VMGD: gl.constexpr = DR if VMG else 0
     KWR: gl.constexpr = DR * KBITS // 32
     VWR: gl.constexpr = DR * VBITS // 32
     # P masked per head by ANDs with two packed heads: 3.6% fewer instructions per INT2 tile, 1-3% faster
@@ -545,7 +544,7 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
         if KEY_NG == 1:
             q_sum = gl.convert_layout(gl.sum(qv, axis=0) * qk_scale, row_l)
         elif KMG:   # groups across the padded bit fields: the whole Q'^T, each group's sum(q) over its channels
-            grp_q = (field * KCHR + chan % KCH) // (DR // KEY_NG)
+            grp_q = channel_group(field, chan, D, KF, KEY_NG, DR)
             q_sum = masked_sums(qv, grp_q, qk_scale, row_l, KEY_NG)
         else:   # per channel group: its piece of Q'^T for its own MMA, and its sum(q) (_scores)
             q16 = split_groups(q16, KEY_NG, 0)
@@ -649,7 +648,7 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
             m_i, l_i, zsum, acc_o = _tile(n0, end, k_smem, v_smem, (i % STAGES) * H, ks, kz, vs, vz, m_i, l_i, zsum,
                                           acc_o, tm, head_c, head_b, q16, q_bias, q_sum, row_scale, v_scale, v_zero,
                                           BN, D, KF, VF, ROWS, H, KEY_G, VAL_G, KEY_BIAS, KASM, KCONS, VA0, VA1, VA2, VA3,
-                                          VCONS, False, AND_P, KEY_NG, VAL_NG, KDQ, VDQ, LEAN, KMGD, VMGD, DR)
+                                          VCONS, False, AND_P, KEY_NG, VAL_NG, KDQ, VDQ, LEAN, KMG, VMG, DR)
             if SCALE_AHEAD:
                 ks, kz, vs, vz = ks2, kz2, vs2, vz2
             t = t_next
@@ -677,7 +676,7 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
         m_i, l_i, zsum, acc_o = _tile(full_end, end, k_smem, v_smem, 0, ks, kz, vs, vz, m_i, l_i, zsum, acc_o, tm,
                                       head_c, head_b, q16, q_bias, q_sum, row_scale, v_scale, v_zero, BN, D, KF, VF, ROWS,
                                       H, KEY_G, VAL_G, KEY_BIAS, KASM, KCONS, VA0, VA1, VA2, VA3, VCONS, True,
-                                      AND_P, KEY_NG, VAL_NG, KDQ, VDQ, LEAN, KMGD, VMGD, DR)
+                                      AND_P, KEY_NG, VAL_NG, KDQ, VDQ, LEAN, KMG, VMG, DR)
 
     # token-wise V: undo the field weights 2^(bits*field) per output row, add the zero term (eq. 6);
     # channel-wise V has both in acc_o already. The workspace sees the H packed heads as one head

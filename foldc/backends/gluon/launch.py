@@ -95,8 +95,7 @@ def default_pack_heads(cfg: FoldKernel, num_kv_heads: int) -> int:
         # eight channel groups per token (head_dim 256 in groups of 32): eight score accumulators and
         # eight P's per head; two packed heads spilled 194-257 registers, one head none (AOT SASS)
         return 1
-    if cfg.value_tokens == HALF_TILE_GROUP or (cfg.key_tokens and cfg.value_tokens == HALF_TILE_GROUP) or \
-            (cfg.key_tokens == HALF_TILE_GROUP and cfg.value_tokens):
+    if cfg.value_tokens == HALF_TILE_GROUP or (cfg.key_tokens == HALF_TILE_GROUP and cfg.value_tokens):
         # channel-wise V in groups of half a tile (two value products per head, each its own accumulator),
         # or both sides channel-wise with such groups: packed heads spilled (4 to 335 registers in the
         # token loop at 2 to 4 heads, AOT SASS); one head each

@@ -130,7 +130,7 @@ def _to_layout(x, layout: gl.constexpr, NG: gl.constexpr):
 
 
 @gluon.jit
-def _group(field, chan, D: gl.constexpr, F: gl.constexpr, NG: gl.constexpr, DR: gl.constexpr):
+def channel_group(field, chan, D: gl.constexpr, F: gl.constexpr, NG: gl.constexpr, DR: gl.constexpr):
     """The token-wise group of each register channel: its cache channel's, field * DR/F + its place in
     the field, on a padded head_dim (DR > 0 and != D); else chan // (D / NG)."""
     if DR > 0 and DR != D:
@@ -161,7 +161,7 @@ def key_token_dequant(ka, ks, kz, e, a_l: gl.constexpr, D: gl.constexpr, F: gl.c
     scale and zero (its group's, NG per token) times 2^e[token] (e: int32 [BN]). DR: the real
     head_dim of a padded one (a channel's group is its cache channel's)."""
     field, chan = key_fields(gl.arange(0, D, layout=gl.SliceLayout(0, a_l)), D, D // F)
-    return _rebuild_tokens(ka, ks, kz, e, field, _group(field, chan, D, F, NG, DR), gl.SliceLayout(1, a_l), 8 // F,
+    return _rebuild_tokens(ka, ks, kz, e, field, channel_group(field, chan, D, F, NG, DR), gl.SliceLayout(1, a_l), 8 // F,
                            NG, 0)
 
 
@@ -171,8 +171,18 @@ def value_token_dequant(va, vs, vz, e, a_l: gl.constexpr, D: gl.constexpr, F: gl
     """Token-wise V: the value operand va [D, BN] (integer codes, tokens on K) rebuilt per value
     with each token's scale and zero (its channel group's) times 2^e[token]."""
     field, chan = value_fields(gl.arange(0, D, layout=gl.SliceLayout(1, a_l)), D, D // F)
-    return _rebuild_tokens(va, vs, vz, e, field, _group(field, chan, D, F, NG, DR), gl.SliceLayout(0, a_l), 8 // F,
+    return _rebuild_tokens(va, vs, vz, e, field, channel_group(field, chan, D, F, NG, DR), gl.SliceLayout(0, a_l), 8 // F,
                            NG, 1)
+
+
+@gluon.jit
+def _scale_zero(S, Z, off, ok, MASKED: gl.constexpr):
+    """A channel-wise group's scales and zeros at ``off`` in float32 (zero where not ``ok``, if MASKED)."""
+    if MASKED:
+        out = gl.load(S + off, mask=ok, other=0).to(gl.float32), gl.load(Z + off, mask=ok, other=0).to(gl.float32)
+    else:
+        out = gl.load(S + off).to(gl.float32), gl.load(Z + off).to(gl.float32)
+    return out
 
 
 @gluon.jit
@@ -183,13 +193,9 @@ def key_group_dequant(qv, KSg, KZg, qk_scale, b_l: gl.constexpr, row_l: gl.const
     BITS: gl.constexpr = 8 // F
     field, chan = key_fields(gl.arange(0, D, layout=gl.SliceLayout(0, a_l)), D, D // F)
     if CH != CHR:   # a padded head_dim: the padding channels load zero
-        ok = chan % CH < CHR
-        cc = (chan // CH) * CHR + chan % CH
-        s = gl.load(KSg + cc, mask=ok, other=0).to(gl.float32)
-        z = gl.load(KZg + cc, mask=ok, other=0).to(gl.float32)
+        s, z = _scale_zero(KSg, KZg, (chan // CH) * CHR + chan % CH, chan % CH < CHR, True)
     else:
-        s = gl.load(KSg + chan).to(gl.float32)
-        z = gl.load(KZg + chan).to(gl.float32)
+        s, z = _scale_zero(KSg, KZg, chan, None, False)
     e = dequant_exponent(gl.max(_magnitude(s, z, BITS), axis=0), KEY_E_LO, KEY_E_HI)
     a = (s * pow2(e - field * BITS)).to(gl.float16)
     b = (z * pow2(e)).to(gl.float16)
@@ -204,12 +210,7 @@ def value_group_dequant(VSg, VZg, chan_o, cm, ok, D: gl.constexpr, F: gl.constex
     """Channel-wise V, one token group: per output row (cache channel chan_o, operand row cm) the
     fp16 ``a``, ``b`` of `rebuild`, and P's factor 2^-e (one per group)."""
     BITS: gl.constexpr = 8 // F
-    if PAD:
-        s = gl.load(VSg + chan_o, mask=ok, other=0).to(gl.float32)
-        z = gl.load(VZg + chan_o, mask=ok, other=0).to(gl.float32)
-    else:
-        s = gl.load(VSg + chan_o).to(gl.float32)
-        z = gl.load(VZg + chan_o).to(gl.float32)
+    s, z = _scale_zero(VSg, VZg, chan_o, ok, PAD)
     e = dequant_exponent(gl.max(_magnitude(s, z, BITS), axis=0), VALUE_E_LO, VALUE_E_HI)
     field = cm // (D // F)
     return (s * pow2(e - field * BITS)).to(gl.float16), (z * pow2(e)).to(gl.float16), pow2(-e)
