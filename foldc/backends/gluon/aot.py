@@ -135,3 +135,38 @@ def compile_gluon_aot(spec, arch: str, out_dir: str | Path, dtype: str = "bf16",
     }
     (out / f"foldc_decode_gluon.{arch}.json").write_text(json.dumps(report, indent=2))
     return report
+
+
+def compile_warpgroup_aot(out_dir: str | Path) -> dict:
+    """Build the warpgroup template (warpgroup.py) for sm_90 into ``out_dir``, with the launcher's tile
+    and stages, and report its matrix instructions, registers and token loop."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise SpecError("ahead-of-time compilation needs TRITON_INTERPRET unset in this process")
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from .warpgroup import foldc_decode_warpgroup
+    from .warpgroup_launch import BLOCK_N, ROWS, STAGES
+
+    check_out_dir(out_dir)
+    consts = {"HAS_LENS": True, "ROWS": ROWS, "BN": BLOCK_N, "STAGES": STAGES}
+    signature, attrs = {}, {}
+    for i, name in enumerate(foldc_decode_warpgroup.arg_names):
+        if name in consts:
+            signature[name] = "constexpr"
+            continue
+        signature[name] = {"Q": "*bf16", "KC": "*i32", "VC": "*i32", "SEQ_LENS": "*i32", "qk_scale": "fp32"}.get(
+            name, "*fp16" if name in SCALE_POINTERS else "*fp32" if name.startswith("WS_") else "i32")
+        if name not in ("qk_scale", "cache_tokens"):
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    with build_errors("the warpgroup template for sm_90"):
+        compiled = triton.compile(GluonASTSource(foldc_decode_warpgroup, signature, constexprs=consts, attrs=attrs),
+                                  target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    cubin = write_artifacts(Path(out_dir), "foldc_decode_warpgroup", "sm_90", compiled)
+    loop = Counter(o for _, o, _ in loop_instructions(cubin))
+    ptx = compiled.asm["ptx"]
+    return {"kernel": "warpgroup", "arch": "sm_90", "block_n": BLOCK_N, "stages": STAGES, "rows": ROWS,
+            "registers": registers(cubin),
+            "mma": {"mma.sync": len(re.findall(r"\bmma\.sync", ptx)), "wgmma": len(re.findall(r"\bwgmma\.mma_async", ptx))},
+            "inner_loop": {"instructions_per_warp": sum(loop.values()), "top_opcodes": dict(loop.most_common(24))}}

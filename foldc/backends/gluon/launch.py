@@ -19,6 +19,7 @@ from ..runtime.fast_launch import FastLaunch
 from ..runtime.merge import MERGE_SOURCE, launch_merge
 from ..runtime.modules import load_module, num_sms
 from .lower import FP16_REASON, HALF_TILE_GROUP, FoldKernel, gluon_plan, lower
+from .warpgroup_launch import WarpgroupLaunch, warpgroup_applies
 from .operands import KEY_EXPONENT, VALUE_EXPONENT, key_unpack_asm, value_unpack_asm
 
 DTYPES = (torch.bfloat16,)   # lower.QUERY_DTYPES: fp16 queries run the Triton kernel (lower.FP16_REASON)
@@ -231,6 +232,11 @@ class GluonAttention:
         # the merge as a programmatic dependent launch of the decode kernel: its launch overlaps the
         # decode's last programs (0.2-0.4 µs of a batch-1 call on the H200, docs/perf.md)
         self.pdl = True
+        # 32 query rows per KV head at token-wise INT2: the four-warp wgmma template for calls on a contiguous
+        # cache with the launcher's defaults (warpgroup_launch.py); None: the one-warp program only
+        self.warpgroup = WarpgroupLaunch(spec) if (
+            warpgroup_applies(self.config, spec, target) and not self.explicit and splits is None
+            and not dynamic_tiles) else None
 
     @property
     def default_block_n(self) -> int:
@@ -306,6 +312,12 @@ class GluonAttention:
                                  "32-bit words: pass a tensor that owns its storage (e.g. .clone())")
         if q.stride(-1) != 1:
             raise InputError(f"q must have unit stride along head_dim; got strides {q.stride()}")
+        if self.warpgroup is not None and self.warpgroup.takes(k, v):
+            lens = call.seq_lens.to(device=device, dtype=torch.int32) if call.seq_lens is not None else None
+            out = output_buffer(out, (call.batch, self.spec.num_q_heads, self.config.head_dim), q)
+            lse = torch.empty(call.batch, self.spec.num_q_heads, device=device, dtype=torch.float32)
+            self.warpgroup(q, k, v, lens, call.sm_scale, out, lse, call.tokens, self._kernels()[1])
+            return (out, lse) if return_lse else out
         launch = self.launch_config(q.dtype, call.batch, call.tokens)
         b, cfg = call.batch, self.config
         # no lengths: the kernel reads none (no fill and cast kernels before it, which count at batch 1)

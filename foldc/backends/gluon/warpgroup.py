@@ -1,21 +1,23 @@
-"""Probe: the fold on warpgroup MMA (wgmma, sm_90), four warps per program, for query-heads-per-KV-head
-ratios of 8 to 32 (one wgmma N of ROWS), token-wise INT2 keys and values in one group per token,
-head_dim 128. An experiment, not a production kernel: does wgmma lift GQA16/32 past the mma.sync
-kernel's 19-37% of the HBM ceiling (docs/perf.md)?
+"""The warpgroup template of the register-operand kernel (sm_90): token-wise INT2 keys and values in one
+group per token, head_dim 128, 32 query rows per KV head. Four warps per program share one wgmma
+(docs/register_operands.md, "Warpgroup template"):
 
-Scores  S^T[tok, r] = K'[tok, k] . Q'^T[k, r]   A = unpacked key codes (registers), B = query (shared)
-Values  O^T[m, r]  += V'^T[m, tok] . P'^T[tok, r] A = unpacked value codes (registers), B = P x s_tok (shared)
+  scores  S^T[tok, r] = K'[tok, k] . Q'^T[k, r]    A: the unpacked key codes in registers; B: the query
+  values  O^T[m, r]  += V'^T[m, tok] . P'^T[tok, r] A: the unpacked value codes in registers; B: P x s_tok
 
-Codes enter as fp16 subnormals (code x 2^(2i) x 2^-24, operands.py); field weights go into the query
-(keys) and onto the output rows (values). The softmax max is reduced across the four warps each tile;
-the denominators and sum(P x z_tok) stay per element until the end.
+both in shared memory. The codes enter as fp16 subnormals, code x 2^(2i) x 2^-24 with i the bit field
+(operands.py); the field weights go into the query (keys) and onto the output rows (values), the
+zero corrections are added before the softmax (keys, eq. 6) and before the merge's division (values).
+Each thread holds a key word pair of two tokens and one byte of the value words of its tokens (the
+MMA's lane rows are channels there), so the wgmma's A fragments are the unpack's results with no data
+movement. Per tile: the warps' score maxima meet through shared memory (barrier 1), then P and the
+next tile's copies (barrier 2). Against the one-warp program's two row blocks of 16 at 32 query rows
+per KV head this unpacks each code once and issues one wgmma for four warps' MMA work.
 
-  python3 benchmarks/warpgroup_probe.py --aot           # CPU: build for sm_90, print registers and loop SASS
-  PYTHONPATH=. python3 benchmarks/warpgroup_probe.py    # GPU: check against float64, time beside the kernels
+Import this module only where Triton runs natively (not under TRITON_INTERPRET=1).
 """
 from __future__ import annotations
 
-import argparse
 import math
 
 from triton.experimental import gluon
@@ -134,66 +136,84 @@ def _issue(slot, n0, end, KC, VC, KS, KZ, VS, VZ, cbase, sbase, k_smem, v_smem, 
 
 @gluon.jit
 def _tile(j, n0, end, next_n0, KC, VC, KS, KZ, VS, VZ, cbase, sbase, k_smem, v_smem, ks_smem, kz_smem, vs_smem,
-          vz_smem, q_smem, p_smem, red_smem, sel, row_c, row_z, m_i, l_p, z_p, o, MASKED: gl.constexpr,
-          ROWS: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, ISSUE: gl.constexpr):
+          vz_smem, q_smem, p_smem, red_smem, sel, row_c, row_z, m_i, l_p, z_p, o, MASKED: gl.constexpr, ROWS: gl.constexpr,
+          BN: gl.constexpr, STAGES: gl.constexpr, ISSUE: gl.constexpr):
     """One tile. On entry tile j's copies are complete and visible (the previous tile's second barrier).
     Barrier 1: the warps' score maxima; barrier 2: P in shared memory and tile j + 1's copies."""
     acc_s: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, ROWS, 16])
     a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_s, k_width=2)
     kw_l: gl.constexpr = key_words_layout(BN)
     tok_l: gl.constexpr = gl.SliceLayout(1, acc_s)
-    row_l: gl.constexpr = gl.SliceLayout(0, acc_s)
     lp_l: gl.constexpr = partial_layout(BN, ROWS)
-    ex_l: gl.constexpr = exchange_layout(ROWS)
     slot = j % STAGES
     kw = k_smem.index(slot).load(kw_l)
     ks = ks_smem.index(slot).reshape([BN]).load(tok_l).to(gl.float32)
     kz = kz_smem.index(slot).reshape([BN]).load(tok_l).to(gl.float32)
+    vs = vs_smem.index(slot).reshape([BN]).load(tok_l).to(gl.float32)
+    vz = vz_smem.index(slot).reshape([BN]).load(tok_l).to(gl.float32)
     sacc = warpgroup_mma(_key_operand(kw, a_l, BN), q_smem, gl.zeros([BN, ROWS], gl.float32, layout=acc_s))
     t = sacc * ks[:, None] + kz[:, None] * row_z[None, :]      # logits / row_c
     if MASKED:
         tok = gl.arange(0, BN, layout=tok_l)
         t = gl.where(((n0 + tok) < end)[:, None], t, float("-inf"))
-    # the tile's max per column: over the thread's tokens and the lane rows (shuffles), then the warps
+    tmax = _tile_max(t, red_smem, ROWS, BN)
+    # every warp is past tile j - 1 (barrier 1): its slot takes tile j + STAGES - 1
+    _copy_next(j, next_n0, end, KC, VC, KS, KZ, VS, VZ, cbase, sbase, k_smem, v_smem, ks_smem, kz_smem, vs_smem,
+               vz_smem, BN, STAGES, ISSUE)
+    m_new = gl.maximum(m_i, tmax)
+    mc = m_new * row_c
+    alpha = gl.exp2(m_i * row_c - mc)
+    p = gl.exp2(t * row_c[None, :] - mc[None, :])
+    a3 = gl.convert_layout(alpha, gl.SliceLayout(0, gl.SliceLayout(1, lp_l)))[None, None, :]
+    p_smem.store((p * vs[:, None]).to(gl.float16))
+    # per-lane partial sums over the thread's own tokens (register bits of M): no shuffles per tile
+    l_p = l_p * a3 + gl.convert_layout(gl.sum(gl.reshape(p, [BN // 16, 2, 8, ROWS]), axis=1), lp_l,
+                                       assert_trivial=True)
+    z_p = z_p * a3 + gl.convert_layout(gl.sum(gl.reshape(p * vz[:, None], [BN // 16, 2, 8, ROWS]), axis=1), lp_l,
+                                  assert_trivial=True)
+    fence_async_shared()
+    async_copy.wait_group(STAGES - 2)
+    gl.thread_barrier()
+    otile = warpgroup_mma(_value_operand(v_smem.index(slot), sel, a_l, BN), p_smem,
+                          gl.zeros([128, ROWS], gl.float32, layout=acc_s))
+    # a fresh accumulator per tile, added in fp32 (the tensor core's own running sum loses low bits)
+    o = o * alpha[None, :] + otile
+    return m_new, l_p, z_p, o
+
+
+@gluon.jit
+def _copy_next(j, next_n0, end, KC, VC, KS, KZ, VS, VZ, cbase, sbase, k_smem, v_smem, ks_smem, kz_smem, vs_smem,
+               vz_smem, BN: gl.constexpr, STAGES: gl.constexpr, ISSUE: gl.constexpr):
+    if ISSUE:   # masked: past the split's end it copies nothing
+        _issue((j + STAGES - 1) % STAGES, next_n0, end, KC, VC, KS, KZ, VS, VZ, cbase, sbase, k_smem, v_smem,
+               ks_smem, kz_smem, vs_smem, vz_smem, True, BN)
+    else:
+        async_copy.commit_group()
+
+
+@gluon.jit
+def _tile_max(t, red_smem, ROWS: gl.constexpr, BN: gl.constexpr):
+    """The tile's max per column: over the thread's tokens and the lane rows (shuffles), then over the
+    four warps through shared memory (one barrier)."""
+    acc_s: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, ROWS, 16])
     if BN == 64:
         wmax = gl.max(gl.max(gl.reshape(t, [4, 2, 8, ROWS]), axis=1), axis=1)             # [4 warps, ROWS]
     else:
         wmax = gl.max(gl.max(gl.max(gl.reshape(t, [BN // 64, 4, 2, 8, ROWS]), axis=0), axis=1), axis=1)
     red_smem.store(wmax)
     gl.thread_barrier()
-    # every warp is past tile j - 1: its slot takes tile j + STAGES - 1
-    if ISSUE:   # masked: past the split's end it copies nothing
-        _issue((j + STAGES - 1) % STAGES, next_n0, end, KC, VC, KS, KZ, VS, VZ, cbase, sbase, k_smem, v_smem,
-               ks_smem, kz_smem, vs_smem, vz_smem, True, BN)
-    else:
-        async_copy.commit_group()
-    tmax = gl.convert_layout(gl.max(red_smem.load(ex_l), axis=0), row_l)
-    m_new = gl.maximum(m_i, tmax)
-    mc = m_new * row_c
-    alpha = gl.exp2(m_i * row_c - mc)
-    p = gl.exp2(t * row_c[None, :] - mc[None, :])
-    vs = vs_smem.index(slot).reshape([BN]).load(tok_l).to(gl.float32)
-    vz = vz_smem.index(slot).reshape([BN]).load(tok_l).to(gl.float32)
-    p_smem.store((p * vs[:, None]).to(gl.float16))
-    # per-lane partial sums over the thread's own tokens (register bits of M): no shuffles per tile
-    a3 = gl.convert_layout(alpha, gl.SliceLayout(0, gl.SliceLayout(1, lp_l)))[None, None, :]
-    l_p = l_p * a3 + gl.convert_layout(gl.sum(gl.reshape(p, [BN // 16, 2, 8, ROWS]), axis=1), lp_l,
-                                       assert_trivial=True)
-    z_p = z_p * a3 + gl.convert_layout(gl.sum(gl.reshape(p * vz[:, None], [BN // 16, 2, 8, ROWS]), axis=1), lp_l,
-                                       assert_trivial=True)
-    async_copy.wait_group(STAGES - 2)
-    fence_async_shared()
-    gl.thread_barrier()
-    otile = warpgroup_mma(_value_operand(v_smem.index(slot), sel, a_l, BN), p_smem,
-                          gl.zeros([128, ROWS], gl.float32, layout=acc_s))
-    o = o * alpha[None, :] + otile
-    return m_new, l_p, z_p, o
+    return gl.convert_layout(gl.max(red_smem.load(exchange_layout(ROWS)), axis=0), gl.SliceLayout(0, acc_s))
 
 
 @gluon.jit
-def warpgroup_decode(Q, KC, KS, KZ, VC, VS, VZ, WS_M, WS_L, WS_ACC, stride_qb, stride_qh, stride_cb, stride_ch,
-                     stride_sb, stride_sh, qk_scale, tokens_per_split, seq_len,
-                     ROWS: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr):
+def foldc_decode_warpgroup(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, stride_qb, stride_qh, stride_cb,
+                           stride_ch, stride_sb, stride_sh, qk_scale, tokens_per_split, cache_tokens,
+                           HAS_LENS: gl.constexpr, ROWS: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr):
+    """Program (batch, KV head, split) of four warps: the split's tokens in tiles of BN, each tile's
+    scores on wgmma with the key codes as the register A operand and the query in shared memory, P x
+    s_tok through shared memory as the value product's B operand. Writes the split's (max in log2
+    units, denominator, accumulator) for the merge kernel (eq. 14). stride_sb, stride_sh: the scales' strides
+    in rows of eight (16 bytes, the copies' width)."""
     D: gl.constexpr = 128
     b = gl.program_id(0)
     h = gl.program_id(1)
@@ -232,12 +252,16 @@ def warpgroup_decode(Q, KC, KS, KZ, VC, VS, VZ, WS_M, WS_L, WS_ACC, stride_qb, s
     row_z = gl.convert_layout(gl.sum(q, axis=0) * gl.exp2(e_row - 24.0), row_l)
 
     start = split * tokens_per_split
+    if HAS_LENS:
+        seq_len = gl.load(SEQ_LENS + b)
+    else:
+        seq_len = cache_tokens
     end = gl.minimum(start + tokens_per_split, seq_len)
     beta = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, vw_l)))
     sel = gl.zeros([8, 4, BN], gl.int32, layout=vw_l) + \
         (beta | (beta << 4) | ((4 + beta) << 8) | ((4 + beta) << 12))[None, :, None]
     cbase = b * stride_cb + h * stride_ch
-    sbase = b * stride_sb + h * stride_sh
+    sbase = (b * stride_sb + h * stride_sh) * 8    # strides in 16-byte rows of eight scales
 
     m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=row_l)
     l_p = gl.zeros([BN // 16, 8, ROWS], gl.float32, layout=partial_layout(BN, ROWS))
@@ -258,8 +282,8 @@ def warpgroup_decode(Q, KC, KS, KZ, VC, VS, VZ, WS_M, WS_L, WS_ACC, stride_qb, s
         j += 1
     if full_end < end:
         m_i, l_p, z_p, o = _tile(j, full_end, end, end, KC, VC, KS, KZ, VS, VZ, cbase, sbase, k_smem, v_smem,
-                                 ks_smem, kz_smem, vs_smem, vz_smem, q_smem, p_smem, red_smem, sel, row_c, row_z,
-                                 m_i, l_p, z_p, o, True, ROWS, BN, STAGES, False)
+                                 ks_smem, kz_smem, vs_smem, vz_smem, q_smem, p_smem, red_smem, sel, row_c,
+                                 row_z, m_i, l_p, z_p, o, True, ROWS, BN, STAGES, False)
     async_copy.wait_group(0)
 
     l_i = gl.convert_layout(gl.sum(gl.sum(l_p, axis=0), axis=0), row_l)
@@ -273,138 +297,3 @@ def warpgroup_decode(Q, KC, KS, KZ, VC, VS, VZ, WS_M, WS_L, WS_ACC, stride_qb, s
     gl.store(WS_ACC + (base + rr)[None, :] * D + mchan[:, None], res)
     gl.store(WS_M + base + rr, m_i * row_c)
     gl.store(WS_L + base + rr, l_i)
-
-
-def aot(rows: int, block_n: int) -> None:
-    import re
-    import tempfile
-    from pathlib import Path
-
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    from foldc.backends.gluon.aot import registers
-    from foldc.backends.runtime.artifacts import write_artifacts
-    from foldc.backends.runtime.sass import loop_instructions
-
-    sig = {n: "i32" for n in warpgroup_decode.arg_names}
-    for n in ("Q",):
-        sig[n] = "*bf16"
-    for n in ("KC", "VC"):
-        sig[n] = "*i32"
-    for n in ("KS", "KZ", "VS", "VZ"):
-        sig[n] = "*fp16"
-    for n in ("WS_M", "WS_L", "WS_ACC"):
-        sig[n] = "*fp32"
-    sig["qk_scale"] = "fp32"
-    consts = {"ROWS": rows, "BN": block_n, "STAGES": 3}
-    for n in consts:
-        sig[n] = "constexpr"
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(warpgroup_decode.arg_names)
-             if sig[n] != "constexpr" and n not in ("qk_scale", "seq_len")}
-    compiled = triton.compile(GluonASTSource(warpgroup_decode, sig, constexprs=consts, attrs=attrs),
-                              target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-    out = Path(tempfile.mkdtemp())
-    cubin = write_artifacts(out, "warpgroup_decode", "sm_90", compiled)
-    body = loop_instructions(cubin)
-    from collections import Counter
-    loop = Counter(o for _, o, _ in body)
-    ptx = compiled.asm["ptx"]
-    print(f"rows={rows} block_n={block_n}: registers {registers(cubin)}, wgmma {len(re.findall(r'wgmma.mma_async', ptx))}, "
-          f"loop instructions {sum(loop.values())}: {dict(loop.most_common(16))}  ({out})")
-
-
-def gpu(shapes, block_n: int, stages: int, out_path: str | None) -> None:
-    import json
-
-    import torch
-
-    import foldc
-    from foldc.backends.runtime.merge import MERGE_SOURCE, launch_merge
-    from foldc.backends.runtime.modules import load_module
-    from foldc.bench import stream_read_ceiling
-    from foldc.spec import spec_from_args
-    from foldc.timing import graph_us
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    merge = load_module("import triton\nimport triton.language as tl\n" + MERGE_SOURCE, interpret=False).foldc_merge
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    ceiling = stream_read_ceiling()
-    rows_out = []
-    for batch, tokens, hq, hkv in shapes:
-        rows = hq // hkv
-        spec = spec_from_args("token:2:128", "token:2:128", f"{hq}/{hkv}", 128)
-        gen = torch.Generator(device="cuda").manual_seed(7)
-        q = torch.randn(batch, hq, 128, device="cuda", generator=gen).to(torch.bfloat16)
-        raw = [torch.randn(batch, hkv, tokens, 128, device="cuda", generator=gen) for _ in range(2)]
-        k, v = (foldc.quantize(x, spec.k) for x in raw)
-        kc, vc = (x.codes.view(torch.int32) for x in (k, v))
-        resident = 2 if rows == 32 else 4
-        splits = max(1, min(tokens // block_n, -(-sms * resident // (batch * hkv))))
-        per_split = -(-tokens // splits // block_n) * block_n
-        splits = -(-tokens // per_split)
-        ws_m = torch.empty(batch, hkv, splits, rows, device="cuda")
-        ws_l = torch.empty_like(ws_m)
-        ws_acc = torch.empty(batch, hkv, splits, rows, 128, device="cuda")
-        out = torch.empty(batch, hq, 128, device="cuda", dtype=torch.bfloat16)
-        lse = torch.empty(batch, hq, device="cuda")
-        sm_scale = 128 ** -0.5
-
-        def run():
-            warpgroup_decode[(batch, hkv, splits)](
-                q, kc, k.scale, k.zero, vc, v.scale, v.zero, ws_m, ws_l, ws_acc, q.stride(0), q.stride(1),
-                kc.stride(0), kc.stride(1), k.scale.stride(0), k.scale.stride(1), sm_scale * 1.4426950408889634,
-                per_split, tokens, ROWS=rows, BN=block_n, STAGES=stages, num_warps=4)
-            launch_merge(merge, ws_m, ws_l, ws_acc, out, lse, rows)
-            return out
-
-        run()
-        torch.cuda.synchronize()
-        # float64 reference on the dequantized cache
-        kd, vd = (x.dequantize(torch.float64) for x in (k, v))
-        qd = q.double().view(batch, hkv, rows, 128)
-        s = torch.einsum("bhrd,bhnd->bhrn", qd, kd) * sm_scale
-        ref = torch.einsum("bhrn,bhnd->bhrd", torch.softmax(s, -1), vd).reshape(batch, hq, 128)
-        del kd, vd, s
-        err = (out.double() - ref).abs().max().item()
-        attn = foldc.compile(spec, "sm_90")
-        cur = attn(q, k, v)
-        err_cur = (cur.double() - ref).abs().max().item()
-        row = dict(batch=batch, tokens=tokens, heads=f"{hq}/{hkv}", splits=splits, err=err, err_foldc=err_cur,
-                   ref_absmax=ref.abs().max().item())
-        read = sum(x.numel() * x.element_size() for t in (k, v) for x in (t.codes, t.scale, t.zero)) + 2 * q.numel() * 2
-        row["probe_us"] = graph_us(run)
-        row["probe_pct"] = 100 * read / (row["probe_us"] * 1e-6) / ceiling
-        row["foldc_us"] = graph_us(lambda: attn(q, k, v))
-        row["foldc_pct"] = 100 * read / (row["foldc_us"] * 1e-6) / ceiling
-        kb, vb = (x.to(torch.bfloat16) for x in raw)
-        q4 = q.unsqueeze(2)
-
-        def cudnn():
-            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                return torch.nn.functional.scaled_dot_product_attention(q4, kb, vb, enable_gqa=True)
-        row["cudnn_us"] = graph_us(cudnn)
-        print(json.dumps(row), flush=True)
-        rows_out.append(row)
-        ref = cur = None
-        torch.cuda.empty_cache()
-    if out_path:
-        with open(out_path, "w") as f:
-            json.dump(dict(block_n=block_n, stages=stages, ceiling=ceiling, rows=rows_out), f, indent=1)
-
-
-if __name__ == "__main__":
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--aot", action="store_true")
-    ap.add_argument("--rows", type=int, nargs="*", default=[16, 32])
-    ap.add_argument("--block-n", type=int, default=64)
-    ap.add_argument("--stages", type=int, default=3)
-    ap.add_argument("--shapes", default="2x1000x32x2,2x777x64x4,8x65536x64x4,8x65536x128x4,8x65536x32x4")
-    ap.add_argument("--out", default=None)
-    args = ap.parse_args()
-    if args.aot:
-        for r in args.rows:
-            aot(r, args.block_n)
-    else:
-        gpu([tuple(map(int, s.split("x"))) for s in args.shapes.split(",")], args.block_n, args.stages, args.out)

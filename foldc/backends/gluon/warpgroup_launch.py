@@ -1,0 +1,73 @@
+"""Which plans take the warpgroup template (warpgroup.py) and how a call launches it: splits that fill one
+wave of resident programs, the workspace the merge kernel reads (the same layout as the one-warp
+program's, one head of 32 rows per KV head).
+
+The template lowers token-wise INT2 keys and values in one group per token (fp16 scales and zeros, no
+code bias) at head_dim 128 with 32 query rows per KV head, on sm_90 (wgmma; B200 keeps the one-warp
+mma.sync program), contiguous caches whose token capacity is a multiple of 8 (the scales travel in
+16-byte rows). Every other plan and call, paged ones included, runs the one-warp program.
+"""
+from __future__ import annotations
+
+import torch
+
+from .lower import FoldKernel
+
+ROWS = 32          # query rows per KV head: one wgmma N
+BLOCK_N = 128      # tokens per tile: two wgmma M of 64 (H200: 95.1 against 105.4 µs at 64/4, docs/perf.md)
+STAGES = 4         # tiles in flight by cp.async (134.1 against 149.5 µs with 2 at 128/4 8 x 64K)
+RESIDENT = 2       # programs per SM: 255 registers x 128 threads (tests/backends/test_gluon_warpgroup.py)
+SCALE_ROW = 8      # tokens per 16-byte copy of a scale row
+
+
+def warpgroup_applies(cfg: FoldKernel, spec, target: str) -> bool:
+    """The plan's lowering (``cfg``) is the template's: every field read from the plan, none re-planned."""
+    return (target == "sm_90" and spec.q_per_kv == ROWS and cfg.key_bits == cfg.value_bits == 2
+            and cfg.head_dim == 128 and not cfg.padded_dim and cfg.key_tokens == 0 and cfg.value_tokens == 0
+            and cfg.key_groups == cfg.value_groups == 1 and cfg.key_bias == 0
+            and not (cfg.key_dequant or cfg.value_dequant or cfg.key_masked_groups or cfg.value_masked_groups)
+            and spec.k.scale_dtype == spec.v.scale_dtype == torch.float16)
+
+
+class WarpgroupLaunch:
+    """Launch the warpgroup decode kernel and the shared merge kernel for one call (no checks: the
+    caller, `GluonAttention`, validated the call)."""
+
+    def __init__(self, spec):
+        self.spec = spec
+        self._kernel = None
+
+    @staticmethod
+    def takes(k, v) -> bool:
+        """A contiguous cache whose scale rows start 16-byte aligned (capacity a multiple of 8 tokens)."""
+        return k.codes.shape[2] % SCALE_ROW == 0 and all(
+            t.data_ptr() % 16 == 0 for x in (k, v) for t in (x.codes, x.scale, x.zero))
+
+    def split_plan(self, batch: int, tokens: int, device) -> tuple[int, int]:
+        """(splits, tokens per split): one wave of RESIDENT programs per SM, whole tiles per split."""
+        from ..runtime.modules import num_sms
+
+        sms = num_sms(device)
+        splits = max(1, min(-(-tokens // BLOCK_N), sms * RESIDENT // (batch * self.spec.num_kv_heads)))
+        per_split = -(-tokens // splits // BLOCK_N) * BLOCK_N
+        return -(-tokens // per_split), per_split
+
+    def __call__(self, q, k, v, lens, sm_scale: float, out, lse, tokens: int, merge) -> None:
+        from ..runtime.merge import launch_merge
+
+        if self._kernel is None:
+            from .warpgroup import foldc_decode_warpgroup
+
+            self._kernel = foldc_decode_warpgroup
+        b, hkv = q.shape[0], self.spec.num_kv_heads
+        splits, per_split = self.split_plan(b, tokens, q.device)
+        ws_m = torch.empty(b, hkv, splits, ROWS, device=q.device, dtype=torch.float32)
+        ws = (ws_m, torch.empty_like(ws_m), torch.empty(b, hkv, splits, ROWS, 128, device=q.device,
+                                                         dtype=torch.float32))
+        kc, vc = k.codes.view(torch.int32), v.codes.view(torch.int32)
+        self._kernel[(b, hkv, splits)](
+            q, kc, k.scale, k.zero, vc, v.scale, v.zero, q if lens is None else lens, *ws, q.stride(0), q.stride(1),
+            kc.stride(0), kc.stride(1), k.scale.stride(0) // SCALE_ROW, k.scale.stride(1) // SCALE_ROW,
+            sm_scale * 1.4426950408889634,
+            per_split, tokens, HAS_LENS=lens is not None, ROWS=ROWS, BN=BLOCK_N, STAGES=STAGES, num_warps=4)
+        launch_merge(merge, *ws, out, lse, ROWS)

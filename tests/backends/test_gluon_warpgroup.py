@@ -1,0 +1,117 @@
+"""The warpgroup template of the register-operand kernel (warpgroup.py, warpgroup_launch.py): which plans
+and calls take it (CPU), its ahead-of-time sm_90 build against the design (CPU, a fresh subprocess:
+TRITON_INTERPRET must be unset when triton is imported), and its answer against float64 (sm_90 GPU)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from _kernel_cases import check_graph_replay, run_with_lens
+
+import foldc
+from foldc.backends.gluon.launch import GluonAttention
+from foldc.spec import spec_from_args
+from foldc.testing import random_inputs, rel_l2, run_case
+
+ROOT = Path(__file__).resolve().parents[2]
+GPU = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+TOLERANCE = 1.10   # as the other register-operand GPU tests: at most 1.10x plain bf16 attention's error
+
+
+@pytest.mark.parametrize("k,v,heads,target,takes", [
+    ("token:2:128", "token:2:128", "128/4", "sm_90", True),
+    ("token:2:128", "token:2:128", "32/1", "sm_90", True),
+    ("token:2:128", "token:2:128", "128/4", "sm_100", False),     # B200: no wgmma, the one-warp program
+    ("token:2:128", "token:2:128", "64/4", "sm_90", False),      # 16 rows: the one-warp program
+    ("token:4:128", "token:4:128", "128/4", "sm_90", False),
+    ("token:2:128", "token:4:128", "128/4", "sm_90", False),
+    ("channel:2:128", "token:2:128", "128/4", "sm_90", False),
+    ("token:2:128", "channel:2:128", "128/4", "sm_90", False),
+    ("token:2:64", "token:2:64", "128/4", "sm_90", False),
+    ("token:2:128:bf16", "token:2:128", "128/4", "sm_90", False),
+    ("token:2:128", "token:2:128:fp32", "128/4", "sm_90", False),
+    ("none", "token:2:128", "128/4", "sm_90", False),
+])
+def test_the_template_takes_exactly_its_plans(k, v, heads, target, takes):
+    attn = GluonAttention(spec_from_args(k, v, heads, 128), target=target)
+    assert (attn.warpgroup is not None) == takes
+
+
+def test_explicit_options_keep_the_one_warp_program():
+    spec = spec_from_args("token:2:128", "token:2:128", "128/4", 128)
+    assert GluonAttention(spec).warpgroup is not None
+    for options in ({"block_n": 32}, {"stages": 3}, {"splits": 4}, {"maxnreg": 200}, {"dynamic_tiles": True}):
+        assert GluonAttention(spec, **options).warpgroup is None, options
+
+
+SCRIPT = r"""
+import json, sys, tempfile
+from foldc.backends.gluon.aot import compile_warpgroup_aot
+print(json.dumps(compile_warpgroup_aot(tempfile.mkdtemp())))
+"""
+
+
+@pytest.fixture(scope="module")
+def build(tmp_path_factory):
+    root = tmp_path_factory.mktemp("warpgroup_aot")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    env["TRITON_CACHE_DIR"] = str(root / "triton")
+    done = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_aot_build_is_the_designed_kernel(build):
+    """wgmma only; per 128-token tile 16 HGMMA for the scores (two M of 64, eight K steps of 16 channels)
+    and 16 for the values (two M of 64 channels, eight K steps of 16 tokens); one LOP3 per two codes
+    (128 tokens x 2 x 128 codes over 128 threads, two per LOP3: 128), no spills, two programs per SM."""
+    loop = build["inner_loop"]["top_opcodes"]
+    assert build["mma"]["wgmma"] > 0 and build["mma"]["mma.sync"] == 0
+    assert loop.get("HGMMA") == 32 and "HMMA" not in loop, loop
+    assert 128 <= loop.get("LOP3", 0) <= 128 + 16, loop
+    assert "LDL" not in loop and "STL" not in loop, loop
+    assert build["registers"] <= 255 and 65536 // (build["registers"] * 128) >= 2
+
+
+needs_gpu = pytest.mark.skipif(not GPU, reason="needs an sm_90 GPU")
+
+
+@needs_gpu
+@pytest.mark.parametrize("heads", ["128/4", "32/1"])
+def test_matches_float64_with_ragged_lengths(heads):
+    """Fresh random inputs, a 1-token sequence, partial last tiles, splits that end mid-tile; out= poisoned."""
+    spec = spec_from_args("token:2:128", "token:2:128", heads, 128)
+    attn = foldc.compile(spec, "sm_90")
+    assert attn.bf16.warpgroup is not None
+    r = run_with_lens(attn, spec, [3001, 1, 1500, 2047], 3008, torch.bfloat16, "cuda", seed=sum(map(ord, heads)))
+    assert r.unwritten == 0
+    assert r.error <= TOLERANCE * r.bf16_error, (r.error, r.bf16_error)
+
+
+@needs_gpu
+@pytest.mark.parametrize("batch,tokens", [(1, 65536), (3, 5000)])
+def test_long_and_short_splits_match_float64(batch, tokens):
+    spec = spec_from_args("token:2:128", "token:2:128", "64/2", 128)
+    attn = foldc.compile(spec, "sm_90")
+    r = run_case(attn, spec, batch, tokens, torch.bfloat16, "cuda", seed=tokens + batch)
+    assert r.unwritten == 0 and r.error <= TOLERANCE * r.bf16_error, (r.error, r.bf16_error)
+
+
+@needs_gpu
+def test_agrees_with_the_one_warp_program_and_replays_in_a_graph():
+    spec = spec_from_args("token:2:128", "token:2:128", "128/4", 128)
+    wide = foldc.compile(spec, "sm_90", kernel="gluon")
+    narrow = foldc.compile(spec, "sm_90", kernel="gluon")
+    narrow.warpgroup = None
+    gen = torch.Generator().manual_seed(21)
+    q, k, v, lens = random_inputs(spec, 2, 4096, torch.bfloat16, "cuda", gen)
+    a, lse_a = wide(q, k, v, seq_lens=lens, return_lse=True)
+    b, lse_b = narrow(q, k, v, seq_lens=lens, return_lse=True)
+    assert rel_l2(a, b) < 5e-3 and (lse_a - lse_b).abs().max().item() < 1e-3
+    check_graph_replay(wide, spec, seed=12)
