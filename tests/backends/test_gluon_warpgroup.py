@@ -115,3 +115,16 @@ def test_agrees_with_the_one_warp_program_and_replays_in_a_graph():
     b, lse_b = narrow(q, k, v, seq_lens=lens, return_lse=True)
     assert rel_l2(a, b) < 5e-3 and (lse_a - lse_b).abs().max().item() < 1e-3
     check_graph_replay(wide, spec, seed=12)
+
+
+def test_the_template_runs_its_own_checked_plan():
+    """The plan of all 32 rows per program (eq. 12 against 32 rows, not a row block's 16), checked: an
+    acc-fold for the scores and an operand-fold for the values, both corrections before their stage."""
+    from foldc.decisions import FoldKind
+    from foldc.plan import check_plan
+
+    spec = spec_from_args("token:2:128", "token:2:128", "128/4", 128)
+    launch = GluonAttention(spec).warpgroup
+    check_plan(launch.plan)
+    assert launch.plan.products["qk"].fold == FoldKind.ACC_FOLD
+    assert launch.plan.products["pv"].fold == FoldKind.OPERAND_FOLD

@@ -235,7 +235,7 @@ class GluonAttention:
         # 32 query rows per KV head at token-wise INT2: the four-warp wgmma template for calls on a contiguous
         # cache with the launcher's defaults (warpgroup_launch.py); None: the one-warp program only
         self.warpgroup = WarpgroupLaunch(spec) if (
-            warpgroup_applies(self.config, spec, target) and not self.explicit and splits is None
+            warpgroup_applies(spec, target) and not self.explicit and splits is None
             and not dynamic_tiles) else None
 
     @property

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from .lower import FoldKernel
+from ...plan import Plan, plan
+from .lower import KEY_BIAS, VALUE_BIAS, NotLowerable, lower
 
 ROWS = 32          # query rows per KV head: one wgmma N
 BLOCK_N = 128      # tokens per tile: two wgmma M of 64 (H200: 95.1 against 105.4 µs at 64/4, docs/perf.md)
@@ -20,11 +21,23 @@ RESIDENT = 2       # programs per SM: 255 registers x 128 threads (tests/backend
 SCALE_ROW = 8      # tokens per 16-byte copy of a scale row
 
 
-def warpgroup_applies(cfg: FoldKernel, spec, target: str) -> bool:
-    """The plan's lowering (``cfg``) is the template's: every field read from the plan, none re-planned."""
-    return (target == "sm_90" and spec.q_per_kv == ROWS and cfg.key_bits == cfg.value_bits == 2
-            and cfg.head_dim == 128 and not cfg.padded_dim and cfg.key_tokens == 0 and cfg.value_tokens == 0
-            and cfg.key_groups == cfg.value_groups == 1 and cfg.key_bias == 0
+def warpgroup_plan(spec) -> Plan:
+    """The plan the template runs: the one-warp program's (no code bias, fp16 operands, bf16 queries), with
+    the break-even (eq. 12) weighed against all of a KV head's query rows, which one program takes."""
+    return plan(spec, code_bias={"key": KEY_BIAS, "value": VALUE_BIAS}, dtype="bf16", operand_dtype="fp16")
+
+
+def warpgroup_applies(spec, target: str) -> bool:
+    """The template lowers ``spec``'s plan on ``target``: every field read from the checked plan's lowering."""
+    if target != "sm_90" or spec.q_per_kv != ROWS or spec.k is None or spec.v is None:
+        return False
+    try:
+        cfg = lower(warpgroup_plan(spec))   # check_plan first: a wrong plan never reaches the template
+    except NotLowerable:
+        return False
+    return (cfg.key_bits == cfg.value_bits == 2 and cfg.head_dim == 128 and not cfg.padded_dim
+            and cfg.key_tokens == 0 and cfg.value_tokens == 0 and cfg.key_groups == cfg.value_groups == 1
+            and cfg.key_bias == 0
             and not (cfg.key_dequant or cfg.value_dequant or cfg.key_masked_groups or cfg.value_masked_groups)
             and spec.k.scale_dtype == spec.v.scale_dtype == torch.float16)
 
@@ -35,6 +48,7 @@ class WarpgroupLaunch:
 
     def __init__(self, spec):
         self.spec = spec
+        self.plan = warpgroup_plan(spec)
         self._kernel = None
 
     @staticmethod
