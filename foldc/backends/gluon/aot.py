@@ -53,10 +53,12 @@ def compile_gluon_aot(spec, arch: str, out_dir: str | Path, dtype: str = "bf16",
     if arch not in ("sm_90", "sm_100"):
         raise SpecError(f"arch={arch!r}: the register-operand kernel builds for sm_90 and sm_100")
     check_launch_options(arch, "gluon", block_n=block_n, stages=stages)
-    if None in (block_n, stages, pack_heads):
+    if None in (block_n, stages, pack_heads, scale_ahead):
         launcher = GluonAttention(spec, target=arch, block_n=block_n, pack_heads=pack_heads)
         block_n, pack_heads = launcher.default_block_n, launcher.heads
         stages = launcher.default_stages if stages is None else stages
+        if scale_ahead is None:   # the launcher's default (None: default_scale_ahead's)
+            scale_ahead = launcher._defaults["scale_ahead"]
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise SpecError("ahead-of-time compilation needs TRITON_INTERPRET unset in this process")
     import triton

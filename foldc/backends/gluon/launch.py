@@ -202,7 +202,14 @@ class GluonAttention:
         wide = pack_heads <= 2 and not one_wide_head and self.config.key_bits == self.config.value_bits == 2 and \
             all(g % 64 == 0 for g in groups) and \
             max(self.config.key_groups, self.config.value_groups) in (1, 4)
-        block_n, stages = block_n or (64 if wide else 32), stages or 2
+        # row blocks beside a channel-wise side in groups of 64 tokens: 64-token tiles, the scales loaded at each
+        # tile's start (H200, 8 x 64K at 64/2: 147.0 against 182.8 µs for K channel:4:64 / V token:4:64,
+        # 152.5 against 185.9 for both channel:4:64; groups of 128 and INT8 were slower so, docs/perf.md).
+        # sm_90 only: not measured on sm_100, whose build of both channel:4:64 spills 52 registers so
+        blocked64 = target == "sm_90" and self.config.row_blocks > 1 and 64 in groups
+        if blocked64 and scale_ahead is None:
+            scale_ahead = False
+        block_n, stages = block_n or (64 if wide or blocked64 else 32), stages or 2
         for name, group in (("k", self.config.key_tokens), ("v", self.config.value_tokens)):
             if group and group % block_n and not (group == HALF_TILE_GROUP and block_n == 2 * group):
                 raise SpecError(f"block_n={block_n} must divide {name}'s channel-wise group of {group} tokens (a tile "
