@@ -109,10 +109,15 @@ def _build(spec, target: str, out: str, dtype: str, kernel: str, options: dict) 
 
         return "foldc_gemm", compile_gemm_aot(spec, target, out, dtype=dtype, **options)
     if kernel == "gluon":
-        from .backends.gluon.aot import compile_gluon_aot
+        from .backends.gluon.aot import compile_gluon_aot, compile_warpgroup_aot
+        from .backends.gluon.warpgroup_launch import warpgroup_applies
 
-        return "foldc_decode_gluon", compile_gluon_aot(spec, target, out, dtype=dtype,   # the launcher's defaults
-                                                       block_n=options.get("block_n"), stages=options.get("stages"))
+        report = compile_gluon_aot(spec, target, out, dtype=dtype,   # the launcher's defaults
+                                   block_n=options.get("block_n"), stages=options.get("stages"))
+        if dtype == "bf16" and not options and warpgroup_applies(spec, target):
+            # what a contiguous cache's call runs; the one-warp program stays for paged calls
+            report["warpgroup"] = compile_warpgroup_aot(out)
+        return "foldc_decode_gluon", report
     from .backends.triton.aot import compile_aot
 
     return "foldc_decode", compile_aot(spec, target, out, dtype=dtype, **{**DEFAULTS, **options})
@@ -150,6 +155,8 @@ def compile_layout(spec, target: str, out: str | None, dtype: str | None = None,
         name, report = _build(spec, target, out, dtype, which, options)
         if name == "foldc_decode_gluon":
             print(f"wrote the register-operand kernel's {target} TTGIR/LLIR/PTX/cubin to {out}/{name}.{target}.*")
+            if "warpgroup" in report:
+                print(f"wrote its warpgroup template (contiguous caches) to {out}/foldc_decode_warpgroup.{target}.*")
         else:
             print(f"wrote {out}/{name}.py and the {target} TTIR/TTGIR/LLIR/PTX/cubin")
         print(json.dumps(report, indent=2))

@@ -128,3 +128,20 @@ def test_the_template_runs_its_own_checked_plan():
     check_plan(launch.plan)
     assert launch.plan.products["qk"].fold == FoldKind.ACC_FOLD
     assert launch.plan.products["pv"].fold == FoldKind.OPERAND_FOLD
+
+
+def test_foldc_compile_builds_the_template_beside_the_one_warp_program(tmp_path):
+    """`foldc compile --kernel gluon --target sm_90` builds what a call runs: for 32 rows per KV head at
+    token-wise INT2 the template too (contiguous caches), and only the one-warp program on sm_100."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton")
+    for target, want in (("sm_90", True), ("sm_100", False)):
+        out = tmp_path / target
+        done = subprocess.run([sys.executable, "-m", "foldc", "compile", "--heads", "128/4", "--target", target,
+                               "--kernel", "gluon", "--out", str(out)], env=env, capture_output=True, text=True,
+                              timeout=900)
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert (out / f"foldc_decode_gluon.{target}.cubin").exists()
+        assert (out / f"foldc_decode_warpgroup.{target}.cubin").exists() == want
+        assert ("warpgroup template" in done.stdout) == want
