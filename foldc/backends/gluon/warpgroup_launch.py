@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import torch
 
+from ...errors import SpecError
 from ...plan import Plan, plan
 from .lower import KEY_BIAS, VALUE_BIAS, NotLowerable, lower
 
-ROWS = 32          # query rows per KV head: one wgmma N
+ROWS = 32          # query rows per KV head that take the template: one wgmma N
+KERNEL_ROWS = (16, 32)   # what the kernel builds (16: measured as fast as the one-warp program, not taken)
 BLOCK_N = 128      # tokens per tile: two wgmma M of 64 (H200: 95.1 against 105.4 µs at 64/4, docs/perf.md)
 STAGES = 4         # tiles in flight by cp.async (134.1 against 149.5 µs with 2 at 128/4 8 x 64K)
 RESIDENT = 2       # programs per SM: 255 registers x 128 threads (tests/backends/test_gluon_warpgroup.py)
@@ -47,8 +49,12 @@ class WarpgroupLaunch:
     caller, `GluonAttention`, validated the call)."""
 
     def __init__(self, spec):
+        if spec.q_per_kv not in KERNEL_ROWS:
+            raise SpecError(f"the warpgroup kernel takes {KERNEL_ROWS} query rows per KV head, not {spec.q_per_kv}")
         self.spec = spec
+        self.rows = spec.q_per_kv
         self.plan = warpgroup_plan(spec)
+        self.resident = RESIDENT   # programs per SM the splits fill one wave of
         self._kernel = None
 
     @staticmethod
@@ -58,11 +64,11 @@ class WarpgroupLaunch:
             t.data_ptr() % 16 == 0 for x in (k, v) for t in (x.codes, x.scale, x.zero))
 
     def split_plan(self, batch: int, tokens: int, device) -> tuple[int, int]:
-        """(splits, tokens per split): one wave of RESIDENT programs per SM, whole tiles per split."""
+        """(splits, tokens per split): one wave of ``resident`` programs per SM, whole tiles per split."""
         from ..runtime.modules import num_sms
 
         sms = num_sms(device)
-        splits = max(1, min(-(-tokens // BLOCK_N), sms * RESIDENT // (batch * self.spec.num_kv_heads)))
+        splits = max(1, min(-(-tokens // BLOCK_N), sms * self.resident // (batch * self.spec.num_kv_heads)))
         per_split = -(-tokens // splits // BLOCK_N) * BLOCK_N
         return -(-tokens // per_split), per_split
 
@@ -75,13 +81,13 @@ class WarpgroupLaunch:
             self._kernel = foldc_decode_warpgroup
         b, hkv = q.shape[0], self.spec.num_kv_heads
         splits, per_split = self.split_plan(b, tokens, q.device)
-        ws_m = torch.empty(b, hkv, splits, ROWS, device=q.device, dtype=torch.float32)
-        ws = (ws_m, torch.empty_like(ws_m), torch.empty(b, hkv, splits, ROWS, 128, device=q.device,
+        ws_m = torch.empty(b, hkv, splits, self.rows, device=q.device, dtype=torch.float32)
+        ws = (ws_m, torch.empty_like(ws_m), torch.empty(b, hkv, splits, self.rows, 128, device=q.device,
                                                          dtype=torch.float32))
         kc, vc = k.codes.view(torch.int32), v.codes.view(torch.int32)
         self._kernel[(b, hkv, splits)](
             q, kc, k.scale, k.zero, vc, v.scale, v.zero, q if lens is None else lens, *ws, q.stride(0), q.stride(1),
             kc.stride(0), kc.stride(1), k.scale.stride(0) // SCALE_ROW, k.scale.stride(1) // SCALE_ROW,
             sm_scale * 1.4426950408889634,
-            per_split, tokens, HAS_LENS=lens is not None, ROWS=ROWS, BN=BLOCK_N, STAGES=STAGES, num_warps=4)
-        launch_merge(merge, *ws, out, lse, ROWS)
+            per_split, tokens, HAS_LENS=lens is not None, ROWS=self.rows, BN=BLOCK_N, STAGES=STAGES, num_warps=4)
+        launch_merge(merge, *ws, out, lse, self.rows)
