@@ -372,14 +372,17 @@ def test_sm_scale_default_is_inverse_sqrt_head_dim(case):
 
 def test_fp16_queries_say_why_the_triton_kernel_cannot_run_the_spec():
     """On sm_90 fp16 queries run the generated Triton kernel, built at their first call; a spec it
-    cannot build (head_dim 96, which the register-operand kernel pads) is a SpecError naming fp16
-    queries and the fix (bf16 queries), and bf16 calls are not affected."""
+    cannot build (head_dim 96 at INT2: 24-channel bit fields, which the register-operand kernel pads) is a
+    SpecError naming fp16 queries and the fix (bf16 queries), and bf16 calls are not affected. At INT4
+    (48-channel fields) the Triton kernel builds."""
     import torch
 
     from foldc.backends.triton import TritonAttention
     from foldc.compile import ByQueryDtype
 
-    spec = foldc.AttentionSpec(32, 8, 96, foldc.Affine(4, "token", 96), foldc.Affine(4, "token", 96))
+    wider = foldc.AttentionSpec(32, 8, 96, foldc.Affine(4, "token", 96), foldc.Affine(4, "token", 96))
+    assert isinstance(ByQueryDtype(None, lambda: TritonAttention(wider, "sm_90")).fp16, TritonAttention)
+    spec = foldc.AttentionSpec(32, 8, 96, foldc.Affine(2, "token", 96), foldc.Affine(2, "token", 96))
     calls = []
     both = ByQueryDtype(lambda q: calls.append(q.dtype), lambda: TritonAttention(spec, "sm_90"))
     both(torch.zeros(1, dtype=torch.bfloat16))

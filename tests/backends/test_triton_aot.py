@@ -34,6 +34,7 @@ BUILDS = [
     ("int4 K token / V channel", 32, 8, 128, "token:4:128", "channel:4:128"),
     ("int2 dequant (32/2, g32)", 32, 2, 128, "token:2:32", "channel:2:32"),
     ("plain", 32, 8, 128, "none", "none"),
+    ("int4 head_dim 96", 32, 8, 96, "token:4:96", "token:4:96"),   # chunks of 16 inside 48-channel fields
 ]
 
 BUILD_SCRIPT = r"""
@@ -70,6 +71,8 @@ def builds(tmp_path_factory):
             for name, h, kv, d, k, v in BUILDS for arch in ARCHS]
     jobs.append(("int2 K token / V token", 32, 8, 128, "token:2:128", "token:2:128", "sm_90", "fp16",
                  _folder("int2 K token / V token", "sm_90", "fp16")))
+    jobs.append(("int4 head_dim 96", 32, 8, 96, "token:4:96", "token:4:96", "sm_90", "fp16",   # fp16 queries'
+                 _folder("int4 head_dim 96", "sm_90", "fp16")))                                 # GPU kernel there
     proc = subprocess.run([sys.executable, "-c", BUILD_SCRIPT, json.dumps(jobs), str(root)], cwd=ROOT,
                           env=_env(str(root / "cache")), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"AOT build subprocess failed:\n{proc.stderr[-4000:]}"
@@ -95,7 +98,7 @@ def test_every_build_uses_tensor_cores(builds, report_table):
     table = _table(builds)
     print("\n" + "\n".join(table))  # shown with pytest -s
     report_table("Triton AOT builds: matrix instructions in the PTX", table)
-    assert len(builds) == 2 * len(BUILDS) + 1
+    assert len(builds) == 2 * len(BUILDS) + 2   # and two fp16 builds for sm_90
     for r in builds:
         mma = r["report"]["mma"]
         assert sum(mma.values()) >= 1, f"{r['name']} {r['report']['arch']}: no matrix instruction in the PTX: {mma}"
@@ -128,6 +131,7 @@ def test_reports_describe_the_plan(builds):
         "int4 K token / V channel": ("acc-fold", "acc-fold"),
         "int2 dequant (32/2, g32)": ("dequant", "dequant"),
         "plain": ("none", "none"),
+        "int4 head_dim 96": ("acc-fold", "operand-fold"),
     }
     for name, reports in by_name.items():
         for rep in reports:
@@ -205,8 +209,8 @@ def test_cli_compile_from_layout_file(tmp_path):
     (["--k", "token:2:8", "--v", "none", "--head-dim", "64"], ["tensor-core minimum of 16", "token:2:8"]),
     (["--v", "channel:2:24"], ["group_size=[24]", "multiple of 16"]),
     (["--block-n", "24"], ["block_n=24", "power of two"]),
-    (["--k", "none", "--v", "none", "--head-dim", "48"], ["head_dim=48", "power of two"]),
-], ids=["token-group-8", "channel-group-24", "block-n-24", "head-dim-48"])
+    (["--k", "none", "--v", "none", "--head-dim", "40"], ["head_dim=40", "multiple of 16"]),
+], ids=["token-group-8", "channel-group-24", "block-n-24", "head-dim-40"])
 def test_cli_compile_errors(tmp_path, capsys, argv, fragments):
     """Errors raised before any build: exit status 2, one line naming the value and the fix."""
     from foldc.cli import main

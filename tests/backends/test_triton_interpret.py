@@ -60,6 +60,14 @@ CASES = [
      (DEQ, DEQ)),
     ("mixed_K-token4-g16-dequant_V-token2-g64-fold_r8_d64", S(16, 2, 64, A(4, "token", 16), A(2, "token", 64)), 2, 83,
      16, (DEQ, OPF)),
+    # head_dims between powers of two: chunks of 16 or more channels inside one bit field (48 per field at
+    # INT4 and 96 at INT8 for head_dim 96, 40 at INT8 for 80, a plain side at 48)
+    ("K-token4-g96_V-token4-g96_r4_d96", S(8, 2, 96, A(4, "token", 96), A(4, "token", 96)), 2, 101, 32, (ACC, OPF)),
+    ("K-channel4-g32_V-token8-g96_r2_d96", S(4, 2, 96, A(4, "channel", 32), A(8, "token", 96)), 2, 77, 32,
+     (OPF, OPF)),
+    ("K-token8-g80_V-channel8-g64_r4_d80", S(8, 2, 80, A(8, "token", 80), A(8, "channel", 64)), 2, 90, 16,
+     (ACC, ACC)),
+    ("K-plain_V-token8-g48_r4_d48", S(8, 2, 48, None, A(8, "token", 48)), 2, 66, 16, (NONE, OPF)),
 ]
 
 
@@ -377,8 +385,15 @@ def test_channel_group_admits_no_tile():
             "multiple of 16")
 
 
-def test_head_dim_not_power_of_two():
-    _raises(SpecError, lambda: foldc.compile(S(4, 2, 48), "interpret"), "head_dim=48", "power of two")
+def test_head_dim_not_a_multiple_of_16():
+    _raises(SpecError, lambda: foldc.compile(S(4, 2, 40), "interpret"), "head_dim=40", "multiple of 16")
+
+
+def test_head_dim_96_int2_too_narrow():
+    """INT2 at head_dim 96: a bit field holds 24 channels, so no chunk of 16 stays inside one (the
+    register-operand kernel pads them; fp16 queries have no GPU kernel for it)."""
+    spec = S(4, 2, 96, A(2, "token", 96), A(2, "token", 96))
+    _raises(SpecError, lambda: foldc.compile(spec, "interpret"), "head_dim=96", "8 channels", "tensor-core minimum")
 
 
 def test_head_dim_32_int2_too_narrow():

@@ -87,8 +87,9 @@ def check_block_n(block_n) -> None:
 def geometry(spec, block_n: int = 64, the_plan=None) -> TileGeometry:
     """The tiles for ``spec``, from its plan's tiling numbers (``the_plan`` defaults to `plan_of(spec)`)."""
     check_block_n(block_n)
-    if spec.head_dim < MIN_DOT or spec.head_dim & (spec.head_dim - 1):
-        raise SpecError(f"head_dim={spec.head_dim} must be a power of two >= {MIN_DOT} for the Triton backend")
+    if spec.head_dim < MIN_DOT or spec.head_dim % MIN_DOT:
+        # channels go in chunks of a power of two >= 16 (channel_width); head_dim is only their count
+        raise SpecError(f"head_dim={spec.head_dim} must be a multiple of {MIN_DOT} for the Triton backend")
     the_plan = the_plan or plan_of(spec)
     rows = max(MIN_DOT, 1 << (spec.q_per_kv - 1).bit_length())
     return TileGeometry(spec.head_dim, rows, token_block(spec, block_n, the_plan),
