@@ -25,8 +25,9 @@ class AttentionSpec:
     Args:
         num_q_heads: query heads, 1 to MAX_HEADS (1024).
         num_kv_heads: KV heads; ``num_q_heads`` must be a multiple (GQA when larger than 1).
-        head_dim: channels per head, 1 to MAX_HEAD_DIM (1024); the Triton kernels also need a
-            power of two >= 16.
+        head_dim: channels per head, 1 to MAX_HEAD_DIM (1024); the Triton attention kernel also needs a
+            multiple of 16 whose bit fields hold chunks of 16 channels (docs/backend.md), the append
+            kernel a power of two.
         k, v: the Affine encoding of keys / values, or None for a plain fp16/bf16 operand.
     """
 
