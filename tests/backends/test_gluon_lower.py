@@ -697,3 +697,35 @@ def test_padded_widths_take_groups_inside_a_field_masked_or_rebuilt():
     assert cfg.key_dequant and cfg.key_groups == 3 and not cfg.key_masked_groups
     ok, why = lowerable(foldc.AttentionSpec(8, 8, 300, A(8, "token", 300), A(8, "token", 300)))
     assert not ok and "at most 256" in why
+
+
+@settings(max_examples=15, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1))
+def test_warpgroup_unpacks_put_every_code_where_its_operands_expect_it(seed):
+    """The warpgroup template's index algebra at INT2, head_dim 128 (warpgroup_launch.key_channel and
+    value_channel, which the kernel computes inline): the key unpack of a quad's words lands each code at the
+    k whose query channel is the code's, and the per-lane-byte value unpack gives lane row g of warp w the
+    codes of the channels of its rows, for tokens (t0, t1) and (t8, t9); both maps are bijections."""
+    from foldc.backends.gluon.operands import lane_value_unpack_asm
+    from foldc.backends.gluon.warpgroup_launch import key_channel, value_channel
+
+    rng = np.random.default_rng(seed)
+    codes = rng.integers(0, 4, size=(4, 128), dtype=np.uint8)
+    words = _words(codes, 2)
+    assert sorted(key_channel(k)[0] for k in range(128)) == list(range(128))
+    assert sorted(value_channel(m)[0] for m in range(128)) == list(range(128))
+    asm, _ = key_unpack_asm(2, 0)
+    for k in range(128):
+        ch, field = key_channel(k)
+        e, t, p, u = k & 1, (k >> 1) & 3, (k >> 3) & 1, k >> 6
+        out = run_ptx(asm, [int(words[0, 2 * t + u])] * 2, 8)
+        assert _f16((out[2 * field + p] >> (16 * e)) & 0xFFFF) == 2.0 ** (2 * field - KEY_EXPONENT) * codes[0, ch]
+    asm, _ = lane_value_unpack_asm(2)
+    for m in range(128):
+        ch, field = value_channel(m)
+        byte = (m & 7) + 8 * ((m >> 4) & 3)
+        sel = (byte % 4) | ((byte % 4) << 4) | ((4 + byte % 4) << 8) | ((4 + byte % 4) << 12)
+        out = run_ptx(asm, [int(words[t, byte // 4]) for t in range(4)] + [sel] * 4, 8)
+        for t in range(4):
+            got = _f16((out[2 * field + t // 2] >> (16 * (t % 2))) & 0xFFFF)
+            assert got == 2.0 ** (2 * field - VALUE_EXPONENT) * codes[t, ch], (m, t)

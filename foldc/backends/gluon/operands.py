@@ -85,6 +85,21 @@ def value_unpack_asm(bits: int, byte: int, integer: bool = False) -> tuple[str, 
     return " ".join(out), ",".join(["=r"] * n + ["r"] * 4)
 
 
+def lane_value_unpack_asm(bits: int) -> tuple[str, str]:
+    """`value_unpack_asm` with the byte chosen per lane: pack=4 over four tokens' words and four copies of a
+    PRMT selector ``byte | byte << 4 | (4 + byte) << 8 | (4 + byte) << 12`` (the first is used). The
+    warpgroup template (warpgroup.py) gives each lane one byte of its tokens' words, since its MMA's
+    lane rows are channels spread over four warps."""
+    fields = 8 // bits
+    n = 2 * fields
+    out = ["{ .reg .b32 u, v;", f"prmt.b32 u, ${n}, ${n + 1}, ${n + 4};", f"prmt.b32 v, ${n + 2}, ${n + 3}, ${n + 4};"]
+    for i in range(fields):
+        for reg, src in ((2 * i, "u"), (2 * i + 1, "v")):
+            out.append(f"and.b32 ${reg}, {src}, {_mask(bits, i)};")
+    out.append("}")
+    return " ".join(out), ",".join(["=r"] * n + ["r"] * 8)
+
+
 #: a dequant plan's per-value reconstruction (eq. 1), two values per instruction: code x a + b, one
 #: rounding to fp16, with a = scale x 2^(e - bits*field) and b = zero x 2^e for a power of two 2^e
 #: that keeps every reconstructed value below 2^15 (tile_operands.dequant_exponent)

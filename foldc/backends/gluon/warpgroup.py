@@ -25,17 +25,14 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
 
-# the key unpack of operands.key_unpack_asm(2, 0): result 2i+p = field i of bytes (p, p+2), subnormals
-KEY_ASM = gl.constexpr("{ .reg .b32 t; shr.b32 t, $8, 8; "
-           + " ".join(f"and.b32 ${2 * i}, $8, {(3 << 2 * i) * 0x10001}; and.b32 ${2 * i + 1}, t, {(3 << 2 * i) * 0x10001};"
-                      for i in range(4)) + " }")
-KEY_CONS = gl.constexpr(",".join(["=r"] * 8 + ["r", "r"]))
-# the value unpack over four tokens' words (t0, t1, t8, t9) with the byte selector per lane ($12):
-# result 2i = field i of the lane's byte of (t0, t1), 2i+1 of (t8, t9)
-VALUE_ASM = gl.constexpr("{ .reg .b32 u, v; prmt.b32 u, $8, $9, $12; prmt.b32 v, $10, $11, $12; "
-             + " ".join(f"and.b32 ${2 * i}, u, {(3 << 2 * i) * 0x10001}; and.b32 ${2 * i + 1}, v, {(3 << 2 * i) * 0x10001};"
-                        for i in range(4)) + " }")
-VALUE_CONS = gl.constexpr(",".join(["=r"] * 8 + ["r"] * 8))
+from foldc.backends.gluon.operands import key_unpack_asm, lane_value_unpack_asm
+
+# the key unpack (result 2i+p = field i of bytes (p, p+2) as subnormals) and the value unpack with a
+# byte selector per lane (result 2i = field i of the lane's byte of tokens (t0, t1), 2i+1 of (t8, t9))
+KEY_ASM = gl.constexpr(key_unpack_asm(2, 0)[0])
+KEY_CONS = gl.constexpr(key_unpack_asm(2, 0)[1])
+VALUE_ASM = gl.constexpr(lane_value_unpack_asm(2)[0])
+VALUE_CONS = gl.constexpr(lane_value_unpack_asm(2)[1])
 
 
 @gluon.constexpr_function

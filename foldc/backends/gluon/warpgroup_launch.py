@@ -17,10 +17,26 @@ from .lower import KEY_BIAS, VALUE_BIAS, NotLowerable, lower
 
 ROWS = 32          # query rows per KV head that take the template: one wgmma N
 KERNEL_ROWS = (16, 32)   # what the kernel builds (16: measured as fast as the one-warp program, not taken)
-BLOCK_N = 128      # tokens per tile: two wgmma M of 64 (H200: 95.1 against 105.4 µs at 64/4, docs/perf.md)
+BLOCK_N = 128      # tokens per tile: two wgmma M of 64 (H200: 133.1 against 163.4 µs with 64 at 128/4, 8 x 64K)
 STAGES = 4         # tiles in flight by cp.async (134.1 against 149.5 µs with 2 at 128/4 8 x 64K)
-RESIDENT = 2       # programs per SM: 255 registers x 128 threads (tests/backends/test_gluon_warpgroup.py)
+RESIDENT = 2       # programs per SM: 254 registers x 128 threads (tests/backends/test_gluon_warpgroup.py)
 SCALE_ROW = 8      # tokens per 16-byte copy of a scale row
+
+
+def key_channel(k: int) -> tuple[int, int]:
+    """(channel, bit field) of k index ``k`` of the template's key operand at INT2, head_dim 128: lane t of a
+    quad holds words 2t + u, and result 2i+p of the key unpack (field i of bytes p, p+2 of the word) sits at
+    k = e + 2t + 8p + 16i + 64u (warpgroup.py's prologue computes the same inline)."""
+    field, word = (k >> 4) & 3, 2 * ((k >> 1) & 3) + (k >> 6)
+    return field * 32 + 4 * word + ((k >> 3) & 1) + 2 * (k & 1), field
+
+
+def value_channel(m: int) -> tuple[int, int]:
+    """(channel, bit field) of row ``m`` of the template's value operand: lane row g of warp w unpacks byte
+    b = g + 8w, and its four rows g + 8a + 16w + 64c are that byte's fields a + 2c (the kernel's epilogue
+    computes the same inline)."""
+    field = ((m >> 3) & 1) + 2 * (m >> 6)
+    return field * 32 + (m & 7) + 8 * ((m >> 4) & 3), field
 
 
 def warpgroup_plan(spec) -> Plan:
