@@ -372,9 +372,9 @@ def test_sm_scale_default_is_inverse_sqrt_head_dim(case):
 
 def test_fp16_queries_say_why_the_triton_kernel_cannot_run_the_spec():
     """On sm_90 fp16 queries run the generated Triton kernel, built at their first call; a spec it
-    cannot build (head_dim 96 at INT2: 24-channel bit fields, which the register-operand kernel pads) is a
-    SpecError naming fp16 queries and the fix (bf16 queries), and bf16 calls are not affected. At INT4
-    (48-channel fields) the Triton kernel builds."""
+    cannot build (head_dim 96 at INT2 in groups of 32: a 16-channel chunk of a 24-channel bit field would
+    cross a group, which the register-operand kernel masks) is a SpecError naming fp16 queries and the fix
+    (bf16 queries), and bf16 calls are not affected. At INT4 in one group the Triton kernel builds."""
     import torch
 
     from foldc.backends.triton import TritonAttention
@@ -382,7 +382,7 @@ def test_fp16_queries_say_why_the_triton_kernel_cannot_run_the_spec():
 
     wider = foldc.AttentionSpec(32, 8, 96, foldc.Affine(4, "token", 96), foldc.Affine(4, "token", 96))
     assert isinstance(ByQueryDtype(None, lambda: TritonAttention(wider, "sm_90")).fp16, TritonAttention)
-    spec = foldc.AttentionSpec(32, 8, 96, foldc.Affine(2, "token", 96), foldc.Affine(2, "token", 96))
+    spec = foldc.AttentionSpec(32, 8, 96, foldc.Affine(2, "token", 32), foldc.Affine(2, "token", 32))
     calls = []
     both = ByQueryDtype(lambda q: calls.append(q.dtype), lambda: TritonAttention(spec, "sm_90"))
     both(torch.zeros(1, dtype=torch.bfloat16))

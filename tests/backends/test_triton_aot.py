@@ -35,6 +35,7 @@ BUILDS = [
     ("int2 dequant (32/2, g32)", 32, 2, 128, "token:2:32", "channel:2:32"),
     ("plain", 32, 8, 128, "none", "none"),
     ("int4 head_dim 96", 32, 8, 96, "token:4:96", "token:4:96"),   # chunks of 16 inside 48-channel fields
+    ("int2 head_dim 96", 32, 8, 96, "token:2:96", "token:2:96"),   # 24-channel fields: a padded chunk each
 ]
 
 BUILD_SCRIPT = r"""
@@ -132,6 +133,7 @@ def test_reports_describe_the_plan(builds):
         "int2 dequant (32/2, g32)": ("dequant", "dequant"),
         "plain": ("none", "none"),
         "int4 head_dim 96": ("acc-fold", "operand-fold"),
+        "int2 head_dim 96": ("acc-fold", "operand-fold"),
     }
     for name, reports in by_name.items():
         for rep in reports:

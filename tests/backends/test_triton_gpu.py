@@ -54,7 +54,8 @@ def test_paper_shape(kl, vl, bits, dtype):
     _spec("channel", "token", 4, group=64, heads=(64, 4), head_dim=64),
     foldc.AttentionSpec(32, 8, 96, A(4, "token", 96), A(4, "token", 96)),          # head_dim between powers
     foldc.AttentionSpec(16, 4, 80, A(8, "token", 80), A(8, "channel", 64)),        # of two (fp16 queries' kernel)
-], ids=["int8-token-K", "int8-channel-V", "plain", "dequant", "int4-r16-d64", "int4-d96", "int8-d80"])
+    foldc.AttentionSpec(32, 8, 96, A(2, "token", 96), A(2, "channel", 32)),        # padded 16-channel chunks
+], ids=["int8-token-K", "int8-channel-V", "plain", "dequant", "int4-r16-d64", "int4-d96", "int8-d80", "int2-d96"])
 @pytest.mark.parametrize("dtype", list(DTYPES), ids=list(DTYPES))
 def test_other_plans(spec, dtype):
     attn = foldc.compile(spec, "auto", kernel="triton")

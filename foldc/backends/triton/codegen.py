@@ -24,6 +24,7 @@ from .layout import TileGeometry
 MASK_2D_F = ", mask=valid[:, None], other=0.0"
 MASK_2D_I = ", mask=valid[:, None], other=0"
 MASK_1D_F = ", mask=valid, other=0.0"
+TOKEN_AND = " & valid[:, None]"   # a padded chunk's channel mask joined with the tail tile's token mask
 TAIL_ONLY = "  # tail tile only"
 
 MAGIC = {"fp16": (0x6400, 1024), "bf16": (0x4300, 128)}  # code | bits  ->  bias + code (eq. 7)
@@ -100,7 +101,13 @@ class _Emitter:
         return self.geo.width(product)
 
     def group_of_chunk(self, product: str, chunk: int, group_size: int) -> int:
-        return chunk * self.width(product) // group_size
+        return self.geo.first(product)[chunk] // group_size
+
+    def channel_mask(self, product: str, chunk: int) -> str:
+        """The channel mask of a padded chunk (its real channels), '' for a whole one."""
+        if not self.geo.padded(product, chunk):
+            return ""
+        return f"(tl.arange(0, {self.width(product)}) < {self.geo.valid(product)[chunk]})"
 
     def chan_group_size(self, source: str) -> int:
         return self.graph[source].encoding.group_size
@@ -136,8 +143,9 @@ class _Emitter:
             out = {}
             for c in range(self.geo.chunks("qk")):
                 v = f"q_c{c}"
-                self.pre.append(f"{v} = tl.load(Q + q_row_off[:, None] + ({c * w} + tl.arange(0, {w}))[None, :], "
-                                f"mask=row_ok[:, None], other=0.0)")
+                cm = self.channel_mask("qk", c)
+                self.pre.append(f"{v} = tl.load(Q + q_row_off[:, None] + ({self.geo.first_qk[c]} + tl.arange(0, {w}))"
+                                f"[None, :], mask=row_ok[:, None]{' & ' + cm + '[None, :]' if cm else ''}, other=0.0)")
                 out[c] = v
             return Val("RC", out, mma=True, hoisted=True, product="qk")
         if node.encoding is not None:
@@ -154,7 +162,7 @@ class _Emitter:
         for c in range(self.geo.chunks(product)):
             v = f"{src}_val_c{c}"
             lines.append(f"{v} = tl.load({name}_VALUES + {src}_base + offs_n[:, None] * stride_{src}n + "
-                         f"({c * w} + tl.arange(0, {w}))[None, :]{MASK_2D_F})")
+                         f"({self.geo.first(product)[c]} + tl.arange(0, {w}))[None, :]{MASK_2D_F})")
             out[c] = v
         return Val("TC", out, mma=True, product=product)
 
@@ -170,13 +178,15 @@ class _Emitter:
         magic, bias_value = MAGIC[self.dtype]
         out = {}
         for c in range(self.geo.chunks(product)):
-            first = c * w
+            first = self.geo.first(product)[c]
             fld, col = first // field_w, first % field_w
             raw = f"{node.source}_bytes_{col}"
             if (node.source, col) not in self.loaded:  # one load serves every bit field of these bytes
                 self.loaded.add((node.source, col))
+                cm = self.channel_mask(product, c)   # a padded chunk: bytes past the field's read as 0
+                load_mask = f", mask={cm}[None, :]{TOKEN_AND}, other=0" if cm else MASK_2D_I
                 lines.append(f"{raw} = tl.load({name}_CODES + {node.source}_base + offs_n[:, None] * "
-                             f"stride_{node.source}n + ({col} + tl.arange(0, {w}))[None, :]{MASK_2D_I})")
+                             f"stride_{node.source}n + ({col} + tl.arange(0, {w}))[None, :]{load_mask})")
             code = f"(({raw} >> {fld * enc.bits}) & {mask})" if k > 1 else raw
             v = f"{node.source}_code_c{c}"
             if not magic_ok(enc.bits, self.dtype):
@@ -215,7 +225,9 @@ class _Emitter:
             row = f"(tile_start // {enc.group_size}) * stride_{node.source}sn"
             for c in range(self.geo.chunks(product)):
                 v = f"{node.name.replace('.', '_')}_c{c}"
-                load = f"tl.load({ptr} + {base} + {row} + {c * w} + tl.arange(0, {w})).to(tl.float32)"
+                cm = self.channel_mask(product, c)
+                load = (f"tl.load({ptr} + {base} + {row} + {self.geo.first(product)[c]} + tl.arange(0, {w})"
+                        f"{', mask=' + cm + ', other=0.0' if cm else ''}).to(tl.float32)")
                 if node.bias:  # eq. 7: z - bias * s, from the scale already loaded
                     load = f"({load} - {node.bias}.0 * {self.vals[f'{node.source}.scale'].vars[c]})"
                 lines.append(f"{v} = {load}")
@@ -497,7 +509,7 @@ def _unmasked(lines: list[str]) -> list[str]:
     for line in lines:
         if line.endswith(TAIL_ONLY):
             continue
-        out.append(line.replace(MASK_2D_F, "").replace(MASK_2D_I, "").replace(MASK_1D_F, ""))
+        out.append(line.replace(MASK_2D_F, "").replace(MASK_2D_I, "").replace(MASK_1D_F, "").replace(TOKEN_AND, ""))
     return out
 
 
@@ -578,7 +590,8 @@ def generate(plan, geo: TileGeometry, dtype: str, fast: bool = False,
         "ws_row = ((b * NUM_KV_HEADS + kvh) * num_splits + split) * ROWS + rows",
         "tl.store(WS_M + ws_row, m_i)",
         "tl.store(WS_L + ws_row, l_i)",
-        *[f"tl.store(WS_ACC + ws_row[:, None] * HEAD_DIM + {c * w_pv} + tl.arange(0, {w_pv})[None, :], acc_c{c})"
+        *[f"tl.store(WS_ACC + ws_row[:, None] * HEAD_DIM + {geo.first_pv[c]} + tl.arange(0, {w_pv})[None, :], acc_c{c}"
+          f"{', mask=' + em.channel_mask('pv', c) + '[None, :]' if geo.padded('pv', c) else ''})"
           for c in range(pv_chunks)],
     ]
     name = "foldc_decode"

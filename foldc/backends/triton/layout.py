@@ -38,29 +38,58 @@ class TileGeometry:
     block_n: int       # tokens per tile
     width_qk: int      # channels per chunk in the qk product
     width_pv: int      # channels per chunk in the pv product
+    # chunk c of each product holds channels first[c] .. first[c] + valid[c] - 1 and then valid..width
+    # padding channels (zero query, zero codes, outputs not stored): a bit field of fewer channels than
+    # a whole number of 16-wide chunks (head_dim 96 at INT2: 24 per field) ends in a padded chunk
+    first_qk: tuple[int, ...] = ()
+    valid_qk: tuple[int, ...] = ()
+    first_pv: tuple[int, ...] = ()
+    valid_pv: tuple[int, ...] = ()
 
     def chunks(self, product: str) -> int:
-        return self.head_dim // self.width(product)
+        return len(self.first(product))
 
     def width(self, product: str) -> int:
         return self.width_qk if product == "qk" else self.width_pv
 
+    def first(self, product: str) -> tuple[int, ...]:
+        return self.first_qk if product == "qk" else self.first_pv
 
-def channel_width(spec, product) -> int:
-    """Chunk width for one product (a `foldc.plan.ProductPlan`): inside one bit field and one
-    channel group (its tiling numbers), >= 16."""
+    def valid(self, product: str) -> tuple[int, ...]:
+        return self.valid_qk if product == "qk" else self.valid_pv
+
+    def padded(self, product: str, chunk: int) -> bool:
+        return self.valid(product)[chunk] < self.width(product)
+
+
+def channel_chunks(spec, product) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
+    """(width, first channel of each chunk, its real channels) for one product (a `foldc.plan.ProductPlan`):
+    chunks of a power of two >= 16 channels inside one bit field and one channel group (its tiling
+    numbers). Where a field's channels are no multiple of 16 (head_dim 96 at INT2: 24) each field ends in
+    a padded chunk, which must still lie in one channel group."""
     cap = 64
     head_dim, t = spec.head_dim, product.tiling
-    limit = math.gcd(head_dim, t.channels_per_field or head_dim, t.channel_group or head_dim)
-    width = _pow2_divisor(limit, cap)
-    if width < MIN_DOT:
-        enc = spec.k if product.product == "qk" else spec.v
-        raise SpecError(
-            f"the Triton backend splits {product.product} channels into chunks inside one bit field and one "
-            f"channel group; with head_dim={head_dim} and {enc.short() if enc else 'plain'} a chunk "
-            f"would hold {width} channels, below the tensor-core minimum of {MIN_DOT}: use a larger "
-            "group_size or head_dim, or the reference target")
-    return width
+    per_field, group = t.channels_per_field or head_dim, t.channel_group or head_dim
+    width = _pow2_divisor(math.gcd(head_dim, per_field, group), cap)
+    if width >= MIN_DOT:
+        starts = tuple(range(0, head_dim, width))
+        return width, starts, (width,) * len(starts)
+    width = MIN_DOT
+    starts, valid = [], []
+    for f in range(head_dim // per_field):
+        for s in range(0, per_field, width):
+            first, n = f * per_field + s, min(width, per_field - s)
+            if first // group != (first + n - 1) // group:
+                enc = spec.k if product.product == "qk" else spec.v
+                raise SpecError(
+                    f"the Triton backend splits {product.product} channels into chunks of {MIN_DOT} inside one bit "
+                    f"field and one channel group; with head_dim={head_dim} and {enc.short() if enc else 'plain'} "
+                    f"the chunk of channels {first}..{first + n - 1} would cross a group of {group} (a chunk would "
+                    f"otherwise hold {_pow2_divisor(math.gcd(head_dim, per_field, group), cap)} channels, below the "
+                    f"tensor-core minimum of {MIN_DOT}): use a larger group_size, or the reference target")
+            starts.append(first)
+            valid.append(n)
+    return width, tuple(starts), tuple(valid)
 
 
 def token_block(spec, requested: int, the_plan=None) -> int:
@@ -88,12 +117,14 @@ def geometry(spec, block_n: int = 64, the_plan=None) -> TileGeometry:
     """The tiles for ``spec``, from its plan's tiling numbers (``the_plan`` defaults to `plan_of(spec)`)."""
     check_block_n(block_n)
     if spec.head_dim < MIN_DOT or spec.head_dim % MIN_DOT:
-        # channels go in chunks of a power of two >= 16 (channel_width); head_dim is only their count
+        # channels go in chunks of a power of two >= 16 (channel_chunks); head_dim is only their count
         raise SpecError(f"head_dim={spec.head_dim} must be a multiple of {MIN_DOT} for the Triton backend")
     the_plan = the_plan or plan_of(spec)
     rows = max(MIN_DOT, 1 << (spec.q_per_kv - 1).bit_length())
-    return TileGeometry(spec.head_dim, rows, token_block(spec, block_n, the_plan),
-                        channel_width(spec, the_plan.products["qk"]), channel_width(spec, the_plan.products["pv"]))
+    w_qk, first_qk, valid_qk = channel_chunks(spec, the_plan.products["qk"])
+    w_pv, first_pv, valid_pv = channel_chunks(spec, the_plan.products["pv"])
+    return TileGeometry(spec.head_dim, rows, token_block(spec, block_n, the_plan), w_qk, w_pv, first_qk, valid_qk,
+                        first_pv, valid_pv)
 
 
 def tile_kind(axes) -> tuple[bool, bool, str | None]:
