@@ -58,12 +58,15 @@ def _append_token_kernel(
     HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, NUM_GROUPS: tl.constexpr, BITS: tl.constexpr,
     CPB: tl.constexpr, MAX_CODE: tl.constexpr, BLOCK_T: tl.constexpr, X_BF16: tl.constexpr,
     SCALE_KIND: tl.constexpr, PER_ROW: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    HAS_COUNT: tl.constexpr,
+    HAS_COUNT: tl.constexpr, GROUP_P: tl.constexpr, NUM_GROUPS_P: tl.constexpr, WIDTH_P: tl.constexpr,
 ):
     """One program: BLOCK_T new tokens of one (batch, kv head); each token row is cut into
     NUM_GROUPS groups of GROUP channels. PAGED: token positions map through the page table
     (paged.py) and tokens past the row's own pages are not written; else positions outside
-    [0, capacity) are not written. HAS_COUNT: row b writes only its first COUNTS[b] tokens."""
+    [0, capacity) are not written. HAS_COUNT: row b writes only its first COUNTS[b] tokens.
+    GROUP_P, NUM_GROUPS_P, WIDTH_P: the powers of two tl.arange takes for GROUP, NUM_GROUPS and the
+    HEAD_DIM // CPB bytes of a token (equal to them for head_dims and groups that are powers of two;
+    else the padding is masked and the codes are rebuilt in planar order, each with its group's scale)."""
     pid = tl.program_id(0)
     b = (pid // heads).to(tl.int64)
     h = (pid % heads).to(tl.int64)
@@ -73,16 +76,23 @@ def _append_token_kernel(
         start = offset
     t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
     t_ok = t < tokens
-    cols = tl.arange(0, NUM_GROUPS)[:, None] * GROUP + tl.arange(0, GROUP)[None, :]  # channel = g * GROUP + e
+    PADDED: tl.constexpr = GROUP_P != GROUP or NUM_GROUPS_P != NUM_GROUPS or WIDTH_P != HEAD_DIM // CPB
+    g_idx = tl.arange(0, NUM_GROUPS_P)
+    cols = g_idx[:, None] * GROUP + tl.arange(0, GROUP_P)[None, :]  # channel = g * GROUP + e
+    col_ok = (g_idx < NUM_GROUPS)[:, None] & (tl.arange(0, GROUP_P) < GROUP)[None, :]
     x_ptr = X + b * stride_xb + h * stride_xh + t[:, None, None].to(tl.int64) * stride_xn + cols[None, :, :]
-    x_mask = t_ok[:, None, None]
+    x_mask = t_ok[:, None, None] & col_ok[None, :, :]
     if X_BF16:  # bf16 bits << 16 is the float32 value, exactly (the interpreter's own bf16 is broken)
         bits = tl.load(x_ptr, mask=x_mask, other=0).to(tl.uint16, bitcast=True).to(tl.uint32)
         x = (bits << 16).to(tl.float32, bitcast=True)
     else:
         x = tl.load(x_ptr, mask=x_mask, other=0.0).to(tl.float32)
-    lo = tl.min(x, axis=2)  # [BLOCK_T, NUM_GROUPS]
-    hi = tl.max(x, axis=2)
+    if PADDED:
+        lo = tl.min(tl.where(col_ok[None, :, :], x, float("inf")), axis=2)  # [BLOCK_T, NUM_GROUPS_P]
+        hi = tl.max(tl.where(col_ok[None, :, :], x, float("-inf")), axis=2)
+    else:
+        lo = tl.min(x, axis=2)  # [BLOCK_T, NUM_GROUPS]
+        hi = tl.max(x, axis=2)
     raw_scale = tl.math.div_rn(hi - lo, tl.zeros_like(lo) + MAX_CODE)
     # a group holding NaN or Inf stores NaN scale and zero (min/max would drop a NaN): attention
     # over it is then NaN, as over the raw values, never a finite wrong number
@@ -101,9 +111,9 @@ def _append_token_kernel(
         t_ok = t_ok & (pos >= 0) & (pos < capacity)
         dst = tl.zeros([BLOCK_T], tl.int64) + b
         row = pos
-    s_ptr = SCALE + dst[:, None] * stride_sb + h * stride_sh + row[:, None] * stride_sn + tl.arange(0, NUM_GROUPS)[None, :]
-    z_ptr = ZERO + dst[:, None] * stride_zb + h * stride_zh + row[:, None] * stride_zn + tl.arange(0, NUM_GROUPS)[None, :]
-    p_mask = t_ok[:, None]
+    s_ptr = SCALE + dst[:, None] * stride_sb + h * stride_sh + row[:, None] * stride_sn + g_idx[None, :]
+    z_ptr = ZERO + dst[:, None] * stride_zb + h * stride_zh + row[:, None] * stride_zn + g_idx[None, :]
+    p_mask = t_ok[:, None] & (g_idx < NUM_GROUPS)[None, :]
     if SCALE_KIND == 0:  # float16: round to nearest even by the cast
         s_lo = raw_scale.to(tl.float16)
         z_lo = lo.to(tl.float16)
@@ -125,20 +135,56 @@ def _append_token_kernel(
         tl.store(z_ptr, lo, mask=p_mask)
         scale = raw_scale
         zero = lo
-    nonzero = scale[:, :, None] > 0
-    safe = tl.where(nonzero, scale[:, :, None], 1.0)
-    v = tl.math.div_rn(x - zero[:, :, None], safe)
-    f = tl.floor(v)  # round half to even from floor: exact for every float32
-    frac = v - f
-    odd = (f - 2.0 * tl.floor(f * 0.5)) == 1.0
-    r = tl.where((frac > 0.5) | ((frac == 0.5) & odd), f + 1.0, f)
-    r = tl.minimum(tl.maximum(r, 0.0), MAX_CODE * 1.0)
-    code = tl.where(nonzero, r, 0.0).to(tl.int32)  # [BLOCK_T, NUM_GROUPS, GROUP]
-    planar = tl.reshape(code, [BLOCK_T, CPB, HEAD_DIM // CPB])  # [t, i, j] = channel i * HEAD_DIM/CPB + j
     shifts = tl.arange(0, CPB) * BITS
-    packed = tl.sum(planar << shifts[None, :, None], axis=1)  # disjoint bit fields: sum == or
-    c_ptr = CODES + dst[:, None] * stride_cb + h * stride_ch + row[:, None] * stride_cn + tl.arange(0, HEAD_DIM // CPB)[None, :]
-    tl.store(c_ptr, packed.to(tl.uint8), mask=p_mask)
+    if PADDED:
+        # the codes in planar order [t, i, j] = channel i * HEAD_DIM/CPB + j, each with its own group's
+        # scale and zero (a select over the NUM_GROUPS groups)
+        WIDTH: tl.constexpr = HEAD_DIM // CPB
+        j = tl.arange(0, WIDTH_P)
+        chan = tl.arange(0, CPB)[:, None] * WIDTH + j[None, :]
+        ch_ok = (j < WIDTH)[None, :]
+        xp_ptr = X + b * stride_xb + h * stride_xh + t[:, None, None].to(tl.int64) * stride_xn + chan[None, :, :]
+        xp_mask = t_ok[:, None, None] & ch_ok[None, :, :]
+        if X_BF16:
+            bits = tl.load(xp_ptr, mask=xp_mask, other=0).to(tl.uint16, bitcast=True).to(tl.uint32)
+            xp = (bits << 16).to(tl.float32, bitcast=True)
+        else:
+            xp = tl.load(xp_ptr, mask=xp_mask, other=0.0).to(tl.float32)
+        grp = chan // GROUP
+        s_el = tl.zeros([BLOCK_T, CPB, WIDTH_P], tl.float32)
+        z_el = tl.zeros([BLOCK_T, CPB, WIDTH_P], tl.float32)
+        for g in tl.static_range(NUM_GROUPS):
+            s_g = tl.sum(tl.where(g_idx[None, :] == g, scale, 0.0), axis=1)
+            z_g = tl.sum(tl.where(g_idx[None, :] == g, zero, 0.0), axis=1)
+            s_el = tl.where((grp == g)[None, :, :], s_g[:, None, None], s_el)
+            z_el = tl.where((grp == g)[None, :, :], z_g[:, None, None], z_el)
+        nonzero = s_el > 0
+        v = tl.math.div_rn(xp - z_el, tl.where(nonzero, s_el, 1.0))
+        f = tl.floor(v)  # round half to even from floor: exact for every float32
+        frac = v - f
+        odd = (f - 2.0 * tl.floor(f * 0.5)) == 1.0
+        r = tl.where((frac > 0.5) | ((frac == 0.5) & odd), f + 1.0, f)
+        r = tl.minimum(tl.maximum(r, 0.0), MAX_CODE * 1.0)
+        code = tl.where(nonzero, r, 0.0).to(tl.int32)
+        packed = tl.sum(code << shifts[None, :, None], axis=1)  # disjoint bit fields: sum == or
+        c_ptr = CODES + dst[:, None] * stride_cb + h * stride_ch + row[:, None] * stride_cn + j[None, :]
+        tl.store(c_ptr, packed.to(tl.uint8), mask=t_ok[:, None] & ch_ok)
+    else:
+        nonzero = scale[:, :, None] > 0
+        safe = tl.where(nonzero, scale[:, :, None], 1.0)
+        v = tl.math.div_rn(x - zero[:, :, None], safe)
+        f = tl.floor(v)  # round half to even from floor: exact for every float32
+        frac = v - f
+        odd = (f - 2.0 * tl.floor(f * 0.5)) == 1.0
+        r = tl.where((frac > 0.5) | ((frac == 0.5) & odd), f + 1.0, f)
+        r = tl.minimum(tl.maximum(r, 0.0), MAX_CODE * 1.0)
+        code = tl.where(nonzero, r, 0.0).to(tl.int32)  # [BLOCK_T, NUM_GROUPS, GROUP]
+        planar = tl.reshape(code, [BLOCK_T, CPB, HEAD_DIM // CPB])  # [t, i, j] = channel i * HEAD_DIM/CPB + j
+        packed = tl.sum(planar << shifts[None, :, None], axis=1)  # disjoint bit fields: sum == or
+        c_ptr = CODES + dst[:, None] * stride_cb + h * stride_ch + row[:, None] * stride_cn + \
+            tl.arange(0, HEAD_DIM // CPB)[None, :]
+        tl.store(c_ptr, packed.to(tl.uint8), mask=t_ok[:, None])
+
 
 
 def _append_channel_kernel(
@@ -150,6 +196,7 @@ def _append_channel_kernel(
     HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, BITS: tl.constexpr, CPB: tl.constexpr,
     MAX_CODE: tl.constexpr, BLOCK_T: tl.constexpr, X_BF16: tl.constexpr, SCALE_KIND: tl.constexpr,
     PER_ROW: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_COUNT: tl.constexpr,
+    WIDTH_P: tl.constexpr,
 ):
     """One program: one whole group of GROUP new tokens of one (batch, kv head), all channels,
     held in planar order [CPB, HEAD_DIM // CPB]; two passes over the group's tokens (min/max,
@@ -163,20 +210,21 @@ def _append_channel_kernel(
     else:
         start = offset
     WIDTH: tl.constexpr = HEAD_DIM // CPB
-    chan = tl.arange(0, CPB)[:, None] * WIDTH + tl.arange(0, WIDTH)[None, :]
+    chan = tl.arange(0, CPB)[:, None] * WIDTH + tl.arange(0, WIDTH_P)[None, :]
+    ch_ok = (tl.arange(0, WIDTH_P) < WIDTH)[None, :]   # all true unless WIDTH is no power of two
     x_base = X + b * stride_xb + h * stride_xh + grp * GROUP * stride_xn
-    lo = tl.full([CPB, WIDTH], float("inf"), tl.float32)
-    hi = tl.full([CPB, WIDTH], float("-inf"), tl.float32)
-    bad = tl.zeros([CPB, WIDTH], tl.int32)   # channels whose group holds NaN or Inf
+    lo = tl.full([CPB, WIDTH_P], float("inf"), tl.float32)
+    hi = tl.full([CPB, WIDTH_P], float("-inf"), tl.float32)
+    bad = tl.zeros([CPB, WIDTH_P], tl.int32)   # channels whose group holds NaN or Inf
     for t0 in range(0, GROUP, BLOCK_T):
         t = t0 + tl.arange(0, BLOCK_T)
         t_ok = t < GROUP
         x_ptr = x_base + t[:, None, None].to(tl.int64) * stride_xn + chan[None, :, :]
         if X_BF16:
-            bits = tl.load(x_ptr, mask=t_ok[:, None, None], other=0).to(tl.uint16, bitcast=True).to(tl.uint32)
-            x = (bits << 16).to(tl.float32, bitcast=True)
+            bits = tl.load(x_ptr, mask=t_ok[:, None, None] & ch_ok[None, :, :], other=0).to(tl.uint16, bitcast=True)
+            x = (bits.to(tl.uint32) << 16).to(tl.float32, bitcast=True)
         else:
-            x = tl.load(x_ptr, mask=t_ok[:, None, None], other=0.0).to(tl.float32)
+            x = tl.load(x_ptr, mask=t_ok[:, None, None] & ch_ok[None, :, :], other=0.0).to(tl.float32)
         lo = tl.minimum(lo, tl.min(tl.where(t_ok[:, None, None], x, float("inf")), axis=0))
         hi = tl.maximum(hi, tl.max(tl.where(t_ok[:, None, None], x, float("-inf")), axis=0))
         nonfinite = ((x != x) | (tl.abs(x) == float("inf"))) & t_ok[:, None, None]
@@ -197,7 +245,7 @@ def _append_channel_kernel(
         ok = ok & (pos0 % GROUP == 0) & (pos0 + GROUP <= capacity)
         dst = b
         row0 = pos0
-    g_mask = (chan >= 0) & ok
+    g_mask = ch_ok & ok
     prow = row0 // GROUP
     s_ptr = SCALE + dst * stride_sb + h * stride_sh + prow * stride_sn + chan
     z_ptr = ZERO + dst * stride_zb + h * stride_zh + prow * stride_zn + chan
@@ -231,21 +279,21 @@ def _append_channel_kernel(
         t_ok = t < GROUP
         x_ptr = x_base + t[:, None, None].to(tl.int64) * stride_xn + chan[None, :, :]
         if X_BF16:
-            bits = tl.load(x_ptr, mask=t_ok[:, None, None], other=0).to(tl.uint16, bitcast=True).to(tl.uint32)
-            x = (bits << 16).to(tl.float32, bitcast=True)
+            bits = tl.load(x_ptr, mask=t_ok[:, None, None] & ch_ok[None, :, :], other=0).to(tl.uint16, bitcast=True)
+            x = (bits.to(tl.uint32) << 16).to(tl.float32, bitcast=True)
         else:
-            x = tl.load(x_ptr, mask=t_ok[:, None, None], other=0.0).to(tl.float32)
+            x = tl.load(x_ptr, mask=t_ok[:, None, None] & ch_ok[None, :, :], other=0.0).to(tl.float32)
         v = tl.math.div_rn(x - zero[None, :, :], safe)
         f = tl.floor(v)
         frac = v - f
         odd = (f - 2.0 * tl.floor(f * 0.5)) == 1.0
         r = tl.where((frac > 0.5) | ((frac == 0.5) & odd), f + 1.0, f)
         r = tl.minimum(tl.maximum(r, 0.0), MAX_CODE * 1.0)
-        code = tl.where(nonzero, r, 0.0).to(tl.int32)  # [BLOCK_T, CPB, WIDTH]
+        code = tl.where(nonzero, r, 0.0).to(tl.int32)  # [BLOCK_T, CPB, WIDTH_P]
         packed = tl.sum(code << shifts[None, :, None], axis=1)
         row = row0 + t.to(tl.int64)
-        tl.store(c_base + row[:, None] * stride_cn + tl.arange(0, WIDTH)[None, :], packed.to(tl.uint8),
-                 mask=t_ok[:, None] & ok)
+        tl.store(c_base + row[:, None] * stride_cn + tl.arange(0, WIDTH_P)[None, :], packed.to(tl.uint8),
+                 mask=t_ok[:, None] & ok & ch_ok)
 
 
 _WRAPPED: dict[tuple[str, bool], object] = {}
@@ -389,9 +437,6 @@ def append_quantized(dst: AffineTensor, x: torch.Tensor, offset=0, *, target: st
     if mode == "reference":
         _append_reference(dst, x, scalar, per_row)
         return
-    if head_dim & (head_dim - 1):
-        raise InputError(f"head_dim={head_dim} is not a power of two; the append kernel tiles head_dim with "
-                         "tl.arange, so use target='reference' for this shape")
     for name, t in (("codes", dst.codes), ("scale", dst.scale), ("zero", dst.zero)):
         if t.stride(-1) != 1:
             raise InputError(f"dst.{name} must have unit stride along its last dim; got strides {t.stride()}")
@@ -421,17 +466,24 @@ def _launch(dst: AffineTensor, x: torch.Tensor, scalar, per_row, interpret: bool
     common = dict(HEAD_DIM=head_dim, GROUP=enc.group_size, BITS=enc.bits, CPB=enc.codes_per_byte,
                   MAX_CODE=enc.max_code, X_BF16=x.dtype == torch.bfloat16,
                   SCALE_KIND=SCALE_KIND[enc.scale_dtype], PER_ROW=per_row is not None, PAGED=paging is not None,
-                  PAGE_SIZE=page_size, HAS_COUNT=counts is not None, num_warps=4)
+                  PAGE_SIZE=page_size, HAS_COUNT=counts is not None,
+                  WIDTH_P=_pow2(head_dim // enc.codes_per_byte), num_warps=4)
     with interpreter(interpret):
         if GroupAxis.of(enc) is GroupAxis.CHANNEL:   # token-wise: groups of channels, a scale row per token
             block_t = min(BLOCK_T_TOKEN, 1 << (tokens - 1).bit_length())
             grid = (batch * heads, math.ceil(tokens / block_t))
-            _kernel("token", interpret)[grid](*args, tokens, heads, *table, NUM_GROUPS=head_dim // enc.group_size,
-                                              BLOCK_T=block_t, **common)
+            groups = head_dim // enc.group_size
+            _kernel("token", interpret)[grid](*args, tokens, heads, *table, NUM_GROUPS=groups, BLOCK_T=block_t,
+                                              GROUP_P=_pow2(enc.group_size), NUM_GROUPS_P=_pow2(groups), **common)
         else:
             block_t = min(BLOCK_T_CHANNEL, 1 << (enc.group_size - 1).bit_length())
             grid = (batch * heads, tokens // enc.group_size)
             _kernel("channel", interpret)[grid](*args, heads, *table, BLOCK_T=block_t, **common)
+
+
+def _pow2(n: int) -> int:
+    """The power of two tl.arange takes for n (n itself when it is one)."""
+    return 1 << (n - 1).bit_length()
 
 
 def _append_reference(dst: AffineTensor, x: torch.Tensor, scalar, per_row) -> None:
