@@ -15,13 +15,15 @@ from foldc.errors import InputError, InputTypeError, SpecError
 from foldc.serving import QuantizedKVCache
 
 A = foldc.Affine
-# layouts the Triton backend can tile at head_dim 64 (chunks of >= 16 channels, token groups of 16k)
+# layouts the Triton backend can tile (chunks of >= 16 channels, token groups of 16k)
 SPECS = {
     "K token2 / V channel4": foldc.AttentionSpec(4, 2, 64, A(2, "token", 16), A(4, "channel", 16)),
     "K channel2 / V token2": foldc.AttentionSpec(4, 2, 64, A(2, "channel", 32), A(2, "token", 32)),
     "K channel4 g32 / V channel2 g48": foldc.AttentionSpec(2, 2, 64, A(4, "channel", 32), A(2, "channel", 48)),
     "K token8 bf16 scales / V plain": foldc.AttentionSpec(4, 1, 64, A(8, "token", 64, torch.bfloat16), None),
     "plain / plain": foldc.AttentionSpec(4, 2, 64),
+    # head_dim 96 (Phi-3's): 24-channel bit fields at INT2, padded by the append and attention kernels
+    "K token2 / V channel2 d96": foldc.AttentionSpec(4, 2, 96, A(2, "token", 96), A(2, "channel", 16)),
 }
 TOL = 2e-3  # relative: fp16 attention against float64 on the same values
 
@@ -216,7 +218,7 @@ def cache():
     (dict(dtype=torch.bfloat16, target="auto"),
      "target='auto' runs Triton's interpreter, float16 on the CPU; got dtype=torch.bfloat16 on cpu"),
     (dict(target="sm_90", dtype=torch.float32), "target='sm_90' attends with float16 or bfloat16 tokens"),
-    (dict(spec=foldc.AttentionSpec(4, 2, 32, A(2, "token", 16))), "a chunk would hold 8 channels"),
+    (dict(spec=foldc.AttentionSpec(4, 2, 64, A(2, "token", 8))), "would cross a group of 8"),
 ])
 def test_bad_construction_names_the_value_and_the_fix(kwargs, match):
     args = dict(spec=SPEC, batch=1, capacity=16, target="interpret")
