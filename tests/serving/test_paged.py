@@ -11,7 +11,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import foldc
@@ -22,12 +22,14 @@ from foldc.testing import bf16_attention, rel_l2
 A = foldc.Affine
 S = foldc.AttentionSpec
 TOL = 2e-3
-# small shapes the backend tiles at head_dim 64: token- and channel-wise, INT2 and INT4
+# small shapes the backend tiles at head_dim 64 (and 96): token- and channel-wise, INT2 and INT4
 SPECS = {
     "K token2 / V channel4": S(4, 2, 64, A(2, "token", 32), A(4, "channel", 16)),
     "K channel2 / V token4": S(8, 2, 64, A(2, "channel", 32), A(4, "token", 64)),
     "K token4 / V token2": S(2, 1, 64, A(4, "token", 16), A(2, "token", 16)),
     "K channel4 / V channel2": S(4, 2, 64, A(4, "channel", 16), A(2, "channel", 32)),
+    # head_dim 96 (Phi-3's): 24-channel bit fields at INT2, padded chunks in the kernel
+    "K token2 / V token2 d96": S(4, 2, 96, A(2, "token", 96), A(2, "token", 48)),
 }
 
 
@@ -58,6 +60,7 @@ def reference_over_pages(spec, q, k_pages, v_pages, indptr, indices, lens, page_
 @settings(max_examples=6, deadline=None)
 @given(name=st.sampled_from(sorted(SPECS)), page_size=st.sampled_from([32, 64]), batch=st.integers(1, 3),
        seed=st.integers(0, 2**31 - 1))
+@example(name="K token2 / V token2 d96", page_size=32, batch=2, seed=3)   # padded chunks, every run
 def test_paged_kernel_matches_float64_over_random_page_tables(name, page_size, batch, seed):
     spec = SPECS[name]
     gen = torch.Generator().manual_seed(seed)
