@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import foldc
@@ -92,6 +92,7 @@ def _tokens(cache, n, gen, shift=0.0):
 @given(name=st.sampled_from(sorted(SPECS)), sink=st.sampled_from([0, 1, 4]), window=st.sampled_from([0, 1, 7, 20]),
        prefill=st.integers(1, 70), steps=st.lists(st.one_of(st.just(1), st.integers(1, 40)), min_size=0, max_size=10),
        batch=st.integers(1, 2), seed=st.integers(0, 2**31 - 1))
+@example(name="K token2 / V channel2 d96", sink=1, window=7, prefill=40, steps=[1, 17, 1], batch=2, seed=5)
 def test_any_sequence_of_appends_is_cached_exactly(name, sink, window, prefill, steps, batch, seed):
     gen = torch.Generator().manual_seed(seed)
     total = prefill + sum(steps)
