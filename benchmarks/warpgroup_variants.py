@@ -136,40 +136,18 @@ class Launch:
 
 
 def aot(names, block_ns, rows: int = 32) -> None:
-    import re
     import tempfile
-    from collections import Counter
-    from pathlib import Path
 
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    from foldc.backends.gluon.aot import registers
-    from foldc.backends.runtime.artifacts import write_artifacts
-    from foldc.backends.runtime.sass import loop_instructions
+    from foldc.backends.gluon.aot import compile_warpgroup_aot
 
     for name in names:
-        kernel = variant_kernel(name)
         for bn in block_ns:
-            consts = {"HAS_LENS": True, "ROWS": rows, "BN": bn, "STAGES": 4}
-            sig, attrs = {}, {}
-            for i, n in enumerate(kernel.arg_names):
-                if n in consts:
-                    sig[n] = "constexpr"
-                    continue
-                sig[n] = {"Q": "*bf16", "KC": "*i32", "VC": "*i32", "SEQ_LENS": "*i32", "qk_scale": "fp32"}.get(
-                    n, "*fp16" if n in ("KS", "KZ", "VS", "VZ") else "*fp32" if n.startswith("WS_") else "i32")
-                if n not in ("qk_scale", "cache_tokens"):
-                    attrs[(i,)] = [["tt.divisibility", 16]]
-            compiled = triton.compile(GluonASTSource(kernel, sig, constexprs=consts, attrs=attrs),
-                                      target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-            cubin = write_artifacts(Path(tempfile.mkdtemp()), "variant", "sm_90", compiled)
-            loop = Counter(o for _, o, _ in loop_instructions(cubin))
-            print(json.dumps({"variant": name, "rows": rows, "block_n": bn, "registers": registers(cubin),
-                              "spills": loop.get("LDL", 0) + loop.get("STL", 0), "loop": sum(loop.values()),
-                              "wgmma_waits": len(re.findall(r"wgmma.wait_group", compiled.asm["ptx"])),
-                              "top": dict(loop.most_common(8))}), flush=True)
+            r = compile_warpgroup_aot(tempfile.mkdtemp(), variant_kernel(name), rows, bn)
+            loop = r["inner_loop"]["top_opcodes"]
+            print(json.dumps({"variant": name, "rows": rows, "block_n": bn, "registers": r["registers"],
+                              "spills": loop.get("LDL", 0) + loop.get("STL", 0),
+                              "loop": r["inner_loop"]["instructions_per_warp"], "wgmma_waits": r["mma"]["wgmma_waits"],
+                              "top": dict(list(loop.items())[:8])}), flush=True)
 
 
 def gpu(shapes, names, block_ns, out_path) -> None:

@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy
 import pytest
@@ -10,6 +12,18 @@ import torch
 
 from foldc.reference import attention_reference
 from foldc.testing import bf16_attention, random_inputs, rel_l2
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def native_env(cache_dir) -> dict:
+    """The environment of a subprocess that builds kernels ahead of time: TRITON_INTERPRET unset (it must
+    be when triton is first imported), this checkout on PYTHONPATH, its own Triton cache (a real build)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    env["TRITON_CACHE_DIR"] = str(cache_dir)
+    return env
+
 
 #: triton 3.6's interpreter breaks with numpy >= 2.4 ("only 0-dimensional arrays can be converted
 #: to Python scalars" whenever a runtime int bounds a range()); pyproject pins numpy<2.4, but the

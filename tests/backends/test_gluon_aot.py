@@ -7,14 +7,12 @@ Builds run in one fresh subprocess (TRITON_INTERPRET must be unset when triton i
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from _kernel_cases import native_env
 
-ROOT = Path(__file__).resolve().parents[2]
 # (bits, heads, kv_heads, head_dim, arch, block_n, stages, K layout, V layout, pack_heads: None = auto,
 #  page size: 0 = contiguous cache)
 BUILDS = [(2, 32, 8, 128, "sm_90", 32, 2, "token", "token", None, 0),
@@ -61,9 +59,7 @@ print(json.dumps(out))
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory):
     root = tmp_path_factory.mktemp("gluon_aot")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-    env["TRITON_CACHE_DIR"] = str(root / "triton")
+    env = native_env(root / "triton")
     jobs = BUILDS + GROUP_BUILDS + list(DYNAMIC_BUILDS) + [b for b in DYNAMIC_BUILDS.values() if b not in BUILDS]
     done = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(jobs), str(root)], env=env,
                           capture_output=True, text=True, timeout=900)
@@ -125,9 +121,7 @@ def test_sass_matches_the_token_loop_cost_model(build, reports):
 
 def test_foldc_compile_builds_the_register_operand_kernel(tmp_path):
     """`foldc compile --target sm_90` takes the register-operand kernel where it lowers the plan."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton")
+    env = native_env(tmp_path / "triton")
     args = [sys.executable, "-m", "foldc.cli", "compile", "--k", "channel:4:64", "--v", "token:4:128", "--heads",
             "32/8", "--head-dim", "128", "--target", "sm_90", "--out", str(tmp_path / "out")]
     done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=300)

@@ -13,14 +13,12 @@ is imported).
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from _kernel_cases import native_env
 
-ROOT = Path(__file__).resolve().parents[2]
 
 # (K, V, query heads / KV heads, head_dim): 58 layouts
 GRID = [(f"{kl}:{b}:{g}", f"{vl}:{b}:{g}", "32/8", 128) for b in (2, 4, 8) for kl, vl in
@@ -95,9 +93,7 @@ print(json.dumps(out))
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory):
     root = tmp_path_factory.mktemp("gluon_grid_aot")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-    env["TRITON_CACHE_DIR"] = str(root / "triton")
+    env = native_env(root / "triton")
     done = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(JOBS)], env=env, capture_output=True, text=True,
                           timeout=1500)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -4,21 +4,18 @@ TRITON_INTERPRET must be unset when triton is imported), and its answer against 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
-from _kernel_cases import check_graph_replay, run_with_lens
+from _kernel_cases import check_graph_replay, native_env, run_with_lens
 
 import foldc
 from foldc.backends.gluon.launch import GluonAttention
 from foldc.spec import spec_from_args
 from foldc.testing import random_inputs, rel_l2, run_case
 
-ROOT = Path(__file__).resolve().parents[2]
 GPU = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 TOLERANCE = 1.10   # as the other register-operand GPU tests: at most 1.10x plain bf16 attention's error
 
@@ -59,9 +56,7 @@ print(json.dumps(compile_warpgroup_aot(tempfile.mkdtemp())))
 @pytest.fixture(scope="module")
 def build(tmp_path_factory):
     root = tmp_path_factory.mktemp("warpgroup_aot")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-    env["TRITON_CACHE_DIR"] = str(root / "triton")
+    env = native_env(root / "triton")
     done = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -133,9 +128,7 @@ def test_the_template_runs_its_own_checked_plan():
 def test_foldc_compile_builds_the_template_beside_the_one_warp_program(tmp_path):
     """`foldc compile --kernel gluon --target sm_90` builds what a call runs: for 32 rows per KV head at
     token-wise INT2 the template too (contiguous caches), and only the one-warp program on sm_100."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton")
+    env = native_env(tmp_path / "triton")
     for target, want in (("sm_90", True), ("sm_100", False)):
         out = tmp_path / target
         done = subprocess.run([sys.executable, "-m", "foldc", "compile", "--heads", "128/4", "--target", target,

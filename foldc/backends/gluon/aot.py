@@ -139,9 +139,11 @@ def compile_gluon_aot(spec, arch: str, out_dir: str | Path, dtype: str = "bf16",
     return report
 
 
-def compile_warpgroup_aot(out_dir: str | Path) -> dict:
+def compile_warpgroup_aot(out_dir: str | Path, kernel=None, rows: int | None = None,
+                          block_n: int | None = None) -> dict:
     """Build the warpgroup template (warpgroup.py) for sm_90 into ``out_dir``, with the launcher's tile
-    and stages, and report its matrix instructions, registers and token loop."""
+    and stages, and report its matrix instructions, registers and token loop. ``kernel``: another kernel
+    object with its signature (benchmarks' variants); ``rows``, ``block_n``: other than the launcher's."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise SpecError("ahead-of-time compilation needs TRITON_INTERPRET unset in this process")
     import triton
@@ -152,9 +154,11 @@ def compile_warpgroup_aot(out_dir: str | Path) -> dict:
     from .warpgroup_launch import BLOCK_N, ROWS, STAGES
 
     check_out_dir(out_dir)
-    consts = {"HAS_LENS": True, "ROWS": ROWS, "BN": BLOCK_N, "STAGES": STAGES}
+    kernel = kernel or foldc_decode_warpgroup
+    rows, block_n = rows or ROWS, block_n or BLOCK_N
+    consts = {"HAS_LENS": True, "ROWS": rows, "BN": block_n, "STAGES": STAGES}
     signature, attrs = {}, {}
-    for i, name in enumerate(foldc_decode_warpgroup.arg_names):
+    for i, name in enumerate(kernel.arg_names):
         if name in consts:
             signature[name] = "constexpr"
             continue
@@ -163,12 +167,13 @@ def compile_warpgroup_aot(out_dir: str | Path) -> dict:
         if name not in ("qk_scale", "cache_tokens"):
             attrs[(i,)] = [["tt.divisibility", 16]]
     with build_errors("the warpgroup template for sm_90"):
-        compiled = triton.compile(GluonASTSource(foldc_decode_warpgroup, signature, constexprs=consts, attrs=attrs),
+        compiled = triton.compile(GluonASTSource(kernel, signature, constexprs=consts, attrs=attrs),
                                   target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
     cubin = write_artifacts(Path(out_dir), "foldc_decode_warpgroup", "sm_90", compiled)
     loop = Counter(o for _, o, _ in loop_instructions(cubin))
     ptx = compiled.asm["ptx"]
-    return {"kernel": "warpgroup", "arch": "sm_90", "block_n": BLOCK_N, "stages": STAGES, "rows": ROWS,
+    return {"kernel": "warpgroup", "arch": "sm_90", "block_n": block_n, "stages": STAGES, "rows": rows,
             "registers": registers(cubin),
-            "mma": {"mma.sync": len(re.findall(r"\bmma\.sync", ptx)), "wgmma": len(re.findall(r"\bwgmma\.mma_async", ptx))},
+            "mma": {"mma.sync": len(re.findall(r"\bmma\.sync", ptx)), "wgmma": len(re.findall(r"\bwgmma\.mma_async", ptx)),
+                    "wgmma_waits": len(re.findall(r"wgmma\.wait_group", ptx))},
             "inner_loop": {"instructions_per_warp": sum(loop.values()), "top_opcodes": dict(loop.most_common(24))}}
