@@ -20,7 +20,7 @@ import pytest
 from _kernel_cases import native_env
 
 
-# (K, V, query heads / KV heads, head_dim): 58 layouts
+# (K, V, query heads / KV heads, head_dim): 60 layouts
 GRID = [(f"{kl}:{b}:{g}", f"{vl}:{b}:{g}", "32/8", 128) for b in (2, 4, 8) for kl, vl in
         (("token", "token"), ("channel", "channel")) for g in (32, 128)]
 GRID += [("token:4:128", "token:2:128", "32/8", 128), ("token:2:128", "token:4:128", "32/8", 128),
@@ -50,7 +50,8 @@ GRID += [("token:4:128", "token:2:128", "32/8", 128), ("token:2:128", "token:4:1
          # dequant plans (eq. 12: groups of at most twice a program's 16 rows), rebuilt per value
          ("token:2:32", "token:2:32", "64/4", 128), ("channel:2:32", "channel:4:32", "64/4", 128),
          ("token:4:32", "channel:2:32", "64/2", 128), ("channel:8:32", "token:8:32", "64/4", 64),
-         ("channel:4:32", "channel:4:32", "64/4", 96),
+         ("channel:4:32", "channel:4:32", "64/4", 96), ("channel:2:16", "channel:2:16", "64/4", 128),
+         ("token:2:32", "token:2:32", "64/4", 96),
          # channel-wise groups of 16 tokens: two per tile
          ("channel:2:16", "token:2:128", "32/8", 128), ("token:4:128", "channel:4:16", "32/8", 128),
          ("channel:2:16", "channel:2:16", "32/8", 128), ("channel:8:16", "token:4:32", "16/8", 64),
@@ -81,7 +82,8 @@ def build(job):
                        key_words=cfg.key_tile_words, value_words=cfg.value_tile_words, width=cfg.width,
                        key_tokens=cfg.key_tokens,
                        value_tokens=cfg.value_tokens, key_groups=cfg.key_groups, value_groups=cfg.value_groups,
-                       key_masked=cfg.key_masked_groups, value_masked=cfg.value_masked_groups)
+                       key_masked=cfg.key_masked_groups, value_masked=cfg.value_masked_groups,
+                       key_dequant=cfg.key_dequant, value_dequant=cfg.value_dequant)
     return r
 
 with ProcessPoolExecutor(2) as pool:
@@ -134,8 +136,8 @@ def test_grid_build_is_the_designed_kernel(job, reports):
     # a padded head_dim's plain values: the MMAs
     # of output rows past head_dim, never stored, are dropped by the compiler
     value_tiles = -(-job[3] // 16) if cfg["value_bits"] == 16 else cfg["width"] // 16
-    if cfg["value_tokens"] == 16:   # channel-wise V in groups of half a tile: one value product per group
-        value_tiles *= 2
+    if cfg["value_tokens"] == 16 and not cfg["value_dequant"]:
+        value_tiles *= 2   # channel-wise V folded in groups of half a tile: one value product per group
     blocks = heads * (block_n // 16) * (cfg["width"] // 16 + value_tiles) * (rows // 8)
     if cfg["key_masked"] or cfg["value_masked"]:
         # groups across a padded head_dim's bit fields: one MMA per group over the whole operand (the
@@ -196,3 +198,33 @@ def test_sm_100_builds_the_same_token_loop(reports):
             continue
         assert b100["top_opcodes"].get("HMMA") == b90["top_opcodes"].get("HMMA"), (k, v, h, d)
         assert abs(b100["instructions_per_tile"] - b90["instructions_per_tile"]) <= 0.12 * b90["instructions_per_tile"]
+
+
+@pytest.mark.parametrize("job", [j for j in JOBS if "channel" in j[0] and "channel" in j[1] and j[2] == "64/4"],
+                         ids=lambda j: f"{j[0]}-{j[1]}-{j[2]}-d{j[3]}-{j[4]}")
+def test_dequant_group_parameters_load_once_per_lane(job, reports):
+    """A channel-wise dequant plan's group (its scales and zeros, and the power of two they are rebuilt
+    at) is read and computed once per lane, D/32 channels each, then moved to the operand's layout:
+    not once per k index a lane holds (32 of them: 96 global loads per 32-token tile, 192 with groups of
+    16 tokens, before)."""
+    r = reports[job]
+    assert r["config"]["key_dequant"] and r["config"]["value_dequant"], r["config"]
+    groups_per_tile = max(1, r["block_n"] // min(int(job[0].split(":")[2]), int(job[1].split(":")[2])))
+    width = r["config"]["width"]
+    # two sides x (scales, zeros) x width / 32 channels per lane, per group in the tile
+    assert r["inner_loop"]["global_loads"] <= 2 * 2 * (width // 32) * groups_per_tile, r["inner_loop"]
+
+
+@pytest.mark.parametrize("job", [j for j in JOBS if j[3] == 96 and j[0].startswith("token:") and
+                                 j[0].endswith(":32")], ids=lambda j: f"{j[0]}-{j[1]}-{j[2]}-d{j[3]}-{j[4]}")
+def test_groups_across_padded_fields_select_per_token_not_per_value(job, reports):
+    """Token-wise groups of 32 channels across head_dim 96's bit fields: each lane's channels of one
+    field lie in one group (the boundaries fall on multiples of eight channels), so a group's
+    parameters are selected per token and field, and the fold masks the query once before the loop
+    instead of the keys per tile. Before: 456 selects per 32-token tile (dequant) and 160 (fold)."""
+    r = reports[job]
+    assert r["config"]["key_masked"] or r["config"]["key_dequant"], r["config"]
+    loop = r["inner_loop"]["top_opcodes"]
+    values_per_lane = 2 * r["block_n"] * r["config"]["width"] // 32
+    selects = loop.get("FSEL", 0) + loop.get("SEL", 0)
+    assert selects <= values_per_lane // 2, loop

@@ -33,11 +33,11 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 # absolute imports: benchmarks load copies of this file as modules of their own (ab_kernel.py, program_timeline.py)
 from foldc.backends.gluon.tile_memory import (copy_layout, draw_chunk, issue_copies, next_tile, prefetch_scales,
                                               stage_tail, tile_bases, tile_scales)
-from foldc.backends.gluon.tile_dequant import (KEY_E_HI, KEY_E_LO, VALUE_E_HI, VALUE_E_LO, channel_group, key_fields,
+from foldc.backends.gluon.tile_dequant import (KEY_E_HI, KEY_E_LO, VALUE_E_HI, VALUE_E_LO, channel_group,
                                                key_token_dequant, pow2, rebuild, token_exponent, value_fields,
                                                value_token_dequant)
-from foldc.backends.gluon.tile_groups import (key_tile_params, load_query, masked_sums, rebuild_rows, value_tile_params,
-                                              value_weights)
+from foldc.backends.gluon.tile_groups import (key_tile_params, load_query, masked_query, masked_sums, rebuild_rows,
+                                              value_tile_params, value_weights)
 from foldc.backends.gluon.tile_operands import (NARROW, group_mmas, group_sums, join_field_groups, join_groups,
                                                 key_operand, key_words_layout, load_value_words, per_channel,
                                                 per_channel16, per_row, scaled_p, select_groups, split_field_groups,
@@ -115,17 +115,16 @@ def _scores(n0, end, k_smem, slot, ks, kz, tm, head_c, q16, q_bias, q_sum, row_s
         t = gl.convert_layout(join_groups((s0 * q_bias[0][None, :] + q_sum[0][None, :],
                                            s1 * q_bias[1][None, :] + q_sum[1][None, :]), 2), mma, assert_trivial=True)
     elif KEY_NG > 1 and KMG:
-        # token-wise K in groups across the padded bit fields: group g's MMA takes the keys of its own
-        # channels (the rest zero) against the whole query; scaled per group before the groups meet (eq. 3, 6)
+        # token-wise K in groups across the padded bit fields: group g's MMA takes all the keys against
+        # the query with the other groups' channels zero (q16[g], masked once before the loop; the
+        # codes carry no bias); scaled per group before the groups meet (eq. 3, 6)
         gl.static_assert(H == 1, "groups across padded bit fields take one KV head per program")
+        gl.static_assert(KEY_BIAS == 0, "a masked query meets unbiased (subnormal) key codes only")
         kw = k_smem.index(slot).load(kw_l)
         ka = gl.convert_layout(key_operand(kw, BN, D, F, KASM, KCONS), a_l, assert_trivial=True)
-        field, chan = key_fields(gl.arange(0, D, layout=gl.SliceLayout(0, a_l)), D, D // F)
-        grp = channel_group(field, chan, D, F, KEY_NG, DRK)   # the cache channel's group
         acc = gl.zeros([BN, ROWS], gl.float32, layout=mma)
         for g in gl.static_range(KEY_NG):
-            kg = gl.where((grp == g)[None, :], ka, gl.zeros_like(ka))
-            acc = acc + per_row(ks[g], H) * mma_v2(kg, q16, gl.zeros([BN, ROWS], gl.float32, layout=mma))
+            acc = acc + per_row(ks[g], H) * mma_v2(ka, q16[g], gl.zeros([BN, ROWS], gl.float32, layout=mma))
         off = per_row(kz[0], H) * q_sum[0][None, :]
         for g in gl.static_range(1, KEY_NG):
             off = off + per_row(kz[g], H) * q_sum[g][None, :]
@@ -546,10 +545,13 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
         elif KMG:   # groups across the padded bit fields: the whole Q'^T, each group's sum(q) over its channels
             grp_q = channel_group(field, chan, D, KF, KEY_NG, DR)
             q_sum = masked_sums(qv, grp_q, qk_scale, row_l, KEY_NG)
+            q16 = masked_query(q16, grp_q, KEY_NG)
         else:   # per channel group: its piece of Q'^T for its own MMA, and its sum(q) (_scores)
             q16 = split_groups(q16, KEY_NG, 0)
             q_sum = group_sums(split_groups(qv, KEY_NG, 0), qk_scale, row_l, KEY_NG)
     else:
+        if KDQ:   # channel-wise K, dequant: the query times c (fp16) and the logits' factor per row, once
+            qv = ((qv * c[None, :]).to(gl.float16), gl.convert_layout(qk_scale / c, row_l))
         q16, q_bias, q_sum = key_tile_params(qv, field, chan, head_q, stride_ksh, KSp, KZp, stride_ksn, start, end,
                                               qk_scale, KBITS, KEY_BIAS, KEY_EXP, H, D, ROWS, KSWAP, KCH, KCHR, KDQ,
                                               KEY_G, BN)
@@ -593,7 +595,7 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
                                                       KEY_NG, VAL_NG)
             if KEY_G > 0:
                 if n0 % KEY_G == 0:
-                    if LEAN:   # the query read again (L1/L2) at each group: no float32 copy held across the loop
+                    if LEAN and not KDQ:   # the query read again (L1/L2) at each group: no float32 copy held
                         _, qg = load_query(Q, b, stride_qb, q_head0, stride_qh, rq, q_off, q_mask, D, ROWS, KSWAP)
                     else:
                         qg = qv
@@ -660,7 +662,7 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
             k_base, v_base, KSp, KZp, VSp, VZp = tile_bases(full_end, b, h, cache, table, strides, KWR, VWR, KEY_G,
                                                             VAL_G, PAGE, KEY_NG, VAL_NG)
         if KEY_G > 0:
-            if LEAN:
+            if LEAN and not KDQ:
                 _, qg = load_query(Q, b, stride_qb, q_head0, stride_qh, rq, q_off, q_mask, D, ROWS, KSWAP)
             else:
                 qg = qv

@@ -16,6 +16,7 @@ Import this module only where Triton runs natively (not under TRITON_INTERPRET=1
 from __future__ import annotations
 
 from triton.experimental import gluon
+from triton.experimental.gluon import constexpr_function
 from triton.experimental.gluon import language as gl
 
 from foldc.backends.gluon.operands import DEQUANT_ASM, DEQUANT_KEY_EXPONENTS, DEQUANT_VALUE_EXPONENTS
@@ -28,6 +29,12 @@ KEY_E_LO: gl.constexpr = gl.constexpr(DEQUANT_KEY_EXPONENTS[0])
 KEY_E_HI: gl.constexpr = gl.constexpr(DEQUANT_KEY_EXPONENTS[1])
 VALUE_E_LO: gl.constexpr = gl.constexpr(DEQUANT_VALUE_EXPONENTS[0])
 VALUE_E_HI: gl.constexpr = gl.constexpr(DEQUANT_VALUE_EXPONENTS[1])
+
+
+@constexpr_function
+def _SPREAD(D):
+    """A [D] layout of one warp with D/32 consecutive entries per lane: a group's parameters, each once."""
+    return gl.BlockedLayout([D // 32], [32], [1], [0])
 
 
 @gluon.jit
@@ -133,7 +140,12 @@ def _to_layout(x, layout: gl.constexpr, NG: gl.constexpr):
 def channel_group(field, chan, D: gl.constexpr, F: gl.constexpr, NG: gl.constexpr, DR: gl.constexpr):
     """The token-wise group of each register channel: its cache channel's, field * DR/F + its place in
     the field, on a padded head_dim (DR > 0 and != D); else chan // (D / NG)."""
-    if DR > 0 and DR != D:
+    if DR > 0 and DR != D and (DR // F) % 8 == 0 and (DR // NG) % 8 == 0:
+        # every boundary on a multiple of 8 channels: the low three bits of the channel never move the
+        # group, and dropping them lets the compiler see one group per lane and field (one select per
+        # token, not per value)
+        out = (field * (DR // F) + (chan % (D // F) & ~7)) // (DR // NG)
+    elif DR > 0 and DR != D:
         out = (field * (DR // F) + chan % (D // F)) // (DR // NG)
     else:
         out = chan // (D // NG)
@@ -186,23 +198,24 @@ def _scale_zero(S, Z, off, ok, MASKED: gl.constexpr):
 
 
 @gluon.jit
-def key_group_dequant(qv, KSg, KZg, qk_scale, b_l: gl.constexpr, row_l: gl.constexpr, a_l: gl.constexpr,
-                      D: gl.constexpr, F: gl.constexpr, CH: gl.constexpr, CHR: gl.constexpr):
-    """Channel-wise K, one token group: the query as it is (each row times its power of two c, fp16),
-    the group's per-k ``a``, ``b`` (fp16 [D]) and the logits' factor qk_scale x 2^-e / c per row."""
+def key_group_dequant(query, KSg, KZg, a_l: gl.constexpr, D: gl.constexpr, F: gl.constexpr, CH: gl.constexpr,
+                      CHR: gl.constexpr):
+    """Channel-wise K, one token group: ``query`` is (the query with each row times its power of two
+    c in fp16, qk_scale / c per row), made once before the token loop; returns that fp16 query, the
+    group's per-k ``a``, ``b`` (fp16 [D]) and the logits' factor qk_scale x 2^-e / c per row."""
     BITS: gl.constexpr = 8 // F
-    field, chan = key_fields(gl.arange(0, D, layout=gl.SliceLayout(0, a_l)), D, D // F)
+    # each lane loads and rebuilds D/32 of the group's k indices once (the operand layout holds every k
+    # in eight lanes), then the fp16 a and b move to the operand's layout
+    field, chan = key_fields(gl.arange(0, D, layout=_SPREAD(D)), D, D // F)
     if CH != CHR:   # a padded head_dim: the padding channels load zero
         s, z = _scale_zero(KSg, KZg, (chan // CH) * CHR + chan % CH, chan % CH < CHR, True)
     else:
         s, z = _scale_zero(KSg, KZg, chan, None, False)
     e = dequant_exponent(gl.max(_magnitude(s, z, BITS), axis=0), KEY_E_LO, KEY_E_HI)
-    a = (s * pow2(e - field * BITS)).to(gl.float16)
-    b = (z * pow2(e)).to(gl.float16)
-    c = gl.exp2(12.0 - gl.floor(gl.log2(gl.maximum(gl.max(gl.abs(qv), axis=0), 1e-30))))
-    q16 = (qv * c[None, :]).to(gl.float16)
-    mul = gl.convert_layout(qk_scale / c, row_l) * pow2(-e)
-    return q16, (a, b), mul
+    a = gl.convert_layout((s * pow2(e - field * BITS)).to(gl.float16), gl.SliceLayout(0, a_l))
+    b = gl.convert_layout((z * pow2(e)).to(gl.float16), gl.SliceLayout(0, a_l))
+    q16, q_factor = query
+    return q16, (a, b), q_factor * pow2(-e)
 
 
 @gluon.jit
@@ -210,7 +223,15 @@ def value_group_dequant(VSg, VZg, chan_o, cm, ok, D: gl.constexpr, F: gl.constex
     """Channel-wise V, one token group: per output row (cache channel chan_o, operand row cm) the
     fp16 ``a``, ``b`` of `rebuild`, and P's factor 2^-e (one per group)."""
     BITS: gl.constexpr = 8 // F
-    s, z = _scale_zero(VSg, VZg, chan_o, ok, PAD)
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
+    row_l: gl.constexpr = gl.SliceLayout(1, mma)   # the accumulator's rows (output channels)
+    # each lane loads and rebuilds D/32 rows once (the accumulator's layout holds every row in four lanes)
+    chan_s = gl.convert_layout(chan_o, _SPREAD(D))
+    if PAD:
+        ok = gl.convert_layout(ok, _SPREAD(D))
+    s, z = _scale_zero(VSg, VZg, chan_s, ok, PAD)
     e = dequant_exponent(gl.max(_magnitude(s, z, BITS), axis=0), VALUE_E_LO, VALUE_E_HI)
-    field = cm // (D // F)
-    return (s * pow2(e - field * BITS)).to(gl.float16), (z * pow2(e)).to(gl.float16), pow2(-e)
+    field = gl.convert_layout(cm, _SPREAD(D)) // (D // F)
+    a = gl.convert_layout((s * pow2(e - field * BITS)).to(gl.float16), row_l)
+    b = gl.convert_layout((z * pow2(e)).to(gl.float16), row_l)
+    return a, b, pow2(-e)

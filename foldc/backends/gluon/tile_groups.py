@@ -67,16 +67,34 @@ def masked_sums(qv, grp, scale, layout: gl.constexpr, NG: gl.constexpr):
 
 
 @gluon.jit
+def _only(q16, grp, g):
+    return gl.where((grp == g)[:, None], q16, gl.zeros_like(q16))
+
+
+@gluon.jit
+def masked_query(q16, grp, NG: gl.constexpr):
+    """Per group g (grp: each channel's group), the query operand with the other groups' channels
+    zero: a tuple of NG, made once before the token loop (the keys then need no mask)."""
+    if NG == 2:
+        out = (_only(q16, grp, 0), _only(q16, grp, 1))
+    elif NG == 3:
+        out = (_only(q16, grp, 0), _only(q16, grp, 1), _only(q16, grp, 2))
+    else:
+        out = (_only(q16, grp, 0), _only(q16, grp, 1), _only(q16, grp, 2), _only(q16, grp, 3))
+    return out
+
+
+@gluon.jit
 def key_params(qv, field, chan, head_q, stride_ksh, KSg, KZg, qk_scale, BITS: gl.constexpr, KEY_BIAS: gl.constexpr,
                KEY_EXP: gl.constexpr, H: gl.constexpr, D: gl.constexpr, ROWS: gl.constexpr, SWAP: gl.constexpr,
                CH: gl.constexpr, CHR: gl.constexpr, DQ: gl.constexpr):
     """A channel-wise K group's query operand, per-k parameters and logits' map: the fold's
-    (tile_operands.key_group) or, for a dequant plan, tile_dequant.key_group_dequant's."""
+    (tile_operands.key_group, from the float32 query qv) or, for a dequant plan,
+    tile_dequant.key_group_dequant's (qv is then the pair of the fp16 query and its rows' factor)."""
     if DQ:
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
-        out = key_group_dequant(qv, KSg, KZg, qk_scale, gl.DotOperandLayout(operand_index=1, parent=mma, k_width=8),
-                                gl.SliceLayout(0, mma), gl.DotOperandLayout(operand_index=0, parent=mma, k_width=8),
-                                D, 8 // BITS, CH, CHR)
+        out = key_group_dequant(qv, KSg, KZg, gl.DotOperandLayout(operand_index=0, parent=mma, k_width=8), D, 8 // BITS,
+                                CH, CHR)
     else:
         out = key_group(qv, field, chan, head_q, stride_ksh, KSg, KZg, qk_scale, BITS, KEY_BIAS, KEY_EXP, H, D, ROWS,
                         SWAP, CH, CHR)
