@@ -63,6 +63,17 @@ GRID += [("token:4:128", "token:2:128", "32/8", 128), ("token:2:128", "token:4:1
          ("token:2:32", "token:2:32", "32/8", 96), ("token:8:48", "token:8:32", "32/8", 96),
          ("token:8:32", "token:4:96", "64/4", 96)]   # a dequant plan's groups across them
 ARCHS = ("sm_90", "sm_100")
+# Builds whose token loop reads or writes local memory (spilled registers), with today's count of
+# those instructions as a bound: every other build must have none. Found when the check moved from the
+# loop's twelve commonest opcodes to its full count (docs/perf.md, "Not met"); the first is in the
+# once-per-group reload only (behind the loop's branch), the rest in every tile.
+KNOWN_SPILLS = {("channel:2:128", "channel:2:128", "32/8", 128, "sm_100"): (12, 0),
+                ("token:8:32", "channel:4:64", "32/8", 128, "sm_100"): (1, 1),
+                ("channel:4:128", "token:4:128", "64/2", 128, "sm_90"): (2, 2),
+                ("channel:4:128", "token:4:128", "16/4", 256, "sm_100"): (4, 4),
+                ("channel:4:64", "token:4:64", "64/2", 128, "sm_90"): (36, 36),   # 64-token tiles: faster anyway
+                ("channel:4:64", "token:4:64", "64/2", 128, "sm_100"): (16, 16),
+                ("token:2:32", "token:2:32", "32/8", 256, "sm_100"): (22, 22)}
 JOBS = [(k, v, h, d, arch) for k, v, h, d in GRID for arch in ARCHS]
 
 SCRIPT = r"""
@@ -129,7 +140,10 @@ def test_grid_build_is_the_designed_kernel(job, reports):
     assert r["mma"]["mma.sync"] > 0 and r["mma"]["wgmma"] == 0
     assert r["registers"] is not None and r["registers"] <= 255
     loop = r["inner_loop"]["top_opcodes"]
-    assert "LDL" not in loop and "STL" not in loop, f"register spills in the token loop: {loop}"
+    # no spilled register in the token loop, but for the known builds (at most their count)
+    most, every_tile = KNOWN_SPILLS.get(job, (0, 0))
+    assert r["inner_loop"]["local_memory"] <= most, f"register spills in the token loop: {r['inner_loop']}"
+    assert r["inner_loop"]["local_memory_every_tile"] <= every_tile, f"spills in every tile: {r['inner_loop']}"
     heads, block_n, rows = r["pack_heads"], r["block_n"], cfg["rows"]
     # one HMMA per 16 x 8 x 16 block: keys [tokens, channels] x [channels, rows], values
     # [channels, tokens] x [tokens, rows], every packed head (two value products with groups of 16 tokens);
@@ -228,3 +242,10 @@ def test_groups_across_padded_fields_select_per_token_not_per_value(job, reports
     values_per_lane = 2 * r["block_n"] * r["config"]["width"] // 32
     selects = loop.get("FSEL", 0) + loop.get("SEL", 0)
     assert selects <= values_per_lane // 2, loop
+
+
+def test_the_known_spills_are_the_builds_that_spill(reports):
+    """KNOWN_SPILLS lists exactly the builds of the grid whose token loop touches local memory: one that
+    stops spilling leaves the list (so the list never hides a new spill behind an old entry)."""
+    spilling = {job for job, r in reports.items() if r["inner_loop"]["local_memory"]}
+    assert spilling == set(KNOWN_SPILLS), (spilling - set(KNOWN_SPILLS), set(KNOWN_SPILLS) - spilling)

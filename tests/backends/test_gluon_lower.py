@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 
 import foldc
 from foldc.backends.gluon.lower import KEY_BIAS, NotLowerable, gluon_plan, lower, lowerable, max_rows
-from foldc.backends.gluon.operands import (DEQUANT_ASM, DEQUANT_KEY_EXPONENTS, DEQUANT_VALUE_EXPONENTS, KEY_EXPONENT,
+from foldc.backends.gluon.operands import (DEQUANT_ASM, DEQUANT_KEY_EXPONENTS, DEQUANT_KEY_TOP, DEQUANT_VALUE_EXPONENTS,
+                                           DEQUANT_VALUE_TOP, KEY_EXPONENT,
                                            NARROW_WORDS, VALUE_EXPONENT, cache_channel, dequant_exponent, key_channel,
                                            key_k, key_unpack_asm, value_channel, value_row, value_unpack_asm)
 from foldc.encoding import pack_codes
@@ -337,21 +338,28 @@ def test_value_unpack_gives_two_tokens_of_one_channel_per_register(bits, head_di
 @given(bits=st.sampled_from([2, 4, 8]), log_scale=st.floats(-30, 20), zero_ratio=st.floats(-300, 300),
        side=st.sampled_from(["key", "value"]), seed=st.integers(0, 2**31 - 1))
 def test_dequant_rebuilds_every_value_in_fp16_range(bits, log_scale, zero_ratio, side, seed):
-    """A dequant plan's HFMA2 (operands.DEQUANT_ASM) on the integer codes, with a = scale x 2^(e - bits*field)
-    and b = zero x 2^e in fp16 and e from dequant_exponent: every rebuilt value is finite, below 2^15,
-    and within fp16's rounding of (scale x code + zero) x 2^e, for scales from 2^-30 to 2^20 and zeros
-    up to 300 scales away. The value side's e stays in the range P x 2^-e tolerates."""
+    """A dequant plan's HFMA2 (operands.DEQUANT_ASM) on the unpacked codes (the values' exact fp16
+    integers; the keys' fp16 subnormals code x 2^(bits*field) x 2^-24, with a times 2^24), with
+    a = scale x 2^(e + unit - bits*field) and b = zero x 2^e in fp16 and e from dequant_exponent (each
+    side's top): every rebuilt value is finite, below 2^(top+2), and within fp16's rounding of
+    (scale x code + zero) x 2^e, for scales from 2^-30 to 2^20 and zeros up to 300 scales away. The
+    value side's e stays in the range P x 2^-e tolerates."""
     rng = np.random.default_rng(seed)
     scale = float(np.float16(2.0 ** log_scale)) if -14 <= log_scale <= 15 else float(np.float32(2.0 ** log_scale))
     zero = float(np.float32(zero_ratio * scale))
     bounds = DEQUANT_KEY_EXPONENTS if side == "key" else DEQUANT_VALUE_EXPONENTS
-    e = dequant_exponent(scale, zero, bits, bounds)
+    top = DEQUANT_KEY_TOP if side == "key" else DEQUANT_VALUE_TOP
+    unit = KEY_EXPONENT if side == "key" else 0
+    e = dequant_exponent(scale, zero, bits, bounds, top)
     assert bounds[0] <= e <= bounds[1]
     in_range = max(abs(scale) * 2 ** bits, abs(zero)) * 2.0 ** e
     for field in range(8 // bits):
         codes = rng.integers(0, 1 << bits, size=16)
-        a, b = np.float16(scale * 2.0 ** (e - bits * field)), np.float16(zero * 2.0 ** e)
-        ints = [_bits16(float(c) * 2.0 ** (bits * field)) for c in codes]   # the integer unpack's output
+        a, b = np.float16(scale * 2.0 ** (e + unit - bits * field)), np.float16(zero * 2.0 ** e)
+        assert np.isfinite(a) and np.isfinite(b)
+        # the unpack's output: exact fp16 integers (values) or subnormals, whose bits are the integer (keys)
+        ints = [(int(c) << (bits * field)) if side == "key" else _bits16(float(c) * 2.0 ** (bits * field))
+                for c in codes]
         for pair in range(8):
             word = ints[2 * pair] | (ints[2 * pair + 1] << 16)
             aa = int(a.view(np.uint16)) * 0x10001
@@ -360,8 +368,8 @@ def test_dequant_rebuilds_every_value_in_fp16_range(bits, log_scale, zero_ratio,
             for h in range(2):
                 got = _f16((out >> (16 * h)) & 0xFFFF)
                 want = (scale * float(codes[2 * pair + h]) + zero) * 2.0 ** e
-                assert np.isfinite(got) and abs(got) < 2 ** 15
-                if 2 ** 13 <= in_range < 2 ** 14:   # e not clamped: fp16's precision, relative to the group's range
+                assert np.isfinite(got) and abs(got) < 2.0 ** (top + 2)
+                if 2.0 ** top <= in_range < 2.0 ** (top + 1):   # e not clamped: fp16's precision, relative to the range
                     assert abs(got - want) <= 2 ** -9 * in_range + 2 ** -24, (got, want)
 
 
@@ -393,7 +401,8 @@ def test_dequant_plans_lower_to_the_register_operand_kernel(k, v, heads, head_di
     consts = constexprs(cfg, 32, 2)
     assert (consts["KDQ"], consts["VDQ"]) == (cfg.key_dequant, cfg.value_dequant)
     assert (consts["KEY_EXP"] == 0) == cfg.key_dequant
-    assert ("sub.f16x2" in consts["KASM"]) == cfg.key_dequant and ("sub.f16x2" in consts["VA0"]) == cfg.value_dequant
+    # dequant keys take subnormal codes (one AND per two), dequant values exact fp16 integers (LOP3 + HSUB2)
+    assert "sub.f16x2" not in consts["KASM"] and ("sub.f16x2" in consts["VA0"]) == cfg.value_dequant
     with pytest.raises(SpecError, match="pack_heads=2 with a dequant plan"):
         constexprs(cfg, 32, 2, heads=2)
     assert foldc.prove(plan) is not None

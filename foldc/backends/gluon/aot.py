@@ -18,7 +18,7 @@ from ...cost import token_loop_lane_slots_per_byte
 from ...errors import SpecError
 from ...options import check_launch_options, check_out_dir
 from ..runtime.artifacts import build_errors, write_artifacts
-from ..runtime.sass import _tool, lane_slots_per_byte, loop_instructions, skippable
+from ..runtime.sass import _tool, lane_slots_per_byte, loop_instructions, skipped_addresses
 from .launch import GluonAttention, constexprs, default_pack_heads
 from .lower import gluon_plan, lower
 
@@ -103,7 +103,8 @@ def compile_gluon_aot(spec, arch: str, out_dir: str | Path, dtype: str = "bf16",
     loop = Counter(o for _, o, _ in body)
     # the once-per-group reloads of channel-wise sides sit in the loop behind a branch: per tile they
     # cost block_n / group of their size (the smaller group, where K and V differ)
-    once_per_group = skippable(body)
+    skipped = skipped_addresses(body)
+    once_per_group = len(skipped)
     groups = [g for g in (cfg.key_tokens, cfg.value_tokens) if g]
     per_tile = len(body) - once_per_group + (once_per_group * block_n / min(groups) if groups else 0)
     # codes + fp16 scale and zero, K and V, of every packed head
@@ -132,6 +133,9 @@ def compile_gluon_aot(spec, arch: str, out_dir: str | Path, dtype: str = "bf16",
                                                      if not (cfg.key_tokens or cfg.value_tokens or cfg.key_plain
                                                              or cfg.value_plain) else None),
                        "top_opcodes": dict(loop.most_common(12)),
+                       # spilled registers' traffic in the loop, and the part of it every tile runs
+                       "local_memory": loop.get("LDL", 0) + loop.get("STL", 0),
+                       "local_memory_every_tile": sum(o in ("LDL", "STL") for a, o, _ in body if a not in skipped),
                        "global_loads": len(loads), "global_load_bases": len(bases),
                        "l2_prefetches": loop.get("CCTL", 0), "atomics": loop.get("ATOMG", 0)},
     }
@@ -176,4 +180,5 @@ def compile_warpgroup_aot(out_dir: str | Path, kernel=None, rows: int | None = N
             "registers": registers(cubin),
             "mma": {"mma.sync": len(re.findall(r"\bmma\.sync", ptx)), "wgmma": len(re.findall(r"\bwgmma\.mma_async", ptx)),
                     "wgmma_waits": len(re.findall(r"wgmma\.wait_group", ptx))},
-            "inner_loop": {"instructions_per_warp": sum(loop.values()), "top_opcodes": dict(loop.most_common(24))}}
+            "inner_loop": {"instructions_per_warp": sum(loop.values()), "top_opcodes": dict(loop.most_common(24)),
+                           "local_memory": loop.get("LDL", 0) + loop.get("STL", 0)}}

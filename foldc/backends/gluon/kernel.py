@@ -33,7 +33,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 # absolute imports: benchmarks load copies of this file as modules of their own (ab_kernel.py, program_timeline.py)
 from foldc.backends.gluon.tile_memory import (copy_layout, draw_chunk, issue_copies, next_tile, prefetch_scales,
                                               stage_tail, tile_bases, tile_scales)
-from foldc.backends.gluon.tile_dequant import (KEY_E_HI, KEY_E_LO, VALUE_E_HI, VALUE_E_LO, channel_group,
+from foldc.backends.gluon.tile_dequant import (KEY_E_HI, KEY_E_LO, KEY_TOP, VALUE_E_HI, VALUE_E_LO, VALUE_TOP, channel_group,
                                                key_token_dequant, pow2, rebuild, token_exponent, value_fields,
                                                value_token_dequant)
 from foldc.backends.gluon.tile_groups import (key_tile_params, load_query, masked_query, masked_sums, rebuild_rows,
@@ -80,7 +80,7 @@ def _scores(n0, end, k_smem, slot, ks, kz, tm, head_c, q16, q_bias, q_sum, row_s
         kw = k_smem.index(slot).load(kw_l)
         ka = gl.convert_layout(key_operand(kw, BN, D, F, KASM, KCONS), a_l, assert_trivial=True)
         if KEY_G == 0:
-            e = token_exponent(ks, kz, 8 // F, KEY_NG, KEY_E_LO, KEY_E_HI)
+            e = token_exponent(ks, kz, 8 // F, KEY_NG, KEY_E_LO, KEY_E_HI, KEY_TOP)
             kd = key_token_dequant(ka, ks, kz, e, a_l, D, F, KEY_NG, DRK)
             sacc = mma_v2(kd, q16, gl.zeros([BN, ROWS], gl.float32, layout=mma))
             t = (sacc * row_scale[None, :]) * pow2(-e)[:, None]
@@ -209,7 +209,7 @@ def _consume(t, v_smem, slot, vs, vz, m_i, l_i, zsum, acc_o, head_b, v_scale, v_
         # dequant: each value rebuilt in fp16 times 2^e, P times 2^-e, a plain MMA; no correction (eq. 1)
         gl.static_assert(H == 1, "dequant plans take one KV head per program")
         if VAL_G == 0:   # 2^e per token
-            e = token_exponent(vs, vz, 8 // F, VAL_NG, VALUE_E_LO, VALUE_E_HI)
+            e = token_exponent(vs, vz, 8 // F, VAL_NG, VALUE_E_LO, VALUE_E_HI, VALUE_TOP)
             pb = gl.convert_layout((p * pow2(-e)[:, None]).to(gl.float16), b_l)
         elif VAL_G >= BN:   # one 2^e per group: v_zero holds its 2^-e
             pb = gl.convert_layout((p * v_zero).to(gl.float16), b_l)

@@ -45,7 +45,7 @@ def constexprs(cfg: FoldKernel, block_n: int, stages: int, heads: int = 1, scale
     if scale_ahead is None:
         scale_ahead = default_scale_ahead(cfg)
     # a plain side has no unpack (its KEY_G / VAL_G is -1: no scales, no groups)
-    key_asm, key_cons = ("", "") if cfg.key_plain else key_unpack_asm(cfg.key_bits, cfg.key_bias, cfg.key_dequant)
+    key_asm, key_cons = ("", "") if cfg.key_plain else key_unpack_asm(cfg.key_bits, cfg.key_bias)
     values = [("", "")] * 4 if cfg.value_plain else [value_unpack_asm(cfg.value_bits, byte, cfg.value_dequant)
                                                      for byte in range(4)]
     return dict(Q_PER_KV=cfg.q_per_kv, ROWS=cfg.rows, H=heads, BN=block_n, D=cfg.width, DR=cfg.head_dim,

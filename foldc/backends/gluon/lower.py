@@ -29,7 +29,8 @@ MAX_GROUPS_PER_TOKEN of them.
 
 A dequant product (the break-even of eq. 12 says a fold does not pay: groups of at most twice the
 rows a program takes) gets the same tiles and groups; its codes are unpacked as exact fp16
-integers and rebuilt per value as ``code x scale + zero`` (one HFMA2 per two values), times a
+integers (values) or fp16 subnormals (keys) and rebuilt per value as ``code x scale + zero`` (one
+HFMA2 per two values), times a
 power of two per token (token-wise) or per group (channel-wise) that keeps them in fp16's range,
 undone on the scores or on P; the MMA then takes plain values and there is no correction.
 Everything else (other groups, other widths) goes to the generated Triton kernel

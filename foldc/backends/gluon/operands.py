@@ -40,9 +40,9 @@ def key_unpack_asm(bits: int, bias: int, integer: bool = False) -> tuple[str, st
     """PTX and constraints for pack=2 over (word, the same word): 2*fields fp16 pairs, result
     ``2i+p`` = field i of bytes (p, p+2). ``bias`` 1024: each ``1024 + 2^(bits*i)*code`` (the OR
     trick, one LOP3); ``bias`` 0: the masked field as an fp16 subnormal, ``2^(bits*i)*code * 2^-24``
-    exactly (one AND; the kernel scales the logits by 2^KEY_EXPONENT). ``integer`` (a dequant plan,
-    bias 0): the OR trick's 1024 subtracted again, ``2^(bits*i)*code`` as an exact fp16 integer
-    (LOP3 + HSUB2), the input of `DEQUANT_ASM`."""
+    exactly (one AND; the kernel scales the logits by 2^KEY_EXPONENT, or a dequant plan's `DEQUANT_ASM`
+    takes it with ``a`` times 2^KEY_EXPONENT). ``integer``: the OR trick's 1024 subtracted again,
+    ``2^(bits*i)*code`` as an exact fp16 integer (LOP3 + HSUB2; the tests' reference)."""
     if bias not in (0, MAGIC_VALUE) or (integer and bias):
         raise ValueError(f"key code bias {bias}: the key unpack builds 0 (subnormal or integer codes) or "
                          f"{MAGIC_VALUE}")
@@ -101,25 +101,31 @@ def lane_value_unpack_asm(bits: int) -> tuple[str, str]:
 
 
 #: a dequant plan's per-value reconstruction (eq. 1), two values per instruction: code x a + b, one
-#: rounding to fp16, with a = scale x 2^(e - bits*field) and b = zero x 2^e for a power of two 2^e
-#: that keeps every reconstructed value below 2^15 (tile_operands.dequant_exponent)
+#: rounding to fp16, with a = scale x 2^(e + unit - bits*field) and b = zero x 2^e for a power of two
+#: 2^e that keeps every reconstructed value in fp16's range (tile_dequant.dequant_exponent); unit is
+#: the codes' own: 0 for the value side's exact fp16 integers, KEY_EXPONENT for the key side's
+#: subnormal codes (code x 2^(bits*field) x 2^-24, one AND each, no subtraction)
 DEQUANT_ASM = ("fma.rn.f16x2 $0, $1, $2, $3;", "=r,r,r,r")
 #: bounds of that e: the key side's 2^-e is applied in fp32 (to the scores), the value side's rides on
 #: P in fp16, where P x 2^-e must stay below 2^15 (P <= 1) and in fp16's normal range for P near 1
 DEQUANT_KEY_EXPONENTS = (-100, 100)
 DEQUANT_VALUE_EXPONENTS = (-15, 10)
+#: m x 2^e lands in [2^top, 2^(top+1)): values below 2^15 (top 13); keys below 2^-7 (top -9), where
+#: a = scale x 2^(e + 24 - bits*field) stays below 2^16 for subnormal codes
+DEQUANT_VALUE_TOP = 13
+DEQUANT_KEY_TOP = -9
 
 
-def dequant_exponent(scale: float, zero: float, bits: int, bounds: tuple[int, int]) -> int:
+def dequant_exponent(scale: float, zero: float, bits: int, bounds: tuple[int, int], top: int = DEQUANT_VALUE_TOP) -> int:
     """The power of two 2^e a dequant plan's values are rebuilt at (tile_dequant.dequant_exponent,
-    here in Python for the tests): m = max(|scale| x 2^bits, |zero|) in float32, e = 13 - floor(log2 m)
+    here in Python for the tests): m = max(|scale| x 2^bits, |zero|) in float32, e = top - floor(log2 m)
     from m's exponent bits (floor(log2 0) = -127), clamped to ``bounds``; then every
-    ``(scale x code + zero) x 2^e`` with code < 2^bits is below 2^15."""
+    ``(scale x code + zero) x 2^e`` with code < 2^bits is below 2^(top + 2)."""
     import struct
 
     m = struct.unpack("<f", struct.pack("<f", max(abs(scale) * 2.0 ** bits, abs(zero))))[0]
     exponent = ((struct.unpack("<I", struct.pack("<f", m))[0] >> 23) & 255) - 127
-    return min(max(13 - exponent, bounds[0]), bounds[1])
+    return min(max(top - exponent, bounds[0]), bounds[1])
 
 
 def key_channel(k: int, bits: int, head_dim: int) -> int:

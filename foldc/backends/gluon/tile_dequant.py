@@ -3,13 +3,16 @@ fold does not pay (groups of at most twice the query rows a program takes), each
 in registers as ``code x scale + zero`` (eq. 1) and the MMA takes plain fp16 values, with no
 correction term.
 
-The codes come unpacked as exact fp16 integers ``code x 2^(bits*field)`` (operands.py, ``integer``);
-one HFMA2 per two values (operands.DEQUANT_ASM) computes ``code x a + b`` with
-``a = scale x 2^(e - bits*field)`` and ``b = zero x 2^e``, rounded once to fp16. The power of two
-2^e (`dequant_exponent`) puts the largest reconstructed value of a token (token-wise sides) or of
-a group (channel-wise sides) in [2^13, 2^15): any scale and zero fit fp16, and the products keep
-fp16's relative precision (docs/derivation.md section 12). It is undone exactly: on the key side by 2^-e on the scores (per token
-row, or in the logits' factor per group), on the value side by 2^-e on P before the product.
+The value codes come unpacked as exact fp16 integers ``code x 2^(bits*field)`` (operands.py,
+``integer``), the key codes as fp16 subnormals ``code x 2^(bits*field) x 2^-24`` (one AND per two,
+no subtraction); one HFMA2 per two values (operands.DEQUANT_ASM) computes ``code x a + b`` with
+``a = scale x 2^(e + unit - bits*field)`` (unit 24 for the keys, 0 for the values) and
+``b = zero x 2^e``, rounded once to fp16. The power of two 2^e (`dequant_exponent`) puts the largest
+reconstructed value of a token (token-wise sides) or of a group (channel-wise sides) in [2^13, 2^15)
+for values and in [2^-9, 2^-7) for keys (where ``a`` stays below 2^16): any scale and zero fit fp16,
+and the products keep fp16's relative precision (docs/derivation.md section 12). It is undone
+exactly: on the key side by 2^-e on the scores (per token row, or in the logits' factor per group),
+on the value side by 2^-e on P before the product.
 
 Import this module only where Triton runs natively (not under TRITON_INTERPRET=1).
 """
@@ -19,7 +22,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import constexpr_function
 from triton.experimental.gluon import language as gl
 
-from foldc.backends.gluon.operands import DEQUANT_ASM, DEQUANT_KEY_EXPONENTS, DEQUANT_VALUE_EXPONENTS
+from foldc.backends.gluon.operands import (DEQUANT_ASM, DEQUANT_KEY_EXPONENTS, DEQUANT_KEY_TOP, DEQUANT_VALUE_EXPONENTS,
+                                           DEQUANT_VALUE_TOP, KEY_EXPONENT)
 from foldc.backends.gluon.tile_operands import NARROW
 
 DEQ: gl.constexpr = gl.constexpr(DEQUANT_ASM[0])
@@ -29,6 +33,9 @@ KEY_E_LO: gl.constexpr = gl.constexpr(DEQUANT_KEY_EXPONENTS[0])
 KEY_E_HI: gl.constexpr = gl.constexpr(DEQUANT_KEY_EXPONENTS[1])
 VALUE_E_LO: gl.constexpr = gl.constexpr(DEQUANT_VALUE_EXPONENTS[0])
 VALUE_E_HI: gl.constexpr = gl.constexpr(DEQUANT_VALUE_EXPONENTS[1])
+KEY_TOP: gl.constexpr = gl.constexpr(DEQUANT_KEY_TOP)
+VALUE_TOP: gl.constexpr = gl.constexpr(DEQUANT_VALUE_TOP)
+KEY_UNIT: gl.constexpr = gl.constexpr(KEY_EXPONENT)   # the key codes are subnormals: code x 2^(bits*field) x 2^-24
 
 
 @constexpr_function
@@ -55,15 +62,16 @@ def _magnitude(s, z, BITS: gl.constexpr):
 
 
 @gluon.jit
-def dequant_exponent(m, LO: gl.constexpr, HI: gl.constexpr):
-    """e with m x 2^e in [2^13, 2^14), clamped to [LO, HI]: for m = max(|scale| x 2^bits, |zero|),
-    every ``(scale x code + zero) x 2^e`` with code < 2^bits is below 2^15 (operands.dequant_exponent
-    is the same in Python)."""
-    return gl.minimum(gl.maximum(13 - _floor_log2(m), LO), HI)
+def dequant_exponent(m, LO: gl.constexpr, HI: gl.constexpr, TOP: gl.constexpr):
+    """e with m x 2^e in [2^TOP, 2^(TOP+1)), clamped to [LO, HI]: for m = max(|scale| x 2^bits, |zero|),
+    every ``(scale x code + zero) x 2^e`` with code < 2^bits is below 2^(TOP+2) (operands.dequant_exponent
+    is the same in Python; TOP: VALUE_TOP or KEY_TOP)."""
+    return gl.minimum(gl.maximum(TOP - _floor_log2(m), LO), HI)
 
 
 @gluon.jit
-def token_exponent(s, z, BITS: gl.constexpr, NG: gl.constexpr, LO: gl.constexpr, HI: gl.constexpr):
+def token_exponent(s, z, BITS: gl.constexpr, NG: gl.constexpr, LO: gl.constexpr, HI: gl.constexpr,
+                   TOP: gl.constexpr):
     """Per token of a token-wise side (s, z: [BN], or tuples of NG channel groups): its 2^e."""
     if NG == 1:
         m = _magnitude(s, z, BITS)
@@ -73,7 +81,7 @@ def token_exponent(s, z, BITS: gl.constexpr, NG: gl.constexpr, LO: gl.constexpr,
             m = gl.maximum(m, _magnitude(s[2], z[2], BITS))
         elif NG == 4:
             m = gl.maximum(m, gl.maximum(_magnitude(s[2], z[2], BITS), _magnitude(s[3], z[3], BITS)))
-    return dequant_exponent(m, LO, HI)
+    return dequant_exponent(m, LO, HI, TOP)
 
 
 @gluon.jit
@@ -154,12 +162,12 @@ def channel_group(field, chan, D: gl.constexpr, F: gl.constexpr, NG: gl.constexp
 
 @gluon.jit
 def _rebuild_tokens(codes, s, z, e, field, grp, tok_l: gl.constexpr, BITS: gl.constexpr, NG: gl.constexpr,
-                    TOK: gl.constexpr):
-    """A token-wise side's operand ``codes`` (integer codes, tokens on axis TOK) rebuilt per value with
-    each token's scale and zero (its channel group's: ``grp`` along the other axis, NG per token)
-    times 2^e[token]; ``field`` is each channel's bit field."""
+                    TOK: gl.constexpr, UNIT: gl.constexpr):
+    """A token-wise side's operand ``codes`` (codes x 2^(bits*field - UNIT), tokens on axis TOK) rebuilt
+    per value with each token's scale and zero (its channel group's: ``grp`` along the other axis, NG
+    per token) times 2^e[token]; ``field`` is each channel's bit field."""
     e_t = gl.expand_dims(gl.convert_layout(e, tok_l), 1 - TOK)
-    a = (_select(_to_layout(s, tok_l, NG), grp, NG, 1 - TOK) * pow2(e_t - gl.expand_dims(field * BITS, TOK)))
+    a = (_select(_to_layout(s, tok_l, NG), grp, NG, 1 - TOK) * pow2(e_t + UNIT - gl.expand_dims(field * BITS, TOK)))
     a = a.to(gl.float16)
     b = (_select(_to_layout(z, tok_l, NG), grp, NG, 1 - TOK) * pow2(e_t)).to(gl.float16)
     b, _ = gl.broadcast(b, a)
@@ -169,12 +177,12 @@ def _rebuild_tokens(codes, s, z, e, field, grp, tok_l: gl.constexpr, BITS: gl.co
 @gluon.jit
 def key_token_dequant(ka, ks, kz, e, a_l: gl.constexpr, D: gl.constexpr, F: gl.constexpr, NG: gl.constexpr,
                       DR: gl.constexpr = 0):
-    """Token-wise K: the key operand ka [BN, D] (integer codes) rebuilt per value with each token's
-    scale and zero (its group's, NG per token) times 2^e[token] (e: int32 [BN]). DR: the real
+    """Token-wise K: the key operand ka [BN, D] (subnormal codes) rebuilt per value with each token's
+    scale and zero (its group's, NG per token) times 2^e[token] (e: int32 [BN], KEY_TOP). DR: the real
     head_dim of a padded one (a channel's group is its cache channel's)."""
     field, chan = key_fields(gl.arange(0, D, layout=gl.SliceLayout(0, a_l)), D, D // F)
     return _rebuild_tokens(ka, ks, kz, e, field, channel_group(field, chan, D, F, NG, DR), gl.SliceLayout(1, a_l), 8 // F,
-                           NG, 0)
+                           NG, 0, KEY_UNIT)
 
 
 @gluon.jit
@@ -184,7 +192,7 @@ def value_token_dequant(va, vs, vz, e, a_l: gl.constexpr, D: gl.constexpr, F: gl
     with each token's scale and zero (its channel group's) times 2^e[token]."""
     field, chan = value_fields(gl.arange(0, D, layout=gl.SliceLayout(1, a_l)), D, D // F)
     return _rebuild_tokens(va, vs, vz, e, field, channel_group(field, chan, D, F, NG, DR), gl.SliceLayout(0, a_l), 8 // F,
-                           NG, 1)
+                           NG, 1, 0)
 
 
 @gluon.jit
@@ -211,8 +219,8 @@ def key_group_dequant(query, KSg, KZg, a_l: gl.constexpr, D: gl.constexpr, F: gl
         s, z = _scale_zero(KSg, KZg, (chan // CH) * CHR + chan % CH, chan % CH < CHR, True)
     else:
         s, z = _scale_zero(KSg, KZg, chan, None, False)
-    e = dequant_exponent(gl.max(_magnitude(s, z, BITS), axis=0), KEY_E_LO, KEY_E_HI)
-    a = gl.convert_layout((s * pow2(e - field * BITS)).to(gl.float16), gl.SliceLayout(0, a_l))
+    e = dequant_exponent(gl.max(_magnitude(s, z, BITS), axis=0), KEY_E_LO, KEY_E_HI, KEY_TOP)
+    a = gl.convert_layout((s * pow2(e + KEY_UNIT - field * BITS)).to(gl.float16), gl.SliceLayout(0, a_l))
     b = gl.convert_layout((z * pow2(e)).to(gl.float16), gl.SliceLayout(0, a_l))
     q16, q_factor = query
     return q16, (a, b), q_factor * pow2(-e)
@@ -230,7 +238,7 @@ def value_group_dequant(VSg, VZg, chan_o, cm, ok, D: gl.constexpr, F: gl.constex
     if PAD:
         ok = gl.convert_layout(ok, _SPREAD(D))
     s, z = _scale_zero(VSg, VZg, chan_s, ok, PAD)
-    e = dequant_exponent(gl.max(_magnitude(s, z, BITS), axis=0), VALUE_E_LO, VALUE_E_HI)
+    e = dequant_exponent(gl.max(_magnitude(s, z, BITS), axis=0), VALUE_E_LO, VALUE_E_HI, VALUE_TOP)
     field = gl.convert_layout(cm, _SPREAD(D)) // (D // F)
     a = gl.convert_layout((s * pow2(e - field * BITS)).to(gl.float16), row_l)
     b = gl.convert_layout((z * pow2(e)).to(gl.float16), row_l)

@@ -62,8 +62,8 @@ def inner_loop(cubin: Path) -> Counter:
     return Counter(o for _, o, _ in loop_instructions(cubin))
 
 
-def skippable(loop: list[tuple[int, str, str]]) -> int:
-    """Instructions of ``loop`` that a forward branch inside it jumps over: work some iterations
+def skipped_addresses(loop: list[tuple[int, str, str]]) -> set[int]:
+    """Addresses of ``loop`` that a forward branch inside it jumps over: work some iterations
     skip, such as the reload once per channel-wise token group (the rest runs every tile)."""
     end = loop[-1][0]
     skipped: set[int] = set()
@@ -71,7 +71,7 @@ def skippable(loop: list[tuple[int, str, str]]) -> int:
         target = re.search(r"0x([0-9a-f]+)", args) if op == "BRA" else None
         if target and addr < int(target.group(1), 16) <= end:
             skipped.update(a for a, _, _ in loop if addr < a < int(target.group(1), 16))
-    return len(skipped)
+    return skipped
 
 
 def lane_slots_per_byte(counts: Counter, num_warps: int, bytes_per_tile: float) -> float:
