@@ -33,9 +33,9 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 # absolute imports: benchmarks load copies of this file as modules of their own (ab_kernel.py, program_timeline.py)
 from foldc.backends.gluon.tile_memory import (copy_layout, draw_chunk, issue_copies, next_tile, prefetch_scales,
                                               stage_tail, tile_bases, tile_scales)
-from foldc.backends.gluon.tile_dequant import (KEY_E_HI, KEY_E_LO, KEY_TOP, VALUE_E_HI, VALUE_E_LO, VALUE_TOP, channel_group,
-                                               key_token_dequant, pow2, rebuild, token_exponent, value_fields,
-                                               value_token_dequant)
+from foldc.backends.gluon.tile_dequant import (KEY_E_HI, KEY_E_LO, KEY_TOP, VALUE_E_HI, VALUE_E_LO, VALUE_TOP,
+                                               channel_group, key_token_dequant, pow2, rebuild, token_exponent,
+                                               value_fields, value_token_dequant)
 from foldc.backends.gluon.tile_groups import (key_tile_params, load_query, masked_query, masked_sums, rebuild_rows,
                                               value_tile_params, value_weights)
 from foldc.backends.gluon.tile_operands import (NARROW, group_mmas, group_sums, join_field_groups, join_groups,

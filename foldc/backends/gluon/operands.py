@@ -116,7 +116,8 @@ DEQUANT_VALUE_TOP = 13
 DEQUANT_KEY_TOP = -9
 
 
-def dequant_exponent(scale: float, zero: float, bits: int, bounds: tuple[int, int], top: int = DEQUANT_VALUE_TOP) -> int:
+def dequant_exponent(scale: float, zero: float, bits: int, bounds: tuple[int, int],
+                     top: int = DEQUANT_VALUE_TOP) -> int:
     """The power of two 2^e a dequant plan's values are rebuilt at (tile_dequant.dequant_exponent,
     here in Python for the tests): m = max(|scale| x 2^bits, |zero|) in float32, e = top - floor(log2 m)
     from m's exponent bits (floor(log2 0) = -127), clamped to ``bounds``; then every
