@@ -30,16 +30,11 @@ def load_variant(name: str, path: str):
     return module
 
 
-def attention(spec, module=None, key_bias=None, **options):
-    """The launcher, running ``module``'s decode kernel instead of main's where given, and the plan
-    with key code bias ``key_bias`` instead of gluon_plan's where given."""
+def attention(spec, module=None, **options):
+    """The launcher, running ``module``'s decode kernel instead of main's where given."""
     attn = foldc.compile(spec, "sm_90", kernel="gluon", **options)
     if module is not None:
         attn._modules = (module.foldc_decode_gluon, attn._kernels()[1])   # same merge kernel
-    if key_bias is not None:
-        from foldc.backends.gluon.lower import lower
-        attn.plan = foldc.plan(spec, code_bias={"key": key_bias, "value": 0})
-        attn.config = lower(attn.plan)
     return attn
 
 
@@ -53,7 +48,7 @@ def with_unpack(attn, path: str):
     def launch_config(dtype, batch, tokens):
         opts = base(dtype, batch, tokens)
         cfg = attn.config
-        kasm, kcons = module.key_unpack_asm(cfg.key_bits, cfg.key_bias)
+        kasm, kcons = module.key_unpack_asm(cfg.key_bits)
         values = [module.value_unpack_asm(cfg.value_bits, byte) for byte in range(4)]
         opts["constexprs"] = dict(opts["constexprs"], KASM=kasm, KCONS=kcons, VA0=values[0][0], VA1=values[1][0],
                                   VA2=values[2][0], VA3=values[3][0], VCONS=values[0][1])
@@ -82,8 +77,6 @@ def main() -> int:
     ap.add_argument("--variant", action="append", default=[], help="NAME=PATH of a kernel.py copy (repeatable)")
     ap.add_argument("--unpack", action="append", default=[],
                     help="NAME=PATH of an operands.py copy: main's kernel with that copy's unpack PTX (repeatable)")
-    ap.add_argument("--key-bias", action="append", default=[], type=int,
-                    help="also time main's kernel on the plan with this key code bias (e.g. 1024, the OR trick)")
     ap.add_argument("--options", action="append", default=[],
                     help="NAME=OPTION:VALUE[;OPTION:VALUE]: also time main's kernel compiled with these options, "
                          "e.g. dyn=dynamic_tiles:1 (values: ints, or 0/1 for booleans)")
@@ -116,7 +109,6 @@ def main() -> int:
         for item in args.unpack:
             name, _, path = item.partition("=")
             kernels[name] = with_unpack(attention(spec), path)
-        kernels.update({f"key_bias_{kb}": attention(spec, key_bias=kb) for kb in args.key_bias})
         for item in args.options:
             name, _, opts = item.partition("=")
             kernels[name] = attention(spec, **{k: _option(k, v) for k, v in (o.split(":") for o in opts.split(";"))})

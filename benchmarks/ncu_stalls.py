@@ -3,7 +3,7 @@
 each stall reason's share of the samples with the opcodes that carry most of it, the executed
 instruction mix, and the excess shared-memory wavefronts (bank conflicts) by opcode.
 
-    python3 benchmarks/ncu_stalls.py docs/results/ncu_2026-11-30_session6/b8_sass.csv.gz
+    python3 benchmarks/ncu_stalls.py $OUT/b8_sass.csv.gz
 """
 from __future__ import annotations
 

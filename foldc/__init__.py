@@ -19,7 +19,8 @@ from .plan import Plan, ProductPlan, check_plan, plan
 from .proof import ProofReport, prove
 from .reference import attention_reference
 from .spec import AttentionSpec
-from .gemm import GemmEncoding, GemmSpec
+from .gemm import GemmEncoding, GemmSpec   # registers the GEMM workload (foldc/registry.py)
+from . import backends   # registers the attention backends (foldc/registry.py)  # noqa: E402, F401
 
 __all__ = [
     "Affine", "AffineTensor", "AttentionSpec", "GemmEncoding", "GemmSpec", "FoldError", "GraphError", "InputError", "InputTypeError",

@@ -196,8 +196,8 @@ def run_bench(out_dir: Path, quick: bool = False, tune: bool = True, shapes=None
     these strings (the ceiling and the peers always run)."""
     from .backends.gluon.lower import lowerable
     from .backends.runtime.tuning import CANDIDATES, GLUON_CANDIDATES, Config, GluonConfig
-    from .backends.triton.autotune import launch_options
-    from .backends.triton.autotune import tune as autotune
+    from .backends.triton.launch import launch_options
+    from .tune import tune as autotune
     from .compile import compile as compile_attention
     from .encoding import quantize
     from .reference import attention_reference
@@ -305,41 +305,55 @@ def format_table(results: dict) -> str:
     return head + "\n".join(lines) + "\n"
 
 
-def plot(results: dict, path: Path) -> None:
+PEER_PREFIXES = ("sdpa", "flashinfer")   # rows that are not foldc's: drawn dashed
+BASELINE = "sdpa cudnn bf16"             # the bar: the lower panel's speed-ups are over it
+
+
+def plot(results: dict, path: Path):
+    """Two panels over the shapes: % of the HBM read ceiling per kernel (one colour each, peers
+    dashed, foldc solid) and each foldc kernel's speed-up over cuDNN bf16 (1.0 marked). Returns the
+    figure (saved to ``path``)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     shapes = sorted({(r["batch"], r["tokens"]) for r in results["rows"]})
-    kernels = sorted({r["kernel"] for r in results["rows"]})
-    fig, ax = plt.subplots(figsize=(13, 6))
-    xs = range(len(shapes))
+    kernels = sorted({r["kernel"] for r in results["rows"]}, key=lambda k: (k.startswith(PEER_PREFIXES), k))
+    cmap = plt.get_cmap("tab20" if len(kernels) > 10 else "tab10")
+    colours = {name: cmap(i % cmap.N) for i, name in enumerate(kernels)}
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(13, 9), sharex=True, gridspec_kw={"height_ratios": [3, 2]})
+    xs = list(range(len(shapes)))
+
+    def series(name, key):
+        by_shape = {(r["batch"], r["tokens"]): r.get(key, math.nan) for r in results["rows"] if r["kernel"] == name}
+        return [by_shape.get(s, math.nan) for s in shapes]
+
     for name in kernels:
-        ys = []
-        for s in shapes:
-            hit = [r["pct_ceiling"] for r in results["rows"] if (r["batch"], r["tokens"]) == s and r["kernel"] == name]
-            ys.append(hit[0] if hit else math.nan)
-        style = "--" if "sdpa" in name or "flashinfer" in name else "-"
-        ax.plot(list(xs), ys, style, marker="o", label=name)
-    ax.axhline(80, color="grey", linewidth=0.8)
-    ax.set_xticks(list(xs), [f"{b}x{t // 1024}K" for b, t in shapes], rotation=30)
-    ax.set_ylabel("% of HBM read ceiling (bytes the kernel must read)")
-    ax.set_title(f"decode attention, 32/8 heads, head_dim 128 — {results['gpu']} ({results['date']})")
-    ax.legend(fontsize=7, ncol=3)
+        peer = name.startswith(PEER_PREFIXES)
+        top.plot(xs, series(name, "pct_ceiling"), "--" if peer else "-", marker="s" if peer else "o",
+                 color=colours[name], label=name)
+        if not peer:
+            bottom.plot(xs, series(name, f"x_{BASELINE}"), "-", marker="o", color=colours[name], label=name)
+    top.axhline(80, color="grey", linewidth=0.8)
+    top.set_ylabel("% of HBM read ceiling\n(bytes the kernel must read)")
+    top.set_title(f"decode attention, {HEADS}/{KV_HEADS} heads, head_dim {HEAD_DIM} — {results['gpu']} "
+                  f"({results['date']})")
+    top.legend(fontsize=7, ncol=3)
+    bottom.axhline(1.0, color="black", linewidth=1.0)
+    bottom.set_ylabel(f"speed-up over {BASELINE}")
+    bottom.set_xticks(xs, [f"{b}x{t // 1024}K" for b, t in shapes], rotation=30)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+    return fig
 
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if "--layouts" in argv:  # the layout grid has its own options: foldc/bench_layouts.py
-        from .bench_layouts import main as layouts_main
-
-        return layouts_main([a for a in argv if a != "--layouts"])
     ap = argparse.ArgumentParser(prog="foldc bench", description=__doc__.split("\n")[0])
     ap.add_argument("--layouts", action="store_true",
-                    help="the K/V layout grid instead, checked and timed (see foldc bench --layouts --help)")
+                    help="the K/V layout grid instead, checked and timed (see foldc bench --layouts --help; "
+                         "foldc/cli.py routes it to foldc/bench_layouts.py)")
     ap.add_argument("--out", default="results", help="output folder (default results/)")
     ap.add_argument("--quick", action="store_true", help="three shapes, fewer kernels and configs")
     ap.add_argument("--no-tune", action="store_true", help="default launch config instead of autotuning")
@@ -348,6 +362,8 @@ def main(argv=None) -> int:
                     help="comma-separated labels or substrings: only those foldc rows, e.g. "
                          "'fold INT2 KtVt g128,fold INT4 KtVt g128' (the ceiling and the peers always run)")
     args = ap.parse_args(argv)
+    if args.layouts:
+        ap.error("--layouts goes first on the command line: `foldc bench --layouts ...` (foldc/bench_layouts.py)")
     wanted = [w.strip() for w in args.kernels.split(",") if w.strip()] if args.kernels else None
     if wanted and not any(selects(w, r[0], args.quick) for w in wanted for r in kernel_list(args.quick)):
         ap.error(f"--kernels={args.kernels!r} matches no row; rows are: "

@@ -68,9 +68,19 @@ def cmd_demo(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from .bench import main as bench_main
-
     return bench_main(args.bench_args)
+
+
+def bench_main(argv) -> int:
+    """`foldc bench [...]`: the decode grid (foldc/bench.py), or with --layouts the K/V layout grid,
+    which has its own options (foldc/bench_layouts.py)."""
+    if "--layouts" in argv:
+        from .bench_layouts import main as layouts_main
+
+        return layouts_main([a for a in argv if a != "--layouts"])
+    from .bench import main as decode_main
+
+    return decode_main(argv)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -120,8 +130,6 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["bench"]:  # its own parser: flags pass through untouched
-        from .bench import main as bench_main
-
         return bench_main(argv[1:])
     args = build_parser().parse_args(argv)
     try:

@@ -21,11 +21,12 @@ from .executor import Executor, TorchOps
 from .ir import BATCH, CHANNEL, KV_HEAD, Q_PER_KV, TOKEN
 from .options import KERNELS, attention_kernel, check_kernel  # noqa: F401 - KERNELS: public name
 from .plan import Plan, plan
+from .registry import attention_backend, workload_of
 from .spec import AttentionSpec
+from .targets import GPU_TARGETS, check_gpu_target, detect_target  # noqa: F401 - public names
 from .validate import check_call, check_out
 
 TARGETS = ("reference", "auto", "sm_90", "sm_100", "interpret")
-GPU_TARGETS = {"sm_90": 9, "sm_100": 10}
 # the float64 result may be written into any floating-point out (rounded once)
 REFERENCE_OUT_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 
@@ -86,12 +87,9 @@ def compile(spec: AttentionSpec, target: str = "reference", **options):  # noqa:
     ``dynamic_tiles`` (the programs of a sequence and head draw tiles from a shared counter: 0-3.5%
     faster at INT2 on the H200, outputs no longer bitwise repeatable; default False).
     """
-    from .gemm.spec import GemmSpec
-
-    if isinstance(spec, GemmSpec):  # y = x @ w.T with encoded operands (foldc/gemm/compile.py)
-        from .gemm.compile import compile_gemm
-
-        return compile_gemm(spec, target, **options)
+    workload = workload_of(spec)
+    if workload is not None:   # e.g. y = x @ w.T with encoded operands (foldc/gemm/compile.py)
+        return workload.compile(spec, target, **options)
     if not isinstance(spec, AttentionSpec):
         raise SpecError(f"spec must be a foldc.AttentionSpec or foldc.GemmSpec, got {type(spec).__name__}")
     if target == "reference":
@@ -116,9 +114,7 @@ def compile(spec: AttentionSpec, target: str = "reference", **options):  # noqa:
         wrong = sorted(set(options) & triton_only)
         if wrong:
             raise SpecError(f"option(s) {wrong} belong to the Triton kernel; drop them or pass kernel='triton'")
-        from .backends.gluon import GluonAttention
-
-        gluon = GluonAttention(spec, target=target, **options)
+        gluon = attention_backend("gluon").kernel(spec, target, **options)
         if kernel == "gluon":
             return gluon   # bf16 queries only (foldc.backends.gluon.lower.FP16_REASON)
         shared = {k: v for k, v in options.items() if k in ("block_n", "splits")}
@@ -131,9 +127,7 @@ def compile(spec: AttentionSpec, target: str = "reference", **options):  # noqa:
 
 
 def _triton(spec, target: str, options: dict):
-    from .backends.triton import TritonAttention
-
-    return TritonAttention(spec, target, **options)
+    return attention_backend("triton").kernel(spec, target, **options)
 
 
 class ByQueryDtype:
@@ -166,28 +160,13 @@ class ByQueryDtype:
         attn = self.fp16 if isinstance(q, torch.Tensor) and q.dtype == torch.float16 else self.bf16
         return attn(q, *args, **kwargs)
 
+    def plan_launch(self, dtype: torch.dtype, *args, **kwargs):
+        """The `Launch` of the kernel that runs ``dtype`` queries (its ``plan_launch``)."""
+        return self.for_dtype(dtype).plan_launch(dtype, *args, **kwargs)
+
+    def run(self, launch, q, *args, **kwargs) -> None:
+        """Run ``launch`` on the kernel it was planned for."""
+        return self.for_dtype(launch.dtype).run(launch, q, *args, **kwargs)
+
     def __getattr__(self, name):
         return getattr(self.__dict__["bf16"], name)
-
-
-def check_gpu_target(target: str) -> None:
-    """For an sm_90 / sm_100 target: a GPU of that generation must be visible (else SpecError)."""
-    if target not in GPU_TARGETS:
-        return
-    if not torch.cuda.is_available():
-        raise SpecError(f"target={target!r} needs a CUDA GPU and none is visible; use target='interpret' "
-                        "(CPU, fp16) or 'reference', or build ahead of time with `foldc compile`")
-    major = torch.cuda.get_device_capability()[0]
-    if major != GPU_TARGETS[target]:
-        raise SpecError(f"target={target!r} but the GPU has compute capability {major}.x; use target='auto'")
-
-
-def detect_target() -> str:
-    """``sm_90`` or ``sm_100`` for the visible GPU, ``interpret`` without one."""
-    if not torch.cuda.is_available():
-        return "interpret"
-    major = torch.cuda.get_device_capability()[0]
-    for name, m in GPU_TARGETS.items():
-        if m == major:
-            return name
-    raise SpecError(f"the GPU has compute capability {major}.x; foldc's Triton targets are sm_90 and sm_100")

@@ -8,7 +8,7 @@ import time
 import torch
 
 from .compile import compile as compile_attention
-from .compile import detect_target
+from .targets import detect_target
 from .encoding import Affine, quantize
 from .explain import plan_summary, seed_table
 from .options import check_int

@@ -20,11 +20,10 @@ from pathlib import Path
 import torch
 
 from .errors import SpecError
-from .gemm.spec import GemmSpec
 from .options import check_choice, check_int, check_out_dir, cli_launch_options
+from .registry import workload_of
 
 TARGETS = ("sm_90", "sm_100", "interpret", "reference")
-CHECK_ROWS = 4       # rows of x for a GEMM check when the layout leaves m symbolic
 CHECK_TOKENS = 300   # cached tokens for an attention check
 DEFAULTS = {"block_n": 64, "num_warps": 4, "num_stages": 2}   # the generated attention kernel's AOT build
 
@@ -35,43 +34,21 @@ def _rel_l2(a, b) -> float:
 
 def kernel_plan(spec, dtype: str):
     """The plan the Triton backend lowers for ``spec`` (with its code bias)."""
-    if isinstance(spec, GemmSpec):
-        from .backends.triton.gemm_launch import gemm_kernel_plan
-
-        return gemm_kernel_plan(spec)
+    workload = workload_of(spec)
+    if workload is not None:
+        return workload.kernel_plan(spec)
     from .backends.triton.launch import triton_plan
 
     return triton_plan(spec, dtype)
 
 
 def explain(the_plan) -> str:
-    if isinstance(the_plan.spec, GemmSpec):
-        from .gemm.explain import gemm_explain_table
-
-        return gemm_explain_table(the_plan)
+    workload = workload_of(the_plan.spec)
+    if workload is not None:
+        return workload.explain(the_plan)
     from .explain import explain_table
 
     return explain_table(the_plan)
-
-
-def _check_gemm(spec: GemmSpec, target: str, seed: int, gemm) -> tuple[str, bool]:
-    import foldc
-    from .gemm.reference import gemm_reference, quantize_2d
-
-    m = spec.m or CHECK_ROWS
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(m, spec.k, generator=gen) + 0.25
-    w = torch.randn(spec.n, spec.k, generator=gen) * 0.5
-    xq = quantize_2d(x, spec.activation) if spec.activation else x.half()
-    wq = quantize_2d(w, spec.weight)
-    want = foldc.compile(spec, target="reference")(xq, wq)
-    if target == "reference":
-        err = _rel_l2(want, gemm_reference(xq, wq))
-        return (f"checked: float64 plan executor vs dequantize-then-matmul, m={m}: rel L2 {err:.2e}", err < 1e-12)
-    got = gemm(xq, wq)
-    err, rounding = _rel_l2(got, want), _rel_l2(want.half(), want)
-    return (f"checked: interpreter kernel vs float64 plan executor, m={m}, seed {seed}: rel L2 {err:.2e} "
-            f"(fp16 output rounding alone {rounding:.2e})", err < 3 * rounding + 1e-4)
 
 
 def _check_attention(spec, target: str, seed: int, attn) -> tuple[str, bool]:
@@ -104,10 +81,9 @@ def _prepare(spec, target: str, kernel: str | None, options: dict):
 
 def _build(spec, target: str, out: str, dtype: str, kernel: str, options: dict) -> tuple[str, dict]:
     """The ahead-of-time build of ``kernel``: (artifact name, report)."""
-    if kernel == "gemm":
-        from .backends.triton.gemm_aot import compile_gemm_aot
-
-        return "foldc_gemm", compile_gemm_aot(spec, target, out, dtype=dtype, **options)
+    workload = workload_of(spec)
+    if workload is not None:
+        return workload.artifact, workload.build(spec, target, out, dtype, **options)
     if kernel == "gluon":
         from .backends.gluon.aot import compile_gluon_aot, compile_warpgroup_aot
         from .backends.gluon.warpgroup_launch import warpgroup_applies
@@ -144,6 +120,7 @@ def compile_layout(spec, target: str, out: str | None, dtype: str | None = None,
     if out and target == "reference":
         raise SpecError(f"out={out!r} (--out): target='reference' writes no kernel; drop --out or use "
                         "--target interpret")
+    workload = workload_of(spec)
     which, options = cli_launch_options(spec, target, kernel, block_n, num_warps, num_stages, dtype=dtype)
     checker = _prepare(spec, target, which, options)
     if out:
@@ -162,9 +139,9 @@ def compile_layout(spec, target: str, out: str | None, dtype: str | None = None,
         print(json.dumps(report, indent=2))
         return 0
     if out:  # the interpreter's kernel, with the options given
-        path = Path(out) / ("foldc_gemm.py" if isinstance(spec, GemmSpec) else "foldc_decode.py")
+        path = Path(out) / f"{workload.artifact if workload is not None else 'foldc_decode'}.py"
         path.write_text(checker.source(torch.float16))
         print(f"wrote {path}")
-    line, ok = (_check_gemm if isinstance(spec, GemmSpec) else _check_attention)(spec, target, seed, checker)
+    line, ok = (workload.check if workload is not None else _check_attention)(spec, target, seed, checker)
     print(line + ("" if ok else "  MISMATCH"))
     return 0 if ok else 1

@@ -24,6 +24,7 @@ import tempfile
 from pathlib import Path
 
 from .errors import SpecError
+from .registry import attention_backend, workload_of
 
 KERNELS = ("auto", "triton", "gluon")
 BLOCK_N = (16, 256)
@@ -175,9 +176,7 @@ def attention_kernel(spec, target: str, kernel: str = "auto", options=(), aot: b
                             f"target={target!r}. Build it ahead of time with `foldc compile --kernel gluon --target "
                             "sm_90`, or use kernel='auto' or 'triton'")
         return "triton"
-    from .backends.gluon.lower import lowerable
-
-    ok, reason = lowerable(spec, dtype)
+    ok, reason = attention_backend("gluon").lowerable(spec, dtype)
     if kernel == "gluon":
         if not ok:
             raise SpecError(f"kernel='gluon' (--kernel gluon) cannot lower this spec: {reason}; use kernel='auto' "
@@ -195,8 +194,6 @@ def cli_launch_options(spec, target: str, kernel: str = "auto", block_n=None, nu
     ``target``: (the kernel that will run, "triton", "gluon", "gemm" or None for the reference
     target; its validated options by their Python names). --num-stages is the register-operand
     kernel's ``stages``. Every flag the chosen kernel or target does not use is an error."""
-    from .gemm.spec import GemmSpec
-
     check_kernel(kernel)
     flags = {"block_n": block_n, "num_warps": num_warps, "num_stages": num_stages}
     if target == "reference":
@@ -204,14 +201,9 @@ def cli_launch_options(spec, target: str, kernel: str = "auto", block_n=None, nu
             raise SpecError(f"kernel={kernel!r} (--kernel): target='reference' runs the float64 executor, no "
                             "kernel; drop --kernel or use --target interpret")
         return None, check_launch_options("reference", "triton", **flags)
-    if isinstance(spec, GemmSpec):
-        if block_n is not None:
-            raise SpecError(f"block_n={block_n!r} (--block-n) is the attention kernel's tokens per tile; a GEMM "
-                            "layout takes its tiles from its launch configuration: drop --block-n")
-        if kernel == "gluon":
-            raise SpecError("kernel='gluon' (--kernel gluon): the register-operand kernel computes attention; a "
-                            "GEMM layout runs the generated Triton kernel: drop --kernel")
-        return "gemm", check_launch_options(target, "gemm", num_warps=num_warps, num_stages=num_stages)
+    workload = workload_of(spec)
+    if workload is not None:
+        return workload.cli_options(spec, target, kernel, block_n, num_warps, num_stages)
     which = attention_kernel(spec, target, kernel, {"block_n": block_n, "num_warps": num_warps}, aot=True,
                              dtype=dtype)
     if which == "triton":

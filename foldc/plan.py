@@ -22,9 +22,11 @@ from .decisions import (STAGE_OF, CorrectionTerm, FoldKind, GroupAxis, Missing, 
                         TilingConstraint)
 from .errors import PlanError, SpecError
 from .ir import Contract, Correction, Graph, Input
+from .options import attention_kernel
 from .precision import UNIT_ROUNDOFF, PrecisionDecision, product_precision
 from .passes import (FOLD_POLICIES, PassRecord, TileConstraint, check_plan_rules, default_passes, fold_cost,
                      rows_sharing_group, run_pipeline)
+from .registry import attention_backend, workload_of
 from .spec import AttentionSpec
 
 PRODUCT_ORDER = ("qk", "pv")
@@ -140,16 +142,14 @@ def plan(spec: AttentionSpec, code_bias: dict[str, int] | None = None, fold_poli
     ``rows_per_program``: the query rows of a KV head one program takes, where a kernel splits them
     into blocks that each reconstruct the tile on their own; the break-even (eq. 12) then weighs a
     fold against that many rows (None: all the query heads of a KV head).
-    A `foldc.GemmSpec` is planned by `foldc.gemm.plan.gemm_plan` with the same passes.
+    A spec of a registered workload (`foldc.GemmSpec`) is planned by that workload (foldc/registry.py;
+    `foldc.gemm.plan.gemm_plan`, with the same passes).
     """
-    from .gemm.spec import GemmSpec
-
     if target is not None:
         return _target_plan(spec, target, kernel, dtype or "bf16", code_bias, operand_dtype, fold_policy)
-    if isinstance(spec, GemmSpec):
-        from .gemm.plan import gemm_plan
-
-        return gemm_plan(spec, code_bias, fold_policy)
+    workload = workload_of(spec)
+    if workload is not None:
+        return workload.plan(spec, code_bias, fold_policy)
     if not isinstance(spec, AttentionSpec):
         raise SpecError(f"spec must be a foldc.AttentionSpec, got {type(spec).__name__}")
     if fold_policy not in FOLD_POLICIES:
@@ -172,8 +172,6 @@ def plan(spec: AttentionSpec, code_bias: dict[str, int] | None = None, fold_poli
 
 def _target_plan(spec, target: str, kernel: str, dtype: str, code_bias, operand_dtype, fold_policy) -> Plan:
     """The plan of the kernel that runs ``spec`` on ``target`` for ``dtype`` queries (`plan`'s ``target``)."""
-    from .options import attention_kernel
-
     if not isinstance(spec, AttentionSpec):
         raise SpecError(f"plan(..., target={target!r}) plans attention; got {type(spec).__name__} (plan a GemmSpec "
                         "without a target)")
@@ -185,13 +183,8 @@ def _target_plan(spec, target: str, kernel: str, dtype: str, code_bias, operand_
     if dtype not in UNIT_ROUNDOFF:
         raise SpecError(f"dtype={dtype!r} is not one of {sorted(UNIT_ROUNDOFF)} (the query's dtype)")
     options = {} if fold_policy == "auto" else {"fold_policy": fold_policy}
-    if attention_kernel(spec, target, kernel, options, aot=True, dtype=dtype) == "gluon":
-        from .backends.gluon.lower import gluon_plan
-
-        return gluon_plan(spec, dtype)
-    from .backends.triton.launch import triton_plan
-
-    return triton_plan(spec, dtype, fold_policy)
+    return attention_backend(attention_kernel(spec, target, kernel, options, aot=True, dtype=dtype)).target_plan(
+        spec, dtype, fold_policy)
 
 
 @functools.lru_cache(maxsize=256)

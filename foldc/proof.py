@@ -29,6 +29,7 @@ from .ir import (CHANNEL, TOKEN, Accumulate, Codes, Contract, Dequantize, Divide
                  OnlineSoftmax, Prescale, ScaleGroups, param_axes, verify)
 from .ir.graph import Graph
 from .passes import check_plan_rules, fold_from_axes
+from .registry import workload_of
 
 #: symbolic instances: (small group size, token tile). Group 2 with tiles of 3 makes tiles
 #: straddle group boundaries; group 3 with tiles of 2 makes groups straddle tile boundaries.
@@ -229,10 +230,9 @@ def symbolic_check(graph: Graph, small_group: int, token_tile: int) -> tuple[Ins
 
 def prove(the_plan) -> ProofReport:
     """Prove ``the_plan`` exact, or raise PlanError/ProofError naming the rule or value that fails."""
-    if getattr(the_plan, "kind", "attention") == "gemm":
-        from .gemm.proof import prove_gemm
-
-        return prove_gemm(the_plan)
+    workload = workload_of(getattr(the_plan, "spec", None))
+    if workload is not None:   # e.g. a GEMM plan (foldc/gemm/proof.py)
+        return workload.prove(the_plan)
     t0 = time.perf_counter()
     graph = the_plan.graph
     verify(graph)  # a hand-edited graph must be well-formed before its rules mean anything

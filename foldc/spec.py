@@ -9,6 +9,7 @@ from typing import Any
 from .encoding import Affine, parse_affine
 from .errors import SpecError
 from .options import check_int
+from .registry import workload_of_table
 
 #: the largest head counts and head size a spec may declare: every target allocates per head and
 #: per channel (the Triton kernel pads query heads per KV head to a power of two of MMA rows);
@@ -131,18 +132,19 @@ def spec_from_toml(path: str | Path):
                         "save it as UTF-8") from None
     except tomllib.TOMLDecodeError as e:
         raise SpecError(f"layout file {str(path)!r} is not valid TOML: {e}") from None
-    sections = [key for key in ("attention", "gemm") if key in data]
+    sections = [key for key in data if key == "attention" or workload_of_table(key) is not None]
     if len(sections) > 1:
-        raise SpecError(f"{path}: has both [attention] and [gemm]; describe one operation per file")
-    if sections == ["gemm"]:
-        from .gemm.spec import gemm_spec_from_table
-
-        extra = sorted(set(data) - {"gemm"})
+        tables = " and ".join(f"[{x}]" for x in sorted(sections))
+        raise SpecError(f"{path}: has both {tables}; describe one operation per file")
+    workload = workload_of_table(sections[0]) if sections else None
+    if workload is not None:   # e.g. [gemm] (foldc/gemm/spec.py)
+        name = workload.table
+        extra = sorted(set(data) - {name})
         if extra:
-            raise SpecError(f"{path}: unknown top-level keys {extra}; a GEMM layout has only a [gemm] table")
-        if not isinstance(data["gemm"], dict):
-            raise SpecError(f"{path}: gemm must be a table ([gemm]), got {data['gemm']!r}")
-        return gemm_spec_from_table(data["gemm"], where=f"{path}: [gemm]")
+            raise SpecError(f"{path}: unknown top-level keys {extra}; a {name} layout has only a [{name}] table")
+        if not isinstance(data[name], dict):
+            raise SpecError(f"{path}: {name} must be a table ([{name}]), got {data[name]!r}")
+        return workload.from_table(data[name], where=f"{path}: [{name}]")
     table = _attention_table(data, path)
     unknown = set(table) - set(ATTENTION_KEYS)
     if unknown:
@@ -164,4 +166,7 @@ def spec_from_toml(path: str | Path):
             return text + (f":{val['scale_dtype']}" if "scale_dtype" in val else "")
         return val
 
-    return spec_from_args(enc("k"), enc("v"), table["heads"], table["head_dim"])
+    try:
+        return spec_from_args(enc("k"), enc("v"), table["heads"], table["head_dim"])
+    except SpecError as e:   # a value's own message, with the file it came from
+        raise SpecError(f"{path}: [attention]: {e}") from None

@@ -16,3 +16,16 @@ def _private_kernel_cache(tmp_path_factory):
         os.environ.pop("FOLDC_CACHE_DIR", None)
     else:
         os.environ["FOLDC_CACHE_DIR"] = old
+
+
+@pytest.fixture
+def gluon_lowers_as(monkeypatch):
+    """``gluon_lowers_as(fn)``: the registered register-operand backend answers ``lowerable(spec,
+    dtype)`` with ``fn`` for this test (its own rules are tested in tests/backends)."""
+    from dataclasses import replace
+
+    from foldc import registry
+
+    def stand_in(fn):
+        monkeypatch.setitem(registry._BACKENDS, "gluon", replace(registry.attention_backend("gluon"), lowerable=fn))
+    return stand_in

@@ -145,3 +145,37 @@ def test_gluon_call_parts_make_a_whole_decode_launch():
     assert parts["ws"][2].shape[:3] == (3, 8 // parts["launch"]["heads"], parts["splits"])
     named = set(foldc_decode_gluon.arg_names[:len(parts["args"])]) | set(parts["kwargs"])
     assert named - {"num_warps", "maxnreg"} == set(foldc_decode_gluon.arg_names)
+
+
+@settings(max_examples=5, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), n_shapes=st.integers(1, 5))
+def test_the_plot_gives_each_kernel_its_colour_peers_dashed_and_the_speedup_panel(tmp_path_factory, seed, n_shapes):
+    """Rows as `run_bench` writes them (random figures): every kernel its own colour, peers dashed and
+    foldc solid in the upper panel; the lower panel holds each foldc kernel's speed-up over cuDNN."""
+    import random
+
+    rng = random.Random(seed)
+    names = [r[0] for r in bench.kernel_list(False)] + ["sdpa cudnn bf16", "sdpa flash bf16", "flashinfer bf16"]
+    shapes = bench.GRID[:n_shapes]
+    rows = []
+    for b, t in shapes:
+        for name in names:
+            rows.append({"batch": b, "tokens": t, "kernel": name, "pct_ceiling": rng.uniform(5, 99),
+                         "x_sdpa cudnn bf16": rng.uniform(0.3, 6)})
+    path = tmp_path_factory.mktemp("plot") / "bench.png"
+    fig = bench.plot({"rows": rows, "gpu": "H200", "date": "2026-12-02"}, path)
+    top, bottom = fig.axes
+    lines = {line.get_label(): line for line in top.get_lines() if not line.get_label().startswith("_")}
+    assert set(lines) == set(names)
+    assert len({tuple(line.get_color()) for line in lines.values()}) == len(names)   # one colour per kernel
+    for name, line in lines.items():
+        assert line.get_linestyle() == ("--" if name.startswith(("sdpa", "flashinfer")) else "-"), name
+    speedups = {line.get_label(): line for line in bottom.get_lines() if not line.get_label().startswith("_")}
+    assert set(speedups) == {n for n in names if not n.startswith(("sdpa", "flashinfer"))}
+    want = [r["x_sdpa cudnn bf16"] for r in rows if r["kernel"] == names[0]]
+    assert list(speedups[names[0]].get_ydata()) == want
+    assert any(list(line.get_ydata()) == [1.0, 1.0] for line in bottom.get_lines())   # the bar at 1.0
+    assert path.stat().st_size > 0
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)

@@ -13,6 +13,7 @@ import torch
 import foldc
 from foldc import bench
 from foldc import bench_layouts as bl
+from foldc import cli
 
 A = foldc.Affine
 #: triton 3.6's interpreter needs numpy < 2.4 (tests/backends/_kernel_cases.py)
@@ -223,7 +224,7 @@ def test_without_tuning_cache_points_the_cache_at_an_empty_folder():
 # --- the command line ---------------------------------------------------------------------------
 
 def test_bench_dispatches_layouts_and_lists_the_grid(capsys):
-    assert bench.main(["--layouts", "--grid", "quick", "--list"]) == 0
+    assert cli.main(["bench", "--layouts", "--grid", "quick", "--list"]) == 0
     labels = capsys.readouterr().out.split("\n")
     assert labels[:2] == ["K token:2:128 V token:2:128 32/8 d128", "K token:2:128 V channel:2:128 32/8 d128"]
     assert len([line for line in labels if line]) == 6
@@ -231,7 +232,7 @@ def test_bench_dispatches_layouts_and_lists_the_grid(capsys):
 
 def test_without_a_gpu_it_says_so_and_fails(monkeypatch, capsys, tmp_path):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert bench.main(["--layouts", "--grid", "quick", "--out", str(tmp_path)]) == 2
+    assert cli.main(["bench", "--layouts", "--grid", "quick", "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert "needs a CUDA GPU" in err and "--check-only --target interpret" in err
     assert not (tmp_path / "layouts.json").exists()
@@ -254,7 +255,7 @@ def test_check_only_under_the_interpreter_end_to_end(tmp_path, capsys):
     """Three layouts of the full grid through `foldc bench --layouts --check-only --target interpret`:
     a refused one (groups of 128 over head_dim 64), GQA 1 with mixed sides, and a plain V side."""
     only = "K token:2:128 V token:2:128 32/8 d64,K channel:4:64 V token:4:64 8/8 d128,K token:2:32 V plain 32/8 d128"
-    rc = bench.main(["--layouts", "--grid", "full", "--check-only", "--target", "interpret", "--only", only,
+    rc = cli.main(["bench", "--layouts", "--grid", "full", "--check-only", "--target", "interpret", "--only", only,
                      "--out", str(tmp_path)])
     assert rc == 0
     results = json.loads((tmp_path / "layouts.json").read_text())

@@ -2,7 +2,6 @@
 the `python -m foldc` entry point."""
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import subprocess
@@ -291,12 +290,10 @@ def test_compile_option_errors_come_before_the_plan(capsys, tmp_path, argv, frag
     (["--num-stages", "1"], ["num_stages=1 (--num-stages)", "--kernel auto picks the register-operand kernel",
                              "--kernel triton"]),
 ], ids=["gluon-block-n", "gluon-warps", "auto-gluon-stages"])
-def test_register_operand_option_errors_come_before_the_plan(capsys, tmp_path, monkeypatch, argv, fragments):
+def test_register_operand_option_errors_come_before_the_plan(capsys, tmp_path, gluon_lowers_as, argv, fragments):
     """On sm_90 the register-operand kernel (picked by --kernel auto where it lowers the plan, here
     forced to lower) takes no --num-warps, 32/64-token tiles and 2-4 stages: said before the plan."""
-    lower = importlib.import_module("foldc.backends.gluon.lower")   # the module, not its lower()
-
-    monkeypatch.setattr(lower, "lowerable", lambda spec, dtype="bf16": (True, ""))
+    gluon_lowers_as(lambda spec, dtype="bf16": (True, ""))
     _fails_before_printing(capsys, ["compile", "--k", "token:2:128", "--v", "token:2:128", "--target", "sm_90",
                                     "--out", str(tmp_path / "out"), *argv], fragments)
     assert not (tmp_path / "out").exists()

@@ -3,7 +3,6 @@ builders and `foldc compile`. Every rule gets a case that breaks it; the Python 
 same errors as the CLI, before planning or compiling anything."""
 from __future__ import annotations
 
-import importlib
 
 import pytest
 
@@ -130,11 +129,9 @@ def test_sm_100_takes_the_register_operand_kernel_as_sm_90_does():
 
 
 @pytest.fixture
-def lowers(monkeypatch):
+def lowers(gluon_lowers_as):
     """The register-operand kernel lowers every plan (its own rules are tested in tests/backends)."""
-    lower = importlib.import_module("foldc.backends.gluon.lower")   # the module, not its lower()
-
-    monkeypatch.setattr(lower, "lowerable", lambda spec, dtype="bf16": (True, ""))
+    gluon_lowers_as(lambda spec, dtype="bf16": (True, ""))
 
 
 def test_attention_kernel_auto_on_sm_90_follows_the_options(lowers):
@@ -145,10 +142,8 @@ def test_attention_kernel_auto_on_sm_90_follows_the_options(lowers):
     assert attention_kernel(spec, "sm_100", "gluon", aot=True) == "gluon"
 
 
-def test_attention_kernel_gluon_says_why_it_cannot(monkeypatch):
-    lower = importlib.import_module("foldc.backends.gluon.lower")   # the module, not its lower()
-
-    monkeypatch.setattr(lower, "lowerable", lambda spec, dtype="bf16": (False, "a reason"))
+def test_attention_kernel_gluon_says_why_it_cannot(gluon_lowers_as):
+    gluon_lowers_as(lambda spec, dtype="bf16": (False, "a reason"))
     assert attention_kernel(SPEC, "sm_90") == "triton"
     _raises(lambda: attention_kernel(SPEC, "sm_90", "gluon"), "kernel='gluon'", "a reason", "'triton'")
 

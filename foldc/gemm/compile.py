@@ -23,7 +23,7 @@ def compile_gemm(spec: GemmSpec, target: str = "reference", **options):
         if options:
             raise SpecError(f"unknown option(s) {sorted(options)} for target='reference'; it takes none")
         return ReferenceGemm(gemm_plan(spec))
-    from ..compile import check_gpu_target, detect_target
+    from ..targets import check_gpu_target, detect_target
 
     if target == "auto":
         target = detect_target()

@@ -25,12 +25,13 @@ import torch
 
 from ..compile import TARGETS as COMPILE_TARGETS
 from ..compile import compile as compile_attention
-from ..compile import detect_target
+from ..targets import detect_target
 from ..encoding import AffineTensor, scale_shape
 from ..errors import InputError, InputTypeError, SpecError
 from ..merge import merge_parts
 from ..plan import plan_of
 from ..spec import AttentionSpec
+from ..validate import check_sm_scale
 from .append import append_quantized, check_finite, safe_abs_limit
 
 MODEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -268,16 +269,26 @@ class QuantizedKVCache:
             raise InputError(f"q dtype={q.dtype} but the cache holds {self.dtype} tokens; pass q.to({self.dtype})")
         if q.device != self.device:
             raise InputError(f"q is on {q.device} but the cache is on {self.device}; move it there")
+        if q.stride(-1) != 1:
+            raise InputError(f"q must have unit stride along head_dim; got strides {q.stride()}: pass q.contiguous()")
         if self.num_tokens == 0:
             raise InputError("the cache holds no tokens; append() keys and values before attention()")
         plain_len = self._sink_len + self._recent_len
         # with two parts, each stays float32 until the merge: one rounding to q's dtype, not two
         wide = bool(self._body_len and plain_len and self.target != "reference")
 
+        scale = check_sm_scale(sm_scale, self.spec.head_dim)
+
         def part(attention, k, v, n):
             lens = torch.full((self.batch,), n, dtype=torch.int32, device=self.device)
-            out = torch.empty(want, dtype=torch.float32, device=self.device) if wide else None
-            return attention(q, k, v, sm_scale=sm_scale, seq_lens=lens, return_lse=True, out=out)
+            if self.target == "reference":
+                return attention(q, k, v, sm_scale=scale, seq_lens=lens, return_lse=True)
+            # the cache's own tensors: the launch is planned once per shape and run without re-checking them
+            out = torch.empty(want, dtype=torch.float32 if wide else q.dtype, device=self.device)
+            lse = torch.empty(want[:2], dtype=torch.float32, device=self.device)
+            launch = attention.plan_launch(q.dtype, self.batch, k.shape[2], self.device, has_lens=True, k=k, v=v)
+            attention.run(launch, q, k, v, out, lse, scale, seq_lens=lens)
+            return out, lse
         parts = []
         if self._body_len:
             parts.append(part(self._body_attention, self._body["k"], self._body["v"], self._body_len))

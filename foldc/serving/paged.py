@@ -19,19 +19,17 @@ more page-table entries rewrites the same buffers, so the graph replays the new 
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
-from ..backends.runtime.modules import interpreter
-from ..backends.runtime.modules import num_sms
-from ..backends.triton.launch import DTYPES, choose_splits, runtime_arguments
+from ..backends.runtime.launch import Launch, allocate_workspace, workspace_fits
 from ..backends.triton.paging import check_page_size, paged_block_n
 from ..compile import TARGETS, ReferenceAttention, detect_target
 from ..encoding import AffineTensor
 from ..errors import InputError, InputTypeError, SpecError
 from ..plan import plan as make_plan
+from ..registry import attention_backend
 from ..spec import AttentionSpec
 from ..validate import check_sm_scale, output_buffer
 from .cache import resolve_device
@@ -190,18 +188,15 @@ def register_operand_kernel(spec: AttentionSpec, page_size: int, target: str, ke
     elif block_n is not None and block_n not in (32, 64):
         reason = f"block_n={block_n} is not 32 or 64"
     else:
-        from ..backends.gluon.lower import lowerable
-
-        ok, why = lowerable(spec)
+        ok, why = attention_backend("gluon").lowerable(spec, "bf16")
         reason = None if ok else why
     if reason is None:
-        from ..backends.gluon.launch import GluonAttention
-
+        make = attention_backend("gluon").kernel
         try:
-            tile = block_n or GluonAttention(spec).default_block_n
+            tile = block_n or make(spec, target).default_block_n
             if page_size % tile:   # the kernel's default tile would span two pages
                 tile = 32
-            return GluonAttention(spec, block_n=tile, splits=splits, dynamic_tiles=dynamic_tiles, target=target)
+            return make(spec, target, block_n=tile, splits=splits, dynamic_tiles=dynamic_tiles)
         except SpecError as err:   # e.g. a 64-token tile over 32-token channel groups
             reason = str(err)
     if kernel == "gluon":
@@ -241,6 +236,14 @@ class PagedDecodeWrapper:
         "auto" (the register-operand kernel on sm_90 when it lowers the plan and the page holds
         whole 32-token tiles, else the generated Triton kernel), "triton" or "gluon" (refused
         with the reason where it does not apply).
+
+    Attributes
+    ----------
+    attention
+        The compiled attention that runs the pages (`GluonAttention` or `TritonAttention`; absent for
+        target "reference"): ``plan`` holds its `Launch` per query dtype and ``run`` calls its ``run``.
+    register_operand : bool
+        Whether that is the register-operand kernel (bf16 queries only).
     """
 
     def __init__(self, spec: AttentionSpec, page_size: int, *, max_seq_len: int, device="cpu",
@@ -271,20 +274,24 @@ class PagedDecodeWrapper:
         if target == "reference" and dynamic_tiles:
             raise SpecError("dynamic_tiles=True is an option of the register-operand kernel (sm_90); "
                             "target='reference' runs the float64 executor: use dynamic_tiles=False")
+        self.register_operand = False
         if target == "reference":
             self._reference = ReferenceAttention(make_plan(spec))
             return
         self.interpret = target == "interpret"
-        self._cfg = {"num_warps": num_warps, "num_stages": num_stages}
-        self._splits = splits
-        self._gluon = register_operand_kernel(spec, page_size, target, kernel, block_n, splits, dynamic_tiles)
-        if self._gluon is not None:
-            self.block_n = self._gluon.default_block_n
-            return
-        from ..backends.triton import TritonAttention
-
-        self._attn = TritonAttention(spec, target, block_n=self.block_n, num_warps=num_warps,
-                                     num_stages=num_stages, splits=splits)
+        gluon = register_operand_kernel(spec, page_size, target, kernel, block_n, splits, dynamic_tiles)
+        self.register_operand = gluon is not None
+        if gluon is not None:
+            self.block_n = gluon.default_block_n
+            self.attention = gluon
+        else:
+            self.attention = attention_backend("triton").kernel(spec, target, block_n=self.block_n,
+                                                               num_warps=num_warps, num_stages=num_stages,
+                                                               splits=splits)
+        # the query dtypes run() takes: the register-operand kernel's bf16, the interpreter's fp16
+        self._dtypes = ((torch.bfloat16,) if gluon is not None else
+                        (torch.float16,) if self.interpret else (torch.float16, torch.bfloat16))
+        self._launches: dict[torch.dtype, Launch] = {}
 
     # ---- plan ---------------------------------------------------------------------------------
 
@@ -351,31 +358,16 @@ class PagedDecodeWrapper:
         return self._buffers["kv_indices"]
 
     def _plan_launch(self, batch: int) -> None:
-        hkv = self.spec.num_kv_heads
-        tokens = self.max_seq_len
-        if self._gluon is not None:   # the tuned or default launch for this batch (bf16 bucket)
-            self._launch = self._gluon.launch_config(torch.bfloat16, batch, tokens)
-            self._num_splits, self._per_split = self._gluon.split_plan(self._launch, batch, tokens, self.device,
-                                                                        has_lens=True, page=self.page_size)
-            ws = self._buffers.get("ws_m")
-            shape = (batch, self._gluon.head_programs(self._launch), self._num_splits, self._gluon.config.rows)
-            if ws is None or tuple(ws.shape) != shape:
-                names = ("ws_m", "ws_l", "ws_acc")
-                self._buffers.update(zip(names, self._gluon.workspace(self._launch, batch, self._num_splits,
-                                                                       self.device)))
-            return
-        splits = self._splits
-        if splits is None:
-            splits, _ = choose_splits(batch, hkv, tokens, self.block_n, num_sms(self.device))
-        per_split = math.ceil(math.ceil(tokens / splits) / self.block_n) * self.block_n
-        self._per_split, self._num_splits = per_split, math.ceil(tokens / per_split)
-        rows = max(16, 1 << (self.spec.q_per_kv - 1).bit_length())
-        ws = self._buffers.get("ws_m")
-        if ws is None or ws.shape != (batch, hkv, self._num_splits, rows):
-            self._buffers["ws_m"] = torch.empty(batch, hkv, self._num_splits, rows, device=self.device)
-            self._buffers["ws_l"] = torch.empty_like(self._buffers["ws_m"])
-            self._buffers["ws_acc"] = torch.empty(batch, hkv, self._num_splits, rows, self.spec.head_dim,
-                                                  device=self.device)
+        """The kernel's `Launch` per query dtype for this batch over ``max_seq_len`` tokens (the split
+        partition does not depend on the lengths), and a workspace that fits it: the same buffers
+        while the shapes hold, so captured graphs stay valid across plans."""
+        for dtype in self._dtypes:
+            launch = self.attention.plan_launch(dtype, batch, self.max_seq_len, self.device, has_lens=True,
+                                              page=self.page_size)
+            self._launches[dtype] = launch
+            name = f"workspace_{str(dtype)[6:]}"
+            if not workspace_fits(self._buffers.get(name), launch):
+                self._buffers[name] = allocate_workspace(launch, self.device)
 
     # ---- run ----------------------------------------------------------------------------------
 
@@ -461,33 +453,17 @@ class PagedDecodeWrapper:
                              f"{list(dtypes)}")
         if q.stride(-1) != 1:
             raise InputError(f"q must have unit stride along head_dim; got strides {q.stride()}")
-        if self._gluon is not None and q.dtype == torch.float16:
-            from ..backends.gluon.lower import FP16_REASON
-
-            raise InputError(f"q dtype=torch.float16 but this wrapper runs the register-operand kernel ({FP16_REASON}); "
-                             "build the wrapper with kernel='triton' for float16 queries")
+        if self.register_operand and q.dtype == torch.float16:
+            raise InputError("q dtype=torch.float16 but this wrapper runs the register-operand kernel, whose fp16 "
+                             "error is above the bar (docs/derivation.md eq. 6a); build the wrapper with "
+                             "kernel='triton' for float16 queries, or pass bfloat16 queries")
         out = output_buffer(out, want, q)
         lse = torch.empty(want[:2], device=q.device, dtype=torch.float32)
-        if self._gluon is not None:
-            self._check_lens(seq_lens, want)
-            buf = self._buffers
-            lens = buf["seq_lens"] if seq_lens is None else seq_lens
-            self._gluon.launch(self._launch, q, k_pages, v_pages, lens, (buf["ws_m"], buf["ws_l"], buf["ws_acc"]),
-                               out, lse, scale, self._per_split, self._num_splits,
-                               self._per_split * self._num_splits,
-                               paged=(buf["kv_indptr"], buf["kv_indices"], self.page_size))
-            return (out, lse) if return_lse else out
-        module, ks, geo, _ = self._attn.kernels(DTYPES[q.dtype], self.block_n, paged=True)
-        buf = self._buffers
-        ws = (buf["ws_m"], buf["ws_l"], buf["ws_acc"])
         self._check_lens(seq_lens, want)
-        lens = buf["seq_lens"] if seq_lens is None else seq_lens
-        runtime = runtime_arguments(q, k_pages, v_pages, lens, ws, scale, self._per_split, self._num_splits)
-        runtime.update(KV_INDPTR=buf["kv_indptr"], KV_INDICES=buf["kv_indices"],
-                       cache_tokens=self._per_split * self._num_splits)
-        with interpreter(self.interpret):
-            self._attn._launch(module, [runtime[a] for a in ks.args], want[0], self.spec.num_kv_heads,
-                               self._num_splits, geo, *ws, out, lse, self._cfg, PAGE_SIZE=self.page_size)
+        buf = self._buffers
+        self.attention.run(self._launches[q.dtype], q, k_pages, v_pages, out, lse, scale,
+                         seq_lens=buf["seq_lens"] if seq_lens is None else seq_lens,
+                         workspace=buf[f"workspace_{str(q.dtype)[6:]}"], paged=(buf["kv_indptr"], buf["kv_indices"]))
         return (out, lse) if return_lse else out
 
     def _check_lens(self, seq_lens, want) -> None:
@@ -510,16 +486,9 @@ class PagedDecodeWrapper:
 
 def launch_plain(attn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: torch.Tensor, sm_scale: float,
                  out: torch.Tensor, lse: torch.Tensor) -> None:
-    """Run a compiled `TritonAttention` over contiguous ``k, v [batch, kv_heads, C, head_dim]`` with
-    device lengths ``lens`` (int32 [batch], 0 allowed) into ``out``/``lse``, skipping the host-side
-    checks of its ``__call__`` (which read the lengths): no host synchronisation."""
-    module, ks, geo, _ = attn.kernels(DTYPES[q.dtype])
-    batch, hkv, tokens = q.shape[0], attn.spec.num_kv_heads, k.shape[2]
-    splits, per_split = choose_splits(batch, hkv, tokens, geo.block_n, num_sms(q.device))
-    rows = geo.rows
-    ws = (torch.empty(batch, hkv, splits, rows, device=q.device), torch.empty(batch, hkv, splits, rows, device=q.device),
-          torch.empty(batch, hkv, splits, rows, attn.spec.head_dim, device=q.device))
-    runtime = runtime_arguments(q, k, v, lens, ws, sm_scale, per_split, splits)
-    cfg = dict(attn.DEFAULTS, **attn.explicit)
-    with interpreter(attn.interpret):
-        attn._launch(module, [runtime[a] for a in ks.args], batch, hkv, splits, geo, *ws, out, lse, cfg)
+    """Run a compiled attention over contiguous ``k, v [batch, kv_heads, C, head_dim]`` with device
+    lengths ``lens`` (int32 [batch], 0 allowed) into ``out``/``lse`` through its ``plan_launch`` and
+    ``run``, skipping the host-side checks of its ``__call__`` (which read the lengths): no host
+    synchronisation."""
+    launch = attn.plan_launch(q.dtype, q.shape[0], k.shape[2], q.device, has_lens=True)
+    attn.run(launch, q, k, v, out, lse, sm_scale, seq_lens=lens)

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 import foldc
 from foldc.backends.runtime import tuning
-from foldc.backends.triton import autotune
+from foldc import tune as autotune
 from foldc.backends.runtime.tuning import Config, GluonConfig, bucket_key, lookup, store
 
 ROOT = Path(__file__).resolve().parents[2]

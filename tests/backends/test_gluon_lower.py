@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import foldc
-from foldc.backends.gluon.lower import KEY_BIAS, NotLowerable, gluon_plan, lower, lowerable, max_rows
+from foldc.backends.gluon.lower import KEY_BIAS, VALUE_BIAS, NotLowerable, gluon_plan, lower, lowerable, max_rows
 from foldc.backends.gluon.operands import (DEQUANT_ASM, DEQUANT_KEY_EXPONENTS, DEQUANT_KEY_TOP, DEQUANT_VALUE_EXPONENTS,
                                            DEQUANT_VALUE_TOP, KEY_EXPONENT,
                                            NARROW_WORDS, VALUE_EXPONENT, cache_channel, dequant_exponent, key_channel,
@@ -40,13 +40,13 @@ def test_folded_plans_lower(bits, head_dim, heads, kl, vl):
         # bf16 attention's, above the bar; the plan asks for hi + lo, which this kernel does not do
         with pytest.raises(NotLowerable, match="pv: the error model asks for operand precision split"):
             lower(gluon_plan(spec))
-        return
-    cfg = lower(gluon_plan(spec))
-    assert (cfg.key_bits, cfg.value_bits, cfg.head_dim, cfg.q_per_kv) == (bits, bits, head_dim, spec.q_per_kv)
-    assert cfg.row_blocks == 1
-    assert cfg.rows == (8 if spec.q_per_kv <= 8 else 16) and cfg.key_bias == KEY_BIAS
-    assert cfg.key_tokens == (0 if kl == "token" else 64) and cfg.value_tokens == (0 if vl == "token" else 128)
-    assert foldc.prove(gluon_plan(spec)) is not None   # the plan the kernel runs is proved exact
+    else:
+        cfg = lower(gluon_plan(spec))
+        assert (cfg.key_bits, cfg.value_bits, cfg.head_dim, cfg.q_per_kv) == (bits, bits, head_dim, spec.q_per_kv)
+        assert cfg.row_blocks == 1
+        assert cfg.rows == (8 if spec.q_per_kv <= 8 else 16)
+        assert cfg.key_tokens == (0 if kl == "token" else 64) and cfg.value_tokens == (0 if vl == "token" else 128)
+        assert foldc.prove(gluon_plan(spec)) is not None   # the plan the kernel runs is proved exact
 
 
 @pytest.mark.parametrize("bits,group,head_dim,heads", [(2, 64, 128, (32, 8)), (2, 32, 128, (32, 8)),
@@ -62,13 +62,13 @@ def test_token_wise_groups_of_whole_bit_fields_lower(bits, group, head_dim, head
     if v_group > 128:   # eq. 6a: one fp16 rounding of P x scale over 256 channels is above the bar
         with pytest.raises(NotLowerable, match="operand precision split"):
             lower(gluon_plan(spec))
-        return
-    cfg = lower(gluon_plan(spec))
-    assert (cfg.key_groups, cfg.value_groups) == (head_dim // k_group, head_dim // v_group)
-    assert cfg.key_tokens == cfg.value_tokens == 0
-    for enc_group in (k_group, v_group):   # a group never cuts a bit field
-        assert enc_group % (head_dim * bits // 8) == 0
-    assert foldc.prove(gluon_plan(spec)) is not None
+    else:
+        cfg = lower(gluon_plan(spec))
+        assert (cfg.key_groups, cfg.value_groups) == (head_dim // k_group, head_dim // v_group)
+        assert cfg.key_tokens == cfg.value_tokens == 0
+        for enc_group in (k_group, v_group):   # a group never cuts a bit field
+            assert enc_group % (head_dim * bits // 8) == 0
+        assert foldc.prove(gluon_plan(spec)) is not None
 
 
 WIDTHS = [(kb, vb) for kb in (2, 4, 8) for vb in (2, 4, 8)]
@@ -174,19 +174,15 @@ def test_a_plan_with_other_code_biases_is_refused(key, value):
         lower(foldc.plan(_spec(), code_bias={"key": key, "value": value}))
 
 
-def test_a_folded_key_bias_with_several_groups_per_token_is_refused():
-    the_plan = foldc.plan(_spec(group=64), code_bias={"key": 1024, "value": 0})
-    with pytest.raises(NotLowerable, match="channel groups per token"):
-        lower(the_plan)
-
-
-def test_the_key_bias_is_the_plans():
-    """Subnormal key codes (bias 0, gluon_plan's) or the OR trick (1024): the kernel builds what the
-    plan says, and both plans are proved exact."""
-    for key in (0, 1024):
-        the_plan = foldc.plan(_spec(), code_bias={"key": key, "value": 0})
-        assert lower(the_plan).key_bias == key and foldc.prove(the_plan) is not None
-    assert lower(gluon_plan(_spec())).key_bias == KEY_BIAS == 0
+def test_the_kernel_takes_only_unbiased_codes_and_gluon_plan_gives_them():
+    """The codes enter the MMA as fp16 subnormals on both sides (operands.py): gluon_plan plans no code
+    bias, and a plan with the OR trick's folded key bias 1024 (exact too: proved) is refused."""
+    the_plan = gluon_plan(_spec())
+    assert (the_plan.products["qk"].code_bias, the_plan.products["pv"].code_bias) == (KEY_BIAS, VALUE_BIAS) == (0, 0)
+    biased = foldc.plan(_spec(), code_bias={"key": 1024, "value": 0})
+    assert foldc.prove(biased) is not None
+    with pytest.raises(NotLowerable, match="code biases are key 1024"):
+        lower(biased)
 
 
 def test_compile_routes_and_refuses_clearly():
@@ -252,11 +248,11 @@ def run_ptx(asm: str, inputs: list[int], n_out: int) -> list[int]:
     return [regs[f"${i}"] for i in range(n_out)]
 
 
-def _key_unpack_halves(words, bits: int, head_dim: int, bias: int, integer: bool = False):
+def _key_unpack_halves(words, bits: int, head_dim: int, integer: bool = False):
     """The key unpack PTX run on each word of a token (operands.key_unpack_asm): (field, channel of
     its k index in the operand, the fp16 bits) for every half of every result register."""
     fields = 8 // bits
-    asm, _ = key_unpack_asm(bits, bias, integer)
+    asm, _ = key_unpack_asm(bits, integer)
     for w, word in enumerate(words):
         out = run_ptx(asm, [int(word), int(word)], 2 * fields)
         for i in range(fields):
@@ -276,19 +272,17 @@ def _words(codes: np.ndarray, bits: int) -> np.ndarray:
 
 @settings(max_examples=25, deadline=None)
 @given(bits=st.sampled_from([2, 4, 8]), head_dim=st.sampled_from([64, 128, 256]),
-       mode=st.sampled_from(["subnormal", "bias", "integer"]), seed=st.integers(0, 2**31 - 1))
+       mode=st.sampled_from(["subnormal", "integer"]), seed=st.integers(0, 2**31 - 1))
 def test_key_unpack_puts_every_code_where_the_query_expects_it(bits, head_dim, mode, seed):
     rng = np.random.default_rng(seed)
     codes = rng.integers(0, 1 << bits, size=(1, head_dim), dtype=np.uint8)
     words = _words(codes, bits)[0]
     fields = 8 // bits
-    bias, integer = (1024 if mode == "bias" else 0), mode == "integer"
-    assert key_unpack_asm(bits, bias, integer)[1].count("=r") == 2 * fields
+    integer = mode == "integer"
+    assert key_unpack_asm(bits, integer)[1].count("=r") == 2 * fields
     seen = set()
-    for i, ch, half in _key_unpack_halves(words, bits, head_dim, bias, integer):
-        if bias:   # the OR trick: 1024 + the weighted code, in the mantissa
-            want = 1024 + 2.0 ** (bits * i) * codes[0, ch]
-        elif integer:   # a dequant plan's: the weighted code as an exact fp16 integer
+    for i, ch, half in _key_unpack_halves(words, bits, head_dim, integer):
+        if integer:   # a dequant plan's: the weighted code as an exact fp16 integer
             want = 2.0 ** (bits * i) * codes[0, ch]
         else:      # an fp16 subnormal: exactly code * 2^(bits*i) * 2^-24
             want = 2.0 ** (bits * i - KEY_EXPONENT) * codes[0, ch]
@@ -547,9 +541,9 @@ def test_key_channel_is_k_with_bits_0_and_1_swapped(bits, head_dim):
     if head_dim * bits // 32 == NARROW_WORDS:
         assert sorted(key_channel(k, bits, head_dim) for k in range(head_dim)) == list(range(head_dim))
         assert any(key_channel(k, bits, head_dim) != (k & ~3) | ((k & 1) << 1) | ((k >> 1) & 1) for k in range(64))
-        return
-    for k in range(head_dim):
-        assert key_channel(k, bits, head_dim) == (k & ~3) | ((k & 1) << 1) | ((k >> 1) & 1)
+    else:
+        for k in range(head_dim):
+            assert key_channel(k, bits, head_dim) == (k & ~3) | ((k & 1) << 1) | ((k >> 1) & 1)
 
 
 def test_narrow_key_and_value_maps_agree_with_the_kernels_index_arithmetic():
@@ -679,7 +673,7 @@ def test_padded_tiles_put_each_cache_code_where_the_registers_expect_it(bits, he
     tile[:len(words)] = words
     fields = 8 // bits
     seen = set()
-    for i, c, half in _key_unpack_halves(tile, bits, width, 0):   # c: the register channel
+    for i, c, half in _key_unpack_halves(tile, bits, width):   # c: the register channel
         got = _f16(half) * 2.0 ** (KEY_EXPONENT - bits * i)
         real = cache_channel(c, width // fields, head_dim // fields)
         assert got == (0 if real is None else codes[0, real]), (i, c, real)
@@ -723,7 +717,7 @@ def test_warpgroup_unpacks_put_every_code_where_its_operands_expect_it(seed):
     words = _words(codes, 2)
     assert sorted(key_channel(k)[0] for k in range(128)) == list(range(128))
     assert sorted(value_channel(m)[0] for m in range(128)) == list(range(128))
-    asm, _ = key_unpack_asm(2, 0)
+    asm, _ = key_unpack_asm(2)
     for k in range(128):
         ch, field = key_channel(k)
         e, t, p, u = k & 1, (k >> 1) & 3, (k >> 3) & 1, k >> 6

@@ -154,13 +154,19 @@ def test_empty_parts_launch_nothing():
     gen = torch.Generator().manual_seed(10)
     calls = []
 
-    def counting(cache, part):
-        fn = getattr(cache, part)
+    class Counting:   # the part's compiled attention, recording each run (the cache plans, then runs)
+        def __init__(self, attn, part):
+            self.attn, self.part = attn, part
 
-        def wrapped(q, k, v, **kw):
-            calls.append((part, int(kw["seq_lens"][0])))
-            return fn(q, k, v, **kw)
-        setattr(cache, part, wrapped)
+        def plan_launch(self, *args, **kwargs):
+            return self.attn.plan_launch(*args, **kwargs)
+
+        def run(self, *args, **kwargs):
+            calls.append((self.part, int(kwargs["seq_lens"][0])))
+            return self.attn.run(*args, **kwargs)
+
+    def counting(cache, part):
+        setattr(cache, part, Counting(getattr(cache, part), part))
 
     only_body = QuantizedKVCache(SPECS["K token2 / V channel4"], 1, 64, target="interpret")
     only_plain = QuantizedKVCache(SPECS["K token2 / V channel4"], 1, 64, sink=8, target="interpret")

@@ -322,7 +322,7 @@ def test_a_dequant_plan_reads_pages_too():
     go through the same per-tile page bases."""
     spec, page_size = S(32, 2, 64, A(2, "token", 16), A(4, "channel", 16)), 32
     wrapper = PagedDecodeWrapper(spec, page_size, max_seq_len=96, target="interpret")
-    assert set(wrapper._attn.plan_for(torch.float16).folds.values()) == {"dequant"}
+    assert set(wrapper.attention.plan_for(torch.float16).folds.values()) == {"dequant"}
     gen = torch.Generator().manual_seed(13)
     k_pages, v_pages = random_pools(spec, 7, page_size, gen)
     indptr, indices, last = (torch.tensor([0, 3, 5], dtype=torch.int32), torch.tensor([6, 2, 0, 4, 1], dtype=torch.int32),
@@ -339,4 +339,4 @@ def test_kernel_option_is_checked():
         PagedDecodeWrapper(spec, 32, max_seq_len=64, target="interpret", kernel="fast")
     with pytest.raises(foldc.SpecError, match="kernel='gluon' cannot run this paged decode: it runs on sm_90"):
         PagedDecodeWrapper(spec, 32, max_seq_len=64, target="interpret", kernel="gluon")
-    assert PagedDecodeWrapper(spec, 32, max_seq_len=64, target="interpret")._gluon is None
+    assert PagedDecodeWrapper(spec, 32, max_seq_len=64, target="interpret").register_operand is False

@@ -241,17 +241,17 @@ def test_nan_tokens_are_refused_on_the_host_and_propagate_as_nan_on_the_device(t
     if target == "reference":
         with pytest.raises(InputError, match="v_new holds NaN or Inf"):
             cache.append(0, step_k, step_v)
-        return
-    cache.append(0, step_k, step_v)
-    q = torch.randn(2, 4, 64, generator=gen).half()
-    for _ in range(4):   # the window (2 + 1) overflows: the NaN token is flushed into the body
-        out = cache.attention(0, q)
-        # value channel 5 of KV head 0 is NaN: query heads 0-1 of sequence 1 there (the whole group once
-        # it is quantized), nothing else
-        assert torch.isnan(out[1, :2, 5]).all() and torch.isfinite(out[1, 2:]).all() and torch.isfinite(out[0]).all()
-        cache.append(0, *_tokens(gen, 2, 2, 1, 64))
-    k_all, v_all, _ = cache.dequantized(0)
-    assert torch.isnan(v_all[1, 0]).any()
+    else:
+        cache.append(0, step_k, step_v)
+        q = torch.randn(2, 4, 64, generator=gen).half()
+        for _ in range(4):   # the window (2 + 1) overflows: the NaN token is flushed into the body
+            out = cache.attention(0, q)
+            # value channel 5 of KV head 0 is NaN: query heads 0-1 of sequence 1 there (the whole group once
+            # it is quantized), nothing else
+            assert torch.isnan(out[1, :2, 5]).all() and torch.isfinite(out[1, 2:]).all() and torch.isfinite(out[0]).all()
+            cache.append(0, *_tokens(gen, 2, 2, 1, 64))
+        k_all, v_all, _ = cache.dequantized(0)
+        assert torch.isnan(v_all[1, 0]).any()
 
 
 def test_device_lengths_past_a_sequences_pages_read_only_its_pages():

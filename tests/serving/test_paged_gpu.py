@@ -236,7 +236,7 @@ def test_register_operand_kernel_reads_pages_like_the_triton_kernel(name, spec, 
     kernels = ("auto", "triton") if spec.head_dim & (spec.head_dim - 1) == 0 else ("auto",)
     for kernel in kernels:
         wrapper = PagedDecodeWrapper(spec, page_size, max_seq_len=5120, device="cuda", splits=7, kernel=kernel)
-        assert (wrapper._gluon is not None) == (kernel == "auto")
+        assert wrapper.register_operand == (kernel == "auto")
         wrapper.plan(indptr, indices, last, num_pages=num_pages)
         outs[kernel] = wrapper.run(q, k_pages, v_pages)
     _check(spec, q, k_pages, v_pages, indptr, indices, lens, page_size, outs["auto"])

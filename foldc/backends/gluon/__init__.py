@@ -1,9 +1,23 @@
-"""Register-operand backend (Gluon, sm_90): packed codes become tensor-core operands in registers,
-two codes per instruction, for plans with one scale and zero per token (lower.py says which).
+"""Register-operand backend (Gluon, sm_90 and sm_100): packed codes become tensor-core operands in
+registers, two codes per instruction, for the plans lower.py accepts.
 
 lower.py reads the plan, operands.py holds the unpack PTX and the channel maps, kernel.py the
-Gluon kernel (GPU only), launch.py the attention callable, aot.py ahead-of-time builds."""
+Gluon kernel (GPU only), launch.py the attention callable, aot.py ahead-of-time builds,
+describe.py `foldc explain`'s paragraph. Registered as the "gluon" attention backend."""
+from ...registry import AttentionBackend, register_backend
+from .describe import describe
 from .launch import GluonAttention
 from .lower import FoldKernel, NotLowerable, gluon_plan, lower, lowerable
+
+
+def _kernel(spec, target, **options):
+    return GluonAttention(spec, target=target, **options)
+
+
+def _target_plan(spec, dtype, fold_policy="auto"):
+    return gluon_plan(spec, dtype)   # the register-operand kernel folds where the plan says; no policy
+
+
+register_backend(AttentionBackend("gluon", ("sm_90", "sm_100"), _kernel, _target_plan, lowerable, describe))
 
 __all__ = ["FoldKernel", "GluonAttention", "NotLowerable", "gluon_plan", "lower", "lowerable"]

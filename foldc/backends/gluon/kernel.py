@@ -12,7 +12,7 @@ of the K index (key side) or M index (value side) and gets its own MMA: per-grou
 their group's s_tok before they are added, per-group P * s_tok for the group's output channels.
 The codes of both sides enter the MMA as fp16 subnormals (code x 2^-24, exact; operands.py): the
 key side's 2^24 rides on the logits' scale, the value side's is undone per output row at the end
-(a plan with the OR trick's key bias 1024 subtracts 1024 x sum(q') from S^T instead). The code
+(the plan's code biases are 0 on both sides, lower.py). The code
 words travel global -> shared memory by cp.async, STAGES tiles ahead; token-wise scales and zeros
 are loaded at each tile's start (SCALE_AHEAD=False; with PREFETCH the next tile's go to L2 first)
 or one tile ahead in registers (SCALE_AHEAD=True). Each split writes (max, denominator,
@@ -47,7 +47,7 @@ from foldc.backends.gluon.tile_operands import (NARROW, group_mmas, group_sums, 
 @gluon.jit
 def _scores(n0, end, k_smem, slot, ks, kz, tm, head_c, q16, q_bias, q_sum, row_scale, BN: gl.constexpr,
             D: gl.constexpr, F: gl.constexpr, ROWS: gl.constexpr, H: gl.constexpr, KEY_G: gl.constexpr,
-            KEY_BIAS: gl.constexpr, KASM: gl.constexpr, KCONS: gl.constexpr, MASKED: gl.constexpr,
+            KASM: gl.constexpr, KCONS: gl.constexpr, MASKED: gl.constexpr,
             KEY_NG: gl.constexpr, KDQ: gl.constexpr, KMG: gl.constexpr = False, DRK: gl.constexpr = 0):
     """Key side of one tile: the logits t [BN tokens, ROWS] (log2 units), -inf past ``end``. F == 0:
     a plain bf16 key side (its words are bf16 pairs, read from shared memory as the MMA operand).
@@ -119,7 +119,6 @@ def _scores(n0, end, k_smem, slot, ks, kz, tm, head_c, q16, q_bias, q_sum, row_s
         # the query with the other groups' channels zero (q16[g], masked once before the loop; the
         # codes carry no bias); scaled per group before the groups meet (eq. 3, 6)
         gl.static_assert(H == 1, "groups across padded bit fields take one KV head per program")
-        gl.static_assert(KEY_BIAS == 0, "a masked query meets unbiased (subnormal) key codes only")
         kw = k_smem.index(slot).load(kw_l)
         ka = gl.convert_layout(key_operand(kw, BN, D, F, KASM, KCONS), a_l, assert_trivial=True)
         acc = gl.zeros([BN, ROWS], gl.float32, layout=mma)
@@ -162,10 +161,8 @@ def _scores(n0, end, k_smem, slot, ks, kz, tm, head_c, q16, q_bias, q_sum, row_s
             ks2 = per_row(ks, H)
             kz2 = per_row(kz, H)
             # acc-fold, one scale per token (row of M); bias and zero through sum(q') and sum(q) (eq. 3, 6, 7)
-            if KEY_BIAS == 0:   # subnormal codes: nothing to remove, row_scale carries 2^KEY_EXP
-                t = ks2 * (sacc * row_scale[None, :]) + kz2 * q_sum[None, :]
-            else:
-                t = ks2 * ((sacc - q_bias[None, :]) * row_scale[None, :]) + kz2 * q_sum[None, :]
+            # (subnormal codes: no bias to remove, row_scale carries 2^KEY_EXP)
+            t = ks2 * (sacc * row_scale[None, :]) + kz2 * q_sum[None, :]
         else:
             # operand-fold: q16 was pre-scaled by this group's channel scales (and its own power of two);
             # here q_bias is that group's scale back to logits and q_sum its offset: the bias removed and
@@ -377,14 +374,14 @@ def _words(head_dim, fields):
 def _tile(n0, end, k_smem, v_smem, slot, ks, kz, vs, vz, m_i, l_i, zsum, acc_o, tm, head_c, head_b, q16, q_bias,
           q_sum, row_scale, v_scale, v_zero, BN: gl.constexpr, D: gl.constexpr, KF: gl.constexpr, VF: gl.constexpr,
           ROWS: gl.constexpr,
-          H: gl.constexpr, KEY_G: gl.constexpr, VAL_G: gl.constexpr, KEY_BIAS: gl.constexpr, KASM: gl.constexpr,
+          H: gl.constexpr, KEY_G: gl.constexpr, VAL_G: gl.constexpr, KASM: gl.constexpr,
           KCONS: gl.constexpr, VA0: gl.constexpr, VA1: gl.constexpr, VA2: gl.constexpr, VA3: gl.constexpr,
           VCONS: gl.constexpr, MASKED: gl.constexpr, AND_P: gl.constexpr, KEY_NG: gl.constexpr,
           VAL_NG: gl.constexpr, KDQ: gl.constexpr = False, VDQ: gl.constexpr = False, LEAN: gl.constexpr = False,
           KMG: gl.constexpr = False, VMG: gl.constexpr = False, DRQ: gl.constexpr = 0):
     """One tile, key side then value side."""
     t = _scores(n0, end, k_smem, slot, ks, kz, tm, head_c, q16, q_bias, q_sum, row_scale, BN, D, KF, ROWS, H, KEY_G,
-                KEY_BIAS, KASM, KCONS, MASKED, KEY_NG, KDQ, KMG, DRQ)
+                KASM, KCONS, MASKED, KEY_NG, KDQ, KMG, DRQ)
     return _consume(t, v_smem, slot, vs, vz, m_i, l_i, zsum, acc_o, head_b, v_scale, v_zero, BN, D, VF, ROWS, H,
                     VAL_G, VA0, VA1, VA2, VA3, VCONS, AND_P, VAL_NG, VDQ, LEAN, VMG, DRQ)
 
@@ -397,7 +394,6 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
                        ROWS: gl.constexpr,
                        H: gl.constexpr, BN: gl.constexpr,
                        D: gl.constexpr, DR: gl.constexpr, KBITS: gl.constexpr, VBITS: gl.constexpr,
-                       KEY_BIAS: gl.constexpr,
                        KEY_G: gl.constexpr,
                        VAL_G: gl.constexpr, STAGES: gl.constexpr, SCALE_AHEAD: gl.constexpr, KASM: gl.constexpr,
                        KCONS: gl.constexpr, VA0: gl.constexpr, VA1: gl.constexpr, VA2: gl.constexpr,
@@ -536,10 +532,7 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
         q_sum = row_scale
     elif KEY_G == 0:
         q16 = (qv * c[None, :] * gl.exp2(-(field * KBITS).to(gl.float32))[:, None]).to(gl.float16)
-        if KEY_BIAS == 0:   # subnormal key codes: no bias to remove (q_bias is unused)
-            q_bias = row_scale
-        else:
-            q_bias = gl.convert_layout(gl.sum(q16.to(gl.float32), axis=0) * KEY_BIAS, row_l)
+        q_bias = row_scale   # subnormal key codes: no bias to remove (q_bias is unused)
         if KEY_NG == 1:
             q_sum = gl.convert_layout(gl.sum(qv, axis=0) * qk_scale, row_l)
         elif KMG:   # groups across the padded bit fields: the whole Q'^T, each group's sum(q) over its channels
@@ -553,7 +546,7 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
         if KDQ:   # channel-wise K, dequant: the query times c (fp16) and the logits' factor per row, once
             qv = ((qv * c[None, :]).to(gl.float16), gl.convert_layout(qk_scale / c, row_l))
         q16, q_bias, q_sum = key_tile_params(qv, field, chan, head_q, stride_ksh, KSp, KZp, stride_ksn, start, end,
-                                              qk_scale, KBITS, KEY_BIAS, KEY_EXP, H, D, ROWS, KSWAP, KCH, KCHR, KDQ,
+                                              qk_scale, KBITS, KEY_EXP, H, D, ROWS, KSWAP, KCH, KCHR, KDQ,
                                               KEY_G, BN)
     # row m of O^T is channel operands.value_channel(m)
     cm = gl.arange(0, D, layout=tok_l)
@@ -600,7 +593,7 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
                     else:
                         qg = qv
                     q16, q_bias, q_sum = key_tile_params(qg, field, chan, head_q, stride_ksh, KSp, KZp, stride_ksn,
-                                                          n0, end, qk_scale, KBITS, KEY_BIAS, KEY_EXP, H, D, ROWS,
+                                                          n0, end, qk_scale, KBITS, KEY_EXP, H, D, ROWS,
                                                           KSWAP, KCH, KCHR, KDQ, KEY_G, BN)
             if VAL_G > 0:
                 if n0 % VAL_G == 0:
@@ -649,7 +642,7 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
             gl.thread_barrier()   # tile i's words, copied by every lane, are visible
             m_i, l_i, zsum, acc_o = _tile(n0, end, k_smem, v_smem, (i % STAGES) * H, ks, kz, vs, vz, m_i, l_i, zsum,
                                           acc_o, tm, head_c, head_b, q16, q_bias, q_sum, row_scale, v_scale, v_zero,
-                                          BN, D, KF, VF, ROWS, H, KEY_G, VAL_G, KEY_BIAS, KASM, KCONS, VA0, VA1, VA2, VA3,
+                                          BN, D, KF, VF, ROWS, H, KEY_G, VAL_G, KASM, KCONS, VA0, VA1, VA2, VA3,
                                           VCONS, False, AND_P, KEY_NG, VAL_NG, KDQ, VDQ, LEAN, KMG, VMG, DR)
             if SCALE_AHEAD:
                 ks, kz, vs, vz = ks2, kz2, vs2, vz2
@@ -667,7 +660,7 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
             else:
                 qg = qv
             q16, q_bias, q_sum = key_tile_params(qg, field, chan, head_q, stride_ksh, KSp, KZp, stride_ksn, full_end,
-                                                  end, qk_scale, KBITS, KEY_BIAS, KEY_EXP, H, D, ROWS, KSWAP, KCH, KCHR,
+                                                  end, qk_scale, KBITS, KEY_EXP, H, D, ROWS, KSWAP, KCH, KCHR,
                                                   KDQ, KEY_G, BN)
         if VAL_G > 0:
             v_scale, v_zero = value_tile_params(VSp, VZp, stride_vsn, full_end, end, chan_o, weight_o, head_c, out_ok,
@@ -677,7 +670,7 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
         stage_tail(full_end, end, k_smem, v_smem, k_base, v_base, stride_kh, stride_vh, lanes, KWR, VWR, H, PAD)
         m_i, l_i, zsum, acc_o = _tile(full_end, end, k_smem, v_smem, 0, ks, kz, vs, vz, m_i, l_i, zsum, acc_o, tm,
                                       head_c, head_b, q16, q_bias, q_sum, row_scale, v_scale, v_zero, BN, D, KF, VF, ROWS,
-                                      H, KEY_G, VAL_G, KEY_BIAS, KASM, KCONS, VA0, VA1, VA2, VA3, VCONS, True,
+                                      H, KEY_G, VAL_G, KASM, KCONS, VA0, VA1, VA2, VA3, VCONS, True,
                                       AND_P, KEY_NG, VAL_NG, KDQ, VDQ, LEAN, KMG, VMG, DR)
 
     # token-wise V: undo the field weights 2^(bits*field) per output row, add the zero term (eq. 6);

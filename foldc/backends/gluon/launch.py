@@ -16,6 +16,7 @@ from ...errors import InputError, SpecError
 from ...options import check_launch_options, check_splits
 from ...validate import check_call, output_buffer
 from ..runtime.fast_launch import FastLaunch
+from ..runtime.launch import Launch, allocate_workspace, split_partition
 from ..runtime.merge import MERGE_SOURCE, launch_merge
 from ..runtime.modules import load_module, num_sms
 from .lower import FP16_REASON, HALF_TILE_GROUP, FoldKernel, gluon_plan, lower
@@ -45,17 +46,17 @@ def constexprs(cfg: FoldKernel, block_n: int, stages: int, heads: int = 1, scale
     if scale_ahead is None:
         scale_ahead = default_scale_ahead(cfg)
     # a plain side has no unpack (its KEY_G / VAL_G is -1: no scales, no groups)
-    key_asm, key_cons = ("", "") if cfg.key_plain else key_unpack_asm(cfg.key_bits, cfg.key_bias)
+    key_asm, key_cons = ("", "") if cfg.key_plain else key_unpack_asm(cfg.key_bits)
     values = [("", "")] * 4 if cfg.value_plain else [value_unpack_asm(cfg.value_bits, byte, cfg.value_dequant)
                                                      for byte in range(4)]
     return dict(Q_PER_KV=cfg.q_per_kv, ROWS=cfg.rows, H=heads, BN=block_n, D=cfg.width, DR=cfg.head_dim,
                 KBITS=cfg.key_bits,
                 VBITS=cfg.value_bits, RB=cfg.row_blocks,
-                KEY_BIAS=cfg.key_bias, KEY_G=-1 if cfg.key_plain else cfg.key_tokens,
+                KEY_G=-1 if cfg.key_plain else cfg.key_tokens,
                 VAL_G=-1 if cfg.value_plain else cfg.value_tokens, STAGES=stages,
                 SCALE_AHEAD=bool(scale_ahead), KASM=key_asm, KCONS=key_cons, VA0=values[0][0],
                 VA1=values[1][0], VA2=values[2][0], VA3=values[3][0], VCONS=values[0][1], VALUE_EXP=VALUE_EXPONENT,
-                KEY_EXP=0 if cfg.key_bias or cfg.key_dequant else KEY_EXPONENT, PREFETCH=default_prefetch(cfg),
+                KEY_EXP=0 if cfg.key_dequant else KEY_EXPONENT, PREFETCH=default_prefetch(cfg),
                 DYNAMIC=bool(dynamic),
                 CHUNK=chunk_tiles(cfg, block_n), KEY_NG=cfg.key_groups, VAL_NG=cfg.value_groups,
                 KDQ=cfg.key_dequant, VDQ=cfg.value_dequant, KMG=cfg.key_masked_groups, VMG=cfg.value_masked_groups)
@@ -233,6 +234,7 @@ class GluonAttention:
                           "heads": self.heads, "scale_ahead": scale_ahead}   # None: default_scale_ahead
         self.dynamic_tiles = dynamic_tiles
         self._configs: dict = {}
+        self._launches: dict = {}     # plan_launch()'s memo: (dtype, batch, tokens, has_lens, page, device) -> Launch
         self._variants: dict = {}     # compiled kernel variant -> (resident programs per SM, registers)
         self._modules = None
         self._fast = None
@@ -319,24 +321,50 @@ class GluonAttention:
                                  "32-bit words: pass a tensor that owns its storage (e.g. .clone())")
         if q.stride(-1) != 1:
             raise InputError(f"q must have unit stride along head_dim; got strides {q.stride()}")
-        if self.warpgroup is not None and self.warpgroup.takes(k, v):
-            lens = call.seq_lens.to(device=device, dtype=torch.int32) if call.seq_lens is not None else None
-            out = output_buffer(out, (call.batch, self.spec.num_q_heads, self.config.head_dim), q)
-            lse = torch.empty(call.batch, self.spec.num_q_heads, device=device, dtype=torch.float32)
-            self.warpgroup(q, k, v, lens, call.sm_scale, out, lse, call.tokens, self._kernels()[1])
-            return (out, lse) if return_lse else out
-        launch = self.launch_config(q.dtype, call.batch, call.tokens)
-        b, cfg = call.batch, self.config
         # no lengths: the kernel reads none (no fill and cast kernels before it, which count at batch 1)
         has_lens = call.seq_lens is not None
-        splits, per_split = self.split_plan(launch, b, call.tokens, device, q.dtype, has_lens)
+        launch = self.plan_launch(q.dtype, call.batch, call.tokens, device, has_lens=has_lens, k=k, v=v)
         lens = call.seq_lens.to(device=device, dtype=torch.int32) if has_lens else None
-        ws = self.workspace(launch, b, splits, device)
-        want = (b, self.spec.num_q_heads, cfg.head_dim)
-        out = output_buffer(out, want, q)
-        lse = torch.empty(b, self.spec.num_q_heads, device=device, dtype=torch.float32)
-        self.launch(launch, q, k, v, lens, ws, out, lse, call.sm_scale, per_split, splits, call.tokens)
+        out = output_buffer(out, (call.batch, self.spec.num_q_heads, self.config.head_dim), q)
+        lse = torch.empty(call.batch, self.spec.num_q_heads, device=device, dtype=torch.float32)
+        self.run(launch, q, k, v, out, lse, call.sm_scale, seq_lens=lens)
         return (out, lse) if return_lse else out
+
+    def plan_launch(self, dtype: torch.dtype, batch: int, tokens: int, device, *, has_lens: bool = False,
+                    page: int = 0, k=None, v=None) -> Launch:
+        """The `Launch` of a call with ``dtype`` queries, ``batch`` sequences and ``tokens`` cached
+        tokens per sequence (a page table's most, with ``page`` tokens per page), memoised: the tuned
+        or default options of its shape bucket (`launch_config`) and its splits (`split_plan`).
+        ``has_lens``: the call passes per-sequence lengths. ``k``, ``v``: the contiguous cache the
+        launch will read, where the spec takes the warpgroup template (the ``warpgroup`` attribute):
+        if they suit it (`WarpgroupLaunch.takes`), the launch is the template's ("gluon-warpgroup")."""
+        warpgroup = (self.warpgroup is not None and not page and k is not None and v is not None
+                     and self.warpgroup.takes(k, v))
+        key = (dtype, batch, tokens, has_lens, page, str(device), warpgroup)
+        launch = self._launches.get(key)
+        if launch is None and warpgroup:
+            launch = self._launches[key] = self.warpgroup.plan_launch(dtype, batch, tokens, device, has_lens)
+        if launch is None:
+            opts = self.launch_config(dtype, batch, tokens)
+            splits, per_split = self.split_plan(opts, batch, tokens, device, dtype, has_lens, page)
+            launch = Launch("gluon", dtype, batch, self.head_programs(opts), splits, per_split, opts["block_n"],
+                            per_split * splits if page else tokens, self.config.rows, self.config.head_dim, page,
+                            has_lens, opts)
+            self._launches[key] = launch
+        return launch
+
+    def run(self, launch: Launch, q, k, v, out, lse, sm_scale: float, *, seq_lens=None, workspace=None,
+            paged: tuple | None = None) -> None:
+        """Launch ``launch`` (from `plan_launch`) into ``out`` and ``lse``, no checks and no host sync (callers
+        validate): ``seq_lens`` int32 device lengths where the launch has them, ``workspace`` its
+        three float32 buffers (allocated here if None), ``paged`` (kv_indptr, kv_indices) when k and
+        v are page pools (foldc/serving/paged.py)."""
+        ws = workspace if workspace is not None else allocate_workspace(launch, q.device)
+        if launch.kernel == "gluon-warpgroup":
+            self.warpgroup.run(launch, q, k, v, seq_lens, sm_scale, out, lse, ws, self._kernels()[1])
+            return
+        self.launch(launch.options, q, k, v, seq_lens, ws, out, lse, sm_scale, launch.per_split, launch.splits,
+                    launch.cache_tokens, None if paged is None else (*paged, launch.page))
 
     def split_plan(self, launch: dict, batch: int, tokens: int, device, q_dtype: torch.dtype = torch.bfloat16,
                    has_lens: bool = False, page: int = 0) -> tuple[int, int]:
@@ -348,11 +376,11 @@ class GluonAttention:
         if splits is None:
             resident = self.resident(launch, q_dtype, has_lens, page, device)
             splits = wave_splits(batch * hkv, tokens, block_n, num_sms(device), resident, launch["split_factor"])
-        per_split = math.ceil(math.ceil(tokens / splits) / block_n) * block_n
+        used, per_split = split_partition(tokens, splits, block_n)
         if _dynamic(launch):   # no more programs than chunks; each draws what it runs
             chunks = math.ceil(math.ceil(tokens / block_n) / launch["constexprs"]["CHUNK"])
             return max(1, min(splits, chunks)), per_split
-        return max(1, math.ceil(tokens / per_split)), per_split
+        return used, per_split
 
     def resident(self, launch: dict, q_dtype: torch.dtype, has_lens: bool, page: int, device) -> int:
         """Programs of this launch's kernel one SM holds at once (`resident_programs`), from its
@@ -397,10 +425,8 @@ class GluonAttention:
     def workspace(self, launch: dict, batch: int, splits: int, device) -> tuple[torch.Tensor, ...]:
         """Per-split (max, denominator, accumulator): H packed KV heads are one head of H x q_per_kv
         rows for the workspace and the merge."""
-        hkv, rows = self.head_programs(launch), self.config.rows
-        ws_m = torch.empty(batch, hkv, splits, rows, device=device, dtype=torch.float32)
-        return ws_m, torch.empty_like(ws_m), torch.empty(batch, hkv, splits, rows, self.config.head_dim,
-                                                          device=device, dtype=torch.float32)
+        return allocate_workspace(Launch("gluon", torch.bfloat16, batch, self.head_programs(launch), splits, 0,
+                                         launch["block_n"], 0, self.config.rows, self.config.head_dim), device)
 
     def launch(self, launch: dict, q, k, v, lens, ws, out, lse, sm_scale: float, per_split: int, splits: int,
                cache_tokens: int, paged: tuple | None = None) -> None:

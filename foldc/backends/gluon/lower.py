@@ -18,9 +18,9 @@ product's fold decides where its scale goes, as the plan states:
 
 The code bias is the plan's. `gluon_plan` gives both sides none: the codes enter the MMA as fp16
 subnormals, code x 2^-24, exact with no per-value subtraction (operands.py). The value side must
-(a folded 1024 bias there costs precision on real tensor cores, ../shared/notes/fold-kernel-probe.md);
-on the key side it saves the per-score removal of ``1024 x sum(q')``. A plan whose key codes carry
-the OR-trick bias 1024 (folded into the correction, eq. 7) lowers too.
+(a folded 1024 bias there costs precision on real tensor cores, docs/derivation.md section 7);
+on the key side it saves the per-score removal of ``1024 x sum(q')``. A plan with any other code
+bias is refused (NotLowerable).
 
 Token-wise groups smaller than head_dim lower when each group is whole bit fields of the planar
 packing (group_size a multiple of head_dim x bits / 8 channels): a group is then a contiguous range
@@ -44,10 +44,8 @@ from ...decisions import FoldKind, GroupAxis
 from ...plan import Plan, check_plan, plan
 from ...precision import OperandPrecision
 from ...spec import AttentionSpec
-from .operands import MAGIC_VALUE
 
 KEY_BIAS = 0       # key codes enter as exact fp16 subnormals too (operands.py): no bias to fold
-KEY_BIASES = (0, MAGIC_VALUE)   # what the key unpack builds: subnormal codes, or the OR trick's 1024 + code (eq. 7)
 VALUE_BIAS = 0     # value codes enter as exact fp16 subnormals (operands.py): no bias to fold
 MAX_ROWS = 16      # query rows one program's MMA N axis holds (8 or 16); more per KV head: row blocks
 BITS = (2, 4, 8)   # code widths the unpack builds (operands.py), each side on its own
@@ -77,7 +75,6 @@ class FoldKernel:
     head_dim: int
     q_per_kv: int        # query rows of one KV head a program takes (all of them, or one row block's)
     rows: int            # q_per_kv padded to the MMA's N (8 or 16)
-    key_bias: int        # bias carried by the key operand, removed through sum(q') (eq. 7)
     key_tokens: int      # 0: token-wise K (acc-fold); G: channel-wise K in groups of G tokens
     value_tokens: int    # 0: token-wise V (operand-fold); G: channel-wise V in groups of G tokens
     key_groups: int = 1      # token-wise K: channel groups per token (head_dim // group_size)
@@ -257,13 +254,10 @@ def lower(the_plan: Plan) -> FoldKernel:
     if the_plan.rows_per_program not in (None, spec.q_per_kv // row_blocks):
         raise NotLowerable(f"the plan weighs its folds for {the_plan.rows_per_program} query rows per program; the "
                            f"kernel's programs take {spec.q_per_kv // row_blocks} (plan it with gluon_plan)")
-    if qk.code_bias not in KEY_BIASES or pv.code_bias != VALUE_BIAS:
-        raise NotLowerable(f"the plan's code biases are key {qk.code_bias}, value {pv.code_bias}; this kernel "
-                           f"builds key {' or '.join(map(str, KEY_BIASES))}, value {VALUE_BIAS} (plan it with "
-                           "gluon_plan)")
-    if qk.code_bias and channel_groups["qk"] > 1:
-        raise NotLowerable(f"key code bias {qk.code_bias} with {channel_groups['qk']} channel groups per token; the "
-                           "kernel removes a folded key bias for one group per token only (plan it with gluon_plan)")
+    if qk.code_bias != KEY_BIAS or pv.code_bias != VALUE_BIAS:
+        raise NotLowerable(f"the plan's code biases are key {qk.code_bias}, value {pv.code_bias}; this kernel's "
+                           f"codes enter as exact fp16 subnormals, key {KEY_BIAS} and value {VALUE_BIAS} (plan it "
+                           "with gluon_plan)")
     operands = the_plan.operand_dtype or the_plan.dtype
     if the_plan.dtype is not None and operands != "fp16":
         raise NotLowerable(f"the plan's precision is for {operands} operands; the kernel's are fp16 "
@@ -276,7 +270,7 @@ def lower(the_plan: Plan) -> FoldKernel:
     rows = 8 if block_rows <= 8 else 16   # the MMA's N: 8 or 16
     return FoldKernel(key_bits=PLAIN_BITS if plain["qk"] else qk.bits, value_bits=PLAIN_BITS if plain["pv"] else pv.bits,
                       head_dim=spec.head_dim, q_per_kv=block_rows, rows=rows,
-                      key_bias=qk.code_bias, row_blocks=row_blocks,
+                      row_blocks=row_blocks,
                       key_tokens=token_groups["qk"], value_tokens=token_groups["pv"],
                       key_groups=channel_groups["qk"], value_groups=channel_groups["pv"],
                       key_precision=qk.precision.precision if qk.precision is not None else None,

@@ -7,8 +7,7 @@ is ``c * 2^(bits*i) * 2^-24``, with no magic number and no subtraction (the tens
 subnormals as they are). The field is masked where it lies, never shifted, so field i carries the
 power-of-two weight 2^(bits*i). The kernel folds that weight and the 2^24 into the query and the
 logits (key side) or into the output rows (value side); power-of-two scalings are exact in
-floating point. A plan whose key codes carry the OR trick's bias 1024 gets ``(word & m) | 0x6400...``
-= ``1024 + 2^(bits*i) * code`` instead (one LOP3), and the kernel removes ``1024 * sum(q')`` per score.
+floating point.
 
 Key side (scores S^T = K'.Q'^T, tokens on the MMA's M axis): the MMA's A operand with
 k_width=8 wants 8 consecutive k per thread; a thread reads two consecutive words of one token,
@@ -19,14 +18,13 @@ k index of an operand element is ``4*word + 2*p + e`` for byte ``4*word + p + 2*
 Value side (O^T = V'^T.P'^T, channels on M, tokens on K): the A operand wants consecutive
 tokens of one channel per register pair, so `value_unpack_asm` takes four tokens' words, gathers
 byte b of each with two PRMTs and unpacks two tokens per AND, as subnormals (here a folded 1024
-bias would cost precision, ../shared/notes/fold-kernel-probe.md).
+bias would cost precision, docs/derivation.md section 7).
 The kernel multiplies each output row by 2^(VALUE_EXPONENT - bits*i) at the end. Row m of the operand is
 channel ``i*W8 + 4*(m % W) + (m // W) % 4`` with ``W`` words per token (`value_channel`).
 """
 from __future__ import annotations
 
 MAGIC = 0x64006400  # fp16 pair (1024, 1024)
-MAGIC_VALUE = 1024  # the value of fp16 0x6400, the OR trick's bias
 VALUE_EXPONENT = 24  # an fp16 bit pattern m below 0x0400 (a subnormal) is m * 2^-24
 KEY_EXPONENT = VALUE_EXPONENT   # subnormal key codes: the same unit
 NARROW_WORDS = 4    # words per token (head_dim 64 at 2 bits) below the MMA's eight lane rows: key_k, value_row
@@ -36,23 +34,20 @@ def _mask(bits: int, field: int) -> int:
     return (((1 << bits) - 1) << (bits * field)) * 0x00010001
 
 
-def key_unpack_asm(bits: int, bias: int, integer: bool = False) -> tuple[str, str]:
+def key_unpack_asm(bits: int, integer: bool = False) -> tuple[str, str]:
     """PTX and constraints for pack=2 over (word, the same word): 2*fields fp16 pairs, result
-    ``2i+p`` = field i of bytes (p, p+2). ``bias`` 1024: each ``1024 + 2^(bits*i)*code`` (the OR
-    trick, one LOP3); ``bias`` 0: the masked field as an fp16 subnormal, ``2^(bits*i)*code * 2^-24``
-    exactly (one AND; the kernel scales the logits by 2^KEY_EXPONENT, or a dequant plan's `DEQUANT_ASM`
-    takes it with ``a`` times 2^KEY_EXPONENT). ``integer``: the OR trick's 1024 subtracted again,
-    ``2^(bits*i)*code`` as an exact fp16 integer (LOP3 + HSUB2; the tests' reference)."""
-    if bias not in (0, MAGIC_VALUE) or (integer and bias):
-        raise ValueError(f"key code bias {bias}: the key unpack builds 0 (subnormal or integer codes) or "
-                         f"{MAGIC_VALUE}")
+    ``2i+p`` = field i of bytes (p, p+2), the masked field as an fp16 subnormal,
+    ``2^(bits*i)*code * 2^-24`` exactly (one AND; the kernel scales the logits by 2^KEY_EXPONENT, or a
+    dequant plan's `DEQUANT_ASM` takes it with ``a`` times 2^KEY_EXPONENT). ``integer``: the OR trick's
+    1024 added and subtracted again, ``2^(bits*i)*code`` as an exact fp16 integer (LOP3 + HSUB2; the
+    tests' reference)."""
     fields = 8 // bits
     n = 2 * fields
-    out = ["{ .reg .b32 t, m;", f"mov.b32 m, {MAGIC};"] if bias or integer else ["{ .reg .b32 t;"]
+    out = ["{ .reg .b32 t, m;", f"mov.b32 m, {MAGIC};"] if integer else ["{ .reg .b32 t;"]
     out.append(f"shr.b32 t, ${n}, 8;")
     for i in range(fields):
         for reg, src in ((2 * i, f"${n}"), (2 * i + 1, "t")):
-            if bias or integer:
+            if integer:
                 out.append(f"lop3.b32 ${reg}, {src}, {_mask(bits, i)}, m, 0xea;")
             else:
                 out.append(f"and.b32 ${reg}, {src}, {_mask(bits, i)};")

@@ -85,7 +85,7 @@ def masked_query(q16, grp, NG: gl.constexpr):
 
 
 @gluon.jit
-def key_params(qv, field, chan, head_q, stride_ksh, KSg, KZg, qk_scale, BITS: gl.constexpr, KEY_BIAS: gl.constexpr,
+def key_params(qv, field, chan, head_q, stride_ksh, KSg, KZg, qk_scale, BITS: gl.constexpr,
                KEY_EXP: gl.constexpr, H: gl.constexpr, D: gl.constexpr, ROWS: gl.constexpr, SWAP: gl.constexpr,
                CH: gl.constexpr, CHR: gl.constexpr, DQ: gl.constexpr):
     """A channel-wise K group's query operand, per-k parameters and logits' map: the fold's
@@ -96,7 +96,7 @@ def key_params(qv, field, chan, head_q, stride_ksh, KSg, KZg, qk_scale, BITS: gl
         out = key_group_dequant(qv, KSg, KZg, gl.DotOperandLayout(operand_index=0, parent=mma, k_width=8), D, 8 // BITS,
                                 CH, CHR)
     else:
-        out = key_group(qv, field, chan, head_q, stride_ksh, KSg, KZg, qk_scale, BITS, KEY_BIAS, KEY_EXP, H, D, ROWS,
+        out = key_group(qv, field, chan, head_q, stride_ksh, KSg, KZg, qk_scale, BITS, KEY_EXP, H, D, ROWS,
                         SWAP, CH, CHR)
     return out
 
@@ -116,18 +116,18 @@ def value_params(VSg, VZg, chan_o, weight, head_c, ok, stride_vsh, cm, H: gl.con
 
 @gluon.jit
 def key_tile_params(qv, field, chan, head_q, stride_ksh, KSp, KZp, stride_ksn, n0, end, qk_scale,
-                     BITS: gl.constexpr, KEY_BIAS: gl.constexpr, KEY_EXP: gl.constexpr, H: gl.constexpr,
+                     BITS: gl.constexpr, KEY_EXP: gl.constexpr, H: gl.constexpr,
                      D: gl.constexpr, ROWS: gl.constexpr, SWAP: gl.constexpr, CH: gl.constexpr, CHR: gl.constexpr,
                      DQ: gl.constexpr, KEY_G: gl.constexpr, BN: gl.constexpr):
     """_key_group of the group holding token n0; with groups of half a tile (KEY_G < BN) the two
     groups' (q16, q_bias, q_sum) as pairs, the second clamped to the last group before ``end``."""
     g = n0 // KEY_G
     first = key_params(qv, field, chan, head_q, stride_ksh, KSp + g * stride_ksn, KZp + g * stride_ksn, qk_scale, BITS,
-                       KEY_BIAS, KEY_EXP, H, D, ROWS, SWAP, CH, CHR, DQ)
+                       KEY_EXP, H, D, ROWS, SWAP, CH, CHR, DQ)
     if KEY_G < BN:
         g2 = gl.maximum(gl.minimum(g + 1, (end - 1) // KEY_G), g)
         second = key_params(qv, field, chan, head_q, stride_ksh, KSp + g2 * stride_ksn, KZp + g2 * stride_ksn,
-                            qk_scale, BITS, KEY_BIAS, KEY_EXP, H, D, ROWS, SWAP, CH, CHR, DQ)
+                            qk_scale, BITS, KEY_EXP, H, D, ROWS, SWAP, CH, CHR, DQ)
         out = (first[0], second[0]), (first[1], second[1]), (first[2], second[2])
     else:
         out = first

@@ -224,14 +224,14 @@ def _channel_param(P, chan, head_q, stride_h, D: gl.constexpr, ROWS: gl.constexp
 
 
 @gluon.jit
-def key_group(qv, field, chan, head_q, stride_ksh, KSg, KZg, qk_scale, BITS: gl.constexpr, KEY_BIAS: gl.constexpr,
+def key_group(qv, field, chan, head_q, stride_ksh, KSg, KZg, qk_scale, BITS: gl.constexpr,
               KEY_EXP: gl.constexpr, H: gl.constexpr, D: gl.constexpr, ROWS: gl.constexpr, SWAP: gl.constexpr = True,
               CH: gl.constexpr = 0, CHR: gl.constexpr = 0):
     """Channel-wise K, one token group: the query pre-scaled by the group's channel scales and field
     weights (operand-fold, eq. 4), each row by its own power of two c so the largest entry sits
     near 2^12 (large channel scales must not overflow fp16), and the logits' affine map
-    ``t = acc * mul + add`` with mul = qk_scale * 2^KEY_EXP / c and add = -mul * bias * sum(q') +
-    qk_scale * sum(q x zero) (eq. 6, 7; subnormal codes: bias 0, KEY_EXP 24)."""
+    ``t = acc * mul + add`` with mul = qk_scale * 2^KEY_EXP / c and add = qk_scale * sum(q x zero)
+    (eq. 6; subnormal codes carry no bias, eq. 7, and KEY_EXP is 24)."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
     row_l: gl.constexpr = gl.SliceLayout(0, mma)
     sk = _channel_param(KSg, chan, head_q, stride_ksh, D, ROWS, H, SWAP, CH, CHR)   # each row its own head's
@@ -241,8 +241,6 @@ def key_group(qv, field, chan, head_q, stride_ksh, KSg, KZg, qk_scale, BITS: gl.
     q16 = (qs * c[None, :]).to(gl.float16)
     mul = qk_scale * (2.0 ** KEY_EXP) / c
     add = gl.sum(qv * zk, axis=0) * qk_scale
-    if KEY_BIAS != 0:
-        add = add - mul * KEY_BIAS * gl.sum(q16.to(gl.float32), axis=0)
     return q16, gl.convert_layout(mul, row_l), gl.convert_layout(add, row_l)
 
 

@@ -29,8 +29,8 @@ from foldc.backends.gluon.operands import key_unpack_asm, lane_value_unpack_asm
 
 # the key unpack (result 2i+p = field i of bytes (p, p+2) as subnormals) and the value unpack with a
 # byte selector per lane (result 2i = field i of the lane's byte of tokens (t0, t1), 2i+1 of (t8, t9))
-KEY_ASM = gl.constexpr(key_unpack_asm(2, 0)[0])
-KEY_CONS = gl.constexpr(key_unpack_asm(2, 0)[1])
+KEY_ASM = gl.constexpr(key_unpack_asm(2)[0])
+KEY_CONS = gl.constexpr(key_unpack_asm(2)[1])
 VALUE_ASM = gl.constexpr(lane_value_unpack_asm(2)[0])
 VALUE_CONS = gl.constexpr(lane_value_unpack_asm(2)[1])
 

@@ -13,6 +13,8 @@ import torch
 
 from ...errors import SpecError
 from ...plan import Plan, plan
+from ..runtime.launch import Launch, split_partition
+from ..runtime.modules import num_sms
 from .lower import KEY_BIAS, VALUE_BIAS, NotLowerable, lower
 
 ROWS = 32          # query rows per KV head that take the template: one wgmma N
@@ -55,7 +57,6 @@ def warpgroup_applies(spec, target: str) -> bool:
         return False
     return (cfg.key_bits == cfg.value_bits == 2 and cfg.head_dim == 128 and not cfg.padded_dim
             and cfg.key_tokens == 0 and cfg.value_tokens == 0 and cfg.key_groups == cfg.value_groups == 1
-            and cfg.key_bias == 0
             and not (cfg.key_dequant or cfg.value_dequant or cfg.key_masked_groups or cfg.value_masked_groups)
             and spec.k.scale_dtype == spec.v.scale_dtype == torch.float16)
 
@@ -81,29 +82,27 @@ class WarpgroupLaunch:
 
     def split_plan(self, batch: int, tokens: int, device) -> tuple[int, int]:
         """(splits, tokens per split): one wave of ``resident`` programs per SM, whole tiles per split."""
-        from ..runtime.modules import num_sms
+        want = max(1, min(-(-tokens // BLOCK_N), num_sms(device) * self.resident // (batch * self.spec.num_kv_heads)))
+        return split_partition(tokens, want, BLOCK_N)
 
-        sms = num_sms(device)
-        splits = max(1, min(-(-tokens // BLOCK_N), sms * self.resident // (batch * self.spec.num_kv_heads)))
-        per_split = -(-tokens // splits // BLOCK_N) * BLOCK_N
-        return -(-tokens // per_split), per_split
+    def plan_launch(self, dtype: torch.dtype, batch: int, tokens: int, device, has_lens: bool = False) -> Launch:
+        """The `Launch` of a call over a contiguous cache of ``tokens`` tokens (kernel "gluon-warpgroup")."""
+        splits, per_split = self.split_plan(batch, tokens, device)
+        return Launch("gluon-warpgroup", dtype, batch, self.spec.num_kv_heads, splits, per_split, BLOCK_N, tokens,
+                      self.rows, 128, 0, has_lens)
 
-    def __call__(self, q, k, v, lens, sm_scale: float, out, lse, tokens: int, merge) -> None:
+    def run(self, launch: Launch, q, k, v, lens, sm_scale: float, out, lse, workspace, merge) -> None:
+        """Launch the template and the merge for ``launch`` (``lens``: int32 device lengths or None)."""
         from ..runtime.merge import launch_merge
 
         if self._kernel is None:
             from .warpgroup import foldc_decode_warpgroup
 
             self._kernel = foldc_decode_warpgroup
-        b, hkv = q.shape[0], self.spec.num_kv_heads
-        splits, per_split = self.split_plan(b, tokens, q.device)
-        ws_m = torch.empty(b, hkv, splits, self.rows, device=q.device, dtype=torch.float32)
-        ws = (ws_m, torch.empty_like(ws_m), torch.empty(b, hkv, splits, self.rows, 128, device=q.device,
-                                                         dtype=torch.float32))
         kc, vc = k.codes.view(torch.int32), v.codes.view(torch.int32)
-        self._kernel[(b, hkv, splits)](
-            q, kc, k.scale, k.zero, vc, v.scale, v.zero, q if lens is None else lens, *ws, q.stride(0), q.stride(1),
-            kc.stride(0), kc.stride(1), k.scale.stride(0) // SCALE_ROW, k.scale.stride(1) // SCALE_ROW,
-            sm_scale * 1.4426950408889634,
-            per_split, tokens, HAS_LENS=lens is not None, ROWS=self.rows, BN=BLOCK_N, STAGES=STAGES, num_warps=4)
-        launch_merge(merge, *ws, out, lse, self.rows)
+        self._kernel[launch.grid](
+            q, kc, k.scale, k.zero, vc, v.scale, v.zero, q if lens is None else lens, *workspace, q.stride(0),
+            q.stride(1), kc.stride(0), kc.stride(1), k.scale.stride(0) // SCALE_ROW, k.scale.stride(1) // SCALE_ROW,
+            sm_scale * 1.4426950408889634, launch.per_split, launch.cache_tokens, HAS_LENS=lens is not None,
+            ROWS=self.rows, BN=BLOCK_N, STAGES=STAGES, num_warps=4)
+        launch_merge(merge, *workspace, out, lse, self.rows)

@@ -109,7 +109,10 @@ def load_module(source: str, interpret: bool):
 _SMS: dict = {}   # CUDA device index -> SM count (get_device_properties costs ~10 us per call)
 
 
-def num_sms(device: torch.device) -> int:
+def num_sms(device) -> int:
+    """SMs of a CUDA ``device`` (a torch.device or its name), cached; 2 for the CPU's interpreter."""
+    if not isinstance(device, torch.device):
+        device = torch.device(device)
     if device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
         if index not in _SMS:

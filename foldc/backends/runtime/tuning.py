@@ -1,7 +1,7 @@
 """The tuning cache both attention backends read: one launch configuration type per kernel
 (`Config` for the generated Triton kernel, `GluonConfig` for the register-operand kernel), keyed
 by GPU, versions, a fingerprint of the kernel's sources, the spec, the query dtype and a shape
-bucket. Tuning itself (which times candidates through foldc.compile) is foldc.backends.triton.autotune.
+bucket. Tuning itself (which times candidates through foldc.compile) is foldc.tune.
 """
 from __future__ import annotations
 

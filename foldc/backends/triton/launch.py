@@ -18,16 +18,17 @@ from ...options import check_launch_options
 from ...plan import Plan, plan
 from ...precision import code_bias_allowed, key_reduction_group
 from ...validate import check_call, output_buffer
+from ..runtime.launch import Launch, allocate_workspace, split_partition
 from ..runtime.merge import MERGE_SOURCE, launch_merge
 from ..runtime.modules import interpreter
 from ..runtime.modules import load_module, num_sms
 from .codegen import MAGIC, KernelSource, generate, magic_ok
-from .layout import TileGeometry, geometry
+from .layout import TileGeometry, geometry, token_block
 
 DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 def triton_plan(spec, dtype: str, fold_policy: str = "auto") -> Plan:
     """The plan the Triton backend lowers: key codes carry the OR-trick bias folded into the
-    zero (eq. 7); value codes have it subtracted per value (fold-kernel-probe.md: folding it
+    zero (eq. 7); value codes have it subtracted per value (docs/derivation.md section 7: folding it
     through the value accumulator loses accuracy on the GPU). Planned for ``dtype``, so each
     product carries its operand precision (eq. 6a), which the generated code follows."""
     key_bias = 0
@@ -81,7 +82,7 @@ def runtime_arguments(q, k, v, lens, workspace, sm_scale: float, per_split: int,
 
 class TritonAttention:
     """The generated kernel as an attention callable. Launch options left as None come from the
-    autotuning cache for the call's shape bucket (autotune.py) on a GPU, else from defaults."""
+    autotuning cache for the call's shape bucket (foldc/tune.py) on a GPU, else from defaults."""
 
     DEFAULTS = {"block_n": 64, "num_warps": 4, "num_stages": 2}
 
@@ -99,6 +100,7 @@ class TritonAttention:
         geometry(spec, self.DEFAULTS["block_n"] if block_n is None else block_n)  # raise now if the spec cannot be tiled
         self._kernels: dict[tuple, tuple] = {}
         self._configs: dict[tuple, dict] = {}
+        self._launches: dict[tuple, Launch] = {}   # plan_launch()'s memo
 
     def kernels(self, dtype: str, block_n: int | None = None, paged: bool = False):
         block_n = block_n or self.explicit.get("block_n", self.DEFAULTS["block_n"])
@@ -157,32 +159,68 @@ class TritonAttention:
                 raise InputError(f"{name} dtype={x.dtype} must match q dtype={q.dtype} for a plain operand")
         if q.stride(-1) != 1:
             raise InputError(f"q must have unit stride along head_dim; got strides {q.stride()}")
-        dtype = DTYPES[q.dtype]
-        b, hkv = call.batch, self.spec.num_kv_heads
-        cfg = self.launch_config(q.dtype, b, call.tokens)
-        module, ks, geo, _ = self.kernels(dtype, cfg["block_n"])
-        want_splits = self.splits
-        if want_splits is None:
-            auto, _ = choose_splits(b, hkv, call.tokens, geo.block_n, num_sms(device))
-            want_splits = max(1, int(round(auto * cfg["split_factor"])))
-        per_split = math.ceil(math.ceil(call.tokens / want_splits) / geo.block_n) * geo.block_n
-        splits = math.ceil(call.tokens / per_split)
+        b = call.batch
+        launch = self.plan_launch(q.dtype, b, call.tokens, device, has_lens=True)
         lens = call.seq_lens if call.seq_lens is not None else torch.full((b,), call.tokens, device=device)
         lens = lens.to(device=device, dtype=torch.int32)
-        ws_m = torch.empty(b, hkv, splits, geo.rows, device=device, dtype=torch.float32)
-        ws_l = torch.empty_like(ws_m)
-        ws_acc = torch.empty(b, hkv, splits, geo.rows, self.spec.head_dim, device=device, dtype=torch.float32)
-        want = (b, self.spec.num_q_heads, self.spec.head_dim)
-        out = output_buffer(out, want, q)
-        runtime = runtime_arguments(q, k, v, lens, (ws_m, ws_l, ws_acc), call.sm_scale, per_split, splits)
-        args = [runtime[a] for a in ks.args]
+        out = output_buffer(out, (b, self.spec.num_q_heads, self.spec.head_dim), q)
         lse = torch.empty(b, self.spec.num_q_heads, device=device, dtype=torch.float32)
-        with interpreter(self.interpret):
-            self._launch(module, args, b, hkv, splits, geo, ws_m, ws_l, ws_acc, out, lse, cfg)
+        self.run(launch, q, k, v, out, lse, call.sm_scale, seq_lens=lens)
         return (out, lse) if return_lse else out
+
+    def plan_launch(self, dtype: torch.dtype, batch: int, tokens: int, device, *, has_lens: bool = True,
+                    page: int = 0, k=None, v=None) -> Launch:
+        """The `Launch` of a call with ``dtype`` queries, ``batch`` sequences and ``tokens`` cached
+        tokens per sequence (a page table's most, ``page`` tokens per page), memoised: the tuned or
+        default options of its shape bucket (`launch_config`) and enough splits to fill the GPU twice
+        (`choose_splits`) times the bucket's split factor, or the ``splits`` given. The generated
+        kernel always reads lengths (``has_lens`` is recorded, not a variant); ``k``, ``v`` (the tensors
+        the launch will read) pick no variant here."""
+        key = (dtype, batch, tokens, page, str(device))
+        launch = self._launches.get(key)
+        if launch is None:
+            cfg = self.launch_config(dtype, batch, tokens)
+            _, _, geo, _ = self.kernels(DTYPES[dtype], cfg["block_n"], paged=bool(page))
+            hkv = self.spec.num_kv_heads
+            want = self.splits
+            if want is None:
+                auto, _ = choose_splits(batch, hkv, tokens, geo.block_n, num_sms(device))
+                want = max(1, int(round(auto * cfg["split_factor"])))
+            splits, per_split = split_partition(tokens, want, geo.block_n)
+            launch = Launch("triton", dtype, batch, hkv, splits, per_split, geo.block_n,
+                            per_split * splits if page else tokens, geo.rows, self.spec.head_dim, page, True, cfg)
+            self._launches[key] = launch
+        return launch
+
+    def run(self, launch: Launch, q, k, v, out, lse, sm_scale: float, *, seq_lens, workspace=None,
+            paged: tuple | None = None) -> None:
+        """Launch ``launch`` (from `plan_launch`) into ``out`` and ``lse``, no checks and no host sync
+        (callers validate): ``seq_lens`` int32 device lengths (0 allowed), ``workspace`` its three
+        float32 buffers (allocated here if None), ``paged`` (kv_indptr, kv_indices) when k and v are
+        page pools (foldc/serving/paged.py)."""
+        module, ks, geo, _ = self.kernels(DTYPES[q.dtype], launch.block_n, paged=launch.page > 0)
+        ws = workspace if workspace is not None else allocate_workspace(launch, q.device)
+        runtime = runtime_arguments(q, k, v, seq_lens, ws, sm_scale, launch.per_split, launch.splits)
+        extra = {}
+        if paged is not None:
+            runtime.update(KV_INDPTR=paged[0], KV_INDICES=paged[1], cache_tokens=launch.cache_tokens)
+            extra["PAGE_SIZE"] = launch.page
+        with interpreter(self.interpret):
+            self._launch(module, [runtime[a] for a in ks.args], launch.batch, launch.head_programs, launch.splits,
+                         geo, *ws, out, lse, launch.options, **extra)
 
     def _launch(self, module, args, b, hkv, splits, geo, ws_m, ws_l, ws_acc, out, lse, cfg, **paged) -> None:
         module.foldc_decode[(b, hkv, splits)](
             *args, Q_PER_KV=self.spec.q_per_kv, ROWS=geo.rows, BLOCK_N=geo.block_n, HEAD_DIM=self.spec.head_dim,
             NUM_KV_HEADS=hkv, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **paged)
         launch_merge(module.foldc_merge, ws_m, ws_l, ws_acc, out, lse, self.spec.q_per_kv)
+
+
+def launch_options(cfg, spec, q, k) -> dict:
+    """compile() options for a tuning config (`foldc.backends.runtime.tuning.Config`): the split count is
+    the default heuristic x split_factor."""
+    tokens = k.shape[2] if hasattr(k, "shape") else k.num_tokens
+    block = token_block(spec, cfg.block_n)
+    splits, _ = choose_splits(q.shape[0], spec.num_kv_heads, tokens, block, num_sms(q.device))
+    return {"block_n": cfg.block_n, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
+            "splits": max(1, int(round(splits * cfg.split_factor)))}

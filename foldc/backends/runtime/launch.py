@@ -1,0 +1,67 @@
+"""`Launch`: what one call of a compiled attention kernel launches, decided once per shape on the host.
+
+Both attention backends split the cache into whole tiles per split (eq. 14's partition) and keep a
+float32 workspace of per-split maxima, denominators and accumulators that the merge kernel reads;
+the arithmetic is here once. A backend's ``plan_launch(...)`` returns a `Launch` and its ``run(launch,
+...)`` launches it with no validation, no host synchronisation and no allocation when ``workspace``
+is given; serving code holds a `Launch` between calls (foldc/serving/paged.py).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import torch
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One call's launch: grid ``(batch, head_programs, splits)``, ``per_split`` tokens per split
+    (whole ``block_n``-token tiles), ``cache_tokens`` the splits cover, the workspace's ``rows`` per
+    program and ``head_dim`` columns, ``page`` tokens per page (0: a contiguous cache), ``has_lens``
+    (the kernel reads per-sequence lengths) and ``options``: the backend's specialisation for it
+    (tile, stages, register cap, compile-time constants), read only by that backend."""
+
+    kernel: str
+    dtype: torch.dtype
+    batch: int
+    head_programs: int
+    splits: int
+    per_split: int
+    block_n: int
+    cache_tokens: int
+    rows: int
+    head_dim: int
+    page: int = 0
+    has_lens: bool = False
+    options: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def grid(self) -> tuple[int, int, int]:
+        return (self.batch, self.head_programs, self.splits)
+
+    @property
+    def workspace_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+        """(max, denominator, accumulator) per program and split, float32."""
+        m = (self.batch, self.head_programs, self.splits, self.rows)
+        return m, m, m + (self.head_dim,)
+
+
+def split_partition(tokens: int, splits: int, block_n: int) -> tuple[int, int]:
+    """(splits, tokens per split) covering ``tokens`` with about ``splits`` splits of whole tiles:
+    the split count is what the rounded-up split length needs (at least 1)."""
+    per_split = math.ceil(math.ceil(max(tokens, 1) / splits) / block_n) * block_n
+    return max(1, math.ceil(tokens / per_split)), per_split
+
+
+def allocate_workspace(launch: Launch, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A fresh float32 workspace for ``launch`` on ``device``."""
+    m, _, acc = launch.workspace_shapes
+    ws_m = torch.empty(m, device=device, dtype=torch.float32)
+    return ws_m, torch.empty_like(ws_m), torch.empty(acc, device=device, dtype=torch.float32)
+
+
+def workspace_fits(workspace, launch: Launch) -> bool:
+    """Whether ``workspace`` (a tuple of three tensors, or None) has ``launch``'s shapes."""
+    return workspace is not None and tuple(tuple(t.shape) for t in workspace) == launch.workspace_shapes
