@@ -33,9 +33,7 @@ def load_variant(name: str, path: str):
 def attention(spec, module=None, **options):
     """The launcher, running ``module``'s decode kernel instead of main's where given."""
     attn = foldc.compile(spec, "sm_90", kernel="gluon", **options)
-    if module is not None:
-        attn._modules = (module.foldc_decode_gluon, attn._kernels()[1])   # same merge kernel
-    return attn
+    return attn if module is None else attn.with_decode_kernel(module.foldc_decode_gluon)
 
 
 def with_unpack(attn, path: str):

@@ -7,6 +7,7 @@ CUDA-graph capturable: no host synchronisation, lengths clamped in the kernel.
 """
 from __future__ import annotations
 
+import copy
 import math
 
 import torch
@@ -283,6 +284,16 @@ class GluonAttention:
             merge = load_module("import triton\nimport triton.language as tl\n" + MERGE_SOURCE, interpret=False)
             self._modules = (kernel.foldc_decode_gluon, merge.foldc_merge)
         return self._modules
+
+    def with_decode_kernel(self, decode) -> "GluonAttention":
+        """A copy of this launcher that runs ``decode`` (a Gluon kernel with the arguments of kernel.py's
+        ``foldc_decode_gluon``: an A/B variant kept in benchmarks/) instead of the production kernel,
+        with the same merge kernel, options and plan; its residency and launches are worked out anew."""
+        other = copy.copy(self)
+        other._modules = (decode, self._kernels()[1])
+        other._fast, other._variants, other._launches, other._configs = None, {}, {}, dict(self._configs)
+        other.warpgroup = None   # the variant is the one-warp program's
+        return other
 
     def _launchers(self):
         """The two kernels behind `FastLaunch` (rebuilt when ``_modules`` is swapped, as the
