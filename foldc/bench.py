@@ -353,7 +353,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="foldc bench", description=__doc__.split("\n")[0])
     ap.add_argument("--layouts", action="store_true",
                     help="the K/V layout grid instead, checked and timed (see foldc bench --layouts --help; "
-                         "foldc/cli.py routes it to foldc/bench_layouts.py)")
+                         "foldc/cli.py routes it to foldc/bench_layouts.py; likewise --gemm and --serving)")
     ap.add_argument("--out", default="results", help="output folder (default results/)")
     ap.add_argument("--quick", action="store_true", help="three shapes, fewer kernels and configs")
     ap.add_argument("--no-tune", action="store_true", help="default launch config instead of autotuning")

@@ -72,12 +72,21 @@ def cmd_bench(args) -> int:
 
 
 def bench_main(argv) -> int:
-    """`foldc bench [...]`: the decode grid (foldc/bench.py), or with --layouts the K/V layout grid,
-    which has its own options (foldc/bench_layouts.py)."""
+    """`foldc bench [...]`: the decode grid (foldc/bench.py), or with --layouts the K/V layout grid
+    (foldc/bench_layouts.py), --gemm the GEMM/GEMV kernels (foldc/gemm/bench.py), --serving the
+    serving layer (foldc/serving/bench.py); each has its own options."""
     if "--layouts" in argv:
         from .bench_layouts import main as layouts_main
 
         return layouts_main([a for a in argv if a != "--layouts"])
+    if "--gemm" in argv:   # the GEMM/GEMV kernels against torch (foldc/gemm/bench.py)
+        from .gemm.bench import main as gemm_main
+
+        return gemm_main([a for a in argv if a != "--gemm"])
+    if "--serving" in argv:   # appends, paged decode, caches, HF throughput (foldc/serving/bench.py)
+        from .serving.bench import main as serving_main
+
+        return serving_main([a for a in argv if a != "--serving"])
     from .bench import main as decode_main
 
     return decode_main(argv)

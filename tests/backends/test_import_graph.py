@@ -106,7 +106,7 @@ LAYERS = {
     "compile": {"foldc.compile", "foldc.tune", "foldc.gemm", "foldc.gemm.compile", "foldc.gemm.workload",
                 "foldc.backends"},
     "tools": {"foldc", "foldc.__main__", "foldc.cli", "foldc.demo", "foldc.bench", "foldc.bench_layouts",
-              "foldc.layout_compile", "foldc.ops"},
+              "foldc.gemm.bench", "foldc.serving.bench", "foldc.layout_compile", "foldc.ops"},
 }
 PACKAGES = (("backends.gluon", "foldc.backends.gluon"), ("backends.triton", "foldc.backends.triton"),
             ("backends.runtime", "foldc.backends.runtime"), ("gemm", "foldc.gemm"), ("serving", "foldc.serving"),
@@ -144,6 +144,18 @@ def test_layers_import_only_downwards_and_the_page_shows_them():
     page = (ROOT.parent / "docs" / "architecture.md").read_text()
     block = "\n".join("    " + line for line in layer_table().split("\n"))   # a code block of the page
     assert block in page, "docs/architecture.md: paste `python3 tests/backends/test_import_graph.py`"
+
+
+def test_nothing_in_the_package_or_the_tests_loads_a_benchmark_script():
+    """benchmarks/ are experiments on top of foldc; what the tests check lives in the package."""
+    hits = []
+    for path in [*ROOT.rglob("*.py"), *(ROOT.parent / "tests").rglob("*.py")]:
+        if path == Path(__file__).resolve():   # this check's own patterns
+            continue
+        text = path.read_text()
+        if re.search(r"""["']benchmarks["']\s*/|benchmarks/\w+\.py["']|from benchmarks|import benchmarks""", text):
+            hits.append(str(path.relative_to(ROOT.parent)))
+    assert hits == []
 
 
 if __name__ == "__main__":

@@ -1,25 +1,15 @@
-"""benchmarks/gemm_bench.py in its --cpu mode (interpreter, tiny shapes): every case is checked
-against the float64 reference and the table and JSON are written."""
+"""`foldc bench --gemm --cpu` (foldc/gemm/bench.py under the interpreter, tiny shapes): every case is
+checked against the float64 reference and the table and JSON are written."""
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def load_bench():
-    spec = importlib.util.spec_from_file_location("gemm_bench", ROOT / "benchmarks" / "gemm_bench.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from foldc import cli
+from foldc.gemm import bench
 
 
 def test_cpu_mode_checks_every_case_and_writes_results(tmp_path, capsys):
-    bench = load_bench()
-    assert bench.main(["--cpu", "--out", str(tmp_path)]) == 0
+    assert cli.main(["bench", "--gemm", "--cpu", "--out", str(tmp_path)]) == 0
     data = json.loads((tmp_path / "gemm_bench.json").read_text())
     rows = data["rows"]
     assert {r["case"] for r in rows} == set(bench.ENCODINGS) and {r["tokens"] for r in rows} == {1, 16}

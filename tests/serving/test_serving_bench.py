@@ -1,19 +1,14 @@
-"""benchmarks/serving_bench.py (the script the H200 run uses) works end to end on the CPU: its
+"""`foldc bench --serving` (foldc/serving/bench.py, what the H200 run uses) works end to end on the CPU: its
 --dry-run mode runs the correctness part with tiny shapes under Triton's interpreter, every check
 passes, and the JSON and Markdown reports are written."""
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from foldc.serving import bench
 
 
 def test_serving_bench_dry_run_checks_pass_and_reports_are_written(tmp_path, capsys):
-    spec = importlib.util.spec_from_file_location("serving_bench", ROOT / "benchmarks" / "serving_bench.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
     code = bench.main(["--dry-run", "--out", str(tmp_path), "--parts", "correctness"])
     results = json.loads((tmp_path / "serving.json").read_text())
     rows = results["correctness"]["rows"]

@@ -30,7 +30,7 @@ from triton.experimental.gluon import constexpr_function
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
-# absolute imports: benchmarks load copies of this file as modules of their own (ab_kernel.py, program_timeline.py)
+# absolute imports: benchmarks load copies of this file as modules of their own (ab_kernel.py)
 from foldc.backends.gluon.tile_memory import (copy_layout, draw_chunk, issue_copies, next_tile, prefetch_scales,
                                               stage_tail, tile_bases, tile_scales)
 from foldc.backends.gluon.tile_dequant import (KEY_E_HI, KEY_E_LO, KEY_TOP, VALUE_E_HI, VALUE_E_LO, VALUE_TOP,

@@ -2,7 +2,7 @@
 
 On the H200 (device tool), from the repository root, one process, under 6 minutes:
 
-    PYTHONPATH=. python3 benchmarks/gemm_bench.py --out $OUT/gemm
+    PYTHONPATH=. python3 -m foldc bench --gemm --out $OUT/gemm
 
 For every case (tokens 1, 16, 256; weights N x K = 4096 x 4096 and 14336 x 4096; INT4 and INT2
 in groups of 128, INT8 per output channel, INT8 x INT8 with zero points) it
@@ -161,7 +161,7 @@ def table(rows) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="foldc bench --gemm", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="results/gemm", help="folder for gemm_bench.json and gemm_bench.txt")
     ap.add_argument("--cpu", action="store_true", help="tiny shapes under Triton's interpreter (checks the script)")
     ap.add_argument("--seed", type=int, default=0)

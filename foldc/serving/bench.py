@@ -1,8 +1,8 @@
 """Serving benchmark and checks of the quantized KV cache on a GPU, in one process (< 8 minutes on an H200).
 
-    PYTHONPATH=. python3 benchmarks/serving_bench.py --out $OUT/serving          # H200
-    PYTHONPATH=. python3 benchmarks/serving_bench.py --dry-run --out /tmp/serving  # CPU, tiny, interpreter
-    PYTHONPATH=. python3 benchmarks/serving_bench.py --out $OUT/serving --parts throughput \
+    PYTHONPATH=. python3 -m foldc bench --serving --out $OUT/serving          # H200
+    PYTHONPATH=. python3 -m foldc bench --serving --dry-run --out /tmp/serving  # CPU, tiny, interpreter
+    PYTHONPATH=. python3 -m foldc bench --serving --out $OUT/serving --parts throughput \
         --prompt 1024 --new-tokens 32 --batches 1      # a shorter throughput table
 
 Parts (each guarded: a failing part is recorded and the next one runs):
@@ -460,7 +460,7 @@ PARTS = {"correctness": correctness, "paged_kernel": paged_kernel, "throughput":
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="foldc bench --serving", description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, help="folder for serving.json and serving.md")
     ap.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU under Triton's interpreter")
     ap.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)}")
