@@ -6,7 +6,8 @@ and 32), foldc's per-value dequant kernel (fold_policy="dequant") and foldc's bf
 the peers torch SDPA (cuDNN and flash backends, bf16, enable_gqa) and FlashInfer's bf16 decode
 when it imports. Shapes: 32 query heads, 8 KV heads, head_dim 128; batch x context from the
 issue's grid. Per row: median time (triton do_bench; the better of eager launches and CUDA-graph
-replay, for every kernel and peer alike; both are kept in the JSON), bandwidth on the bytes the kernel must
+replay, for every kernel and peer alike; both are kept in the JSON, with the host time of one eager
+call on an idle GPU, `foldc.timing.host_us`: the launch path alone), bandwidth on the bytes the kernel must
 read (codes + scales + zeros + query + output) as % of the ceiling, speed-up over each peer,
 and the relative L2 error against float64 attention over the same (dequantized) cache.
 
@@ -23,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from .timing import capture_graph
+from .timing import capture_graph, host_us
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 GRID = ((1, 4096), (1, 16384), (1, 65536), (1, 131072), (8, 4096), (8, 16384), (8, 65536), (8, 131072),
@@ -230,7 +231,8 @@ def run_bench(out_dir: Path, quick: bool = False, tune: bool = True, shapes=None
                 eager, graph = timed(fn)
                 ref = attention_reference(q[:1], k[:1], v[:1])
                 err = _rel(got[:1].float(), ref)
-                shape_rows[name] = (eager, graph, must_read(None, None, batch, tokens), err, "")
+                shape_rows[name] = (eager, graph, host_us(fn, calls=50), must_read(None, None, batch, tokens), err,
+                                    "")
             except Exception as e:
                 print(f"  {name}: failed ({type(e).__name__}: {str(e).splitlines()[0][:120]})", flush=True)
         quantized = {}
@@ -253,12 +255,15 @@ def run_bench(out_dir: Path, quick: bool = False, tune: bool = True, shapes=None
                                          **launch_options(cfg, spec, q, kq))
             got = attn(q, kq, vq)
             eager, graph = timed(lambda: attn(q, kq, vq))
+            host = host_us(lambda: attn(q, kq, vq), calls=50)
             ref = attention_reference(q[:1], _first(kq), _first(vq))
-            shape_rows[label] = (eager, graph, must_read(k_enc, v_enc, batch, tokens), _rel(got[:1], ref), str(cfg))
+            shape_rows[label] = (eager, graph, host, must_read(k_enc, v_enc, batch, tokens), _rel(got[:1], ref),
+                                 str(cfg))
         best = {name: min(t for t in (e, g) if t is not None) for name, (e, g, *_) in shape_rows.items()}
-        for name, (eager, graph, nbytes, err, cfg) in shape_rows.items():
+        for name, (eager, graph, host, nbytes, err, cfg) in shape_rows.items():
             us = best[name]
             row = {"batch": batch, "tokens": tokens, "kernel": name, "us": us, "us_eager": eager, "us_graph": graph,
+                   "us_host": host,
                    "bytes": nbytes, "pct_ceiling": 100 * nbytes / (us * 1e-6) / ceiling, "error": err, "config": cfg}
             for peer in peer_makers:
                 if peer in best:
@@ -294,10 +299,12 @@ def format_shape(results: dict, batch: int, tokens: int) -> str:
 def format_table(results: dict) -> str:
     head = (f"{results['gpu']}, {results['date']}, torch {results['torch']}; ceiling "
             f"{results['ceiling_tb_s']:.2f} TB/s (streaming read, same run)\n")
-    cols = ["batch", "tokens", "kernel", "us", "eager us", "% ceiling", "x cuDNN", "x flash", "x FlashInfer", "error"]
+    cols = ["batch", "tokens", "kernel", "us", "eager us", "host us", "% ceiling", "x cuDNN", "x flash", "x FlashInfer",
+            "error"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in results["rows"]:
         cells = [str(r["batch"]), str(r["tokens"]), r["kernel"], f"{r['us']:.1f}", f"{r.get('us_eager', r['us']):.1f}",
+                 f"{r.get('us_host', float('nan')):.1f}",
                  f"{r['pct_ceiling']:.0f}",
                  f"{r.get('x_sdpa cudnn bf16', float('nan')):.2f}", f"{r.get('x_sdpa flash bf16', float('nan')):.2f}",
                  f"{r.get('x_flashinfer bf16', float('nan')):.2f}", f"{r['error']:.1e}"]

@@ -130,3 +130,13 @@ def test_the_plot_gives_each_kernel_its_colour_peers_dashed_and_the_speedup_pane
     import matplotlib.pyplot as plt
 
     plt.close(fig)
+
+
+def test_the_table_reports_host_time_beside_eager_and_graph_time():
+    row = {"batch": 1, "tokens": 16384, "kernel": "fold INT2 KtVt g128", "us": 14.2, "us_eager": 84.7,
+           "us_graph": 14.2, "us_host": 61.0, "pct_ceiling": 16.0, "x_sdpa cudnn bf16": 2.28, "error": 1.7e-3}
+    text = bench.format_table({"gpu": "H200", "date": "2026-12-02", "torch": "2.11", "ceiling_tb_s": 4.3,
+                               "rows": [row]})
+    header, _, line = text.strip().splitlines()[1:4]
+    cells = dict(zip([c.strip() for c in header.strip("|").split("|")], [c.strip() for c in line.strip("|").split("|")]))
+    assert (cells["us"], cells["eager us"], cells["host us"], cells["x cuDNN"]) == ("14.2", "84.7", "61.0", "2.28")
