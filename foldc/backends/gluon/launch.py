@@ -351,7 +351,7 @@ class GluonAttention:
         if they suit it (`WarpgroupLaunch.takes`), the launch is the template's ("gluon-warpgroup")."""
         warpgroup = (self.warpgroup is not None and not page and k is not None and v is not None
                      and self.warpgroup.takes(k, v))
-        key = (dtype, batch, tokens, has_lens, page, str(device), warpgroup)
+        key = (dtype, batch, tokens, has_lens, page, device, warpgroup)   # torch.device hashes without a str()
         launch = self._launches.get(key)
         if launch is None and warpgroup:
             launch = self._launches[key] = self.warpgroup.plan_launch(dtype, batch, tokens, device, has_lens)

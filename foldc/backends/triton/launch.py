@@ -176,7 +176,7 @@ class TritonAttention:
         (`choose_splits`) times the bucket's split factor, or the ``splits`` given. The generated
         kernel always reads lengths (``has_lens`` is recorded, not a variant); ``k``, ``v`` (the tensors
         the launch will read) pick no variant here."""
-        key = (dtype, batch, tokens, page, str(device))
+        key = (dtype, batch, tokens, page, device)
         launch = self._launches.get(key)
         if launch is None:
             cfg = self.launch_config(dtype, batch, tokens)
