@@ -30,7 +30,9 @@ whose own bf16 is broken.
 """
 from __future__ import annotations
 
+import functools
 import math
+from dataclasses import dataclass
 
 import torch
 import triton.language as tl
@@ -445,40 +447,66 @@ def append_quantized(dst: AffineTensor, x: torch.Tensor, offset=0, *, target: st
     _launch(dst, x, scalar, per_row, mode == "interpret")
 
 
-def _launch(dst: AffineTensor, x: torch.Tensor, scalar, per_row, interpret: bool, paging: tuple | None = None,
-            counts: torch.Tensor | None = None) -> None:
-    """Launch the append kernel of dst's layout. ``paging`` = (kv_indptr, kv_indices, page_size): dst is
-    a page pool and positions map through the table; ``counts``: tokens to write per row."""
+@dataclass(frozen=True)
+class AppendLaunch:
+    """What one append launches, decided from the destination's encoding and the shapes alone:
+    the kernel (``"token"``: a scale row per token; ``"channel"``: one per group of tokens), its grid
+    and its compile-time constants. `plan_append` makes it (memoised), `run_append` launches it."""
+
+    kernel: str
+    grid: tuple[int, int]
+    interpret: bool
+    constants: tuple   # (name, value) pairs: the kernel's constexprs and num_warps
+
+
+@functools.lru_cache(maxsize=1024)
+def plan_append(enc, heads: int, head_dim: int, batch: int, tokens: int, x_bf16: bool, per_row: bool,
+                page_size: int, counts: bool, interpret: bool) -> AppendLaunch:
+    """The `AppendLaunch` writing ``tokens`` tokens of ``batch`` rows of ``heads`` heads into storage
+    encoded as ``enc`` (``page_size`` > 0: a page pool; ``per_row``: one offset per row; ``counts``:
+    tokens to write per row)."""
+    common = dict(HEAD_DIM=head_dim, GROUP=enc.group_size, BITS=enc.bits, CPB=enc.codes_per_byte,
+                  MAX_CODE=enc.max_code, X_BF16=x_bf16, SCALE_KIND=SCALE_KIND[enc.scale_dtype], PER_ROW=per_row,
+                  PAGED=page_size > 0, PAGE_SIZE=page_size or 1, HAS_COUNT=counts,
+                  WIDTH_P=_pow2(head_dim // enc.codes_per_byte), num_warps=4)
+    if GroupAxis.of(enc) is GroupAxis.CHANNEL:   # token-wise: groups of channels, a scale row per token
+        block_t = min(BLOCK_T_TOKEN, 1 << (tokens - 1).bit_length())
+        groups = head_dim // enc.group_size
+        common.update(NUM_GROUPS=groups, BLOCK_T=block_t, GROUP_P=_pow2(enc.group_size), NUM_GROUPS_P=_pow2(groups))
+        return AppendLaunch("token", (batch * heads, math.ceil(tokens / block_t)), interpret, tuple(common.items()))
+    common.update(BLOCK_T=min(BLOCK_T_CHANNEL, 1 << (enc.group_size - 1).bit_length()))
+    return AppendLaunch("channel", (batch * heads, tokens // enc.group_size), interpret, tuple(common.items()))
+
+
+def run_append(launch: AppendLaunch, dst: AffineTensor, x: torch.Tensor, scalar, per_row,
+               paging: tuple | None = None, counts: torch.Tensor | None = None) -> None:
+    """Launch ``launch`` (from `plan_append`), no checks: ``x`` into ``dst`` at ``scalar`` (an int) or
+    ``per_row`` offsets; ``paging`` = (kv_indptr, kv_indices): dst is a page pool; ``counts``: tokens
+    to write per row."""
     from ..backends.runtime.modules import interpreter
 
-    enc = dst.encoding
-    heads, head_dim = dst.shape[1], dst.shape[3]
-    batch, tokens = x.shape[0], x.shape[2]
+    heads = dst.shape[1]
     xin = x.view(torch.int16) if x.dtype == torch.bfloat16 else x
     scale, zero = dst.scale, dst.zero
-    if enc.scale_dtype == torch.bfloat16:
+    if dst.encoding.scale_dtype == torch.bfloat16:
         scale, zero = scale.view(torch.int16), zero.view(torch.int16)
     offs = per_row if per_row is not None else dst.codes  # not read unless PER_ROW
-    indptr, indices, page_size = paging if paging is not None else (dst.codes, dst.codes, 1)  # read only if PAGED
+    indptr, indices = paging if paging is not None else (dst.codes, dst.codes)  # read only if PAGED
     args = [xin, *xin.stride()[:3], dst.codes, *dst.codes.stride()[:3], scale, *scale.stride()[:3],
             zero, *zero.stride()[:3], offs, 0 if scalar is None else scalar]
     table = [indptr, indices, counts if counts is not None else dst.codes, dst.num_tokens]
-    common = dict(HEAD_DIM=head_dim, GROUP=enc.group_size, BITS=enc.bits, CPB=enc.codes_per_byte,
-                  MAX_CODE=enc.max_code, X_BF16=x.dtype == torch.bfloat16,
-                  SCALE_KIND=SCALE_KIND[enc.scale_dtype], PER_ROW=per_row is not None, PAGED=paging is not None,
-                  PAGE_SIZE=page_size, HAS_COUNT=counts is not None,
-                  WIDTH_P=_pow2(head_dim // enc.codes_per_byte), num_warps=4)
-    with interpreter(interpret):
-        if GroupAxis.of(enc) is GroupAxis.CHANNEL:   # token-wise: groups of channels, a scale row per token
-            block_t = min(BLOCK_T_TOKEN, 1 << (tokens - 1).bit_length())
-            grid = (batch * heads, math.ceil(tokens / block_t))
-            groups = head_dim // enc.group_size
-            _kernel("token", interpret)[grid](*args, tokens, heads, *table, NUM_GROUPS=groups, BLOCK_T=block_t,
-                                              GROUP_P=_pow2(enc.group_size), NUM_GROUPS_P=_pow2(groups), **common)
-        else:
-            block_t = min(BLOCK_T_CHANNEL, 1 << (enc.group_size - 1).bit_length())
-            grid = (batch * heads, tokens // enc.group_size)
-            _kernel("channel", interpret)[grid](*args, heads, *table, BLOCK_T=block_t, **common)
+    lead = [x.shape[2], heads] if launch.kernel == "token" else [heads]
+    with interpreter(launch.interpret):
+        _kernel(launch.kernel, launch.interpret)[launch.grid](*args, *lead, *table, **dict(launch.constants))
+
+
+def _launch(dst: AffineTensor, x: torch.Tensor, scalar, per_row, interpret: bool, paging: tuple | None = None,
+            counts: torch.Tensor | None = None) -> None:
+    """Plan and launch the append kernel of dst's layout. ``paging`` = (kv_indptr, kv_indices, page_size):
+    dst is a page pool and positions map through the table; ``counts``: tokens to write per row."""
+    launch = plan_append(dst.encoding, dst.shape[1], dst.shape[3], x.shape[0], x.shape[2], x.dtype == torch.bfloat16,
+                         per_row is not None, paging[2] if paging is not None else 0, counts is not None, interpret)
+    run_append(launch, dst, x, scalar, per_row, None if paging is None else paging[:2], counts)
 
 
 def _pow2(n: int) -> int:

@@ -92,6 +92,22 @@ def test_split_k_programs_add_up_to_the_whole_sum(weight, activation, split_k):
     assert float((split.double() - one.double()).abs().max()) <= 2e-3 * float(want.abs().max())
 
 
+@needs_interpreter
+@pytest.mark.parametrize("split_k", [1, 2])
+def test_plan_launch_and_run_write_what_a_call_writes(split_k):
+    """``run(plan_launch(dtype, m), ...)`` into the caller's output (and, with split-k, its float32
+    partials buffer, zeroed by run): the same output as ``__call__``; the launch is memoised."""
+    spec = spec_of("k-group:4:32", None, 3, 48, 256)
+    gemm = foldc.compile(spec, target="interpret", block_k=32, split_k=split_k)
+    xq, wq = operands(spec, 3, int(torch.randint(0, 2**31 - 1, ())))
+    launch = gemm.plan_launch(torch.float16, 3)
+    assert gemm.plan_launch(torch.float16, 3) is launch and launch.grid[2] == split_k == launch.split_k
+    out = torch.full((3, 48), float("nan"), dtype=torch.float16)
+    partial = torch.full((3, 48), 7.0) if split_k > 1 else None   # stale values: run zeroes them first
+    gemm.run(launch, xq, wq, out, partial)
+    assert torch.equal(out, gemm(xq, wq))
+
+
 def test_launcher_checks_inputs():
     spec = spec_of("k-group:4:64", None, 2, 32, 128)
     kernel = foldc.compile(spec, target="interpret")

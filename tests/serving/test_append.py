@@ -359,3 +359,32 @@ def test_a_group_holding_nan_or_inf_gets_nan_scale_and_zero(enc, bad):
     finite = ~torch.isnan(dst.scale)
     assert int((~finite).sum()) == 1
     assert torch.equal(dst.scale[finite], want.scale[finite]) and torch.equal(dst.zero[finite], want.zero[finite])
+
+
+@settings(max_examples=60, deadline=None)
+@given(layout=st.sampled_from(["token", "channel"]), bits=st.sampled_from([2, 4, 8]), group=st.sampled_from([16, 32, 64]),
+       batch=st.integers(1, 8), heads=st.integers(1, 8), units=st.integers(1, 40), paged=st.booleans())
+def test_an_append_plan_is_memoised_and_sized_from_the_shapes(layout, bits, group, batch, heads, units, paged):
+    """`plan_append`: the same frozen launch for the same shapes (no work per decode step), a program per
+    (row, head) and per token block (token-wise) or whole group (channel-wise)."""
+    import dataclasses
+    import math
+
+    from foldc.serving.append import BLOCK_T_CHANNEL, BLOCK_T_TOKEN, plan_append
+
+    enc = foldc.Affine(bits, layout, group)
+    tokens = units * (group if layout == "channel" else 1)
+    args = (enc, heads, 64, batch, tokens, False, False, 64 if paged else 0, False, True)
+    launch = plan_append(*args)
+    assert plan_append(*args) is launch
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        launch.grid = (1, 1)
+    consts = dict(launch.constants)
+    assert consts["PAGED"] == paged and consts["PAGE_SIZE"] == (64 if paged else 1) and consts["BITS"] == bits
+    if layout == "token":
+        block = min(BLOCK_T_TOKEN, 1 << (tokens - 1).bit_length())
+        assert launch.kernel == "token" and launch.grid == (batch * heads, math.ceil(tokens / block))
+        assert consts["NUM_GROUPS"] == 64 // group
+    else:
+        assert launch.kernel == "channel" and launch.grid == (batch * heads, units)
+        assert consts["BLOCK_T"] == min(BLOCK_T_CHANNEL, group)

@@ -8,6 +8,7 @@ y ``[m, n]`` in x's dtype (``out_dtype``, fp16 by default, when x is encoded).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -74,6 +75,19 @@ def runtime_arguments(x, w, y) -> dict:
     return args
 
 
+@dataclass(frozen=True)
+class GemmLaunch:
+    """What one GEMM call launches: output dtype, ``m`` x ``n``, the grid (row tiles, column tiles,
+    split-k) and the kernel's compile-time constants as (name, value) pairs."""
+
+    dtype: torch.dtype
+    m: int
+    n: int
+    grid: tuple[int, int, int]
+    split_k: int
+    constants: tuple
+
+
 class TritonGemm:
     """The generated GEMM kernel as a callable ``y = gemm(x, w)``. Options: block_m, block_n,
     block_k (an upper bound), split_k (programs sharing the k axis of one output tile, adding
@@ -93,6 +107,7 @@ class TritonGemm:
             raise SpecError(f"out_dtype={out_dtype} must be torch.float16 or torch.bfloat16")
         self.out_dtype = out_dtype
         self._kernels: dict[str, tuple] = {}
+        self._launches: dict[tuple, GemmLaunch] = {}   # plan_launch()'s memo
 
     def kernel(self, dtype: str):
         if dtype not in self._kernels:
@@ -128,24 +143,43 @@ class TritonGemm:
                 raise InputError(f"x must have unit stride along k; got strides {x.stride()}")
         if self.interpret and dtype != torch.float16:
             raise InputError("target='interpret' runs fp16 only (Triton's interpreter mishandles bf16)")
-        module, ks, _ = self.kernel(DTYPES[dtype])
         if out is None:
             out = torch.empty(m, n, device=device, dtype=dtype)
         elif tuple(out.shape) != (m, n) or out.dtype != dtype or out.stride(1) != 1:
             raise InputError(f"out has shape={tuple(out.shape)}, dtype={out.dtype}; it must be ({m}, {n}) {dtype}")
-        cfg = dict(launch_config(m, n), **self.explicit)
-        split = cfg["split_k"]
-        target = out if split == 1 else torch.zeros(m, n, device=device, dtype=torch.float32)
-        runtime = runtime_arguments(x, w, target)
-        grid = (triton_cdiv(m, cfg["block_m"]), triton_cdiv(n, cfg["block_n"]), split)
-        with interpreter(self.interpret):
-            module.foldc_gemm[grid](*[runtime[a] for a in ks.args], N=n, K=spec.k, GROUP=ks.group,
-                                    BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"],
-                                    BLOCK_K=k_chunk(spec, ks.group, cfg["block_k"]), SPLIT_K=split,
-                                    num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-        if split > 1:
-            out.copy_(target)
+        self.run(self.plan_launch(dtype, m), x, w, out)
         return out
+
+    def plan_launch(self, dtype: torch.dtype, m: int) -> GemmLaunch:
+        """The `GemmLaunch` of a call with ``m`` rows of x and a ``dtype`` output, memoised: the tiles
+        of `launch_config` (or the options given), the grid and the k chunk."""
+        key = (dtype, m)
+        launch = self._launches.get(key)
+        if launch is None:
+            _, ks, _ = self.kernel(DTYPES[dtype])
+            cfg = dict(launch_config(m, self.spec.n), **self.explicit)
+            n, split = self.spec.n, cfg["split_k"]
+            constants = dict(N=n, K=self.spec.k, GROUP=ks.group, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"],
+                             BLOCK_K=k_chunk(self.spec, ks.group, cfg["block_k"]), SPLIT_K=split,
+                             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+            launch = GemmLaunch(dtype, m, n, (triton_cdiv(m, cfg["block_m"]), triton_cdiv(n, cfg["block_n"]), split),
+                                split, tuple(constants.items()))
+            self._launches[key] = launch
+        return launch
+
+    def run(self, launch: GemmLaunch, x, w, out: torch.Tensor, partial: torch.Tensor | None = None) -> None:
+        """Launch ``launch`` (from `plan_launch`) into ``out [m, n]``, no checks. With split-k, the
+        programs add float32 partials into ``partial`` (zeroed here; allocated if None), then copied."""
+        module, ks, _ = self.kernel(DTYPES[launch.dtype])
+        target = out
+        if launch.split_k > 1:
+            target = partial.zero_() if partial is not None else torch.zeros(launch.m, launch.n, device=out.device,
+                                                                             dtype=torch.float32)
+        runtime = runtime_arguments(x, w, target)
+        with interpreter(self.interpret):
+            module.foldc_gemm[launch.grid](*[runtime[a] for a in ks.args], **dict(launch.constants))
+        if launch.split_k > 1:
+            out.copy_(target)
 
 
 def triton_cdiv(a: int, b: int) -> int:
