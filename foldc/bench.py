@@ -196,7 +196,8 @@ def run_bench(out_dir: Path, quick: bool = False, tune: bool = True, shapes=None
     """Time every row on every shape; ``kernels``: only the foldc rows whose label contains one of
     these strings (the ceiling and the peers always run)."""
     from .backends.gluon.lower import lowerable
-    from .backends.runtime.tuning import CANDIDATES, GLUON_CANDIDATES, Config, GluonConfig
+    from .backends.gluon.tuning import GLUON_CANDIDATES, GluonConfig
+    from .backends.triton.tuning import CANDIDATES, Config
     from .backends.triton.launch import launch_options
     from .tune import tune as autotune
     from .compile import compile as compile_attention

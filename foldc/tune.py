@@ -17,7 +17,9 @@ import sys
 import torch
 
 
-from .backends.runtime.tuning import CANDIDATES, Config, GluonConfig, bucket_key, store
+from .backends.gluon.tuning import GluonConfig
+from .backends.runtime.tuning import bucket_key, store
+from .backends.triton.tuning import CANDIDATES, Config
 from .backends.triton.launch import launch_options
 
 

@@ -15,7 +15,9 @@ from hypothesis import strategies as st
 import foldc
 from foldc.backends.runtime import tuning
 from foldc import tune as autotune
-from foldc.backends.runtime.tuning import Config, GluonConfig, bucket_key, lookup, store
+from foldc.backends.gluon.tuning import GluonConfig
+from foldc.backends.runtime.tuning import bucket_key, lookup, store
+from foldc.backends.triton.tuning import Config
 
 ROOT = Path(__file__).resolve().parents[2]
 ENC = foldc.Affine(2, "token", 128)
@@ -139,7 +141,7 @@ def test_an_entry_tuned_against_other_kernel_sources_is_not_applied(cache_dir, m
 def test_the_fingerprint_follows_the_source_bytes(tmp_path, monkeypatch):
     src = tmp_path / "kernel.py"
     src.write_text("x = 1\n")
-    monkeypatch.setattr(tuning, "KERNEL_SOURCES", {"gluon": (str(src),)})
+    monkeypatch.setitem(tuning._KERNELS, "gluon", tuning.TunedKernel("gluon", GluonConfig, (src,)))
     monkeypatch.setattr(tuning, "_FINGERPRINTS", {})
     first = tuning.kernel_fingerprint("gluon")
     src.write_text("x = 2\n")
@@ -248,3 +250,14 @@ def test_timing_replays_a_graph_and_falls_back_to_eager_calls(monkeypatch, capsy
     monkeypatch.setattr(torch.cuda, "Stream", no_stream)
     assert autotune._time_us(call, 40) == pytest.approx(50.0) and benched[-1] is call
     assert "CUDA graph capture failed" in capsys.readouterr().err
+
+
+def test_each_backend_registers_its_config_type_and_the_cache_returns_that_type(cache_dir):
+    """The runtime's cache knows no backend: the Triton and register-operand backends register their
+    config types (and the sources of their fingerprints) on import; an entry comes back as its type."""
+    assert tuning.tuned_kernel("gluon").config_type is GluonConfig
+    assert tuning.tuned_kernel("triton").config_type is Config
+    assert all(p.exists() for name in ("gluon", "triton") for p in tuning.tuned_kernel(name).sources)
+    store(bucket_key(SPEC, torch.float16, 2, 4096, kernel="triton"), Config(32, 2, 3, 2.0), 1.0)
+    got = lookup(SPEC, torch.float16, 2, 4096, kernel="triton")
+    assert type(got) is Config and got == Config(32, 2, 3, 2.0)

@@ -8,6 +8,7 @@ from ...registry import AttentionBackend, register_backend
 from .describe import describe
 from .launch import GluonAttention
 from .lower import FoldKernel, NotLowerable, gluon_plan, lower, lowerable
+from .tuning import GLUON_CANDIDATES, GluonConfig   # registers its tuning config
 
 
 def _kernel(spec, target, **options):
@@ -20,4 +21,4 @@ def _target_plan(spec, dtype, fold_policy="auto"):
 
 register_backend(AttentionBackend("gluon", ("sm_90", "sm_100"), _kernel, _target_plan, lowerable, describe))
 
-__all__ = ["FoldKernel", "GluonAttention", "NotLowerable", "gluon_plan", "lower", "lowerable"]
+__all__ = ["FoldKernel", "GLUON_CANDIDATES", "GluonAttention", "GluonConfig", "NotLowerable", "gluon_plan", "lower", "lowerable"]

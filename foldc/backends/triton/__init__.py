@@ -5,7 +5,8 @@ from ...registry import AttentionBackend, register_backend
 from .codegen import generate
 from .launch import TritonAttention, kernel_source, triton_plan
 from .layout import TileGeometry, geometry
+from .tuning import CANDIDATES, Config   # registers its tuning config
 
 register_backend(AttentionBackend("triton", ("sm_90", "sm_100", "interpret"), TritonAttention, triton_plan))
 
-__all__ = ["TritonAttention", "TileGeometry", "generate", "geometry", "kernel_source", "triton_plan"]
+__all__ = ["CANDIDATES", "Config", "TritonAttention", "TileGeometry", "generate", "geometry", "kernel_source", "triton_plan"]

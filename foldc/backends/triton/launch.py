@@ -217,7 +217,7 @@ class TritonAttention:
 
 
 def launch_options(cfg, spec, q, k) -> dict:
-    """compile() options for a tuning config (`foldc.backends.runtime.tuning.Config`): the split count is
+    """compile() options for a tuning config (`foldc.backends.triton.tuning.Config`): the split count is
     the default heuristic x split_factor."""
     tokens = k.shape[2] if hasattr(k, "shape") else k.num_tokens
     block = token_block(spec, cfg.block_n)
