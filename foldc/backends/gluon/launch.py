@@ -462,14 +462,21 @@ class GluonAttention:
                          paged: tuple | None, counters=None) -> tuple[tuple, dict]:
         """The decode kernel's arguments (positional, keyword) for one call (see `launch`); ``counters``:
         int32 zeros, one per (batch, head group), for dynamic tiles."""
-        (kc, ks, kz), (vc, vs, vz) = (_parts(x, q) for x in (k, v))
+        (kc, ks, kz), (vc, vs, vz) = _parts(k, q), _parts(v, q)
         indptr, indices, page = paged if paged is not None else (q, q, 0)
-        extra = {"maxnreg": launch["maxnreg"]} if launch["maxnreg"] else {}
+        qs, kcs, vcs = q.stride(), kc.stride(), vc.stride()
         args = (q, kc, ks, kz, vc, vs, vz, q if lens is None else lens, *ws, indptr, indices,
                 q if counters is None else counters,
-                q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), *_scale_strides(ks, kc), vc.stride(0),
-                vc.stride(1), *_scale_strides(vs, vc), sm_scale * 1.4426950408889634, per_split, cache_tokens)
-        return args, dict(HAS_LENS=lens is not None, PAGE=page, **launch["constexprs"], num_warps=1, **extra)
+                qs[0], qs[1], kcs[0], kcs[1], *_scale_strides(ks, kc), vcs[0], vcs[1], *_scale_strides(vs, vc),
+                sm_scale * 1.4426950408889634, per_split, cache_tokens)
+        # the keyword arguments depend on the launch's options alone: built once per (lengths, page)
+        key = ("kwargs", lens is not None, page)
+        kwargs = launch.get(key)
+        if kwargs is None:
+            extra = {"maxnreg": launch["maxnreg"]} if launch["maxnreg"] else {}
+            kwargs = launch[key] = dict(HAS_LENS=lens is not None, PAGE=page, **launch["constexprs"], num_warps=1,
+                                        **extra)
+        return args, kwargs
 
 
 def _parts(x, q):
@@ -483,9 +490,11 @@ def _parts(x, q):
 def _scale_strides(scale, words) -> tuple[int, int, int]:
     """The scale tensor's (batch, head, token or group) strides; zeros for a plain side (``scale`` is
     the query then, whose shape is not the codes')."""
-    if len(scale.shape) != 4 or list(scale.shape[:2]) != list(words.shape[:2]):
+    shape = scale.shape
+    if len(shape) != 4 or tuple(shape[:2]) != tuple(words.shape[:2]):
         return 0, 0, 0
-    return scale.stride(0), scale.stride(1), scale.stride(2)
+    strides = scale.stride()
+    return strides[0], strides[1], strides[2]
 
 
 def _dynamic(launch: dict) -> bool:
