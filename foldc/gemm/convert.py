@@ -1,0 +1,177 @@
+"""Weights in the formats other tools write, repacked once into foldc's layout.
+
+Each converter returns ``(weight, encoding)``: an `AffineTensor` ``[1, 1, n, k]`` (foldc's planar
+packing along k, one (scale, zero) per output channel and group of k) and its `GemmEncoding`
+(``k-group:bits:group:fp32``), so that ``foldc.compile(GemmSpec(n, k, weight=encoding), ...)`` takes
+it. foldc's affine form is ``value = scale * code + zero``; the tools store
+
+- GPTQ (AutoGPTQ / GPTQModel, ``from_gptq``): ``qweight`` int32 ``[k * bits / 32, n]`` (codes packed
+  along k, low bits first), ``qzeros`` int32 ``[groups, n * bits / 32]`` (packed along n), ``scales``
+  ``[groups, n]``, ``g_idx`` ``[k]``; ``value = scale * (code - zero)`` with the stored zero one less than
+  the zero (the "v1" checkpoint format; ``zero_offset=0`` for the v2 format);
+- AWQ (AutoAWQ's GEMM format, ``from_awq``): ``qweight`` int32 ``[k, n * bits / 32]`` and ``qzeros``
+  int32 ``[groups, n * bits / 32]``, both packed along n in the order (0, 2, 4, 6, 1, 3, 5, 7) at 4 bits,
+  ``scales`` ``[groups, n]``; ``value = scale * (code - zero)``;
+- HQQ (``from_hqq``): codes ``W_q`` with a float ``scale`` and ``zero`` per group of ``group_size``
+  consecutive weights of each row; ``value = (W_q - zero) * scale``;
+- torch's INT4 (tinygemm, the format of ``torch._weight_int4pack_mm`` before it is tiled by
+  ``_convert_weight_to_int4pack``; ``from_int4pack``): codes ``[n, k]`` in 0..15 and
+  ``scales_and_zeros`` ``[k / group, n, 2]``; ``value = (code - 8) * scale + zero``.
+
+The zero becomes ``-scale * zero`` (``zero - 8 * scale`` for tinygemm). Both are kept in float32,
+where they are exact for fp16/bf16 scales and zeros and integer codes (a product of an 11-bit and a
+4-bit mantissa, or of two 11-bit ones), so the converted weight dequantizes to exactly the values the
+tool's own dequantization gives in float64; a converter checks this and raises `InputError` if not.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..encoding import AffineTensor, pack_codes
+from ..errors import InputError, InputTypeError
+from .spec import GemmEncoding, GemmSpec
+
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)   # the column each 4-bit field of an AWQ word holds, low bits first
+
+
+def _int32(name: str, t, shape: tuple | None = None) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise InputTypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != torch.int32:
+        raise InputError(f"{name} dtype={t.dtype}: the packed format stores int32 words")
+    if shape is not None and tuple(t.shape) != shape:
+        raise InputError(f"{name} shape={tuple(t.shape)} but this layer needs {shape}")
+    return t
+
+
+def _fields(words: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
+    """Split each int32 word into its 32/bits fields (low bits first), the fields next to each other
+    along ``dim``: [.., w, ..] -> [.., w * 32/bits, ..]."""
+    per = 32 // bits
+    shifts = torch.arange(0, 32, bits, device=words.device, dtype=torch.int32)
+    moved = words.movedim(dim, -1)
+    fields = (moved[..., None] >> shifts) & ((1 << bits) - 1)          # [.., w, per]
+    return fields.reshape(*moved.shape[:-1], moved.shape[-1] * per).movedim(-1, dim)
+
+
+def _check_bits(bits: int, allowed=(2, 4, 8)) -> None:
+    if bits not in allowed:
+        raise InputError(f"bits={bits!r}: foldc packs {allowed}-bit weights")
+
+
+def _build(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int, group: int,
+           want: torch.Tensor) -> tuple[AffineTensor, GemmEncoding]:
+    """codes [n, k] (ints), scale and zero [n, k / group] float32 (value = scale * code + zero), the
+    tool's dequantized values ``want`` [n, k] float64 to check against."""
+    n, k = codes.shape
+    enc = GemmEncoding("k-group", bits, group, torch.float32)
+    GemmSpec(n, k, weight=enc)   # the layout foldc can plan (SpecError with the reason, e.g. groups across bit fields)
+    weight = AffineTensor(pack_codes(codes, bits).reshape(1, 1, n, k * bits // 8), scale.reshape(1, 1, n, -1),
+                          zero.reshape(1, 1, n, -1), enc.affine(k), k)
+    got = weight.dequantize(torch.float64)[0, 0]
+    bad = (got != want) & ~(torch.isnan(got) & torch.isnan(want))
+    if bool(bad.any()):
+        i, j = (int(x) for x in bad.nonzero()[0])
+        raise InputError(f"the converted weight at [{i}, {j}] is {float(got[i, j])!r} but the format's own "
+                         f"dequantization gives {float(want[i, j])!r}: its scale or zero does not survive float32")
+    return weight, enc
+
+
+def _groups_in_order(g_idx, k: int, group: int, name: str = "g_idx") -> None:
+    if g_idx is None:
+        return
+    expect = torch.arange(k, device=g_idx.device) // group
+    if tuple(g_idx.shape) != (k,) or not torch.equal(g_idx.to(expect.dtype), expect):
+        raise InputError(f"{name} is not [k // group_size for k in range({k})]: the checkpoint reorders input "
+                         "channels (act-order / desc_act); foldc takes groups of consecutive channels only: "
+                         "export it with desc_act=False")
+
+
+def from_gptq(qweight, qzeros, scales, g_idx=None, *, bits: int = 4, group_size: int = 128,
+              zero_offset: int = 1) -> tuple[AffineTensor, GemmEncoding]:
+    """A GPTQ layer (module doc) as a foldc weight: ``qweight`` int32 [k * bits / 32, n], ``qzeros``
+    int32 [k / group_size, n * bits / 32], ``scales`` [k / group_size, n], ``g_idx`` None or in order."""
+    _check_bits(bits)
+    qweight = _int32("qweight", qweight)
+    k, n = qweight.shape[0] * 32 // bits, qweight.shape[1]
+    if k % group_size:
+        raise InputError(f"k={k} (from qweight) is not a multiple of group_size={group_size}")
+    groups = k // group_size
+    qzeros = _int32("qzeros", qzeros, (groups, n * bits // 32))
+    if not isinstance(scales, torch.Tensor) or tuple(scales.shape) != (groups, n):
+        raise InputError(f"scales must be a [{groups}, {n}] tensor; got {getattr(scales, 'shape', type(scales).__name__)}")
+    _groups_in_order(g_idx, k, group_size)
+    codes = _fields(qweight, bits, 0).T                                  # [n, k]
+    zeros = (_fields(qzeros, bits, 1) + zero_offset).T                   # [n, groups]
+    s = scales.T.to(torch.float64)
+    want = s.repeat_interleave(group_size, 1) * (codes - zeros.repeat_interleave(group_size, 1)).to(torch.float64)
+    return _build(codes, s.to(torch.float32), (-s * zeros).to(torch.float32), bits, group_size, want)
+
+
+def from_awq(qweight, qzeros, scales, *, bits: int = 4, group_size: int = 128) -> tuple[AffineTensor, GemmEncoding]:
+    """An AWQ GEMM layer (module doc) as a foldc weight: ``qweight`` int32 [k, n * bits / 32], ``qzeros``
+    int32 [k / group_size, n * bits / 32], ``scales`` [k / group_size, n]."""
+    _check_bits(bits, (4,))
+    qweight = _int32("qweight", qweight)
+    k, n = qweight.shape[0], qweight.shape[1] * 32 // bits
+    if k % group_size:
+        raise InputError(f"k={k} (from qweight) is not a multiple of group_size={group_size}")
+    groups = k // group_size
+    qzeros = _int32("qzeros", qzeros, (groups, n * bits // 32))
+    if not isinstance(scales, torch.Tensor) or tuple(scales.shape) != (groups, n):
+        raise InputError(f"scales must be a [{groups}, {n}] tensor; got {getattr(scales, 'shape', type(scales).__name__)}")
+    order = torch.tensor(AWQ_ORDER).argsort()   # field holding column c of each group of eight
+
+    def columns(words):   # [rows, n / 8] words -> [rows, n] codes in column order
+        f = _fields(words, bits, 1).reshape(words.shape[0], -1, 8)
+        return f[..., order].reshape(words.shape[0], -1)
+    codes, zeros = columns(qweight).T, columns(qzeros).T                 # [n, k], [n, groups]
+    s = scales.T.to(torch.float64)
+    want = s.repeat_interleave(group_size, 1) * (codes - zeros.repeat_interleave(group_size, 1)).to(torch.float64)
+    return _build(codes, s.to(torch.float32), (-s * zeros).to(torch.float32), bits, group_size, want)
+
+
+def from_hqq(W_q, scale, zero, *, shape: tuple[int, int], group_size: int, bits: int = 4
+             ) -> tuple[AffineTensor, GemmEncoding]:
+    """An HQQ weight (module doc): unpacked codes ``W_q`` (any shape holding n * k codes, row-major, in
+    groups of ``group_size`` consecutive weights of a row), ``scale`` and ``zero`` one per group (any
+    shape holding n * k / group_size), ``shape`` = (n, k)."""
+    _check_bits(bits)
+    n, k = shape
+    if k % group_size:
+        raise InputError(f"k={k} is not a multiple of group_size={group_size}")
+    for name, t, size in (("W_q", W_q, n * k), ("scale", scale, n * k // group_size),
+                          ("zero", zero, n * k // group_size)):
+        if not isinstance(t, torch.Tensor) or t.numel() != size:
+            raise InputError(f"{name} must hold {size} values for shape {shape} in groups of {group_size}; got "
+                             f"{getattr(t, 'shape', type(t).__name__)}")
+    codes = W_q.reshape(n, k)
+    if codes.is_floating_point():
+        if not bool((codes == codes.round()).all()):
+            raise InputError("W_q holds non-integer codes; pass HQQ's unpacked integer codes")
+    if int(codes.min()) < 0 or int(codes.max()) >= 1 << bits:
+        raise InputError(f"W_q codes span [{int(codes.min())}, {int(codes.max())}], outside 0..{(1 << bits) - 1}")
+    codes = codes.to(torch.int32)
+    s, z = scale.reshape(n, -1).to(torch.float64), zero.reshape(n, -1).to(torch.float64)
+    want = (codes.to(torch.float64) - z.repeat_interleave(group_size, 1)) * s.repeat_interleave(group_size, 1)
+    return _build(codes, s.to(torch.float32), (-s * z).to(torch.float32), bits, group_size, want)
+
+
+def from_int4pack(codes, scales_and_zeros, *, group_size: int) -> tuple[AffineTensor, GemmEncoding]:
+    """torch's tinygemm INT4 (module doc): ``codes`` [n, k] in 0..15 (before
+    ``torch._convert_weight_to_int4pack`` tiles them), ``scales_and_zeros`` [k / group_size, n, 2]."""
+    if not isinstance(codes, torch.Tensor) or codes.dim() != 2:
+        raise InputError(f"codes must be an [n, k] tensor; got {getattr(codes, 'shape', type(codes).__name__)}")
+    n, k = codes.shape
+    if k % group_size:
+        raise InputError(f"k={k} is not a multiple of group_size={group_size}")
+    if not isinstance(scales_and_zeros, torch.Tensor) or tuple(scales_and_zeros.shape) != (k // group_size, n, 2):
+        raise InputError(f"scales_and_zeros must be [{k // group_size}, {n}, 2]; got "
+                         f"{getattr(scales_and_zeros, 'shape', type(scales_and_zeros).__name__)}")
+    if int(codes.min()) < 0 or int(codes.max()) > 15:
+        raise InputError(f"codes span [{int(codes.min())}, {int(codes.max())}], outside 0..15")
+    codes = codes.to(torch.int32)
+    s = scales_and_zeros[..., 0].T.to(torch.float64)                   # [n, groups]
+    z = scales_and_zeros[..., 1].T.to(torch.float64)
+    want = (codes - 8).to(torch.float64) * s.repeat_interleave(group_size, 1) + z.repeat_interleave(group_size, 1)
+    return _build(codes, s.to(torch.float32), (z - 8 * s).to(torch.float32), 4, group_size, want)
