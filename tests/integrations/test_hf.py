@@ -387,3 +387,29 @@ def test_paged_cache_refuses_a_plain_operand_and_a_float32_model():
     paged = PagedFoldcCache(model.config, 32, k="token:4:32", v="token:4:32", target="reference")
     with pytest.raises(SpecError, match=r"holds float16 or bfloat16 models; this one runs in torch.float32"):
         generate(model, paged, prompt(1))
+
+
+def test_quantize_model_swaps_every_linear_but_the_head_and_matches_its_dequantized_twin():
+    """quantize_model: each nn.Linear (lm_head skipped) becomes a FoldLinear whose plan was proved;
+    the float32 model's logits equal, to float32 rounding, those of a copy whose linears hold the
+    dequantized weights; a weight encoding a layer cannot take is refused before anything changes."""
+    import copy
+
+    from foldc.nn import FoldLinear
+
+    model = llama(dtype=torch.float32, seed=4)
+    twin = copy.deepcopy(model)
+    linears = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    with pytest.raises(SpecError, match="does not divide"):
+        fhf.quantize_model(model, weight="k-group:4:48")
+    assert [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)] == linears   # untouched
+    assert fhf.quantize_model(model, weight="k-group:4:32") is model
+    swapped = {n: m for n, m in model.named_modules() if isinstance(m, FoldLinear)}
+    assert set(swapped) == {n for n in linears if n != "lm_head"} and isinstance(model.lm_head, torch.nn.Linear)
+    for name, layer in swapped.items():
+        assert layer.plan.folds
+        twin.get_submodule(name).weight.data = layer.weight.dequantize(torch.float32)[0, 0]
+    ids = prompt(2)
+    with torch.no_grad():
+        got, want = model(ids).logits, twin(ids).logits
+    assert float((got - want).abs().max()) <= 1e-5 * float(want.abs().max())

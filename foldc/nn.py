@@ -1,0 +1,125 @@
+"""`FoldLinear`: an ``nn.Linear`` whose weight is affine-quantized, computed by foldc's GEMM plan.
+
+    layer = foldc.nn.FoldLinear.from_linear(linear, weight="k-group:4:128")   # quantize an nn.Linear
+    layer = foldc.nn.FoldLinear(weight, encoding, bias)                        # already quantized, e.g.
+                                                                              # foldc.gemm.convert.from_gptq(...)
+    y = layer(x)                                                               # x [..., in_features]
+
+The layer's plan (``GemmSpec(out_features, in_features, weight=encoding)``) is planned and proved
+when the layer is built (`foldc.prove`: a plan that is not exact is refused there). The forward runs
+``torch.ops.foldc.linear``, a custom op with a fake implementation, so torch.compile and CUDA graphs
+see one op: on a GPU the generated GEMM kernel, on the CPU Triton's interpreter (fp16 inputs) or the
+float64 plan executor (other dtypes), cast to the input's dtype.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from .encoding import AffineTensor
+from .errors import InputError, InputTypeError, SpecError
+from .gemm.reference import quantize_2d
+from .gemm.spec import GemmEncoding, GemmSpec, parse_gemm_encoding
+
+
+@functools.lru_cache(maxsize=None)
+def _proved(spec: GemmSpec):
+    """The spec's plan, proved exact once per spec (a model's layers share a few)."""
+    from .plan import plan
+    from .proof import prove
+
+    the_plan = plan(spec)
+    prove(the_plan)
+    return the_plan
+
+
+@functools.lru_cache(maxsize=None)
+def _gemm(out_features: int, in_features: int, encoding: str, target: str):
+    from .compile import compile as compile_gemm
+
+    return compile_gemm(GemmSpec(out_features, in_features, weight=parse_gemm_encoding(encoding, "weight")), target)
+
+
+@torch.library.custom_op("foldc::linear", mutates_args=())
+def linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+           bias: torch.Tensor | None, encoding: str, out_features: int) -> torch.Tensor:
+    """``x [m, k] @ W.T (+ bias)`` with W the ``[out_features, k]`` weight encoded as ``encoding``
+    (`GemmEncoding.short`), stored as ``codes``/``scale``/``zero`` of its AffineTensor [1, 1, n, k]."""
+    k = x.shape[-1]
+    enc = parse_gemm_encoding(encoding, "weight")
+    w = AffineTensor(codes, scale, zero, enc.affine(k), k)
+    if x.shape[0] == 0:
+        y = x.new_zeros(0, out_features)
+    else:
+        target = "auto" if x.is_cuda else "interpret" if x.dtype == torch.float16 else "reference"
+        y = _gemm(out_features, k, encoding, target)(x.contiguous(), w).to(x.dtype)
+    return y if bias is None else y + bias.to(y.dtype)
+
+
+@linear.register_fake
+def _(x, codes, scale, zero, bias, encoding, out_features):
+    parse_gemm_encoding(encoding, "weight")   # a bad encoding fails at trace time too
+    return x.new_empty(x.shape[0], out_features)
+
+
+class FoldLinear(torch.nn.Module):
+    """``y = x @ W.T + bias`` with ``W`` an affine-quantized ``[out_features, in_features]`` weight
+    (module doc). ``weight``: an `AffineTensor` [1, 1, out_features, in_features] encoded as
+    ``encoding`` (a `GemmEncoding` or its text, e.g. ``"k-group:4:128"``); ``bias``: [out_features] or
+    None. The weight's tensors are buffers (they move with ``.to()`` and are saved in the state dict)."""
+
+    def __init__(self, weight: AffineTensor, encoding, bias: torch.Tensor | None = None):
+        super().__init__()
+        if not isinstance(weight, AffineTensor):
+            raise InputTypeError(f"weight must be a foldc.AffineTensor [1, 1, out_features, in_features], got "
+                                 f"{type(weight).__name__}; quantize an nn.Linear with FoldLinear.from_linear")
+        enc = encoding if isinstance(encoding, GemmEncoding) else parse_gemm_encoding(encoding, "weight")
+        if enc is None or enc.kind == "per-token":
+            raise SpecError(f"encoding={encoding!r}: a FoldLinear weight is 'k-group:bits:group' or 'per-channel:bits'")
+        b, h, n, k = weight.shape
+        if (b, h) != (1, 1):
+            raise InputError(f"weight shape={weight.shape}: expected [1, 1, out_features, in_features]")
+        if weight.encoding != enc.affine(k):
+            raise InputError(f"weight is encoded as {weight.encoding.short()} but encoding={enc.short()!r} needs "
+                             f"{enc.affine(k).short()} over in_features={k}")
+        self.spec = GemmSpec(n, k, weight=enc)
+        self.plan = _proved(self.spec)      # planned and proved exact before the layer exists
+        self.in_features, self.out_features, self.encoding = k, n, enc
+        self.register_buffer("codes", weight.codes)
+        self.register_buffer("scale", weight.scale)
+        self.register_buffer("zero", weight.zero)
+        if bias is not None:
+            if not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (n,):
+                raise InputError(f"bias must be a [{n}] tensor or None; got {getattr(bias, 'shape', type(bias).__name__)}")
+            bias = bias.detach()
+        self.register_buffer("bias", bias)
+
+    @classmethod
+    def from_linear(cls, linear: torch.nn.Linear, weight="k-group:4:128") -> "FoldLinear":
+        """``linear`` with its weight quantized as ``weight`` (`foldc.gemm.reference.quantize_2d`:
+        min-max per group, the scale and zero in the encoding's dtype)."""
+        if not isinstance(linear, torch.nn.Linear):
+            raise InputTypeError(f"linear must be a torch.nn.Linear, got {type(linear).__name__}")
+        enc = weight if isinstance(weight, GemmEncoding) else parse_gemm_encoding(weight, "weight")
+        if enc is None:
+            raise SpecError("weight=None: from_linear quantizes the weight; give an encoding like 'k-group:4:128'")
+        w = linear.weight.detach()
+        GemmSpec(w.shape[0], w.shape[1], weight=enc)   # a layout the plan takes, before the work of quantizing
+        return cls(quantize_2d(w.float(), enc), enc, linear.bias)
+
+    @property
+    def weight(self) -> AffineTensor:
+        return AffineTensor(self.codes, self.scale, self.zero, self.encoding.affine(self.in_features), self.in_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not isinstance(x, torch.Tensor) or x.shape[-1] != self.in_features:
+            raise InputError(f"x must be a tensor [..., {self.in_features}]; got {getattr(x, 'shape', type(x).__name__)}")
+        lead = x.shape[:-1]
+        y = torch.ops.foldc.linear(x.reshape(-1, self.in_features), self.codes, self.scale, self.zero, self.bias,
+                                   self.encoding.short(), self.out_features)
+        return y.reshape(*lead, self.out_features)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, weight={self.encoding.short()}, "
+                f"bias={self.bias is not None}, folds={self.plan.folds}")
