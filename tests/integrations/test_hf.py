@@ -413,3 +413,32 @@ def test_quantize_model_swaps_every_linear_but_the_head_and_matches_its_dequanti
     with torch.no_grad():
         got, want = model(ids).logits, twin(ids).logits
     assert float((got - want).abs().max()) <= 1e-5 * float(want.abs().max())
+
+
+def test_weight_and_kv_folds_end_to_end_equal_their_dequantized_twin():
+    """W4 + KV4 in one model, every fold planned and proved by foldc: greedy generate with quantized
+    linears (FoldLinear, the generated GEMM kernel under the interpreter) and a FoldcCache; every
+    decode step's attention within the bar of float64 over its dequantized cache, and the logits,
+    teacher-forced, within DEQUANT_TOL of a twin whose linears hold the dequantized weights and whose
+    cache dequantizes before attending."""
+    import copy
+
+    from foldc.nn import FoldLinear
+
+    model, ids = llama(), prompt(2)
+    fhf.quantize_model(model, weight="k-group:4:32")
+    twin = copy.deepcopy(model)
+    for name, layer in list(twin.named_modules()):
+        if isinstance(layer, FoldLinear):
+            plain = torch.nn.Linear(layer.in_features, layer.out_features, bias=layer.bias is not None)
+            plain.weight.data = layer.weight.dequantize(torch.float32)[0, 0].half()
+            if layer.bias is not None:
+                plain.bias.data = layer.bias.half()
+            parent, _, child = name.rpartition(".")
+            setattr(twin.get_submodule(parent), child, plain.half())
+    assert not any(isinstance(m, FoldLinear) for m in twin.modules())
+    with checked_decode() as errors:
+        seq, logits = generate(model, cache(model, "token:4:32", "token:4:32"), ids)
+    assert len(errors) == 2 * (NEW - 1) and max(errors) < ATTN_TOL
+    worst, _ = diff(logits, replay(twin, dequantized(twin, "token:4:32", "token:4:32"), seq))
+    assert worst < DEQUANT_TOL, f"logits differ from the dequantized twin by {worst:.2e} of max"
