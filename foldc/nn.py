@@ -91,7 +91,8 @@ class FoldLinear(torch.nn.Module):
         self.register_buffer("zero", weight.zero)
         if bias is not None:
             if not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (n,):
-                raise InputError(f"bias must be a [{n}] tensor or None; got {getattr(bias, 'shape', type(bias).__name__)}")
+                got = getattr(bias, "shape", type(bias).__name__)
+                raise InputError(f"bias must be a [{n}] tensor or None; got {got}")
             bias = bias.detach()
         self.register_buffer("bias", bias)
 
@@ -114,7 +115,8 @@ class FoldLinear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not isinstance(x, torch.Tensor) or x.shape[-1] != self.in_features:
-            raise InputError(f"x must be a tensor [..., {self.in_features}]; got {getattr(x, 'shape', type(x).__name__)}")
+            got = getattr(x, "shape", type(x).__name__)
+            raise InputError(f"x must be a tensor [..., {self.in_features}]; got {got}")
         lead = x.shape[:-1]
         y = torch.ops.foldc.linear(x.reshape(-1, self.in_features), self.codes, self.scale, self.zero, self.bias,
                                    self.encoding.short(), self.out_features)

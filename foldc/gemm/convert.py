@@ -99,7 +99,8 @@ def from_gptq(qweight, qzeros, scales, g_idx=None, *, bits: int = 4, group_size:
     groups = k // group_size
     qzeros = _int32("qzeros", qzeros, (groups, n * bits // 32))
     if not isinstance(scales, torch.Tensor) or tuple(scales.shape) != (groups, n):
-        raise InputError(f"scales must be a [{groups}, {n}] tensor; got {getattr(scales, 'shape', type(scales).__name__)}")
+        got = getattr(scales, "shape", type(scales).__name__)
+        raise InputError(f"scales must be a [{groups}, {n}] tensor; got {got}")
     _groups_in_order(g_idx, k, group_size)
     codes = _fields(qweight, bits, 0).T                                  # [n, k]
     zeros = (_fields(qzeros, bits, 1) + zero_offset).T                   # [n, groups]
@@ -119,7 +120,8 @@ def from_awq(qweight, qzeros, scales, *, bits: int = 4, group_size: int = 128) -
     groups = k // group_size
     qzeros = _int32("qzeros", qzeros, (groups, n * bits // 32))
     if not isinstance(scales, torch.Tensor) or tuple(scales.shape) != (groups, n):
-        raise InputError(f"scales must be a [{groups}, {n}] tensor; got {getattr(scales, 'shape', type(scales).__name__)}")
+        got = getattr(scales, "shape", type(scales).__name__)
+        raise InputError(f"scales must be a [{groups}, {n}] tensor; got {got}")
     order = torch.tensor(AWQ_ORDER).argsort()   # field holding column c of each group of eight
 
     def columns(words):   # [rows, n / 8] words -> [rows, n] codes in column order

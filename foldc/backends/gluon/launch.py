@@ -193,7 +193,7 @@ class GluonAttention:
         # and where a channel-wise group of 32 tokens could not hold a 64-token tile. With two channel
         # groups per token, 32-token tiles: 168 registers (three warps per scheduler) against 214,
         # 1-3% faster at INT2 8 x 64K and 32 x 64K; with four, both sizes hold two warps and 64 was
-        # 6-7% faster (H200, docs/perf.md tenth session); a mix follows the side with more groups
+        # 6-7% faster (H200, tenth session: `git show 6178656:docs/perf.md`); a mix follows the side with more groups
         # (not measured)
         groups = [g for g in (self.config.key_tokens, self.config.value_tokens) if g]
         # one KV head per program: 64 also won at INT2 (114.5 against 118.3 us at 32/8, 115.6 against
@@ -453,7 +453,7 @@ class GluonAttention:
                                              counters)
         decode[(q.shape[0], self.head_programs(launch), splits)](*args, **kwargs)
         # PDL under CUDA-graph capture only: launched eagerly, the programmatic dependent merge cost
-        # ~44 µs of GPU time per call at INT2 1 x 16K (H200, docs/perf.md ninth session)
+        # ~44 µs of GPU time per call at INT2 1 x 16K (H200, ninth session: `git show 6178656:docs/perf.md`)
         launch_merge(merge, *ws, out, lse, self.config.q_per_kv * launch["heads"],
                      pdl=self.pdl and torch.cuda.is_current_stream_capturing())
 

@@ -2,7 +2,7 @@
 
 `JITFunction.run` binds and specialises the arguments, builds the cache key (the options as a
 string), checks the globals the kernel read, and only then launches. At batch 1 that host path
-was most of an eager decode call on the H200 (docs/perf.md, ninth session). `FastLaunch` keeps the
+was most of an eager decode call on the H200 (ninth session: `git show 6178656:docs/perf.md`). `FastLaunch` keeps the
 first part, triton's own binder (so a kernel is reused only for arguments that triton itself
 would give the same specialisation: dtypes, 16-byte alignment, integer divisibility and width),
 and keys the compiled kernel it got from the first, ordinary launch by that specialisation and the
