@@ -87,13 +87,8 @@ def _groups_in_order(g_idx, k: int, group: int, name: str = "g_idx") -> None:
                          "export it with desc_act=False")
 
 
-def from_gptq(qweight, qzeros, scales, g_idx=None, *, bits: int = 4, group_size: int = 128,
-              zero_offset: int = 1) -> tuple[AffineTensor, GemmEncoding]:
-    """A GPTQ layer (module doc) as a foldc weight: ``qweight`` int32 [k * bits / 32, n], ``qzeros``
-    int32 [k / group_size, n * bits / 32], ``scales`` [k / group_size, n], ``g_idx`` None or in order."""
-    _check_bits(bits)
-    qweight = _int32("qweight", qweight)
-    k, n = qweight.shape[0] * 32 // bits, qweight.shape[1]
+def _zero_point_layer(qzeros, scales, k: int, n: int, bits: int, group_size: int) -> tuple[torch.Tensor, int]:
+    """Check a GPTQ/AWQ layer's ``qzeros`` and ``scales`` against its k x n weight; (qzeros, groups)."""
     if k % group_size:
         raise InputError(f"k={k} (from qweight) is not a multiple of group_size={group_size}")
     groups = k // group_size
@@ -101,12 +96,28 @@ def from_gptq(qweight, qzeros, scales, g_idx=None, *, bits: int = 4, group_size:
     if not isinstance(scales, torch.Tensor) or tuple(scales.shape) != (groups, n):
         got = getattr(scales, "shape", type(scales).__name__)
         raise InputError(f"scales must be a [{groups}, {n}] tensor; got {got}")
-    _groups_in_order(g_idx, k, group_size)
-    codes = _fields(qweight, bits, 0).T                                  # [n, k]
-    zeros = (_fields(qzeros, bits, 1) + zero_offset).T                   # [n, groups]
+    return qzeros, groups
+
+
+def _from_integer_zeros(codes, zeros, scales, bits: int, group_size: int) -> tuple[AffineTensor, GemmEncoding]:
+    """codes [n, k], integer zeros [n, groups], scales [groups, n]: value = scale * (code - zero)."""
     s = scales.T.to(torch.float64)
     want = s.repeat_interleave(group_size, 1) * (codes - zeros.repeat_interleave(group_size, 1)).to(torch.float64)
     return _build(codes, s.to(torch.float32), (-s * zeros).to(torch.float32), bits, group_size, want)
+
+
+def from_gptq(qweight, qzeros, scales, g_idx=None, *, bits: int = 4, group_size: int = 128,
+              zero_offset: int = 1) -> tuple[AffineTensor, GemmEncoding]:
+    """A GPTQ layer (module doc) as a foldc weight: ``qweight`` int32 [k * bits / 32, n], ``qzeros``
+    int32 [k / group_size, n * bits / 32], ``scales`` [k / group_size, n], ``g_idx`` None or in order."""
+    _check_bits(bits)
+    qweight = _int32("qweight", qweight)
+    k, n = qweight.shape[0] * 32 // bits, qweight.shape[1]
+    qzeros, _ = _zero_point_layer(qzeros, scales, k, n, bits, group_size)
+    _groups_in_order(g_idx, k, group_size)
+    codes = _fields(qweight, bits, 0).T                                  # [n, k]
+    zeros = (_fields(qzeros, bits, 1) + zero_offset).T                   # [n, groups]
+    return _from_integer_zeros(codes, zeros, scales, bits, group_size)
 
 
 def from_awq(qweight, qzeros, scales, *, bits: int = 4, group_size: int = 128) -> tuple[AffineTensor, GemmEncoding]:
@@ -115,22 +126,14 @@ def from_awq(qweight, qzeros, scales, *, bits: int = 4, group_size: int = 128) -
     _check_bits(bits, (4,))
     qweight = _int32("qweight", qweight)
     k, n = qweight.shape[0], qweight.shape[1] * 32 // bits
-    if k % group_size:
-        raise InputError(f"k={k} (from qweight) is not a multiple of group_size={group_size}")
-    groups = k // group_size
-    qzeros = _int32("qzeros", qzeros, (groups, n * bits // 32))
-    if not isinstance(scales, torch.Tensor) or tuple(scales.shape) != (groups, n):
-        got = getattr(scales, "shape", type(scales).__name__)
-        raise InputError(f"scales must be a [{groups}, {n}] tensor; got {got}")
+    qzeros, _ = _zero_point_layer(qzeros, scales, k, n, bits, group_size)
     order = torch.tensor(AWQ_ORDER).argsort()   # field holding column c of each group of eight
 
     def columns(words):   # [rows, n / 8] words -> [rows, n] codes in column order
         f = _fields(words, bits, 1).reshape(words.shape[0], -1, 8)
         return f[..., order].reshape(words.shape[0], -1)
     codes, zeros = columns(qweight).T, columns(qzeros).T                 # [n, k], [n, groups]
-    s = scales.T.to(torch.float64)
-    want = s.repeat_interleave(group_size, 1) * (codes - zeros.repeat_interleave(group_size, 1)).to(torch.float64)
-    return _build(codes, s.to(torch.float32), (-s * zeros).to(torch.float32), bits, group_size, want)
+    return _from_integer_zeros(codes, zeros, scales, bits, group_size)
 
 
 def from_hqq(W_q, scale, zero, *, shape: tuple[int, int], group_size: int, bits: int = 4

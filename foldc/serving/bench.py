@@ -40,6 +40,7 @@ from pathlib import Path
 import torch
 
 import foldc
+from foldc.decisions import token_group
 from foldc.encoding import AffineTensor, scale_shape
 from foldc.serving import (PagedDecodeWrapper, PagedKVCache, QuantizedKVCache, append_paged, append_quantized,
                            gather_pages)
@@ -110,7 +111,7 @@ def correctness(c: Ctx) -> tuple[list, str]:
         want = foldc.quantize(x, enc)
         region = slice(c.group, 3 * c.group)
         g = enc.group_size
-        rows_s = region if enc.layout == "token" else slice(c.group // g, 3 * c.group // g)
+        rows_s = slice(c.group // g, 3 * c.group // g) if token_group(enc) else region   # scale rows: per group
         ok = (torch.equal(dst.codes[:, :, region], want.codes)
               and torch.equal(dst.scale[:, :, rows_s].view(torch.uint8), want.scale.view(torch.uint8))
               and torch.equal(dst.zero[:, :, rows_s].view(torch.uint8), want.zero.view(torch.uint8)))
