@@ -1,17 +1,73 @@
 """`compile_gemm(spec, target)`: a callable ``y = gemm(x, w)``.
 
 Targets as for attention: ``"reference"`` (float64 plan executor, float64 [m, n]), ``"sm_90"``,
-``"sm_100"`` (the generated Triton kernel on a GPU), ``"interpret"`` (the same kernel under
-Triton's interpreter, CPU, fp16), ``"auto"``.
+``"sm_100"`` (a GPU), ``"interpret"`` (the generated Triton kernel under Triton's interpreter,
+CPU, fp16), ``"auto"``.
+
+On a GPU each call goes where its plan lowers: the register-operand GEMV (the attention kernel's
+operand library, foldc/backends/gluon/gemv.py) takes calls of up to 16 rows of plain fp16/bf16
+activations whose plan at that row count is an acc-fold; the generated Triton kernel takes the
+rest (more rows, dequant verdicts of eq. 16, encoded activations). ``kernel="triton"`` or
+``kernel="gluon"`` forces one (the latter raises for a call it does not take).
 """
 from __future__ import annotations
 
-from ..errors import SpecError
+from ..errors import InputError, SpecError
 from .plan import gemm_plan
 from .reference import ReferenceGemm
 from .spec import GemmSpec
 
 TARGETS = ("reference", "auto", "sm_90", "sm_100", "interpret")
+KERNELS = ("auto", "gluon", "triton")
+GLUON_OPTIONS = ("block_rows", "gemv_split", "gemv_stages")
+
+
+class GemmKernel:
+    """The GPU GEMM callable: the register-operand GEMV where it lowers, the Triton kernel otherwise.
+    Triton's options (block_m, block_n, block_k, split_k, num_warps, num_stages, out_dtype,
+    fold_policy) go to the Triton kernel; block_rows, gemv_split and gemv_stages to the GEMV."""
+
+    def __init__(self, spec: GemmSpec, target: str, kernel: str = "auto", **options):
+        from ..backends.gluon.gemv_launch import GluonGemv
+        from ..backends.triton.gemm_launch import TritonGemm
+
+        if kernel not in KERNELS:
+            raise SpecError(f"kernel={kernel!r} must be one of {KERNELS}")
+        gluon = {k: options.pop(k) for k in GLUON_OPTIONS if k in options}
+        self.spec, self.target, self.choice = spec, target, kernel
+        self.triton = TritonGemm(spec, target, **options)
+        uses_gluon = kernel != "triton" and options.get("fold_policy", "auto") == "auto" and spec.activation is None
+        if kernel == "gluon" and not uses_gluon:
+            raise SpecError(f"kernel='gluon' with {spec.describe()} and fold_policy="
+                            f"{options.get('fold_policy', 'auto')!r}: the GEMV takes plain activations and the "
+                            "plan's own fold; use kernel='auto'")
+        self.gemv = GluonGemv(spec, target, gluon.get("block_rows"), gluon.get("gemv_split"),
+                              gluon.get("gemv_stages")) if uses_gluon else None
+        if gluon and self.gemv is None:
+            raise SpecError(f"{sorted(gluon)}: options of the register-operand GEMV, which this kernel does not use")
+
+    def uses_gemv(self, x) -> bool:
+        """Whether a call with ``x`` runs the register-operand GEMV."""
+        if self.gemv is None or not hasattr(x, "shape") or x.dim() != 2:
+            return False
+        ok, why = self.gemv.lowers(x.shape[0])
+        if not ok and self.choice == "gluon":
+            raise InputError(f"kernel='gluon': a call with m={x.shape[0]} rows does not lower to the GEMV: {why}")
+        return ok
+
+    def __call__(self, x, w, out=None):
+        if self.uses_gemv(x):
+            return self.gemv(x, w, out=out)
+        return self.triton(x, w, out=out)
+
+    def plan_for(self, dtype=None, m: int | None = None):
+        """The plan the call runs: the GEMV's at ``m`` rows where it takes them, else the Triton kernel's."""
+        if m is not None and self.gemv is not None and self.gemv.lowers(m)[0]:
+            return self.gemv.plan_for(m)
+        return self.triton.plan_for(dtype) if dtype is not None else self.triton.plan_for()
+
+    def source(self, *args, **kwargs) -> str:
+        return self.triton.source(*args, **kwargs)
 
 
 def compile_gemm(spec: GemmSpec, target: str = "reference", **options):
@@ -28,6 +84,13 @@ def compile_gemm(spec: GemmSpec, target: str = "reference", **options):
     if target == "auto":
         target = detect_target()
     check_gpu_target(target)
-    from ..backends.triton.gemm_launch import TritonGemm
+    if target == "interpret":
+        kernel = options.pop("kernel", "auto")
+        bad = sorted(set(options) & set(GLUON_OPTIONS))
+        if kernel == "gluon" or bad:
+            raise SpecError(f"{'kernel=gluon' if kernel == 'gluon' else bad}: the register-operand GEMV runs on "
+                            "sm_90 / sm_100 GPUs only (inline PTX); target='interpret' runs the Triton kernel")
+        from ..backends.triton.gemm_launch import TritonGemm
 
-    return TritonGemm(spec, target, **options)
+        return TritonGemm(spec, target, **options)
+    return GemmKernel(spec, target, **options)

@@ -1,0 +1,196 @@
+"""Check and time the register-operand GEMV (foldc/backends/gluon/gemv.py) on a GPU, in one process.
+
+    PYTHONPATH=. python3 benchmarks/gemv_check.py --out $OUT/gemv [--quick]
+
+1. Correctness: for each weight encoding (INT2/INT4/INT8, k groups 32/64/128, per channel, fp16,
+   bf16 and fp32 scales), odd and round shapes, m = 1..16, fp16 and bf16 activations, default and
+   forced split-k: the kernel against the float64 reference (dequantize, then matmul), next to the
+   error of torch's own dequantize-then-matmul in the activation dtype (the bar). Fresh random
+   data per case (the seed is printed).
+2. Timing (`triton.testing.do_bench`, L2 flushed before each call): for the issue's shapes, fp16
+   cuBLAS ``x @ w.T``, torch's INT4 kernel ``_weight_int4pack_mm`` (bf16 x, g128), foldc INT4 and
+   INT2 g128 (fp16 and bf16 x; the best of a few launch choices, each checked first), at m = 1 and 16;
+   percent of the 4.46 TB/s read ceiling on the bytes each one must read.
+Writes gemv_check.json and gemv_check.txt under --out.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+CEILING = 4.46e12   # bytes/s, ../shared notes: Triton streaming read on the H200
+ENCODINGS = ["k-group:4:128", "k-group:4:64", "k-group:4:32", "k-group:2:128", "k-group:2:64", "k-group:2:32",
+             "k-group:8:128", "k-group:8:32", "per-channel:8", "per-channel:4", "per-channel:2",
+             "k-group:4:128:bf16", "k-group:2:128:fp32", "k-group:4:16"]
+SHAPES = [(1000, 2048), (4096, 4096), (96, 1536)]
+ROWS = [1, 3, 8, 9, 16]
+TIMED = [(4096, 4096), (14336, 4096), (4096, 14336), (28672, 8192)]
+
+
+def rel(a, b) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+def dequantize(t, dtype):
+    from foldc.encoding import unpack_codes
+
+    codes = unpack_codes(t.codes[0, 0], t.encoding.bits)
+    rows, k = codes.shape
+    g = t.encoding.group_size
+    s, z = t.scale[0, 0].to(dtype), t.zero[0, 0].to(dtype)
+    return (codes.view(rows, k // g, g).to(dtype) * s[..., None] + z[..., None]).view(rows, k)
+
+
+def check(seed: int, quick: bool) -> list[dict]:
+    import foldc
+    from foldc.gemm import GemmSpec, parse_gemm_encoding
+    from foldc.gemm.reference import gemm_reference, quantize_2d
+
+    rows = []
+    gen = torch.Generator().manual_seed(seed)
+    for enc in ENCODINGS[:4] if quick else ENCODINGS:
+        for n, k in SHAPES:
+            spec = GemmSpec(n, k, parse_gemm_encoding(enc, "weight"))
+            w = (torch.randn(n, k, generator=gen) * 0.05 + 0.01 * torch.randn(n, 1, generator=gen)).cuda()
+            wq = quantize_2d(w, spec.weight)
+            for m in ROWS:
+                for dtype in (torch.float16, torch.bfloat16):
+                    x = (torch.randn(m, k, generator=gen) * 3 + 0.2).to("cuda", dtype)
+                    ref = gemm_reference(x, wq)
+                    bar = rel(x @ dequantize(wq, dtype).T, ref)
+                    for split in (None, 3):
+                        row = {"enc": enc, "n": n, "k": k, "m": m, "dtype": str(dtype)[6:], "split": split}
+                        try:
+                            kern = foldc.compile(spec, target="auto", gemv_split=split)
+                            lowered, why = kern.gemv.lowers(m)
+                            if not lowered:
+                                row.update(ok=True, not_lowered=why)
+                                rows.append(row)
+                                continue
+                            y = kern(x, wq)
+                            torch.cuda.synchronize()
+                            row.update(err=rel(y, ref), bar=bar)
+                            row["ok"] = bool(torch.isfinite(y).all()) and row["err"] <= 2 * bar + 2e-3
+                        except Exception as e:  # noqa: BLE001 - reported per case
+                            row.update(ok=False, error=f"{type(e).__name__}: {str(e)[:300]}")
+                        rows.append(row)
+                        if not row["ok"]:
+                            print("FAIL", json.dumps(row), flush=True)
+    return rows
+
+
+def int4pack(wq):
+    """torch's INT4 tinygemm weight from a foldc k-group:4 weight: the same values (w = (q - 8) s + z')."""
+    from foldc.encoding import unpack_codes
+
+    q = unpack_codes(wq.codes[0, 0], 4).to(torch.int32)
+    packed = torch._convert_weight_to_int4pack((q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8), 8)
+    s, z = wq.scale[0, 0].float(), wq.zero[0, 0].float()
+    sz = torch.stack([s, z + 8 * s], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
+    return packed, sz
+
+
+def timing(seed: int, quick: bool) -> list[dict]:
+    import triton.testing
+
+    import foldc
+    from foldc.backends.gluon.gemv_launch import gemv_bytes
+    from foldc.gemm import GemmSpec, parse_gemm_encoding
+    from foldc.gemm.reference import gemm_reference, quantize_2d
+
+    bench = lambda fn: triton.testing.do_bench(fn, warmup=25, rep=100)  # noqa: E731
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for n, k in TIMED[:2] if quick else TIMED:
+        w = (torch.randn(n, k, generator=gen) * 0.05).cuda()
+        w16 = w.half()
+        for m in (1, 16):
+            x = (torch.randn(m, k, generator=gen) + 0.1).cuda()
+            row = {"n": n, "k": k, "m": m}
+            xh, xb = x.half(), x.bfloat16()
+            row["fp16_us"] = 1e3 * bench(lambda: torch.mm(xh, w16.T))
+            for enc in ("k-group:4:128", "k-group:2:128"):
+                spec = GemmSpec(n, k, parse_gemm_encoding(enc, "weight"))
+                wq = quantize_2d(w, spec.weight)
+                nbytes = gemv_bytes(spec)
+                tag = enc.split(":")[1]
+                if tag == "4":
+                    packed, sz = int4pack(wq)
+                    y = torch._weight_int4pack_mm(xb, packed, 128, sz)
+                    row["torch_int4_err"] = rel(y, gemm_reference(xb, wq))
+                    row["torch_int4_us"] = 1e3 * bench(lambda: torch._weight_int4pack_mm(xb, packed, 128, sz))
+                for dt, xx in (("fp16", xh), ("bf16", xb)):
+                    ref = gemm_reference(xx, wq)
+                    best = None
+                    for opts in ({}, {"block_rows": 32}, {"gemv_split": 4}, {"block_rows": 32, "gemv_split": 2},
+                                 {"gemv_stages": 6}):
+                        kern = foldc.compile(spec, target="auto", kernel="gluon", **opts)
+                        yy = kern(xx, wq)
+                        err = rel(yy, ref)
+                        if not (err < 1e-2):
+                            row[f"int{tag}_{dt}_bad_{json.dumps(opts)}"] = err
+                            continue
+                        us = 1e3 * bench(lambda: kern(xx, wq, out=yy))
+                        if best is None or us < best[0]:
+                            best = (us, opts, err)
+                    if best:
+                        row[f"int{tag}_{dt}_us"], row[f"int{tag}_{dt}_opts"], row[f"int{tag}_{dt}_err"] = best
+                        row[f"int{tag}_{dt}_pct"] = 100 * nbytes / (best[0] * 1e-6) / CEILING
+                    triton_k = foldc.compile(spec, target="auto", kernel="triton")
+                    if dt == "fp16":
+                        yt = triton_k(xx, wq)
+                        row[f"int{tag}_triton_us"] = 1e3 * bench(lambda: triton_k(xx, wq, out=yt))
+            print(json.dumps(row), flush=True)
+            out.append(row)
+    return out
+
+
+def table(rows) -> str:
+    f = lambda r, key: f"{r[key]:.1f}" if r.get(key) is not None else "-"  # noqa: E731
+    head = (f"{'N x K':<12} {'m':>2} {'fp16':>6} {'torch4':>6} {'int4 f16':>8} {'%ceil':>5} {'int4 b16':>8} "
+            f"{'int2 f16':>8} {'%ceil':>5} {'int2 b16':>8} {'tri4':>6} {'vs torch4':>9} {'int2 vs fp16':>12}")
+    lines = [head]
+    for r in rows:
+        v4 = r["torch_int4_us"] / r["int4_fp16_us"] if r.get("int4_fp16_us") and r.get("torch_int4_us") else 0
+        v2 = r["fp16_us"] / r["int2_fp16_us"] if r.get("int2_fp16_us") else 0
+        lines.append(f"{r['n']}x{r['k']:<7} {r['m']:>2} {f(r, 'fp16_us'):>6} {f(r, 'torch_int4_us'):>6} "
+                     f"{f(r, 'int4_fp16_us'):>8} {f(r, 'int4_fp16_pct'):>5} {f(r, 'int4_bf16_us'):>8} "
+                     f"{f(r, 'int2_fp16_us'):>8} {f(r, 'int2_fp16_pct'):>5} {f(r, 'int2_bf16_us'):>8} "
+                     f"{f(r, 'int4_triton_us'):>6} {v4:>8.2f}x {v2:>11.2f}x")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default="results/gemv")
+    ap.add_argument("--seed", type=int, default=int(time.time()) % 100000)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--skip-check", action="store_true")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("no CUDA GPU", file=sys.stderr)
+        return 2
+    t0 = time.time()
+    print(f"seed {args.seed}", flush=True)
+    checks = [] if args.skip_check else check(args.seed, args.quick)
+    bad = [r for r in checks if not r["ok"]]
+    print(f"correctness: {len(checks) - len(bad)}/{len(checks)} ok in {time.time() - t0:.0f} s", flush=True)
+    times = timing(args.seed, args.quick)
+    text = table(times)
+    print(text)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    env = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "seed": args.seed,
+           "seconds": time.time() - t0}
+    (out / "gemv_check.json").write_text(json.dumps({"env": env, "checks": checks, "times": times}, indent=1))
+    (out / "gemv_check.txt").write_text(text + "\n")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,195 @@
+"""The register-operand GEMV / small-M GEMM kernel (Gluon, sm_90 and sm_100): ``y = x @ w.T`` for a
+weight of packed codes with one scale and zero per output channel and k group, and m <= 16 rows of
+fp16 or bf16 activations.
+
+The weight plays the attention kernel's key side (kernel.py, operands.py): output channels are the
+MMA's M axis ("tokens"), k its K axis, and the activation rows its N axis (padded to ROWS = 8 or 16).
+A chunk of NB bytes of one weight row holds NB * F channels of k (F codes per byte, planar packing:
+field i of byte j is k = i * K/F + j), unpacked by `key_operand` (two codes per AND, fp16 subnormals
+code * 2^(bits*i) * 2^-24). Per chunk, each piece of the operand that lies inside one k group (a
+field's whole chunk, or a part of it when the group is smaller) gets its own MMA chain, and
+
+    y[n, m] += mma_p[n, m] * scale[n, g_p] * 2^(24 - bits*i_p) / c[m]  +  zero[n, g_p] * X_p[m]
+
+where X_p is the sum of x over the piece's k (the correction of eq. 6, here per group and so exact
+for a k-group weight: eq. 5 and 6 of docs/derivation.md with the weight's groups along k). No
+partial sum is carried unscaled from one group into another; a group longer than a chunk adds its
+chunks' scaled pieces (the same scale, so the same sum). c[m] is 1 for fp16 activations; bf16
+activations are put in fp16 per chunk, each row times a power of two c that brings its largest
+entry near 2^12 (exact).
+
+Programs are one warp: (block of BN output channels, split of the k chunks). Code words go global
+-> shared memory by cp.async STAGES chunks ahead (tile_memory.copy_layout), into a swizzled tile so
+that the operand's 8-byte reads are free of bank conflicts. With SPLIT > 1 each program writes its
+float32 partial [m, BN] to a workspace and bumps its row block's counter; the last program of the
+block sums the partials, writes y and resets the counter to 0 (one launch, CUDA-graph safe).
+
+Import this module only where Triton runs natively (not under TRITON_INTERPRET=1).
+"""
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import constexpr_function
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
+
+from foldc.backends.gluon.tile_memory import copy_layout
+from foldc.backends.gluon.tile_operands import (group_mmas, key_operand, key_words_layout, split_groups, swap_k01,
+                                                zeros_groups)
+
+
+@constexpr_function
+def weight_tile_layout(W):
+    """Shared layout of a [BN, W] word tile: rows XOR-swizzled in 8-word units so that the eight rows
+    a warp's 8-byte reads touch land in different banks (W = 8 needs none: rows are 8 words apart)."""
+    W = int(W)
+    if W >= 32:
+        return gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=4, order=[1, 0])
+    if W == 16:
+        return gl.SwizzledSharedLayout(vec=8, per_phase=2, max_phase=2, order=[1, 0])
+    return gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
+
+
+@gluon.jit
+def _as_tuple(x, NG: gl.constexpr):
+    if NG == 1:
+        out = (x,)
+    else:
+        out = x
+    return out
+
+
+@gluon.jit
+def _piece_params(WS, WZ, rows, stride_ws, j0, p: gl.constexpr, PPF: gl.constexpr, P: gl.constexpr,
+                  ROW_BYTES: gl.constexpr, G: gl.constexpr, BITS: gl.constexpr, VALUE_EXP: gl.constexpr):
+    """Scale (times the piece's field weight 2^(VALUE_EXP - bits*field)) and zero of piece p's group,
+    per output channel, float32 [BN]."""
+    field: gl.constexpr = p // PPF
+    g = (field * ROW_BYTES + j0 + (p % PPF) * P) // G
+    off = rows * stride_ws + g
+    s = gl.load(WS + off).to(gl.float32) * (2.0 ** (VALUE_EXP - BITS * field))
+    z = gl.load(WZ + off).to(gl.float32)
+    return s, z
+
+
+@gluon.jit
+def _ones_mmas(ones, xs, zero, b_l: gl.constexpr, NG: gl.constexpr):
+    """mma(ones, xs[p]) per piece: each row holds the piece's sum of x per activation row."""
+    if NG == 2:
+        out = (mma_v2(ones, gl.convert_layout(xs[0], b_l, assert_trivial=True), zero),
+               mma_v2(ones, gl.convert_layout(xs[1], b_l, assert_trivial=True), zero))
+    elif NG == 4:
+        lo = _ones_mmas(ones, (xs[0], xs[1]), zero, b_l, 2)
+        hi = _ones_mmas(ones, (xs[2], xs[3]), zero, b_l, 2)
+        out = (lo[0], lo[1], hi[0], hi[1])
+    else:
+        lo = _ones_mmas(ones, (xs[0], xs[1], xs[2], xs[3]), zero, b_l, 4)
+        hi = _ones_mmas(ones, (xs[4], xs[5], xs[6], xs[7]), zero, b_l, 4)
+        out = (lo[0], lo[1], lo[2], lo[3], hi[0], hi[1], hi[2], hi[3])
+    return out
+
+
+@gluon.jit
+def _chunk(w_tile, X, WS, WZ, y, rows, rx, x_ok, stride_x, stride_ws, j0, BN: gl.constexpr, W: gl.constexpr,
+           F: gl.constexpr, NG: gl.constexpr, ROWS: gl.constexpr, ROW_BYTES: gl.constexpr, G: gl.constexpr,
+           BITS: gl.constexpr, ASM: gl.constexpr, CONS: gl.constexpr, XF16: gl.constexpr, VALUE_EXP: gl.constexpr):
+    """One chunk (bytes j0 .. j0 + NB of every row of the block): y [BN, ROWS] plus its folded pieces."""
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
+    a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=8)
+    b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=8)
+    row_l: gl.constexpr = gl.SliceLayout(0, mma)
+    NB: gl.constexpr = W * 4
+    D: gl.constexpr = NB * F
+    P: gl.constexpr = D // NG            # k per piece
+    PPF: gl.constexpr = NG // F if NG >= F else 1
+    # the activation chunk [D, ROWS]: k index kx is field kx // NB, byte kx % NB, loaded in channel
+    # order and put in the operand's k order (bits 0 and 1 of the byte swapped, operands.key_channel)
+    kx = gl.arange(0, D, layout=gl.SliceLayout(1, b_l))
+    koff = (kx // NB) * ROW_BYTES + j0 + kx % NB
+    x_nat = gl.load(X + rx[None, :] * stride_x + koff[:, None], mask=x_ok, other=0.0)
+    xv = gl.convert_layout(swap_k01(x_nat, D, ROWS), b_l, assert_trivial=True)
+    if XF16:
+        x16 = xv
+    else:   # each row times a power of two c (its largest entry near 2^12), then fp16 (exact)
+        xf = xv.to(gl.float32)
+        c = gl.exp2(12.0 - gl.floor(gl.log2(gl.maximum(gl.max(gl.abs(xf), axis=0), 1e-30))))
+        x16 = (xf * c[None, :]).to(gl.float16)
+    kw = w_tile.load(key_words_layout(BN, W))
+    op = key_operand(kw, BN, D, F, ASM, CONS)
+    # per piece: its MMA, and the sum of x over its k as an MMA of ones (in the accumulator's layout)
+    ones = gl.full([BN, P], 1.0, gl.float16, layout=a_l)
+    zero = gl.zeros([BN, ROWS], gl.float32, layout=mma)
+    if NG == 1:
+        parts = (mma_v2(gl.convert_layout(op, a_l, assert_trivial=True), x16, zero),)
+        sums = (mma_v2(ones, x16, zero),)
+    else:
+        xs = split_groups(x16, NG, 0)
+        parts = group_mmas(split_groups(op, NG, 1), xs, zeros_groups([BN, ROWS], mma, NG), a_l, b_l, NG)
+        sums = _ones_mmas(ones, xs, zero, b_l, NG)
+    acc = zero
+    for p in gl.static_range(NG):
+        s, z = _piece_params(WS, WZ, rows, stride_ws, j0, p, PPF, P, ROW_BYTES, G, BITS, VALUE_EXP)
+        acc = acc + parts[p] * s[:, None] + sums[p] * z[:, None]
+    if XF16:
+        y = y + acc
+    else:
+        y = y + acc * gl.convert_layout(1.0 / c, row_l)[None, :]
+    return y
+
+
+@gluon.jit
+def foldc_gemv_gluon(X, WC, WS, WZ, Y, PART, COUNTERS, M, N, stride_x, stride_wc, stride_ws, stride_y,
+                     chunks_per_split, BN: gl.constexpr, W: gl.constexpr, F: gl.constexpr, NG: gl.constexpr,
+                     ROWS: gl.constexpr, ROW_BYTES: gl.constexpr, G: gl.constexpr, BITS: gl.constexpr,
+                     STAGES: gl.constexpr, SPLIT: gl.constexpr, ASM: gl.constexpr, CONS: gl.constexpr,
+                     XF16: gl.constexpr, VALUE_EXP: gl.constexpr):
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
+    b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=8)
+    NB: gl.constexpr = W * 4
+    NCH: gl.constexpr = ROW_BYTES // NB
+    pid_n = gl.program_id(0)
+    pid_s = gl.program_id(1)
+    n0 = pid_n * BN
+    c_lo = pid_s * chunks_per_split
+    c_hi = gl.minimum(c_lo + chunks_per_split, NCH)
+    # rows past N read row N - 1 (in bounds) and are never stored
+    cp_l: gl.constexpr = copy_layout(BN, W)
+    rc = gl.minimum(n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, cp_l)), N - 1)
+    wc = gl.arange(0, W, layout=gl.SliceLayout(0, cp_l))
+    w_rows = WC + rc[:, None] * stride_wc + wc[None, :]
+    rows = gl.minimum(n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, mma)), N - 1)
+    rx = gl.arange(0, ROWS, layout=gl.SliceLayout(0, b_l))
+    x_ok = (rx < M)[None, :]
+    smem = gl.allocate_shared_memory(gl.int32, [STAGES, BN, W], weight_tile_layout(W))
+    for s in gl.static_range(STAGES - 1):
+        async_copy.async_copy_global_to_shared(smem.index(s), w_rows + gl.minimum(c_lo + s, c_hi - 1) * W)
+        async_copy.commit_group()
+    y = gl.zeros([BN, ROWS], gl.float32, layout=mma)
+    for i in range(c_hi - c_lo):
+        ahead = i + STAGES - 1
+        gl.thread_barrier()   # every lane is done reading the stage the next copy overwrites
+        async_copy.async_copy_global_to_shared(smem.index(ahead % STAGES),
+                                               w_rows + gl.minimum(c_lo + ahead, c_hi - 1) * W)
+        async_copy.commit_group()
+        async_copy.wait_group(STAGES - 1)
+        gl.thread_barrier()   # chunk i's words, copied by every lane, are visible
+        y = _chunk(smem.index(i % STAGES), X, WS, WZ, y, rows, rx, x_ok, stride_x, stride_ws, (c_lo + i) * NB, BN, W,
+                   F, NG, ROWS, ROW_BYTES, G, BITS, ASM, CONS, XF16, VALUE_EXP)
+    async_copy.wait_group(0)
+    rn = n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, mma))
+    rm = gl.arange(0, ROWS, layout=gl.SliceLayout(0, mma))
+    ok = (rn < N)[:, None] & (rm < M)[None, :]
+    out = rm[None, :] * stride_y + rn[:, None]
+    if SPLIT == 1:
+        gl.store(Y + out, y.to(Y.dtype.element_ty), mask=ok)
+    else:
+        part = rm[None, :] * N + rn[:, None]
+        gl.store(PART + pid_s * M * N + part, y, mask=ok)
+        gl.thread_barrier()   # every lane's partial is written before the counter says so
+        done = gl.atomic_add(COUNTERS + pid_n, 1, sem="acq_rel", scope="gpu")
+        if done == SPLIT - 1:   # the last program of the block: the sum of all partials, then y
+            total = gl.zeros([BN, ROWS], gl.float32, layout=mma)
+            for j in range(SPLIT):
+                total += gl.load(PART + j * M * N + part, mask=ok, other=0.0, cache_modifier=".cg")
+            gl.store(Y + out, total.to(Y.dtype.element_ty), mask=ok)
+            gl.atomic_xchg(COUNTERS + pid_n, 0, sem="relaxed", scope="gpu")

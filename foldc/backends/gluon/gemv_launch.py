@@ -1,0 +1,179 @@
+"""The register-operand GEMV kernel (gemv.py) as a callable ``y = gemv(x, w)`` for sm_90 and sm_100.
+
+``GluonGemv(spec, target)`` lowers the spec's plan at each call's row count (gemv_lower.py) and
+launches one warp per (block of output channels, split of k). ``lowers(m)`` says whether it takes a
+call with m rows; the GEMM callable of `foldc.compile` (foldc/gemm/compile.py) sends the others to
+the generated Triton kernel. Calls are CUDA-graph capturable: the split-k workspace and the block
+counters are allocated once per device and row count, and the kernel leaves the counters at zero.
+Two streams must not run one GluonGemv at the same time (they would share the counters).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ...encoding import AffineTensor
+from ...errors import InputError, InputTypeError, SpecError
+from ...gemm.plan import GemmPlan, gemm_plan
+from ...gemm.spec import GemmSpec
+from ..runtime.fast_launch import FastLaunch
+from ..runtime.modules import num_sms
+from .gemv_lower import GemvKernel, NotLowerable, lower_gemv
+from .operands import VALUE_EXPONENT, key_unpack_asm
+
+DTYPES = (torch.float16, torch.bfloat16)
+BLOCK_ROWS = (16, 32, 64)      # output channels per program
+STAGES = 4                     # chunks in flight per program (cp.async)
+PROGRAMS_PER_SM = 16           # the split-k heuristic's aim: about this many one-warp programs per SM
+MAX_SPLIT = 64
+
+
+@dataclass(frozen=True)
+class GemvLaunch:
+    """One call's launch: rows m, the grid (channel blocks, splits) and the kernel's constants."""
+
+    kernel: GemvKernel
+    m: int
+    grid: tuple[int, int]
+    chunks_per_split: int
+    constants: tuple
+
+
+def default_split(kernel: GemvKernel, n: int, block_rows: int, sms: int) -> int:
+    """Splits of k per block so that about PROGRAMS_PER_SM programs run per SM, each with at least two chunks."""
+    blocks = -(-n // block_rows)
+    want = max(1, round(PROGRAMS_PER_SM * sms / blocks))
+    return max(1, min(want, kernel.chunks // 2, MAX_SPLIT))
+
+
+class GluonGemv:
+    """``y = gemv(x, w)`` for x [m, k] fp16/bf16 (m <= 16) and w an AffineTensor [1, 1, n, k].
+    Options: block_rows (output channels per program: 16, 32 or 64), split_k (None: `default_split`),
+    stages (cp.async depth, 2-6)."""
+
+    def __init__(self, spec: GemmSpec, target: str, block_rows: int | None = None, split_k: int | None = None,
+                 stages: int | None = None):
+        if target not in ("sm_90", "sm_100"):
+            raise SpecError(f"target={target!r}: the register-operand GEMV runs on sm_90 and sm_100")
+        if block_rows is not None and block_rows not in BLOCK_ROWS:
+            raise SpecError(f"block_rows={block_rows!r} must be one of {BLOCK_ROWS}")
+        if split_k is not None and (isinstance(split_k, bool) or not isinstance(split_k, int)
+                                    or not 1 <= split_k <= MAX_SPLIT):
+            raise SpecError(f"split_k={split_k!r} must be an integer from 1 to {MAX_SPLIT}")
+        if stages is not None and stages not in range(2, 7):
+            raise SpecError(f"stages={stages!r} must be 2 to 6")
+        self.spec, self.target = spec, target
+        self.block_rows, self.split_k, self.stages = block_rows or 16, split_k, stages or STAGES
+        self._plans: dict[int, GemmPlan] = {}
+        self._launches: dict[tuple, GemvLaunch] = {}
+        self._buffers: dict[tuple, tuple] = {}
+        self._kernel = None
+
+    def plan_for(self, m: int) -> GemmPlan:
+        """The plan the kernel runs for m rows (the break-even of eq. 16 depends on m)."""
+        if m not in self._plans:
+            self._plans[m] = gemm_plan(GemmSpec(self.spec.n, self.spec.k, self.spec.weight, None, m=m))
+        return self._plans[m]
+
+    def lowers(self, m: int) -> tuple[bool, str]:
+        try:
+            lower_gemv(self.plan_for(m), m)
+        except NotLowerable as e:
+            return False, str(e)
+        return True, ""
+
+    def plan_launch(self, m: int, sms: int) -> GemvLaunch:
+        """The launch of a call with ``m`` rows on a GPU of ``sms`` SMs (memoised)."""
+        key = (m, sms)
+        launch = self._launches.get(key)
+        if launch is None:
+            kernel = lower_gemv(self.plan_for(m), m)
+            split = self.split_k or default_split(kernel, self.spec.n, self.block_rows, sms)
+            per = -(-kernel.chunks // min(split, kernel.chunks))
+            split = -(-kernel.chunks // per)
+            asm, cons = key_unpack_asm(kernel.bits)
+            constants = dict(BN=self.block_rows, W=kernel.chunk_bytes // 4, F=kernel.fields, NG=kernel.pieces,
+                             ROWS=8 if m <= 8 else 16, ROW_BYTES=kernel.row_bytes, G=kernel.group, BITS=kernel.bits,
+                             STAGES=self.stages, SPLIT=split, ASM=asm, CONS=cons, VALUE_EXP=VALUE_EXPONENT,
+                             num_warps=1)
+            launch = GemvLaunch(kernel, m, (-(-self.spec.n // self.block_rows), split), per,
+                                tuple(constants.items()))
+            self._launches[key] = launch
+        return launch
+
+    def buffers(self, launch: GemvLaunch, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The split-k workspace [split, m, n] and the block counters (zero; the kernel leaves them so)."""
+        split = launch.grid[1]
+        key = (str(device), launch.m, split)
+        if key not in self._buffers:
+            part = torch.empty(max(split, 1) * launch.m * self.spec.n if split > 1 else 1, device=device,
+                               dtype=torch.float32)
+            counters = torch.zeros(launch.grid[0], device=device, dtype=torch.int32)
+            self._buffers[key] = (part, counters)
+        return self._buffers[key]
+
+    def check(self, x, w) -> int:
+        spec = self.spec
+        if isinstance(x, AffineTensor) or not isinstance(x, torch.Tensor):
+            raise InputTypeError(f"x must be a plain fp16/bf16 [m, k] tensor; got {type(x).__name__}")
+        if x.dim() != 2 or x.shape[1] != spec.k:
+            raise InputError(f"x has shape {tuple(x.shape)}; the spec needs [m, k={spec.k}]")
+        if x.dtype not in DTYPES:
+            raise InputError(f"x dtype={x.dtype} must be torch.float16 or torch.bfloat16")
+        if x.device.type != "cuda":
+            raise InputError(f"target={self.target!r} runs on a CUDA GPU; x is on {x.device}")
+        if x.stride(1) != 1:
+            raise InputError(f"x must have unit stride along k; got strides {x.stride()}")
+        if not isinstance(w, AffineTensor):
+            raise InputTypeError(f"w must be an AffineTensor (foldc.gemm.quantize_2d); got {type(w).__name__}")
+        want = spec.weight.affine(spec.k)
+        if w.encoding != want or tuple(w.shape) != (1, 1, spec.n, spec.k):
+            raise InputError(f"w has encoding {w.encoding.short()} and shape {tuple(w.shape)}; the spec needs "
+                             f"{want.short()} with shape (1, 1, {spec.n}, {spec.k})")
+        codes, scale, zero = w.codes[0, 0], w.scale[0, 0], w.zero[0, 0]
+        if codes.device != x.device:
+            raise InputError(f"w is on {codes.device} and x on {x.device}; put them on one device")
+        if codes.stride(1) != 1 or codes.stride(0) % 16 or codes.data_ptr() % 16:
+            raise InputError(f"w.codes must be rows with unit stride, each row 16-byte aligned (strides "
+                             f"{codes.stride()}); pass w with contiguous codes (quantize_2d gives them)")
+        if scale.stride() != zero.stride() or scale.stride(1) != 1:
+            raise InputError(f"w.scale strides {scale.stride()} and w.zero strides {zero.stride()} must match, "
+                             "with unit stride along the groups")
+        return x.shape[0]
+
+    def __call__(self, x, w, out: torch.Tensor | None = None) -> torch.Tensor:
+        m = self.check(x, w)
+        ok, why = self.lowers(m)
+        if not ok:
+            raise InputError(f"m={m}: the register-operand GEMV does not take this call ({why})")
+        if out is None:
+            out = torch.empty(m, self.spec.n, device=x.device, dtype=x.dtype)
+        elif tuple(out.shape) != (m, self.spec.n) or out.dtype != x.dtype or out.stride(1) != 1:
+            raise InputError(f"out has shape={tuple(out.shape)}, dtype={out.dtype}; it must be ({m}, {self.spec.n}) "
+                             f"{x.dtype} with unit stride along n")
+        self.run(self.plan_launch(m, num_sms(x.device)), x, w, out)
+        return out
+
+    def run(self, launch: GemvLaunch, x, w, out: torch.Tensor) -> None:
+        """Launch ``launch`` into ``out`` [m, n], no checks."""
+        if self._kernel is None:
+            from .gemv import foldc_gemv_gluon
+
+            self._kernel = FastLaunch(foldc_gemv_gluon)
+        part, counters = self.buffers(launch, x.device)
+        codes, scale, zero = w.codes[0, 0], w.scale[0, 0], w.zero[0, 0]
+        self._kernel[launch.grid](x, codes.view(torch.int32), scale, zero, out, part, counters, launch.m,
+                                  self.spec.n, x.stride(0), codes.stride(0) // 4, scale.stride(0), out.stride(0),
+                                  launch.chunks_per_split, XF16=x.dtype == torch.float16, **dict(launch.constants))
+
+
+def gemv_bytes(spec: GemmSpec) -> int:
+    """Bytes the kernel must read for one call: codes plus one scale and one zero per group."""
+    enc = spec.weight
+    groups = spec.k // (enc.group_size or spec.k)
+    size = torch.empty(0, dtype=enc.scale_dtype).element_size()
+    return spec.n * spec.k * enc.bits // 8 + 2 * spec.n * groups * size
+
+
+__all__ = ["GluonGemv", "GemvLaunch", "default_split", "gemv_bytes"]

@@ -1,0 +1,111 @@
+"""Read a GEMM plan and decide whether the register-operand GEMV kernel (gemv.py) lowers it.
+
+The kernel takes the weight's operand plan as it is: an acc-fold (eq. 3: each k group's partial sum
+times the group's scale, plus zero x the group's sum of x, eq. 6) with code bias 0 (the codes enter
+the MMA as fp16 subnormals, operands.py), 2, 4 or 8 bits, k groups or one group per output channel,
+fp16 / bf16 / fp32 scales, plain fp16 or bf16 activations and at most MAX_ROWS of them. A dequant
+verdict (eq. 16: groups of at most twice the rows, for small groups and m near 16) or an encoded
+activation is not its job: `NotLowerable` says why, and the generated Triton kernel runs the call.
+
+Tiling, as numbers: a chunk is ``chunk_bytes`` bytes of every weight row of a block (D = chunk_bytes
+x fields channels of k, 256 of them, one MMA operand); it is cut into ``pieces`` equal ranges of its
+k index, each inside one bit field and one k group, so that no partial sum crosses a group.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ...gemm.plan import GemmPlan
+from .lower import NotLowerable
+
+MAX_ROWS = 16               # activation rows on the MMA's N axis (8 or 16)
+OPERAND_K = 256             # channels of k per chunk: a [16, 256] fp16 operand is 64 registers a lane
+MAX_PIECES = 8              # MMA chains per chunk (tile_operands.split_groups)
+MIN_PIECE = 32              # k per MMA chain (16: the operand split fails to lower)
+MIN_CHUNK_WORDS = 8         # the key operand's layout reads 8 words a row and more (tile_operands.key_words_layout)
+SCALE_DTYPES = {"torch.float16": "fp16", "torch.bfloat16": "bf16", "torch.float32": "fp32"}
+
+
+@dataclass(frozen=True)
+class GemvKernel:
+    """What the GEMV kernel is specialised on, all read from the plan."""
+
+    bits: int            # code width of the weight
+    k: int               # reduced axis
+    group: int           # k per scale group (k itself: one group per output channel)
+    chunk_bytes: int     # bytes of each weight row per chunk
+    pieces: int          # MMA chains per chunk (each inside one field and one group)
+    scale_dtype: str
+
+    @property
+    def fields(self) -> int:
+        return 8 // self.bits
+
+    @property
+    def row_bytes(self) -> int:
+        return self.k // self.fields
+
+    @property
+    def chunks(self) -> int:
+        return self.row_bytes // self.chunk_bytes
+
+    @property
+    def piece_k(self) -> int:
+        return self.chunk_bytes * self.fields // self.pieces
+
+    def piece_group(self, chunk: int, piece: int) -> int:
+        """The k group of piece ``piece`` of chunk ``chunk`` (the kernel's _piece_params)."""
+        per_field = self.pieces // self.fields
+        field, within = divmod(piece, per_field)
+        return (field * self.row_bytes + chunk * self.chunk_bytes + within * self.piece_k) // self.group
+
+
+def lower_gemv(plan: GemmPlan, rows: int) -> GemvKernel:
+    """The kernel's parameters for ``plan`` at ``rows`` activation rows, or NotLowerable."""
+    spec = plan.spec
+    if spec.activation is not None:
+        raise NotLowerable(f"activation={spec.activation.short()}: encoded activations run the Triton kernel")
+    w = plan.operands.get("w")
+    if w is None:
+        raise NotLowerable("the weight is plain: nothing to unpack")
+    if not 1 <= rows <= MAX_ROWS:
+        raise NotLowerable(f"m={rows} rows: the GEMV kernel takes 1 to {MAX_ROWS}")
+    if w.fold != "acc-fold":
+        raise NotLowerable(f"the plan's weight fold is {w.fold} ({w.break_even or w.reason}); the GEMV kernel "
+                           "lowers acc-fold")
+    if w.code_bias != 0:
+        raise NotLowerable(f"weight code bias {w.code_bias}: the kernel's codes enter as fp16 subnormals (bias 0)")
+    enc = spec.weight
+    if str(enc.scale_dtype) not in SCALE_DTYPES:
+        raise NotLowerable(f"scale dtype {enc.scale_dtype}: the kernel reads fp16, bf16 or fp32 scales")
+    fields = 8 // w.bits
+    row_bytes = spec.k // fields
+    group = w.group_size or spec.k
+    chunk = OPERAND_K // fields
+    while chunk >= 4 * MIN_CHUNK_WORDS and row_bytes % chunk:
+        chunk //= 2
+    if chunk < 4 * MIN_CHUNK_WORDS or row_bytes % chunk:
+        raise NotLowerable(f"k={spec.k}: {row_bytes} bytes per weight row is not a multiple of "
+                           f"{4 * MIN_CHUNK_WORDS}")
+    # a piece is a field's whole chunk, or one group of it when the group is shorter; a chunk holding
+    # more groups than MAX_PIECES chains is halved
+    while True:
+        per_field = max(1, chunk // group) if group < row_bytes else 1
+        pieces = fields * per_field
+        if pieces <= MAX_PIECES or chunk <= 4 * MIN_CHUNK_WORDS:
+            break
+        chunk //= 2
+    if group < row_bytes and (chunk % group and group % chunk):
+        raise NotLowerable(f"group_size={group} and a {chunk}-byte chunk: neither divides the other")
+    if pieces > MAX_PIECES or chunk * fields // pieces < MIN_PIECE:
+        raise NotLowerable(f"group_size={group}: {pieces} groups per {chunk * fields}-channel chunk, more than "
+                           f"{MAX_PIECES} MMA chains or pieces under {MIN_PIECE} channels")
+    return GemvKernel(w.bits, spec.k, group, chunk, pieces, SCALE_DTYPES[str(enc.scale_dtype)])
+
+
+def lowerable_gemv(plan: GemmPlan, rows: int) -> tuple[bool, str]:
+    try:
+        lower_gemv(plan, rows)
+    except NotLowerable as e:
+        return False, str(e)
+    return True, ""
