@@ -60,16 +60,29 @@ def _as_tuple(x, NG: gl.constexpr):
 
 
 @gluon.jit
-def _piece_params(WS, WZ, rows, stride_ws, j0, p: gl.constexpr, PPF: gl.constexpr, P: gl.constexpr,
-                  ROW_BYTES: gl.constexpr, G: gl.constexpr, BITS: gl.constexpr, VALUE_EXP: gl.constexpr):
-    """Scale (times the piece's field weight 2^(VALUE_EXP - bits*field)) and zero of piece p's group,
-    per output channel, float32 [BN]."""
-    field: gl.constexpr = p // PPF
-    g = (field * ROW_BYTES + j0 + (p % PPF) * P) // G
-    off = rows * stride_ws + g
-    s = gl.load(WS + off).to(gl.float32) * (2.0 ** (VALUE_EXP - BITS * field))
-    z = gl.load(WZ + off).to(gl.float32)
-    return s, z
+def _param_words(P32, rows, stride_ws, k0, G: gl.constexpr, HALF: gl.constexpr):
+    """Pointers [BN] to the 32-bit words that hold each channel's parameter of the group of k index k0
+    (a 16-bit one: the word that contains it; `_param` picks the half)."""
+    e = rows * stride_ws + k0 // G
+    if HALF:
+        e = e // 2
+    return P32 + e
+
+
+@gluon.jit
+def _param(smem, slot, rows, stride_ws, g, KIND: gl.constexpr):
+    """Piece p's parameter per channel as float32 [BN] from its stage's words (KIND: 0 fp16, 1 bf16, 2 fp32)."""
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
+    v = smem.index(slot).load(gl.SliceLayout(1, mma))
+    if KIND == 2:
+        out = v.to(gl.float32, bitcast=True)
+    else:
+        half = (v >> (((rows * stride_ws + g) & 1) * 16)) & 0xFFFF
+        if KIND == 1:
+            out = (half << 16).to(gl.float32, bitcast=True)
+        else:
+            out = half.to(gl.int16).to(gl.float16, bitcast=True).to(gl.float32)
+    return out
 
 
 @gluon.jit
@@ -90,9 +103,10 @@ def _ones_mmas(ones, xs, zero, b_l: gl.constexpr, NG: gl.constexpr):
 
 
 @gluon.jit
-def _chunk(w_tile, X, WS, WZ, y, rows, rx, x_ok, stride_x, stride_ws, j0, BN: gl.constexpr, W: gl.constexpr,
+def _chunk(w_tile, s_smem, z_smem, s0, x_nat, y, rows, stride_ws, j0, BN: gl.constexpr, W: gl.constexpr,
            F: gl.constexpr, NG: gl.constexpr, ROWS: gl.constexpr, ROW_BYTES: gl.constexpr, G: gl.constexpr,
-           BITS: gl.constexpr, ASM: gl.constexpr, CONS: gl.constexpr, XF16: gl.constexpr, VALUE_EXP: gl.constexpr):
+           BITS: gl.constexpr, ASM: gl.constexpr, CONS: gl.constexpr, XF16: gl.constexpr, VALUE_EXP: gl.constexpr,
+           KIND: gl.constexpr):
     """One chunk (bytes j0 .. j0 + NB of every row of the block): y [BN, ROWS] plus its folded pieces."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
     a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=8)
@@ -102,11 +116,6 @@ def _chunk(w_tile, X, WS, WZ, y, rows, rx, x_ok, stride_x, stride_ws, j0, BN: gl
     D: gl.constexpr = NB * F
     P: gl.constexpr = D // NG            # k per piece
     PPF: gl.constexpr = NG // F if NG >= F else 1
-    # the activation chunk [D, ROWS]: k index kx is field kx // NB, byte kx % NB, loaded in channel
-    # order and put in the operand's k order (bits 0 and 1 of the byte swapped, operands.key_channel)
-    kx = gl.arange(0, D, layout=gl.SliceLayout(1, b_l))
-    koff = (kx // NB) * ROW_BYTES + j0 + kx % NB
-    x_nat = gl.load(X + rx[None, :] * stride_x + koff[:, None], mask=x_ok, other=0.0)
     xv = gl.convert_layout(swap_k01(x_nat, D, ROWS), b_l, assert_trivial=True)
     if XF16:
         x16 = xv
@@ -128,8 +137,10 @@ def _chunk(w_tile, X, WS, WZ, y, rows, rx, x_ok, stride_x, stride_ws, j0, BN: gl
         sums = _ones_mmas(ones, xs, zero, b_l, NG)
     acc = zero
     for p in gl.static_range(NG):
-        s, z = _piece_params(WS, WZ, rows, stride_ws, j0, p, PPF, P, ROW_BYTES, G, BITS, VALUE_EXP)
-        acc = acc + parts[p] * s[:, None] + sums[p] * z[:, None]
+        g = ((p // PPF) * ROW_BYTES + j0 + (p % PPF) * P) // G
+        sp = _param(s_smem, s0 + p, rows, stride_ws, g, KIND) * (2.0 ** (VALUE_EXP - BITS * (p // PPF)))
+        zp = _param(z_smem, s0 + p, rows, stride_ws, g, KIND)
+        acc = acc + parts[p] * sp[:, None] + sums[p] * zp[:, None]
     if XF16:
         y = y + acc
     else:
@@ -138,15 +149,42 @@ def _chunk(w_tile, X, WS, WZ, y, rows, rx, x_ok, stride_x, stride_ws, j0, BN: gl
 
 
 @gluon.jit
+def _load_x(X, rx, x_ok, stride_x, j0, D: gl.constexpr, NB: gl.constexpr, ROWS: gl.constexpr,
+            ROW_BYTES: gl.constexpr):
+    """The activation chunk [D, ROWS] in channel order (k index kx: field kx // NB, byte kx % NB)."""
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
+    b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=8)
+    kx = gl.arange(0, D, layout=gl.SliceLayout(1, b_l))
+    koff = (kx // NB) * ROW_BYTES + j0 + kx % NB
+    return gl.load(X + rx[None, :] * stride_x + koff[:, None], mask=x_ok, other=0.0)
+
+
+@gluon.jit
+def _issue(stage, c, w_rows, S32, Z32, rs, stride_ws, w_smem, s_smem, z_smem, W: gl.constexpr, NB: gl.constexpr,
+           G: gl.constexpr, HALF: gl.constexpr, NG: gl.constexpr, PPF: gl.constexpr, ROW_BYTES: gl.constexpr,
+           P: gl.constexpr):
+    """Start copying chunk c's code words and its pieces' scale and zero words into stage ``stage``."""
+    async_copy.async_copy_global_to_shared(w_smem.index(stage), w_rows + c * W)
+    for p in gl.static_range(NG):
+        k0 = (p // PPF) * ROW_BYTES + c * NB + (p % PPF) * P
+        async_copy.async_copy_global_to_shared(s_smem.index(stage * NG + p), _param_words(S32, rs, stride_ws, k0, G, HALF))
+        async_copy.async_copy_global_to_shared(z_smem.index(stage * NG + p), _param_words(Z32, rs, stride_ws, k0, G, HALF))
+    async_copy.commit_group()
+
+
+@gluon.jit
 def foldc_gemv_gluon(X, WC, WS, WZ, Y, PART, COUNTERS, M, N, stride_x, stride_wc, stride_ws, stride_y,
                      chunks_per_split, BN: gl.constexpr, W: gl.constexpr, F: gl.constexpr, NG: gl.constexpr,
                      ROWS: gl.constexpr, ROW_BYTES: gl.constexpr, G: gl.constexpr, BITS: gl.constexpr,
                      STAGES: gl.constexpr, SPLIT: gl.constexpr, ASM: gl.constexpr, CONS: gl.constexpr,
-                     XF16: gl.constexpr, VALUE_EXP: gl.constexpr):
+                     XF16: gl.constexpr, VALUE_EXP: gl.constexpr, KIND: gl.constexpr):
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
     b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=8)
     NB: gl.constexpr = W * 4
+    D: gl.constexpr = NB * F
     NCH: gl.constexpr = ROW_BYTES // NB
+    PPF: gl.constexpr = NG // F
+    HALF: gl.constexpr = KIND != 2
     pid_n = gl.program_id(0)
     pid_s = gl.program_id(1)
     n0 = pid_n * BN
@@ -157,24 +195,35 @@ def foldc_gemv_gluon(X, WC, WS, WZ, Y, PART, COUNTERS, M, N, stride_x, stride_wc
     rc = gl.minimum(n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, cp_l)), N - 1)
     wc = gl.arange(0, W, layout=gl.SliceLayout(0, cp_l))
     w_rows = WC + rc[:, None] * stride_wc + wc[None, :]
+    # each piece's scale and zero words: one 32-bit word per channel (rows spread over the lanes)
+    sc_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32], warps_per_cta=[1], order=[0])
+    rs = gl.minimum(n0 + gl.arange(0, BN, layout=sc_l), N - 1)
+    S32 = WS.to(gl.pointer_type(gl.int32), bitcast=True)
+    Z32 = WZ.to(gl.pointer_type(gl.int32), bitcast=True)
     rows = gl.minimum(n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, mma)), N - 1)
     rx = gl.arange(0, ROWS, layout=gl.SliceLayout(0, b_l))
     x_ok = (rx < M)[None, :]
-    smem = gl.allocate_shared_memory(gl.int32, [STAGES, BN, W], weight_tile_layout(W))
-    for s in gl.static_range(STAGES - 1):
-        async_copy.async_copy_global_to_shared(smem.index(s), w_rows + gl.minimum(c_lo + s, c_hi - 1) * W)
-        async_copy.commit_group()
+    w_smem = gl.allocate_shared_memory(gl.int32, [STAGES, BN, W], weight_tile_layout(W))
+    p_l: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
+    s_smem = gl.allocate_shared_memory(gl.int32, [STAGES * NG, BN], p_l)
+    z_smem = gl.allocate_shared_memory(gl.int32, [STAGES * NG, BN], p_l)
+    for first in gl.static_range(STAGES - 1):
+        _issue(first, gl.minimum(c_lo + first, c_hi - 1), w_rows, S32, Z32, rs, stride_ws, w_smem, s_smem, z_smem, W, NB, G,
+               HALF, NG, PPF, ROW_BYTES, D // NG)
     y = gl.zeros([BN, ROWS], gl.float32, layout=mma)
+    x_next = _load_x(X, rx, x_ok, stride_x, c_lo * NB, D, NB, ROWS, ROW_BYTES)
     for i in range(c_hi - c_lo):
+        x_nat = x_next   # the next chunk's activations on their way while this one runs
+        x_next = _load_x(X, rx, x_ok, stride_x, gl.minimum(c_lo + i + 1, c_hi - 1) * NB, D, NB, ROWS, ROW_BYTES)
         ahead = i + STAGES - 1
         gl.thread_barrier()   # every lane is done reading the stage the next copy overwrites
-        async_copy.async_copy_global_to_shared(smem.index(ahead % STAGES),
-                                               w_rows + gl.minimum(c_lo + ahead, c_hi - 1) * W)
-        async_copy.commit_group()
+        _issue(ahead % STAGES, gl.minimum(c_lo + ahead, c_hi - 1), w_rows, S32, Z32, rs, stride_ws, w_smem, s_smem,
+               z_smem, W, NB, G, HALF, NG, PPF, ROW_BYTES, D // NG)
         async_copy.wait_group(STAGES - 1)
         gl.thread_barrier()   # chunk i's words, copied by every lane, are visible
-        y = _chunk(smem.index(i % STAGES), X, WS, WZ, y, rows, rx, x_ok, stride_x, stride_ws, (c_lo + i) * NB, BN, W,
-                   F, NG, ROWS, ROW_BYTES, G, BITS, ASM, CONS, XF16, VALUE_EXP)
+        slot = i % STAGES
+        y = _chunk(w_smem.index(slot), s_smem, z_smem, slot * NG, x_nat, y, rows, stride_ws, (c_lo + i) * NB,
+                   BN, W, F, NG, ROWS, ROW_BYTES, G, BITS, ASM, CONS, XF16, VALUE_EXP, KIND)
     async_copy.wait_group(0)
     rn = n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, mma))
     rm = gl.arange(0, ROWS, layout=gl.SliceLayout(0, mma))

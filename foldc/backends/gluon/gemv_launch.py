@@ -27,6 +27,7 @@ BLOCK_ROWS = (16, 32, 64)      # output channels per program
 STAGES = 4                     # chunks in flight per program (cp.async)
 PROGRAMS_PER_SM = 16           # the split-k heuristic's aim: about this many one-warp programs per SM
 MAX_SPLIT = 64
+SCALE_KINDS = {"fp16": 0, "bf16": 1, "fp32": 2}   # the kernel's KIND: how it reads a scale word
 
 
 @dataclass(frozen=True)
@@ -96,6 +97,7 @@ class GluonGemv:
             constants = dict(BN=self.block_rows, W=kernel.chunk_bytes // 4, F=kernel.fields, NG=kernel.pieces,
                              ROWS=8 if m <= 8 else 16, ROW_BYTES=kernel.row_bytes, G=kernel.group, BITS=kernel.bits,
                              STAGES=self.stages, SPLIT=split, ASM=asm, CONS=cons, VALUE_EXP=VALUE_EXPONENT,
+                             KIND=SCALE_KINDS[kernel.scale_dtype],
                              num_warps=1)
             launch = GemvLaunch(kernel, m, (-(-self.spec.n // self.block_rows), split), per,
                                 tuple(constants.items()))
