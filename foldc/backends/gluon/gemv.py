@@ -70,10 +70,11 @@ def _param_words(P32, rows, stride_ws, k0, G: gl.constexpr, HALF: gl.constexpr):
 
 
 @gluon.jit
-def _param(smem, slot, rows, stride_ws, g, KIND: gl.constexpr):
-    """Piece p's parameter per channel as float32 [BN] from its stage's words (KIND: 0 fp16, 1 bf16, 2 fp32)."""
+def _param(smem, slot, t: gl.constexpr, rows, stride_ws, g, KIND: gl.constexpr):
+    """A piece's parameter for row tile t's channels ``rows``, float32 [16], from its stage's words
+    (KIND: 0 fp16, 1 bf16, 2 fp32)."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
-    v = smem.index(slot).load(gl.SliceLayout(1, mma))
+    v = smem.index(slot).slice(16 * t, 16, dim=0).load(gl.SliceLayout(1, mma))
     if KIND == 2:
         out = v.to(gl.float32, bitcast=True)
     else:
@@ -103,19 +104,46 @@ def _ones_mmas(ones, xs, zero, b_l: gl.constexpr, NG: gl.constexpr):
 
 
 @gluon.jit
-def _chunk(w_tile, s_smem, z_smem, s0, x_nat, y, rows, stride_ws, j0, BN: gl.constexpr, W: gl.constexpr,
+def _row_tile(w_tile, s_smem, z_smem, s0, t: gl.constexpr, xs, sums, y, n0, N, stride_ws, j0, W: gl.constexpr,
+              F: gl.constexpr, NG: gl.constexpr, ROWS: gl.constexpr, ROW_BYTES: gl.constexpr, G: gl.constexpr,
+              BITS: gl.constexpr, ASM: gl.constexpr, CONS: gl.constexpr, VALUE_EXP: gl.constexpr, KIND: gl.constexpr):
+    """Output channels n0 + 16t .. n0 + 16t + 15 of one chunk: per piece, the codes' MMA with x's piece,
+    times the group's scale (and field weight), plus the group's zero times the piece's sum of x."""
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
+    a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=8)
+    b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=8)
+    D: gl.constexpr = W * 4 * F
+    P: gl.constexpr = D // NG            # k per piece
+    PPF: gl.constexpr = NG // F
+    kw = w_tile.slice(16 * t, 16, dim=0).load(key_words_layout(16, W))
+    op = key_operand(kw, 16, D, F, ASM, CONS)
+    zero = gl.zeros([16, ROWS], gl.float32, layout=mma)
+    if NG == 1:
+        parts = (mma_v2(gl.convert_layout(op, a_l, assert_trivial=True), xs[0], zero),)
+    else:
+        parts = group_mmas(split_groups(op, NG, 1), xs, zeros_groups([16, ROWS], mma, NG), a_l, b_l, NG)
+    rows = gl.minimum(n0 + 16 * t + gl.arange(0, 16, layout=gl.SliceLayout(1, mma)), N - 1)
+    for p in gl.static_range(NG):
+        g = ((p // PPF) * ROW_BYTES + j0 + (p % PPF) * P) // G
+        sp = _param(s_smem, s0 + p, t, rows, stride_ws, g, KIND) * (2.0 ** (VALUE_EXP - BITS * (p // PPF)))
+        zp = _param(z_smem, s0 + p, t, rows, stride_ws, g, KIND)
+        y = y + parts[p] * sp[:, None] + sums[p] * zp[:, None]
+    return y
+
+
+@gluon.jit
+def _chunk(w_tile, s_smem, z_smem, s0, x_nat, ys, n0, N, stride_ws, j0, T: gl.constexpr, W: gl.constexpr,
            F: gl.constexpr, NG: gl.constexpr, ROWS: gl.constexpr, ROW_BYTES: gl.constexpr, G: gl.constexpr,
            BITS: gl.constexpr, ASM: gl.constexpr, CONS: gl.constexpr, XF16: gl.constexpr, VALUE_EXP: gl.constexpr,
            KIND: gl.constexpr):
-    """One chunk (bytes j0 .. j0 + NB of every row of the block): y [BN, ROWS] plus its folded pieces."""
+    """One chunk (bytes j0 .. j0 + NB of every row of the block) into the T row tiles' accumulators
+    ``ys``; the activation's pieces and their sums are made once and shared by the tiles."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
     a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=8)
     b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=8)
     row_l: gl.constexpr = gl.SliceLayout(0, mma)
-    NB: gl.constexpr = W * 4
-    D: gl.constexpr = NB * F
-    P: gl.constexpr = D // NG            # k per piece
-    PPF: gl.constexpr = NG // F if NG >= F else 1
+    D: gl.constexpr = W * 4 * F
+    P: gl.constexpr = D // NG
     xv = gl.convert_layout(swap_k01(x_nat, D, ROWS), b_l, assert_trivial=True)
     if XF16:
         x16 = xv
@@ -123,29 +151,87 @@ def _chunk(w_tile, s_smem, z_smem, s0, x_nat, y, rows, stride_ws, j0, BN: gl.con
         xf = xv.to(gl.float32)
         c = gl.exp2(12.0 - gl.floor(gl.log2(gl.maximum(gl.max(gl.abs(xf), axis=0), 1e-30))))
         x16 = (xf * c[None, :]).to(gl.float16)
-    kw = w_tile.load(key_words_layout(BN, W))
-    op = key_operand(kw, BN, D, F, ASM, CONS)
-    # per piece: its MMA, and the sum of x over its k as an MMA of ones (in the accumulator's layout)
-    ones = gl.full([BN, P], 1.0, gl.float16, layout=a_l)
-    zero = gl.zeros([BN, ROWS], gl.float32, layout=mma)
+    # each piece's sum of x as an MMA of ones, in the accumulator's layout (every row the same)
+    ones = gl.full([16, P], 1.0, gl.float16, layout=a_l)
+    zero = gl.zeros([16, ROWS], gl.float32, layout=mma)
     if NG == 1:
-        parts = (mma_v2(gl.convert_layout(op, a_l, assert_trivial=True), x16, zero),)
+        xs = (x16,)
         sums = (mma_v2(ones, x16, zero),)
     else:
         xs = split_groups(x16, NG, 0)
-        parts = group_mmas(split_groups(op, NG, 1), xs, zeros_groups([BN, ROWS], mma, NG), a_l, b_l, NG)
         sums = _ones_mmas(ones, xs, zero, b_l, NG)
-    acc = zero
-    for p in gl.static_range(NG):
-        g = ((p // PPF) * ROW_BYTES + j0 + (p % PPF) * P) // G
-        sp = _param(s_smem, s0 + p, rows, stride_ws, g, KIND) * (2.0 ** (VALUE_EXP - BITS * (p // PPF)))
-        zp = _param(z_smem, s0 + p, rows, stride_ws, g, KIND)
-        acc = acc + parts[p] * sp[:, None] + sums[p] * zp[:, None]
     if XF16:
-        y = y + acc
+        acc = ys
     else:
-        y = y + acc * gl.convert_layout(1.0 / c, row_l)[None, :]
-    return y
+        acc = _zeros_tiles(ROWS, T)
+    if T == 1:
+        acc = (_row_tile(w_tile, s_smem, z_smem, s0, 0, xs, sums, acc[0], n0, N, stride_ws, j0, W, F, NG, ROWS,
+                         ROW_BYTES, G, BITS, ASM, CONS, VALUE_EXP, KIND),)
+    elif T == 2:
+        acc = (_row_tile(w_tile, s_smem, z_smem, s0, 0, xs, sums, acc[0], n0, N, stride_ws, j0, W, F, NG, ROWS,
+                         ROW_BYTES, G, BITS, ASM, CONS, VALUE_EXP, KIND),
+               _row_tile(w_tile, s_smem, z_smem, s0, 1, xs, sums, acc[1], n0, N, stride_ws, j0, W, F, NG, ROWS,
+                         ROW_BYTES, G, BITS, ASM, CONS, VALUE_EXP, KIND))
+    else:
+        acc = (_row_tile(w_tile, s_smem, z_smem, s0, 0, xs, sums, acc[0], n0, N, stride_ws, j0, W, F, NG, ROWS,
+                         ROW_BYTES, G, BITS, ASM, CONS, VALUE_EXP, KIND),
+               _row_tile(w_tile, s_smem, z_smem, s0, 1, xs, sums, acc[1], n0, N, stride_ws, j0, W, F, NG, ROWS,
+                         ROW_BYTES, G, BITS, ASM, CONS, VALUE_EXP, KIND),
+               _row_tile(w_tile, s_smem, z_smem, s0, 2, xs, sums, acc[2], n0, N, stride_ws, j0, W, F, NG, ROWS,
+                         ROW_BYTES, G, BITS, ASM, CONS, VALUE_EXP, KIND),
+               _row_tile(w_tile, s_smem, z_smem, s0, 3, xs, sums, acc[3], n0, N, stride_ws, j0, W, F, NG, ROWS,
+                         ROW_BYTES, G, BITS, ASM, CONS, VALUE_EXP, KIND))
+    if XF16:
+        out = acc
+    else:   # this chunk's sums were of x times c: undone per activation row
+        inv = gl.convert_layout(1.0 / c, row_l)[None, :]
+        if T == 1:
+            out = (ys[0] + acc[0] * inv,)
+        elif T == 2:
+            out = (ys[0] + acc[0] * inv, ys[1] + acc[1] * inv)
+        else:
+            out = (ys[0] + acc[0] * inv, ys[1] + acc[1] * inv, ys[2] + acc[2] * inv, ys[3] + acc[3] * inv)
+    return out
+
+
+@gluon.jit
+def _zeros_tiles(ROWS: gl.constexpr, T: gl.constexpr):
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
+    z = gl.zeros([16, ROWS], gl.float32, layout=mma)
+    if T == 1:
+        out = (z,)
+    elif T == 2:
+        out = (z, z)
+    else:
+        out = (z, z, z, z)
+    return out
+
+
+@gluon.jit
+def _finish(y, t: gl.constexpr, Y, PART, n0, pid_s, M, N, stride_y, SPLIT: gl.constexpr, ROWS: gl.constexpr):
+    """Row tile t's result: y (SPLIT == 1) or this split's float32 partial."""
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
+    rn = n0 + 16 * t + gl.arange(0, 16, layout=gl.SliceLayout(1, mma))
+    rm = gl.arange(0, ROWS, layout=gl.SliceLayout(0, mma))
+    ok = (rn < N)[:, None] & (rm < M)[None, :]
+    if SPLIT == 1:
+        gl.store(Y + rm[None, :] * stride_y + rn[:, None], y.to(Y.dtype.element_ty), mask=ok)
+    else:
+        gl.store(PART + pid_s * M * N + rm[None, :] * N + rn[:, None], y, mask=ok)
+
+
+@gluon.jit
+def _reduce(t: gl.constexpr, Y, PART, n0, M, N, stride_y, SPLIT: gl.constexpr, ROWS: gl.constexpr):
+    """Row tile t of y as the sum of every split's partial (the block's last program)."""
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
+    rn = n0 + 16 * t + gl.arange(0, 16, layout=gl.SliceLayout(1, mma))
+    rm = gl.arange(0, ROWS, layout=gl.SliceLayout(0, mma))
+    ok = (rn < N)[:, None] & (rm < M)[None, :]
+    part = rm[None, :] * N + rn[:, None]
+    total = gl.zeros([16, ROWS], gl.float32, layout=mma)
+    for j in range(SPLIT):
+        total += gl.load(PART + j * M * N + part, mask=ok, other=0.0, cache_modifier=".cg")
+    gl.store(Y + rm[None, :] * stride_y + rn[:, None], total.to(Y.dtype.element_ty), mask=ok)
 
 
 @gluon.jit
@@ -185,6 +271,7 @@ def foldc_gemv_gluon(X, WC, WS, WZ, Y, PART, COUNTERS, M, N, stride_x, stride_wc
     NCH: gl.constexpr = ROW_BYTES // NB
     PPF: gl.constexpr = NG // F
     HALF: gl.constexpr = KIND != 2
+    T: gl.constexpr = BN // 16
     pid_n = gl.program_id(0)
     pid_s = gl.program_id(1)
     n0 = pid_n * BN
@@ -200,45 +287,42 @@ def foldc_gemv_gluon(X, WC, WS, WZ, Y, PART, COUNTERS, M, N, stride_x, stride_wc
     rs = gl.minimum(n0 + gl.arange(0, BN, layout=sc_l), N - 1)
     S32 = WS.to(gl.pointer_type(gl.int32), bitcast=True)
     Z32 = WZ.to(gl.pointer_type(gl.int32), bitcast=True)
-    rows = gl.minimum(n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, mma)), N - 1)
     rx = gl.arange(0, ROWS, layout=gl.SliceLayout(0, b_l))
     x_ok = (rx < M)[None, :]
     w_smem = gl.allocate_shared_memory(gl.int32, [STAGES, BN, W], weight_tile_layout(W))
     p_l: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
     s_smem = gl.allocate_shared_memory(gl.int32, [STAGES * NG, BN], p_l)
     z_smem = gl.allocate_shared_memory(gl.int32, [STAGES * NG, BN], p_l)
-    for first in gl.static_range(STAGES - 1):
-        _issue(first, gl.minimum(c_lo + first, c_hi - 1), w_rows, S32, Z32, rs, stride_ws, w_smem, s_smem, z_smem, W, NB, G,
-               HALF, NG, PPF, ROW_BYTES, D // NG)
-    y = gl.zeros([BN, ROWS], gl.float32, layout=mma)
+    for first in gl.static_range(STAGES - 1):   # (past the last chunk: an empty copy group)
+        if c_lo + first < c_hi:
+            _issue(first, c_lo + first, w_rows, S32, Z32, rs, stride_ws, w_smem, s_smem, z_smem, W, NB, G, HALF, NG,
+                   PPF, ROW_BYTES, D // NG)
+        else:
+            async_copy.commit_group()
+    ys = _zeros_tiles(ROWS, T)
     x_next = _load_x(X, rx, x_ok, stride_x, c_lo * NB, D, NB, ROWS, ROW_BYTES)
     for i in range(c_hi - c_lo):
         x_nat = x_next   # the next chunk's activations on their way while this one runs
         x_next = _load_x(X, rx, x_ok, stride_x, gl.minimum(c_lo + i + 1, c_hi - 1) * NB, D, NB, ROWS, ROW_BYTES)
         ahead = i + STAGES - 1
         gl.thread_barrier()   # every lane is done reading the stage the next copy overwrites
-        _issue(ahead % STAGES, gl.minimum(c_lo + ahead, c_hi - 1), w_rows, S32, Z32, rs, stride_ws, w_smem, s_smem,
-               z_smem, W, NB, G, HALF, NG, PPF, ROW_BYTES, D // NG)
+        if c_lo + ahead < c_hi:
+            _issue(ahead % STAGES, c_lo + ahead, w_rows, S32, Z32, rs, stride_ws, w_smem, s_smem, z_smem, W, NB, G,
+                   HALF, NG, PPF, ROW_BYTES, D // NG)
+        else:
+            async_copy.commit_group()
         async_copy.wait_group(STAGES - 1)
         gl.thread_barrier()   # chunk i's words, copied by every lane, are visible
         slot = i % STAGES
-        y = _chunk(w_smem.index(slot), s_smem, z_smem, slot * NG, x_nat, y, rows, stride_ws, (c_lo + i) * NB,
-                   BN, W, F, NG, ROWS, ROW_BYTES, G, BITS, ASM, CONS, XF16, VALUE_EXP, KIND)
+        ys = _chunk(w_smem.index(slot), s_smem, z_smem, slot * NG, x_nat, ys, n0, N, stride_ws, (c_lo + i) * NB,
+                    T, W, F, NG, ROWS, ROW_BYTES, G, BITS, ASM, CONS, XF16, VALUE_EXP, KIND)
     async_copy.wait_group(0)
-    rn = n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, mma))
-    rm = gl.arange(0, ROWS, layout=gl.SliceLayout(0, mma))
-    ok = (rn < N)[:, None] & (rm < M)[None, :]
-    out = rm[None, :] * stride_y + rn[:, None]
-    if SPLIT == 1:
-        gl.store(Y + out, y.to(Y.dtype.element_ty), mask=ok)
-    else:
-        part = rm[None, :] * N + rn[:, None]
-        gl.store(PART + pid_s * M * N + part, y, mask=ok)
+    for t in gl.static_range(T):
+        _finish(ys[t], t, Y, PART, n0, pid_s, M, N, stride_y, SPLIT, ROWS)
+    if SPLIT > 1:
         gl.thread_barrier()   # every lane's partial is written before the counter says so
         done = gl.atomic_add(COUNTERS + pid_n, 1, sem="acq_rel", scope="gpu")
         if done == SPLIT - 1:   # the last program of the block: the sum of all partials, then y
-            total = gl.zeros([BN, ROWS], gl.float32, layout=mma)
-            for j in range(SPLIT):
-                total += gl.load(PART + j * M * N + part, mask=ok, other=0.0, cache_modifier=".cg")
-            gl.store(Y + out, total.to(Y.dtype.element_ty), mask=ok)
+            for t in gl.static_range(T):
+                _reduce(t, Y, PART, n0, M, N, stride_y, SPLIT, ROWS)
             gl.atomic_xchg(COUNTERS + pid_n, 0, sem="relaxed", scope="gpu")

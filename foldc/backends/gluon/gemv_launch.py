@@ -51,7 +51,7 @@ def default_split(kernel: GemvKernel, n: int, block_rows: int, sms: int) -> int:
 class GluonGemv:
     """``y = gemv(x, w)`` for x [m, k] fp16/bf16 (m <= 16) and w an AffineTensor [1, 1, n, k].
     Options: block_rows (output channels per program: 16, 32 or 64), split_k (None: `default_split`),
-    stages (cp.async depth, 2-6)."""
+    stages (cp.async depth, 2-8)."""
 
     def __init__(self, spec: GemmSpec, target: str, block_rows: int | None = None, split_k: int | None = None,
                  stages: int | None = None):
@@ -62,8 +62,8 @@ class GluonGemv:
         if split_k is not None and (isinstance(split_k, bool) or not isinstance(split_k, int)
                                     or not 1 <= split_k <= MAX_SPLIT):
             raise SpecError(f"split_k={split_k!r} must be an integer from 1 to {MAX_SPLIT}")
-        if stages is not None and stages not in range(2, 7):
-            raise SpecError(f"stages={stages!r} must be 2 to 6")
+        if stages is not None and stages not in range(2, 9):
+            raise SpecError(f"stages={stages!r} must be 2 to 8")
         self.spec, self.target = spec, target
         self.block_rows, self.split_k, self.stages = block_rows or 16, split_k, stages or STAGES
         self._plans: dict[int, GemmPlan] = {}

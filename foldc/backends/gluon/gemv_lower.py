@@ -20,6 +20,7 @@ from .lower import NotLowerable
 
 MAX_ROWS = 16               # activation rows on the MMA's N axis (8 or 16)
 OPERAND_K = 256             # channels of k per chunk: a [16, 256] fp16 operand is 64 registers a lane
+OPERAND_K_WIDE = 128        # ... with 9-16 activation rows (their [k, 16] operand, and the next one, take twice the registers)
 MAX_PIECES = 8              # MMA chains per chunk (tile_operands.split_groups)
 MIN_PIECE = 32              # k per MMA chain (16: the operand split fails to lower)
 MIN_CHUNK_WORDS = 8         # the key operand's layout reads 8 words a row and more (tile_operands.key_words_layout)
@@ -81,7 +82,7 @@ def lower_gemv(plan: GemmPlan, rows: int) -> GemvKernel:
     fields = 8 // w.bits
     row_bytes = spec.k // fields
     group = w.group_size or spec.k
-    chunk = OPERAND_K // fields
+    chunk = (OPERAND_K if rows <= 8 else OPERAND_K_WIDE) // fields
     while chunk >= 4 * MIN_CHUNK_WORDS and row_bytes % chunk:
         chunk //= 2
     if chunk < 4 * MIN_CHUNK_WORDS or row_bytes % chunk:

@@ -1,0 +1,192 @@
+"""The register-operand GEMV (foldc/backends/gluon/gemv.py): its lowering from the GEMM plan, the
+chunk and piece algebra it runs (emulated in float64 on fresh random weights), the GEMM callable's
+routing and option checks, ahead-of-time builds for sm_90 and sm_100 (a fresh subprocess, no GPU),
+and on a GPU the kernel itself against the float64 reference (skipped without one)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from _kernel_cases import ROOT, native_env
+from hypothesis import given, note, settings
+from hypothesis import strategies as st
+
+import foldc
+from foldc.backends.gluon.gemv_launch import GluonGemv, default_split
+from foldc.backends.gluon.gemv_lower import MAX_PIECES, NotLowerable, lower_gemv
+from foldc.encoding import unpack_codes
+from foldc.errors import SpecError
+from foldc.gemm import GemmSpec, parse_gemm_encoding
+from foldc.gemm.plan import gemm_plan
+from foldc.gemm.reference import gemm_reference, quantize_2d
+
+ENCODINGS = ["k-group:4:128", "k-group:4:64", "k-group:4:32", "k-group:2:128", "k-group:2:64", "k-group:2:32",
+             "k-group:8:128", "k-group:8:32", "per-channel:8", "per-channel:4", "per-channel:2",
+             "k-group:4:128:bf16", "k-group:2:128:fp32", "k-group:2:256", "k-group:4:1024"]
+
+
+def spec_of(enc: str, n: int, k: int, m: int | None = None) -> GemmSpec:
+    return GemmSpec(n, k, parse_gemm_encoding(enc, "weight"), m=m)
+
+
+@pytest.mark.parametrize("enc", ENCODINGS)
+def test_every_piece_lies_in_one_field_and_one_group(enc):
+    spec = spec_of(enc, 64, 2048)
+    kern = lower_gemv(gemm_plan(spec_of(enc, 64, 2048, m=1)), 1)
+    assert kern.pieces <= MAX_PIECES and kern.pieces % kern.fields == 0
+    assert kern.row_bytes % kern.chunk_bytes == 0 and kern.chunk_bytes % 32 == 0
+    per_field = kern.pieces // kern.fields
+    for c in range(kern.chunks):
+        for p in range(kern.pieces):
+            field, within = divmod(p, per_field)
+            bytes_ = range(c * kern.chunk_bytes + within * (kern.chunk_bytes // per_field),
+                           c * kern.chunk_bytes + (within + 1) * (kern.chunk_bytes // per_field))
+            ks = [field * kern.row_bytes + b for b in bytes_]   # planar packing: field i of byte j is k i*K/F + j
+            groups = {k // kern.group for k in ks}
+            assert groups == {kern.piece_group(c, p)}, (spec.describe(), c, p, groups)
+
+
+def _fold_emulated(xv: torch.Tensor, wq, kern) -> torch.Tensor:
+    """y the way the kernel sums it, in float64: per chunk and piece, the codes' product with x times
+    the group's scale plus the group's zero times the piece's sum of x."""
+    codes = unpack_codes(wq.codes[0, 0], kern.bits).to(torch.float64)   # [n, k] in channel order
+    s, z = wq.scale[0, 0].double(), wq.zero[0, 0].double()
+    per_field = kern.pieces // kern.fields
+    span = kern.chunk_bytes // per_field
+    y = torch.zeros(xv.shape[0], codes.shape[0], dtype=torch.float64)
+    for c in range(kern.chunks):
+        for p in range(kern.pieces):
+            field, within = divmod(p, per_field)
+            k0 = field * kern.row_bytes + c * kern.chunk_bytes + within * span
+            g = kern.piece_group(c, p)
+            part = xv[:, k0:k0 + span] @ codes[:, k0:k0 + span].T
+            y += part * s[:, g] + xv[:, k0:k0 + span].sum(1, keepdim=True) * z[:, g]
+    return y
+
+
+@settings(max_examples=25, deadline=None)
+@given(enc=st.sampled_from(ENCODINGS), n=st.integers(1, 40), k=st.sampled_from([256, 512, 768, 1024, 2048]),
+       m=st.integers(1, 16), seed=st.integers(0, 2**31 - 1))
+def test_the_chunk_and_piece_fold_is_the_matmul(enc, n, k, m, seed):
+    try:
+        spec = spec_of(enc, n, k)
+        kern = lower_gemv(gemm_plan(spec_of(enc, n, k, m=m)), m)
+    except (SpecError, NotLowerable) as err:
+        note(f"k={k}: {err}")
+        return
+    gen = torch.Generator().manual_seed(seed)
+    wq = quantize_2d(torch.randn(n, k, generator=gen) * 0.3 + 0.05, spec.weight)
+    x = torch.randn(m, k, generator=gen, dtype=torch.float64) + 0.2
+    want = gemm_reference(x, wq)
+    got = _fold_emulated(x, wq, kern)
+    assert torch.allclose(got, want, rtol=1e-10, atol=1e-10 * float(want.abs().max())), (seed, enc, n, k, m)
+
+
+def test_dequant_verdicts_encoded_activations_and_tall_calls_are_not_lowered():
+    with pytest.raises(NotLowerable, match="dequant"):
+        lower_gemv(gemm_plan(spec_of("k-group:4:32", 64, 2048, m=16)), 16)
+    with pytest.raises(NotLowerable, match="1 to 16"):
+        lower_gemv(gemm_plan(spec_of("k-group:4:128", 64, 2048, m=17)), 17)
+    act = GemmSpec(64, 2048, parse_gemm_encoding("per-channel:8", "weight"), parse_gemm_encoding("per-token:8", "activation"))
+    with pytest.raises(NotLowerable, match="encoded activations"):
+        lower_gemv(gemm_plan(act), 4)
+    with pytest.raises(NotLowerable, match="bytes per weight row"):
+        lower_gemv(gemm_plan(spec_of("k-group:4:4", 8, 40, m=1)), 1)
+    launcher = GluonGemv(spec_of("k-group:4:32", 64, 2048), "sm_90")
+    assert launcher.lowers(1) == (True, "")
+    ok, why = launcher.lowers(16)
+    assert not ok and "dequant" in why
+
+
+def test_options_are_checked_and_the_interpreter_refuses_the_gemv():
+    spec = spec_of("k-group:4:128", 64, 2048)
+    for bad, match in (({"block_rows": 24}, "block_rows"), ({"split_k": 0}, "split_k"), ({"stages": 9}, "stages")):
+        with pytest.raises(SpecError, match=match):
+            GluonGemv(spec, "sm_90", **bad)
+    with pytest.raises(SpecError, match="sm_90 and sm_100"):
+        GluonGemv(spec, "interpret")
+    with pytest.raises(SpecError, match="interpret"):
+        foldc.compile(spec, target="interpret", kernel="gluon")
+    with pytest.raises(SpecError, match="interpret"):
+        foldc.compile(spec, target="interpret", block_rows=32)
+
+
+def test_default_split_keeps_two_chunks_a_program_and_fills_the_gpu():
+    kern = lower_gemv(gemm_plan(spec_of("k-group:4:128", 4096, 14336, m=1)), 1)
+    split = default_split(kern, 4096, 16, 132)
+    assert 1 <= split <= kern.chunks // 2
+    assert (4096 // 16) * split >= 8 * 132
+    small = lower_gemv(gemm_plan(spec_of("k-group:4:128", 28672, 256, m=1)), 1)
+    assert default_split(small, 28672, 16, 132) == 1
+
+
+AOT = r"""
+import json, sys
+from foldc.backends.gluon.gemv_aot import compile_gemv_aot
+from foldc.gemm import GemmSpec, parse_gemm_encoding
+jobs, root = json.loads(sys.argv[1]), sys.argv[2]
+out = []
+for enc, m, dtype, arch, rows in jobs:
+    spec = GemmSpec(4096, 14336, parse_gemm_encoding(enc, "weight"))
+    out.append(compile_gemv_aot(spec, arch, f"{root}/{enc}-{m}-{dtype}-{arch}-{rows}", m=m, dtype=dtype,
+                                block_rows=rows))
+print(json.dumps(out))
+"""
+AOT_JOBS = [("k-group:4:128", 1, "fp16", "sm_90", 16), ("k-group:4:128", 1, "bf16", "sm_90", 16),
+            ("k-group:2:128", 1, "fp16", "sm_90", 16), ("k-group:4:32", 1, "fp16", "sm_90", 16),
+            ("per-channel:8", 1, "fp16", "sm_90", 16), ("k-group:4:128", 16, "fp16", "sm_90", 16),
+            ("k-group:4:128", 1, "fp16", "sm_100", 16), ("k-group:2:128", 1, "bf16", "sm_100", 16)]
+
+
+@pytest.fixture(scope="module")
+def gemv_builds(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gemv_aot")
+    proc = subprocess.run([sys.executable, "-c", AOT, json.dumps(AOT_JOBS), str(root)], cwd=ROOT,
+                          env=native_env(root / "cache"), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_gemv_builds_run_the_unpack_on_tensor_cores_without_spills(gemv_builds, report_table):
+    lines = [f"{'arch':<7} {'weight':<14} {'m':>2} {'x':<5} {'regs':>4} {'split':>5} {'pieces':>6} "
+             f"{'HMMA/chunk':>10} {'instr/chunk':>11} {'spills':>6}"]
+    for job, rep in zip(AOT_JOBS, gemv_builds):
+        loop = rep["chunk_loop"]
+        lines.append(f"{rep['arch']:<7} {job[0]:<14} {rep['m']:>2} {rep['dtype']:<5} {rep['registers']:>4} "
+                     f"{rep['split_k']:>5} {rep['pieces']:>6} {loop['mma']:>10} {loop['instructions_per_warp']:>11} "
+                     f"{loop['local_memory']:>6}")
+        assert rep["mma_in_ptx"] >= 1 and rep["registers"] <= 255
+        if rep["arch"] == "sm_90":   # per chunk of 256 k: the weight MMAs and the ones MMAs (the pieces' sums of x)
+            assert loop["mma"] == 2 * (256 // 16) * (rep["block_rows"] // 16) * (1 if rep["m"] <= 8 else 2), rep
+        if rep["m"] == 1:
+            assert loop["local_memory"] == 0, rep
+    report_table("register-operand GEMV builds (4096 x 14336)", lines)
+
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] not in (9, 10),
+                         reason="needs an sm_90 or sm_100 GPU")
+
+
+@gpu
+@settings(max_examples=40, deadline=None)
+@given(enc=st.sampled_from(ENCODINGS), n=st.integers(1, 300), m=st.integers(1, 16),
+       dtype=st.sampled_from([torch.float16, torch.bfloat16]), split=st.sampled_from([None, 1, 3]),
+       seed=st.integers(0, 2**31 - 1))
+def test_gpu_gemv_matches_the_float64_reference(enc, n, m, dtype, split, seed):
+    spec = spec_of(enc, n, 2048)
+    kern = foldc.compile(spec, target="auto", gemv_split=split)
+    if not kern.gemv.lowers(m)[0]:
+        return
+    gen = torch.Generator().manual_seed(seed)
+    wq = quantize_2d((torch.randn(n, 2048, generator=gen) * 0.05).cuda(), spec.weight)
+    x = ((torch.randn(m, 2048, generator=gen) + 0.3) * 4).to("cuda", dtype)
+    y = kern(x, wq)
+    want = gemm_reference(x, wq)
+    err = float((y.double() - want).norm() / want.norm())
+    bar = float((x.double().to(dtype).double() @ wq.dequantize(torch.float64)[0, 0].T - want).norm() / want.norm())
+    rounding = float((want.to(dtype).double() - want).norm() / want.norm())
+    assert y.dtype == dtype and torch.isfinite(y).all()
+    assert err <= 2 * rounding + 1e-4, (seed, enc, n, m, dtype, split, err, rounding, bar)
