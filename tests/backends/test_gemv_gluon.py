@@ -159,8 +159,9 @@ def test_gemv_builds_run_the_unpack_on_tensor_cores_without_spills(gemv_builds, 
                      f"{rep['split_k']:>5} {rep['pieces']:>6} {loop['mma']:>10} {loop['instructions_per_warp']:>11} "
                      f"{loop['local_memory']:>6}")
         assert rep["mma_in_ptx"] >= 1 and rep["registers"] <= 255
-        if rep["arch"] == "sm_90":   # per chunk of 256 k: the weight MMAs and the ones MMAs (the pieces' sums of x)
-            assert loop["mma"] == 2 * (256 // 16) * (rep["block_rows"] // 16) * (1 if rep["m"] <= 8 else 2), rep
+        if rep["arch"] == "sm_90":   # per chunk: each row tile's weight MMAs, and once the ones MMAs (the pieces' sums of x)
+            k_steps, n_tiles = rep["operand_k"] // 16, 1 if rep["m"] <= 8 else 2
+            assert loop["mma"] == k_steps * n_tiles * (rep["block_rows"] // 16 + 1), rep
         if rep["m"] == 1:
             assert loop["local_memory"] == 0, rep
     report_table("register-operand GEMV builds (4096 x 14336)", lines)

@@ -78,7 +78,7 @@ def compile_gemv_aot(spec: GemmSpec, arch: str, out_dir: str | Path, m: int = 1,
     k = launch.kernel
     report = {"spec": spec.describe(), "kernel": "gluon-gemv", "arch": arch, "dtype": dtype, "m": m,
               "block_rows": consts["BN"], "split_k": consts["SPLIT"], "stages": consts["STAGES"],
-              "chunk_bytes": k.chunk_bytes, "pieces": k.pieces, "registers": registers(cubin),
+              "chunk_bytes": k.chunk_bytes, "operand_k": k.chunk_bytes * k.fields, "pieces": k.pieces, "registers": registers(cubin),
               "mma_in_ptx": len(re.findall(r"\bmma\.sync", ptx)),
               "chunk_loop": {"instructions_per_warp": sum(loop.values()), "mma": loop.get("HMMA", 0),
                              "local_memory": loop.get("LDL", 0) + loop.get("STL", 0),
