@@ -54,11 +54,11 @@ def check(seed: int, quick: bool) -> list[dict]:
     rows = []
     gen = torch.Generator().manual_seed(seed)
     for enc in ENCODINGS[:4] if quick else ENCODINGS:
-        for n, k in SHAPES:
+        for n, k in SHAPES[::2] if quick else SHAPES:
             spec = GemmSpec(n, k, parse_gemm_encoding(enc, "weight"))
             w = (torch.randn(n, k, generator=gen) * 0.05 + 0.01 * torch.randn(n, 1, generator=gen)).cuda()
             wq = quantize_2d(w, spec.weight)
-            for m in ROWS:
+            for m in (1, 9) if quick else ROWS:
                 for dtype in (torch.float16, torch.bfloat16):
                     x = (torch.randn(m, k, generator=gen) * 3 + 0.2).to("cuda", dtype)
                     ref = gemm_reference(x, wq)
@@ -160,7 +160,8 @@ def timing(seed: int, quick: bool) -> list[dict]:
                                                            for p in pk])
                 if tag == "2" and m == 16:
                     continue
-                cands = [{"block_rows": br, "gemv_stages": st} for br, st in ((16, 4), (32, 3), (32, 4), (64, 3), (64, 4))]
+                cands = [{"block_rows": br, "gemv_stages": st, "gemv_sub": sb}
+                         for br, st, sb in ((16, 3, None), (16, 2, None), (32, 3, None), (16, 3, 2), (16, 3, 8), (32, 2, 8))]
                 best = None
                 for opts in cands + [None]:
                     if opts is None:   # the best again with twice its split

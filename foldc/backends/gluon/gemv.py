@@ -246,15 +246,20 @@ def _load_x(X, rx, x_ok, stride_x, j0, D: gl.constexpr, NB: gl.constexpr, ROWS: 
 
 
 @gluon.jit
-def _issue(stage, c, w_rows, S32, Z32, rs, stride_ws, w_smem, s_smem, z_smem, W: gl.constexpr, NB: gl.constexpr,
-           G: gl.constexpr, HALF: gl.constexpr, NG: gl.constexpr, PPF: gl.constexpr, ROW_BYTES: gl.constexpr,
-           P: gl.constexpr):
-    """Start copying chunk c's code words and its pieces' scale and zero words into stage ``stage``."""
-    async_copy.async_copy_global_to_shared(w_smem.index(stage), w_rows + c * W)
-    for p in gl.static_range(NG):
-        k0 = (p // PPF) * ROW_BYTES + c * NB + (p % PPF) * P
-        async_copy.async_copy_global_to_shared(s_smem.index(stage * NG + p), _param_words(S32, rs, stride_ws, k0, G, HALF))
-        async_copy.async_copy_global_to_shared(z_smem.index(stage * NG + p), _param_words(Z32, rs, stride_ws, k0, G, HALF))
+def _issue(stage, c0, c_hi, w_rows, S32, Z32, rs, stride_ws, w_smem, s_smem, z_smem, W: gl.constexpr,
+           NB: gl.constexpr, G: gl.constexpr, HALF: gl.constexpr, NG: gl.constexpr, PPF: gl.constexpr,
+           ROW_BYTES: gl.constexpr, P: gl.constexpr, SUB: gl.constexpr):
+    """Start copying the SUB chunks from c0 (code words, the pieces' scale and zero words) into stage
+    ``stage``, back to back, so that each weight row is read SUB * NB contiguous bytes at a time
+    (chunks past the program's last are its last again, never used)."""
+    for u in gl.static_range(SUB):
+        c = gl.minimum(c0 + u, c_hi - 1)
+        async_copy.async_copy_global_to_shared(w_smem.index(stage * SUB + u), w_rows + c * W)
+        for p in gl.static_range(NG):
+            k0 = (p // PPF) * ROW_BYTES + c * NB + (p % PPF) * P
+            slot = (stage * SUB + u) * NG + p
+            async_copy.async_copy_global_to_shared(s_smem.index(slot), _param_words(S32, rs, stride_ws, k0, G, HALF))
+            async_copy.async_copy_global_to_shared(z_smem.index(slot), _param_words(Z32, rs, stride_ws, k0, G, HALF))
     async_copy.commit_group()
 
 
@@ -263,7 +268,7 @@ def foldc_gemv_gluon(X, WC, WS, WZ, Y, PART, COUNTERS, M, N, stride_x, stride_wc
                      chunks_per_split, BN: gl.constexpr, W: gl.constexpr, F: gl.constexpr, NG: gl.constexpr,
                      ROWS: gl.constexpr, ROW_BYTES: gl.constexpr, G: gl.constexpr, BITS: gl.constexpr,
                      STAGES: gl.constexpr, SPLIT: gl.constexpr, ASM: gl.constexpr, CONS: gl.constexpr,
-                     XF16: gl.constexpr, VALUE_EXP: gl.constexpr, KIND: gl.constexpr):
+                     XF16: gl.constexpr, VALUE_EXP: gl.constexpr, KIND: gl.constexpr, SUB: gl.constexpr):
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
     b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=8)
     NB: gl.constexpr = W * 4
@@ -289,33 +294,36 @@ def foldc_gemv_gluon(X, WC, WS, WZ, Y, PART, COUNTERS, M, N, stride_x, stride_wc
     Z32 = WZ.to(gl.pointer_type(gl.int32), bitcast=True)
     rx = gl.arange(0, ROWS, layout=gl.SliceLayout(0, b_l))
     x_ok = (rx < M)[None, :]
-    w_smem = gl.allocate_shared_memory(gl.int32, [STAGES, BN, W], weight_tile_layout(W))
+    w_smem = gl.allocate_shared_memory(gl.int32, [STAGES * SUB, BN, W], weight_tile_layout(W))
     p_l: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
-    s_smem = gl.allocate_shared_memory(gl.int32, [STAGES * NG, BN], p_l)
-    z_smem = gl.allocate_shared_memory(gl.int32, [STAGES * NG, BN], p_l)
+    s_smem = gl.allocate_shared_memory(gl.int32, [STAGES * SUB * NG, BN], p_l)
+    z_smem = gl.allocate_shared_memory(gl.int32, [STAGES * SUB * NG, BN], p_l)
     for first in gl.static_range(STAGES - 1):   # (past the last chunk: an empty copy group)
-        if c_lo + first < c_hi:
-            _issue(first, c_lo + first, w_rows, S32, Z32, rs, stride_ws, w_smem, s_smem, z_smem, W, NB, G, HALF, NG,
-                   PPF, ROW_BYTES, D // NG)
+        if c_lo + first * SUB < c_hi:
+            _issue(first, c_lo + first * SUB, c_hi, w_rows, S32, Z32, rs, stride_ws, w_smem, s_smem, z_smem, W, NB, G,
+                   HALF, NG, PPF, ROW_BYTES, D // NG, SUB)
         else:
             async_copy.commit_group()
     ys = _zeros_tiles(ROWS, T)
     x_next = _load_x(X, rx, x_ok, stride_x, c_lo * NB, D, NB, ROWS, ROW_BYTES)
-    for i in range(c_hi - c_lo):
-        x_nat = x_next   # the next chunk's activations on their way while this one runs
-        x_next = _load_x(X, rx, x_ok, stride_x, gl.minimum(c_lo + i + 1, c_hi - 1) * NB, D, NB, ROWS, ROW_BYTES)
+    for i in range(gl.cdiv(c_hi - c_lo, SUB)):
         ahead = i + STAGES - 1
         gl.thread_barrier()   # every lane is done reading the stage the next copy overwrites
-        if c_lo + ahead < c_hi:
-            _issue(ahead % STAGES, c_lo + ahead, w_rows, S32, Z32, rs, stride_ws, w_smem, s_smem, z_smem, W, NB, G,
-                   HALF, NG, PPF, ROW_BYTES, D // NG)
+        if c_lo + ahead * SUB < c_hi:
+            _issue(ahead % STAGES, c_lo + ahead * SUB, c_hi, w_rows, S32, Z32, rs, stride_ws, w_smem, s_smem, z_smem,
+                   W, NB, G, HALF, NG, PPF, ROW_BYTES, D // NG, SUB)
         else:
             async_copy.commit_group()
         async_copy.wait_group(STAGES - 1)
-        gl.thread_barrier()   # chunk i's words, copied by every lane, are visible
-        slot = i % STAGES
-        ys = _chunk(w_smem.index(slot), s_smem, z_smem, slot * NG, x_nat, ys, n0, N, stride_ws, (c_lo + i) * NB,
-                    T, W, F, NG, ROWS, ROW_BYTES, G, BITS, ASM, CONS, XF16, VALUE_EXP, KIND)
+        gl.thread_barrier()   # stage i's words, copied by every lane, are visible
+        for u in gl.static_range(SUB):
+            c = c_lo + i * SUB + u
+            x_nat = x_next   # the next chunk's activations on their way while this one runs
+            x_next = _load_x(X, rx, x_ok, stride_x, gl.minimum(c + 1, c_hi - 1) * NB, D, NB, ROWS, ROW_BYTES)
+            if c < c_hi:
+                slot = (i % STAGES) * SUB + u
+                ys = _chunk(w_smem.index(slot), s_smem, z_smem, slot * NG, x_nat, ys, n0, N, stride_ws, c * NB, T, W,
+                            F, NG, ROWS, ROW_BYTES, G, BITS, ASM, CONS, XF16, VALUE_EXP, KIND)
     async_copy.wait_group(0)
     for t in gl.static_range(T):
         _finish(ys[t], t, Y, PART, n0, pid_s, M, N, stride_y, SPLIT, ROWS)

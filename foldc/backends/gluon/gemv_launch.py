@@ -24,9 +24,11 @@ from .operands import VALUE_EXPONENT, key_unpack_asm
 
 DTYPES = (torch.float16, torch.bfloat16)
 BLOCK_ROWS = (16, 32, 64)      # output channels per program
-STAGES = 4                     # chunks in flight per program (cp.async)
+STAGES = 3                     # pipeline stages in flight per program (cp.async), each `default_sub` chunks
 PROGRAMS_PER_SM = 16           # the split-k heuristic's aim: about this many one-warp programs per SM
 MAX_SPLIT = 64
+CONTIGUOUS_BYTES = 512         # bytes of one weight row a stage reads back to back (DRAM pages, not 128-byte bits)
+SUBS = (1, 2, 4, 8)
 SCALE_KINDS = {"fp16": 0, "bf16": 1, "fp32": 2}   # the kernel's KIND: how it reads a scale word
 
 
@@ -41,11 +43,17 @@ class GemvLaunch:
     constants: tuple
 
 
-def default_split(kernel: GemvKernel, n: int, block_rows: int, sms: int) -> int:
-    """Splits of k per block so that about PROGRAMS_PER_SM programs run per SM, each with at least two chunks."""
+def default_sub(kernel: GemvKernel) -> int:
+    """Chunks per pipeline stage: each weight row read CONTIGUOUS_BYTES at a time."""
+    return max(1, min(CONTIGUOUS_BYTES // kernel.chunk_bytes, kernel.chunks))
+
+
+def default_split(kernel: GemvKernel, n: int, block_rows: int, sms: int, sub: int = 1) -> int:
+    """Splits of k per block so that about PROGRAMS_PER_SM programs run per SM, each with at least two
+    pipeline stages of ``sub`` chunks."""
     blocks = -(-n // block_rows)
     want = max(1, round(PROGRAMS_PER_SM * sms / blocks))
-    return max(1, min(want, kernel.chunks // 2, MAX_SPLIT))
+    return max(1, min(want, kernel.chunks // (2 * sub), MAX_SPLIT))
 
 
 class GluonGemv:
@@ -54,7 +62,7 @@ class GluonGemv:
     stages (cp.async depth, 2-8)."""
 
     def __init__(self, spec: GemmSpec, target: str, block_rows: int | None = None, split_k: int | None = None,
-                 stages: int | None = None):
+                 stages: int | None = None, sub: int | None = None):
         if target not in ("sm_90", "sm_100"):
             raise SpecError(f"target={target!r}: the register-operand GEMV runs on sm_90 and sm_100")
         if block_rows is not None and block_rows not in BLOCK_ROWS:
@@ -64,7 +72,9 @@ class GluonGemv:
             raise SpecError(f"split_k={split_k!r} must be an integer from 1 to {MAX_SPLIT}")
         if stages is not None and stages not in range(2, 9):
             raise SpecError(f"stages={stages!r} must be 2 to 8")
-        self.spec, self.target = spec, target
+        if sub is not None and sub not in SUBS:
+            raise SpecError(f"sub={sub!r} (chunks per pipeline stage) must be one of {SUBS}")
+        self.spec, self.target, self.sub = spec, target, sub
         self.block_rows, self.split_k, self.stages = block_rows or 16, split_k, stages or STAGES
         self._plans: dict[int, GemmPlan] = {}
         self._launches: dict[tuple, GemvLaunch] = {}
@@ -90,14 +100,16 @@ class GluonGemv:
         launch = self._launches.get(key)
         if launch is None:
             kernel = lower_gemv(self.plan_for(m), m)
-            split = self.split_k or default_split(kernel, self.spec.n, self.block_rows, sms)
+            sub = self.sub or default_sub(kernel)
+            split = self.split_k or default_split(kernel, self.spec.n, self.block_rows, sms, sub)
             per = -(-kernel.chunks // min(split, kernel.chunks))
+            per = min(-(-per // sub) * sub, kernel.chunks)   # whole stages per program where it can
             split = -(-kernel.chunks // per)
             asm, cons = key_unpack_asm(kernel.bits)
             constants = dict(BN=self.block_rows, W=kernel.chunk_bytes // 4, F=kernel.fields, NG=kernel.pieces,
                              ROWS=8 if m <= 8 else 16, ROW_BYTES=kernel.row_bytes, G=kernel.group, BITS=kernel.bits,
                              STAGES=self.stages, SPLIT=split, ASM=asm, CONS=cons, VALUE_EXP=VALUE_EXPONENT,
-                             KIND=SCALE_KINDS[kernel.scale_dtype],
+                             KIND=SCALE_KINDS[kernel.scale_dtype], SUB=sub,
                              num_warps=1)
             launch = GemvLaunch(kernel, m, (-(-self.spec.n // self.block_rows), split), per,
                                 tuple(constants.items()))
