@@ -16,7 +16,8 @@ b. ``paged_kernel``: one layer's decode attention at 4K context, batch 1 and 8, 
 c. ``throughput``: decode tokens/s of a randomly initialised Llama-style model (hidden 2048, 16 layers,
    32/8 heads, head_dim 128, bf16, no download) with transformers' DynamicCache (bf16), foldc's
    FoldcCache INT4 and INT2 (contiguous), PagedFoldcCache INT4 and INT2 (paged, no host sync per
-   decode step), and transformers' QuantizedCache (quanto / HQQ) when installed;
+   decode step), the same model with foldc INT4 k-group:128 linears (`quantize_model`) over bf16,
+   INT4 and INT2 paged caches, and transformers' QuantizedCache (quanto / HQQ) when installed;
    batch 1 and 8, prompt 4096, 128 new tokens (greedy, no early stop).
 d. ``accuracy``: attention-output relative L2 against exact float64 attention over the unquantized
    K/V, through the GPU path (PagedKVCache: paged kernel + bf16 sink/window merged by log-sum-exp),
@@ -330,6 +331,9 @@ def throughput(c: Ctx) -> tuple[list, str]:
     from foldc.integrations.hf_paged import PagedFoldcCache
 
     model = build_model(c)
+    # the same model with every linear but lm_head as foldc INT4 k-group:128 weights (FoldLinear:
+    # the register-operand GEMV at decode, the Triton GEMM for the prompt)
+    wmodel = fhf.quantize_model(build_model(c), weight="k-group:4:128" if not c.dry else "k-group:4:32")
     g = c.group if not c.dry else 32
     caches = [
         ("bf16 DynamicCache" if not c.dry else "fp16 DynamicCache", "sdpa",
@@ -346,6 +350,13 @@ def throughput(c: Ctx) -> tuple[list, str]:
         ("foldc INT2 paged (PagedFoldcCache, K channel:2, V token:2)", "foldc",
          lambda: PagedFoldcCache(model.config, c.prompt + c.new + 8, k=f"channel:2:{g}", v=f"token:2:{g}",
                                  window=128, target=c.target), None),
+        ("W4 (foldc k-group:4:128 linears) + bf16 DynamicCache", "sdpa", lambda: DynamicCache(), "w4"),
+        ("W4 + KV4 paged (K,V token:4)", "foldc",
+         lambda: PagedFoldcCache(model.config, c.prompt + c.new + 8, k=f"token:4:{g}", v=f"token:4:{g}", window=128,
+                                 target=c.target), "w4"),
+        ("W4 + KV2 paged (K channel:2, V token:2)", "foldc",
+         lambda: PagedFoldcCache(model.config, c.prompt + c.new + 8, k=f"channel:2:{g}", v=f"token:2:{g}",
+                                 window=128, target=c.target), "w4"),
     ]
     for backend, package in (("quanto", "optimum.quanto"), ("HQQ", "hqq")):
         if importlib.util.find_spec(package.split(".")[0]) is not None and \
@@ -362,20 +373,21 @@ def throughput(c: Ctx) -> tuple[list, str]:
                             .manual_seed(batch)).to(c.device)
 
         def gen(make, impl, extra, new):
-            model.set_attn_implementation(impl)
+            the_model = wmodel if extra == "w4" else model
+            the_model.set_attn_implementation(impl)
             kw = dict(extra) if isinstance(extra, dict) else {}
             if make is not None:
                 kw[fhf.CACHE_KWARG] = make()
             c.sync()
             t0 = time.perf_counter()
             with torch.no_grad():
-                out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
+                out = the_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
                                      min_new_tokens=new, do_sample=False, return_dict_in_generate=True, **kw)
             c.sync()
             return time.perf_counter() - t0, out, kw.get(fhf.CACHE_KWARG)
 
         for name, impl, make, extra in caches:
-            if isinstance(extra, str):
+            if isinstance(extra, str) and extra != "w4":
                 rows.append([name, batch, c.prompt, c.new, extra, "", "", ""])
                 continue
             try:

@@ -103,7 +103,8 @@ def test_dequant_verdicts_encoded_activations_and_tall_calls_are_not_lowered():
 
 def test_options_are_checked_and_the_interpreter_refuses_the_gemv():
     spec = spec_of("k-group:4:128", 64, 2048)
-    for bad, match in (({"block_rows": 24}, "block_rows"), ({"split_k": 0}, "split_k"), ({"stages": 9}, "stages")):
+    for bad, match in (({"block_rows": 24}, "block_rows"), ({"split_k": 0}, "split_k"), ({"stages": 9}, "stages"),
+                       ({"sub": 3}, "sub")):
         with pytest.raises(SpecError, match=match):
             GluonGemv(spec, "sm_90", **bad)
     with pytest.raises(SpecError, match="sm_90 and sm_100"):
@@ -116,8 +117,8 @@ def test_options_are_checked_and_the_interpreter_refuses_the_gemv():
 
 def test_default_split_keeps_two_chunks_a_program_and_fills_the_gpu():
     kern = lower_gemv(gemm_plan(spec_of("k-group:4:128", 4096, 14336, m=1)), 1)
-    split = default_split(kern, 4096, 16, 132)
-    assert 1 <= split <= kern.chunks // 2
+    split = default_split(kern, 4096, 16, 132, 4)
+    assert 1 <= split <= kern.chunks // 8
     assert (4096 // 16) * split >= 8 * 132
     small = lower_gemv(gemm_plan(spec_of("k-group:4:128", 28672, 256, m=1)), 1)
     assert default_split(small, 28672, 16, 132) == 1
@@ -152,16 +153,16 @@ def gemv_builds(tmp_path_factory):
 
 def test_gemv_builds_run_the_unpack_on_tensor_cores_without_spills(gemv_builds, report_table):
     lines = [f"{'arch':<7} {'weight':<14} {'m':>2} {'x':<5} {'regs':>4} {'split':>5} {'pieces':>6} "
-             f"{'HMMA/chunk':>10} {'instr/chunk':>11} {'spills':>6}"]
+             f"{'HMMA/stage':>10} {'instr/stage':>11} {'spills':>6}"]
     for job, rep in zip(AOT_JOBS, gemv_builds):
         loop = rep["chunk_loop"]
         lines.append(f"{rep['arch']:<7} {job[0]:<14} {rep['m']:>2} {rep['dtype']:<5} {rep['registers']:>4} "
                      f"{rep['split_k']:>5} {rep['pieces']:>6} {loop['mma']:>10} {loop['instructions_per_warp']:>11} "
                      f"{loop['local_memory']:>6}")
         assert rep["mma_in_ptx"] >= 1 and rep["registers"] <= 255
-        if rep["arch"] == "sm_90":   # per chunk: each row tile's weight MMAs, and once the ones MMAs (the pieces' sums of x)
-            k_steps, n_tiles = rep["operand_k"] // 16, 1 if rep["m"] <= 8 else 2
-            assert loop["mma"] == k_steps * n_tiles * (rep["block_rows"] // 16 + 1), rep
+        if rep["arch"] == "sm_90":   # per chunk (sub of them a stage): each row tile's weight MMAs, and once the
+            k_steps, n_tiles = rep["operand_k"] // 16, 1 if rep["m"] <= 8 else 2   # ones MMAs (the sums of x)
+            assert loop["mma"] == rep["sub"] * k_steps * n_tiles * (rep["block_rows"] // 16 + 1), rep
         if rep["m"] == 1:
             assert loop["local_memory"] == 0, rep
     report_table("register-operand GEMV builds (4096 x 14336)", lines)
