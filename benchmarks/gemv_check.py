@@ -138,7 +138,7 @@ def timing(seed: int, quick: bool) -> list[dict]:
 
     gen = torch.Generator().manual_seed(seed)
     out = []
-    for n, k in TIMED[:2] if quick else TIMED:
+    for n, k in TIMED[2:] if quick else TIMED:
         w = (torch.randn(n, k, generator=gen) * 0.05).cuda()
         w16 = w.half()
         for m in (1, 16):
@@ -160,8 +160,9 @@ def timing(seed: int, quick: bool) -> list[dict]:
                                                            for p in pk])
                 if tag == "2" and m == 16:
                     continue
-                cands = [{"block_rows": br, "gemv_stages": st, "gemv_sub": sb}
-                         for br, st, sb in ((16, 3, None), (16, 2, None), (32, 3, None), (16, 3, 2), (16, 3, 8), (32, 2, 8))]
+                cands = [{"block_rows": br, "gemv_stages": st, "gemv_sub": sb, "gemv_chains": ch}
+                         for br, st, sb, ch in ((16, 3, None, None), (16, 2, None, None), (16, 3, None, 8), (32, 2, None, 8),
+                                                (16, 3, 1, 8), (16, 4, 1, None), (32, 3, 2, 4))]
                 best = None
                 for opts in cands + [None]:
                     if opts is None:   # the best again with twice its split

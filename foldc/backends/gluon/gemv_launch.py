@@ -59,10 +59,10 @@ def default_split(kernel: GemvKernel, n: int, block_rows: int, sms: int, sub: in
 class GluonGemv:
     """``y = gemv(x, w)`` for x [m, k] fp16/bf16 (m <= 16) and w an AffineTensor [1, 1, n, k].
     Options: block_rows (output channels per program: 16, 32 or 64), split_k (None: `default_split`),
-    stages (cp.async depth, 2-8)."""
+    stages (cp.async depth, 2-8), sub (chunks per stage), chains (MMA chains per chunk, gemv_lower)."""
 
     def __init__(self, spec: GemmSpec, target: str, block_rows: int | None = None, split_k: int | None = None,
-                 stages: int | None = None, sub: int | None = None):
+                 stages: int | None = None, sub: int | None = None, chains: int | None = None):
         if target not in ("sm_90", "sm_100"):
             raise SpecError(f"target={target!r}: the register-operand GEMV runs on sm_90 and sm_100")
         if block_rows is not None and block_rows not in BLOCK_ROWS:
@@ -74,7 +74,7 @@ class GluonGemv:
             raise SpecError(f"stages={stages!r} must be 2 to 8")
         if sub is not None and sub not in SUBS:
             raise SpecError(f"sub={sub!r} (chunks per pipeline stage) must be one of {SUBS}")
-        self.spec, self.target, self.sub = spec, target, sub
+        self.spec, self.target, self.sub, self.chains = spec, target, sub, chains
         self.block_rows, self.split_k, self.stages = block_rows or 16, split_k, stages or STAGES
         self._plans: dict[int, GemmPlan] = {}
         self._launches: dict[tuple, GemvLaunch] = {}
@@ -89,7 +89,7 @@ class GluonGemv:
 
     def lowers(self, m: int) -> tuple[bool, str]:
         try:
-            lower_gemv(self.plan_for(m), m)
+            lower_gemv(self.plan_for(m), m, self.chains)
         except NotLowerable as e:
             return False, str(e)
         return True, ""
@@ -99,7 +99,7 @@ class GluonGemv:
         key = (m, sms)
         launch = self._launches.get(key)
         if launch is None:
-            kernel = lower_gemv(self.plan_for(m), m)
+            kernel = lower_gemv(self.plan_for(m), m, self.chains)
             sub = self.sub or default_sub(kernel)
             split = self.split_k or default_split(kernel, self.spec.n, self.block_rows, sms, sub)
             per = -(-kernel.chunks // min(split, kernel.chunks))
