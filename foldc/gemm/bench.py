@@ -67,13 +67,15 @@ def rel_l2(a, b) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm())
 
 
-def candidates(m: int, cpu: bool) -> list[dict]:
-    """Launch configs tried per case (the first is the launcher's default)."""
+def candidates(m: int, cpu: bool, gemv: bool = True) -> list[dict]:
+    """Launch configs tried per case (the first is the launcher's default). ``gemv``: plain activations,
+    whose calls of up to 16 rows run the register-operand GEMV where the plan lowers to it."""
     if cpu:
         return [{}]
-    if m <= 16:  # GEMV: more bytes in flight per program (block_k) or more programs (block_n)
-        return [{}, {"block_n": 64, "block_k": 128}, {"block_n": 64, "block_k": 128, "split_k": 4},
-                {"block_n": 32, "block_k": 128, "split_k": 2}]
+    if m <= 16 and gemv:  # rows per program, stage depth
+        return [{}, {"block_rows": 32, "gemv_stages": 2}, {"gemv_sub": 1, "gemv_stages": 4}]
+    if m <= 16:  # the Triton kernel: more bytes in flight per program (block_k) or more programs (block_n)
+        return [{}, {"block_n": 64, "block_k": 128}, {"block_n": 64, "block_k": 128, "split_k": 4}]
     if m <= 64:
         return [{}, {"block_n": 128, "num_warps": 8}]
     return [{}, {"block_m": 128, "block_n": 128, "num_warps": 8}, {"block_m": 64, "block_n": 64, "num_warps": 4}]
@@ -96,7 +98,7 @@ def run_case(name, n, k, m, device, dtype, bench, cpu, seed) -> dict:
     w_vals = torch_dequantize(wq, dtype)
     baseline = x_vals @ w_vals.T
     best = None
-    for cfg in candidates(m, cpu):
+    for cfg in candidates(m, cpu, spec.activation is None):
         try:
             kernel = foldc.compile(spec, target=target, out_dtype=dtype, **cfg)
             out = kernel(xq, wq)
@@ -107,7 +109,9 @@ def run_case(name, n, k, m, device, dtype, bench, cpu, seed) -> dict:
             row["error"] = rel_l2(out, ref)
             row["torch_bf16_error"] = rel_l2(baseline, ref)
             row["ok"] = bool(torch.isfinite(out).all()) and row["error"] <= TOLERANCE * row["torch_bf16_error"] + 4e-3
-            row["folds_kernel"] = kernel.plan_for(dtype).folds
+            row["folds_kernel"] = (kernel.plan_for(dtype, m) if hasattr(kernel, "uses_gemv") else
+                                   kernel.plan_for(dtype)).folds
+            row["kernel"] = "gluon-gemv" if getattr(kernel, "uses_gemv", lambda x: False)(xq) else "triton"
         if not bench:
             best = (0.0, cfg, kernel)
             break
