@@ -132,7 +132,7 @@ def copies(t, nbytes: int, total: int = 400 << 20) -> list:
     return [t.clone() for _ in range(count)]
 
 
-def timing(seed: int, quick: bool, save=lambda rows: None) -> list[dict]:
+def timing(seed: int, quick: bool, save=lambda rows: None, defaults_only: bool = False) -> list[dict]:
     import foldc
     from foldc.backends.gluon.gemv_launch import gemv_bytes
     from foldc.gemm import GemmSpec, parse_gemm_encoding
@@ -165,8 +165,10 @@ def timing(seed: int, quick: bool, save=lambda rows: None) -> list[dict]:
                 cands = [{"block_rows": br, "gemv_stages": st, "gemv_sub": sb, "gemv_chains": ch}
                          for br, st, sb, ch in ((16, 3, None, None), (16, 2, None, None), (16, 4, 1, None),
                                                 (32, 3, 1, None), (16, 3, None, 8))]
+                if defaults_only:
+                    cands = [{}]
                 best = None
-                for opts in cands + [None]:
+                for opts in cands + ([] if defaults_only else [None]):
                     if opts is None:   # the best again with twice its split
                         opts = dict(best[1], gemv_split=2 * best[3])
                     kern = foldc.compile(spec, target="auto", kernel="gluon", **opts)
@@ -187,10 +189,11 @@ def timing(seed: int, quick: bool, save=lambda rows: None) -> list[dict]:
                     us = graph_us([lambda c=c: kern(xx, c, out=yy) for c in copies(wq, nbytes)])
                     row[f"int{tag}_{dt}_graph_us"], row[f"int{tag}_{dt}_opts"], row[f"int{tag}_{dt}_err"] = us, best[1], err
                     row[f"int{tag}_{dt}_graph_pct"] = 100 * nbytes / (us * 1e-6) / CEILING
-                triton_k = foldc.compile(spec, target="auto", kernel="triton")
-                yt = triton_k(xh, wq)
-                row[f"int{tag}_triton_graph_us"] = graph_us([lambda c=c: triton_k(xh, c, out=yt)
-                                                             for c in copies(wq, nbytes)])
+                if not defaults_only:
+                    triton_k = foldc.compile(spec, target="auto", kernel="triton")
+                    yt = triton_k(xh, wq)
+                    row[f"int{tag}_triton_graph_us"] = graph_us([lambda c=c: triton_k(xh, c, out=yt)
+                                                                 for c in copies(wq, nbytes)])
             print(json.dumps(row), flush=True)
             out.append(row)
             save(out)
@@ -220,6 +223,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=int(time.time()) % 100000)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--skip-check", action="store_true")
+    ap.add_argument("--defaults-only", action="store_true", help="time the launcher's defaults only (no sweep, "
+                    "no Triton kernel)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("no CUDA GPU", file=sys.stderr)
@@ -235,7 +240,7 @@ def main(argv=None) -> int:
     def save(rows):   # after every shape: a run cut short keeps what it measured
         (out / "gemv_check.json").write_text(json.dumps({"checks": checks, "times": rows}, indent=1))
 
-    times = timing(args.seed, args.quick, save)
+    times = timing(args.seed, args.quick, save, args.defaults_only)
     text = graph_table(times)
     print(text)
     env = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "seed": args.seed,
