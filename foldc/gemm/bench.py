@@ -111,7 +111,7 @@ def run_case(name, n, k, m, device, dtype, bench, cpu, seed) -> dict:
             row["ok"] = bool(torch.isfinite(out).all()) and row["error"] <= TOLERANCE * row["torch_bf16_error"] + 4e-3
             row["folds_kernel"] = (kernel.plan_for(dtype, m) if hasattr(kernel, "uses_gemv") else
                                    kernel.plan_for(dtype)).folds
-            row["kernel"] = "gluon-gemv" if getattr(kernel, "uses_gemv", lambda x: False)(xq) else "triton"
+            row["kernel"] = "gluon-gemv" if getattr(kernel, "uses_gemv", lambda *a: False)(xq, wq) else "triton"
         if not bench:
             best = (0.0, cfg, kernel)
             break

@@ -46,17 +46,20 @@ class GemmKernel:
         if gluon and self.gemv is None:
             raise SpecError(f"{sorted(gluon)}: options of the register-operand GEMV, which this kernel does not use")
 
-    def uses_gemv(self, x) -> bool:
-        """Whether a call with ``x`` runs the register-operand GEMV."""
+    def uses_gemv(self, x, w=None) -> bool:
+        """Whether a call with ``x`` (and ``w``: its alignment is checked too) runs the register-operand
+        GEMV. With ``kernel="gluon"`` a call it does not take raises (the GEMV's own checks say why)."""
         if self.gemv is None or not hasattr(x, "shape") or x.dim() != 2:
             return False
-        ok, why = self.gemv.lowers(x.shape[0])
-        if not ok and self.choice == "gluon":
-            raise InputError(f"kernel='gluon': a call with m={x.shape[0]} rows does not lower to the GEMV: {why}")
-        return ok
+        if self.choice == "gluon":
+            ok, why = self.gemv.lowers(x.shape[0])
+            if not ok:
+                raise InputError(f"kernel='gluon': a call with m={x.shape[0]} rows does not lower to the GEMV: {why}")
+            return True
+        return self.gemv.lowers(x.shape[0])[0] if w is None else self.gemv.takes(x, w)
 
     def __call__(self, x, w, out=None):
-        if self.uses_gemv(x):
+        if self.uses_gemv(x, w):
             return self.gemv(x, w, out=out)
         return self.triton(x, w, out=out)
 

@@ -192,3 +192,30 @@ def test_gpu_gemv_matches_the_float64_reference(enc, n, m, dtype, split, seed):
     rounding = float((want.to(dtype).double() - want).norm() / want.norm())
     assert y.dtype == dtype and torch.isfinite(y).all()
     assert err <= 2 * rounding + 1e-4, (seed, enc, n, m, dtype, split, err, rounding, bar)
+
+
+def test_the_gemm_callable_routes_each_call_by_its_plan():
+    from foldc.gemm.compile import GemmKernel
+
+    spec = spec_of("k-group:4:32", 64, 2048)
+    kern = GemmKernel(spec, "sm_90")   # built without a GPU: neither kernel compiles before a call
+    x = lambda m: torch.zeros(m, 2048, dtype=torch.float16)  # noqa: E731 - routing reads shapes only
+    assert kern.uses_gemv(x(1)) and kern.uses_gemv(x(9))
+    assert not kern.uses_gemv(x(16))          # groups of 32 at 16 rows: the dequant verdict (eq. 16)
+    assert not kern.uses_gemv(x(17))
+    assert kern.plan_for(m=1).folds == {"w": "acc-fold"} and kern.plan_for(m=16).folds == {"w": "dequant"}
+    wq = quantize_2d(torch.randn(64, 2048), spec.weight)
+    assert not kern.uses_gemv(x(1), wq)       # a CPU tensor: the Triton kernel's checks answer
+    forced = GemmKernel(spec, "sm_90", kernel="gluon")
+    with pytest.raises(foldc.errors.InputError, match="dequant"):
+        forced.uses_gemv(x(16))
+    assert GemmKernel(spec, "sm_90", kernel="triton").gemv is None
+    assert GemmKernel(spec, "sm_90", fold_policy="dequant").gemv is None
+    act = GemmSpec(64, 2048, parse_gemm_encoding("per-channel:8", "weight"), parse_gemm_encoding("per-token:8", "activation"))
+    assert GemmKernel(act, "sm_90").gemv is None
+    with pytest.raises(SpecError, match="GEMV"):
+        GemmKernel(act, "sm_90", block_rows=32)
+    with pytest.raises(SpecError, match="plain activations"):
+        GemmKernel(act, "sm_90", kernel="gluon")
+    with pytest.raises(SpecError, match="kernel="):
+        GemmKernel(spec, "sm_90", kernel="cuda")

@@ -128,6 +128,16 @@ class GluonGemv:
             self._buffers[key] = (part, counters)
         return self._buffers[key]
 
+    def takes(self, x, w) -> bool:
+        """Whether a call with these tensors runs here (else the caller's other kernel takes it): a
+        2-D fp16/bf16 x on a GPU and a weight whose code rows are 16-byte aligned, at a row count
+        whose plan lowers."""
+        if isinstance(x, AffineTensor) or not isinstance(x, torch.Tensor) or x.dim() != 2 or not isinstance(w, AffineTensor):
+            return False
+        codes = w.codes[0, 0] if w.codes.dim() == 4 else None
+        aligned = codes is not None and codes.stride(-1) == 1 and codes.stride(0) % 16 == 0 and codes.data_ptr() % 16 == 0
+        return x.dtype in DTYPES and x.is_cuda and aligned and self.lowers(x.shape[0])[0]
+
     def check(self, x, w) -> int:
         spec = self.spec
         if isinstance(x, AffineTensor) or not isinstance(x, torch.Tensor):
