@@ -18,9 +18,12 @@ chunks' scaled pieces (the same scale, so the same sum). c[m] is 1 for fp16 acti
 activations are put in fp16 per chunk, each row times a power of two c that brings its largest
 entry near 2^12 (exact).
 
-Programs are one warp: (block of BN output channels, split of the k chunks). Code words go global
--> shared memory by cp.async STAGES chunks ahead (tile_memory.copy_layout), into a swizzled tile so
-that the operand's 8-byte reads are free of bank conflicts. With SPLIT > 1 each program writes its
+Programs are one warp: (block of BN = 16 T output channels, split of the k chunks); the T row tiles
+of a chunk share the activation's pieces and their sums. Code words, and each piece's scale and
+zero words (the 32-bit word that holds a 16-bit parameter), go global -> shared memory by cp.async,
+STAGES stages of SUB chunks ahead (tile_memory.copy_layout; no copy past the program's last chunk),
+the code words into a swizzled tile so that the operand's 8-byte reads are free of bank conflicts;
+the activation chunk is loaded into registers one chunk ahead. With SPLIT > 1 each program writes its
 float32 partial [m, BN] to a workspace and bumps its row block's counter; the last program of the
 block sums the partials, writes y and resets the counter to 0 (one launch, CUDA-graph safe).
 
@@ -48,15 +51,6 @@ def weight_tile_layout(W):
     if W == 16:
         return gl.SwizzledSharedLayout(vec=8, per_phase=2, max_phase=2, order=[1, 0])
     return gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
-
-
-@gluon.jit
-def _as_tuple(x, NG: gl.constexpr):
-    if NG == 1:
-        out = (x,)
-    else:
-        out = x
-    return out
 
 
 @gluon.jit
