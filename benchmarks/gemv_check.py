@@ -162,9 +162,8 @@ def timing(seed: int, quick: bool, save=lambda rows: None, defaults_only: bool =
                                                            for p in pk])
                 if tag == "2" and m == 16:
                     continue
-                cands = [{"block_rows": br, "gemv_stages": st, "gemv_sub": sb, "gemv_chains": ch}
-                         for br, st, sb, ch in ((16, 3, None, None), (16, 2, None, None), (16, 4, 1, None),
-                                                (32, 3, 1, None), (16, 3, None, 8))]
+                cands = [{"block_rows": br, "gemv_stages": st, "gemv_sub": sb}
+                         for br, st, sb in ((16, 4, None), (16, 3, None), (32, 3, None), (16, 2, 4))]
                 if defaults_only:
                     cands = [{}]
                 best = None

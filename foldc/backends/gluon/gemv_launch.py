@@ -60,10 +60,10 @@ def default_split(kernel: GemvKernel, n: int, block_rows: int, sms: int, sub: in
 class GluonGemv:
     """``y = gemv(x, w)`` for x [m, k] fp16/bf16 (m <= 16) and w an AffineTensor [1, 1, n, k].
     Options: block_rows (output channels per program: 16, 32 or 64), split_k (None: `default_split`),
-    stages (cp.async depth, 2-8), sub (chunks per stage), chains (MMA chains per chunk, gemv_lower)."""
+    stages (cp.async depth, 2-8), sub (chunks per stage)."""
 
     def __init__(self, spec: GemmSpec, target: str, block_rows: int | None = None, split_k: int | None = None,
-                 stages: int | None = None, sub: int | None = None, chains: int | None = None):
+                 stages: int | None = None, sub: int | None = None):
         if target not in ("sm_90", "sm_100"):
             raise SpecError(f"target={target!r}: the register-operand GEMV runs on sm_90 and sm_100")
         if block_rows is not None and block_rows not in BLOCK_ROWS:
@@ -75,9 +75,10 @@ class GluonGemv:
             raise SpecError(f"stages={stages!r} must be 2 to 8")
         if sub is not None and sub not in SUBS:
             raise SpecError(f"sub={sub!r} (chunks per pipeline stage) must be one of {SUBS}")
-        self.spec, self.target, self.sub, self.chains = spec, target, sub, chains
+        self.spec, self.target, self.sub = spec, target, sub
         self.block_rows, self.split_k, self.stages = block_rows or 16, split_k, stages or STAGES
         self._plans: dict[int, GemmPlan] = {}
+        self._lowers: dict[int, tuple[bool, str]] = {}
         self._launches: dict[tuple, GemvLaunch] = {}
         self._buffers: dict[tuple, tuple] = {}
         self._kernel = None
@@ -89,18 +90,21 @@ class GluonGemv:
         return self._plans[m]
 
     def lowers(self, m: int) -> tuple[bool, str]:
-        try:
-            lower_gemv(self.plan_for(m), m, self.chains)
-        except NotLowerable as e:
-            return False, str(e)
-        return True, ""
+        """(True, "") when a call with m rows lowers, else (False, why); memoised (every call asks)."""
+        if m not in self._lowers:
+            try:
+                lower_gemv(self.plan_for(m), m)
+                self._lowers[m] = (True, "")
+            except NotLowerable as e:
+                self._lowers[m] = (False, str(e))
+        return self._lowers[m]
 
     def plan_launch(self, m: int, sms: int) -> GemvLaunch:
         """The launch of a call with ``m`` rows on a GPU of ``sms`` SMs (memoised)."""
         key = (m, sms)
         launch = self._launches.get(key)
         if launch is None:
-            kernel = lower_gemv(self.plan_for(m), m, self.chains)
+            kernel = lower_gemv(self.plan_for(m), m)
             sub = self.sub or default_sub(kernel)
             split = self.split_k or default_split(kernel, self.spec.n, self.block_rows, sms, sub)
             per = -(-kernel.chunks // min(split, kernel.chunks))
@@ -122,8 +126,7 @@ class GluonGemv:
         split = launch.grid[1]
         key = (str(device), launch.m, split)
         if key not in self._buffers:
-            part = torch.empty(max(split, 1) * launch.m * self.spec.n if split > 1 else 1, device=device,
-                               dtype=torch.float32)
+            part = torch.empty(split * launch.m * self.spec.n if split > 1 else 1, device=device, dtype=torch.float32)
             counters = torch.zeros(launch.grid[0], device=device, dtype=torch.int32)
             self._buffers[key] = (part, counters)
         return self._buffers[key]
@@ -132,11 +135,10 @@ class GluonGemv:
         """Whether a call with these tensors runs here (else the caller's other kernel takes it): a
         2-D fp16/bf16 x on a GPU and a weight whose code rows are 16-byte aligned, at a row count
         whose plan lowers."""
-        if isinstance(x, AffineTensor) or not isinstance(x, torch.Tensor) or x.dim() != 2 or not isinstance(w, AffineTensor):
+        if isinstance(x, AffineTensor) or not isinstance(x, torch.Tensor) or x.dim() != 2 or \
+                not isinstance(w, AffineTensor) or w.codes.dim() != 4:
             return False
-        codes = w.codes[0, 0] if w.codes.dim() == 4 else None
-        aligned = codes is not None and codes.stride(-1) == 1 and codes.stride(0) % 16 == 0 and codes.data_ptr() % 16 == 0
-        return x.dtype in DTYPES and x.is_cuda and aligned and self.lowers(x.shape[0])[0]
+        return x.dtype in DTYPES and x.is_cuda and _aligned(w.codes[0, 0]) and self.lowers(x.shape[0])[0]
 
     def check(self, x, w) -> int:
         spec = self.spec
@@ -159,7 +161,7 @@ class GluonGemv:
         codes, scale, zero = w.codes[0, 0], w.scale[0, 0], w.zero[0, 0]
         if codes.device != x.device:
             raise InputError(f"w is on {codes.device} and x on {x.device}; put them on one device")
-        if codes.stride(1) != 1 or codes.stride(0) % 16 or codes.data_ptr() % 16:
+        if not _aligned(codes):
             raise InputError(f"w.codes must be rows with unit stride, each row 16-byte aligned (strides "
                              f"{codes.stride()}); pass w with contiguous codes (quantize_2d gives them)")
         if scale.stride() != zero.stride() or scale.stride(1) != 1:
@@ -191,6 +193,11 @@ class GluonGemv:
         self._kernel[launch.grid](x, codes.view(torch.int32), scale, zero, out, part, counters, launch.m,
                                   self.spec.n, x.stride(0), codes.stride(0) // 4, scale.stride(0), out.stride(0),
                                   launch.chunks_per_split, XF16=x.dtype == torch.float16, **dict(launch.constants))
+
+
+def _aligned(codes: torch.Tensor) -> bool:
+    """Code rows with unit stride, each 16-byte aligned (the kernel's 16-byte cp.async)."""
+    return codes.stride(1) == 1 and codes.stride(0) % 16 == 0 and codes.data_ptr() % 16 == 0
 
 
 def gemv_bytes(spec: GemmSpec) -> int:

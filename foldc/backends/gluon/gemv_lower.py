@@ -61,10 +61,8 @@ class GemvKernel:
         return (field * self.row_bytes + chunk * self.chunk_bytes + within * self.piece_k) // self.group
 
 
-def lower_gemv(plan: GemmPlan, rows: int, chains: int | None = None) -> GemvKernel:
-    """The kernel's parameters for ``plan`` at ``rows`` activation rows, or NotLowerable. ``chains``:
-    MMA chains per chunk (pieces) when more than the groups need: shorter dependent chains of MMAs,
-    each piece still inside one group (the same scale applied to each part of a group)."""
+def lower_gemv(plan: GemmPlan, rows: int) -> GemvKernel:
+    """The kernel's parameters for ``plan`` at ``rows`` activation rows, or NotLowerable."""
     spec = plan.spec
     if spec.activation is not None:
         raise NotLowerable(f"activation={spec.activation.short()}: encoded activations run the Triton kernel")
@@ -103,11 +101,6 @@ def lower_gemv(plan: GemmPlan, rows: int, chains: int | None = None) -> GemvKern
     if pieces > MAX_PIECES or chunk * fields // pieces < MIN_PIECE:
         raise NotLowerable(f"group_size={group}: {pieces} groups per {chunk * fields}-channel chunk, more than "
                            f"{MAX_PIECES} MMA chains or pieces under {MIN_PIECE} channels")
-    if chains is not None:
-        if chains not in (1, 2, 4, 8) or chains < pieces or chunk * fields // chains < MIN_PIECE:
-            raise NotLowerable(f"chains={chains}: a power of two from {pieces} (the groups per chunk) to "
-                               f"{min(MAX_PIECES, chunk * fields // MIN_PIECE)}")
-        pieces = chains
     return GemvKernel(w.bits, spec.k, group, chunk, pieces, SCALE_DTYPES[str(enc.scale_dtype)])
 
 
