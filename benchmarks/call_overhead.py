@@ -1,6 +1,8 @@
 """Where the host time of one eager register-operand call goes: each step of
 `GluonAttention.__call__` timed alone (median of many calls, GPU idle), and cProfile of whole calls
-sorted by cumulative time (H200; evidence for docs/perf.md, not a test).
+sorted by cumulative time (H200; evidence for docs/perf.md, not a test). Beside it, in the same run,
+cuDNN SDPA bf16 on the same shape: its host time per call, and both kernels' time per call when
+called back to back (no sync between calls: what an eager loop sees).
 
     PYTHONPATH=. python3 benchmarks/call_overhead.py --shape 1x16384 --out $OUT/overhead.json
 """
@@ -20,6 +22,24 @@ import foldc
 from foldc.bench import decode_case, gluon_call_parts
 from foldc.timing import host_us
 from foldc.validate import check_call, output_buffer
+
+
+def back_to_back_us(fn, calls: int = 500) -> float:
+    """Microseconds per call of ``fn`` called ``calls`` times with no sync between (median of 5)."""
+    import statistics
+    import time
+
+    for _ in range(20):
+        fn()
+    took = []
+    for _ in range(5):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+        took.append((time.perf_counter() - start) / calls * 1e6)
+    return statistics.median(took)
 
 
 def main() -> int:
@@ -55,9 +75,28 @@ def main() -> int:
         "decode launch (FastLaunch)": lambda: decode[grid](*dargs, **kwargs),
         "launch() both kernels": lambda: attn.launch(launch, q, k, v, None, ws, out, lse, 0.1, per_split, splits, n),
     }
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    kd, vd = (x.dequantize().to(torch.bfloat16).contiguous() for x in (k, v))
+    q4 = q.unsqueeze(2)
+
+    def cudnn():
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return torch.nn.functional.scaled_dot_product_attention(q4, kd, vd, enable_gqa=True)
+
+    steps["cuDNN SDPA bf16 call"] = cudnn
+    steps["FastLaunch key (decode)"] = lambda: decode._key(dargs, kwargs)
+    for name, fast in (("decode", decode), ("merge", merge)):
+        for ready in fast.compiled.values():
+            run = ready.compiled.run
+            print(f"{name}: direct launch {ready.direct is not None}; scratch {getattr(run, 'global_scratch_size', '?')}"
+                  f" / {getattr(run, 'profile_scratch_size', '?')}; {len(ready.tail)} constexprs", flush=True)
     rows = {name: host_us(fn, 300) for name, fn in steps.items()}
     for name, us in rows.items():
         print(f"{name:<32} {us:8.2f} us", flush=True)
+    for name, fn in (("foldc", lambda: attn(q, k, v)), ("cuDNN", cudnn)):
+        rows[f"back to back: {name}"] = back_to_back_us(fn)
+        print(f"back to back, per call: {name:<10} {rows[f'back to back: {name}']:8.2f} us", flush=True)
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(300):

@@ -34,11 +34,13 @@ import foldc
 import foldc.integrations.hf as fhf
 
 
-def build_model(device, dtype, seed=0):
+def build_model(device, dtype, seed=0, layers=2, hidden=128, heads="4/2", head_dim=64, vocab=256, positions=256):
     torch.manual_seed(seed)
-    config = LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, head_dim=64, vocab_size=256, max_position_embeddings=256,
-                         initializer_range=0.1, pad_token_id=0, bos_token_id=1, eos_token_id=None)
+    q_heads, kv_heads = (int(x) for x in heads.split("/"))
+    config = LlamaConfig(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                         num_attention_heads=q_heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+                         vocab_size=vocab, max_position_embeddings=positions, initializer_range=0.1,
+                         pad_token_id=0, bos_token_id=1, eos_token_id=None)
     return LlamaForCausalLM(config).eval().to(device=device, dtype=dtype)
 
 
@@ -80,6 +82,16 @@ def main(argv=None):
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--prompt", type=int, default=16, help="prompt tokens (random ids)")
     ap.add_argument("--new", type=int, default=16, help="tokens to generate")
+    ap.add_argument("--layers", type=int, default=2, help="model size: decoder layers (default 2)")
+    ap.add_argument("--hidden", type=int, default=128, help="hidden size (default 128; the MLP is twice it)")
+    ap.add_argument("--heads", default="4/2", help="query heads / KV heads (default 4/2)")
+    ap.add_argument("--head-dim", type=int, default=64, help="channels per head (default 64)")
+    ap.add_argument("--vocab", type=int, default=256, help="vocabulary size (default 256)")
+    ap.add_argument("--no-check", action="store_true",
+                    help="time only: skip the replays that compare logits (long prompts)")
+    ap.add_argument("--sdpa", choices=["auto", "flash"], default="auto",
+                    help="SDPA backends for the default cache and the prompt: torch's choice (on an H200 with torch "
+                         "2.11, cuDNN, which builds a graph for each new length), or flash/efficient only")
     ap.add_argument("--dtype", choices=["fp16", "bf16", "fp32"], default=None,
                     help="model dtype (default: bf16 on a GPU, fp16 on the CPU)")
     ap.add_argument("--target", default=None,
@@ -90,7 +102,8 @@ def main(argv=None):
     dtype_name = args.dtype or ("bf16" if device == "cuda" else "fp16")
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[dtype_name]
     target = args.target or ("reference" if dtype == torch.float32 else "auto")
-    model = build_model(device, dtype)
+    model = build_model(device, dtype, layers=args.layers, hidden=args.hidden, heads=args.heads,
+                        head_dim=args.head_dim, vocab=args.vocab, positions=max(256, args.prompt + args.new))
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(3, model.config.vocab_size, (args.batch, args.prompt), generator=gen).to(device)
     capacity = args.prompt + args.new
@@ -105,13 +118,28 @@ def main(argv=None):
           f"{model.config.num_key_value_heads} KV heads, head_dim {model.config.head_dim}; cache: {cache.spec.describe()}, "
           f"sink {args.sink}, window {args.window}; batch {args.batch}, prompt {args.prompt}, {args.new} new tokens")
 
+    if args.sdpa == "flash":
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        backends = contextlib.ExitStack()   # for the rest of the run
+        backends.enter_context(sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                                            SDPBackend.MATH]))
     generate(model, DynamicCache(config=model.config), ids, 2, "sdpa")  # warm-up, so that the timings compare
+    generate(model, foldc_cache(), ids, 2, fhf.ATTN_IMPLEMENTATION)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    sync()
     t0 = time.perf_counter()
     ref_seq, ref_logits = generate(model, DynamicCache(config=model.config), ids, args.new, "sdpa")
+    sync()
     t_ref = time.perf_counter() - t0
     t0 = time.perf_counter()
     seq, logits = generate(model, cache, ids, args.new, fhf.ATTN_IMPLEMENTATION)
+    sync()
     t_foldc = time.perf_counter() - t0
+    note = " (Triton's interpreter: correctness, not speed)" if device == "cpu" and target != "reference" else ""
+    if args.no_check:
+        print(f"time: default cache {t_ref:.2f} s, foldc {t_foldc:.2f} s ({t_ref / t_foldc:.2f}x){note}")
+        return
     vs_default = replay(model, DynamicCache(config=model.config), seq, args.prompt, "sdpa")
     vs_dequant = replay(model, foldc_cache(fhf.DequantizedFoldcCache), seq, args.prompt, fhf.ATTN_IMPLEMENTATION)
 
@@ -137,8 +165,7 @@ def main(argv=None):
     body = "quantized" if cache.spec.k or cache.spec.v else "plain"
     print(f"layer 0 holds {layer.num_tokens} tokens: sink {layer.sink_tokens}, body {layer.body_tokens} ({body}), "
           f"recent window {layer.window_tokens}")
-    note = " (Triton's interpreter: correctness, not speed)" if device == "cpu" and target != "reference" else ""
-    print(f"time: default cache {t_ref:.2f} s, foldc {t_foldc:.2f} s{note}")
+    print(f"time: default cache {t_ref:.2f} s, foldc {t_foldc:.2f} s ({t_ref / t_foldc:.2f}x){note}")
 
 
 if __name__ == "__main__":

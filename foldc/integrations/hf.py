@@ -103,6 +103,7 @@ class FoldcLayer(CacheLayerMixin):
         self.is_initialized = False
         self.spec, self.max_cache_len, self.sink, self.window, self.target = spec, max_cache_len, sink, window, target
         self.cache: QuantizedKVCache | None = None
+        self.mask_checked = False   # a padding mask is refused at the first step that shows one
 
     def __repr__(self) -> str:
         return f"FoldcLayer({self.cache!r})" if self.cache is not None else f"FoldcLayer({self.spec.describe()}, empty)"
@@ -164,6 +165,7 @@ class FoldcLayer(CacheLayerMixin):
     def reset(self) -> None:
         self.cache = None
         self.is_initialized = False
+        self.mask_checked = False
 
     def offload(self) -> None:
         raise NotImplementedError("FoldcCache does not offload layers to the CPU")
@@ -316,8 +318,12 @@ def foldc_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
     if step == "decode":
         if q_len != 1:
             raise InputError(f"a decode step of FoldcCache appended 1 token but the query holds {q_len}")
-        if attention_mask is not None and not bool(_allowed(attention_mask).all()):
-            raise InputError(_PADDING)
+        # the mask is read once per cache (a read waits for the GPU): generate extends a mask that had no
+        # padding with ones, so a layer whose prefill (or first decode step) passed needs no second look
+        if attention_mask is not None and not layer.mask_checked:
+            if not bool(_allowed(attention_mask).all()):
+                raise InputError(_PADDING)
+            layer.mask_checked = True
         out = layer.cache.attention(query[:, :, 0].contiguous(), sm_scale=scaling)  # [batch, heads, head_dim]
         return out.to(query.dtype).unsqueeze(1), None
 
@@ -326,6 +332,7 @@ def foldc_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
         allowed = _allowed(attention_mask[..., :kv_len])
         if not torch.equal(allowed, causal.expand_as(allowed)):
             raise InputError(_PADDING)
+        layer.mask_checked = True
     if heads != kv_heads:
         key = key.repeat_interleave(heads // kv_heads, dim=1)
         value = value.repeat_interleave(heads // kv_heads, dim=1)

@@ -32,11 +32,13 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from dataclasses import dataclass
 
 import torch
 import triton.language as tl
 
+from ..backends.runtime.fast_launch import FastLaunch
 from ..decisions import GroupAxis, token_group
 from ..encoding import AffineTensor
 from ..errors import InputError, InputTypeError, SpecError
@@ -496,8 +498,24 @@ def run_append(launch: AppendLaunch, dst: AffineTensor, x: torch.Tensor, scalar,
             zero, *zero.stride()[:3], offs, 0 if scalar is None else scalar]
     table = [indptr, indices, counts if counts is not None else dst.codes, dst.num_tokens]
     lead = [x.shape[2], heads] if launch.kernel == "token" else [heads]
-    with interpreter(launch.interpret):
-        _kernel(launch.kernel, launch.interpret)[launch.grid](*args, *lead, *table, **dict(launch.constants))
+    kernel, kwargs = _fast(launch.kernel, launch.interpret), _kwargs(launch.constants)
+    if launch.interpret or os.environ.get("TRITON_INTERPRET"):
+        with interpreter(launch.interpret):
+            kernel[launch.grid](*args, *lead, *table, **kwargs)
+    else:   # native mode already: no switch (the decode step's host path)
+        kernel[launch.grid](*args, *lead, *table, **kwargs)
+
+
+@functools.lru_cache(maxsize=None)
+def _fast(name: str, interpret: bool):
+    """The append kernel ``name`` behind `FastLaunch` (repeat launches skip triton's binder)."""
+    return FastLaunch(_kernel(name, interpret))
+
+
+@functools.lru_cache(maxsize=256)
+def _kwargs(constants: tuple) -> dict:
+    """A launch's constexprs as one dict object per launch (`FastLaunch` reads a dict it saw once only once)."""
+    return dict(constants)
 
 
 def _launch(dst: AffineTensor, x: torch.Tensor, scalar, per_row, interpret: bool, paging: tuple | None = None,

@@ -23,6 +23,7 @@ import math
 
 import torch
 
+from ..backends.runtime.launch import Scratch
 from ..compile import TARGETS as COMPILE_TARGETS
 from ..compile import compile as compile_attention
 from ..targets import detect_target
@@ -123,6 +124,10 @@ class QuantizedKVCache:
         # compiled up front: a spec the target cannot run fails here, not at the first decode step
         self._body_attention = compile_attention(spec, target)
         self._plain_attention = compile_attention(plain_spec, target)
+        # per part: a device tensor of its length (refilled when the length changes, not per call) and the
+        # kernel's workspace between calls
+        self._lens: dict = {}
+        self._scratch = {"body": Scratch(), "plain": Scratch()}
         self.reset()
 
     def _allocate_body(self, enc):
@@ -134,6 +139,19 @@ class QuantizedKVCache:
                             torch.zeros(scale_shape(enc, b, h, n, d), dtype=enc.scale_dtype, device=self.device),
                             torch.zeros(scale_shape(enc, b, h, n, d), dtype=enc.scale_dtype, device=self.device),
                             enc, d)
+
+    def _lengths(self, name: str, n: int) -> torch.Tensor:
+        """int32 [batch] device tensor of ``n``, the token count of part ``name``, for the kernel; kept
+        between calls and refilled when ``n`` changes (inside a CUDA-graph capture: a new tensor)."""
+        held = self._lens.get(name)
+        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return torch.full((self.batch,), n, dtype=torch.int32, device=self.device)
+        if held is None:
+            held = self._lens[name] = [-1, torch.empty(self.batch, dtype=torch.int32, device=self.device)]
+        if held[0] != n:
+            held[1].fill_(n)
+            held[0] = n
+        return held[1]
 
     # ---- state --------------------------------------------------------------------------------
 
@@ -279,21 +297,24 @@ class QuantizedKVCache:
 
         scale = check_sm_scale(sm_scale, self.spec.head_dim)
 
-        def part(attention, k, v, n):
-            lens = torch.full((self.batch,), n, dtype=torch.int32, device=self.device)
+        def part(name, attention, k, v, n):
+            lens = self._lengths(name, n)
             if self.target == "reference":
                 return attention(q, k, v, sm_scale=scale, seq_lens=lens, return_lse=True)
             # the cache's own tensors: the launch is planned once per shape and run without re-checking them
             out = torch.empty(want, dtype=torch.float32 if wide else q.dtype, device=self.device)
-            lse = torch.empty(want[:2], dtype=torch.float32, device=self.device)
             launch = attention.plan_launch(q.dtype, self.batch, k.shape[2], self.device, has_lens=True, k=k, v=v)
-            attention.run(launch, q, k, v, out, lse, scale, seq_lens=lens)
+            if return_lse or (self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+                workspace, lse = None, torch.empty(want[:2], dtype=torch.float32, device=self.device)
+            else:   # the buffers of this part's last call on this stream
+                workspace, lse = self._scratch[name].get(launch, self.device, want[:2])
+            attention.run(launch, q, k, v, out, lse, scale, seq_lens=lens, workspace=workspace)
             return out, lse
         parts = []
         if self._body_len:
-            parts.append(part(self._body_attention, self._body["k"], self._body["v"], self._body_len))
+            parts.append(part("body", self._body_attention, self._body["k"], self._body["v"], self._body_len))
         if plain_len:  # sink and recent are one contiguous prefix of the plain buffer
-            parts.append(part(self._plain_attention, self._plain["k"], self._plain["v"], plain_len))
+            parts.append(part("plain", self._plain_attention, self._plain["k"], self._plain["v"], plain_len))
         out, lse = parts[0] if len(parts) == 1 else merge_parts(parts)
         if wide:
             out = out.to(q.dtype)

@@ -92,7 +92,7 @@ def test_a_launch_reuses_its_kernel_only_for_the_same_specialisation(monkeypatch
     x, y = buf[:16], buf[16:32]
     fast[(4, 2)](x, y, 32, 5, BLOCK=64, ASM="and.b32", num_warps=1)
     assert len(ordinary) == 1 and len(fast.compiled) == 1
-    compiled = next(iter(fast.compiled.values()))
+    compiled = next(iter(fast.compiled.values())).compiled
     x2 = torch.ones(16, dtype=torch.float16)
     fast[(4, 2)](x2, y, 48, 9, BLOCK=64, ASM="and.b32", num_warps=1)          # same specialisation
     assert len(ordinary) == 1
@@ -101,6 +101,7 @@ def test_a_launch_reuses_its_kernel_only_for_the_same_specialisation(monkeypatch
     assert launch[9:] == (x2, y, 48, 9, 64, "and.b32")
     calls = [((buf[1:17], y, 32, 5), {}),                     # a pointer off a 16-byte boundary
              ((x, y, 33, 5), {}),                             # no longer a multiple of 16
+             ((x, y.float(), 32, 5), {}),                     # another dtype
              ((x, y, 32, 1), {}),                             # 1 is a constant to triton
              ((x, y, 1 << 33, 5), {}),                        # 64-bit
              ((x, y, 32, 5), {"BLOCK": 32}),                  # another constexpr
@@ -111,3 +112,52 @@ def test_a_launch_reuses_its_kernel_only_for_the_same_specialisation(monkeypatch
         assert len(ordinary) == 2 + i, (args, change)
     assert len(fast.compiled) == 1 + len(calls)
     assert len(compiled.launches) == 1
+
+
+class _Launcher:
+    """Stands in for triton 3.6's CudaLauncher: its C ``launch`` and the attributes __call__ reads."""
+
+    global_scratch_size = profile_scratch_size = 0
+    launch_cooperative_grid, launch_pdl = False, True
+
+    def __init__(self):
+        self.direct, self.wrapped = [], []
+
+    def launch(self, *args):
+        self.direct.append(args)
+
+    def __call__(self, *args):
+        self.wrapped.append(args)
+
+
+def test_repeat_launches_call_the_c_launcher_unless_a_hook_is_set(monkeypatch):
+    """With no launch hooks a repeat goes to the C launcher with CudaLauncher's leading arguments
+    (cooperative grid, PDL, no scratch buffers) and no metadata; with a hook, through the launcher's
+    ``__call__`` with the metadata and the hooks, as triton's runner does. Integer arguments of the
+    same specialisation (here 48 and 64) share one kernel."""
+    from triton import knobs
+
+    jit, ordinary = _kernel_on_a_fake_gpu(monkeypatch)
+    launcher = _Launcher()
+
+    class _WithLauncher(_Compiled):
+        run = launcher
+
+    monkeypatch.setattr(jit, "run", lambda *a, grid, warmup, **k: ordinary.append(a) or _WithLauncher())
+    fast = FastLaunch(jit)
+    x = torch.zeros(16, dtype=torch.float16)
+    kwargs = dict(BLOCK=64, ASM="and.b32", num_warps=1)
+    fast[(3,)](x, x, 32, 5, **kwargs)
+    fast[(3,)](x, x, 48, 7, **kwargs)
+    assert len(ordinary) == 1 and launcher.wrapped == []
+    assert launcher.direct == [(3, 1, 1, 7, "function", False, True, None, None, "metadata", None, None, None,
+                                x, x, 48, 7, 64, "and.b32")]
+    hook = lambda metadata: None   # noqa: E731
+    knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        fast[(3,)](x, x, 64, 7, **kwargs)
+    finally:
+        knobs.runtime.launch_enter_hook.remove(hook)
+    assert len(launcher.direct) == 1 and len(ordinary) == 1
+    (wrapped,) = launcher.wrapped
+    assert wrapped[:6] == (3, 1, 1, 7, "function", "metadata") and wrapped[9:] == (x, x, 64, 7, 64, "and.b32")

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 import foldc
 from foldc.backends.gluon.launch import GluonAttention
-from foldc.backends.runtime.launch import Launch, allocate_workspace, split_partition, workspace_fits
+from foldc.backends.runtime.launch import Launch, Scratch, allocate_workspace, split_partition, workspace_fits
 from foldc.backends.triton import TritonAttention
 from foldc.testing import rel_l2
 
@@ -92,6 +92,21 @@ def test_allocate_workspace_takes_the_launch_shapes():
     assert [tuple(t.shape) for t in ws] == [(2, 4, 3, 16), (2, 4, 3, 16), (2, 4, 3, 16, 128)]
     assert workspace_fits(ws, launch) and not workspace_fits(None, launch)
     assert not workspace_fits(ws, dataclasses.replace(launch, splits=4))
+
+
+def test_scratch_keeps_one_set_of_buffers_per_stream_and_replaces_it_when_the_shapes_change():
+    launch = Launch("gluon", torch.bfloat16, 2, 4, 3, 64, 32, 192, 16, 128)
+    scratch = Scratch()
+    ws, lse = scratch.get(launch, torch.device("cpu"), (2, 32), stream=7)
+    assert workspace_fits(ws, launch) and tuple(lse.shape) == (2, 32) and lse.dtype == torch.float32
+    again = scratch.get(dataclasses.replace(launch, per_split=128), torch.device("cpu"), (2, 32), stream=7)
+    assert again[0] is ws and again[1] is lse            # same shapes, same stream: the same buffers
+    other = scratch.get(launch, torch.device("cpu"), (2, 32), stream=9)
+    assert other[0][0] is not ws[0]                       # another stream: its own
+    wider = dataclasses.replace(launch, splits=5)
+    grown = scratch.get(wider, torch.device("cpu"), (2, 32), stream=7)
+    assert workspace_fits(grown[0], wider) and grown[0][0] is not ws[0]
+    assert scratch.get(wider, torch.device("cpu"), (2, 32), stream=7)[0] is grown[0]
 
 
 class _FixedResidency(GluonAttention):

@@ -311,6 +311,20 @@ def test_padding_masks_are_refused():
             model(ids[:, :1], attention_mask=step_mask, use_cache=True, **{fhf.CACHE_KWARG: c})
 
 
+def test_a_mask_is_read_once_per_layer(monkeypatch):
+    """Reading a mask waits for the GPU: a layer reads it at the first step that passes one (its prompt
+    here) and not at the decode steps after, which generate extends with ones."""
+    model, ids = llama(dtype=torch.float32), prompt(2)
+    reads = []
+    real = fhf._allowed
+    monkeypatch.setattr(fhf, "_allowed", lambda mask: reads.append(mask.shape) or real(mask))
+    with attention(model, "foldc"):
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False,
+                       **{fhf.CACHE_KWARG: cache(model, None, None)})
+    layers = model.config.num_hidden_layers
+    assert len(reads) <= layers and all(shape[-2] == PROMPT for shape in reads), reads
+
+
 def test_a_model_without_foldc_attention_is_refused():
     model, ids = llama(dtype=torch.float32), prompt(1)
     with pytest.raises(SpecError, match=r"set_attn_implementation\('foldc'\)"):

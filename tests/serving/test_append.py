@@ -388,3 +388,30 @@ def test_an_append_plan_is_memoised_and_sized_from_the_shapes(layout, bits, grou
     else:
         assert launch.kernel == "channel" and launch.grid == (batch * heads, units)
         assert consts["BLOCK_T"] == min(BLOCK_T_CHANNEL, group)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("enc", [A(4, "token", 32), A(2, "token", 128), A(2, "channel", 16), A(8, "token", 64)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_appends_write_what_quantize_computes_on_every_repeat_launch(enc, dtype):
+    """The append kernel on the GPU, launched again and again at new offsets (the later launches take
+    `FastLaunch`'s path to the compiled kernel): every write holds foldc.quantize's bits, and the
+    poisoned storage around it is untouched."""
+    gen = torch.Generator().manual_seed(hash((enc.short(), str(dtype))) % 2**31)
+    batch, heads, head_dim, step = 2, 2, 128, 16 if enc.layout == "channel" else 1
+    tokens = 8 * step
+    dst = poisoned(enc, batch, heads, tokens, head_dim, gen)
+    before = AffineTensor(dst.codes.clone(), dst.scale.clone(), dst.zero.clone(), enc, head_dim)
+    dst = AffineTensor(dst.codes.cuda(), dst.scale.cuda(), dst.zero.cuda(), enc, head_dim)
+    xs = [values((batch, heads, step, head_dim), "normal", dtype, gen, enc.bits) for _ in range(6)]
+    for i, x in enumerate(xs):
+        append_quantized(dst, x.cuda(), i * step)
+    torch.cuda.synchronize()
+    want = foldc.quantize(torch.cat(xs, dim=2), enc)
+    n = 6 * step
+    rows = n // (enc.group_size if enc.layout == "channel" else 1)
+    assert torch.equal(dst.codes[:, :, :n].cpu(), want.codes)
+    part = (slice(None), slice(None), slice(0, rows))
+    assert torch.equal(bits(dst.scale[part].cpu()), bits(want.scale)) and torch.equal(bits(dst.zero[part].cpu()),
+                                                                                        bits(want.zero))
+    assert torch.equal(dst.codes[:, :, n:].cpu(), before.codes[:, :, n:])

@@ -17,7 +17,7 @@ from ...errors import InputError, SpecError
 from ...options import check_launch_options, check_splits
 from ...validate import check_call, output_buffer
 from ..runtime.fast_launch import FastLaunch
-from ..runtime.launch import Launch, allocate_workspace, split_partition
+from ..runtime.launch import Launch, Scratch, allocate_workspace, split_partition
 from ..runtime.merge import MERGE_SOURCE, launch_merge
 from ..runtime.modules import load_module, num_sms
 from .lower import FP16_REASON, HALF_TILE_GROUP, FoldKernel, gluon_plan, lower
@@ -239,6 +239,7 @@ class GluonAttention:
         self._variants: dict = {}     # compiled kernel variant -> (resident programs per SM, registers)
         self._modules = None
         self._fast = None
+        self._scratch = Scratch()     # eager calls' workspace and lse, per stream
         # the merge as a programmatic dependent launch of the decode kernel: its launch overlaps the
         # decode's last programs (0.2-0.4 µs of a batch-1 call on the H200, docs/perf.md)
         self.pdl = True
@@ -292,6 +293,7 @@ class GluonAttention:
         other = copy.copy(self)
         other._modules = (decode, self._kernels()[1])
         other._fast, other._variants, other._launches, other._configs = None, {}, {}, dict(self._configs)
+        other._scratch = Scratch()
         other.warpgroup = None   # the variant is the one-warp program's
         return other
 
@@ -337,8 +339,12 @@ class GluonAttention:
         launch = self.plan_launch(q.dtype, call.batch, call.tokens, device, has_lens=has_lens, k=k, v=v)
         lens = call.seq_lens.to(device=device, dtype=torch.int32) if has_lens else None
         out = output_buffer(out, (call.batch, self.spec.num_q_heads, self.config.head_dim), q)
-        lse = torch.empty(call.batch, self.spec.num_q_heads, device=device, dtype=torch.float32)
-        self.run(launch, q, k, v, out, lse, call.sm_scale, seq_lens=lens)
+        if return_lse or torch.cuda.is_current_stream_capturing():
+            workspace = None
+            lse = torch.empty(call.batch, self.spec.num_q_heads, device=device, dtype=torch.float32)
+        else:   # the buffers of this stream's last call (`Scratch`)
+            workspace, lse = self._scratch.get(launch, device, (call.batch, self.spec.num_q_heads))
+        self.run(launch, q, k, v, out, lse, call.sm_scale, seq_lens=lens, workspace=workspace)
         return (out, lse) if return_lse else out
 
     def plan_launch(self, dtype: torch.dtype, batch: int, tokens: int, device, *, has_lens: bool = False,

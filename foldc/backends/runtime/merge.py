@@ -2,6 +2,7 @@
 split's (max, denominator, accumulator) of one query row into the output and its log-sum-exp."""
 from __future__ import annotations
 
+import functools
 import math
 
 import triton
@@ -68,12 +69,20 @@ def launch_merge(merge_kernel, ws_m, ws_l, ws_acc, out, lse, q_per_kv: int, pdl:
     ``pdl``: a programmatic dependent launch (sm_90+): the merge's launch overlaps the end of the
     kernel before it on the stream, and its programs wait for that kernel's writes."""
     b, hkv, splits, rows = ws_m.shape
-    head_dim = ws_acc.shape[-1]
-    whole = ws_m.device.type == "cpu" and head_dim & (head_dim - 1) == 0
+    grid, kwargs = _merge_launch(b, hkv, splits, rows, ws_acc.shape[-1], q_per_kv, pdl, ws_m.device.type == "cpu")
+    merge_kernel[grid](ws_m, ws_l, ws_acc, out, lse, out.stride(0), out.stride(1), splits, **kwargs)
+
+
+@functools.lru_cache(maxsize=256)
+def _merge_launch(b: int, hkv: int, splits: int, rows: int, head_dim: int, q_per_kv: int, pdl: bool,
+                  cpu: bool) -> tuple[tuple[int, int, int], dict]:
+    """The merge's grid and keyword arguments for a workspace shape (one dict object per shape, which
+    `FastLaunch` recognises without reading it again)."""
+    whole = cpu and head_dim & (head_dim - 1) == 0
     d_block = head_dim if whole else math.gcd(head_dim, 32)   # a power of two that divides head_dim
     # one pass, one round trip per step: 128 splits of 32 channels per step is 32 values per thread
     split_block = min(128 if d_block <= 32 else 64, max(2, triton.next_power_of_2(splits)))
-    merge_kernel[(b, hkv, q_per_kv * (head_dim // d_block))](
-        ws_m, ws_l, ws_acc, out, lse, out.stride(0), out.stride(1), splits, Q_PER_KV=q_per_kv, ROWS=rows,
-        HEAD_DIM=head_dim, NUM_KV_HEADS=hkv, SPLIT_BLOCK=split_block, D_BLOCK=d_block, PDL=pdl,
-        num_warps=4 if split_block * d_block >= 1024 else 1, **({"launch_pdl": True} if pdl else {}))
+    kwargs = dict(Q_PER_KV=q_per_kv, ROWS=rows, HEAD_DIM=head_dim, NUM_KV_HEADS=hkv, SPLIT_BLOCK=split_block,
+                  D_BLOCK=d_block, PDL=pdl, num_warps=4 if split_block * d_block >= 1024 else 1,
+                  **({"launch_pdl": True} if pdl else {}))
+    return (b, hkv, q_per_kv * (head_dim // d_block)), kwargs
