@@ -161,3 +161,15 @@ def test_repeat_launches_call_the_c_launcher_unless_a_hook_is_set(monkeypatch):
     assert len(launcher.direct) == 1 and len(ordinary) == 1
     (wrapped,) = launcher.wrapped
     assert wrapped[:6] == (3, 1, 1, 7, "function", "metadata") and wrapped[9:] == (x, x, 64, 7, 64, "and.b32")
+
+
+def test_a_runtime_argument_given_by_keyword_always_takes_the_ordinary_path(monkeypatch):
+    """``m`` is no constexpr: passed by keyword its value would be frozen with the kernel, so such
+    launches are never kept."""
+    jit, ordinary = _kernel_on_a_fake_gpu(monkeypatch)
+    fast = FastLaunch(jit)
+    x = torch.zeros(16, dtype=torch.float16)
+    for m in (5, 7, 9):
+        fast[(1,)](x, x, 32, m=m, BLOCK=64, ASM="and.b32", num_warps=1)
+    assert len(ordinary) == 3 and fast.compiled == {}
+    assert [call[2]["m"] for call in ordinary] == [5, 7, 9]

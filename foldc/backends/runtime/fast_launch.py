@@ -117,7 +117,11 @@ class FastLaunch:
         ready = self.compiled.get(key) if key is not None else None
         if ready is None:
             compiled = self.kernel[grid](*args, **kwargs)    # compiles if needed, launches
-            if key is not None and compiled is not None and not hasattr(compiled, "result"):  # not async
+            # kept only when the keyword arguments are constexprs and options (their values are in the key;
+            # a runtime argument given by keyword would be frozen into the tail) and the compile was not async
+            by_keyword = [p for p in self.kernel.params if p.name in kwargs]
+            if (key is not None and compiled is not None and not hasattr(compiled, "result")
+                    and all(p.is_constexpr for p in by_keyword)):
                 binder = self.kernel.device_caches[key[0]][4]
                 bound, _, _ = binder(*args, **kwargs)
                 self.compiled[key] = _Ready(compiled, bound, len(args))
