@@ -55,9 +55,11 @@ def attention(model, impl):
 
 
 def generate(model, cache, ids, new, impl):
+    """Greedy generate with ``cache`` (a Cache object, or "static": transformers' own static cache)."""
+    how = {"cache_implementation": "static"} if cache == "static" else {fhf.CACHE_KWARG: cache}
     with attention(model, impl):
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False,
-                             output_logits=True, return_dict_in_generate=True, **{fhf.CACHE_KWARG: cache})
+                             output_logits=True, return_dict_in_generate=True, **how)
     return out.sequences, torch.stack(out.logits).float()  # [batch, prompt + new], [new, batch, vocab]
 
 
@@ -89,6 +91,10 @@ def main(argv=None):
     ap.add_argument("--vocab", type=int, default=256, help="vocabulary size (default 256)")
     ap.add_argument("--no-check", action="store_true",
                     help="time only: skip the replays that compare logits (long prompts)")
+    ap.add_argument("--cache", choices=["dynamic", "paged", "static"], default="dynamic",
+                    help="foldc cache: FoldcCache (default), PagedFoldcCache, or FoldcStaticCache (no sink or "
+                         "window); with static, the default cache is transformers' static cache too, and on a GPU "
+                         "generate compiles the decode step (torch.compile, CUDA graphs) for both")
     ap.add_argument("--sdpa", choices=["auto", "flash"], default="auto",
                     help="SDPA backends for the default cache and the prompt: torch's choice (on an H200 with torch "
                          "2.11, cuDNN, which builds a graph for each new length), or flash/efficient only")
@@ -108,15 +114,30 @@ def main(argv=None):
     ids = torch.randint(3, model.config.vocab_size, (args.batch, args.prompt), generator=gen).to(device)
     capacity = args.prompt + args.new
 
-    def foldc_cache(kind=fhf.FoldcCache):
-        return kind(model.config, capacity, k=args.k, v=args.v, sink=args.sink, window=args.window, target=target)
+    if args.cache == "static" and (args.sink or args.window):
+        sys.exit("--cache static keeps no plain sink or window: pass --sink 0 --window 0")
+
+    def foldc_cache(kind=None):
+        if kind is None and args.cache == "static":
+            from foldc.integrations.hf_static import FoldcStaticCache
+
+            return FoldcStaticCache(model, capacity, k=args.k, v=args.v, target=target)
+        if kind is None and args.cache == "paged":
+            from foldc.integrations.hf_paged import PagedFoldcCache
+
+            kind = PagedFoldcCache
+        return (kind or fhf.FoldcCache)(model.config, capacity, k=args.k, v=args.v, sink=args.sink,
+                                        window=args.window, target=target)
+
+    def default_cache():
+        return "static" if args.cache == "static" else DynamicCache(config=model.config)
 
     print(f"transformers {transformers.__version__}, torch {torch.__version__}, {device}, {dtype_name}, "
           f"foldc target={target!r}")
     cache = foldc_cache()
     print(f"model: Llama, {model.config.num_hidden_layers} layers, {model.config.num_attention_heads} query / "
           f"{model.config.num_key_value_heads} KV heads, head_dim {model.config.head_dim}; cache: {cache.spec.describe()}, "
-          f"sink {args.sink}, window {args.window}; batch {args.batch}, prompt {args.prompt}, {args.new} new tokens")
+          f"sink {args.sink}, window {args.window}, {type(cache).__name__}; batch {args.batch}, prompt {args.prompt}, {args.new} new tokens")
 
     if args.sdpa == "flash":
         from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -124,12 +145,12 @@ def main(argv=None):
         backends = contextlib.ExitStack()   # for the rest of the run
         backends.enter_context(sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
                                             SDPBackend.MATH]))
-    generate(model, DynamicCache(config=model.config), ids, 2, "sdpa")  # warm-up, so that the timings compare
+    generate(model, default_cache(), ids, 2, "sdpa")  # warm-up (and compile), so that the timings compare
     generate(model, foldc_cache(), ids, 2, fhf.ATTN_IMPLEMENTATION)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     sync()
     t0 = time.perf_counter()
-    ref_seq, ref_logits = generate(model, DynamicCache(config=model.config), ids, args.new, "sdpa")
+    ref_seq, ref_logits = generate(model, default_cache(), ids, args.new, "sdpa")
     sync()
     t_ref = time.perf_counter() - t0
     t0 = time.perf_counter()
@@ -161,10 +182,13 @@ def main(argv=None):
     print(f"\nsame tokens as the default cache: {same}"
           + ("" if same else " (* marks steps whose tokens differ; later steps follow different prefixes)"))
     print(f"relative logit difference: {rel:.2e} vs default, {rel_dq:.2e} vs dequantize-then-attend")
-    layer = cache.layer_caches[0]
-    body = "quantized" if cache.spec.k or cache.spec.v else "plain"
-    print(f"layer 0 holds {layer.num_tokens} tokens: sink {layer.sink_tokens}, body {layer.body_tokens} ({body}), "
-          f"recent window {layer.window_tokens}")
+    if args.cache == "static":
+        print(f"layer 0 holds {int(cache.layers[0].length)} tokens in its static storage")
+    elif args.cache == "dynamic":
+        layer = cache.layer_caches[0]
+        body = "quantized" if cache.spec.k or cache.spec.v else "plain"
+        print(f"layer 0 holds {layer.num_tokens} tokens: sink {layer.sink_tokens}, body {layer.body_tokens} ({body}), "
+              f"recent window {layer.window_tokens}")
     print(f"time: default cache {t_ref:.2f} s, foldc {t_foldc:.2f} s ({t_ref / t_foldc:.2f}x){note}")
 
 

@@ -74,7 +74,9 @@ def decode_attention(q: torch.Tensor, k_data: torch.Tensor, k_scale: torch.Tenso
         target = "auto"
     else:
         target = "interpret" if q.dtype == torch.float16 else "reference"
-    out = _kernel(layout, target)(q, k, v, sm_scale=sm_scale, seq_lens=seq_lens)
+    # return_lse: every buffer of the call is its own, none kept for the next (a kernel keeps an eager call's
+    # workspace between calls; inside torch.compile's CUDA-graph pool no allocation may outlive the step)
+    out, _ = _kernel(layout, target)(q, k, v, sm_scale=sm_scale, seq_lens=seq_lens, return_lse=True)
     return out.to(q.dtype)
 
 

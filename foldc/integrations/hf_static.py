@@ -1,0 +1,177 @@
+"""transformers with a static foldc cache: `FoldcStaticCache`, for ``generate`` under ``torch.compile``
+and CUDA graphs (transformers compiles the decode step itself when the cache is compileable).
+
+::
+
+    import foldc.integrations.hf as fhf
+    from foldc.integrations.hf_static import FoldcStaticCache
+
+    model.set_attn_implementation("foldc")
+    cache = FoldcStaticCache(model, max_cache_len=4096, k="token:4:128", v="token:4:128")
+    out = model.generate(input_ids, max_new_tokens=64, **{fhf.CACHE_KWARG: cache})
+
+Storage is allocated once, at the first forward, and written in place: each layer holds its
+quantized (or plain) keys and values for ``max_cache_len`` tokens, and its token count twice on the
+device (a scalar, and one int32 per batch row for the kernels), advanced in place. A decode step
+therefore reads and writes only tensors whose addresses never change and asks the host nothing:
+the append is ``torch.ops.foldc.append_kv`` (no checks read back), the attention
+``torch.ops.foldc.decode_attention`` over the whole storage with the row counts as lengths, both
+custom ops with fake implementations, so the step traces into one graph and replays from a CUDA
+graph.
+
+Because it is bound to the model (`FoldcStaticCache(model, ...)` gives the model's attention
+modules a shared `StaticSlot`, ``foldc_static``, that each update points at the cache in use), the
+"foldc" attention finds the layer without a tag on the key tensor (which tracing cannot carry).
+
+Limits, each refused with the reason: token-wise groups or plain sides only (a channel-wise group
+is quantized when its last token arrives: `FoldcCache` keeps the tokens before it plain), no sink or
+window, one prompt per cache (the prompt attends with SDPA over its own keys; a second prompt into a
+filled cache is refused), equal-length rows (no padding), full-attention layers, no beam search or
+cropping, inference only. The checks a `FoldcCache` makes at every append (NaN/Inf, scale overflow)
+run at the prompt only.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..decisions import GroupAxis
+from ..errors import InputError, SpecError
+from ..ops import append_op, attention_op
+from .hf import _TAG, FoldcCache, FoldcLayer, _model_shape
+
+__all__ = ["FoldcStaticCache", "FoldcStaticLayer"]
+
+BOUND = "foldc_static"   # the model's and its attention modules' attribute: their `StaticSlot`
+
+
+class StaticSlot:
+    """What a model's attention modules share: the `FoldcStaticCache` that was updated last (each
+    update of a layer names its cache here, so a model may switch between static caches)."""
+
+    __slots__ = ("cache",)
+
+    def __init__(self):
+        self.cache = None
+
+    def layer(self, index: int):
+        """The layer ``index`` of the cache in use, or None."""
+        return None if self.cache is None else self.cache.layers[index]
+
+
+class FoldcStaticLayer(FoldcLayer):
+    """One attention layer's static storage (see the module doc)."""
+
+    is_compileable = True
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor | None = None) -> None:
+        super().lazy_initialization(key_states, value_states)   # checks the shapes, dtype and target
+        cache = self.cache
+        self.k, self.v = cache._body["k"], cache._body["v"]     # the whole storage, max_cache_len tokens
+        self.batch = key_states.shape[0]
+        self.length = torch.zeros((), dtype=torch.int64, device=self.device)
+        self.row_lengths = torch.zeros(self.batch, dtype=torch.int32, device=self.device)
+        if not torch.compiler.is_compiling():   # fixed addresses: CUDA graphs replay them
+            for t in self._tensors():
+                torch._dynamo.mark_static_address(t)
+
+    def _tensors(self):
+        for x in (self.k, self.v):
+            yield from ((x.codes, x.scale, x.zero) if hasattr(x, "codes") else (x,))
+        yield self.length
+        yield self.row_lengths
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        new = key_states.shape[-2]
+        prompt = new > 1
+        if prompt and not torch.compiler.is_compiling():   # eager: the prompt is checked on the host
+            held = int(self.length)
+            if held:
+                raise InputError(f"FoldcStaticCache holds {held} tokens and a second prompt of {new} arrived: it "
+                                 "takes one prompt, then decode steps; call cache.reset() between prompts")
+            if new > self.max_cache_len:
+                raise InputError(f"a prompt of {new} tokens does not fit FoldcStaticCache(max_cache_len="
+                                 f"{self.max_cache_len}); build it with max_cache_len >= prompt + max_new_tokens")
+            self.cache.append(key_states, value_states)   # the checks of FoldcCache's appends, then the bits
+        else:
+            # tokens past max_cache_len are not written (the append kernels skip them, reading nothing back)
+            for x, dst in ((key_states, self.k), (value_states, self.v)):
+                if hasattr(dst, "codes"):
+                    append_op(dst, x, self.row_lengths, check=False)
+                else:
+                    positions = self.length + torch.arange(new, device=self.device)
+                    dst.index_copy_(2, positions, x.to(dst.dtype))
+        self.length.add_(new)
+        self.row_lengths.add_(new)
+        if prompt:   # causal SDPA over the prompt's own keys (foldc_attention's prefill path)
+            keys = key_states.view(key_states.shape)
+            setattr(keys, _TAG, (self, "prefill"))
+            return keys, value_states
+        return key_states, value_states
+
+    def attention(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
+        """Decode attention of ``query [batch, heads, 1, head_dim]`` over every token of the layer:
+        ``[batch, 1, heads, head_dim]``."""
+        out = attention_op(self.spec, query[:, :, 0], self.k, self.v, sm_scale=scaling, seq_lens=self.row_lengths)
+        return out.unsqueeze(1)
+
+    def get_seq_length(self, *args):
+        return self.length if self.is_initialized else 0
+
+    def get_mask_sizes(self, query, *args) -> tuple[int, int]:
+        return self.max_cache_len, 0
+
+    def reset(self) -> None:
+        if self.is_initialized:   # storage kept (its addresses are in captured graphs); counts back to 0
+            self.length.zero_()
+            self.row_lengths.zero_()
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove:
+            raise NotImplementedError("FoldcStaticCache cannot drop tokens: they are quantized in place (no "
+                                      "assisted or speculative decoding)")
+
+
+class FoldcStaticCache(FoldcCache):
+    """A compileable foldc cache bound to ``model`` (module doc). ``max_cache_len``, ``k``, ``v`` and
+    ``target`` as `FoldcCache`; no sink or window. Its layers' ``length`` (a device scalar) counts their
+    tokens; ``layer_caches`` (the `QuantizedKVCache` s that checked and stored the prompt) count the
+    prompt only."""
+
+    layer_class = FoldcStaticLayer
+
+    def __init__(self, model, max_cache_len: int, *, k, v, target: str = "auto"):
+        if not isinstance(model, torch.nn.Module) or not hasattr(model, "config"):
+            raise SpecError(f"FoldcStaticCache(model, ...) takes the transformers model itself (its attention "
+                            f"layers are bound to the cache), got {type(model).__name__}")
+        super().__init__(model.config, max_cache_len, k=k, v=v, target=target)
+        for name, enc in (("k", self.spec.k), ("v", self.spec.v)):
+            if enc is not None and GroupAxis.of(enc) is GroupAxis.TOKEN:   # a channel-wise encoding
+                raise SpecError(f"{name}={enc.short()!r}: FoldcStaticCache takes token-wise groups or a plain side "
+                                "(a channel-wise group is quantized when its last token arrives); use a token-wise "
+                                "encoding, or FoldcCache")
+        _, _, _, layers = _model_shape(self.config)
+        slot = getattr(model, BOUND, None)
+        if not isinstance(slot, StaticSlot):
+            slot = StaticSlot()
+            object.__setattr__(model, BOUND, slot)   # a plain attribute (nn.Module keeps no state of it)
+        self._slot = slot
+        bound = 0
+        for module in model.modules():
+            idx = getattr(module, "layer_idx", None)
+            if isinstance(idx, int) and 0 <= idx < layers and hasattr(module, "q_proj"):
+                object.__setattr__(module, BOUND, slot)
+                bound += 1
+        if bound != layers:
+            raise SpecError(f"FoldcStaticCache found {bound} attention modules (with layer_idx and q_proj) in the "
+                            f"model but its config has {layers} layers; use FoldcCache for this model")
+
+    @property
+    def is_compileable(self) -> bool:
+        return True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        self._slot.cache = self   # the model's attention reads this cache's layers from now on
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+

@@ -1,0 +1,77 @@
+"""FoldcStaticCache: the same tokens and logits as FoldcCache over the same bits, a decode step that
+traces into one graph (torch.compile, fullgraph) and gives the eager step's logits, and refusals.
+
+CPU: the float32 model with target="reference" (the float64 executor; appends by foldc.quantize),
+and the float16 model under the interpreter. The GPU run is examples/hf_decode.py --static.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+fhf = pytest.importorskip("foldc.integrations.hf")
+
+from foldc.errors import InputError, SpecError  # noqa: E402
+from foldc.integrations.hf_static import FoldcStaticCache  # noqa: E402
+
+from test_hf import PROMPT, attention, generate, llama, prompt  # noqa: E402
+
+
+@pytest.mark.parametrize("dtype,target,k,v", [
+    (torch.float32, "reference", "token:4:16", "token:2:32"),
+    (torch.float32, "reference", "token:4:32", None),
+    (torch.float16, "interpret", "token:4:32", "token:4:32"),
+])
+def test_static_cache_decodes_like_foldc_cache(dtype, target, k, v):
+    model, ids = llama(dtype=dtype), prompt(2)
+    seq, logits = generate(model, fhf.FoldcCache(model.config, 32, k=k, v=v, target=target), ids, new=6)
+    static = FoldcStaticCache(model, 32, k=k, v=v, target=target)
+    seq_s, logits_s = generate(model, static, ids, new=6)
+    assert torch.equal(seq, seq_s)
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    assert float((logits - logits_s).abs().max()) <= tol * float(logits.abs().max())
+    layer = static.layers[0]
+    assert int(layer.length) == PROMPT + 5 and layer.row_lengths.tolist() == [PROMPT + 5] * 2
+    assert torch.equal(layer.k.codes[:, :, :PROMPT + 5], layer.cache._body["k"].codes[:, :, :PROMPT + 5])
+
+
+@torch.no_grad()
+def test_a_decode_step_traces_into_one_graph_with_the_eager_logits():
+    """torch.compile(fullgraph=True) of a decode step: no graph break (the appends and the attention
+    are custom ops; the lengths live on the device), and the compiled step's logits are the eager
+    step's, on two caches filled alike."""
+    torch._dynamo.reset()
+    model, ids = llama(dtype=torch.float32), prompt(2)
+    caches = [FoldcStaticCache(model, 32, k="token:4:16", v="token:4:16", target="reference") for _ in range(2)]
+    step = torch.compile(model, backend="aot_eager", fullgraph=True)
+    with attention(model, "foldc"):
+        outs = []
+        for cache, run in zip(caches, (model, step)):
+            model(ids, use_cache=True, **{fhf.CACHE_KWARG: cache})   # the prompt, eager
+            logits = []
+            for t in range(3):
+                token = ids[:, t:t + 1]
+                logits.append(run(token, use_cache=True, **{fhf.CACHE_KWARG: cache}).logits[:, -1])
+            outs.append(torch.stack(logits))
+    assert torch.allclose(outs[0], outs[1], rtol=0, atol=1e-5 * float(outs[0].abs().max()))
+    assert int(caches[1].layers[1].length) == PROMPT + 3
+
+
+def test_refusals_name_the_value_and_the_fix():
+    model, ids = llama(dtype=torch.float32), prompt(1)
+    with pytest.raises(SpecError, match="takes the transformers model itself"):
+        FoldcStaticCache(model.config, 32, k="token:4:16", v="token:4:16")
+    with pytest.raises(SpecError, match="channel:2:16.*token-wise"):
+        FoldcStaticCache(model, 32, k="channel:2:16", v="token:4:16", target="reference")
+    cache = FoldcStaticCache(model, 32, k="token:4:16", v="token:4:16", target="reference")
+    with attention(model, "foldc"), torch.no_grad():
+        model(ids, use_cache=True, **{fhf.CACHE_KWARG: cache})
+        with pytest.raises(InputError, match="second prompt.*reset"):
+            model(ids, use_cache=True, **{fhf.CACHE_KWARG: cache})
+        cache.reset()
+        model(ids, use_cache=True, **{fhf.CACHE_KWARG: cache})   # after reset: a new prompt
+        assert int(cache.layers[0].length) == PROMPT
+    small = FoldcStaticCache(model, PROMPT - 1, k="token:4:16", v="token:4:16", target="reference")
+    with attention(model, "foldc"), torch.no_grad(), pytest.raises(InputError, match="does not fit"):
+        model(ids, use_cache=True, **{fhf.CACHE_KWARG: small})
