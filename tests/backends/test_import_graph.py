@@ -105,8 +105,9 @@ def test_every_backend_and_workload_registers_on_import():
 LAYERS = {
     "compile": {"foldc.compile", "foldc.tune", "foldc.gemm", "foldc.gemm.compile", "foldc.gemm.workload",
                 "foldc.backends", "foldc.nn"},
+    "serving": {"foldc.ops"},   # the torch custom ops: decode attention and appends (integrations build on them)
     "tools": {"foldc", "foldc.__main__", "foldc.cli", "foldc.demo", "foldc.bench", "foldc.bench_layouts",
-              "foldc.gemm.bench", "foldc.serving.bench", "foldc.layout_compile", "foldc.ops"},
+              "foldc.gemm.bench", "foldc.serving.bench", "foldc.layout_compile"},
 }
 PACKAGES = (("backends.gluon", "foldc.backends.gluon"), ("backends.triton", "foldc.backends.triton"),
             ("backends.runtime", "foldc.backends.runtime"), ("gemm", "foldc.gemm"), ("serving", "foldc.serving"),
