@@ -12,8 +12,9 @@ and CUDA graphs (transformers compiles the decode step itself when the cache is 
 
 Storage is allocated once, at the first forward, and written in place: each layer holds its
 quantized (or plain) keys and values for ``max_cache_len`` tokens, and its token count twice on the
-device (a scalar, and one int32 per batch row for the kernels), advanced in place. A decode step
-therefore reads and writes only tensors whose addresses never change and asks the host nothing:
+device (a scalar, and one int32 per batch row for the kernels), advanced in place. A compiled decode
+step therefore reads and writes only tensors whose addresses never change and asks the host nothing
+(an eager one reads the count once, to refuse a token past the storage):
 the append is ``torch.ops.foldc.append_kv`` (no checks read back), the attention
 ``torch.ops.foldc.decode_attention`` over the whole storage with the row counts as lengths, both
 custom ops with fake implementations, so the step traces into one graph and replays from a CUDA
@@ -95,7 +96,12 @@ class FoldcStaticLayer(FoldcLayer):
                                  f"{self.max_cache_len}); build it with max_cache_len >= prompt + max_new_tokens")
             self.cache.append(key_states, value_states)   # the checks of FoldcCache's appends, then the bits
         else:
-            # tokens past max_cache_len are not written (the append kernels skip them, reading nothing back)
+            # eager, the host reads the count and refuses a token past the storage; traced (compiled), it reads
+            # nothing and the append kernels skip such tokens: generate stops at max_cache_len when the cache
+            # was built for prompt + max_new_tokens
+            if not torch.compiler.is_compiling() and int(self.length) + new > self.max_cache_len:
+                raise InputError(f"FoldcStaticCache(max_cache_len={self.max_cache_len}) is full: {new} more "
+                                 "token(s) do not fit; build it with max_cache_len >= prompt + max_new_tokens")
             for x, dst in ((key_states, self.k), (value_states, self.v)):
                 if hasattr(dst, "codes"):
                     append_op(dst, x, self.row_lengths, check=False)

@@ -304,10 +304,8 @@ class QuantizedKVCache:
             # the cache's own tensors: the launch is planned once per shape and run without re-checking them
             out = torch.empty(want, dtype=torch.float32 if wide else q.dtype, device=self.device)
             launch = attention.plan_launch(q.dtype, self.batch, k.shape[2], self.device, has_lens=True, k=k, v=v)
-            if return_lse or (self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-                workspace, lse = None, torch.empty(want[:2], dtype=torch.float32, device=self.device)
-            else:   # the buffers of this part's last call on this stream
-                workspace, lse = self._scratch[name].get(launch, self.device, want[:2])
+            # the buffers of this part's last call on this stream, unless the lse goes to the caller
+            workspace, lse = self._scratch[name].get(launch, self.device, want[:2], fresh=return_lse)
             attention.run(launch, q, k, v, out, lse, scale, seq_lens=lens, workspace=workspace)
             return out, lse
         parts = []

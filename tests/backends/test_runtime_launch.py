@@ -107,6 +107,9 @@ def test_scratch_keeps_one_set_of_buffers_per_stream_and_replaces_it_when_the_sh
     grown = scratch.get(wider, torch.device("cpu"), (2, 32), stream=7)
     assert workspace_fits(grown[0], wider) and grown[0][0] is not ws[0]
     assert scratch.get(wider, torch.device("cpu"), (2, 32), stream=7)[0] is grown[0]
+    given = scratch.get(wider, torch.device("cpu"), (2, 32), fresh=True, stream=7)   # an lse the caller keeps
+    assert workspace_fits(given[0], wider) and given[1] is not grown[1] and given[0][0] is not grown[0][0]
+    assert scratch.get(wider, torch.device("cpu"), (2, 32), stream=7)[1] is grown[1]
 
 
 class _FixedResidency(GluonAttention):

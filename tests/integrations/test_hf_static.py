@@ -72,6 +72,12 @@ def test_refusals_name_the_value_and_the_fix():
         cache.reset()
         model(ids, use_cache=True, **{fhf.CACHE_KWARG: cache})   # after reset: a new prompt
         assert int(cache.layers[0].length) == PROMPT
+    full = FoldcStaticCache(model, PROMPT + 1, k="token:4:16", v="token:4:16", target="reference")
+    with attention(model, "foldc"), torch.no_grad():
+        model(ids, use_cache=True, **{fhf.CACHE_KWARG: full})
+        model(ids[:, :1], use_cache=True, **{fhf.CACHE_KWARG: full})   # the last token that fits
+        with pytest.raises(InputError, match=r"max_cache_len=13\) is full"):
+            model(ids[:, :1], use_cache=True, **{fhf.CACHE_KWARG: full})
     small = FoldcStaticCache(model, PROMPT - 1, k="token:4:16", v="token:4:16", target="reference")
     with attention(model, "foldc"), torch.no_grad(), pytest.raises(InputError, match="does not fit"):
         model(ids, use_cache=True, **{fhf.CACHE_KWARG: small})

@@ -339,11 +339,8 @@ class GluonAttention:
         launch = self.plan_launch(q.dtype, call.batch, call.tokens, device, has_lens=has_lens, k=k, v=v)
         lens = call.seq_lens.to(device=device, dtype=torch.int32) if has_lens else None
         out = output_buffer(out, (call.batch, self.spec.num_q_heads, self.config.head_dim), q)
-        if return_lse or torch.cuda.is_current_stream_capturing():
-            workspace = None
-            lse = torch.empty(call.batch, self.spec.num_q_heads, device=device, dtype=torch.float32)
-        else:   # the buffers of this stream's last call (`Scratch`)
-            workspace, lse = self._scratch.get(launch, device, (call.batch, self.spec.num_q_heads))
+        # the buffers of this stream's last call, unless the lse goes to the caller (`Scratch`)
+        workspace, lse = self._scratch.get(launch, device, (call.batch, self.spec.num_q_heads), fresh=return_lse)
         self.run(launch, q, k, v, out, lse, call.sm_scale, seq_lens=lens, workspace=workspace)
         return (out, lse) if return_lse else out
 

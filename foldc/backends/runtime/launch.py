@@ -71,18 +71,22 @@ class Scratch:
     """The workspace and log-sum-exp buffer of a kernel's eager calls, kept between calls: one set per
     CUDA stream, replaced when a call's launch needs other shapes. Calls on one stream run in order, so
     each may reuse the buffers of the one before (a new allocation per call was a third of an eager
-    call's host time on the H200). Inside a CUDA-graph capture the buffers are fresh each time (the
-    graph keeps them), as are the lse of calls that return it."""
+    call's host time on the H200). Fresh buffers, not kept, inside a CUDA-graph capture (the graph
+    keeps them) and for a call that hands its lse to the caller (``fresh``)."""
 
     __slots__ = ("_held",)
 
     def __init__(self):
         self._held: dict = {}   # stream handle -> (launch, workspace, lse)
 
-    def get(self, launch: Launch, device: torch.device, lse_shape: tuple[int, int], stream: int | None = None):
+    def get(self, launch: Launch, device: torch.device, lse_shape: tuple[int, int], *, fresh: bool = False,
+            stream: int | None = None):
         """(workspace, lse) for ``launch`` on ``device``'s current stream (or the raw handle ``stream``)."""
+        cuda = device.type == "cuda"
+        if fresh or (cuda and torch.cuda.is_current_stream_capturing()):
+            return allocate_workspace(launch, device), torch.empty(lse_shape, device=device, dtype=torch.float32)
         if stream is None:   # the CPU (the interpreter) has one stream
-            stream = torch._C._cuda_getCurrentRawStream(device.index) if device.type == "cuda" else 0
+            stream = torch._C._cuda_getCurrentRawStream(device.index) if cuda else 0
         held = self._held.get(stream)
         if held is not None and (held[0] is launch or (held[0].workspace_shapes == launch.workspace_shapes
                                                        and tuple(held[2].shape) == lse_shape)):
