@@ -19,8 +19,10 @@ from ...gemm.reference import check_operand
 from ...gemm.spec import GemmSpec
 from ...options import check_gemm_options
 from .gemm_codegen import GemmKernelSource, generate_gemm
+from .gemm_dequant import SOURCE as DEQUANT_SOURCE
+from .gemm_dequant import DequantTile, NotDequantTemplate, dequant_config, lower_dequant, unpack_asm
 from ..runtime.modules import interpreter
-from ..runtime.modules import load_module
+from ..runtime.modules import load_module, num_sms
 
 DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 INT8_CODE_BIAS = -128  # unsigned 8-bit codes become int8 for the integer tensor cores (eq. 7)
@@ -83,9 +85,10 @@ class GemmLaunch:
     dtype: torch.dtype
     m: int
     n: int
-    grid: tuple[int, int, int]
+    grid: tuple
     split_k: int
     constants: tuple
+    template: str = "generated"   # or "dequant": the dequantize-then-dot template (gemm_dequant.py)
 
 
 class TritonGemm:
@@ -147,14 +150,49 @@ class TritonGemm:
             out = torch.empty(m, n, device=device, dtype=dtype)
         elif tuple(out.shape) != (m, n) or out.dtype != dtype or out.stride(1) != 1:
             raise InputError(f"out has shape={tuple(out.shape)}, dtype={out.dtype}; it must be ({m}, {n}) {dtype}")
-        self.run(self.plan_launch(dtype, m), x, w, out)
+        self.run(self.plan_launch(dtype, m, num_sms(device)), x, w, out)
         return out
 
-    def plan_launch(self, dtype: torch.dtype, m: int) -> GemmLaunch:
-        """The `GemmLaunch` of a call with ``m`` rows of x and a ``dtype`` output, memoised: the tiles
-        of `launch_config` (or the options given), the grid and the k chunk."""
-        key = (dtype, m)
+    def dequant_tile(self, dtype: torch.dtype, m: int) -> DequantTile | None:
+        """The template's tile when a call with ``m`` rows of plain ``dtype`` activations runs it: the
+        plan at m rows reconstructs the weight (eq. 16, or fold_policy="dequant") and no split-k or
+        k chunk was asked for; memoised."""
+        key = ("tile", dtype, m)
+        if key not in self._launches:
+            tile = None
+            if self.spec.activation is None and not {"split_k", "block_k"} & set(self.explicit):
+                plan = gemm_plan(GemmSpec(self.spec.n, self.spec.k, self.spec.weight, None, m=m),
+                                 fold_policy=self.fold_policy)
+                try:
+                    tile = lower_dequant(plan, m)
+                except NotDequantTemplate:
+                    tile = None
+            self._launches[key] = tile
+        return self._launches[key]
+
+    def _dequant_launch(self, tile: DequantTile, dtype: torch.dtype, m: int, sms: int) -> GemmLaunch:
+        cfg = dequant_config(tile, m, self.spec.n, sms, **{k: v for k, v in self.explicit.items()
+                                                           if k in ("block_m", "block_n", "num_warps", "num_stages")})
+        scale16 = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(tile.scale_dtype)
+        math = 0 if scale16 != dtype else (1 if dtype == torch.float16 else (2 if tile.bits <= 4 else 0))
+        asm, cons = ("", "") if self.interpret else unpack_asm(tile.bits, math == 2)
+        constants = dict(K=tile.k, BITS=tile.bits, GROUP=tile.group, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"],
+                         BLOCK_K=tile.block_k, GROUP_M=cfg["group_m"], MATH=math, ASM=asm, CONS=cons,
+                         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        grid = (triton_cdiv(m, cfg["block_m"]) * triton_cdiv(self.spec.n, cfg["block_n"]),)
+        return GemmLaunch(dtype, m, self.spec.n, grid, 1, tuple(constants.items()), "dequant")
+
+    def plan_launch(self, dtype: torch.dtype, m: int, sms: int = 132) -> GemmLaunch:
+        """The `GemmLaunch` of a call with ``m`` rows of x and a ``dtype`` output, memoised: the
+        dequantize-then-dot template where the plan at m rows reconstructs the weight, else the
+        generated kernel with the tiles of `launch_config` (or the options given), the grid and the
+        k chunk. ``sms``: the GPU's SM count (the template's tile choice)."""
+        key = (dtype, m, sms)
         launch = self._launches.get(key)
+        if launch is None:
+            tile = self.dequant_tile(dtype, m)
+            if tile is not None:
+                launch = self._launches[key] = self._dequant_launch(tile, dtype, m, sms)
         if launch is None:
             _, ks, _ = self.kernel(DTYPES[dtype])
             cfg = dict(launch_config(m, self.spec.n), **self.explicit)
@@ -170,6 +208,14 @@ class TritonGemm:
     def run(self, launch: GemmLaunch, x, w, out: torch.Tensor, partial: torch.Tensor | None = None) -> None:
         """Launch ``launch`` (from `plan_launch`) into ``out [m, n]``, no checks. With split-k, the
         programs add float32 partials into ``partial`` (zeroed here; allocated if None), then copied."""
+        if launch.template == "dequant":
+            module = load_module(DEQUANT_SOURCE, self.interpret)
+            codes, scale, zero = w.codes[0, 0], w.scale[0, 0], w.zero[0, 0]
+            with interpreter(self.interpret):
+                module.foldc_gemm_dequant[launch.grid](x, x.stride(0), codes, codes.stride(0), scale, zero,
+                                                       scale.stride(0), out, out.stride(0), launch.m, launch.n,
+                                                       **dict(launch.constants))
+            return
         module, ks, _ = self.kernel(DTYPES[launch.dtype])
         target = out
         if launch.split_k > 1:

@@ -1,0 +1,219 @@
+"""The dequantize-then-dot GEMM template: ``y = x @ w.T`` for the calls whose GEMM plan reconstructs
+the weight (eq. 16: at m rows each weight tile is shared by more rows than the fold pays for), with
+plain fp16 or bf16 activations.
+
+Each program computes one ``BLOCK_M x BLOCK_N`` tile of y in one flat loop over chunks of
+``BLOCK_K`` bytes of every weight row. A chunk holds ``F = 8 / bits`` bit fields, field ``f``
+covering the k range ``f * K/F + j .. + BLOCK_K`` (the planar packing of foldc/encoding.py) inside
+one k group (``BLOCK_K`` divides the group). Per field the codes become values in registers,
+
+    v = scale[n, g] * code + zero[n, g]      (eq. 1, rounded once to the activation dtype)
+
+and ``tl.dot`` takes them from shared memory into the tensor cores (wgmma on sm_90) with the
+activation's matching k range. The code enters floating point exactly through its bit pattern:
+``code | 0x6400`` is the fp16 ``1024 + code``, minus 1024. With fp16 scales and fp16 activations
+the value is one fp16 fused multiply-add (one rounding of the exact ``s * c + z``); otherwise it is
+formed in float32 and rounded to the activation dtype, as the plan executor's dequantized values are.
+
+Rows and columns past m and n read the last row or column (in bounds) and are never stored, so the
+loop has no masks. Programs walk the tiles in groups of ``GROUP_M`` row tiles per column tile, so
+the row tiles that share a weight tile run together and read it from L2.
+
+Which plans it takes and its tiles: `lower_dequant` (the plan's weight operand: fold ``dequant``,
+bits, k group, scale dtype) and `dequant_config`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ...gemm.plan import GemmPlan
+
+SOURCE = '''
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _biased(wb, f: tl.constexpr, BITS: tl.constexpr, MAGIC: tl.constexpr, VT: tl.constexpr):
+    """Field f of the code bytes wb as values MAGIC + code (exact) without inline PTX."""
+    code = ((wb.to(tl.int16) >> (BITS * f)) & ((1 << BITS) - 1)) | MAGIC
+    return code.to(VT, bitcast=True)
+
+
+@triton.jit
+def _unpack(wb, ASM: tl.constexpr, CONS: tl.constexpr, F: tl.constexpr, MATH: tl.constexpr):
+    """Every field of the code bytes wb as values MAGIC + code (inline PTX, `unpack_asm`)."""
+    if MATH == 2:
+        if F == 1:
+            out = (tl.inline_asm_elementwise(ASM, CONS, [wb], dtype=tl.bfloat16, is_pure=True, pack=4),)
+        elif F == 2:
+            out = tl.inline_asm_elementwise(ASM, CONS, [wb], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+        else:
+            out = tl.inline_asm_elementwise(ASM, CONS, [wb], dtype=(tl.bfloat16,) * 4, is_pure=True, pack=4)
+    else:
+        if F == 1:
+            out = (tl.inline_asm_elementwise(ASM, CONS, [wb], dtype=tl.float16, is_pure=True, pack=4),)
+        elif F == 2:
+            out = tl.inline_asm_elementwise(ASM, CONS, [wb], dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
+        else:
+            out = tl.inline_asm_elementwise(ASM, CONS, [wb], dtype=(tl.float16,) * 4, is_pure=True, pack=4)
+    return out
+
+
+@triton.jit
+def foldc_gemm_dequant(X, stride_x, WC, stride_w, WS, WZ, stride_ws, Y, stride_y, M, N,
+                       K: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                       MATH: tl.constexpr, ASM: tl.constexpr, CONS: tl.constexpr):
+    F: tl.constexpr = 8 // BITS
+    ROW_BYTES: tl.constexpr = K // F
+    # MATH 1: fp16 values, fp16 scales; 2: bf16 values and scales; 0: float32 arithmetic
+    VT: tl.constexpr = tl.bfloat16 if MATH == 2 else tl.float16
+    MAGIC: tl.constexpr = 0x4300 if MATH == 2 else 0x6400
+    BIAS: tl.constexpr = 128.0 if MATH == 2 else 1024.0
+    pid = tl.program_id(0)
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * tiles_n
+    first_m = (pid // per_group) * GROUP_M
+    size_m = tl.minimum(tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % size_m
+    pid_n = (pid % per_group) // size_m
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    kb = tl.arange(0, BLOCK_K)
+    x_ptrs = X + tl.minimum(rows, M - 1)[:, None] * stride_x + kb[None, :]
+    cols_in = tl.minimum(cols, N - 1)
+    w_ptrs = WC + cols_in[:, None] * stride_w + kb[None, :]
+    p_ptrs = cols_in * stride_ws
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for j0 in range(0, ROW_BYTES, BLOCK_K):
+        wb = tl.load(w_ptrs + j0)
+        if len(ASM) > 0:   # one PRMT per two bytes, one shift and LOP3 per field (operands.py's trick)
+            fields = _unpack(wb, ASM, CONS, F, MATH)
+        for f in tl.static_range(F):
+            g = (f * ROW_BYTES + j0) // GROUP
+            s = tl.load(WS + p_ptrs + g)
+            z = tl.load(WZ + p_ptrs + g)
+            if len(ASM) > 0:
+                biased = fields[f]
+            else:
+                biased = _biased(wb, f, BITS, MAGIC, VT)
+            c = biased - BIAS
+            if MATH == 0:
+                v = (c.to(tl.float32) * s.to(tl.float32)[:, None] + z.to(tl.float32)[:, None]).to(X.dtype.element_ty)
+            else:
+                v = tl.fma(c, s[:, None], z[:, None])
+            xt = tl.load(x_ptrs + (f * ROW_BYTES + j0))
+            acc = tl.dot(xt, tl.trans(v), acc)
+    ok = (rows < M)[:, None] & (cols < N)[None, :]
+    tl.store(Y + rows[:, None] * stride_y + cols[None, :], acc.to(Y.dtype.element_ty), mask=ok)
+'''
+
+def unpack_asm(bits: int, bf16: bool) -> tuple[str, str]:
+    """PTX and constraints for pack=4 over four code bytes (k, k+1, k+2, k+3): per bit field, two
+    registers of 16-bit pairs ``MAGIC + code`` (fp16 1024 + code, or bf16 128 + code): a PRMT puts
+    bytes (0, 1) and (2, 3) in the low bytes of the two halves, then a shift and one LOP3 per field."""
+    fields = 8 // bits
+    magic = "0x43004300" if bf16 else "0x64006400"
+    mask = (1 << bits) - 1
+    mask2 = f"0x{mask:04x}{mask:04x}"
+    n = 2 * fields
+    out = ["{ .reg .b32 a, b, t;", f"prmt.b32 a, ${n}, 0, 0x4140;", f"prmt.b32 b, ${n}, 0, 0x4342;"]
+    for f in range(fields):
+        for reg, src in ((2 * f, "a"), (2 * f + 1, "b")):
+            if f:
+                out.append(f"shr.b32 t, {src}, {bits * f};")
+                src = "t"
+            out.append(f"lop3.b32 ${reg}, {src}, {mask2}, {magic}, 0xea;")
+    out.append("}")
+    return " ".join(out), ",".join(["=r"] * n + ["r"])
+
+
+MIN_ROWS = 17          # fewer rows: the register-operand GEMV or the generated kernel's small tiles
+MAX_BLOCK_K = 64       # bytes of a weight row per chunk
+CHUNK_K = 128          # channels of k per chunk, every field together (the activation tiles' shared memory)
+SHARED_BYTES = 227 * 1024   # shared memory a program may take on the H200 and the B200
+
+
+class NotDequantTemplate(Exception):
+    """The plan is not the template's (the reason is the message)."""
+
+
+@dataclass(frozen=True)
+class DequantTile:
+    """What the template is specialised on, read from the plan's weight operand."""
+
+    bits: int
+    k: int
+    group: int          # k per scale group (k: one group per output channel)
+    scale_dtype: str    # "fp16", "bf16" or "fp32"
+
+    @property
+    def fields(self) -> int:
+        return 8 // self.bits
+
+    @property
+    def row_bytes(self) -> int:
+        return self.k // self.fields
+
+    @property
+    def block_k(self) -> int:
+        """Bytes per chunk: at most MAX_BLOCK_K and CHUNK_K channels of k (all fields), inside one group
+        and one bit field."""
+        bk = min(MAX_BLOCK_K, CHUNK_K // self.fields)
+        while bk > 16 and (self.group % bk or self.row_bytes % bk):
+            bk //= 2
+        return bk
+
+
+SCALE_DTYPES = {"torch.float16": "fp16", "torch.bfloat16": "bf16", "torch.float32": "fp32"}
+
+
+def lower_dequant(plan: GemmPlan, rows: int) -> DequantTile:
+    """The template's parameters for ``plan`` at ``rows`` activation rows, or NotDequantTemplate."""
+    spec = plan.spec
+    if spec.activation is not None:
+        raise NotDequantTemplate(f"activation={spec.activation.short()}: encoded activations run the generated kernel")
+    w = plan.operands.get("w")
+    if w is None:
+        raise NotDequantTemplate("the weight is plain")
+    if w.fold != "dequant":
+        raise NotDequantTemplate(f"the plan folds the weight ({w.fold}); the template reconstructs it")
+    if rows < MIN_ROWS:
+        raise NotDequantTemplate(f"m={rows} rows: the template takes {MIN_ROWS} and more")
+    if w.code_bias != 0:
+        raise NotDequantTemplate(f"weight code bias {w.code_bias}: the template reads the codes as stored")
+    scale = SCALE_DTYPES.get(str(spec.weight.scale_dtype))
+    if scale is None:
+        raise NotDequantTemplate(f"scale dtype {spec.weight.scale_dtype}")
+    tile = DequantTile(w.bits, spec.k, w.group_size or spec.k, scale)
+    bk = tile.block_k
+    if tile.group % bk or tile.row_bytes % bk or bk < 16:
+        raise NotDequantTemplate(f"k={spec.k}, group {tile.group}: no chunk of 16 bytes or more lies inside one group "
+                                 "and one bit field")
+    return tile
+
+
+def shared_bytes(tile: DequantTile, block_m: int, block_n: int, stages: int) -> int:
+    """Shared memory of a program (as Triton 3.6 lays it out for sm_90): per pipeline stage the
+    activation tiles of every field and the code bytes, and one more block of code bytes."""
+    bk = tile.block_k
+    per_stage = tile.fields * block_m * bk * 2 + block_n * bk
+    return stages * per_stage + block_n * bk
+
+
+def dequant_config(tile: DequantTile, m: int, n: int, sms: int, block_m: int | None = None,
+                   block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None) -> dict:
+    """Tiles for a call with m rows and n output channels on a GPU of ``sms`` SMs (the ones given
+    are kept): 128 x 128 tiles of 8 warps when they fill the SMs, else narrower column tiles; as
+    many pipeline stages, up to 4, as fit SHARED_BYTES."""
+    block_m = block_m or (64 if m <= 64 else 128)
+    if block_n is None:
+        block_n = 128 if -(-m // block_m) * -(-n // 128) >= sms else 64
+    num_warps = num_warps or (8 if block_m * block_n >= 128 * 128 else 4)
+    if num_stages is None:
+        num_stages = 4
+        while num_stages > 2 and shared_bytes(tile, block_m, block_n, num_stages) > SHARED_BYTES:
+            num_stages -= 1
+    return {"block_m": block_m, "block_n": block_n, "num_warps": num_warps, "num_stages": num_stages, "group_m": 8}

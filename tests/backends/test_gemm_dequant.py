@@ -1,0 +1,185 @@
+"""The dequantize-then-dot GEMM template (foldc/backends/triton/gemm_dequant.py): which plans it
+takes and why it refuses the others, its PTX unpack emulated bit for bit on every code byte, the
+portable twin under Triton's interpreter against float64 on fresh random data, and an AOT build for
+sm_90 that uses wgmma."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from _kernel_cases import needs_interpreter
+from hypothesis import assume, given, note, settings
+from hypothesis import strategies as st
+from test_triton_aot import ROOT, _env
+
+import foldc
+from foldc.backends.triton.gemm_dequant import (MIN_ROWS, SHARED_BYTES, NotDequantTemplate, dequant_config,
+                                                lower_dequant, shared_bytes, unpack_asm)
+from foldc.gemm import GemmSpec, parse_gemm_encoding
+from foldc.gemm.plan import gemm_plan
+from foldc.gemm.reference import gemm_reference, quantize_2d
+
+
+def plan_at(weight: str, n: int, k: int, m: int, activation=None, policy="auto"):
+    spec = GemmSpec(n, k, parse_gemm_encoding(weight, "weight"), parse_gemm_encoding(activation, "activation"), m=m)
+    return gemm_plan(spec, fold_policy=policy)
+
+
+# ---- lowering ------------------------------------------------------------------------------------------
+
+def test_a_dequant_plan_lowers_with_its_bits_group_and_scale_dtype():
+    tile = lower_dequant(plan_at("k-group:2:64:bf16", 64, 512, 256), 256)
+    assert (tile.bits, tile.k, tile.group, tile.scale_dtype) == (2, 512, 64, "bf16")
+    assert tile.fields == 4 and tile.row_bytes == 128 and tile.block_k == 32   # 128 channels of k per chunk
+    assert lower_dequant(plan_at("k-group:8:32", 64, 256, 64), 64).block_k == 32   # inside one group
+
+
+@pytest.mark.parametrize("weight, activation, m, policy, why", [
+    ("k-group:4:128", None, 8, "auto", "folds the weight"),              # eq. 16: 128 > 2 x 8, a fold
+    ("per-channel:4", None, 256, "auto", "folds the weight"),
+    ("per-channel:8", "per-token:8", 64, "auto", "encoded activations"),
+    ("k-group:4:32", None, 16, "dequant", f"takes {MIN_ROWS} and more"),
+])
+def test_other_plans_are_refused_with_the_reason(weight, activation, m, policy, why):
+    with pytest.raises(NotDequantTemplate, match=why):
+        lower_dequant(plan_at(weight, 64, 256, m, activation, policy), m)
+
+
+def test_the_launcher_runs_the_template_exactly_where_the_plan_reconstructs():
+    spec = GemmSpec(64, 256, parse_gemm_encoding("k-group:4:32", "weight"))
+    kern = foldc.compile(spec, target="interpret")
+    assert kern.plan_launch(torch.float16, 70, 2).template == "dequant"
+    assert kern.plan_launch(torch.float16, 4, 2).template == "generated"       # 32 > 2 x 4: a fold
+    forced = foldc.compile(spec, target="interpret", block_k=32)                # a k chunk asked for
+    assert forced.plan_launch(torch.float16, 70, 2).template == "generated"
+
+
+def test_config_fills_the_gpu_and_fits_shared_memory():
+    tile = lower_dequant(plan_at("k-group:4:128", 64, 4096, 256), 256)
+    assert dequant_config(tile, 256, 28672, 132)["block_n"] == 128
+    assert dequant_config(tile, 256, 4096, 132)["block_n"] == 64
+    assert dequant_config(tile, 32, 4096, 132)["block_m"] == 64
+    for weight in ("k-group:2:128", "k-group:4:128", "k-group:8:128"):
+        t = lower_dequant(plan_at(weight, 64, 4096, 256), 256)
+        for bm, bn in ((128, 128), (256, 128), (128, 256)):
+            cfg = dequant_config(t, 256, 28672, 132, block_m=bm, block_n=bn)
+            assert cfg["num_stages"] == 2 or shared_bytes(t, bm, bn, cfg["num_stages"]) <= SHARED_BYTES
+            assert cfg["num_stages"] == 4 or shared_bytes(t, bm, bn, cfg["num_stages"] + 1) > SHARED_BYTES
+
+
+# ---- the PTX unpack, emulated ------------------------------------------------------------------------
+
+def _prmt(a: int, b: int, sel: int) -> int:
+    src = a | (b << 32)
+    out = 0
+    for i in range(4):
+        out |= ((src >> (8 * ((sel >> (4 * i)) & 7))) & 0xFF) << (8 * i)
+    return out
+
+
+def _run(asm: str, word: int) -> dict:
+    """Execute the prmt / shr / lop3 (0xea: a & b | c) lines of ``asm`` on one 32-bit input."""
+    regs = {}
+
+    def val(t: str) -> int:
+        t = t.strip()
+        if t.startswith("$") or t.isalpha():
+            return regs[t]
+        return int(t, 0)
+    body = asm.strip("{} ").split(";")
+    n_out = asm.count("lop3")
+    regs[f"${n_out}"] = word
+    for line in body:
+        line = line.strip()
+        if not line or line.startswith(".reg"):
+            continue
+        op, args = line.split(None, 1)
+        d, *src = [a.strip() for a in args.split(",")]
+        if op == "prmt.b32":
+            regs[d] = _prmt(val(src[0]), val(src[1]), val(src[2]))
+        elif op == "shr.b32":
+            regs[d] = val(src[0]) >> val(src[1])
+        elif op == "lop3.b32":
+            assert src[3] == "0xea"
+            regs[d] = (val(src[0]) & val(src[1])) | val(src[2])
+        else:
+            raise AssertionError(f"unexpected instruction {op}")
+    return {i: regs[f"${i}"] for i in range(n_out)}
+
+
+# bf16 values at 8 bits come from float32 arithmetic (128 + 255 is not a bf16 integer)
+@pytest.mark.parametrize("bits, bf16", [(2, False), (4, False), (8, False), (2, True), (4, True)])
+def test_unpack_asm_gives_magic_plus_code_for_every_field_in_k_order(bits, bf16):
+    asm, cons = unpack_asm(bits, bf16)
+    fields = 8 // bits
+    assert cons.count("=r") == 2 * fields and asm.count("prmt") == 2
+    magic, dtype = (0x4300, torch.bfloat16) if bf16 else (0x6400, torch.float16)
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    for word in torch.randint(0, 2**32, (64,), generator=gen, dtype=torch.int64).tolist() + [0, 2**32 - 1]:
+        out = _run(asm, word)
+        data = [(word >> (8 * i)) & 0xFF for i in range(4)]
+        for f in range(fields):
+            halves = [out[2 * f] & 0xFFFF, out[2 * f] >> 16, out[2 * f + 1] & 0xFFFF, out[2 * f + 1] >> 16]
+            codes = [(b >> (bits * f)) & ((1 << bits) - 1) for b in data]
+            assert halves == [magic | c for c in codes], (hex(word), f)
+            values = torch.tensor(halves, dtype=torch.int32).to(torch.int16).view(dtype).float()
+            assert values.tolist() == [float(magic_value + c) for c, magic_value in
+                                       zip(codes, [128.0 if bf16 else 1024.0] * 4)]
+
+
+# ---- the portable twin under the interpreter ------------------------------------------------------------
+
+@needs_interpreter
+@settings(max_examples=6, deadline=None)
+@given(st.sampled_from(["k-group:4:32", "k-group:2:64", "k-group:8:32", "k-group:4:32:fp32", "k-group:2:32:bf16",
+                        "k-group:4:64"]),
+       st.integers(MIN_ROWS, 80), st.integers(1, 70), st.sampled_from([256, 512]), st.integers(0, 2**31 - 1))
+def test_interpreter_template_matches_float64(weight, m, n, k, seed):
+    spec = GemmSpec(n, k, parse_gemm_encoding(weight, "weight"))
+    kern = foldc.compile(spec, target="interpret")
+    launch = kern.plan_launch(torch.float16, m, 2)
+    note(f"{weight} m={m} n={n} k={k} seed={seed} template={launch.template}")
+    assume(launch.template == "dequant")   # groups of 64 fold below 32 rows (eq. 16)
+    gen = torch.Generator().manual_seed(seed)
+    x = (torch.randn(m, k, generator=gen) + torch.rand((), generator=gen)).half()
+    w = quantize_2d(torch.randn(n, k, generator=gen) * 0.2 + 0.05, spec.weight)
+    y = kern(x, w)
+    ref = gemm_reference(x, w)
+    # the bar: dequantize to fp16, then an fp16 matmul (float32 sums, fp16 out), as torch would
+    plain = (x.float() @ w.dequantize(torch.float16)[0, 0].float().T).half()
+    bar = float((plain.double() - ref).norm() / ref.norm())
+    err = float((y.double() - ref).norm() / ref.norm())
+    assert y.shape == (m, n) and y.dtype == torch.float16
+    assert err <= 2 * bar, (err, bar)
+
+
+# ---- AOT -----------------------------------------------------------------------------------------------
+
+AOT = r"""
+import re, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from foldc.backends.runtime.modules import load_module
+from foldc.backends.triton.gemm_dequant import SOURCE, unpack_asm
+mod = load_module(SOURCE, False)
+asm, cons = unpack_asm(4, False)
+sig = {"X": "*fp16", "stride_x": "i32", "WC": "*u8", "stride_w": "i32", "WS": "*fp16", "WZ": "*fp16",
+       "stride_ws": "i32", "Y": "*fp16", "stride_y": "i32", "M": "i32", "N": "i32"}
+cx = dict(K=4096, BITS=4, GROUP=128, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, MATH=1, ASM=asm, CONS=cons)
+sig.update({k: "constexpr" for k in cx})
+c = triton.compile(ASTSource(mod.foldc_gemm_dequant, sig, constexprs=cx), target=GPUTarget("cuda", 90, 32),
+                   options={"num_warps": 8, "num_stages": 4})
+ptx = c.asm["ptx"]
+print(len(re.findall(r"wgmma.mma_async", ptx)), len(re.findall(r"lop3.b32", ptx)))
+"""
+
+
+def test_aot_sm90_build_feeds_wgmma(tmp_path):
+    out = subprocess.run([sys.executable, "-c", AOT], cwd=ROOT, env=_env(str(tmp_path)), capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    wgmma, lop3 = map(int, out.stdout.split()[-2:])
+    assert wgmma > 0 and lop3 > 0
