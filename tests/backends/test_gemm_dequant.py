@@ -17,6 +17,7 @@ from test_triton_aot import ROOT, _env
 import foldc
 from foldc.backends.triton.gemm_dequant import (MIN_ROWS, SHARED_BYTES, NotDequantTemplate, dequant_config,
                                                 lower_dequant, shared_bytes, unpack_asm)
+from foldc.errors import SpecError
 from foldc.gemm import GemmSpec, parse_gemm_encoding
 from foldc.gemm.plan import gemm_plan
 from foldc.gemm.reference import gemm_reference, quantize_2d
@@ -33,7 +34,7 @@ def test_a_dequant_plan_lowers_with_its_bits_group_and_scale_dtype():
     tile = lower_dequant(plan_at("k-group:2:64:bf16", 64, 512, 256), 256)
     assert (tile.bits, tile.k, tile.group, tile.scale_dtype) == (2, 512, 64, "bf16")
     assert tile.fields == 4 and tile.row_bytes == 128 and tile.block_k == 32   # 128 channels of k per chunk
-    assert lower_dequant(plan_at("k-group:8:32", 64, 256, 64), 64).block_k == 32   # inside one group
+    assert lower_dequant(plan_at("k-group:4:32", 64, 256, 64), 64).block_k == 32   # inside one group
 
 
 @pytest.mark.parametrize("weight, activation, m, policy, why", [
@@ -41,6 +42,7 @@ def test_a_dequant_plan_lowers_with_its_bits_group_and_scale_dtype():
     ("per-channel:4", None, 256, "auto", "folds the weight"),
     ("per-channel:8", "per-token:8", 64, "auto", "encoded activations"),
     ("k-group:4:32", None, 16, "dequant", f"takes {MIN_ROWS} and more"),
+    ("k-group:8:32", None, 256, "auto", "8-bit weights"),
 ])
 def test_other_plans_are_refused_with_the_reason(weight, activation, m, policy, why):
     with pytest.raises(NotDequantTemplate, match=why):
@@ -58,15 +60,35 @@ def test_the_launcher_runs_the_template_exactly_where_the_plan_reconstructs():
 
 def test_config_fills_the_gpu_and_fits_shared_memory():
     tile = lower_dequant(plan_at("k-group:4:128", 64, 4096, 256), 256)
-    assert dequant_config(tile, 256, 28672, 132)["block_n"] == 128
-    assert dequant_config(tile, 256, 4096, 132)["block_n"] == 64
-    assert dequant_config(tile, 32, 4096, 132)["block_m"] == 64
-    for weight in ("k-group:2:128", "k-group:4:128", "k-group:8:128"):
+    assert dequant_config(tile, 256, 28672, 132)["split_k"] == 1       # 224 tiles fill the SMs
+    small = dequant_config(tile, 64, 4096, 132)      # 32 tiles of 128 columns: 64 columns, k in 4 parts
+    assert (small["block_n"], small["num_warps"], small["split_k"]) == (64, 4, 4)
+    assert dequant_config(tile, 64, 28672, 132)["block_n"] == 128    # 224 tiles of 128 columns fill the SMs
+    assert [dequant_config(tile, m, 4096, 132)["block_m"] for m in (17, 64, 65, 128, 129)] == [64, 64, 128, 128, 256]
+    for weight in ("k-group:2:128", "k-group:4:128", "k-group:2:32"):
         t = lower_dequant(plan_at(weight, 64, 4096, 256), 256)
         for bm, bn in ((128, 128), (256, 128), (128, 256)):
             cfg = dequant_config(t, 256, 28672, 132, block_m=bm, block_n=bn)
             assert cfg["num_stages"] == 2 or shared_bytes(t, bm, bn, cfg["num_stages"]) <= SHARED_BYTES
             assert cfg["num_stages"] == 4 or shared_bytes(t, bm, bn, cfg["num_stages"] + 1) > SHARED_BYTES
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.sampled_from(["k-group:2:128", "k-group:4:32", "k-group:2:64", "k-group:4:128"]), st.integers(MIN_ROWS, 600),
+       st.integers(1, 30000), st.sampled_from([256, 1024, 4096, 14336]), st.sampled_from([2, 78, 132, 148]))
+def test_split_k_parts_are_whole_chunks_and_fill_at_most_two_waves(weight, m, n, k, sms):
+    try:
+        tile = lower_dequant(plan_at(weight, n, k, m), m)
+    except NotDequantTemplate:
+        assume(False)   # a fold at this m (eq. 16)
+    cfg = dequant_config(tile, m, n, sms)
+    split, tiles = cfg["split_k"], -(-m // cfg["block_m"]) * -(-n // cfg["block_n"])
+    assert split in (1, 2, 4, 8)
+    assert split == 1 or (tile.row_bytes % (split * tile.block_k) == 0 and tile.row_bytes // split >= 4 * tile.block_k)
+    assert split == 1 or (2 * tiles < sms and tiles * split <= 2 * sms)
+    too_many = 2 * tile.row_bytes // tile.block_k     # parts smaller than a chunk
+    with pytest.raises(SpecError, match=f"split_k={too_many}"):
+        dequant_config(tile, m, n, sms, split_k=too_many)
 
 
 # ---- the PTX unpack, emulated ------------------------------------------------------------------------
@@ -133,19 +155,21 @@ def test_unpack_asm_gives_magic_plus_code_for_every_field_in_k_order(bits, bf16)
 
 @needs_interpreter
 @settings(max_examples=6, deadline=None)
-@given(st.sampled_from(["k-group:4:32", "k-group:2:64", "k-group:8:32", "k-group:4:32:fp32", "k-group:2:32:bf16",
+@given(st.sampled_from(["k-group:4:32", "k-group:2:64", "k-group:4:32:fp32", "k-group:2:32:bf16",
                         "k-group:4:64"]),
-       st.integers(MIN_ROWS, 80), st.integers(1, 70), st.sampled_from([256, 512]), st.integers(0, 2**31 - 1))
-def test_interpreter_template_matches_float64(weight, m, n, k, seed):
+       st.integers(MIN_ROWS, 80), st.integers(1, 70), st.sampled_from([256, 512]), st.sampled_from([2, 64]),
+       st.integers(0, 2**31 - 1))
+def test_interpreter_template_matches_float64(weight, m, n, k, sms, seed):
     spec = GemmSpec(n, k, parse_gemm_encoding(weight, "weight"))
     kern = foldc.compile(spec, target="interpret")
-    launch = kern.plan_launch(torch.float16, m, 2)
-    note(f"{weight} m={m} n={n} k={k} seed={seed} template={launch.template}")
+    launch = kern.plan_launch(torch.float16, m, sms)   # many SMs for a small call: k split in parts
+    note(f"{weight} m={m} n={n} k={k} seed={seed} template={launch.template} split_k={launch.split_k}")
     assume(launch.template == "dequant")   # groups of 64 fold below 32 rows (eq. 16)
     gen = torch.Generator().manual_seed(seed)
     x = (torch.randn(m, k, generator=gen) + torch.rand((), generator=gen)).half()
     w = quantize_2d(torch.randn(n, k, generator=gen) * 0.2 + 0.05, spec.weight)
-    y = kern(x, w)
+    y = torch.empty(m, n, dtype=torch.float16)
+    kern.run(launch, x, w, y)
     ref = gemm_reference(x, w)
     # the bar: dequantize to fp16, then an fp16 matmul (float32 sums, fp16 out), as torch would
     plain = (x.float() @ w.dequantize(torch.float16)[0, 0].float().T).half()
@@ -163,17 +187,26 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from foldc.backends.runtime.modules import load_module
-from foldc.backends.triton.gemm_dequant import SOURCE, unpack_asm
+from foldc.backends.triton.gemm_dequant import SOURCE, DequantTile, shared_bytes, unpack_asm
 mod = load_module(SOURCE, False)
 asm, cons = unpack_asm(4, False)
 sig = {"X": "*fp16", "stride_x": "i32", "WC": "*u8", "stride_w": "i32", "WS": "*fp16", "WZ": "*fp16",
        "stride_ws": "i32", "Y": "*fp16", "stride_y": "i32", "M": "i32", "N": "i32"}
-cx = dict(K=4096, BITS=4, GROUP=128, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, MATH=1, ASM=asm, CONS=cons)
+cx = dict(K=4096, BITS=4, GROUP=128, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, MATH=1, ASM=asm,
+          CONS=cons, SPLIT_K=2)
 sig.update({k: "constexpr" for k in cx})
-c = triton.compile(ASTSource(mod.foldc_gemm_dequant, sig, constexprs=cx), target=GPUTarget("cuda", 90, 32),
-                   options={"num_warps": 8, "num_stages": 4})
+# pointers and strides 16-divisible, as triton specialises a launch on aligned tensors (the pipeline needs it)
+attrs = {(i,): [["tt.divisibility", 16]] for i in range(9)}
+c = triton.compile(ASTSource(mod.foldc_gemm_dequant, sig, constexprs=cx, attrs=attrs),
+                   target=GPUTarget("cuda", 90, 32), options={"num_warps": 8, "num_stages": 3})
 ptx = c.asm["ptx"]
-print(len(re.findall(r"wgmma.mma_async", ptx)), len(re.findall(r"lop3.b32", ptx)))
+# wgmma's A operand: a brace list of registers (after the accumulator's list) or a shared-memory descriptor
+calls = re.findall(r"wgmma.mma_async[^;]*;", ptx)
+from_registers = sum(bool(re.search(r"\}\s*,\s*\{", c_)) for c_ in calls)
+pipelined = "async_copy_global_to_local" in c.asm["ttgir"]
+shared_ok = c.metadata.shared == shared_bytes(DequantTile(4, 4096, 128, "fp16"), 128, 128, 3)
+print(len(calls), from_registers, len(re.findall(r"lop3.b32", ptx)), len(re.findall(r"red.|atom.", ptx)),
+      int(pipelined), int(shared_ok), c.metadata.shared)
 """
 
 
@@ -181,5 +214,7 @@ def test_aot_sm90_build_feeds_wgmma(tmp_path):
     out = subprocess.run([sys.executable, "-c", AOT], cwd=ROOT, env=_env(str(tmp_path)), capture_output=True, text=True,
                          timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
-    wgmma, lop3 = map(int, out.stdout.split()[-2:])
-    assert wgmma > 0 and lop3 > 0
+    wgmma, from_registers, lop3, atomics, pipelined, shared_ok, shared = map(int, out.stdout.split()[-7:])
+    assert wgmma > 0 and lop3 > 0 and atomics > 0
+    assert from_registers == wgmma          # the dequantized weight feeds wgmma from registers
+    assert pipelined and shared_ok, shared  # the activation and code tiles are pipelined; shared_bytes is exact

@@ -9,11 +9,17 @@ one k group (``BLOCK_K`` divides the group). Per field the codes become values i
 
     v = scale[n, g] * code + zero[n, g]      (eq. 1, rounded once to the activation dtype)
 
-and ``tl.dot`` takes them from shared memory into the tensor cores (wgmma on sm_90) with the
-activation's matching k range. The code enters floating point exactly through its bit pattern:
-``code | 0x6400`` is the fp16 ``1024 + code``, minus 1024. With fp16 scales and fp16 activations
-the value is one fp16 fused multiply-add (one rounding of the exact ``s * c + z``); otherwise it is
-formed in float32 and rounded to the activation dtype, as the plan executor's dequantized values are.
+and ``tl.dot`` takes them into the tensor cores (wgmma on sm_90) with the activation's matching k
+range. The code enters floating point exactly through its bit pattern: ``code | 0x6400`` is the
+fp16 ``1024 + code``, minus 1024. With fp16 scales and fp16 activations the value is one fp16
+fused multiply-add (one rounding of the exact ``s * c + z``); otherwise it is formed in float32 and
+rounded to the activation dtype, as the plan executor's dequantized values are.
+
+The program computes y's tile transposed, ``w_tile @ x_tile.T``: the weight values are the dot's
+A operand, which wgmma reads from registers, so they never pass through shared memory (docs/gemm.md
+has the measurements against the other order). With ``SPLIT_K`` > 1 the programs of axis 1 each take
+one part of every weight row's bytes and add float32 partials into Y atomically (the caller zeroes
+Y and converts).
 
 Rows and columns past m and n read the last row or column (in bounds) and are never stored, so the
 loop has no masks. Programs walk the tiles in groups of ``GROUP_M`` row tiles per column tile, so
@@ -26,6 +32,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ...errors import SpecError
 from ...gemm.plan import GemmPlan
 
 SOURCE = '''
@@ -64,7 +71,8 @@ def _unpack(wb, ASM: tl.constexpr, CONS: tl.constexpr, F: tl.constexpr, MATH: tl
 def foldc_gemm_dequant(X, stride_x, WC, stride_w, WS, WZ, stride_ws, Y, stride_y, M, N,
                        K: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                       MATH: tl.constexpr, ASM: tl.constexpr, CONS: tl.constexpr):
+                       MATH: tl.constexpr, ASM: tl.constexpr, CONS: tl.constexpr,
+                       SPLIT_K: tl.constexpr):
     F: tl.constexpr = 8 // BITS
     ROW_BYTES: tl.constexpr = K // F
     # MATH 1: fp16 values, fp16 scales; 2: bf16 values and scales; 0: float32 arithmetic
@@ -86,8 +94,10 @@ def foldc_gemm_dequant(X, stride_x, WC, stride_w, WS, WZ, stride_ws, Y, stride_y
     cols_in = tl.minimum(cols, N - 1)
     w_ptrs = WC + cols_in[:, None] * stride_w + kb[None, :]
     p_ptrs = cols_in * stride_ws
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for j0 in range(0, ROW_BYTES, BLOCK_K):
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)   # y's tile transposed: the weight is the A operand
+    PART: tl.constexpr = ROW_BYTES // SPLIT_K
+    j_first = tl.program_id(1) * PART
+    for j0 in range(j_first, j_first + PART, BLOCK_K):
         wb = tl.load(w_ptrs + j0)
         if len(ASM) > 0:   # one PRMT per two bytes, one shift and LOP3 per field (operands.py's trick)
             fields = _unpack(wb, ASM, CONS, F, MATH)
@@ -105,9 +115,13 @@ def foldc_gemm_dequant(X, stride_x, WC, stride_w, WS, WZ, stride_ws, Y, stride_y
             else:
                 v = tl.fma(c, s[:, None], z[:, None])
             xt = tl.load(x_ptrs + (f * ROW_BYTES + j0))
-            acc = tl.dot(xt, tl.trans(v), acc)
-    ok = (rows < M)[:, None] & (cols < N)[None, :]
-    tl.store(Y + rows[:, None] * stride_y + cols[None, :], acc.to(Y.dtype.element_ty), mask=ok)
+            acc = tl.dot(v, tl.trans(xt), acc)
+    ok = (rows < M)[None, :] & (cols < N)[:, None]
+    y_ptrs = Y + rows[None, :] * stride_y + cols[:, None]
+    if SPLIT_K > 1:
+        tl.atomic_add(y_ptrs, acc, mask=ok, sem="relaxed")
+    else:
+        tl.store(y_ptrs, acc.to(Y.dtype.element_ty), mask=ok)
 '''
 
 def unpack_asm(bits: int, bf16: bool) -> tuple[str, str]:
@@ -182,6 +196,12 @@ def lower_dequant(plan: GemmPlan, rows: int) -> DequantTile:
         raise NotDequantTemplate(f"the plan folds the weight ({w.fold}); the template reconstructs it")
     if rows < MIN_ROWS:
         raise NotDequantTemplate(f"m={rows} rows: the template takes {MIN_ROWS} and more")
+    if w.bits == 8:
+        # on the H200, 8-bit weights with fp16 values in 128 x 128 tiles of 8 warps split 8 ways gave
+        # errors up to 13x torch's that changed from run to run (benchmarks/gemm_dequant_repeat.py);
+        # 2- and 4-bit weights stayed exact and deterministic in every tile and split there
+        raise NotDequantTemplate("8-bit weights: the generated kernel takes them (an unexplained, run-to-run "
+                                 "error in the template; docs/gemm.md)")
     if w.code_bias != 0:
         raise NotDequantTemplate(f"weight code bias {w.code_bias}: the template reads the codes as stored")
     scale = SCALE_DTYPES.get(str(spec.weight.scale_dtype))
@@ -196,24 +216,40 @@ def lower_dequant(plan: GemmPlan, rows: int) -> DequantTile:
 
 
 def shared_bytes(tile: DequantTile, block_m: int, block_n: int, stages: int) -> int:
-    """Shared memory of a program (as Triton 3.6 lays it out for sm_90): per pipeline stage the
-    activation tiles of every field and the code bytes, and one more block of code bytes."""
+    """Shared memory of a program as Triton 3.6 lays it out for sm_90 (checked against its compiler
+    in tests/backends/test_gemm_dequant.py): per pipeline stage the activation tiles of every field,
+    and two buffers of code bytes (the codes go on to registers)."""
     bk = tile.block_k
-    per_stage = tile.fields * block_m * bk * 2 + block_n * bk
-    return stages * per_stage + block_n * bk
+    return stages * tile.fields * block_m * bk * 2 + 2 * block_n * bk
 
 
 def dequant_config(tile: DequantTile, m: int, n: int, sms: int, block_m: int | None = None,
-                   block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None) -> dict:
-    """Tiles for a call with m rows and n output channels on a GPU of ``sms`` SMs (the ones given
-    are kept): 128 x 128 tiles of 8 warps when they fill the SMs, else narrower column tiles; as
-    many pipeline stages, up to 4, as fit SHARED_BYTES."""
-    block_m = block_m or (64 if m <= 64 else 128)
+                   block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
+                   split_k: int | None = None) -> dict:
+    """Tiles for a call with m rows and n output channels on a GPU of ``sms`` SMs (the ones given are
+    kept): 128 weight rows on 8 warps against 64, 128 or 256
+    activation rows by m; at m <= 64, 64 weight rows on 4 warps where 128 would not fill the SMs
+    (docs/gemm.md, "The large-m template", has the sweep). A grid that fills less than half the SMs
+    splits every weight row's bytes into up to 8 parts (float32 partials added atomically) while
+    each part keeps 4 chunks or more. As many pipeline stages, up to 4, as fit SHARED_BYTES."""
+    block_m = block_m or (64 if m <= 64 else 128 if m <= 128 else 256)
     if block_n is None:
-        block_n = 128 if -(-m // block_m) * -(-n // 128) >= sms else 64
-    num_warps = num_warps or (8 if block_m * block_n >= 128 * 128 else 4)
+        block_n = 128 if block_m > 64 or -(-m // block_m) * -(-n // 128) >= sms else 64
+    num_warps = num_warps or (8 if block_n >= 128 else 4)
     if num_stages is None:
         num_stages = 4
         while num_stages > 2 and shared_bytes(tile, block_m, block_n, num_stages) > SHARED_BYTES:
             num_stages -= 1
-    return {"block_m": block_m, "block_n": block_n, "num_warps": num_warps, "num_stages": num_stages, "group_m": 8}
+    tiles = -(-m // block_m) * -(-n // block_n)
+    if split_k is None:
+        split_k = 1
+        if 2 * tiles < sms:
+            while (split_k < 8 and tiles * split_k * 2 <= 2 * sms
+                   and tile.row_bytes % (split_k * 2 * tile.block_k) == 0
+                   and tile.row_bytes // (split_k * 2) >= 4 * tile.block_k):
+                split_k *= 2
+    if split_k < 1 or tile.row_bytes % (split_k * tile.block_k):
+        raise SpecError(f"split_k={split_k}: the {tile.row_bytes} code bytes of a weight row do not split into parts "
+                        f"of whole {tile.block_k}-byte chunks")
+    return {"block_m": block_m, "block_n": block_n, "num_warps": num_warps, "num_stages": num_stages, "group_m": 8,
+            "split_k": split_k}

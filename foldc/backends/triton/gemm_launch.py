@@ -22,6 +22,7 @@ from .gemm_codegen import GemmKernelSource, generate_gemm
 from .gemm_dequant import SOURCE as DEQUANT_SOURCE
 from .gemm_dequant import DequantTile, NotDequantTemplate, dequant_config, lower_dequant, unpack_asm
 from ..runtime.modules import interpreter
+from ..runtime.fast_launch import FastLaunch
 from ..runtime.modules import load_module, num_sms
 
 DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
@@ -111,6 +112,7 @@ class TritonGemm:
         self.out_dtype = out_dtype
         self._kernels: dict[str, tuple] = {}
         self._launches: dict[tuple, GemmLaunch] = {}   # plan_launch()'s memo
+        self._dequant: dict = {}   # dequant launch -> (FastLaunch, its constexpr dict)
 
     def kernel(self, dtype: str):
         if dtype not in self._kernels:
@@ -178,9 +180,10 @@ class TritonGemm:
         asm, cons = ("", "") if self.interpret else unpack_asm(tile.bits, math == 2)
         constants = dict(K=tile.k, BITS=tile.bits, GROUP=tile.group, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"],
                          BLOCK_K=tile.block_k, GROUP_M=cfg["group_m"], MATH=math, ASM=asm, CONS=cons,
-                         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-        grid = (triton_cdiv(m, cfg["block_m"]) * triton_cdiv(self.spec.n, cfg["block_n"]),)
-        return GemmLaunch(dtype, m, self.spec.n, grid, 1, tuple(constants.items()), "dequant")
+                         SPLIT_K=cfg["split_k"], num_warps=cfg["num_warps"],
+                         num_stages=cfg["num_stages"])
+        grid = (triton_cdiv(m, cfg["block_m"]) * triton_cdiv(self.spec.n, cfg["block_n"]), cfg["split_k"])
+        return GemmLaunch(dtype, m, self.spec.n, grid, cfg["split_k"], tuple(constants.items()), "dequant")
 
     def plan_launch(self, dtype: torch.dtype, m: int, sms: int = 132) -> GemmLaunch:
         """The `GemmLaunch` of a call with ``m`` rows of x and a ``dtype`` output, memoised: the
@@ -209,12 +212,7 @@ class TritonGemm:
         """Launch ``launch`` (from `plan_launch`) into ``out [m, n]``, no checks. With split-k, the
         programs add float32 partials into ``partial`` (zeroed here; allocated if None), then copied."""
         if launch.template == "dequant":
-            module = load_module(DEQUANT_SOURCE, self.interpret)
-            codes, scale, zero = w.codes[0, 0], w.scale[0, 0], w.zero[0, 0]
-            with interpreter(self.interpret):
-                module.foldc_gemm_dequant[launch.grid](x, x.stride(0), codes, codes.stride(0), scale, zero,
-                                                       scale.stride(0), out, out.stride(0), launch.m, launch.n,
-                                                       **dict(launch.constants))
+            self._run_dequant(launch, x, w, out, partial)
             return
         module, ks, _ = self.kernel(DTYPES[launch.dtype])
         target = out
@@ -224,6 +222,23 @@ class TritonGemm:
         runtime = runtime_arguments(x, w, target)
         with interpreter(self.interpret):
             module.foldc_gemm[launch.grid](*[runtime[a] for a in ks.args], **dict(launch.constants))
+        if launch.split_k > 1:
+            out.copy_(target)
+
+    def _run_dequant(self, launch: GemmLaunch, x, w, out: torch.Tensor, partial: torch.Tensor | None) -> None:
+        kernel, kwargs = self._dequant.get(launch, (None, None))
+        if kernel is None:   # one FastLaunch and one constexpr dict per launch (FastLaunch reads a dict once)
+            module = load_module(DEQUANT_SOURCE, self.interpret)
+            kernel, kwargs = FastLaunch(module.foldc_gemm_dequant), dict(launch.constants)
+            self._dequant[launch] = (kernel, kwargs)
+        target = out
+        if launch.split_k > 1:
+            target = partial.zero_() if partial is not None else torch.zeros(launch.m, launch.n, device=out.device,
+                                                                             dtype=torch.float32)
+        codes, scale, zero = w.codes[0, 0], w.scale[0, 0], w.zero[0, 0]
+        with interpreter(self.interpret):
+            kernel[launch.grid](x, x.stride(0), codes, codes.stride(0), scale, zero, scale.stride(0), target,
+                                target.stride(0), launch.m, launch.n, **kwargs)
         if launch.split_k > 1:
             out.copy_(target)
 
