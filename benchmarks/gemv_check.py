@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-CEILING = 4.46e12   # bytes/s, ../shared notes: Triton streaming read on the H200
+CEILING = 4.46e12   # bytes/s: a streaming read on the H200 (docs/perf.md, the read ceiling)
 ENCODINGS = ["k-group:4:128", "k-group:4:64", "k-group:4:32", "k-group:2:128", "k-group:2:64", "k-group:2:32",
              "k-group:8:128", "k-group:8:32", "per-channel:8", "per-channel:4", "per-channel:2",
              "k-group:4:128:bf16", "k-group:2:128:fp32", "k-group:4:16"]

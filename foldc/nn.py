@@ -86,9 +86,10 @@ class FoldLinear(torch.nn.Module):
         self.spec = GemmSpec(n, k, weight=enc)
         self.plan = _proved(self.spec)      # planned and proved exact before the layer exists
         self.in_features, self.out_features, self.encoding = k, n, enc
-        self.register_buffer("codes", weight.codes)
-        self.register_buffer("scale", weight.scale)
-        self.register_buffer("zero", weight.zero)
+        # row-major, the layout the kernels read (a weight built from another tool's tensors may be a view)
+        self.register_buffer("codes", weight.codes.contiguous())
+        self.register_buffer("scale", weight.scale.contiguous())
+        self.register_buffer("zero", weight.zero.contiguous())
         if bias is not None:
             if not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (n,):
                 got = getattr(bias, "shape", type(bias).__name__)

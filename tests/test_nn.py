@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import foldc
+from foldc.gemm import parse_gemm_encoding
 from foldc.nn import FoldLinear
 
 
@@ -60,6 +61,22 @@ def test_a_converted_weight_makes_a_layer_and_its_state_moves_with_it():
             + layer.bias.double())
     assert float((layer(x).double() - want).abs().max()) <= 1e-6 * float(want.abs().max())
 
+
+
+def test_a_weight_of_views_is_stored_in_the_layout_the_kernels_read():
+    from foldc.encoding import AffineTensor
+    from foldc.gemm.reference import quantize_2d
+
+    torch.manual_seed(4)
+    w = quantize_2d(torch.randn(64, 256) * 0.1, parse_gemm_encoding("k-group:4:32", "weight"))
+    cols = [t[0, 0].t().contiguous().t()[None, None] for t in (w.scale, w.zero)]   # column-major views
+    layer = FoldLinear(AffineTensor(w.codes, cols[0], cols[1], w.encoding, w.head_dim), "k-group:4:32")
+    assert layer.scale.is_contiguous() and layer.zero.is_contiguous()
+    for m in (4, 40):   # the generated kernel, then the large-m template
+        x = torch.randn(m, 256).half()
+        want = _reference(layer, x)
+        rounding = float((want.half().double() - want).norm() / want.norm())
+        assert float((layer(x).double() - want).norm() / want.norm()) < 3 * rounding + 1e-4
 
 def test_bad_layers_are_refused_before_any_work():
     with pytest.raises(foldc.SpecError, match="k-group"):

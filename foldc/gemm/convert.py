@@ -66,8 +66,10 @@ def _build(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: i
     n, k = codes.shape
     enc = GemmEncoding("k-group", bits, group, torch.float32)
     GemmSpec(n, k, weight=enc)   # the layout foldc can plan (SpecError with the reason, e.g. groups across bit fields)
-    weight = AffineTensor(pack_codes(codes, bits).reshape(1, 1, n, k * bits // 8), scale.reshape(1, 1, n, -1),
-                          zero.reshape(1, 1, n, -1), enc.affine(k), k)
+    # row-major scales and zeros (the formats store them [groups, n]): the layout foldc's kernels read
+    weight = AffineTensor(pack_codes(codes, bits).reshape(1, 1, n, k * bits // 8).contiguous(),
+                          scale.contiguous().reshape(1, 1, n, -1), zero.contiguous().reshape(1, 1, n, -1),
+                          enc.affine(k), k)
     got = weight.dequantize(torch.float64)[0, 0]
     bad = (got != want) & ~(torch.isnan(got) & torch.isnan(want))
     if bool(bad.any()):

@@ -127,6 +127,24 @@ def test_launcher_checks_inputs():
             raise SpecError("target='sm_90' needs a CUDA GPU (skipped: a GPU is present)")
 
 
+
+@pytest.mark.parametrize("part", ["zero", "scale", "codes"])
+@pytest.mark.parametrize("m", [4, 40])   # the generated kernel's fold, the large-m template's dequant verdict
+def test_operands_in_a_layout_the_kernels_do_not_read_are_refused(part, m):
+    from foldc.encoding import AffineTensor
+
+    spec = GemmSpec(48, 256, parse_gemm_encoding("k-group:4:32", "weight"))
+    kernel = foldc.compile(spec, target="interpret")
+    w = quantize_2d(torch.randn(48, 256) * 0.2, spec.weight)
+    tensors = {"codes": w.codes, "scale": w.scale, "zero": w.zero}
+    # the same values stored column-major: a kernel reading them row-major would be silently wrong
+    tensors[part] = tensors[part][0, 0].t().contiguous().t()[None, None]
+    bad = AffineTensor(tensors["codes"], tensors["scale"], tensors["zero"], w.encoding, w.head_dim)
+    assert torch.equal(bad.dequantize(torch.float64), w.dequantize(torch.float64))
+    with pytest.raises(InputError, match=rf"w\.{part if part != 'zero' else 'scale'} has strides .* "
+                                         r"pass contiguous tensors: AffineTensor\(w\.codes\.contiguous\(\)"):
+        kernel(torch.randn(m, 256).half(), bad)
+
 # -- ahead-of-time builds --------------------------------------------------------------------
 AOT_CASES = [("int4 k-group", "k-group:4:128", None, 1), ("int2 k-group", "k-group:2:128", None, 16),
              ("int4 split-k", "k-group:4:128", None, 1),

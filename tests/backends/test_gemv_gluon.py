@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 from _kernel_cases import ROOT, native_env
-from hypothesis import given, note, settings
+from hypothesis import assume, given, note, settings
 from hypothesis import strategies as st
 
 import foldc
@@ -76,7 +76,7 @@ def test_the_chunk_and_piece_fold_is_the_matmul(enc, n, k, m, seed):
         kern = lower_gemv(gemm_plan(spec_of(enc, n, k, m=m)), m)
     except (SpecError, NotLowerable) as err:
         note(f"k={k}: {err}")
-        return
+        assume(False)   # this draw does not lower to the GEMV
     gen = torch.Generator().manual_seed(seed)
     wq = quantize_2d(torch.randn(n, k, generator=gen) * 0.3 + 0.05, spec.weight)
     x = torch.randn(m, k, generator=gen, dtype=torch.float64) + 0.2
@@ -180,8 +180,7 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_
 def test_gpu_gemv_matches_the_float64_reference(enc, n, m, dtype, split, seed):
     spec = spec_of(enc, n, 2048)
     kern = foldc.compile(spec, target="auto", gemv_split=split)
-    if not kern.gemv.lowers(m)[0]:
-        return
+    assume(kern.gemv.lowers(m)[0])   # a dequant verdict at m rows: the Triton kernel's, tested there
     gen = torch.Generator().manual_seed(seed)
     wq = quantize_2d((torch.randn(n, 2048, generator=gen) * 0.05).cuda(), spec.weight)
     x = ((torch.randn(m, 2048, generator=gen) + 0.3) * 4).to("cuda", dtype)

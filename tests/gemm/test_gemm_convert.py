@@ -152,3 +152,44 @@ def test_bad_layers_are_refused_with_the_reason():
         from_hqq(torch.zeros(16 * 96, dtype=torch.uint8), torch.ones(16), torch.ones(16), shape=(16, 96), group_size=64)
     with pytest.raises(foldc.SpecError, match="bit field"):   # a layout the GEMM plan cannot take, said at conversion
         from_hqq(torch.zeros(16 * 96, dtype=torch.uint8), torch.ones(48), torch.ones(48), shape=(16, 96), group_size=32)
+
+
+def _numpy_ok() -> bool:
+    import numpy
+    return tuple(int(p) for p in numpy.__version__.split(".")[:2]) < (2, 4)
+
+
+def _converted(fmt: str, gen: torch.Generator, n: int, k: int, group: int):
+    """One weight in ``fmt``'s own tensors, converted: (AffineTensor, encoding)."""
+    w = torch.randn(n, k, generator=gen) * 0.05
+    codes, scale, zero = _asymmetric(w, 4, group)
+    if fmt == "gptq":
+        return from_gptq(_pack_along(codes.T, 4, 0), _pack_along(zero.T % 16, 4, 1), scale.T.contiguous(),
+                         bits=4, group_size=group, zero_offset=0)
+    if fmt == "awq":
+        return from_awq(_pack_along(codes.T, 4, 1, AWQ_ORDER), _pack_along(zero.T, 4, 1, AWQ_ORDER),
+                        scale.T.contiguous(), group_size=group)
+    if fmt == "hqq":
+        flat = codes.reshape(n * k // group, group).to(torch.uint8)
+        return from_hqq(flat, scale.reshape(-1, 1), zero.reshape(-1, 1).half(), shape=(n, k), group_size=group)
+    sz = torch.stack([scale.T.float(), (scale.float() * (8 - zero)).T], -1)   # tinygemm's [groups, n, 2]
+    return from_int4pack(codes.to(torch.int32), sz, group_size=group)
+
+
+@pytest.mark.skipif(not _numpy_ok(), reason="triton 3.6's interpreter needs numpy < 2.4")
+@pytest.mark.parametrize("fmt", ["gptq", "awq", "hqq", "int4pack"])
+def test_converted_weights_run_on_the_kernels(fmt):
+    # the formats store scales [groups, n]; a converted weight must come out in the layout the kernels read
+    # (column-major scales once gave the Triton kernels 30-54% errors, silently)
+    seed = int(torch.randint(0, 2**31 - 1, ()))
+    gen = torch.Generator().manual_seed(seed)
+    n, k, group = 40, 256, 32
+    weight, enc = _converted(fmt, gen, n, k, group)
+    kern = foldc.compile(GemmSpec(n, k, weight=enc), target="interpret")
+    for m in (3, 40):   # the generated kernel's fold, then the large-m template's dequant verdict (eq. 16)
+        x = torch.randn(m, k, generator=gen).half()
+        ref = gemm_reference(x, weight)
+        plain = (x.float() @ weight.dequantize(torch.float16)[0, 0].float().T).half()
+        bar = float((plain.double() - ref).norm() / ref.norm())
+        err = float((kern(x, weight).double() - ref).norm() / ref.norm())
+        assert err <= 2 * bar + 1e-6, (fmt, seed, m, kern.plan_launch(torch.float16, m, 2).template, err, bar)

@@ -78,6 +78,23 @@ def runtime_arguments(x, w, y) -> dict:
     return args
 
 
+def check_kernel_layout(name: str, t: AffineTensor) -> None:
+    """The layout both Triton kernels read an encoded operand in: code rows with unit stride along the
+    bytes, scales and zeros with the same strides and unit stride along the groups (one row stride
+    serves both). Anything else would read the wrong values, so it is refused with the fix."""
+    codes, scale, zero = t.codes[0, 0], t.scale[0, 0], t.zero[0, 0]
+    fix = (f"pass contiguous tensors: AffineTensor({name}.codes.contiguous(), {name}.scale.contiguous(), "
+           f"{name}.zero.contiguous(), {name}.encoding, {name}.head_dim)")
+    if codes.shape[1] > 1 and codes.stride(1) != 1:
+        raise InputError(f"{name}.codes has strides {tuple(t.codes.stride())}: the kernel reads each row's code bytes "
+                         f"with unit stride; {fix}")
+    rows, groups = scale.shape
+    if (rows > 1 and zero.stride(0) != scale.stride(0)) or (groups > 1 and (scale.stride(1), zero.stride(1)) != (1, 1)):
+        raise InputError(f"{name}.scale has strides {tuple(t.scale.stride())} and {name}.zero "
+                         f"{tuple(t.zero.stride())}: the kernel reads both with one row stride and unit stride "
+                         f"along the groups; {fix}")
+
+
 @dataclass(frozen=True)
 class GemmLaunch:
     """What one GEMM call launches: output dtype, ``m`` x ``n``, the grid (row tiles, column tiles,
@@ -112,7 +129,7 @@ class TritonGemm:
         self.out_dtype = out_dtype
         self._kernels: dict[str, tuple] = {}
         self._launches: dict[tuple, GemmLaunch] = {}   # plan_launch()'s memo
-        self._dequant: dict = {}   # dequant launch -> (FastLaunch, its constexpr dict)
+        self._dequant: dict = {}   # id(dequant launch) -> (launch, FastLaunch, its constexpr dict)
 
     def kernel(self, dtype: str):
         if dtype not in self._kernels:
@@ -132,6 +149,9 @@ class TritonGemm:
         n = check_operand("w", w, spec.weight, spec.n, spec.k)
         if n != spec.n or (spec.m is not None and m != spec.m):
             raise InputError(f"x has {m} rows and w {n}; the spec says m={spec.m}, n={spec.n}")
+        for name, t in (("x", x), ("w", w)):
+            if isinstance(t, AffineTensor):
+                check_kernel_layout(name, t)
         device = (x.codes if isinstance(x, AffineTensor) else x).device
         if self.interpret and device.type != "cpu":
             raise InputError(f"target='interpret' runs on the CPU; x is on {device}")
@@ -226,22 +246,24 @@ class TritonGemm:
             out.copy_(target)
 
     def _run_dequant(self, launch: GemmLaunch, x, w, out: torch.Tensor, partial: torch.Tensor | None) -> None:
-        kernel, kwargs = self._dequant.get(launch, (None, None))
-        if kernel is None:   # one FastLaunch and one constexpr dict per launch (FastLaunch reads a dict once)
+        # one FastLaunch and one constexpr dict per launch (FastLaunch reads a dict once), found by the
+        # launch's identity (plan_launch memoises launches; hashing one walks its constants every call)
+        entry = self._dequant.get(id(launch))
+        if entry is None or entry[0] is not launch:
             module = load_module(DEQUANT_SOURCE, self.interpret)
-            kernel, kwargs = FastLaunch(module.foldc_gemm_dequant), dict(launch.constants)
-            self._dequant[launch] = (kernel, kwargs)
+            entry = self._dequant[id(launch)] = (launch, FastLaunch(module.foldc_gemm_dequant), dict(launch.constants))
+        _, kernel, kwargs = entry
         target = out
         if launch.split_k > 1:
             target = partial.zero_() if partial is not None else torch.zeros(launch.m, launch.n, device=out.device,
                                                                              dtype=torch.float32)
-        codes, scale, zero = w.codes[0, 0], w.scale[0, 0], w.zero[0, 0]
+        # the [1, 1, n, .] tensors themselves: their first row is where the [0, 0] views start
+        codes, scale = w.codes, w.scale
         with interpreter(self.interpret):
-            kernel[launch.grid](x, x.stride(0), codes, codes.stride(0), scale, zero, scale.stride(0), target,
+            kernel[launch.grid](x, x.stride(0), codes, codes.stride(2), scale, w.zero, scale.stride(2), target,
                                 target.stride(0), launch.m, launch.n, **kwargs)
         if launch.split_k > 1:
             out.copy_(target)
-
 
 def triton_cdiv(a: int, b: int) -> int:
     return -(-a // b)
