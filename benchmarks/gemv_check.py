@@ -164,6 +164,8 @@ def timing(seed: int, quick: bool, save=lambda rows: None, defaults_only: bool =
                     continue
                 cands = [{"block_rows": br, "gemv_stages": st, "gemv_sub": sb}
                          for br, st, sb in ((16, 4, None), (16, 3, None), (32, 3, None), (16, 2, 4))]
+                # a register cap without spills in the chunk loop (AOT: 128 at 4 stages; 104-120 spill)
+                cands.append({"block_rows": 16, "gemv_stages": 4, "gemv_maxnreg": 128})
                 if defaults_only:
                     cands = [{}]
                 best = None

@@ -104,7 +104,7 @@ def test_dequant_verdicts_encoded_activations_and_tall_calls_are_not_lowered():
 def test_options_are_checked_and_the_interpreter_refuses_the_gemv():
     spec = spec_of("k-group:4:128", 64, 2048)
     for bad, match in (({"block_rows": 24}, "block_rows"), ({"split_k": 0}, "split_k"), ({"stages": 9}, "stages"),
-                       ({"sub": 3}, "sub")):
+                       ({"sub": 3}, "sub"), ({"maxnreg": 16}, "maxnreg"), ({"maxnreg": 96.0}, "maxnreg")):
         with pytest.raises(SpecError, match=match):
             GluonGemv(spec, "sm_90", **bad)
     with pytest.raises(SpecError, match="sm_90 and sm_100"):
@@ -113,6 +113,8 @@ def test_options_are_checked_and_the_interpreter_refuses_the_gemv():
         foldc.compile(spec, target="interpret", kernel="gluon")
     with pytest.raises(SpecError, match="interpret"):
         foldc.compile(spec, target="interpret", block_rows=32)
+    capped = GluonGemv(spec, "sm_90", maxnreg=96).plan_launch(1, 132)
+    assert dict(capped.constants)["maxnreg"] == 96 and "maxnreg" not in dict(GluonGemv(spec, "sm_90").plan_launch(1, 132).constants)
 
 
 def test_default_split_keeps_two_chunks_a_program_and_fills_the_gpu():
@@ -166,6 +168,30 @@ def test_gemv_builds_run_the_unpack_on_tensor_cores_without_spills(gemv_builds, 
         if rep["m"] == 1:
             assert loop["local_memory"] == 0, rep
     report_table("register-operand GEMV builds (4096 x 14336)", lines)
+
+
+CAPPED = r"""
+import json, sys
+from foldc.backends.gluon.gemv_aot import compile_gemv_aot
+from foldc.gemm import GemmSpec, parse_gemm_encoding
+spec = GemmSpec(4096, 14336, parse_gemm_encoding("k-group:4:128", "weight"))
+print(json.dumps([compile_gemv_aot(spec, "sm_90", f"{sys.argv[1]}/{cap}", m=1, stages=3, maxnreg=cap) for cap in (96, 72)]))
+"""
+
+
+def test_a_register_cap_reaches_the_build(tmp_path, report_table):
+    # more resident one-warp programs per SM is the lever the GEMV's profile points at (docs/gemm.md)
+    proc = subprocess.run([sys.executable, "-c", CAPPED, str(tmp_path)], cwd=ROOT, env=native_env(tmp_path / "cache"),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    reps = json.loads(proc.stdout.strip().splitlines()[-1])
+    lines = [f"{'maxnreg':>7} {'regs':>4} {'instr/stage':>11} {'spills':>6}"]
+    for rep in reps:
+        assert rep["registers"] <= rep["maxnreg"] and rep["mma_in_ptx"] >= 1, rep
+        loop = rep["chunk_loop"]
+        lines.append(f"{rep['maxnreg']:>7} {rep['registers']:>4} {loop['instructions_per_warp']:>11} "
+                     f"{loop['local_memory']:>6}")
+    report_table("register-operand GEMV with a register cap (INT4 g128, 4096 x 14336, m = 1, 3 stages)", lines)
 
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] not in (9, 10),

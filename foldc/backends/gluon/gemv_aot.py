@@ -26,7 +26,7 @@ ALIGNED_INTS = ("stride_wc", "stride_x", "stride_y")
 
 def compile_gemv_aot(spec: GemmSpec, arch: str, out_dir: str | Path, m: int = 1, dtype: str = "fp16",
                      block_rows: int | None = None, split_k: int | None = None, stages: int | None = None,
-                     sub: int | None = None, sms: int = 132) -> dict:
+                     sub: int | None = None, sms: int = 132, maxnreg: int | None = None) -> dict:
     """Build the GEMV kernel of ``spec`` at ``m`` rows of ``dtype`` activations for ``arch`` into
     ``out_dir``, with the launcher's choices (``sms``: the SM count its split-k heuristic assumes);
     return a report (registers, spilled bytes in the chunk loop, MMAs per chunk)."""
@@ -42,7 +42,7 @@ def compile_gemv_aot(spec: GemmSpec, arch: str, out_dir: str | Path, m: int = 1,
 
     from .gemv import foldc_gemv_gluon
 
-    launcher = GluonGemv(spec, arch, block_rows=block_rows, split_k=split_k, stages=stages, sub=sub)
+    launcher = GluonGemv(spec, arch, block_rows=block_rows, split_k=split_k, stages=stages, sub=sub, maxnreg=maxnreg)
     ok, why = launcher.lowers(m)
     if not ok:
         raise SpecError(f"{spec.describe()} at m={m} does not lower to the GEMV kernel: {why}")
@@ -50,6 +50,8 @@ def compile_gemv_aot(spec: GemmSpec, arch: str, out_dir: str | Path, m: int = 1,
     check_out_dir(out_dir)
     consts = dict(launch.constants)
     options = {"num_warps": consts.pop("num_warps")}
+    if "maxnreg" in consts:
+        options["maxnreg"] = consts.pop("maxnreg")
     consts["XF16"] = dtype == "fp16"
     signature, attrs = {}, {}
     for i, name in enumerate(foldc_gemv_gluon.arg_names):
@@ -78,6 +80,7 @@ def compile_gemv_aot(spec: GemmSpec, arch: str, out_dir: str | Path, m: int = 1,
     k = launch.kernel
     report = {"spec": spec.describe(), "kernel": "gluon-gemv", "arch": arch, "dtype": dtype, "m": m,
               "block_rows": consts["BN"], "split_k": consts["SPLIT"], "stages": consts["STAGES"], "sub": consts["SUB"],
+              "maxnreg": options.get("maxnreg"),
               "chunk_bytes": k.chunk_bytes, "operand_k": k.chunk_bytes * k.fields, "pieces": k.pieces, "registers": registers(cubin),
               "mma_in_ptx": len(re.findall(r"\bmma\.sync", ptx)),
               "chunk_loop": {"instructions_per_warp": sum(loop.values()), "mma": loop.get("HMMA", 0),

@@ -60,10 +60,12 @@ def default_split(kernel: GemvKernel, n: int, block_rows: int, sms: int, sub: in
 class GluonGemv:
     """``y = gemv(x, w)`` for x [m, k] fp16/bf16 (m <= 16) and w an AffineTensor [1, 1, n, k].
     Options: block_rows (output channels per program: 16, 32 or 64), split_k (None: `default_split`),
-    stages (cp.async depth, 2-8), sub (chunks per stage)."""
+    stages (cp.async depth, 2-8), sub (chunks per stage), maxnreg (a register cap per thread, 32-255:
+    fewer registers let more one-warp programs reside per SM, at the risk of spills; None: the
+    compiler's choice)."""
 
     def __init__(self, spec: GemmSpec, target: str, block_rows: int | None = None, split_k: int | None = None,
-                 stages: int | None = None, sub: int | None = None):
+                 stages: int | None = None, sub: int | None = None, maxnreg: int | None = None):
         if target not in ("sm_90", "sm_100"):
             raise SpecError(f"target={target!r}: the register-operand GEMV runs on sm_90 and sm_100")
         if block_rows is not None and block_rows not in BLOCK_ROWS:
@@ -75,7 +77,10 @@ class GluonGemv:
             raise SpecError(f"stages={stages!r} must be 2 to 8")
         if sub is not None and sub not in SUBS:
             raise SpecError(f"sub={sub!r} (chunks per pipeline stage) must be one of {SUBS}")
-        self.spec, self.target, self.sub = spec, target, sub
+        if maxnreg is not None and (isinstance(maxnreg, bool) or not isinstance(maxnreg, int)
+                                    or not 32 <= maxnreg <= 255):
+            raise SpecError(f"maxnreg={maxnreg!r} must be an integer from 32 to 255 or None")
+        self.spec, self.target, self.sub, self.maxnreg = spec, target, sub, maxnreg
         self.block_rows, self.split_k, self.stages = block_rows or 16, split_k, stages or STAGES
         self._plans: dict[int, GemmPlan] = {}
         self._lowers: dict[int, tuple[bool, str]] = {}
@@ -116,6 +121,8 @@ class GluonGemv:
                              STAGES=self.stages, SPLIT=split, ASM=asm, CONS=cons, VALUE_EXP=VALUE_EXPONENT,
                              KIND=SCALE_KINDS[kernel.scale_dtype], SUB=sub,
                              num_warps=1)
+            if self.maxnreg is not None:
+                constants["maxnreg"] = self.maxnreg
             launch = GemvLaunch(kernel, m, (-(-self.spec.n // self.block_rows), split), per,
                                 tuple(constants.items()))
             self._launches[key] = launch
