@@ -69,7 +69,7 @@ class GemmKernel:
         """The plan the call runs: the GEMV's at ``m`` rows where it takes them, else the Triton kernel's."""
         if m is not None and self.gemv is not None and self.gemv.lowers(m)[0]:
             return self.gemv.plan_for(m)
-        return self.triton.plan_for(dtype) if dtype is not None else self.triton.plan_for()
+        return self.triton.plan_for(dtype, m) if dtype is not None else self.triton.plan_for(m=m)
 
     def source(self, *args, **kwargs) -> str:
         return self.triton.source(*args, **kwargs)

@@ -56,6 +56,9 @@ def test_the_launcher_runs_the_template_exactly_where_the_plan_reconstructs():
     assert kern.plan_launch(torch.float16, 4, 2).template == "generated"       # 32 > 2 x 4: a fold
     forced = foldc.compile(spec, target="interpret", block_k=32)                # a k chunk asked for
     assert forced.plan_launch(torch.float16, 70, 2).template == "generated"
+    # the plan a call runs, at its row count: the template's is the dequant plan at m rows, proved
+    assert kern.plan_for(torch.float16, 70).operands["w"].fold == "dequant"
+    assert kern.plan_for(torch.float16, 70).spec.m == 70 and kern.plan_for(torch.float16, 4).spec.m is None
 
 
 def test_config_fills_the_gpu_and_fits_shared_memory():

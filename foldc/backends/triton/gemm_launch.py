@@ -18,12 +18,12 @@ from ...gemm.plan import GemmPlan, gemm_plan
 from ...gemm.reference import check_operand
 from ...gemm.spec import GemmSpec
 from ...options import check_gemm_options
+from ...proof import prove
 from .gemm_codegen import GemmKernelSource, generate_gemm
 from .gemm_dequant import SOURCE as DEQUANT_SOURCE
 from .gemm_dequant import DequantTile, NotDequantTemplate, dequant_config, lower_dequant, unpack_asm
-from ..runtime.modules import interpreter
 from ..runtime.fast_launch import FastLaunch
-from ..runtime.modules import load_module, num_sms
+from ..runtime.modules import interpreter, load_module, num_sms
 
 DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 INT8_CODE_BIAS = -128  # unsigned 8-bit codes become int8 for the integer tensor cores (eq. 7)
@@ -140,7 +140,11 @@ class TritonGemm:
     def source(self, dtype: torch.dtype = torch.float16) -> str:
         return self.kernel(DTYPES[dtype])[1].source
 
-    def plan_for(self, dtype: torch.dtype = torch.float16) -> GemmPlan:
+    def plan_for(self, dtype: torch.dtype = torch.float16, m: int | None = None) -> GemmPlan:
+        """The plan a call runs: at ``m`` rows the large-m template's where it takes the call (its
+        plan at m rows), else the generated kernel's."""
+        if m is not None and self.dequant_tile(dtype, m) is not None:
+            return self._launches[("plan", dtype, m)]
         return self.kernel(DTYPES[dtype])[2]
 
     def __call__(self, x, w, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -178,7 +182,8 @@ class TritonGemm:
     def dequant_tile(self, dtype: torch.dtype, m: int) -> DequantTile | None:
         """The template's tile when a call with ``m`` rows of plain ``dtype`` activations runs it: the
         plan at m rows reconstructs the weight (eq. 16, or fold_policy="dequant") and no split-k or
-        k chunk was asked for; memoised."""
+        k chunk was asked for. That plan is proved (foldc.proof) before the template first runs it;
+        memoised."""
         key = ("tile", dtype, m)
         if key not in self._launches:
             tile = None
@@ -189,6 +194,9 @@ class TritonGemm:
                     tile = lower_dequant(plan, m)
                 except NotDequantTemplate:
                     tile = None
+                else:
+                    prove(plan)
+                    self._launches[("plan", dtype, m)] = plan
             self._launches[key] = tile
         return self._launches[key]
 
