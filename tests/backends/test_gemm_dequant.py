@@ -64,9 +64,8 @@ def test_the_launcher_runs_the_template_exactly_where_the_plan_reconstructs():
 def test_config_fills_the_gpu_and_fits_shared_memory():
     tile = lower_dequant(plan_at("k-group:4:128", 64, 4096, 256), 256)
     assert dequant_config(tile, 256, 28672, 132)["split_k"] == 1       # 224 tiles fill the SMs
-    small = dequant_config(tile, 64, 4096, 132)      # 32 tiles of 128 columns: 64 columns, k in 4 parts
-    assert (small["block_n"], small["num_warps"], small["split_k"]) == (64, 4, 4)
-    assert dequant_config(tile, 64, 28672, 132)["block_n"] == 128    # 224 tiles of 128 columns fill the SMs
+    small = dequant_config(tile, 64, 4096, 132)      # 32 tiles of 128 weight rows: k in 8 parts
+    assert (small["block_n"], small["num_warps"], small["split_k"]) == (128, 8, 8)
     assert [dequant_config(tile, m, 4096, 132)["block_m"] for m in (17, 64, 65, 128, 129)] == [64, 64, 128, 128, 256]
     for weight in ("k-group:2:128", "k-group:4:128", "k-group:2:32"):
         t = lower_dequant(plan_at(weight, 64, 4096, 256), 256)

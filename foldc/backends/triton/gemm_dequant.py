@@ -227,14 +227,12 @@ def dequant_config(tile: DequantTile, m: int, n: int, sms: int, block_m: int | N
                    block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
                    split_k: int | None = None) -> dict:
     """Tiles for a call with m rows and n output channels on a GPU of ``sms`` SMs (the ones given are
-    kept): 128 weight rows on 8 warps against 64, 128 or 256
-    activation rows by m; at m <= 64, 64 weight rows on 4 warps where 128 would not fill the SMs
-    (docs/gemm.md, "The large-m template", has the sweep). A grid that fills less than half the SMs
-    splits every weight row's bytes into up to 8 parts (float32 partials added atomically) while
-    each part keeps 4 chunks or more. As many pipeline stages, up to 4, as fit SHARED_BYTES."""
+    kept): 128 weight rows on 8 warps against 64, 128 or 256 activation rows by m (docs/gemm.md,
+    "The large-m template", has the sweep). A grid that fills less than half the SMs splits every
+    weight row's bytes into up to 8 parts (float32 partials added atomically) while each part keeps
+    4 chunks or more. As many pipeline stages, up to 4, as fit SHARED_BYTES."""
     block_m = block_m or (64 if m <= 64 else 128 if m <= 128 else 256)
-    if block_n is None:
-        block_n = 128 if block_m > 64 or -(-m // block_m) * -(-n // 128) >= sms else 64
+    block_n = block_n or 128
     num_warps = num_warps or (8 if block_n >= 128 else 4)
     if num_stages is None:
         num_stages = 4
