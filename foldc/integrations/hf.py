@@ -316,7 +316,8 @@ def foldc_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
     # a FoldcStaticCache's decode step (foldc/integrations/hf_static.py): the module is bound to its layer and
     # the key is the new token, untagged (tracing carries no tag; eager, FoldcCache's keys are tagged)
     slot = getattr(module, "foldc_static", None)
-    static = slot.layer(module.layer_idx) if slot is not None else None
+    # taken once: a stale slot (a forward after the static cache's, with another cache) must not be read
+    static = slot.take(module.layer_idx) if slot is not None else None
     if (static is not None and q_len == 1 and kv_len == 1 and static.is_initialized
             and (torch.compiler.is_compiling() or getattr(key, _TAG, None) is None)):
         return static.attention(query, scaling), None

@@ -58,6 +58,14 @@ class StaticSlot:
         """The layer ``index`` of the cache in use, or None."""
         return None if self.cache is None else self.cache.layers[index]
 
+    def take(self, index: int):
+        """`layer`, once: the slot forgets the cache, so that only the attention call right after a
+        `FoldcStaticCache` update reads it. A later forward with another cache (a DynamicCache, or
+        none) then never attends over this one's tokens."""
+        layer = self.layer(index)
+        self.cache = None
+        return layer
+
 
 class FoldcStaticLayer(FoldcLayer):
     """One attention layer's static storage (see the module doc)."""
@@ -132,6 +140,7 @@ class FoldcStaticLayer(FoldcLayer):
         if self.is_initialized:   # storage kept (its addresses are in captured graphs); counts back to 0
             self.length.zero_()
             self.row_lengths.zero_()
+            self.cache.reset()    # the next prompt is written from token 0, where attention reads it
 
     def crop(self, tokens_to_remove: int) -> None:
         if tokens_to_remove:

@@ -108,7 +108,8 @@ def _append_token_kernel(
     pos = (start + t).to(tl.int64)
     if PAGED:
         first = tl.load(KV_INDPTR + b)
-        t_ok = t_ok & (pos // PAGE_SIZE < tl.load(KV_INDPTR + b + 1) - first)
+        # a negative position has no page (and pos // PAGE_SIZE rounds toward 0 there): not written
+        t_ok = t_ok & (pos >= 0) & (pos // PAGE_SIZE < tl.load(KV_INDPTR + b + 1) - first)
         dst = tl.load(KV_INDICES + first + pos // PAGE_SIZE, mask=t_ok, other=0).to(tl.int64)
         row = pos % PAGE_SIZE
     else:
@@ -242,7 +243,8 @@ def _append_channel_kernel(
         ok = ok & (grp * GROUP < tl.load(COUNTS + b))
     if PAGED:
         first = tl.load(KV_INDPTR + b)
-        ok = ok & (pos0 // PAGE_SIZE < tl.load(KV_INDPTR + b + 1) - first)
+        # a group off a group boundary would run past its page into the next one: not written
+        ok = ok & (pos0 % GROUP == 0) & (pos0 // PAGE_SIZE < tl.load(KV_INDPTR + b + 1) - first)
         dst = tl.load(KV_INDICES + first + pos0 // PAGE_SIZE, mask=ok, other=0).to(tl.int64)
         row0 = pos0 % PAGE_SIZE
     else:  # a whole group inside [0, capacity), starting a group
@@ -366,7 +368,8 @@ def _offsets(offset, dst: AffineTensor, tokens: int, read_device: bool = True):
         if tuple(offset.shape) != (batch,):
             raise InputError(f"offset shape={tuple(offset.shape)} but dst has batch={batch}; pass one token "
                              "offset per batch row, or an int")
-        per_row = offset.to(device=dst.device, dtype=torch.int64)
+        # contiguous: the kernel reads offset b at OFFSETS + b (a strided view would give other rows' values)
+        per_row = offset.to(device=dst.device, dtype=torch.int64).contiguous()
         if not read_device:
             return None, per_row
         lo, hi = int(offset.min()), int(offset.max())
@@ -573,7 +576,8 @@ def append_paged(pool: AffineTensor, x: torch.Tensor, kv_indptr: torch.Tensor, k
         FlashInfer page table (foldc/serving/paged.py), validated by `PagedDecodeWrapper.plan`, not here.
     start : torch.Tensor, int32 or int64 ``[batch]``
         Token position of x's first token in each sequence (device). Channel-wise encodings need a
-        multiple of group_size (a group starts there).
+        multiple of group_size (a group starts there). Not checked (a sync): tokens at negative
+        positions, and channel-wise groups off a group boundary, are not written.
     page_size : int
         Tokens per page (channel-wise: a multiple of group_size).
     counts : torch.Tensor, int32 ``[batch]``, optional
@@ -599,15 +603,10 @@ def append_paged(pool: AffineTensor, x: torch.Tensor, kv_indptr: torch.Tensor, k
     if x.dtype not in INPUT_DTYPES:
         raise InputError(f"x dtype={x.dtype} is not supported; use one of {list(INPUT_DTYPES)}")
     batch, tokens = x.shape[0], x.shape[2]
-    for name, t, n in (("kv_indptr", kv_indptr, batch + 1), ("start", start, batch),
-                       ("counts", counts, batch)):
-        if t is None:
-            continue
-        if not isinstance(t, torch.Tensor) or t.dtype not in (torch.int32, torch.int64) or tuple(t.shape) != (n,):
-            raise InputError(f"{name} must be an int32 tensor of shape ({n},) for x's batch={batch}; got "
-                             f"{type(t).__name__} {getattr(t, 'dtype', '')} {tuple(getattr(t, 'shape', ()))}")
-        if t.device != pool.device:
-            raise InputError(f"{name} is on {t.device} but the pool is on {pool.device}; move it there")
+    kv_indptr, kv_indices, start, counts = (
+        _table_tensor(name, t, n, batch, pool.device)
+        for name, t, n in (("kv_indptr", kv_indptr, batch + 1), ("kv_indices", kv_indices, None),
+                           ("start", start, batch), ("counts", counts, batch)))
     if x.device != pool.device:
         raise InputError(f"x is on {x.device} but the pool is on {pool.device}; move x there")
     group = token_group(enc)
@@ -625,6 +624,22 @@ def append_paged(pool: AffineTensor, x: torch.Tensor, kv_indptr: torch.Tensor, k
     _launch(pool, x, None, start, mode == "interpret", paging=(kv_indptr, kv_indices, page_size), counts=counts)
 
 
+def _table_tensor(name: str, t, n: int | None, batch: int, device: torch.device) -> torch.Tensor | None:
+    """A page-table argument of `append_paged` (None passes through): a 1-D int32/int64 tensor on the
+    pool's device of ``n`` entries (None: any number), returned contiguous, since the kernel reads
+    entry i at ``base + i`` (a strided view would give it other entries, no error)."""
+    if t is None:
+        return None
+    what = f"shape ({n},) for x's batch={batch}" if n is not None else "shape [kv_indptr[-1]]"
+    if not isinstance(t, torch.Tensor) or t.dtype not in (torch.int32, torch.int64) or t.dim() != 1 \
+            or (n is not None and t.shape[0] != n):
+        raise InputError(f"{name} must be an int32 tensor of {what}; got "
+                         f"{type(t).__name__} {getattr(t, 'dtype', '')} {tuple(getattr(t, 'shape', ()))}")
+    if t.device != device:
+        raise InputError(f"{name} is on {t.device} but the pool is on {device}; move it there")
+    return t.contiguous()
+
+
 def _append_paged_reference(pool, x, kv_indptr, kv_indices, start, page_size, counts) -> None:
     """foldc.quantize per sequence, then a copy into its pages (host loop)."""
     from ..encoding import quantize
@@ -637,9 +652,16 @@ def _append_paged_reference(pool, x, kv_indptr, kv_indices, start, page_size, co
             continue
         q = quantize(x[b:b + 1, :, :n], enc)
         s0 = int(start[b])
+        group = token_group(enc)
+        if group and s0 % group:
+            raise InputError(f"start[{b}]={s0} is not a multiple of group_size={enc.group_size}; channel-wise "
+                             "groups are written whole, so every start must begin a group (the kernel skips such "
+                             "groups)")
         owned = indices[indptr[b]:indptr[b + 1]]
         for t in range(n):
             pos = s0 + t
+            if pos < 0:   # no page (as in the kernel): not written
+                continue
             if pos // page_size >= len(owned):
                 break
             page, row = owned[pos // page_size], pos % page_size

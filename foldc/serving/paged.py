@@ -60,6 +60,22 @@ def _int_tensor(name: str, x, shape_text: str) -> torch.Tensor:
     return x
 
 
+def _host_lengths(seq_lens) -> list[int]:
+    """``seq_lens`` of `check_page_table` as host ints: a list or 1-D tensor of integers (a float such
+    as 16.5 would be truncated to a length nobody asked for, so it is refused)."""
+    if seq_lens is None or isinstance(seq_lens, (str, bytes)):
+        raise InputTypeError(f"seq_lens={seq_lens!r}: with kv_last_page_len=None, pass seq_lens, one integer "
+                             "token count per sequence (a list of ints or an integer tensor [batch])")
+    try:
+        lens = torch.as_tensor(seq_lens)
+    except (TypeError, ValueError, RuntimeError):
+        raise InputTypeError(f"seq_lens={seq_lens!r} must be a list of ints or an integer tensor [batch]") from None
+    if lens.dtype.is_floating_point or lens.dtype.is_complex or lens.dtype == torch.bool or lens.dim() != 1:
+        raise InputError(f"seq_lens dtype={lens.dtype} shape={tuple(lens.shape)} must be one integer token count "
+                         "per sequence, shape [batch]; pass ints (e.g. [int(n) for n in lengths])")
+    return [int(n) for n in lens.tolist()]
+
+
 def check_page_table(kv_indptr, kv_indices, kv_last_page_len, num_pages: int, page_size: int,
                      seq_lens=None) -> PageTable:
     """Validate a page table on the host; every error names the value and the fix. With
@@ -70,15 +86,17 @@ def check_page_table(kv_indptr, kv_indices, kv_last_page_len, num_pages: int, pa
     indptr = _int_tensor("kv_indptr", kv_indptr, "[batch + 1]").cpu().tolist()
     indices = _int_tensor("kv_indices", kv_indices, "[kv_indptr[-1]]").cpu()
     if kv_last_page_len is None:
-        last = [int(n) for n in torch.as_tensor(seq_lens).reshape(-1).tolist()]
+        last, last_name = _host_lengths(seq_lens), "seq_lens"
     else:
         last = _int_tensor("kv_last_page_len", kv_last_page_len, "[batch]").cpu().tolist()
+        last_name = "kv_last_page_len"
     batch = len(indptr) - 1
     if batch < 1:
         raise InputError(f"kv_indptr has {len(indptr)} entries; it needs batch + 1 >= 2 (starting at 0)")
     if len(last) != batch:
-        raise InputError(f"kv_last_page_len has {len(last)} entries but kv_indptr describes batch={batch} "
-                         "sequences; pass one last-page length per sequence")
+        raise InputError(f"{last_name} has {len(last)} entries but kv_indptr describes batch={batch} "
+                         f"sequences; pass one {'length' if kv_last_page_len is None else 'last-page length'} "
+                         "per sequence")
     if indptr[0] != 0:
         raise InputError(f"kv_indptr[0]={indptr[0]}; it must start at 0")
     pages = [indptr[b + 1] - indptr[b] for b in range(batch)]
@@ -421,7 +439,9 @@ class PagedDecodeWrapper:
             Also return the log-sum-exp of the scaled logits.
         seq_lens : torch.Tensor, int32 ``[batch]``, optional
             Device lengths to read instead of the plan's (e.g. advanced on the device by appends).
-            Not checked (that needs a sync): a length past the pages its sequence owns reads only those pages.
+            Not checked (that needs a sync): a length past the pages its sequence owns reads only those pages,
+            and one past ``max_seq_len`` is cut where the split partition planned for ``max_seq_len`` ends
+            (keep lengths <= max_seq_len). Any strides (copied to a contiguous tensor when needed).
 
         Returns
         -------
@@ -459,24 +479,37 @@ class PagedDecodeWrapper:
                              "kernel='triton' for float16 queries, or pass bfloat16 queries")
         out = output_buffer(out, want, q)
         lse = torch.empty(want[:2], device=q.device, dtype=torch.float32)
-        self._check_lens(seq_lens, want)
+        seq_lens = self._check_lens(seq_lens, want)
         buf = self._buffers
         self.attention.run(self._launches[q.dtype], q, k_pages, v_pages, out, lse, scale,
                          seq_lens=buf["seq_lens"] if seq_lens is None else seq_lens,
                          workspace=buf[f"workspace_{str(q.dtype)[6:]}"], paged=(buf["kv_indptr"], buf["kv_indices"]))
         return (out, lse) if return_lse else out
 
-    def _check_lens(self, seq_lens, want) -> None:
+    def _check_lens(self, seq_lens, want) -> torch.Tensor | None:
+        """``seq_lens`` (or None) as the kernel reads it: int32 ``[batch]`` on the wrapper's device,
+        contiguous (the kernel reads length b at ``SEQ_LENS + b``; a strided view, e.g. a column of a
+        [batch, 2] tensor, would give it other values, no error)."""
         if seq_lens is not None and (not isinstance(seq_lens, torch.Tensor) or seq_lens.dtype != torch.int32
                                      or tuple(seq_lens.shape) != want[:1] or seq_lens.device != self.device):
             raise InputError(f"seq_lens must be an int32 tensor of shape ({want[0]},) on {self.device}; got "
                              f"{getattr(seq_lens, 'dtype', type(seq_lens).__name__)} "
                              f"{tuple(getattr(seq_lens, 'shape', ()))}")
+        return None if seq_lens is None else seq_lens.contiguous()
 
     def _run_reference(self, q, k_pages, v_pages, scale, out, return_lse, seq_lens):
+        seq_lens = self._check_lens(seq_lens, (self.table.batch,))
         lens = self.table.seq_lens if seq_lens is None else tuple(int(n) for n in seq_lens.tolist())
-        if min(lens) == 0:
+        if min(lens) < 1:
             raise InputError(f"target='reference' needs every sequence to hold a token; lengths are {list(lens)}")
+        for b, (n, pages) in enumerate(zip(lens, self.table.pages)):
+            # the gathered cache pads a sequence with its last page: a length past its own pages would
+            # read those copies here (the kernels read its own pages only), and one past max_seq_len is
+            # outside what the kernels' split partition covers
+            if n > min(pages * self.page_size, self.max_seq_len):
+                raise InputError(f"seq_lens[{b}]={n} but sequence {b} owns {pages} pages of page_size="
+                                 f"{self.page_size} tokens and max_seq_len={self.max_seq_len}; pass lengths "
+                                 "within both, or plan() a table with more pages")
         used = self.kv_indices[:max(1, sum(self.table.pages))]
         k, _ = gather_pages(k_pages, self.kv_indptr, used, lens, self.page_size)
         v, _ = gather_pages(v_pages, self.kv_indptr, used, lens, self.page_size)

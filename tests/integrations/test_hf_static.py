@@ -81,3 +81,43 @@ def test_refusals_name_the_value_and_the_fix():
     small = FoldcStaticCache(model, PROMPT - 1, k="token:4:16", v="token:4:16", target="reference")
     with attention(model, "foldc"), torch.no_grad(), pytest.raises(InputError, match="does not fit"):
         model(ids, use_cache=True, **{fhf.CACHE_KWARG: small})
+
+
+def _last_logits(model, cache, ids, steps=()):
+    out = model(ids, use_cache=True, **{fhf.CACHE_KWARG: cache}).logits[:, -1]
+    for t in steps:
+        out = model(t, use_cache=True, **{fhf.CACHE_KWARG: cache}).logits[:, -1]
+    return out
+
+
+@torch.no_grad()
+def test_after_reset_the_next_prompt_attends_like_a_fresh_cache():
+    """reset() zeroed the device counts but not the host cache that stores a prompt: the second prompt
+    was written after the first one's tokens while attention read from token 0 (logits 100% off)."""
+    model, ids = llama(dtype=torch.float32), prompt(2)
+    other = torch.randint(2, 128, ids.shape, generator=torch.Generator().manual_seed(11))
+    used = FoldcStaticCache(model, 32, k="token:4:16", v="token:4:16", target="reference")
+    with attention(model, "foldc"):
+        _last_logits(model, used, ids, [ids[:, :1], ids[:, 1:2]])
+        used.reset()
+        got = _last_logits(model, used, other, [other[:, :1], other[:, 1:2]])
+        want = _last_logits(model, FoldcStaticCache(model, 32, k="token:4:16", v="token:4:16", target="reference"),
+                            other, [other[:, :1], other[:, 1:2]])
+    assert torch.equal(got, want)
+    assert int(used.layers[0].length) == PROMPT + 2 and used.layers[0].cache.num_tokens == PROMPT
+
+
+@torch.no_grad()
+def test_a_forward_with_another_cache_does_not_read_the_static_one():
+    """The model stays bound to its FoldcStaticCache; a later one-token forward with a DynamicCache (or
+    no cache) used to attend over the static cache's tokens instead of its own (logits 165% off)."""
+    model, ids = llama(dtype=torch.float32), prompt(2)
+    with attention(model, "foldc"):
+        _last_logits(model, FoldcStaticCache(model, 32, k="token:4:16", v="token:4:16", target="reference"), ids,
+                     [ids[:, :1]])
+        got = [model(ids[:, :1], use_cache=True, **{fhf.CACHE_KWARG: transformers.DynamicCache()}).logits,
+               model(ids[:, :1], use_cache=False).logits]
+    with attention(model, "sdpa"):
+        want = model(ids[:, :1], use_cache=False).logits
+    for g in got:
+        assert torch.allclose(g, want, rtol=0, atol=1e-5 * float(want.abs().max()))

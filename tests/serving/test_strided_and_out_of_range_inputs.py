@@ -1,0 +1,181 @@
+"""Inputs that used to give a silently wrong answer (no error) in the serving layer, each now read
+correctly or refused with a foldc error that names the value:
+
+- strided views of the int tensors a kernel reads by index (``seq_lens`` of `PagedDecodeWrapper.run`,
+  the page table, ``start`` and ``counts`` of `append_paged`, per-row offsets of `append_quantized`):
+  the kernels read entry ``b`` at ``base + b``, so a column of a ``[batch, 2]`` tensor gave them
+  other rows' values;
+- `append_paged` at negative positions (written into another page, or before the pool), and a
+  channel-wise group off a group boundary (its rows ran past the page into the next one);
+- non-integer ``seq_lens`` in `PagedDecodeWrapper.plan` (truncated to another length);
+- lengths past a sequence's own pages under target="reference" (read padding copies of its last page).
+
+Fresh random data throughout; Triton's interpreter (CPU, fp16) and the float64 reference.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import foldc
+from foldc.errors import InputError
+from foldc.serving import PagedDecodeWrapper, append_paged, append_quantized, gather_pages, page_pool
+from foldc.testing import rel_l2
+
+A = foldc.Affine
+S = foldc.AttentionSpec
+SPEC = S(4, 2, 64, A(4, "token", 32), A(4, "channel", 16))
+PAGE = 16
+
+
+def strided(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s values as a non-contiguous view (column 0 of a [n, 2] tensor whose column 1 differs)."""
+    view = torch.stack([t, t.flip(0) + 7]).t().contiguous()[:, 0]
+    assert not view.is_contiguous() and torch.equal(view, t)
+    return view
+
+
+def random_table(gen, batch: int, num_pages: int):
+    """Shuffled distinct pages, 1..3 per sequence."""
+    per = torch.randint(1, 4, (batch,), generator=gen)
+    indptr = torch.cat([torch.zeros(1, dtype=torch.long), per.cumsum(0)]).to(torch.int32)
+    indices = torch.randperm(num_pages, generator=gen)[:int(per.sum())].to(torch.int32)
+    return indptr, indices, per
+
+
+def filled_pools(gen, num_pages: int):
+    k = torch.randn(num_pages, SPEC.num_kv_heads, PAGE, SPEC.head_dim, generator=gen)
+    v = torch.randn(num_pages, SPEC.num_kv_heads, PAGE, SPEC.head_dim, generator=gen) + 0.5
+    return foldc.quantize(k, SPEC.k), foldc.quantize(v, SPEC.v)
+
+
+@settings(max_examples=3, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1))
+def test_run_reads_a_strided_seq_lens_view_as_its_values(seed):
+    gen = torch.Generator().manual_seed(seed)
+    batch, num_pages = 3, 12
+    indptr, indices, per = random_table(gen, batch, num_pages)
+    k_pages, v_pages = filled_pools(gen, num_pages)
+    wrapper = PagedDecodeWrapper(SPEC, PAGE, max_seq_len=3 * PAGE, target="interpret")
+    wrapper.plan(indptr, indices, None, num_pages=num_pages, seq_lens=[1] * batch)
+    lens = (1 + (torch.rand(batch, generator=gen) * (per * PAGE - 1)).long()).to(torch.int32)
+    q = torch.randn(batch, 4, 64, generator=gen).half()
+    got = wrapper.run(q, k_pages, v_pages, seq_lens=strided(lens))
+    want = wrapper.run(q, k_pages, v_pages, seq_lens=lens.clone())
+    assert torch.equal(got, want)
+    k, _ = gather_pages(k_pages, indptr, indices, lens.tolist(), PAGE)
+    v, _ = gather_pages(v_pages, indptr, indices, lens.tolist(), PAGE)
+    ref = foldc.compile(SPEC, "reference")(q, k, v, seq_lens=lens)
+    assert rel_l2(got, ref) < 2e-3
+
+
+@settings(max_examples=8, deadline=None)
+@given(which=st.sampled_from(["kv_indptr", "kv_indices", "start", "counts"]),
+       layout=st.sampled_from(["token", "channel"]), seed=st.integers(0, 2**31 - 1))
+def test_append_paged_reads_strided_page_tables_as_their_values(which, layout, seed):
+    gen = torch.Generator().manual_seed(seed)
+    enc = A(4, layout, 16)
+    batch, num_pages, tokens = 3, 12, 16
+    indptr, indices, per = random_table(gen, batch, num_pages)
+    unit = 16 if layout == "channel" else 1
+    args = {"kv_indptr": indptr, "kv_indices": indices,
+            "start": (torch.randint(0, PAGE, (batch,), generator=gen) // unit * unit).to(torch.int32),
+            "counts": (torch.randint(unit, tokens + 1, (batch,), generator=gen) // unit * unit).to(torch.int32)}
+    x = (torch.randn(batch, 2, tokens, 64, generator=gen) * 2 + 1).half()
+    pools = [page_pool(S(4, 2, 64, enc, enc), "k", num_pages, PAGE) for _ in range(2)]
+    for pool, view in zip(pools, (False, True)):
+        call = dict(args, **{which: strided(args[which])}) if view else args
+        append_paged(pool, x, call["kv_indptr"], call["kv_indices"], call["start"], page_size=PAGE,
+                     counts=call["counts"], target="interpret")
+    assert (pools[0].scale != 0).any(-1).sum() >= batch * 2   # every sequence wrote
+    for part in ("codes", "scale", "zero"):
+        assert torch.equal(getattr(pools[1], part), getattr(pools[0], part)), part
+
+
+@pytest.mark.parametrize("check", [True, False])
+def test_append_quantized_reads_strided_offsets_as_their_values(check):
+    gen = torch.Generator().manual_seed(3)
+    enc = A(4, "token", 32)
+    dst = [foldc.quantize(torch.zeros(3, 2, 48, 64), enc) for _ in range(2)]
+    x = torch.randn(3, 2, 8, 64, generator=gen).half()
+    offsets = torch.tensor([0, 24, 40])
+    append_quantized(dst[0], x, offsets, target="interpret", check=check)
+    append_quantized(dst[1], x, strided(offsets), target="interpret", check=check)
+    for part in ("codes", "scale", "zero"):
+        assert torch.equal(getattr(dst[1], part), getattr(dst[0], part)), part
+
+
+@pytest.mark.parametrize("target", ["interpret", "reference"])
+def test_append_paged_never_writes_at_negative_positions(target):
+    """Sequence 0 starts 5 tokens before its first page: those tokens have no page and are not written
+    (they used to land at negative rows, i.e. in the page before it in memory, or wrap to its last page
+    under the reference); the rest land where quantize puts them."""
+    gen = torch.Generator().manual_seed(5)
+    enc = A(4, "token", 32)
+    pool = page_pool(S(4, 2, 64, enc, enc), "k", 6, PAGE)
+    x = torch.randn(1, 2, 21, 64, generator=gen).half()   # positions -5..15
+    append_paged(pool, x, torch.tensor([0, 2], dtype=torch.int32), torch.tensor([3, 1], dtype=torch.int32),
+                 torch.tensor([-5], dtype=torch.int32), page_size=PAGE, target=target)
+    written = (pool.scale != 0).any(-1)   # [pages, heads, rows]
+    assert not written[[0, 2, 4, 5]].any()
+    assert written[3].all() and not written[1].any()
+    want = foldc.quantize(x[:, :, 5:], enc)   # token-wise: each token quantized on its own
+    assert torch.equal(pool.codes[3], want.codes[0, :, :16]) and torch.equal(pool.scale[3], want.scale[0, :, :16])
+
+
+def test_append_paged_skips_a_channel_group_off_a_group_boundary():
+    """A channel-wise group starting mid-group (start 8, groups of 16) would fill rows 8..23 of a
+    16-row page, i.e. 8 rows of the next page in memory, which the sequence does not own."""
+    enc = A(4, "channel", 16)
+    pool = page_pool(S(4, 2, 64, enc, enc), "k", 4, PAGE)
+    x = torch.randn(1, 2, 16, 64, generator=torch.Generator().manual_seed(6)).half()
+    table = (torch.tensor([0, 1], dtype=torch.int32), torch.tensor([1], dtype=torch.int32),
+             torch.tensor([8], dtype=torch.int32))
+    append_paged(pool, x, *table, page_size=PAGE, target="interpret")
+    assert not pool.codes.any() and not pool.scale.any()
+    with pytest.raises(InputError, match=r"start\[0\]=8 is not a multiple of group_size=16"):
+        append_paged(pool, x, *table, page_size=PAGE, target="reference")
+
+
+def test_append_paged_refuses_a_page_table_that_is_not_an_int_tensor():
+    enc = A(4, "token", 32)
+    pool = page_pool(S(4, 2, 64, enc, enc), "k", 4, PAGE)
+    x = torch.randn(1, 2, 4, 64).half()
+    indptr, start = torch.tensor([0, 1], dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
+    for bad in ([2], torch.tensor([2.0]), torch.tensor([[2]], dtype=torch.int32)):
+        with pytest.raises(InputError, match=r"kv_indices must be an int32 tensor"):
+            append_paged(pool, x, indptr, bad, start, page_size=PAGE, target="interpret")
+
+
+def test_plan_refuses_non_integer_seq_lens():
+    wrapper = PagedDecodeWrapper(SPEC, PAGE, max_seq_len=64, target="interpret")
+    table = (torch.tensor([0, 2, 4], dtype=torch.int32), torch.tensor([3, 0, 1, 2], dtype=torch.int32), None)
+    for bad in ([20.7, 17.0], torch.tensor([20.5, 3.0])):
+        with pytest.raises(InputError, match=r"seq_lens dtype=torch.float(32|64).*integer token count"):
+            wrapper.plan(*table, num_pages=4, seq_lens=bad)
+    with pytest.raises(InputError, match=r"seq_lens has 3 entries but kv_indptr describes batch=2"):
+        wrapper.plan(*table, num_pages=4, seq_lens=[1, 2, 3])
+    assert wrapper.plan(*table, num_pages=4, seq_lens=torch.tensor([20, 17])).seq_lens == (20, 17)
+
+
+def test_reference_run_refuses_lengths_past_its_own_pages():
+    """The reference gathers each sequence padded with copies of its last page: a device length past
+    its pages (or past max_seq_len) read those copies, where the kernels read only its own tokens."""
+    gen = torch.Generator().manual_seed(8)
+    k_pages, v_pages = filled_pools(gen, 6)
+    table = (torch.tensor([0, 1, 4], dtype=torch.int32), torch.tensor([5, 0, 2, 4], dtype=torch.int32), None)
+    q = torch.randn(2, 4, 64, generator=gen).half()
+    wrapper = PagedDecodeWrapper(SPEC, PAGE, max_seq_len=40, target="reference")
+    wrapper.plan(*table, num_pages=6, seq_lens=[10, 33])
+    for lens, match in (([20, 33], r"seq_lens\[0\]=20 but sequence 0 owns 1 pages"),
+                        ([10, 45], r"seq_lens\[1\]=45 .*max_seq_len=40"),
+                        ([10, -1], r"needs every sequence to hold a token")):
+        with pytest.raises(InputError, match=match):
+            wrapper.run(q, k_pages, v_pages, seq_lens=torch.tensor(lens, dtype=torch.int32))
+    kernel = PagedDecodeWrapper(SPEC, PAGE, max_seq_len=40, target="interpret")
+    kernel.plan(*table, num_pages=6, seq_lens=[10, 33])
+    lens = torch.tensor([16, 40], dtype=torch.int32)   # within both: the reference and the kernel agree
+    assert rel_l2(kernel.run(q, k_pages, v_pages, seq_lens=lens),
+                  wrapper.run(q, k_pages, v_pages, seq_lens=strided(lens))) < 2e-3
