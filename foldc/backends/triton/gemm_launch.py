@@ -129,7 +129,8 @@ class TritonGemm:
         self.out_dtype = out_dtype
         self._kernels: dict[str, tuple] = {}
         self._launches: dict[tuple, GemmLaunch] = {}   # plan_launch()'s memo
-        self._dequant: dict = {}   # id(dequant launch) -> (launch, FastLaunch, its constexpr dict)
+        self._dequant: dict = {}   # id(dequant launch) -> (launch, its constexpr dict)
+        self._dequant_kernel = None   # the template behind FastLaunch, loaded at the first launch
 
     def kernel(self, dtype: str):
         if dtype not in self._kernels:
@@ -239,39 +240,33 @@ class TritonGemm:
     def run(self, launch: GemmLaunch, x, w, out: torch.Tensor, partial: torch.Tensor | None = None) -> None:
         """Launch ``launch`` (from `plan_launch`) into ``out [m, n]``, no checks. With split-k, the
         programs add float32 partials into ``partial`` (zeroed here; allocated if None), then copied."""
-        if launch.template == "dequant":
-            self._run_dequant(launch, x, w, out, partial)
-            return
-        module, ks, _ = self.kernel(DTYPES[launch.dtype])
         target = out
         if launch.split_k > 1:
             target = partial.zero_() if partial is not None else torch.zeros(launch.m, launch.n, device=out.device,
                                                                              dtype=torch.float32)
-        runtime = runtime_arguments(x, w, target)
         with interpreter(self.interpret):
-            module.foldc_gemm[launch.grid](*[runtime[a] for a in ks.args], **dict(launch.constants))
+            if launch.template == "dequant":
+                self._launch_dequant(launch, x, w, target)
+            else:
+                module, ks, _ = self.kernel(DTYPES[launch.dtype])
+                runtime = runtime_arguments(x, w, target)
+                module.foldc_gemm[launch.grid](*[runtime[a] for a in ks.args], **dict(launch.constants))
         if launch.split_k > 1:
             out.copy_(target)
 
-    def _run_dequant(self, launch: GemmLaunch, x, w, out: torch.Tensor, partial: torch.Tensor | None) -> None:
-        # one FastLaunch and one constexpr dict per launch (FastLaunch reads a dict once), found by the
-        # launch's identity (plan_launch memoises launches; hashing one walks its constants every call)
+    def _launch_dequant(self, launch: GemmLaunch, x, w, target: torch.Tensor) -> None:
+        # one FastLaunch of the template; one constexpr dict per launch (FastLaunch reads a dict once),
+        # found by the launch's identity (plan_launch memoises launches; hashing one walks its constants)
+        if self._dequant_kernel is None:
+            self._dequant_kernel = FastLaunch(load_module(DEQUANT_SOURCE, self.interpret).foldc_gemm_dequant)
         entry = self._dequant.get(id(launch))
         if entry is None or entry[0] is not launch:
-            module = load_module(DEQUANT_SOURCE, self.interpret)
-            entry = self._dequant[id(launch)] = (launch, FastLaunch(module.foldc_gemm_dequant), dict(launch.constants))
-        _, kernel, kwargs = entry
-        target = out
-        if launch.split_k > 1:
-            target = partial.zero_() if partial is not None else torch.zeros(launch.m, launch.n, device=out.device,
-                                                                             dtype=torch.float32)
+            entry = self._dequant[id(launch)] = (launch, dict(launch.constants))
         # the [1, 1, n, .] tensors themselves: their first row is where the [0, 0] views start
         codes, scale = w.codes, w.scale
-        with interpreter(self.interpret):
-            kernel[launch.grid](x, x.stride(0), codes, codes.stride(2), scale, w.zero, scale.stride(2), target,
-                                target.stride(0), launch.m, launch.n, **kwargs)
-        if launch.split_k > 1:
-            out.copy_(target)
+        self._dequant_kernel[launch.grid](x, x.stride(0), codes, codes.stride(2), scale, w.zero, scale.stride(2),
+                                          target, target.stride(0), launch.m, launch.n, **entry[1])
+
 
 def triton_cdiv(a: int, b: int) -> int:
     return -(-a // b)
