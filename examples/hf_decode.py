@@ -147,9 +147,16 @@ def main(argv=None):
                                             SDPBackend.MATH]))
     # warm-up (and compile), so that the timings compare; a static cache compiles for its length, so the
     # warm-up of transformers' static cache generates as many tokens as the timed run
+    # transformers keeps its static cache between generate calls (same storage, so the compiled step
+    # and its CUDA graphs replay); FoldcStaticCache is kept the same way: warmed up at the timed
+    # length, then reset (a fresh one would have new addresses, and the step would compile again)
     warm = args.new if args.cache == "static" else 2
     generate(model, default_cache(), ids, warm, "sdpa")
-    generate(model, foldc_cache(), ids, 2, fhf.ATTN_IMPLEMENTATION)
+    if args.cache == "static":
+        generate(model, cache, ids, warm, fhf.ATTN_IMPLEMENTATION)
+        cache.reset()
+    else:
+        generate(model, foldc_cache(), ids, 2, fhf.ATTN_IMPLEMENTATION)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     sync()
     t0 = time.perf_counter()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from foldc.backends.runtime import fast_launch
 from foldc.backends.runtime.fast_launch import FastLaunch
 from foldc.backends.runtime.merge import MERGE_SOURCE, launch_merge
 from foldc.backends.runtime.modules import interpreter
@@ -79,6 +80,8 @@ def _kernel_on_a_fake_gpu(monkeypatch):
                 return 7
 
     monkeypatch.setattr(triton.runtime, "driver", _Driver)
+    # the stand-in GPU's tensors live in host memory: the fast path's device check is told otherwise
+    monkeypatch.setattr(fast_launch, "_IS_CUDA", lambda t: True)
     return jit, ordinary
 
 
@@ -132,7 +135,7 @@ class _Launcher:
 
 def test_repeat_launches_call_the_c_launcher_unless_a_hook_is_set(monkeypatch):
     """With no launch hooks a repeat goes to the C launcher with CudaLauncher's leading arguments
-    (cooperative grid, PDL, no scratch buffers) and no metadata; with a hook, through the launcher's
+    (cooperative grid, PDL, no scratch buffers), no metadata and the tensors' addresses; with a hook, through the launcher's
     ``__call__`` with the metadata and the hooks, as triton's runner does. Integer arguments of the
     same specialisation (here 48 and 64) share one kernel."""
     from triton import knobs
@@ -150,8 +153,9 @@ def test_repeat_launches_call_the_c_launcher_unless_a_hook_is_set(monkeypatch):
     fast[(3,)](x, x, 32, 5, **kwargs)
     fast[(3,)](x, x, 48, 7, **kwargs)
     assert len(ordinary) == 1 and launcher.wrapped == []
+    # the C launcher gets the tensors' addresses (no per-pointer check there)
     assert launcher.direct == [(3, 1, 1, 7, "function", False, True, None, None, "metadata", None, None, None,
-                                x, x, 48, 7, 64, "and.b32")]
+                                x.data_ptr(), x.data_ptr(), 48, 7, 64, "and.b32")]
     hook = lambda metadata: None   # noqa: E731
     knobs.runtime.launch_enter_hook.add(hook)
     try:
@@ -173,3 +177,67 @@ def test_a_runtime_argument_given_by_keyword_always_takes_the_ordinary_path(monk
         fast[(1,)](x, x, 32, m=m, BLOCK=64, ASM="and.b32", num_warps=1)
     assert len(ordinary) == 3 and fast.compiled == {}
     assert [call[2]["m"] for call in ordinary] == [5, 7, 9]
+
+
+def test_tensors_after_the_first_anywhere_in_the_arguments_become_their_addresses(monkeypatch):
+    """Tensors that are not a prefix of the arguments are replaced in place, and a repeat launch with
+    another tensor of the same dtype and alignment passes that tensor's own address."""
+    jit, ordinary = _kernel_on_a_fake_gpu(monkeypatch)
+    launcher = _Launcher()
+
+    class _WithLauncher(_Compiled):
+        run = launcher
+
+    monkeypatch.setattr(jit, "run", lambda *a, grid, warmup, **k: ordinary.append(a) or _WithLauncher())
+    fast = FastLaunch(jit)
+    kwargs = dict(BLOCK=64, ASM="and.b32", num_warps=1)
+    gen = torch.Generator().manual_seed(11)
+    first = torch.randn(16, generator=gen).half()
+    fast[(2,)](first, 32, first, 5, **kwargs)   # X, n... in another order: X, Y are positions 0 and 2
+    for _ in range(3):
+        a, b = torch.randn(16, generator=gen).half(), torch.randn(16, generator=gen).half()
+        n = 16 * int(torch.randint(1, 100, (1,), generator=gen))
+        fast[(2,)](a, n, b, 5, **kwargs)
+        assert launcher.direct[-1][13:] == (a.data_ptr(), n, b.data_ptr(), 5, 64, "and.b32")
+    assert len(ordinary) == 1 and len(launcher.direct) == 3
+
+
+def test_a_tensor_off_the_gpu_takes_the_ordinary_path(monkeypatch):
+    """The fast path hands the launcher bare addresses, so a host tensor (which triton's pointer
+    check refuses by name) must never reach it: every such launch goes the ordinary way."""
+    jit, ordinary = _kernel_on_a_fake_gpu(monkeypatch)
+    monkeypatch.setattr(fast_launch, "_IS_CUDA", fast_launch.operator.attrgetter("is_cuda"))
+    launcher = _Launcher()
+
+    class _WithLauncher(_Compiled):
+        run = launcher
+
+    monkeypatch.setattr(jit, "run", lambda *a, grid, warmup, **k: ordinary.append(a) or _WithLauncher())
+    fast = FastLaunch(jit)
+    x = torch.zeros(16, dtype=torch.float16)
+    for _ in range(3):
+        fast[(1,)](x, x, 32, 5, BLOCK=64, ASM="and.b32", num_warps=1)
+    assert len(ordinary) == 3 and launcher.direct == []
+
+
+def test_integer_classes_tell_apart_exactly_what_triton_tells_apart():
+    """The key's cheap integer classes are equal for two argument lists exactly when triton's
+    specialisation (1, divisibility by 16, 32/64-bit width) of every integer is equal."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    special = st.sampled_from([0, 1, 15, 16, 17, 32, -16, -1, (1 << 31) - 16, 1 << 31, -(1 << 31), -(1 << 31) - 1,
+                               (1 << 40) + 16, (1 << 63) - 1, 1 << 63])
+    one = st.one_of(special, st.integers(-(1 << 64), 1 << 64))
+
+    @settings(max_examples=400, deadline=None)
+    @given(st.integers(1, 6).flatmap(lambda n: st.tuples(st.lists(one, min_size=n, max_size=n),
+                                                         st.lists(one, min_size=n, max_size=n))))
+    def check(pair):
+        a, b = (tuple(x) for x in pair)
+        fifteens = (15,) * len(a)
+        same_key = fast_launch._int_classes(a, fifteens) == fast_launch._int_classes(b, fifteens)
+        same_triton = tuple(map(fast_launch._int_class, a)) == tuple(map(fast_launch._int_class, b))
+        assert same_key == same_triton, (a, b)
+
+    check()

@@ -7,7 +7,11 @@ an eager decode call on the H200. `FastLaunch` takes triton's ordinary path once
 specialisation and keeps the compiled kernel it returns; later launches are keyed by a cheaper
 value that is at least as fine as triton's specialisation (the arguments' types; per integer whether
 it is 1, whether 16 divides it and its width; every tensor's dtype and 16-byte alignment; the
-keyword arguments; the debug and instrumentation knobs) and go straight to the compiled kernel's C launcher.
+keyword arguments; the debug and instrumentation knobs) and go straight to the compiled kernel's C launcher,
+given each tensor's address as an integer: the launcher then skips the cuPointerGetAttribute it makes
+per tensor (0.3 µs each on the H200's host, 14 tensors per decode launch;
+`benchmarks/launch_cost.py`). A launch with a tensor off the GPU takes triton's ordinary path,
+which refuses it by name.
 
 Keyword arguments (constexprs and options) are read once per dict object: a caller that launches
 with the same dict again must not have changed it in between (foldc's launchers build theirs once
@@ -19,6 +23,7 @@ the H200, and in CI on a stand-in GPU: tests/backends/test_fast_launch.py).
 """
 from __future__ import annotations
 
+import functools
 import operator
 
 import torch
@@ -28,6 +33,9 @@ from triton.runtime.jit import JITFunction
 
 _SCALARS = (int, bool, float, type(None))
 _I32, _I64 = 1 << 31, 1 << 63
+_DATA_PTR = torch.Tensor.data_ptr
+_DTYPE = operator.attrgetter("dtype")
+_IS_CUDA = operator.attrgetter("is_cuda")
 
 
 def _getter(indices: list[int]):
@@ -40,9 +48,45 @@ def _getter(indices: list[int]):
     return operator.itemgetter(*indices)
 
 
+def _int_class(v: int):
+    """triton's integer specialisation: 1 is a constant, multiples of 16 are marked, then the width
+    (the constant's mark is no number: it must not equal the flags of `_int_classes`' short form)."""
+    return "one" if v == 1 else (v & 15 == 0, -_I32 <= v < _I32, v < _I64)
+
+
+def _int_classes(ints: tuple, fifteens: tuple) -> tuple:
+    """`_int_class` of each integer. The common case (none is 1, all fit in 32 bits) leaves only
+    divisibility by 16, one flag each, computed without a Python call per integer."""
+    if not ints or 1 in ints or min(ints) < -_I32 or max(ints) >= _I32:
+        return tuple(map(_int_class, ints))
+    return tuple(map(operator.not_, map(operator.and_, ints, fifteens)))
+
+
+class _Layout:
+    """Where the tensors and integers of a launch sit, for one tuple of argument types: getters for
+    both, and how the C launcher's values are made with each tensor replaced by its address."""
+
+    __slots__ = ("tensors", "integers", "count", "prefix", "positions", "fifteens")
+
+    def __init__(self, tensors: list[int], integers: list[int]):
+        self.tensors, self.integers = _getter(tensors), _getter(integers)
+        self.fifteens = (15,) * len(integers)
+        self.count, self.positions = len(tensors), tuple(tensors)
+        self.prefix = tensors == list(range(len(tensors)))   # the tensors come first (foldc's kernels)
+
+    def values(self, args: tuple, addresses: list) -> tuple:
+        """``args`` with each tensor replaced by its address."""
+        if self.prefix:
+            return (*addresses, *args[self.count:])
+        out = list(args)
+        for i, a in zip(self.positions, addresses):
+            out[i] = a
+        return tuple(out)
+
+
 def _layout(types: tuple):
-    """(tensors, integers) getters for arguments of these types, or None where an argument is of a
-    type this key does not cover (those launches take triton's ordinary path)."""
+    """The `_Layout` of arguments of these types, or None where an argument is of a type the key
+    does not cover (those launches take triton's ordinary path)."""
     tensors, integers = [], []
     for i, t in enumerate(types):
         if issubclass(t, torch.Tensor):
@@ -51,7 +95,7 @@ def _layout(types: tuple):
             integers.append(i)
         elif t not in _SCALARS:   # floats and None specialise by type alone, which the key holds
             return None
-    return _getter(tensors), _getter(integers)
+    return _Layout(tensors, integers)
 
 
 class _Ready:
@@ -80,20 +124,22 @@ class FastLaunch:
     def __init__(self, kernel):
         self.kernel = kernel
         self.compiled: dict = {}     # key -> _Ready
-        self._layouts: dict = {}     # argument types -> (tensor getter, integer getter) or None
+        self._layouts: dict = {}     # argument types -> _Layout or None
         self._kwargs = (None, None)  # the last kwargs dict seen and its key (the dict is kept alive)
 
     def __getitem__(self, grid):
         return lambda *args, **kwargs: self.launch(grid, args, kwargs)
 
-    def _key(self, args: tuple, kwargs: dict):
+    def _prepare(self, args: tuple, kwargs: dict):
+        """(key, layout, tensors, addresses), or None where the launch takes the ordinary path every
+        time. The key is at least as fine as triton's specialisation; the addresses are read once,
+        for the key's alignment and for the C launcher."""
         types = tuple(map(type, args))
         layout = self._layouts.get(types, False)
         if layout is False:
             layout = self._layouts[types] = _layout(types)
         if layout is None:
             return None
-        tensors, integers = layout
         if kwargs is self._kwargs[0]:
             kw = self._kwargs[1]
         else:
@@ -103,41 +149,53 @@ class FastLaunch:
             except TypeError:   # an unhashable constexpr: the ordinary path every time
                 return None
             self._kwargs = (kwargs, kw)
-        # triton's integer specialisation: 1 is a constant, multiples of 16 are marked, then the width
-        ints = tuple([1 if v == 1 else (v & 15 == 0, -_I32 <= v < _I32, v < _I64) for v in integers(args)])
-        return (torch.cuda.current_device(), types, ints,
-                tuple([(t.dtype, t.data_ptr() & 15 == 0) for t in tensors(args)]), kw,
-                knobs.runtime.debug, knobs.compilation.instrumentation_mode)
+        tensors = layout.tensors(args)
+        addresses = list(map(_DATA_PTR, tensors))
+        ints = _int_classes(layout.integers(args), layout.fifteens)
+        aligned = functools.reduce(operator.or_, addresses, 0) & 15 == 0   # all 16-byte aligned: one flag
+        key = (torch.cuda.current_device(), types, ints, tuple(map(_DTYPE, tensors)),
+               True if aligned else tuple([a & 15 == 0 for a in addresses]), kw,
+               knobs.runtime.debug, knobs.compilation.instrumentation_mode)
+        return key, layout, tensors, addresses
+
+    def _key(self, args: tuple, kwargs: dict):
+        """The specialisation key of a launch with these arguments (None: the ordinary path)."""
+        prepared = self._prepare(args, kwargs)
+        return None if prepared is None else prepared[0]
 
     def launch(self, grid, args: tuple, kwargs: dict) -> None:
         if not isinstance(self.kernel, JITFunction):   # the interpreter's InterpretedFunction
             self.kernel[grid](*args, **kwargs)
             return
-        key = self._key(args, kwargs)
-        ready = self.compiled.get(key) if key is not None else None
-        if ready is None:
+        prepared = self._prepare(args, kwargs)
+        ready = self.compiled.get(prepared[0]) if prepared is not None else None
+        # a tensor off the GPU goes the ordinary way, where triton refuses it by name (its address
+        # would reach the kernel unchecked here)
+        if ready is None or not all(map(_IS_CUDA, prepared[2])):
             compiled = self.kernel[grid](*args, **kwargs)    # compiles if needed, launches
             # kept only when the keyword arguments are constexprs and options (their values are in the key;
             # a runtime argument given by keyword would be frozen into the tail) and the compile was not async
             by_keyword = [p for p in self.kernel.params if p.name in kwargs]
-            if (key is not None and compiled is not None and not hasattr(compiled, "result")
+            if (prepared is not None and ready is None and compiled is not None and not hasattr(compiled, "result")
                     and all(p.is_constexpr for p in by_keyword)):
+                key = prepared[0]
                 binder = self.kernel.device_caches[key[0]][4]
                 bound, _, _ = binder(*args, **kwargs)
                 self.compiled[key] = _Ready(compiled, bound, len(args))
             return
+        key, layout, _, addresses = prepared
         g = tuple(grid)
         g = g + (1,) * (3 - len(g))
-        device = key[0]
-        stream = triton.runtime.driver.active.get_current_stream(device)
+        stream = triton.runtime.driver.active.get_current_stream(key[0])
         compiled = ready.compiled
-        values = args + ready.tail
         enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
         if ready.direct is not None and not getattr(enter, "calls", True) and not getattr(leave, "calls", True):
-            # no hooks to call: CudaLauncher's C launch, as its __call__ makes it, without the metadata
+            # no hooks to call: CudaLauncher's C launch, as its __call__ makes it, without the metadata, with
+            # the tensors' addresses (integers skip its per-pointer cuPointerGetAttribute)
             ready.direct(g[0], g[1], g[2], stream, compiled.function, *ready.head, compiled.packed_metadata,
-                         None, None, None, *values)
+                         None, None, None, *layout.values(args, addresses), *ready.tail)
             return
         # as CompiledKernel.__getitem__'s runner does, without building a closure per launch
+        values = args + ready.tail
         compiled.run(*g, stream, compiled.function, compiled.packed_metadata,
                      compiled.launch_metadata(g, stream, *values), enter, leave, *values)
