@@ -5,14 +5,12 @@
 1. Correctness: for each weight encoding (INT2/INT4/INT8, k groups 32/64/128, per channel, fp16,
    bf16 and fp32 scales), odd and round shapes, m = 1..16, fp16 and bf16 activations, default and
    forced split-k: the kernel against the float64 reference (dequantize, then matmul), next to the
-   error of torch's own dequantize-then-matmul in the activation dtype (the bar); also with chunks of
-   128 channels of k at m <= 8 (``gemv_operand_k=128``). Fresh random
+   error of torch's own dequantize-then-matmul in the activation dtype (the bar). Fresh random
    data per case (the seed is printed).
 2. Timing (CUDA graphs of calls on distinct weight copies, so no launch overhead and a cold L2):
    for the issue's shapes, fp16 cuBLAS ``x @ w.T``, torch's INT4 kernel ``_weight_int4pack_mm``
    (bf16 x, g128), the generated Triton kernel, and the register-operand GEMV INT4 and INT2 g128
-   (the best of a few launch choices, among them 128-channel chunks with the split-k heuristic aiming at
-   16, 24 or 32 programs per SM, each checked against float64 first; then fp16 and bf16 x),
+   (the best of a few launch choices, each checked against float64 first; then fp16 and bf16 x),
    at m = 1 and 16; percent of the 4.46 TB/s read ceiling on the bytes each one must read.
 ``--quick`` checks fewer encodings and shapes (the timing is the same).
 Writes gemv_check.json and gemv_check.txt under --out.
@@ -67,11 +65,10 @@ def check(seed: int, quick: bool) -> list[dict]:
                     x = (torch.randn(m, k, generator=gen) * 3 + 0.2).to("cuda", dtype)
                     ref = gemm_reference(x, wq)
                     bar = rel(x @ dequantize(wq, dtype).T, ref)
-                    for split, operand_k in ((None, None), (3, None), (None, 128)):
-                        row = {"enc": enc, "n": n, "k": k, "m": m, "dtype": str(dtype)[6:], "split": split,
-                               "operand_k": operand_k}
+                    for split in (None, 3):
+                        row = {"enc": enc, "n": n, "k": k, "m": m, "dtype": str(dtype)[6:], "split": split}
                         try:
-                            kern = foldc.compile(spec, target="auto", gemv_split=split, gemv_operand_k=operand_k)
+                            kern = foldc.compile(spec, target="auto", gemv_split=split)
                             lowered, why = kern.gemv.lowers(m)
                             if not lowered:
                                 row.update(ok=True, not_lowered=why)
@@ -169,15 +166,6 @@ def timing(seed: int, quick: bool, save=lambda rows: None, defaults_only: bool =
                          for br, st, sb in ((16, 4, None), (16, 3, None), (32, 3, None), (16, 2, 4))]
                 # a register cap without spills in the chunk loop (AOT: 128 at 4 stages; 104-120 spill)
                 cands.append({"block_rows": 16, "gemv_stages": 4, "gemv_maxnreg": 128})
-                # chunks of 128 channels of k at m <= 8, with the split-k heuristic aiming at more programs
-                # per SM (AOT sm_90, 16-row blocks, no spills: INT4 88 registers and 20 resident one-warp
-                # programs per SM against 136 and 12 at 256; INT2 98 and 16 against 128 and 16, and capped
-                # at 96 registers 89 and 20)
-                cands += [{"block_rows": 16, "gemv_stages": 4, "gemv_operand_k": 128, "gemv_programs_per_sm": pps}
-                          for pps in (16, 24, 32)]
-                if tag == "2":
-                    cands.append({"block_rows": 16, "gemv_stages": 4, "gemv_operand_k": 128, "gemv_maxnreg": 96,
-                                  "gemv_programs_per_sm": 24})
                 if defaults_only:
                     cands = [{}]
                 best = None

@@ -32,12 +32,10 @@ def spec_of(enc: str, n: int, k: int, m: int | None = None) -> GemmSpec:
     return GemmSpec(n, k, parse_gemm_encoding(enc, "weight"), m=m)
 
 
-@pytest.mark.parametrize("operand_k", [None, 128])
 @pytest.mark.parametrize("enc", ENCODINGS)
-def test_every_piece_lies_in_one_field_and_one_group(enc, operand_k):
+def test_every_piece_lies_in_one_field_and_one_group(enc):
     spec = spec_of(enc, 64, 2048)
-    kern = lower_gemv(gemm_plan(spec_of(enc, 64, 2048, m=1)), 1, operand_k)
-    assert kern.chunk_bytes * kern.fields <= (operand_k or 256)
+    kern = lower_gemv(gemm_plan(spec_of(enc, 64, 2048, m=1)), 1)
     assert kern.pieces <= MAX_PIECES and kern.pieces % kern.fields == 0
     assert kern.row_bytes % kern.chunk_bytes == 0 and kern.chunk_bytes % 32 == 0
     per_field = kern.pieces // kern.fields
@@ -71,11 +69,11 @@ def _fold_emulated(xv: torch.Tensor, wq, kern) -> torch.Tensor:
 
 @settings(max_examples=25, deadline=None)
 @given(enc=st.sampled_from(ENCODINGS), n=st.integers(1, 40), k=st.sampled_from([256, 512, 768, 1024, 2048]),
-       m=st.integers(1, 16), operand_k=st.sampled_from([None, 128]), seed=st.integers(0, 2**31 - 1))
-def test_the_chunk_and_piece_fold_is_the_matmul(enc, n, k, m, operand_k, seed):
+       m=st.integers(1, 16), seed=st.integers(0, 2**31 - 1))
+def test_the_chunk_and_piece_fold_is_the_matmul(enc, n, k, m, seed):
     try:
         spec = spec_of(enc, n, k)
-        kern = lower_gemv(gemm_plan(spec_of(enc, n, k, m=m)), m, operand_k)
+        kern = lower_gemv(gemm_plan(spec_of(enc, n, k, m=m)), m)
     except (SpecError, NotLowerable) as err:
         note(f"k={k}: {err}")
         assume(False)   # this draw does not lower to the GEMV
@@ -84,8 +82,7 @@ def test_the_chunk_and_piece_fold_is_the_matmul(enc, n, k, m, operand_k, seed):
     x = torch.randn(m, k, generator=gen, dtype=torch.float64) + 0.2
     want = gemm_reference(x, wq)
     got = _fold_emulated(x, wq, kern)
-    assert torch.allclose(got, want, rtol=1e-10, atol=1e-10 * float(want.abs().max())), (seed, enc, n, k, m,
-                                                                                          operand_k)
+    assert torch.allclose(got, want, rtol=1e-10, atol=1e-10 * float(want.abs().max())), (seed, enc, n, k, m)
 
 
 def test_dequant_verdicts_encoded_activations_and_tall_calls_are_not_lowered():
@@ -107,10 +104,7 @@ def test_dequant_verdicts_encoded_activations_and_tall_calls_are_not_lowered():
 def test_options_are_checked_and_the_interpreter_refuses_the_gemv():
     spec = spec_of("k-group:4:128", 64, 2048)
     for bad, match in (({"block_rows": 24}, "block_rows"), ({"split_k": 0}, "split_k"), ({"stages": 9}, "stages"),
-                       ({"sub": 3}, "sub"), ({"maxnreg": 16}, "maxnreg"), ({"maxnreg": 96.0}, "maxnreg"),
-                       ({"operand_k": 64}, r"operand_k=64 .*\(128, 256\)"), ({"operand_k": 128.0}, "operand_k"),
-                       ({"operand_k": True}, "operand_k"), ({"programs_per_sm": 0}, "programs_per_sm=0"),
-                       ({"programs_per_sm": 65}, "1 to 64"), ({"programs_per_sm": 16.0}, "programs_per_sm")):
+                       ({"sub": 3}, "sub"), ({"maxnreg": 16}, "maxnreg"), ({"maxnreg": 96.0}, "maxnreg")):
         with pytest.raises(SpecError, match=match):
             GluonGemv(spec, "sm_90", **bad)
     with pytest.raises(SpecError, match="sm_90 and sm_100"):
@@ -119,33 +113,8 @@ def test_options_are_checked_and_the_interpreter_refuses_the_gemv():
         foldc.compile(spec, target="interpret", kernel="gluon")
     with pytest.raises(SpecError, match="interpret"):
         foldc.compile(spec, target="interpret", block_rows=32)
-    with pytest.raises(SpecError, match="interpret"):
-        foldc.compile(spec, target="interpret", gemv_operand_k=128)
-    with pytest.raises(SpecError, match="operand_k=512"):
-        lower_gemv(gemm_plan(spec_of("k-group:4:128", 64, 2048, m=1)), 1, operand_k=512)
     capped = GluonGemv(spec, "sm_90", maxnreg=96).plan_launch(1, 132)
     assert dict(capped.constants)["maxnreg"] == 96 and "maxnreg" not in dict(GluonGemv(spec, "sm_90").plan_launch(1, 132).constants)
-
-
-def test_operand_k_and_programs_per_sm_reach_the_launch():
-    from foldc.gemm.compile import GemmKernel
-
-    spec = spec_of("k-group:4:128", 4096, 14336)
-    plan = lambda m: gemm_plan(spec_of("k-group:4:128", 4096, 14336, m=m))  # noqa: E731
-    assert lower_gemv(plan(1), 1) == lower_gemv(plan(1), 1, 256)
-    assert [lower_gemv(plan(m), m, 128).chunk_bytes for m in (1, 8, 9, 16)] == [64, 64, 64, 64]
-    assert [lower_gemv(plan(m), m).chunk_bytes for m in (1, 8, 9, 16)] == [128, 128, 64, 64]
-    assert lower_gemv(plan(16), 16, 256).chunk_bytes == 64   # 9-16 rows take 128 channels whatever is asked
-    two = lambda op: dict(GluonGemv(spec, "sm_90", operand_k=op).plan_launch(1, 132).constants)["W"]  # noqa: E731
-    assert (two(None), two(128)) == (32, 16)   # code words a row per chunk
-    split = lambda gemv: gemv.plan_launch(1, 132).grid[1]  # noqa: E731
-    assert split(GluonGemv(spec, "sm_90", programs_per_sm=32)) > split(GluonGemv(spec, "sm_90"))
-    kern = GemmKernel(spec, "sm_90", gemv_operand_k=128, gemv_programs_per_sm=32)
-    assert (kern.gemv.operand_k, kern.gemv.programs_per_sm) == (128, 32)
-    with pytest.raises(SpecError, match="programs_per_sm"):
-        GemmKernel(spec, "sm_90", gemv_programs_per_sm=100)
-    with pytest.raises(SpecError, match="operand_k"):
-        GemmKernel(spec, "sm_90", gemv_operand_k=512)
 
 
 def test_default_split_keeps_two_chunks_a_program_and_fills_the_gpu():
@@ -155,7 +124,6 @@ def test_default_split_keeps_two_chunks_a_program_and_fills_the_gpu():
     assert (4096 // 16) * split >= 8 * 132
     small = lower_gemv(gemm_plan(spec_of("k-group:4:128", 28672, 256, m=1)), 1)
     assert default_split(small, 28672, 16, 132) == 1
-    assert default_split(kern, 4096, 16, 132, 1, programs_per_sm=32) == 2 * default_split(kern, 4096, 16, 132, 1)
 
 
 AOT = r"""
@@ -164,19 +132,16 @@ from foldc.backends.gluon.gemv_aot import compile_gemv_aot
 from foldc.gemm import GemmSpec, parse_gemm_encoding
 jobs, root = json.loads(sys.argv[1]), sys.argv[2]
 out = []
-for enc, m, dtype, arch, rows, operand_k in jobs:
+for enc, m, dtype, arch, rows in jobs:
     spec = GemmSpec(4096, 14336, parse_gemm_encoding(enc, "weight"))
-    out.append(compile_gemv_aot(spec, arch, f"{root}/{enc}-{m}-{dtype}-{arch}-{rows}-{operand_k}", m=m, dtype=dtype,
-                                block_rows=rows, operand_k=operand_k))
+    out.append(compile_gemv_aot(spec, arch, f"{root}/{enc}-{m}-{dtype}-{arch}-{rows}", m=m, dtype=dtype,
+                                block_rows=rows))
 print(json.dumps(out))
 """
-AOT_JOBS = [("k-group:4:128", 1, "fp16", "sm_90", 16, None), ("k-group:4:128", 1, "bf16", "sm_90", 16, None),
-            ("k-group:2:128", 1, "fp16", "sm_90", 16, None), ("k-group:4:32", 1, "fp16", "sm_90", 16, None),
-            ("per-channel:8", 1, "fp16", "sm_90", 16, None), ("k-group:4:128", 16, "fp16", "sm_90", 16, None),
-            ("k-group:4:128", 1, "fp16", "sm_100", 16, None), ("k-group:2:128", 1, "bf16", "sm_100", 16, None),
-            # chunks of 128 channels of k at m = 1: half the operand's registers, more resident programs
-            ("k-group:4:128", 1, "fp16", "sm_90", 16, 128), ("k-group:2:128", 1, "fp16", "sm_90", 16, 128),
-            ("k-group:4:128", 1, "bf16", "sm_90", 16, 128), ("k-group:4:128", 1, "fp16", "sm_90", 32, 128)]
+AOT_JOBS = [("k-group:4:128", 1, "fp16", "sm_90", 16), ("k-group:4:128", 1, "bf16", "sm_90", 16),
+            ("k-group:2:128", 1, "fp16", "sm_90", 16), ("k-group:4:32", 1, "fp16", "sm_90", 16),
+            ("per-channel:8", 1, "fp16", "sm_90", 16), ("k-group:4:128", 16, "fp16", "sm_90", 16),
+            ("k-group:4:128", 1, "fp16", "sm_100", 16), ("k-group:2:128", 1, "bf16", "sm_100", 16)]
 
 
 @pytest.fixture(scope="module")
@@ -189,13 +154,12 @@ def gemv_builds(tmp_path_factory):
 
 
 def test_gemv_builds_run_the_unpack_on_tensor_cores_without_spills(gemv_builds, report_table):
-    lines = [f"{'arch':<7} {'weight':<14} {'m':>2} {'x':<5} {'rows':>4} {'k/chunk':>7} {'regs':>4} {'resident':>8} "
-             f"{'split':>5} {'pieces':>6} {'HMMA/stage':>10} {'instr/stage':>11} {'spills':>6}"]
+    lines = [f"{'arch':<7} {'weight':<14} {'m':>2} {'x':<5} {'regs':>4} {'split':>5} {'pieces':>6} "
+             f"{'HMMA/stage':>10} {'instr/stage':>11} {'spills':>6}"]
     for job, rep in zip(AOT_JOBS, gemv_builds):
         loop = rep["chunk_loop"]
-        lines.append(f"{rep['arch']:<7} {job[0]:<14} {rep['m']:>2} {rep['dtype']:<5} {rep['block_rows']:>4} "
-                     f"{rep['operand_k']:>7} {rep['registers']:>4} {rep['resident_programs']:>8} {rep['split_k']:>5} "
-                     f"{rep['pieces']:>6} {loop['mma']:>10} {loop['instructions_per_warp']:>11} "
+        lines.append(f"{rep['arch']:<7} {job[0]:<14} {rep['m']:>2} {rep['dtype']:<5} {rep['registers']:>4} "
+                     f"{rep['split_k']:>5} {rep['pieces']:>6} {loop['mma']:>10} {loop['instructions_per_warp']:>11} "
                      f"{loop['local_memory']:>6}")
         assert rep["mma_in_ptx"] >= 1 and rep["registers"] <= 255
         if rep["arch"] == "sm_90":   # per chunk (sub of them a stage): each row tile's weight MMAs, and once the
@@ -203,13 +167,6 @@ def test_gemv_builds_run_the_unpack_on_tensor_cores_without_spills(gemv_builds, 
             assert loop["mma"] == rep["sub"] * k_steps * n_tiles * (rep["block_rows"] // 16 + 1), rep
         if rep["m"] == 1:
             assert loop["local_memory"] == 0, rep
-        if job[5] is not None:
-            assert rep["operand_k"] == job[5], rep
-    by_job = dict(zip(AOT_JOBS, gemv_builds))
-    for job, rep in by_job.items():   # 128 channels a chunk: fewer registers than 256 in the same launch
-        wide = by_job.get(job[:5] + (None,))
-        if job[5] == 128 and wide is not None:
-            assert rep["registers"] < wide["registers"], (rep, wide)
     report_table("register-operand GEMV builds (4096 x 14336)", lines)
 
 

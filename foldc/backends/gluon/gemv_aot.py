@@ -18,9 +18,6 @@ from ..runtime.artifacts import build_errors, write_artifacts
 from ..runtime.sass import loop_instructions
 from .aot import registers
 from .gemv_launch import GluonGemv
-from .launch import resident_programs
-
-SHARED_PER_SM = 233472   # bytes of shared memory an sm_90 / sm_100 SM gives its blocks (228 KB)
 
 POINTERS = {"X": None, "WC": "*i32", "WS": None, "WZ": None, "Y": None, "PART": "*fp32", "COUNTERS": "*i32"}
 SCALE_TYPES = {"fp16": "*fp16", "bf16": "*bf16", "fp32": "*fp32"}
@@ -29,13 +26,10 @@ ALIGNED_INTS = ("stride_wc", "stride_x", "stride_y")
 
 def compile_gemv_aot(spec: GemmSpec, arch: str, out_dir: str | Path, m: int = 1, dtype: str = "fp16",
                      block_rows: int | None = None, split_k: int | None = None, stages: int | None = None,
-                     sub: int | None = None, sms: int = 132, maxnreg: int | None = None,
-                     operand_k: int | None = None, programs_per_sm: int | None = None) -> dict:
+                     sub: int | None = None, sms: int = 132, maxnreg: int | None = None) -> dict:
     """Build the GEMV kernel of ``spec`` at ``m`` rows of ``dtype`` activations for ``arch`` into
-    ``out_dir``, with the launcher's choices (``sms``: the SM count its split-k heuristic assumes;
-    ``operand_k``: channels of k per chunk at up to 8 rows); return a report (registers, shared
-    memory, the one-warp programs an SM holds at once, local-memory instructions in the chunk loop,
-    its instructions and MMAs per stage of ``sub`` chunks)."""
+    ``out_dir``, with the launcher's choices (``sms``: the SM count its split-k heuristic assumes);
+    return a report (registers, spilled bytes in the chunk loop, MMAs per chunk)."""
     if arch not in ("sm_90", "sm_100"):
         raise SpecError(f"arch={arch!r}: the register-operand GEMV builds for sm_90 and sm_100")
     if dtype not in ("fp16", "bf16"):
@@ -48,8 +42,7 @@ def compile_gemv_aot(spec: GemmSpec, arch: str, out_dir: str | Path, m: int = 1,
 
     from .gemv import foldc_gemv_gluon
 
-    launcher = GluonGemv(spec, arch, block_rows=block_rows, split_k=split_k, stages=stages, sub=sub, maxnreg=maxnreg,
-                         operand_k=operand_k, programs_per_sm=programs_per_sm)
+    launcher = GluonGemv(spec, arch, block_rows=block_rows, split_k=split_k, stages=stages, sub=sub, maxnreg=maxnreg)
     ok, why = launcher.lowers(m)
     if not ok:
         raise SpecError(f"{spec.describe()} at m={m} does not lower to the GEMV kernel: {why}")
@@ -85,13 +78,10 @@ def compile_gemv_aot(spec: GemmSpec, arch: str, out_dir: str | Path, m: int = 1,
     loop = Counter(o for _, o, _ in body)
     ptx = compiled.asm["ptx"]
     k = launch.kernel
-    regs, shared = registers(cubin), compiled.metadata.shared
     report = {"spec": spec.describe(), "kernel": "gluon-gemv", "arch": arch, "dtype": dtype, "m": m,
               "block_rows": consts["BN"], "split_k": consts["SPLIT"], "stages": consts["STAGES"], "sub": consts["SUB"],
-              "maxnreg": options.get("maxnreg"), "programs_per_sm": launcher.programs_per_sm,
-              "chunk_bytes": k.chunk_bytes, "operand_k": k.chunk_bytes * k.fields, "pieces": k.pieces,
-              "registers": regs, "shared_bytes": shared,
-              "resident_programs": resident_programs(regs, shared, SHARED_PER_SM) if regs else None,
+              "maxnreg": options.get("maxnreg"),
+              "chunk_bytes": k.chunk_bytes, "operand_k": k.chunk_bytes * k.fields, "pieces": k.pieces, "registers": registers(cubin),
               "mma_in_ptx": len(re.findall(r"\bmma\.sync", ptx)),
               "chunk_loop": {"instructions_per_warp": sum(loop.values()), "mma": loop.get("HMMA", 0),
                              "local_memory": loop.get("LDL", 0) + loop.get("STL", 0),

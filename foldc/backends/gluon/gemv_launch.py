@@ -19,14 +19,13 @@ from ...gemm.plan import GemmPlan, gemm_plan
 from ...gemm.spec import GemmSpec
 from ..runtime.fast_launch import FastLaunch
 from ..runtime.modules import num_sms
-from .gemv_lower import GemvKernel, NotLowerable, check_operand_k, lower_gemv
+from .gemv_lower import GemvKernel, NotLowerable, lower_gemv
 from .operands import VALUE_EXPONENT, key_unpack_asm
 
 DTYPES = (torch.float16, torch.bfloat16)
 BLOCK_ROWS = (16, 32, 64)      # output channels per program
 STAGES = 4                     # pipeline stages in flight per program (cp.async), each `default_sub` chunks
 PROGRAMS_PER_SM = 16           # the split-k heuristic's aim: about this many one-warp programs per SM
-MAX_PROGRAMS_PER_SM = 64       # ... at most (the SM's resident warps)
 MAX_SPLIT = 64
 SUBS = (1, 2, 4, 8)
 SCALE_KINDS = {"fp16": 0, "bf16": 1, "fp32": 2}   # the kernel's KIND: how it reads a scale word
@@ -50,12 +49,11 @@ def default_sub(kernel: GemvKernel) -> int:
     return 1
 
 
-def default_split(kernel: GemvKernel, n: int, block_rows: int, sms: int, sub: int = 1,
-                  programs_per_sm: int = PROGRAMS_PER_SM) -> int:
-    """Splits of k per block so that about ``programs_per_sm`` programs run per SM, each with at least
-    two pipeline stages of ``sub`` chunks."""
+def default_split(kernel: GemvKernel, n: int, block_rows: int, sms: int, sub: int = 1) -> int:
+    """Splits of k per block so that about PROGRAMS_PER_SM programs run per SM, each with at least two
+    pipeline stages of ``sub`` chunks."""
     blocks = -(-n // block_rows)
-    want = max(1, round(programs_per_sm * sms / blocks))
+    want = max(1, round(PROGRAMS_PER_SM * sms / blocks))
     return max(1, min(want, kernel.chunks // (2 * sub), MAX_SPLIT))
 
 
@@ -64,13 +62,10 @@ class GluonGemv:
     Options: block_rows (output channels per program: 16, 32 or 64), split_k (None: `default_split`),
     stages (cp.async depth, 2-8), sub (chunks per stage), maxnreg (a register cap per thread, 32-255:
     fewer registers let more one-warp programs reside per SM, at the risk of spills; None: the
-    compiler's choice), operand_k (channels of k per chunk at up to 8 rows, 128 or 256: 128 halves
-    the operand's and the activation's registers; None: 256; 9-16 rows always take 128),
-    programs_per_sm (the split-k heuristic's aim, 1-64; None: PROGRAMS_PER_SM)."""
+    compiler's choice)."""
 
     def __init__(self, spec: GemmSpec, target: str, block_rows: int | None = None, split_k: int | None = None,
-                 stages: int | None = None, sub: int | None = None, maxnreg: int | None = None,
-                 operand_k: int | None = None, programs_per_sm: int | None = None):
+                 stages: int | None = None, sub: int | None = None, maxnreg: int | None = None):
         if target not in ("sm_90", "sm_100"):
             raise SpecError(f"target={target!r}: the register-operand GEMV runs on sm_90 and sm_100")
         if block_rows is not None and block_rows not in BLOCK_ROWS:
@@ -85,13 +80,7 @@ class GluonGemv:
         if maxnreg is not None and (isinstance(maxnreg, bool) or not isinstance(maxnreg, int)
                                     or not 32 <= maxnreg <= 255):
             raise SpecError(f"maxnreg={maxnreg!r} must be an integer from 32 to 255 or None")
-        check_operand_k(operand_k)
-        if programs_per_sm is not None and (isinstance(programs_per_sm, bool) or not isinstance(programs_per_sm, int)
-                                            or not 1 <= programs_per_sm <= MAX_PROGRAMS_PER_SM):
-            raise SpecError(f"programs_per_sm={programs_per_sm!r} (the split-k heuristic's one-warp programs per "
-                            f"SM) must be an integer from 1 to {MAX_PROGRAMS_PER_SM} or None")
         self.spec, self.target, self.sub, self.maxnreg = spec, target, sub, maxnreg
-        self.operand_k, self.programs_per_sm = operand_k, programs_per_sm or PROGRAMS_PER_SM
         self.block_rows, self.split_k, self.stages = block_rows or 16, split_k, stages or STAGES
         self._plans: dict[int, GemmPlan] = {}
         self._lowers: dict[int, tuple[bool, str]] = {}
@@ -109,7 +98,7 @@ class GluonGemv:
         """(True, "") when a call with m rows lowers, else (False, why); memoised (every call asks)."""
         if m not in self._lowers:
             try:
-                lower_gemv(self.plan_for(m), m, self.operand_k)
+                lower_gemv(self.plan_for(m), m)
                 self._lowers[m] = (True, "")
             except NotLowerable as e:
                 self._lowers[m] = (False, str(e))
@@ -120,10 +109,9 @@ class GluonGemv:
         key = (m, sms)
         launch = self._launches.get(key)
         if launch is None:
-            kernel = lower_gemv(self.plan_for(m), m, self.operand_k)
+            kernel = lower_gemv(self.plan_for(m), m)
             sub = self.sub or default_sub(kernel)
-            split = self.split_k or default_split(kernel, self.spec.n, self.block_rows, sms, sub,
-                                                  self.programs_per_sm)
+            split = self.split_k or default_split(kernel, self.spec.n, self.block_rows, sms, sub)
             per = -(-kernel.chunks // min(split, kernel.chunks))
             per = min(-(-per // sub) * sub, kernel.chunks)   # whole stages per program where it can
             split = -(-kernel.chunks // per)

@@ -8,22 +8,19 @@ verdict (eq. 16: groups of at most twice the rows, for small groups and m near 1
 activation is not its job: `NotLowerable` says why, and the generated Triton kernel runs the call.
 
 Tiling, as numbers: a chunk is ``chunk_bytes`` bytes of every weight row of a block (D = chunk_bytes
-x fields channels of k, 256 of them at up to 8 rows and 128 at 9-16, or ``operand_k`` of them: one MMA
-operand); it is cut into ``pieces`` equal ranges of its k index, each inside one bit field and one k
-group, so that no partial sum crosses a group.
+x fields channels of k, 256 of them, one MMA operand); it is cut into ``pieces`` equal ranges of its
+k index, each inside one bit field and one k group, so that no partial sum crosses a group.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ...errors import SpecError
 from ...gemm.plan import GemmPlan
 from .lower import NotLowerable
 
 MAX_ROWS = 16               # activation rows on the MMA's N axis (8 or 16)
 OPERAND_K = 256             # channels of k per chunk: a [16, 256] fp16 operand is 64 registers a lane
 OPERAND_K_WIDE = 128        # ... with 9-16 activation rows (their [k, 16] operand, and the next one, take twice the registers)
-OPERAND_KS = (128, 256)     # chunk widths a launch may ask for at up to 8 rows (operand_k; 128: half the registers)
 MAX_PIECES = 8              # MMA chains per chunk (tile_operands.split_groups)
 MIN_PIECE = 32              # k per MMA chain (16: the operand split fails to lower)
 MIN_CHUNK_WORDS = 8         # the key operand's layout reads 8 words a row and more (tile_operands.key_words_layout)
@@ -64,28 +61,8 @@ class GemvKernel:
         return (field * self.row_bytes + chunk * self.chunk_bytes + within * self.piece_k) // self.group
 
 
-def check_operand_k(operand_k) -> int | None:
-    """``operand_k`` (channels of k per chunk at up to 8 rows) if it is one of OPERAND_KS or None
-    (the default), else SpecError."""
-    if operand_k is not None and (isinstance(operand_k, bool) or not isinstance(operand_k, int)
-                                  or operand_k not in OPERAND_KS):
-        raise SpecError(f"operand_k={operand_k!r} (channels of k per chunk) must be one of {OPERAND_KS} or None "
-                        f"(the default: {OPERAND_K} at up to 8 rows, {OPERAND_K_WIDE} at 9-16)")
-    return operand_k
-
-
-def chunk_k(rows: int, operand_k: int | None = None) -> int:
-    """Channels of k per chunk at ``rows`` activation rows: ``operand_k`` (default OPERAND_K) at up to
-    8 rows, never more than OPERAND_K_WIDE at 9-16."""
-    want = OPERAND_K if operand_k is None else operand_k
-    return want if rows <= 8 else min(want, OPERAND_K_WIDE)
-
-
-def lower_gemv(plan: GemmPlan, rows: int, operand_k: int | None = None) -> GemvKernel:
-    """The kernel's parameters for ``plan`` at ``rows`` activation rows, or NotLowerable. ``operand_k``
-    (128 or 256; None: OPERAND_K) is the chunk's channels of k at up to 8 rows; at 9-16 rows it is
-    OPERAND_K_WIDE (128) whatever is asked. A bad ``operand_k`` raises SpecError."""
-    check_operand_k(operand_k)
+def lower_gemv(plan: GemmPlan, rows: int) -> GemvKernel:
+    """The kernel's parameters for ``plan`` at ``rows`` activation rows, or NotLowerable."""
     spec = plan.spec
     if spec.activation is not None:
         raise NotLowerable(f"activation={spec.activation.short()}: encoded activations run the Triton kernel")
@@ -105,7 +82,7 @@ def lower_gemv(plan: GemmPlan, rows: int, operand_k: int | None = None) -> GemvK
     fields = 8 // w.bits
     row_bytes = spec.k // fields
     group = w.group_size or spec.k
-    chunk = chunk_k(rows, operand_k) // fields
+    chunk = (OPERAND_K if rows <= 8 else OPERAND_K_WIDE) // fields
     while chunk >= 4 * MIN_CHUNK_WORDS and row_bytes % chunk:
         chunk //= 2
     if chunk < 4 * MIN_CHUNK_WORDS or row_bytes % chunk:
@@ -127,9 +104,9 @@ def lower_gemv(plan: GemmPlan, rows: int, operand_k: int | None = None) -> GemvK
     return GemvKernel(w.bits, spec.k, group, chunk, pieces, SCALE_DTYPES[str(enc.scale_dtype)])
 
 
-def lowerable_gemv(plan: GemmPlan, rows: int, operand_k: int | None = None) -> tuple[bool, str]:
+def lowerable_gemv(plan: GemmPlan, rows: int) -> tuple[bool, str]:
     try:
-        lower_gemv(plan, rows, operand_k)
+        lower_gemv(plan, rows)
     except NotLowerable as e:
         return False, str(e)
     return True, ""
