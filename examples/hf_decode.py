@@ -3,6 +3,7 @@
     .venv/bin/python examples/hf_decode.py                      # INT4 K and V, sink 4, window 4
     .venv/bin/python examples/hf_decode.py --k channel:2:16 --v token:2:32 --window 8
     .venv/bin/python examples/hf_decode.py --k none --v none    # plain cache: same tokens as the default
+    .venv/bin/python examples/hf_decode.py --weight k-group:4:32 # foldc's linears too (W4 + KV4)
 
 CPU: float16 with Triton's interpreter (``--dtype fp32`` runs the float64 executor instead);
 GPU: bfloat16 with the generated kernel. No weights are downloaded: the model is built from a
@@ -11,7 +12,8 @@ config with a fixed seed.
 Per step it prints the tokens of both runs and two logit differences, both computed on the tokens
 foldc generated (the references replay them, so the numbers stay comparable after the runs part):
 
-- vs default: against transformers' DynamicCache, full precision: the quantization's effect.
+- vs default: against transformers' DynamicCache, full precision: the quantization's effect (with
+  ``--weight``, the weights' quantization too).
 - vs dequant: against the same quantized cache attended by dequantize-then-SDPA in float32
   (foldc.integrations.hf.DequantizedFoldcCache): the fused kernel's own error, float rounding.
 """
@@ -102,6 +104,9 @@ def main(argv=None):
                     help="model dtype (default: bf16 on a GPU, fp16 on the CPU)")
     ap.add_argument("--target", default=None,
                     help="foldc target (default: auto; reference for fp32 on the CPU)")
+    ap.add_argument("--weight", default=None,
+                    help="also quantize the foldc run's linear layers (foldc.integrations.hf.quantize_model), e.g. "
+                         "k-group:4:128: a W4 + KV model against the bf16 model with the default cache")
     args = ap.parse_args(argv)
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -110,6 +115,10 @@ def main(argv=None):
     target = args.target or ("reference" if dtype == torch.float32 else "auto")
     model = build_model(device, dtype, layers=args.layers, hidden=args.hidden, heads=args.heads,
                         head_dim=args.head_dim, vocab=args.vocab, positions=max(256, args.prompt + args.new))
+    # the foldc runs' model: the same weights, or (--weight) the same weights quantized by foldc
+    fmodel = model if args.weight is None else fhf.quantize_model(
+        build_model(device, dtype, layers=args.layers, hidden=args.hidden, heads=args.heads, head_dim=args.head_dim,
+                    vocab=args.vocab, positions=max(256, args.prompt + args.new)), weight=args.weight)
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(3, model.config.vocab_size, (args.batch, args.prompt), generator=gen).to(device)
     capacity = args.prompt + args.new
@@ -121,12 +130,12 @@ def main(argv=None):
         if kind is None and args.cache == "static":
             from foldc.integrations.hf_static import FoldcStaticCache
 
-            return FoldcStaticCache(model, capacity, k=args.k, v=args.v, target=target)
+            return FoldcStaticCache(fmodel, capacity, k=args.k, v=args.v, target=target)
         if kind is None and args.cache == "paged":
             from foldc.integrations.hf_paged import PagedFoldcCache
 
             kind = PagedFoldcCache
-        return (kind or fhf.FoldcCache)(model.config, capacity, k=args.k, v=args.v, sink=args.sink,
+        return (kind or fhf.FoldcCache)(fmodel.config, capacity, k=args.k, v=args.v, sink=args.sink,
                                         window=args.window, target=target)
 
     def default_cache():
@@ -137,7 +146,8 @@ def main(argv=None):
     cache = foldc_cache()
     print(f"model: Llama, {model.config.num_hidden_layers} layers, {model.config.num_attention_heads} query / "
           f"{model.config.num_key_value_heads} KV heads, head_dim {model.config.head_dim}; cache: {cache.spec.describe()}, "
-          f"sink {args.sink}, window {args.window}, {type(cache).__name__}; batch {args.batch}, prompt {args.prompt}, {args.new} new tokens")
+          f"sink {args.sink}, window {args.window}, {type(cache).__name__}; batch {args.batch}, prompt {args.prompt}, {args.new} new tokens"
+          + (f"; foldc's linears {args.weight}" if args.weight else ""))
 
     if args.sdpa == "flash":
         from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -153,10 +163,10 @@ def main(argv=None):
     warm = args.new if args.cache == "static" else 2
     generate(model, default_cache(), ids, warm, "sdpa")
     if args.cache == "static":
-        generate(model, cache, ids, warm, fhf.ATTN_IMPLEMENTATION)
+        generate(fmodel, cache, ids, warm, fhf.ATTN_IMPLEMENTATION)
         cache.reset()
     else:
-        generate(model, foldc_cache(), ids, 2, fhf.ATTN_IMPLEMENTATION)
+        generate(fmodel, foldc_cache(), ids, 2, fhf.ATTN_IMPLEMENTATION)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     sync()
     t0 = time.perf_counter()
@@ -164,7 +174,7 @@ def main(argv=None):
     sync()
     t_ref = time.perf_counter() - t0
     t0 = time.perf_counter()
-    seq, logits = generate(model, cache, ids, args.new, fhf.ATTN_IMPLEMENTATION)
+    seq, logits = generate(fmodel, cache, ids, args.new, fhf.ATTN_IMPLEMENTATION)
     sync()
     t_foldc = time.perf_counter() - t0
     note = " (Triton's interpreter: correctness, not speed)" if device == "cpu" and target != "reference" else ""
@@ -172,7 +182,7 @@ def main(argv=None):
         print(f"time: default cache {t_ref:.2f} s, foldc {t_foldc:.2f} s ({t_ref / t_foldc:.2f}x){note}")
         return
     vs_default = replay(model, DynamicCache(config=model.config), seq, args.prompt, "sdpa")
-    vs_dequant = replay(model, foldc_cache(fhf.DequantizedFoldcCache), seq, args.prompt, fhf.ATTN_IMPLEMENTATION)
+    vs_dequant = replay(fmodel, foldc_cache(fhf.DequantizedFoldcCache), seq, args.prompt, fhf.ATTN_IMPLEMENTATION)
 
     scale = float(vs_default.abs().max())
     print(f"\nlargest |logit| {scale:.3g}; differences are max |logit - reference| over batch and vocabulary\n")

@@ -43,9 +43,12 @@ def _gemm(out_features: int, in_features: int, encoding: str, target: str):
 
 @torch.library.custom_op("foldc::linear", mutates_args=())
 def linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
-           bias: torch.Tensor | None, encoding: str, out_features: int) -> torch.Tensor:
+           bias: torch.Tensor | None, encoding: str, out_features: int,
+           counters: torch.Tensor | None = None) -> torch.Tensor:
     """``x [m, k] @ W.T (+ bias)`` with W the ``[out_features, k]`` weight encoded as ``encoding``
-    (`GemmEncoding.short`), stored as ``codes``/``scale``/``zero`` of its AffineTensor [1, 1, n, k]."""
+    (`GemmEncoding.short`), stored as ``codes``/``scale``/``zero`` of its AffineTensor [1, 1, n, k].
+    ``counters``: int32 zeros for the GPU GEMV's split-k (left at zero; `FoldLinear` owns them), so that
+    the kernel holds no memory between calls (CUDA-graph trees refuse memory a step keeps)."""
     k = x.shape[-1]
     enc = parse_gemm_encoding(encoding, "weight")
     w = AffineTensor(codes, scale, zero, enc.affine(k), k)
@@ -53,12 +56,14 @@ def linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torc
         y = x.new_zeros(0, out_features)
     else:
         target = "auto" if x.is_cuda else "interpret" if x.dtype == torch.float16 else "reference"
-        y = _gemm(out_features, k, encoding, target)(x.contiguous(), w).to(x.dtype)
+        kernel = _gemm(out_features, k, encoding, target)
+        extra = {"counters": counters} if counters is not None and x.is_cuda else {}
+        y = kernel(x.contiguous(), w, **extra).to(x.dtype)
     return y if bias is None else y + bias.to(y.dtype)
 
 
 @linear.register_fake
-def _(x, codes, scale, zero, bias, encoding, out_features):
+def _(x, codes, scale, zero, bias, encoding, out_features, counters=None):
     parse_gemm_encoding(encoding, "weight")   # a bad encoding fails at trace time too
     return x.new_empty(x.shape[0], out_features)
 
@@ -96,6 +101,10 @@ class FoldLinear(torch.nn.Module):
                 raise InputError(f"bias must be a [{n}] tensor or None; got {got}")
             bias = bias.detach()
         self.register_buffer("bias", bias)
+        # the GPU GEMV's split-k counters (one per 16 output channels, zero between calls): held here, not
+        # by the shared kernel object, so a compiled step's CUDA graph sees every buffer it uses
+        self.register_buffer("gemv_counters", torch.zeros(-(-n // 16), dtype=torch.int32, device=weight.codes.device),
+                             persistent=False)
 
     @classmethod
     def from_linear(cls, linear: torch.nn.Linear, weight="k-group:4:128") -> "FoldLinear":
@@ -120,7 +129,7 @@ class FoldLinear(torch.nn.Module):
             raise InputError(f"x must be a tensor [..., {self.in_features}]; got {got}")
         lead = x.shape[:-1]
         y = torch.ops.foldc.linear(x.reshape(-1, self.in_features), self.codes, self.scale, self.zero, self.bias,
-                                   self.encoding.short(), self.out_features)
+                                   self.encoding.short(), self.out_features, self.gemv_counters)
         return y.reshape(*lead, self.out_features)
 
     def extra_repr(self) -> str:

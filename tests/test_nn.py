@@ -100,3 +100,12 @@ def test_the_custom_op_passes_opcheck_and_traces_through_torch_compile():
     model = torch.nn.Sequential(layer, torch.nn.GELU())
     compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
     assert torch.equal(compiled(x), model(x))
+
+
+def test_the_layer_owns_its_gemv_counters_outside_its_state():
+    """The GPU GEMV's split-k counters live on the layer (a compiled step's CUDA graph sees them): int32
+    zeros, one per 16 output channels, moved by .to(), not saved in the state dict."""
+    layer = FoldLinear.from_linear(torch.nn.Linear(64, 40, bias=False), "k-group:4:32")
+    assert layer.gemv_counters.dtype == torch.int32 and layer.gemv_counters.shape == (3,)
+    assert not layer.gemv_counters.any() and "gemv_counters" not in layer.state_dict()
+    assert layer.to(torch.float64).gemv_counters.dtype == torch.int32

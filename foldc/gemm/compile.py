@@ -60,9 +60,11 @@ class GemmKernel:
             return True
         return self.gemv.lowers(x.shape[0])[0] if w is None else self.gemv.takes(x, w)
 
-    def __call__(self, x, w, out=None):
+    def __call__(self, x, w, out=None, counters=None):
+        """``y = x @ w.T``; ``counters``: the GEMV's split-k counters from the caller (see
+        `GluonGemv.__call__`), unused by the Triton kernels."""
         if self.uses_gemv(x, w):
-            return self.gemv(x, w, out=out)
+            return self.gemv(x, w, out=out, counters=counters)
         return self.triton(x, w, out=out)
 
     def plan_for(self, dtype=None, m: int | None = None):

@@ -219,6 +219,25 @@ def test_gpu_gemv_matches_the_float64_reference(enc, n, m, dtype, split, seed):
     assert err <= 2 * rounding + 1e-4, (seed, enc, n, m, dtype, split, err, rounding, bar)
 
 
+@gpu
+@settings(max_examples=10, deadline=None)
+@given(n=st.integers(17, 700), m=st.integers(1, 8), seed=st.integers(0, 2**31 - 1))
+def test_gpu_gemv_with_the_callers_counters_keeps_no_buffer(n, m, seed):
+    """Counters from the caller (as FoldLinear passes them): the same answer as the GEMV's own buffers,
+    the counters back at zero, nothing kept by the kernel object; a wrong counter tensor is refused."""
+    spec = spec_of("k-group:4:128", n, 4096)
+    kern = foldc.compile(spec, target="auto", gemv_split=4)
+    gen = torch.Generator().manual_seed(seed)
+    wq = quantize_2d((torch.randn(n, 4096, generator=gen) * 0.05).cuda(), spec.weight)
+    x = (torch.randn(m, 4096, generator=gen) * 3).to("cuda", torch.float16)
+    counters = torch.zeros(-(-n // 16), dtype=torch.int32, device="cuda")
+    y = kern(x, wq, counters=counters)
+    assert kern.gemv._buffers == {}
+    assert torch.equal(y, kern(x, wq)) and not counters.any()
+    with pytest.raises(foldc.errors.InputError, match="counters"):
+        kern(x, wq, counters=counters[:-1] if n > 16 else counters.long())
+
+
 def test_the_gemm_callable_routes_each_call_by_its_plan():
     from foldc.gemm.compile import GemmKernel
 

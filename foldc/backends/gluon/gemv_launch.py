@@ -176,26 +176,46 @@ class GluonGemv:
                              "with unit stride along the groups")
         return x.shape[0]
 
-    def __call__(self, x, w, out: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(self, x, w, out: torch.Tensor | None = None, counters: torch.Tensor | None = None) -> torch.Tensor:
+        """``y = x @ w.T`` into ``out`` (or a new tensor). ``counters``: the split-k block counters from the
+        caller (int32 zeros on x's device, at least ``ceil(n / 16)`` of them, left at zero by the kernel),
+        for callers whose memory must not be held here: then the split-k workspace is allocated per call
+        too, and this object keeps no buffer (`foldc.nn.FoldLinear` passes its own, so that
+        CUDA-graph trees under torch.compile see every allocation of a step)."""
         m = self.check(x, w)
         ok, why = self.lowers(m)
         if not ok:
             raise InputError(f"m={m}: the register-operand GEMV does not take this call ({why})")
+        if counters is not None:
+            need = -(-self.spec.n // min(BLOCK_ROWS))
+            if not isinstance(counters, torch.Tensor) or counters.dtype != torch.int32 or \
+                    counters.device != x.device or counters.dim() != 1 or counters.numel() < need or \
+                    counters.stride(0) != 1:
+                got = (f"{counters.dtype} {tuple(counters.shape)} on {counters.device}"
+                       if isinstance(counters, torch.Tensor) else type(counters).__name__)
+                raise InputError(f"counters: {got}; pass torch.zeros({need}, dtype=torch.int32, device=x.device) "
+                                 "(one per block of 16 output channels; the kernel leaves them at zero)")
         if out is None:
             out = torch.empty(m, self.spec.n, device=x.device, dtype=x.dtype)
         elif tuple(out.shape) != (m, self.spec.n) or out.dtype != x.dtype or out.stride(1) != 1:
             raise InputError(f"out has shape={tuple(out.shape)}, dtype={out.dtype}; it must be ({m}, {self.spec.n}) "
                              f"{x.dtype} with unit stride along n")
-        self.run(self.plan_launch(m, num_sms(x.device)), x, w, out)
+        self.run(self.plan_launch(m, num_sms(x.device)), x, w, out, counters)
         return out
 
-    def run(self, launch: GemvLaunch, x, w, out: torch.Tensor) -> None:
-        """Launch ``launch`` into ``out`` [m, n], no checks."""
+    def run(self, launch: GemvLaunch, x, w, out: torch.Tensor, counters: torch.Tensor | None = None) -> None:
+        """Launch ``launch`` into ``out`` [m, n], no checks; ``counters`` as in `__call__` (None: this
+        object's own, with its cached workspace)."""
         if self._kernel is None:
             from .gemv import foldc_gemv_gluon
 
             self._kernel = FastLaunch(foldc_gemv_gluon)
-        part, counters = self.buffers(launch, x.device)
+        if counters is None:
+            part, counters = self.buffers(launch, x.device)
+        else:
+            split = launch.grid[1]
+            part = torch.empty(split * launch.m * self.spec.n if split > 1 else 1, device=x.device,
+                               dtype=torch.float32)
         codes, scale, zero = w.codes[0, 0], w.scale[0, 0], w.zero[0, 0]
         self._kernel[launch.grid](x, codes.view(torch.int32), scale, zero, out, part, counters, launch.m,
                                   self.spec.n, x.stride(0), codes.stride(0) // 4, scale.stride(0), out.stride(0),
