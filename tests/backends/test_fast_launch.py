@@ -133,13 +133,9 @@ class _Launcher:
         self.wrapped.append(args)
 
 
-def test_repeat_launches_call_the_c_launcher_unless_a_hook_is_set(monkeypatch):
-    """With no launch hooks a repeat goes to the C launcher with CudaLauncher's leading arguments
-    (cooperative grid, PDL, no scratch buffers), no metadata and the tensors' addresses; with a hook, through the launcher's
-    ``__call__`` with the metadata and the hooks, as triton's runner does. Integer arguments of the
-    same specialisation (here 48 and 64) share one kernel."""
-    from triton import knobs
-
+def _fast_with_launcher(monkeypatch):
+    """(FastLaunch, its stand-in C launcher, the ordinary launches) on the stand-in GPU, where every
+    compiled kernel's ``run`` is the one `_Launcher`."""
     jit, ordinary = _kernel_on_a_fake_gpu(monkeypatch)
     launcher = _Launcher()
 
@@ -147,7 +143,17 @@ def test_repeat_launches_call_the_c_launcher_unless_a_hook_is_set(monkeypatch):
         run = launcher
 
     monkeypatch.setattr(jit, "run", lambda *a, grid, warmup, **k: ordinary.append(a) or _WithLauncher())
-    fast = FastLaunch(jit)
+    return FastLaunch(jit), launcher, ordinary
+
+
+def test_repeat_launches_call_the_c_launcher_unless_a_hook_is_set(monkeypatch):
+    """With no launch hooks a repeat goes to the C launcher with CudaLauncher's leading arguments
+    (cooperative grid, PDL, no scratch buffers), no metadata and the tensors' addresses; with a hook, through the launcher's
+    ``__call__`` with the metadata and the hooks, as triton's runner does. Integer arguments of the
+    same specialisation (here 48 and 64) share one kernel."""
+    from triton import knobs
+
+    fast, launcher, ordinary = _fast_with_launcher(monkeypatch)
     x = torch.zeros(16, dtype=torch.float16)
     kwargs = dict(BLOCK=64, ASM="and.b32", num_warps=1)
     fast[(3,)](x, x, 32, 5, **kwargs)
@@ -182,14 +188,7 @@ def test_a_runtime_argument_given_by_keyword_always_takes_the_ordinary_path(monk
 def test_tensors_after_the_first_anywhere_in_the_arguments_become_their_addresses(monkeypatch):
     """Tensors that are not a prefix of the arguments are replaced in place, and a repeat launch with
     another tensor of the same dtype and alignment passes that tensor's own address."""
-    jit, ordinary = _kernel_on_a_fake_gpu(monkeypatch)
-    launcher = _Launcher()
-
-    class _WithLauncher(_Compiled):
-        run = launcher
-
-    monkeypatch.setattr(jit, "run", lambda *a, grid, warmup, **k: ordinary.append(a) or _WithLauncher())
-    fast = FastLaunch(jit)
+    fast, launcher, ordinary = _fast_with_launcher(monkeypatch)
     kwargs = dict(BLOCK=64, ASM="and.b32", num_warps=1)
     gen = torch.Generator().manual_seed(11)
     first = torch.randn(16, generator=gen).half()
@@ -205,15 +204,8 @@ def test_tensors_after_the_first_anywhere_in_the_arguments_become_their_addresse
 def test_a_tensor_off_the_gpu_takes_the_ordinary_path(monkeypatch):
     """The fast path hands the launcher bare addresses, so a host tensor (which triton's pointer
     check refuses by name) must never reach it: every such launch goes the ordinary way."""
-    jit, ordinary = _kernel_on_a_fake_gpu(monkeypatch)
-    monkeypatch.setattr(fast_launch, "_IS_CUDA", fast_launch.operator.attrgetter("is_cuda"))
-    launcher = _Launcher()
-
-    class _WithLauncher(_Compiled):
-        run = launcher
-
-    monkeypatch.setattr(jit, "run", lambda *a, grid, warmup, **k: ordinary.append(a) or _WithLauncher())
-    fast = FastLaunch(jit)
+    fast, launcher, ordinary = _fast_with_launcher(monkeypatch)
+    monkeypatch.setattr(fast_launch, "_IS_CUDA", fast_launch.operator.attrgetter("is_cuda"))   # the real check
     x = torch.zeros(16, dtype=torch.float16)
     for _ in range(3):
         fast[(1,)](x, x, 32, 5, BLOCK=64, ASM="and.b32", num_warps=1)
