@@ -26,6 +26,8 @@ class OperandPlan:
     fold: str
     group_size: int | None = None
     bits: int | None = None
+    fields: int | None = None       # codes per byte: bit fields of a packed byte (8 // bits)
+    row_bytes: int | None = None    # bytes of one packed row along k: field f of byte j is k = f * row_bytes + j
     code_bias: int = 0
     scale_site: str = "-"
     correction: str = "-"
@@ -136,7 +138,8 @@ def _make_plan(spec: GemmSpec, graph: Graph, log) -> GemmPlan:
             site = "each value (s*c + z, then the product)"
         codes = graph[f"{name}.codes"] if f"{name}.codes" in graph else None
         operands[name] = OperandPlan(
-            operand=name, encoding=enc.short(), fold=fold, group_size=g, bits=enc.bits,
+            operand=name, encoding=enc.short(), fold=fold, group_size=g, bits=enc.bits, fields=8 // enc.bits,
+            row_bytes=spec.k // (8 // enc.bits),
             code_bias=getattr(codes, "bias", 0), scale_site=site, correction=_correction_text(graph, name),
             rows_per_group=h, fold_ops_per_value=cost,
             reason=graph.meta.get("reason.xw", "") if name == "w" else

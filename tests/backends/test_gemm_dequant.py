@@ -206,7 +206,7 @@ ptx = c.asm["ptx"]
 calls = re.findall(r"wgmma.mma_async[^;]*;", ptx)
 from_registers = sum(bool(re.search(r"\}\s*,\s*\{", c_)) for c_ in calls)
 pipelined = "async_copy_global_to_local" in c.asm["ttgir"]
-shared_ok = c.metadata.shared == shared_bytes(DequantTile(4, 4096, 128, "fp16"), 128, 128, 3)
+shared_ok = c.metadata.shared == shared_bytes(DequantTile(4, 4096, 128, "fp16", 2, 2048), 128, 128, 3)
 print(len(calls), from_registers, len(re.findall(r"lop3.b32", ptx)), len(re.findall(r"red.|atom.", ptx)),
       int(pipelined), int(shared_ok), c.metadata.shared)
 """

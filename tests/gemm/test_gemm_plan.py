@@ -186,3 +186,14 @@ def test_verifier_rejects_presummed_correction_without_group_sums():
     g.replace_node(dataclasses.replace(g["y.offset"], other="x.codes"))
     with pytest.raises(GraphError, match="form=presummed needs"):
         foldc.prove(plan.with_graph(g))
+
+
+@pytest.mark.parametrize("weight", ["k-group:2:128", "k-group:4:32", "k-group:8:64", "per-channel:4"])
+def test_the_weight_operand_carries_its_packing(weight):
+    """Codes per byte and bytes per packed row are the plan's numbers (the kernels read them there)."""
+    from foldc.gemm.plan import gemm_plan
+    from foldc.gemm.spec import GemmSpec, parse_gemm_encoding
+
+    enc = parse_gemm_encoding(weight, "weight")
+    w = gemm_plan(GemmSpec(64, 1024, weight=enc)).operands["w"]
+    assert w.fields * enc.bits == 8 and w.row_bytes * w.fields == 1024

@@ -37,14 +37,8 @@ class GemvKernel:
     chunk_bytes: int     # bytes of each weight row per chunk
     pieces: int          # MMA chains per chunk (each inside one field and one group)
     scale_dtype: str
-
-    @property
-    def fields(self) -> int:
-        return 8 // self.bits
-
-    @property
-    def row_bytes(self) -> int:
-        return self.k // self.fields
+    fields: int          # codes per byte (the plan's packing)
+    row_bytes: int       # bytes of a packed weight row
 
     @property
     def chunks(self) -> int:
@@ -79,8 +73,7 @@ def lower_gemv(plan: GemmPlan, rows: int) -> GemvKernel:
     enc = spec.weight
     if str(enc.scale_dtype) not in SCALE_DTYPES:
         raise NotLowerable(f"scale dtype {enc.scale_dtype}: the kernel reads fp16, bf16 or fp32 scales")
-    fields = 8 // w.bits
-    row_bytes = spec.k // fields
+    fields, row_bytes = w.fields, w.row_bytes
     group = w.group_size or spec.k
     chunk = (OPERAND_K if rows <= 8 else OPERAND_K_WIDE) // fields
     while chunk >= 4 * MIN_CHUNK_WORDS and row_bytes % chunk:
@@ -101,7 +94,7 @@ def lower_gemv(plan: GemmPlan, rows: int) -> GemvKernel:
     if pieces > MAX_PIECES or chunk * fields // pieces < MIN_PIECE:
         raise NotLowerable(f"group_size={group}: {pieces} groups per {chunk * fields}-channel chunk, more than "
                            f"{MAX_PIECES} MMA chains or pieces under {MIN_PIECE} channels")
-    return GemvKernel(w.bits, spec.k, group, chunk, pieces, SCALE_DTYPES[str(enc.scale_dtype)])
+    return GemvKernel(w.bits, spec.k, group, chunk, pieces, SCALE_DTYPES[str(enc.scale_dtype)], fields, row_bytes)
 
 
 def lowerable_gemv(plan: GemmPlan, rows: int) -> tuple[bool, str]:

@@ -162,14 +162,8 @@ class DequantTile:
     k: int
     group: int          # k per scale group (k: one group per output channel)
     scale_dtype: str    # "fp16", "bf16" or "fp32"
-
-    @property
-    def fields(self) -> int:
-        return 8 // self.bits
-
-    @property
-    def row_bytes(self) -> int:
-        return self.k // self.fields
+    fields: int         # codes per byte (the plan's packing)
+    row_bytes: int      # bytes of a packed weight row
 
     @property
     def block_k(self) -> int:
@@ -207,7 +201,7 @@ def lower_dequant(plan: GemmPlan, rows: int) -> DequantTile:
     scale = SCALE_DTYPES.get(str(spec.weight.scale_dtype))
     if scale is None:
         raise NotDequantTemplate(f"scale dtype {spec.weight.scale_dtype}")
-    tile = DequantTile(w.bits, spec.k, w.group_size or spec.k, scale)
+    tile = DequantTile(w.bits, spec.k, w.group_size or spec.k, scale, w.fields, w.row_bytes)
     bk = tile.block_k
     if tile.group % bk or tile.row_bytes % bk or bk < 16:
         raise NotDequantTemplate(f"k={spec.k}, group {tile.group}: no chunk of 16 bytes or more lies inside one group "
