@@ -41,6 +41,14 @@ def _gemm(out_features: int, in_features: int, encoding: str, target: str):
     return compile_gemm(GemmSpec(out_features, in_features, weight=parse_gemm_encoding(encoding, "weight")), target)
 
 
+@functools.lru_cache(maxsize=None)
+def _weight_encoding(encoding: str, k: int):
+    """(GemmEncoding, its Affine over k) for an encoding's text: parsed once per text and k, not at
+    every call of the op (a model makes about a hundred a token)."""
+    enc = parse_gemm_encoding(encoding, "weight")
+    return enc, enc.affine(k)
+
+
 @torch.library.custom_op("foldc::linear", mutates_args=())
 def linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
            bias: torch.Tensor | None, encoding: str, out_features: int,
@@ -50,8 +58,8 @@ def linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torc
     ``counters``: int32 zeros for the GPU GEMV's split-k (left at zero; `FoldLinear` owns them), so that
     the kernel holds no memory between calls (CUDA-graph trees refuse memory a step keeps)."""
     k = x.shape[-1]
-    enc = parse_gemm_encoding(encoding, "weight")
-    w = AffineTensor(codes, scale, zero, enc.affine(k), k)
+    _, affine = _weight_encoding(encoding, k)
+    w = AffineTensor(codes, scale, zero, affine, k)
     if x.shape[0] == 0:
         y = x.new_zeros(0, out_features)
     else:
@@ -91,6 +99,7 @@ class FoldLinear(torch.nn.Module):
         self.spec = GemmSpec(n, k, weight=enc)
         self.plan = _proved(self.spec)      # planned and proved exact before the layer exists
         self.in_features, self.out_features, self.encoding = k, n, enc
+        self._encoding_text = enc.short()   # the op's argument, made once
         # row-major, the layout the kernels read (a weight built from another tool's tensors may be a view)
         self.register_buffer("codes", weight.codes.contiguous())
         self.register_buffer("scale", weight.scale.contiguous())
@@ -129,7 +138,7 @@ class FoldLinear(torch.nn.Module):
             raise InputError(f"x must be a tensor [..., {self.in_features}]; got {got}")
         lead = x.shape[:-1]
         y = torch.ops.foldc.linear(x.reshape(-1, self.in_features), self.codes, self.scale, self.zero, self.bias,
-                                   self.encoding.short(), self.out_features, self.gemv_counters)
+                                   self._encoding_text, self.out_features, self.gemv_counters)
         return y.reshape(*lead, self.out_features)
 
     def extra_repr(self) -> str:
