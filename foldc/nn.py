@@ -9,7 +9,11 @@ The layer's plan (``GemmSpec(out_features, in_features, weight=encoding)``) is p
 when the layer is built (`foldc.prove`: a plan that is not exact is refused there). The forward runs
 ``torch.ops.foldc.linear``, a custom op with a fake implementation, so torch.compile and CUDA graphs
 see one op: on a GPU the generated GEMM kernel, on the CPU Triton's interpreter (fp16 inputs) or the
-float64 plan executor (other dtypes), cast to the input's dtype.
+float64 plan executor (other dtypes), cast to the input's dtype. An eager GPU call that the
+register-operand GEMV takes (up to 16 rows of fp16/bf16, no autograd, nothing tracing) launches the
+kernel from the layer instead: the same kernel and launch, without the custom op's dispatch and the
+per-call checks of the weight (about 200 of an eager call's 230 µs of host time on the H200,
+benchmarks/linear_host.py).
 """
 from __future__ import annotations
 
@@ -39,6 +43,12 @@ def _gemm(out_features: int, in_features: int, encoding: str, target: str):
     from .compile import compile as compile_gemm
 
     return compile_gemm(GemmSpec(out_features, in_features, weight=parse_gemm_encoding(encoding, "weight")), target)
+
+
+def _traced() -> bool:
+    """Whether torch is tracing the call (torch.compile, export, make_fx, a fake or functional tensor
+    mode): then it must go through the custom op, whose fake implementation the tracer sees."""
+    return torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0
 
 
 @functools.lru_cache(maxsize=None)
@@ -114,6 +124,12 @@ class FoldLinear(torch.nn.Module):
         # by the shared kernel object, so a compiled step's CUDA graph sees every buffer it uses
         self.register_buffer("gemv_counters", torch.zeros(-(-n // 16), dtype=torch.int32, device=weight.codes.device),
                              persistent=False)
+        self._eager: dict = {}   # (rows, dtype, device) -> (the buffers it was made for, GEMV launch or None)
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state["_eager"] = {}   # launchers and compiled kernels: made again after a copy or a load
+        return state
 
     @classmethod
     def from_linear(cls, linear: torch.nn.Linear, weight="k-group:4:128") -> "FoldLinear":
@@ -137,9 +153,38 @@ class FoldLinear(torch.nn.Module):
             got = getattr(x, "shape", type(x).__name__)
             raise InputError(f"x must be a tensor [..., {self.in_features}]; got {got}")
         lead = x.shape[:-1]
-        y = torch.ops.foldc.linear(x.reshape(-1, self.in_features), self.codes, self.scale, self.zero, self.bias,
-                                   self._encoding_text, self.out_features, self.gemv_counters)
+        x2 = x.reshape(-1, self.in_features)
+        y = None
+        if type(x) is torch.Tensor and x.is_cuda and not x.requires_grad and not _traced():
+            y = self._eager_gemv(x2)
+        if y is None:
+            y = torch.ops.foldc.linear(x2, self.codes, self.scale, self.zero, self.bias, self._encoding_text,
+                                       self.out_features, self.gemv_counters)
         return y.reshape(*lead, self.out_features)
+
+    def _eager_gemv(self, x2: torch.Tensor) -> torch.Tensor | None:
+        """An eager GPU call the GEMV takes, launched from here: the op's result without the custom op's
+        dispatch and without checking the weight again (it was checked when the layer was built; its
+        2-D rows are made once per row count, dtype and device, and again when a buffer is replaced).
+        None where the call is not the GEMV's: the op then runs it, or says why it cannot."""
+        key = (x2.shape[0], x2.dtype, x2.device)
+        buffers = self._buffers
+        codes, scale, zero = buffers["codes"], buffers["scale"], buffers["zero"]
+        entry = self._eager.get(key)
+        if entry is None or entry[0] is not codes or entry[1] is not scale or entry[2] is not zero:
+            kernel = _gemm(self.out_features, self.in_features, self._encoding_text, "auto")
+            found = kernel.gemv_for(key[0], key[1], key[2], codes, scale, zero) \
+                if hasattr(kernel, "gemv_for") else None
+            entry = self._eager[key] = (codes, scale, zero, found)
+        if entry[3] is None:
+            return None
+        gemv, launch, rows = entry[3]
+        if x2.stride(1) != 1:
+            x2 = x2.contiguous()
+        out = torch.empty(x2.shape[0], self.out_features, device=x2.device, dtype=x2.dtype)
+        gemv.run_rows(launch, x2, *rows, out, buffers["gemv_counters"])
+        bias = buffers["bias"]
+        return out if bias is None else out.add_(bias.to(out.dtype))
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, weight={self.encoding.short()}, "

@@ -109,3 +109,87 @@ def test_the_layer_owns_its_gemv_counters_outside_its_state():
     assert layer.gemv_counters.dtype == torch.int32 and layer.gemv_counters.shape == (3,)
     assert not layer.gemv_counters.any() and "gemv_counters" not in layer.state_dict()
     assert layer.to(torch.float64).gemv_counters.dtype == torch.int32
+
+
+class _StandInGemv:
+    """Records `run_rows` calls and writes x times a fixed matrix, so that the eager path's plumbing (entry
+    per row count, rebuilt when a buffer is replaced, bias, fallback) is testable without a GPU."""
+
+    def __init__(self, n):
+        self.n, self.calls = n, []
+
+    def run_rows(self, launch, x, codes, scale, zero, out, counters):
+        self.calls.append((launch, codes, counters))
+        out.copy_(x.double().sum(dim=1, keepdim=True).expand(-1, self.n).to(out.dtype))
+
+
+class _StandInKernel:
+    def __init__(self, gemv, takes=True):
+        self.gemv, self.takes, self.asked = gemv, takes, 0
+
+    def gemv_for(self, m, dtype, device, codes, scale, zero):
+        self.asked += 1
+        return (self.gemv, ("launch", m), (codes[0, 0], scale[0, 0], zero[0, 0])) if self.takes else None
+
+
+def test_an_eager_call_launches_the_gemv_from_the_layer_and_remakes_its_rows_when_a_buffer_changes(monkeypatch):
+    import foldc.nn as fnn
+
+    torch.manual_seed(4)
+    layer = FoldLinear.from_linear(torch.nn.Linear(64, 32), "k-group:4:32")
+    gemv = _StandInGemv(32)
+    kernel = _StandInKernel(gemv)
+    monkeypatch.setattr(fnn, "_gemm", lambda *args: kernel)
+    x = torch.randn(3, 64)
+    y = layer._eager_gemv(x)
+    assert torch.allclose(y, x.sum(dim=1, keepdim=True) + layer.bias)    # the bias added once
+    layer._eager_gemv(torch.randn(3, 64))
+    assert kernel.asked == 1 and len(gemv.calls) == 2 and gemv.calls[0][2] is layer.gemv_counters
+    layer._eager_gemv(torch.randn(5, 64))                                  # another row count: its own launch
+    assert kernel.asked == 2 and gemv.calls[-1][0] == ("launch", 5)
+    layer.codes = layer.codes.clone()                                      # a replaced buffer (e.g. .to())
+    layer._eager_gemv(torch.randn(3, 64))
+    assert kernel.asked == 3 and gemv.calls[-1][1].data_ptr() == layer.codes.data_ptr()
+    kernel.takes = False
+    layer.scale = layer.scale.clone()
+    assert layer._eager_gemv(torch.randn(3, 64)) is None                   # not the GEMV's: the op runs it
+
+
+def test_traced_calls_take_the_custom_op_and_a_copy_drops_the_eager_launches():
+    import copy
+    import pickle
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from foldc.nn import _traced
+
+    assert not _traced()
+    with FakeTensorMode():
+        assert _traced()
+    layer = FoldLinear.from_linear(torch.nn.Linear(64, 32), "k-group:4:32")
+    layer._eager[(1, torch.float16, torch.device("cpu"))] = (None, None, None, (lambda: None, None, None))
+    clone = copy.deepcopy(layer)
+    assert clone._eager == {} and torch.equal(clone.codes, layer.codes)
+    loaded = pickle.loads(pickle.dumps(layer))   # a lambda does not pickle: the launches are left behind
+    assert loaded._eager == {} and torch.equal(loaded.codes, layer.codes)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the register-operand GEMV)")
+@settings(max_examples=12, deadline=None)
+@given(m=st.sampled_from([1, 3, 16]), dtype=st.sampled_from([torch.float16, torch.bfloat16]), bias=st.booleans(),
+       enc=st.sampled_from(["k-group:4:128", "k-group:2:64", "per-channel:8"]), strided=st.booleans(),
+       seed=st.integers(0, 2**31 - 1))
+def test_gpu_eager_calls_give_the_custom_ops_answer(m, dtype, bias, enc, strided, seed):
+    """The eager path (the GEMV launched from the layer) against the custom op on the same input: the same
+    kernel and launch, so the same bits; both within the bar against float64."""
+    torch.manual_seed(seed)
+    layer = FoldLinear.from_linear(torch.nn.Linear(512, 96, bias=bias), enc).cuda()
+    x = torch.randn(512, m, device="cuda", dtype=dtype).t() if strided else \
+        torch.randn(m, 512, device="cuda", dtype=dtype)
+    y = layer(x)
+    assert layer._eager and next(iter(layer._eager.values()))[3] is not None   # the GEMV took it from the layer
+    via_op = torch.ops.foldc.linear(x.contiguous(), layer.codes, layer.scale, layer.zero, layer.bias,
+                                    layer._encoding_text, 96, layer.gemv_counters)
+    assert y.dtype == dtype and torch.equal(y, via_op)
+    want = _reference(layer.cpu(), x.cpu())
+    assert float((y.cpu().double() - want).norm() / want.norm()) < 1e-2

@@ -12,6 +12,8 @@ rest (more rows, dequant verdicts of eq. 16, encoded activations). ``kernel="tri
 """
 from __future__ import annotations
 
+import torch
+
 from ..errors import InputError, SpecError
 from .plan import gemm_plan
 from .reference import ReferenceGemm
@@ -66,6 +68,20 @@ class GemmKernel:
         if self.uses_gemv(x, w):
             return self.gemv(x, w, out=out, counters=counters)
         return self.triton(x, w, out=out)
+
+    def gemv_for(self, m: int, dtype, device, codes, scale, zero):
+        """(GluonGemv, its launch, the weight's 2-D rows) for calls of ``m`` rows of ``dtype`` on ``device``
+        over this weight's [1, 1, n, ...] tensors, where `__call__` would send them to the GEMV; else None.
+        A caller holding one weight (`foldc.nn.FoldLinear`) makes this once and then launches with
+        ``gemv.run_rows(launch, x, *rows, out, counters)``: the checks of `__call__` but x's are then its own."""
+        gemv = self.gemv
+        if gemv is None or getattr(device, "type", None) != "cuda" or dtype not in (torch.float16, torch.bfloat16) \
+                or not gemv.lowers(m)[0] or codes.device != device:
+            return None
+        rows = gemv.weight_rows(codes, scale, zero)
+        if rows is None:
+            return None
+        return gemv, gemv.launch_for(m, device), rows
 
     def plan_for(self, dtype=None, m: int | None = None):
         """The plan the call runs: the GEMV's at ``m`` rows where it takes them, else the Triton kernel's."""

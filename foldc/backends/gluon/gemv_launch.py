@@ -86,6 +86,7 @@ class GluonGemv:
         self._lowers: dict[int, tuple[bool, str]] = {}
         self._launches: dict[tuple, GemvLaunch] = {}
         self._buffers: dict[tuple, tuple] = {}
+        self._kwargs: dict[tuple, dict] = {}
         self._kernel = None
 
     def plan_for(self, m: int) -> GemmPlan:
@@ -147,6 +148,21 @@ class GluonGemv:
             return False
         return x.dtype in DTYPES and x.is_cuda and _aligned(w.codes[0, 0]) and self.lowers(x.shape[0])[0]
 
+    def weight_rows(self, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor):
+        """The 2-D parts `run_rows` takes of a weight's [1, 1, n, ...] codes, scale and zero, or None where the
+        kernel cannot read them as they are (the checked call then says why)."""
+        if codes.dim() != 4 or tuple(codes.shape[:3]) != (1, 1, self.spec.n):
+            return None
+        rows = codes[0, 0], scale[0, 0], zero[0, 0]
+        if not (_aligned(rows[0]) and rows[1].stride() == rows[2].stride() and rows[1].stride(1) == 1
+                and rows[1].device == rows[2].device == rows[0].device):
+            return None
+        return rows
+
+    def launch_for(self, m: int, device) -> GemvLaunch:
+        """`plan_launch` for a call with ``m`` rows on ``device``."""
+        return self.plan_launch(m, num_sms(device))
+
     def check(self, x, w) -> int:
         spec = self.spec
         if isinstance(x, AffineTensor) or not isinstance(x, torch.Tensor):
@@ -206,6 +222,12 @@ class GluonGemv:
     def run(self, launch: GemvLaunch, x, w, out: torch.Tensor, counters: torch.Tensor | None = None) -> None:
         """Launch ``launch`` into ``out`` [m, n], no checks; ``counters`` as in `__call__` (None: this
         object's own, with its cached workspace)."""
+        self.run_rows(launch, x, w.codes[0, 0], w.scale[0, 0], w.zero[0, 0], out, counters)
+
+    def run_rows(self, launch: GemvLaunch, x, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+                 out: torch.Tensor, counters: torch.Tensor | None = None) -> None:
+        """`run` with the weight as its 2-D parts (codes [n, row bytes] uint8, scale and zero [n, groups]),
+        which a caller holding one weight makes once (`foldc.nn.FoldLinear`'s eager calls); no checks."""
         if self._kernel is None:
             from .gemv import foldc_gemv_gluon
 
@@ -216,11 +238,18 @@ class GluonGemv:
             split = launch.grid[1]
             part = torch.empty(split * launch.m * self.spec.n if split > 1 else 1, device=x.device,
                                dtype=torch.float32)
-        codes, scale, zero = w.codes[0, 0], w.scale[0, 0], w.zero[0, 0]
         self._kernel[launch.grid](x, codes.view(torch.int32), scale, zero, out, part, counters, launch.m,
                                   self.spec.n, x.stride(0), codes.stride(0) // 4, scale.stride(0), out.stride(0),
-                                  launch.chunks_per_split, XF16=x.dtype == torch.float16, **dict(launch.constants))
+                                  launch.chunks_per_split, **self._keywords(launch, x.dtype))
 
+    def _keywords(self, launch: GemvLaunch, dtype: torch.dtype) -> dict:
+        """The launch's constexprs and options as one dict object per (launch, activation dtype): `FastLaunch`
+        recognises a dict it saw before without reading it again."""
+        key = (launch, dtype)
+        kwargs = self._kwargs.get(key)
+        if kwargs is None:
+            kwargs = self._kwargs[key] = dict(XF16=dtype == torch.float16, **dict(launch.constants))
+        return kwargs
 
 def _aligned(codes: torch.Tensor) -> bool:
     """Code rows with unit stride, each 16-byte aligned (the kernel's 16-byte cp.async)."""
