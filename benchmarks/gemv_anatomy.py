@@ -12,6 +12,7 @@ variants of it that keep its grid, its pipeline and its shared memory but drop o
   block's chunks back to back, BN rows x chunk bytes contiguous; its parameter words likewise), so that
   every copy reads one contiguous run: addresses only, the values are the row-major weight's (wrong
   results, right traffic).
+- ``copy_codes``, ``tiled_copy_codes``: the copies without the parameter words.
 - ``stream``: a plain streaming read of the same bytes (a Triton reduction over the code words), the
   bandwidth a kernel of this size can reach at all.
 Each at the launcher's default split and a few others; CUDA graphs over distinct weight copies (cold
@@ -36,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from gemv_check import CEILING, copies, graph_us, rel  # noqa: E402
 
-from foldc.backends.gluon.gemv import _chunk, _issue, _load_x, _zeros_tiles, weight_tile_layout  # noqa: E402
+from foldc.backends.gluon.gemv import _chunk, _load_x, _zeros_tiles, weight_tile_layout  # noqa: E402
 from foldc.backends.gluon.tile_memory import copy_layout  # noqa: E402
 from foldc.backends.gluon.tile_operands import key_words_layout  # noqa: E402
 from foldc.backends.runtime.fast_launch import FastLaunch  # noqa: E402
@@ -45,12 +46,13 @@ from foldc.backends.runtime.fast_launch import FastLaunch  # noqa: E402
 @gluon.jit
 def _issue_tiled(stage, c0, c_hi, w_rows, S32, Z32, p_rows, W: gl.constexpr, BN: gl.constexpr, NB: gl.constexpr,
                  G: gl.constexpr, HALF: gl.constexpr, NG: gl.constexpr, PPF: gl.constexpr, ROW_BYTES: gl.constexpr,
-                 P: gl.constexpr, w_smem, s_smem, z_smem):
-    """`_issue` for a weight stored tile by tile: a block's chunk c is BN x W contiguous words, and a
-    block's parameter words are [word of the row, BN] (what each copy reads is one contiguous run)."""
+                 P: gl.constexpr, w_smem, s_smem, z_smem, CSTRIDE: gl.constexpr, PARAMS: gl.constexpr):
+    """`_issue` for one chunk with the chunk's words CSTRIDE words after the previous chunk's (W: row-major,
+    BN x W: a weight stored tile by tile, whose parameter words are then [word of the row, BN]: what each
+    copy reads is one contiguous run); PARAMS: copy the pieces' parameter words too."""
     c = gl.minimum(c0, c_hi - 1)
-    async_copy.async_copy_global_to_shared(w_smem.index(stage), w_rows + c * (BN * W))
-    for p in gl.static_range(NG):
+    async_copy.async_copy_global_to_shared(w_smem.index(stage), w_rows + c * CSTRIDE)
+    for p in gl.static_range(NG * PARAMS):
         k0 = (p // PPF) * ROW_BYTES + c * NB + (p % PPF) * P
         e = k0 // G
         if HALF:
@@ -66,7 +68,7 @@ def gemv_variant(X, WC, WS, WZ, Y, PART, COUNTERS, M, N, stride_x, stride_wc, st
                  ROWS: gl.constexpr, ROW_BYTES: gl.constexpr, G: gl.constexpr, BITS: gl.constexpr,
                  STAGES: gl.constexpr, SPLIT: gl.constexpr, ASM: gl.constexpr, CONS: gl.constexpr,
                  XF16: gl.constexpr, VALUE_EXP: gl.constexpr, KIND: gl.constexpr, SUB: gl.constexpr,
-                 COPY: gl.constexpr, COMPUTE: gl.constexpr, TILED: gl.constexpr):
+                 COPY: gl.constexpr, COMPUTE: gl.constexpr, TILED: gl.constexpr, PARAMS: gl.constexpr):
     """foldc_gemv_gluon's loop with the copies (COPY) and / or the chunk work (COMPUTE) kept; the result
     is written to y unreduced (timing only)."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
@@ -93,7 +95,7 @@ def gemv_variant(X, WC, WS, WZ, Y, PART, COUNTERS, M, N, stride_x, stride_wc, st
         p_rows = pid_n * (BN * stride_ws // (1 + HALF)) + gl.arange(0, BN, layout=sc_l)
     else:
         w_rows = WC + rc[:, None] * stride_wc + wc[None, :]
-        p_rows = rs
+        p_rows = rs * (stride_ws // (1 + HALF))
     S32 = WS.to(gl.pointer_type(gl.int32), bitcast=True)
     Z32 = WZ.to(gl.pointer_type(gl.int32), bitcast=True)
     rx = gl.arange(0, ROWS, layout=gl.SliceLayout(0, b_l))
@@ -104,12 +106,8 @@ def gemv_variant(X, WC, WS, WZ, Y, PART, COUNTERS, M, N, stride_x, stride_wc, st
     z_smem = gl.allocate_shared_memory(gl.int32, [STAGES * SUB * NG, BN], p_l)
     for first in gl.static_range(STAGES - 1):
         if c_lo + first * SUB < c_hi:
-            if TILED:
-                _issue_tiled(first, c_lo + first, c_hi, w_rows, S32, Z32, p_rows, W, BN, NB, G, HALF, NG, PPF,
-                             ROW_BYTES, D // NG, w_smem, s_smem, z_smem)
-            else:
-                _issue(first, c_lo + first * SUB, c_hi, w_rows, S32, Z32, rs, stride_ws, w_smem, s_smem, z_smem, W, NB,
-                       G, HALF, NG, PPF, ROW_BYTES, D // NG, SUB)
+            _issue_tiled(first, c_lo + first, c_hi, w_rows, S32, Z32, p_rows, W, BN, NB, G, HALF, NG, PPF,
+                         ROW_BYTES, D // NG, w_smem, s_smem, z_smem, BN * W if TILED else W, PARAMS)
         else:
             async_copy.commit_group()
     ys = _zeros_tiles(ROWS, T)
@@ -120,12 +118,8 @@ def gemv_variant(X, WC, WS, WZ, Y, PART, COUNTERS, M, N, stride_x, stride_wc, st
         ahead = i + STAGES - 1
         gl.thread_barrier()
         if COPY and c_lo + ahead * SUB < c_hi:
-            if TILED:
-                _issue_tiled(ahead % STAGES, c_lo + ahead, c_hi, w_rows, S32, Z32, p_rows, W, BN, NB, G, HALF, NG,
-                             PPF, ROW_BYTES, D // NG, w_smem, s_smem, z_smem)
-            else:
-                _issue(ahead % STAGES, c_lo + ahead * SUB, c_hi, w_rows, S32, Z32, rs, stride_ws, w_smem, s_smem,
-                       z_smem, W, NB, G, HALF, NG, PPF, ROW_BYTES, D // NG, SUB)
+            _issue_tiled(ahead % STAGES, c_lo + ahead, c_hi, w_rows, S32, Z32, p_rows, W, BN, NB, G, HALF, NG,
+                         PPF, ROW_BYTES, D // NG, w_smem, s_smem, z_smem, BN * W if TILED else W, PARAMS)
         else:
             async_copy.commit_group()
         async_copy.wait_group(STAGES - 1)
@@ -234,10 +228,13 @@ def main(argv=None) -> int:
                         rows.append(row)
                         continue
                     row["production_us"] = round(graph_us([lambda c=c: kern(x, c, out=y) for c in ws]), 2)
-                    for name, flags in (("copy_us", dict(COPY=True, COMPUTE=False, TILED=False)),
-                                        ("compute_us", dict(COPY=False, COMPUTE=True, TILED=False)),
-                                        ("tiled_copy_us", dict(COPY=True, COMPUTE=False, TILED=True)),
-                                        ("tiled_us", dict(COPY=True, COMPUTE=True, TILED=True))):
+                    for name, flags in (("copy_us", dict(COPY=True, COMPUTE=False, TILED=False, PARAMS=True)),
+                                        ("copy_codes_us", dict(COPY=True, COMPUTE=False, TILED=False, PARAMS=False)),
+                                        ("compute_us", dict(COPY=False, COMPUTE=True, TILED=False, PARAMS=True)),
+                                        ("tiled_copy_us", dict(COPY=True, COMPUTE=False, TILED=True, PARAMS=True)),
+                                        ("tiled_copy_codes_us", dict(COPY=True, COMPUTE=False, TILED=True,
+                                                                     PARAMS=False)),
+                                        ("tiled_us", dict(COPY=True, COMPUTE=True, TILED=True, PARAMS=True))):
                         call = variant_call(gemv, gemv_variant, flags)
                         yv = torch.empty_like(y)
                         row[name] = round(graph_us([lambda c=c: call(x, c, yv) for c in ws]), 2)
