@@ -3,21 +3,18 @@ variants of it that keep its grid, its pipeline and its shared memory but drop o
 
     PYTHONPATH=. python3 benchmarks/gemv_anatomy.py --out $OUT/anatomy.json
 
-- ``copy``: the same cp.async pipeline (code, scale and zero words, STAGES deep), each chunk's words
-  read from shared memory into registers and folded into an integer; no unpack, MMA or parameters.
-  The memory floor of this program structure.
+- ``copy``: the same copies (the program's parameter words at the start, code words STAGES deep),
+  each chunk's words read from shared memory into registers and folded into an integer; no unpack,
+  MMA or parameters. The memory floor of this program structure.
 - ``compute``: the same chunk work (unpack, MMAs, parameters, the activation's loads) on the words the
   prologue copied, no copies in the loop. The instruction floor.
-- ``tiled_copy`` and ``tiled``: ``copy`` and the whole kernel with the weight stored tile by tile (each
-  block's chunks back to back, BN rows x chunk bytes contiguous; its parameter words likewise), so that
-  every copy reads one contiguous run: addresses only, the values are the row-major weight's (wrong
-  results, right traffic).
-- ``copy_codes``, ``tiled_copy_codes``: the copies without the parameter words.
 - ``stream``: a plain streaming read of the same bytes (a Triton reduction over the code words), the
   bandwidth a kernel of this size can reach at all.
 Each at the launcher's default split and a few others; CUDA graphs over distinct weight copies (cold
 L2), INT4 and INT2 g128, fp16 activations. The production kernel is checked against float64 first;
-the variants compute nothing useful and are timed only.
+the variants compute nothing useful and are timed only. (The run of 2026-12-03 at commit beda257,
+docs/results/gemv_anatomy_h200_2026-12-03.json, also timed copies without the parameter words and
+with a weight stored tile by tile: the per-chunk parameter copies of that kernel were the cost.)
 """
 from __future__ import annotations
 
@@ -37,29 +34,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from gemv_check import CEILING, copies, graph_us, rel  # noqa: E402
 
-from foldc.backends.gluon.gemv import _chunk, _load_x, _zeros_tiles, weight_tile_layout  # noqa: E402
+from foldc.backends.gluon.gemv import (_chunk, _copy_runs, _issue, _load_x, _zeros_tiles,  # noqa: E402
+                                      weight_tile_layout)
 from foldc.backends.gluon.tile_memory import copy_layout  # noqa: E402
 from foldc.backends.gluon.tile_operands import key_words_layout  # noqa: E402
 from foldc.backends.runtime.fast_launch import FastLaunch  # noqa: E402
-
-
-@gluon.jit
-def _issue_tiled(stage, c0, c_hi, w_rows, S32, Z32, p_rows, W: gl.constexpr, BN: gl.constexpr, NB: gl.constexpr,
-                 G: gl.constexpr, HALF: gl.constexpr, NG: gl.constexpr, PPF: gl.constexpr, ROW_BYTES: gl.constexpr,
-                 P: gl.constexpr, w_smem, s_smem, z_smem, CSTRIDE: gl.constexpr, PARAMS: gl.constexpr):
-    """`_issue` for one chunk with the chunk's words CSTRIDE words after the previous chunk's (W: row-major,
-    BN x W: a weight stored tile by tile, whose parameter words are then [word of the row, BN]: what each
-    copy reads is one contiguous run); PARAMS: copy the pieces' parameter words too."""
-    c = gl.minimum(c0, c_hi - 1)
-    async_copy.async_copy_global_to_shared(w_smem.index(stage), w_rows + c * CSTRIDE)
-    for p in gl.static_range(NG * PARAMS):
-        k0 = (p // PPF) * ROW_BYTES + c * NB + (p % PPF) * P
-        e = k0 // G
-        if HALF:
-            e = e // 2
-        async_copy.async_copy_global_to_shared(s_smem.index(stage * NG + p), S32 + p_rows + e * BN)
-        async_copy.async_copy_global_to_shared(z_smem.index(stage * NG + p), Z32 + p_rows + e * BN)
-    async_copy.commit_group()
 
 
 @gluon.jit
@@ -68,15 +47,15 @@ def gemv_variant(X, WC, WS, WZ, Y, PART, COUNTERS, M, N, stride_x, stride_wc, st
                  ROWS: gl.constexpr, ROW_BYTES: gl.constexpr, G: gl.constexpr, BITS: gl.constexpr,
                  STAGES: gl.constexpr, SPLIT: gl.constexpr, ASM: gl.constexpr, CONS: gl.constexpr,
                  XF16: gl.constexpr, VALUE_EXP: gl.constexpr, KIND: gl.constexpr, SUB: gl.constexpr,
-                 COPY: gl.constexpr, COMPUTE: gl.constexpr, TILED: gl.constexpr, PARAMS: gl.constexpr):
-    """foldc_gemv_gluon's loop with the copies (COPY) and / or the chunk work (COMPUTE) kept; the result
-    is written to y unreduced (timing only)."""
+                 GW: gl.constexpr, COPY: gl.constexpr, COMPUTE: gl.constexpr):
+    """foldc_gemv_gluon's loop with the copies of code words (COPY) and / or the chunk work (COMPUTE) kept;
+    the parameter words are copied at the start as there; the result is written to y unreduced (timing
+    only)."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
     b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=8)
     NB: gl.constexpr = W * 4
-    D: gl.constexpr = NB * F
     NCH: gl.constexpr = ROW_BYTES // NB
-    PPF: gl.constexpr = NG // F
+    D: gl.constexpr = NB * F
     HALF: gl.constexpr = KIND != 2
     T: gl.constexpr = BN // 16
     pid_n = gl.program_id(0)
@@ -87,27 +66,22 @@ def gemv_variant(X, WC, WS, WZ, Y, PART, COUNTERS, M, N, stride_x, stride_wc, st
     cp_l: gl.constexpr = copy_layout(BN, W)
     rc = gl.minimum(n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, cp_l)), N - 1)
     wc = gl.arange(0, W, layout=gl.SliceLayout(0, cp_l))
+    w_rows = WC + rc[:, None] * stride_wc + wc[None, :]
     sc_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32], warps_per_cta=[1], order=[0])
     rs = gl.minimum(n0 + gl.arange(0, BN, layout=sc_l), N - 1)
-    if TILED:   # block pid_n's tiles back to back; its parameter words [word, BN] after the block's start
-        w_rows = WC + pid_n * (NCH * BN * W) + gl.arange(0, BN, layout=gl.SliceLayout(1, cp_l))[:, None] * W + \
-            wc[None, :]
-        p_rows = pid_n * (BN * stride_ws // (1 + HALF)) + gl.arange(0, BN, layout=sc_l)
-    else:
-        w_rows = WC + rc[:, None] * stride_wc + wc[None, :]
-        p_rows = rs * (stride_ws // (1 + HALF))
-    S32 = WS.to(gl.pointer_type(gl.int32), bitcast=True)
-    Z32 = WZ.to(gl.pointer_type(gl.int32), bitcast=True)
     rx = gl.arange(0, ROWS, layout=gl.SliceLayout(0, b_l))
     x_ok = (rx < M)[None, :]
     w_smem = gl.allocate_shared_memory(gl.int32, [STAGES * SUB, BN, W], weight_tile_layout(W))
     p_l: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
-    s_smem = gl.allocate_shared_memory(gl.int32, [STAGES * SUB * NG, BN], p_l)
-    z_smem = gl.allocate_shared_memory(gl.int32, [STAGES * SUB * NG, BN], p_l)
+    s_run = gl.allocate_shared_memory(gl.int32, [F * GW, BN], p_l)
+    z_run = gl.allocate_shared_memory(gl.int32, [F * GW, BN], p_l)
+    _copy_runs(WS.to(gl.pointer_type(gl.int32), bitcast=True), s_run, rs, stride_ws, c_lo * NB, N, F, GW, ROW_BYTES,
+               G, HALF)
+    _copy_runs(WZ.to(gl.pointer_type(gl.int32), bitcast=True), z_run, rs, stride_ws, c_lo * NB, N, F, GW, ROW_BYTES,
+               G, HALF)
     for first in gl.static_range(STAGES - 1):
         if c_lo + first * SUB < c_hi:
-            _issue_tiled(first, c_lo + first, c_hi, w_rows, S32, Z32, p_rows, W, BN, NB, G, HALF, NG, PPF,
-                         ROW_BYTES, D // NG, w_smem, s_smem, z_smem, BN * W if TILED else W, PARAMS)
+            _issue(first, c_lo + first * SUB, c_hi, w_rows, w_smem, W, SUB)
         else:
             async_copy.commit_group()
     ys = _zeros_tiles(ROWS, T)
@@ -118,8 +92,7 @@ def gemv_variant(X, WC, WS, WZ, Y, PART, COUNTERS, M, N, stride_x, stride_wc, st
         ahead = i + STAGES - 1
         gl.thread_barrier()
         if COPY and c_lo + ahead * SUB < c_hi:
-            _issue_tiled(ahead % STAGES, c_lo + ahead, c_hi, w_rows, S32, Z32, p_rows, W, BN, NB, G, HALF, NG,
-                         PPF, ROW_BYTES, D // NG, w_smem, s_smem, z_smem, BN * W if TILED else W, PARAMS)
+            _issue(ahead % STAGES, c_lo + ahead * SUB, c_hi, w_rows, w_smem, W, SUB)
         else:
             async_copy.commit_group()
         async_copy.wait_group(STAGES - 1)
@@ -131,8 +104,8 @@ def gemv_variant(X, WC, WS, WZ, Y, PART, COUNTERS, M, N, stride_x, stride_wc, st
                 x_nat = x_next
                 x_next = _load_x(X, rx, x_ok, stride_x, gl.minimum(c + 1, c_hi - 1) * NB, D, NB, ROWS, ROW_BYTES)
                 if c < c_hi:
-                    ys = _chunk(w_smem.index(slot), s_smem, z_smem, slot * NG, x_nat, ys, n0, N, stride_ws, c * NB, T,
-                                W, F, NG, ROWS, ROW_BYTES, G, BITS, ASM, CONS, XF16, VALUE_EXP, KIND)
+                    ys = _chunk(w_smem.index(slot), s_run, z_run, c_lo * NB, x_nat, ys, n0, N, stride_ws, c * NB, T,
+                                W, F, NG, ROWS, ROW_BYTES, G, BITS, ASM, CONS, XF16, VALUE_EXP, KIND, GW)
             else:
                 for t in gl.static_range(T):
                     folded = folded ^ w_smem.index(slot).slice(16 * t, 16, dim=0).load(kw_l)
@@ -228,13 +201,8 @@ def main(argv=None) -> int:
                         rows.append(row)
                         continue
                     row["production_us"] = round(graph_us([lambda c=c: kern(x, c, out=y) for c in ws]), 2)
-                    for name, flags in (("copy_us", dict(COPY=True, COMPUTE=False, TILED=False, PARAMS=True)),
-                                        ("copy_codes_us", dict(COPY=True, COMPUTE=False, TILED=False, PARAMS=False)),
-                                        ("compute_us", dict(COPY=False, COMPUTE=True, TILED=False, PARAMS=True)),
-                                        ("tiled_copy_us", dict(COPY=True, COMPUTE=False, TILED=True, PARAMS=True)),
-                                        ("tiled_copy_codes_us", dict(COPY=True, COMPUTE=False, TILED=True,
-                                                                     PARAMS=False)),
-                                        ("tiled_us", dict(COPY=True, COMPUTE=True, TILED=True, PARAMS=True))):
+                    for name, flags in (("copy_us", dict(COPY=True, COMPUTE=False)),
+                                        ("compute_us", dict(COPY=False, COMPUTE=True))):
                         call = variant_call(gemv, gemv_variant, flags)
                         yv = torch.empty_like(y)
                         row[name] = round(graph_us([lambda c=c: call(x, c, yv) for c in ws]), 2)

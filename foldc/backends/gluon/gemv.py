@@ -19,11 +19,11 @@ activations are put in fp16 per chunk, each row times a power of two c that brin
 entry near 2^12 (exact).
 
 Programs are one warp: (block of BN = 16 T output channels, split of the k chunks); the T row tiles
-of a chunk share the activation's pieces and their sums. Code words, and each piece's scale and
-zero words (the 32-bit word that holds a 16-bit parameter), go global -> shared memory by cp.async,
-STAGES stages of SUB chunks ahead (tile_memory.copy_layout; no copy past the program's last chunk),
-the code words into a swizzled tile so that the operand's 8-byte reads are free of bank conflicts;
-the activation chunk is loaded into registers one chunk ahead. With SPLIT > 1 each program writes its
+of a chunk share the activation's pieces and their sums. The program's scale and zero words (the
+32-bit words that hold its groups' 16-bit parameters) go global -> shared memory once, by cp.async at
+the start: per bit field and row the GW words from the field's first group in the split. Code words follow, STAGES stages of SUB chunks ahead (tile_memory.copy_layout; no copy past
+the program's last chunk), into a swizzled tile so that the operand's 8-byte reads are free of bank
+conflicts; the activation chunk is loaded into registers one chunk ahead. With SPLIT > 1 each program writes its
 float32 partial [m, BN] to a workspace and bumps its row block's counter; the last program of the
 block sums the partials, writes y and resets the counter to 0 (one launch, CUDA-graph safe).
 
@@ -54,24 +54,38 @@ def weight_tile_layout(W):
 
 
 @gluon.jit
-def _param_words(P32, rows, stride_ws, k0, G: gl.constexpr, HALF: gl.constexpr):
-    """Pointers [BN] to the 32-bit words that hold each channel's parameter of the group of k index k0
-    (a 16-bit one: the word that contains it; `_param` picks the half)."""
-    e = rows * stride_ws + k0 // G
+def _copy_runs(P32, run, rows, stride_ws, j_lo, N, F: gl.constexpr, GW: gl.constexpr, ROW_BYTES: gl.constexpr,
+               G: gl.constexpr, HALF: gl.constexpr):
+    """Start copying, per bit field f, the GW parameter words of each row from the word that holds the
+    field's first group in this program (k = f * ROW_BYTES + j_lo) into rows f * GW .. of ``run``
+    [F * GW, BN], one word of every row per copy (never past the tensor's last word). The copies of a
+    row's words follow each other, so they meet in the same sectors."""
+    GROUPS: gl.constexpr = ROW_BYTES * F // G
+    last = (N - 1) * stride_ws + GROUPS - 1
     if HALF:
-        e = e // 2
-    return P32 + e
+        last = last // 2
+    for f in gl.static_range(F):
+        e = rows * stride_ws + (f * ROW_BYTES + j_lo) // G
+        if HALF:
+            e = e // 2
+        for w in gl.static_range(GW):
+            async_copy.async_copy_global_to_shared(run.index(f * GW + w), P32 + e + w, mask=e + w <= last)
 
 
 @gluon.jit
-def _param(smem, slot, t: gl.constexpr, rows, stride_ws, g, KIND: gl.constexpr):
-    """A piece's parameter for row tile t's channels ``rows``, float32 [16], from its stage's words
-    (KIND: 0 fp16, 1 bf16, 2 fp32)."""
+def _param(run, base: gl.constexpr, local, t: gl.constexpr, rows, stride_ws, g, g_first, KIND: gl.constexpr):
+    """A piece's parameter for row tile t's channels ``rows``, float32 [16]: group g, the ``local``-th of its
+    field since the field's first group g_first in this program, from the field's words at rows ``base`` ..
+    of ``run`` (KIND: 0 fp16, 1 bf16, 2 fp32). A 16-bit parameter's run starts at the word that holds
+    g_first, so a row whose g_first is an odd half finds group g one word further."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
-    v = smem.index(slot).slice(16 * t, 16, dim=0).load(gl.SliceLayout(1, mma))
+    rl: gl.constexpr = gl.SliceLayout(1, mma)
     if KIND == 2:
-        out = v.to(gl.float32, bitcast=True)
+        out = run.index(base + local).slice(16 * t, 16, dim=0).load(rl).to(gl.float32, bitcast=True)
     else:
+        w0 = run.index(base + local // 2).slice(16 * t, 16, dim=0).load(rl)
+        w1 = run.index(base + (local + 1) // 2).slice(16 * t, 16, dim=0).load(rl)
+        v = gl.where(((rows * stride_ws + g_first) & 1) == 1, w1, w0)
         half = (v >> (((rows * stride_ws + g) & 1) * 16)) & 0xFFFF
         if KIND == 1:
             out = (half << 16).to(gl.float32, bitcast=True)
@@ -98,9 +112,10 @@ def _ones_mmas(ones, xs, zero, b_l: gl.constexpr, NG: gl.constexpr):
 
 
 @gluon.jit
-def _row_tile(w_tile, s_smem, z_smem, s0, t: gl.constexpr, xs, sums, y, n0, N, stride_ws, j0, W: gl.constexpr,
+def _row_tile(w_tile, s_run, z_run, j_lo, t: gl.constexpr, xs, sums, y, n0, N, stride_ws, j0, W: gl.constexpr,
               F: gl.constexpr, NG: gl.constexpr, ROWS: gl.constexpr, ROW_BYTES: gl.constexpr, G: gl.constexpr,
-              BITS: gl.constexpr, ASM: gl.constexpr, CONS: gl.constexpr, VALUE_EXP: gl.constexpr, KIND: gl.constexpr):
+              BITS: gl.constexpr, ASM: gl.constexpr, CONS: gl.constexpr, VALUE_EXP: gl.constexpr, KIND: gl.constexpr,
+              GW: gl.constexpr):
     """Output channels n0 + 16t .. n0 + 16t + 15 of one chunk: per piece, the codes' MMA with x's piece,
     times the group's scale (and field weight), plus the group's zero times the piece's sum of x."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
@@ -119,17 +134,20 @@ def _row_tile(w_tile, s_smem, z_smem, s0, t: gl.constexpr, xs, sums, y, n0, N, s
     rows = gl.minimum(n0 + 16 * t + gl.arange(0, 16, layout=gl.SliceLayout(1, mma)), N - 1)
     for p in gl.static_range(NG):
         g = ((p // PPF) * ROW_BYTES + j0 + (p % PPF) * P) // G
-        sp = _param(s_smem, s0 + p, t, rows, stride_ws, g, KIND) * (2.0 ** (VALUE_EXP - BITS * (p // PPF)))
-        zp = _param(z_smem, s0 + p, t, rows, stride_ws, g, KIND)
+        g_first = ((p // PPF) * ROW_BYTES + j_lo) // G
+        sp = _param(s_run, (p // PPF) * GW, g - g_first, t, rows, stride_ws, g, g_first, KIND) * \
+            (2.0 ** (VALUE_EXP - BITS * (p // PPF)))
+        zp = _param(z_run, (p // PPF) * GW, g - g_first, t, rows, stride_ws, g, g_first, KIND)
         y = y + parts[p] * sp[:, None] + sums[p] * zp[:, None]
     return y
 
 
 @gluon.jit
-def _chunk(w_tile, s_smem, z_smem, s0, x_nat, ys, n0, N, stride_ws, j0, T: gl.constexpr, W: gl.constexpr,
+def _chunk(w_tile, s_run, z_run, j_lo, x_nat, ys, n0, N, stride_ws, j0, T: gl.constexpr, W: gl.constexpr,
            F: gl.constexpr, NG: gl.constexpr, ROWS: gl.constexpr, ROW_BYTES: gl.constexpr, G: gl.constexpr,
            BITS: gl.constexpr, ASM: gl.constexpr, CONS: gl.constexpr, XF16: gl.constexpr, VALUE_EXP: gl.constexpr,
-           KIND: gl.constexpr):
+           KIND: gl.constexpr,
+           GW: gl.constexpr):
     """One chunk (bytes j0 .. j0 + NB of every row of the block) into the T row tiles' accumulators
     ``ys``; the activation's pieces and their sums are made once and shared by the tiles."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
@@ -159,22 +177,22 @@ def _chunk(w_tile, s_smem, z_smem, s0, x_nat, ys, n0, N, stride_ws, j0, T: gl.co
     else:
         acc = _zeros_tiles(ROWS, T)
     if T == 1:
-        acc = (_row_tile(w_tile, s_smem, z_smem, s0, 0, xs, sums, acc[0], n0, N, stride_ws, j0, W, F, NG, ROWS,
-                         ROW_BYTES, G, BITS, ASM, CONS, VALUE_EXP, KIND),)
+        acc = (_row_tile(w_tile, s_run, z_run, j_lo, 0, xs, sums, acc[0], n0, N, stride_ws, j0, W, F, NG, ROWS,
+                         ROW_BYTES, G, BITS, ASM, CONS, VALUE_EXP, KIND, GW),)
     elif T == 2:
-        acc = (_row_tile(w_tile, s_smem, z_smem, s0, 0, xs, sums, acc[0], n0, N, stride_ws, j0, W, F, NG, ROWS,
-                         ROW_BYTES, G, BITS, ASM, CONS, VALUE_EXP, KIND),
-               _row_tile(w_tile, s_smem, z_smem, s0, 1, xs, sums, acc[1], n0, N, stride_ws, j0, W, F, NG, ROWS,
-                         ROW_BYTES, G, BITS, ASM, CONS, VALUE_EXP, KIND))
+        acc = (_row_tile(w_tile, s_run, z_run, j_lo, 0, xs, sums, acc[0], n0, N, stride_ws, j0, W, F, NG, ROWS,
+                         ROW_BYTES, G, BITS, ASM, CONS, VALUE_EXP, KIND, GW),
+               _row_tile(w_tile, s_run, z_run, j_lo, 1, xs, sums, acc[1], n0, N, stride_ws, j0, W, F, NG, ROWS,
+                         ROW_BYTES, G, BITS, ASM, CONS, VALUE_EXP, KIND, GW))
     else:
-        acc = (_row_tile(w_tile, s_smem, z_smem, s0, 0, xs, sums, acc[0], n0, N, stride_ws, j0, W, F, NG, ROWS,
-                         ROW_BYTES, G, BITS, ASM, CONS, VALUE_EXP, KIND),
-               _row_tile(w_tile, s_smem, z_smem, s0, 1, xs, sums, acc[1], n0, N, stride_ws, j0, W, F, NG, ROWS,
-                         ROW_BYTES, G, BITS, ASM, CONS, VALUE_EXP, KIND),
-               _row_tile(w_tile, s_smem, z_smem, s0, 2, xs, sums, acc[2], n0, N, stride_ws, j0, W, F, NG, ROWS,
-                         ROW_BYTES, G, BITS, ASM, CONS, VALUE_EXP, KIND),
-               _row_tile(w_tile, s_smem, z_smem, s0, 3, xs, sums, acc[3], n0, N, stride_ws, j0, W, F, NG, ROWS,
-                         ROW_BYTES, G, BITS, ASM, CONS, VALUE_EXP, KIND))
+        acc = (_row_tile(w_tile, s_run, z_run, j_lo, 0, xs, sums, acc[0], n0, N, stride_ws, j0, W, F, NG, ROWS,
+                         ROW_BYTES, G, BITS, ASM, CONS, VALUE_EXP, KIND, GW),
+               _row_tile(w_tile, s_run, z_run, j_lo, 1, xs, sums, acc[1], n0, N, stride_ws, j0, W, F, NG, ROWS,
+                         ROW_BYTES, G, BITS, ASM, CONS, VALUE_EXP, KIND, GW),
+               _row_tile(w_tile, s_run, z_run, j_lo, 2, xs, sums, acc[2], n0, N, stride_ws, j0, W, F, NG, ROWS,
+                         ROW_BYTES, G, BITS, ASM, CONS, VALUE_EXP, KIND, GW),
+               _row_tile(w_tile, s_run, z_run, j_lo, 3, xs, sums, acc[3], n0, N, stride_ws, j0, W, F, NG, ROWS,
+                         ROW_BYTES, G, BITS, ASM, CONS, VALUE_EXP, KIND, GW))
     if XF16:
         out = acc
     else:   # this chunk's sums were of x times c: undone per activation row
@@ -240,20 +258,13 @@ def _load_x(X, rx, x_ok, stride_x, j0, D: gl.constexpr, NB: gl.constexpr, ROWS: 
 
 
 @gluon.jit
-def _issue(stage, c0, c_hi, w_rows, S32, Z32, rs, stride_ws, w_smem, s_smem, z_smem, W: gl.constexpr,
-           NB: gl.constexpr, G: gl.constexpr, HALF: gl.constexpr, NG: gl.constexpr, PPF: gl.constexpr,
-           ROW_BYTES: gl.constexpr, P: gl.constexpr, SUB: gl.constexpr):
-    """Start copying the SUB chunks from c0 (code words, the pieces' scale and zero words) into stage
-    ``stage``, back to back, so that each weight row is read SUB * NB contiguous bytes at a time
-    (chunks past the program's last are its last again, never used)."""
+def _issue(stage, c0, c_hi, w_rows, w_smem, W: gl.constexpr, SUB: gl.constexpr):
+    """Start copying the code words of the SUB chunks from c0 into stage ``stage``, back to back, so that
+    each weight row is read SUB * NB contiguous bytes at a time (chunks past the program's last are its
+    last again, never used)."""
     for u in gl.static_range(SUB):
         c = gl.minimum(c0 + u, c_hi - 1)
         async_copy.async_copy_global_to_shared(w_smem.index(stage * SUB + u), w_rows + c * W)
-        for p in gl.static_range(NG):
-            k0 = (p // PPF) * ROW_BYTES + c * NB + (p % PPF) * P
-            slot = (stage * SUB + u) * NG + p
-            async_copy.async_copy_global_to_shared(s_smem.index(slot), _param_words(S32, rs, stride_ws, k0, G, HALF))
-            async_copy.async_copy_global_to_shared(z_smem.index(slot), _param_words(Z32, rs, stride_ws, k0, G, HALF))
     async_copy.commit_group()
 
 
@@ -262,7 +273,8 @@ def foldc_gemv_gluon(X, WC, WS, WZ, Y, PART, COUNTERS, M, N, stride_x, stride_wc
                      chunks_per_split, BN: gl.constexpr, W: gl.constexpr, F: gl.constexpr, NG: gl.constexpr,
                      ROWS: gl.constexpr, ROW_BYTES: gl.constexpr, G: gl.constexpr, BITS: gl.constexpr,
                      STAGES: gl.constexpr, SPLIT: gl.constexpr, ASM: gl.constexpr, CONS: gl.constexpr,
-                     XF16: gl.constexpr, VALUE_EXP: gl.constexpr, KIND: gl.constexpr, SUB: gl.constexpr):
+                     XF16: gl.constexpr, VALUE_EXP: gl.constexpr, KIND: gl.constexpr, SUB: gl.constexpr,
+                     GW: gl.constexpr):
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
     b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=8)
     NB: gl.constexpr = W * 4
@@ -281,21 +293,24 @@ def foldc_gemv_gluon(X, WC, WS, WZ, Y, PART, COUNTERS, M, N, stride_x, stride_wc
     rc = gl.minimum(n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, cp_l)), N - 1)
     wc = gl.arange(0, W, layout=gl.SliceLayout(0, cp_l))
     w_rows = WC + rc[:, None] * stride_wc + wc[None, :]
-    # each piece's scale and zero words: one 32-bit word per channel (rows spread over the lanes)
+    # the program's scale and zero words, copied once: per bit field and row the GW words from the field's
+    # first group in this split (copies per piece and chunk, each of 16 rows' words in its own sector,
+    # took the copies from 8.7 to 14.7 µs at INT4 4096 x 14336: benchmarks/gemv_anatomy.py)
     sc_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32], warps_per_cta=[1], order=[0])
     rs = gl.minimum(n0 + gl.arange(0, BN, layout=sc_l), N - 1)
-    S32 = WS.to(gl.pointer_type(gl.int32), bitcast=True)
-    Z32 = WZ.to(gl.pointer_type(gl.int32), bitcast=True)
     rx = gl.arange(0, ROWS, layout=gl.SliceLayout(0, b_l))
     x_ok = (rx < M)[None, :]
     w_smem = gl.allocate_shared_memory(gl.int32, [STAGES * SUB, BN, W], weight_tile_layout(W))
     p_l: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
-    s_smem = gl.allocate_shared_memory(gl.int32, [STAGES * SUB * NG, BN], p_l)
-    z_smem = gl.allocate_shared_memory(gl.int32, [STAGES * SUB * NG, BN], p_l)
-    for first in gl.static_range(STAGES - 1):   # (past the last chunk: an empty copy group)
+    s_run = gl.allocate_shared_memory(gl.int32, [F * GW, BN], p_l)
+    z_run = gl.allocate_shared_memory(gl.int32, [F * GW, BN], p_l)
+    _copy_runs(WS.to(gl.pointer_type(gl.int32), bitcast=True), s_run, rs, stride_ws, c_lo * NB, N, F, GW, ROW_BYTES,
+               G, HALF)
+    _copy_runs(WZ.to(gl.pointer_type(gl.int32), bitcast=True), z_run, rs, stride_ws, c_lo * NB, N, F, GW, ROW_BYTES,
+               G, HALF)
+    for first in gl.static_range(STAGES - 1):   # (past the last chunk: an empty copy group); the runs go with the first
         if c_lo + first * SUB < c_hi:
-            _issue(first, c_lo + first * SUB, c_hi, w_rows, S32, Z32, rs, stride_ws, w_smem, s_smem, z_smem, W, NB, G,
-                   HALF, NG, PPF, ROW_BYTES, D // NG, SUB)
+            _issue(first, c_lo + first * SUB, c_hi, w_rows, w_smem, W, SUB)
         else:
             async_copy.commit_group()
     ys = _zeros_tiles(ROWS, T)
@@ -304,8 +319,7 @@ def foldc_gemv_gluon(X, WC, WS, WZ, Y, PART, COUNTERS, M, N, stride_x, stride_wc
         ahead = i + STAGES - 1
         gl.thread_barrier()   # every lane is done reading the stage the next copy overwrites
         if c_lo + ahead * SUB < c_hi:
-            _issue(ahead % STAGES, c_lo + ahead * SUB, c_hi, w_rows, S32, Z32, rs, stride_ws, w_smem, s_smem, z_smem,
-                   W, NB, G, HALF, NG, PPF, ROW_BYTES, D // NG, SUB)
+            _issue(ahead % STAGES, c_lo + ahead * SUB, c_hi, w_rows, w_smem, W, SUB)
         else:
             async_copy.commit_group()
         async_copy.wait_group(STAGES - 1)
@@ -316,8 +330,8 @@ def foldc_gemv_gluon(X, WC, WS, WZ, Y, PART, COUNTERS, M, N, stride_x, stride_wc
             x_next = _load_x(X, rx, x_ok, stride_x, gl.minimum(c + 1, c_hi - 1) * NB, D, NB, ROWS, ROW_BYTES)
             if c < c_hi:
                 slot = (i % STAGES) * SUB + u
-                ys = _chunk(w_smem.index(slot), s_smem, z_smem, slot * NG, x_nat, ys, n0, N, stride_ws, c * NB, T, W,
-                            F, NG, ROWS, ROW_BYTES, G, BITS, ASM, CONS, XF16, VALUE_EXP, KIND)
+                ys = _chunk(w_smem.index(slot), s_run, z_run, c_lo * NB, x_nat, ys, n0, N, stride_ws, c * NB, T, W,
+                            F, NG, ROWS, ROW_BYTES, G, BITS, ASM, CONS, XF16, VALUE_EXP, KIND, GW)
     async_copy.wait_group(0)
     for t in gl.static_range(T):
         _finish(ys[t], t, Y, PART, n0, pid_s, M, N, stride_y, SPLIT, ROWS)

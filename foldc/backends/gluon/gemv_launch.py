@@ -42,6 +42,25 @@ class GemvLaunch:
     constants: tuple
 
 
+PARAM_RUN_BYTES = 256          # shared memory per output channel for a program's scale and zero words (`param_words`)
+
+
+def param_words(kernel: GemvKernel, per: int) -> int:
+    """32-bit words per bit field, row and parameter that a program of ``per`` chunks copies (the kernel's
+    GW): the words holding every group its k range of each field meets, from the word that holds the
+    first (a 16-bit parameter's first group may be the word's upper half)."""
+    groups = 1 if kernel.group >= kernel.k else -(-per * kernel.chunk_bytes // kernel.group) + 1
+    return groups if kernel.scale_dtype == "fp32" else (groups + 2) // 2
+
+
+def max_chunks(kernel: GemvKernel) -> int:
+    """Most chunks a program may take so that its parameter words fit PARAM_RUN_BYTES per output channel."""
+    per = kernel.chunks
+    while per > 1 and kernel.fields * param_words(kernel, per) * 8 > PARAM_RUN_BYTES:
+        per -= 1
+    return per
+
+
 def default_sub(kernel: GemvKernel) -> int:
     """Chunks per pipeline stage: one. Four (each weight row read 512 contiguous bytes at a time) was
     1.3x slower on the H200 at 4096 x 14336 (the stages' shared memory costs resident programs;
@@ -115,12 +134,13 @@ class GluonGemv:
             split = self.split_k or default_split(kernel, self.spec.n, self.block_rows, sms, sub)
             per = -(-kernel.chunks // min(split, kernel.chunks))
             per = min(-(-per // sub) * sub, kernel.chunks)   # whole stages per program where it can
+            per = min(per, max_chunks(kernel))               # its parameter words fit
             split = -(-kernel.chunks // per)
             asm, cons = key_unpack_asm(kernel.bits)
             constants = dict(BN=self.block_rows, W=kernel.chunk_bytes // 4, F=kernel.fields, NG=kernel.pieces,
                              ROWS=8 if m <= 8 else 16, ROW_BYTES=kernel.row_bytes, G=kernel.group, BITS=kernel.bits,
                              STAGES=self.stages, SPLIT=split, ASM=asm, CONS=cons, VALUE_EXP=VALUE_EXPONENT,
-                             KIND=SCALE_KINDS[kernel.scale_dtype], SUB=sub,
+                             KIND=SCALE_KINDS[kernel.scale_dtype], SUB=sub, GW=param_words(kernel, per),
                              num_warps=1)
             if self.maxnreg is not None:
                 constants["maxnreg"] = self.maxnreg
