@@ -126,6 +126,39 @@ def test_default_split_keeps_two_chunks_a_program_and_fills_the_gpu():
     assert default_split(small, 28672, 16, 132) == 1
 
 
+@settings(max_examples=60, deadline=None)
+@given(enc=st.sampled_from(ENCODINGS), n=st.sampled_from([16, 96, 1000, 4096, 28672]),
+       k=st.sampled_from([1024, 2048, 4096, 8192, 14336]), m=st.sampled_from([1, 9]),
+       block_rows=st.sampled_from([16, 32, 64]), split=st.sampled_from([None, 1, 3, 64]),
+       sub=st.sampled_from([None, 1, 2]))
+def test_a_launch_covers_every_chunk_once_and_its_parameter_words_fit(enc, n, k, m, block_rows, split, sub):
+    """The programs of a block take consecutive runs of whole chunks (the last may be shorter, none
+    empty), and each program's parameter words (the kernel's GW per field, row and parameter) hold
+    every group its k range meets within PARAM_RUN_BYTES a row."""
+    from foldc.backends.gluon.gemv_launch import PARAM_RUN_BYTES, max_chunks, param_words
+
+    try:
+        spec = spec_of(enc, n, k)
+    except foldc.SpecError:
+        assume(False)
+    gemv = GluonGemv(spec, "sm_90", block_rows=block_rows, split_k=split, sub=sub)
+    assume(gemv.lowers(m)[0])
+    launch = gemv.plan_launch(m, 132)
+    kern, per, splits = launch.kernel, launch.chunks_per_split, launch.grid[1]
+    assert launch.grid[0] == -(-n // block_rows)
+    assert 1 <= per <= min(kern.chunks, max_chunks(kern)) and (splits - 1) * per < kern.chunks <= splits * per
+    gw = dict(launch.constants)["GW"]
+    assert gw == param_words(kern, per) and kern.fields * gw * 8 <= PARAM_RUN_BYTES or max_chunks(kern) == 1
+    for s in range(splits):   # every group a program's fields meet lies in its GW words
+        lo, hi = s * per * kern.chunk_bytes, min((s + 1) * per, kern.chunks) * kern.chunk_bytes
+        for f in range(kern.fields):
+            first, last = (f * kern.row_bytes + lo) // kern.group, (f * kern.row_bytes + hi - 1) // kern.group
+            if kern.group >= kern.k:
+                first = last = 0
+            count = last - first + 1   # a 16-bit parameter's run may start at a word's upper half
+            assert (count if kern.scale_dtype == "fp32" else (count + 2) // 2) <= gw
+
+
 AOT = r"""
 import json, sys
 from foldc.backends.gluon.gemv_aot import compile_gemv_aot
@@ -199,17 +232,22 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_
 
 
 @gpu
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(enc=st.sampled_from(ENCODINGS), n=st.integers(1, 300), m=st.integers(1, 16),
        dtype=st.sampled_from([torch.float16, torch.bfloat16]), split=st.sampled_from([None, 1, 3]),
-       seed=st.integers(0, 2**31 - 1))
-def test_gpu_gemv_matches_the_float64_reference(enc, n, m, dtype, split, seed):
-    spec = spec_of(enc, n, 2048)
+       k=st.sampled_from([2048, 2176]), seed=st.integers(0, 2**31 - 1))
+def test_gpu_gemv_matches_the_float64_reference(enc, n, m, dtype, split, k, seed):
+    """k = 2176 gives 17 groups of 128 a row: the 16-bit parameters of odd rows start in a word's upper
+    half (the kernel's parameter words are read per row from the word that holds its first group)."""
+    try:
+        spec = spec_of(enc, n, k)
+    except foldc.SpecError:
+        assume(False)   # the group does not divide k
     kern = foldc.compile(spec, target="auto", gemv_split=split)
     assume(kern.gemv.lowers(m)[0])   # a dequant verdict at m rows: the Triton kernel's, tested there
     gen = torch.Generator().manual_seed(seed)
-    wq = quantize_2d((torch.randn(n, 2048, generator=gen) * 0.05).cuda(), spec.weight)
-    x = ((torch.randn(m, 2048, generator=gen) + 0.3) * 4).to("cuda", dtype)
+    wq = quantize_2d((torch.randn(n, k, generator=gen) * 0.05).cuda(), spec.weight)
+    x = ((torch.randn(m, k, generator=gen) + 0.3) * 4).to("cuda", dtype)
     y = kern(x, wq)
     want = gemm_reference(x, wq)
     err = float((y.double() - want).norm() / want.norm())

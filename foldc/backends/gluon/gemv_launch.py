@@ -24,8 +24,9 @@ from .operands import VALUE_EXPONENT, key_unpack_asm
 
 DTYPES = (torch.float16, torch.bfloat16)
 BLOCK_ROWS = (16, 32, 64)      # output channels per program
-STAGES = 4                     # pipeline stages in flight per program (cp.async), each `default_sub` chunks
-PROGRAMS_PER_SM = 16           # the split-k heuristic's aim: about this many one-warp programs per SM
+STAGES = 3                     # pipeline stages in flight per program (cp.async), each `default_sub` chunks
+PROGRAMS_PER_SM = 8            # the split-k heuristic's least: this many one-warp programs per SM
+CHUNKS_PER_PROGRAM = 12        # ... and its aim for each program's length
 MAX_SPLIT = 64
 SUBS = (1, 2, 4, 8)
 SCALE_KINDS = {"fp16": 0, "bf16": 1, "fp32": 2}   # the kernel's KIND: how it reads a scale word
@@ -69,10 +70,11 @@ def default_sub(kernel: GemvKernel) -> int:
 
 
 def default_split(kernel: GemvKernel, n: int, block_rows: int, sms: int, sub: int = 1) -> int:
-    """Splits of k per block so that about PROGRAMS_PER_SM programs run per SM, each with at least two
-    pipeline stages of ``sub`` chunks."""
+    """Splits of k per block: programs of about CHUNKS_PER_PROGRAM chunks, and at least PROGRAMS_PER_SM
+    programs per SM, each with at least two pipeline stages of ``sub`` chunks. On the H200 (INT4 g128,
+    m = 1, docs/gemm.md) programs of 7-14 chunks ran best; 2 were slow at 28672 x 8192, and 32 too."""
     blocks = -(-n // block_rows)
-    want = max(1, round(PROGRAMS_PER_SM * sms / blocks))
+    want = max(-(-kernel.chunks // CHUNKS_PER_PROGRAM), -(-PROGRAMS_PER_SM * sms // blocks))
     return max(1, min(want, kernel.chunks // (2 * sub), MAX_SPLIT))
 
 
@@ -132,9 +134,10 @@ class GluonGemv:
             kernel = lower_gemv(self.plan_for(m), m)
             sub = self.sub or default_sub(kernel)
             split = self.split_k or default_split(kernel, self.spec.n, self.block_rows, sms, sub)
-            per = -(-kernel.chunks // min(split, kernel.chunks))
+            split = max(split, -(-kernel.chunks // max_chunks(kernel)))   # its parameter words fit
+            per = -(-kernel.chunks // min(split, kernel.chunks))            # the chunks spread evenly
             per = min(-(-per // sub) * sub, kernel.chunks)   # whole stages per program where it can
-            per = min(per, max_chunks(kernel))               # its parameter words fit
+            per = min(per, max_chunks(kernel))
             split = -(-kernel.chunks // per)
             asm, cons = key_unpack_asm(kernel.bits)
             constants = dict(BN=self.block_rows, W=kernel.chunk_bytes // 4, F=kernel.fields, NG=kernel.pieces,
