@@ -69,8 +69,8 @@ def gemv_variant(X, WC, WS, WZ, Y, PART, COUNTERS, M, N, stride_x, stride_wc, st
     w_rows = WC + rc[:, None] * stride_wc + wc[None, :]
     sc_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32], warps_per_cta=[1], order=[0])
     rs = gl.minimum(n0 + gl.arange(0, BN, layout=sc_l), N - 1)
-    rx = gl.arange(0, ROWS, layout=gl.SliceLayout(0, b_l))
-    x_ok = (rx < M)[None, :]
+    # rows past m read row m - 1 again (no masked loads to zero each chunk): their columns are never stored
+    rx = gl.minimum(gl.arange(0, ROWS, layout=gl.SliceLayout(0, b_l)), M - 1)
     w_smem = gl.allocate_shared_memory(gl.int32, [STAGES * SUB, BN, W], weight_tile_layout(W))
     p_l: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
     s_run = gl.allocate_shared_memory(gl.int32, [F * GW, BN], p_l)
@@ -87,7 +87,7 @@ def gemv_variant(X, WC, WS, WZ, Y, PART, COUNTERS, M, N, stride_x, stride_wc, st
     ys = _zeros_tiles(ROWS, T)
     kw_l: gl.constexpr = key_words_layout(16, W)
     folded = gl.zeros([16, W], gl.int32, layout=kw_l)
-    x_next = _load_x(X, rx, x_ok, stride_x, c_lo * NB, D, NB, ROWS, ROW_BYTES)
+    x_next = _load_x(X, rx, stride_x, c_lo * NB, D, NB, ROWS, ROW_BYTES)
     for i in range(gl.cdiv(c_hi - c_lo, SUB)):
         ahead = i + STAGES - 1
         gl.thread_barrier()
@@ -102,7 +102,7 @@ def gemv_variant(X, WC, WS, WZ, Y, PART, COUNTERS, M, N, stride_x, stride_wc, st
             slot = ((i % STAGES) if COPY else (i % (STAGES - 1))) * SUB + u
             if COMPUTE:
                 x_nat = x_next
-                x_next = _load_x(X, rx, x_ok, stride_x, gl.minimum(c + 1, c_hi - 1) * NB, D, NB, ROWS, ROW_BYTES)
+                x_next = _load_x(X, rx, stride_x, gl.minimum(c + 1, c_hi - 1) * NB, D, NB, ROWS, ROW_BYTES)
                 if c < c_hi:
                     ys = _chunk(w_smem.index(slot), s_run, z_run, c_lo * NB, x_nat, ys, n0, N, stride_ws, c * NB, T,
                                 W, F, NG, ROWS, ROW_BYTES, G, BITS, ASM, CONS, XF16, VALUE_EXP, KIND, GW)

@@ -53,6 +53,24 @@ def weight_tile_layout(W):
     return gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
 
 
+@constexpr_function
+def group_shift(G):
+    """log2 of a power-of-two group size (groups by a shift: the k indices are never negative), else -1."""
+    G = int(G)
+    return G.bit_length() - 1 if G & (G - 1) == 0 else -1
+
+
+@gluon.jit
+def _group(k, G: gl.constexpr):
+    """The k group of k index ``k`` (>= 0)."""
+    SHIFT: gl.constexpr = group_shift(G)
+    if SHIFT >= 0:
+        out = k >> SHIFT
+    else:
+        out = k // G
+    return out
+
+
 @gluon.jit
 def _copy_runs(P32, run, rows, stride_ws, j_lo, N, F: gl.constexpr, GW: gl.constexpr, ROW_BYTES: gl.constexpr,
                G: gl.constexpr, HALF: gl.constexpr):
@@ -65,9 +83,9 @@ def _copy_runs(P32, run, rows, stride_ws, j_lo, N, F: gl.constexpr, GW: gl.const
     if HALF:
         last = last // 2
     for f in gl.static_range(F):
-        e = rows * stride_ws + (f * ROW_BYTES + j_lo) // G
+        e = rows * stride_ws + _group(f * ROW_BYTES + j_lo, G)
         if HALF:
-            e = e // 2
+            e = e >> 1
         for w in gl.static_range(GW):
             async_copy.async_copy_global_to_shared(run.index(f * GW + w), P32 + e + w, mask=e + w <= last)
 
@@ -83,8 +101,8 @@ def _param(run, base: gl.constexpr, local, t: gl.constexpr, rows, stride_ws, g, 
     if KIND == 2:
         out = run.index(base + local).slice(16 * t, 16, dim=0).load(rl).to(gl.float32, bitcast=True)
     else:
-        w0 = run.index(base + local // 2).slice(16 * t, 16, dim=0).load(rl)
-        w1 = run.index(base + (local + 1) // 2).slice(16 * t, 16, dim=0).load(rl)
+        w0 = run.index(base + (local >> 1)).slice(16 * t, 16, dim=0).load(rl)
+        w1 = run.index(base + ((local + 1) >> 1)).slice(16 * t, 16, dim=0).load(rl)
         v = gl.where(((rows * stride_ws + g_first) & 1) == 1, w1, w0)
         half = (v >> (((rows * stride_ws + g) & 1) * 16)) & 0xFFFF
         if KIND == 1:
@@ -133,8 +151,8 @@ def _row_tile(w_tile, s_run, z_run, j_lo, t: gl.constexpr, xs, sums, y, n0, N, s
         parts = group_mmas(split_groups(op, NG, 1), xs, zeros_groups([16, ROWS], mma, NG), a_l, b_l, NG)
     rows = gl.minimum(n0 + 16 * t + gl.arange(0, 16, layout=gl.SliceLayout(1, mma)), N - 1)
     for p in gl.static_range(NG):
-        g = ((p // PPF) * ROW_BYTES + j0 + (p % PPF) * P) // G
-        g_first = ((p // PPF) * ROW_BYTES + j_lo) // G
+        g = _group((p // PPF) * ROW_BYTES + j0 + (p % PPF) * P, G)
+        g_first = _group((p // PPF) * ROW_BYTES + j_lo, G)
         sp = _param(s_run, (p // PPF) * GW, g - g_first, t, rows, stride_ws, g, g_first, KIND) * \
             (2.0 ** (VALUE_EXP - BITS * (p // PPF)))
         zp = _param(z_run, (p // PPF) * GW, g - g_first, t, rows, stride_ws, g, g_first, KIND)
@@ -247,14 +265,14 @@ def _reduce(t: gl.constexpr, Y, PART, n0, M, N, stride_y, SPLIT: gl.constexpr, R
 
 
 @gluon.jit
-def _load_x(X, rx, x_ok, stride_x, j0, D: gl.constexpr, NB: gl.constexpr, ROWS: gl.constexpr,
+def _load_x(X, rx, stride_x, j0, D: gl.constexpr, NB: gl.constexpr, ROWS: gl.constexpr,
             ROW_BYTES: gl.constexpr):
     """The activation chunk [D, ROWS] in channel order (k index kx: field kx // NB, byte kx % NB)."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
     b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=8)
     kx = gl.arange(0, D, layout=gl.SliceLayout(1, b_l))
     koff = (kx // NB) * ROW_BYTES + j0 + kx % NB
-    return gl.load(X + rx[None, :] * stride_x + koff[:, None], mask=x_ok, other=0.0)
+    return gl.load(X + rx[None, :] * stride_x + koff[:, None])
 
 
 @gluon.jit
@@ -298,8 +316,8 @@ def foldc_gemv_gluon(X, WC, WS, WZ, Y, PART, COUNTERS, M, N, stride_x, stride_wc
     # took the copies from 8.7 to 14.7 µs at INT4 4096 x 14336: benchmarks/gemv_anatomy.py)
     sc_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32], warps_per_cta=[1], order=[0])
     rs = gl.minimum(n0 + gl.arange(0, BN, layout=sc_l), N - 1)
-    rx = gl.arange(0, ROWS, layout=gl.SliceLayout(0, b_l))
-    x_ok = (rx < M)[None, :]
+    # rows past m read row m - 1 again (no masked loads to zero each chunk): their columns are never stored
+    rx = gl.minimum(gl.arange(0, ROWS, layout=gl.SliceLayout(0, b_l)), M - 1)
     w_smem = gl.allocate_shared_memory(gl.int32, [STAGES * SUB, BN, W], weight_tile_layout(W))
     p_l: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
     s_run = gl.allocate_shared_memory(gl.int32, [F * GW, BN], p_l)
@@ -314,7 +332,7 @@ def foldc_gemv_gluon(X, WC, WS, WZ, Y, PART, COUNTERS, M, N, stride_x, stride_wc
         else:
             async_copy.commit_group()
     ys = _zeros_tiles(ROWS, T)
-    x_next = _load_x(X, rx, x_ok, stride_x, c_lo * NB, D, NB, ROWS, ROW_BYTES)
+    x_next = _load_x(X, rx, stride_x, c_lo * NB, D, NB, ROWS, ROW_BYTES)
     for i in range(gl.cdiv(c_hi - c_lo, SUB)):
         ahead = i + STAGES - 1
         gl.thread_barrier()   # every lane is done reading the stage the next copy overwrites
@@ -327,7 +345,7 @@ def foldc_gemv_gluon(X, WC, WS, WZ, Y, PART, COUNTERS, M, N, stride_x, stride_wc
         for u in gl.static_range(SUB):
             c = c_lo + i * SUB + u
             x_nat = x_next   # the next chunk's activations on their way while this one runs
-            x_next = _load_x(X, rx, x_ok, stride_x, gl.minimum(c + 1, c_hi - 1) * NB, D, NB, ROWS, ROW_BYTES)
+            x_next = _load_x(X, rx, stride_x, gl.minimum(c + 1, c_hi - 1) * NB, D, NB, ROWS, ROW_BYTES)
             if c < c_hi:
                 slot = (i % STAGES) * SUB + u
                 ys = _chunk(w_smem.index(slot), s_run, z_run, c_lo * NB, x_nat, ys, n0, N, stride_ws, c * NB, T, W,
