@@ -1,7 +1,7 @@
 """Host time of transformers' decode steps with a foldc cache: cProfile of a warmed-up ``generate``
 on examples/hf_decode.py's model (H200; evidence for docs/perf.md, not a test).
 
-    PYTHONPATH=. python3 benchmarks/hf_step_profile.py --new 64 --out $OUT/hf_profile.txt
+    PYTHONPATH=. python3 benchmarks/hf_step_profile.py --new 64 --out $OUT/hf_profile.txt [--long --weight k-group:4:128]
 """
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--long", action="store_true",
                     help="16 layers, hidden 2048, 16/4 heads of 128, vocabulary 32000 (a ~1B model)")
+    ap.add_argument("--weight", default=None, help="quantize the foldc run's linears, e.g. k-group:4:128 (W4 + KV)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -42,6 +43,10 @@ def main() -> int:
     size = dict(layers=16, hidden=2048, heads="16/4", head_dim=128, vocab=32000) if args.long else {}
     model = example.build_model("cuda", torch.bfloat16, positions=max(256, args.prompt + args.new), **size)
     ids = torch.randint(3, model.config.vocab_size, (args.batch, args.prompt), device="cuda")
+    fmodel = model
+    if args.weight:   # a second model, built as the first (the same weights), its linears quantized
+        fmodel = fhf.quantize_model(example.build_model("cuda", torch.bfloat16, positions=max(256, args.prompt + args.new),
+                                                        **size), weight=args.weight)
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     # flash/efficient SDPA for the default cache and the prompt: cuDNN builds a graph per new length
@@ -51,7 +56,7 @@ def main() -> int:
     def run(cache, impl, new):
         torch.cuda.synchronize()
         start = time.perf_counter()
-        example.generate(model, cache, ids, new, impl)
+        example.generate(fmodel if impl == fhf.ATTN_IMPLEMENTATION else model, cache, ids, new, impl)
         torch.cuda.synchronize()
         return time.perf_counter() - start
 
@@ -68,7 +73,7 @@ def main() -> int:
     prof = cProfile.Profile()
     cache = foldc_cache()
     prof.enable()
-    example.generate(model, cache, ids, args.new, fhf.ATTN_IMPLEMENTATION)
+    example.generate(fmodel, cache, ids, args.new, fhf.ATTN_IMPLEMENTATION)
     torch.cuda.synchronize()
     prof.disable()
     for order in ("tottime", "cumulative"):
