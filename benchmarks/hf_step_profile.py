@@ -61,7 +61,7 @@ def main() -> int:
         return time.perf_counter() - start
 
     def foldc_cache():
-        return fhf.FoldcCache(model.config, args.prompt + args.new, k=args.kv, v=args.kv, sink=args.sink,
+        return fhf.FoldcCache(fmodel.config, args.prompt + args.new, k=args.kv, v=args.kv, sink=args.sink,
                               window=args.window)
 
     lines = []
