@@ -290,3 +290,23 @@ def test_scale_overflow_at_flush_is_rejected_without_changing_the_cache():
 def test_bad_attention_calls_name_the_value_and_the_fix(cache, q, exc, match):
     with pytest.raises(exc, match=match):
         cache.attention(q())
+
+
+def test_layers_of_one_spec_share_one_compiled_attention_and_each_keeps_its_own_tokens():
+    """A model's caches (one per layer, one spec) compile the attention once; sharing it must not mix
+    their tokens: each layer's attention is the float64 reference over its own tokens."""
+    spec = foldc.AttentionSpec(4, 2, 32, A(4, "token", 32), A(4, "token", 32))
+    a, b = (QuantizedKVCache(spec, 1, 64, target="reference", dtype=torch.float32) for _ in range(2))
+    other = QuantizedKVCache(foldc.AttentionSpec(4, 2, 32), 1, 64, target="reference", dtype=torch.float32)
+    assert a._body_attention is b._body_attention and a._plain_attention is b._plain_attention
+    assert other._body_attention is not a._body_attention
+    gen = torch.Generator().manual_seed(5)
+    kvs = [[torch.randn(1, 2, 40, 32, generator=gen) for _ in range(2)] for _ in range(2)]
+    q = torch.randn(1, 4, 32, generator=gen)
+    for cache, (k, v) in zip((a, b), kvs):
+        cache.append(k, v)
+    outs = [cache.attention(q) for cache in (a, b)]
+    for cache, out in zip((a, b), outs):
+        want = foldc.compile(foldc.AttentionSpec(4, 2, 32), "reference")(q, *cache.dequantized())
+        assert torch.allclose(out.double(), want.double(), atol=1e-6)
+    assert not torch.allclose(outs[0], outs[1])
