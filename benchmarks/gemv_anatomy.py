@@ -34,9 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from gemv_check import CEILING, copies, graph_us, rel  # noqa: E402
 
-from foldc.backends.gluon.gemv import (_chunk, _copy_runs, _issue, _load_x, _zeros_tiles,  # noqa: E402
-                                      weight_tile_layout)
-from foldc.backends.gluon.tile_memory import copy_layout  # noqa: E402
+from foldc.backends.gluon.gemv import _chunk, _issue, _load_x, _zeros_tiles, program_start  # noqa: E402
 from foldc.backends.gluon.tile_operands import key_words_layout  # noqa: E402
 from foldc.backends.runtime.fast_launch import FastLaunch  # noqa: E402
 
@@ -52,38 +50,12 @@ def gemv_variant(X, WC, WS, WZ, Y, PART, COUNTERS, M, N, stride_x, stride_wc, st
     the parameter words are copied at the start as there; the result is written to y unreduced (timing
     only)."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
-    b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=8)
     NB: gl.constexpr = W * 4
-    NCH: gl.constexpr = ROW_BYTES // NB
     D: gl.constexpr = NB * F
-    HALF: gl.constexpr = KIND != 2
     T: gl.constexpr = BN // 16
-    pid_n = gl.program_id(0)
-    pid_s = gl.program_id(1)
-    n0 = pid_n * BN
-    c_lo = pid_s * chunks_per_split
-    c_hi = gl.minimum(c_lo + chunks_per_split, NCH)
-    cp_l: gl.constexpr = copy_layout(BN, W)
-    rc = gl.minimum(n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, cp_l)), N - 1)
-    wc = gl.arange(0, W, layout=gl.SliceLayout(0, cp_l))
-    w_rows = WC + rc[:, None] * stride_wc + wc[None, :]
-    sc_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32], warps_per_cta=[1], order=[0])
-    rs = gl.minimum(n0 + gl.arange(0, BN, layout=sc_l), N - 1)
-    # rows past m read row m - 1 again (no masked loads to zero each chunk): their columns are never stored
-    rx = gl.minimum(gl.arange(0, ROWS, layout=gl.SliceLayout(0, b_l)), M - 1)
-    w_smem = gl.allocate_shared_memory(gl.int32, [STAGES * SUB, BN, W], weight_tile_layout(W))
-    p_l: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
-    s_run = gl.allocate_shared_memory(gl.int32, [F * GW, BN], p_l)
-    z_run = gl.allocate_shared_memory(gl.int32, [F * GW, BN], p_l)
-    _copy_runs(WS.to(gl.pointer_type(gl.int32), bitcast=True), s_run, rs, stride_ws, c_lo * NB, N, F, GW, ROW_BYTES,
-               G, HALF)
-    _copy_runs(WZ.to(gl.pointer_type(gl.int32), bitcast=True), z_run, rs, stride_ws, c_lo * NB, N, F, GW, ROW_BYTES,
-               G, HALF)
-    for first in gl.static_range(STAGES - 1):
-        if c_lo + first * SUB < c_hi:
-            _issue(first, c_lo + first * SUB, c_hi, w_rows, w_smem, W, SUB)
-        else:
-            async_copy.commit_group()
+    n0, c_lo, c_hi, w_rows, rx, w_smem, s_run, z_run = program_start(
+        WC, WS, WZ, M, N, stride_wc, stride_ws, chunks_per_split, BN, W, F, ROWS, ROW_BYTES, G, STAGES, SUB, GW,
+        KIND != 2)
     ys = _zeros_tiles(ROWS, T)
     kw_l: gl.constexpr = key_words_layout(16, W)
     folded = gl.zeros([16, W], gl.int32, layout=kw_l)

@@ -287,24 +287,19 @@ def _issue(stage, c0, c_hi, w_rows, w_smem, W: gl.constexpr, SUB: gl.constexpr):
 
 
 @gluon.jit
-def foldc_gemv_gluon(X, WC, WS, WZ, Y, PART, COUNTERS, M, N, stride_x, stride_wc, stride_ws, stride_y,
-                     chunks_per_split, BN: gl.constexpr, W: gl.constexpr, F: gl.constexpr, NG: gl.constexpr,
-                     ROWS: gl.constexpr, ROW_BYTES: gl.constexpr, G: gl.constexpr, BITS: gl.constexpr,
-                     STAGES: gl.constexpr, SPLIT: gl.constexpr, ASM: gl.constexpr, CONS: gl.constexpr,
-                     XF16: gl.constexpr, VALUE_EXP: gl.constexpr, KIND: gl.constexpr, SUB: gl.constexpr,
-                     GW: gl.constexpr):
+def program_start(WC, WS, WZ, M, N, stride_wc, stride_ws, chunks_per_split, BN: gl.constexpr, W: gl.constexpr,
+                  F: gl.constexpr, ROWS: gl.constexpr, ROW_BYTES: gl.constexpr, G: gl.constexpr,
+                  STAGES: gl.constexpr, SUB: gl.constexpr, GW: gl.constexpr, HALF: gl.constexpr):
+    """A program's start: its output channels from n0 and chunks c_lo .. c_hi, its shared memory, the
+    copies of its parameter words and of its first STAGES - 1 stages under way. Returns (n0, c_lo, c_hi,
+    w_rows: the code words' pointers at chunk 0, rx: the activation rows each column reads, w_smem,
+    s_run, z_run)."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
     b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=8)
     NB: gl.constexpr = W * 4
-    D: gl.constexpr = NB * F
     NCH: gl.constexpr = ROW_BYTES // NB
-    PPF: gl.constexpr = NG // F
-    HALF: gl.constexpr = KIND != 2
-    T: gl.constexpr = BN // 16
-    pid_n = gl.program_id(0)
-    pid_s = gl.program_id(1)
-    n0 = pid_n * BN
-    c_lo = pid_s * chunks_per_split
+    n0 = gl.program_id(0) * BN
+    c_lo = gl.program_id(1) * chunks_per_split
     c_hi = gl.minimum(c_lo + chunks_per_split, NCH)
     # rows past N read row N - 1 (in bounds) and are never stored
     cp_l: gl.constexpr = copy_layout(BN, W)
@@ -331,6 +326,22 @@ def foldc_gemv_gluon(X, WC, WS, WZ, Y, PART, COUNTERS, M, N, stride_x, stride_wc
             _issue(first, c_lo + first * SUB, c_hi, w_rows, w_smem, W, SUB)
         else:
             async_copy.commit_group()
+    return n0, c_lo, c_hi, w_rows, rx, w_smem, s_run, z_run
+
+
+@gluon.jit
+def foldc_gemv_gluon(X, WC, WS, WZ, Y, PART, COUNTERS, M, N, stride_x, stride_wc, stride_ws, stride_y,
+                     chunks_per_split, BN: gl.constexpr, W: gl.constexpr, F: gl.constexpr, NG: gl.constexpr,
+                     ROWS: gl.constexpr, ROW_BYTES: gl.constexpr, G: gl.constexpr, BITS: gl.constexpr,
+                     STAGES: gl.constexpr, SPLIT: gl.constexpr, ASM: gl.constexpr, CONS: gl.constexpr,
+                     XF16: gl.constexpr, VALUE_EXP: gl.constexpr, KIND: gl.constexpr, SUB: gl.constexpr,
+                     GW: gl.constexpr):
+    NB: gl.constexpr = W * 4
+    D: gl.constexpr = NB * F
+    T: gl.constexpr = BN // 16
+    n0, c_lo, c_hi, w_rows, rx, w_smem, s_run, z_run = program_start(
+        WC, WS, WZ, M, N, stride_wc, stride_ws, chunks_per_split, BN, W, F, ROWS, ROW_BYTES, G, STAGES, SUB, GW,
+        KIND != 2)
     ys = _zeros_tiles(ROWS, T)
     x_next = _load_x(X, rx, stride_x, c_lo * NB, D, NB, ROWS, ROW_BYTES)
     for i in range(gl.cdiv(c_hi - c_lo, SUB)):
@@ -352,11 +363,11 @@ def foldc_gemv_gluon(X, WC, WS, WZ, Y, PART, COUNTERS, M, N, stride_x, stride_wc
                             F, NG, ROWS, ROW_BYTES, G, BITS, ASM, CONS, XF16, VALUE_EXP, KIND, GW)
     async_copy.wait_group(0)
     for t in gl.static_range(T):
-        _finish(ys[t], t, Y, PART, n0, pid_s, M, N, stride_y, SPLIT, ROWS)
+        _finish(ys[t], t, Y, PART, n0, gl.program_id(1), M, N, stride_y, SPLIT, ROWS)
     if SPLIT > 1:
         gl.thread_barrier()   # every lane's partial is written before the counter says so
-        done = gl.atomic_add(COUNTERS + pid_n, 1, sem="acq_rel", scope="gpu")
+        done = gl.atomic_add(COUNTERS + gl.program_id(0), 1, sem="acq_rel", scope="gpu")
         if done == SPLIT - 1:   # the last program of the block: the sum of all partials, then y
             for t in gl.static_range(T):
                 _reduce(t, Y, PART, n0, M, N, stride_y, SPLIT, ROWS)
-            gl.atomic_xchg(COUNTERS + pid_n, 0, sem="relaxed", scope="gpu")
+            gl.atomic_xchg(COUNTERS + gl.program_id(0), 0, sem="relaxed", scope="gpu")
