@@ -173,8 +173,11 @@ class FoldLinear(torch.nn.Module):
         entry = self._eager.get(key)
         if entry is None or entry[0] is not codes or entry[1] is not scale or entry[2] is not zero:
             kernel = _gemm(self.out_features, self.in_features, self._encoding_text, "auto")
-            found = kernel.gemv_for(key[0], key[1], key[2], codes, scale, zero) \
-                if hasattr(kernel, "gemv_for") else None
+            # the buffers as the op sees them (a buffer of another dtype or shape since, e.g. after .half(), is
+            # refused there, naming it)
+            _, affine = _weight_encoding(self._encoding_text, self.in_features)
+            w = AffineTensor(codes, scale, zero, affine, self.in_features)
+            found = kernel.gemv_for(key[0], key[1], key[2], w) if hasattr(kernel, "gemv_for") else None
             entry = self._eager[key] = (codes, scale, zero, found)
         if entry[3] is None:
             return None

@@ -127,9 +127,9 @@ class _StandInKernel:
     def __init__(self, gemv, takes=True):
         self.gemv, self.takes, self.asked = gemv, takes, 0
 
-    def gemv_for(self, m, dtype, device, codes, scale, zero):
+    def gemv_for(self, m, dtype, device, w):
         self.asked += 1
-        return (self.gemv, ("launch", m), (codes[0, 0], scale[0, 0], zero[0, 0])) if self.takes else None
+        return (self.gemv, ("launch", m), (w.codes[0, 0], w.scale[0, 0], w.zero[0, 0])) if self.takes else None
 
 
 def test_an_eager_call_launches_the_gemv_from_the_layer_and_remakes_its_rows_when_a_buffer_changes(monkeypatch):
@@ -153,6 +153,9 @@ def test_an_eager_call_launches_the_gemv_from_the_layer_and_remakes_its_rows_whe
     kernel.takes = False
     layer.scale = layer.scale.clone()
     assert layer._eager_gemv(torch.randn(3, 64)) is None                   # not the GEMV's: the op runs it
+    layer.scale = layer.scale.float()                                      # the encoding's scales are fp16
+    with pytest.raises(foldc.InputError, match="scale dtype=torch.float32"):
+        layer._eager_gemv(torch.randn(3, 64))                              # refused as the op refuses it
 
 
 def test_traced_calls_take_the_custom_op_and_a_copy_drops_the_eager_launches():

@@ -69,16 +69,17 @@ class GemmKernel:
             return self.gemv(x, w, out=out, counters=counters)
         return self.triton(x, w, out=out)
 
-    def gemv_for(self, m: int, dtype, device, codes, scale, zero):
+    def gemv_for(self, m: int, dtype, device, w):
         """(GluonGemv, its launch, the weight's 2-D rows) for calls of ``m`` rows of ``dtype`` on ``device``
-        over this weight's [1, 1, n, ...] tensors, where `__call__` would send them to the GEMV; else None.
-        A caller holding one weight (`foldc.nn.FoldLinear`) makes this once and then launches with
-        ``gemv.run_rows(launch, x, *rows, out, counters)``: the checks of `__call__` but x's are then its own."""
+        with weight ``w`` (an AffineTensor), where `__call__` would send them to the GEMV; else None. A
+        caller holding one weight (`foldc.nn.FoldLinear`) makes this once and then launches with
+        ``gemv.run_rows(launch, x, *rows, out, counters)``: the weight is checked here as `__call__` checks
+        it, x is then the caller's to check."""
         gemv = self.gemv
         if gemv is None or getattr(device, "type", None) != "cuda" or dtype not in (torch.float16, torch.bfloat16) \
-                or not gemv.lowers(m)[0] or codes.device != device:
+                or not gemv.lowers(m)[0] or w.codes.device != device:
             return None
-        rows = gemv.weight_rows(codes, scale, zero)
+        rows = gemv.weight_rows(w)
         if rows is None:
             return None
         return gemv, gemv.launch_for(m, device), rows

@@ -159,6 +159,29 @@ def test_a_launch_covers_every_chunk_once_and_its_parameter_words_fit(enc, n, k,
             assert (count if kern.scale_dtype == "fp32" else (count + 2) // 2) <= gw
 
 
+def test_weight_rows_are_the_checked_weights_rows_and_none_where_a_call_would_be_refused():
+    """What `FoldLinear`'s eager calls launch with: the 2-D rows of a weight that passes the call's checks,
+    None for one that a call refuses (another encoding, scales that are views of another layout)."""
+    from foldc.encoding import AffineTensor
+    from foldc.gemm.compile import GemmKernel
+
+    spec = spec_of("k-group:4:128", 96, 1024)
+    gemv = GluonGemv(spec, "sm_90")
+    w = quantize_2d(torch.randn(96, 1024) * 0.05, spec.weight)
+    rows = gemv.weight_rows(w)
+    assert rows is not None and rows[0].data_ptr() == w.codes.data_ptr() and tuple(rows[0].shape) == (96, 512)
+    assert torch.equal(rows[1], w.scale[0, 0]) and torch.equal(rows[2], w.zero[0, 0])
+    other = quantize_2d(torch.randn(96, 1024) * 0.05, parse_gemm_encoding("k-group:4:64", "weight"))
+    assert gemv.weight_rows(other) is None
+    cols = [t[0, 0].t().contiguous().t()[None, None] for t in (w.scale, w.zero)]   # column-major scales
+    assert gemv.weight_rows(AffineTensor(w.codes, cols[0], cols[1], w.encoding, w.head_dim)) is None
+    with pytest.raises(foldc.InputError, match="strides"):
+        gemv._check_weight(AffineTensor(w.codes, cols[0], cols[1], w.encoding, w.head_dim))
+    kernel = GemmKernel(spec, "sm_90")   # a CPU weight never takes the GPU GEMV
+    assert kernel.gemv_for(1, torch.float16, torch.device("cpu"), w) is None
+    assert gemv.launch_for(1, torch.device("cpu")).m == 1
+
+
 AOT = r"""
 import json, sys
 from foldc.backends.gluon.gemv_aot import compile_gemv_aot

@@ -172,16 +172,15 @@ class GluonGemv:
             return False
         return x.dtype in DTYPES and x.is_cuda and _aligned(w.codes[0, 0]) and self.lowers(x.shape[0])[0]
 
-    def weight_rows(self, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor):
-        """The 2-D parts `run_rows` takes of a weight's [1, 1, n, ...] codes, scale and zero, or None where the
-        kernel cannot read them as they are (the checked call then says why)."""
-        if codes.dim() != 4 or tuple(codes.shape[:3]) != (1, 1, self.spec.n):
+    def weight_rows(self, w) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """The 2-D parts `run_rows` takes of weight ``w`` (an AffineTensor [1, 1, n, k] of the spec's encoding,
+        checked as a call checks it), or None where the kernel cannot read them as they are (the checked
+        call then says why)."""
+        try:
+            self._check_weight(w)
+        except (InputError, InputTypeError):
             return None
-        rows = codes[0, 0], scale[0, 0], zero[0, 0]
-        if not (_aligned(rows[0]) and rows[1].stride() == rows[2].stride() and rows[1].stride(1) == 1
-                and rows[1].device == rows[2].device == rows[0].device):
-            return None
-        return rows
+        return w.codes[0, 0], w.scale[0, 0], w.zero[0, 0]
 
     def launch_for(self, m: int, device) -> GemvLaunch:
         """`plan_launch` for a call with ``m`` rows on ``device``."""
@@ -199,6 +198,13 @@ class GluonGemv:
             raise InputError(f"target={self.target!r} runs on a CUDA GPU; x is on {x.device}")
         if x.stride(1) != 1:
             raise InputError(f"x must have unit stride along k; got strides {x.stride()}")
+        self._check_weight(w)
+        if w.codes.device != x.device:
+            raise InputError(f"w is on {w.codes.device} and x on {x.device}; put them on one device")
+        return x.shape[0]
+
+    def _check_weight(self, w) -> None:
+        spec = self.spec
         if not isinstance(w, AffineTensor):
             raise InputTypeError(f"w must be an AffineTensor (foldc.gemm.quantize_2d); got {type(w).__name__}")
         want = spec.weight.affine(spec.k)
@@ -206,15 +212,12 @@ class GluonGemv:
             raise InputError(f"w has encoding {w.encoding.short()} and shape {tuple(w.shape)}; the spec needs "
                              f"{want.short()} with shape (1, 1, {spec.n}, {spec.k})")
         codes, scale, zero = w.codes[0, 0], w.scale[0, 0], w.zero[0, 0]
-        if codes.device != x.device:
-            raise InputError(f"w is on {codes.device} and x on {x.device}; put them on one device")
         if not _aligned(codes):
             raise InputError(f"w.codes must be rows with unit stride, each row 16-byte aligned (strides "
                              f"{codes.stride()}); pass w with contiguous codes (quantize_2d gives them)")
         if scale.stride() != zero.stride() or scale.stride(1) != 1:
             raise InputError(f"w.scale strides {scale.stride()} and w.zero strides {zero.stride()} must match, "
                              "with unit stride along the groups")
-        return x.shape[0]
 
     def __call__(self, x, w, out: torch.Tensor | None = None, counters: torch.Tensor | None = None) -> torch.Tensor:
         """``y = x @ w.T`` into ``out`` (or a new tensor). ``counters``: the split-k block counters from the
