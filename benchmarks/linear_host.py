@@ -50,7 +50,7 @@ def main(argv=None) -> int:
     def identity(t: torch.Tensor) -> torch.Tensor:
         return t.clone()
 
-    rows_ = gemv.weight_rows(layer.codes, layer.scale, layer.zero)
+    rows_ = gemv.weight_rows(w)
     pieces = {
         "nn.Linear bf16": lambda: lin(x),
         "FoldLinear(x)": lambda: layer(x),

@@ -45,6 +45,9 @@ def _gemm(out_features: int, in_features: int, encoding: str, target: str):
     return compile_gemm(GemmSpec(out_features, in_features, weight=parse_gemm_encoding(encoding, "weight")), target)
 
 
+EAGER_ENTRIES = 64   # a layer's eager launches kept at once, per (rows, dtype, device)
+
+
 def _traced() -> bool:
     """Whether torch is tracing the call (torch.compile, export, make_fx, a fake or functional tensor
     mode): then it must go through the custom op, whose fake implementation the tracer sees."""
@@ -178,6 +181,8 @@ class FoldLinear(torch.nn.Module):
             _, affine = _weight_encoding(self._encoding_text, self.in_features)
             w = AffineTensor(codes, scale, zero, affine, self.in_features)
             found = kernel.gemv_for(key[0], key[1], key[2], w) if hasattr(kernel, "gemv_for") else None
+            if len(self._eager) >= EAGER_ENTRIES:   # prompts of many lengths: their entries are all None
+                self._eager.clear()
             entry = self._eager[key] = (codes, scale, zero, found)
         if entry[3] is None:
             return None

@@ -153,6 +153,11 @@ def test_an_eager_call_launches_the_gemv_from_the_layer_and_remakes_its_rows_whe
     kernel.takes = False
     layer.scale = layer.scale.clone()
     assert layer._eager_gemv(torch.randn(3, 64)) is None                   # not the GEMV's: the op runs it
+    from foldc.nn import EAGER_ENTRIES
+
+    for m in range(1, 2 * EAGER_ENTRIES):                                  # prompts of many lengths
+        layer._eager_gemv(torch.randn(m, 64))
+    assert 0 < len(layer._eager) <= EAGER_ENTRIES
     layer.scale = layer.scale.float()                                      # the encoding's scales are fp16
     with pytest.raises(foldc.InputError, match="scale dtype=torch.float32"):
         layer._eager_gemv(torch.randn(3, 64))                              # refused as the op refuses it

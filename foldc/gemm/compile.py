@@ -12,8 +12,6 @@ rest (more rows, dequant verdicts of eq. 16, encoded activations). ``kernel="tri
 """
 from __future__ import annotations
 
-import torch
-
 from ..errors import InputError, SpecError
 from .plan import gemm_plan
 from .reference import ReferenceGemm
@@ -71,18 +69,10 @@ class GemmKernel:
 
     def gemv_for(self, m: int, dtype, device, w):
         """(GluonGemv, its launch, the weight's 2-D rows) for calls of ``m`` rows of ``dtype`` on ``device``
-        with weight ``w`` (an AffineTensor), where `__call__` would send them to the GEMV; else None. A
-        caller holding one weight (`foldc.nn.FoldLinear`) makes this once and then launches with
-        ``gemv.run_rows(launch, x, *rows, out, counters)``: the weight is checked here as `__call__` checks
-        it, x is then the caller's to check."""
-        gemv = self.gemv
-        if gemv is None or getattr(device, "type", None) != "cuda" or dtype not in (torch.float16, torch.bfloat16) \
-                or not gemv.lowers(m)[0] or w.codes.device != device:
-            return None
-        rows = gemv.weight_rows(w)
-        if rows is None:
-            return None
-        return gemv, gemv.launch_for(m, device), rows
+        with weight ``w`` (an AffineTensor), where `__call__` would send them to the GEMV; else None
+        (`GluonGemv.bind`: `foldc.nn.FoldLinear`'s eager calls)."""
+        bound = None if self.gemv is None else self.gemv.bind(m, dtype, device, w)
+        return None if bound is None else (self.gemv, *bound)
 
     def plan_for(self, dtype=None, m: int | None = None):
         """The plan the call runs: the GEMV's at ``m`` rows where it takes them, else the Triton kernel's."""

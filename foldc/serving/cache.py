@@ -73,6 +73,7 @@ def check_new_tokens(name: str, x, batch: int, spec, dtype: torch.dtype, device:
     if x.device != device:
         raise InputError(f"{name} is on {x.device} but the cache is on {device}; move it there")
 
+
 @functools.lru_cache(maxsize=64)
 def compiled_attention(spec: AttentionSpec, target: str):
     """``foldc.compile(spec, target)``, once per (spec, target) and shared by every cache that asks: a

@@ -179,6 +179,7 @@ def test_weight_rows_are_the_checked_weights_rows_and_none_where_a_call_would_be
         gemv._check_weight(AffineTensor(w.codes, cols[0], cols[1], w.encoding, w.head_dim))
     kernel = GemmKernel(spec, "sm_90")   # a CPU weight never takes the GPU GEMV
     assert kernel.gemv_for(1, torch.float16, torch.device("cpu"), w) is None
+    assert gemv.bind(1, torch.float16, torch.device("cpu"), w) is None
     assert gemv.launch_for(1, torch.device("cpu")).m == 1
 
 

@@ -21,9 +21,10 @@ entry near 2^12 (exact).
 Programs are one warp: (block of BN = 16 T output channels, split of the k chunks); the T row tiles
 of a chunk share the activation's pieces and their sums. The program's scale and zero words (the
 32-bit words that hold its groups' 16-bit parameters) go global -> shared memory once, by cp.async at
-the start: per bit field and row the GW words from the field's first group in the split. Code words follow, STAGES stages of SUB chunks ahead (tile_memory.copy_layout; no copy past
-the program's last chunk), into a swizzled tile so that the operand's 8-byte reads are free of bank
-conflicts; the activation chunk is loaded into registers one chunk ahead. With SPLIT > 1 each program writes its
+the start: per bit field and row the GW words from the field's first group in the split. Code words
+follow, STAGES stages of SUB chunks ahead (tile_memory.copy_layout; no copy past the program's last
+chunk), into a swizzled tile so that the operand's 8-byte reads are free of bank conflicts; the
+activation chunk is loaded into registers one chunk ahead. With SPLIT > 1 each program writes its
 float32 partial [m, BN] to a workspace and bumps its row block's counter; the last program of the
 block sums the partials, writes y and resets the counter to 0 (one launch, CUDA-graph safe).
 
@@ -164,8 +165,7 @@ def _row_tile(w_tile, s_run, z_run, j_lo, t: gl.constexpr, xs, sums, y, n0, N, s
 def _chunk(w_tile, s_run, z_run, j_lo, x_nat, ys, n0, N, stride_ws, j0, T: gl.constexpr, W: gl.constexpr,
            F: gl.constexpr, NG: gl.constexpr, ROWS: gl.constexpr, ROW_BYTES: gl.constexpr, G: gl.constexpr,
            BITS: gl.constexpr, ASM: gl.constexpr, CONS: gl.constexpr, XF16: gl.constexpr, VALUE_EXP: gl.constexpr,
-           KIND: gl.constexpr,
-           GW: gl.constexpr):
+           KIND: gl.constexpr, GW: gl.constexpr):
     """One chunk (bytes j0 .. j0 + NB of every row of the block) into the T row tiles' accumulators
     ``ys``; the activation's pieces and their sums are made once and shared by the tiles."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])

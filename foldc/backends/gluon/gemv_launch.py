@@ -135,10 +135,10 @@ class GluonGemv:
             kernel = lower_gemv(self.plan_for(m), m)
             sub = self.sub or default_sub(kernel)
             split = self.split_k or default_split(kernel, self.spec.n, self.block_rows, sms, sub)
-            split = max(split, -(-kernel.chunks // max_chunks(kernel)))   # its parameter words fit
-            per = -(-kernel.chunks // min(split, kernel.chunks))            # the chunks spread evenly
-            per = min(-(-per // sub) * sub, kernel.chunks)   # whole stages per program where it can
-            per = min(per, max_chunks(kernel))
+            most = max_chunks(kernel)                             # a program's parameter words fit
+            split = max(split, -(-kernel.chunks // most))
+            per = -(-kernel.chunks // min(split, kernel.chunks))  # the chunks spread evenly
+            per = min(-(-per // sub) * sub, kernel.chunks, most)  # whole stages per program where it can
             split = -(-kernel.chunks // per)
             asm, cons = key_unpack_asm(kernel.bits)
             constants = dict(BN=self.block_rows, W=kernel.chunk_bytes // 4, F=kernel.fields, NG=kernel.pieces,
@@ -171,6 +171,16 @@ class GluonGemv:
                 not isinstance(w, AffineTensor) or w.codes.dim() != 4:
             return False
         return x.dtype in DTYPES and x.is_cuda and _aligned(w.codes[0, 0]) and self.lowers(x.shape[0])[0]
+
+    def bind(self, m: int, dtype: torch.dtype, device, w) -> tuple[GemvLaunch, tuple] | None:
+        """(launch, the weight's 2-D rows) for calls of ``m`` rows of ``dtype`` on ``device`` with weight ``w``,
+        where `takes` would take them; else None. A caller holding one weight makes this once and then
+        launches ``run_rows(launch, x, *rows, out, counters)``, checking only x."""
+        if getattr(device, "type", None) != "cuda" or dtype not in DTYPES or not self.lowers(m)[0] \
+                or not isinstance(w, AffineTensor) or w.codes.device != device:
+            return None
+        rows = self.weight_rows(w)
+        return None if rows is None else (self.launch_for(m, device), rows)
 
     def weight_rows(self, w) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """The 2-D parts `run_rows` takes of weight ``w`` (an AffineTensor [1, 1, n, k] of the spec's encoding,
