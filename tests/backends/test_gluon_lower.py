@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 import foldc
 from foldc.backends.gluon.lower import KEY_BIAS, VALUE_BIAS, NotLowerable, gluon_plan, lower, lowerable, max_rows
-from foldc.backends.gluon.operands import (DEQUANT_ASM, DEQUANT_KEY_EXPONENTS, DEQUANT_KEY_TOP, DEQUANT_VALUE_EXPONENTS,
+from foldc.backends.gluon.operands import (DEQUANT_ASM, natural_key_unpack_asm, DEQUANT_KEY_EXPONENTS, DEQUANT_KEY_TOP, DEQUANT_VALUE_EXPONENTS,
                                            DEQUANT_VALUE_TOP, KEY_EXPONENT,
                                            NARROW_WORDS, VALUE_EXPONENT, cache_channel, dequant_exponent, key_channel,
                                            key_k, key_unpack_asm, value_channel, value_row, value_unpack_asm)
@@ -290,6 +290,31 @@ def test_key_unpack_puts_every_code_where_the_query_expects_it(bits, head_dim, m
         assert _f16(half) == want, (i, ch)
         seen.add(ch)
     assert seen == set(range(head_dim))
+
+
+@settings(max_examples=25, deadline=None)
+@given(bits=st.sampled_from([2, 4, 8]), row=st.sampled_from([64, 128, 256, 512]), seed=st.integers(0, 2**31 - 1))
+def test_natural_key_unpack_keeps_the_channel_order(bits, row, seed):
+    """The GEMV's unpack: half e of result 2i+p of word w is field i of byte 4w + 2p + e, so the operand's
+    k index is the packed channel and the activation is read as it lies."""
+    rng = np.random.default_rng(seed)
+    codes = rng.integers(0, 1 << bits, size=(1, row), dtype=np.uint8)
+    words = _words(codes, bits)[0]
+    fields, nb = 8 // bits, row * bits // 8
+    asm, cons = natural_key_unpack_asm(bits)
+    assert cons.count("=r") == 2 * fields and asm.count("prmt") == 2
+    seen = set()
+    for w, word in enumerate(words):
+        out = run_ptx(asm, [int(word), int(word)], 2 * fields)
+        for i in range(fields):
+            for p in range(2):
+                for e in range(2):
+                    half = (out[2 * i + p] >> (16 * e)) & 0xFFFF
+                    ch = i * nb + 4 * w + 2 * p + e
+                    assert half & 0x7C00 == 0
+                    assert _f16(half) == 2.0 ** (bits * i - KEY_EXPONENT) * codes[0, ch], (w, i, p, e)
+                    seen.add(ch)
+    assert seen == set(range(row))
 
 
 @settings(max_examples=25, deadline=None)

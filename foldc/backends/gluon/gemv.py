@@ -55,6 +55,20 @@ def weight_tile_layout(W):
 
 
 @constexpr_function
+def x_copy_layout(D):
+    """cp.async of one activation row's chunk [D] across the lanes, 4-16 bytes a lane."""
+    D = int(D)
+    return gl.BlockedLayout(size_per_thread=[max(2, min(8, D // 32))], threads_per_warp=[32], warps_per_cta=[1],
+                            order=[0])
+
+
+@constexpr_function
+def pow2_at_least(n):
+    """The least power of two >= n."""
+    return 1 << (int(n) - 1).bit_length()
+
+
+@constexpr_function
 def group_shift(G):
     """log2 of a power-of-two group size (groups by a shift: the k indices are never negative), else -1."""
     G = int(G)
@@ -73,22 +87,29 @@ def _group(k, G: gl.constexpr):
 
 
 @gluon.jit
-def _copy_runs(P32, run, rows, stride_ws, j_lo, N, F: gl.constexpr, GW: gl.constexpr, ROW_BYTES: gl.constexpr,
-               G: gl.constexpr, HALF: gl.constexpr):
-    """Start copying, per bit field f, the GW parameter words of each row from the word that holds the
-    field's first group in this program (k = f * ROW_BYTES + j_lo) into rows f * GW .. of ``run``
-    [F * GW, BN], one word of every row per copy (never past the tensor's last word). The copies of a
-    row's words follow each other, so they meet in the same sectors."""
+def _copy_runs(P32, run, n0, N, stride_ws, j_lo, BN: gl.constexpr, F: gl.constexpr, GW: gl.constexpr,
+               ROW_BYTES: gl.constexpr, G: gl.constexpr, HALF: gl.constexpr):
+    """Start copying, per bit field f, the GW parameter words of each of the block's rows from the word that
+    holds the field's first group in this program (k = f * ROW_BYTES + j_lo) into rows f * GWP .. of ``run``
+    [F * GWP, BN] (GWP: GW rounded up to a power of two), in one copy (never past the tensor's last word;
+    a copy per word put a barrier between each two). A row's words are neighbours in one copy, so they meet
+    in the same sectors."""
+    GWP: gl.constexpr = pow2_at_least(GW)
     GROUPS: gl.constexpr = ROW_BYTES * F // G
+    r_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1], threads_per_warp=[max(1, 32 // BN), min(BN, 32)],
+                                         warps_per_cta=[1, 1], order=[1, 0])
     last = (N - 1) * stride_ws + GROUPS - 1
     if HALF:
         last = last // 2
-    for f in gl.static_range(F):
-        e = rows * stride_ws + _group(f * ROW_BYTES + j_lo, G)
-        if HALF:
-            e = e >> 1
-        for w in gl.static_range(GW):
-            async_copy.async_copy_global_to_shared(run.index(f * GW + w), P32 + e + w, mask=e + w <= last)
+    i = gl.arange(0, F * GWP, layout=gl.SliceLayout(1, r_l))
+    rows = gl.minimum(n0 + gl.arange(0, BN, layout=gl.SliceLayout(0, r_l)), N - 1)
+    f = i // GWP
+    w = i % GWP
+    e = rows[None, :] * stride_ws + _group(f * ROW_BYTES + j_lo, G)[:, None]
+    if HALF:
+        e = e >> 1
+    e = e + w[:, None]
+    async_copy.async_copy_global_to_shared(run, P32 + e, mask=(w < GW)[:, None] & (e <= last))
 
 
 @gluon.jit
@@ -143,6 +164,7 @@ def _row_tile(w_tile, s_run, z_run, j_lo, t: gl.constexpr, xs, sums, y, n0, N, s
     D: gl.constexpr = W * 4 * F
     P: gl.constexpr = D // NG            # k per piece
     PPF: gl.constexpr = NG // F
+    GWP: gl.constexpr = pow2_at_least(GW)
     kw = w_tile.slice(16 * t, 16, dim=0).load(key_words_layout(16, W))
     op = key_operand(kw, 16, D, F, ASM, CONS)
     zero = gl.zeros([16, ROWS], gl.float32, layout=mma)
@@ -154,27 +176,39 @@ def _row_tile(w_tile, s_run, z_run, j_lo, t: gl.constexpr, xs, sums, y, n0, N, s
     for p in gl.static_range(NG):
         g = _group((p // PPF) * ROW_BYTES + j0 + (p % PPF) * P, G)
         g_first = _group((p // PPF) * ROW_BYTES + j_lo, G)
-        sp = _param(s_run, (p // PPF) * GW, g - g_first, t, rows, stride_ws, g, g_first, KIND) * \
+        sp = _param(s_run, (p // PPF) * GWP, g - g_first, t, rows, stride_ws, g, g_first, KIND) * \
             (2.0 ** (VALUE_EXP - BITS * (p // PPF)))
-        zp = _param(z_run, (p // PPF) * GW, g - g_first, t, rows, stride_ws, g, g_first, KIND)
+        zp = _param(z_run, (p // PPF) * GWP, g - g_first, t, rows, stride_ws, g, g_first, KIND)
         y = y + parts[p] * sp[:, None] + sums[p] * zp[:, None]
     return y
 
 
 @gluon.jit
-def _chunk(w_tile, s_run, z_run, j_lo, x_nat, ys, n0, N, stride_ws, j0, T: gl.constexpr, W: gl.constexpr,
+def _chunk(w_tile, s_run, z_run, j_lo, x_in, ys, n0, N, stride_ws, j0, T: gl.constexpr, W: gl.constexpr,
            F: gl.constexpr, NG: gl.constexpr, ROWS: gl.constexpr, ROW_BYTES: gl.constexpr, G: gl.constexpr,
            BITS: gl.constexpr, ASM: gl.constexpr, CONS: gl.constexpr, XF16: gl.constexpr, VALUE_EXP: gl.constexpr,
-           KIND: gl.constexpr, GW: gl.constexpr):
+           KIND: gl.constexpr, GW: gl.constexpr, X_SHARED: gl.constexpr, SWAP: gl.constexpr):
     """One chunk (bytes j0 .. j0 + NB of every row of the block) into the T row tiles' accumulators
-    ``ys``; the activation's pieces and their sums are made once and shared by the tiles."""
+    ``ys``; the activation's pieces and their sums are made once and shared by the tiles. ``x_in``: the
+    activation chunk, its one row [D] in shared memory (X_SHARED, m = 1) or [D, ROWS] in registers, in
+    channel order; SWAP: the weight's unpack (ASM) has k with bits 0 and 1 of the byte index swapped
+    (operands.key_unpack_asm), and the activation is permuted to match (PRMTs that also build the MMA's
+    register pairs), else the unpack keeps channel order (operands.natural_key_unpack_asm)."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
     a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=8)
     b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=8)
     row_l: gl.constexpr = gl.SliceLayout(0, mma)
     D: gl.constexpr = W * 4 * F
     P: gl.constexpr = D // NG
-    xv = gl.convert_layout(swap_k01(x_nat, D, ROWS), b_l, assert_trivial=True)
+    if X_SHARED:   # one row, in every column
+        xd = x_in.load(gl.SliceLayout(1, b_l))
+        if SWAP:
+            xd = gl.convert_layout(swap_k01(xd, D, 0), gl.SliceLayout(1, b_l), assert_trivial=True)
+        xv = gl.broadcast(xd[:, None], gl.zeros([D, ROWS], gl.int1, layout=b_l))[0]
+    elif SWAP:
+        xv = gl.convert_layout(swap_k01(x_in, D, ROWS), b_l, assert_trivial=True)
+    else:
+        xv = x_in
     if XF16:
         x16 = xv
     else:   # each row times a power of two c (its largest entry near 2^12), then fp16 (exact)
@@ -265,9 +299,16 @@ def _reduce(t: gl.constexpr, Y, PART, n0, M, N, stride_y, SPLIT: gl.constexpr, R
 
 
 @gluon.jit
-def _load_x(X, rx, stride_x, j0, D: gl.constexpr, NB: gl.constexpr, ROWS: gl.constexpr,
-            ROW_BYTES: gl.constexpr):
-    """The activation chunk [D, ROWS] in channel order (k index kx: field kx // NB, byte kx % NB)."""
+def _x_offsets(D: gl.constexpr, NB: gl.constexpr, ROW_BYTES: gl.constexpr):
+    """Element offsets of chunk 0 of the activation's row [D] in channel order (channel kx of a chunk: field
+    kx // NB, byte kx % NB), for its copies (X_SHARED)."""
+    kx = gl.arange(0, D, layout=x_copy_layout(D))
+    return (kx // NB) * ROW_BYTES + kx % NB
+
+
+@gluon.jit
+def _load_x(X, rx, stride_x, j0, D: gl.constexpr, NB: gl.constexpr, ROWS: gl.constexpr, ROW_BYTES: gl.constexpr):
+    """The activation chunk [D, ROWS] in channel order, in the MMA's operand layout (rows ``rx``)."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
     b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=8)
     kx = gl.arange(0, D, layout=gl.SliceLayout(1, b_l))
@@ -276,27 +317,31 @@ def _load_x(X, rx, stride_x, j0, D: gl.constexpr, NB: gl.constexpr, ROWS: gl.con
 
 
 @gluon.jit
-def _issue(stage, c0, c_hi, w_rows, w_smem, W: gl.constexpr, SUB: gl.constexpr):
-    """Start copying the code words of the SUB chunks from c0 into stage ``stage``, back to back, so that
-    each weight row is read SUB * NB contiguous bytes at a time (chunks past the program's last are its
-    last again, never used)."""
+def _issue(stage, c0, c_hi, w_rows, w_smem, X, x_offs, x_smem, W: gl.constexpr, SUB: gl.constexpr,
+           X_SHARED: gl.constexpr):
+    """Start copying the code words (and with X_SHARED the activation's row) of the SUB chunks from c0 into
+    stage ``stage``, back to back, so that each weight row is read SUB * NB contiguous bytes at a time
+    (chunks past the program's last are its last again, never used)."""
+    NB: gl.constexpr = W * 4
     for u in gl.static_range(SUB):
         c = gl.minimum(c0 + u, c_hi - 1)
         async_copy.async_copy_global_to_shared(w_smem.index(stage * SUB + u), w_rows + c * W)
+        if X_SHARED:
+            async_copy.async_copy_global_to_shared(x_smem.index(stage * SUB + u), X + c * NB + x_offs)
     async_copy.commit_group()
 
 
 @gluon.jit
-def program_start(WC, WS, WZ, M, N, stride_wc, stride_ws, chunks_per_split, BN: gl.constexpr, W: gl.constexpr,
-                  F: gl.constexpr, ROWS: gl.constexpr, ROW_BYTES: gl.constexpr, G: gl.constexpr,
-                  STAGES: gl.constexpr, SUB: gl.constexpr, GW: gl.constexpr, HALF: gl.constexpr):
+def program_start(X, WC, WS, WZ, M, N, stride_x, stride_wc, stride_ws, chunks_per_split, BN: gl.constexpr,
+                  W: gl.constexpr, F: gl.constexpr, ROWS: gl.constexpr, ROW_BYTES: gl.constexpr, G: gl.constexpr,
+                  STAGES: gl.constexpr, SUB: gl.constexpr, GW: gl.constexpr, HALF: gl.constexpr,
+                  X_SHARED: gl.constexpr):
     """A program's start: its output channels from n0 and chunks c_lo .. c_hi, its shared memory, the
     copies of its parameter words and of its first STAGES - 1 stages under way. Returns (n0, c_lo, c_hi,
-    w_rows: the code words' pointers at chunk 0, rx: the activation rows each column reads, w_smem,
-    s_run, z_run)."""
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
-    b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=8)
+    w_rows: the code words' pointers at chunk 0, x_at: the activation's offsets at chunk 0 (X_SHARED) or the
+    rows each column reads, w_smem, x_smem, s_run, z_run)."""
     NB: gl.constexpr = W * 4
+    D: gl.constexpr = NB * F
     NCH: gl.constexpr = ROW_BYTES // NB
     n0 = gl.program_id(0) * BN
     c_lo = gl.program_id(1) * chunks_per_split
@@ -309,24 +354,39 @@ def program_start(WC, WS, WZ, M, N, stride_wc, stride_ws, chunks_per_split, BN: 
     # the program's scale and zero words, copied once: per bit field and row the GW words from the field's
     # first group in this split (copies per piece and chunk, each of 16 rows' words in its own sector,
     # took the copies from 8.7 to 14.7 µs at INT4 4096 x 14336: benchmarks/gemv_anatomy.py)
-    sc_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32], warps_per_cta=[1], order=[0])
-    rs = gl.minimum(n0 + gl.arange(0, BN, layout=sc_l), N - 1)
-    # rows past m read row m - 1 again (no masked loads to zero each chunk): their columns are never stored
-    rx = gl.minimum(gl.arange(0, ROWS, layout=gl.SliceLayout(0, b_l)), M - 1)
+    # m = 1 (X_SHARED): the activation's row goes through shared memory with the code words, and every column
+    # of the MMA's operand reads it there (its loads wait on shared memory, not on global loads one chunk
+    # ahead, and no registers hold the next chunk: 4096 x 14336 INT4 14.8 -> 14.0 µs, benchmarks/gemv_ab.py).
+    # More rows: the chunk is loaded into registers one chunk ahead (a copy per row cost more), rows past m
+    # read row m - 1 again (their columns are never stored).
     w_smem = gl.allocate_shared_memory(gl.int32, [STAGES * SUB, BN, W], weight_tile_layout(W))
-    p_l: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
-    s_run = gl.allocate_shared_memory(gl.int32, [F * GW, BN], p_l)
-    z_run = gl.allocate_shared_memory(gl.int32, [F * GW, BN], p_l)
-    _copy_runs(WS.to(gl.pointer_type(gl.int32), bitcast=True), s_run, rs, stride_ws, c_lo * NB, N, F, GW, ROW_BYTES,
-               G, HALF)
-    _copy_runs(WZ.to(gl.pointer_type(gl.int32), bitcast=True), z_run, rs, stride_ws, c_lo * NB, N, F, GW, ROW_BYTES,
-               G, HALF)
+    if X_SHARED:
+        x_at = _x_offsets(D, NB, ROW_BYTES)
+        x_l: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
+        x_smem = gl.allocate_shared_memory(X.dtype.element_ty, [STAGES * SUB, D], x_l)
+    else:
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
+        b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=8)
+        x_at = gl.minimum(gl.arange(0, ROWS, layout=gl.SliceLayout(0, b_l)), M - 1)
+        x_smem = w_smem   # (unused)
+    # the runs are copied as one [F * GWP, BN] tile each and read one row (word index) at a time
+    RUN: gl.constexpr = [F * pow2_at_least(GW), BN]
+    p_l: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
+    row_l: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
+    s_run = gl.allocate_shared_memory(gl.int32, RUN, p_l)
+    z_run = gl.allocate_shared_memory(gl.int32, RUN, p_l)
+    _copy_runs(WS.to(gl.pointer_type(gl.int32), bitcast=True), s_run, n0, N, stride_ws, c_lo * NB, BN, F, GW,
+               ROW_BYTES, G, HALF)
+    _copy_runs(WZ.to(gl.pointer_type(gl.int32), bitcast=True), z_run, n0, N, stride_ws, c_lo * NB, BN, F, GW,
+               ROW_BYTES, G, HALF)
+    s_run = s_run._reinterpret(gl.int32, RUN, row_l)
+    z_run = z_run._reinterpret(gl.int32, RUN, row_l)
     for first in gl.static_range(STAGES - 1):   # (past the last chunk: an empty copy group); the runs go with the first
         if c_lo + first * SUB < c_hi:
-            _issue(first, c_lo + first * SUB, c_hi, w_rows, w_smem, W, SUB)
+            _issue(first, c_lo + first * SUB, c_hi, w_rows, w_smem, X, x_at, x_smem, W, SUB, X_SHARED)
         else:
             async_copy.commit_group()
-    return n0, c_lo, c_hi, w_rows, rx, w_smem, s_run, z_run
+    return n0, c_lo, c_hi, w_rows, x_at, w_smem, x_smem, s_run, z_run
 
 
 @gluon.jit
@@ -335,32 +395,37 @@ def foldc_gemv_gluon(X, WC, WS, WZ, Y, PART, COUNTERS, M, N, stride_x, stride_wc
                      ROWS: gl.constexpr, ROW_BYTES: gl.constexpr, G: gl.constexpr, BITS: gl.constexpr,
                      STAGES: gl.constexpr, SPLIT: gl.constexpr, ASM: gl.constexpr, CONS: gl.constexpr,
                      XF16: gl.constexpr, VALUE_EXP: gl.constexpr, KIND: gl.constexpr, SUB: gl.constexpr,
-                     GW: gl.constexpr):
+                     GW: gl.constexpr, X_SHARED: gl.constexpr, SWAP: gl.constexpr):
     NB: gl.constexpr = W * 4
-    D: gl.constexpr = NB * F
     T: gl.constexpr = BN // 16
-    n0, c_lo, c_hi, w_rows, rx, w_smem, s_run, z_run = program_start(
-        WC, WS, WZ, M, N, stride_wc, stride_ws, chunks_per_split, BN, W, F, ROWS, ROW_BYTES, G, STAGES, SUB, GW,
-        KIND != 2)
+    D: gl.constexpr = NB * F
+    n0, c_lo, c_hi, w_rows, x_at, w_smem, x_smem, s_run, z_run = program_start(
+        X, WC, WS, WZ, M, N, stride_x, stride_wc, stride_ws, chunks_per_split, BN, W, F, ROWS, ROW_BYTES, G, STAGES,
+        SUB, GW, KIND != 2, X_SHARED)
     ys = _zeros_tiles(ROWS, T)
-    x_next = _load_x(X, rx, stride_x, c_lo * NB, D, NB, ROWS, ROW_BYTES)
+    if not X_SHARED:
+        x_next = _load_x(X, x_at, stride_x, c_lo * NB, D, NB, ROWS, ROW_BYTES)
     for i in range(gl.cdiv(c_hi - c_lo, SUB)):
         ahead = i + STAGES - 1
         gl.thread_barrier()   # every lane is done reading the stage the next copy overwrites
         if c_lo + ahead * SUB < c_hi:
-            _issue(ahead % STAGES, c_lo + ahead * SUB, c_hi, w_rows, w_smem, W, SUB)
+            _issue(ahead % STAGES, c_lo + ahead * SUB, c_hi, w_rows, w_smem, X, x_at, x_smem, W, SUB, X_SHARED)
         else:
             async_copy.commit_group()
         async_copy.wait_group(STAGES - 1)
         gl.thread_barrier()   # stage i's words, copied by every lane, are visible
         for u in gl.static_range(SUB):
             c = c_lo + i * SUB + u
-            x_nat = x_next   # the next chunk's activations on their way while this one runs
-            x_next = _load_x(X, rx, stride_x, gl.minimum(c + 1, c_hi - 1) * NB, D, NB, ROWS, ROW_BYTES)
+            slot = (i % STAGES) * SUB + u
+            if X_SHARED:
+                x_in = x_smem.index(slot)
+            else:
+                x_in = x_next   # the next chunk's activations on their way while this one runs
+                x_next = _load_x(X, x_at, stride_x, gl.minimum(c + 1, c_hi - 1) * NB, D, NB, ROWS, ROW_BYTES)
             if c < c_hi:
-                slot = (i % STAGES) * SUB + u
-                ys = _chunk(w_smem.index(slot), s_run, z_run, c_lo * NB, x_nat, ys, n0, N, stride_ws, c * NB, T, W,
-                            F, NG, ROWS, ROW_BYTES, G, BITS, ASM, CONS, XF16, VALUE_EXP, KIND, GW)
+                ys = _chunk(w_smem.index(slot), s_run, z_run, c_lo * NB, x_in, ys, n0, N, stride_ws, c * NB, T, W,
+                            F, NG, ROWS, ROW_BYTES, G, BITS, ASM, CONS, XF16, VALUE_EXP, KIND, GW, X_SHARED,
+                            SWAP)
     async_copy.wait_group(0)
     for t in gl.static_range(T):
         _finish(ys[t], t, Y, PART, n0, gl.program_id(1), M, N, stride_y, SPLIT, ROWS)

@@ -20,7 +20,7 @@ from ...gemm.spec import GemmSpec
 from ..runtime.fast_launch import FastLaunch
 from ..runtime.modules import num_sms
 from .gemv_lower import GemvKernel, NotLowerable, lower_gemv
-from .operands import VALUE_EXPONENT, key_unpack_asm
+from .operands import VALUE_EXPONENT, key_unpack_asm, natural_key_unpack_asm
 
 DTYPES = (torch.float16, torch.bfloat16)
 BLOCK_ROWS = (16, 32, 64)      # output channels per program
@@ -29,6 +29,10 @@ PROGRAMS_PER_SM = 16           # the split-k heuristic's least: this many one-wa
 CHUNKS_PER_PROGRAM = 12        # ... and its aim for each program's length
 MAX_SPLIT = 64
 SUBS = (1, 2, 4, 8)
+#: code widths whose unpack keeps the channel order (operands.natural_key_unpack_asm: two PRMTs that write the
+#: zero bytes too, no AND, for 8-bit codes); the others unpack with one SHR and the activation is permuted to
+#: match (tile_operands.swap_k01, PRMTs that also build the MMA's register pairs)
+NATURAL_ORDER_BITS = (8,)
 SCALE_KINDS = {"fp16": 0, "bf16": 1, "fp32": 2}   # the kernel's KIND: how it reads a scale word
 
 
@@ -140,11 +144,13 @@ class GluonGemv:
             per = -(-kernel.chunks // min(split, kernel.chunks))  # the chunks spread evenly
             per = min(-(-per // sub) * sub, kernel.chunks, most)  # whole stages per program where it can
             split = -(-kernel.chunks // per)
-            asm, cons = key_unpack_asm(kernel.bits)
+            swap = kernel.bits not in NATURAL_ORDER_BITS
+            asm, cons = (key_unpack_asm if swap else natural_key_unpack_asm)(kernel.bits)
             constants = dict(BN=self.block_rows, W=kernel.chunk_bytes // 4, F=kernel.fields, NG=kernel.pieces,
                              ROWS=8 if m <= 8 else 16, ROW_BYTES=kernel.row_bytes, G=kernel.group, BITS=kernel.bits,
                              STAGES=self.stages, SPLIT=split, ASM=asm, CONS=cons, VALUE_EXP=VALUE_EXPONENT,
                              KIND=SCALE_KINDS[kernel.scale_dtype], SUB=sub, GW=param_words(kernel, per),
+                             X_SHARED=m == 1, SWAP=swap,
                              num_warps=1)
             if self.maxnreg is not None:
                 constants["maxnreg"] = self.maxnreg

@@ -57,6 +57,26 @@ def key_unpack_asm(bits: int, integer: bool = False) -> tuple[str, str]:
     return " ".join(out), ",".join(["=r"] * n + ["r", "r"])
 
 
+def natural_key_unpack_asm(bits: int) -> tuple[str, str]:
+    """`key_unpack_asm` (subnormal codes, pack=2 over (word, the same word)) with the k index in channel
+    order: result ``2i+p`` = field i of bytes (2p, 2p+1) of the word, so that k = ``4*word + 2*p + e`` is
+    byte ``4*word + 2*p + e``, the planar packing's own order. Two PRMTs gather the byte pairs (one SHR
+    in `key_unpack_asm`; for 8-bit codes they write zero bytes between, and no AND follows); the other operand
+    then needs no reordering (the GEMV's activation, read from shared memory as it lies in global memory)."""
+    fields = 8 // bits
+    n = 2 * fields
+    if bits == 8:   # the PRMTs take zero for bytes 1 and 3 (selector nibble 4: the second operand's byte 0)
+        return (f"{{ .reg .b32 z; mov.b32 z, 0; prmt.b32 $0, ${n}, z, 0x4140; prmt.b32 $1, ${n}, z, 0x4342; }}",
+                ",".join(["=r"] * n + ["r", "r"]))
+    # PRMT selector nibble k = the source byte of result byte k; bytes 1 and 3 are masked off below
+    out = ["{ .reg .b32 u, v;", f"prmt.b32 u, ${n}, ${n}, 0x3110;", f"prmt.b32 v, ${n}, ${n}, 0x3332;"]
+    for i in range(fields):
+        out.append(f"and.b32 ${2 * i}, u, {_mask(bits, i)};")
+        out.append(f"and.b32 ${2 * i + 1}, v, {_mask(bits, i)};")
+    out.append("}")
+    return " ".join(out), ",".join(["=r"] * n + ["r", "r"])
+
+
 def value_unpack_asm(bits: int, byte: int, integer: bool = False) -> tuple[str, str]:
     """PTX and constraints for pack=4 over four tokens' words: result i = field i of byte
     ``byte`` of tokens (t0, t1), (t2, t3) as fp16 subnormals, code * 2^(bits*i) * 2^-24 exactly;
