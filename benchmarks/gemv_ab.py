@@ -30,7 +30,8 @@ CASES = [("k-group:4:128", 4096, 14336, 1), ("k-group:4:128", 28672, 8192, 1), (
          ("k-group:4:128", 14336, 4096, 1), ("k-group:4:128", 4096, 4096, 1), ("k-group:4:128", 28672, 8192, 16),
          ("k-group:4:128", 4096, 14336, 16), ("k-group:4:32", 4096, 14336, 1), ("k-group:8:128", 4096, 14336, 1),
          ("k-group:4:128", 4096, 14336, 4)]
-OPTIONS = [{}, {"gemv_stages": 4}, {"gemv_maxnreg": 96}, {"gemv_maxnreg": 80}, {"block_rows": 32}, "split2"]
+OPTIONS = [{}, {"gemv_stages": 4}, {"gemv_maxnreg": 96}, {"gemv_maxnreg": 80}, {"block_rows": 32}, "split2",
+           "split/2"]
 
 
 def load_kernel(path: str):
@@ -146,7 +147,7 @@ def main(argv=None) -> int:
                 sms = torch.cuda.get_device_properties(0).multi_processor_count
                 split = kern.gemv.plan_launch(m, sms).grid[1]
                 for opts in OPTIONS[1:]:
-                    o = {"gemv_split": 2 * split} if opts == "split2" else opts
+                    o = {"split2": {"gemv_split": 2 * split}, "split/2": {"gemv_split": max(1, split // 2)}}.get(opts, opts)
                     try:
                         kv = foldc.compile(spec, target="auto", kernel="gluon", **o)
                         yv = kv(x, wq)
