@@ -147,7 +147,8 @@ def main(argv=None) -> int:
                 sms = torch.cuda.get_device_properties(0).multi_processor_count
                 split = kern.gemv.plan_launch(m, sms).grid[1]
                 for opts in OPTIONS[1:]:
-                    o = {"split2": {"gemv_split": 2 * split}, "split/2": {"gemv_split": max(1, split // 2)}}.get(opts, opts)
+                    splits = {"split2": {"gemv_split": 2 * split}, "split/2": {"gemv_split": max(1, split // 2)}}
+                    o = splits.get(opts, opts)
                     try:
                         kv = foldc.compile(spec, target="auto", kernel="gluon", **o)
                         yv = kv(x, wq)
