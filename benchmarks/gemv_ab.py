@@ -148,7 +148,7 @@ def main(argv=None) -> int:
                 split = kern.gemv.plan_launch(m, sms).grid[1]
                 for opts in OPTIONS[1:]:
                     splits = {"split2": {"gemv_split": 2 * split}, "split/2": {"gemv_split": max(1, split // 2)}}
-                    o = splits.get(opts, opts)
+                    o = splits[opts] if isinstance(opts, str) else opts
                     try:
                         kv = foldc.compile(spec, target="auto", kernel="gluon", **o)
                         yv = kv(x, wq)
