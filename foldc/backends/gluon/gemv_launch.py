@@ -33,6 +33,9 @@ SUBS = (1, 2, 4, 8)
 #: zero bytes too, no AND, for 8-bit codes); the others unpack with one SHR and the activation is permuted to
 #: match (tile_operands.swap_k01, PRMTs that also build the MMA's register pairs)
 NATURAL_ORDER_BITS = (8,)
+# The activation's row goes through shared memory at m = 1 (the kernel's X_SHARED) for 2- and 4-bit codes: on the
+# H200 at 4096 x 14336, INT4 g128 13.8 against 14.9 µs with the row in registers, but INT8 24.9 against 22.5
+# (benchmarks/gemv_ab.py --variant '{"X_SHARED": false}', docs/results/gemv_ab_h200_2026-12-04.json)
 SCALE_KINDS = {"fp16": 0, "bf16": 1, "fp32": 2}   # the kernel's KIND: how it reads a scale word
 
 
@@ -150,7 +153,7 @@ class GluonGemv:
                              ROWS=8 if m <= 8 else 16, ROW_BYTES=kernel.row_bytes, G=kernel.group, BITS=kernel.bits,
                              STAGES=self.stages, SPLIT=split, ASM=asm, CONS=cons, VALUE_EXP=VALUE_EXPONENT,
                              KIND=SCALE_KINDS[kernel.scale_dtype], SUB=sub, GW=param_words(kernel, per),
-                             X_SHARED=m == 1, SWAP=swap,
+                             X_SHARED=m == 1 and kernel.bits < 8, SWAP=swap,
                              num_warps=1)
             if self.maxnreg is not None:
                 constants["maxnreg"] = self.maxnreg
