@@ -259,10 +259,12 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_
 @settings(max_examples=60, deadline=None)
 @given(enc=st.sampled_from(ENCODINGS), n=st.integers(1, 300), m=st.integers(1, 16),
        dtype=st.sampled_from([torch.float16, torch.bfloat16]), split=st.sampled_from([None, 1, 3]),
-       k=st.sampled_from([2048, 2176]), seed=st.integers(0, 2**31 - 1))
-def test_gpu_gemv_matches_the_float64_reference(enc, n, m, dtype, split, k, seed):
+       k=st.sampled_from([2048, 2176]), offset=st.sampled_from([0, 0, 1, 8]), seed=st.integers(0, 2**31 - 1))
+def test_gpu_gemv_matches_the_float64_reference(enc, n, m, dtype, split, k, offset, seed):
     """k = 2176 gives 17 groups of 128 a row: the 16-bit parameters of odd rows start in a word's upper
-    half (the kernel's parameter words are read per row from the word that holds its first group)."""
+    half (the kernel's parameter words are read per row from the word that holds its first group). x is a
+    slice ``offset`` elements into wider rows: at an odd offset its rows are only 2-byte aligned (the
+    kernel's 16-byte copies of the row at m = 1 take an aligned copy of it)."""
     try:
         spec = spec_of(enc, n, k)
     except foldc.SpecError:
@@ -271,14 +273,14 @@ def test_gpu_gemv_matches_the_float64_reference(enc, n, m, dtype, split, k, seed
     assume(kern.gemv.lowers(m)[0])   # a dequant verdict at m rows: the Triton kernel's, tested there
     gen = torch.Generator().manual_seed(seed)
     wq = quantize_2d((torch.randn(n, k, generator=gen) * 0.05).cuda(), spec.weight)
-    x = ((torch.randn(m, k, generator=gen) + 0.3) * 4).to("cuda", dtype)
+    x = ((torch.randn(m, k + offset, generator=gen) + 0.3) * 4).to("cuda", dtype)[:, offset:]
     y = kern(x, wq)
     want = gemm_reference(x, wq)
     err = float((y.double() - want).norm() / want.norm())
     bar = float((x.double().to(dtype).double() @ wq.dequantize(torch.float64)[0, 0].T - want).norm() / want.norm())
     rounding = float((want.to(dtype).double() - want).norm() / want.norm())
     assert y.dtype == dtype and torch.isfinite(y).all()
-    assert err <= 2 * rounding + 1e-4, (seed, enc, n, m, dtype, split, err, rounding, bar)
+    assert err <= 2 * rounding + 1e-4, (seed, enc, n, m, dtype, split, offset, err, rounding, bar)
 
 
 @gpu

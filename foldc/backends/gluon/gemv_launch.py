@@ -49,6 +49,11 @@ class GemvLaunch:
     chunks_per_split: int
     constants: tuple
 
+    @property
+    def x_shared(self) -> bool:
+        """Whether the kernel copies the activation's row into shared memory (16-byte cp.async from x)."""
+        return dict(self.constants)["X_SHARED"]
+
 
 PARAM_RUN_BYTES = 256          # shared memory per output channel for a program's scale and zero words (`param_words`)
 
@@ -278,6 +283,8 @@ class GluonGemv:
             from .gemv import foldc_gemv_gluon
 
             self._kernel = FastLaunch(foldc_gemv_gluon)
+        if launch.x_shared and x.data_ptr() % 16:   # its 16-byte copies need an aligned row (a slice at an odd
+            x = x.clone()                            # offset): a copy of the one row, not a failed build
         if counters is None:
             part, counters = self.buffers(launch, x.device)
         else:
