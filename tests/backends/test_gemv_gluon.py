@@ -279,8 +279,16 @@ def test_gpu_gemv_matches_the_float64_reference(enc, n, m, dtype, split, k, offs
     err = float((y.double() - want).norm() / want.norm())
     bar = float((x.double().to(dtype).double() @ wq.dequantize(torch.float64)[0, 0].T - want).norm() / want.norm())
     rounding = float((want.to(dtype).double() - want).norm() / want.norm())
+    # float32 accumulation: a few units in the last place of the fold's partial sums, whose size is that of
+    # sum |x| (|scale x code| + |zero|) <= sum |x| (|w| + 2 |zero|): an output near zero after cancellation
+    # (one output, n = 1) is exact only to that, relative to the sums rather than to itself
+    zero = wq.zero[0, 0].double()
+    zero = zero.repeat_interleave(k // zero.shape[1], dim=1).abs()
+    size = x.double().abs() @ (wq.dequantize(torch.float64)[0, 0].abs() + 2 * zero).T
+    accumulation = 2.0 ** -22 * float(size.norm() / want.norm())
     assert y.dtype == dtype and torch.isfinite(y).all()
-    assert err <= 2 * rounding + 1e-4, (seed, enc, n, m, dtype, split, offset, err, rounding, bar)
+    assert err <= 2 * rounding + 1e-4 + accumulation, (seed, enc, n, m, dtype, split, offset, err, rounding,
+                                                       accumulation, bar)
 
 
 @gpu
