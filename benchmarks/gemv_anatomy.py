@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from gemv_check import CEILING, copies, graph_us, rel  # noqa: E402
 
-from foldc.backends.gluon.gemv import _chunk, _issue, _zeros_tiles, program_start  # noqa: E402
+from foldc.backends.gluon.gemv import _chunk, _issue, _load_x, _zeros_tiles, program_start  # noqa: E402
 from foldc.backends.gluon.tile_operands import key_words_layout  # noqa: E402
 from foldc.backends.runtime.fast_launch import FastLaunch  # noqa: E402
 
@@ -45,12 +45,14 @@ def gemv_variant(X, WC, WS, WZ, Y, PART, COUNTERS, M, N, stride_x, stride_wc, st
                  ROWS: gl.constexpr, ROW_BYTES: gl.constexpr, G: gl.constexpr, BITS: gl.constexpr,
                  STAGES: gl.constexpr, SPLIT: gl.constexpr, ASM: gl.constexpr, CONS: gl.constexpr,
                  XF16: gl.constexpr, VALUE_EXP: gl.constexpr, KIND: gl.constexpr, SUB: gl.constexpr,
-                 GW: gl.constexpr, X_SHARED: gl.constexpr, COPY: gl.constexpr, COMPUTE: gl.constexpr):
+                 GW: gl.constexpr, X_SHARED: gl.constexpr, SWAP: gl.constexpr, COPY: gl.constexpr,
+                 COMPUTE: gl.constexpr):
     """foldc_gemv_gluon's loop with the copies of code words (COPY) and / or the chunk work (COMPUTE) kept;
     the parameter words are copied at the start as there; the result is written to y unreduced (timing
     only)."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
     NB: gl.constexpr = W * 4
+    D: gl.constexpr = NB * F
     T: gl.constexpr = BN // 16
     n0, c_lo, c_hi, w_rows, x_at, w_smem, x_smem, s_run, z_run = program_start(
         X, WC, WS, WZ, M, N, stride_x, stride_wc, stride_ws, chunks_per_split, BN, W, F, ROWS, ROW_BYTES, G, STAGES,
@@ -58,6 +60,8 @@ def gemv_variant(X, WC, WS, WZ, Y, PART, COUNTERS, M, N, stride_x, stride_wc, st
     ys = _zeros_tiles(ROWS, T)
     kw_l: gl.constexpr = key_words_layout(16, W)
     folded = gl.zeros([16, W], gl.int32, layout=kw_l)
+    if COMPUTE and not X_SHARED:
+        x_next = _load_x(X, x_at, stride_x, c_lo * NB, D, NB, ROWS, ROW_BYTES)
     for i in range(gl.cdiv(c_hi - c_lo, SUB)):
         ahead = i + STAGES - 1
         gl.thread_barrier()
@@ -71,9 +75,14 @@ def gemv_variant(X, WC, WS, WZ, Y, PART, COUNTERS, M, N, stride_x, stride_wc, st
             c = c_lo + i * SUB + u
             slot = ((i % STAGES) if COPY else (i % (STAGES - 1))) * SUB + u
             if COMPUTE:
+                if X_SHARED:
+                    x_in = x_smem.index(slot)
+                else:
+                    x_in = x_next
+                    x_next = _load_x(X, x_at, stride_x, gl.minimum(c + 1, c_hi - 1) * NB, D, NB, ROWS, ROW_BYTES)
                 if c < c_hi:
-                    ys = _chunk(w_smem.index(slot), s_run, z_run, c_lo * NB, x_smem.index(slot), ys, n0, N, stride_ws,
-                                c * NB, T, W, F, NG, ROWS, ROW_BYTES, G, BITS, ASM, CONS, XF16, VALUE_EXP, KIND, GW, XR)
+                    ys = _chunk(w_smem.index(slot), s_run, z_run, c_lo * NB, x_in, ys, n0, N, stride_ws, c * NB, T, W,
+                                F, NG, ROWS, ROW_BYTES, G, BITS, ASM, CONS, XF16, VALUE_EXP, KIND, GW, X_SHARED, SWAP)
             else:
                 for t in gl.static_range(T):
                     folded = folded ^ w_smem.index(slot).slice(16 * t, 16, dim=0).load(kw_l)
