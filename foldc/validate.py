@@ -141,6 +141,37 @@ def check_out(out, want: tuple[int, ...], device: torch.device, dtypes: tuple[to
     return out
 
 
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """[first, last] byte addresses a tensor's elements touch."""
+    start = t.data_ptr()
+    if t.numel() == 0:
+        return start, start - 1
+    extent = sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride()))
+    return start, start + (extent + 1) * t.element_size() - 1
+
+
+def check_no_overlap(out, name: str = "out", **inputs) -> None:
+    """Refuse an output that shares memory with an input a kernel still reads while it writes (a GEMM's
+    programs write y while others read x): the answer would be silently wrong. An AffineTensor input is
+    checked by its codes, scales and zeros; inputs that are not tensors (None) are skipped."""
+    if not isinstance(out, torch.Tensor) or out.numel() == 0:
+        return
+    lo, hi = _span(out)
+    tensors = {}
+    for what, t in inputs.items():
+        if isinstance(t, AffineTensor):
+            tensors.update({f"{what}.codes": t.codes, f"{what}.scale": t.scale, f"{what}.zero": t.zero})
+        else:
+            tensors[what] = t
+    for what, t in tensors.items():
+        if isinstance(t, torch.Tensor) and t.numel() and t.device == out.device:
+            a, b = _span(t)
+            if a <= hi and lo <= b:
+                raise InputError(f"{name} shares memory with {what} (bytes {max(a, lo):#x}..{min(b, hi):#x}); the "
+                                 f"kernel reads {what} while it writes {name}: pass a separate {name} "
+                                 f"(torch.empty_like) or none")
+
+
 def check_merge_parts(parts) -> None:
     """The parts of `foldc.merge_attention`: a non-empty list of (out [batch, heads, head_dim],
     lse [batch, heads]) floating-point tensor pairs of one shape and device."""

@@ -76,6 +76,35 @@ def test_symbolic_m_spec_runs_any_row_count_and_out():
 
 
 @needs_interpreter
+def test_an_out_that_shares_memory_with_an_input_is_refused():
+    """y = x @ w.T into memory the kernel still reads (out=x when n == k, or a view over the weight's
+    scales) was a silently wrong answer (61% error under the interpreter): refused, naming the input.
+    Disjoint rows of one buffer are fine."""
+    from foldc.encoding import AffineTensor
+
+    spec = spec_of("k-group:4:32", None, None, 64, 64, symbolic=True)
+    kernel = foldc.compile(spec, target="interpret")
+    xq, wq = operands(spec, 4, int(torch.randint(0, 2**31 - 1, ())))
+    want = foldc.compile(spec, target="reference")(xq, wq)
+    with pytest.raises(foldc.errors.InputError, match="out shares memory with x"):
+        kernel(xq, wq, out=xq)
+    buf = torch.empty(8, 64, dtype=torch.float16)
+    buf[2:6] = xq
+    with pytest.raises(foldc.errors.InputError, match="out shares memory with x"):
+        kernel(buf[2:6], wq, out=buf[:4])              # rows 2 and 3 are in both
+    assert wq.scale.dtype == torch.float16
+    store = torch.empty(4 * 64, dtype=torch.float16)   # the weight's scales inside an out-sized buffer
+    store[:wq.scale.numel()] = wq.scale.flatten()
+    w_in = AffineTensor(wq.codes, store[:wq.scale.numel()].view(wq.scale.shape), wq.zero, wq.encoding, wq.shape[-1])
+    with pytest.raises(foldc.errors.InputError, match="out shares memory with w.scale"):
+        kernel(xq, w_in, out=store.view(4, 64))
+    got = kernel(buf[2:6], wq, out=buf[6:8].new_empty(4, 64))
+    assert float((got.double() - want).norm() / want.norm()) < 2e-3
+    got = kernel(buf[:4].copy_(xq), wq, out=buf[4:8])  # disjoint rows of one buffer
+    assert got.data_ptr() == buf[4:8].data_ptr() and float((got.double() - want).norm() / want.norm()) < 2e-3
+
+
+@needs_interpreter
 @pytest.mark.parametrize("weight, activation", [("k-group:4:32", None), ("per-channel:4", None),
                                                 ("per-channel:8", "per-token:8")])
 @pytest.mark.parametrize("split_k", [2, 3])

@@ -17,6 +17,7 @@ from ...encoding import AffineTensor
 from ...errors import InputError, InputTypeError, SpecError
 from ...gemm.plan import GemmPlan, gemm_plan
 from ...gemm.spec import GemmSpec
+from ...validate import check_no_overlap
 from ..runtime.fast_launch import FastLaunch
 from ..runtime.modules import num_sms
 from .gemv_lower import GemvKernel, NotLowerable, lower_gemv
@@ -267,6 +268,8 @@ class GluonGemv:
         elif tuple(out.shape) != (m, self.spec.n) or out.dtype != x.dtype or out.stride(1) != 1:
             raise InputError(f"out has shape={tuple(out.shape)}, dtype={out.dtype}; it must be ({m}, {self.spec.n}) "
                              f"{x.dtype} with unit stride along n")
+        else:
+            check_no_overlap(out, "out", x=x, w=w)
         self.run(self.plan_launch(m, num_sms(x.device)), x, w, out, counters)
         return out
 

@@ -19,6 +19,7 @@ from ...gemm.reference import check_operand
 from ...gemm.spec import GemmSpec
 from ...options import check_gemm_options
 from ...proof import prove
+from ...validate import check_no_overlap
 from .gemm_codegen import GemmKernelSource, generate_gemm
 from .gemm_dequant import SOURCE as DEQUANT_SOURCE
 from .gemm_dequant import DequantTile, NotDequantTemplate, dequant_config, lower_dequant, unpack_asm
@@ -177,6 +178,8 @@ class TritonGemm:
             out = torch.empty(m, n, device=device, dtype=dtype)
         elif tuple(out.shape) != (m, n) or out.dtype != dtype or out.stride(1) != 1:
             raise InputError(f"out has shape={tuple(out.shape)}, dtype={out.dtype}; it must be ({m}, {n}) {dtype}")
+        else:
+            check_no_overlap(out, "out", x=x, w=w)
         self.run(self.plan_launch(dtype, m, num_sms(device)), x, w, out)
         return out
 
