@@ -141,13 +141,12 @@ def check_out(out, want: tuple[int, ...], device: torch.device, dtypes: tuple[to
     return out
 
 
-def _span(t: torch.Tensor) -> tuple[int, int]:
-    """[first, last] byte addresses a tensor's elements touch."""
-    start = t.data_ptr()
-    if t.numel() == 0:
-        return start, start - 1
+def _last_byte(t: torch.Tensor, start: int) -> int:
+    """The last byte address a non-empty tensor's elements touch (a contiguous tensor's without a loop)."""
+    if t.is_contiguous():
+        return start + t.nbytes - 1
     extent = sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride()))
-    return start, start + (extent + 1) * t.element_size() - 1
+    return start + (extent + 1) * t.element_size() - 1
 
 
 def check_no_overlap(out, name: str = "out", **inputs) -> None:
@@ -156,19 +155,21 @@ def check_no_overlap(out, name: str = "out", **inputs) -> None:
     checked by its codes, scales and zeros; inputs that are not tensors (None) are skipped."""
     if not isinstance(out, torch.Tensor) or out.numel() == 0:
         return
-    lo, hi = _span(out)
-    tensors = {}
+    lo = out.data_ptr()
+    hi = _last_byte(out, lo)
     for what, t in inputs.items():
-        if isinstance(t, AffineTensor):
-            tensors.update({f"{what}.codes": t.codes, f"{what}.scale": t.scale, f"{what}.zero": t.zero})
-        else:
-            tensors[what] = t
-    for what, t in tensors.items():
-        if isinstance(t, torch.Tensor) and t.numel() and t.device == out.device:
-            a, b = _span(t)
-            if a <= hi and lo <= b:
-                raise InputError(f"{name} shares memory with {what} (bytes {max(a, lo):#x}..{min(b, hi):#x}); the "
-                                 f"kernel reads {what} while it writes {name}: pass a separate {name} "
+        parts = ((f"{what}.codes", t.codes), (f"{what}.scale", t.scale), (f"{what}.zero", t.zero)) \
+            if isinstance(t, AffineTensor) else ((what, t),)
+        for part, u in parts:
+            if not isinstance(u, torch.Tensor):
+                continue
+            a = u.data_ptr()
+            if a > hi or not u.numel():
+                continue
+            b = _last_byte(u, a)
+            if b >= lo:
+                raise InputError(f"{name} shares memory with {part} (bytes {max(a, lo):#x}..{min(b, hi):#x}); the "
+                                 f"kernel reads {part} while it writes {name}: pass a separate {name} "
                                  f"(torch.empty_like) or none")
 
 

@@ -7,11 +7,13 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import foldc
 from foldc.errors import InputError, InputTypeError
 from foldc.serving import PagedDecodeWrapper, PagedKVCache, QuantizedKVCache, page_pool
-from foldc.validate import check_out, check_sm_scale
+from foldc.validate import check_no_overlap, check_out, check_sm_scale
 
 A = foldc.Affine
 SPEC = foldc.AttentionSpec(4, 2, 64, k=A(2, "token", 32), v=A(4, "channel", 16))
@@ -171,3 +173,27 @@ def test_a_nan_in_the_cache_gives_nan_attention_on_every_target(name):
         out = foldc.compile(SPEC, target=target)(q, k, v)
         assert torch.isnan(out[0, 2:]).any(), target
         assert torch.isfinite(out[0, :2]).all(), target
+
+
+@settings(max_examples=200, deadline=None)
+@given(rows=st.integers(2, 40), cols=st.integers(1, 9), a=st.tuples(st.integers(0, 39), st.integers(1, 40)),
+       b=st.tuples(st.integers(0, 39), st.integers(1, 40)), dtype=st.sampled_from([torch.float16, torch.float32]))
+def test_an_output_over_an_inputs_rows_is_refused_and_disjoint_rows_are_not(rows, cols, a, b, dtype):
+    buf = torch.randn(rows, cols).to(dtype)
+    out, x = buf[a[0] % rows:][:a[1]], buf[b[0] % rows:][:b[1]]
+    rows_out = set(range(a[0] % rows, a[0] % rows + out.shape[0]))
+    rows_x = set(range(b[0] % rows, b[0] % rows + x.shape[0]))
+    if rows_out & rows_x:
+        with pytest.raises(InputError, match="out shares memory with x"):
+            check_no_overlap(out, "out", x=x)
+    else:
+        check_no_overlap(out, "out", x=x)
+    check_no_overlap(out, "out", x=x.clone(), w=None)   # a copy never meets it
+
+
+def test_an_output_over_an_affine_tensors_scales_is_refused():
+    enc = foldc.Affine(bits=4, layout="token", group_size=16)
+    t = foldc.quantize(torch.randn(1, 2, 8, 32), enc)
+    with pytest.raises(InputError, match="out shares memory with k.scale"):
+        check_no_overlap(t.scale.view(-1)[:4], "out", k=t)
+    check_no_overlap(torch.empty(4), "out", k=t)
