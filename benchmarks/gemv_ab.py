@@ -6,7 +6,9 @@ production launcher's launches (grid, split, constants, buffers) and each checke
     PYTHONPATH=. python3 benchmarks/gemv_ab.py --b benchmarks/_gemv_b.py --b-asm swapped --out $OUT/ab.json
 
 ``--b-asm swapped``: B reads the weight with `key_unpack_asm` (k index with bits 0 and 1 of the byte swapped, the
-kernel swaps x to match), as the GEMV did before 2026-12-04; ``natural``: with `natural_key_unpack_asm`. Constants
+kernel swaps x to match), as the GEMV did before 2026-12-04; ``natural``: with `natural_key_unpack_asm`;
+``launcher`` (the default): the production launcher's choice, for a B built from today's kernel
+(benchmarks/gemv_variants.py). Constants
 B does not declare are dropped. ``flip``: the production kernel with the other unpack order than its launcher picks
 (SWAP and ASM). Each case also runs the production kernel at a few launch options (stages, block
 rows, a register cap, twice the split). Timing as benchmarks/gemv_check.py: CUDA graphs over distinct weight
@@ -86,7 +88,8 @@ def summary(r: dict) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--b", required=True, help="a kernel file defining foldc_gemv_gluon")
-    ap.add_argument("--b-asm", choices=("swapped", "natural"), default="natural")
+    ap.add_argument("--b-asm", choices=("launcher", "swapped", "natural"), default="launcher",
+                    help="the unpack B runs: the launcher's (its ASM and SWAP), or one order forced")
     ap.add_argument("--variant", default=None, help="a JSON dict of the production kernel's constants to override "
                     "(timed as 'variant', e.g. '{\"X_SHARED\": false}')")
     ap.add_argument("--out", default="results/gemv_ab.json")

@@ -390,18 +390,16 @@ def program_start(X, WC, WS, WZ, M, N, stride_x, stride_wc, stride_ws, chunks_pe
 
 
 @gluon.jit
-def foldc_gemv_gluon(X, WC, WS, WZ, Y, PART, COUNTERS, M, N, stride_x, stride_wc, stride_ws, stride_y,
-                     chunks_per_split, BN: gl.constexpr, W: gl.constexpr, F: gl.constexpr, NG: gl.constexpr,
-                     ROWS: gl.constexpr, ROW_BYTES: gl.constexpr, G: gl.constexpr, BITS: gl.constexpr,
-                     STAGES: gl.constexpr, SPLIT: gl.constexpr, ASM: gl.constexpr, CONS: gl.constexpr,
-                     XF16: gl.constexpr, VALUE_EXP: gl.constexpr, KIND: gl.constexpr, SUB: gl.constexpr,
-                     GW: gl.constexpr, X_SHARED: gl.constexpr, SWAP: gl.constexpr):
+def chunk_loop(X, x_at, x_smem, w_rows, w_smem, s_run, z_run, n0, c_lo, c_hi, M, N, stride_x, stride_ws,
+               BN: gl.constexpr, W: gl.constexpr, F: gl.constexpr, NG: gl.constexpr, ROWS: gl.constexpr,
+               ROW_BYTES: gl.constexpr, G: gl.constexpr, BITS: gl.constexpr, STAGES: gl.constexpr, ASM: gl.constexpr,
+               CONS: gl.constexpr, XF16: gl.constexpr, VALUE_EXP: gl.constexpr, KIND: gl.constexpr, SUB: gl.constexpr,
+               GW: gl.constexpr, X_SHARED: gl.constexpr, SWAP: gl.constexpr):
+    """A program's chunks c_lo .. c_hi after `program_start`: the pipeline's copies STAGES - 1 stages ahead and
+    each chunk's work; returns the T row tiles' float32 accumulators (every copy waited for)."""
     NB: gl.constexpr = W * 4
     T: gl.constexpr = BN // 16
     D: gl.constexpr = NB * F
-    n0, c_lo, c_hi, w_rows, x_at, w_smem, x_smem, s_run, z_run = program_start(
-        X, WC, WS, WZ, M, N, stride_x, stride_wc, stride_ws, chunks_per_split, BN, W, F, ROWS, ROW_BYTES, G, STAGES,
-        SUB, GW, KIND != 2, X_SHARED)
     ys = _zeros_tiles(ROWS, T)
     if not X_SHARED:
         x_next = _load_x(X, x_at, stride_x, c_lo * NB, D, NB, ROWS, ROW_BYTES)
@@ -427,6 +425,22 @@ def foldc_gemv_gluon(X, WC, WS, WZ, Y, PART, COUNTERS, M, N, stride_x, stride_wc
                             F, NG, ROWS, ROW_BYTES, G, BITS, ASM, CONS, XF16, VALUE_EXP, KIND, GW, X_SHARED,
                             SWAP)
     async_copy.wait_group(0)
+    return ys
+
+
+@gluon.jit
+def foldc_gemv_gluon(X, WC, WS, WZ, Y, PART, COUNTERS, M, N, stride_x, stride_wc, stride_ws, stride_y,
+                     chunks_per_split, BN: gl.constexpr, W: gl.constexpr, F: gl.constexpr, NG: gl.constexpr,
+                     ROWS: gl.constexpr, ROW_BYTES: gl.constexpr, G: gl.constexpr, BITS: gl.constexpr,
+                     STAGES: gl.constexpr, SPLIT: gl.constexpr, ASM: gl.constexpr, CONS: gl.constexpr,
+                     XF16: gl.constexpr, VALUE_EXP: gl.constexpr, KIND: gl.constexpr, SUB: gl.constexpr,
+                     GW: gl.constexpr, X_SHARED: gl.constexpr, SWAP: gl.constexpr):
+    T: gl.constexpr = BN // 16
+    n0, c_lo, c_hi, w_rows, x_at, w_smem, x_smem, s_run, z_run = program_start(
+        X, WC, WS, WZ, M, N, stride_x, stride_wc, stride_ws, chunks_per_split, BN, W, F, ROWS, ROW_BYTES, G, STAGES,
+        SUB, GW, KIND != 2, X_SHARED)
+    ys = chunk_loop(X, x_at, x_smem, w_rows, w_smem, s_run, z_run, n0, c_lo, c_hi, M, N, stride_x, stride_ws, BN, W, F,
+                    NG, ROWS, ROW_BYTES, G, BITS, STAGES, ASM, CONS, XF16, VALUE_EXP, KIND, SUB, GW, X_SHARED, SWAP)
     for t in gl.static_range(T):
         _finish(ys[t], t, Y, PART, n0, gl.program_id(1), M, N, stride_y, SPLIT, ROWS)
     if SPLIT > 1:
