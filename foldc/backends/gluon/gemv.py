@@ -20,11 +20,12 @@ entry near 2^12 (exact).
 
 Programs are one warp: (block of BN = 16 T output channels, split of the k chunks); the T row tiles
 of a chunk share the activation's pieces and their sums. The program's scale and zero words (the
-32-bit words that hold its groups' 16-bit parameters) go global -> shared memory once, by cp.async at
-the start: per bit field and row the GW words from the field's first group in the split. Code words
+32-bit words that hold its groups' 16-bit parameters) go global -> shared memory once, by one cp.async
+per tensor at the start: per bit field and row the GW words from the field's first group in the split. Code words
 follow, STAGES stages of SUB chunks ahead (tile_memory.copy_layout; no copy past the program's last
-chunk), into a swizzled tile so that the operand's 8-byte reads are free of bank conflicts; the
-activation chunk is loaded into registers one chunk ahead. With SPLIT > 1 each program writes its
+chunk), into a swizzled tile so that the operand's 8-byte reads are free of bank conflicts. The
+activation's one row travels with them at m = 1 for 2- and 4-bit codes (X_SHARED); otherwise its chunk is
+loaded into registers one chunk ahead. With SPLIT > 1 each program writes its
 float32 partial [m, BN] to a workspace and bumps its row block's counter; the last program of the
 block sums the partials, writes y and resets the counter to 0 (one launch, CUDA-graph safe).
 
