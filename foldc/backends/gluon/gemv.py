@@ -430,6 +430,21 @@ def chunk_loop(X, x_at, x_smem, w_rows, w_smem, s_run, z_run, n0, c_lo, c_hi, M,
 
 
 @gluon.jit
+def program_sums(X, WC, WS, WZ, M, N, stride_x, stride_wc, stride_ws, chunks_per_split, BN: gl.constexpr,
+                 W: gl.constexpr, F: gl.constexpr, NG: gl.constexpr, ROWS: gl.constexpr, ROW_BYTES: gl.constexpr,
+                 G: gl.constexpr, BITS: gl.constexpr, STAGES: gl.constexpr, ASM: gl.constexpr, CONS: gl.constexpr,
+                 XF16: gl.constexpr, VALUE_EXP: gl.constexpr, KIND: gl.constexpr, SUB: gl.constexpr, GW: gl.constexpr,
+                 X_SHARED: gl.constexpr, SWAP: gl.constexpr):
+    """A program's work up to its end: (n0, the T row tiles' float32 sums over its split of k)."""
+    n0, c_lo, c_hi, w_rows, x_at, w_smem, x_smem, s_run, z_run = program_start(
+        X, WC, WS, WZ, M, N, stride_x, stride_wc, stride_ws, chunks_per_split, BN, W, F, ROWS, ROW_BYTES, G, STAGES,
+        SUB, GW, KIND != 2, X_SHARED)
+    ys = chunk_loop(X, x_at, x_smem, w_rows, w_smem, s_run, z_run, n0, c_lo, c_hi, M, N, stride_x, stride_ws, BN, W, F,
+                    NG, ROWS, ROW_BYTES, G, BITS, STAGES, ASM, CONS, XF16, VALUE_EXP, KIND, SUB, GW, X_SHARED, SWAP)
+    return n0, ys
+
+
+@gluon.jit
 def foldc_gemv_gluon(X, WC, WS, WZ, Y, PART, COUNTERS, M, N, stride_x, stride_wc, stride_ws, stride_y,
                      chunks_per_split, BN: gl.constexpr, W: gl.constexpr, F: gl.constexpr, NG: gl.constexpr,
                      ROWS: gl.constexpr, ROW_BYTES: gl.constexpr, G: gl.constexpr, BITS: gl.constexpr,
@@ -437,11 +452,8 @@ def foldc_gemv_gluon(X, WC, WS, WZ, Y, PART, COUNTERS, M, N, stride_x, stride_wc
                      XF16: gl.constexpr, VALUE_EXP: gl.constexpr, KIND: gl.constexpr, SUB: gl.constexpr,
                      GW: gl.constexpr, X_SHARED: gl.constexpr, SWAP: gl.constexpr):
     T: gl.constexpr = BN // 16
-    n0, c_lo, c_hi, w_rows, x_at, w_smem, x_smem, s_run, z_run = program_start(
-        X, WC, WS, WZ, M, N, stride_x, stride_wc, stride_ws, chunks_per_split, BN, W, F, ROWS, ROW_BYTES, G, STAGES,
-        SUB, GW, KIND != 2, X_SHARED)
-    ys = chunk_loop(X, x_at, x_smem, w_rows, w_smem, s_run, z_run, n0, c_lo, c_hi, M, N, stride_x, stride_ws, BN, W, F,
-                    NG, ROWS, ROW_BYTES, G, BITS, STAGES, ASM, CONS, XF16, VALUE_EXP, KIND, SUB, GW, X_SHARED, SWAP)
+    n0, ys = program_sums(X, WC, WS, WZ, M, N, stride_x, stride_wc, stride_ws, chunks_per_split, BN, W, F, NG, ROWS,
+                          ROW_BYTES, G, BITS, STAGES, ASM, CONS, XF16, VALUE_EXP, KIND, SUB, GW, X_SHARED, SWAP)
     for t in gl.static_range(T):
         _finish(ys[t], t, Y, PART, n0, gl.program_id(1), M, N, stride_y, SPLIT, ROWS)
     if SPLIT > 1:
