@@ -49,11 +49,7 @@ class GemvLaunch:
     grid: tuple[int, int]
     chunks_per_split: int
     constants: tuple
-
-    @property
-    def x_shared(self) -> bool:
-        """Whether the kernel copies the activation's row into shared memory (16-byte cp.async from x)."""
-        return dict(self.constants)["X_SHARED"]
+    x_shared: bool = False   # the kernel copies the activation's row into shared memory (16-byte cp.async from x)
 
 
 PARAM_RUN_BYTES = 256          # shared memory per output channel for a program's scale and zero words (`param_words`)
@@ -164,7 +160,7 @@ class GluonGemv:
             if self.maxnreg is not None:
                 constants["maxnreg"] = self.maxnreg
             launch = GemvLaunch(kernel, m, (-(-self.spec.n // self.block_rows), split), per,
-                                tuple(constants.items()))
+                                tuple(constants.items()), constants["X_SHARED"])
             self._launches[key] = launch
         return launch
 
