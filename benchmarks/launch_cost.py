@@ -94,30 +94,7 @@ def main() -> int:
     print("decode signature kinds:", {t: list(sig.values()).count(t) for t in set(sig.values())}, flush=True)
     print("tensors among values:", sum(isinstance(x, torch.Tensor) for x in values), "of", len(values), flush=True)
 
-    raw = ready.raw
-    merge_ready = list(merge.compiled.values())
-
-    def raw_off(fn):
-        """``fn`` with FastLaunch's driver call switched off (triton's C launcher instead), as before it."""
-        def run():
-            saved = [(r, r.raw) for r in list(decode.compiled.values()) + merge_ready]
-            for r, _ in saved:
-                r.raw = None
-            try:
-                fn()
-            finally:
-                for r, v in saved:
-                    r.raw = v
-        return run
-
-    ref = attn(q, k, v)
-    raw_off(lambda: ref.copy_(attn(q, k, v)))()
-    print("driver call (RawLaunch) for decode / merge:", raw is not None,
-          [r.raw is not None for r in merge_ready], "; same output as the C launcher:",
-          torch.equal(attn(q, k, v), ref), flush=True)
-    tensor = dargs[0]
     steps = {
-        "decode: driver call (RawLaunch), integer addresses": lambda: raw(g, stream, ints),
         "decode: C launcher, tensors": lambda: ready.direct(*g, stream, comp.function, *ready.head,
                                                              comp.packed_metadata, None, None, None, *values),
         "decode: C launcher, integer addresses": lambda: ready.direct(*g, stream, comp.function, *ready.head,
@@ -131,13 +108,6 @@ def main() -> int:
             ready.direct(*g, stream, comp.function, *ready.head, comp.packed_metadata, None, None, None, *values)),
         "decode: FastLaunch launch": lambda: decode[grid](*dargs, **kwargs),
         "whole call (out given)": lambda: attn(q, k, v, out=out),
-        "whole call (out given), C launcher": raw_off(lambda: attn(q, k, v, out=out)),
-        "whole call": lambda: attn(q, k, v),
-        "one tensor's data_ptr()": tensor.data_ptr,
-        "isinstance(tensor, torch.Tensor)": lambda: isinstance(tensor, torch.Tensor),
-        "tensor.is_contiguous()": tensor.is_contiguous,
-        "tensor.stride()": tensor.stride,
-        "tensor.shape": lambda: tensor.shape,
         "empty kernel: C launcher, tensor": lambda: erun.launch(1, 1, 1, stream, cempty.function, *ready.head,
                                                                 cempty.packed_metadata, None, None, None, x1),
         "empty kernel: C launcher, integer": lambda: erun.launch(1, 1, 1, stream, cempty.function, *ready.head,

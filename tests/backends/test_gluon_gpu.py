@@ -370,8 +370,7 @@ def test_repeated_calls_reuse_the_compiled_kernel_only_for_the_same_specialisati
     """Eager calls after the first go straight to the compiled kernels (FastLaunch), keyed by
     triton's own specialisation: new query values on the same buffers, a query 2 bytes off a
     16-byte boundary and a cache length that is no multiple of 16 each give the float64 answer,
-    and the last two each compile and key a kernel of their own. Both kernels launch through the
-    driver call (`RawLaunch`), and give the answer triton's C launcher gives, bit for bit."""
+    and the last two each compile and key a kernel of their own."""
     spec = _spec(2)
     attn = foldc.compile(spec, "sm_90", kernel="gluon", splits=3)
     gen = torch.Generator().manual_seed(77)
@@ -388,12 +387,6 @@ def test_repeated_calls_reuse_the_compiled_kernel_only_for_the_same_specialisati
     decode, merge = attn._launchers()
     assert len(decode.compiled) == 3, list(decode.compiled)
     assert len(merge.compiled) == 1
-    readies = list(decode.compiled.values()) + list(merge.compiled.values())
-    assert all(r.raw is not None for r in readies)
-    raw_out = attn(q, k, v, seq_lens=lens)
-    for r in readies:
-        r.raw = None
-    assert torch.equal(attn(q, k, v, seq_lens=lens), raw_out)
 
 
 def _large_zero_inputs(spec, batch, tokens, dtype, gen):

@@ -31,8 +31,6 @@ import triton.runtime
 from triton import knobs
 from triton.runtime.jit import JITFunction
 
-from .raw_launch import raw_launch
-
 _SCALARS = (int, bool, float, type(None))
 _I32, _I64 = 1 << 31, 1 << 63
 _DATA_PTR = torch.Tensor.data_ptr
@@ -102,10 +100,9 @@ def _layout(types: tuple):
 
 class _Ready:
     """A compiled kernel and what its launches repeat: the argument tail after the positional ones
-    (constexprs and defaults, in the kernel's order) and, where they apply, the driver call
-    (`RawLaunch`) and the C launcher itself."""
+    (constexprs and defaults, in the kernel's order) and, where it applies, the C launcher itself."""
 
-    __slots__ = ("compiled", "tail", "direct", "head", "raw")
+    __slots__ = ("compiled", "tail", "direct", "head")
 
     def __init__(self, compiled, bound: dict, positional: int):
         self.compiled = compiled
@@ -117,7 +114,6 @@ class _Ready:
         # the C launcher's leading arguments, as CudaLauncher.__call__ passes them (no scratch buffers)
         self.direct = raw if plain else None
         self.head = (launcher.launch_cooperative_grid, launcher.launch_pdl, None, None) if plain else None
-        self.raw = raw_launch(compiled, positional + len(self.tail)) if plain else None
 
 
 class FastLaunch:
@@ -194,11 +190,8 @@ class FastLaunch:
         compiled = ready.compiled
         enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
         if ready.direct is not None and not getattr(enter, "calls", True) and not getattr(leave, "calls", True):
-            # no hooks to call: the driver's launch with the arguments packed in one buffer (`RawLaunch`), else
-            # CudaLauncher's C launch, as its __call__ makes it, without the metadata, with the tensors'
-            # addresses (integers skip its per-pointer cuPointerGetAttribute)
-            if ready.raw is not None and ready.raw(g, stream, (*layout.values(args, addresses), *ready.tail)):
-                return
+            # no hooks to call: CudaLauncher's C launch, as its __call__ makes it, without the metadata, with
+            # the tensors' addresses (integers skip its per-pointer cuPointerGetAttribute)
             ready.direct(g[0], g[1], g[2], stream, compiled.function, *ready.head, compiled.packed_metadata,
                          None, None, None, *layout.values(args, addresses), *ready.tail)
             return
