@@ -233,3 +233,43 @@ def test_integer_classes_tell_apart_exactly_what_triton_tells_apart():
         assert same_key == same_triton, (a, b)
 
     check()
+
+
+def test_a_bound_launch_passes_new_addresses_and_refuses_what_it_was_not_bound_for(monkeypatch):
+    """`FastLaunch.bind` after a launch: the bound launch gives the C launcher the grid, the current stream and
+    the new tensors' addresses with the integers it was bound with; an address off a 16-byte boundary,
+    another current device, a launch hook or triton's debug knob turned on since make it launch nothing and say
+    so (False). A launch not yet run, or run with a tensor off a 16-byte boundary, cannot be bound."""
+    from triton import knobs
+
+    fast, launcher, ordinary = _fast_with_launcher(monkeypatch)
+    monkeypatch.setattr(fast_launch, "_RAW_STREAM", lambda device: 9)
+    monkeypatch.setattr(fast_launch, "_CURRENT_DEVICE", lambda: 0)
+    kwargs = dict(BLOCK=64, ASM="and.b32", num_warps=1)
+    gen = torch.Generator().manual_seed(3)
+    buf = torch.randn(64, generator=gen).half()
+    x, y = buf[:16], buf[16:32]
+    assert fast.bind((4,), (x, y, 32, 5), kwargs) is None   # nothing compiled for it yet
+    fast[(4,)](x, y, 32, 5, **kwargs)
+    assert fast.bind((4,), (buf[1:17], y, 32, 5), kwargs) is None   # a tensor off a 16-byte boundary
+    bound = fast.bind((4,), (x, y, 32, 5), kwargs)
+    assert bound is not None and len(ordinary) == 1
+    for _ in range(3):
+        a, b = (16 * int(i) for i in torch.randint(1, 1 << 20, (2,), generator=gen))
+        assert bound((a, b)) is True
+        assert launcher.direct[-1] == (4, 1, 1, 9, "function", False, True, None, None, "metadata", None, None, None,
+                                       a, b, 32, 5, 64, "and.b32")
+    launches = len(launcher.direct)
+    assert bound((16, 18)) is False                                   # off a 16-byte boundary
+    monkeypatch.setattr(fast_launch, "_CURRENT_DEVICE", lambda: 1)
+    assert bound((16, 32)) is False                                   # another device
+    monkeypatch.setattr(fast_launch, "_CURRENT_DEVICE", lambda: 0)
+    hook = lambda metadata: None   # noqa: E731
+    knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        assert bound((16, 32)) is False
+    finally:
+        knobs.runtime.launch_enter_hook.remove(hook)
+    monkeypatch.setattr(knobs.runtime, "debug", True)
+    assert bound((16, 32)) is False
+    assert len(launcher.direct) == launches and launcher.wrapped == []

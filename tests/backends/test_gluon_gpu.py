@@ -370,11 +370,13 @@ def test_repeated_calls_reuse_the_compiled_kernel_only_for_the_same_specialisati
     """Eager calls after the first go straight to the compiled kernels (FastLaunch), keyed by
     triton's own specialisation: new query values on the same buffers, a query 2 bytes off a
     16-byte boundary and a cache length that is no multiple of 16 each give the float64 answer,
-    and the last two each compile and key a kernel of their own."""
+    and the last two each compile and key a kernel of their own. The second call with one key binds
+    its launches (`FastLaunch.bind`); the fourth launches the bound kernels with the new tensors'
+    addresses alone, and the third, misaligned, falls back to the ordinary path."""
     spec = _spec(2)
     attn = foldc.compile(spec, "sm_90", kernel="gluon", splits=3)
     gen = torch.Generator().manual_seed(77)
-    for tokens, misaligned in ((784, False), (784, False), (784, True), (777, False)):
+    for tokens, misaligned in ((784, False), (784, False), (784, True), (784, False), (777, False)):
         q, k, v, lens = random_inputs(spec, 2, tokens, torch.bfloat16, "cuda", gen)
         if misaligned:
             flat = torch.empty(q.numel() + 1, device="cuda", dtype=q.dtype)
@@ -387,6 +389,7 @@ def test_repeated_calls_reuse_the_compiled_kernel_only_for_the_same_specialisati
     decode, merge = attn._launchers()
     assert len(decode.compiled) == 3, list(decode.compiled)
     assert len(merge.compiled) == 1
+    assert sum(entry[1] is not None for entry in attn._bound.values()) == 1
 
 
 def _large_zero_inputs(spec, batch, tokens, dtype, gen):

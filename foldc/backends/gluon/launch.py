@@ -18,12 +18,14 @@ from ...options import check_launch_options, check_splits
 from ...validate import check_call, output_buffer
 from ..runtime.fast_launch import FastLaunch
 from ..runtime.launch import Launch, Scratch, allocate_workspace, split_partition
-from ..runtime.merge import MERGE_SOURCE, launch_merge
+from ..runtime.merge import MERGE_SOURCE, launch_merge, merge_arguments
 from ..runtime.modules import load_module, num_sms
 from .lower import FP16_REASON, HALF_TILE_GROUP, FoldKernel, gluon_plan, lower
 from .warpgroup_launch import WarpgroupLaunch, warpgroup_applies
 from .operands import KEY_EXPONENT, VALUE_EXPONENT, key_unpack_asm, value_unpack_asm
 
+_DATA_PTR = torch.Tensor.data_ptr
+_MAX_BOUND = 256   # eager launches remembered per launcher (`_bound_launches`)
 DTYPES = (torch.bfloat16,)   # lower.QUERY_DTYPES: fp16 queries run the Triton kernel (lower.FP16_REASON)
 TUNED_OPTIONS = {"block_n", "stages", "maxnreg", "split_factor", "heads"}   # what a tuned bucket sets
 # Hopper's register file and block limits, for the resident programs of one SM (resident_programs)
@@ -240,6 +242,7 @@ class GluonAttention:
         self._modules = None
         self._fast = None
         self._scratch = Scratch()     # eager calls' workspace and lse, per stream
+        self._bound: dict = {}        # eager launches bound to their integers (`_bound_launches`)
         # the merge as a programmatic dependent launch of the decode kernel: its launch overlaps the
         # decode's last programs (0.2-0.4 µs of a batch-1 call on the H200, docs/perf.md)
         self.pdl = True
@@ -293,6 +296,7 @@ class GluonAttention:
         other = copy.copy(self)
         other._modules = (decode, self._kernels()[1])
         other._fast, other._variants, other._launches, other._configs = None, {}, {}, dict(self._configs)
+        other._bound = {}
         other._scratch = Scratch()
         other.warpgroup = None   # the variant is the one-warp program's
         return other
@@ -303,6 +307,7 @@ class GluonAttention:
         modules = self._kernels()
         if self._fast is None or self._fast[0] is not modules:
             self._fast = (modules, tuple(FastLaunch(k) for k in modules))
+            self._bound = {}
         return self._fast[1]
 
     def __call__(self, q, k, v, sm_scale=None, seq_lens=None, out: torch.Tensor | None = None,
@@ -448,17 +453,45 @@ class GluonAttention:
         lengths or None (every sequence holds ``cache_tokens``); ``paged``: (kv_indptr, kv_indices,
         page_size) when k and v are page pools (foldc/serving/paged.py)."""
         decode, merge = self._launchers()
+        capturing = torch.cuda.is_current_stream_capturing()
+        bindable = paged is None and not capturing and not _dynamic(launch)
+        if bindable:
+            bound, key = self._bound_launches(launch, q, k, v, lens, out, sm_scale, per_split, splits, cache_tokens)
+            if bound is not None and bound[1] is not None and bound[1](_decode_addresses(q, k, v, lens, ws)):
+                if not bound[2]((*map(_DATA_PTR, ws), out.data_ptr(), lse.data_ptr())):
+                    launch_merge(merge, *ws, out, lse, self.config.q_per_kv * launch["heads"])
+                return
         counters = None
         if _dynamic(launch):   # one tile counter per (batch, head group), zeroed each call
             counters = torch.zeros(q.shape[0] * self.head_programs(launch), device=q.device,
                                    dtype=torch.int32)
         args, kwargs = self.decode_arguments(launch, q, k, v, lens, ws, sm_scale, per_split, cache_tokens, paged,
                                              counters)
-        decode[(q.shape[0], self.head_programs(launch), splits)](*args, **kwargs)
+        grid = (q.shape[0], self.head_programs(launch), splits)
+        decode[grid](*args, **kwargs)
         # PDL under CUDA-graph capture only: launched eagerly, the programmatic dependent merge cost
         # ~44 µs of GPU time per call at INT2 1 x 16K (H200, ninth session: `git show 6178656:docs/perf.md`)
-        launch_merge(merge, *ws, out, lse, self.config.q_per_kv * launch["heads"],
-                     pdl=self.pdl and torch.cuda.is_current_stream_capturing())
+        merge_grid, merge_args, merge_kwargs = merge_arguments(*ws, out, lse, self.config.q_per_kv * launch["heads"],
+                                                               pdl=self.pdl and capturing)
+        merge[merge_grid](*merge_args, **merge_kwargs)
+        if bindable and bound is None:   # the first call with these integers: noted, not bound (a growing
+            if len(self._bound) >= _MAX_BOUND:   # cache makes new ones at every step)
+                self._bound.clear()
+            self._bound[key] = (launch, None, None)
+        elif bindable and bound[1] is None:
+            # the second: later calls launch the compiled kernels with the tensors' addresses alone
+            pair = decode.bind(grid, args, kwargs), merge.bind(merge_grid, merge_args, merge_kwargs)
+            if None not in pair:
+                self._bound[key] = (launch, *pair)
+
+    def _bound_launches(self, launch: dict, q, k, v, lens, out, sm_scale: float, per_split: int, splits: int,
+                        cache_tokens: int):
+        """((launch, decode `Bound`, merge `Bound`) or None, its key): the kernels bound by an earlier call
+        with the same options, integers, strides and dtypes (`launch`'s eager path)."""
+        key = (id(launch), q.shape[0], q.stride(), _side_key(k), _side_key(v), out.stride(), out.dtype,
+               lens is None, sm_scale, per_split, splits, cache_tokens)
+        bound = self._bound.get(key)
+        return (bound if bound is not None and bound[0] is launch else None), key
 
     @staticmethod
     def decode_arguments(launch: dict, q, k, v, lens, ws, sm_scale: float, per_split: int, cache_tokens: int,
@@ -480,6 +513,26 @@ class GluonAttention:
             kwargs = launch[key] = dict(HAS_LENS=lens is not None, PAGE=page, **launch["constexprs"], num_warps=1,
                                         **extra)
         return args, kwargs
+
+
+def _side_key(x) -> tuple:
+    """What a decode kernel's specialisation and integer arguments take from one side of the cache:
+    its tensors' dtypes and strides."""
+    if isinstance(x, torch.Tensor):
+        return x.dtype, x.stride()
+    codes, scale = x.codes, x.scale
+    return codes.dtype, codes.stride(), scale.dtype, scale.stride(), x.zero.dtype
+
+
+def _decode_addresses(q, k, v, lens, ws) -> tuple:
+    """The decode kernel's 14 tensor arguments as addresses, in `decode_arguments`' order, for a
+    contiguous cache without dynamic tiles (the page table and counters are the query, unread)."""
+    qa = q.data_ptr()
+    ka = (k.data_ptr(), qa, qa) if isinstance(k, torch.Tensor) else (
+        k.codes.data_ptr(), k.scale.data_ptr(), k.zero.data_ptr())
+    va = (v.data_ptr(), qa, qa) if isinstance(v, torch.Tensor) else (
+        v.codes.data_ptr(), v.scale.data_ptr(), v.zero.data_ptr())
+    return (qa, *ka, *va, qa if lens is None else lens.data_ptr(), *map(_DATA_PTR, ws), qa, qa, qa)
 
 
 def _parts(x, q):

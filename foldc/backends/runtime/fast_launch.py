@@ -34,6 +34,8 @@ from triton.runtime.jit import JITFunction
 _SCALARS = (int, bool, float, type(None))
 _I32, _I64 = 1 << 31, 1 << 63
 _DATA_PTR = torch.Tensor.data_ptr
+_CURRENT_DEVICE = torch.cuda.current_device
+_RAW_STREAM = torch._C._cuda_getCurrentRawStream if hasattr(torch._C, "_cuda_getCurrentRawStream") else None
 _DTYPE = operator.attrgetter("dtype")
 _IS_CUDA = operator.attrgetter("is_cuda")
 
@@ -158,6 +160,23 @@ class FastLaunch:
                knobs.runtime.debug, knobs.compilation.instrumentation_mode)
         return key, layout, tensors, addresses
 
+    def bind(self, grid, args: tuple, kwargs: dict) -> "Bound | None":
+        """The `Bound` launch of ``args`` and ``kwargs`` over ``grid``, after `launch` ran them once (it
+        compiles), or None where it cannot be bound: the tensors do not come first in the arguments,
+        a tensor is off the GPU or not 16-byte aligned, or the kernel takes triton's launch path."""
+        if not isinstance(self.kernel, JITFunction):
+            return None
+        prepared = self._prepare(args, kwargs)
+        if prepared is None:
+            return None
+        key, layout, tensors, addresses = prepared
+        ready = self.compiled.get(key)
+        if (ready is None or ready.direct is None or not layout.prefix or not all(map(_IS_CUDA, tensors))
+                or functools.reduce(operator.or_, addresses, 0) & 15):
+            return None
+        g = tuple(grid)
+        return Bound(ready, g + (1,) * (3 - len(g)), key[0], args[layout.count:] + ready.tail, layout.count)
+
     def _key(self, args: tuple, kwargs: dict):
         """The specialisation key of a launch with these arguments (None: the ordinary path)."""
         prepared = self._prepare(args, kwargs)
@@ -199,3 +218,35 @@ class FastLaunch:
         values = args + ready.tail
         compiled.run(*g, stream, compiled.function, compiled.packed_metadata,
                      compiled.launch_metadata(g, stream, *values), enter, leave, *values)
+
+
+class Bound:
+    """One launch of a compiled kernel with everything but its tensors fixed: the grid, the arguments
+    after the tensors (integers, floats, constexprs) and the specialisation `FastLaunch` keyed them by,
+    for 16-byte aligned tensors of the dtypes it was bound with. ``bound(addresses)`` launches it with
+    the tensors' addresses, in order, and returns True; it returns False, launching nothing, where
+    the launch must go through `FastLaunch` instead: an address not 16-byte aligned, another current
+    device, a launch hook set, or triton's debug or instrumentation knob changed since the bind.
+    The caller keys its `Bound` by what it fixed (the integers, the tensors' dtypes): a call with
+    other values needs another."""
+
+    __slots__ = ("grid", "device", "function", "head", "metadata", "rest", "direct", "count", "knobs")
+
+    def __init__(self, ready: _Ready, grid: tuple, device: int, rest: tuple, count: int):
+        compiled = ready.compiled
+        self.grid, self.device, self.rest, self.count = grid, device, rest, count
+        self.function, self.head, self.metadata, self.direct = (compiled.function, ready.head,
+                                                                 compiled.packed_metadata, ready.direct)
+        self.knobs = (knobs.runtime.debug, knobs.compilation.instrumentation_mode)
+
+    def __call__(self, addresses: tuple) -> bool:
+        if functools.reduce(operator.or_, addresses) & 15 or _CURRENT_DEVICE() != self.device:
+            return False
+        runtime = knobs.runtime
+        if (getattr(runtime.launch_enter_hook, "calls", True) or getattr(runtime.launch_exit_hook, "calls", True)
+                or (runtime.debug, knobs.compilation.instrumentation_mode) != self.knobs):
+            return False
+        g = self.grid
+        self.direct(g[0], g[1], g[2], _RAW_STREAM(self.device), self.function, *self.head, self.metadata,
+                    None, None, None, *addresses, *self.rest)
+        return True

@@ -68,9 +68,15 @@ def launch_merge(merge_kernel, ws_m, ws_l, ws_acc, out, lse, q_per_kv: int, pdl:
     (CPU tensors), which runs programs one after another.
     ``pdl``: a programmatic dependent launch (sm_90+): the merge's launch overlaps the end of the
     kernel before it on the stream, and its programs wait for that kernel's writes."""
+    grid, args, kwargs = merge_arguments(ws_m, ws_l, ws_acc, out, lse, q_per_kv, pdl)
+    merge_kernel[grid](*args, **kwargs)
+
+
+def merge_arguments(ws_m, ws_l, ws_acc, out, lse, q_per_kv: int, pdl: bool = False) -> tuple[tuple, tuple, dict]:
+    """(grid, positional arguments, keyword arguments) of `launch_merge`'s launch; its five tensors come first."""
     b, hkv, splits, rows = ws_m.shape
     grid, kwargs = _merge_launch(b, hkv, splits, rows, ws_acc.shape[-1], q_per_kv, pdl, ws_m.device.type == "cpu")
-    merge_kernel[grid](ws_m, ws_l, ws_acc, out, lse, out.stride(0), out.stride(1), splits, **kwargs)
+    return grid, (ws_m, ws_l, ws_acc, out, lse, out.stride(0), out.stride(1), splits), kwargs
 
 
 @functools.lru_cache(maxsize=256)
