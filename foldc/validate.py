@@ -38,7 +38,7 @@ def _check_cache(name: str, x, enc, spec: AttentionSpec, batch: int, device) -> 
         if not isinstance(x, AffineTensor):
             raise InputTypeError(f"{name} must be a foldc.AffineTensor encoded as {enc.short()} "
                                  f"(spec.{name}); got {type(x).__name__}. Build it with foldc.quantize({name}, spec.{name})")
-        if x.encoding != enc:
+        if x.encoding is not enc and x.encoding != enc:
             raise InputError(f"{name} was quantized as {x.encoding.short()} (scale {x.encoding.scale_dtype}) but the "
                              f"spec says {enc.short()} (scale {enc.scale_dtype}); re-quantize or compile another spec")
         shape = x.shape
@@ -127,8 +127,8 @@ def check_out(out, want: tuple[int, ...], device: torch.device, dtypes: tuple[to
         return None
     if not isinstance(out, torch.Tensor):
         raise InputTypeError(f"{name} must be a torch.Tensor {tuple(want)} or None, got {type(out).__name__}")
-    allowed = ", ".join(str(d).replace("torch.", "") for d in dtypes)
     if out.dtype not in dtypes:
+        allowed = ", ".join(str(d).replace("torch.", "") for d in dtypes)
         raise InputError(f"{name} dtype={out.dtype} cannot hold the result: use one of {allowed} (an integer or "
                          f"bool {name} would truncate it)")
     if tuple(out.shape) != tuple(want):

@@ -256,7 +256,7 @@ def test_register_operand_kernel_draws_paged_tiles_dynamically(name, spec, page_
         wrapper = PagedDecodeWrapper(spec, page_size, max_seq_len=5120, device="cuda", splits=7, kernel="gluon",
                                      dynamic_tiles=dynamic)
         wrapper.plan(indptr, indices, last, num_pages=num_pages)
-        assert wrapper._launch["constexprs"]["DYNAMIC"] == dynamic
+        assert all(launch.options["constexprs"]["DYNAMIC"] == dynamic for launch in wrapper._launches.values())
         outs[dynamic] = wrapper.run(q, k_pages, v_pages)
     _check(spec, q, k_pages, v_pages, indptr, indices, lens, page_size, outs[True])
     assert rel_l2(outs[True], outs[False].double()) <= 1e-3

@@ -453,7 +453,7 @@ class GluonAttention:
         lengths or None (every sequence holds ``cache_tokens``); ``paged``: (kv_indptr, kv_indices,
         page_size) when k and v are page pools (foldc/serving/paged.py)."""
         decode, merge = self._launchers()
-        capturing = torch.cuda.is_current_stream_capturing()
+        capturing = q.is_cuda and torch._C._cuda_isCurrentStreamCapturing()   # q on the GPU: CUDA is initialised
         bindable = paged is None and not capturing and not _dynamic(launch)
         if bindable:
             bound, key = self._bound_launches(launch, q, k, v, lens, out, sm_scale, per_split, splits, cache_tokens)

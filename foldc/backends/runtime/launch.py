@@ -67,6 +67,12 @@ def workspace_fits(workspace, launch: Launch) -> bool:
     return workspace is not None and tuple(tuple(t.shape) for t in workspace) == launch.workspace_shapes
 
 
+def _capturing() -> bool:
+    """torch.cuda.is_current_stream_capturing() where CUDA is initialised (a tensor is on the GPU), without
+    the wrapper's Python frames."""
+    return torch._C._cuda_isCurrentStreamCapturing()
+
+
 class Scratch:
     """The workspace and log-sum-exp buffer of a kernel's eager calls, kept between calls: one set per
     CUDA stream, replaced when a call's launch needs other shapes. Calls on one stream run in order, so
@@ -83,7 +89,7 @@ class Scratch:
             stream: int | None = None):
         """(workspace, lse) for ``launch`` on ``device``'s current stream (or the raw handle ``stream``)."""
         cuda = device.type == "cuda"
-        if fresh or (cuda and torch.cuda.is_current_stream_capturing()):
+        if fresh or (cuda and _capturing()):
             return allocate_workspace(launch, device), torch.empty(lse_shape, device=device, dtype=torch.float32)
         if stream is None:   # the CPU (the interpreter) has one stream
             stream = torch._C._cuda_getCurrentRawStream(device.index) if cuda else 0
