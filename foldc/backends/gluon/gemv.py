@@ -185,6 +185,39 @@ def _row_tile(w_tile, s_run, z_run, j_lo, t: gl.constexpr, xs, sums, y, n0, N, s
 
 
 @gluon.jit
+def _x_operand(x_in, D: gl.constexpr, ROWS: gl.constexpr, XF16: gl.constexpr, X_SHARED: gl.constexpr,
+               SWAP: gl.constexpr):
+    """(the activation chunk as the MMA's fp16 operand [D, ROWS], and for bf16 activations the power of two c
+    per column that each column was multiplied by; 1.0 for fp16). ``x_in`` as in `_chunk`."""
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
+    b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=8)
+    if X_SHARED:   # one row, in every column
+        xd = x_in.load(gl.SliceLayout(1, b_l))
+        if SWAP:
+            xd = gl.convert_layout(swap_k01(xd, D, 0), gl.SliceLayout(1, b_l), assert_trivial=True)
+        xv = gl.broadcast(xd[:, None], gl.zeros([D, ROWS], gl.int1, layout=b_l))[0]
+    elif SWAP:
+        xv = gl.convert_layout(swap_k01(x_in, D, ROWS), b_l, assert_trivial=True)
+    else:
+        xv = x_in
+    if XF16:
+        x16 = xv
+        c = 1.0
+    else:   # each row times a power of two c (its largest entry near 2^12), then fp16 (exact)
+        xf = xv.to(gl.float32)
+        c = gl.exp2(12.0 - gl.floor(gl.log2(gl.maximum(gl.max(gl.abs(xf), axis=0), 1e-30))))
+        x16 = (xf * c[None, :]).to(gl.float16)
+    return x16, c
+
+
+@gluon.jit
+def _undo(c):
+    """1 / c per activation row, in the accumulators' layout ([1, ROWS])."""
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
+    return gl.convert_layout(1.0 / c, gl.SliceLayout(0, mma))[None, :]
+
+
+@gluon.jit
 def _chunk(w_tile, s_run, z_run, j_lo, x_in, ys, n0, N, stride_ws, j0, T: gl.constexpr, W: gl.constexpr,
            F: gl.constexpr, NG: gl.constexpr, ROWS: gl.constexpr, ROW_BYTES: gl.constexpr, G: gl.constexpr,
            BITS: gl.constexpr, ASM: gl.constexpr, CONS: gl.constexpr, XF16: gl.constexpr, VALUE_EXP: gl.constexpr,
@@ -198,24 +231,9 @@ def _chunk(w_tile, s_run, z_run, j_lo, x_in, ys, n0, N, stride_ws, j0, T: gl.con
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
     a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=8)
     b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=8)
-    row_l: gl.constexpr = gl.SliceLayout(0, mma)
     D: gl.constexpr = W * 4 * F
     P: gl.constexpr = D // NG
-    if X_SHARED:   # one row, in every column
-        xd = x_in.load(gl.SliceLayout(1, b_l))
-        if SWAP:
-            xd = gl.convert_layout(swap_k01(xd, D, 0), gl.SliceLayout(1, b_l), assert_trivial=True)
-        xv = gl.broadcast(xd[:, None], gl.zeros([D, ROWS], gl.int1, layout=b_l))[0]
-    elif SWAP:
-        xv = gl.convert_layout(swap_k01(x_in, D, ROWS), b_l, assert_trivial=True)
-    else:
-        xv = x_in
-    if XF16:
-        x16 = xv
-    else:   # each row times a power of two c (its largest entry near 2^12), then fp16 (exact)
-        xf = xv.to(gl.float32)
-        c = gl.exp2(12.0 - gl.floor(gl.log2(gl.maximum(gl.max(gl.abs(xf), axis=0), 1e-30))))
-        x16 = (xf * c[None, :]).to(gl.float16)
+    x16, c = _x_operand(x_in, D, ROWS, XF16, X_SHARED, SWAP)
     # each piece's sum of x as an MMA of ones, in the accumulator's layout (every row the same)
     ones = gl.full([16, P], 1.0, gl.float16, layout=a_l)
     zero = gl.zeros([16, ROWS], gl.float32, layout=mma)
@@ -249,7 +267,7 @@ def _chunk(w_tile, s_run, z_run, j_lo, x_in, ys, n0, N, stride_ws, j0, T: gl.con
     if XF16:
         out = acc
     else:   # this chunk's sums were of x times c: undone per activation row
-        inv = gl.convert_layout(1.0 / c, row_l)[None, :]
+        inv = _undo(c)
         if T == 1:
             out = (ys[0] + acc[0] * inv,)
         elif T == 2:
