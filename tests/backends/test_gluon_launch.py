@@ -4,10 +4,12 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import foldc
+import foldc.testing
 from foldc.backends.gluon.launch import GluonAttention, constexprs, resident_programs, wave_splits
 from foldc.errors import SpecError
 
@@ -254,3 +256,71 @@ def test_dynamic_split_plan_never_launches_more_programs_than_chunks(batch, toke
     assert 1 <= used <= chunks
     if splits is not None:
         assert used == min(splits, chunks)
+
+
+class _Recorder:
+    """Stands in for a `FastLaunch`: records its ordinary launches and binds a `_Bound` stand-in."""
+
+    def __init__(self):
+        self.launches, self.bound = [], []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.launches.append((grid, args))
+
+    def bind(self, grid, args, kwargs):
+        self.bound.append(_Bound(grid))
+        return self.bound[-1]
+
+
+class _Bound:
+    def __init__(self, grid):
+        self.grid, self.calls, self.ok = grid, [], True
+
+    def __call__(self, addresses):
+        self.calls.append(addresses)
+        return self.ok
+
+
+def test_eager_launches_are_noted_then_bound_then_launched_by_address(monkeypatch):
+    """`GluonAttention.launch` on stand-in kernels (CPU tensors): the first call with a launch's integers
+    launches both kernels the ordinary way and notes them, the second binds them, later ones give the bound
+    launches the call's addresses (the decode kernel's 14 in its order, the merge's five) and launch nothing
+    else. A bound launch that declines (a misaligned tensor) sends that call the ordinary way, the merge's
+    alone where only it declines; another softmax scale or cache length is another launch, noted anew."""
+    from foldc.backends.gluon.launch import _decode_addresses
+    from foldc.backends.runtime.launch import allocate_workspace
+
+    spec = _spec(2)
+    attn = _Resident(spec, resident=12)
+    decode, merge = _Recorder(), _Recorder()
+    monkeypatch.setattr(attn, "_launchers", lambda: (decode, merge))
+    gen = torch.Generator().manual_seed(9)
+    q, k, v, _ = foldc.testing.random_inputs(spec, 2, 256, torch.float16, "cpu", gen)
+    launch = attn.plan_launch(torch.bfloat16, 2, 256, torch.device("cpu"))
+    ws = allocate_workspace(launch, "cpu")
+    out, lse = torch.empty(2, 32, 128, dtype=q.dtype), torch.empty(2, 32)
+
+    def call(scale=0.1, tokens=256):
+        attn.launch(launch.options, q, k, v, None, ws, out, lse, scale, launch.per_split, launch.splits, tokens)
+
+    call()
+    assert (len(decode.launches), len(merge.launches), decode.bound) == (1, 1, [])
+    call()
+    assert (len(decode.launches), len(merge.launches), len(decode.bound), len(merge.bound)) == (2, 2, 1, 1)
+    for _ in range(3):
+        q.normal_(generator=gen)   # new values, same buffers: the same launch
+        call()
+    assert (len(decode.launches), len(merge.launches)) == (2, 2)
+    (bound_decode,), (bound_merge,) = decode.bound, merge.bound
+    assert bound_decode.calls == [_decode_addresses(q, k, v, None, ws)] * 3
+    assert bound_merge.calls == [(*(t.data_ptr() for t in ws), out.data_ptr(), lse.data_ptr())] * 3
+    bound_merge.ok = False
+    call()
+    assert (len(decode.launches), len(merge.launches), len(bound_decode.calls)) == (2, 3, 4)
+    bound_decode.ok = False
+    call()
+    assert (len(decode.launches), len(merge.launches)) == (3, 4)
+    for scale, tokens in ((0.2, 256), (0.1, 200)):
+        call(scale, tokens)
+        assert len(decode.bound) == 1   # noted, not yet bound
+    assert (len(decode.launches), len(merge.launches)) == (5, 6)

@@ -312,7 +312,7 @@ class GluonGemv:
                 self._bound.clear()
             self._bound[key] = (launch, _SEEN)
         elif bound is _SEEN:
-            self._bound[key] = (launch, (x.is_cuda and self._kernel.bind(launch.grid, args, kwargs)) or None)
+            self._bound[key] = (launch, self._kernel.bind(launch.grid, args, kwargs))
 
     def _keywords(self, launch: GemvLaunch, dtype: torch.dtype) -> dict:
         """The launch's constexprs and options as one dict object per (launch, activation dtype): `FastLaunch`
