@@ -36,11 +36,11 @@ OPTIONS = [{}, {"gemv_stages": 4}, {"gemv_maxnreg": 96}, {"gemv_maxnreg": 80}, {
            "split/2"]
 
 
-def load_kernel(path: str):
+def load_kernel(path: str, name: str = "foldc_gemv_gluon"):
     spec = importlib.util.spec_from_file_location("gemv_b", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    return mod.foldc_gemv_gluon
+    return getattr(mod, name)
 
 
 def b_call(kernel_b, gemv, asm_mode: str, override: dict | None = None):
@@ -88,6 +88,8 @@ def summary(r: dict) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--b", required=True, help="a kernel file defining foldc_gemv_gluon")
+    ap.add_argument("--b-kernel", default="foldc_gemv_gluon", help="the kernel's name in that file (e.g. foldc_gemv_bias "
+                    "in benchmarks/gemv_variants.py)")
     ap.add_argument("--b-asm", choices=("launcher", "swapped", "natural"), default="launcher",
                     help="the unpack B runs: the launcher's (its ASM and SWAP), or one order forced")
     ap.add_argument("--variant", default=None, help="a JSON dict of the production kernel's constants to override "
@@ -103,7 +105,7 @@ def main(argv=None) -> int:
     from foldc.gemm import GemmSpec, parse_gemm_encoding
     from foldc.gemm.reference import gemm_reference, quantize_2d
 
-    kernel_b = load_kernel(args.b)
+    kernel_b = load_kernel(args.b, args.b_kernel)
     print(f"seed {args.seed}", flush=True)
     gen = torch.Generator().manual_seed(args.seed)
     rows = []
@@ -165,8 +167,9 @@ def main(argv=None) -> int:
         print(summary(row), flush=True)
         rows.append(row)
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps({"seed": args.seed, "b": args.b, "b_asm": args.b_asm,
-                                              "device": torch.cuda.get_device_name(), "rows": rows}, indent=1))
+        Path(args.out).write_text(json.dumps({"seed": args.seed, "b": args.b, "b_kernel": args.b_kernel,
+                                              "b_asm": args.b_asm, "device": torch.cuda.get_device_name(),
+                                              "rows": rows}, indent=1))
     return 0
 
 

@@ -235,7 +235,7 @@ def _chunk(w_tile, s_run, z_run, j_lo, x_in, ys, n0, N, stride_ws, j0, T: gl.con
     P: gl.constexpr = D // NG
     x16, c = _x_operand(x_in, D, ROWS, XF16, X_SHARED, SWAP)
     # each piece's sum of x as an MMA of ones, in the accumulator's layout (every row the same)
-    ones = gl.full([16, P], 1.0, gl.float16, layout=a_l)
+    ones = gl.full([16, P], 1.0, x16.dtype, layout=a_l)
     zero = gl.zeros([16, ROWS], gl.float32, layout=mma)
     if NG == 1:
         xs = (x16,)
