@@ -65,18 +65,24 @@ def main() -> int:
     # the same call with the launches never bound (`FastLaunch.bind`): every launch keyed by FastLaunch
     from foldc.backends.gluon.launch import GluonAttention
 
+    from foldc.backends.runtime.fast_launch import Bindings
+
+    class Never(Bindings):   # notes nothing, so binds nothing
+        def note(self, *args):
+            pass
+
     unbound = GluonAttention(spec)
-    unbound._bound_launches = lambda *a, **kw: (None, None)
+    unbound._bindings = Never()
     unbound(q, k, v, out=out)
     attn(q, k, v, out=out)   # the second call with one key binds
-    bound = next(e for e in attn._bound.values() if e[1] is not None)
+    bound = attn._bindings.bound()[0]
     from foldc.backends.gluon.launch import _decode_addresses
 
     steps = {
         "whole call": lambda: attn(q, k, v, out=out),
         "whole call, new out": lambda: attn(q, k, v),
         "whole call, launches not bound": lambda: unbound(q, k, v, out=out),
-        "bound decode launch (addresses included)": lambda: bound[1](_decode_addresses(q, k, v, None, ws)),
+        "bound decode launch (addresses included)": lambda: bound[0](_decode_addresses(q, k, v, None, ws)),
         "check_call": lambda: check_call(spec, q, k, v, None, None),
         "launch_config (memoised)": lambda: attn.launch_config(q.dtype, b, n),
         "split_plan": lambda: attn.split_plan(launch, b, n, q.device, q.dtype),

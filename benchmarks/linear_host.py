@@ -55,7 +55,7 @@ def main(argv=None) -> int:
     def unbound(fn):
         """``fn`` with the GEMV's bound launches forgotten before each call (every launch keyed by FastLaunch)."""
         def run():
-            gemv._bound.clear()
+            gemv._bindings.clear()
             return fn()
         return run
 

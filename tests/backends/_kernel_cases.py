@@ -80,3 +80,32 @@ def check_graph_replay(attn, spec, seed: int) -> None:
         ref = attention_reference(q, k, v, seq_lens=lens.long())
         assert not torch.isnan(out).any(), new
         assert rel_l2(out, ref) < 1e-2, new
+
+
+class BoundRecorder:
+    """Stands in for a `fast_launch.Bound`: records the addresses it is given, launches if ``ok``."""
+
+    def __init__(self, grid=None):
+        self.grid, self.calls, self.ok = grid, [], True
+
+    def __call__(self, addresses) -> bool:
+        self.calls.append(tuple(addresses))
+        return self.ok
+
+
+class LaunchRecorder:
+    """Stands in for a `FastLaunch`: records its ordinary launches and binds a `BoundRecorder` (None where
+    ``bindable`` is False)."""
+
+    def __init__(self, bindable: bool = True):
+        self.launches, self.bound, self.binds, self.bindable = [], [], 0, bindable
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.launches.append((grid, args))
+
+    def bind(self, grid, args, kwargs):
+        self.binds += 1
+        if not self.bindable:
+            return None
+        self.bound.append(BoundRecorder(grid))
+        return self.bound[-1]

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 import torch
-from _kernel_cases import ROOT, native_env
+from _kernel_cases import ROOT, LaunchRecorder, native_env
 from hypothesis import assume, given, note, settings
 from hypothesis import strategies as st
 
@@ -261,27 +261,6 @@ def test_run_rows_notes_then_binds_then_launches_by_address():
     strides and dtypes goes the ordinary way and is noted, the second binds it, later ones give the bound launch
     the seven tensors' addresses; a bound launch that declines (a misaligned tensor) takes the ordinary way, and
     a launch the kernel cannot bind is not tried again."""
-    class Bound:   # stands in for fast_launch.Bound (run_rows checks the type)
-        pass
-
-    class Recorder:
-        def __init__(self, bindable=True):
-            self.launches, self.binds, self.bindable = [], [], bindable
-
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: self.launches.append(args)
-
-        def bind(self, grid, args, kwargs):
-            self.binds.append(grid)
-            if not self.bindable:
-                return None
-            bound = Bound()
-            bound.calls, bound.ok = [], True
-            bound.__class__.__call__ = lambda b, addresses: b.calls.append(addresses) or b.ok
-            return bound
-
-    import foldc.backends.gluon.gemv_launch as gemv_launch
-
     spec = spec_of("k-group:4:128", 48, 1024)
     gen = torch.Generator().manual_seed(4)
     wq = quantize_2d(torch.randn(48, 1024, generator=gen) * 0.05, spec.weight)
@@ -291,29 +270,21 @@ def test_run_rows_notes_then_binds_then_launches_by_address():
     counters = torch.zeros(8, dtype=torch.int32)
     for bindable in (True, False):
         gemv = GluonGemv(spec, "sm_90")
-        gemv._kernel = kernel = Recorder(bindable)
+        gemv._kernel = kernel = LaunchRecorder(bindable)
         launch = gemv.plan_launch(1, 132)
-        orig, gemv_launch.Bound = gemv_launch.Bound, Bound
-        try:
-            for _ in range(5):
-                gemv.run_rows(launch, x, *rows, out, counters)
-        finally:
-            gemv_launch.Bound = orig
-        assert len(kernel.binds) == 1   # bound (or found unbindable) once, at the second launch
+        for _ in range(5):
+            gemv.run_rows(launch, x, *rows, out, counters)
+        assert kernel.binds == 1   # bound (or found unbindable) once, at the second launch
         if not bindable:
-            assert len(kernel.launches) == 5
+            assert len(kernel.launches) == 5 and gemv._bindings.bound() == []
             continue
         assert len(kernel.launches) == 2
-        (bound,) = [v[1] for v in gemv._bound.values()]
+        ((bound,),) = gemv._bindings.bound()
         assert len(bound.calls) == 3
         assert bound.calls[-1][:5] == (x.data_ptr(), rows[0].data_ptr(), rows[1].data_ptr(), rows[2].data_ptr(),
                                        out.data_ptr()) and bound.calls[-1][6] == counters.data_ptr()
         bound.ok = False
-        gemv_launch.Bound = Bound
-        try:
-            gemv.run_rows(launch, x, *rows, out, counters)
-        finally:
-            gemv_launch.Bound = orig
+        gemv.run_rows(launch, x, *rows, out, counters)
         assert len(kernel.launches) == 3
 
 

@@ -389,7 +389,7 @@ def test_repeated_calls_reuse_the_compiled_kernel_only_for_the_same_specialisati
     decode, merge = attn._launchers()
     assert len(decode.compiled) == 3, list(decode.compiled)
     assert len(merge.compiled) == 1
-    assert sum(entry[1] is not None for entry in attn._bound.values()) == 1
+    assert len(attn._bindings.bound()) == 1
 
 
 def _large_zero_inputs(spec, batch, tokens, dtype, gen):

@@ -1,10 +1,12 @@
-"""Split counts of the register-operand launcher: resident programs from registers, whole waves."""
+"""The register-operand launcher off the GPU: resident programs from registers, split counts in whole
+waves, default tiles, and the eager launches' bookkeeping (noted, bound, launched by address)."""
 from __future__ import annotations
 
 import math
 
 import pytest
 import torch
+from _kernel_cases import LaunchRecorder
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -258,29 +260,6 @@ def test_dynamic_split_plan_never_launches_more_programs_than_chunks(batch, toke
         assert used == min(splits, chunks)
 
 
-class _Recorder:
-    """Stands in for a `FastLaunch`: records its ordinary launches and binds a `_Bound` stand-in."""
-
-    def __init__(self):
-        self.launches, self.bound = [], []
-
-    def __getitem__(self, grid):
-        return lambda *args, **kwargs: self.launches.append((grid, args))
-
-    def bind(self, grid, args, kwargs):
-        self.bound.append(_Bound(grid))
-        return self.bound[-1]
-
-
-class _Bound:
-    def __init__(self, grid):
-        self.grid, self.calls, self.ok = grid, [], True
-
-    def __call__(self, addresses):
-        self.calls.append(addresses)
-        return self.ok
-
-
 def test_eager_launches_are_noted_then_bound_then_launched_by_address(monkeypatch):
     """`GluonAttention.launch` on stand-in kernels (CPU tensors): the first call with a launch's integers
     launches both kernels the ordinary way and notes them, the second binds them, later ones give the bound
@@ -292,7 +271,7 @@ def test_eager_launches_are_noted_then_bound_then_launched_by_address(monkeypatc
 
     spec = _spec(2)
     attn = _Resident(spec, resident=12)
-    decode, merge = _Recorder(), _Recorder()
+    decode, merge = LaunchRecorder(), LaunchRecorder()
     monkeypatch.setattr(attn, "_launchers", lambda: (decode, merge))
     gen = torch.Generator().manual_seed(9)
     q, k, v, _ = foldc.testing.random_inputs(spec, 2, 256, torch.float16, "cpu", gen)

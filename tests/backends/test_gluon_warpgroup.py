@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from _kernel_cases import check_graph_replay, native_env, run_with_lens
+from _kernel_cases import LaunchRecorder, check_graph_replay, native_env, run_with_lens
 
 import foldc
 from foldc.backends.gluon.launch import GluonAttention
@@ -37,6 +37,42 @@ TOLERANCE = 1.10   # as the other register-operand GPU tests: at most 1.10x plai
 def test_the_template_takes_exactly_its_plans(k, v, heads, target, takes):
     attn = GluonAttention(spec_from_args(k, v, heads, 128), target=target)
     assert (attn.warpgroup is not None) == takes
+
+
+def test_eager_launches_are_noted_then_bound_then_launched_by_address(monkeypatch):
+    """`WarpgroupLaunch.run` on stand-in kernels (CPU tensors): the first launch of one launch's integers goes
+    the ordinary way and is noted, the second binds the template and the merge, later ones hand them the
+    call's addresses (the template's 11 tensors, the merge's five); a declined merge alone goes the ordinary
+    way; another softmax scale is another launch."""
+    import foldc.backends.gluon.warpgroup_launch as wl
+    from foldc.backends.runtime.launch import allocate_workspace
+
+    spec = spec_from_args("token:2:128", "token:2:128", "64/2", 128)
+    launcher = wl.WarpgroupLaunch(spec)
+    launcher._kernel = kernel = LaunchRecorder()
+    merge = LaunchRecorder()
+    ordinary_merges = []
+    monkeypatch.setattr(wl, "launch_merge", lambda *a: ordinary_merges.append(a))
+    monkeypatch.setattr(wl, "num_sms", lambda device: 132)
+    gen = torch.Generator().manual_seed(2)
+    q, k, v, _ = random_inputs(spec, 2, 256, torch.float16, "cpu", gen)
+    launch = launcher.plan_launch(torch.bfloat16, 2, 256, torch.device("cpu"))
+    ws = allocate_workspace(launch, "cpu")
+    out, lse = torch.empty(2, 64, 128, dtype=q.dtype), torch.empty(2, 64)
+    for _ in range(4):
+        q.normal_(generator=gen)
+        launcher.run(launch, q, k, v, None, 0.1, out, lse, ws, merge)
+    assert (len(kernel.launches), len(merge.launches), kernel.binds, merge.binds) == (2, 2, 1, 1)
+    (bound,), (bound_merge,) = kernel.bound, merge.bound
+    want = (q.data_ptr(), k.codes.data_ptr(), k.scale.data_ptr(), k.zero.data_ptr(), v.codes.data_ptr(),
+            v.scale.data_ptr(), v.zero.data_ptr(), q.data_ptr(), *(t.data_ptr() for t in ws))
+    assert bound.calls == [want] * 2
+    assert bound_merge.calls == [(*(t.data_ptr() for t in ws), out.data_ptr(), lse.data_ptr())] * 2
+    bound_merge.ok = False
+    launcher.run(launch, q, k, v, None, 0.1, out, lse, ws, merge)
+    assert (len(kernel.launches), len(ordinary_merges), len(bound.calls)) == (2, 1, 3)
+    launcher.run(launch, q, k, v, None, 0.2, out, lse, ws, merge)
+    assert (len(kernel.launches), kernel.binds) == (3, 1)
 
 
 def test_explicit_options_keep_the_one_warp_program():

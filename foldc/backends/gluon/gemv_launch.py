@@ -18,7 +18,7 @@ from ...errors import InputError, InputTypeError, SpecError
 from ...gemm.plan import GemmPlan, gemm_plan
 from ...gemm.spec import GemmSpec
 from ...validate import check_no_overlap
-from ..runtime.fast_launch import Bound, FastLaunch
+from ..runtime.fast_launch import Bindings, FastLaunch
 from ..runtime.modules import num_sms
 from .gemv_lower import GemvKernel, NotLowerable, lower_gemv
 from .operands import VALUE_EXPONENT, key_unpack_asm, natural_key_unpack_asm
@@ -34,8 +34,6 @@ SUBS = (1, 2, 4, 8)
 #: zero bytes too, no AND, for 8-bit codes); the others unpack with one SHR and the activation is permuted to
 #: match (tile_operands.swap_k01, PRMTs that also build the MMA's register pairs)
 NATURAL_ORDER_BITS = (8,)
-MAX_BOUND = 256                # run_rows' launches remembered (`FastLaunch.bind`)
-_SEEN = "seen"                 # a launch run once: bound at its second run
 # The activation's row goes through shared memory at m = 1 (the kernel's X_SHARED) for 2- and 4-bit codes: on the
 # H200 at 4096 x 14336, INT4 g128 13.8 against 14.9 µs with the row in registers, but INT8 24.9 against 22.5
 # (benchmarks/gemv_ab.py --variant '{"X_SHARED": false}', docs/results/gemv_ab_h200_2026-12-04.json)
@@ -120,7 +118,7 @@ class GluonGemv:
         self._launches: dict[tuple, GemvLaunch] = {}
         self._buffers: dict[tuple, tuple] = {}
         self._kwargs: dict[tuple, dict] = {}
-        self._bound: dict = {}   # run_rows' launches: (launch, its `Bound`, _SEEN once, None where it cannot be bound)
+        self._bindings = Bindings()   # run_rows' bound launches
         self._kernel = None
 
     def plan_for(self, m: int) -> GemmPlan:
@@ -296,23 +294,16 @@ class GluonGemv:
         # a launch seen before with these strides and dtypes: the compiled kernel with the tensors' addresses alone
         key = (id(launch), x.dtype, x.stride(0), codes.stride(0), scale.dtype, scale.stride(0), out.dtype,
                out.stride(0))
-        seen = self._bound.get(key)
-        if seen is not None and seen[0] is not launch:   # another launch at a reused address
-            seen = None
-        bound = None if seen is None else seen[1]
-        if type(bound) is Bound and bound((x.data_ptr(), codes.data_ptr(), scale.data_ptr(), zero.data_ptr(), out.data_ptr(),
-                            part.data_ptr(), counters.data_ptr())):
+        state = self._bindings.get(key, launch)
+        if type(state) is tuple and state and state[0]((x.data_ptr(), codes.data_ptr(), scale.data_ptr(),
+                                                        zero.data_ptr(), out.data_ptr(), part.data_ptr(),
+                                                        counters.data_ptr())):
             return
         args = (x, codes.view(torch.int32), scale, zero, out, part, counters, launch.m, self.spec.n, x.stride(0),
                 codes.stride(0) // 4, scale.stride(0), out.stride(0), launch.chunks_per_split)
         kwargs = self._keywords(launch, x.dtype)
         self._kernel[launch.grid](*args, **kwargs)
-        if seen is None:   # the first launch of this key noted, the second bound
-            if len(self._bound) >= MAX_BOUND:
-                self._bound.clear()
-            self._bound[key] = (launch, _SEEN)
-        elif bound is _SEEN:
-            self._bound[key] = (launch, self._kernel.bind(launch.grid, args, kwargs))
+        self._bindings.note(key, launch, state, lambda: (self._kernel.bind(launch.grid, args, kwargs),))
 
     def _keywords(self, launch: GemvLaunch, dtype: torch.dtype) -> dict:
         """The launch's constexprs and options as one dict object per (launch, activation dtype): `FastLaunch`

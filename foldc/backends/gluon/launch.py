@@ -16,7 +16,7 @@ from ...encoding import scale_shape
 from ...errors import InputError, SpecError
 from ...options import check_launch_options, check_splits
 from ...validate import check_call, output_buffer
-from ..runtime.fast_launch import FastLaunch
+from ..runtime.fast_launch import Bindings, FastLaunch
 from ..runtime.launch import Launch, Scratch, allocate_workspace, split_partition
 from ..runtime.merge import MERGE_SOURCE, launch_merge, merge_arguments
 from ..runtime.modules import load_module, num_sms
@@ -25,7 +25,6 @@ from .warpgroup_launch import WarpgroupLaunch, warpgroup_applies
 from .operands import KEY_EXPONENT, VALUE_EXPONENT, key_unpack_asm, value_unpack_asm
 
 _DATA_PTR = torch.Tensor.data_ptr
-_MAX_BOUND = 256   # eager launches remembered per launcher (`_bound_launches`)
 DTYPES = (torch.bfloat16,)   # lower.QUERY_DTYPES: fp16 queries run the Triton kernel (lower.FP16_REASON)
 TUNED_OPTIONS = {"block_n", "stages", "maxnreg", "split_factor", "heads"}   # what a tuned bucket sets
 # Hopper's register file and block limits, for the resident programs of one SM (resident_programs)
@@ -242,7 +241,7 @@ class GluonAttention:
         self._modules = None
         self._fast = None
         self._scratch = Scratch()     # eager calls' workspace and lse, per stream
-        self._bound: dict = {}        # eager launches bound to their integers (`_bound_launches`)
+        self._bindings = Bindings()   # eager launches bound to their integers (`launch`)
         # the merge as a programmatic dependent launch of the decode kernel: its launch overlaps the
         # decode's last programs (0.2-0.4 µs of a batch-1 call on the H200, docs/perf.md)
         self.pdl = True
@@ -296,7 +295,7 @@ class GluonAttention:
         other = copy.copy(self)
         other._modules = (decode, self._kernels()[1])
         other._fast, other._variants, other._launches, other._configs = None, {}, {}, dict(self._configs)
-        other._bound = {}
+        other._bindings = Bindings()
         other._scratch = Scratch()
         other.warpgroup = None   # the variant is the one-warp program's
         return other
@@ -307,7 +306,7 @@ class GluonAttention:
         modules = self._kernels()
         if self._fast is None or self._fast[0] is not modules:
             self._fast = (modules, tuple(FastLaunch(k) for k in modules))
-            self._bound = {}
+            self._bindings.clear()
         return self._fast[1]
 
     def __call__(self, q, k, v, sm_scale=None, seq_lens=None, out: torch.Tensor | None = None,
@@ -380,7 +379,7 @@ class GluonAttention:
         v are page pools (foldc/serving/paged.py)."""
         ws = workspace if workspace is not None else allocate_workspace(launch, q.device)
         if launch.kernel == "gluon-warpgroup":
-            self.warpgroup.run(launch, q, k, v, seq_lens, sm_scale, out, lse, ws, self._kernels()[1])
+            self.warpgroup.run(launch, q, k, v, seq_lens, sm_scale, out, lse, ws, self._launchers()[1])
             return
         self.launch(launch.options, q, k, v, seq_lens, ws, out, lse, sm_scale, launch.per_split, launch.splits,
                     launch.cache_tokens, None if paged is None else (*paged, launch.page))
@@ -455,10 +454,12 @@ class GluonAttention:
         decode, merge = self._launchers()
         capturing = q.is_cuda and torch._C._cuda_isCurrentStreamCapturing()   # q on the GPU: CUDA is initialised
         bindable = paged is None and not capturing and not _dynamic(launch)
-        if bindable:
-            bound, key = self._bound_launches(launch, q, k, v, lens, out, sm_scale, per_split, splits, cache_tokens)
-            if bound is not None and bound[1] is not None and bound[1](_decode_addresses(q, k, v, lens, ws)):
-                if not bound[2]((*map(_DATA_PTR, ws), out.data_ptr(), lse.data_ptr())):
+        if bindable:   # later calls with one launch's integers, strides and dtypes: its bound kernels
+            key = (id(launch), q.shape[0], q.stride(), _side_key(k), _side_key(v), out.stride(), out.dtype,
+                   lens is None, sm_scale, per_split, splits, cache_tokens)
+            state = self._bindings.get(key, launch)
+            if type(state) is tuple and state and state[0](_decode_addresses(q, k, v, lens, ws)):
+                if not state[1]((*map(_DATA_PTR, ws), out.data_ptr(), lse.data_ptr())):
                     launch_merge(merge, *ws, out, lse, self.config.q_per_kv * launch["heads"])
                 return
         counters = None
@@ -474,24 +475,9 @@ class GluonAttention:
         merge_grid, merge_args, merge_kwargs = merge_arguments(*ws, out, lse, self.config.q_per_kv * launch["heads"],
                                                                pdl=self.pdl and capturing)
         merge[merge_grid](*merge_args, **merge_kwargs)
-        if bindable and bound is None:   # the first call with these integers: noted, not bound (a growing
-            if len(self._bound) >= _MAX_BOUND:   # cache makes new ones at every step)
-                self._bound.clear()
-            self._bound[key] = (launch, None, None)
-        elif bindable and bound[1] is None:
-            # the second: later calls launch the compiled kernels with the tensors' addresses alone
-            pair = decode.bind(grid, args, kwargs), merge.bind(merge_grid, merge_args, merge_kwargs)
-            if None not in pair:
-                self._bound[key] = (launch, *pair)
-
-    def _bound_launches(self, launch: dict, q, k, v, lens, out, sm_scale: float, per_split: int, splits: int,
-                        cache_tokens: int):
-        """((launch, decode `Bound`, merge `Bound`) or None, its key): the kernels bound by an earlier call
-        with the same options, integers, strides and dtypes (`launch`'s eager path)."""
-        key = (id(launch), q.shape[0], q.stride(), _side_key(k), _side_key(v), out.stride(), out.dtype,
-               lens is None, sm_scale, per_split, splits, cache_tokens)
-        bound = self._bound.get(key)
-        return (bound if bound is not None and bound[0] is launch else None), key
+        if bindable:
+            self._bindings.note(key, launch, state, lambda: (decode.bind(grid, args, kwargs),
+                                                              merge.bind(merge_grid, merge_args, merge_kwargs)))
 
     @staticmethod
     def decode_arguments(launch: dict, q, k, v, lens, ws, sm_scale: float, per_split: int, cache_tokens: int,

@@ -13,7 +13,9 @@ import torch
 
 from ...errors import SpecError
 from ...plan import Plan, plan
+from ..runtime.fast_launch import Bindings, FastLaunch
 from ..runtime.launch import Launch, split_partition
+from ..runtime.merge import launch_merge, merge_arguments
 from ..runtime.modules import num_sms
 from .lower import KEY_BIAS, VALUE_BIAS, NotLowerable, lower
 
@@ -21,6 +23,7 @@ ROWS = 32          # query rows per KV head that take the template: one wgmma N
 KERNEL_ROWS = (16, 32)   # what the kernel builds (16: measured as fast as the one-warp program, not taken)
 BLOCK_N = 128      # tokens per tile: two wgmma M of 64 (H200: 133.1 against 163.4 µs with 64 at 128/4, 8 x 64K)
 STAGES = 4         # tiles in flight by cp.async (134.1 against 149.5 µs with 2 at 128/4 8 x 64K)
+_DATA_PTR = torch.Tensor.data_ptr
 RESIDENT = 2       # programs per SM: 254 registers x 128 threads (tests/backends/test_gluon_warpgroup.py)
 SCALE_ROW = 8      # tokens per 16-byte copy of a scale row
 
@@ -73,6 +76,8 @@ class WarpgroupLaunch:
         self.plan = warpgroup_plan(spec)
         self.resident = RESIDENT   # programs per SM the splits fill one wave of
         self._kernel = None
+        self._kwargs: dict = {}
+        self._bindings = Bindings()
 
     @staticmethod
     def takes(k, v) -> bool:
@@ -92,17 +97,44 @@ class WarpgroupLaunch:
                       self.rows, 128, 0, has_lens)
 
     def run(self, launch: Launch, q, k, v, lens, sm_scale: float, out, lse, workspace, merge) -> None:
-        """Launch the template and the merge for ``launch`` (``lens``: int32 device lengths or None)."""
-        from ..runtime.merge import launch_merge
-
+        """Launch the template and the merge for ``launch`` (``lens``: int32 device lengths or None; ``merge``:
+        the merge kernel behind `FastLaunch`). From the second eager call with one launch's integers, strides
+        and dtypes both go as bound launches (`Bindings`)."""
         if self._kernel is None:
             from .warpgroup import foldc_decode_warpgroup
 
-            self._kernel = foldc_decode_warpgroup
+            self._kernel = FastLaunch(foldc_decode_warpgroup)
+        bindable = not (q.is_cuda and torch._C._cuda_isCurrentStreamCapturing())
+        if bindable:
+            key = (id(launch), q.stride(), k.codes.stride(), k.scale.stride(), v.codes.stride(), v.scale.stride(),
+                   out.stride(), out.dtype, lens is None, sm_scale)
+            state = self._bindings.get(key, launch)
+            if type(state) is tuple and state and state[0]((
+                    q.data_ptr(), k.codes.data_ptr(), k.scale.data_ptr(), k.zero.data_ptr(), v.codes.data_ptr(),
+                    v.scale.data_ptr(), v.zero.data_ptr(), (q if lens is None else lens).data_ptr(),
+                    *map(_DATA_PTR, workspace))):
+                if not state[1]((*map(_DATA_PTR, workspace), out.data_ptr(), lse.data_ptr())):
+                    launch_merge(merge, *workspace, out, lse, self.rows)
+                return
         kc, vc = k.codes.view(torch.int32), v.codes.view(torch.int32)
-        self._kernel[launch.grid](
-            q, kc, k.scale, k.zero, vc, v.scale, v.zero, q if lens is None else lens, *workspace, q.stride(0),
-            q.stride(1), kc.stride(0), kc.stride(1), k.scale.stride(0) // SCALE_ROW, k.scale.stride(1) // SCALE_ROW,
-            sm_scale * 1.4426950408889634, launch.per_split, launch.cache_tokens, HAS_LENS=lens is not None,
-            ROWS=self.rows, BN=BLOCK_N, STAGES=STAGES, num_warps=4)
-        launch_merge(merge, *workspace, out, lse, self.rows)
+        args = (q, kc, k.scale, k.zero, vc, v.scale, v.zero, q if lens is None else lens, *workspace, q.stride(0),
+                q.stride(1), kc.stride(0), kc.stride(1), k.scale.stride(0) // SCALE_ROW,
+                k.scale.stride(1) // SCALE_ROW, sm_scale * 1.4426950408889634, launch.per_split, launch.cache_tokens)
+        kwargs = self._keywords(lens is not None)
+        self._kernel[launch.grid](*args, **kwargs)
+        merge_grid, merge_args, merge_kwargs = merge_arguments(*workspace, out, lse, self.rows)
+        merge[merge_grid](*merge_args, **merge_kwargs)
+        if bindable:
+            kernel = self._kernel
+            self._bindings.note(key, launch, state, lambda: (
+                getattr(kernel, "bind", lambda *a: None)(launch.grid, args, kwargs),
+                merge.bind(merge_grid, merge_args, merge_kwargs)))
+
+    def _keywords(self, has_lens: bool) -> dict:
+        """The template's constexprs and options, one dict object per value of HAS_LENS (`FastLaunch` reads a
+        dict it saw before once only)."""
+        kwargs = self._kwargs.get(has_lens)
+        if kwargs is None:
+            kwargs = self._kwargs[has_lens] = dict(HAS_LENS=has_lens, ROWS=self.rows, BN=BLOCK_N, STAGES=STAGES,
+                                                   num_warps=4)
+        return kwargs

@@ -250,3 +250,47 @@ class Bound:
         self.direct(g[0], g[1], g[2], _RAW_STREAM(self.device), self.function, *self.head, self.metadata,
                     None, None, None, *addresses, *self.rest)
         return True
+
+
+SEEN = "seen"   # `Bindings`: a key launched once (bound at its second launch)
+
+
+class Bindings:
+    """A caller's bound launches by its own key (what fixes the launch: integers, strides, dtypes): a key's
+    first launch is noted, its second binds (`FastLaunch.bind`), later ones use the `Bound` launches. Keys are
+    kept with the object they were made for (``owner``, e.g. a memoised launch plan), so that a key built from
+    ``id(owner)`` never finds another owner's launches; at most ``size`` keys (a growing cache makes a new
+    one each step: the first launch of a key costs a dict entry, nothing more)."""
+
+    __slots__ = ("_held", "size")
+
+    def __init__(self, size: int = 256):
+        self._held: dict = {}
+        self.size = size
+
+    def get(self, key, owner):
+        """None (never launched), `SEEN` (launched once), or the tuple of `Bound` launches (empty: they
+        cannot be bound)."""
+        entry = self._held.get(key)
+        return None if entry is None or entry[0] is not owner else entry[1]
+
+    def note(self, key, owner, state, bind) -> None:
+        """After an ordinary launch of ``key`` whose `get` was ``state``: note a first launch, or bind at the
+        second (``bind()`` returns the `Bound` launches, None for those that cannot be bound)."""
+        if state is None:
+            if len(self._held) >= self.size:
+                self._held.clear()
+            self._held[key] = (owner, SEEN)
+        elif state is SEEN:
+            bounds = tuple(bind())
+            self._held[key] = (owner, () if None in bounds else bounds)
+
+    def clear(self) -> None:
+        self._held.clear()
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def bound(self) -> list[tuple]:
+        """Every key's `Bound` launches (for tests and benchmarks)."""
+        return [entry[1] for entry in self._held.values() if type(entry[1]) is tuple and entry[1]]
