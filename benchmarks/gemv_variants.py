@@ -35,14 +35,13 @@ callees swapped.
 """
 from __future__ import annotations
 
-import types
-
 from triton.experimental import gluon
 from triton.experimental.gluon import constexpr_function
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 import foldc.backends.gluon.gemv as production
+from foldc.bench import rebound
 from foldc.backends.gluon.tile_operands import (_join4, _pairs, group_mmas, key_words_layout, split_groups, swap_k01,
                                                 zeros_groups)
 
@@ -68,16 +67,6 @@ def _x_operand(x_in, D: gl.constexpr, ROWS: gl.constexpr, XF16: gl.constexpr, X_
     else:
         x16, c = production._x_operand(x_in, D, ROWS, XF16, X_SHARED, SWAP)
     return x16, c
-
-
-def rebound(jit_function, **names):
-    """A copy of a production Gluon function whose global ``names`` are this module's objects (the callees it
-    compiles), so that a variant replaces one function and leaves its callers' source as it is."""
-    fn = jit_function.fn
-    scope = dict(fn.__globals__, **names)
-    copy = types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__, fn.__closure__)
-    copy.__kwdefaults__, copy.__annotations__ = fn.__kwdefaults__, fn.__annotations__
-    return gluon.jit(copy)
 
 
 _chunk = rebound(production._chunk, _x_operand=_x_operand)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import types
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -24,6 +23,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 
 from foldc.backends.gluon import warpgroup as wg
 from foldc.backends.gluon.warpgroup_launch import WarpgroupLaunch
+from foldc.bench import rebound
 from foldc.backends.gluon.warpgroup import (_copy_next, _key_operand, _tile_max, _value_operand, key_words_layout,
                                             partial_layout)
 
@@ -114,15 +114,7 @@ def variant_kernel(name: str):
     """The production kernel, or a new kernel object over its code whose ``_tile`` is the variant's."""
     if VARIANTS[name] is None:
         return wg.foldc_decode_warpgroup
-    fn = wg.foldc_decode_warpgroup.fn
-    scope = dict(fn.__globals__)
-    scope["_tile"] = VARIANTS[name]
-    twin = types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__, fn.__closure__)
-    # the annotations mark the constexpr parameters; a function made from the code object has none
-    twin.__annotations__ = dict(fn.__annotations__)
-    twin.__kwdefaults__ = fn.__kwdefaults__
-    twin.__module__, twin.__qualname__ = fn.__module__, fn.__qualname__
-    return gluon.jit(twin)
+    return rebound(wg.foldc_decode_warpgroup, _tile=VARIANTS[name])
 
 
 class Launch:
