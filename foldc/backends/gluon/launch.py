@@ -456,7 +456,7 @@ class GluonAttention:
         bindable = paged is None and not capturing and not _dynamic(launch)
         if bindable:   # later calls with one launch's integers, strides and dtypes: its bound kernels
             key = (id(launch), q.shape[0], q.stride(), _side_key(k), _side_key(v), out.stride(), out.dtype,
-                   lens is None, sm_scale, per_split, splits, cache_tokens)
+                   None if lens is None else lens.dtype, sm_scale, per_split, splits, cache_tokens)
             state = self._bindings.get(key, launch)
             if type(state) is tuple and state and state[0](_decode_addresses(q, k, v, lens, ws)):
                 if not state[1]((*map(_DATA_PTR, ws), out.data_ptr(), lse.data_ptr())):

@@ -107,7 +107,7 @@ class WarpgroupLaunch:
         bindable = not (q.is_cuda and torch._C._cuda_isCurrentStreamCapturing())
         if bindable:
             key = (id(launch), q.stride(), k.codes.stride(), k.scale.stride(), v.codes.stride(), v.scale.stride(),
-                   out.stride(), out.dtype, lens is None, sm_scale)
+                   out.stride(), out.dtype, None if lens is None else lens.dtype, sm_scale)
             state = self._bindings.get(key, launch)
             if type(state) is tuple and state and state[0]((
                     q.data_ptr(), k.codes.data_ptr(), k.scale.data_ptr(), k.zero.data_ptr(), v.codes.data_ptr(),
