@@ -119,6 +119,7 @@ def gluon_call_parts(attn, q, k, v, sm_scale: float) -> dict:
     return dict(launch=launch, splits=splits, per_split=per_split, ws=ws, args=args, kwargs=kwargs,
                 grid=(b, attn.head_programs(launch), splits))
 
+
 def rebound(jit_function, **names):
     """A copy of a Gluon/Triton function whose global ``names`` are replaced (the callees it compiles): how a
     benchmark's variant swaps one function of a production kernel and keeps the rest of its source as it is

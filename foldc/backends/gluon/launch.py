@@ -17,7 +17,7 @@ from ...errors import InputError, SpecError
 from ...options import check_launch_options, check_splits
 from ...validate import check_call, output_buffer
 from ..runtime.fast_launch import Bindings, FastLaunch
-from ..runtime.launch import Launch, Scratch, allocate_workspace, split_partition
+from ..runtime.launch import Launch, Scratch, allocate_workspace, capturing, split_partition
 from ..runtime.merge import MERGE_SOURCE, launch_merge, merge_arguments
 from ..runtime.modules import load_module, num_sms
 from .lower import FP16_REASON, HALF_TILE_GROUP, FoldKernel, gluon_plan, lower
@@ -452,8 +452,8 @@ class GluonAttention:
         lengths or None (every sequence holds ``cache_tokens``); ``paged``: (kv_indptr, kv_indices,
         page_size) when k and v are page pools (foldc/serving/paged.py)."""
         decode, merge = self._launchers()
-        capturing = q.is_cuda and torch._C._cuda_isCurrentStreamCapturing()   # q on the GPU: CUDA is initialised
-        bindable = paged is None and not capturing and not _dynamic(launch)
+        now_capturing = capturing(q)
+        bindable = paged is None and not now_capturing and not _dynamic(launch)
         if bindable:   # later calls with one launch's integers, strides and dtypes: its bound kernels
             key = (id(launch), q.shape[0], q.stride(), _side_key(k), _side_key(v), out.stride(), out.dtype,
                    None if lens is None else lens.dtype, sm_scale, per_split, splits, cache_tokens)
@@ -473,7 +473,7 @@ class GluonAttention:
         # PDL under CUDA-graph capture only: launched eagerly, the programmatic dependent merge cost
         # ~44 µs of GPU time per call at INT2 1 x 16K (H200, ninth session: `git show 6178656:docs/perf.md`)
         merge_grid, merge_args, merge_kwargs = merge_arguments(*ws, out, lse, self.config.q_per_kv * launch["heads"],
-                                                               pdl=self.pdl and capturing)
+                                                               pdl=self.pdl and now_capturing)
         merge[merge_grid](*merge_args, **merge_kwargs)
         if bindable:
             self._bindings.note(key, launch, state, lambda: (decode.bind(grid, args, kwargs),

@@ -14,7 +14,7 @@ import torch
 from ...errors import SpecError
 from ...plan import Plan, plan
 from ..runtime.fast_launch import Bindings, FastLaunch
-from ..runtime.launch import Launch, split_partition
+from ..runtime.launch import Launch, capturing, split_partition
 from ..runtime.merge import launch_merge, merge_arguments
 from ..runtime.modules import num_sms
 from .lower import KEY_BIAS, VALUE_BIAS, NotLowerable, lower
@@ -104,7 +104,7 @@ class WarpgroupLaunch:
             from .warpgroup import foldc_decode_warpgroup
 
             self._kernel = FastLaunch(foldc_decode_warpgroup)
-        bindable = not (q.is_cuda and torch._C._cuda_isCurrentStreamCapturing())
+        bindable = not capturing(q)
         if bindable:
             key = (id(launch), q.stride(), k.codes.stride(), k.scale.stride(), v.codes.stride(), v.scale.stride(),
                    out.stride(), out.dtype, None if lens is None else lens.dtype, sm_scale)
@@ -125,10 +125,8 @@ class WarpgroupLaunch:
         merge_grid, merge_args, merge_kwargs = merge_arguments(*workspace, out, lse, self.rows)
         merge[merge_grid](*merge_args, **merge_kwargs)
         if bindable:
-            kernel = self._kernel
-            self._bindings.note(key, launch, state, lambda: (
-                getattr(kernel, "bind", lambda *a: None)(launch.grid, args, kwargs),
-                merge.bind(merge_grid, merge_args, merge_kwargs)))
+            self._bindings.note(key, launch, state, lambda: (self._kernel.bind(launch.grid, args, kwargs),
+                                                              merge.bind(merge_grid, merge_args, merge_kwargs)))
 
     def _keywords(self, has_lens: bool) -> dict:
         """The template's constexprs and options, one dict object per value of HAS_LENS (`FastLaunch` reads a

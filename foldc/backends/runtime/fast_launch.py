@@ -175,7 +175,7 @@ class FastLaunch:
                 or functools.reduce(operator.or_, addresses, 0) & 15):
             return None
         g = tuple(grid)
-        return Bound(ready, g + (1,) * (3 - len(g)), key[0], args[layout.count:] + ready.tail, layout.count)
+        return Bound(ready, g + (1,) * (3 - len(g)), key[0], args[layout.count:] + ready.tail)
 
     def _key(self, args: tuple, kwargs: dict):
         """The specialisation key of a launch with these arguments (None: the ordinary path)."""
@@ -230,11 +230,11 @@ class Bound:
     The caller keys its `Bound` by what it fixed (the integers, the tensors' dtypes): a call with
     other values needs another."""
 
-    __slots__ = ("grid", "device", "function", "head", "metadata", "rest", "direct", "count", "knobs")
+    __slots__ = ("grid", "device", "function", "head", "metadata", "rest", "direct", "knobs")
 
-    def __init__(self, ready: _Ready, grid: tuple, device: int, rest: tuple, count: int):
+    def __init__(self, ready: _Ready, grid: tuple, device: int, rest: tuple):
         compiled = ready.compiled
-        self.grid, self.device, self.rest, self.count = grid, device, rest, count
+        self.grid, self.device, self.rest = grid, device, rest
         self.function, self.head, self.metadata, self.direct = (compiled.function, ready.head,
                                                                  compiled.packed_metadata, ready.direct)
         self.knobs = (knobs.runtime.debug, knobs.compilation.instrumentation_mode)
@@ -287,9 +287,6 @@ class Bindings:
 
     def clear(self) -> None:
         self._held.clear()
-
-    def __len__(self) -> int:
-        return len(self._held)
 
     def bound(self) -> list[tuple]:
         """Every key's `Bound` launches (for tests and benchmarks)."""

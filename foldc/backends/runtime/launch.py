@@ -67,10 +67,11 @@ def workspace_fits(workspace, launch: Launch) -> bool:
     return workspace is not None and tuple(tuple(t.shape) for t in workspace) == launch.workspace_shapes
 
 
-def _capturing() -> bool:
-    """torch.cuda.is_current_stream_capturing() where CUDA is initialised (a tensor is on the GPU), without
-    the wrapper's Python frames."""
-    return torch._C._cuda_isCurrentStreamCapturing()
+def capturing(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor``'s device's current stream is capturing a CUDA graph (False off the GPU):
+    torch.cuda.is_current_stream_capturing() without the wrapper's Python frames (a tensor on the GPU means
+    CUDA is initialised)."""
+    return tensor.is_cuda and torch._C._cuda_isCurrentStreamCapturing()
 
 
 class Scratch:
@@ -89,7 +90,7 @@ class Scratch:
             stream: int | None = None):
         """(workspace, lse) for ``launch`` on ``device``'s current stream (or the raw handle ``stream``)."""
         cuda = device.type == "cuda"
-        if fresh or (cuda and _capturing()):
+        if fresh or (cuda and torch._C._cuda_isCurrentStreamCapturing()):
             return allocate_workspace(launch, device), torch.empty(lse_shape, device=device, dtype=torch.float32)
         if stream is None:   # the CPU (the interpreter) has one stream
             stream = torch._C._cuda_getCurrentRawStream(device.index) if cuda else 0
