@@ -9,7 +9,7 @@ production launcher's launches (grid, split, constants, buffers) and each checke
 kernel swaps x to match), as the GEMV did before 2026-12-04; ``natural``: with `natural_key_unpack_asm`;
 ``launcher`` (the default): the production launcher's choice, for a B built from today's kernel
 (benchmarks/gemv_variants.py). Constants
-B does not declare are dropped. ``flip``: the production kernel with the other unpack order than its launcher picks
+B does not declare are dropped. ``flip``: the production kernel with the other unpack order than its launcher picks (a biased bf16 launch: the unbiased path, x put in fp16)
 (SWAP and ASM). Each case also runs the production kernel at a few launch options (stages, block
 rows, a register cap, twice the split). Timing as benchmarks/gemv_check.py: CUDA graphs over distinct weight
 copies (cold L2), fp16 cuBLAS and torch's INT4 kernel beside them.
@@ -54,10 +54,18 @@ def b_call(kernel_b, gemv, asm_mode: str, override: dict | None = None):
     sms = torch.cuda.get_device_properties(0).multi_processor_count
 
     def call(x, w, out):
-        launch = gemv.plan_launch(x.shape[0], sms)
+        launch = gemv.plan_launch(x.dtype, x.shape[0], sms)
         part, counters = gemv.buffers(launch, x.device)
         consts = {k: v for k, v in launch.constants if k in names or k in ("num_warps", "maxnreg")}
         mode = asm_mode
+        if dict(launch.constants).get("BIAS") and (mode != "launcher" or "BIAS" not in names):
+            # biased bf16 codes (the plan's code bias) where B or the unpack asked for cannot take them: the
+            # unbiased path (x put in fp16 per chunk) with key_unpack_asm
+            consts.pop("BIAS", None)
+            if "BIAS" in names:
+                consts["BIAS"] = 0
+            if mode == "launcher":
+                mode = "swapped"
         if mode == "flip":
             mode = "natural" if consts.get("SWAP") else "swapped"
         if mode in ("swapped", "natural"):
@@ -69,7 +77,7 @@ def b_call(kernel_b, gemv, asm_mode: str, override: dict | None = None):
         codes, scale, zero = w.codes[0, 0], w.scale[0, 0], w.zero[0, 0]
         fast[launch.grid](x, codes.view(torch.int32), scale, zero, out, part, counters, launch.m, gemv.spec.n,
                           x.stride(0), codes.stride(0) // 4, scale.stride(0), out.stride(0), launch.chunks_per_split,
-                          XF16=x.dtype == torch.float16, **consts)
+                          **consts)
     return call
 
 
@@ -150,7 +158,7 @@ def main(argv=None) -> int:
                 row[f"{name}_{tag}_us"] = graph_us([lambda c=c: call(x, c, yb) for c in ws])
             if dt == torch.float16 and not args.quick:   # the production kernel at other launch options
                 sms = torch.cuda.get_device_properties(0).multi_processor_count
-                split = kern.gemv.plan_launch(m, sms).grid[1]
+                split = kern.gemv.plan_launch(dt, m, sms).grid[1]
                 for opts in OPTIONS[1:]:
                     splits = {"split2": {"gemv_split": 2 * split}, "split/2": {"gemv_split": max(1, split // 2)}}
                     o = splits[opts] if isinstance(opts, str) else opts

@@ -115,7 +115,7 @@ def variant_call(gemv, kernel, flags: dict):
     sms = torch.cuda.get_device_properties(0).multi_processor_count
 
     def call(x, w, out):
-        launch = gemv.plan_launch(x.shape[0], sms)
+        launch = gemv.plan_launch(x.dtype, x.shape[0], sms)
         part, counters = gemv.buffers(launch, x.device)
         codes, scale, zero = w.codes[0, 0], w.scale[0, 0], w.zero[0, 0]
         fast[launch.grid](x, codes.view(torch.int32), scale, zero, out, part, counters, launch.m, gemv.spec.n,
@@ -170,7 +170,7 @@ def main(argv=None) -> int:
                     y = kern(x, wq)
                     err = rel(y, gemm_reference(x, wq))
                     gemv = kern.gemv
-                    launch = gemv.plan_launch(1, torch.cuda.get_device_properties(0).multi_processor_count)
+                    launch = gemv.plan_launch(x.dtype, 1, torch.cuda.get_device_properties(0).multi_processor_count)
                     row = dict(base, enc=enc, block_rows=br, split=launch.grid[1], programs=launch.grid[0] * launch.grid[1],
                                chunks_per_program=launch.chunks_per_split, err=err)
                     if not err < 1e-2:

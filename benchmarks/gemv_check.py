@@ -69,7 +69,7 @@ def check(seed: int, quick: bool) -> list[dict]:
                         row = {"enc": enc, "n": n, "k": k, "m": m, "dtype": str(dtype)[6:], "split": split}
                         try:
                             kern = foldc.compile(spec, target="auto", gemv_split=split)
-                            lowered, why = kern.gemv.lowers(m)
+                            lowered, why = kern.gemv.lowers(dtype, m)
                             if not lowered:
                                 row.update(ok=True, not_lowered=why)
                                 rows.append(row)
@@ -179,7 +179,7 @@ def timing(seed: int, quick: bool, save=lambda rows: None, defaults_only: bool =
                         row[f"int{tag}_bad_{json.dumps(opts)}"] = err
                         continue
                     us = graph_us([lambda c=c: kern(xh, c, out=yy) for c in copies(wq, nbytes)])
-                    split = kern.gemv.plan_launch(m, torch.cuda.get_device_properties(0).multi_processor_count).grid[1]
+                    split = kern.gemv.plan_launch(xh.dtype, m, torch.cuda.get_device_properties(0).multi_processor_count).grid[1]
                     row.setdefault(f"int{tag}_sweep", []).append((opts, split, round(us, 2)))
                     if best is None or us < best[0]:
                         best = (us, opts, err, split)

@@ -42,7 +42,7 @@ def main(argv=None) -> int:
     gemm = _gemm(args.n, args.k, enc_text, "auto")
     gemv = gemm.gemv
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    launch = gemv.plan_launch(1, sms)
+    launch = gemv.plan_launch(torch.bfloat16, 1, sms)
     out = torch.empty(1, args.n, device="cuda", dtype=torch.bfloat16)
     counters = layer.gemv_counters
 

@@ -54,11 +54,11 @@ class GemmKernel:
         if self.gemv is None or not hasattr(x, "shape") or x.dim() != 2:
             return False
         if self.choice == "gluon":
-            ok, why = self.gemv.lowers(x.shape[0])
+            ok, why = self.gemv.lowers(x.dtype, x.shape[0])
             if not ok:
                 raise InputError(f"kernel='gluon': a call with m={x.shape[0]} rows does not lower to the GEMV: {why}")
             return True
-        return self.gemv.lowers(x.shape[0])[0] if w is None else self.gemv.takes(x, w)
+        return self.gemv.lowers(x.dtype, x.shape[0])[0] if w is None else self.gemv.takes(x, w)
 
     def __call__(self, x, w, out=None, counters=None):
         """``y = x @ w.T``; ``counters``: the GEMV's split-k counters from the caller (see
@@ -75,9 +75,13 @@ class GemmKernel:
         return None if bound is None else (self.gemv, *bound)
 
     def plan_for(self, dtype=None, m: int | None = None):
-        """The plan the call runs: the GEMV's at ``m`` rows where it takes them, else the Triton kernel's."""
-        if m is not None and self.gemv is not None and self.gemv.lowers(m)[0]:
-            return self.gemv.plan_for(m)
+        """The plan the call runs: the GEMV's at ``m`` rows of ``dtype`` (default fp16) where it takes them,
+        else the Triton kernel's."""
+        import torch
+
+        gemv_dtype = torch.float16 if dtype is None else dtype
+        if m is not None and self.gemv is not None and self.gemv.lowers(gemv_dtype, m)[0]:
+            return self.gemv.plan_for(gemv_dtype, m)
         return self.triton.plan_for(dtype, m) if dtype is not None else self.triton.plan_for(m=m)
 
     def source(self, *args, **kwargs) -> str:

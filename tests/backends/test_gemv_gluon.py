@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 
 import foldc
 from foldc.backends.gluon.gemv_launch import GluonGemv, default_split
-from foldc.backends.gluon.gemv_lower import MAX_PIECES, NotLowerable, lower_gemv
+from foldc.backends.gluon.gemv_lower import MAX_PIECES, NotLowerable, lower_gemv, weight_code_bias
+from foldc.backends.gluon.operands import BF16_CODE_BIAS, biased_field_shift, biased_key_unpack_asm
 from foldc.encoding import unpack_codes
 from foldc.errors import SpecError
 from foldc.gemm import GemmSpec, parse_gemm_encoding
@@ -51,7 +52,9 @@ def test_every_piece_lies_in_one_field_and_one_group(enc):
 
 def _fold_emulated(xv: torch.Tensor, wq, kern) -> torch.Tensor:
     """y the way the kernel sums it, in float64: per chunk and piece, the codes' product with x times
-    the group's scale plus the group's zero times the piece's sum of x."""
+    the group's scale plus the group's zero times the piece's sum of x. With the plan's code bias (bf16
+    activations) the codes enter as ``bias + code * 2^shift`` (operands.biased_key_unpack_asm), the scale
+    is taken times 2^-shift and the zero less bias times that."""
     codes = unpack_codes(wq.codes[0, 0], kern.bits).to(torch.float64)   # [n, k] in channel order
     s, z = wq.scale[0, 0].double(), wq.zero[0, 0].double()
     per_field = kern.pieces // kern.fields
@@ -62,18 +65,23 @@ def _fold_emulated(xv: torch.Tensor, wq, kern) -> torch.Tensor:
             field, within = divmod(p, per_field)
             k0 = field * kern.row_bytes + c * kern.chunk_bytes + within * span
             g = kern.piece_group(c, p)
-            part = xv[:, k0:k0 + span] @ codes[:, k0:k0 + span].T
-            y += part * s[:, g] + xv[:, k0:k0 + span].sum(1, keepdim=True) * z[:, g]
+            shift = biased_field_shift(kern.bits, field) if kern.code_bias else 0
+            part = xv[:, k0:k0 + span] @ (kern.code_bias + codes[:, k0:k0 + span] * 2.0 ** shift).T
+            sp = s[:, g] * 2.0 ** -shift
+            y += part * sp + xv[:, k0:k0 + span].sum(1, keepdim=True) * (z[:, g] - kern.code_bias * sp)
     return y
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=40, deadline=None)
 @given(enc=st.sampled_from(ENCODINGS), n=st.integers(1, 40), k=st.sampled_from([256, 512, 768, 1024, 2048]),
-       m=st.integers(1, 16), seed=st.integers(0, 2**31 - 1))
-def test_the_chunk_and_piece_fold_is_the_matmul(enc, n, k, m, seed):
+       m=st.integers(1, 16), dtype=st.sampled_from([torch.float16, torch.bfloat16]), seed=st.integers(0, 2**31 - 1))
+def test_the_chunk_and_piece_fold_is_the_matmul(enc, n, k, m, dtype, seed):
+    """The plan the launcher makes for the call's activation dtype (bf16: with the weight's code bias where
+    `weight_code_bias` gives one), lowered and emulated, is the matmul of the dequantized weight."""
     try:
         spec = spec_of(enc, n, k)
-        kern = lower_gemv(gemm_plan(spec_of(enc, n, k, m=m)), m)
+        gemv = GluonGemv(spec, "sm_90")
+        kern = lower_gemv(gemv.plan_for(dtype, m), m, "bf16" if dtype == torch.bfloat16 else "fp16")
     except (SpecError, NotLowerable) as err:
         note(f"k={k}: {err}")
         assume(False)   # this draw does not lower to the GEMV
@@ -83,6 +91,33 @@ def test_the_chunk_and_piece_fold_is_the_matmul(enc, n, k, m, seed):
     want = gemm_reference(x, wq)
     got = _fold_emulated(x, wq, kern)
     assert torch.allclose(got, want, rtol=1e-10, atol=1e-10 * float(want.abs().max())), (seed, enc, n, k, m)
+
+
+def test_bf16_activations_plan_the_weight_with_a_code_bias_where_the_budget_allows_it():
+    """2- and 4-bit codes under bf16 activations: the plan carries the code bias 128 (eq. 7), is proved, and
+    the lowering reads it back; fp16 activations, 8-bit codes and a 2-bit group over a long k keep bias 0.
+    A plan whose bias differs from the operand's is refused."""
+    assert weight_code_bias(4, 128, "bf16") == weight_code_bias(2, 32, "bf16") == BF16_CODE_BIAS
+    assert weight_code_bias(4, 128, "fp16") == weight_code_bias(8, 128, "bf16") == 0
+    assert weight_code_bias(2, 14336, "bf16") == 0 and weight_code_bias(4, 14336, "bf16") == BF16_CODE_BIAS
+    with pytest.raises(ValueError, match="activation"):
+        weight_code_bias(4, 128, "fp32")
+    gemv = GluonGemv(spec_of("k-group:4:128", 64, 2048), "sm_90")
+    biased = gemv.plan_for(torch.bfloat16, 1)
+    assert biased.operands["w"].code_bias == BF16_CODE_BIAS and gemv.plan_for(torch.float16, 1).operands["w"].code_bias == 0
+    report = foldc.prove(biased)
+    assert any("bias b=128" in lemma for lemma in report.lemmas)   # (prove raises on a plan it cannot prove)
+    launch = gemv.plan_launch(torch.bfloat16, 1, 132)
+    consts = dict(launch.constants)
+    assert launch.kernel.code_bias == consts["BIAS"] == BF16_CODE_BIAS and not consts["XF16"]
+    assert (consts["ASM"], consts["CONS"]) == biased_key_unpack_asm(4) and consts["SWAP"]
+    assert dict(gemv.plan_launch(torch.float16, 1, 132).constants)["BIAS"] == 0
+    with pytest.raises(NotLowerable, match="code bias 128"):
+        lower_gemv(biased, 1, "fp16")
+    with pytest.raises(NotLowerable, match="code bias 0"):
+        lower_gemv(gemv.plan_for(torch.float16, 1), 1, "bf16")
+    assert gemv.lowers(torch.float32, 1) == (False, "activation dtype=torch.float32: the GEMV takes torch.float16 "
+                                                    "and torch.bfloat16")
 
 
 def test_dequant_verdicts_encoded_activations_and_tall_calls_are_not_lowered():
@@ -96,8 +131,8 @@ def test_dequant_verdicts_encoded_activations_and_tall_calls_are_not_lowered():
     with pytest.raises(NotLowerable, match="bytes per weight row"):
         lower_gemv(gemm_plan(spec_of("k-group:4:4", 8, 40, m=1)), 1)
     launcher = GluonGemv(spec_of("k-group:4:32", 64, 2048), "sm_90")
-    assert launcher.lowers(1) == (True, "")
-    ok, why = launcher.lowers(16)
+    assert launcher.lowers(torch.float16, 1) == (True, "")
+    ok, why = launcher.lowers(torch.float16, 16)
     assert not ok and "dequant" in why
 
 
@@ -113,8 +148,8 @@ def test_options_are_checked_and_the_interpreter_refuses_the_gemv():
         foldc.compile(spec, target="interpret", kernel="gluon")
     with pytest.raises(SpecError, match="interpret"):
         foldc.compile(spec, target="interpret", block_rows=32)
-    capped = GluonGemv(spec, "sm_90", maxnreg=96).plan_launch(1, 132)
-    assert dict(capped.constants)["maxnreg"] == 96 and "maxnreg" not in dict(GluonGemv(spec, "sm_90").plan_launch(1, 132).constants)
+    capped = GluonGemv(spec, "sm_90", maxnreg=96).plan_launch(torch.float16, 1, 132)
+    assert dict(capped.constants)["maxnreg"] == 96 and "maxnreg" not in dict(GluonGemv(spec, "sm_90").plan_launch(torch.float16, 1, 132).constants)
 
 
 def test_default_split_keeps_two_chunks_a_program_and_fills_the_gpu():
@@ -142,8 +177,8 @@ def test_a_launch_covers_every_chunk_once_and_its_parameter_words_fit(enc, n, k,
     except foldc.SpecError:
         assume(False)
     gemv = GluonGemv(spec, "sm_90", block_rows=block_rows, split_k=split, sub=sub)
-    assume(gemv.lowers(m)[0])
-    launch = gemv.plan_launch(m, 132)
+    assume(gemv.lowers(torch.float16, m)[0])
+    launch = gemv.plan_launch(torch.float16, m, 132)
     kern, per, splits = launch.kernel, launch.chunks_per_split, launch.grid[1]
     assert launch.grid[0] == -(-n // block_rows)
     assert 1 <= per <= min(kern.chunks, max_chunks(kern)) and (splits - 1) * per < kern.chunks <= splits * per
@@ -180,7 +215,7 @@ def test_weight_rows_are_the_checked_weights_rows_and_none_where_a_call_would_be
     kernel = GemmKernel(spec, "sm_90")   # a CPU weight never takes the GPU GEMV
     assert kernel.gemv_for(1, torch.float16, torch.device("cpu"), w) is None
     assert gemv.bind(1, torch.float16, torch.device("cpu"), w) is None
-    assert gemv.launch_for(1, torch.device("cpu")).m == 1
+    assert gemv.launch_for(torch.float16, 1, torch.device("cpu")).m == 1
 
 
 AOT = r"""
@@ -271,7 +306,7 @@ def test_run_rows_notes_then_binds_then_launches_by_address():
     for bindable in (True, False):
         gemv = GluonGemv(spec, "sm_90")
         gemv._kernel = kernel = LaunchRecorder(bindable)
-        launch = gemv.plan_launch(1, 132)
+        launch = gemv.plan_launch(torch.float16, 1, 132)
         for _ in range(5):
             gemv.run_rows(launch, x, *rows, out, counters)
         assert kernel.binds == 1   # bound (or found unbindable) once, at the second launch
@@ -304,7 +339,7 @@ def test_gpu_gemv_matches_the_float64_reference(enc, n, m, dtype, split, k, offs
     except foldc.SpecError:
         assume(False)   # the group does not divide k
     kern = foldc.compile(spec, target="auto", gemv_split=split)
-    assume(kern.gemv.lowers(m)[0])   # a dequant verdict at m rows: the Triton kernel's, tested there
+    assume(kern.gemv.lowers(torch.float16, m)[0])   # a dequant verdict at m rows: the Triton kernel's, tested there
     gen = torch.Generator().manual_seed(seed)
     wq = quantize_2d((torch.randn(n, k, generator=gen) * 0.05).cuda(), spec.weight)
     for _ in range(3):

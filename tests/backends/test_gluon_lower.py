@@ -12,10 +12,11 @@ from hypothesis import strategies as st
 
 import foldc
 from foldc.backends.gluon.lower import KEY_BIAS, VALUE_BIAS, NotLowerable, gluon_plan, lower, lowerable, max_rows
-from foldc.backends.gluon.operands import (DEQUANT_ASM, natural_key_unpack_asm, DEQUANT_KEY_EXPONENTS, DEQUANT_KEY_TOP, DEQUANT_VALUE_EXPONENTS,
-                                           DEQUANT_VALUE_TOP, KEY_EXPONENT,
-                                           NARROW_WORDS, VALUE_EXPONENT, cache_channel, dequant_exponent, key_channel,
-                                           key_k, key_unpack_asm, value_channel, value_row, value_unpack_asm)
+from foldc.backends.gluon.operands import (BF16_CODE_BIAS, DEQUANT_ASM, DEQUANT_KEY_EXPONENTS, DEQUANT_KEY_TOP,
+                                           DEQUANT_VALUE_EXPONENTS, DEQUANT_VALUE_TOP, KEY_EXPONENT, NARROW_WORDS,
+                                           VALUE_EXPONENT, biased_field_shift, biased_key_unpack_asm, cache_channel,
+                                           dequant_exponent, key_channel, key_k, key_unpack_asm,
+                                           natural_key_unpack_asm, value_channel, value_row, value_unpack_asm)
 from foldc.encoding import pack_codes
 from foldc.errors import SpecError
 
@@ -290,6 +291,39 @@ def test_key_unpack_puts_every_code_where_the_query_expects_it(bits, head_dim, m
         assert _f16(half) == want, (i, ch)
         seen.add(ch)
     assert seen == set(range(head_dim))
+
+
+def _bf16(bits16: int) -> float:
+    return float(np.array([bits16 << 16], dtype=np.uint32).view(np.float32)[0])
+
+
+@settings(max_examples=25, deadline=None)
+@given(bits=st.sampled_from([2, 4]), head_dim=st.sampled_from([64, 128, 256, 512]), seed=st.integers(0, 2**31 - 1))
+def test_biased_key_unpack_gives_bf16_codes_plus_128_in_the_key_order(bits, head_dim, seed):
+    """The GEMV's unpack for bf16 activations: half e of result 2i+p is ``128 + code * 2^shift`` (bf16, exact)
+    for the code `key_unpack_asm` puts there (same k order), shift = bits*i less one for the top field."""
+    rng = np.random.default_rng(seed)
+    codes = rng.integers(0, 1 << bits, size=(1, head_dim), dtype=np.uint8)
+    codes[0, :2] = (1 << bits) - 1      # the largest code: its top bit is the byte's bit 7 in the last field
+    words = _words(codes, bits)[0]
+    fields = 8 // bits
+    asm, cons = biased_key_unpack_asm(bits)
+    assert cons.count("=r") == 2 * fields
+    seen = set()
+    for w, word in enumerate(words):
+        out = run_ptx(asm, [int(word), int(word)], 2 * fields)
+        for i in range(fields):
+            shift = biased_field_shift(bits, i)
+            assert shift == bits * i - (1 if i == fields - 1 else 0)
+            for p in range(2):
+                for e in range(2):
+                    ch = key_channel(key_k(w, i, p, e, bits, head_dim), bits, head_dim)
+                    half = (out[2 * i + p] >> (16 * e)) & 0xFFFF
+                    assert _bf16(half) == BF16_CODE_BIAS + codes[0, ch] * 2.0 ** shift, (w, i, p, e)
+                    seen.add(ch)
+    assert seen == set(range(head_dim))
+    with pytest.raises(ValueError, match="2- and 4-bit"):
+        biased_key_unpack_asm(8)
 
 
 @settings(max_examples=25, deadline=None)

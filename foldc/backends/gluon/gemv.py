@@ -14,9 +14,12 @@ field's whole chunk, or a part of it when the group is smaller) gets its own MMA
 where X_p is the sum of x over the piece's k (the correction of eq. 6, here per group and so exact
 for a k-group weight: eq. 5 and 6 of docs/derivation.md with the weight's groups along k). No
 partial sum is carried unscaled from one group into another; a group longer than a chunk adds its
-chunks' scaled pieces (the same scale, so the same sum). c[m] is 1 for fp16 activations; bf16
-activations are put in fp16 per chunk, each row times a power of two c that brings its largest
-entry near 2^12 (exact).
+chunks' scaled pieces (the same scale, so the same sum). c[m] is 1 for fp16 activations. bf16
+activations: where the plan carries the weight's code bias BIAS = 128 (2- and 4-bit codes, eq. 7), the
+codes enter a bf16 MMA as ``128 + code * 2^shift_i`` (operands.biased_key_unpack_asm) with x as it is,
+and each piece adds ``mma_p * scale * 2^-shift_i + (zero - 128 * scale * 2^-shift_i) * X_p`` (the bias
+folded into the zero); otherwise (8-bit codes, or a bias the precision budget refuses) x is put in fp16 per
+chunk, each row times a power of two c that brings its largest entry near 2^12 (exact).
 
 Programs are one warp: (block of BN = 16 T output channels, split of the k chunks); the T row tiles
 of a chunk share the activation's pieces and their sums. The program's scale and zero words (the
@@ -38,6 +41,7 @@ from triton.experimental.gluon import constexpr_function
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
+from foldc.backends.gluon.operands import biased_field_shift
 from foldc.backends.gluon.tile_memory import copy_layout
 from foldc.backends.gluon.tile_operands import (group_mmas, key_operand, key_words_layout, split_groups, swap_k01,
                                                 zeros_groups)
@@ -74,6 +78,21 @@ def group_shift(G):
     """log2 of a power-of-two group size (groups by a shift: the k indices are never negative), else -1."""
     G = int(G)
     return G.bit_length() - 1 if G & (G - 1) == 0 else -1
+
+
+_biased_field_shift = constexpr_function(biased_field_shift)
+
+
+@constexpr_function
+def biased_field_weight(bits, field):
+    """2^-shift: field ``field``'s weight undone for the biased bf16 codes (operands.biased_key_unpack_asm)."""
+    return 2.0 ** -_biased_field_shift(int(bits), int(field))
+
+
+@constexpr_function
+def x_as_is(xf16, bias):
+    """Whether the activation enters the MMA as it is: fp16, or bf16 against biased bf16 codes."""
+    return bool(xf16) or int(bias) != 0
 
 
 @gluon.jit
@@ -156,9 +175,10 @@ def _ones_mmas(ones, xs, zero, b_l: gl.constexpr, NG: gl.constexpr):
 def _row_tile(w_tile, s_run, z_run, j_lo, t: gl.constexpr, xs, sums, y, n0, N, stride_ws, j0, W: gl.constexpr,
               F: gl.constexpr, NG: gl.constexpr, ROWS: gl.constexpr, ROW_BYTES: gl.constexpr, G: gl.constexpr,
               BITS: gl.constexpr, ASM: gl.constexpr, CONS: gl.constexpr, VALUE_EXP: gl.constexpr, KIND: gl.constexpr,
-              GW: gl.constexpr):
+              GW: gl.constexpr, BIAS: gl.constexpr):
     """Output channels n0 + 16t .. n0 + 16t + 15 of one chunk: per piece, the codes' MMA with x's piece,
-    times the group's scale (and field weight), plus the group's zero times the piece's sum of x."""
+    times the group's scale (and field weight), plus the group's zero (less BIAS times the scaled field
+    weight: the plan's code bias, eq. 7) times the piece's sum of x."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
     a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=8)
     b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=8)
@@ -167,7 +187,10 @@ def _row_tile(w_tile, s_run, z_run, j_lo, t: gl.constexpr, xs, sums, y, n0, N, s
     PPF: gl.constexpr = NG // F
     GWP: gl.constexpr = pow2_at_least(GW)
     kw = w_tile.slice(16 * t, 16, dim=0).load(key_words_layout(16, W))
-    op = key_operand(kw, 16, D, F, ASM, CONS)
+    if BIAS != 0:
+        op = key_operand(kw, 16, D, F, ASM, CONS, gl.bfloat16)
+    else:
+        op = key_operand(kw, 16, D, F, ASM, CONS)
     zero = gl.zeros([16, ROWS], gl.float32, layout=mma)
     if NG == 1:
         parts = (mma_v2(gl.convert_layout(op, a_l, assert_trivial=True), xs[0], zero),)
@@ -177,18 +200,24 @@ def _row_tile(w_tile, s_run, z_run, j_lo, t: gl.constexpr, xs, sums, y, n0, N, s
     for p in gl.static_range(NG):
         g = _group((p // PPF) * ROW_BYTES + j0 + (p % PPF) * P, G)
         g_first = _group((p // PPF) * ROW_BYTES + j_lo, G)
-        sp = _param(s_run, (p // PPF) * GWP, g - g_first, t, rows, stride_ws, g, g_first, KIND) * \
-            (2.0 ** (VALUE_EXP - BITS * (p // PPF)))
-        zp = _param(z_run, (p // PPF) * GWP, g - g_first, t, rows, stride_ws, g, g_first, KIND)
+        if BIAS != 0:
+            sp = _param(s_run, (p // PPF) * GWP, g - g_first, t, rows, stride_ws, g, g_first, KIND) * \
+                biased_field_weight(BITS, p // PPF)
+            zp = _param(z_run, (p // PPF) * GWP, g - g_first, t, rows, stride_ws, g, g_first, KIND) - BIAS * sp
+        else:
+            sp = _param(s_run, (p // PPF) * GWP, g - g_first, t, rows, stride_ws, g, g_first, KIND) * \
+                (2.0 ** (VALUE_EXP - BITS * (p // PPF)))
+            zp = _param(z_run, (p // PPF) * GWP, g - g_first, t, rows, stride_ws, g, g_first, KIND)
         y = y + parts[p] * sp[:, None] + sums[p] * zp[:, None]
     return y
 
 
 @gluon.jit
 def _x_operand(x_in, D: gl.constexpr, ROWS: gl.constexpr, XF16: gl.constexpr, X_SHARED: gl.constexpr,
-               SWAP: gl.constexpr):
-    """(the activation chunk as the MMA's fp16 operand [D, ROWS], and for bf16 activations the power of two c
-    per column that each column was multiplied by; 1.0 for fp16). ``x_in`` as in `_chunk`."""
+               SWAP: gl.constexpr, BIAS: gl.constexpr):
+    """(the activation chunk as the MMA's operand [D, ROWS], and the power of two c per column that each column
+    was multiplied by: bf16 activations put in fp16; 1.0 where x enters as it is, fp16 or against biased bf16
+    codes). ``x_in`` as in `_chunk`."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
     b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=8)
     if X_SHARED:   # one row, in every column
@@ -200,7 +229,7 @@ def _x_operand(x_in, D: gl.constexpr, ROWS: gl.constexpr, XF16: gl.constexpr, X_
         xv = gl.convert_layout(swap_k01(x_in, D, ROWS), b_l, assert_trivial=True)
     else:
         xv = x_in
-    if XF16:
+    if x_as_is(XF16, BIAS):
         x16 = xv
         c = 1.0
     else:   # each row times a power of two c (its largest entry near 2^12), then fp16 (exact)
@@ -221,7 +250,7 @@ def _undo(c):
 def _chunk(w_tile, s_run, z_run, j_lo, x_in, ys, n0, N, stride_ws, j0, T: gl.constexpr, W: gl.constexpr,
            F: gl.constexpr, NG: gl.constexpr, ROWS: gl.constexpr, ROW_BYTES: gl.constexpr, G: gl.constexpr,
            BITS: gl.constexpr, ASM: gl.constexpr, CONS: gl.constexpr, XF16: gl.constexpr, VALUE_EXP: gl.constexpr,
-           KIND: gl.constexpr, GW: gl.constexpr, X_SHARED: gl.constexpr, SWAP: gl.constexpr):
+           KIND: gl.constexpr, GW: gl.constexpr, X_SHARED: gl.constexpr, SWAP: gl.constexpr, BIAS: gl.constexpr):
     """One chunk (bytes j0 .. j0 + NB of every row of the block) into the T row tiles' accumulators
     ``ys``; the activation's pieces and their sums are made once and shared by the tiles. ``x_in``: the
     activation chunk, its one row [D] in shared memory (X_SHARED, m = 1) or [D, ROWS] in registers, in
@@ -233,7 +262,7 @@ def _chunk(w_tile, s_run, z_run, j_lo, x_in, ys, n0, N, stride_ws, j0, T: gl.con
     b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=8)
     D: gl.constexpr = W * 4 * F
     P: gl.constexpr = D // NG
-    x16, c = _x_operand(x_in, D, ROWS, XF16, X_SHARED, SWAP)
+    x16, c = _x_operand(x_in, D, ROWS, XF16, X_SHARED, SWAP, BIAS)
     # each piece's sum of x as an MMA of ones, in the accumulator's layout (every row the same)
     ones = gl.full([16, P], 1.0, x16.dtype, layout=a_l)
     zero = gl.zeros([16, ROWS], gl.float32, layout=mma)
@@ -243,28 +272,28 @@ def _chunk(w_tile, s_run, z_run, j_lo, x_in, ys, n0, N, stride_ws, j0, T: gl.con
     else:
         xs = split_groups(x16, NG, 0)
         sums = _ones_mmas(ones, xs, zero, b_l, NG)
-    if XF16:
+    if x_as_is(XF16, BIAS):
         acc = ys
     else:
         acc = _zeros_tiles(ROWS, T)
     if T == 1:
         acc = (_row_tile(w_tile, s_run, z_run, j_lo, 0, xs, sums, acc[0], n0, N, stride_ws, j0, W, F, NG, ROWS,
-                         ROW_BYTES, G, BITS, ASM, CONS, VALUE_EXP, KIND, GW),)
+                         ROW_BYTES, G, BITS, ASM, CONS, VALUE_EXP, KIND, GW, BIAS),)
     elif T == 2:
         acc = (_row_tile(w_tile, s_run, z_run, j_lo, 0, xs, sums, acc[0], n0, N, stride_ws, j0, W, F, NG, ROWS,
-                         ROW_BYTES, G, BITS, ASM, CONS, VALUE_EXP, KIND, GW),
+                         ROW_BYTES, G, BITS, ASM, CONS, VALUE_EXP, KIND, GW, BIAS),
                _row_tile(w_tile, s_run, z_run, j_lo, 1, xs, sums, acc[1], n0, N, stride_ws, j0, W, F, NG, ROWS,
-                         ROW_BYTES, G, BITS, ASM, CONS, VALUE_EXP, KIND, GW))
+                         ROW_BYTES, G, BITS, ASM, CONS, VALUE_EXP, KIND, GW, BIAS))
     else:
         acc = (_row_tile(w_tile, s_run, z_run, j_lo, 0, xs, sums, acc[0], n0, N, stride_ws, j0, W, F, NG, ROWS,
-                         ROW_BYTES, G, BITS, ASM, CONS, VALUE_EXP, KIND, GW),
+                         ROW_BYTES, G, BITS, ASM, CONS, VALUE_EXP, KIND, GW, BIAS),
                _row_tile(w_tile, s_run, z_run, j_lo, 1, xs, sums, acc[1], n0, N, stride_ws, j0, W, F, NG, ROWS,
-                         ROW_BYTES, G, BITS, ASM, CONS, VALUE_EXP, KIND, GW),
+                         ROW_BYTES, G, BITS, ASM, CONS, VALUE_EXP, KIND, GW, BIAS),
                _row_tile(w_tile, s_run, z_run, j_lo, 2, xs, sums, acc[2], n0, N, stride_ws, j0, W, F, NG, ROWS,
-                         ROW_BYTES, G, BITS, ASM, CONS, VALUE_EXP, KIND, GW),
+                         ROW_BYTES, G, BITS, ASM, CONS, VALUE_EXP, KIND, GW, BIAS),
                _row_tile(w_tile, s_run, z_run, j_lo, 3, xs, sums, acc[3], n0, N, stride_ws, j0, W, F, NG, ROWS,
-                         ROW_BYTES, G, BITS, ASM, CONS, VALUE_EXP, KIND, GW))
-    if XF16:
+                         ROW_BYTES, G, BITS, ASM, CONS, VALUE_EXP, KIND, GW, BIAS))
+    if x_as_is(XF16, BIAS):
         out = acc
     else:   # this chunk's sums were of x times c: undone per activation row
         inv = _undo(c)
@@ -413,7 +442,7 @@ def chunk_loop(X, x_at, x_smem, w_rows, w_smem, s_run, z_run, n0, c_lo, c_hi, M,
                BN: gl.constexpr, W: gl.constexpr, F: gl.constexpr, NG: gl.constexpr, ROWS: gl.constexpr,
                ROW_BYTES: gl.constexpr, G: gl.constexpr, BITS: gl.constexpr, STAGES: gl.constexpr, ASM: gl.constexpr,
                CONS: gl.constexpr, XF16: gl.constexpr, VALUE_EXP: gl.constexpr, KIND: gl.constexpr, SUB: gl.constexpr,
-               GW: gl.constexpr, X_SHARED: gl.constexpr, SWAP: gl.constexpr):
+               GW: gl.constexpr, X_SHARED: gl.constexpr, SWAP: gl.constexpr, BIAS: gl.constexpr):
     """A program's chunks c_lo .. c_hi after `program_start`: the pipeline's copies STAGES - 1 stages ahead and
     each chunk's work; returns the T row tiles' float32 accumulators (every copy waited for)."""
     NB: gl.constexpr = W * 4
@@ -442,7 +471,7 @@ def chunk_loop(X, x_at, x_smem, w_rows, w_smem, s_run, z_run, n0, c_lo, c_hi, M,
             if c < c_hi:
                 ys = _chunk(w_smem.index(slot), s_run, z_run, c_lo * NB, x_in, ys, n0, N, stride_ws, c * NB, T, W,
                             F, NG, ROWS, ROW_BYTES, G, BITS, ASM, CONS, XF16, VALUE_EXP, KIND, GW, X_SHARED,
-                            SWAP)
+                            SWAP, BIAS)
     async_copy.wait_group(0)
     return ys
 
@@ -452,13 +481,14 @@ def program_sums(X, WC, WS, WZ, M, N, stride_x, stride_wc, stride_ws, chunks_per
                  W: gl.constexpr, F: gl.constexpr, NG: gl.constexpr, ROWS: gl.constexpr, ROW_BYTES: gl.constexpr,
                  G: gl.constexpr, BITS: gl.constexpr, STAGES: gl.constexpr, ASM: gl.constexpr, CONS: gl.constexpr,
                  XF16: gl.constexpr, VALUE_EXP: gl.constexpr, KIND: gl.constexpr, SUB: gl.constexpr, GW: gl.constexpr,
-                 X_SHARED: gl.constexpr, SWAP: gl.constexpr):
+                 X_SHARED: gl.constexpr, SWAP: gl.constexpr, BIAS: gl.constexpr):
     """A program's work up to its end: (n0, the T row tiles' float32 sums over its split of k)."""
     n0, c_lo, c_hi, w_rows, x_at, w_smem, x_smem, s_run, z_run = program_start(
         X, WC, WS, WZ, M, N, stride_x, stride_wc, stride_ws, chunks_per_split, BN, W, F, ROWS, ROW_BYTES, G, STAGES,
         SUB, GW, KIND != 2, X_SHARED)
     ys = chunk_loop(X, x_at, x_smem, w_rows, w_smem, s_run, z_run, n0, c_lo, c_hi, M, N, stride_x, stride_ws, BN, W, F,
-                    NG, ROWS, ROW_BYTES, G, BITS, STAGES, ASM, CONS, XF16, VALUE_EXP, KIND, SUB, GW, X_SHARED, SWAP)
+                    NG, ROWS, ROW_BYTES, G, BITS, STAGES, ASM, CONS, XF16, VALUE_EXP, KIND, SUB, GW, X_SHARED, SWAP,
+                    BIAS)
     return n0, ys
 
 
@@ -468,10 +498,11 @@ def foldc_gemv_gluon(X, WC, WS, WZ, Y, PART, COUNTERS, M, N, stride_x, stride_wc
                      ROWS: gl.constexpr, ROW_BYTES: gl.constexpr, G: gl.constexpr, BITS: gl.constexpr,
                      STAGES: gl.constexpr, SPLIT: gl.constexpr, ASM: gl.constexpr, CONS: gl.constexpr,
                      XF16: gl.constexpr, VALUE_EXP: gl.constexpr, KIND: gl.constexpr, SUB: gl.constexpr,
-                     GW: gl.constexpr, X_SHARED: gl.constexpr, SWAP: gl.constexpr):
+                     GW: gl.constexpr, X_SHARED: gl.constexpr, SWAP: gl.constexpr, BIAS: gl.constexpr):
     T: gl.constexpr = BN // 16
     n0, ys = program_sums(X, WC, WS, WZ, M, N, stride_x, stride_wc, stride_ws, chunks_per_split, BN, W, F, NG, ROWS,
-                          ROW_BYTES, G, BITS, STAGES, ASM, CONS, XF16, VALUE_EXP, KIND, SUB, GW, X_SHARED, SWAP)
+                          ROW_BYTES, G, BITS, STAGES, ASM, CONS, XF16, VALUE_EXP, KIND, SUB, GW, X_SHARED, SWAP,
+                          BIAS)
     for t in gl.static_range(T):
         _finish(ys[t], t, Y, PART, n0, gl.program_id(1), M, N, stride_y, SPLIT, ROWS)
     if SPLIT > 1:

@@ -11,6 +11,8 @@ import re
 from collections import Counter
 from pathlib import Path
 
+import torch
+
 from ...errors import SpecError
 from ...gemm.spec import GemmSpec
 from ...options import check_out_dir
@@ -43,16 +45,16 @@ def compile_gemv_aot(spec: GemmSpec, arch: str, out_dir: str | Path, m: int = 1,
     from .gemv import foldc_gemv_gluon
 
     launcher = GluonGemv(spec, arch, block_rows=block_rows, split_k=split_k, stages=stages, sub=sub, maxnreg=maxnreg)
-    ok, why = launcher.lowers(m)
+    torch_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
+    ok, why = launcher.lowers(torch_dtype, m)
     if not ok:
         raise SpecError(f"{spec.describe()} at m={m} does not lower to the GEMV kernel: {why}")
-    launch = launcher.plan_launch(m, sms)
+    launch = launcher.plan_launch(torch_dtype, m, sms)
     check_out_dir(out_dir)
     consts = dict(launch.constants)
     options = {"num_warps": consts.pop("num_warps")}
     if "maxnreg" in consts:
         options["maxnreg"] = consts.pop("maxnreg")
-    consts["XF16"] = dtype == "fp16"
     signature, attrs = {}, {}
     for i, name in enumerate(foldc_gemv_gluon.arg_names):
         if name in consts:

@@ -1,6 +1,7 @@
 """The register-operand GEMV kernel (gemv.py) as a callable ``y = gemv(x, w)`` for sm_90 and sm_100.
 
-``GluonGemv(spec, target)`` lowers the spec's plan at each call's row count (gemv_lower.py) and
+``GluonGemv(spec, target)`` lowers the spec's plan at each call's activation dtype and row count
+(gemv_lower.py: bf16 activations plan the weight with the code bias of `weight_code_bias`) and
 launches one warp per (block of output channels, split of k). ``lowers(m)`` says whether it takes a
 call with m rows; the GEMM callable of `foldc.compile` (foldc/gemm/compile.py) sends the others to
 the generated Triton kernel. Calls are CUDA-graph capturable: the split-k workspace and the block
@@ -20,10 +21,11 @@ from ...gemm.spec import GemmSpec
 from ...validate import check_no_overlap
 from ..runtime.fast_launch import Bindings, FastLaunch
 from ..runtime.modules import num_sms
-from .gemv_lower import GemvKernel, NotLowerable, lower_gemv
-from .operands import VALUE_EXPONENT, key_unpack_asm, natural_key_unpack_asm
+from .gemv_lower import GemvKernel, NotLowerable, lower_gemv, weight_code_bias
+from .operands import VALUE_EXPONENT, biased_key_unpack_asm, key_unpack_asm, natural_key_unpack_asm
 
 DTYPES = (torch.float16, torch.bfloat16)
+ACTIVATION = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 BLOCK_ROWS = (16, 32, 64)      # output channels per program
 STAGES = 3                     # pipeline stages in flight per program (cp.async), each `default_sub` chunks
 PROGRAMS_PER_SM = 16           # the split-k heuristic's least: this many one-warp programs per SM
@@ -113,36 +115,46 @@ class GluonGemv:
             raise SpecError(f"maxnreg={maxnreg!r} must be an integer from 32 to 255 or None")
         self.spec, self.target, self.sub, self.maxnreg = spec, target, sub, maxnreg
         self.block_rows, self.split_k, self.stages = block_rows or 16, split_k, stages or STAGES
-        self._plans: dict[int, GemmPlan] = {}
-        self._lowers: dict[int, tuple[bool, str]] = {}
+        self._plans: dict[tuple, GemmPlan] = {}
+        self._lowers: dict[tuple, tuple[bool, str]] = {}
         self._launches: dict[tuple, GemvLaunch] = {}
         self._buffers: dict[tuple, tuple] = {}
-        self._kwargs: dict[tuple, dict] = {}
+        self._kwargs: dict[int, tuple] = {}   # id(launch) -> (launch, its keywords)
         self._bindings = Bindings()   # run_rows' bound launches
         self._kernel = None
 
-    def plan_for(self, m: int) -> GemmPlan:
-        """The plan the kernel runs for m rows (the break-even of eq. 16 depends on m)."""
-        if m not in self._plans:
-            self._plans[m] = gemm_plan(GemmSpec(self.spec.n, self.spec.k, self.spec.weight, None, m=m))
-        return self._plans[m]
+    def plan_for(self, dtype: torch.dtype, m: int) -> GemmPlan:
+        """The plan the kernel runs for m rows of ``dtype`` activations (the break-even of eq. 16 depends on m;
+        the weight's code bias on the dtype, `weight_code_bias`)."""
+        key = (dtype, m)
+        if key not in self._plans:
+            if dtype not in ACTIVATION:
+                raise InputError(f"activation dtype={dtype} must be torch.float16 or torch.bfloat16")
+            enc = self.spec.weight
+            bias = weight_code_bias(enc.bits, enc.group_size or self.spec.k, ACTIVATION[dtype])
+            self._plans[key] = gemm_plan(GemmSpec(self.spec.n, self.spec.k, enc, None, m=m),
+                                         code_bias={"weight": bias} if bias else None)
+        return self._plans[key]
 
-    def lowers(self, m: int) -> tuple[bool, str]:
-        """(True, "") when a call with m rows lowers, else (False, why); memoised (every call asks)."""
-        if m not in self._lowers:
+    def lowers(self, dtype: torch.dtype, m: int) -> tuple[bool, str]:
+        """(True, "") when a call with m rows of ``dtype`` lowers, else (False, why); memoised (every call asks)."""
+        key = (dtype, m)
+        if key not in self._lowers:
+            if dtype not in ACTIVATION:
+                return False, f"activation dtype={dtype}: the GEMV takes torch.float16 and torch.bfloat16"
             try:
-                lower_gemv(self.plan_for(m), m)
-                self._lowers[m] = (True, "")
+                lower_gemv(self.plan_for(dtype, m), m, ACTIVATION[dtype])
+                self._lowers[key] = (True, "")
             except NotLowerable as e:
-                self._lowers[m] = (False, str(e))
-        return self._lowers[m]
+                self._lowers[key] = (False, str(e))
+        return self._lowers[key]
 
-    def plan_launch(self, m: int, sms: int) -> GemvLaunch:
-        """The launch of a call with ``m`` rows on a GPU of ``sms`` SMs (memoised)."""
-        key = (m, sms)
+    def plan_launch(self, dtype: torch.dtype, m: int, sms: int) -> GemvLaunch:
+        """The launch of a call with ``m`` rows of ``dtype`` on a GPU of ``sms`` SMs (memoised)."""
+        key = (dtype, m, sms)
         launch = self._launches.get(key)
         if launch is None:
-            kernel = lower_gemv(self.plan_for(m), m)
+            kernel = lower_gemv(self.plan_for(dtype, m), m, ACTIVATION[dtype])
             sub = self.sub or default_sub(kernel)
             split = self.split_k or default_split(kernel, self.spec.n, self.block_rows, sms, sub)
             most = max_chunks(kernel)                             # a program's parameter words fit
@@ -150,14 +162,17 @@ class GluonGemv:
             per = -(-kernel.chunks // min(split, kernel.chunks))  # the chunks spread evenly
             per = min(-(-per // sub) * sub, kernel.chunks, most)  # whole stages per program where it can
             split = -(-kernel.chunks // per)
-            swap = kernel.bits not in NATURAL_ORDER_BITS
-            asm, cons = (key_unpack_asm if swap else natural_key_unpack_asm)(kernel.bits)
+            swap = kernel.bits not in NATURAL_ORDER_BITS   # (biased codes: 2 and 4 bits, in key_unpack_asm's order)
+            if kernel.code_bias:
+                asm, cons = biased_key_unpack_asm(kernel.bits)
+            else:
+                asm, cons = (key_unpack_asm if swap else natural_key_unpack_asm)(kernel.bits)
             constants = dict(BN=self.block_rows, W=kernel.chunk_bytes // 4, F=kernel.fields, NG=kernel.pieces,
                              ROWS=8 if m <= 8 else 16, ROW_BYTES=kernel.row_bytes, G=kernel.group, BITS=kernel.bits,
                              STAGES=self.stages, SPLIT=split, ASM=asm, CONS=cons, VALUE_EXP=VALUE_EXPONENT,
                              KIND=SCALE_KINDS[kernel.scale_dtype], SUB=sub, GW=param_words(kernel, per),
-                             X_SHARED=m == 1 and kernel.bits < 8, SWAP=swap,
-                             num_warps=1)
+                             X_SHARED=m == 1 and kernel.bits < 8, SWAP=swap, XF16=dtype == torch.float16,
+                             BIAS=kernel.code_bias, num_warps=1)
             if self.maxnreg is not None:
                 constants["maxnreg"] = self.maxnreg
             launch = GemvLaunch(kernel, m, (-(-self.spec.n // self.block_rows), split), per,
@@ -182,17 +197,17 @@ class GluonGemv:
         if isinstance(x, AffineTensor) or not isinstance(x, torch.Tensor) or x.dim() != 2 or \
                 not isinstance(w, AffineTensor) or w.codes.dim() != 4:
             return False
-        return x.dtype in DTYPES and x.is_cuda and _aligned(w.codes[0, 0]) and self.lowers(x.shape[0])[0]
+        return x.dtype in DTYPES and x.is_cuda and _aligned(w.codes[0, 0]) and self.lowers(x.dtype, x.shape[0])[0]
 
     def bind(self, m: int, dtype: torch.dtype, device, w) -> tuple[GemvLaunch, tuple] | None:
         """(launch, the weight's 2-D rows) for calls of ``m`` rows of ``dtype`` on ``device`` with weight ``w``,
         where `takes` would take them; else None. A caller holding one weight makes this once and then
         launches ``run_rows(launch, x, *rows, out, counters)``, checking only x."""
-        if getattr(device, "type", None) != "cuda" or dtype not in DTYPES or not self.lowers(m)[0] \
+        if getattr(device, "type", None) != "cuda" or dtype not in DTYPES or not self.lowers(dtype, m)[0] \
                 or not isinstance(w, AffineTensor) or w.codes.device != device:
             return None
         rows = self.weight_rows(w)
-        return None if rows is None else (self.launch_for(m, device), rows)
+        return None if rows is None else (self.launch_for(dtype, m, device), rows)
 
     def weight_rows(self, w) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """The 2-D parts `run_rows` takes of weight ``w`` (an AffineTensor [1, 1, n, k] of the spec's encoding,
@@ -204,9 +219,9 @@ class GluonGemv:
             return None
         return w.codes[0, 0], w.scale[0, 0], w.zero[0, 0]
 
-    def launch_for(self, m: int, device) -> GemvLaunch:
-        """`plan_launch` for a call with ``m`` rows on ``device``."""
-        return self.plan_launch(m, num_sms(device))
+    def launch_for(self, dtype: torch.dtype, m: int, device) -> GemvLaunch:
+        """`plan_launch` for a call with ``m`` rows of ``dtype`` on ``device``."""
+        return self.plan_launch(dtype, m, num_sms(device))
 
     def check(self, x, w) -> int:
         spec = self.spec
@@ -248,7 +263,7 @@ class GluonGemv:
         too, and this object keeps no buffer (`foldc.nn.FoldLinear` passes its own, so that
         CUDA-graph trees under torch.compile see every allocation of a step)."""
         m = self.check(x, w)
-        ok, why = self.lowers(m)
+        ok, why = self.lowers(x.dtype, m)
         if not ok:
             raise InputError(f"m={m}: the register-operand GEMV does not take this call ({why})")
         if counters is not None:
@@ -267,7 +282,7 @@ class GluonGemv:
                              f"{x.dtype} with unit stride along n")
         else:
             check_no_overlap(out, "out", x=x, w=w)
-        self.run(self.plan_launch(m, num_sms(x.device)), x, w, out, counters)
+        self.run(self.plan_launch(x.dtype, m, num_sms(x.device)), x, w, out, counters)
         return out
 
     def run(self, launch: GemvLaunch, x, w, out: torch.Tensor, counters: torch.Tensor | None = None) -> None:
@@ -301,18 +316,17 @@ class GluonGemv:
             return
         args = (x, codes.view(torch.int32), scale, zero, out, part, counters, launch.m, self.spec.n, x.stride(0),
                 codes.stride(0) // 4, scale.stride(0), out.stride(0), launch.chunks_per_split)
-        kwargs = self._keywords(launch, x.dtype)
+        kwargs = self._keywords(launch)
         self._kernel[launch.grid](*args, **kwargs)
         self._bindings.note(key, launch, state, lambda: (self._kernel.bind(launch.grid, args, kwargs),))
 
-    def _keywords(self, launch: GemvLaunch, dtype: torch.dtype) -> dict:
-        """The launch's constexprs and options as one dict object per (launch, activation dtype): `FastLaunch`
-        recognises a dict it saw before without reading it again."""
-        key = (launch, dtype)
-        kwargs = self._kwargs.get(key)
-        if kwargs is None:
-            kwargs = self._kwargs[key] = dict(XF16=dtype == torch.float16, **dict(launch.constants))
-        return kwargs
+    def _keywords(self, launch: GemvLaunch) -> dict:
+        """The launch's constexprs and options as one dict object per launch: `FastLaunch` recognises a dict it
+        saw before without reading it again."""
+        held = self._kwargs.get(id(launch))
+        if held is None or held[0] is not launch:
+            held = self._kwargs[id(launch)] = (launch, dict(launch.constants))
+        return held[1]
 
 def _aligned(codes: torch.Tensor) -> bool:
     """Code rows with unit stride, each 16-byte aligned (the kernel's 16-byte cp.async)."""

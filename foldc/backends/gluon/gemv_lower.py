@@ -2,7 +2,9 @@
 
 The kernel takes the weight's operand plan as it is: an acc-fold (eq. 3: each k group's partial sum
 times the group's scale, plus zero x the group's sum of x, eq. 6) with code bias 0 (the codes enter
-the MMA as fp16 subnormals, operands.py), 2, 4 or 8 bits, k groups or one group per output channel,
+the MMA as fp16 subnormals, operands.py) or, for bf16 activations and 2- or 4-bit codes, the bias of 128
+that `weight_code_bias` gives where the precision budget allows it (the codes enter a bf16 MMA as
+``128 + code * 2^shift``, eq. 7), 2, 4 or 8 bits, k groups or one group per output channel,
 fp16 / bf16 / fp32 scales, plain fp16 or bf16 activations and at most MAX_ROWS of them. A dequant
 verdict (eq. 16: groups of at most twice the rows, for small groups and m near 16) or an encoded
 activation is not its job: `NotLowerable` says why, and the generated Triton kernel runs the call.
@@ -16,7 +18,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ...gemm.plan import GemmPlan
+from ...precision import code_bias_allowed
 from .lower import NotLowerable
+from .operands import BF16_CODE_BIAS
 
 MAX_ROWS = 16               # activation rows on the MMA's N axis (8 or 16)
 OPERAND_K = 256             # channels of k per chunk: a [16, 256] fp16 operand is 64 registers a lane
@@ -25,6 +29,20 @@ MAX_PIECES = 8              # MMA chains per chunk (tile_operands.split_groups)
 MIN_PIECE = 32              # k per MMA chain (16: the operand split fails to lower)
 MIN_CHUNK_WORDS = 8         # the key operand's layout reads 8 words a row and more (tile_operands.key_words_layout)
 SCALE_DTYPES = {"torch.float16": "fp16", "torch.bfloat16": "bf16", "torch.float32": "fp32"}
+ACTIVATION_DTYPES = ("fp16", "bf16")
+BIASED_BITS = (2, 4)        # codes that fit a bf16's mantissa beside the bias (operands.biased_key_unpack_asm)
+
+
+def weight_code_bias(bits: int, group: int, activation: str) -> int:
+    """The weight's code bias the kernel's operand for ``activation`` ("fp16"/"bf16") activations carries:
+    BF16_CODE_BIAS for bf16 and 2- or 4-bit codes where its accumulator error stays within the budget
+    (precision.code_bias_allowed, eq. 6a: not 2-bit codes in one group of more than about 10K channels),
+    else 0. The plan is made with it (eq. 7), proved, and the kernel reads it back from there."""
+    if activation not in ACTIVATION_DTYPES:
+        raise ValueError(f"activation={activation!r} is not one of {ACTIVATION_DTYPES}")
+    if activation == "bf16" and bits in BIASED_BITS and code_bias_allowed("bf16", bits, group, BF16_CODE_BIAS):
+        return BF16_CODE_BIAS
+    return 0
 
 
 @dataclass(frozen=True)
@@ -39,6 +57,7 @@ class GemvKernel:
     scale_dtype: str
     fields: int          # codes per byte (the plan's packing)
     row_bytes: int       # bytes of a packed weight row
+    code_bias: int = 0   # the plan's weight code bias: 0 (fp16 subnormal codes) or 128 (biased bf16 codes)
 
     @property
     def chunks(self) -> int:
@@ -55,8 +74,9 @@ class GemvKernel:
         return (field * self.row_bytes + chunk * self.chunk_bytes + within * self.piece_k) // self.group
 
 
-def lower_gemv(plan: GemmPlan, rows: int) -> GemvKernel:
-    """The kernel's parameters for ``plan`` at ``rows`` activation rows, or NotLowerable."""
+def lower_gemv(plan: GemmPlan, rows: int, activation: str = "fp16") -> GemvKernel:
+    """The kernel's parameters for ``plan`` at ``rows`` activation rows of ``activation`` ("fp16"/"bf16"),
+    or NotLowerable."""
     spec = plan.spec
     if spec.activation is not None:
         raise NotLowerable(f"activation={spec.activation.short()}: encoded activations run the Triton kernel")
@@ -68,13 +88,15 @@ def lower_gemv(plan: GemmPlan, rows: int) -> GemvKernel:
     if w.fold != "acc-fold":
         raise NotLowerable(f"the plan's weight fold is {w.fold} ({w.break_even or w.reason}); the GEMV kernel "
                            "lowers acc-fold")
-    if w.code_bias != 0:
-        raise NotLowerable(f"weight code bias {w.code_bias}: the kernel's codes enter as fp16 subnormals (bias 0)")
+    group = w.group_size or spec.k
+    want = weight_code_bias(w.bits, group, activation)
+    if w.code_bias != want:
+        raise NotLowerable(f"weight code bias {w.code_bias}: the kernel's operand for {activation} activations and "
+                           f"{w.bits}-bit codes in groups of {group} carries {want} (gemv_lower.weight_code_bias)")
     enc = spec.weight
     if str(enc.scale_dtype) not in SCALE_DTYPES:
         raise NotLowerable(f"scale dtype {enc.scale_dtype}: the kernel reads fp16, bf16 or fp32 scales")
     fields, row_bytes = w.fields, w.row_bytes
-    group = w.group_size or spec.k
     chunk = (OPERAND_K if rows <= 8 else OPERAND_K_WIDE) // fields
     while chunk >= 4 * MIN_CHUNK_WORDS and row_bytes % chunk:
         chunk //= 2
@@ -94,12 +116,13 @@ def lower_gemv(plan: GemmPlan, rows: int) -> GemvKernel:
     if pieces > MAX_PIECES or chunk * fields // pieces < MIN_PIECE:
         raise NotLowerable(f"group_size={group}: {pieces} groups per {chunk * fields}-channel chunk, more than "
                            f"{MAX_PIECES} MMA chains or pieces under {MIN_PIECE} channels")
-    return GemvKernel(w.bits, spec.k, group, chunk, pieces, SCALE_DTYPES[str(enc.scale_dtype)], fields, row_bytes)
+    return GemvKernel(w.bits, spec.k, group, chunk, pieces, SCALE_DTYPES[str(enc.scale_dtype)], fields, row_bytes,
+                      w.code_bias)
 
 
-def lowerable_gemv(plan: GemmPlan, rows: int) -> tuple[bool, str]:
+def lowerable_gemv(plan: GemmPlan, rows: int, activation: str = "fp16") -> tuple[bool, str]:
     try:
-        lower_gemv(plan, rows)
+        lower_gemv(plan, rows, activation)
     except NotLowerable as e:
         return False, str(e)
     return True, ""

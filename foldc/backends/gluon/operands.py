@@ -77,6 +77,38 @@ def natural_key_unpack_asm(bits: int) -> tuple[str, str]:
     return " ".join(out), ",".join(["=r"] * n + ["r", "r"])
 
 
+#: the bf16 pair (128, 128): ``0x4300 | m`` is the bf16 ``128 + m`` exactly for m < 128 (`biased_key_unpack_asm`)
+BF16_MAGIC = 0x43004300
+#: the code bias a bf16 operand built by `biased_key_unpack_asm` carries (in field 0's units; eq. 7)
+BF16_CODE_BIAS = 128
+
+
+def biased_field_shift(bits: int, field: int) -> int:
+    """log2 of field ``field``'s weight in `biased_key_unpack_asm`'s values: bits * field, less one for the
+    field whose top bit is the byte's bit 7 (shifted down one place: that bit is a bf16's exponent)."""
+    return bits * field - (1 if bits * (field + 1) > 7 else 0)
+
+
+def biased_key_unpack_asm(bits: int) -> tuple[str, str]:
+    """`key_unpack_asm`'s words and k order (result ``2i+p`` = field i of bytes (p, p+2)) as bf16 pairs
+    ``128 + code * 2^biased_field_shift(bits, i)``: one LOP3 each, ``(w & mask) | BF16_MAGIC``, the top
+    field shifted down one place first. For bf16 activations, whose MMA is then bf16 x bf16 with no
+    conversion; the plan's code bias of 128 (eq. 7) takes the 128 back through the zero. 2- and 4-bit codes
+    (an 8-bit code would reach the exponent)."""
+    if bits not in (2, 4):
+        raise ValueError(f"bits={bits}: the biased bf16 unpack takes 2- and 4-bit codes")
+    fields = 8 // bits
+    n = 2 * fields
+    out = ["{ .reg .b32 t, u, v;", f"shr.b32 t, ${n}, 8;", f"shr.b32 u, ${n}, 1;", f"shr.b32 v, ${n}, 9;"]
+    for i in range(fields):
+        top = bits * (i + 1) > 7
+        mask = _mask(bits, i) >> (1 if top else 0)
+        for reg, src in ((2 * i, "u" if top else f"${n}"), (2 * i + 1, "v" if top else "t")):
+            out.append(f"lop3.b32 ${reg}, {src}, {mask}, {BF16_MAGIC}, 0xea;")
+    out.append("}")
+    return " ".join(out), ",".join(["=r"] * n + ["r", "r"])
+
+
 def value_unpack_asm(bits: int, byte: int, integer: bool = False) -> tuple[str, str]:
     """PTX and constraints for pack=4 over four tokens' words: result i = field i of byte
     ``byte`` of tokens (t0, t1), (t2, t3) as fp16 subnormals, code * 2^(bits*i) * 2^-24 exactly;

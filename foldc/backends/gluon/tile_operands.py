@@ -67,14 +67,17 @@ def _pairs(x0, x1, BN: gl.constexpr, NB: gl.constexpr):
 
 
 @gluon.jit
-def key_operand(kw, BN: gl.constexpr, D: gl.constexpr, F: gl.constexpr, ASM: gl.constexpr, CONS: gl.constexpr):
+def key_operand(kw, BN: gl.constexpr, D: gl.constexpr, F: gl.constexpr, ASM: gl.constexpr, CONS: gl.constexpr,
+                DTYPE: gl.constexpr = gl.float16):
+    """The [BN, D] MMA operand of a tile's code words ``kw`` [BN, D / F / 4] unpacked by ``ASM`` (operands.py:
+    fp16 subnormal codes, or bf16 codes plus a bias with DTYPE bf16), k in the unpack's order."""
     NB: gl.constexpr = D // F
     x = gl.join(kw, kw)
     if NB == 4 * NARROW:
         # four words per token, one per lane: k = 32 (field // 2) + 8 word + 4 (field % 2) + 2p + e
         # (operands.key_k), so that the MMA's lane bits of k are the word's
         a0, a1, b0, b1, c0, c1, d0, d1 = gl.inline_asm_elementwise(
-            ASM, CONS, [x], dtype=(gl.float16,) * 8, is_pure=True, pack=2)
+            ASM, CONS, [x], dtype=(DTYPE.value,) * 8, is_pure=True, pack=2)
         f0 = gl.permute(gl.join(a0, a1), (0, 1, 3, 2))    # [BN, word, p, e]
         f1 = gl.permute(gl.join(b0, b1), (0, 1, 3, 2))
         f2 = gl.permute(gl.join(c0, c1), (0, 1, 3, 2))
@@ -83,14 +86,14 @@ def key_operand(kw, BN: gl.constexpr, D: gl.constexpr, F: gl.constexpr, ASM: gl.
         op = gl.reshape(gl.permute(op, (0, 5, 1, 4, 2, 3)), [BN, D])
     elif F == 4:
         a0, a1, b0, b1, c0, c1, d0, d1 = gl.inline_asm_elementwise(
-            ASM, CONS, [x], dtype=(gl.float16,) * 8, is_pure=True, pack=2)
+            ASM, CONS, [x], dtype=(DTYPE.value,) * 8, is_pure=True, pack=2)
         op = _join4(_pairs(a0, a1, BN, NB), _pairs(b0, b1, BN, NB), _pairs(c0, c1, BN, NB), _pairs(d0, d1, BN, NB))
         op = gl.reshape(gl.permute(op, (0, 2, 3, 1)), [BN, D])
     elif F == 2:
-        a0, a1, b0, b1 = gl.inline_asm_elementwise(ASM, CONS, [x], dtype=(gl.float16,) * 4, is_pure=True, pack=2)
+        a0, a1, b0, b1 = gl.inline_asm_elementwise(ASM, CONS, [x], dtype=(DTYPE.value,) * 4, is_pure=True, pack=2)
         op = gl.reshape(gl.permute(gl.join(_pairs(a0, a1, BN, NB), _pairs(b0, b1, BN, NB)), (0, 2, 1)), [BN, D])
     else:   # 8-bit codes: one field, the k index is the byte's
-        a0, a1 = gl.inline_asm_elementwise(ASM, CONS, [x], dtype=(gl.float16,) * 2, is_pure=True, pack=2)
+        a0, a1 = gl.inline_asm_elementwise(ASM, CONS, [x], dtype=(DTYPE.value,) * 2, is_pure=True, pack=2)
         op = _pairs(a0, a1, BN, NB)
     return op
 
