@@ -52,13 +52,15 @@ BLOCK_T_CHANNEL = 32  # tokens per step of the channel-wise kernel's loop over o
 
 # The kernels are plain functions wrapped on first use as a JITFunction (GPU) or an
 # InterpretedFunction (CPU), so one process can run both (see foldc/backends/runtime/modules.py, interpreter).
+# Their tensors come first (a bound launch passes them as addresses, `FastLaunch.bind`), and the token
+# offset is not specialised on (one build for every offset: a bound launch takes it per call).
+OFFSET_ARG = 20   # the position of ``offset`` in both kernels' arguments
 
 def _append_token_kernel(
-    X, stride_xb, stride_xh, stride_xn,
-    CODES, stride_cb, stride_ch, stride_cn,
-    SCALE, stride_sb, stride_sh, stride_sn,
-    ZERO, stride_zb, stride_zh, stride_zn,
-    OFFSETS, offset, tokens, heads, KV_INDPTR, KV_INDICES, COUNTS, capacity,
+    X, CODES, SCALE, ZERO, OFFSETS, KV_INDPTR, KV_INDICES, COUNTS,
+    stride_xb, stride_xh, stride_xn, stride_cb, stride_ch, stride_cn,
+    stride_sb, stride_sh, stride_sn, stride_zb, stride_zh, stride_zn,
+    offset, tokens, heads, capacity,
     HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, NUM_GROUPS: tl.constexpr, BITS: tl.constexpr,
     CPB: tl.constexpr, MAX_CODE: tl.constexpr, BLOCK_T: tl.constexpr, X_BF16: tl.constexpr,
     SCALE_KIND: tl.constexpr, PER_ROW: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
@@ -193,11 +195,10 @@ def _append_token_kernel(
 
 
 def _append_channel_kernel(
-    X, stride_xb, stride_xh, stride_xn,
-    CODES, stride_cb, stride_ch, stride_cn,
-    SCALE, stride_sb, stride_sh, stride_sn,
-    ZERO, stride_zb, stride_zh, stride_zn,
-    OFFSETS, offset, heads, KV_INDPTR, KV_INDICES, COUNTS, capacity,
+    X, CODES, SCALE, ZERO, OFFSETS, KV_INDPTR, KV_INDICES, COUNTS,
+    stride_xb, stride_xh, stride_xn, stride_cb, stride_ch, stride_cn,
+    stride_sb, stride_sh, stride_sn, stride_zb, stride_zh, stride_zn,
+    offset, heads, capacity,
     HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, BITS: tl.constexpr, CPB: tl.constexpr,
     MAX_CODE: tl.constexpr, BLOCK_T: tl.constexpr, X_BF16: tl.constexpr, SCALE_KIND: tl.constexpr,
     PER_ROW: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_COUNT: tl.constexpr,
@@ -317,7 +318,7 @@ def _kernel(name: str, interpret: bool):
         else:
             from triton.runtime.jit import JITFunction
 
-            _WRAPPED[key] = JITFunction(fn)
+            _WRAPPED[key] = JITFunction(fn, do_not_specialize=["offset"])
     return _WRAPPED[key]
 
 
@@ -483,30 +484,37 @@ def plan_append(enc, heads: int, head_dim: int, batch: int, tokens: int, x_bf16:
     return AppendLaunch("channel", (batch * heads, tokens // enc.group_size), interpret, tuple(common.items()))
 
 
+def append_arguments(launch: AppendLaunch, dst: AffineTensor, x: torch.Tensor, scalar, per_row,
+                     paging: tuple | None = None, counts: torch.Tensor | None = None) -> tuple:
+    """(the kernel behind `FastLaunch`, its positional arguments, its keyword arguments) of `run_append`."""
+    xin = x.view(torch.int16) if x.dtype == torch.bfloat16 else x
+    scale, zero = dst.scale, dst.zero
+    if dst.encoding.scale_dtype == torch.bfloat16:
+        scale, zero = scale.view(torch.int16), zero.view(torch.int16)
+    codes = dst.codes
+    offs = per_row if per_row is not None else codes  # not read unless PER_ROW
+    indptr, indices = paging if paging is not None else (codes, codes)  # read only if PAGED
+    sx, sc, ss, sz = xin.stride(), codes.stride(), scale.stride(), zero.stride()
+    args = (xin, codes, scale, zero, offs, indptr, indices, counts if counts is not None else codes,
+            sx[0], sx[1], sx[2], sc[0], sc[1], sc[2], ss[0], ss[1], ss[2], sz[0], sz[1], sz[2],
+            0 if scalar is None else scalar)
+    args += (x.shape[2], dst.shape[1], dst.num_tokens) if launch.kernel == "token" else (dst.shape[1], dst.num_tokens)
+    return _fast(launch.kernel, launch.interpret), args, _kwargs(launch)
+
+
 def run_append(launch: AppendLaunch, dst: AffineTensor, x: torch.Tensor, scalar, per_row,
                paging: tuple | None = None, counts: torch.Tensor | None = None) -> None:
     """Launch ``launch`` (from `plan_append`), no checks: ``x`` into ``dst`` at ``scalar`` (an int) or
     ``per_row`` offsets; ``paging`` = (kv_indptr, kv_indices): dst is a page pool; ``counts``: tokens
     to write per row."""
-    from ..backends.runtime.modules import interpreter
-
-    heads = dst.shape[1]
-    xin = x.view(torch.int16) if x.dtype == torch.bfloat16 else x
-    scale, zero = dst.scale, dst.zero
-    if dst.encoding.scale_dtype == torch.bfloat16:
-        scale, zero = scale.view(torch.int16), zero.view(torch.int16)
-    offs = per_row if per_row is not None else dst.codes  # not read unless PER_ROW
-    indptr, indices = paging if paging is not None else (dst.codes, dst.codes)  # read only if PAGED
-    args = [xin, *xin.stride()[:3], dst.codes, *dst.codes.stride()[:3], scale, *scale.stride()[:3],
-            zero, *zero.stride()[:3], offs, 0 if scalar is None else scalar]
-    table = [indptr, indices, counts if counts is not None else dst.codes, dst.num_tokens]
-    lead = [x.shape[2], heads] if launch.kernel == "token" else [heads]
-    kernel, kwargs = _fast(launch.kernel, launch.interpret), _kwargs(launch.constants)
+    kernel, args, kwargs = append_arguments(launch, dst, x, scalar, per_row, paging, counts)
     if launch.interpret or os.environ.get("TRITON_INTERPRET"):
+        from ..backends.runtime.modules import interpreter
+
         with interpreter(launch.interpret):
-            kernel[launch.grid](*args, *lead, *table, **kwargs)
+            kernel[launch.grid](*args, **kwargs)
     else:   # native mode already: no switch (the decode step's host path)
-        kernel[launch.grid](*args, *lead, *table, **kwargs)
+        kernel[launch.grid](*args, **kwargs)
 
 
 @functools.lru_cache(maxsize=None)
@@ -515,10 +523,18 @@ def _fast(name: str, interpret: bool):
     return FastLaunch(_kernel(name, interpret))
 
 
-@functools.lru_cache(maxsize=256)
-def _kwargs(constants: tuple) -> dict:
-    """A launch's constexprs as one dict object per launch (`FastLaunch` reads a dict it saw once only once)."""
-    return dict(constants)
+_KWARGS: dict[int, tuple] = {}   # id(launch) -> (launch, its constexprs as one dict)
+
+
+def _kwargs(launch: AppendLaunch) -> dict:
+    """A launch's constexprs as one dict object per launch (`FastLaunch` reads a dict it saw once only once),
+    found by the launch's identity (hashing one walks its constants)."""
+    held = _KWARGS.get(id(launch))
+    if held is None or held[0] is not launch:
+        if len(_KWARGS) > 1024:
+            _KWARGS.clear()
+        held = _KWARGS[id(launch)] = (launch, dict(launch.constants))
+    return held[1]
 
 
 def _launch(dst: AffineTensor, x: torch.Tensor, scalar, per_row, interpret: bool, paging: tuple | None = None,

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 
 import torch
 
@@ -34,7 +35,9 @@ from ..merge import merge_parts
 from ..plan import plan_of
 from ..spec import AttentionSpec
 from ..validate import check_sm_scale
-from .append import append_quantized, check_finite, safe_abs_limit
+from ..backends.runtime.fast_launch import Bindings
+from .append import (OFFSET_ARG, append_arguments, append_quantized, check_finite, plan_append, resolve_target,
+                     run_append, safe_abs_limit)
 
 MODEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -140,6 +143,13 @@ class QuantizedKVCache:
         # kernel's workspace between calls
         self._lens: dict = {}
         self._scratch = {"body": Scratch(), "plain": Scratch()}
+        # the body's appends: the largest |value| below which no group can overflow its scale dtype (above
+        # it, the exact check of append_quantized), and the append kernel's launch per (operand, tokens)
+        self._safe_abs = {name: safe_abs_limit(enc.scale_dtype) for name in ("k", "v")
+                          if (enc := getattr(spec, name)) is not None}
+        self._append_mode = resolve_target(target, self.device) if target != "reference" else "reference"
+        self._append_launches: dict = {}
+        self._append_bindings = Bindings(64)   # the body writes' bound launches (the offset given per call)
         self.reset()
 
     def _allocate_body(self, enc):
@@ -210,7 +220,8 @@ class QuantizedKVCache:
                              f"but capacity={self.capacity}; build the cache with a larger capacity or reset() it")
         if tokens == 0:
             return
-        peaks = torch.stack([k_new.abs().amax(), v_new.abs().amax()]).tolist()  # one device sync for both
+        # max |x| of both (NaN where one holds a NaN, inf for an Inf) in one fused op and one device sync
+        peaks = torch.stack(torch._foreach_norm([k_new, v_new], math.inf)).tolist()
         for name, x, peak in (("k_new", k_new, peaks[0]), ("v_new", v_new, peaks[1])):
             if not math.isfinite(peak):
                 check_finite(x, name)  # raises, naming the first NaN/Inf
@@ -254,8 +265,35 @@ class QuantizedKVCache:
             body[:, :, self._body_len:self._body_len + n] = src
             return
         # exact overflow check only when some value could overflow the scale dtype (rare)
-        check = self._max_abs > safe_abs_limit(enc.scale_dtype)
-        append_quantized(body, src, self._body_len, target=self.target, check=check)
+        if self._append_mode == "reference" or self._max_abs > self._safe_abs[name]:
+            append_quantized(body, src, self._body_len, target=self.target, check=self._max_abs > self._safe_abs[name])
+            return
+        # the cache's own storage and checked tokens: the kernel's launch, without append_quantized's checks
+        if src.stride(-1) != 1:
+            src = src.contiguous()
+        key = (name, n, src.dtype)
+        launch = self._append_launches.get(key)
+        if launch is None:
+            if len(self._append_launches) >= 64:   # a prefill's flushes come in many sizes
+                self._append_launches.clear()
+            launch = self._append_launches[key] = plan_append(
+                enc, body.shape[1], body.shape[3], src.shape[0], n, src.dtype == torch.bfloat16, False, 0, False,
+                self._append_mode == "interpret")
+        if self._append_mode != "native" or os.environ.get("TRITON_INTERPRET"):
+            run_append(launch, body, src, self._body_len, None)
+            return
+        # a write seen before with these strides: the compiled kernel with the addresses and the offset alone
+        bkey = (name, n, src.dtype, src.stride())
+        state = self._append_bindings.get(bkey, launch)
+        if type(state) is tuple and state:
+            codes = body.codes.data_ptr()
+            if state[0]((src.data_ptr(), codes, body.scale.data_ptr(), body.zero.data_ptr(), codes, codes, codes,
+                         codes), (self._body_len,)):
+                return
+        kernel, args, kwargs = append_arguments(launch, body, src, self._body_len, None)
+        kernel[launch.grid](*args, **kwargs)
+        self._append_bindings.note(bkey, launch, state,
+                                   lambda: (kernel.bind(launch.grid, args, kwargs, dynamic=(OFFSET_ARG,)),))
 
     # ---- read ---------------------------------------------------------------------------------
 

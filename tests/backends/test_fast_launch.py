@@ -4,6 +4,7 @@ kernel exactly when triton would give the arguments the same specialisation. The
 tested on the H200 in test_gluon_gpu.py."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from foldc.backends.runtime import fast_launch
@@ -48,7 +49,7 @@ class _Compiled:
         self.launches.append(args)
 
 
-def _kernel_on_a_fake_gpu(monkeypatch):
+def _kernel_on_a_fake_gpu(monkeypatch, do_not_specialize=None):
     """A real JITFunction with triton's own binder (the generic backend's specialisation, which the
     CUDA backend keeps), whose ordinary launch path compiles nothing and returns a fresh _Compiled;
     no GPU, no driver."""
@@ -61,7 +62,7 @@ def _kernel_on_a_fake_gpu(monkeypatch):
     def kernel(X, Y, n, m, BLOCK: tl.constexpr, ASM: tl.constexpr):   # never compiled
         pass
 
-    jit = JITFunction(kernel)
+    jit = JITFunction(kernel, do_not_specialize=do_not_specialize)
     binder = create_function_from_signature(jit.signature, jit.params, BaseBackend)
     jit.device_caches = {0: ({}, {}, None, BaseBackend, binder)}
     ordinary = []
@@ -133,10 +134,10 @@ class _Launcher:
         self.wrapped.append(args)
 
 
-def _fast_with_launcher(monkeypatch):
+def _fast_with_launcher(monkeypatch, do_not_specialize=None):
     """(FastLaunch, its stand-in C launcher, the ordinary launches) on the stand-in GPU, where every
     compiled kernel's ``run`` is the one `_Launcher`."""
-    jit, ordinary = _kernel_on_a_fake_gpu(monkeypatch)
+    jit, ordinary = _kernel_on_a_fake_gpu(monkeypatch, do_not_specialize)
     launcher = _Launcher()
 
     class _WithLauncher(_Compiled):
@@ -273,3 +274,26 @@ def test_a_bound_launch_passes_new_addresses_and_refuses_what_it_was_not_bound_f
     monkeypatch.setattr(knobs.runtime, "debug", True)
     assert bound((16, 32)) is False
     assert len(launcher.direct) == launches and launcher.wrapped == []
+
+
+def test_a_bound_launch_takes_an_unspecialised_integer_per_call(monkeypatch):
+    """``bind(..., dynamic=(i,))`` for an integer the kernel does not specialise on: the bound launch takes
+    its value per call (the other integers stay as bound), refuses a value outside 32 bits, and a
+    specialised integer cannot be made dynamic."""
+    fast, launcher, ordinary = _fast_with_launcher(monkeypatch, do_not_specialize=["n"])
+    monkeypatch.setattr(fast_launch, "_RAW_STREAM", lambda device: 9)
+    monkeypatch.setattr(fast_launch, "_CURRENT_DEVICE", lambda: 0)
+    kwargs = dict(BLOCK=64, ASM="and.b32", num_warps=1)
+    buf = torch.zeros(64, dtype=torch.float16)
+    x, y = buf[:16], buf[16:32]
+    fast[(4,)](x, y, 32, 5, **kwargs)
+    with pytest.raises(ValueError, match="argument 3 cannot be given per call"):
+        fast.bind((4,), (x, y, 32, 5), kwargs, dynamic=(3,))   # m is specialised on
+    bound = fast.bind((4,), (x, y, 32, 5), kwargs, dynamic=(2,))
+    gen = torch.Generator().manual_seed(8)
+    for n in (int(v) for v in torch.randint(0, 1 << 30, (4,), generator=gen)):
+        assert bound((16, 32), (n,)) is True
+        assert launcher.direct[-1][-6:] == (16, 32, n, 5, 64, "and.b32")
+    launches = len(launcher.direct)
+    assert bound((16, 32), (1 << 31,)) is False and len(launcher.direct) == launches
+    assert len(ordinary) == 1

@@ -310,3 +310,57 @@ def test_layers_of_one_spec_share_one_compiled_attention_and_each_keeps_its_own_
         want = foldc.compile(foldc.AttentionSpec(4, 2, 32), "reference")(q, *cache.dequantized())
         assert torch.allclose(out.double(), want.double(), atol=1e-6)
     assert not torch.allclose(outs[0], outs[1])
+
+
+class _BoundStandIn:
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, addresses, values=()):
+        self.calls.append((tuple(addresses), tuple(values)))
+        return True
+
+
+class _KernelStandIn:
+    """Stands in for the append kernel's `FastLaunch`: records ordinary launches and binds."""
+
+    def __init__(self):
+        self.launches, self.binds = [], []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.launches.append(args)
+
+    def bind(self, grid, args, kwargs, dynamic=()):
+        self.binds.append((args, dynamic))
+        return _BoundStandIn()
+
+
+def test_body_writes_bind_their_launch_and_pass_the_offset_per_call(monkeypatch):
+    """A GPU cache's one-token body writes: the first launch of a (operand, tokens, strides) is keyed, the
+    second binds with the token offset given per call (do_not_specialize), later ones launch the bound
+    kernel with the tensors' addresses and that step's offset. Stand-in kernels; the GPU twin is
+    tests/serving/test_paged_gpu.py."""
+    from foldc.serving import append as append_module
+
+    kernels = {}
+    monkeypatch.setattr(append_module, "_fast", lambda name, interpret: kernels.setdefault(name, _KernelStandIn()))
+    spec = foldc.AttentionSpec(4, 2, 64, A(2, "token", 16), A(4, "token", 32))   # a body write every token
+    cache = QuantizedKVCache(spec, 2, 16, target="interpret")
+    cache._append_mode = "native"     # as on a GPU, with the launches recorded instead of run
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(5):
+        cache.append(*_tokens(cache, 1, gen))
+    assert set(kernels) == {"token"}
+    kernel = kernels["token"]
+    assert [args[append_module.OFFSET_ARG] for args in kernel.launches] == [0, 0, 1, 1]   # k and v, steps 0 and 1
+    assert len(kernel.binds) == 2 and all(dyn == (append_module.OFFSET_ARG,) for _, dyn in kernel.binds)
+    bound = cache._append_bindings.bound()
+    assert len(bound) == 2
+    for (b,), name in zip(bound, ("k", "v")):
+        body = cache._body[name]
+        codes = body.codes.data_ptr()
+        assert [values for _, values in b.calls] == [(2,), (3,), (4,)]
+        assert all(addresses[1:] == (codes, body.scale.data_ptr(), body.zero.data_ptr(), codes, codes, codes, codes)
+                   for addresses, _ in b.calls)
+    assert cache.body_tokens == 5

@@ -260,3 +260,54 @@ def test_register_operand_kernel_draws_paged_tiles_dynamically(name, spec, page_
         outs[dynamic] = wrapper.run(q, k_pages, v_pages)
     _check(spec, q, k_pages, v_pages, indptr, indices, lens, page_size, outs[True])
     assert rel_l2(outs[True], outs[False].double()) <= 1e-3
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_a_gpu_cache_rejects_nan_and_inf_in_either_operand_and_keeps_its_tokens(dtype, bad):
+    """The append's check of both operands at once (one fused max |x|, one sync) on the GPU: a NaN, +Inf or
+    -Inf anywhere in k or v is refused with the first index named, and the cache attends as before."""
+    spec = foldc.AttentionSpec(8, 2, 128, foldc.Affine(4, "token", 128), foldc.Affine(2, "token", 128))
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    cache = QuantizedKVCache(spec, 2, 64, device="cuda", dtype=dtype)
+    k, v = (torch.randn(2, 2, 20, 128, device="cuda", dtype=dtype, generator=gen) for _ in range(2))
+    cache.append(k, v)
+    q = torch.randn(2, 8, 128, device="cuda", dtype=dtype, generator=gen)
+    before = cache.attention(q)
+    for side in ("k_new", "v_new"):
+        k1, v1 = (torch.randn(2, 2, 3, 128, device="cuda", dtype=dtype, generator=gen) for _ in range(2))
+        (k1 if side == "k_new" else v1)[1, 0, 2, 77] = bad
+        with pytest.raises(foldc.InputError, match=rf"{side} holds NaN or Inf \(first at index \[1, 0, 2, 77\]\)"):
+            cache.append(k1, v1)
+    assert cache.num_tokens == 20 and torch.equal(cache.attention(q), before)
+
+
+@pytest.mark.parametrize("kv", [("token:4:128", "token:2:64"), ("token:2:32", "channel:2:16")])
+def test_one_token_appends_through_bound_launches_write_what_quantize_gives(kv):
+    """A decode loop's body writes: from the third write of one shape on, the append kernel is launched bound,
+    the token offset given per call (`FastLaunch.bind(dynamic=...)`). Every token's codes, scales and zeros
+    equal foldc.quantize of the same tokens, and the cache's attention stays within the bf16 bar."""
+    from foldc.encoding import parse_affine
+
+    k_enc, v_enc = (parse_affine(t) for t in kv)
+    spec = foldc.AttentionSpec(8, 2, 128, k_enc, v_enc)
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    cache = QuantizedKVCache(spec, 2, 128, device="cuda", dtype=torch.bfloat16)
+    ks, vs = [], []
+    for n in [16] + [1] * 64:
+        k, v = (torch.randn(2, 2, n, 128, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2))
+        cache.append(k, v)
+        ks.append(k)
+        vs.append(v)
+    assert cache._append_bindings.bound(), "no body write was bound"
+    assert cache.body_tokens == cache.num_tokens == 80
+    for name, x, enc, got in zip(("k", "v"), (torch.cat(ks, 2), torch.cat(vs, 2)), (k_enc, v_enc), cache.body()):
+        want = foldc.quantize(x, enc)
+        assert torch.equal(got.codes, want.codes) and torch.equal(got.scale, want.scale), name
+        assert torch.equal(got.zero, want.zero), name
+    q = torch.randn(2, 8, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+    k_body, v_body = cache.body()
+    seq = torch.full((2,), cache.num_tokens, dtype=torch.int32, device="cuda")
+    ref = foldc.attention_reference(q, k_body, v_body, seq_lens=seq)
+    bar = rel_l2(bf16_attention(q, k_body, v_body, 128 ** -0.5, seq), ref)
+    assert rel_l2(cache.attention(q), ref) <= 2 * bar + 1e-4

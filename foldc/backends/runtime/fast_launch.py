@@ -160,12 +160,20 @@ class FastLaunch:
                knobs.runtime.debug, knobs.compilation.instrumentation_mode)
         return key, layout, tensors, addresses
 
-    def bind(self, grid, args: tuple, kwargs: dict) -> "Bound | None":
+    def bind(self, grid, args: tuple, kwargs: dict, dynamic: tuple = ()) -> "Bound | None":
         """The `Bound` launch of ``args`` and ``kwargs`` over ``grid``, after `launch` ran them once (it
         compiles), or None where it cannot be bound: the tensors do not come first in the arguments,
-        a tensor is off the GPU or not 16-byte aligned, or the kernel takes triton's launch path."""
+        a tensor is off the GPU or not 16-byte aligned, or the kernel takes triton's launch path.
+        ``dynamic``: positions of integer arguments the `Bound` takes per call instead (each one the kernel
+        does not specialise on, ``do_not_specialize``; values within 32 bits, as at the bind)."""
         if not isinstance(self.kernel, JITFunction):
             return None
+        params = self.kernel.params
+        for i in dynamic:
+            if not (0 <= i < len(args) and type(args[i]) is int and -_I32 <= args[i] < _I32
+                    and params[i].do_not_specialize):
+                raise ValueError(f"argument {i} cannot be given per call: it must be a 32-bit int the kernel "
+                                 "does not specialise on (do_not_specialize)")
         prepared = self._prepare(args, kwargs)
         if prepared is None:
             return None
@@ -175,7 +183,10 @@ class FastLaunch:
                 or functools.reduce(operator.or_, addresses, 0) & 15):
             return None
         g = tuple(grid)
-        return Bound(ready, g + (1,) * (3 - len(g)), key[0], args[layout.count:] + ready.tail)
+        slots = tuple(i - layout.count for i in dynamic)
+        if any(s < 0 for s in slots):
+            return None
+        return Bound(ready, g + (1,) * (3 - len(g)), key[0], args[layout.count:] + ready.tail, slots)
 
     def _key(self, args: tuple, kwargs: dict):
         """The specialisation key of a launch with these arguments (None: the ordinary path)."""
@@ -228,27 +239,35 @@ class Bound:
     the launch must go through `FastLaunch` instead: an address not 16-byte aligned, another current
     device, a launch hook set, or triton's debug or instrumentation knob changed since the bind.
     The caller keys its `Bound` by what it fixed (the integers, the tensors' dtypes): a call with
-    other values needs another."""
+    other values needs another. ``slots``: positions (after the tensors) of integers given per call,
+    ``bound(addresses, values)`` (False for a value outside 32 bits)."""
 
-    __slots__ = ("grid", "device", "function", "head", "metadata", "rest", "direct", "knobs")
+    __slots__ = ("grid", "device", "function", "head", "metadata", "rest", "direct", "knobs", "slots")
 
-    def __init__(self, ready: _Ready, grid: tuple, device: int, rest: tuple):
+    def __init__(self, ready: _Ready, grid: tuple, device: int, rest: tuple, slots: tuple = ()):
         compiled = ready.compiled
-        self.grid, self.device, self.rest = grid, device, rest
+        self.grid, self.device, self.rest, self.slots = grid, device, rest, slots
         self.function, self.head, self.metadata, self.direct = (compiled.function, ready.head,
                                                                  compiled.packed_metadata, ready.direct)
         self.knobs = (knobs.runtime.debug, knobs.compilation.instrumentation_mode)
 
-    def __call__(self, addresses: tuple) -> bool:
+    def __call__(self, addresses: tuple, values: tuple = ()) -> bool:
         if functools.reduce(operator.or_, addresses) & 15 or _CURRENT_DEVICE() != self.device:
             return False
         runtime = knobs.runtime
         if (getattr(runtime.launch_enter_hook, "calls", True) or getattr(runtime.launch_exit_hook, "calls", True)
                 or (runtime.debug, knobs.compilation.instrumentation_mode) != self.knobs):
             return False
+        rest = self.rest
+        if self.slots:
+            rest = list(rest)
+            for slot, value in zip(self.slots, values, strict=True):
+                if not -_I32 <= value < _I32:
+                    return False
+                rest[slot] = value
         g = self.grid
         self.direct(g[0], g[1], g[2], _RAW_STREAM(self.device), self.function, *self.head, self.metadata,
-                    None, None, None, *addresses, *self.rest)
+                    None, None, None, *addresses, *rest)
         return True
 
 
