@@ -7,7 +7,8 @@ docs/perf.md's host-time section (H200), not a test.
 Each figure is the median host µs of one call on an idle GPU (`foldc.timing.host_us`: synchronised before
 each call, so a call that waits for the GPU is charged its wait), and "back to back" the µs per step of
 steps called with no sync between (what an eager model sees, the GPU's time included where it is longer).
-Shapes: one sequence, 16 query / 4 KV heads of 128 channels (a ~1B Llama), a cache of --tokens tokens.
+Shapes: one sequence, 16 query / 4 KV heads of 128 channels (a ~1B Llama), a cache of --tokens tokens
+(--sink and --window plain ones among them).
 """
 from __future__ import annotations
 
@@ -40,6 +41,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--kv", default="token:4:128")
     ap.add_argument("--tokens", type=int, default=8192)
+    ap.add_argument("--sink", type=int, default=0)
+    ap.add_argument("--window", type=int, default=0)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -56,7 +59,8 @@ def main() -> int:
     dev, dt = torch.device("cuda"), torch.bfloat16
     gen = torch.Generator(device="cuda").manual_seed(0)
     calls = 1200   # appends per measurement round; the cache is reset before it fills
-    cache = QuantizedKVCache(spec, 1, args.tokens + 4 * calls, device=dev, dtype=dt)
+    cache = QuantizedKVCache(spec, 1, args.tokens + 4 * calls, sink=args.sink, window=args.window, device=dev,
+                             dtype=dt)
     prefix = torch.randn(1, 4, args.tokens, 128, device=dev, dtype=dt, generator=gen)
     k1, v1 = (torch.randn(1, 4, 1, 128, device=dev, dtype=dt, generator=gen) for _ in range(2))
     q = torch.randn(1, 16, 128, device=dev, dtype=dt, generator=gen)
@@ -104,8 +108,8 @@ def main() -> int:
                                                                     calls=min(300, (cache.capacity - cache.num_tokens) // 4))
     for name, us in rows.items():
         print(f"{name:45} {us:8.1f} µs")
-    Path(args.out).write_text(json.dumps(dict(kv=args.kv, tokens=args.tokens, device=torch.cuda.get_device_name(),
-                                              host_us=rows), indent=1))
+    Path(args.out).write_text(json.dumps(dict(kv=args.kv, tokens=args.tokens, sink=args.sink, window=args.window,
+                                              device=torch.cuda.get_device_name(), host_us=rows), indent=1))
     return 0
 
 

@@ -182,6 +182,7 @@ class QuantizedKVCache:
         self._sink_len = 0
         self._body_len = 0
         self._recent_len = 0
+        self._ring_head = 0  # a ring window (`_ring`): the slot of its oldest token
         self._max_abs = 0.0  # largest |value| appended since reset (decides the overflow check)
 
     @property
@@ -226,6 +227,9 @@ class QuantizedKVCache:
             if not math.isfinite(peak):
                 check_finite(x, name)  # raises, naming the first NaN/Inf
         self._max_abs = max(self._max_abs, *peaks)
+        if self._ring:
+            self._append_ring(k_new, v_new, tokens)
+            return
 
         n_sink = min(tokens, self.sink - self._sink_len)
         rest = tokens - n_sink
@@ -257,6 +261,65 @@ class QuantizedKVCache:
         self._sink_len += n_sink
         self._body_len += flush
         self._recent_len = keep + rest - from_new
+
+    @property
+    def _ring(self) -> bool:
+        """Whether the recent window is a ring of ``window`` slots after the sink: with no channel-wise groups
+        (flushes of single tokens) the window is always full once it has filled, so its slots are one
+        contiguous prefix of the plain buffer with the sink, in some order (attention does not depend on the
+        order of the tokens it reads). A step then moves no kept token: the oldest leaves for the body and the
+        new one takes its slot."""
+        return self.unit == 1 and self.window > 0
+
+    def _ring_parts(self, buffer: torch.Tensor, first: int, count: int) -> list[torch.Tensor]:
+        """Views of ``count`` window tokens of ``buffer`` from logical index ``first`` (0: the oldest): one
+        run of slots, or two where they wrap."""
+        w, base = self.window, self.sink
+        start = (self._ring_head + first) % w
+        head = min(count, w - start)
+        parts = [buffer[:, :, base + start:base + start + head]]
+        if count > head:
+            parts.append(buffer[:, :, base:base + count - head])
+        return parts
+
+    def _append_ring(self, k_new: torch.Tensor, v_new: torch.Tensor, tokens: int) -> None:
+        """`append` (checked) with a ring window: sink first, the oldest window tokens (then the oldest new
+        ones) to the body, the newest ``window`` into the freed slots."""
+        n_sink = min(tokens, self.sink - self._sink_len)
+        rest = tokens - n_sink
+        count = self._recent_len
+        flush = max(0, count + rest - self.window)
+        from_recent = min(flush, count)
+        from_new = flush - from_recent
+        arrive = rest - from_new
+        for name, new in (("k", k_new), ("v", v_new)):
+            plain = self._plain[name]
+            if flush:   # writes past body_len only: invisible until the counters move
+                parts = self._ring_parts(plain, 0, from_recent) if from_recent else []
+                if from_new:
+                    parts.append(new[:, :, n_sink:n_sink + from_new] if n_sink or from_new < tokens else new)
+                self._write_body(name, parts[0] if len(parts) == 1 else torch.cat(parts, dim=2))
+            if n_sink:
+                plain[:, :, self._sink_len:self._sink_len + n_sink] = new[:, :, :n_sink]
+        self._ring_head = (self._ring_head + from_recent) % self.window
+        count -= from_recent
+        if arrive:
+            for name, new in (("k", k_new), ("v", v_new)):
+                at = n_sink + from_new
+                for part in self._ring_parts(self._plain[name], count, arrive):
+                    n = part.shape[2]
+                    part.copy_(new if n == tokens else new[:, :, at:at + n])
+                    at += n
+        self._sink_len += n_sink
+        self._body_len += flush
+        self._recent_len = count + arrive
+
+    def _recent(self, name: str) -> torch.Tensor:
+        """The window's tokens of operand ``name`` in token order (a ring's slots rotated)."""
+        plain = self._plain[name]
+        if not self._ring or self._ring_head == 0:
+            return plain[:, :, self.sink:self.sink + self._recent_len]
+        return torch.cat(self._ring_parts(plain, 0, self._recent_len), dim=2)
 
     def _write_body(self, name: str, src: torch.Tensor) -> None:
         body, enc = self._body[name], getattr(self.spec, name)
@@ -320,7 +383,7 @@ class QuantizedKVCache:
             plain = self._plain[name]
             body_f = body.dequantize(torch.float32) if isinstance(body, AffineTensor) else body.to(torch.float32)
             result.append(torch.cat([plain[:, :, :self._sink_len].to(torch.float32), body_f,
-                                     plain[:, :, self.sink:self.sink + self._recent_len].to(torch.float32)], dim=2))
+                                     self._recent(name).to(torch.float32)], dim=2))
         return result[0], result[1]
 
     def attention(self, q: torch.Tensor, sm_scale: float | None = None, return_lse: bool = False):

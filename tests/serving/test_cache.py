@@ -124,6 +124,31 @@ def test_decode_steps_cross_every_boundary():
     track.check_attention(gen)
 
 
+def test_a_token_wise_window_is_a_ring_whose_slots_are_never_moved():
+    """Without channel-wise groups the window is a ring: each step's oldest token leaves for the body and the
+    new one takes its slot, so the slots rotate; every step (and a multi-token append that wraps) still
+    caches exactly the tokens in order, and attention reads the ring as it lies."""
+    gen = torch.Generator().manual_seed(12)
+    spec = foldc.AttentionSpec(4, 2, 64, A(2, "token", 16), A(4, "token", 32))
+    cache = QuantizedKVCache(spec, 2, 80, sink=2, window=7, target="interpret")
+    assert cache._ring
+    track = Tracker(cache)
+    track.append(*_tokens(cache, 5, gen))
+    heads, total = set(), 5
+    for n in [1] * 12 + [10, 3, 1, 1, 9]:
+        track.append(*_tokens(cache, n, gen))
+        total += n
+        track.check()
+        heads.add(cache._ring_head)
+        assert cache.window_tokens == min(7, total - 2)
+    assert len(heads) > 3   # the ring turned
+    ring_slots = cache._plain["k"][:, :, 2:9].clone()
+    track.append(*_tokens(cache, 1, gen))
+    moved = (cache._plain["k"][:, :, 2:9] != ring_slots).any(dim=(0, 1, 3))
+    assert int(moved.sum()) == 1   # one slot took the new token; the six kept ones stayed where they were
+    track.check_attention(gen)
+
+
 def test_a_prompt_shorter_than_a_group_stays_plain_until_the_group_fills():
     gen = torch.Generator().manual_seed(8)
     cache = QuantizedKVCache(SPECS["K channel2 / V token2"], 1, 100, target="interpret")  # channel groups of 32
