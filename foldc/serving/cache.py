@@ -32,6 +32,7 @@ from ..targets import detect_target
 from ..encoding import AffineTensor, scale_shape
 from ..errors import InputError, InputTypeError, SpecError
 from ..merge import merge_parts
+from .part_merge import merge_two_parts
 from ..plan import plan_of
 from ..spec import AttentionSpec
 from ..validate import check_sm_scale
@@ -426,9 +427,12 @@ class QuantizedKVCache:
             parts.append(part("body", self._body_attention, self._body["k"], self._body["v"], self._body_len))
         if plain_len:  # sink and recent are one contiguous prefix of the plain buffer
             parts.append(part("plain", self._plain_attention, self._plain["k"], self._plain["v"], plain_len))
-        out, lse = parts[0] if len(parts) == 1 else merge_parts(parts)
-        if wide:
-            out = out.to(q.dtype)
+        if len(parts) == 1:
+            out, lse = parts[0]
+        elif self.target == "reference":   # float64 parts, a float64 result
+            out, lse = merge_parts(parts)
+        else:   # one launch: eq. 14 over the two parts, written in q's dtype
+            out, lse = merge_two_parts(parts[0], parts[1], q.dtype)
         return (out, lse) if return_lse else out
 
     def __repr__(self) -> str:

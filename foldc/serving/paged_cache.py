@@ -29,7 +29,7 @@ import torch
 from ..compile import compile as compile_attention
 from ..encoding import AffineTensor
 from ..errors import InputError, InputTypeError, SpecError
-from ..merge import merge_parts
+from .part_merge import merge_two_parts
 from ..plan import plan_of
 from ..reference import attention_reference
 from ..spec import AttentionSpec
@@ -337,8 +337,7 @@ class PagedKVCache:
         out = torch.empty(want, dtype=torch.float32, device=q.device)
         lse = torch.empty(want[:2], dtype=torch.float32, device=q.device)
         launch_plain(self._plain_attn, q, st["k"], st["v"], st["plain"], scale, out, lse)
-        merged, _ = merge_parts([body, (out, lse)])
-        return merged.to(q.dtype)
+        return merge_two_parts(body, (out, lse), q.dtype)[0]   # one launch: eq. 14, written in q's dtype
 
     def dequantized(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
         """(k, v, lengths): every token of ``layer`` as float32 ``[batch, kv_heads, max_tokens, head_dim]``
