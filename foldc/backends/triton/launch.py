@@ -9,6 +9,7 @@ head_dim]`` in the query's dtype.
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 
@@ -206,9 +207,14 @@ class TritonAttention:
         if paged is not None:
             runtime.update(KV_INDPTR=paged[0], KV_INDICES=paged[1], cache_tokens=launch.cache_tokens)
             extra["PAGE_SIZE"] = launch.page
-        with interpreter(self.interpret):
-            self._launch(module, [runtime[a] for a in ks.args], launch.batch, launch.head_programs, launch.splits,
-                         geo, *ws, out, lse, launch.options, **extra)
+        args = [runtime[a] for a in ks.args]
+        if self.interpret or os.environ.get("TRITON_INTERPRET"):
+            with interpreter(self.interpret):
+                self._launch(module, args, launch.batch, launch.head_programs, launch.splits, geo, *ws, out, lse,
+                             launch.options, **extra)
+        else:   # native mode already: no switch (an eager call's host path)
+            self._launch(module, args, launch.batch, launch.head_programs, launch.splits, geo, *ws, out, lse,
+                         launch.options, **extra)
 
     def _launch(self, module, args, b, hkv, splits, geo, ws_m, ws_l, ws_acc, out, lse, cfg, **paged) -> None:
         decode, merge = self._fast_kernels(module)
