@@ -15,26 +15,10 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
-
-
-def back_to_back_us(step, calls: int = 300) -> float:
-    for _ in range(10):
-        step()
-    took = []
-    for _ in range(3):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(calls):
-            step()
-        torch.cuda.synchronize()
-        took.append((time.perf_counter() - start) / calls * 1e6)
-    return statistics.median(took)
 
 
 def main() -> int:
@@ -52,7 +36,7 @@ def main() -> int:
     from foldc.encoding import parse_affine
     from foldc.serving.append import append_quantized
     from foldc.serving.cache import QuantizedKVCache, check_new_tokens
-    from foldc.timing import host_us
+    from foldc.timing import back_to_back_us, host_us
 
     enc = parse_affine(args.kv)
     spec = foldc.AttentionSpec(16, 4, 128, enc, enc)

@@ -20,26 +20,8 @@ import torch
 
 import foldc
 from foldc.bench import decode_case, gluon_call_parts
-from foldc.timing import host_us
+from foldc.timing import back_to_back_us, host_us
 from foldc.validate import check_call, output_buffer
-
-
-def back_to_back_us(fn, calls: int = 500) -> float:
-    """Microseconds per call of ``fn`` called ``calls`` times with no sync between (median of 5)."""
-    import statistics
-    import time
-
-    for _ in range(20):
-        fn()
-    took = []
-    for _ in range(5):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-        took.append((time.perf_counter() - start) / calls * 1e6)
-    return statistics.median(took)
 
 
 def main() -> int:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -22,7 +21,7 @@ import triton.language as tl
 import foldc
 from foldc.backends.runtime.merge import launch_merge
 from foldc.bench import decode_case, gluon_call_parts
-from foldc.timing import capture_graph, host_us
+from foldc.timing import back_to_back_us, capture_graph, host_us
 
 
 @triton.jit
@@ -43,18 +42,6 @@ def eager_us(fn) -> float:
 
     fn()
     return do_bench(fn, warmup=50, rep=200, return_mode="median") * 1e3
-
-
-def back_to_back_us(fn, calls: int = 300) -> float:
-    """Microseconds per call over ``calls`` calls issued without waiting: the slower of the host's
-    launch path and the GPU's time per call (no L2 flush between calls)."""
-    fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / calls * 1e6
 
 
 def profile(fn, calls: int = 200, top: int = 14) -> str:

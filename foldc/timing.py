@@ -37,6 +37,26 @@ def host_us(fn, calls: int = 200) -> float:
     return statistics.median(took) * 1e6
 
 
+def back_to_back_us(fn, calls: int = 300, warmup: int = 10, repeats: int = 5) -> float:
+    """Median over ``repeats`` bursts of the µs per call of ``calls`` calls of ``fn`` issued without waiting
+    (the GPU synchronised before and after each burst): the slower of the host's launch path and the
+    GPU's time per call, what an eager loop sees (no L2 flush between calls)."""
+    import statistics
+    import time
+
+    for _ in range(warmup):
+        fn()
+    took = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+        took.append((time.perf_counter() - start) / calls * 1e6)
+    return statistics.median(took)
+
+
 def graph_us(fn) -> float:
     """Median microseconds of ``fn`` replayed from a CUDA graph, L2 flushed between replays (triton's
     ``do_bench``): the GPU time of one decode step as a serving engine runs it."""
