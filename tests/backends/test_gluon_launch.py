@@ -303,3 +303,48 @@ def test_eager_launches_are_noted_then_bound_then_launched_by_address(monkeypatc
         call(scale, tokens)
         assert len(decode.bound) == 1   # noted, not yet bound
     assert (len(decode.launches), len(merge.launches)) == (5, 6)
+
+
+def test_the_generated_kernels_eager_launches_are_bound_too(monkeypatch):
+    """`TritonAttention.run` (the generated kernel: plain parts of the caches, fp16 queries) on stand-in
+    kernels: its tensors come first in the generated signature; the second call with a launch's integers
+    binds decode and merge, later ones pass the tensors' addresses (in the signature's order) and nothing
+    else; another softmax scale is another launch; the interpreter and page tables never bind."""
+    from foldc.backends.runtime.launch import allocate_workspace
+    from foldc.registry import attention_backend
+
+    for spec in (foldc.AttentionSpec(8, 2, 64), _spec(2)):
+        attn = attention_backend("triton").kernel(spec, "sm_90")
+        decode, merge = LaunchRecorder(), LaunchRecorder()
+        monkeypatch.setattr(attn, "_fast_kernels", lambda module: (decode, merge))
+        gen = torch.Generator().manual_seed(4)
+        q, k, v, lens = foldc.testing.random_inputs(spec, 2, 96, torch.float16, "cpu", gen)
+        lens = lens.to(torch.int32)
+        launch = attn.plan_launch(torch.float16, 2, 96, torch.device("cpu"))
+        ws = allocate_workspace(launch, "cpu")
+        out, lse = torch.empty(2, spec.num_q_heads, spec.head_dim, dtype=q.dtype), torch.empty(2, spec.num_q_heads)
+        _, ks, _, _ = attn.kernels("fp16", launch.block_n)
+        names = [a for a in ks.args if a.isupper()]
+        assert ks.args[:len(names)] == names   # the tensors first
+
+        def call(scale=0.1):
+            attn.run(launch, q, k, v, out, lse, scale, seq_lens=lens, workspace=ws)
+
+        for _ in range(5):
+            call()
+        assert (len(decode.launches), len(merge.launches), len(decode.bound), len(merge.bound)) == (2, 2, 1, 1)
+        tensors = {"SEQ_LENS": lens, "WS_M": ws[0], "WS_L": ws[1], "WS_ACC": ws[2], "Q": q}
+        for side, x in (("K", k), ("V", v)):
+            tensors.update({f"{side}_CODES": x.codes, f"{side}_SCALE": x.scale, f"{side}_ZERO": x.zero}
+                           if isinstance(x, foldc.AffineTensor) else {f"{side}_VALUES": x})
+        assert decode.bound[0].calls == [tuple(tensors[a].data_ptr() for a in names)] * 3
+        assert merge.bound[0].calls == [(*(t.data_ptr() for t in ws), out.data_ptr(), lse.data_ptr())] * 3
+        assert decode.launches[0][1] == decode.launches[1][1]   # the ordinary launches' arguments
+        call(0.2)
+        assert (len(decode.launches), len(decode.bound)) == (3, 1)
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        monkeypatch.setattr("foldc.backends.triton.launch.interpreter", lambda on: __import__("contextlib").nullcontext())
+        for _ in range(3):
+            call(0.3)
+        monkeypatch.delenv("TRITON_INTERPRET")
+        assert (len(decode.launches), len(decode.bound)) == (6, 1)

@@ -17,7 +17,7 @@ from ...errors import InputError, SpecError
 from ...options import check_launch_options, check_splits
 from ...validate import check_call, output_buffer
 from ..runtime.fast_launch import Bindings, FastLaunch
-from ..runtime.launch import Launch, Scratch, allocate_workspace, capturing, split_partition
+from ..runtime.launch import Launch, Scratch, allocate_workspace, capturing, side_key, split_partition
 from ..runtime.merge import MERGE_SOURCE, launch_merge, merge_arguments
 from ..runtime.modules import load_module, num_sms
 from .lower import FP16_REASON, HALF_TILE_GROUP, FoldKernel, gluon_plan, lower
@@ -455,7 +455,7 @@ class GluonAttention:
         now_capturing = capturing(q)
         bindable = paged is None and not now_capturing and not _dynamic(launch)
         if bindable:   # later calls with one launch's integers, strides and dtypes: its bound kernels
-            key = (id(launch), q.shape[0], q.stride(), _side_key(k), _side_key(v), out.stride(), out.dtype,
+            key = (id(launch), q.shape[0], q.stride(), side_key(k), side_key(v), out.stride(), out.dtype,
                    None if lens is None else lens.dtype, sm_scale, per_split, splits, cache_tokens)
             state = self._bindings.get(key, launch)
             if type(state) is tuple and state and state[0](_decode_addresses(q, k, v, lens, ws)):
@@ -499,15 +499,6 @@ class GluonAttention:
             kwargs = launch[key] = dict(HAS_LENS=lens is not None, PAGE=page, **launch["constexprs"], num_warps=1,
                                         **extra)
         return args, kwargs
-
-
-def _side_key(x) -> tuple:
-    """What a decode kernel's specialisation and integer arguments take from one side of the cache:
-    its tensors' dtypes and strides."""
-    if isinstance(x, torch.Tensor):
-        return x.dtype, x.stride()
-    codes, scale = x.codes, x.scale
-    return codes.dtype, codes.stride(), scale.dtype, scale.stride(), x.zero.dtype
 
 
 def _decode_addresses(q, k, v, lens, ws) -> tuple:

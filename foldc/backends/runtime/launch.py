@@ -67,6 +67,15 @@ def workspace_fits(workspace, launch: Launch) -> bool:
     return workspace is not None and tuple(tuple(t.shape) for t in workspace) == launch.workspace_shapes
 
 
+def side_key(x) -> tuple:
+    """What a decode kernel's specialisation and integer arguments take from one side of the cache (a
+    plain tensor or an AffineTensor): its tensors' dtypes and strides (a bound launch's key)."""
+    if isinstance(x, torch.Tensor):
+        return x.dtype, x.stride()
+    codes, scale = x.codes, x.scale
+    return codes.dtype, codes.stride(), scale.dtype, scale.stride(), x.zero.dtype
+
+
 def capturing(tensor: torch.Tensor) -> bool:
     """Whether ``tensor``'s device's current stream is capturing a CUDA graph (False off the GPU):
     torch.cuda.is_current_stream_capturing() without the wrapper's Python frames (a tensor on the GPU means

@@ -558,6 +558,9 @@ def generate(plan, geo: TileGeometry, dtype: str, fast: bool = False,
         encs = {n.name: n.encoding for n in plan.graph.nodes_of(Input)}
         tile_bases = tile_base_lines({name: (kind, encs[name]) for name, kind in inputs.items()})
         bases, args = hoisted_lines(), args + list(PAGED_ARGS)
+    # the tensors first (upper-case names), then the integers and strides: a bound launch passes the tensors
+    # as addresses (foldc/backends/runtime/fast_launch.py)
+    args = [a for a in args if a.isupper()] + [a for a in args if not a.isupper()]
     ind = " " * 4
     tile = [
         *em.key,

@@ -19,9 +19,9 @@ from ...options import check_launch_options
 from ...plan import Plan, plan
 from ...precision import code_bias_allowed, key_reduction_group
 from ...validate import check_call, output_buffer
-from ..runtime.launch import Launch, allocate_workspace, split_partition
-from ..runtime.fast_launch import FastLaunch
-from ..runtime.merge import MERGE_SOURCE, launch_merge
+from ..runtime.launch import Launch, allocate_workspace, capturing, side_key, split_partition
+from ..runtime.fast_launch import Bindings, FastLaunch
+from ..runtime.merge import MERGE_SOURCE, launch_merge, merge_arguments
 from ..runtime.modules import interpreter
 from ..runtime.modules import load_module, num_sms
 from .codegen import MAGIC, KernelSource, generate, magic_ok
@@ -60,6 +60,21 @@ def choose_splits(batch: int, kv_heads: int, tokens: int, block_n: int, sms: int
     splits = max(1, min(want, tiles, 128))
     per_split = math.ceil(tiles / splits) * block_n
     return math.ceil(tokens / per_split), per_split
+
+
+_DATA_PTR = torch.Tensor.data_ptr
+
+
+def _pointer_addresses(names, q, k, v, lens, workspace) -> tuple:
+    """The addresses of a generated decode kernel's tensor arguments, which come first in ``names`` (its
+    arguments in order; codegen puts the upper-case tensor names first), for a bound launch."""
+    tensors = {"SEQ_LENS": lens, "WS_M": workspace[0], "WS_L": workspace[1], "WS_ACC": workspace[2], "Q": q}
+    for name, x in (("K", k), ("V", v)):
+        if isinstance(x, AffineTensor):
+            tensors.update({f"{name}_CODES": x.codes, f"{name}_SCALE": x.scale, f"{name}_ZERO": x.zero})
+        else:
+            tensors[f"{name}_VALUES"] = x
+    return tuple(tensors[a].data_ptr() for a in names if a.isupper())
 
 
 def runtime_arguments(q, k, v, lens, workspace, sm_scale: float, per_split: int, splits: int) -> dict:
@@ -103,6 +118,8 @@ class TritonAttention:
         self._kernels: dict[tuple, tuple] = {}
         self._configs: dict[tuple, dict] = {}
         self._launches: dict[tuple, Launch] = {}   # plan_launch()'s memo
+        self._kwargs: dict[tuple, dict] = {}       # the decode launch's keyword arguments, one dict per options
+        self._bindings = Bindings()                # run's bound launches (decode, merge)
 
     def kernels(self, dtype: str, block_n: int | None = None, paged: bool = False):
         block_n = block_n or self.explicit.get("block_n", self.DEFAULTS["block_n"])
@@ -202,6 +219,15 @@ class TritonAttention:
         page pools (foldc/serving/paged.py)."""
         module, ks, geo, _ = self.kernels(DTYPES[q.dtype], launch.block_n, paged=launch.page > 0)
         ws = workspace if workspace is not None else allocate_workspace(launch, q.device)
+        bindable = paged is None and not self.interpret and not capturing(q) and not os.environ.get("TRITON_INTERPRET")
+        if bindable:   # later calls with one launch's integers, strides and dtypes: its bound kernels
+            key = (id(launch), q.stride(), side_key(k), side_key(v), out.stride(), out.dtype, seq_lens.dtype,
+                   sm_scale, k.shape[2])
+            state = self._bindings.get(key, launch)
+            if type(state) is tuple and state and state[0](_pointer_addresses(ks.args, q, k, v, seq_lens, ws)):
+                if not state[1]((*map(_DATA_PTR, ws), out.data_ptr(), lse.data_ptr())):
+                    launch_merge(self._fast_kernels(module)[1], *ws, out, lse, self.spec.q_per_kv)
+                return
         runtime = runtime_arguments(q, k, v, seq_lens, ws, sm_scale, launch.per_split, launch.splits)
         extra = {}
         if paged is not None:
@@ -215,13 +241,30 @@ class TritonAttention:
         else:   # native mode already: no switch (an eager call's host path)
             self._launch(module, args, launch.batch, launch.head_programs, launch.splits, geo, *ws, out, lse,
                          launch.options, **extra)
+            if bindable:
+                decode, merge = self._fast_kernels(module)
+                grid = (launch.batch, launch.head_programs, launch.splits)
+                kwargs = self._decode_keywords(geo, launch.head_programs, launch.options)
+                merge_grid, merge_args, merge_kwargs = merge_arguments(*ws, out, lse, self.spec.q_per_kv)
+                self._bindings.note(key, launch, state, lambda: (decode.bind(grid, tuple(args), kwargs),
+                                                                  merge.bind(merge_grid, merge_args, merge_kwargs)))
 
     def _launch(self, module, args, b, hkv, splits, geo, ws_m, ws_l, ws_acc, out, lse, cfg, **paged) -> None:
         decode, merge = self._fast_kernels(module)
-        decode[(b, hkv, splits)](
-            *args, Q_PER_KV=self.spec.q_per_kv, ROWS=geo.rows, BLOCK_N=geo.block_n, HEAD_DIM=self.spec.head_dim,
-            NUM_KV_HEADS=hkv, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **paged)
+        kwargs = self._decode_keywords(geo, hkv, cfg)
+        decode[(b, hkv, splits)](*args, **kwargs, **paged)
         launch_merge(merge, ws_m, ws_l, ws_acc, out, lse, self.spec.q_per_kv)
+
+    def _decode_keywords(self, geo, hkv: int, cfg) -> dict:
+        """The decode launch's constexprs and options, one dict object per (tiles, heads, options) (`FastLaunch`
+        reads a dict it saw once only once)."""
+        key = (geo.rows, geo.block_n, hkv, cfg["num_warps"], cfg["num_stages"])
+        kwargs = self._kwargs.get(key)
+        if kwargs is None:
+            kwargs = self._kwargs[key] = dict(Q_PER_KV=self.spec.q_per_kv, ROWS=geo.rows, BLOCK_N=geo.block_n,
+                                              HEAD_DIM=self.spec.head_dim, NUM_KV_HEADS=hkv,
+                                              num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        return kwargs
 
     def _fast_kernels(self, module) -> tuple:
         """``module``'s decode and merge kernels behind `FastLaunch` (repeat launches skip triton's
