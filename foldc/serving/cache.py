@@ -25,6 +25,7 @@ import os
 
 import torch
 
+from ..backends.runtime.fast_launch import Bindings
 from ..backends.runtime.launch import Scratch
 from ..compile import TARGETS as COMPILE_TARGETS
 from ..compile import compile as compile_attention
@@ -32,13 +33,12 @@ from ..targets import detect_target
 from ..encoding import AffineTensor, scale_shape
 from ..errors import InputError, InputTypeError, SpecError
 from ..merge import merge_parts
-from .part_merge import merge_two_parts
 from ..plan import plan_of
 from ..spec import AttentionSpec
 from ..validate import check_sm_scale
-from ..backends.runtime.fast_launch import Bindings
 from .append import (OFFSET_ARG, append_arguments, append_quantized, check_finite, plan_append, resolve_target,
                      run_append, safe_abs_limit)
+from .part_merge import merge_two_parts
 
 MODEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
