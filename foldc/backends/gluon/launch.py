@@ -18,7 +18,7 @@ from ...options import check_launch_options, check_splits
 from ...validate import check_call, output_buffer
 from ..runtime.fast_launch import Bindings, FastLaunch
 from ..runtime.launch import Launch, Scratch, allocate_workspace, capturing, side_key, split_partition
-from ..runtime.merge import MERGE_SOURCE, launch_merge, merge_arguments
+from ..runtime.merge import MERGE_SOURCE, merge_arguments, run_bound
 from ..runtime.modules import load_module, num_sms
 from .lower import FP16_REASON, HALF_TILE_GROUP, FoldKernel, gluon_plan, lower
 from .warpgroup_launch import WarpgroupLaunch, warpgroup_applies
@@ -458,9 +458,8 @@ class GluonAttention:
             key = (id(launch), q.shape[0], q.stride(), side_key(k), side_key(v), out.stride(), out.dtype,
                    None if lens is None else lens.dtype, sm_scale, per_split, splits, cache_tokens)
             state = self._bindings.get(key, launch)
-            if type(state) is tuple and state and state[0](_decode_addresses(q, k, v, lens, ws)):
-                if not state[1]((*map(_DATA_PTR, ws), out.data_ptr(), lse.data_ptr())):
-                    launch_merge(merge, *ws, out, lse, self.config.q_per_kv * launch["heads"])
+            if type(state) is tuple and run_bound(state, _decode_addresses(q, k, v, lens, ws), merge, ws, out, lse,
+                                                  self.config.q_per_kv * launch["heads"]):
                 return
         counters = None
         if _dynamic(launch):   # one tile counter per (batch, head group), zeroed each call

@@ -15,7 +15,7 @@ from ...errors import SpecError
 from ...plan import Plan, plan
 from ..runtime.fast_launch import Bindings, FastLaunch
 from ..runtime.launch import Launch, capturing, split_partition
-from ..runtime.merge import launch_merge, merge_arguments
+from ..runtime.merge import merge_arguments, run_bound
 from ..runtime.modules import num_sms
 from .lower import KEY_BIAS, VALUE_BIAS, NotLowerable, lower
 
@@ -109,12 +109,10 @@ class WarpgroupLaunch:
             key = (id(launch), q.stride(), k.codes.stride(), k.scale.stride(), v.codes.stride(), v.scale.stride(),
                    out.stride(), out.dtype, None if lens is None else lens.dtype, sm_scale)
             state = self._bindings.get(key, launch)
-            if type(state) is tuple and state and state[0]((
+            if type(state) is tuple and run_bound(state, (
                     q.data_ptr(), k.codes.data_ptr(), k.scale.data_ptr(), k.zero.data_ptr(), v.codes.data_ptr(),
                     v.scale.data_ptr(), v.zero.data_ptr(), (q if lens is None else lens).data_ptr(),
-                    *map(_DATA_PTR, workspace))):
-                if not state[1]((*map(_DATA_PTR, workspace), out.data_ptr(), lse.data_ptr())):
-                    launch_merge(merge, *workspace, out, lse, self.rows)
+                    *map(_DATA_PTR, workspace)), merge, workspace, out, lse, self.rows):
                 return
         kc, vc = k.codes.view(torch.int32), v.codes.view(torch.int32)
         args = (q, kc, k.scale, k.zero, vc, v.scale, v.zero, q if lens is None else lens, *workspace, q.stride(0),

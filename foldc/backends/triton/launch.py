@@ -21,7 +21,7 @@ from ...precision import code_bias_allowed, key_reduction_group
 from ...validate import check_call, output_buffer
 from ..runtime.launch import Launch, allocate_workspace, capturing, side_key, split_partition
 from ..runtime.fast_launch import Bindings, FastLaunch
-from ..runtime.merge import MERGE_SOURCE, launch_merge, merge_arguments
+from ..runtime.merge import MERGE_SOURCE, launch_merge, merge_arguments, run_bound
 from ..runtime.modules import interpreter
 from ..runtime.modules import load_module, num_sms
 from .codegen import MAGIC, KernelSource, generate, magic_ok
@@ -224,9 +224,8 @@ class TritonAttention:
             key = (id(launch), q.stride(), side_key(k), side_key(v), out.stride(), out.dtype, seq_lens.dtype,
                    sm_scale, k.shape[2])
             state = self._bindings.get(key, launch)
-            if type(state) is tuple and state and state[0](_pointer_addresses(ks.args, q, k, v, seq_lens, ws)):
-                if not state[1]((*map(_DATA_PTR, ws), out.data_ptr(), lse.data_ptr())):
-                    launch_merge(self._fast_kernels(module)[1], *ws, out, lse, self.spec.q_per_kv)
+            if type(state) is tuple and run_bound(state, _pointer_addresses(ks.args, q, k, v, seq_lens, ws),
+                                                  self._fast_kernels(module)[1], ws, out, lse, self.spec.q_per_kv):
                 return
         runtime = runtime_arguments(q, k, v, seq_lens, ws, sm_scale, launch.per_split, launch.splits)
         extra = {}
