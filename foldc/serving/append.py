@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 import triton.language as tl
 
-from ..backends.runtime.fast_launch import FastLaunch
+from ..backends.runtime.fast_launch import FastLaunch, keywords
 from ..decisions import GroupAxis, token_group
 from ..encoding import AffineTensor
 from ..errors import InputError, InputTypeError, SpecError
@@ -499,7 +499,7 @@ def append_arguments(launch: AppendLaunch, dst: AffineTensor, x: torch.Tensor, s
             sx[0], sx[1], sx[2], sc[0], sc[1], sc[2], ss[0], ss[1], ss[2], sz[0], sz[1], sz[2],
             0 if scalar is None else scalar)
     args += (x.shape[2], dst.shape[1], dst.num_tokens) if launch.kernel == "token" else (dst.shape[1], dst.num_tokens)
-    return _fast(launch.kernel, launch.interpret), args, _kwargs(launch)
+    return _fast(launch.kernel, launch.interpret), args, keywords(launch)
 
 
 def run_append(launch: AppendLaunch, dst: AffineTensor, x: torch.Tensor, scalar, per_row,
@@ -521,20 +521,6 @@ def run_append(launch: AppendLaunch, dst: AffineTensor, x: torch.Tensor, scalar,
 def _fast(name: str, interpret: bool):
     """The append kernel ``name`` behind `FastLaunch` (repeat launches skip triton's binder)."""
     return FastLaunch(_kernel(name, interpret))
-
-
-_KWARGS: dict[int, tuple] = {}   # id(launch) -> (launch, its constexprs as one dict)
-
-
-def _kwargs(launch: AppendLaunch) -> dict:
-    """A launch's constexprs as one dict object per launch (`FastLaunch` reads a dict it saw once only once),
-    found by the launch's identity (hashing one walks its constants)."""
-    held = _KWARGS.get(id(launch))
-    if held is None or held[0] is not launch:
-        if len(_KWARGS) > 1024:
-            _KWARGS.clear()
-        held = _KWARGS[id(launch)] = (launch, dict(launch.constants))
-    return held[1]
 
 
 def _launch(dst: AffineTensor, x: torch.Tensor, scalar, per_row, interpret: bool, paging: tuple | None = None,

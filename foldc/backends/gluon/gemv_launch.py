@@ -19,7 +19,7 @@ from ...errors import InputError, InputTypeError, SpecError
 from ...gemm.plan import GemmPlan, gemm_plan
 from ...gemm.spec import GemmSpec
 from ...validate import check_no_overlap
-from ..runtime.fast_launch import Bindings, FastLaunch
+from ..runtime.fast_launch import Bindings, FastLaunch, keywords
 from ..runtime.modules import num_sms
 from .gemv_lower import GemvKernel, NotLowerable, lower_gemv, weight_code_bias
 from .operands import VALUE_EXPONENT, biased_key_unpack_asm, key_unpack_asm, natural_key_unpack_asm
@@ -119,7 +119,6 @@ class GluonGemv:
         self._lowers: dict[tuple, tuple[bool, str]] = {}
         self._launches: dict[tuple, GemvLaunch] = {}
         self._buffers: dict[tuple, tuple] = {}
-        self._kwargs: dict[int, tuple] = {}   # id(launch) -> (launch, its keywords)
         self._bindings = Bindings()   # run_rows' bound launches
         self._kernel = None
 
@@ -316,17 +315,10 @@ class GluonGemv:
             return
         args = (x, codes.view(torch.int32), scale, zero, out, part, counters, launch.m, self.spec.n, x.stride(0),
                 codes.stride(0) // 4, scale.stride(0), out.stride(0), launch.chunks_per_split)
-        kwargs = self._keywords(launch)
+        kwargs = keywords(launch)
         self._kernel[launch.grid](*args, **kwargs)
         self._bindings.note(key, launch, state, lambda: (self._kernel.bind(launch.grid, args, kwargs),))
 
-    def _keywords(self, launch: GemvLaunch) -> dict:
-        """The launch's constexprs and options as one dict object per launch: `FastLaunch` recognises a dict it
-        saw before without reading it again."""
-        held = self._kwargs.get(id(launch))
-        if held is None or held[0] is not launch:
-            held = self._kwargs[id(launch)] = (launch, dict(launch.constants))
-        return held[1]
 
 def _aligned(codes: torch.Tensor) -> bool:
     """Code rows with unit stride, each 16-byte aligned (the kernel's 16-byte cp.async)."""

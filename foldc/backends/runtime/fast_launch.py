@@ -271,6 +271,21 @@ class Bound:
         return True
 
 
+_KEYWORDS: dict[int, tuple] = {}   # id(launch) -> (launch, its constants as one dict)
+
+
+def keywords(launch) -> dict:
+    """``dict(launch.constants)`` (a launch plan's constexprs and options), one dict object per plan object:
+    `FastLaunch` reads a keyword dict it saw before without reading it again. Found by the plan's identity
+    (hashing one walks its constants); plans are memoised by their launchers, so the objects live on."""
+    held = _KEYWORDS.get(id(launch))
+    if held is None or held[0] is not launch:
+        if len(_KEYWORDS) >= 4096:
+            _KEYWORDS.clear()
+        held = _KEYWORDS[id(launch)] = (launch, dict(launch.constants))
+    return held[1]
+
+
 SEEN = "seen"   # `Bindings`: a key launched once (bound at its second launch)
 
 
