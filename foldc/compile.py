@@ -5,9 +5,10 @@ Targets:
   softmax in token tiles). Returns float64 ``[batch, num_q_heads, head_dim]``.
 - ``"sm_90"``, ``"sm_100"``: a fused kernel on a CUDA GPU of that generation (fp16 or bf16
   queries; output in the query's dtype). Plans the register-operand kernel lowers
-  (foldc/backends/gluon: folded K and V at 2, 4 or 8 bits each) run it for bf16 queries unless
-  ``kernel="triton"``; every other plan, and fp16 queries, the generated Triton kernel
-  (foldc/backends/triton).
+  (foldc/backends/gluon: K and V each folded at 2, 4 or 8 bits or plain) run it unless
+  ``kernel="triton"``, every other plan the generated Triton kernel (foldc/backends/triton). The
+  register-operand kernel holds fp16 queries to plain bf16 attention's error, the Triton kernel to
+  plain fp16 attention's (docs/derivation.md eq. 6a).
 - ``"interpret"``: the same generated kernel under Triton's interpreter on the CPU (fp16 only).
 - ``"auto"``: ``sm_90``/``sm_100`` by the GPU found, else ``interpret``.
 """
@@ -114,11 +115,7 @@ def compile(spec: AttentionSpec, target: str = "reference", **options):  # noqa:
         wrong = sorted(set(options) & triton_only)
         if wrong:
             raise SpecError(f"option(s) {wrong} belong to the Triton kernel; drop them or pass kernel='triton'")
-        gluon = attention_backend("gluon").kernel(spec, target, **options)
-        if kernel == "gluon":
-            return gluon   # bf16 queries only (foldc.backends.gluon.lower.FP16_REASON)
-        shared = {k: v for k, v in options.items() if k in ("block_n", "splits")}
-        return ByQueryDtype(gluon, lambda: _triton(spec, target, shared))
+        return attention_backend("gluon").kernel(spec, target, **options)   # bf16 and fp16 queries
     wrong = sorted(set(options) & gluon_only)
     if wrong:
         raise SpecError(f"option(s) {wrong} belong to the register-operand kernel (sm_90, kernel='gluon'); "
@@ -128,45 +125,3 @@ def compile(spec: AttentionSpec, target: str = "reference", **options):  # noqa:
 
 def _triton(spec, target: str, options: dict):
     return attention_backend("triton").kernel(spec, target, **options)
-
-
-class ByQueryDtype:
-    """``kernel="auto"`` on sm_90 where the register-operand kernel lowers the plan: bf16 queries run
-    it, fp16 queries the generated Triton kernel (built on their first call), whose error stays
-    within 2x plain fp16 attention's where the register-operand kernel's does not
-    (foldc.backends.gluon.lower.FP16_REASON, docs/derivation.md eq. 6a). Other attributes are the
-    register-operand kernel's."""
-
-    def __init__(self, bf16, make_fp16):
-        self.bf16, self._make_fp16, self._fp16 = bf16, make_fp16, None
-
-    @property
-    def fp16(self):
-        if self._fp16 is None:
-            try:
-                self._fp16 = self._make_fp16()
-            except SpecError as e:   # e.g. a head_dim the register-operand kernel pads and Triton cannot
-                raise SpecError(f"fp16 queries run the generated Triton kernel (the register-operand kernel's "
-                                f"fp16 error is above the bar, docs/derivation.md eq. 6a), which cannot run this "
-                                f"spec: {e}; pass bf16 queries (q.to(torch.bfloat16)), which run the "
-                                "register-operand kernel") from None
-        return self._fp16
-
-    def for_dtype(self, dtype: torch.dtype):
-        """The callable that runs ``dtype`` queries."""
-        return self.fp16 if dtype == torch.float16 else self.bf16
-
-    def __call__(self, q, *args, **kwargs):
-        attn = self.fp16 if isinstance(q, torch.Tensor) and q.dtype == torch.float16 else self.bf16
-        return attn(q, *args, **kwargs)
-
-    def plan_launch(self, dtype: torch.dtype, *args, **kwargs):
-        """The `Launch` of the kernel that runs ``dtype`` queries (its ``plan_launch``)."""
-        return self.for_dtype(dtype).plan_launch(dtype, *args, **kwargs)
-
-    def run(self, launch, q, *args, **kwargs) -> None:
-        """Run ``launch`` on the kernel it was planned for."""
-        return self.for_dtype(launch.dtype).run(launch, q, *args, **kwargs)
-
-    def __getattr__(self, name):
-        return getattr(self.__dict__["bf16"], name)

@@ -95,6 +95,7 @@ class Plan:
     operand_dtype: str | None = None   # the MMA operand dtype where it is not the query's
     rows_per_program: int | None = None   # query rows sharing one reconstructed tile, where a kernel
     #                                       splits a KV head's rows into blocks (eq. 12's h); None: all
+    bar_dtype: str | None = None   # the plain attention whose error bounds the precisions, where not dtype's
 
     @property
     def folds(self) -> dict[str, str]:
@@ -114,7 +115,8 @@ class Plan:
 
     def with_graph(self, graph: Graph) -> "Plan":
         """The same plan over an edited graph (used to check hand-made or mutated plans)."""
-        return _make_plan(self.spec, graph, self.passes, self.dtype, self.operand_dtype, self.rows_per_program)
+        return _make_plan(self.spec, graph, self.passes, self.dtype, self.operand_dtype, self.rows_per_program,
+                          self.bar_dtype)
 
     def __str__(self) -> str:
         from .explain import plan_summary
@@ -124,7 +126,7 @@ class Plan:
 
 def plan(spec: AttentionSpec, code_bias: dict[str, int] | None = None, fold_policy: str = "auto",
          dtype: str | None = None, operand_dtype: str | None = None, target: str | None = None,
-         kernel: str = "auto", rows_per_program: int | None = None) -> Plan:
+         kernel: str = "auto", rows_per_program: int | None = None, bar_dtype: str | None = None) -> Plan:
     """Plan decode attention for ``spec``: pick each fold, insert corrections, check ordering.
 
     ``target`` ("sm_90", "sm_100", "interpret"): the plan the kernel ``foldc.compile(spec, target,
@@ -139,6 +141,8 @@ def plan(spec: AttentionSpec, code_bias: dict[str, int] | None = None, fold_poli
     the error model of eq. 6a (`ProductPlan.precision`); without it no precision is decided.
     ``operand_dtype``: the matrix unit's operand dtype where it differs from the query's (the
     register-operand kernel feeds fp16 operands to bf16 queries' products).
+    ``bar_dtype``: the plain attention whose error is the bar (eq. 6a) where it is not the query's
+    dtype's (the register-operand kernel holds fp16 queries to plain bf16 attention's error).
     ``rows_per_program``: the query rows of a KV head one program takes, where a kernel splits them
     into blocks that each reconstruct the tile on their own; the break-even (eq. 12) then weighs a
     fold against that many rows (None: all the query heads of a KV head).
@@ -146,7 +150,7 @@ def plan(spec: AttentionSpec, code_bias: dict[str, int] | None = None, fold_poli
     `foldc.gemm.plan.gemm_plan`, with the same passes).
     """
     if target is not None:
-        return _target_plan(spec, target, kernel, dtype or "bf16", code_bias, operand_dtype, fold_policy)
+        return _target_plan(spec, target, kernel, dtype or "bf16", code_bias, operand_dtype, fold_policy, bar_dtype)
     workload = workload_of(spec)
     if workload is not None:
         return workload.plan(spec, code_bias, fold_policy)
@@ -156,9 +160,9 @@ def plan(spec: AttentionSpec, code_bias: dict[str, int] | None = None, fold_poli
         raise SpecError(f"fold_policy={fold_policy!r} is not one of {FOLD_POLICIES}")
     if dtype is not None and dtype not in UNIT_ROUNDOFF:
         raise SpecError(f"dtype={dtype!r} is not one of {sorted(UNIT_ROUNDOFF)} (the query's dtype) or None")
-    if operand_dtype is not None and (dtype is None or operand_dtype not in UNIT_ROUNDOFF):
-        raise SpecError(f"operand_dtype={operand_dtype!r} needs a query dtype and must be one of "
-                        f"{sorted(UNIT_ROUNDOFF)} or None")
+    for name, value in (("operand_dtype", operand_dtype), ("bar_dtype", bar_dtype)):
+        if value is not None and (dtype is None or value not in UNIT_ROUNDOFF):
+            raise SpecError(f"{name}={value!r} needs a query dtype and must be one of {sorted(UNIT_ROUNDOFF)} or None")
     unknown = sorted(set(code_bias or {}) - {"key", "value"})
     if unknown:
         raise SpecError(f"code_bias has unknown role(s) {unknown}; use 'key' and/or 'value'")
@@ -167,10 +171,11 @@ def plan(spec: AttentionSpec, code_bias: dict[str, int] | None = None, fold_poli
         raise SpecError(f"rows_per_program={rows_per_program!r} must be an int from 1 to the query heads per KV head "
                         f"({spec.q_per_kv}), or None")
     graph, log = run_pipeline(build_decode_attention(spec), default_passes(code_bias, fold_policy, rows_per_program))
-    return _make_plan(spec, graph, tuple(log), dtype, operand_dtype, rows_per_program)
+    return _make_plan(spec, graph, tuple(log), dtype, operand_dtype, rows_per_program, bar_dtype)
 
 
-def _target_plan(spec, target: str, kernel: str, dtype: str, code_bias, operand_dtype, fold_policy) -> Plan:
+def _target_plan(spec, target: str, kernel: str, dtype: str, code_bias, operand_dtype, fold_policy,
+                 bar_dtype=None) -> Plan:
     """The plan of the kernel that runs ``spec`` on ``target`` for ``dtype`` queries (`plan`'s ``target``)."""
     if not isinstance(spec, AttentionSpec):
         raise SpecError(f"plan(..., target={target!r}) plans attention; got {type(spec).__name__} (plan a GemmSpec "
@@ -178,8 +183,9 @@ def _target_plan(spec, target: str, kernel: str, dtype: str, code_bias, operand_
     if target not in ("sm_90", "sm_100", "interpret"):
         raise SpecError(f"target={target!r}: plan(..., target=) takes 'sm_90', 'sm_100' or 'interpret' (the "
                         "reference plan has no target: leave it out)")
-    if code_bias is not None or operand_dtype is not None:
-        raise SpecError("code_bias and operand_dtype are the target's with target= set; drop them or drop target")
+    if code_bias is not None or operand_dtype is not None or bar_dtype is not None:
+        raise SpecError("code_bias, operand_dtype and bar_dtype are the target's with target= set; drop them or "
+                        "drop target")
     if dtype not in UNIT_ROUNDOFF:
         raise SpecError(f"dtype={dtype!r} is not one of {sorted(UNIT_ROUNDOFF)} (the query's dtype)")
     options = {} if fold_policy == "auto" else {"fold_policy": fold_policy}
@@ -221,15 +227,16 @@ def check_plan(the_plan: Plan) -> Plan:
 
 
 def _make_plan(spec: AttentionSpec, graph: Graph, log, dtype: str | None = None,
-               operand_dtype: str | None = None, rows_per_program: int | None = None) -> Plan:
+               operand_dtype: str | None = None, rows_per_program: int | None = None,
+               bar_dtype: str | None = None) -> Plan:
     constraints = tuple(graph.meta.get("constraint", ()))
     products = {}
     for name in PRODUCT_ORDER:
         p = _product_plan(graph, name, spec, constraints)
         if dtype is not None:   # eq. 6a: the operand precision, from the product's decisions
-            p = replace(p, precision=product_precision(p, dtype, operand_dtype=operand_dtype))
+            p = replace(p, precision=product_precision(p, dtype, operand_dtype=operand_dtype, bar_dtype=bar_dtype))
         products[name] = p
-    return Plan(spec, graph, products, constraints, tuple(log), dtype, operand_dtype, rows_per_program)
+    return Plan(spec, graph, products, constraints, tuple(log), dtype, operand_dtype, rows_per_program, bar_dtype)
 
 
 def _product_plan(graph: Graph, name: str, spec: AttentionSpec, constraints) -> ProductPlan:

@@ -59,13 +59,14 @@ class PrecisionDecision:
     split: float | None = None    # operand-fold only: the bound with hi + lo
     target: float = TARGET
     operand_dtype: str | None = None   # the matrix unit's operand dtype, where it is not ``dtype``
+    bar_dtype: str | None = None       # the plain attention whose error is the bar, where it is not ``dtype``
 
     @property
     def split_operand(self) -> bool:
         return self.precision is OperandPrecision.SPLIT
 
     def __str__(self) -> str:
-        text = f"{self.dtype}: {self.precision}, error <= {self.bound:.2g}x plain {self.dtype} attention's"
+        text = f"{self.dtype}: {self.precision}, error <= {self.bound:.2g}x plain {self.bar_dtype or self.dtype} attention's"
         if self.operand_dtype not in (None, self.dtype):
             text += f" ({self.operand_dtype} operands)"
         if self.single is not None and self.precision is OperandPrecision.SPLIT:
@@ -82,18 +83,20 @@ def spread_bound(group_size: int) -> float:
 
 
 def error_ratio(fold: str, precision: OperandPrecision, dtype: str, group_size: int | None, bits: int | None,
-                code_bias: int = 0, operand_dtype: str | None = None) -> float:
-    """Bound (eq. 6a) of a product's rounding error over plain ``dtype`` attention's on the same values,
-    for a kernel whose matrix-unit operands are ``operand_dtype`` (default ``dtype``: the Triton
-    kernel; the register-operand kernel feeds fp16 operands to bf16 queries' products too)."""
+                code_bias: int = 0, operand_dtype: str | None = None, bar_dtype: str | None = None) -> float:
+    """Bound (eq. 6a) of a product's rounding error over plain ``bar_dtype`` attention's (default
+    ``dtype``, the query's) on the same values, for a kernel whose matrix-unit operands are
+    ``operand_dtype`` (default ``dtype``: the Triton kernel; the register-operand kernel feeds fp16
+    operands to bf16 queries' products too)."""
     operand_dtype = dtype if operand_dtype is None else operand_dtype
-    for name, value in (("dtype", dtype), ("operand_dtype", operand_dtype)):
+    bar_dtype = dtype if bar_dtype is None else bar_dtype
+    for name, value in (("dtype", dtype), ("operand_dtype", operand_dtype), ("bar_dtype", bar_dtype)):
         if value not in UNIT_ROUNDOFF:
             raise PlanError("precision", f"{name}={value!r} is not a matrix-unit dtype; use one of "
                             f"{sorted(UNIT_ROUNDOFF)}")
     if fold in ("none", "dequant"):
-        return UNIT_ROUNDOFF[operand_dtype] / UNIT_ROUNDOFF[dtype]   # plain's operands, rounded to operand_dtype
-    u, u_op = UNIT_ROUNDOFF[dtype], UNIT_ROUNDOFF[operand_dtype]
+        return UNIT_ROUNDOFF[operand_dtype] / UNIT_ROUNDOFF[bar_dtype]   # plain's operands, rounded to operand_dtype
+    u, u_op = UNIT_ROUNDOFF[bar_dtype], UNIT_ROUNDOFF[operand_dtype]
     kappa, cmax = spread_bound(group_size), (1 << bits) - 1
     accumulator = kappa * (abs(code_bias) + cmax) / cmax * ACCUMULATOR_ROUNDOFF / u
     if fold == "acc-fold":
@@ -109,22 +112,26 @@ def error_ratio(fold: str, precision: OperandPrecision, dtype: str, group_size: 
 
 
 def choose_precision(fold: str, dtype: str, group_size: int | None, bits: int | None, code_bias: int = 0,
-                     target: float = TARGET, operand_dtype: str | None = None) -> PrecisionDecision:
-    """One rounding where its bound is within ``target``, else hi + lo; a PlanError if neither is."""
+                     target: float = TARGET, operand_dtype: str | None = None, bar_dtype: str | None = None
+                     ) -> PrecisionDecision:
+    """One rounding where its bound is within ``target``, else hi + lo; a PlanError if neither is.
+    The bar is plain ``bar_dtype`` attention's error (default ``dtype``'s)."""
+    bar = bar_dtype or dtype
+    keep = dict(target=target, operand_dtype=operand_dtype, bar_dtype=bar_dtype)
     if fold != "operand-fold":
-        bound = error_ratio(fold, OperandPrecision.PLAIN, dtype, group_size, bits, code_bias, operand_dtype)
+        bound = error_ratio(fold, OperandPrecision.PLAIN, dtype, group_size, bits, code_bias, operand_dtype, bar_dtype)
         if bound > target:
             raise PlanError("precision", f"{fold} with a code bias of {code_bias}: the fp32 accumulator's error "
-                            f"bound is {bound:.3g}x plain {dtype} attention's, above {target:g}x; plan with bias 0")
-        return PrecisionDecision(OperandPrecision.PLAIN, dtype, bound, target=target, operand_dtype=operand_dtype)
-    single = error_ratio(fold, OperandPrecision.SINGLE, dtype, group_size, bits, code_bias, operand_dtype)
-    split = error_ratio(fold, OperandPrecision.SPLIT, dtype, group_size, bits, code_bias, operand_dtype)
+                            f"bound is {bound:.3g}x plain {bar} attention's, above {target:g}x; plan with bias 0")
+        return PrecisionDecision(OperandPrecision.PLAIN, dtype, bound, **keep)
+    single = error_ratio(fold, OperandPrecision.SINGLE, dtype, group_size, bits, code_bias, operand_dtype, bar_dtype)
+    split = error_ratio(fold, OperandPrecision.SPLIT, dtype, group_size, bits, code_bias, operand_dtype, bar_dtype)
     if single <= target:
-        return PrecisionDecision(OperandPrecision.SINGLE, dtype, single, single, split, target, operand_dtype)
+        return PrecisionDecision(OperandPrecision.SINGLE, dtype, single, single, split, **keep)
     if split <= target:
-        return PrecisionDecision(OperandPrecision.SPLIT, dtype, split, single, split, target, operand_dtype)
+        return PrecisionDecision(OperandPrecision.SPLIT, dtype, split, single, split, **keep)
     raise PlanError("precision", f"operand-fold of {bits}-bit codes in groups of {group_size}, code bias "
-                    f"{code_bias}: even hi + lo bounds the error at {split:.3g}x plain {dtype} attention's, above "
+                    f"{code_bias}: even hi + lo bounds the error at {split:.3g}x plain {bar} attention's, above "
                     f"{target:g}x; plan with bias 0 or fold_policy='dequant'")
 
 
@@ -143,8 +150,8 @@ def key_reduction_group(spec) -> int:
     return spec.k.group_size if spec.k.group_axis == "channel" else spec.head_dim
 
 
-def product_precision(product, dtype: str, target: float = TARGET, operand_dtype: str | None = None
-                      ) -> PrecisionDecision:
+def product_precision(product, dtype: str, target: float = TARGET, operand_dtype: str | None = None,
+                      bar_dtype: str | None = None) -> PrecisionDecision:
     """`choose_precision` for a `foldc.plan.ProductPlan`."""
     return choose_precision(product.fold, dtype, product.group_size, product.bits, product.code_bias, target,
-                            operand_dtype)
+                            operand_dtype, bar_dtype)

@@ -29,6 +29,7 @@ class CaseResult:
     bf16_error: float       # relative L2 of bf16 attention over the same dequantized values
     unwritten: int          # output elements still NaN after the call
     plain_error: float = float("nan")   # relative L2 of plain attention in the query's dtype (eq. 6a)
+    plain_bf16_error: float = float("nan")   # relative L2 of plain attention in bf16 (eq. 6a's bf16 bar)
 
     @property
     def ratio(self) -> float:
@@ -98,6 +99,8 @@ def run_case(attn, spec: AttentionSpec, batch: int, tokens: int, dtype: torch.dt
     got = attn(q, k, v, sm_scale=sm_scale, seq_lens=lens, out=out)
     ref = attention_reference(q, k, v, sm_scale=sm_scale, seq_lens=lens)
     base = bf16_attention(q, k, v, sm_scale, lens)
-    plain = plain_attention(q, k, v, sm_scale, lens)
+    plain = rel_l2(plain_attention(q, k, v, sm_scale, lens), ref)
+    plain_bf16 = plain if dtype == torch.bfloat16 else rel_l2(plain_attention(q, k, v, sm_scale, lens, torch.bfloat16),
+                                                               ref)
     return CaseResult(spec, dtype, batch, tokens, rel_l2(got, ref), rel_l2(base, ref),
-                      int(torch.isnan(out).sum().item()), rel_l2(plain, ref))
+                      int(torch.isnan(out).sum().item()), plain, plain_bf16)

@@ -368,24 +368,3 @@ def test_sm_scale_default_is_inverse_sqrt_head_dim(case):
     assert torch.equal(default, attn(q, kq, vq, None, None))
     if n > 1:  # with one token the softmax is 1 whatever the scale
         assert not torch.allclose(default, attn(q, kq, vq, sm_scale=3 / math.sqrt(spec.head_dim)))
-
-
-def test_fp16_queries_say_why_the_triton_kernel_cannot_run_the_spec():
-    """On sm_90 fp16 queries run the generated Triton kernel, built at their first call; a spec it
-    cannot build (head_dim 96 at INT2 in groups of 32: a 16-channel chunk of a 24-channel bit field would
-    cross a group, which the register-operand kernel masks) is a SpecError naming fp16 queries and the fix
-    (bf16 queries), and bf16 calls are not affected. At INT4 in one group the Triton kernel builds."""
-    import torch
-
-    from foldc.backends.triton import TritonAttention
-    from foldc.compile import ByQueryDtype
-
-    wider = foldc.AttentionSpec(32, 8, 96, foldc.Affine(4, "token", 96), foldc.Affine(4, "token", 96))
-    assert isinstance(ByQueryDtype(None, lambda: TritonAttention(wider, "sm_90")).fp16, TritonAttention)
-    spec = foldc.AttentionSpec(32, 8, 96, foldc.Affine(2, "token", 32), foldc.Affine(2, "token", 32))
-    calls = []
-    both = ByQueryDtype(lambda q: calls.append(q.dtype), lambda: TritonAttention(spec, "sm_90"))
-    both(torch.zeros(1, dtype=torch.bfloat16))
-    assert calls == [torch.bfloat16]
-    _raises(SpecError, lambda: both(torch.zeros(1, dtype=torch.float16)), "fp16 queries", "head_dim=96",
-            "q.to(torch.bfloat16)")

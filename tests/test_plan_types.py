@@ -285,7 +285,8 @@ def test_token_tiles_and_pages_follow_the_plan():
 @pytest.mark.parametrize("k,v,target,kernel,dtype,want", [
     ("token:4:128", "token:2:128", "sm_90", "auto", "bf16", "gluon"),
     ("token:4:128", "token:2:128", "sm_100", "auto", "bf16", "gluon"),
-    ("token:4:128", "token:2:128", "sm_90", "auto", "fp16", "triton"),
+    ("token:4:128", "token:2:128", "sm_90", "auto", "fp16", "gluon"),
+    ("token:4:128", "token:2:128", "sm_90", "triton", "fp16", "triton"),
     ("token:4:128", "token:2:128", "sm_90", "triton", "bf16", "triton"),
     ("channel:2:64", "none", "interpret", "auto", "fp16", "triton"),
 ])
@@ -299,7 +300,9 @@ def test_plan_for_a_target_is_the_plan_its_kernel_runs(k, v, target, kernel, dty
     spec = spec_from_args(k, v, "32/8", 128)
     got = foldc.plan(spec, target=target, kernel=kernel, dtype=dtype)
     ref = gluon_plan(spec, dtype) if want == "gluon" else triton_plan(spec, dtype)
-    assert got.products == ref.products and (got.dtype, got.operand_dtype) == (ref.dtype, ref.operand_dtype)
+    assert got.products == ref.products and (got.dtype, got.operand_dtype, got.bar_dtype) == \
+        (ref.dtype, ref.operand_dtype, ref.bar_dtype)
+    assert got.bar_dtype == ("bf16" if (want, dtype) == ("gluon", "fp16") else None)
     assert check_plan(got) is got
 
 
@@ -307,7 +310,7 @@ def test_plan_for_a_target_refuses_what_it_cannot_mean():
     spec = foldc.AttentionSpec(32, 8, 128, A(2, "token", 128), A(2, "token", 128))
     with pytest.raises(foldc.SpecError, match="target='reference'"):
         foldc.plan(spec, target="reference")
-    with pytest.raises(foldc.SpecError, match="code_bias and operand_dtype are the target's"):
+    with pytest.raises(foldc.SpecError, match="code_bias, operand_dtype and bar_dtype are the target.s"):
         foldc.plan(spec, target="sm_90", code_bias={"key": 0})
     with pytest.raises(foldc.SpecError, match="kernel='gluon'"):
         foldc.plan(spec, target="interpret", kernel="gluon")

@@ -148,10 +148,11 @@ def test_value_acc_fold_corrects_with_p_as_the_mma_reads_it():
 
 
 def test_the_register_operand_kernel_reads_the_decision():
-    """Its plan is for bf16 queries with fp16 operands: one rounding meets eq. 6a's bar there and is
-    what it implements; fp16 queries are refused with the measured reason (they run the Triton kernel),
+    """Its plans carry fp16 operands and hold both query dtypes to plain bf16 attention's error: one
+    rounding meets eq. 6a's bar there and is what it implements, and both dtypes lower to one kernel.
+    A plan for fp16 queries held to plain fp16 attention's error is refused with the measured reason,
     and so is a plan asking for hi + lo, or one made for other operands."""
-    from foldc.backends.gluon.lower import FP16_REASON, NotLowerable, gluon_plan, lower, lowerable
+    from foldc.backends.gluon.lower import FP16_BAR_REASON, NotLowerable, gluon_plan, lower, lowerable
 
     spec = S(32, 8, 128, A(2, "channel", 128), A(2, "token", 128))
     cfg = lower(gluon_plan(spec))
@@ -159,15 +160,45 @@ def test_the_register_operand_kernel_reads_the_decision():
     assert gluon_plan(spec).products["pv"].precision.bound <= TARGET
     acc = lower(gluon_plan(S(32, 8, 128, A(2, "token", 128), A(2, "channel", 128))))
     assert (acc.key_precision, acc.value_precision) == (OperandPrecision.PLAIN, OperandPrecision.PLAIN)
-    with pytest.raises(NotLowerable, match="fp16 queries: the register-operand kernel's error reached"):
-        gluon_plan(spec, "fp16")
-    assert lowerable(spec, "fp16") == (False, FP16_REASON) and lowerable(spec) == (True, "")
+    fp16 = gluon_plan(spec, "fp16")
+    assert (fp16.dtype, fp16.bar_dtype, gluon_plan(spec).bar_dtype) == ("fp16", "bf16", None)
+    assert lower(fp16) == cfg and lowerable(spec, "fp16") == (True, "") and lowerable(spec) == (True, "")
+    assert fp16.products["pv"].precision.bound == gluon_plan(spec).products["pv"].precision.bound
+    assert "plain bf16 attention's" in str(fp16.products["pv"].precision)
     with pytest.raises(NotLowerable, match="dtype='fp32'"):
         gluon_plan(spec, "fp32")
     with pytest.raises(NotLowerable, match="plan it with gluon_plan"):
         lower(foldc.plan(spec, code_bias={"key": 0, "value": 0}, dtype="bf16"))   # bf16 operands
+    wide = S(8, 2, 256, A(2, "token", 256), A(2, "token", 256))   # groups of 256: one rounding is 2.8x
     with pytest.raises(NotLowerable, match="asks for operand precision split"):
-        lower(foldc.plan(spec, code_bias={"key": 0, "value": 0}, dtype="fp16"))   # fp16: hi + lo
+        lower(foldc.plan(wide, code_bias={"key": 0, "value": 0}, dtype="bf16", operand_dtype="fp16"))
+    for layouts in ((A(2, "token", 128), A(2, "token", 128)), (A(2, "token", 128), A(2, "channel", 128))):
+        own_bar = foldc.plan(S(32, 8, 128, *layouts), code_bias={"key": 0, "value": 0}, dtype="fp16",
+                             operand_dtype="fp16")   # held to plain fp16 attention's error: refused, acc-folds too
+        with pytest.raises(NotLowerable) as e:
+            lower(own_bar)
+        assert str(e.value) == FP16_BAR_REASON
+
+
+def test_a_bar_dtype_scales_every_bound_by_the_unit_roundoffs():
+    """eq. 6a against plain bf16 attention: each bound is the one against the query's dtype times
+    u(query dtype) / u(bf16); a bar dtype needs a query dtype and must be a matrix-unit dtype."""
+    from foldc.precision import UNIT_ROUNDOFF, error_ratio
+
+    factor = UNIT_ROUNDOFF["fp16"] / UNIT_ROUNDOFF["bf16"]
+    for fold, precision in (("operand-fold", OperandPrecision.SINGLE), ("operand-fold", OperandPrecision.SPLIT),
+                            ("acc-fold", OperandPrecision.PLAIN), ("dequant", OperandPrecision.PLAIN)):
+        for group, bits, bias in ((32, 2, 0), (128, 4, 0), (64, 8, 1024)):
+            own = error_ratio(fold, precision, "fp16", group, bits, bias)
+            assert error_ratio(fold, precision, "fp16", group, bits, bias, bar_dtype="bf16") == \
+                pytest.approx(own * factor, rel=1e-12)
+    with pytest.raises(PlanError, match="bar_dtype='fp8'"):
+        error_ratio("acc-fold", OperandPrecision.PLAIN, "fp16", 32, 2, bar_dtype="fp8")
+    spec = S(8, 2, 128, A(2, "token", 128), A(2, "token", 128))
+    with pytest.raises(foldc.SpecError, match="bar_dtype='bf16' needs a query dtype"):
+        foldc.plan(spec, bar_dtype="bf16")
+    with pytest.raises(foldc.SpecError, match="bar_dtype are the target's"):
+        foldc.plan(spec, target="sm_90", bar_dtype="bf16")
 
 
 def test_the_triton_kernel_folds_a_key_bias_only_where_the_model_allows():

@@ -306,9 +306,8 @@ class PagedDecodeWrapper:
             self.attention = attention_backend("triton").kernel(spec, target, block_n=self.block_n,
                                                                num_warps=num_warps, num_stages=num_stages,
                                                                splits=splits)
-        # the query dtypes run() takes: the register-operand kernel's bf16, the interpreter's fp16
-        self._dtypes = ((torch.bfloat16,) if gluon is not None else
-                        (torch.float16,) if self.interpret else (torch.float16, torch.bfloat16))
+        # the query dtypes run() takes: the interpreter's fp16, else fp16 and bf16
+        self._dtypes = (torch.float16,) if self.interpret else (torch.float16, torch.bfloat16)
         self._launches: dict[torch.dtype, Launch] = {}
 
     # ---- plan ---------------------------------------------------------------------------------
@@ -473,10 +472,6 @@ class PagedDecodeWrapper:
                              f"{list(dtypes)}")
         if q.stride(-1) != 1:
             raise InputError(f"q must have unit stride along head_dim; got strides {q.stride()}")
-        if self.register_operand and q.dtype == torch.float16:
-            raise InputError("q dtype=torch.float16 but this wrapper runs the register-operand kernel, whose fp16 "
-                             "error is above the bar (docs/derivation.md eq. 6a); build the wrapper with "
-                             "kernel='triton' for float16 queries, or pass bfloat16 queries")
         out = output_buffer(out, want, q)
         lse = torch.empty(want[:2], device=q.device, dtype=torch.float32)
         seq_lens = self._check_lens(seq_lens, want)

@@ -104,10 +104,8 @@ class PagedKVCache:
         self.device, self.dtype = resolve_device(device), dtype
         self.unit = plan_of(spec).token_alignment   # the lcm of the channel-wise groups' sizes (1 if none)
         self.plain_capacity = self.sink + self.window + self.unit
-        # float16 queries run the generated Triton kernel on sm_90 too (the register-operand kernel takes
-        # bf16 ones: foldc.backends.gluon.lower.FP16_REASON)
         self.wrapper = PagedDecodeWrapper(spec, page_size, max_seq_len=max_seq_len, device=self.device,
-                                          target=target, kernel="triton" if dtype == torch.float16 else "auto")
+                                          target=target)
         self.target, self.page_size = self.wrapper.target, page_size
         if self.target == "interpret" and (self.device.type != "cpu" or dtype != torch.float16):
             raise SpecError(f"target='interpret' runs Triton's interpreter, float16 on the CPU; got dtype={dtype} on "

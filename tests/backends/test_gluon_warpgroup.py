@@ -126,11 +126,14 @@ def test_matches_float64_with_ragged_lengths(heads):
 
 
 @needs_gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("batch,tokens", [(1, 65536), (3, 5000)])
-def test_long_and_short_splits_match_float64(batch, tokens):
+def test_long_and_short_splits_match_float64(batch, tokens, dtype):
+    """bf16 and fp16 queries, both within the bf16 bar (the template reads q as fp32 either way)."""
     spec = spec_from_args("token:2:128", "token:2:128", "64/2", 128)
     attn = foldc.compile(spec, "sm_90")
-    r = run_case(attn, spec, batch, tokens, torch.bfloat16, "cuda", seed=tokens + batch)
+    assert attn.warpgroup is not None
+    r = run_case(attn, spec, batch, tokens, dtype, "cuda", seed=tokens + batch)
     assert r.unwritten == 0 and r.error <= TOLERANCE * r.bf16_error, (r.error, r.bf16_error)
 
 

@@ -51,8 +51,10 @@ def _check(spec, q, k_pages, v_pages, indptr, indices, lens, page_size, out):
     assert err <= TOLERANCE * base, f"{spec.describe()} lens={lens}: {err:.3e} > {TOLERANCE} x {base:.3e}"
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("name", sorted(SPECS))
-def test_paged_run_matches_float64_without_host_sync(name):
+def test_paged_run_matches_float64_without_host_sync(name, dtype):
+    """Both query dtypes run the register-operand kernel on pages, within the bf16 bar."""
     spec, page_size = SPECS[name], 128
     gen = torch.Generator().manual_seed(len(name))
     lens = [4099, 1, 130, 2048, 777, 3000, 129, 4096]
@@ -61,7 +63,8 @@ def test_paged_run_matches_float64_without_host_sync(name):
     indptr, indices, last = _table(lens, page_size, num_pages, gen)
     wrapper = PagedDecodeWrapper(spec, page_size, max_seq_len=4224, device="cuda")
     wrapper.plan(indptr, indices, last, num_pages=num_pages)
-    q = torch.randn(len(lens), spec.num_q_heads, spec.head_dim, generator=gen).cuda().bfloat16()
+    assert wrapper.register_operand
+    q = torch.randn(len(lens), spec.num_q_heads, spec.head_dim, generator=gen).cuda().to(dtype)
     wrapper.run(q, k_pages, v_pages)  # compile outside the checked region
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")

@@ -48,9 +48,11 @@ from foldc.backends.gluon.tile_operands import (NARROW, group_mmas, group_sums, 
 def _scores(n0, end, k_smem, slot, ks, kz, tm, head_c, q16, q_bias, q_sum, row_scale, BN: gl.constexpr,
             D: gl.constexpr, F: gl.constexpr, ROWS: gl.constexpr, H: gl.constexpr, KEY_G: gl.constexpr,
             KASM: gl.constexpr, KCONS: gl.constexpr, MASKED: gl.constexpr,
-            KEY_NG: gl.constexpr, KDQ: gl.constexpr, KMG: gl.constexpr = False, DRK: gl.constexpr = 0):
+            KEY_NG: gl.constexpr, KDQ: gl.constexpr, KMG: gl.constexpr = False, DRK: gl.constexpr = 0,
+            PDT: gl.constexpr = gl.bfloat16):
     """Key side of one tile: the logits t [BN tokens, ROWS] (log2 units), -inf past ``end``. F == 0:
-    a plain bf16 key side (its words are bf16 pairs, read from shared memory as the MMA operand).
+    a plain key side in the queries' dtype PDT (its words are pairs, read from shared memory as the MMA
+    operand).
     KDQ: a dequant plan (tile_dequant.py; one KV head per program). KMG: the KEY_NG groups cross a
     padded head_dim's bit fields: one MMA per group over all of K, the other groups' channels masked
     to zero (one KV head per program). DRK: the real head_dim (a padded one's groups follow the
@@ -61,12 +63,12 @@ def _scores(n0, end, k_smem, slot, ks, kz, tm, head_c, q16, q_bias, q_sum, row_s
     W: gl.constexpr = _words(D, F)
     kw_l: gl.constexpr = key_words_layout(BN, W)
     if F == 0:
-        # plain keys: S^T = K.Q^T in bf16, the logits' scale on the rows (no fold, no correction); the
+        # plain keys: S^T = K.Q^T in PDT, the logits' scale on the rows (no fold, no correction); the
         # operands in the k_width=2 layout ldmatrix loads (q16 is in it, kernel prologue)
         a2_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
         sacc = gl.zeros([BN, ROWS], gl.float32, layout=mma)
         for i in gl.static_range(H):
-            ka = k_smem.index(slot + i)._reinterpret(gl.bfloat16, [BN, D], PLAIN_VIEW).load(a2_l)
+            ka = k_smem.index(slot + i)._reinterpret(PDT, [BN, D], PLAIN_VIEW).load(a2_l)
             if H == 1:
                 sacc = mma_v2(ka, q16, sacc)
             else:
@@ -178,7 +180,7 @@ def _consume(t, v_smem, slot, vs, vz, m_i, l_i, zsum, acc_o, head_b, v_scale, v_
              D: gl.constexpr, F: gl.constexpr, ROWS: gl.constexpr, H: gl.constexpr, VAL_G: gl.constexpr,
              VA0: gl.constexpr, VA1: gl.constexpr, VA2: gl.constexpr, VA3: gl.constexpr, VCONS: gl.constexpr,
              AND_P: gl.constexpr, VAL_NG: gl.constexpr, VDQ: gl.constexpr, LEAN: gl.constexpr = False,
-             VMG: gl.constexpr = False, DRV: gl.constexpr = 0):
+             VMG: gl.constexpr = False, DRV: gl.constexpr = 0, PDT: gl.constexpr = gl.bfloat16):
     """Online softmax of one tile's logits ``t`` and its value side into (max, denominator, zero sum, O^T).
     VDQ: a dequant plan (tile_dequant.py; one KV head per program). LEAN: channel-wise V's group
     parameters held 16-bit (both sides channel-wise past 128 channels, `value_params`). VMG, DRV: as
@@ -195,11 +197,11 @@ def _consume(t, v_smem, slot, vs, vz, m_i, l_i, zsum, acc_o, head_b, v_scale, v_
     p_sum = gl.sum(p, axis=0)
     l_i = l_i * alpha + p_sum
     if F == 0:
-        # plain values (bf16): O^T += V^T.P^T, V^T read from shared memory as the MMA operand
-        pb = gl.convert_layout(p.to(gl.bfloat16), b_l)
+        # plain values (in the queries' dtype PDT): O^T += V^T.P^T, V^T read from shared memory as the MMA operand
+        pb = gl.convert_layout(p.to(PDT), b_l)
         pv = gl.zeros([D, ROWS], gl.float32, layout=mma)
         for i in gl.static_range(H):
-            va = v_smem.index(slot + i)._reinterpret(gl.bfloat16, [BN, D], PLAIN_VIEW).permute((1, 0)).load(a_l)
+            va = v_smem.index(slot + i)._reinterpret(PDT, [BN, D], PLAIN_VIEW).permute((1, 0)).load(a_l)
             pv = mma_v2(va, _head_p(pb, head_b, i, b_l, H, False), pv)
         acc_o = acc_o * alpha[None, :] + pv
     elif VDQ:
@@ -378,12 +380,13 @@ def _tile(n0, end, k_smem, v_smem, slot, ks, kz, vs, vz, m_i, l_i, zsum, acc_o, 
           KCONS: gl.constexpr, VA0: gl.constexpr, VA1: gl.constexpr, VA2: gl.constexpr, VA3: gl.constexpr,
           VCONS: gl.constexpr, MASKED: gl.constexpr, AND_P: gl.constexpr, KEY_NG: gl.constexpr,
           VAL_NG: gl.constexpr, KDQ: gl.constexpr = False, VDQ: gl.constexpr = False, LEAN: gl.constexpr = False,
-          KMG: gl.constexpr = False, VMG: gl.constexpr = False, DRQ: gl.constexpr = 0):
-    """One tile, key side then value side."""
+          KMG: gl.constexpr = False, VMG: gl.constexpr = False, DRQ: gl.constexpr = 0,
+          PDT: gl.constexpr = gl.bfloat16):
+    """One tile, key side then value side (PDT: the dtype of a plain side, the queries')."""
     t = _scores(n0, end, k_smem, slot, ks, kz, tm, head_c, q16, q_bias, q_sum, row_scale, BN, D, KF, ROWS, H, KEY_G,
-                KASM, KCONS, MASKED, KEY_NG, KDQ, KMG, DRQ)
+                KASM, KCONS, MASKED, KEY_NG, KDQ, KMG, DRQ, PDT)
     return _consume(t, v_smem, slot, vs, vz, m_i, l_i, zsum, acc_o, head_b, v_scale, v_zero, BN, D, VF, ROWS, H,
-                    VAL_G, VA0, VA1, VA2, VA3, VCONS, AND_P, VAL_NG, VDQ, LEAN, VMG, DRQ)
+                    VAL_G, VA0, VA1, VA2, VA3, VCONS, AND_P, VAL_NG, VDQ, LEAN, VMG, DRQ, PDT)
 
 
 @gluon.jit
@@ -643,7 +646,8 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
             m_i, l_i, zsum, acc_o = _tile(n0, end, k_smem, v_smem, (i % STAGES) * H, ks, kz, vs, vz, m_i, l_i, zsum,
                                           acc_o, tm, head_c, head_b, q16, q_bias, q_sum, row_scale, v_scale, v_zero,
                                           BN, D, KF, VF, ROWS, H, KEY_G, VAL_G, KASM, KCONS, VA0, VA1, VA2, VA3,
-                                          VCONS, False, AND_P, KEY_NG, VAL_NG, KDQ, VDQ, LEAN, KMG, VMG, DR)
+                                          VCONS, False, AND_P, KEY_NG, VAL_NG, KDQ, VDQ, LEAN, KMG, VMG, DR,
+                                          Q.dtype.element_ty)
             if SCALE_AHEAD:
                 ks, kz, vs, vz = ks2, kz2, vs2, vz2
             t = t_next
@@ -671,7 +675,7 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
         m_i, l_i, zsum, acc_o = _tile(full_end, end, k_smem, v_smem, 0, ks, kz, vs, vz, m_i, l_i, zsum, acc_o, tm,
                                       head_c, head_b, q16, q_bias, q_sum, row_scale, v_scale, v_zero, BN, D, KF, VF, ROWS,
                                       H, KEY_G, VAL_G, KASM, KCONS, VA0, VA1, VA2, VA3, VCONS, True,
-                                      AND_P, KEY_NG, VAL_NG, KDQ, VDQ, LEAN, KMG, VMG, DR)
+                                      AND_P, KEY_NG, VAL_NG, KDQ, VDQ, LEAN, KMG, VMG, DR, Q.dtype.element_ty)
 
     # token-wise V: undo the field weights 2^(bits*field) per output row, add the zero term (eq. 6);
     # channel-wise V has both in acc_o already. The workspace sees the H packed heads as one head

@@ -13,6 +13,7 @@ import math
 import torch
 
 from ...encoding import scale_shape
+from ...plan import Plan
 from ...errors import InputError, SpecError
 from ...options import check_launch_options, check_splits
 from ...validate import check_call, output_buffer
@@ -20,12 +21,12 @@ from ..runtime.fast_launch import Bindings, FastLaunch
 from ..runtime.launch import Launch, Scratch, allocate_workspace, capturing, side_key, split_partition
 from ..runtime.merge import MERGE_SOURCE, merge_arguments, run_bound
 from ..runtime.modules import load_module, num_sms
-from .lower import FP16_REASON, HALF_TILE_GROUP, FoldKernel, gluon_plan, lower
+from .lower import HALF_TILE_GROUP, FoldKernel, NotLowerable, gluon_plan, lower
 from .warpgroup_launch import WarpgroupLaunch, warpgroup_applies
 from .operands import KEY_EXPONENT, VALUE_EXPONENT, key_unpack_asm, value_unpack_asm
 
 _DATA_PTR = torch.Tensor.data_ptr
-DTYPES = (torch.bfloat16,)   # lower.QUERY_DTYPES: fp16 queries run the Triton kernel (lower.FP16_REASON)
+DTYPES = (torch.bfloat16, torch.float16)   # lower.QUERY_DTYPES, each held to plain bf16 attention's error
 TUNED_OPTIONS = {"block_n", "stages", "maxnreg", "split_factor", "heads"}   # what a tuned bucket sets
 # Hopper's register file and block limits, for the resident programs of one SM (resident_programs)
 PARTITIONS, REGISTERS_PER_PARTITION, REGISTER_UNIT = 4, 16384, 256
@@ -172,8 +173,15 @@ class GluonAttention:
         self.spec, self.target = spec, target
         check_launch_options(target, "gluon", block_n=block_n, stages=stages)   # before any default
         check_splits(splits)
-        self.plan = gluon_plan(spec, "bf16")   # bf16 queries (lower.QUERY_DTYPES): eq. 6a's precision for them
+        # the plan per query dtype (lower.QUERY_DTYPES: eq. 6a's precisions against plain bf16 attention);
+        # both lower to one configuration, the kernel's, read from the bf16 plan
+        self.plans = {dtype: gluon_plan(spec, name) for dtype, name in ((torch.bfloat16, "bf16"),
+                                                                          (torch.float16, "fp16"))}
+        self.plan = self.plans[torch.bfloat16]
         self.config = lower(self.plan)      # raises NotLowerable with the reason
+        if lower(self.plans[torch.float16]) != self.config:
+            raise NotLowerable("the fp16 and bf16 queries' plans lower to different kernels; the register-operand "
+                               "kernel builds one per spec")
         most = packable_heads(self.config, spec.num_kv_heads)
         bad_pack = pack_heads is not None and (
             isinstance(pack_heads, bool) or not isinstance(pack_heads, int) or pack_heads < 1
@@ -251,6 +259,12 @@ class GluonAttention:
             warpgroup_applies(spec, target) and not self.explicit and splits is None
             and not dynamic_tiles) else None
 
+    def plan_for(self, dtype: torch.dtype) -> Plan:
+        """The plan ``dtype`` queries run (`lower.gluon_plan`; InputError for a dtype the kernel does not take)."""
+        if dtype not in self.plans:
+            raise InputError(f"dtype={dtype}: the register-operand kernel takes {list(self.plans)} queries")
+        return self.plans[dtype]
+
     @property
     def default_block_n(self) -> int:
         """Tokens per tile when neither the call's options nor a tuned bucket say otherwise."""
@@ -311,20 +325,19 @@ class GluonAttention:
 
     def __call__(self, q, k, v, sm_scale=None, seq_lens=None, out: torch.Tensor | None = None,
                  return_lse: bool = False):
-        """Same call as foldc.compile(...)'s other targets: q [batch, num_q_heads, head_dim] bf16 on
-        the GPU (fp16: `lower.FP16_REASON`), k and v AffineTensors of the spec's encodings; returns out (and the lse if asked)."""
-        if isinstance(q, torch.Tensor) and q.dtype == torch.float16:
-            raise InputError(f"q dtype=torch.float16: {FP16_REASON}")
+        """Same call as foldc.compile(...)'s other targets: q [batch, num_q_heads, head_dim] bf16 or fp16
+        on the GPU, k and v AffineTensors of the spec's encodings (a plain side in q's dtype); returns out
+        (and the lse if asked)."""
         call = check_call(self.spec, q, k, v, sm_scale, seq_lens, q_dtypes=DTYPES)
         device = q.device
         if device.type != "cuda":
             raise InputError(f"the register-operand kernel runs on a CUDA GPU; q is on {device}. Use "
                              "target='interpret' (CPU, fp16) or 'reference'")
         for name, x in (("k", k), ("v", v)):
-            if isinstance(x, torch.Tensor):   # a plain side: bf16 rows, read as 32-bit words
-                if x.dtype != torch.bfloat16:
-                    raise InputError(f"{name} dtype={x.dtype}: the register-operand kernel reads a plain side in bf16, "
-                                     f"the queries' dtype; pass {name}.to(torch.bfloat16)")
+            if isinstance(x, torch.Tensor):   # a plain side: rows in q's dtype, read as 32-bit words
+                if x.dtype != q.dtype:
+                    raise InputError(f"{name} dtype={x.dtype}: the register-operand kernel reads a plain side in the "
+                                     f"queries' dtype ({q.dtype}); pass {name}.to({q.dtype})")
                 if not x.is_contiguous() or x.data_ptr() % 16:
                     raise InputError(f"{name} must be contiguous and 16-byte aligned (strides {x.stride()}); call "
                                      ".contiguous() on it first")
