@@ -64,6 +64,7 @@ def main() -> int:
     timed("append (k, v of one token)", lambda: cache.append(k1, v1))
     timed("  check_new_tokens x 2", lambda: (check_new_tokens("k_new", k1, 1, spec, dt, cache.device),
                                              check_new_tokens("v_new", v1, 1, spec, dt, cache.device)))
+    timed("  flag to host memory (non_blocking copy)", lambda: cache._flag_host.copy_(cache._flag, non_blocking=True))
     timed("  peaks: stack(_foreach_norm(k, v))", lambda: torch.stack(torch._foreach_norm([k1, v1], math.inf)))
     timed("  peaks + tolist (the sync)", lambda: torch.stack(torch._foreach_norm([k1, v1], math.inf)).tolist())
     timed("  one body write (bound launch)", lambda: cache._write_body("k", k1))

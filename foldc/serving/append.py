@@ -54,10 +54,10 @@ BLOCK_T_CHANNEL = 32  # tokens per step of the channel-wise kernel's loop over o
 # InterpretedFunction (CPU), so one process can run both (see foldc/backends/runtime/modules.py, interpreter).
 # Their tensors come first (a bound launch passes them as addresses, `FastLaunch.bind`), and the token
 # offset is not specialised on (one build for every offset: a bound launch takes it per call).
-OFFSET_ARG = 20   # the position of ``offset`` in both kernels' arguments
+OFFSET_ARG = 21   # the position of ``offset`` in both kernels' arguments
 
 def _append_token_kernel(
-    X, CODES, SCALE, ZERO, OFFSETS, KV_INDPTR, KV_INDICES, COUNTS,
+    X, CODES, SCALE, ZERO, OFFSETS, KV_INDPTR, KV_INDICES, COUNTS, FLAG,
     stride_xb, stride_xh, stride_xn, stride_cb, stride_ch, stride_cn,
     stride_sb, stride_sh, stride_sn, stride_zb, stride_zh, stride_zn,
     offset, tokens, heads, capacity,
@@ -65,11 +65,14 @@ def _append_token_kernel(
     CPB: tl.constexpr, MAX_CODE: tl.constexpr, BLOCK_T: tl.constexpr, X_BF16: tl.constexpr,
     SCALE_KIND: tl.constexpr, PER_ROW: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
     HAS_COUNT: tl.constexpr, GROUP_P: tl.constexpr, NUM_GROUPS_P: tl.constexpr, WIDTH_P: tl.constexpr,
+    HAS_FLAG: tl.constexpr = False,
 ):
     """One program: BLOCK_T new tokens of one (batch, kv head); each token row is cut into
     NUM_GROUPS groups of GROUP channels. PAGED: token positions map through the page table
     (paged.py) and tokens past the row's own pages are not written; else positions outside
     [0, capacity) are not written. HAS_COUNT: row b writes only its first COUNTS[b] tokens.
+    HAS_FLAG: a written scale or zero that is not finite after rounding to its dtype (NaN or Inf in
+    x, or a value past the scale dtype's range) stores 1 to FLAG[0] (the caches' deferred check).
     GROUP_P, NUM_GROUPS_P, WIDTH_P: the powers of two tl.arange takes for GROUP, NUM_GROUPS and the
     HEAD_DIM // CPB bytes of a token (equal to them for head_dims and groups that are powers of two;
     else the padding is masked and the codes are rebuilt in planar order, each with its group's scale)."""
@@ -142,6 +145,10 @@ def _append_token_kernel(
         tl.store(z_ptr, lo, mask=p_mask)
         scale = raw_scale
         zero = lo
+    if HAS_FLAG:
+        wrong = (scale != scale) | (tl.abs(scale) == float("inf")) | (zero != zero) | (tl.abs(zero) == float("inf"))
+        n_wrong = tl.sum(tl.sum((wrong & p_mask).to(tl.int32), axis=1), axis=0)
+        tl.store(FLAG, 1, mask=n_wrong > 0)
     shifts = tl.arange(0, CPB) * BITS
     if PADDED:
         # the codes in planar order [t, i, j] = channel i * HEAD_DIM/CPB + j, each with its own group's
@@ -195,18 +202,18 @@ def _append_token_kernel(
 
 
 def _append_channel_kernel(
-    X, CODES, SCALE, ZERO, OFFSETS, KV_INDPTR, KV_INDICES, COUNTS,
+    X, CODES, SCALE, ZERO, OFFSETS, KV_INDPTR, KV_INDICES, COUNTS, FLAG,
     stride_xb, stride_xh, stride_xn, stride_cb, stride_ch, stride_cn,
     stride_sb, stride_sh, stride_sn, stride_zb, stride_zh, stride_zn,
     offset, heads, capacity,
     HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, BITS: tl.constexpr, CPB: tl.constexpr,
     MAX_CODE: tl.constexpr, BLOCK_T: tl.constexpr, X_BF16: tl.constexpr, SCALE_KIND: tl.constexpr,
     PER_ROW: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_COUNT: tl.constexpr,
-    WIDTH_P: tl.constexpr,
+    WIDTH_P: tl.constexpr, HAS_FLAG: tl.constexpr = False,
 ):
     """One program: one whole group of GROUP new tokens of one (batch, kv head), all channels,
     held in planar order [CPB, HEAD_DIM // CPB]; two passes over the group's tokens (min/max,
-    then codes)."""
+    then codes). HAS_FLAG: as the token kernel's."""
     pid = tl.program_id(0)
     b = (pid // heads).to(tl.int64)
     h = (pid % heads).to(tl.int64)
@@ -277,6 +284,10 @@ def _append_channel_kernel(
         tl.store(z_ptr, lo, mask=g_mask)
         scale = raw_scale
         zero = lo
+    if HAS_FLAG:
+        wrong = (scale != scale) | (tl.abs(scale) == float("inf")) | (zero != zero) | (tl.abs(zero) == float("inf"))
+        n_wrong = tl.sum(tl.sum((wrong & g_mask).to(tl.int32), axis=1), axis=0)
+        tl.store(FLAG, 1, mask=n_wrong > 0)
     nonzero = scale[None, :, :] > 0
     safe = tl.where(nonzero, scale[None, :, :], 1.0)
     shifts = tl.arange(0, CPB) * BITS
@@ -467,14 +478,16 @@ class AppendLaunch:
 
 @functools.lru_cache(maxsize=1024)
 def plan_append(enc, heads: int, head_dim: int, batch: int, tokens: int, x_bf16: bool, per_row: bool,
-                page_size: int, counts: bool, interpret: bool) -> AppendLaunch:
+                page_size: int, counts: bool, interpret: bool, flag: bool = False) -> AppendLaunch:
     """The `AppendLaunch` writing ``tokens`` tokens of ``batch`` rows of ``heads`` heads into storage
     encoded as ``enc`` (``page_size`` > 0: a page pool; ``per_row``: one offset per row; ``counts``:
-    tokens to write per row)."""
+    tokens to write per row; ``flag``: store 1 to a flag where a scale or zero is not finite)."""
     common = dict(HEAD_DIM=head_dim, GROUP=enc.group_size, BITS=enc.bits, CPB=enc.codes_per_byte,
                   MAX_CODE=enc.max_code, X_BF16=x_bf16, SCALE_KIND=SCALE_KIND[enc.scale_dtype], PER_ROW=per_row,
                   PAGED=page_size > 0, PAGE_SIZE=page_size or 1, HAS_COUNT=counts,
                   WIDTH_P=_pow2(head_dim // enc.codes_per_byte), num_warps=4)
+    if flag:
+        common["HAS_FLAG"] = True
     if GroupAxis.of(enc) is GroupAxis.CHANNEL:   # token-wise: groups of channels, a scale row per token
         block_t = min(BLOCK_T_TOKEN, 1 << (tokens - 1).bit_length())
         groups = head_dim // enc.group_size
@@ -485,8 +498,10 @@ def plan_append(enc, heads: int, head_dim: int, batch: int, tokens: int, x_bf16:
 
 
 def append_arguments(launch: AppendLaunch, dst: AffineTensor, x: torch.Tensor, scalar, per_row,
-                     paging: tuple | None = None, counts: torch.Tensor | None = None) -> tuple:
-    """(the kernel behind `FastLaunch`, its positional arguments, its keyword arguments) of `run_append`."""
+                     paging: tuple | None = None, counts: torch.Tensor | None = None,
+                     flag: torch.Tensor | None = None) -> tuple:
+    """(the kernel behind `FastLaunch`, its positional arguments, its keyword arguments) of `run_append`
+    (``flag``: an int32 tensor the kernel stores 1 to, for a launch planned with ``flag=True``)."""
     xin = x.view(torch.int16) if x.dtype == torch.bfloat16 else x
     scale, zero = dst.scale, dst.zero
     if dst.encoding.scale_dtype == torch.bfloat16:
@@ -496,18 +511,19 @@ def append_arguments(launch: AppendLaunch, dst: AffineTensor, x: torch.Tensor, s
     indptr, indices = paging if paging is not None else (codes, codes)  # read only if PAGED
     sx, sc, ss, sz = xin.stride(), codes.stride(), scale.stride(), zero.stride()
     args = (xin, codes, scale, zero, offs, indptr, indices, counts if counts is not None else codes,
-            sx[0], sx[1], sx[2], sc[0], sc[1], sc[2], ss[0], ss[1], ss[2], sz[0], sz[1], sz[2],
+            flag if flag is not None else codes, sx[0], sx[1], sx[2], sc[0], sc[1], sc[2], ss[0], ss[1], ss[2], sz[0], sz[1], sz[2],
             0 if scalar is None else scalar)
     args += (x.shape[2], dst.shape[1], dst.num_tokens) if launch.kernel == "token" else (dst.shape[1], dst.num_tokens)
     return _fast(launch.kernel, launch.interpret), args, keywords(launch)
 
 
 def run_append(launch: AppendLaunch, dst: AffineTensor, x: torch.Tensor, scalar, per_row,
-               paging: tuple | None = None, counts: torch.Tensor | None = None) -> None:
+               paging: tuple | None = None, counts: torch.Tensor | None = None,
+               flag: torch.Tensor | None = None) -> None:
     """Launch ``launch`` (from `plan_append`), no checks: ``x`` into ``dst`` at ``scalar`` (an int) or
     ``per_row`` offsets; ``paging`` = (kv_indptr, kv_indices): dst is a page pool; ``counts``: tokens
-    to write per row."""
-    kernel, args, kwargs = append_arguments(launch, dst, x, scalar, per_row, paging, counts)
+    to write per row; ``flag``: see `append_arguments`."""
+    kernel, args, kwargs = append_arguments(launch, dst, x, scalar, per_row, paging, counts, flag)
     if launch.interpret or os.environ.get("TRITON_INTERPRET"):
         from ..backends.runtime.modules import interpreter
 

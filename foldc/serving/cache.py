@@ -16,6 +16,11 @@ with the plain attention over sink + recent (one plain operand: the sink and the
 sit next to each other in one buffer) by log-sum-exp (`foldc.merge_attention`, eq. 14). Keys
 carry no position here (rotary embeddings are applied before caching), so the split into parts
 does not change the result.
+
+Bad values: an append of several tokens (a prefill) is checked for NaN/Inf and scale overflow before
+anything is written (one device sync). A one-token append (a decode step) reads nothing back: the
+append kernel that quantizes a token into the body stores a flag where a scale or zero is not finite,
+copied to host memory without a sync, and the cache's next call (or `QuantizedKVCache.check`) raises.
 """
 from __future__ import annotations
 
@@ -151,6 +156,12 @@ class QuantizedKVCache:
         self._append_mode = resolve_target(target, self.device) if target != "reference" else "reference"
         self._append_launches: dict = {}
         self._append_bindings = Bindings(64)   # the body writes' bound launches (the offset given per call)
+        # one-token appends: the append kernels' flag (1: a scale or zero written that is not finite) on the
+        # device, and its copy in host memory, refreshed after each such append without a sync
+        self._flag = torch.zeros(1, dtype=torch.int32, device=self.device)
+        self._flag_host = (torch.zeros(1, dtype=torch.int32, pin_memory=True) if self.device.type == "cuda"
+                           else self._flag)
+        self._flag_seen = self._flag_host.numpy()
         self.reset()
 
     def _allocate_body(self, enc):
@@ -185,6 +196,27 @@ class QuantizedKVCache:
         self._recent_len = 0
         self._ring_head = 0  # a ring window (`_ring`): the slot of its oldest token
         self._max_abs = 0.0  # largest |value| appended since reset (decides the overflow check)
+        self._deferred = False   # this append: checked by the append kernel's flag (one token, native kernels)
+        self._flag_written = False   # this append: a body write stored to the flag
+        self._flag.zero_()
+        if self._flag_host is not self._flag:
+            self._flag_host.zero_()
+
+    def check(self) -> None:
+        """Raise InputError if a one-token append wrote a scale or zero that is not finite (reads the
+        append kernels' flag from the device: a sync). Each call of the cache raises the same way
+        without a sync, once the flag's copy has reached host memory."""
+        if int(self._flag.item()):
+            self._flag_host.fill_(1)
+        self._raise_if_flagged()
+
+    def _raise_if_flagged(self) -> None:
+        if self._flag_seen[0]:
+            raise InputError(
+                "a one-token append held NaN or Inf, or a value whose scale or zero overflows the encoding's scale "
+                "dtype: the append kernel found a scale or zero that is not finite after writing it, and attention "
+                "over that token is NaN. Check the layer that produced those keys or values and reset() the cache; "
+                "appends of several tokens are checked before anything is written")
 
     @property
     def num_tokens(self) -> int:
@@ -210,8 +242,10 @@ class QuantizedKVCache:
     def append(self, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
         """Add ``T`` tokens, ``k_new`` and ``v_new`` of shape [batch, kv_heads, T, head_dim].
 
-        All checks (shapes, dtype, device, capacity, NaN/Inf, scale overflow) run before any
-        counter moves: a rejected append leaves the cache as it was."""
+        All checks (shapes, dtype, device, capacity and, for several tokens, NaN/Inf and scale
+        overflow) run before any counter moves: a rejected append leaves the cache as it was. A
+        one-token append is checked by the kernel that quantizes it (the module's "Bad values")."""
+        self._raise_if_flagged()
         self._check_tokens("k_new", k_new)
         self._check_tokens("v_new", v_new)
         tokens = k_new.shape[2]
@@ -222,16 +256,27 @@ class QuantizedKVCache:
                              f"but capacity={self.capacity}; build the cache with a larger capacity or reset() it")
         if tokens == 0:
             return
-        # max |x| of both (NaN where one holds a NaN, inf for an Inf) in one fused op and one device sync
-        peaks = torch.stack(torch._foreach_norm([k_new, v_new], math.inf)).tolist()
-        for name, x, peak in (("k_new", k_new, peaks[0]), ("v_new", v_new, peaks[1])):
-            if not math.isfinite(peak):
-                check_finite(x, name)  # raises, naming the first NaN/Inf
-        self._max_abs = max(self._max_abs, *peaks)
+        # one token: the append kernel's flag (`_write_body`); more: max |x| of both (NaN where one holds a
+        # NaN, inf for an Inf) in one fused op and one device sync
+        self._deferred = tokens == 1 and self._append_mode != "reference"
+        if not self._deferred:
+            peaks = torch.stack(torch._foreach_norm([k_new, v_new], math.inf)).tolist()
+            for name, x, peak in (("k_new", k_new, peaks[0]), ("v_new", v_new, peaks[1])):
+                if not math.isfinite(peak):
+                    check_finite(x, name)  # raises, naming the first NaN/Inf
+            self._max_abs = max(self._max_abs, *peaks)
         if self._ring:
             self._append_ring(k_new, v_new, tokens)
-            return
+        else:
+            self._append_shift(k_new, v_new, tokens)
+        if self._flag_written:   # the flag's copy in host memory, no sync (read by the next call)
+            self._flag_written = False
+            if self._flag_host is not self._flag:
+                self._flag_host.copy_(self._flag, non_blocking=True)
 
+    def _append_shift(self, k_new: torch.Tensor, v_new: torch.Tensor, tokens: int) -> None:
+        """`append` (checked) with the recent window shifted: sink first, then whole units of the oldest
+        tokens to the body, the rest to the window's end."""
         n_sink = min(tokens, self.sink - self._sink_len)
         rest = tokens - n_sink
         total = self._recent_len + rest  # recent tokens before the flush
@@ -242,7 +287,7 @@ class QuantizedKVCache:
         # 1. flush into the body (writes past body_len only: invisible until the counters move)
         if flush:
             for name, new in (("k", k_new), ("v", v_new)):
-                src = new[:, :, n_sink:n_sink + from_new]
+                src = new if from_new == tokens else new[:, :, n_sink:n_sink + from_new]
                 if from_recent:
                     old = self._plain[name][:, :, self.sink:self.sink + from_recent]
                     src = torch.cat([old, src], dim=2) if from_new else old
@@ -328,33 +373,36 @@ class QuantizedKVCache:
         if enc is None:
             body[:, :, self._body_len:self._body_len + n] = src
             return
+        deferred = self._deferred   # one token: the kernel flags a scale or zero that is not finite
         # exact overflow check only when some value could overflow the scale dtype (rare)
-        if self._append_mode == "reference" or self._max_abs > self._safe_abs[name]:
+        if self._append_mode == "reference" or (not deferred and self._max_abs > self._safe_abs[name]):
             append_quantized(body, src, self._body_len, target=self.target, check=self._max_abs > self._safe_abs[name])
             return
         # the cache's own storage and checked tokens: the kernel's launch, without append_quantized's checks
         if src.stride(-1) != 1:
             src = src.contiguous()
-        key = (name, n, src.dtype)
+        key = (name, n, src.dtype, deferred)
         launch = self._append_launches.get(key)
         if launch is None:
             if len(self._append_launches) >= 64:   # a prefill's flushes come in many sizes
                 self._append_launches.clear()
             launch = self._append_launches[key] = plan_append(
                 enc, body.shape[1], body.shape[3], src.shape[0], n, src.dtype == torch.bfloat16, False, 0, False,
-                self._append_mode == "interpret")
+                self._append_mode == "interpret", deferred)
+        flag = self._flag if deferred else None
+        self._flag_written |= deferred
         if self._append_mode != "native" or os.environ.get("TRITON_INTERPRET"):
-            run_append(launch, body, src, self._body_len, None)
+            run_append(launch, body, src, self._body_len, None, flag=flag)
             return
         # a write seen before with these strides: the compiled kernel with the addresses and the offset alone
-        bkey = (name, n, src.dtype, src.stride())
+        bkey = (name, n, src.dtype, src.stride(), deferred)
         state = self._append_bindings.get(bkey, launch)
         if type(state) is tuple and state:
             codes = body.codes.data_ptr()
             if state[0]((src.data_ptr(), codes, body.scale.data_ptr(), body.zero.data_ptr(), codes, codes, codes,
-                         codes), (self._body_len,)):
+                         codes, flag.data_ptr() if deferred else codes), (self._body_len,)):
                 return
-        kernel, args, kwargs = append_arguments(launch, body, src, self._body_len, None)
+        kernel, args, kwargs = append_arguments(launch, body, src, self._body_len, None, flag=flag)
         kernel[launch.grid](*args, **kwargs)
         self._append_bindings.note(bkey, launch, state,
                                    lambda: (kernel.bind(launch.grid, args, kwargs, dynamic=(OFFSET_ARG,)),))
@@ -392,6 +440,7 @@ class QuantizedKVCache:
 
         Returns ``[batch, num_q_heads, head_dim]`` in q's dtype (float64 for target="reference"),
         and the float32 log-sum-exp per head with ``return_lse=True``."""
+        self._raise_if_flagged()
         if not isinstance(q, torch.Tensor):
             raise InputTypeError(f"q must be a torch.Tensor [batch, num_q_heads, head_dim], got {type(q).__name__}")
         want = (self.batch, self.spec.num_q_heads, self.spec.head_dim)

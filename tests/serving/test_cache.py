@@ -294,6 +294,43 @@ def test_a_rejected_append_leaves_the_cache_as_it_was():
     track.check_attention(gen)
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("kv,window,steps", [(("token:2:32", "token:4:16"), 0, 0), (("token:2:32", "token:4:16"), 3, 3),
+                                              (("channel:2:16", "token:2:32"), 0, 7)])
+def test_a_one_token_append_of_nan_or_inf_is_reported_by_the_next_call(kv, window, steps, bad):
+    """One-token appends read nothing back from the device: the append kernel that quantizes a token into the
+    body flags a scale or zero that is not finite, and from then on every append and attention raises, and
+    check() does, until reset(). A token kept plain (the window, a channel-wise group still filling) is
+    flagged when it moves to the body."""
+    from foldc.encoding import parse_affine
+
+    spec = foldc.AttentionSpec(4, 2, 32, *(parse_affine(t) for t in kv))
+    gen = torch.Generator().manual_seed(31)
+    cache = QuantizedKVCache(spec, 2, 48, window=window, target="interpret")
+    cache.append(*_tokens(cache, 8, gen))
+    k, v = _tokens(cache, 1, gen)
+    (k if window else v)[1, 0, 0, 7] = bad
+    cache.append(k, v)                     # no sync: the cache's next call raises
+    taken = 0   # one-token steps until the token reaches the body: the window's, or the group's rest (9th of 16)
+    while taken <= 20:
+        try:
+            cache.check()
+        except InputError:
+            break
+        cache.append(*_tokens(cache, 1, gen))
+        taken += 1
+    assert taken == steps
+    q = torch.randn(2, 4, 32, generator=gen).half()
+    for call in (cache.check, lambda: cache.attention(q), lambda: cache.append(*_tokens(cache, 1, gen))):
+        with pytest.raises(InputError, match="a one-token append held NaN or Inf, or a value whose scale or zero "
+                                             "overflows"):
+            call()
+    cache.reset()
+    cache.append(*_tokens(cache, 3, gen))
+    cache.append(*_tokens(cache, 1, gen))
+    assert torch.isfinite(cache.attention(q)).all()
+
+
 def test_scale_overflow_at_flush_is_rejected_without_changing_the_cache():
     gen = torch.Generator().manual_seed(15)
     spec = foldc.AttentionSpec(2, 1, 16, A(4, "token", 16), None)
@@ -386,6 +423,8 @@ def test_body_writes_bind_their_launch_and_pass_the_offset_per_call(monkeypatch)
         body = cache._body[name]
         codes = body.codes.data_ptr()
         assert [values for _, values in b.calls] == [(2,), (3,), (4,)]
-        assert all(addresses[1:] == (codes, body.scale.data_ptr(), body.zero.data_ptr(), codes, codes, codes, codes)
+        assert all(addresses[1:] == (codes, body.scale.data_ptr(), body.zero.data_ptr(), codes, codes, codes, codes,
+                                     cache._flag.data_ptr())   # one-token appends: the kernel's NaN/Inf flag
                    for addresses, _ in b.calls)
+    assert all(args[8] is cache._flag for args in kernel.launches)
     assert cache.body_tokens == 5

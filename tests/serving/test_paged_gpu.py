@@ -285,6 +285,37 @@ def test_a_gpu_cache_rejects_nan_and_inf_in_either_operand_and_keeps_its_tokens(
     assert cache.num_tokens == 20 and torch.equal(cache.attention(q), before)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_a_one_token_nan_on_the_gpu_is_flagged_without_a_sync(dtype):
+    """Decode steps read nothing back: with sync debug mode set to error, one-token appends (bound launches
+    from the third on) and attention run; a NaN token is flagged by the append kernel, its flag reaches host
+    memory without a sync, and once the GPU has run it every call of the cache raises, until reset()."""
+    spec = foldc.AttentionSpec(8, 2, 128, foldc.Affine(4, "token", 128), foldc.Affine(2, "token", 64))
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    cache = QuantizedKVCache(spec, 2, 64, device="cuda", dtype=dtype)
+    cache.append(*(torch.randn(2, 2, 9, 128, device="cuda", dtype=dtype, generator=gen) for _ in range(2)))
+    q = torch.randn(2, 8, 128, device="cuda", dtype=dtype, generator=gen)
+    steps = [[torch.randn(2, 2, 1, 128, device="cuda", dtype=dtype, generator=gen) for _ in range(2)]
+             for _ in range(5)]
+    steps[4][1][0, 1, 0, 100] = float("nan")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for k1, v1 in steps:
+            cache.append(k1, v1)
+            cache.attention(q)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    with pytest.raises(foldc.InputError, match="a one-token append held NaN or Inf"):
+        cache.attention(q)
+    with pytest.raises(foldc.InputError, match="a one-token append held NaN or Inf"):
+        cache.check()
+    cache.reset()
+    cache.append(*steps[0])
+    assert torch.isfinite(cache.attention(q)).all()
+
+
 @pytest.mark.parametrize("kv", [("token:4:128", "token:2:64"), ("token:2:32", "channel:2:16")])
 def test_one_token_appends_through_bound_launches_write_what_quantize_gives(kv):
     """A decode loop's body writes: from the third write of one shape on, the append kernel is launched bound,
