@@ -2,6 +2,8 @@
 on examples/hf_decode.py's model (H200; evidence for docs/perf.md, not a test).
 
     PYTHONPATH=. python3 benchmarks/hf_step_profile.py --new 64 --out $OUT/hf_profile.txt [--long --weight k-group:4:128]
+
+Both caches' generate are profiled, foldc's first, each by own time and by cumulative time.
 """
 from __future__ import annotations
 
@@ -70,16 +72,18 @@ def main() -> int:
         run(make(), impl, 4)
         took = run(make(), impl, args.new)
         lines.append(f"{label}: {took / args.new * 1e3:.2f} ms per token ({args.new} new tokens)")
-    prof = cProfile.Profile()
-    cache = foldc_cache()
-    prof.enable()
-    example.generate(fmodel, cache, ids, args.new, fhf.ATTN_IMPLEMENTATION)
-    torch.cuda.synchronize()
-    prof.disable()
-    for order in ("tottime", "cumulative"):
-        text = io.StringIO()
-        pstats.Stats(prof, stream=text).sort_stats(order).print_stats(35)
-        lines.append(text.getvalue())
+    for label, make, impl in (("foldc", foldc_cache, fhf.ATTN_IMPLEMENTATION),
+                              ("default", lambda: DynamicCache(config=model.config), "sdpa")):
+        prof = cProfile.Profile()
+        cache = make()
+        prof.enable()
+        example.generate(fmodel if impl == fhf.ATTN_IMPLEMENTATION else model, cache, ids, args.new, impl)
+        torch.cuda.synchronize()
+        prof.disable()
+        for order in ("tottime", "cumulative"):
+            text = io.StringIO()
+            pstats.Stats(prof, stream=text).sort_stats(order).print_stats(35)
+            lines.append(f"==== {label}, by {order}\n" + text.getvalue())
     Path(args.out).write_text("\n".join(lines))
     print("\n".join(lines[:2]))
     return 0

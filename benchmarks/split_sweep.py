@@ -41,7 +41,7 @@ def main() -> int:
             probe = foldc.compile(spec, "sm_90", kernel="gluon", **opts)
             launch = probe.launch_config(q.dtype, b, n)
             resident = probe.resident(launch, q.dtype, False, 0, q.device)
-            n_regs = launch[("registers", q.dtype, False, 0)]
+            n_regs = launch[("registers", False, 0)]
             groups = b * 8 // probe.heads
             seen = set()
             for w in [None] + [float(x) for x in args.waves.split(",")]:   # None: the launcher's own choice

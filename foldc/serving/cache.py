@@ -162,6 +162,7 @@ class QuantizedKVCache:
         self._flag_host = (torch.zeros(1, dtype=torch.int32, pin_memory=True) if self.device.type == "cuda"
                            else self._flag)
         self._flag_seen = self._flag_host.numpy()
+        self._flag_copied = False   # a non_blocking copy of the flag was issued since the last reset
         self.reset()
 
     def _allocate_body(self, enc):
@@ -198,6 +199,9 @@ class QuantizedKVCache:
         self._max_abs = 0.0  # largest |value| appended since reset (decides the overflow check)
         self._deferred = False   # this append: checked by the append kernel's flag (one token, native kernels)
         self._flag_written = False   # this append: a body write stored to the flag
+        if self._flag_copied:   # a copy of the old flag still on its way would land on the zero below
+            torch.cuda.synchronize(self.device)
+            self._flag_copied = False
         self._flag.zero_()
         if self._flag_host is not self._flag:
             self._flag_host.zero_()
@@ -273,6 +277,7 @@ class QuantizedKVCache:
             self._flag_written = False
             if self._flag_host is not self._flag:
                 self._flag_host.copy_(self._flag, non_blocking=True)
+                self._flag_copied = True
 
     def _append_shift(self, k_new: torch.Tensor, v_new: torch.Tensor, tokens: int) -> None:
         """`append` (checked) with the recent window shifted: sink first, then whole units of the oldest

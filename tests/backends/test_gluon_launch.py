@@ -152,8 +152,9 @@ def test_residency_compiles_each_variant_once_for_every_bucket(monkeypatch, tmp_
     for tokens in (65536, 65537, 65538):          # three buckets, one variant
         launch = attn.launch_config(torch.bfloat16, 8, tokens)
         splits, _ = attn.split_plan(launch, 8, tokens, "cuda", torch.bfloat16, False, 0)
-        assert launch[("registers", torch.bfloat16, False, 0)] == 168
+        assert launch[("registers", False, 0)] == 168
         assert attn.resident(launch, torch.bfloat16, False, 0, "cuda") == 12     # 168 registers: 12 per SM
+        assert attn.resident(launch, torch.float16, False, 0, "cuda") == 12      # fp16 queries: the same build's
         assert splits == 49                                                       # 0.99 waves of 12 x 132
     assert compiles == [(False, 0)]
     attn.split_plan(attn.launch_config(torch.bfloat16, 8, 65536), 8, 65536, "cuda", torch.bfloat16, True, 16)
