@@ -214,3 +214,38 @@ def test_channel_groups_split_the_same_matrix_work(build, reports):
     assert loop["global_loads"] == 4 * block_n // 8, loop
     assert loop["l2_prefetches"] == 0, loop
     assert loop["model_lane_slots_per_byte"] == pytest.approx(loop["lane_slots_per_byte"], rel=0.05), loop
+
+
+PLAIN_SCRIPT = r"""
+import json, sys
+import foldc
+from foldc.backends.gluon.aot import compile_gluon_aot
+root, out = sys.argv[1], []
+enc = foldc.Affine(2, "token", 128)
+for name, k, v in (("plain-v", enc, None), ("plain-k", None, enc)):
+    for arch in ("sm_90", "sm_100"):
+        for dtype in ("bf16", "fp16"):
+            spec = foldc.AttentionSpec(32, 8, 128, k, v)
+            r = compile_gluon_aot(spec, arch, f"{root}/{name}-{arch}-{dtype}", dtype=dtype)
+            out.append(dict(name=name, arch=arch, dtype=dtype, registers=r["registers"], mma=r["mma"],
+                            loop=r["inner_loop"]))
+print(json.dumps(out))
+"""
+
+
+def test_a_plain_side_builds_in_the_queries_dtype(tmp_path):
+    """fp16 queries read a plain side as fp16 words (kernel.py's PDT, the query's element type): each build
+    of both dtypes, sm_90 and sm_100, keeps mma.sync on register operands, no spills in the token loop, and
+    the bf16 build's register count and HMMA count."""
+    env = native_env(tmp_path / "triton")
+    done = subprocess.run([sys.executable, "-c", PLAIN_SCRIPT, str(tmp_path)], env=env, capture_output=True,
+                          text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(rows) == 8
+    by = {(r["name"], r["arch"], r["dtype"]): r for r in rows}
+    for r in rows:
+        assert r["mma"]["mma.sync"] > 0 and r["loop"]["local_memory"] == 0, r
+        twin = by[(r["name"], r["arch"], "bf16")]
+        assert r["registers"] == twin["registers"], (r, twin)
+        assert r["loop"]["top_opcodes"].get("HMMA") == twin["loop"]["top_opcodes"].get("HMMA"), (r, twin)
