@@ -17,10 +17,12 @@ sit next to each other in one buffer) by log-sum-exp (`foldc.merge_attention`, e
 carry no position here (rotary embeddings are applied before caching), so the split into parts
 does not change the result.
 
-Bad values: an append of several tokens (a prefill) is checked for NaN/Inf and scale overflow before
-anything is written (one device sync). A one-token append (a decode step) reads nothing back: the
-append kernel that quantizes a token into the body stores a flag where a scale or zero is not finite,
-copied to host memory without a sync, and the cache's next call (or `QuantizedKVCache.check`) raises.
+Bad values: an append of several tokens (a prefill), or one that fills the sink, is checked for NaN/Inf
+and scale overflow before anything is written (one device sync). Any other one-token append (a decode
+step) reads nothing back: the append kernel that quantizes a token into the body stores a flag where a
+scale or zero is not finite, copied to host memory without a sync, and the cache's next call (or
+`QuantizedKVCache.check`) raises; a token the window or a filling channel-wise group keeps plain is
+flagged when it moves to the body.
 """
 from __future__ import annotations
 
@@ -260,9 +262,10 @@ class QuantizedKVCache:
                              f"but capacity={self.capacity}; build the cache with a larger capacity or reset() it")
         if tokens == 0:
             return
-        # one token: the append kernel's flag (`_write_body`); more: max |x| of both (NaN where one holds a
-        # NaN, inf for an Inf) in one fused op and one device sync
-        self._deferred = tokens == 1 and self._append_mode != "reference"
+        # one token past the sink: the append kernel's flag (`_write_body`; a token of the sink is never
+        # quantized); else max |x| of both (NaN where one holds a NaN, inf for an Inf) in one fused op and one
+        # device sync
+        self._deferred = tokens == 1 and self._sink_len >= self.sink and self._append_mode != "reference"
         if not self._deferred:
             peaks = torch.stack(torch._foreach_norm([k_new, v_new], math.inf)).tolist()
             for name, x, peak in (("k_new", k_new, peaks[0]), ("v_new", v_new, peaks[1])):

@@ -331,6 +331,20 @@ def test_a_one_token_append_of_nan_or_inf_is_reported_by_the_next_call(kv, windo
     assert torch.isfinite(cache.attention(q)).all()
 
 
+def test_a_one_token_append_into_the_sink_is_checked_at_once():
+    """A sink token is never quantized (no kernel could flag it): one-token appends that fill the sink keep
+    the check before the write, naming the index, and leave the cache as it was."""
+    gen = torch.Generator().manual_seed(32)
+    cache = QuantizedKVCache(foldc.AttentionSpec(4, 2, 32, A(2, "token", 32), A(2, "token", 32)), 1, 16, sink=2,
+                             target="interpret")
+    cache.append(*_tokens(cache, 1, gen))
+    k, v = _tokens(cache, 1, gen)
+    k[0, 1, 0, 5] = float("nan")
+    with pytest.raises(InputError, match=r"k_new holds NaN or Inf \(first at index \[0, 1, 0, 5\]\)"):
+        cache.append(k, v)
+    assert cache.num_tokens == 1 and cache.sink_tokens == 1
+
+
 def test_scale_overflow_at_flush_is_rejected_without_changing_the_cache():
     gen = torch.Generator().manual_seed(15)
     spec = foldc.AttentionSpec(2, 1, 16, A(4, "token", 16), None)
