@@ -173,10 +173,12 @@ needs_cli = pytest.mark.skipif(not _has_compile_command(), reason="foldc/cli.py 
 
 @needs_cli
 def test_cli_compile(tmp_path):
+    """The generated Triton kernel for fp16 queries (`--kernel triton`: with auto the register-operand kernel
+    builds fp16 too, tests/backends/test_gluon_aot.py)."""
     out = tmp_path / "build"
     proc = subprocess.run([sys.executable, "-m", "foldc", "compile", "--k", "token:2:128", "--v", "channel:2:128",
                            "--heads", "32/8", "--head-dim", "128", "--target", "sm_100", "--dtype", "fp16",
-                           "--block-n", "32", "--out", str(out)],
+                           "--block-n", "32", "--kernel", "triton", "--out", str(out)],
                           cwd=ROOT, env=_env(str(tmp_path / "cache")), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "proof of plan {'qk': 'acc-fold', 'pv': 'acc-fold'}: exact" in proc.stdout
