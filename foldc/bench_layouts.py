@@ -16,8 +16,8 @@ For every layout of a grid (K and V encodings, query / KV heads, head_dim) it bu
   with the cuDNN backend (bf16 cache, enable_gqa) on the same heads and shape, and the HBM read
   ceiling measured once in the same run (`foldc.bench.stream_read_ceiling`).
 
-Per layout it reports the kernel that ran each query dtype (``type(attn).__name__``), µs, % of the ceiling on the bytes the kernel must read
-(codes + scales + zeros + query + output, `must_read`), the speed-up over cuDNN, "x ideal" (that
+Per layout it reports the kernel that ran each query dtype (``type(attn).__name__``), µs, % of the
+ceiling on the bytes the kernel must read (codes + scales + zeros + query + output, `must_read`), the speed-up over cuDNN, "x ideal" (that
 speed-up over the byte ratio of a bf16 cache to this layout's, `speed`), the errors and the bar.
 A layout that foldc refuses (a `foldc.FoldError`, e.g. a token-wise group that does not divide
 head_dim) is listed as refused with its message.

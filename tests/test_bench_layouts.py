@@ -139,6 +139,9 @@ def test_meets_bar_is_two_times_plain_attention():
     assert not bl.meets_bar({**ok, "error": float("nan")})
     assert bl.meets_bar({"unwritten": 0, "error": 1.1e-5, "plain_error": 1e-6})   # 2e-6 + the noise floor 1e-5
     assert not bl.meets_bar({"unwritten": 0, "error": 1.3e-5, "plain_error": 1e-6})
+    # a row held to plain bf16 attention's error (the register-operand kernel's fp16 queries): bar_error rules
+    fp16 = {"unwritten": 0, "error": 5e-4, "plain_error": 2e-4, "bar_error": 1.8e-3}
+    assert bl.meets_bar(fp16) and not bl.meets_bar({**fp16, "bar_error": 2e-4})
 
 
 def _check(kernel: str, error: float, plain: float) -> dict:
