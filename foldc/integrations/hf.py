@@ -104,6 +104,7 @@ class FoldcLayer(CacheLayerMixin):
         self.spec, self.max_cache_len, self.sink, self.window, self.target = spec, max_cache_len, sink, window, target
         self.cache: QuantizedKVCache | None = None
         self.mask_checked = False   # a padding mask is refused at the first step that shows one
+        self.module_checked = None   # the attention module whose attributes (learned sinks) were checked
 
     def __repr__(self) -> str:
         return f"FoldcLayer({self.cache!r})" if self.cache is not None else f"FoldcLayer({self.spec.describe()}, empty)"
@@ -145,7 +146,9 @@ class FoldcLayer(CacheLayerMixin):
                 keys, values = key_states, value_states
             cache.append(key_states, value_states)
             step = "prefill"
-        keys = keys.view(keys.shape)  # a fresh tensor object to carry the tag
+        if step == "prefill":
+            keys = keys.view(keys.shape)  # a fresh tensor object to carry the tag
+        # a decode step's key is the model's own new tensor: tagged as it is (a view costs a torch call per layer)
         setattr(keys, _TAG, (self, step))
         return keys, values
 
@@ -303,10 +306,28 @@ def foldc_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
         if kwargs.get(name) is not None:
             raise SpecError(f"{name}={kwargs[name]!r}: foldc attention supports plain softmax attention over the "
                             "whole cache only")
-    if getattr(module, "sinks", None) is not None:
-        raise SpecError("the attention module has learned sinks; foldc attention does not support them")
     if kwargs.get("output_attentions"):
         raise SpecError("output_attentions=True: foldc attention does not return attention weights")
+    layer, step = getattr(key, _TAG, (None, None))
+    # a module's attributes are read once per layer (a missing attribute of an nn.Module costs an exception)
+    if layer is None or layer.module_checked is not module:
+        if getattr(module, "sinks", None) is not None:
+            raise SpecError("the attention module has learned sinks; foldc attention does not support them")
+        if layer is not None:
+            layer.module_checked = module
+    if step == "decode":   # a FoldcCache's decode step: the fused kernel over the layer's whole cache
+        if query.shape[2] != 1:
+            raise InputError(f"a decode step of FoldcCache appended 1 token but the query holds {query.shape[2]}")
+        # the mask is read once per cache (a read waits for the GPU): generate extends a mask that had no
+        # padding with ones, so a layer whose prefill (or first decode step) passed needs no second look
+        if attention_mask is not None and not layer.mask_checked:
+            if not bool(_allowed(attention_mask).all()):
+                raise InputError(_PADDING)
+            layer.mask_checked = True
+        if scaling is None:
+            scaling = query.shape[3] ** -0.5
+        out = layer.cache.attention(query[:, :, 0].contiguous(), sm_scale=scaling)  # [batch, heads, head_dim]
+        return out.to(query.dtype).unsqueeze(1), None
     batch, heads, q_len, head_dim = query.shape
     kv_heads, kv_len = key.shape[1], key.shape[2]
     if heads % kv_heads:
@@ -319,21 +340,8 @@ def foldc_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
     # taken once: a stale slot (a forward after the static cache's, with another cache) must not be read
     static = slot.take(module.layer_idx) if slot is not None else None
     if (static is not None and q_len == 1 and kv_len == 1 and static.is_initialized
-            and (torch.compiler.is_compiling() or getattr(key, _TAG, None) is None)):
+            and (torch.compiler.is_compiling() or layer is None)):
         return static.attention(query, scaling), None
-    layer, step = getattr(key, _TAG, (None, None))
-
-    if step == "decode":
-        if q_len != 1:
-            raise InputError(f"a decode step of FoldcCache appended 1 token but the query holds {q_len}")
-        # the mask is read once per cache (a read waits for the GPU): generate extends a mask that had no
-        # padding with ones, so a layer whose prefill (or first decode step) passed needs no second look
-        if attention_mask is not None and not layer.mask_checked:
-            if not bool(_allowed(attention_mask).all()):
-                raise InputError(_PADDING)
-            layer.mask_checked = True
-        out = layer.cache.attention(query[:, :, 0].contiguous(), sm_scale=scaling)  # [batch, heads, head_dim]
-        return out.to(query.dtype).unsqueeze(1), None
 
     if layer is not None and attention_mask is not None:
         causal = _causal(q_len, kv_len, query.device)

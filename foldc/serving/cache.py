@@ -36,6 +36,7 @@ from ..backends.runtime.fast_launch import Bindings
 from ..backends.runtime.launch import Scratch
 from ..compile import TARGETS as COMPILE_TARGETS
 from ..compile import compile as compile_attention
+from ..decisions import GroupAxis
 from ..targets import detect_target
 from ..encoding import AffineTensor, scale_shape
 from ..errors import InputError, InputTypeError, SpecError
@@ -83,6 +84,27 @@ def check_new_tokens(name: str, x, batch: int, spec, dtype: torch.dtype, device:
         raise InputError(f"{name} dtype={x.dtype} but the cache was built with dtype={dtype}; pass {name}.to({dtype})")
     if x.device != device:
         raise InputError(f"{name} is on {x.device} but the cache is on {device}; move it there")
+
+
+class _DeviceView:
+    """``__cuda_array_interface__`` of an int32 host tensor's memory, for `mapped_flag`."""
+
+    def __init__(self, host: torch.Tensor):
+        self.__cuda_array_interface__ = {"shape": tuple(host.shape), "typestr": "<i4", "strides": None,
+                                         "data": (host.data_ptr(), False), "version": 3}
+
+
+def mapped_flag(host: torch.Tensor, device: torch.device) -> torch.Tensor | None:
+    """A CUDA tensor over the memory of ``host`` (pinned int32), which a kernel on ``device`` writes straight
+    into host memory (unified addressing: pinned memory is mapped for every device at its host address), or
+    None where that is not so (then the caller copies a device flag)."""
+    if not host.is_pinned():
+        return None
+    try:
+        view = torch.as_tensor(_DeviceView(host), device=device)
+    except (RuntimeError, TypeError, ValueError):
+        return None
+    return view if view.data_ptr() == host.data_ptr() and view.device == device else None
 
 
 @functools.lru_cache(maxsize=64)
@@ -158,13 +180,19 @@ class QuantizedKVCache:
         self._append_mode = resolve_target(target, self.device) if target != "reference" else "reference"
         self._append_launches: dict = {}
         self._append_bindings = Bindings(64)   # the body writes' bound launches (the offset given per call)
-        # one-token appends: the append kernels' flag (1: a scale or zero written that is not finite) on the
-        # device, and its copy in host memory, refreshed after each such append without a sync
-        self._flag = torch.zeros(1, dtype=torch.int32, device=self.device)
+        # keys and values of one token-wise encoding: one append launch writes both (`_write_bodies`)
+        self._pair = spec.k is not None and spec.k == spec.v and GroupAxis.of(spec.k) is GroupAxis.CHANNEL
+        # one-token appends: the append kernels' flag (1: a scale or zero written that is not finite). On a GPU
+        # it lives in pinned host memory that the kernels write through its device address (`mapped_flag`):
+        # the host reads it with no copy and no sync; else (no mapping) a device flag copied after each append
         self._flag_host = (torch.zeros(1, dtype=torch.int32, pin_memory=True) if self.device.type == "cuda"
-                           else self._flag)
+                           else torch.zeros(1, dtype=torch.int32))
+        mapped = mapped_flag(self._flag_host, self.device) if self.device.type == "cuda" else None
+        self._flag_mapped = mapped is not None
+        self._flag = (mapped if mapped is not None else self._flag_host if self.device.type == "cpu"
+                      else torch.zeros(1, dtype=torch.int32, device=self.device))
         self._flag_seen = self._flag_host.numpy()
-        self._flag_copied = False   # a non_blocking copy of the flag was issued since the last reset
+        self._flag_copied = False   # since the last reset: a copy of the flag issued, or (mapped) a flagging write
         self.reset()
 
     def _allocate_body(self, enc):
@@ -201,18 +229,20 @@ class QuantizedKVCache:
         self._max_abs = 0.0  # largest |value| appended since reset (decides the overflow check)
         self._deferred = False   # this append: checked by the append kernel's flag (one token, native kernels)
         self._flag_written = False   # this append: a body write stored to the flag
-        if self._flag_copied:   # a copy of the old flag still on its way would land on the zero below
+        if self._flag_copied:   # an old flag's copy (or a kernel's write) still on its way would land on the zero
             torch.cuda.synchronize(self.device)
             self._flag_copied = False
-        self._flag.zero_()
-        if self._flag_host is not self._flag:
-            self._flag_host.zero_()
+        self._flag_host.zero_()
+        if not self._flag_mapped and self._flag is not self._flag_host:
+            self._flag.zero_()
 
     def check(self) -> None:
         """Raise InputError if a one-token append wrote a scale or zero that is not finite (reads the
         append kernels' flag from the device: a sync). Each call of the cache raises the same way
         without a sync, once the flag's copy has reached host memory."""
-        if int(self._flag.item()):
+        if self._flag_mapped:   # every kernel's write has landed
+            torch.cuda.synchronize(self.device)
+        elif int(self._flag.item()):
             self._flag_host.fill_(1)
         self._raise_if_flagged()
 
@@ -276,9 +306,11 @@ class QuantizedKVCache:
             self._append_ring(k_new, v_new, tokens)
         else:
             self._append_shift(k_new, v_new, tokens)
-        if self._flag_written:   # the flag's copy in host memory, no sync (read by the next call)
+        if self._flag_written:   # the flag in host memory, no sync (read by the next call)
             self._flag_written = False
-            if self._flag_host is not self._flag:
+            if self._flag_mapped:   # the kernel writes it there itself
+                self._flag_copied = True
+            elif self._flag_host is not self._flag:
                 self._flag_host.copy_(self._flag, non_blocking=True)
                 self._flag_copied = True
 
@@ -294,12 +326,14 @@ class QuantizedKVCache:
 
         # 1. flush into the body (writes past body_len only: invisible until the counters move)
         if flush:
+            srcs = []
             for name, new in (("k", k_new), ("v", v_new)):
                 src = new if from_new == tokens else new[:, :, n_sink:n_sink + from_new]
                 if from_recent:
                     old = self._plain[name][:, :, self.sink:self.sink + from_recent]
                     src = torch.cat([old, src], dim=2) if from_new else old
-                self._write_body(name, src)
+                srcs.append(src)
+            self._write_bodies(*srcs)
         # 2. sink, then the recent window (kept tokens shift to the front of the window)
         keep = self._recent_len - from_recent
         for name, new in (("k", k_new), ("v", v_new)):
@@ -346,15 +380,17 @@ class QuantizedKVCache:
         from_recent = min(flush, count)
         from_new = flush - from_recent
         arrive = rest - from_new
-        for name, new in (("k", k_new), ("v", v_new)):
-            plain = self._plain[name]
-            if flush:   # writes past body_len only: invisible until the counters move
-                parts = self._ring_parts(plain, 0, from_recent) if from_recent else []
+        if flush:   # writes past body_len only: invisible until the counters move
+            srcs = []
+            for name, new in (("k", k_new), ("v", v_new)):
+                parts = self._ring_parts(self._plain[name], 0, from_recent) if from_recent else []
                 if from_new:
                     parts.append(new[:, :, n_sink:n_sink + from_new] if n_sink or from_new < tokens else new)
-                self._write_body(name, parts[0] if len(parts) == 1 else torch.cat(parts, dim=2))
-            if n_sink:
-                plain[:, :, self._sink_len:self._sink_len + n_sink] = new[:, :, :n_sink]
+                srcs.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=2))
+            self._write_bodies(*srcs)
+        if n_sink:
+            for name, new in (("k", k_new), ("v", v_new)):
+                self._plain[name][:, :, self._sink_len:self._sink_len + n_sink] = new[:, :, :n_sink]
         self._ring_head = (self._ring_head + from_recent) % self.window
         count -= from_recent
         if arrive:
@@ -375,42 +411,66 @@ class QuantizedKVCache:
             return plain[:, :, self.sink:self.sink + self._recent_len]
         return torch.cat(self._ring_parts(plain, 0, self._recent_len), dim=2)
 
+    def _write_bodies(self, k_src: torch.Tensor, v_src: torch.Tensor) -> None:
+        """`_write_body` of the keys and then the values; one launch for both where they share a token-wise
+        encoding and strides and the append kernel's checks suffice (the pair launch)."""
+        if (self._pair and k_src.stride() == v_src.stride() and k_src.dtype == v_src.dtype
+                and self._append_mode != "reference" and (self._deferred or self._max_abs <= self._safe_abs["k"])):
+            if k_src.stride(-1) != 1:
+                k_src, v_src = k_src.contiguous(), v_src.contiguous()
+            self._launch_write("k", k_src, v_src)
+            return
+        self._write_body("k", k_src)
+        self._write_body("v", v_src)
+
     def _write_body(self, name: str, src: torch.Tensor) -> None:
         body, enc = self._body[name], getattr(self.spec, name)
         n = src.shape[2]
         if enc is None:
             body[:, :, self._body_len:self._body_len + n] = src
             return
-        deferred = self._deferred   # one token: the kernel flags a scale or zero that is not finite
         # exact overflow check only when some value could overflow the scale dtype (rare)
-        if self._append_mode == "reference" or (not deferred and self._max_abs > self._safe_abs[name]):
+        if self._append_mode == "reference" or (not self._deferred and self._max_abs > self._safe_abs[name]):
             append_quantized(body, src, self._body_len, target=self.target, check=self._max_abs > self._safe_abs[name])
             return
-        # the cache's own storage and checked tokens: the kernel's launch, without append_quantized's checks
         if src.stride(-1) != 1:
             src = src.contiguous()
-        key = (name, n, src.dtype, deferred)
+        self._launch_write(name, src)
+
+    def _launch_write(self, name: str, src: torch.Tensor, second: torch.Tensor | None = None) -> None:
+        """The append kernel's launch of ``src`` into body ``name`` at the body's end, without append_quantized's
+        checks (the cache's own storage and checked tokens); ``second``: the values, written by the same launch
+        into the value body (`_write_bodies`)."""
+        body = self._body[name]
+        n, deferred, pair = src.shape[2], self._deferred, second is not None
+        key = (name, n, src.dtype, deferred, pair)
         launch = self._append_launches.get(key)
         if launch is None:
             if len(self._append_launches) >= 64:   # a prefill's flushes come in many sizes
                 self._append_launches.clear()
             launch = self._append_launches[key] = plan_append(
-                enc, body.shape[1], body.shape[3], src.shape[0], n, src.dtype == torch.bfloat16, False, 0, False,
-                self._append_mode == "interpret", deferred)
-        flag = self._flag if deferred else None
+                getattr(self.spec, name), body.shape[1], body.shape[3], src.shape[0], n, src.dtype == torch.bfloat16,
+                False, 0, False, self._append_mode == "interpret", deferred, pair)
+        flag = self._flag if deferred else None   # one token: the kernel flags a scale or zero that is not finite
         self._flag_written |= deferred
+        other = (self._body["v"], second) if pair else None
         if self._append_mode != "native" or os.environ.get("TRITON_INTERPRET"):
-            run_append(launch, body, src, self._body_len, None, flag=flag)
+            run_append(launch, body, src, self._body_len, None, flag=flag, second=other)
             return
         # a write seen before with these strides: the compiled kernel with the addresses and the offset alone
-        bkey = (name, n, src.dtype, src.stride(), deferred)
+        bkey = (name, n, src.dtype, src.stride(), deferred, pair)
         state = self._append_bindings.get(bkey, launch)
         if type(state) is tuple and state:
             codes = body.codes.data_ptr()
+            if pair:
+                v_body = self._body["v"]
+                tail = (second.data_ptr(), v_body.codes.data_ptr(), v_body.scale.data_ptr(), v_body.zero.data_ptr())
+            else:
+                tail = (codes, codes, codes, codes)
             if state[0]((src.data_ptr(), codes, body.scale.data_ptr(), body.zero.data_ptr(), codes, codes, codes,
-                         codes, flag.data_ptr() if deferred else codes), (self._body_len,)):
+                         codes, flag.data_ptr() if deferred else codes, *tail), (self._body_len,)):
                 return
-        kernel, args, kwargs = append_arguments(launch, body, src, self._body_len, None, flag=flag)
+        kernel, args, kwargs = append_arguments(launch, body, src, self._body_len, None, flag=flag, second=other)
         kernel[launch.grid](*args, **kwargs)
         self._append_bindings.note(bkey, launch, state,
                                    lambda: (kernel.bind(launch.grid, args, kwargs, dynamic=(OFFSET_ARG,)),))
@@ -469,15 +529,19 @@ class QuantizedKVCache:
         scale = check_sm_scale(sm_scale, self.spec.head_dim)
 
         def part(name, attention, k, v, n):
-            lens = self._lengths(name, n)
             if self.target == "reference":
-                return attention(q, k, v, sm_scale=scale, seq_lens=lens, return_lse=True)
+                return attention(q, k, v, sm_scale=scale, seq_lens=self._lengths(name, n), return_lse=True)
             # the cache's own tensors: the launch is planned once per shape and run without re-checking them
             out = torch.empty(want, dtype=torch.float32 if wide else q.dtype, device=self.device)
-            launch = attention.plan_launch(q.dtype, self.batch, k.shape[2], self.device, has_lens=True, k=k, v=v)
+            # every row holds n tokens: a launch without lengths takes n per call (no lengths tensor to refill);
+            # a backend whose kernel reads lengths plans with them (`Launch.has_lens`)
+            launch = attention.plan_launch(q.dtype, self.batch, k.shape[2], self.device, has_lens=False, k=k, v=v)
             # the buffers of this part's last call on this stream, unless the lse goes to the caller
             workspace, lse = self._scratch[name].get(launch, self.device, want[:2], fresh=return_lse)
-            attention.run(launch, q, k, v, out, lse, scale, seq_lens=lens, workspace=workspace)
+            if launch.has_lens:
+                attention.run(launch, q, k, v, out, lse, scale, seq_lens=self._lengths(name, n), workspace=workspace)
+            else:
+                attention.run(launch, q, k, v, out, lse, scale, workspace=workspace, tokens=n)
             return out, lse
         parts = []
         if self._body_len:

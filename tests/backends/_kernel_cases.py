@@ -85,11 +85,12 @@ def check_graph_replay(attn, spec, seed: int) -> None:
 class BoundRecorder:
     """Stands in for a `fast_launch.Bound`: records the addresses it is given, launches if ``ok``."""
 
-    def __init__(self, grid=None):
-        self.grid, self.calls, self.ok = grid, [], True
+    def __init__(self, grid=None, dynamic=()):
+        self.grid, self.dynamic, self.calls, self.values, self.ok = grid, dynamic, [], [], True
 
-    def __call__(self, addresses) -> bool:
+    def __call__(self, addresses, values=()) -> bool:
         self.calls.append(tuple(addresses))
+        self.values.append(tuple(values))
         return self.ok
 
 
@@ -103,9 +104,9 @@ class LaunchRecorder:
     def __getitem__(self, grid):
         return lambda *args, **kwargs: self.launches.append((grid, args))
 
-    def bind(self, grid, args, kwargs):
+    def bind(self, grid, args, kwargs, dynamic=()):
         self.binds += 1
         if not self.bindable:
             return None
-        self.bound.append(BoundRecorder(grid))
+        self.bound.append(BoundRecorder(grid, dynamic))
         return self.bound[-1]

@@ -266,8 +266,9 @@ def test_eager_launches_are_noted_then_bound_then_launched_by_address(monkeypatc
     launches both kernels the ordinary way and notes them, the second binds them, later ones give the bound
     launches the call's addresses (the decode kernel's 14 in its order, the merge's five) and launch nothing
     else. A bound launch that declines (a misaligned tensor) sends that call the ordinary way, the merge's
-    alone where only it declines; another softmax scale or cache length is another launch, noted anew."""
-    from foldc.backends.gluon.launch import _decode_addresses
+    alone where only it declines; another cache length takes the same bound launches (the count given per call),
+    another softmax scale is another launch, noted anew."""
+    from foldc.backends.gluon.launch import TOKENS_ARG, _decode_addresses
     from foldc.backends.runtime.launch import allocate_workspace
 
     spec = _spec(2)
@@ -300,10 +301,12 @@ def test_eager_launches_are_noted_then_bound_then_launched_by_address(monkeypatc
     bound_decode.ok = False
     call()
     assert (len(decode.launches), len(merge.launches)) == (3, 4)
-    for scale, tokens in ((0.2, 256), (0.1, 200)):
-        call(scale, tokens)
-        assert len(decode.bound) == 1   # noted, not yet bound
-    assert (len(decode.launches), len(merge.launches)) == (5, 6)
+    bound_decode.ok = bound_merge.ok = True
+    call(0.1, 200)   # another cache length: the same bound launches, the token count given per call
+    assert (len(decode.launches), len(merge.launches)) == (3, 4)
+    assert bound_decode.dynamic == (TOKENS_ARG,) and bound_decode.values == [(256,)] * 5 + [(200,)]
+    call(0.2, 256)   # another softmax scale: another launch, noted, not yet bound
+    assert len(decode.bound) == 1 and (len(decode.launches), len(merge.launches)) == (4, 5)
 
 
 def test_the_generated_kernels_eager_launches_are_bound_too(monkeypatch):

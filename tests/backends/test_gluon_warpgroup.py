@@ -67,6 +67,7 @@ def test_eager_launches_are_noted_then_bound_then_launched_by_address(monkeypatc
     want = (q.data_ptr(), k.codes.data_ptr(), k.scale.data_ptr(), k.zero.data_ptr(), v.codes.data_ptr(),
             v.scale.data_ptr(), v.zero.data_ptr(), q.data_ptr(), *(t.data_ptr() for t in ws))
     assert bound.calls == [want] * 2
+    assert bound.dynamic == (19,) and bound.values == [(256,)] * 2   # the token count, given per call
     assert bound_merge.calls == [(*(t.data_ptr() for t in ws), out.data_ptr(), lse.data_ptr())] * 2
     bound_merge.ok = False
     launcher.run(launch, q, k, v, None, 0.1, out, lse, ws, merge)
@@ -119,7 +120,7 @@ def test_matches_float64_with_ragged_lengths(heads):
     """Fresh random inputs, a 1-token sequence, partial last tiles, splits that end mid-tile; out= poisoned."""
     spec = spec_from_args("token:2:128", "token:2:128", heads, 128)
     attn = foldc.compile(spec, "sm_90")
-    assert attn.bf16.warpgroup is not None
+    assert attn.warpgroup is not None
     r = run_with_lens(attn, spec, [3001, 1, 1500, 2047], 3008, torch.bfloat16, "cuda", seed=sum(map(ord, heads)))
     assert r.unwritten == 0
     assert r.error <= TOLERANCE * r.bf16_error, (r.error, r.bf16_error)

@@ -390,6 +390,59 @@ def test_an_append_plan_is_memoised_and_sized_from_the_shapes(layout, bits, grou
         assert consts["BLOCK_T"] == min(BLOCK_T_CHANNEL, group)
 
 
+def _pair_write(enc, head_dim, batch, heads, tokens, capacity, offset, dtype, gen, device="cpu"):
+    """Keys and values written by one pair launch (`plan_append(..., pair=True)`) into poisoned storage:
+    (before k, before v, after k, after v, k, v)."""
+    from foldc.serving.append import plan_append, run_append
+
+    before = [poisoned(enc, batch, heads, capacity, head_dim, gen) for _ in range(2)]
+    dsts = [AffineTensor(d.codes.clone().to(device), d.scale.clone().to(device), d.zero.clone().to(device), enc,
+                         head_dim) for d in before]
+    # keys and values as a model makes them: views of one transposed projection each
+    k, v = (values((batch, tokens, heads, head_dim), "normal", dtype, gen, enc.bits).to(device).transpose(1, 2)
+            for _ in range(2))
+    launch = plan_append(enc, heads, head_dim, batch, tokens, dtype == torch.bfloat16, False, 0, False,
+                         device == "cpu", False, True)
+    run_append(launch, dsts[0], k, offset, None, second=(dsts[1], v))
+    return before, dsts, k.cpu(), v.cpu()
+
+
+@settings(max_examples=25, deadline=None)
+@given(bits_=st.sampled_from([2, 4, 8]), group=st.sampled_from([16, 32, 64]), scale_dtype=st.sampled_from(SCALE_DTYPES),
+       batch=st.integers(1, 2), heads=st.integers(1, 3), tokens=st.integers(1, 20), spare=st.integers(0, 6),
+       seed=st.integers(0, 2**31 - 1))
+def test_one_pair_launch_writes_keys_and_values_as_quantize_does(bits_, group, scale_dtype, batch, heads, tokens, spare,
+                                                                 seed):
+    """The pair launch (the serving cache's one-token steps, K and V of one token-wise encoding): the second half
+    of the grid writes the values into their own storage, each operand foldc.quantize's bits at the offset and
+    nothing else touched (interpreter, fp16)."""
+    gen = torch.Generator().manual_seed(seed)
+    enc = A(bits_, "token", group, scale_dtype)
+    offset = int(torch.randint(0, spare + 1, (), generator=gen))
+    before, dsts, k, v = _pair_write(enc, 64, batch, heads, tokens, tokens + spare, offset, torch.float16, gen)
+    for b, d, x in zip(before, dsts, (k, v)):
+        assert_same_bits(d, expected(b, x, [offset] * batch))
+
+
+def test_a_pair_launch_takes_token_wise_encodings_only():
+    from foldc.serving.append import plan_append
+
+    with pytest.raises(ValueError, match="token-wise"):
+        plan_append(A(4, "channel", 16), 2, 64, 1, 16, False, False, 0, False, True, False, True)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("enc", [A(4, "token", 32), A(2, "token", 128, torch.bfloat16), A(8, "token", 64, torch.float32)])
+def test_gpu_pair_launch_writes_keys_and_values_as_quantize_does(enc, dtype):
+    gen = torch.Generator().manual_seed(hash((enc.short(), str(dtype))) % 2**31)
+    before, dsts, k, v = _pair_write(enc, 128, 2, 4, 3, 9, 5, dtype, gen, device="cuda")
+    torch.cuda.synchronize()
+    for b, d, x in zip(before, dsts, (k, v)):
+        got = AffineTensor(d.codes.cpu(), d.scale.cpu(), d.zero.cpu(), enc, 128)
+        assert_same_bits(got, expected(b, x, [5, 5]))
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("enc", [A(4, "token", 32), A(2, "token", 128), A(2, "channel", 16), A(8, "token", 64)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

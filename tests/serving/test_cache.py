@@ -438,7 +438,42 @@ def test_body_writes_bind_their_launch_and_pass_the_offset_per_call(monkeypatch)
         codes = body.codes.data_ptr()
         assert [values for _, values in b.calls] == [(2,), (3,), (4,)]
         assert all(addresses[1:] == (codes, body.scale.data_ptr(), body.zero.data_ptr(), codes, codes, codes, codes,
-                                     cache._flag.data_ptr())   # one-token appends: the kernel's NaN/Inf flag
+                                     cache._flag.data_ptr(),   # one-token appends: the kernel's NaN/Inf flag
+                                     codes, codes, codes, codes)   # no pair: K and V encodings differ
                    for addresses, _ in b.calls)
     assert all(args[8] is cache._flag for args in kernel.launches)
     assert cache.body_tokens == 5
+
+
+def test_keys_and_values_of_one_encoding_go_in_one_launch(monkeypatch):
+    """K and V of one token-wise encoding: each step's body write is one launch of the pair kernel (the values'
+    four tensors after the flag, the grid's first axis doubled), bound from the second step like any write; a
+    channel-wise encoding, or two encodings, keep a launch each. Stand-in kernels; the bits are the interpreter's
+    (tests/serving/test_append.py) and the GPU's (tests/serving/test_paged_gpu.py)."""
+    from foldc.serving import append as append_module
+
+    kernels = {}
+    monkeypatch.setattr(append_module, "_fast", lambda name, interpret: kernels.setdefault(name, _KernelStandIn()))
+    enc = A(4, "token", 32)
+    cache = QuantizedKVCache(foldc.AttentionSpec(4, 2, 64, enc, enc), 2, 16, target="interpret")
+    cache._append_mode = "native"
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    gen = torch.Generator().manual_seed(4)
+    for _ in range(4):
+        cache.append(*_tokens(cache, 1, gen))
+    kernel = kernels["token"]
+    assert len(kernel.launches) == 2 and len(kernel.binds) == 1   # steps 0 and 1 keyed, bound at step 1
+    k_body, v_body = cache._body["k"], cache._body["v"]
+    for args in kernel.launches:
+        assert args[0].shape[2] == 1 and args[1] is k_body.codes
+        assert args[10] is v_body.codes and args[11].data_ptr() == v_body.scale.data_ptr()
+    (bound,), = cache._append_bindings.bound()
+    assert [values for _, values in bound.calls] == [(2,), (3,)]
+    assert all(addresses[9:] == (addresses[9], v_body.codes.data_ptr(), v_body.scale.data_ptr(),
+                                 v_body.zero.data_ptr()) and addresses[9] != addresses[0]
+               for addresses, _ in bound.calls)
+    launch = next(iter(cache._append_launches.values()))
+    assert launch.grid[0] == 2 * 2 * 2 and dict(launch.constants)["PAIR"]   # (k, v) x batch x kv heads
+    for k_enc, v_enc in ((A(4, "token", 32), A(2, "token", 32)), (A(4, "channel", 16), A(4, "channel", 16))):
+        other = QuantizedKVCache(foldc.AttentionSpec(4, 2, 64, k_enc, v_enc), 2, 16, target="interpret")
+        assert not other._pair

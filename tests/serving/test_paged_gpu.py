@@ -286,13 +286,19 @@ def test_a_gpu_cache_rejects_nan_and_inf_in_either_operand_and_keeps_its_tokens(
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_a_one_token_nan_on_the_gpu_is_flagged_without_a_sync(dtype):
+@pytest.mark.parametrize("v_enc", ["token:2:64", "token:4:128"], ids=["two launches", "pair"])
+def test_a_one_token_nan_on_the_gpu_is_flagged_without_a_sync(dtype, v_enc):
     """Decode steps read nothing back: with sync debug mode set to error, one-token appends (bound launches
-    from the third on) and attention run; a NaN token is flagged by the append kernel, its flag reaches host
-    memory without a sync, and once the GPU has run it every call of the cache raises, until reset()."""
-    spec = foldc.AttentionSpec(8, 2, 128, foldc.Affine(4, "token", 128), foldc.Affine(2, "token", 64))
+    from the third on; one pair launch for K and V of one encoding) and attention run; a NaN token is flagged
+    by the append kernel straight into host memory (the flag is pinned host memory the kernel writes through
+    its device address), and once the GPU has run it every call of the cache raises, until reset()."""
+    from foldc.encoding import parse_affine
+
+    spec = foldc.AttentionSpec(8, 2, 128, foldc.Affine(4, "token", 128), parse_affine(v_enc))
     gen = torch.Generator(device="cuda").manual_seed(7)
     cache = QuantizedKVCache(spec, 2, 64, device="cuda", dtype=dtype)
+    assert cache._flag_mapped and cache._flag.is_cuda and cache._flag.data_ptr() == cache._flag_host.data_ptr()
+    assert cache._pair == (v_enc == "token:4:128")
     cache.append(*(torch.randn(2, 2, 9, 128, device="cuda", dtype=dtype, generator=gen) for _ in range(2)))
     q = torch.randn(2, 8, 128, device="cuda", dtype=dtype, generator=gen)
     steps = [[torch.randn(2, 2, 1, 128, device="cuda", dtype=dtype, generator=gen) for _ in range(2)]
@@ -301,9 +307,10 @@ def test_a_one_token_nan_on_the_gpu_is_flagged_without_a_sync(dtype):
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        for k1, v1 in steps:
+        for k1, v1 in steps[:4]:
             cache.append(k1, v1)
             cache.attention(q)
+        cache.append(*steps[4])   # the NaN (the next call raises once the kernel's flag has landed: not yet read)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
@@ -316,7 +323,8 @@ def test_a_one_token_nan_on_the_gpu_is_flagged_without_a_sync(dtype):
     assert torch.isfinite(cache.attention(q)).all()
 
 
-@pytest.mark.parametrize("kv", [("token:4:128", "token:2:64"), ("token:2:32", "channel:2:16")])
+@pytest.mark.parametrize("kv", [("token:4:128", "token:2:64"), ("token:2:32", "channel:2:16"),
+                                ("token:4:32", "token:4:32")])
 def test_one_token_appends_through_bound_launches_write_what_quantize_gives(kv):
     """A decode loop's body writes: from the third write of one shape on, the append kernel is launched bound,
     the token offset given per call (`FastLaunch.bind(dynamic=...)`). Every token's codes, scales and zeros
@@ -345,3 +353,37 @@ def test_one_token_appends_through_bound_launches_write_what_quantize_gives(kv):
     ref = foldc.attention_reference(q, k_body, v_body, seq_lens=seq)
     bar = rel_l2(bf16_attention(q, k_body, v_body, 128 ** -0.5, seq), ref)
     assert rel_l2(cache.attention(q), ref) <= 2 * bar + 1e-4
+
+
+@pytest.mark.parametrize("kv,heads,window", [("token:4:128", "16/4", 0), ("token:2:128", "64/2", 0),
+                                             ("token:4:32", "32/8", 3), ("channel:4:32", "32/8", 0)],
+                         ids=["int4", "int2 warpgroup", "int4 g32 window", "channel-wise"])
+def test_attention_at_every_length_through_one_launch_plan(kv, heads, window):
+    """A decode loop's attention: one launch plan for the whole loop, the token count given to the bound kernels
+    per call (no lengths tensor), every step within the bf16 bar of float64 over the cache's dequantized tokens
+    (the warpgroup template at 32 query rows per KV head too)."""
+    from foldc.encoding import parse_affine
+
+    enc = parse_affine(kv)
+    q_heads, kv_heads = (int(x) for x in heads.split("/"))
+    spec = foldc.AttentionSpec(q_heads, kv_heads, 128, enc, enc)
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    cache = QuantizedKVCache(spec, 1, 512, window=window, device="cuda", dtype=torch.bfloat16)
+    cache.append(*(torch.randn(1, kv_heads, 40, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+                   for _ in range(2)))
+    for step in range(24):
+        cache.append(*(torch.randn(1, kv_heads, 1, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+                       for _ in range(2)))
+        q = torch.randn(1, q_heads, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+        got = cache.attention(q)
+        k, v = cache.dequantized()
+        ref = foldc.compile(foldc.AttentionSpec(q_heads, kv_heads, 128), "reference")(q, k, v, sm_scale=128 ** -0.5)
+        seq = torch.full((1,), k.shape[2], dtype=torch.int32, device="cuda")
+        bar = rel_l2(bf16_attention(q, k, v, 128 ** -0.5, seq), ref)
+        assert rel_l2(got, ref) <= 2 * bar + 1e-4, f"step {step}"
+    body = cache._body_attention
+    if type(body).__name__ == "GluonAttention":
+        assert len(body._launches) >= 1 and all(not launch.has_lens for launch in body._launches.values())
+        bound = body._bindings.bound() + (body.warpgroup._bindings.bound() if body.warpgroup else [])
+        assert bound, "the body's attention was never bound"
+    assert "body" not in cache._lens, "the body's attention filled a lengths tensor"

@@ -27,9 +27,10 @@ POINTERS = {"Q": "*bf16", "KC": "*i32", "KS": "*fp16", "KZ": "*fp16", "VC": "*i3
             "KV_INDICES": "*i32", "COUNTERS": "*i32"}
 SCALE_POINTERS = ("KS", "KZ", "VS", "VZ")
 SCALE_TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
-# runtime ints the JIT sees as multiples of 16 for caches whose token count is a multiple of 16
+# runtime ints the JIT sees as multiples of 16 for caches whose token count is a multiple of 16 (not
+# cache_tokens: the kernel does not specialise on it)
 ALIGNED_INTS = ("stride_qb", "stride_qh", "stride_kb", "stride_kh", "stride_ksb", "stride_ksh", "stride_vb",
-                "stride_vh", "stride_vsb", "stride_vsh", "tokens_per_split", "cache_tokens")
+                "stride_vh", "stride_vsb", "stride_vsh", "tokens_per_split")
 # the scale tensors' stride along tokens (token-wise: 1) or token groups (channel-wise: head_dim)
 GROUP_STRIDES = ("stride_ksn", "stride_vsn")
 

@@ -26,6 +26,7 @@ from .warpgroup_launch import WarpgroupLaunch, warpgroup_applies
 from .operands import KEY_EXPONENT, VALUE_EXPONENT, key_unpack_asm, value_unpack_asm
 
 _DATA_PTR = torch.Tensor.data_ptr
+TOKENS_ARG = 28   # the position of ``cache_tokens`` in the decode kernel's arguments (given per call when bound)
 DTYPES = (torch.bfloat16, torch.float16)   # lower.QUERY_DTYPES, each held to plain bf16 attention's error
 TUNED_OPTIONS = {"block_n", "stages", "maxnreg", "split_factor", "heads"}   # what a tuned bucket sets
 # Hopper's register file and block limits, for the resident programs of one SM (resident_programs)
@@ -385,17 +386,21 @@ class GluonAttention:
         return launch
 
     def run(self, launch: Launch, q, k, v, out, lse, sm_scale: float, *, seq_lens=None, workspace=None,
-            paged: tuple | None = None) -> None:
+            paged: tuple | None = None, tokens: int | None = None) -> None:
         """Launch ``launch`` (from `plan_launch`) into ``out`` and ``lse``, no checks and no host sync (callers
         validate): ``seq_lens`` int32 device lengths where the launch has them, ``workspace`` its
         three float32 buffers (allocated here if None), ``paged`` (kv_indptr, kv_indices) when k and
-        v are page pools (foldc/serving/paged.py)."""
+        v are page pools (foldc/serving/paged.py). ``tokens``: for a contiguous launch without lengths, the
+        tokens every sequence holds (0 .. ``launch.cache_tokens``; by default all of them): a cache that grows
+        a token per step runs one launch plan and one bound launch at every length, with no lengths tensor
+        to refill (the kernels take the count per call, unspecialised)."""
         ws = workspace if workspace is not None else allocate_workspace(launch, q.device)
+        count = launch.cache_tokens if tokens is None else tokens
         if launch.kernel == "gluon-warpgroup":
-            self.warpgroup.run(launch, q, k, v, seq_lens, sm_scale, out, lse, ws, self._launchers()[1])
+            self.warpgroup.run(launch, q, k, v, seq_lens, sm_scale, out, lse, ws, self._launchers()[1], count)
             return
         self.launch(launch.options, q, k, v, seq_lens, ws, out, lse, sm_scale, launch.per_split, launch.splits,
-                    launch.cache_tokens, None if paged is None else (*paged, launch.page))
+                    count, None if paged is None else (*paged, launch.page))
 
     def split_plan(self, launch: dict, batch: int, tokens: int, device, q_dtype: torch.dtype = torch.bfloat16,
                    has_lens: bool = False, page: int = 0) -> tuple[int, int]:
@@ -469,12 +474,13 @@ class GluonAttention:
         decode, merge = self._launchers()
         now_capturing = capturing(q)
         bindable = paged is None and not now_capturing and not _dynamic(launch)
-        if bindable:   # later calls with one launch's integers, strides and dtypes: its bound kernels
+        if bindable:   # later calls with one launch's integers, strides and dtypes: its bound kernels (the
+            # token count given per call: the kernel does not specialise on it)
             key = (id(launch), q.shape[0], q.stride(), side_key(k), side_key(v), out.stride(), out.dtype,
-                   None if lens is None else lens.dtype, sm_scale, per_split, splits, cache_tokens)
+                   None if lens is None else lens.dtype, sm_scale, per_split, splits)
             state = self._bindings.get(key, launch)
             if type(state) is tuple and run_bound(state, _decode_addresses(q, k, v, lens, ws), merge, ws, out, lse,
-                                                  self.config.q_per_kv * launch["heads"]):
+                                                  self.config.q_per_kv * launch["heads"], (cache_tokens,)):
                 return
         counters = None
         if _dynamic(launch):   # one tile counter per (batch, head group), zeroed each call
@@ -490,7 +496,7 @@ class GluonAttention:
                                                                pdl=self.pdl and now_capturing)
         merge[merge_grid](*merge_args, **merge_kwargs)
         if bindable:
-            self._bindings.note(key, launch, state, lambda: (decode.bind(grid, args, kwargs),
+            self._bindings.note(key, launch, state, lambda: (decode.bind(grid, args, kwargs, dynamic=(TOKENS_ARG,)),
                                                               merge.bind(merge_grid, merge_args, merge_kwargs)))
 
     @staticmethod

@@ -202,7 +202,7 @@ def _tile_max(t, red_smem, ROWS: gl.constexpr, BN: gl.constexpr):
     return gl.convert_layout(gl.max(red_smem.load(exchange_layout(ROWS)), axis=0), gl.SliceLayout(0, acc_s))
 
 
-@gluon.jit
+@gluon.jit(do_not_specialize=["cache_tokens"])   # one build for every length (kernel.py's foldc_decode_gluon)
 def foldc_decode_warpgroup(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, stride_qb, stride_qh, stride_cb,
                            stride_ch, stride_sb, stride_sh, qk_scale, tokens_per_split, cache_tokens,
                            HAS_LENS: gl.constexpr, ROWS: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr):

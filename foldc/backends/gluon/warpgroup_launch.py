@@ -96,10 +96,13 @@ class WarpgroupLaunch:
         return Launch("gluon-warpgroup", dtype, batch, self.spec.num_kv_heads, splits, per_split, BLOCK_N, tokens,
                       self.rows, 128, 0, has_lens)
 
-    def run(self, launch: Launch, q, k, v, lens, sm_scale: float, out, lse, workspace, merge) -> None:
+    def run(self, launch: Launch, q, k, v, lens, sm_scale: float, out, lse, workspace, merge,
+            tokens: int | None = None) -> None:
         """Launch the template and the merge for ``launch`` (``lens``: int32 device lengths or None; ``merge``:
-        the merge kernel behind `FastLaunch`). From the second eager call with one launch's integers, strides
-        and dtypes both go as bound launches (`Bindings`)."""
+        the merge kernel behind `FastLaunch`; ``tokens``: the tokens every sequence holds, by default the
+        launch's ``cache_tokens``). From the second eager call with one launch's integers, strides and dtypes
+        both go as bound launches (`Bindings`), the token count given per call."""
+        tokens = launch.cache_tokens if tokens is None else tokens
         if self._kernel is None:
             from .warpgroup import foldc_decode_warpgroup
 
@@ -112,18 +115,19 @@ class WarpgroupLaunch:
             if type(state) is tuple and run_bound(state, (
                     q.data_ptr(), k.codes.data_ptr(), k.scale.data_ptr(), k.zero.data_ptr(), v.codes.data_ptr(),
                     v.scale.data_ptr(), v.zero.data_ptr(), (q if lens is None else lens).data_ptr(),
-                    *map(_DATA_PTR, workspace)), merge, workspace, out, lse, self.rows):
+                    *map(_DATA_PTR, workspace)), merge, workspace, out, lse, self.rows, (tokens,)):
                 return
         kc, vc = k.codes.view(torch.int32), v.codes.view(torch.int32)
         args = (q, kc, k.scale, k.zero, vc, v.scale, v.zero, q if lens is None else lens, *workspace, q.stride(0),
                 q.stride(1), kc.stride(0), kc.stride(1), k.scale.stride(0) // SCALE_ROW,
-                k.scale.stride(1) // SCALE_ROW, sm_scale * 1.4426950408889634, launch.per_split, launch.cache_tokens)
+                k.scale.stride(1) // SCALE_ROW, sm_scale * 1.4426950408889634, launch.per_split, tokens)
         kwargs = self._keywords(lens is not None)
         self._kernel[launch.grid](*args, **kwargs)
         merge_grid, merge_args, merge_kwargs = merge_arguments(*workspace, out, lse, self.rows)
         merge[merge_grid](*merge_args, **merge_kwargs)
         if bindable:
-            self._bindings.note(key, launch, state, lambda: (self._kernel.bind(launch.grid, args, kwargs),
+            self._bindings.note(key, launch, state, lambda: (self._kernel.bind(launch.grid, args, kwargs,
+                                                                               dynamic=(len(args) - 1,)),
                                                               merge.bind(merge_grid, merge_args, merge_kwargs)))
 
     def _keywords(self, has_lens: bool) -> dict:

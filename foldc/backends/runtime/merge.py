@@ -72,11 +72,12 @@ def launch_merge(merge_kernel, ws_m, ws_l, ws_acc, out, lse, q_per_kv: int, pdl:
     merge_kernel[grid](*args, **kwargs)
 
 
-def run_bound(state, decode_addresses: tuple, merge_kernel, ws, out, lse, q_per_kv: int) -> bool:
-    """A call's bound decode and merge launches (a `fast_launch.Bindings` state) with its addresses: True where
-    the decode went bound (the merge bound too, or through ``merge_kernel`` where its bound launch declines),
-    False where the call takes the ordinary path (nothing bound yet, or the decode's bound launch declines)."""
-    if type(state) is not tuple or not state or not state[0](decode_addresses):
+def run_bound(state, decode_addresses: tuple, merge_kernel, ws, out, lse, q_per_kv: int, values: tuple = ()) -> bool:
+    """A call's bound decode and merge launches (a `fast_launch.Bindings` state) with its addresses (and the
+    decode's integers given per call, ``values``): True where the decode went bound (the merge bound too, or
+    through ``merge_kernel`` where its bound launch declines), False where the call takes the ordinary path
+    (nothing bound yet, or the decode's bound launch declines)."""
+    if type(state) is not tuple or not state or not state[0](decode_addresses, values):
         return False
     if not state[1]((*(t.data_ptr() for t in ws), out.data_ptr(), lse.data_ptr())):
         launch_merge(merge_kernel, *ws, out, lse, q_per_kv)
