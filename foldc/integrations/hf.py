@@ -240,7 +240,9 @@ class FoldcCache(Cache):
         return f"{type(self).__name__}({self.spec.describe()}, layers={len(self.layers)}, max_cache_len={self._max_cache_len})"
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        impl = getattr(self.config, "_attn_implementation", None)
+        # read at each forward's first layer (a config attribute costs a few µs through transformers' lookups;
+        # the implementation does not change between a forward's layers)
+        impl = getattr(self.config, "_attn_implementation", None) if layer_idx == 0 else ATTN_IMPLEMENTATION
         if impl != ATTN_IMPLEMENTATION:
             raise SpecError(f"FoldcCache decodes through attn_implementation={ATTN_IMPLEMENTATION!r} but the model "
                             f"uses {impl!r}; import foldc.integrations.hf and call "
@@ -327,7 +329,7 @@ def foldc_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
         if scaling is None:
             scaling = query.shape[3] ** -0.5
         out = layer.cache.attention(query[:, :, 0].contiguous(), sm_scale=scaling)  # [batch, heads, head_dim]
-        return out.to(query.dtype).unsqueeze(1), None
+        return (out if out.dtype == query.dtype else out.to(query.dtype)).unsqueeze(1), None
     batch, heads, q_len, head_dim = query.shape
     kv_heads, kv_len = key.shape[1], key.shape[2]
     if heads % kv_heads:

@@ -459,8 +459,11 @@ def test_keys_and_values_of_one_encoding_go_in_one_launch(monkeypatch):
     cache._append_mode = "native"
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     gen = torch.Generator().manual_seed(4)
-    for _ in range(4):
-        cache.append(*_tokens(cache, 1, gen))
+    for _ in range(4):   # the key as the rotary embedding makes it (contiguous), the value a view of a transpose:
+        k, v = _tokens(cache, 1, gen)   # strides that differ along the one token only
+        v = torch.empty(v.shape[0], 1, v.shape[1], v.shape[3], dtype=v.dtype).copy_(v.transpose(1, 2)).transpose(1, 2)
+        assert k.stride() != v.stride()
+        cache.append(k, v)
     kernel = kernels["token"]
     assert len(kernel.launches) == 2 and len(kernel.binds) == 1   # steps 0 and 1 keyed, bound at step 1
     k_body, v_body = cache._body["k"], cache._body["v"]
