@@ -46,7 +46,9 @@ def main() -> int:
     cache = QuantizedKVCache(spec, 1, args.tokens + 4 * calls, sink=args.sink, window=args.window, device=dev,
                              dtype=dt)
     prefix = torch.randn(1, 4, args.tokens, 128, device=dev, dtype=dt, generator=gen)
-    k1, v1 = (torch.randn(1, 4, 1, 128, device=dev, dtype=dt, generator=gen) for _ in range(2))
+    # the new key as the rotary embedding makes it, the value a view of a transpose (as in transformers)
+    k1 = torch.randn(1, 4, 1, 128, device=dev, dtype=dt, generator=gen)
+    v1 = torch.randn(1, 1, 4, 128, device=dev, dtype=dt, generator=gen).transpose(1, 2)
     q = torch.randn(1, 16, 128, device=dev, dtype=dt, generator=gen)
 
     def refill():
@@ -64,10 +66,15 @@ def main() -> int:
     timed("append (k, v of one token)", lambda: cache.append(k1, v1))
     timed("  check_new_tokens x 2", lambda: (check_new_tokens("k_new", k1, 1, spec, dt, cache.device),
                                              check_new_tokens("v_new", v1, 1, spec, dt, cache.device)))
-    timed("  flag to host memory (non_blocking copy)", lambda: cache._flag_host.copy_(cache._flag, non_blocking=True))
-    timed("  peaks: stack(_foreach_norm(k, v))", lambda: torch.stack(torch._foreach_norm([k1, v1], math.inf)))
-    timed("  peaks + tolist (the sync)", lambda: torch.stack(torch._foreach_norm([k1, v1], math.inf)).tolist())
-    timed("  one body write (bound launch)", lambda: cache._write_body("k", k1))
+    timed("  the body write of k and v (one bound launch)", lambda: cache._write_bodies(k1, v1))
+    timed("  one operand's body write (bound launch)", lambda: cache._write_body("k", k1))
+    # what a step no longer does: copy a device flag to host memory (the kernel writes it there), check both
+    # operands for NaN/Inf with a sync (the kernel flags them)
+    flag = torch.zeros(1, dtype=torch.int32, device=dev)
+    timed("  (not made) a flag's copy to host memory (non_blocking)",
+          lambda: cache._flag_host.copy_(flag, non_blocking=True))
+    timed("  (not made) peaks: stack(_foreach_norm(k, v))", lambda: torch.stack(torch._foreach_norm([k1, v1], math.inf)))
+    timed("  (not made) peaks + tolist (the sync)", lambda: torch.stack(torch._foreach_norm([k1, v1], math.inf)).tolist())
     body = cache._body["k"]
     timed("  append_quantized, check=False", lambda: append_quantized(body, k1, cache.body_tokens, check=False))
     timed("attention", lambda: cache.attention(q))

@@ -309,6 +309,32 @@ def test_eager_launches_are_noted_then_bound_then_launched_by_address(monkeypatc
     assert len(decode.bound) == 1 and (len(decode.launches), len(merge.launches)) == (4, 5)
 
 
+def test_run_takes_the_token_count_per_call_within_its_launch(monkeypatch):
+    """`GluonAttention.run(..., tokens=n)` (the serving caches' steps): a launch planned without lengths runs
+    over n of its tokens, the count reaching the decode kernel as its cache_tokens argument; a count outside
+    0 .. the launch's tokens (an out-of-bounds read) and a count with page tables are refused by name."""
+    from foldc.backends.gluon.launch import TOKENS_ARG
+    from foldc.backends.runtime.launch import allocate_workspace
+
+    spec = _spec(2)
+    attn = _Resident(spec, resident=12)
+    decode, merge = LaunchRecorder(), LaunchRecorder()
+    monkeypatch.setattr(attn, "_launchers", lambda: (decode, merge))
+    gen = torch.Generator().manual_seed(3)
+    q, k, v, _ = foldc.testing.random_inputs(spec, 1, 512, torch.float16, "cpu", gen)
+    launch = attn.plan_launch(torch.bfloat16, 1, 512, torch.device("cpu"), has_lens=False)
+    assert not launch.has_lens and launch.cache_tokens == 512
+    ws = allocate_workspace(launch, "cpu")
+    out, lse = torch.empty(1, 32, 128, dtype=q.dtype), torch.empty(1, 32)
+    for n in (0, 1, 300, 512):
+        attn.run(launch, q, k, v, out, lse, 0.1, workspace=ws, tokens=n)
+    assert [args[TOKENS_ARG] for _, args in decode.launches] == [0, 1]   # then bound: the count per call
+    assert decode.bound[0].values == [(300,), (512,)]
+    for bad, paged in ((-1, None), (513, None), (10, (q, q))):
+        with pytest.raises(foldc.InputError, match=f"tokens={bad}"):
+            attn.run(launch, q, k, v, out, lse, 0.1, workspace=ws, tokens=bad, paged=paged)
+
+
 def test_the_generated_kernels_eager_launches_are_bound_too(monkeypatch):
     """`TritonAttention.run` (the generated kernel: plain parts of the caches, fp16 queries) on stand-in
     kernels: its tensors come first in the generated signature; the second call with a launch's integers

@@ -396,6 +396,9 @@ class GluonAttention:
         to refill (the kernels take the count per call, unspecialised)."""
         ws = workspace if workspace is not None else allocate_workspace(launch, q.device)
         count = launch.cache_tokens if tokens is None else tokens
+        if not 0 <= count <= launch.cache_tokens or paged is not None and tokens is not None:
+            raise InputError(f"tokens={tokens}: a launch planned for {launch.cache_tokens} cached tokens runs over 0 .. "
+                             f"{launch.cache_tokens} of them (contiguous caches only; pass seq_lens for pages)")
         if launch.kernel == "gluon-warpgroup":
             self.warpgroup.run(launch, q, k, v, seq_lens, sm_scale, out, lse, ws, self._launchers()[1], count)
             return
