@@ -179,6 +179,8 @@ class QuantizedKVCache:
         # kernel's workspace between calls
         self._lens: dict = {}
         self._scratch = {"body": Scratch(), "plain": Scratch()}
+        self._part_launches: dict = {}   # (part, query dtype) -> its attention's Launch
+        self._q_shape = (self.batch, spec.num_q_heads, spec.head_dim)
         # the body's appends: the largest |value| below which no group can overflow its scale dtype (above
         # it, the exact check of append_quantized), and the append kernel's launch per (operand, tokens)
         self._safe_abs = {name: safe_abs_limit(enc.scale_dtype) for name in ("k", "v")
@@ -308,7 +310,10 @@ class QuantizedKVCache:
                 if not math.isfinite(peak):
                     check_finite(x, name)  # raises, naming the first NaN/Inf
             self._max_abs = max(self._max_abs, *peaks)
-        if self._ring:
+        if self._deferred and not self.window and self.unit == 1:   # a decode step: the token goes to the body
+            self._write_bodies(k_new, v_new)
+            self._body_len += 1
+        elif self._ring:
             self._append_ring(k_new, v_new, tokens)
         else:
             self._append_shift(k_new, v_new, tokens)
@@ -460,10 +465,11 @@ class QuantizedKVCache:
         flag = self._flag if deferred else None   # one token: the kernel flags a scale or zero that is not finite
         self._flag_written |= deferred
         other = (self._body["v"], second) if pair else None
-        if self._append_mode != "native" or os.environ.get("TRITON_INTERPRET"):
+        if self._append_mode != "native":
             run_append(launch, body, src, self._body_len, None, flag=flag, second=other)
             return
         # a write seen before with these strides: the compiled kernel with the addresses and the offset alone
+        # (bound in native mode only)
         bkey = (name, n, src.dtype, src.stride(), deferred, pair)
         state = self._append_bindings.get(bkey, launch)
         if type(state) is tuple and state:
@@ -476,6 +482,9 @@ class QuantizedKVCache:
             if state[0]((src.data_ptr(), codes, body.scale.data_ptr(), body.zero.data_ptr(), codes, codes, codes,
                          codes, flag.data_ptr() if deferred else codes, *tail), (self._body_len,)):
                 return
+        if os.environ.get("TRITON_INTERPRET"):
+            run_append(launch, body, src, self._body_len, None, flag=flag, second=other)
+            return
         kernel, args, kwargs = append_arguments(launch, body, src, self._body_len, None, flag=flag, second=other)
         kernel[launch.grid](*args, **kwargs)
         self._append_bindings.note(bkey, launch, state,
@@ -517,9 +526,9 @@ class QuantizedKVCache:
         self._raise_if_flagged()
         if not isinstance(q, torch.Tensor):
             raise InputTypeError(f"q must be a torch.Tensor [batch, num_q_heads, head_dim], got {type(q).__name__}")
-        want = (self.batch, self.spec.num_q_heads, self.spec.head_dim)
-        if tuple(q.shape) != want:
-            raise InputError(f"q shape={tuple(q.shape)} but this cache needs {want} (batch, num_q_heads, head_dim)")
+        if q.shape != self._q_shape:
+            raise InputError(f"q shape={tuple(q.shape)} but this cache needs {self._q_shape} (batch, num_q_heads, "
+                             "head_dim)")
         if self.target != "reference" and q.dtype != self.dtype:
             raise InputError(f"q dtype={q.dtype} but the cache holds {self.dtype} tokens; pass q.to({self.dtype})")
         if q.device != self.device:
@@ -533,27 +542,11 @@ class QuantizedKVCache:
         wide = bool(self._body_len and plain_len and self.target != "reference")
 
         scale = check_sm_scale(sm_scale, self.spec.head_dim)
-
-        def part(name, attention, k, v, n):
-            if self.target == "reference":
-                return attention(q, k, v, sm_scale=scale, seq_lens=self._lengths(name, n), return_lse=True)
-            # the cache's own tensors: the launch is planned once per shape and run without re-checking them
-            out = torch.empty(want, dtype=torch.float32 if wide else q.dtype, device=self.device)
-            # every row holds n tokens: a launch without lengths takes n per call (no lengths tensor to refill);
-            # a backend whose kernel reads lengths plans with them (`Launch.has_lens`)
-            launch = attention.plan_launch(q.dtype, self.batch, k.shape[2], self.device, has_lens=False, k=k, v=v)
-            # the buffers of this part's last call on this stream, unless the lse goes to the caller
-            workspace, lse = self._scratch[name].get(launch, self.device, want[:2], fresh=return_lse)
-            if launch.has_lens:
-                attention.run(launch, q, k, v, out, lse, scale, seq_lens=self._lengths(name, n), workspace=workspace)
-            else:
-                attention.run(launch, q, k, v, out, lse, scale, workspace=workspace, tokens=n)
-            return out, lse
         parts = []
         if self._body_len:
-            parts.append(part("body", self._body_attention, self._body["k"], self._body["v"], self._body_len))
+            parts.append(self._part("body", q, scale, wide, return_lse))
         if plain_len:  # sink and recent are one contiguous prefix of the plain buffer
-            parts.append(part("plain", self._plain_attention, self._plain["k"], self._plain["v"], plain_len))
+            parts.append(self._part("plain", q, scale, wide, return_lse))
         if len(parts) == 1:
             out, lse = parts[0]
         elif self.target == "reference":   # float64 parts, a float64 result
@@ -561,6 +554,30 @@ class QuantizedKVCache:
         else:   # one launch: eq. 14 over the two parts, written in q's dtype
             out, lse = merge_two_parts(parts[0], parts[1], q.dtype)
         return (out, lse) if return_lse else out
+
+    def _part(self, name: str, q: torch.Tensor, scale: float, wide: bool, return_lse: bool):
+        """(out, lse) of attention over part ``name`` ("body": the quantized tokens; "plain": sink and window)."""
+        if name == "body":
+            attention, k, v, n = self._body_attention, self._body["k"], self._body["v"], self._body_len
+        else:
+            attention, k, v, n = self._plain_attention, self._plain["k"], self._plain["v"], self._sink_len + self._recent_len
+        if self.target == "reference":
+            return attention(q, k, v, sm_scale=scale, seq_lens=self._lengths(name, n), return_lse=True)
+        # the cache's own tensors: the launch is planned once per part and query dtype (the buffers never change)
+        # and run without re-checking them; every row holds n tokens: a launch without lengths takes n per call
+        # (no lengths tensor to refill), a backend whose kernel reads lengths plans with them (`Launch.has_lens`)
+        launch = self._part_launches.get((name, q.dtype))
+        if launch is None:
+            launch = self._part_launches[(name, q.dtype)] = attention.plan_launch(
+                q.dtype, self.batch, k.shape[2], self.device, has_lens=False, k=k, v=v)
+        out = torch.empty(self._q_shape, dtype=torch.float32 if wide else q.dtype, device=self.device)
+        # the buffers of this part's last call on this stream, unless the lse goes to the caller
+        workspace, lse = self._scratch[name].get(launch, self.device, self._q_shape[:2], fresh=return_lse)
+        if launch.has_lens:
+            attention.run(launch, q, k, v, out, lse, scale, seq_lens=self._lengths(name, n), workspace=workspace)
+        else:
+            attention.run(launch, q, k, v, out, lse, scale, workspace=workspace, tokens=n)
+        return out, lse
 
     def __repr__(self) -> str:
         return (f"QuantizedKVCache({self.spec.describe()}, batch={self.batch}, capacity={self.capacity}, "
