@@ -89,7 +89,8 @@ def check_new_tokens(name: str, x, batch: int, spec, dtype: torch.dtype, device:
 def _same_strides(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether two tensors of one shape are laid out alike (the stride of a dim of size 1 is never used: a
     decode step's new key, made by the rotary embedding, and its value, a view of a transpose, differ there)."""
-    return all(x == y or n == 1 for x, y, n in zip(a.stride(), b.stride(), a.shape))
+    sa, sb = a.stride(), b.stride()
+    return sa == sb or all(x == y or n == 1 for x, y, n in zip(sa, sb, a.shape))
 
 
 class _DeviceView:
@@ -180,6 +181,7 @@ class QuantizedKVCache:
         self._lens: dict = {}
         self._scratch = {"body": Scratch(), "plain": Scratch()}
         self._part_launches: dict = {}   # (part, query dtype) -> its attention's Launch
+        self._write_addresses: dict = {}   # the body writes' bound launches: their storage's addresses
         self._q_shape = (self.batch, spec.num_q_heads, spec.head_dim)
         # the body's appends: the largest |value| below which no group can overflow its scale dtype (above
         # it, the exact check of append_quantized), and the append kernel's launch per (operand, tokens)
@@ -473,14 +475,19 @@ class QuantizedKVCache:
         bkey = (name, n, src.dtype, src.stride(), deferred, pair)
         state = self._append_bindings.get(bkey, launch)
         if type(state) is tuple and state:
-            codes = body.codes.data_ptr()
-            if pair:
+            # the storage's addresses never change (reset keeps it): made once per (operand, flag, pair)
+            fixed = self._write_addresses.get((name, deferred, pair))
+            if fixed is None:
+                codes = body.codes.data_ptr()
                 v_body = self._body["v"]
-                tail = (second.data_ptr(), v_body.codes.data_ptr(), v_body.scale.data_ptr(), v_body.zero.data_ptr())
-            else:
-                tail = (codes, codes, codes, codes)
-            if state[0]((src.data_ptr(), codes, body.scale.data_ptr(), body.zero.data_ptr(), codes, codes, codes,
-                         codes, flag.data_ptr() if deferred else codes, *tail), (self._body_len,)):
+                fixed = self._write_addresses[(name, deferred, pair)] = (
+                    (codes, body.scale.data_ptr(), body.zero.data_ptr(), codes, codes, codes, codes,
+                     flag.data_ptr() if deferred else codes),
+                    (v_body.codes.data_ptr(), v_body.scale.data_ptr(), v_body.zero.data_ptr()) if pair
+                    else (codes, codes, codes, codes))
+            addresses = ((src.data_ptr(), *fixed[0], second.data_ptr(), *fixed[1]) if pair
+                         else (src.data_ptr(), *fixed[0], *fixed[1]))
+            if state[0](addresses, (self._body_len,)):
                 return
         if os.environ.get("TRITON_INTERPRET"):
             run_append(launch, body, src, self._body_len, None, flag=flag, second=other)
