@@ -508,7 +508,7 @@ def plan_append(enc, heads: int, head_dim: int, batch: int, tokens: int, x_bf16:
         return AppendLaunch("token", ((2 if pair else 1) * batch * heads, math.ceil(tokens / block_t)), interpret,
                             tuple(common.items()))
     if pair:
-        raise ValueError("pair=True: one launch for two operands takes token-wise encodings only")
+        raise SpecError(f"pair=True with {enc.short()}: one launch for two operands takes token-wise encodings only")
     common.update(BLOCK_T=min(BLOCK_T_CHANNEL, 1 << (enc.group_size - 1).bit_length()))
     return AppendLaunch("channel", (batch * heads, tokens // enc.group_size), interpret, tuple(common.items()))
 

@@ -427,7 +427,7 @@ def test_one_pair_launch_writes_keys_and_values_as_quantize_does(bits_, group, s
 def test_a_pair_launch_takes_token_wise_encodings_only():
     from foldc.serving.append import plan_append
 
-    with pytest.raises(ValueError, match="token-wise"):
+    with pytest.raises(SpecError, match="token-wise"):
         plan_append(A(4, "channel", 16), 2, 64, 1, 16, False, False, 0, False, True, False, True)
 
 
