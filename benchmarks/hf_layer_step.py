@@ -18,7 +18,6 @@ back to back (`foldc.timing.back_to_back_us`, what generate sees). Both caches a
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import statistics
 import sys
@@ -45,10 +44,9 @@ def main() -> int:
     from transformers import DynamicCache
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    path = Path(__file__).resolve().parent.parent / "examples" / "hf_decode.py"
-    loader = importlib.util.spec_from_file_location("hf_decode", path)
-    example = importlib.util.module_from_spec(loader)
-    loader.loader.exec_module(example)
+    from hf_step_profile import load_example   # (benchmarks/: the script's own folder)
+
+    example = load_example()
     spare = 4096   # tokens each cache takes during the timing
     model = example.build_model("cuda", torch.bfloat16, layers=args.layers, hidden=2048, heads="16/4", head_dim=128,
                                 vocab=32000, positions=args.tokens + spare)

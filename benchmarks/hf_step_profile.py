@@ -19,6 +19,15 @@ from pathlib import Path
 import torch
 
 
+def load_example():
+    """examples/hf_decode.py as a module (its ``build_model`` and ``generate``)."""
+    path = Path(__file__).resolve().parent.parent / "examples" / "hf_decode.py"
+    spec = importlib.util.spec_from_file_location("hf_decode", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    return example
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--new", type=int, default=64)
@@ -35,10 +44,7 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
         return 2
-    path = Path(__file__).resolve().parent.parent / "examples" / "hf_decode.py"
-    spec = importlib.util.spec_from_file_location("hf_decode", path)
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
+    example = load_example()
     import foldc.integrations.hf as fhf
     from transformers import DynamicCache
 

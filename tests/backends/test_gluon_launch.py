@@ -261,6 +261,14 @@ def test_dynamic_split_plan_never_launches_more_programs_than_chunks(batch, toke
         assert used == min(splits, chunks)
 
 
+def _recorded(spec, monkeypatch):
+    """(a launcher of fixed residency, its decode and merge kernels as stand-ins that record their launches)."""
+    attn = _Resident(spec, resident=12)
+    decode, merge = LaunchRecorder(), LaunchRecorder()
+    monkeypatch.setattr(attn, "_launchers", lambda: (decode, merge))
+    return attn, decode, merge
+
+
 def test_eager_launches_are_noted_then_bound_then_launched_by_address(monkeypatch):
     """`GluonAttention.launch` on stand-in kernels (CPU tensors): the first call with a launch's integers
     launches both kernels the ordinary way and notes them, the second binds them, later ones give the bound
@@ -272,9 +280,7 @@ def test_eager_launches_are_noted_then_bound_then_launched_by_address(monkeypatc
     from foldc.backends.runtime.launch import allocate_workspace
 
     spec = _spec(2)
-    attn = _Resident(spec, resident=12)
-    decode, merge = LaunchRecorder(), LaunchRecorder()
-    monkeypatch.setattr(attn, "_launchers", lambda: (decode, merge))
+    attn, decode, merge = _recorded(spec, monkeypatch)
     gen = torch.Generator().manual_seed(9)
     q, k, v, _ = foldc.testing.random_inputs(spec, 2, 256, torch.float16, "cpu", gen)
     launch = attn.plan_launch(torch.bfloat16, 2, 256, torch.device("cpu"))
@@ -317,9 +323,7 @@ def test_run_takes_the_token_count_per_call_within_its_launch(monkeypatch):
     from foldc.backends.runtime.launch import allocate_workspace
 
     spec = _spec(2)
-    attn = _Resident(spec, resident=12)
-    decode, merge = LaunchRecorder(), LaunchRecorder()
-    monkeypatch.setattr(attn, "_launchers", lambda: (decode, merge))
+    attn, decode, merge = _recorded(spec, monkeypatch)
     gen = torch.Generator().manual_seed(3)
     q, k, v, _ = foldc.testing.random_inputs(spec, 1, 512, torch.float16, "cpu", gen)
     launch = attn.plan_launch(torch.bfloat16, 1, 512, torch.device("cpu"), has_lens=False)
