@@ -91,7 +91,7 @@ def check_call(spec: AttentionSpec, q, k, v, sm_scale, seq_lens,
         # the value check reads the lengths on the host; inside a CUDA-graph capture it cannot, and
         # the kernels clamp to the cache anyway (a length past the cache reads nothing beyond it)
         if not (lens.is_cuda and torch.cuda.is_current_stream_capturing()):
-            lo, hi = int(lens.min()), int(lens.max())
+            lo, hi = torch.stack(torch.aminmax(lens)).tolist()   # one read of the device, not two
             if lo < 1:
                 raise InputError(f"seq_lens holds {lo}; every sequence needs at least one token")
             if hi > nk:
