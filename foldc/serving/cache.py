@@ -181,6 +181,7 @@ class QuantizedKVCache:
         self._lens: dict = {}
         self._scratch = {"body": Scratch(), "plain": Scratch()}
         self._part_launches: dict = {}   # (part, query dtype) -> its attention's Launch
+        self._prepared: dict = {}   # (part, query dtype, softmax scale, stream) -> its attention's prepared run
         self._write_addresses: dict = {}   # the body writes' bound launches: their storage's addresses
         self._q_shape = (self.batch, spec.num_q_heads, spec.head_dim)
         # the body's appends: the largest |value| below which no group can overflow its scale dtype (above
@@ -578,6 +579,19 @@ class QuantizedKVCache:
             launch = self._part_launches[(name, q.dtype)] = attention.plan_launch(
                 q.dtype, self.batch, k.shape[2], self.device, has_lens=False, k=k, v=v)
         out = torch.empty(self._q_shape, dtype=torch.float32 if wide else q.dtype, device=self.device)
+        cuda = self.device.type == "cuda"
+        if not launch.has_lens and not return_lse and not (cuda and torch._C._cuda_isCurrentStreamCapturing()):
+            # a decode step: the part's prepared run on this stream (its storage, workspace and lse fixed)
+            stream = torch._C._cuda_getCurrentRawStream(self.device.index) if cuda else 0
+            prepared = self._prepared.get((name, q.dtype, scale, stream))
+            if prepared is None:
+                if len(self._prepared) >= 16:
+                    self._prepared.clear()
+                workspace, lse = self._scratch[name].get(launch, self.device, self._q_shape[:2], stream=stream)
+                prepared = self._prepared[(name, q.dtype, scale, stream)] = attention.prepare(launch, k, v, workspace,
+                                                                                              lse, scale)
+            prepared(q, out, n)
+            return out, prepared.lse
         # the buffers of this part's last call on this stream, unless the lse goes to the caller
         workspace, lse = self._scratch[name].get(launch, self.device, self._q_shape[:2], fresh=return_lse)
         if launch.has_lens:

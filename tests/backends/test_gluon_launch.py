@@ -339,6 +339,47 @@ def test_run_takes_the_token_count_per_call_within_its_launch(monkeypatch):
             attn.run(launch, q, k, v, out, lse, 0.1, workspace=ws, tokens=bad, paged=paged)
 
 
+def test_a_prepared_run_hands_the_bound_launches_its_fixed_addresses(monkeypatch):
+    """`GluonAttention.prepare` (a serving cache's decode steps): its first two calls go through `run` (keyed, then
+    bound), later ones hand the bound decode and merge the cache's and buffers' addresses made once with each call's
+    q, out and token count; a q of other strides, or of another batch, and a call inside a CUDA-graph capture take
+    `run` again; a merge that declines is launched the ordinary way."""
+    import foldc.backends.gluon.launch as gluon_launch
+    from foldc.backends.runtime.launch import allocate_workspace
+
+    spec = _spec(2)
+    attn, decode, merge = _recorded(spec, monkeypatch)
+    merges = []
+    monkeypatch.setattr(gluon_launch, "launch_merge", lambda *a: merges.append(a))
+    gen = torch.Generator().manual_seed(5)
+    q, k, v, _ = foldc.testing.random_inputs(spec, 1, 512, torch.float16, "cpu", gen)
+    launch = attn.plan_launch(torch.float16, 1, 512, torch.device("cpu"), has_lens=False)
+    ws, lse = allocate_workspace(launch, "cpu"), torch.empty(1, 32)
+    prepared = attn.prepare(launch, k, v, ws, lse, 0.1)
+    outs = [torch.empty(1, 32, 128, dtype=q.dtype) for _ in range(4)]
+    qs = [torch.randn(1, 32, 128, generator=gen).half() for _ in range(4)]
+    for i, n in enumerate((100, 200, 300, 512)):
+        prepared(qs[i], outs[i], n)
+    assert len(decode.launches) == 2 and len(decode.bound) == 1
+    (bd,), (bm,) = decode.bound, merge.bound
+    fixed = (k.codes.data_ptr(), k.scale.data_ptr(), k.zero.data_ptr(), v.codes.data_ptr(), v.scale.data_ptr(),
+             v.zero.data_ptr())
+    wsa = tuple(t.data_ptr() for t in ws)
+    assert bd.calls == [(x.data_ptr(), *fixed, x.data_ptr(), *wsa, *(x.data_ptr(),) * 3) for x in qs[2:]]
+    assert bd.values == [(300,), (512,)]
+    assert bm.calls == [(*wsa, o.data_ptr(), lse.data_ptr()) for o in outs[2:]]
+    wide = torch.randn(1, 32, 256, generator=gen).half()[:, :, :128]   # other strides: run, keyed anew
+    prepared(wide, outs[0], 64)
+    assert len(decode.launches) == 3 and decode.launches[-1][1][0] is wide
+    monkeypatch.setattr(gluon_launch, "capturing", lambda t: True)   # inside a capture: run, never bound
+    prepared(qs[0], outs[0], 64)
+    assert len(decode.launches) == 4 and len(bd.calls) == 2
+    monkeypatch.setattr(gluon_launch, "capturing", lambda t: False)
+    bm.ok = False
+    prepared(qs[1], outs[1], 77)
+    assert len(bd.calls) == 3 and len(merges) == 1 and merges[0][4] is outs[1] and merges[0][5] is lse
+
+
 def test_the_generated_kernels_eager_launches_are_bound_too(monkeypatch):
     """`TritonAttention.run` (the generated kernel: plain parts of the caches, fp16 queries) on stand-in
     kernels: its tensors come first in the generated signature; the second call with a launch's integers

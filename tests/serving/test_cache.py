@@ -480,3 +480,41 @@ def test_keys_and_values_of_one_encoding_go_in_one_launch(monkeypatch):
     for k_enc, v_enc in ((A(4, "token", 32), A(2, "token", 32)), (A(4, "channel", 16), A(4, "channel", 16))):
         other = QuantizedKVCache(foldc.AttentionSpec(4, 2, 64, k_enc, v_enc), 2, 16, target="interpret")
         assert not other._pair
+
+
+def test_decode_steps_run_the_bodys_prepared_attention(monkeypatch):
+    """A cache whose body attention plans without lengths (the register-operand kernel, stand-in launches on the
+    CPU): every step runs one prepared run per (query dtype, softmax scale), bound from its third call, the
+    body's token count given per call; a call that returns the lse takes the plain run with fresh buffers."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "backends"))
+    from _kernel_cases import LaunchRecorder
+
+    from foldc.backends.gluon.launch import GluonAttention
+
+    class Resident(GluonAttention):
+        def resident(self, *a):
+            return 12
+
+    enc = A(4, "token", 32)
+    spec = foldc.AttentionSpec(8, 2, 64, enc, enc)
+    cache = QuantizedKVCache(spec, 1, 64, target="interpret")
+    body = Resident(spec)
+    decode, merge = LaunchRecorder(), LaunchRecorder()
+    monkeypatch.setattr(body, "_launchers", lambda: (decode, merge))
+    cache._body_attention = body
+    gen = torch.Generator().manual_seed(8)
+    cache.append(*_tokens(cache, 10, gen))
+    q = torch.randn(1, 8, 64, generator=gen).half()
+    for _ in range(5):
+        cache.append(*_tokens(cache, 1, gen))
+        cache.attention(q, sm_scale=0.125)
+    (prepared,) = cache._prepared.values()
+    assert prepared.sm_scale == 0.125 and not prepared.launch.has_lens
+    assert len(decode.launches) == 2 and [v for v in decode.bound[0].values] == [(13,), (14,), (15,)]
+    out, lse = cache.attention(q, sm_scale=0.125, return_lse=True)
+    assert len(cache._prepared) == 1 and len(decode.bound[0].values) == 4 and lse is not prepared.lse
+    cache.attention(q, sm_scale=0.1)   # another scale: another prepared run
+    assert len(cache._prepared) == 2 and "body" not in cache._lens

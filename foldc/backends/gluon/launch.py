@@ -19,7 +19,7 @@ from ...options import check_launch_options, check_splits
 from ...validate import check_call, output_buffer
 from ..runtime.fast_launch import Bindings, FastLaunch
 from ..runtime.launch import Launch, Scratch, allocate_workspace, capturing, side_key, split_partition
-from ..runtime.merge import MERGE_SOURCE, merge_arguments, run_bound
+from ..runtime.merge import MERGE_SOURCE, launch_merge, merge_arguments, run_bound
 from ..runtime.modules import load_module, num_sms
 from .lower import HALF_TILE_GROUP, FoldKernel, NotLowerable, gluon_plan, lower
 from .warpgroup_launch import WarpgroupLaunch, warpgroup_applies
@@ -405,6 +405,11 @@ class GluonAttention:
         self.launch(launch.options, q, k, v, seq_lens, ws, out, lse, sm_scale, launch.per_split, launch.splits,
                     count, None if paged is None else (*paged, launch.page))
 
+    def prepare(self, launch: Launch, k, v, workspace, lse, sm_scale: float) -> PreparedRun:
+        """A repeated `run` of ``launch`` (planned without lengths) over ``k``, ``v``, ``workspace`` and ``lse``,
+        which must stay where they are while it is used: `PreparedRun` (a serving cache's decode steps)."""
+        return PreparedRun(self, launch, k, v, workspace, lse, sm_scale)
+
     def split_plan(self, launch: dict, batch: int, tokens: int, device, q_dtype: torch.dtype = torch.bfloat16,
                    has_lens: bool = False, page: int = 0) -> tuple[int, int]:
         """(splits, tokens per split) for ``tokens`` cached tokens: whole tiles per split; unless the
@@ -479,8 +484,7 @@ class GluonAttention:
         bindable = paged is None and not now_capturing and not _dynamic(launch)
         if bindable:   # later calls with one launch's integers, strides and dtypes: its bound kernels (the
             # token count given per call: the kernel does not specialise on it)
-            key = (id(launch), q.shape[0], q.stride(), side_key(k), side_key(v), out.stride(), out.dtype,
-                   None if lens is None else lens.dtype, sm_scale, per_split, splits)
+            key = _binding_key(launch, q, k, v, lens, out, sm_scale, per_split, splits)
             state = self._bindings.get(key, launch)
             if type(state) is tuple and run_bound(state, _decode_addresses(q, k, v, lens, ws), merge, ws, out, lse,
                                                   self.config.q_per_kv * launch["heads"], (cache_tokens,)):
@@ -522,6 +526,54 @@ class GluonAttention:
             kwargs = launch[key] = dict(HAS_LENS=lens is not None, PAGE=page, **launch["constexprs"], num_warps=1,
                                         **extra)
         return args, kwargs
+
+
+def _binding_key(options: dict, q, k, v, lens, out, sm_scale: float, per_split: int, splits: int) -> tuple:
+    """What a decode launch's bound kernels fix besides its options: shapes, strides, dtypes, integers."""
+    return (id(options), q.shape[0], q.stride(), side_key(k), side_key(v), out.stride(), out.dtype,
+            None if lens is None else lens.dtype, sm_scale, per_split, splits)
+
+
+class PreparedRun:
+    """`GluonAttention.prepare`'s repeated run of one launch over k, v, a workspace and an lse buffer that stay
+    where they are (a serving cache's own storage): ``prepared(q, out, tokens)`` does what ``run(launch, q, k, v,
+    out, lse, sm_scale, workspace=workspace, tokens=tokens)`` does; once that run's launches are bound it hands
+    them k's, v's and the buffers' addresses made once, with q's and out's, and rebuilds no key. Calls whose q or
+    out differ from the bound one in batch, strides or dtype, calls on another device and calls inside a
+    CUDA-graph capture take ``run``. The caller validates q, out and tokens (0 .. the launch's tokens)."""
+
+    __slots__ = ("attn", "launch", "k", "v", "workspace", "lse", "sm_scale", "_fixed", "_bound")
+
+    def __init__(self, attn, launch: Launch, k, v, workspace, lse, sm_scale: float):
+        self.attn, self.launch, self.k, self.v = attn, launch, k, v
+        self.workspace, self.lse, self.sm_scale = workspace, lse, sm_scale
+        # the addresses a bound call repeats: both sides encoded (a plain side's stand-ins are q's address)
+        fixed = None
+        if not isinstance(k, torch.Tensor) and not isinstance(v, torch.Tensor) and launch.kernel == "gluon" and \
+                not launch.page:
+            fixed = ((k.codes.data_ptr(), k.scale.data_ptr(), k.zero.data_ptr(), v.codes.data_ptr(),
+                      v.scale.data_ptr(), v.zero.data_ptr()), tuple(map(_DATA_PTR, workspace)), lse.data_ptr())
+        self._fixed = fixed
+        self._bound = None   # (q's batch, strides and dtype, out's strides and dtype, the two Bound launches)
+
+    def __call__(self, q, out, tokens: int) -> None:
+        bound, fixed = self._bound, self._fixed
+        if (bound is not None and q.stride() == bound[1] and out.stride() == bound[3] and q.shape[0] == bound[0]
+                and q.dtype == bound[2] and out.dtype == bound[4] and not capturing(q)):
+            qa = q.data_ptr()
+            if bound[5]((qa, *fixed[0], qa, *fixed[1], qa, qa, qa), (tokens,)):
+                if not bound[6]((*fixed[1], out.data_ptr(), fixed[2])):
+                    launch_merge(self.attn._launchers()[1], *self.workspace, out, self.lse,
+                                 self.attn.config.q_per_kv * self.launch.options["heads"])
+                return
+        launch = self.launch
+        self.attn.run(launch, q, self.k, self.v, out, self.lse, self.sm_scale, workspace=self.workspace, tokens=tokens)
+        if bound is None and fixed is not None and not capturing(q):   # bound by now (from the second run)?
+            key = _binding_key(launch.options, q, self.k, self.v, None, out, self.sm_scale, launch.per_split,
+                               launch.splits)
+            state = self.attn._bindings.get(key, launch.options)
+            if type(state) is tuple and state:
+                self._bound = (q.shape[0], q.stride(), q.dtype, out.stride(), out.dtype, state[0], state[1])
 
 
 def _decode_addresses(q, k, v, lens, ws) -> tuple:
