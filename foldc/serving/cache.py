@@ -20,9 +20,9 @@ does not change the result.
 Bad values: an append of several tokens (a prefill), or one that fills the sink, is checked for NaN/Inf
 and scale overflow before anything is written (one device sync). Any other one-token append (a decode
 step) reads nothing back: the append kernel that quantizes a token into the body stores a flag where a
-scale or zero is not finite, copied to host memory without a sync, and the cache's next call (or
-`QuantizedKVCache.check`) raises; a token the window or a filling channel-wise group keeps plain is
-flagged when it moves to the body.
+scale or zero is not finite, straight into pinned host memory on a GPU (no copy, no sync), and the cache's
+next call (or `QuantizedKVCache.check`) raises; a token the window or a filling channel-wise group keeps
+plain is flagged when it moves to the body.
 """
 from __future__ import annotations
 
@@ -248,9 +248,9 @@ class QuantizedKVCache:
             self._flag.zero_()
 
     def check(self) -> None:
-        """Raise InputError if a one-token append wrote a scale or zero that is not finite (reads the
-        append kernels' flag from the device: a sync). Each call of the cache raises the same way
-        without a sync, once the flag's copy has reached host memory."""
+        """Raise InputError if a one-token append wrote a scale or zero that is not finite (waits for the
+        append kernels: a sync). Each call of the cache raises the same way without a sync, once the
+        kernel's write has reached host memory."""
         if self._flag_mapped:   # every kernel's write has landed
             torch.cuda.synchronize(self.device)
         elif int(self._flag.item()):
