@@ -19,7 +19,6 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 import foldc.backends.gluon.gemv as production
-from foldc.backends.gluon.tile_memory import copy_layout
 from foldc.bench import rebound
 
 pow2_at_least = production.pow2_at_least
@@ -40,7 +39,7 @@ def _param(run, base: gl.constexpr, local, t: gl.constexpr, rows, stride_ws, g, 
 
 @gluon.jit
 def _widened(P, n0, N, stride_ws, j_lo, BN: gl.constexpr, F: gl.constexpr, GW: gl.constexpr,
-             ROW_BYTES: gl.constexpr, G: gl.constexpr, KIND: gl.constexpr):
+             ROW_BYTES: gl.constexpr, G: gl.constexpr):
     """The program's 16-bit parameters of each bit field's groups from its first in this split, as float32 in
     shared memory [F * 2 * GWP, BN] (rows f * 2 * GWP + local), gathered from global memory (rows past N read
     row N - 1, groups past the row's last read its last: never used)."""
@@ -70,32 +69,15 @@ def program_start(X, WC, WS, WZ, M, N, stride_x, stride_wc, stride_ws, chunks_pe
     as production copies them (its program_start). The same returns."""
     if HALF:
         NB: gl.constexpr = W * 4
-        D: gl.constexpr = NB * F
-        NCH: gl.constexpr = ROW_BYTES // NB
-        n0 = gl.program_id(0) * BN
-        c_lo = gl.program_id(1) * chunks_per_split
-        c_hi = gl.minimum(c_lo + chunks_per_split, NCH)
-        cp_l: gl.constexpr = copy_layout(BN, W)
-        rc = gl.minimum(n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, cp_l)), N - 1)
-        wc = gl.arange(0, W, layout=gl.SliceLayout(0, cp_l))
-        w_rows = WC + rc[:, None] * stride_wc + wc[None, :]
-        w_smem = gl.allocate_shared_memory(gl.int32, [STAGES * SUB, BN, W], production.weight_tile_layout(W))
-        if X_SHARED:
-            x_at = production._x_offsets(D, NB, ROW_BYTES)
-            x_l: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
-            x_smem = gl.allocate_shared_memory(X.dtype.element_ty, [STAGES * SUB, D], x_l)
-        else:
-            mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
-            b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=8)
-            x_at = gl.minimum(gl.arange(0, ROWS, layout=gl.SliceLayout(0, b_l)), M - 1)
-            x_smem = w_smem   # (unused)
+        n0, c_lo, c_hi, w_rows, x_at, w_smem, x_smem = production.program_tiles(
+            X, WC, M, N, stride_wc, chunks_per_split, BN, W, F, ROWS, ROW_BYTES, STAGES, SUB, X_SHARED)
         for first in gl.static_range(STAGES - 1):   # the code words first: the parameters' loads overlap them
             if c_lo + first * SUB < c_hi:
                 production._issue(first, c_lo + first * SUB, c_hi, w_rows, w_smem, X, x_at, x_smem, W, SUB, X_SHARED)
             else:
                 production.async_copy.commit_group()
-        s_run = _widened(WS, n0, N, stride_ws, c_lo * NB, BN, F, GW, ROW_BYTES, G, 0)
-        z_run = _widened(WZ, n0, N, stride_ws, c_lo * NB, BN, F, GW, ROW_BYTES, G, 0)
+        s_run = _widened(WS, n0, N, stride_ws, c_lo * NB, BN, F, GW, ROW_BYTES, G)
+        z_run = _widened(WZ, n0, N, stride_ws, c_lo * NB, BN, F, GW, ROW_BYTES, G)
     else:
         n0, c_lo, c_hi, w_rows, x_at, w_smem, x_smem, s_run, z_run = production.program_start(
             X, WC, WS, WZ, M, N, stride_x, stride_wc, stride_ws, chunks_per_split, BN, W, F, ROWS, ROW_BYTES, G, STAGES,

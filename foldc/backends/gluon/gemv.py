@@ -380,14 +380,12 @@ def _issue(stage, c0, c_hi, w_rows, w_smem, X, x_offs, x_smem, W: gl.constexpr, 
 
 
 @gluon.jit
-def program_start(X, WC, WS, WZ, M, N, stride_x, stride_wc, stride_ws, chunks_per_split, BN: gl.constexpr,
-                  W: gl.constexpr, F: gl.constexpr, ROWS: gl.constexpr, ROW_BYTES: gl.constexpr, G: gl.constexpr,
-                  STAGES: gl.constexpr, SUB: gl.constexpr, GW: gl.constexpr, HALF: gl.constexpr,
+def program_tiles(X, WC, M, N, stride_wc, chunks_per_split, BN: gl.constexpr, W: gl.constexpr, F: gl.constexpr,
+                  ROWS: gl.constexpr, ROW_BYTES: gl.constexpr, STAGES: gl.constexpr, SUB: gl.constexpr,
                   X_SHARED: gl.constexpr):
-    """A program's start: its output channels from n0 and chunks c_lo .. c_hi, its shared memory, the
-    copies of its parameter words and of its first STAGES - 1 stages under way. Returns (n0, c_lo, c_hi,
-    w_rows: the code words' pointers at chunk 0, x_at: the activation's offsets at chunk 0 (X_SHARED) or the
-    rows each column reads, w_smem, x_smem, s_run, z_run)."""
+    """A program's output channels from n0, its chunks c_lo .. c_hi and the shared memory of its pipeline: (n0,
+    c_lo, c_hi, w_rows: the code words' pointers at chunk 0, x_at: the activation's offsets at chunk 0
+    (X_SHARED) or the rows each column reads, w_smem, x_smem)."""
     NB: gl.constexpr = W * 4
     D: gl.constexpr = NB * F
     NCH: gl.constexpr = ROW_BYTES // NB
@@ -399,9 +397,6 @@ def program_start(X, WC, WS, WZ, M, N, stride_x, stride_wc, stride_ws, chunks_pe
     rc = gl.minimum(n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, cp_l)), N - 1)
     wc = gl.arange(0, W, layout=gl.SliceLayout(0, cp_l))
     w_rows = WC + rc[:, None] * stride_wc + wc[None, :]
-    # the program's scale and zero words, copied once: per bit field and row the GW words from the field's
-    # first group in this split (copies per piece and chunk, each of 16 rows' words in its own sector,
-    # took the copies from 8.7 to 14.7 µs at INT4 4096 x 14336: benchmarks/gemv_anatomy.py)
     # m = 1 (X_SHARED): the activation's row goes through shared memory with the code words, and every column
     # of the MMA's operand reads it there (its loads wait on shared memory, not on global loads one chunk
     # ahead, and no registers hold the next chunk: 4096 x 14336 INT4 14.8 -> 14.0 µs, benchmarks/gemv_ab.py).
@@ -417,6 +412,24 @@ def program_start(X, WC, WS, WZ, M, N, stride_x, stride_wc, stride_ws, chunks_pe
         b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=8)
         x_at = gl.minimum(gl.arange(0, ROWS, layout=gl.SliceLayout(0, b_l)), M - 1)
         x_smem = w_smem   # (unused)
+    return n0, c_lo, c_hi, w_rows, x_at, w_smem, x_smem
+
+
+@gluon.jit
+def program_start(X, WC, WS, WZ, M, N, stride_x, stride_wc, stride_ws, chunks_per_split, BN: gl.constexpr,
+                  W: gl.constexpr, F: gl.constexpr, ROWS: gl.constexpr, ROW_BYTES: gl.constexpr, G: gl.constexpr,
+                  STAGES: gl.constexpr, SUB: gl.constexpr, GW: gl.constexpr, HALF: gl.constexpr,
+                  X_SHARED: gl.constexpr):
+    """A program's start: its output channels from n0 and chunks c_lo .. c_hi, its shared memory, the
+    copies of its parameter words and of its first STAGES - 1 stages under way. Returns (n0, c_lo, c_hi,
+    w_rows: the code words' pointers at chunk 0, x_at: the activation's offsets at chunk 0 (X_SHARED) or the
+    rows each column reads, w_smem, x_smem, s_run, z_run)."""
+    NB: gl.constexpr = W * 4
+    n0, c_lo, c_hi, w_rows, x_at, w_smem, x_smem = program_tiles(X, WC, M, N, stride_wc, chunks_per_split, BN, W, F,
+                                                                 ROWS, ROW_BYTES, STAGES, SUB, X_SHARED)
+    # the program's scale and zero words, copied once: per bit field and row the GW words from the field's
+    # first group in this split (copies per piece and chunk, each of 16 rows' words in its own sector,
+    # took the copies from 8.7 to 14.7 µs at INT4 4096 x 14336: benchmarks/gemv_anatomy.py)
     # the runs are copied as one [F * GWP, BN] tile each and read one row (word index) at a time
     RUN: gl.constexpr = [F * pow2_at_least(GW), BN]
     p_l: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
