@@ -473,7 +473,11 @@ class PagedDecodeWrapper:
         if q.stride(-1) != 1:
             raise InputError(f"q must have unit stride along head_dim; got strides {q.stride()}")
         out = output_buffer(out, want, q)
-        lse = torch.empty(want[:2], device=q.device, dtype=torch.float32)
+        lse = self._buffers.get("lse")   # the merge's lse, unless it goes to the caller: one buffer per plan
+        if return_lse or lse is None or lse.shape != want[:2]:
+            lse = torch.empty(want[:2], device=q.device, dtype=torch.float32)
+            if not return_lse:
+                self._buffers["lse"] = lse
         seq_lens = self._check_lens(seq_lens, want)
         buf = self._buffers
         self.attention.run(self._launches[q.dtype], q, k_pages, v_pages, out, lse, scale,

@@ -16,7 +16,9 @@ CUDA graph: the token is written after the plain tokens; when the recent window 
 ``window + unit`` tokens, its oldest ``unit`` tokens are quantized into the body's pages
 (`append_paged` with a per-sequence count of 0 or ``unit``) and the rest slide down. Attention is the
 paged kernel over the body merged with the plain attention over sink + recent by log-sum-exp
-(`foldc.merge_attention`). A prefill (several tokens) is planned on the host, sequence by sequence.
+(`foldc.merge_attention`). Without sink and window and with token-wise groups (unit 1) the body holds every
+token: a decode step quantizes its token straight into the pages and attention reads the pages alone. A
+prefill (several tokens) is planned on the host, sequence by sequence.
 
 Lengths: the cache tracks them on the host (no device reads) and on the device (per layer, advanced
 by the decode kernels). ``plan(kv_indptr, kv_indices, seq_lens)`` sets both; call it again (same batch
@@ -104,6 +106,9 @@ class PagedKVCache:
         self.device, self.dtype = resolve_device(device), dtype
         self.unit = plan_of(spec).token_alignment   # the lcm of the channel-wise groups' sizes (1 if none)
         self.plain_capacity = self.sink + self.window + self.unit
+        # no sink, no window, token-wise groups: the body holds every token, so a decode step's token goes
+        # straight into the pages and attention reads the pages alone (no plain part, no merge)
+        self._direct = self.sink == 0 and self.window == 0 and self.unit == 1
         self.wrapper = PagedDecodeWrapper(spec, page_size, max_seq_len=max_seq_len, device=self.device,
                                           target=target)
         self.target, self.page_size = self.wrapper.target, page_size
@@ -246,6 +251,12 @@ class PagedKVCache:
 
     def _decode_append(self, layer: int, st: dict, k_new, v_new) -> None:
         """One token per sequence, device operations only."""
+        if self._direct:   # every token is the body's: quantized into its page at position body
+            for name, x in (("k", k_new), ("v", v_new)):
+                append_paged(self.pools[layer][name], x, self.wrapper.kv_indptr, self.wrapper.kv_indices,
+                             st["body"], page_size=self.page_size, target=self._append_target)
+            st["body"] += 1
+            return
         b, h, d = self.batch, self.spec.num_kv_heads, self.spec.head_dim
         idx = st["plain"].long().view(b, 1, 1, 1).expand(b, h, 1, d)
         st["k"].scatter_(2, idx, k_new)
@@ -329,6 +340,8 @@ class PagedKVCache:
             k, v, lens = self.dequantized(layer)
             return attention_reference(q, k, v, sm_scale=scale, seq_lens=torch.tensor(lens)).to(q.dtype)
         pools = self.pools[layer]
+        if self._direct:   # no plain tokens: the pages are the whole sequence
+            return self.wrapper.run(q, pools["k"], pools["v"], sm_scale=scale, seq_lens=st["body"])
         # both parts stay float32 until the merge: one rounding to q's dtype, not two
         body = self.wrapper.run(q, pools["k"], pools["v"], sm_scale=scale, return_lse=True, seq_lens=st["body"],
                                 out=torch.empty(want, dtype=torch.float32, device=q.device))

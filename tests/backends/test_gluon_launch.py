@@ -315,6 +315,43 @@ def test_eager_launches_are_noted_then_bound_then_launched_by_address(monkeypatc
     assert len(decode.bound) == 1 and (len(decode.launches), len(merge.launches)) == (4, 5)
 
 
+def test_paged_launches_bind_with_the_page_table_given_per_call(monkeypatch):
+    """A paged decode (`PagedDecodeWrapper.run`'s launch) binds as a contiguous one does: its second call with one
+    launch's integers binds, later ones hand the bound decode the page table's addresses among its 14 (a new table
+    at another address takes the same bound launches); another page size is another launch, noted anew."""
+    from foldc.backends.gluon.launch import _decode_addresses
+    from foldc.backends.runtime.launch import allocate_workspace
+    from foldc.serving import page_pool
+
+    spec = _spec(2)
+    attn, decode, merge = _recorded(spec, monkeypatch)
+    gen = torch.Generator().manual_seed(5)
+    batch, pages = 2, 8
+    q = torch.randn(batch, 32, 128, generator=gen).half()
+    lens = torch.tensor([70, 100], dtype=torch.int32)
+    out, lse = torch.empty(batch, 32, 128, dtype=q.dtype), torch.empty(batch, 32)
+
+    def call(page, indices):
+        k, v = page_pool(spec, "k", pages, page), page_pool(spec, "v", pages, page)
+        launch = attn.plan_launch(torch.bfloat16, batch, 128, torch.device("cpu"), has_lens=True, page=page)
+        ws = allocate_workspace(launch, "cpu")
+        paged = (torch.tensor([0, 2, 4], dtype=torch.int32), indices, page)
+        attn.launch(launch.options, q, k, v, lens, ws, out, lse, 0.1, launch.per_split, launch.splits,
+                    launch.cache_tokens, paged)
+        return _decode_addresses(q, k, v, lens, ws, paged)
+
+    table = torch.randperm(pages, generator=gen)[:4].to(torch.int32)
+    call(64, table)
+    call(64, table)
+    assert (len(decode.launches), len(decode.bound), len(merge.bound)) == (2, 1, 1)
+    moved = table.clone()   # another page table (another address): the same bound launches
+    addresses = [call(64, table), call(64, moved)]
+    assert len(decode.launches) == 2 and decode.bound[0].calls == addresses
+    assert addresses[0][12] == table.data_ptr() and addresses[1][12] == moved.data_ptr()
+    call(32, table)   # another page size: another launch, noted
+    assert (len(decode.launches), len(decode.bound)) == (3, 1)
+
+
 def test_run_takes_the_token_count_per_call_within_its_launch(monkeypatch):
     """`GluonAttention.run(..., tokens=n)` (the serving caches' steps): a launch planned without lengths runs
     over n of its tokens, the count reaching the decode kernel as its cache_tokens argument; a count outside

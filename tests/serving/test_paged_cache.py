@@ -35,7 +35,10 @@ def _tokens(gen, batch, heads, count, head_dim):
     (S(4, 2, 64, A(4, "channel", 32), A(2, "token", 64)), 0, 0, 30, 8, "interpret"),
     (S(2, 1, 64, A(2, "token", 16), A(4, "token", 16)), 3, 4, 1, 12, "interpret"),
     (S(4, 2, 64, A(2, "channel", 16), A(2, "channel", 32)), 1, 16, 70, 10, "reference"),
-], ids=["token2-channel4-sink-window", "channel4-token2-no-window", "token-token-tiny-prompt", "reference-target"])
+    (S(4, 2, 64, A(2, "token", 32), A(4, "token", 64)), 0, 0, 21, 14, "interpret"),
+    (S(4, 1, 64, A(4, "token", 64), A(2, "token", 16)), 0, 0, 1, 10, "reference"),
+], ids=["token2-channel4-sink-window", "channel4-token2-no-window", "token-token-tiny-prompt", "reference-target",
+        "token-token-straight-to-pages", "reference-straight-to-pages"])
 def test_paged_cache_holds_the_same_bits_as_the_contiguous_cache(spec, sink, window, prefill, steps, target):
     batch, page_size = 3, 32
     gen = torch.Generator().manual_seed(prefill * 31 + steps)
@@ -186,6 +189,34 @@ def test_run_and_a_decode_step_read_nothing_on_the_host(no_host_reads):
     keys, values, lens = cache.dequantized(0)
     assert lens == [43, 43] and cache.body_len(41) == 16 and cache.body_len(43) == 32
     assert rel_l2(out, foldc.attention_reference(q, keys, values)) <= TOL
+
+
+def test_without_sink_and_window_decode_tokens_go_straight_to_the_pages(no_host_reads, monkeypatch):
+    """Token-wise groups, no sink, no window: the body holds every token, so a decode step writes its token into
+    the pages (no plain buffer) and attention reads the pages alone (no plain attention, no merge), on the
+    device only; the result still matches float64 over the dequantized cache, at every step."""
+    import foldc.serving.paged_cache as paged_cache
+
+    def never(*args, **kwargs):
+        raise AssertionError("the straight-to-pages path has no plain part")
+
+    monkeypatch.setattr(paged_cache, "launch_plain", never)
+    monkeypatch.setattr(paged_cache, "merge_two_parts", never)
+    spec = S(4, 2, 64, A(4, "token", 32), A(2, "token", 64))
+    gen = torch.Generator().manual_seed(12)
+    cache = PagedKVCache(spec, num_layers=1, page_size=16, num_pages=8, max_seq_len=64)
+    cache.plan(*_table(2, 3, 8, seed=4), seq_lens=[0, 0])
+    cache.append(0, *_tokens(gen, 2, 2, 14, 64))
+    for step in range(4):   # the third step crosses into each sequence's second page
+        k, v = _tokens(gen, 2, 2, 1, 64)
+        q = torch.randn(2, 4, 64, generator=gen).half()
+        with no_host_reads():
+            cache.append(0, k, v)
+            out = cache.attention(0, q)
+        keys, values, lens = cache.dequantized(0)
+        assert lens == [15 + step] * 2 and cache.body_len(15 + step) == 15 + step
+        assert torch.equal(keys[:, :, -1:], foldc.quantize(k.float(), spec.k).dequantize().to(keys.dtype))
+        assert rel_l2(out, foldc.attention_reference(q, keys, values)) <= TOL
 
 
 def test_lengths_cannot_claim_tokens_the_cache_never_received():

@@ -481,13 +481,13 @@ class GluonAttention:
         page_size) when k and v are page pools (foldc/serving/paged.py)."""
         decode, merge = self._launchers()
         now_capturing = capturing(q)
-        bindable = paged is None and not now_capturing and not _dynamic(launch)
+        bindable = not now_capturing and not _dynamic(launch)
         if bindable:   # later calls with one launch's integers, strides and dtypes: its bound kernels (the
-            # token count given per call: the kernel does not specialise on it)
-            key = _binding_key(launch, q, k, v, lens, out, sm_scale, per_split, splits)
+            # token count given per call: the kernel does not specialise on it; a page table's addresses too)
+            key = _binding_key(launch, q, k, v, lens, out, sm_scale, per_split, splits, paged)
             state = self._bindings.get(key, launch)
-            if type(state) is tuple and run_bound(state, _decode_addresses(q, k, v, lens, ws), merge, ws, out, lse,
-                                                  self.config.q_per_kv * launch["heads"], (cache_tokens,)):
+            if type(state) is tuple and run_bound(state, _decode_addresses(q, k, v, lens, ws, paged), merge, ws, out,
+                                                  lse, self.config.q_per_kv * launch["heads"], (cache_tokens,)):
                 return
         counters = None
         if _dynamic(launch):   # one tile counter per (batch, head group), zeroed each call
@@ -528,10 +528,13 @@ class GluonAttention:
         return args, kwargs
 
 
-def _binding_key(options: dict, q, k, v, lens, out, sm_scale: float, per_split: int, splits: int) -> tuple:
-    """What a decode launch's bound kernels fix besides its options: shapes, strides, dtypes, integers."""
+def _binding_key(options: dict, q, k, v, lens, out, sm_scale: float, per_split: int, splits: int,
+                 paged: tuple | None = None) -> tuple:
+    """What a decode launch's bound kernels fix besides its options: shapes, strides, dtypes, integers (and a page
+    table's page size and dtypes: one options dict serves contiguous and paged launches of a shape)."""
     return (id(options), q.shape[0], q.stride(), side_key(k), side_key(v), out.stride(), out.dtype,
-            None if lens is None else lens.dtype, sm_scale, per_split, splits)
+            None if lens is None else lens.dtype, sm_scale, per_split, splits,
+            None if paged is None else (paged[2], paged[0].dtype, paged[1].dtype))
 
 
 class PreparedRun:
@@ -576,15 +579,16 @@ class PreparedRun:
                 self._bound = (q.shape[0], q.stride(), q.dtype, out.stride(), out.dtype, state[0], state[1])
 
 
-def _decode_addresses(q, k, v, lens, ws) -> tuple:
-    """The decode kernel's 14 tensor arguments as addresses, in `decode_arguments`' order, for a
-    contiguous cache without dynamic tiles (the page table and counters are the query, unread)."""
+def _decode_addresses(q, k, v, lens, ws, paged: tuple | None = None) -> tuple:
+    """The decode kernel's 14 tensor arguments as addresses, in `decode_arguments`' order, for a launch without
+    dynamic tiles (the counters are the query, unread; so is the page table of a contiguous cache)."""
     qa = q.data_ptr()
     ka = (k.data_ptr(), qa, qa) if isinstance(k, torch.Tensor) else (
         k.codes.data_ptr(), k.scale.data_ptr(), k.zero.data_ptr())
     va = (v.data_ptr(), qa, qa) if isinstance(v, torch.Tensor) else (
         v.codes.data_ptr(), v.scale.data_ptr(), v.zero.data_ptr())
-    return (qa, *ka, *va, qa if lens is None else lens.data_ptr(), *map(_DATA_PTR, ws), qa, qa, qa)
+    table = (qa, qa) if paged is None else (paged[0].data_ptr(), paged[1].data_ptr())
+    return (qa, *ka, *va, qa if lens is None else lens.data_ptr(), *map(_DATA_PTR, ws), *table, qa)
 
 
 def _parts(x, q):
