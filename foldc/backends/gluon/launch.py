@@ -21,6 +21,7 @@ from ..runtime.fast_launch import Bindings, FastLaunch
 from ..runtime.launch import Launch, Scratch, allocate_workspace, capturing, side_key, split_partition
 from ..runtime.merge import MERGE_SOURCE, launch_merge, merge_arguments, run_bound
 from ..runtime.modules import load_module, num_sms
+from .eager import EagerCalls
 from .lower import HALF_TILE_GROUP, FoldKernel, NotLowerable, gluon_plan, lower
 from .warpgroup_launch import WarpgroupLaunch, warpgroup_applies
 from .operands import KEY_EXPONENT, VALUE_EXPONENT, key_unpack_asm, value_unpack_asm
@@ -251,6 +252,7 @@ class GluonAttention:
         self._fast = None
         self._scratch = Scratch()     # eager calls' workspace and lse, per stream
         self._bindings = Bindings()   # eager launches bound to their integers (`launch`)
+        self._eager = EagerCalls()    # bound eager calls by their shapes (eager.py)
         # the merge as a programmatic dependent launch of the decode kernel: its launch overlaps the
         # decode's last programs (0.2-0.4 µs of a batch-1 call on the H200, docs/perf.md)
         self.pdl = True
@@ -311,6 +313,7 @@ class GluonAttention:
         other._modules = (decode, self._kernels()[1])
         other._fast, other._variants, other._launches, other._configs = None, {}, {}, dict(self._configs)
         other._bindings = Bindings()
+        other._eager = EagerCalls()
         other._scratch = Scratch()
         other.warpgroup = None   # the variant is the one-warp program's
         return other
@@ -322,6 +325,7 @@ class GluonAttention:
         if self._fast is None or self._fast[0] is not modules:
             self._fast = (modules, tuple(FastLaunch(k) for k in modules))
             self._bindings.clear()
+            self._eager.clear()
         return self._fast[1]
 
     def __call__(self, q, k, v, sm_scale=None, seq_lens=None, out: torch.Tensor | None = None,
@@ -329,6 +333,10 @@ class GluonAttention:
         """Same call as foldc.compile(...)'s other targets: q [batch, num_q_heads, head_dim] bf16 or fp16
         on the GPU, k and v AffineTensors of the spec's encodings (a plain side in q's dtype); returns out
         (and the lse if asked)."""
+        if seq_lens is None and not return_lse:   # a call shaped as one bound before: its launches at once
+            done = self._eager.run(self, q, k, v, sm_scale, out)
+            if done is not None:
+                return done
         call = check_call(self.spec, q, k, v, sm_scale, seq_lens, q_dtypes=DTYPES)
         device = q.device
         if device.type != "cuda":
@@ -356,10 +364,15 @@ class GluonAttention:
         has_lens = call.seq_lens is not None
         launch = self.plan_launch(q.dtype, call.batch, call.tokens, device, has_lens=has_lens, k=k, v=v)
         lens = call.seq_lens.to(device=device, dtype=torch.int32) if has_lens else None
+        given = out
         out = output_buffer(out, (call.batch, self.spec.num_q_heads, self.config.head_dim), q)
         # the buffers of this stream's last call, unless the lse goes to the caller (`Scratch`)
         workspace, lse = self._scratch.get(launch, device, (call.batch, self.spec.num_q_heads), fresh=return_lse)
         self.run(launch, q, k, v, out, lse, call.sm_scale, seq_lens=lens, workspace=workspace)
+        if not has_lens and not return_lse and not capturing(q):   # bound by now? then later calls find it
+            self._eager.note(self, launch, q, k, v, sm_scale, given, workspace, lse,
+                             lambda: _binding_key(launch.options, q, k, v, None, out, call.sm_scale, launch.per_split,
+                                                  launch.splits))
         return (out, lse) if return_lse else out
 
     def plan_launch(self, dtype: torch.dtype, batch: int, tokens: int, device, *, has_lens: bool = False,
