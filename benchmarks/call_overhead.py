@@ -58,6 +58,18 @@ def main() -> int:
     unbound._bindings = Never()
     unbound(q, k, v, out=out)
     attn(q, k, v, out=out)   # the second call with one key binds
+
+    class NoMemo:   # holds nothing: every call takes the whole path (validation, launch memo, binding key)
+        def run(self, *args):
+            return None
+
+        def note(self, *args):
+            pass
+
+    whole_path = GluonAttention(spec)
+    whole_path._eager = NoMemo()
+    for _ in range(2):
+        whole_path(q, k, v, out=out)
     bound = attn._bindings.bound()[0]
     from foldc.backends.gluon.launch import _decode_addresses
 
@@ -66,10 +78,31 @@ def main() -> int:
     prepared = attn.prepare(plan, k, v, allocate_workspace(plan, q.device), lse, 0.1)
     for _ in range(3):
         prepared(q, out, n)
+    # a serving engine's paged call: `PagedDecodeWrapper.run` over 64-token pages holding the same tokens
+    from foldc.serving import PagedDecodeWrapper, page_pool
+
+    page, pages_each = 64, -(-n // 64)
+    wrapper = PagedDecodeWrapper(spec, page, max_seq_len=n, device="cuda")
+    pools = {}
+    for name, x in (("k", k), ("v", v)):
+        pool = page_pool(spec, name, b * pages_each, page, device="cuda")
+        for part in ("codes", "scale", "zero"):   # each sequence's tokens, page after page
+            src = getattr(x, part)
+            getattr(pool, part).view(b, pages_each, *src.shape[1:2], page, *src.shape[3:]).copy_(
+                src.view(b, src.shape[1], pages_each, page, *src.shape[3:]).transpose(1, 2))
+        pools[name] = pool
+    wrapper.plan(torch.arange(0, b * pages_each + 1, pages_each, dtype=torch.int32, device="cuda"),
+                 torch.arange(b * pages_each, dtype=torch.int32, device="cuda"), None, num_pages=b * pages_each,
+                 seq_lens=[n] * b)
+    paged_out = wrapper.run(q, pools["k"], pools["v"], sm_scale=0.1)
+    print(f"paged against contiguous: max |diff| {(paged_out.float() - attn(q, k, v, 0.1).float()).abs().max():.2e}")
     steps = {
         "prepared run (bound launches, addresses made once)": lambda: prepared(q, out, n),
+        "PagedDecodeWrapper.run (64-token pages), out given": lambda: wrapper.run(q, pools["k"], pools["v"],
+                                                                                  sm_scale=0.1, out=out),
         "whole call": lambda: attn(q, k, v, out=out),
         "whole call, new out": lambda: attn(q, k, v),
+        "whole call without the memo of bound calls (the whole path)": lambda: whole_path(q, k, v, out=out),
         "whole call, launches not bound": lambda: unbound(q, k, v, out=out),
         "bound decode launch (addresses included)": lambda: bound[0](_decode_addresses(q, k, v, None, ws), (n,)),
         "bound merge launch (addresses included)": lambda: bound[1]((*(t.data_ptr() for t in ws), out.data_ptr(),
