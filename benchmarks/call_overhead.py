@@ -66,6 +66,9 @@ def main() -> int:
         def note(self, *args):
             pass
 
+        def clear(self):
+            pass
+
     whole_path = GluonAttention(spec)
     whole_path._eager = NoMemo()
     for _ in range(2):
