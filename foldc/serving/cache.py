@@ -86,7 +86,7 @@ def check_new_tokens(name: str, x, batch: int, spec, dtype: torch.dtype, device:
         raise InputError(f"{name} is on {x.device} but the cache is on {device}; move it there")
 
 
-def _same_strides(a: torch.Tensor, b: torch.Tensor) -> bool:
+def same_strides(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether two tensors of one shape are laid out alike (the stride of a dim of size 1 is never used: a
     decode step's new key, made by the rotary embedding, and its value, a view of a transpose, differ there)."""
     sa, sb = a.stride(), b.stride()
@@ -428,7 +428,7 @@ class QuantizedKVCache:
     def _write_bodies(self, k_src: torch.Tensor, v_src: torch.Tensor) -> None:
         """`_write_body` of the keys and then the values; one launch for both where they share a token-wise
         encoding and strides and the append kernel's checks suffice (the pair launch)."""
-        if (self._pair and k_src.dtype == v_src.dtype and _same_strides(k_src, v_src)
+        if (self._pair and k_src.dtype == v_src.dtype and same_strides(k_src, v_src)
                 and self._append_mode != "reference" and (self._deferred or self._max_abs <= self._safe_abs["k"])):
             if k_src.stride(-1) != 1:
                 k_src, v_src = k_src.contiguous(), v_src.contiguous()

@@ -36,8 +36,8 @@ from ..plan import plan_of
 from ..reference import attention_reference
 from ..spec import AttentionSpec
 from ..validate import check_sm_scale
-from .append import append_paged, check_finite
-from .cache import check_new_tokens, resolve_device
+from .append import append_paged, check_finite, plan_append, resolve_target, run_append
+from .cache import check_new_tokens, resolve_device, same_strides
 from .paged import PagedDecodeWrapper, gather_pages, launch_plain, page_pool
 
 
@@ -116,6 +116,10 @@ class PagedKVCache:
             raise SpecError(f"target='interpret' runs Triton's interpreter, float16 on the CPU; got dtype={dtype} on "
                             f"{self.device}. Use dtype=torch.float16 and device='cpu', or target='reference'")
         self._append_target = "reference" if self.target == "reference" else "auto"
+        # straight to pages with K and V of one encoding: one append launch writes both (the kernel's pair mode)
+        mode = resolve_target(self._append_target, self.device)
+        self._pair = (None if not self._direct or spec.k != spec.v or mode == "reference"
+                      else mode == "interpret")
         self.pools = [{name: page_pool(spec, name, num_pages, page_size, device=self.device) for name in "kv"}
                       for _ in range(num_layers)]
         if self.target != "reference":
@@ -252,9 +256,16 @@ class PagedKVCache:
     def _decode_append(self, layer: int, st: dict, k_new, v_new) -> None:
         """One token per sequence, device operations only."""
         if self._direct:   # every token is the body's: quantized into its page at position body
-            for name, x in (("k", k_new), ("v", v_new)):
-                append_paged(self.pools[layer][name], x, self.wrapper.kv_indptr, self.wrapper.kv_indices,
-                             st["body"], page_size=self.page_size, target=self._append_target)
+            pools, table = self.pools[layer], (self.wrapper.kv_indptr, self.wrapper.kv_indices)
+            if (self._pair is not None and k_new.dtype == v_new.dtype and k_new.stride(-1) == 1
+                    and same_strides(k_new, v_new)):   # checked tokens, the cache's own pools and table
+                launch = plan_append(self.spec.k, self.spec.num_kv_heads, self.spec.head_dim, self.batch, 1,
+                                     k_new.dtype == torch.bfloat16, True, self.page_size, False, self._pair, pair=True)
+                run_append(launch, pools["k"], k_new, None, st["body"], paging=table, second=(pools["v"], v_new))
+            else:
+                for name, x in (("k", k_new), ("v", v_new)):
+                    append_paged(pools[name], x, *table, st["body"], page_size=self.page_size,
+                                 target=self._append_target)
             st["body"] += 1
             return
         b, h, d = self.batch, self.spec.num_kv_heads, self.spec.head_dim

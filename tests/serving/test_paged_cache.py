@@ -191,10 +191,15 @@ def test_run_and_a_decode_step_read_nothing_on_the_host(no_host_reads):
     assert rel_l2(out, foldc.attention_reference(q, keys, values)) <= TOL
 
 
-def test_without_sink_and_window_decode_tokens_go_straight_to_the_pages(no_host_reads, monkeypatch):
+@pytest.mark.parametrize("kv, pair", [((A(4, "token", 32), A(2, "token", 64)), False),
+                                      ((A(4, "token", 32), A(4, "token", 32)), True)],
+                         ids=["two-encodings", "one-encoding-pair"])
+def test_without_sink_and_window_decode_tokens_go_straight_to_the_pages(no_host_reads, monkeypatch, kv, pair):
     """Token-wise groups, no sink, no window: the body holds every token, so a decode step writes its token into
     the pages (no plain buffer) and attention reads the pages alone (no plain attention, no merge), on the
-    device only; the result still matches float64 over the dequantized cache, at every step."""
+    device only; the result still matches float64 over the dequantized cache, at every step. K and V of one
+    encoding go in one append launch (the kernel's pair mode), also when the value is a transposed view (its
+    token's stride differs from the key's, as transformers makes them)."""
     import foldc.serving.paged_cache as paged_cache
 
     def never(*args, **kwargs):
@@ -202,13 +207,17 @@ def test_without_sink_and_window_decode_tokens_go_straight_to_the_pages(no_host_
 
     monkeypatch.setattr(paged_cache, "launch_plain", never)
     monkeypatch.setattr(paged_cache, "merge_two_parts", never)
-    spec = S(4, 2, 64, A(4, "token", 32), A(2, "token", 64))
+    spec = S(4, 2, 64, *kv)
     gen = torch.Generator().manual_seed(12)
     cache = PagedKVCache(spec, num_layers=1, page_size=16, num_pages=8, max_seq_len=64)
+    assert (cache._pair is not None) == pair
     cache.plan(*_table(2, 3, 8, seed=4), seq_lens=[0, 0])
     cache.append(0, *_tokens(gen, 2, 2, 14, 64))
+    if pair:   # decode steps: one launch for both, never the per-operand append
+        monkeypatch.setattr(paged_cache, "append_paged", never)
     for step in range(4):   # the third step crosses into each sequence's second page
         k, v = _tokens(gen, 2, 2, 1, 64)
+        v = v.transpose(1, 2).contiguous().transpose(1, 2)   # [2, 2, 1, 64] as a transposed view
         q = torch.randn(2, 4, 64, generator=gen).half()
         with no_host_reads():
             cache.append(0, k, v)
@@ -216,6 +225,7 @@ def test_without_sink_and_window_decode_tokens_go_straight_to_the_pages(no_host_
         keys, values, lens = cache.dequantized(0)
         assert lens == [15 + step] * 2 and cache.body_len(15 + step) == 15 + step
         assert torch.equal(keys[:, :, -1:], foldc.quantize(k.float(), spec.k).dequantize().to(keys.dtype))
+        assert torch.equal(values[:, :, -1:], foldc.quantize(v.float(), spec.v).dequantize().to(values.dtype))
         assert rel_l2(out, foldc.attention_reference(q, keys, values)) <= TOL
 
 

@@ -129,7 +129,8 @@ def test_captured_run_replays_new_page_tables_planned_into_the_same_buffers():
 @pytest.mark.parametrize("spec, sink, window", [
     (S(32, 8, 128, A(4, "token", 128), A(2, "channel", 64)), 4, 32),
     (S(32, 8, 128, A(4, "token", 128), A(2, "token", 64)), 0, 0),
-], ids=["sink-window-channel", "straight-to-pages"])
+    (S(32, 8, 128, A(4, "token", 128), A(4, "token", 128)), 0, 0),
+], ids=["sink-window-channel", "straight-to-pages", "straight-to-pages-one-launch"])
 def test_captured_decode_step_appends_and_attends_like_the_contiguous_cache(spec, sink, window):
     """append + attention over two layers in one CUDA graph, replayed step after step: the paged
     cache holds the bits the contiguous cache holds, and attention matches float64 (with a plain sink and
