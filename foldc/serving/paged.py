@@ -309,6 +309,7 @@ class PagedDecodeWrapper:
         # the query dtypes run() takes: the interpreter's fp16, else fp16 and bf16
         self._dtypes = (torch.float16,) if self.interpret else (torch.float16, torch.bfloat16)
         self._launches: dict[torch.dtype, Launch] = {}
+        self._prepared: dict = {}   # (query dtype, scale) -> the register-operand kernel's PreparedRun (run)
 
     # ---- plan ---------------------------------------------------------------------------------
 
@@ -480,9 +481,24 @@ class PagedDecodeWrapper:
                 self._buffers["lse"] = lse
         seq_lens = self._check_lens(seq_lens, want)
         buf = self._buffers
-        self.attention.run(self._launches[q.dtype], q, k_pages, v_pages, out, lse, scale,
-                         seq_lens=buf["seq_lens"] if seq_lens is None else seq_lens,
-                         workspace=buf[f"workspace_{str(q.dtype)[6:]}"], paged=(buf["kv_indptr"], buf["kv_indices"]))
+        launch, workspace = self._launches[q.dtype], buf[f"workspace_{str(q.dtype)[6:]}"]
+        table = (buf["kv_indptr"], buf["kv_indices"])
+        if seq_lens is None and not return_lse and self.register_operand:
+            # the plan's lengths, table and buffers: a prepared run, its bound launches given their addresses made
+            # once (made again when the pools, the scale or any buffer differ from the last run's)
+            prepared = self._prepared.get((q.dtype, scale))
+            if (prepared is None or prepared.k is not k_pages or prepared.v is not v_pages
+                    or prepared.launch is not launch or prepared.workspace is not workspace or prepared.lse is not lse
+                    or prepared.seq_lens is not buf["seq_lens"] or prepared.paged[0] is not table[0]
+                    or prepared.paged[1] is not table[1]):
+                if len(self._prepared) >= 8:
+                    self._prepared.clear()
+                prepared = self._prepared[(q.dtype, scale)] = self.attention.prepare(
+                    launch, k_pages, v_pages, workspace, lse, scale, seq_lens=buf["seq_lens"], paged=table)
+            prepared(q, out)
+            return out
+        self.attention.run(launch, q, k_pages, v_pages, out, lse, scale,
+                           seq_lens=buf["seq_lens"] if seq_lens is None else seq_lens, workspace=workspace, paged=table)
         return (out, lse) if return_lse else out
 
     def _check_lens(self, seq_lens, want) -> torch.Tensor | None:

@@ -340,3 +340,59 @@ def test_kernel_option_is_checked():
     with pytest.raises(foldc.SpecError, match="kernel='gluon' cannot run this paged decode: it runs on sm_90"):
         PagedDecodeWrapper(spec, 32, max_seq_len=64, target="interpret", kernel="gluon")
     assert PagedDecodeWrapper(spec, 32, max_seq_len=64, target="interpret").register_operand is False
+
+
+def test_runs_of_one_plan_take_a_prepared_run_over_the_plans_buffers(monkeypatch):
+    """The wrapper on the register-operand kernel (stand-in launches on the CPU): runs of one plan go through one
+    prepared run per (query dtype, scale), bound from the second run, its decode given the plan's lengths and page
+    table's addresses made once and each call's q; a re-plan into the same buffers keeps it; other pools are
+    prepared anew; a caller's lengths and a returned lse take the plain run."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "backends"))
+    from _kernel_cases import LaunchRecorder
+
+    from foldc.backends.gluon.launch import GluonAttention, _decode_addresses
+
+    class Resident(GluonAttention):
+        def resident(self, *a):
+            return 12
+
+    enc = A(2, "token", 128)
+    spec = S(32, 8, 128, enc, enc)
+    wrapper = PagedDecodeWrapper(spec, 64, max_seq_len=1024, device="cpu")
+    attn = Resident(spec, block_n=64)
+    decode, merge = LaunchRecorder(), LaunchRecorder()
+    monkeypatch.setattr(attn, "_launchers", lambda: (decode, merge))
+    wrapper.attention, wrapper.register_operand, wrapper.interpret = attn, True, False
+    wrapper._dtypes = (torch.float16, torch.bfloat16)
+    gen = torch.Generator().manual_seed(4)
+    pools = [page_pool(spec, name, 20, 64) for name in "kv"]
+    wrapper.plan(torch.tensor([0, 3, 5], dtype=torch.int32), torch.randperm(20, generator=gen)[:5].int(), None,
+                 num_pages=20, seq_lens=[150, 100])
+    q = torch.randn(2, 32, 128, generator=gen).half()
+    out = torch.empty_like(q)
+    for _ in range(4):
+        q.normal_(generator=gen)
+        wrapper.run(q, *pools, out=out, sm_scale=0.1)
+    (prepared,) = wrapper._prepared.values()
+    buf = wrapper._buffers
+    table = (buf["kv_indptr"], buf["kv_indices"], 64)
+    want = _decode_addresses(q, *pools, buf["seq_lens"], buf["workspace_float16"], table)
+    assert len(decode.launches) == 2 and decode.bound[0].calls == [want] * 2
+    assert decode.bound[0].values == [(prepared.launch.cache_tokens,)] * 2
+    wrapper.plan(torch.tensor([0, 10, 20], dtype=torch.int32), torch.randperm(20, generator=gen).int(), None,
+                 num_pages=20, seq_lens=[600, 640])   # 20 entries fit the table's buffer (room for every page)
+    wrapper.run(q, *pools, out=out, sm_scale=0.1)
+    assert wrapper._prepared[(torch.float16, 0.1)] is prepared and len(decode.bound[0].calls) == 3
+    others = [page_pool(spec, name, 20, 64) for name in "kv"]
+    wrapper.run(q, *others, out=out, sm_scale=0.1)   # other pools: prepared anew, bound launches by their addresses
+    assert wrapper._prepared[(torch.float16, 0.1)] is not prepared
+    assert decode.bound[0].calls[-1][1] == others[0].codes.data_ptr()
+    calls = len(decode.bound[0].calls)
+    lens = torch.tensor([30, 40], dtype=torch.int32)
+    wrapper.run(q, *others, out=out, sm_scale=0.1, seq_lens=lens)   # the caller's lengths: the plain run
+    assert decode.bound[0].calls[-1][7] == lens.data_ptr() and len(decode.bound[0].calls) == calls + 1
+    _, lse = wrapper.run(q, *others, out=out, sm_scale=0.1, return_lse=True)
+    assert lse is not wrapper._buffers["lse"]
