@@ -118,8 +118,8 @@ class PagedKVCache:
         self._append_target = "reference" if self.target == "reference" else "auto"
         # straight to pages with K and V of one encoding: one append launch writes both (the kernel's pair mode)
         mode = resolve_target(self._append_target, self.device)
-        self._pair = (None if not self._direct or spec.k != spec.v or mode == "reference"
-                      else mode == "interpret")
+        self._pair = self._direct and spec.k == spec.v and mode != "reference"
+        self._append_interpret = mode == "interpret"
         self.pools = [{name: page_pool(spec, name, num_pages, page_size, device=self.device) for name in "kv"}
                       for _ in range(num_layers)]
         if self.target != "reference":
@@ -257,10 +257,11 @@ class PagedKVCache:
         """One token per sequence, device operations only."""
         if self._direct:   # every token is the body's: quantized into its page at position body
             pools, table = self.pools[layer], (self.wrapper.kv_indptr, self.wrapper.kv_indices)
-            if (self._pair is not None and k_new.dtype == v_new.dtype and k_new.stride(-1) == 1
+            if (self._pair and k_new.dtype == v_new.dtype and k_new.stride(-1) == 1
                     and same_strides(k_new, v_new)):   # checked tokens, the cache's own pools and table
                 launch = plan_append(self.spec.k, self.spec.num_kv_heads, self.spec.head_dim, self.batch, 1,
-                                     k_new.dtype == torch.bfloat16, True, self.page_size, False, self._pair, pair=True)
+                                     k_new.dtype == torch.bfloat16, True, self.page_size, False, self._append_interpret,
+                                     pair=True)
                 run_append(launch, pools["k"], k_new, None, st["body"], paging=table, second=(pools["v"], v_new))
             else:
                 for name, x in (("k", k_new), ("v", v_new)):

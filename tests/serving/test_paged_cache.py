@@ -210,7 +210,7 @@ def test_without_sink_and_window_decode_tokens_go_straight_to_the_pages(no_host_
     spec = S(4, 2, 64, *kv)
     gen = torch.Generator().manual_seed(12)
     cache = PagedKVCache(spec, num_layers=1, page_size=16, num_pages=8, max_seq_len=64)
-    assert (cache._pair is not None) == pair
+    assert cache._pair == pair
     cache.plan(*_table(2, 3, 8, seed=4), seq_lens=[0, 0])
     cache.append(0, *_tokens(gen, 2, 2, 14, 64))
     if pair:   # decode steps: one launch for both, never the per-operand append

@@ -83,8 +83,8 @@ class EagerCalls:
         return out
 
     def note(self, attn, launch, q, k, v, sm_scale, out, workspace, lse, binding_key) -> None:
-        """After the whole path ran ``launch`` for a call (``sm_scale`` and ``out`` as the caller gave them): hold its entry once its launches are bound (``binding_key()``: their key
-        in ``attn._bindings``)."""
+        """After the whole path ran ``launch`` for a call (``sm_scale`` and ``out`` as the caller gave them): hold
+        its entry once its launches are bound (``binding_key()``: their key in ``attn._bindings``)."""
         key = _key(q, k, v, sm_scale, out)
         if key is None or key in self._held or launch.kernel != "gluon" or launch.page or launch.has_lens:
             return
