@@ -242,11 +242,13 @@ class Bound:
     other values needs another. ``slots``: positions (after the tensors) of integers given per call,
     ``bound(addresses, values)`` (False for a value outside 32 bits)."""
 
-    __slots__ = ("grid", "device", "function", "head", "metadata", "rest", "direct", "knobs", "slots")
+    __slots__ = ("grid", "device", "function", "head", "metadata", "rest", "direct", "knobs", "slots", "around")
 
     def __init__(self, ready: _Ready, grid: tuple, device: int, rest: tuple, slots: tuple = ()):
         compiled = ready.compiled
         self.grid, self.device, self.rest, self.slots = grid, device, rest, slots
+        # one integer per call (a decode's token count): the arguments before and after it, so a call builds no list
+        self.around = (rest[:slots[0]], rest[slots[0] + 1:]) if len(slots) == 1 else None
         self.function, self.head, self.metadata, self.direct = (compiled.function, ready.head,
                                                                  compiled.packed_metadata, ready.direct)
         self.knobs = (knobs.runtime.debug, knobs.compilation.instrumentation_mode)
@@ -258,6 +260,14 @@ class Bound:
         if (getattr(runtime.launch_enter_hook, "calls", True) or getattr(runtime.launch_exit_hook, "calls", True)
                 or (runtime.debug, knobs.compilation.instrumentation_mode) != self.knobs):
             return False
+        g = self.grid
+        if self.around is not None:
+            (value,) = values
+            if not -_I32 <= value < _I32:
+                return False
+            self.direct(g[0], g[1], g[2], _RAW_STREAM(self.device), self.function, *self.head, self.metadata,
+                        None, None, None, *addresses, *self.around[0], value, *self.around[1])
+            return True
         rest = self.rest
         if self.slots:
             rest = list(rest)
@@ -265,7 +275,6 @@ class Bound:
                 if not -_I32 <= value < _I32:
                     return False
                 rest[slot] = value
-        g = self.grid
         self.direct(g[0], g[1], g[2], _RAW_STREAM(self.device), self.function, *self.head, self.metadata,
                     None, None, None, *addresses, *rest)
         return True
