@@ -34,6 +34,8 @@ from ..spec import AttentionSpec
 from ..validate import check_sm_scale, output_buffer
 from .cache import resolve_device
 
+_WORKSPACE = {torch.float16: "workspace_float16", torch.bfloat16: "workspace_bfloat16"}   # buffer names per q dtype
+
 
 @dataclass(frozen=True)
 class PageTable:
@@ -383,7 +385,7 @@ class PagedDecodeWrapper:
             launch = self.attention.plan_launch(dtype, batch, self.max_seq_len, self.device, has_lens=True,
                                               page=self.page_size)
             self._launches[dtype] = launch
-            name = f"workspace_{str(dtype)[6:]}"
+            name = _WORKSPACE[dtype]
             if not workspace_fits(self._buffers.get(name), launch):
                 self._buffers[name] = allocate_workspace(launch, self.device)
 
@@ -396,7 +398,7 @@ class PagedDecodeWrapper:
             if not isinstance(pool, AffineTensor):
                 raise InputTypeError(f"{name}_pages must be a foldc.AffineTensor pool encoded as {enc.short()}, "
                                      f"got {type(pool).__name__}")
-            if pool.encoding != enc:
+            if pool.encoding is not enc and pool.encoding != enc:
                 raise InputError(f"{name}_pages is encoded as {pool.encoding.short()} but the spec says "
                                  f"{enc.short()}; allocate the pool with foldc.serving.page_pool(spec, ...)")
             shape, dev = pool.shape, pool.device
@@ -407,11 +409,12 @@ class PagedDecodeWrapper:
             if pool.dtype != q.dtype:
                 raise InputError(f"{name}_pages dtype={pool.dtype} must match q dtype={q.dtype} for a plain operand")
             shape, dev = tuple(pool.shape), pool.device
-        if tuple(shape) != want:
+        if shape != want:
             raise InputError(f"{name}_pages shape={tuple(shape)} but the plan needs {want} (num_pages, kv_heads, "
                              "page_size, head_dim): plan against this pool, with num_pages=its page count")
-        parts = (pool.codes, pool.scale, pool.zero) if enc is not None else (pool,)
-        if not all(t.is_contiguous() for t in parts):
+        contiguous = (pool.codes.is_contiguous() and pool.scale.is_contiguous() and pool.zero.is_contiguous()
+                      if enc is not None else pool.is_contiguous())
+        if not contiguous:
             raise InputError(f"{name}_pages must be contiguous (allocate it with foldc.serving.page_pool); call "
                              ".contiguous() on its tensors")
         if dev != q.device:
@@ -456,7 +459,7 @@ class PagedDecodeWrapper:
         if not isinstance(q, torch.Tensor):
             raise InputTypeError(f"q must be a torch.Tensor [batch, num_q_heads, head_dim], got {type(q).__name__}")
         want = (self.table.batch, self.spec.num_q_heads, self.spec.head_dim)
-        if tuple(q.shape) != want:
+        if q.shape != want:
             raise InputError(f"q shape={tuple(q.shape)} but the plan and spec need {want} (batch, num_q_heads, "
                              "head_dim)")
         if q.device != self.device:
@@ -467,7 +470,7 @@ class PagedDecodeWrapper:
         scale = check_sm_scale(sm_scale, self.spec.head_dim)
         if self.target == "reference":
             return self._run_reference(q, k_pages, v_pages, scale, out, return_lse, seq_lens)
-        dtypes = (torch.float16,) if self.interpret else (torch.float16, torch.bfloat16)
+        dtypes = self._dtypes
         if q.dtype not in dtypes:
             raise InputError(f"q dtype={q.dtype} is not supported by target={self.target!r}; use one of "
                              f"{list(dtypes)}")
@@ -481,7 +484,7 @@ class PagedDecodeWrapper:
                 self._buffers["lse"] = lse
         seq_lens = self._check_lens(seq_lens, want)
         buf = self._buffers
-        launch, workspace = self._launches[q.dtype], buf[f"workspace_{str(q.dtype)[6:]}"]
+        launch, workspace = self._launches[q.dtype], buf[_WORKSPACE[q.dtype]]
         table = (buf["kv_indptr"], buf["kv_indices"])
         if seq_lens is None and not return_lse and self.register_operand:
             # the plan's lengths, table and buffers: a prepared run, its bound launches given their addresses made
