@@ -35,6 +35,7 @@ from ..validate import check_sm_scale, output_buffer
 from .cache import resolve_device
 
 _WORKSPACE = {torch.float16: "workspace_float16", torch.bfloat16: "workspace_bfloat16"}   # buffer names per q dtype
+MOST_PREPARED = 512   # prepared runs a wrapper keeps: a model's layers x query dtypes x scales
 
 
 @dataclass(frozen=True)
@@ -311,7 +312,7 @@ class PagedDecodeWrapper:
         # the query dtypes run() takes: the interpreter's fp16, else fp16 and bf16
         self._dtypes = (torch.float16,) if self.interpret else (torch.float16, torch.bfloat16)
         self._launches: dict[torch.dtype, Launch] = {}
-        self._prepared: dict = {}   # (query dtype, scale) -> the register-operand kernel's PreparedRun (run)
+        self._prepared: dict = {}   # (query dtype, scale, pools' ids) -> the register-operand kernel's PreparedRun
 
     # ---- plan ---------------------------------------------------------------------------------
 
@@ -487,16 +488,18 @@ class PagedDecodeWrapper:
         launch, workspace = self._launches[q.dtype], buf[_WORKSPACE[q.dtype]]
         table = (buf["kv_indptr"], buf["kv_indices"])
         if seq_lens is None and not return_lse and self.register_operand:
-            # the plan's lengths, table and buffers: a prepared run, its bound launches given their addresses made
-            # once (made again when the pools, the scale or any buffer differ from the last run's)
-            prepared = self._prepared.get((q.dtype, scale))
+            # the plan's lengths, table and buffers: a prepared run per pair of pools (a model's layers), its bound
+            # launches given their addresses made once (made again when the plan changed a launch or a buffer). The
+            # entry holds the pools, so their ids are not reused while it lives
+            key = (q.dtype, scale, id(k_pages), id(v_pages))
+            prepared = self._prepared.get(key)
             if (prepared is None or prepared.k is not k_pages or prepared.v is not v_pages
                     or prepared.launch is not launch or prepared.workspace is not workspace or prepared.lse is not lse
                     or prepared.seq_lens is not buf["seq_lens"] or prepared.paged[0] is not table[0]
                     or prepared.paged[1] is not table[1]):
-                if len(self._prepared) >= 8:
+                if len(self._prepared) >= MOST_PREPARED:
                     self._prepared.clear()
-                prepared = self._prepared[(q.dtype, scale)] = self.attention.prepare(
+                prepared = self._prepared[key] = self.attention.prepare(
                     launch, k_pages, v_pages, workspace, lse, scale, seq_lens=buf["seq_lens"], paged=table)
             prepared(q, out)
             return out

@@ -345,8 +345,9 @@ def test_kernel_option_is_checked():
 def test_runs_of_one_plan_take_a_prepared_run_over_the_plans_buffers(monkeypatch):
     """The wrapper on the register-operand kernel (stand-in launches on the CPU): runs of one plan go through one
     prepared run per (query dtype, scale), bound from the second run, its decode given the plan's lengths and page
-    table's addresses made once and each call's q; a re-plan into the same buffers keeps it; other pools are
-    prepared anew; a caller's lengths and a returned lse take the plain run."""
+    table's addresses made once and each call's q; a re-plan into the same buffers keeps it; other pools (another
+    layer's) get a prepared run of their own, and runs alternating between the layers keep both; a caller's lengths
+    and a returned lse take the plain run."""
     import sys
     from pathlib import Path
 
@@ -385,11 +386,15 @@ def test_runs_of_one_plan_take_a_prepared_run_over_the_plans_buffers(monkeypatch
     wrapper.plan(torch.tensor([0, 10, 20], dtype=torch.int32), torch.randperm(20, generator=gen).int(), None,
                  num_pages=20, seq_lens=[600, 640])   # 20 entries fit the table's buffer (room for every page)
     wrapper.run(q, *pools, out=out, sm_scale=0.1)
-    assert wrapper._prepared[(torch.float16, 0.1)] is prepared and len(decode.bound[0].calls) == 3
+    assert list(wrapper._prepared.values()) == [prepared] and len(decode.bound[0].calls) == 3
     others = [page_pool(spec, name, 20, 64) for name in "kv"]
-    wrapper.run(q, *others, out=out, sm_scale=0.1)   # other pools: prepared anew, bound launches by their addresses
-    assert wrapper._prepared[(torch.float16, 0.1)] is not prepared
-    assert decode.bound[0].calls[-1][1] == others[0].codes.data_ptr()
+    for _ in range(3):   # two layers' pools in turn: a prepared run each, both kept, bound launches by their addresses
+        wrapper.run(q, *others, out=out, sm_scale=0.1)
+        assert decode.bound[0].calls[-1][1] == others[0].codes.data_ptr()
+        wrapper.run(q, *pools, out=out, sm_scale=0.1)
+        assert decode.bound[0].calls[-1][1] == pools[0].codes.data_ptr()
+    assert len(wrapper._prepared) == 2 and prepared in wrapper._prepared.values()
+    assert len(decode.launches) == 2   # the other pools' first run: the same bound launches (same shapes)
     calls = len(decode.bound[0].calls)
     lens = torch.tensor([30, 40], dtype=torch.int32)
     wrapper.run(q, *others, out=out, sm_scale=0.1, seq_lens=lens)   # the caller's lengths: the plain run
