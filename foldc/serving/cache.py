@@ -76,10 +76,10 @@ def check_new_tokens(name: str, x, batch: int, spec, dtype: torch.dtype, device:
     if not isinstance(x, torch.Tensor):
         raise InputTypeError(f"{name} must be a torch.Tensor [batch, kv_heads, tokens, head_dim], "
                              f"got {type(x).__name__}")
-    want = (batch, spec.num_kv_heads, spec.head_dim)
-    if x.dim() != 4 or (x.shape[0], x.shape[1], x.shape[3]) != want:
-        raise InputError(f"{name} shape={tuple(x.shape)} but this cache holds [{want[0]}, {want[1]}, tokens, "
-                         f"{want[2]}] (batch, kv_heads, tokens, head_dim): mismatched heads or batch")
+    shape = x.shape
+    if len(shape) != 4 or shape[0] != batch or shape[1] != spec.num_kv_heads or shape[3] != spec.head_dim:
+        raise InputError(f"{name} shape={tuple(shape)} but this cache holds [{batch}, {spec.num_kv_heads}, tokens, "
+                         f"{spec.head_dim}] (batch, kv_heads, tokens, head_dim): mismatched heads or batch")
     if x.dtype != dtype:
         raise InputError(f"{name} dtype={x.dtype} but the cache was built with dtype={dtype}; pass {name}.to({dtype})")
     if x.device != device:
@@ -90,7 +90,12 @@ def same_strides(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether two tensors of one shape are laid out alike (the stride of a dim of size 1 is never used: a
     decode step's new key, made by the rotary embedding, and its value, a view of a transpose, differ there)."""
     sa, sb = a.stride(), b.stride()
-    return sa == sb or all(x == y or n == 1 for x, y, n in zip(sa, sb, a.shape))
+    if sa == sb:
+        return True
+    for x, y, n in zip(sa, sb, a.shape):   # (a loop, not a generator: this runs every decode step)
+        if x != y and n != 1:
+            return False
+    return True
 
 
 class _DeviceView:
