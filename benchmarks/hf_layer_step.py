@@ -34,9 +34,10 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=5, help="alternating rounds of each cache's calls")
     ap.add_argument("--profile", type=int, default=0, help="also cProfile this many decode forwards of each cache")
     ap.add_argument("--out", required=True)
-    args = ap.parse_args()
-    if not torch.cuda.is_available():
-        print("needs a CUDA GPU", file=sys.stderr)
+    from hf_step_profile import parse_on_gpu   # (benchmarks/: the script's own folder)
+
+    args, example = parse_on_gpu(ap)
+    if args is None:
         return 2
     import foldc.integrations.hf as fhf
     from foldc.timing import back_to_back_us, host_us
@@ -44,9 +45,6 @@ def main() -> int:
     from transformers import DynamicCache
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from hf_step_profile import load_example   # (benchmarks/: the script's own folder)
-
-    example = load_example()
     spare = 4096   # tokens each cache takes during the timing
     model = example.build_model("cuda", torch.bfloat16, layers=args.layers, hidden=2048, heads="16/4", head_dim=128,
                                 vocab=32000, positions=args.tokens + spare)

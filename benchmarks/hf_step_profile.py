@@ -28,6 +28,15 @@ def load_example():
     return example
 
 
+def parse_on_gpu(ap: argparse.ArgumentParser):
+    """(the parsed arguments, examples/hf_decode.py as a module), or (None, None) after saying so without a GPU."""
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU", file=sys.stderr)
+        return None, None
+    return args, load_example()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--new", type=int, default=64)
@@ -40,11 +49,9 @@ def main() -> int:
                     help="16 layers, hidden 2048, 16/4 heads of 128, vocabulary 32000 (a ~1B model)")
     ap.add_argument("--weight", default=None, help="quantize the foldc run's linears, e.g. k-group:4:128 (W4 + KV)")
     ap.add_argument("--out", required=True)
-    args = ap.parse_args()
-    if not torch.cuda.is_available():
-        print("needs a CUDA GPU", file=sys.stderr)
+    args, example = parse_on_gpu(ap)
+    if args is None:
         return 2
-    example = load_example()
     import foldc.integrations.hf as fhf
     from transformers import DynamicCache
 
