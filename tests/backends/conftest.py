@@ -21,3 +21,16 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_sep("-", title)
         for line in lines:
             terminalreporter.write_line(line)
+
+
+@pytest.fixture(scope="session")
+def stub_cuda(tmp_path_factory):
+    """The stand-in libcuda (tests/backends/_stub_cuda.py) with foldc's C launcher built and loaded against it."""
+    from _stub_cuda import build_stub
+
+    from foldc.backends.runtime import fast_c
+
+    stub = build_stub(tmp_path_factory.mktemp("stub_cuda"))
+    if fast_c.module() is None:
+        pytest.fail(f"foldc's launcher did not build against the stand-in libcuda: {fast_c._failed!r}")
+    return stub

@@ -4,6 +4,8 @@ kernel exactly when triton would give the arguments the same specialisation. The
 tested on the H200 in test_gluon_gpu.py."""
 from __future__ import annotations
 
+import struct
+
 import pytest
 import torch
 
@@ -236,16 +238,38 @@ def test_integer_classes_tell_apart_exactly_what_triton_tells_apart():
     check()
 
 
-def test_a_bound_launch_passes_new_addresses_and_refuses_what_it_was_not_bound_for(monkeypatch):
-    """`FastLaunch.bind` after a launch: the bound launch gives the C launcher the grid, the current stream and
+def _bindable(monkeypatch, stub_cuda, do_not_specialize=None):
+    """`_fast_with_launcher` whose compiled kernel can be bound into foldc's C launcher: an integer function
+    handle, triton's metadata tuple and the signature triton compiled it with, over the stand-in libcuda."""
+    fast, launcher, ordinary = _fast_with_launcher(monkeypatch, do_not_specialize)
+    launcher.num_ctas = 1
+
+    class _Source:
+        signature = {"X": "*fp16", "Y": "*fp16", "n": "i32", "m": "i32", "BLOCK": "constexpr", "ASM": "constexpr"}
+
+    class _Bindable(_Compiled):
+        function, packed_metadata, src, run = 0x5EED, (1, 1, 4096), _Source, launcher
+
+    monkeypatch.setattr(fast.kernel, "run", lambda *a, grid, warmup, **k: ordinary.append(a) or _Bindable())
+    monkeypatch.setattr(fast_launch, "_RAW_STREAM", lambda device: 9)
+    monkeypatch.setattr(fast_launch, "_CURRENT_DEVICE", lambda: 0)
+    stub_cuda.record([8, 8, 4, 4, 8, 8])
+    return fast, launcher, ordinary
+
+
+def _launched(stub_cuda) -> tuple:
+    """(grid, threads, shared bytes, stream, function) and the parameters (X, Y, n, m) the driver last got."""
+    return stub_cuda.config()[:6] + stub_cuda.config()[7:], struct.unpack("<QQii", stub_cuda.parameters(24))
+
+
+def test_a_bound_launch_passes_new_addresses_and_refuses_what_it_was_not_bound_for(monkeypatch, stub_cuda):
+    """`FastLaunch.bind` after a launch: the bound launch gives the driver the grid, the current stream and
     the new tensors' addresses with the integers it was bound with; an address off a 16-byte boundary,
     another current device, a launch hook or triton's debug knob turned on since make it launch nothing and say
     so (False). A launch not yet run, or run with a tensor off a 16-byte boundary, cannot be bound."""
     from triton import knobs
 
-    fast, launcher, ordinary = _fast_with_launcher(monkeypatch)
-    monkeypatch.setattr(fast_launch, "_RAW_STREAM", lambda device: 9)
-    monkeypatch.setattr(fast_launch, "_CURRENT_DEVICE", lambda: 0)
+    fast, launcher, ordinary = _bindable(monkeypatch, stub_cuda)
     kwargs = dict(BLOCK=64, ASM="and.b32", num_warps=1)
     gen = torch.Generator().manual_seed(3)
     buf = torch.randn(64, generator=gen).half()
@@ -256,11 +280,10 @@ def test_a_bound_launch_passes_new_addresses_and_refuses_what_it_was_not_bound_f
     bound = fast.bind((4,), (x, y, 32, 5), kwargs)
     assert bound is not None and len(ordinary) == 1
     for _ in range(3):
-        a, b = (16 * int(i) for i in torch.randint(1, 1 << 20, (2,), generator=gen))
+        a, b = (16 * int(i) for i in torch.randint(1, 1 << 40, (2,), generator=gen))
         assert bound((a, b)) is True
-        assert launcher.direct[-1] == (4, 1, 1, 9, "function", False, True, None, None, "metadata", None, None, None,
-                                       a, b, 32, 5, 64, "and.b32")
-    launches = len(launcher.direct)
+        assert _launched(stub_cuda) == ((4, 1, 1, 32, 4096, 9, 0x5EED), (a, b, 32, 5))
+    launches = stub_cuda.launches()
     assert bound((16, 18)) is False                                   # off a 16-byte boundary
     monkeypatch.setattr(fast_launch, "_CURRENT_DEVICE", lambda: 1)
     assert bound((16, 32)) is False                                   # another device
@@ -273,16 +296,14 @@ def test_a_bound_launch_passes_new_addresses_and_refuses_what_it_was_not_bound_f
         knobs.runtime.launch_enter_hook.remove(hook)
     monkeypatch.setattr(knobs.runtime, "debug", True)
     assert bound((16, 32)) is False
-    assert len(launcher.direct) == launches and launcher.wrapped == []
+    assert stub_cuda.launches() == launches and launcher.direct == [] and launcher.wrapped == []
 
 
-def test_a_bound_launch_takes_an_unspecialised_integer_per_call(monkeypatch):
+def test_a_bound_launch_takes_an_unspecialised_integer_per_call(monkeypatch, stub_cuda):
     """``bind(..., dynamic=(i,))`` for an integer the kernel does not specialise on: the bound launch takes
     its value per call (the other integers stay as bound), refuses a value outside 32 bits, and a
     specialised integer cannot be made dynamic."""
-    fast, launcher, ordinary = _fast_with_launcher(monkeypatch, do_not_specialize=["n"])
-    monkeypatch.setattr(fast_launch, "_RAW_STREAM", lambda device: 9)
-    monkeypatch.setattr(fast_launch, "_CURRENT_DEVICE", lambda: 0)
+    fast, launcher, ordinary = _bindable(monkeypatch, stub_cuda, do_not_specialize=["n"])
     kwargs = dict(BLOCK=64, ASM="and.b32", num_warps=1)
     buf = torch.zeros(64, dtype=torch.float16)
     x, y = buf[:16], buf[16:32]
@@ -293,7 +314,7 @@ def test_a_bound_launch_takes_an_unspecialised_integer_per_call(monkeypatch):
     gen = torch.Generator().manual_seed(8)
     for n in (int(v) for v in torch.randint(0, 1 << 30, (4,), generator=gen)):
         assert bound((16, 32), (n,)) is True
-        assert launcher.direct[-1][-6:] == (16, 32, n, 5, 64, "and.b32")
-    launches = len(launcher.direct)
-    assert bound((16, 32), (1 << 31,)) is False and len(launcher.direct) == launches
+        assert _launched(stub_cuda)[1] == (16, 32, n, 5)
+    launches = stub_cuda.launches()
+    assert bound((16, 32), (1 << 31,)) is False and stub_cuda.launches() == launches
     assert len(ordinary) == 1

@@ -11,7 +11,9 @@ keyword arguments; the debug and instrumentation knobs) and go straight to the c
 given each tensor's address as an integer: the launcher then skips the cuPointerGetAttribute it makes
 per tensor (0.3 µs each on the H200's host, 14 tensors per decode launch;
 `benchmarks/launch_cost.py`). A launch with a tensor off the GPU takes triton's ordinary path,
-which refuses it by name.
+which refuses it by name. A launch repeated with everything but its tensors fixed is bound (`FastLaunch.bind`,
+`Bound`): its parameters are packed once into foldc's own C launcher (`fast_c`), and a call passes only the
+addresses.
 
 Keyword arguments (constexprs and options) are read once per dict object: a caller that launches
 with the same dict again must not have changed it in between (foldc's launchers build theirs once
@@ -30,6 +32,8 @@ import torch
 import triton.runtime
 from triton import knobs
 from triton.runtime.jit import JITFunction
+
+from . import fast_c
 
 _SCALARS = (int, bool, float, type(None))
 _I32, _I64 = 1 << 31, 1 << 63
@@ -163,9 +167,10 @@ class FastLaunch:
     def bind(self, grid, args: tuple, kwargs: dict, dynamic: tuple = ()) -> "Bound | None":
         """The `Bound` launch of ``args`` and ``kwargs`` over ``grid``, after `launch` ran them once (it
         compiles), or None where it cannot be bound: the tensors do not come first in the arguments,
-        a tensor is off the GPU or not 16-byte aligned, or the kernel takes triton's launch path.
-        ``dynamic``: positions of integer arguments the `Bound` takes per call instead (each one the kernel
-        does not specialise on, ``do_not_specialize``; values within 32 bits, as at the bind)."""
+        a tensor is off the GPU or not 16-byte aligned, the kernel takes triton's launch path or foldc's C
+        launcher cannot pack it (`fast_c`). ``dynamic``: the position of at most one integer argument the
+        `Bound` takes per call instead (one the kernel does not specialise on, ``do_not_specialize``; values
+        within 32 bits, as at the bind)."""
         if not isinstance(self.kernel, JITFunction):
             return None
         params = self.kernel.params
@@ -182,11 +187,15 @@ class FastLaunch:
         if (ready is None or ready.direct is None or not layout.prefix or not all(map(_IS_CUDA, tensors))
                 or functools.reduce(operator.or_, addresses, 0) & 15):
             return None
-        g = tuple(grid)
-        slots = tuple(i - layout.count for i in dynamic)
-        if any(s < 0 for s in slots):
+        if len(dynamic) > 1:
+            raise ValueError("a bound launch takes at most one integer per call")
+        if any(i < layout.count for i in dynamic) or _RAW_STREAM is None:
             return None
-        return Bound(ready, g + (1,) * (3 - len(g)), key[0], args[layout.count:] + ready.tail, slots)
+        g = tuple(grid)
+        slot = dynamic[0] if dynamic else -1
+        launch = fast_c.make_launch(ready.compiled, g + (1,) * (3 - len(g)), (0,) * layout.count
+                                    + args[layout.count:] + ready.tail, layout.count, slot)
+        return None if launch is None else Bound(launch, key[0])
 
     def _key(self, args: tuple, kwargs: dict):
         """The specialisation key of a launch with these arguments (None: the ordinary path)."""
@@ -234,50 +243,28 @@ class FastLaunch:
 class Bound:
     """One launch of a compiled kernel with everything but its tensors fixed: the grid, the arguments
     after the tensors (integers, floats, constexprs) and the specialisation `FastLaunch` keyed them by,
-    for 16-byte aligned tensors of the dtypes it was bound with. ``bound(addresses)`` launches it with
-    the tensors' addresses, in order, and returns True; it returns False, launching nothing, where
-    the launch must go through `FastLaunch` instead: an address not 16-byte aligned, another current
-    device, a launch hook set, or triton's debug or instrumentation knob changed since the bind.
-    The caller keys its `Bound` by what it fixed (the integers, the tensors' dtypes): a call with
-    other values needs another. ``slots``: positions (after the tensors) of integers given per call,
-    ``bound(addresses, values)`` (False for a value outside 32 bits)."""
+    for 16-byte aligned tensors of the dtypes it was bound with, packed once into foldc's C launcher
+    (`fast_c`). ``bound(addresses)`` launches it with the tensors' addresses, in order, and returns True;
+    it returns False, launching nothing, where the launch must go through `FastLaunch` instead: an address
+    not 16-byte aligned, another current device or CUDA context, a launch hook set, or triton's debug or
+    instrumentation knob changed since the bind. The caller keys its `Bound` by what it fixed (the
+    integers, the tensors' dtypes): a call with other values needs another. ``slot``: the position (after
+    the tensors) of a 32-bit integer given per call, ``bound(addresses, (value,))`` (False for a value
+    outside 32 bits)."""
 
-    __slots__ = ("grid", "device", "function", "head", "metadata", "rest", "direct", "knobs", "slots", "around")
+    __slots__ = ("device", "launch", "knobs")
 
-    def __init__(self, ready: _Ready, grid: tuple, device: int, rest: tuple, slots: tuple = ()):
-        compiled = ready.compiled
-        self.grid, self.device, self.rest, self.slots = grid, device, rest, slots
-        # one integer per call (a decode's token count): the arguments before and after it, so a call builds no list
-        self.around = (rest[:slots[0]], rest[slots[0] + 1:]) if len(slots) == 1 else None
-        self.function, self.head, self.metadata, self.direct = (compiled.function, ready.head,
-                                                                 compiled.packed_metadata, ready.direct)
+    def __init__(self, launch, device: int):
+        self.launch, self.device = launch, device
         self.knobs = (knobs.runtime.debug, knobs.compilation.instrumentation_mode)
 
     def __call__(self, addresses: tuple, values: tuple = ()) -> bool:
-        if functools.reduce(operator.or_, addresses) & 15 or _CURRENT_DEVICE() != self.device:
-            return False
         runtime = knobs.runtime
         if (getattr(runtime.launch_enter_hook, "calls", True) or getattr(runtime.launch_exit_hook, "calls", True)
-                or (runtime.debug, knobs.compilation.instrumentation_mode) != self.knobs):
+                or (runtime.debug, knobs.compilation.instrumentation_mode) != self.knobs
+                or _CURRENT_DEVICE() != self.device):
             return False
-        g = self.grid
-        if self.around is not None:
-            (value,) = values
-            if not -_I32 <= value < _I32:
-                return False
-            self.direct(g[0], g[1], g[2], _RAW_STREAM(self.device), self.function, *self.head, self.metadata,
-                        None, None, None, *addresses, *self.around[0], value, *self.around[1])
-            return True
-        rest = self.rest
-        if self.slots:
-            rest = list(rest)
-            for slot, value in zip(self.slots, values, strict=True):
-                if not -_I32 <= value < _I32:
-                    return False
-                rest[slot] = value
-        self.direct(g[0], g[1], g[2], _RAW_STREAM(self.device), self.function, *self.head, self.metadata,
-                    None, None, None, *addresses, *rest)
-        return True
+        return self.launch(_RAW_STREAM(self.device), *addresses, *values)
 
 
 _KEYWORDS: dict[int, tuple] = {}   # id(launch) -> (launch, its constants as one dict)
