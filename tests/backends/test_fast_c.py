@@ -7,6 +7,7 @@ import random
 import struct
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -136,3 +137,76 @@ def test_bf16_and_fp16_parameters_are_packed_as_triton_packs_them():
         f32 = struct.unpack("<I", struct.pack("<f", x))[0]
         assert fast_c.pack_value("bf16", x)[:2] == struct.pack("<H", f32 >> 16)
         assert fast_c.pack_value("fp16", x)[:2] == struct.pack("<e", x)
+
+
+def _triton_signature(kernel, args: tuple, kwargs: dict) -> tuple[list, list]:
+    """(signature types, every argument's value in the kernel's order) as triton's JITFunction.run specialises
+    this launch (its binder for the CUDA backend; CPU tensors stand in for the GPU's)."""
+    from triton.backends.nvidia.compiler import CUDABackend
+    from triton.runtime.jit import create_function_from_signature
+
+    binder = create_function_from_signature(kernel.signature, kernel.params, CUDABackend)
+    bound, specialization, _ = binder(*args, **kwargs)
+    return [s[0] for s in specialization], list(bound.values())
+
+
+def _check_against_triton(stub, signature: list, values: list, slot: int) -> None:
+    """foldc's packing of a real kernel's launch gives the stand-in driver what triton's launcher gives it."""
+    from triton.backends.nvidia.driver import include_dirs, make_launcher
+    from triton.runtime.build import compile_module_from_src
+
+    tensors = sum(1 for v in values if isinstance(v, torch.Tensor))
+    assert all(isinstance(v, torch.Tensor) for v in values[:tensors])
+    addresses = [16 * (i + 1) << 20 for i in range(tensors)]
+    plain = addresses + values[tensors:]
+    packed = fast_c.packed_parameters(signature, tuple(plain), tensors, slot)
+    assert packed is not None, signature
+    launch = fast_c.module().Launch(9, 3, 2, 1, 32, 1024, False, False, packed[0], tensors, packed[1])
+    src = make_launcher({}, {f"a{i}": t for i, t in enumerate(signature)}, None)
+    theirs = compile_module_from_src(src, "__triton_launcher", library_dirs=[str(stub.path.parent)],
+                                     include_dirs=include_dirs, libraries=["libcuda.so.1"]).launch
+    sizes = _sizes(signature)
+    stub.record(sizes)
+    theirs(3, 2, 1, 5, 9, False, False, None, None, (1, 1, 1024), None, None, None, *plain)
+    expected = stub.parameters(sum(sizes))
+    per_call = [plain[slot]] if slot >= 0 else []
+    assert launch(5, *addresses, *per_call) is True
+    assert stub.parameters(sum(sizes)) == expected
+
+
+@pytest.mark.parametrize("layout", ["token:2:128 fp16", "channel:4:64 bf16", "token:8:32 fp16 paged"])
+def test_the_decode_and_merge_kernels_real_signatures_pack_as_triton_packs_them(stub_cuda, layout):
+    """The register-operand decode kernel and the merge kernel, specialised by triton's own binder for a planned
+    launch's arguments (contiguous and paged, fp16 and bf16 queries, the token count given per call): foldc's
+    packing gives the driver the bytes triton's launcher gives it."""
+    import foldc
+    import foldc.testing
+    from foldc.backends.gluon import kernel as gluon_kernel
+    from foldc.backends.gluon.launch import TOKENS_ARG, GluonAttention
+    from foldc.backends.runtime.merge import MERGE_SOURCE, merge_arguments
+    from foldc.backends.runtime.modules import load_module
+
+    class _Resident(GluonAttention):
+        def resident(self, launch, q_dtype, has_lens, page, device):
+            return 12
+
+    text, dtype, *paged = layout.split()
+    kind, bits, group = text.split(":")
+    enc = foldc.Affine(int(bits), kind, int(group))
+    spec = foldc.AttentionSpec(32, 8, 128, enc, enc)
+    attn = _Resident(spec)
+    q_dtype = torch.float16 if dtype == "fp16" else torch.bfloat16
+    gen = torch.Generator().manual_seed(4)
+    q, k, v, _ = foldc.testing.random_inputs(spec, 2, 256, torch.float16, "cpu", gen)
+    q = q.to(q_dtype)
+    launch = attn.plan_launch(q_dtype, 2, 256, torch.device("cpu"), k=k, v=v)
+    ws, lse = attn._scratch.get(launch, torch.device("cpu"), (2, 32))
+    table = (torch.zeros(3, dtype=torch.int32), torch.zeros(8, dtype=torch.int32), 64) if paged else None
+    args, kwargs = attn.decode_arguments(launch.options, q, k, v, None, ws, 0.1, launch.per_split, 256, table)
+    signature, values = _triton_signature(gluon_kernel.foldc_decode_gluon, args, kwargs)
+    _check_against_triton(stub_cuda, signature, values, TOKENS_ARG)
+    merge = load_module("import triton\nimport triton.language as tl\n" + MERGE_SOURCE, interpret=False).foldc_merge
+    out = torch.empty(2, 32, 128, dtype=q_dtype)
+    _, merge_args, merge_kwargs = merge_arguments(*ws, out, lse, 4)
+    signature, values = _triton_signature(merge, merge_args, merge_kwargs)
+    _check_against_triton(stub_cuda, signature, values, -1)
