@@ -1,7 +1,8 @@
 """What one kernel launch costs the host, piece by piece (H200; evidence for the lean launch path in
 foldc/backends/runtime/fast_launch.py, not a test). For the INT2 decode kernel at 1 x 16K and for an
 empty one-argument kernel: triton's C launcher given tensors (each pointer checked with
-cuPointerGetAttribute) and given integer addresses (no check), the FastLaunch key, the stream
+cuPointerGetAttribute) and given integer addresses (no check), foldc's own C launcher (fast_c) and the
+`Bound` over it, the FastLaunch key, the stream
 lookups, torch.empty and a small torch op for scale. Each figure: median host µs of one call made
 after the GPU went idle (``foldc.timing.host_us``) and per call of 200 back-to-back calls.
 
@@ -61,7 +62,6 @@ def main() -> int:
         print("needs a CUDA GPU", file=sys.stderr)
         return 2
     import triton
-    import triton.language as tl
 
     b, n = (int(x) for x in args.shape.split("x"))
     enc = foldc.Affine(2, "token", 128)
@@ -90,6 +90,18 @@ def main() -> int:
     cempty = empty_kernel[(1,)](x1)
     erun = cempty.run
 
+    # foldc's own C launcher over the same launch (fast_c): packed once, the addresses and token count per call
+    from foldc.backends.gluon.launch import TOKENS_ARG
+    from foldc.backends.runtime import fast_c
+    from foldc.backends.runtime.fast_launch import Bound
+
+    count = sum(isinstance(x, torch.Tensor) for x in dargs[:14])
+    own = fast_c.make_launch(comp, g, ints, count, TOKENS_ARG)
+    own_empty = fast_c.make_launch(cempty, (1, 1, 1), (x1.data_ptr(),), 1)
+    assert own is not None and own_empty is not None, fast_c._failed
+    addresses, tokens = ints[:count], ints[TOKENS_ARG]
+    own_bound = Bound(own, dev)
+
     sig = getattr(comp.src, "signature", {})
     print("decode signature kinds:", {t: list(sig.values()).count(t) for t in set(sig.values())}, flush=True)
     print("tensors among values:", sum(isinstance(x, torch.Tensor) for x in values), "of", len(values), flush=True)
@@ -99,6 +111,8 @@ def main() -> int:
                                                              comp.packed_metadata, None, None, None, *values),
         "decode: C launcher, integer addresses": lambda: ready.direct(*g, stream, comp.function, *ready.head,
                                                                        comp.packed_metadata, None, None, None, *ints),
+        "decode: foldc's C launcher (fast_c), integer addresses": lambda: own(stream, *addresses, tokens),
+        "decode: foldc's Bound (fast_c), integer addresses": lambda: own_bound(addresses, (tokens,)),
         "decode: addresses of the tensors (data_ptr)": lambda: tuple(
             [x.data_ptr() if isinstance(x, torch.Tensor) else x for x in values]),
         "decode: FastLaunch key": lambda: decode._key(dargs, kwargs),
@@ -113,6 +127,7 @@ def main() -> int:
         "empty kernel: C launcher, integer": lambda: erun.launch(1, 1, 1, stream, cempty.function, *ready.head,
                                                                  cempty.packed_metadata, None, None, None,
                                                                  x1.data_ptr()),
+        "empty kernel: foldc's C launcher (fast_c)": lambda: own_empty(stream, x1.data_ptr()),
         "driver get_current_stream": lambda: triton.runtime.driver.active.get_current_stream(dev),
         "torch._C._cuda_getCurrentRawStream": lambda: torch._C._cuda_getCurrentRawStream(dev),
         "torch.cuda.current_device": torch.cuda.current_device,
