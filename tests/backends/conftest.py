@@ -31,6 +31,7 @@ def stub_cuda(tmp_path_factory):
     from foldc.backends.runtime import fast_c
 
     stub = build_stub(tmp_path_factory.mktemp("stub_cuda"))
+    fast_c._module = fast_c._failed = None   # a try before the stand-in was loaded would have failed
     if fast_c.module() is None:
         pytest.fail(f"foldc's launcher did not build against the stand-in libcuda: {fast_c._failed!r}")
     return stub
