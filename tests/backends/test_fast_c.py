@@ -114,6 +114,13 @@ def test_a_launch_declines_what_it_was_not_bound_for_and_launches_nothing(stub_c
         launch(3, 32, 64, 11)
     with pytest.raises(TypeError, match="takes 4 positional arguments"):
         launch(3, 32, 64)
+    built = fast_c.module()
+    with pytest.raises(RuntimeError, match="was not made"):
+        built.Launch.__new__(built.Launch)(3)
+    with pytest.raises(ValueError, match="8 bytes each"):
+        built.Launch(5, 2, 1, 1, 128, 0, False, False, packed[:-1], 2, slot_index)
+    with pytest.raises(ValueError, match="the addresses first"):
+        built.Launch(5, 2, 1, 1, 128, 0, False, False, packed, 2, 1)
     assert stub.launches() == before
 
 

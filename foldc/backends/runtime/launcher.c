@@ -29,6 +29,7 @@ typedef struct {
   CUlaunchAttribute attributes[2];
   CUfunction function;
   CUcontext context;        // the context current at the bind: a call under another one launches nothing
+  int ready;                // __init__ succeeded
   int addresses;            // the first `addresses` parameters are given per call
   int slot;                 // the parameter given per call as a 32-bit integer after them, or -1
   int count;                // parameters in all (the kernel's, then triton's two scratch pointers)
@@ -59,6 +60,7 @@ static int Launch_init(Launch *self, PyObject *args, PyObject *kwargs) {
     PyErr_SetString(PyExc_RuntimeError, "libcuda is not loaded (call load first)");
     return -1;
   }
+  self->ready = 0;
   memcpy(self->values, packed.buf, packed.len);
   PyBuffer_Release(&packed);
   self->count = (int)count;
@@ -91,12 +93,17 @@ static int Launch_init(Launch *self, PyObject *args, PyObject *kwargs) {
     PyErr_SetString(PyExc_RuntimeError, "no CUDA context is current: bind a launch after one ran");
     return -1;
   }
+  self->ready = 1;
   return 0;
 }
 
 // launch(stream, address, ..., [integer]) -> True when launched; False, launching nothing, where an address is not
 // 16-byte aligned, the integer is outside 32 bits or another context is current.
 static PyObject *Launch_call(Launch *self, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
+  if (!self->ready) {
+    PyErr_SetString(PyExc_RuntimeError, "this Launch was not made (its __init__ failed or was not called)");
+    return NULL;
+  }
   Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
   Py_ssize_t want = 1 + self->addresses + (self->slot >= 0);
   if (nargs != want || kwnames != NULL) {
