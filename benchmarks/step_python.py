@@ -5,7 +5,10 @@ left of a step's host time once its launches are taken out. Evidence for docs/pe
 
 A `QuantizedKVCache` shaped as a ~1B Llama's layer (16 query / 4 KV heads of 128, INT4 token-wise, 8K tokens), its
 body attention the register-operand launcher with stand-in decode and merge kernels, its appends' kernel a stand-in
-too; each figure the median µs of one call over 2000 calls.
+too; each figure the median µs of one call over 2000 calls. "cold" rows: other Python runs between the calls (a
+walk over 30,000 dicts), as a model's other layers run between one layer's steps: the interpreter's caches no
+longer hold the step's code and objects, which is what a step costs inside a whole forward (a step takes 3-4x its
+time in a tight loop there, on this CPU and in the H200 runs of docs/perf.md).
 """
 from __future__ import annotations
 
@@ -35,9 +38,22 @@ class _Kernel:
         return _Bound()
 
 
-def median_us(fn, calls: int = 2000) -> float:
+_JUNK = [{"a": i, "b": str(i)} for i in range(210000)]
+
+
+def _other_python() -> int:
+    """What a model's other layers do to the interpreter's caches between two steps of one layer."""
+    total = 0
+    for d in _JUNK[::7]:
+        total += d["a"]
+    return total
+
+
+def median_us(fn, calls: int = 2000, cold: bool = False) -> float:
     took = []
     for _ in range(calls):
+        if cold:
+            _other_python()
         start = time.perf_counter()
         fn()
         took.append(time.perf_counter() - start)
@@ -84,6 +100,11 @@ def main() -> int:
         step()
     rows = {"append": median_us(lambda: cache.append(k1, v1)), "attention": median_us(lambda: cache.attention(q)),
             "append + attention": median_us(step)}
+    cache.reset()
+    cache.append(*(torch.randn(1, 4, 8192, 128, generator=gen).half() for _ in range(2)))
+    rows.update({"append, cold": median_us(lambda: cache.append(k1, v1), 1500, cold=True),
+                 "attention, cold": median_us(lambda: cache.attention(q), 1500, cold=True),
+                 "append + attention, cold": median_us(step, 1500, cold=True)})
     for name, us in rows.items():
         print(f"{name:20} {us:6.1f} µs")
     if args.out:

@@ -48,6 +48,10 @@ from .append import (OFFSET_ARG, append_arguments, append_quantized, check_finit
                      run_append, safe_abs_limit)
 from .part_merge import merge_two_parts
 
+_TENSOR = torch.Tensor
+_CAPTURING = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None)
+_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
 MODEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -188,6 +192,11 @@ class QuantizedKVCache:
         self._part_launches: dict = {}   # (part, query dtype) -> its attention's Launch
         self._prepared: dict = {}   # (part, query dtype, softmax scale, stream) -> its attention's prepared run
         self._write_addresses: dict = {}   # the body writes' bound launches: their storage's addresses
+        # a decode step's repeated calls (`append`, `attention`): what the whole path checked and found for the
+        # last one-token write and body-only attention whose launches were bound (see `_token_write`, `_attend`)
+        self._token_write = None
+        self._attend = None
+        self._last_prepared = None
         self._q_shape = (self.batch, spec.num_q_heads, spec.head_dim)
         # the body's appends: the largest |value| below which no group can overflow its scale dtype (above
         # it, the exact check of append_quantized), and the append kernel's launch per (operand, tokens)
@@ -297,6 +306,18 @@ class QuantizedKVCache:
         All checks (shapes, dtype, device, capacity and, for several tokens, NaN/Inf and scale
         overflow) run before any counter moves: a rejected append leaves the cache as it was. A
         one-token append is checked by the kernel that quantizes it (the module's "Bad values")."""
+        fast = self._token_write
+        if (fast is not None and type(k_new) is _TENSOR and type(v_new) is _TENSOR and not self._flag_seen[0]
+                and self._sink_len >= self.sink and self._sink_len + self._body_len < self.capacity
+                and k_new.shape == fast[0] and v_new.shape == fast[0] and k_new.stride() == fast[1]
+                and v_new.stride() == fast[2] and k_new.dtype == fast[3] and v_new.dtype == fast[3]
+                and k_new.get_device() == fast[4] and v_new.get_device() == fast[4]
+                and fast[5]((k_new.data_ptr(), *fast[6], v_new.data_ptr(), *fast[7]), (self._body_len,))):
+            # a decode step shaped as the last one the whole path wrote with its bound pair launch (`_launch_write`)
+            self._body_len += 1
+            self._deferred = True
+            self._flag_copied_after_write()
+            return
         self._raise_if_flagged()
         self._check_tokens("k_new", k_new)
         self._check_tokens("v_new", v_new)
@@ -327,11 +348,14 @@ class QuantizedKVCache:
             self._append_shift(k_new, v_new, tokens)
         if self._flag_written:   # the flag in host memory, no sync (read by the next call)
             self._flag_written = False
-            if self._flag_mapped:   # the kernel writes it there itself
-                self._flag_copied = True
-            elif self._flag_host is not self._flag:
-                self._flag_host.copy_(self._flag, non_blocking=True)
-                self._flag_copied = True
+            self._flag_copied_after_write()
+
+    def _flag_copied_after_write(self) -> None:
+        if self._flag_mapped:   # the kernel writes it there itself
+            self._flag_copied = True
+        elif self._flag_host is not self._flag:
+            self._flag_host.copy_(self._flag, non_blocking=True)
+            self._flag_copied = True
 
     def _append_shift(self, k_new: torch.Tensor, v_new: torch.Tensor, tokens: int) -> None:
         """`append` (checked) with the recent window shifted: sink first, then whole units of the oldest
@@ -494,6 +518,9 @@ class QuantizedKVCache:
             addresses = ((src.data_ptr(), *fixed[0], second.data_ptr(), *fixed[1]) if pair
                          else (src.data_ptr(), *fixed[0], *fixed[1]))
             if state[0](addresses, (self._body_len,)):
+                if pair and deferred and not self.window and self.unit == 1:   # `append`'s next decode steps
+                    self._token_write = (src.shape, src.stride(), second.stride(), src.dtype, src.get_device(),
+                                         state[0], fixed[0], fixed[1])
                 return
         if os.environ.get("TRITON_INTERPRET"):
             run_append(launch, body, src, self._body_len, None, flag=flag, second=other)
@@ -536,6 +563,15 @@ class QuantizedKVCache:
 
         Returns ``[batch, num_q_heads, head_dim]`` in q's dtype (float64 for target="reference"),
         and the float32 log-sum-exp per head with ``return_lse=True``."""
+        fast = self._attend
+        if (fast is not None and not return_lse and type(q) is _TENSOR and not self._flag_seen[0] and self._body_len
+                and not self._sink_len and not self._recent_len and type(sm_scale) is fast[0] and sm_scale == fast[1]
+                and q.shape == self._q_shape and q.dtype == fast[2] and q.get_device() == fast[3]
+                and (fast[3] < 0 or (not _CAPTURING() and _STREAM(fast[3]) == fast[4]))):
+            # a decode step over the body alone, shaped as the last one the whole path ran prepared (`_part`)
+            out = torch.empty(self._q_shape, dtype=fast[2], device=self.device)
+            fast[5](q, out, self._body_len)
+            return out
         self._raise_if_flagged()
         if not isinstance(q, torch.Tensor):
             raise InputTypeError(f"q must be a torch.Tensor [batch, num_q_heads, head_dim], got {type(q).__name__}")
@@ -557,7 +593,10 @@ class QuantizedKVCache:
         scale = check_sm_scale(sm_scale, self.spec.head_dim)
         parts = []
         if self._body_len:
+            self._last_prepared = None
             parts.append(self._part("body", q, scale, wide, return_lse))
+            if not plain_len and self._last_prepared is not None:   # the next decode steps' fast path
+                self._attend = (type(sm_scale), sm_scale, q.dtype, q.get_device(), *self._last_prepared)
         if plain_len:  # sink and recent are one contiguous prefix of the plain buffer
             parts.append(self._part("plain", q, scale, wide, return_lse))
         if len(parts) == 1:
@@ -596,6 +635,7 @@ class QuantizedKVCache:
                 prepared = self._prepared[(name, q.dtype, scale, stream)] = attention.prepare(launch, k, v, workspace,
                                                                                               lse, scale)
             prepared(q, out, n)
+            self._last_prepared = (stream, prepared)
             return out, prepared.lse
         # the buffers of this part's last call on this stream, unless the lse goes to the caller
         workspace, lse = self._scratch[name].get(launch, self.device, self._q_shape[:2], fresh=return_lse)
