@@ -567,9 +567,9 @@ class QuantizedKVCache:
         if (fast is not None and not return_lse and type(q) is _TENSOR and not self._flag_seen[0] and self._body_len
                 and not self._sink_len and not self._recent_len and type(sm_scale) is fast[0] and sm_scale == fast[1]
                 and q.shape == self._q_shape and q.dtype == fast[2] and q.get_device() == fast[3]
-                and (fast[3] < 0 or (not _CAPTURING() and _STREAM(fast[3]) == fast[4]))):
+                and q.is_contiguous() and (fast[3] < 0 or (not _CAPTURING() and _STREAM(fast[3]) == fast[4]))):
             # a decode step over the body alone, shaped as the last one the whole path ran prepared (`_part`)
-            out = torch.empty(self._q_shape, dtype=fast[2], device=self.device)
+            out = torch.empty_like(q)   # contiguous as q is (half torch.empty's host time)
             fast[5](q, out, self._body_len)
             return out
         self._raise_if_flagged()
