@@ -126,3 +126,16 @@ def test_swapped_kernels_and_a_full_memo_drop_the_entries(case):
     whole(q, k, v, out, 0.3)   # bound: a new entry, the full memo dropped first
     assert len(attn._eager) == 1 and attn._eager.run(attn, q, k, v, 0.3, out) is out
     assert attn._eager.run(attn, q, k, v, 0.1, out) is None
+
+
+def test_a_call_without_out_gets_a_new_contiguous_output_each_time(case):
+    """An entry made by a call without ``out``: each later call writes a new tensor of q's shape and dtype,
+    contiguous (the bound merge gets its address), as the whole path's is."""
+    attn, (q, k, v, out, gen), decode, merge, ws, lse, whole = case
+    launch = attn.plan_launch(q.dtype, 2, 256, torch.device("cpu"), k=k, v=v)   # the fixture's (memoised)
+    attn._eager.note(attn, launch, q, k, v, 0.1, None, ws, lse,
+                     lambda: _binding_key(launch.options, q, k, v, None, out, 0.1, launch.per_split, launch.splits))
+    outs = [attn._eager.run(attn, q, k, v, 0.1, None) for _ in range(3)]
+    assert all(o.shape == q.shape and o.dtype == q.dtype and o.is_contiguous() for o in outs)
+    assert len({o.data_ptr() for o in outs}) == 3
+    assert [c[-2] for c in merge.bound[0].calls[-3:]] == [o.data_ptr() for o in outs]

@@ -72,8 +72,8 @@ class EagerCalls:
         decode, merge, tokens, fixed, workspace, lse, rows, modules = entry
         if attn._modules is not modules:   # its kernels were swapped since
             return None
-        if out is None:
-            out = torch.empty(q.shape, device=q.device, dtype=q.dtype)
+        if out is None:   # contiguous as the whole path's (torch.empty_like of a contiguous q: half the host time)
+            out = torch.empty_like(q) if q.is_contiguous() else torch.empty(q.shape, device=q.device, dtype=q.dtype)
         qa = q.data_ptr()
         if not decode((qa, kc.data_ptr(), ks.data_ptr(), kz.data_ptr(), vc.data_ptr(), vs.data_ptr(), vz.data_ptr(),
                        qa, *fixed[0], qa, qa, qa), tokens):
