@@ -48,6 +48,34 @@ def _gemm(out_features: int, in_features: int, encoding: str, target: str):
 EAGER_ENTRIES = 64   # a layer's eager launches kept at once, per (rows, dtype, device)
 
 
+_TENSOR = torch.Tensor
+_DEVICE = torch.Tensor.get_device   # a CUDA tensor's device index
+_DISPATCH_DEPTH = torch._C._len_torch_dispatch_stack
+_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+_CAPTURING = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None)
+# (device index, stream) -> the float32 split-k workspace every layer's fast path on that stream shares: calls on
+# one stream run in order, so each may overwrite the partials of the one before (the whole path makes one per call)
+_PARTS: dict = {}
+
+
+def _capturing(device: int) -> bool:
+    return device >= 0 and _CAPTURING is not None and _CAPTURING()
+
+
+def _stream_of(device: int) -> int:
+    return _STREAM(device) if device >= 0 else 0
+
+
+def _shared_part(device: torch.device, index: int, size: int) -> torch.Tensor:
+    """The shared split-k workspace of ``device``'s current stream, grown to ``size`` floats (a grown one is a new
+    tensor: fast paths holding the old one see that and take the whole path once)."""
+    key = (index, _stream_of(index))
+    part = _PARTS.get(key)
+    if part is None or part.numel() < size:
+        part = _PARTS[key] = torch.empty(size, dtype=torch.float32, device=device)
+    return part
+
+
 def _traced() -> bool:
     """Whether torch is tracing the call (torch.compile, export, make_fx, a fake or functional tensor
     mode): then it must go through the custom op, whose fake implementation the tracer sees."""
@@ -128,10 +156,12 @@ class FoldLinear(torch.nn.Module):
         self.register_buffer("gemv_counters", torch.zeros(-(-n // 16), dtype=torch.int32, device=weight.codes.device),
                              persistent=False)
         self._eager: dict = {}   # (rows, dtype, device) -> (the buffers it was made for, GEMV launch or None)
+        self._fast = None   # the last eager call whose GEMV launch was bound (`forward`'s fast path)
 
     def __getstate__(self):
         state = dict(self.__dict__)
         state["_eager"] = {}   # launchers and compiled kernels: made again after a copy or a load
+        state["_fast"] = None
         return state
 
     @classmethod
@@ -152,6 +182,17 @@ class FoldLinear(torch.nn.Module):
         return AffineTensor(self.codes, self.scale, self.zero, self.encoding.affine(self.in_features), self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fast = self._fast
+        if (fast is not None and type(x) is _TENSOR and x.shape == fast[0] and x.stride() == fast[1]
+                and x.dtype == fast[2] and not x.requires_grad and _DEVICE(x) == fast[3] and self._holds(fast[4])
+                and not _DISPATCH_DEPTH() and (fast[10] is None or (_PARTS.get((fast[3], _stream_of(fast[3])))
+                                                                     is fast[10] and not _capturing(fast[3])))):
+            # shaped as the last eager call, whose GEMV launch was bound (`_eager_gemv`): x's rows as they lie
+            # (no reshape), the output made in its final shape, the launch given the addresses alone (a tracer's
+            # fake tensors and torch.compile's are not torch.Tensor itself; a dispatch mode takes the whole path)
+            out = torch.empty(fast[5], dtype=fast[2], device=fast[6])
+            if fast[7]((x.data_ptr(), *fast[8], out.data_ptr(), *fast[9])):
+                return out
         if not isinstance(x, torch.Tensor) or x.shape[-1] != self.in_features:
             got = getattr(x, "shape", type(x).__name__)
             raise InputError(f"x must be a tensor [..., {self.in_features}]; got {got}")
@@ -159,17 +200,30 @@ class FoldLinear(torch.nn.Module):
         x2 = x.reshape(-1, self.in_features)
         y = None
         if type(x) is torch.Tensor and x.is_cuda and not x.requires_grad and not _traced():
-            y = self._eager_gemv(x2)
+            y = self._eager_gemv(x2, x)
         if y is None:
             y = torch.ops.foldc.linear(x2, self.codes, self.scale, self.zero, self.bias, self._encoding_text,
                                        self.out_features, self.gemv_counters)
         return y.reshape(*lead, self.out_features)
 
-    def _eager_gemv(self, x2: torch.Tensor) -> torch.Tensor | None:
+    def _held(self) -> tuple:
+        """The buffers an eager launch reads (replaced by ``.to()``, ``.half()``, a load)."""
+        buffers = self._buffers
+        return buffers["codes"], buffers["scale"], buffers["zero"], buffers["gemv_counters"], buffers["bias"]
+
+    def _holds(self, held: tuple) -> bool:
+        """Whether the layer still holds these very buffer objects (by identity: tensors' == compares values)."""
+        buffers = self._buffers
+        return (buffers["codes"] is held[0] and buffers["scale"] is held[1] and buffers["zero"] is held[2]
+                and buffers["gemv_counters"] is held[3] and buffers["bias"] is held[4])
+
+    def _eager_gemv(self, x2: torch.Tensor, x: torch.Tensor | None = None) -> torch.Tensor | None:
         """An eager GPU call the GEMV takes, launched from here: the op's result without the custom op's
         dispatch and without checking the weight again (it was checked when the layer was built; its
         2-D rows are made once per row count, dtype and device, and again when a buffer is replaced).
-        None where the call is not the GEMV's: the op then runs it, or says why it cannot."""
+        None where the call is not the GEMV's: the op then runs it, or says why it cannot. ``x``: the call's
+        input before its reshape to ``x2``; where its launch was bound, with no split-k workspace and no
+        bias, the layer keeps what `forward`'s fast path needs for the next call of its shape."""
         key = (x2.shape[0], x2.dtype, x2.device)
         buffers = self._buffers
         codes, scale, zero = buffers["codes"], buffers["scale"], buffers["zero"]
@@ -190,8 +244,20 @@ class FoldLinear(torch.nn.Module):
         if x2.stride(1) != 1:
             x2 = x2.contiguous()
         out = torch.empty(x2.shape[0], self.out_features, device=x2.device, dtype=x2.dtype)
-        gemv.run_rows(launch, x2, *rows, out, buffers["gemv_counters"])
+        counters = buffers["gemv_counters"]
+        bound = gemv.run_rows(launch, x2, *rows, out, counters)
         bias = buffers["bias"]
+        if bound is not None and bias is None and x is not None and x2.data_ptr() == x.data_ptr() and x.is_contiguous():
+            # the rows' and counters' addresses stand for the next calls of x's shape; split-k partials go to the
+            # stream's shared workspace (outside a capture; one split has none: the counters' address stands in, unread)
+            split, counters_at, index = launch.grid[1], counters.data_ptr(), _DEVICE(x)
+            part = None
+            if split > 1 and not _capturing(index):
+                part = _shared_part(x.device, index, split * launch.m * self.out_features)
+            if split == 1 or part is not None:
+                self._fast = (x.shape, x.stride(), x.dtype, index, self._held(), (*x.shape[:-1], self.out_features),
+                              x.device, bound, tuple(t.data_ptr() for t in rows),
+                              (counters_at if part is None else part.data_ptr(), counters_at), part)
         return out if bias is None else out.add_(bias.to(out.dtype))
 
     def extra_repr(self) -> str:

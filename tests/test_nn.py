@@ -199,5 +199,134 @@ def test_gpu_eager_calls_give_the_custom_ops_answer(m, dtype, bias, enc, strided
     via_op = torch.ops.foldc.linear(x.contiguous(), layer.codes, layer.scale, layer.zero, layer.bias,
                                     layer._encoding_text, 96, layer.gemv_counters)
     assert y.dtype == dtype and torch.equal(y, via_op)
+    for _ in range(3):   # bound from the second call: later calls of this shape take the layer's fast path
+        x_next = torch.randn(1, m, 512, device="cuda", dtype=dtype)
+        y_next = layer(x_next)
+        assert y_next.shape == (1, m, 96) and torch.equal(y_next[0], torch.ops.foldc.linear(
+            x_next[0], layer.codes, layer.scale, layer.zero, layer.bias, layer._encoding_text, 96,
+            layer.gemv_counters))
     want = _reference(layer.cpu(), x.cpu())
     assert float((y.cpu().double() - want).norm() / want.norm()) < 1e-2
+
+
+class _BoundStandIn:
+    """Stands in for a bound GEMV launch: records the addresses it is given, launches if ``ok``."""
+
+    def __init__(self):
+        self.calls, self.ok = [], True
+
+    def __call__(self, addresses):
+        self.calls.append(addresses)
+        return self.ok
+
+
+class _BindingGemv(_StandInGemv):
+    """A stand-in whose launches are bound from the first call, one split (no workspace)."""
+
+    class _Launch:
+        grid, m = (2, 1), 1
+
+    def __init__(self, n, split=1):
+        super().__init__(n)
+        self.bound = _BoundStandIn()
+        self.launch = self._Launch()
+        self.launch.grid = (2, split)
+
+    def run_rows(self, launch, x, codes, scale, zero, out, counters):
+        super().run_rows(launch, x, codes, scale, zero, out, counters)
+        return self.bound
+
+
+@pytest.mark.parametrize("change", [None, "rows", "strided", "dtype", "grad", "replaced buffer", "dispatch mode",
+                                    "declines"])
+def test_a_call_shaped_as_the_last_bound_one_goes_straight_to_its_launch(monkeypatch, change):
+    """After an eager call whose GEMV launch was bound (one split, no bias), a call of the same shape, strides,
+    dtype and device with the layer's buffers unchanged hands the bound launch x's address as it lies (no
+    reshape), a new output made in its final shape, the weight's and counters' addresses; anything else (or a
+    launch that declines) takes the whole path."""
+    import foldc.nn as fnn
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    torch.manual_seed(5)
+    layer = FoldLinear.from_linear(torch.nn.Linear(64, 32, bias=False), "k-group:4:32")
+    gemv = _BindingGemv(32)
+    kernel = _StandInKernel(gemv)
+    kernel.gemv_for = lambda m, dtype, device, w: (gemv, gemv.launch, (w.codes[0, 0], w.scale[0, 0], w.zero[0, 0]))
+    real = fnn._gemm   # the whole path on the CPU runs the real op's kernel
+    monkeypatch.setattr(fnn, "_gemm", lambda n, k, enc, target: kernel if target == "auto" else real(n, k, enc, target))
+    x = torch.randn(1, 1, 64)
+    layer._eager_gemv(x.reshape(-1, 64), x)   # the whole path's eager call (a GPU call on the CPU)
+    assert layer._fast is not None
+    whole_calls = len(gemv.calls)
+    x2 = torch.randn(1, 1, 64)
+
+    class Counting(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    if change is None:
+        y = layer(x2)
+        codes, scale, zero = (t.data_ptr() for t in (layer.codes, layer.scale, layer.zero))
+        counters = layer.gemv_counters.data_ptr()
+        assert gemv.bound.calls[-1] == (x2.data_ptr(), codes, scale, zero, y.data_ptr(), counters, counters)
+        assert y.shape == (1, 1, 32) and y.is_contiguous() and len(gemv.calls) == whole_calls
+        return
+    calls = len(gemv.bound.calls)
+    if change == "rows":
+        x2 = torch.randn(2, 1, 64)
+    elif change == "strided":
+        x2 = torch.randn(1, 64, 2)[:, :, :1].transpose(1, 2)
+        assert x2.shape == x.shape and x2.stride() != x.stride()
+    elif change == "dtype":
+        x2 = x2.double()
+    elif change == "grad":
+        x2.requires_grad_(True)
+    elif change == "replaced buffer":
+        layer.codes = layer.codes.clone()
+    elif change == "declines":
+        gemv.bound.ok = False
+    if change == "dispatch mode":
+        with Counting():
+            y = layer(x2)
+    else:
+        y = layer(x2)
+    want = _reference(layer, x2.detach().double())
+    assert torch.allclose(y.detach().double(), want, rtol=1e-3, atol=1e-3)   # the op's answer on the CPU
+    assert len(gemv.bound.calls) == calls + (change == "declines")
+
+
+def test_split_k_partials_go_to_the_streams_shared_workspace(monkeypatch):
+    """With split-k the fast path hands the bound launch the stream's shared float32 workspace (split x m x n
+    floats at least), one for every layer on that stream; a layer that needs more grows it, and a layer holding
+    the old one takes the whole path once and then holds the new one."""
+    import foldc.nn as fnn
+
+    monkeypatch.setattr(fnn, "_PARTS", {})
+    layers, gemvs = [], []
+    for n, split in ((32, 3), (48, 4)):
+        layer = FoldLinear.from_linear(torch.nn.Linear(64, n, bias=False), "k-group:4:32")
+        gemv = _BindingGemv(n, split)
+        kernel = _StandInKernel(gemv)
+        kernel.gemv_for = (lambda g: lambda m, dtype, device, w: (g, g.launch, (w.codes[0, 0], w.scale[0, 0],
+                                                                                 w.zero[0, 0])))(gemv)
+        layer._gemm_stand_in = kernel
+        layers.append(layer)
+        gemvs.append(gemv)
+    real = fnn._gemm
+    by_n = {layer.out_features: layer._gemm_stand_in for layer in layers}
+    monkeypatch.setattr(fnn, "_gemm", lambda n, k, enc, target: by_n[n] if target == "auto" else real(n, k, enc, target))
+    x = torch.randn(1, 64)
+    layers[0]._eager_gemv(x, x)
+    (part,) = fnn._PARTS.values()
+    assert part.dtype == torch.float32 and part.numel() == 3 * 32
+    layers[0](torch.randn(1, 64))
+    assert gemvs[0].bound.calls[-1][5] == part.data_ptr()
+    layers[1]._eager_gemv(x, x)   # needs 4 x 48 floats: the workspace grows
+    (grown,) = fnn._PARTS.values()
+    assert grown is not part and grown.numel() == 4 * 48
+    calls = len(gemvs[0].bound.calls)
+    layers[0](torch.randn(1, 64))   # holds the old one: the whole path (the op on the CPU)
+    assert len(gemvs[0].bound.calls) == calls
+    layers[0]._eager_gemv(x, x)    # a bound GPU call again: now the grown workspace
+    layers[0](torch.randn(1, 64))
+    assert gemvs[0].bound.calls[-1][5] == grown.data_ptr()

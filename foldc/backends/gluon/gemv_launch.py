@@ -290,9 +290,11 @@ class GluonGemv:
         self.run_rows(launch, x, w.codes[0, 0], w.scale[0, 0], w.zero[0, 0], out, counters)
 
     def run_rows(self, launch: GemvLaunch, x, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
-                 out: torch.Tensor, counters: torch.Tensor | None = None) -> None:
+                 out: torch.Tensor, counters: torch.Tensor | None = None):
         """`run` with the weight as its 2-D parts (codes [n, row bytes] uint8, scale and zero [n, groups]),
-        which a caller holding one weight makes once (`foldc.nn.FoldLinear`'s eager calls); no checks."""
+        which a caller holding one weight makes once (`foldc.nn.FoldLinear`'s eager calls); no checks. Returns
+        the bound launch that ran it (given x's, the parts', out's, the workspace's and the counters' addresses),
+        None where the launch was keyed."""
         if self._kernel is None:
             from .gemv import foldc_gemv_gluon
 
@@ -312,12 +314,13 @@ class GluonGemv:
         if type(state) is tuple and state and state[0]((x.data_ptr(), codes.data_ptr(), scale.data_ptr(),
                                                         zero.data_ptr(), out.data_ptr(), part.data_ptr(),
                                                         counters.data_ptr())):
-            return
+            return state[0]
         args = (x, codes.view(torch.int32), scale, zero, out, part, counters, launch.m, self.spec.n, x.stride(0),
                 codes.stride(0) // 4, scale.stride(0), out.stride(0), launch.chunks_per_split)
         kwargs = keywords(launch)
         self._kernel[launch.grid](*args, **kwargs)
         self._bindings.note(key, launch, state, lambda: (self._kernel.bind(launch.grid, args, kwargs),))
+        return None
 
 
 def _aligned(codes: torch.Tensor) -> bool:
