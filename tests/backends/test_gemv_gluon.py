@@ -321,6 +321,25 @@ def test_run_rows_notes_then_binds_then_launches_by_address():
         bound.ok = False
         gemv.run_rows(launch, x, *rows, out, counters)
         assert len(kernel.launches) == 3
+        # run_rows says which bound launch ran (FoldLinear's fast path keeps it), None for a keyed launch
+        bound.ok = True
+        assert gemv.run_rows(launch, x, *rows, out, counters) is bound
+
+
+def test_the_gemvs_own_workspace_and_counters_are_one_set_per_stream(monkeypatch):
+    """Calls without the caller's counters share the GEMV's workspace and counters on one stream (they run in
+    order there) and get their own on another (calls on two streams may run at once)."""
+    from foldc.backends.gluon import gemv_launch
+
+    gemv = GluonGemv(spec_of("k-group:4:128", 48, 1024), "sm_90")
+    launch = gemv.plan_launch(torch.float16, 1, 132)
+    stream = [7]
+    monkeypatch.setattr(gemv_launch, "_stream_key", lambda device: stream[0])
+    first = gemv.buffers(launch, torch.device("cpu"))
+    assert gemv.buffers(launch, torch.device("cpu")) is first
+    stream[0] = 9
+    other = gemv.buffers(launch, torch.device("cpu"))
+    assert other[0] is not first[0] and other[1] is not first[1] and not other[1].any()
 
 
 @gpu

@@ -180,9 +180,10 @@ class GluonGemv:
         return launch
 
     def buffers(self, launch: GemvLaunch, device) -> tuple[torch.Tensor, torch.Tensor]:
-        """The split-k workspace [split, m, n] and the block counters (zero; the kernel leaves them so)."""
+        """The split-k workspace [split, m, n] and the block counters (zero; the kernel leaves them so), one set
+        per CUDA stream: calls on one stream run in order and may share them, calls on two may run at once."""
         split = launch.grid[1]
-        key = (str(device), launch.m, split)
+        key = (str(device), launch.m, split, _stream_key(device))
         if key not in self._buffers:
             part = torch.empty(split * launch.m * self.spec.n if split > 1 else 1, device=device, dtype=torch.float32)
             counters = torch.zeros(launch.grid[0], device=device, dtype=torch.int32)
@@ -321,6 +322,11 @@ class GluonGemv:
         self._kernel[launch.grid](*args, **kwargs)
         self._bindings.note(key, launch, state, lambda: (self._kernel.bind(launch.grid, args, kwargs),))
         return None
+
+
+def _stream_key(device) -> int:
+    """The raw handle of ``device``'s current CUDA stream (0 off the GPU)."""
+    return torch._C._cuda_getCurrentRawStream(device.index) if device.type == "cuda" else 0
 
 
 def _aligned(codes: torch.Tensor) -> bool:
