@@ -26,6 +26,8 @@ size: same buffers) whenever the page table grows, e.g. before each replay of a 
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 from ..compile import compile as compile_attention
@@ -36,7 +38,8 @@ from ..plan import plan_of
 from ..reference import attention_reference
 from ..spec import AttentionSpec
 from ..validate import check_sm_scale
-from .append import append_paged, check_finite, plan_append, resolve_target, run_append
+from ..backends.runtime.fast_launch import Bindings
+from .append import append_arguments, append_paged, check_finite, plan_append, resolve_target, run_append
 from .cache import check_new_tokens, resolve_device, same_strides
 from .paged import PagedDecodeWrapper, gather_pages, launch_plain, page_pool
 
@@ -120,6 +123,7 @@ class PagedKVCache:
         mode = resolve_target(self._append_target, self.device)
         self._pair = self._direct and spec.k == spec.v and mode != "reference"
         self._append_interpret = mode == "interpret"
+        self._append_bindings = Bindings(16)   # the pair launch's bound kernel per (dtype, k's and v's strides)
         self.pools = [{name: page_pool(spec, name, num_pages, page_size, device=self.device) for name in "kv"}
                       for _ in range(num_layers)]
         if self.target != "reference":
@@ -262,7 +266,7 @@ class PagedKVCache:
                 launch = plan_append(self.spec.k, self.spec.num_kv_heads, self.spec.head_dim, self.batch, 1,
                                      k_new.dtype == torch.bfloat16, True, self.page_size, False, self._append_interpret,
                                      pair=True)
-                run_append(launch, pools["k"], k_new, None, st["body"], paging=table, second=(pools["v"], v_new))
+                self._write_pair(launch, pools, k_new, v_new, st["body"], table)
             else:
                 for name, x in (("k", k_new), ("v", v_new)):
                     append_paged(pools[name], x, *table, st["body"], page_size=self.page_size,
@@ -287,6 +291,28 @@ class PagedKVCache:
                 kept.copy_(torch.where(flush.view(b, 1, 1, 1), moved, kept))
         st["plain"] -= counts
         st["body"] += counts
+
+    def _write_pair(self, launch, pools: dict, k_new, v_new, body: torch.Tensor, table: tuple) -> None:
+        """The pair launch of a decode step's K and V into the pages at each sequence's ``body`` offset. Natively
+        a launch seen before with these strides is bound (`FastLaunch.bind`) and later ones give it the tensors'
+        addresses alone: the tokens', the pools', the offsets' and the page table's (as `append_arguments` orders
+        them; the counts and flag it does not read are the key codes')."""
+        if self._append_interpret or os.environ.get("TRITON_INTERPRET"):
+            run_append(launch, pools["k"], k_new, None, body, paging=table, second=(pools["v"], v_new))
+            return
+        key = (k_new.dtype, k_new.stride(), v_new.stride())
+        state = self._append_bindings.get(key, launch)
+        if type(state) is tuple and state:
+            kp, vp = pools["k"], pools["v"]
+            codes = kp.codes.data_ptr()
+            if state[0]((k_new.data_ptr(), codes, kp.scale.data_ptr(), kp.zero.data_ptr(), body.data_ptr(),
+                         table[0].data_ptr(), table[1].data_ptr(), codes, codes, v_new.data_ptr(), vp.codes.data_ptr(),
+                         vp.scale.data_ptr(), vp.zero.data_ptr())):
+                return
+        kernel, args, kwargs = append_arguments(launch, pools["k"], k_new, None, body, table, None, None,
+                                                (pools["v"], v_new))
+        kernel[launch.grid](*args, **kwargs)
+        self._append_bindings.note(key, launch, state, lambda: (kernel.bind(launch.grid, args, kwargs),))
 
     def _prefill_append(self, layer: int, st: dict, k_new, v_new) -> None:
         """Several tokens per sequence: every part's range computed on the host, sequence by sequence."""

@@ -313,3 +313,49 @@ def test_device_lengths_past_a_sequences_pages_read_only_its_pages():
     v, _ = gather_pages(pools["v"], indptr, indices, [20, 64], 32)
     want = foldc.attention_reference(q, k, v, seq_lens=torch.tensor([20, 64]))
     assert rel_l2(got, want) < TOL
+
+
+def test_a_decode_steps_pair_launch_binds_and_then_launches_by_address(monkeypatch):
+    """Natively (stand-in kernels on the CPU), straight to pages with K and V of one encoding: the first two decode
+    steps' pair launches are keyed, the second binds, later steps give the bound launch the tokens', the layer's
+    pools', its offsets' and the page table's addresses, one bound launch for every layer; a bound launch that
+    declines takes the keyed way."""
+    from foldc.serving import append as append_module
+    from test_cache import _KernelStandIn
+
+    kernels = {}
+    monkeypatch.setattr(append_module, "_fast", lambda name, interpret: kernels.setdefault(name, _KernelStandIn()))
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    enc = A(4, "token", 32)
+    cache = PagedKVCache(S(4, 2, 64, enc, enc), num_layers=2, page_size=16, num_pages=16, max_seq_len=64)
+    cache._append_interpret = False   # as on a GPU, with the launches recorded instead of run
+    cache.plan(*_table(2, 3, 16, seed=5), seq_lens=[0, 0])
+    gen = torch.Generator().manual_seed(13)
+    for layer in range(2):
+        cache.append(layer, *_tokens(gen, 2, 2, 5, 64))
+    kernel = kernels["token"]
+    prefill = len(kernel.launches)
+    steps = []
+    for step in range(4):
+        for layer in range(2):
+            k, v = _tokens(gen, 2, 2, 1, 64)
+            v = v.transpose(1, 2).contiguous().transpose(1, 2)   # the value as transformers makes it
+            cache.append(layer, k, v)
+            steps.append((layer, k, v))
+    assert len(kernel.launches) == prefill + 2 and len(kernel.binds) == 1   # layer 0 and 1 of step 0 keyed
+    (bound,), = cache._append_bindings.bound()
+    assert len(bound.calls) == 6
+    for (layer, k, v), (addresses, values) in zip(steps[2:], bound.calls):
+        kp, vp = cache.pools[layer]["k"], cache.pools[layer]["v"]
+        st = cache._layers[layer]
+        codes = kp.codes.data_ptr()
+        assert addresses == (k.data_ptr(), codes, kp.scale.data_ptr(), kp.zero.data_ptr(), st["body"].data_ptr(),
+                             cache.wrapper.kv_indptr.data_ptr(), cache.wrapper.kv_indices.data_ptr(), codes, codes,
+                             v.data_ptr(), vp.codes.data_ptr(), vp.scale.data_ptr(), vp.zero.data_ptr())
+        assert values == ()
+    keyed = kernel.launches[prefill]
+    assert keyed[0].data_ptr() == steps[0][1].data_ptr() and keyed[4] is cache._layers[0]["body"]
+    monkeypatch.setattr(type(bound), "__call__", lambda self, addresses, values=(): False)   # it declines
+    cache.append(0, *_tokens(gen, 2, 2, 1, 64))
+    assert len(kernel.launches) == prefill + 3
+    assert cache.num_tokens(0) == [10, 10] and cache.num_tokens(1) == [9, 9]
