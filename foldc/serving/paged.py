@@ -32,7 +32,7 @@ from ..plan import plan as make_plan
 from ..registry import attention_backend
 from ..spec import AttentionSpec
 from ..validate import check_sm_scale, output_buffer
-from .cache import resolve_device
+from .inputs import resolve_device
 
 _WORKSPACE = {torch.float16: "workspace_float16", torch.bfloat16: "workspace_bfloat16"}   # buffer names per q dtype
 MOST_PREPARED = 512   # prepared runs a wrapper keeps: a model's layers x query dtypes x scales

@@ -40,14 +40,8 @@ from ..spec import AttentionSpec
 from ..validate import check_sm_scale
 from ..backends.runtime.fast_launch import Bindings
 from .append import append_arguments, append_paged, check_finite, plan_append, resolve_target, run_append
-from .cache import check_new_tokens, resolve_device, same_strides
+from .inputs import check_new_tokens, count, resolve_device, same_strides
 from .paged import PagedDecodeWrapper, gather_pages, launch_plain, page_pool
-
-
-def _count(name: str, value, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise SpecError(f"{name}={value!r} must be an integer >= {minimum}")
-    return value
 
 
 def _lengths(seq_lens) -> list[int]:
@@ -100,10 +94,10 @@ class PagedKVCache:
             raise SpecError(f"PagedKVCache quantizes both K and V into pages, but the spec has k={spec.k}, "
                             f"v={spec.v}; give both an encoding (keep plain tokens in the sink/window instead)")
         self.spec = spec
-        self.num_layers = _count("num_layers", num_layers, 1)
-        self.sink, self.window = _count("sink", sink, 0), _count("window", window, 0)
-        self.num_pages = _count("num_pages", num_pages, 1)
-        self.max_seq_len = _count("max_seq_len", max_seq_len, 1)
+        self.num_layers = count("num_layers", num_layers, 1)
+        self.sink, self.window = count("sink", sink, 0), count("window", window, 0)
+        self.num_pages = count("num_pages", num_pages, 1)
+        self.max_seq_len = count("max_seq_len", max_seq_len, 1)
         if dtype not in (torch.float16, torch.bfloat16):
             raise SpecError(f"dtype={dtype} is not supported; use torch.float16 or torch.bfloat16")
         self.device, self.dtype = resolve_device(device), dtype

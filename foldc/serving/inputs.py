@@ -1,0 +1,75 @@
+"""What the serving caches check of their arguments and tokens, and where their flag lives: shared by
+`QuantizedKVCache` and `PagedKVCache`."""
+from __future__ import annotations
+
+import torch
+
+from ..errors import InputError, InputTypeError, SpecError
+
+
+def resolve_device(device) -> torch.device:
+    """``device`` as a torch.device with its index: "cuda" means the current GPU, so that it compares
+    equal to the device of the tensors created there (``torch.device("cuda") != "cuda:0"``)."""
+    try:
+        dev = torch.device(device)
+    except (TypeError, RuntimeError):
+        raise SpecError(f"device={device!r} is not a torch device; use e.g. 'cpu' or 'cuda'") from None
+    if dev.type == "cuda" and dev.index is None and torch.cuda.is_available():
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
+def count(name: str, value, minimum: int) -> int:
+    """``value``, a whole number of at least ``minimum`` (0 or 1), or a SpecError naming it."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        kind = "a positive integer" if minimum == 1 else "an integer >= 0"
+        raise SpecError(f"{name}={value!r} must be {kind}")
+    return value
+
+
+def check_new_tokens(name: str, x, batch: int, spec, dtype: torch.dtype, device: torch.device) -> None:
+    """Tokens to append: a tensor [batch, kv_heads, tokens, head_dim] of the cache's dtype and device."""
+    if not isinstance(x, torch.Tensor):
+        raise InputTypeError(f"{name} must be a torch.Tensor [batch, kv_heads, tokens, head_dim], "
+                             f"got {type(x).__name__}")
+    shape = x.shape
+    if len(shape) != 4 or shape[0] != batch or shape[1] != spec.num_kv_heads or shape[3] != spec.head_dim:
+        raise InputError(f"{name} shape={tuple(shape)} but this cache holds [{batch}, {spec.num_kv_heads}, tokens, "
+                         f"{spec.head_dim}] (batch, kv_heads, tokens, head_dim): mismatched heads or batch")
+    if x.dtype != dtype:
+        raise InputError(f"{name} dtype={x.dtype} but the cache was built with dtype={dtype}; pass {name}.to({dtype})")
+    if x.device != device:
+        raise InputError(f"{name} is on {x.device} but the cache is on {device}; move it there")
+
+
+def same_strides(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors of one shape are laid out alike (the stride of a dim of size 1 is never used: a
+    decode step's new key, made by the rotary embedding, and its value, a view of a transpose, differ there)."""
+    sa, sb = a.stride(), b.stride()
+    if sa == sb:
+        return True
+    for x, y, n in zip(sa, sb, a.shape):   # (a loop, not a generator: this runs every decode step)
+        if x != y and n != 1:
+            return False
+    return True
+
+
+class _DeviceView:
+    """``__cuda_array_interface__`` of an int32 host tensor's memory, for `mapped_flag`."""
+
+    def __init__(self, host: torch.Tensor):
+        self.__cuda_array_interface__ = {"shape": tuple(host.shape), "typestr": "<i4", "strides": None,
+                                         "data": (host.data_ptr(), False), "version": 3}
+
+
+def mapped_flag(host: torch.Tensor, device: torch.device) -> torch.Tensor | None:
+    """A CUDA tensor over the memory of ``host`` (pinned int32), which a kernel on ``device`` writes straight
+    into host memory (unified addressing: pinned memory is mapped for every device at its host address), or
+    None where that is not so (then the caller copies a device flag)."""
+    if not host.is_pinned():
+        return None
+    try:
+        view = torch.as_tensor(_DeviceView(host), device=device)
+    except (RuntimeError, TypeError, ValueError):
+        return None
+    return view if view.data_ptr() == host.data_ptr() and view.device == device else None
