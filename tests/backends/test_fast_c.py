@@ -115,6 +115,8 @@ def test_a_launch_declines_what_it_was_not_bound_for_and_launches_nothing(stub_c
     with pytest.raises(TypeError, match="takes 4 positional arguments"):
         launch(3, 32, 64)
     built = fast_c.module()
+    empty = built.Launch(5, 0, 1, 1, 128, 0, False, False, packed, 2, slot_index)
+    assert empty(3, 32, 64, 11) is True   # an empty grid: nothing launched, as triton's launcher skips it
     with pytest.raises(RuntimeError, match="was not made"):
         built.Launch.__new__(built.Launch)(3)
     with pytest.raises(ValueError, match="8 bytes each"):

@@ -130,6 +130,8 @@ static PyObject *Launch_call(Launch *self, PyObject *const *args, size_t nargsf,
   }
   CUcontext context;
   if (current_context(&context) != CUDA_SUCCESS || context != self->context) Py_RETURN_FALSE;
+  if (self->config.gridDimX == 0 || self->config.gridDimY == 0 || self->config.gridDimZ == 0)
+    Py_RETURN_TRUE;   // an empty grid launches nothing, as triton's launcher skips it
   self->config.hStream = (CUstream)(uintptr_t)stream;
   CUresult status = launch_kernel(&self->config, self->function, self->parameters, NULL);
   if (status != CUDA_SUCCESS) {
