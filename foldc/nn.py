@@ -164,6 +164,12 @@ class FoldLinear(torch.nn.Module):
         state["_fast"] = None
         return state
 
+    def _apply(self, fn, recurse=True):
+        # .to(), .cuda(), .half(), ...: the eager entries hold the old buffers (and would keep a moved layer's
+        # GPU memory alive); they are made again for the new ones
+        self._eager, self._fast = {}, None
+        return super()._apply(fn, recurse)
+
     @classmethod
     def from_linear(cls, linear: torch.nn.Linear, weight="k-group:4:128") -> "FoldLinear":
         """``linear`` with its weight quantized as ``weight`` (`foldc.gemm.reference.quantize_2d`:
@@ -222,8 +228,8 @@ class FoldLinear(torch.nn.Module):
         dispatch and without checking the weight again (it was checked when the layer was built; its
         2-D rows are made once per row count, dtype and device, and again when a buffer is replaced).
         None where the call is not the GEMV's: the op then runs it, or says why it cannot. ``x``: the call's
-        input before its reshape to ``x2``; where its launch was bound, with no split-k workspace and no
-        bias, the layer keeps what `forward`'s fast path needs for the next call of its shape."""
+        input before its reshape to ``x2``; where its launch was bound and the layer has no bias, the layer keeps
+        what `forward`'s fast path needs for the next call of its shape (`_fast`)."""
         key = (x2.shape[0], x2.dtype, x2.device)
         buffers = self._buffers
         codes, scale, zero = buffers["codes"], buffers["scale"], buffers["zero"]
@@ -254,7 +260,8 @@ class FoldLinear(torch.nn.Module):
             part = None
             if split > 1 and not _capturing(index):
                 part = _shared_part(x.device, index, split * launch.m * self.out_features)
-            if split == 1 or part is not None:
+            if split == 1 or part is not None:   # (x's shape, strides, dtype, device index; the buffers; the output's
+                # shape and device; the bound launch; the rows' addresses; the workspace's and counters'; the workspace)
                 self._fast = (x.shape, x.stride(), x.dtype, index, self._held(), (*x.shape[:-1], self.out_features),
                               x.device, bound, tuple(t.data_ptr() for t in rows),
                               (counters_at if part is None else part.data_ptr(), counters_at), part)

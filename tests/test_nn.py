@@ -330,3 +330,13 @@ def test_split_k_partials_go_to_the_streams_shared_workspace(monkeypatch):
     layers[0]._eager_gemv(x, x)    # a bound GPU call again: now the grown workspace
     layers[0](torch.randn(1, 64))
     assert gemvs[0].bound.calls[-1][5] == grown.data_ptr()
+
+
+def test_moving_the_layer_drops_its_eager_entries():
+    """``.to()`` and friends replace the buffers: the eager entries and the fast path's, which hold the old ones
+    (a layer moved off the GPU would otherwise keep its GPU memory alive), are made again."""
+    layer = FoldLinear.from_linear(torch.nn.Linear(64, 32, bias=False), "k-group:4:32")
+    layer._eager[(1, torch.float16, torch.device("cpu"))] = (layer.codes, layer.scale, layer.zero, None)
+    layer._fast = ("held",)
+    moved = layer.to(torch.float64)
+    assert moved is layer and layer._eager == {} and layer._fast is None

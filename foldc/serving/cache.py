@@ -451,7 +451,8 @@ class QuantizedKVCache:
             addresses = ((src.data_ptr(), *fixed[0], second.data_ptr(), *fixed[1]) if pair
                          else (src.data_ptr(), *fixed[0], *fixed[1]))
             if state[0](addresses, (self._body_len,)):
-                if pair and deferred and not self.window and self.unit == 1:   # `append`'s next decode steps
+                if pair and deferred and not self.window and self.unit == 1:   # `append`'s next decode steps:
+                    # (k's shape, k's and v's strides, dtype, device index; the bound launch; the bodies' addresses)
                     self._token_write = (src.shape, src.stride(), second.stride(), src.dtype, src.get_device(),
                                          state[0], fixed[0], fixed[1])
                 return
@@ -528,7 +529,8 @@ class QuantizedKVCache:
         if self._body_len:
             self._last_prepared = None
             parts.append(self._part("body", q, scale, wide, return_lse))
-            if not plain_len and self._last_prepared is not None:   # the next decode steps' fast path
+            if not plain_len and self._last_prepared is not None:   # the next decode steps' fast path:
+                # (the scale's type and value as given, q's dtype and device index, the stream, the prepared run)
                 self._attend = (type(sm_scale), sm_scale, q.dtype, q.get_device(), *self._last_prepared)
         if plain_len:  # sink and recent are one contiguous prefix of the plain buffer
             parts.append(self._part("plain", q, scale, wide, return_lse))
