@@ -8,7 +8,8 @@ body attention the register-operand launcher with stand-in decode and merge kern
 too; each figure the median µs of one call over 2000 calls. "cold" rows: other Python runs between the calls (a
 walk over 30,000 dicts), as a model's other layers run between one layer's steps: the interpreter's caches no
 longer hold the step's code and objects, which is what a step costs inside a whole forward (a step takes 3-4x its
-time in a tight loop there, on this CPU and in the H200 runs of docs/perf.md).
+time in a tight loop there, on this CPU and in the H200 runs of docs/perf.md). Last, a `PagedKVCache` straight to
+pages (its append kernel a stand-in): one layer's decode append at batch 1 and 64.
 """
 from __future__ import annotations
 
@@ -105,6 +106,17 @@ def main() -> int:
     rows.update({"append, cold": median_us(lambda: cache.append(k1, v1), 1500, cold=True),
                  "attention, cold": median_us(lambda: cache.attention(q), 1500, cold=True),
                  "append + attention, cold": median_us(step, 1500, cold=True)})
+    # a PagedKVCache straight to pages (no sink, no window): one layer's decode append at batch 1 and 64
+    from foldc.serving import PagedKVCache
+
+    for batch in (1, 64):
+        paged = PagedKVCache(spec, num_layers=1, page_size=64, num_pages=64 * batch, max_seq_len=4096)
+        paged._append_interpret = False   # native, its kernels standing in
+        paged.plan(torch.arange(0, 64 * batch + 1, 64, dtype=torch.int32), torch.arange(64 * batch, dtype=torch.int32),
+                   seq_lens=[0] * batch)
+        paged.append(0, *(torch.randn(batch, 4, 64, 128, generator=gen).half() for _ in range(2)))
+        kp, vp = (torch.randn(batch, 4, 1, 128, generator=gen).half() for _ in range(2))
+        rows[f"paged append, batch {batch}"] = median_us(lambda: paged.append(0, kp, vp), 2000)
     for name, us in rows.items():
         print(f"{name:20} {us:6.1f} µs")
     if args.out:

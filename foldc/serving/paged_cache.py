@@ -41,6 +41,9 @@ from ..validate import check_sm_scale
 from ..backends.runtime.fast_launch import Bindings
 from .append import append_arguments, append_paged, check_finite, plan_append, resolve_target, run_append
 from .inputs import check_new_tokens, count, resolve_device, same_strides
+
+_TENSOR = torch.Tensor
+_CAPTURING = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None)
 from .paged import PagedDecodeWrapper, gather_pages, launch_plain, page_pool
 
 
@@ -125,6 +128,10 @@ class PagedKVCache:
                                                  self.target)
         self._layers: list[dict] = []
         self.batch = 0
+        # a decode step's pair write shaped as the last bound one (`append`'s fast path): its key and launch, and
+        # per layer the pools', offsets' and page table's addresses (made again at each plan)
+        self._token_write = None
+        self._write_fixed: dict = {}
 
     # ---- lengths --------------------------------------------------------------------------------
 
@@ -147,11 +154,12 @@ class PagedKVCache:
             be given its current count.
         """
         lens = _lengths(seq_lens)
+        held_counts = [self._counts(st) for st in self._layers] or [[]]   # (none held yet: a new cache)
         for b, n in enumerate(lens):
             if not 0 <= n <= self.max_seq_len:
                 raise InputError(f"seq_lens[{b}]={n} must lie in [0, max_seq_len={self.max_seq_len}]")
-            for layer, st in enumerate(self._layers or [{"n": []}]):
-                held = st["n"][b] if b < len(st["n"]) else 0
+            for layer, counts in enumerate(held_counts):
+                held = counts[b] if b < len(counts) else 0
                 if n and n != held:   # lengths may only claim tokens the cache received
                     raise InputError(f"seq_lens[{b}]={n} but layer {layer} holds {held} tokens of sequence {b}; "
                                      "pass its current count, or 0 to start a new sequence there (then append() "
@@ -170,8 +178,15 @@ class PagedKVCache:
             for before, now in zip(old, self._layers):   # the sequences kept keep their plain tokens
                 for name in "kv":
                     now[name][:kept].copy_(before[name][:kept])
+        # a decode step's host bookkeeping is O(1): a count added to every sequence (`_counts` applies it), the
+        # smallest count, and (straight to pages) the fewest tokens any sequence still has room for
+        room = None
+        if self._direct:
+            room = min((min(self.max_seq_len, pages * self.page_size) - n for pages, n in zip(self.table.pages, lens)),
+                       default=0)
+        self._token_write, self._write_fixed = None, {}   # the fast path's addresses: made again for this plan
         for layer in self._layers:
-            layer["n"] = list(lens)
+            layer["n"], layer["add"], layer["least"], layer["room"] = list(lens), 0, min(lens, default=0), room
             layer["body"].copy_(torch.tensor(body, dtype=torch.int32), non_blocking=True)
             layer["plain"].copy_(torch.tensor([n - m for n, m in zip(lens, body)], dtype=torch.int32),
                                  non_blocking=True)
@@ -184,10 +199,27 @@ class PagedKVCache:
             st = self._state(layer)
             self._check_capacity(st, tokens)
         for st in self._layers:
-            st["n"] = [n + tokens for n in st["n"]]
+            self._advance(st, tokens)
+
+    def _counts(self, st: dict) -> list[int]:
+        """Every sequence's token count in ``st`` (a layer's state), the steps since it was last made added."""
+        add = st["add"]
+        if add:
+            st["n"], st["add"] = [n + add for n in st["n"]], 0
+        return st["n"]
+
+    @staticmethod
+    def _advance(st: dict, tokens: int) -> None:
+        """``tokens`` more in every sequence of ``st``: O(1), the counts made when read (`_counts`)."""
+        st["add"] += tokens
+        st["least"] += tokens
+        if st["room"] is not None:
+            st["room"] -= tokens
 
     def _check_capacity(self, st: dict, tokens: int) -> None:
-        for b, n in enumerate(st["n"]):
+        if st["room"] is not None and tokens <= st["room"]:   # every sequence has room (straight to pages)
+            return
+        for b, n in enumerate(self._counts(st)):
             if n + tokens > self.max_seq_len:
                 raise InputError(f"appending {tokens} tokens to sequence {b} ({n} tokens) goes past capacity: "
                                  f"max_seq_len={self.max_seq_len}; build the cache with a larger max_seq_len")
@@ -198,7 +230,7 @@ class PagedKVCache:
                                  "plan() again with more pages for it")
 
     def num_tokens(self, layer: int = 0) -> list[int]:
-        return list(self._state(layer)["n"])
+        return list(self._counts(self._state(layer)))
 
     def _state(self, layer: int) -> dict:
         if not self._layers:
@@ -226,6 +258,20 @@ class PagedKVCache:
         layer : int
         k_new, v_new : torch.Tensor ``[batch, kv_heads, T, head_dim]``, the cache's dtype and device
         """
+        fast = self._token_write
+        if (fast is not None and type(layer) is int and type(k_new) is _TENSOR and type(v_new) is _TENSOR
+                and k_new.shape == fast[0] and v_new.shape == fast[0] and k_new.stride() == fast[1]
+                and v_new.stride() == fast[2] and k_new.dtype == fast[3] and v_new.dtype == fast[3]
+                and k_new.get_device() == fast[4] and v_new.get_device() == fast[4]):
+            # a decode step shaped as the last one whose pair write was bound (`_write_pair`); capacity by the
+            # layer's room, no capture (the whole path keeps the host counts still there)
+            fixed = self._write_fixed.get(layer)
+            if fixed is not None and (fast[4] < 0 or not _CAPTURING()):
+                st = self._layers[layer]
+                if st["room"] >= 1 and fast[5]((k_new.data_ptr(), *fixed[0], v_new.data_ptr(), *fixed[1]), ()):
+                    st["body"] += 1
+                    self._advance(st, 1)
+                    return
         st = self._state(layer)
         self._check_tokens("k_new", k_new)
         self._check_tokens("v_new", v_new)
@@ -249,7 +295,7 @@ class PagedKVCache:
         else:
             self._prefill_append(layer, st, k_new, v_new)
         if not capturing:  # a captured step runs on replay: before_replay() counts it then
-            st["n"] = [n + tokens for n in st["n"]]
+            self._advance(st, tokens)
 
     def _decode_append(self, layer: int, st: dict, k_new, v_new) -> None:
         """One token per sequence, device operations only."""
@@ -260,7 +306,7 @@ class PagedKVCache:
                 launch = plan_append(self.spec.k, self.spec.num_kv_heads, self.spec.head_dim, self.batch, 1,
                                      k_new.dtype == torch.bfloat16, True, self.page_size, False, self._append_interpret,
                                      pair=True)
-                self._write_pair(launch, pools, k_new, v_new, st["body"], table)
+                self._write_pair(layer, launch, pools, k_new, v_new, st["body"], table)
             else:
                 for name, x in (("k", k_new), ("v", v_new)):
                     append_paged(pools[name], x, *table, st["body"], page_size=self.page_size,
@@ -286,7 +332,7 @@ class PagedKVCache:
         st["plain"] -= counts
         st["body"] += counts
 
-    def _write_pair(self, launch, pools: dict, k_new, v_new, body: torch.Tensor, table: tuple) -> None:
+    def _write_pair(self, layer: int, launch, pools: dict, k_new, v_new, body: torch.Tensor, table: tuple) -> None:
         """The pair launch of a decode step's K and V into the pages at each sequence's ``body`` offset. Natively
         a launch seen before with these strides is bound (`FastLaunch.bind`) and later ones give it the tensors'
         addresses alone: the tokens', the pools', the offsets' and the page table's (as `append_arguments` orders
@@ -299,9 +345,14 @@ class PagedKVCache:
         if type(state) is tuple and state:
             kp, vp = pools["k"], pools["v"]
             codes = kp.codes.data_ptr()
-            if state[0]((k_new.data_ptr(), codes, kp.scale.data_ptr(), kp.zero.data_ptr(), body.data_ptr(),
-                         table[0].data_ptr(), table[1].data_ptr(), codes, codes, v_new.data_ptr(), vp.codes.data_ptr(),
-                         vp.scale.data_ptr(), vp.zero.data_ptr())):
+            fixed = ((codes, kp.scale.data_ptr(), kp.zero.data_ptr(), body.data_ptr(), table[0].data_ptr(),
+                      table[1].data_ptr(), codes, codes), (vp.codes.data_ptr(), vp.scale.data_ptr(), vp.zero.data_ptr()))
+            if state[0]((k_new.data_ptr(), *fixed[0], v_new.data_ptr(), *fixed[1]), ()):
+                # the next steps of this shape (`append`'s fast path): (k's shape, k's and v's strides, dtype,
+                # device index, the bound launch), and this layer's addresses
+                self._token_write = (k_new.shape, k_new.stride(), v_new.stride(), k_new.dtype, k_new.get_device(),
+                                     state[0])
+                self._write_fixed[layer] = fixed
                 return
         kernel, args, kwargs = append_arguments(launch, pools["k"], k_new, None, body, table, None, None,
                                                 (pools["v"], v_new))
@@ -311,7 +362,7 @@ class PagedKVCache:
     def _prefill_append(self, layer: int, st: dict, k_new, v_new) -> None:
         """Several tokens per sequence: every part's range computed on the host, sequence by sequence."""
         tokens, sink = k_new.shape[2], self.sink
-        for b, n in enumerate(st["n"]):
+        for b, n in enumerate(self._counts(st)):
             m = n + tokens
             body_old, body_new = self.body_len(n), self.body_len(m)
             for name, new in (("k", k_new[b:b + 1]), ("v", v_new[b:b + 1])):
@@ -364,9 +415,9 @@ class PagedKVCache:
                              "num_q_heads, head_dim)")
         if q.dtype != self.dtype or q.device != self.device:
             raise InputError(f"q is {q.dtype} on {q.device} but the cache holds {self.dtype} on {self.device}")
-        if 0 in st["n"]:
-            raise InputError(f"sequence {st['n'].index(0)} of layer {layer} holds no tokens; append() its keys and "
-                             "values before attention()")
+        if not st["least"]:
+            raise InputError(f"sequence {self._counts(st).index(0)} of layer {layer} holds no tokens; append() its keys "
+                             "and values before attention()")
         scale = check_sm_scale(sm_scale, self.spec.head_dim)
         if self.target == "reference":
             k, v, lens = self.dequantized(layer)
@@ -386,7 +437,7 @@ class PagedKVCache:
         """(k, v, lengths): every token of ``layer`` as float32 ``[batch, kv_heads, max_tokens, head_dim]``
         in token order (sink, body dequantized, recent), padded with zeros. Host loop, for checks."""
         st = self._state(layer)
-        lens = st["n"]
+        lens = self._counts(st)
         out = []
         for name in "kv":
             body, _ = gather_pages(self.pools[layer][name], self.wrapper.kv_indptr,

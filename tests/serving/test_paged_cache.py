@@ -359,3 +359,48 @@ def test_a_decode_steps_pair_launch_binds_and_then_launches_by_address(monkeypat
     cache.append(0, *_tokens(gen, 2, 2, 1, 64))
     assert len(kernel.launches) == prefill + 3
     assert cache.num_tokens(0) == [10, 10] and cache.num_tokens(1) == [9, 9]
+
+
+def test_a_decode_step_shaped_as_the_last_bound_one_skips_the_whole_path(monkeypatch):
+    """Straight to pages, natively (stand-in kernels): once a layer's pair write went bound, its next steps of the
+    same shapes, strides and dtypes go from a few comparisons to the bound launch (no `_state`, no token checks,
+    capacity by the layer's room) and the host counts still advance; a layer that is not an int, a step past
+    capacity and the first step after `plan` take the whole path, which refuses by name or binds again."""
+    from foldc.serving import append as append_module
+    from test_cache import _KernelStandIn
+
+    kernels = {}
+    monkeypatch.setattr(append_module, "_fast", lambda name, interpret: kernels.setdefault(name, _KernelStandIn()))
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    enc = A(4, "token", 32)
+    cache = PagedKVCache(S(4, 2, 64, enc, enc), num_layers=2, page_size=16, num_pages=16, max_seq_len=24)
+    cache._append_interpret = False
+    table = _table(2, 2, 16, seed=6)   # two pages a sequence: 24 tokens at most
+    cache.plan(*table, seq_lens=[0, 0])
+    gen = torch.Generator().manual_seed(14)
+    for layer in range(2):
+        cache.append(layer, *_tokens(gen, 2, 2, 5, 64))
+        for _ in range(3):   # keyed, keyed (binds), bound: the layer's fast-path entry
+            cache.append(layer, *_tokens(gen, 2, 2, 1, 64))
+    whole = []
+    real_state = cache._state
+    monkeypatch.setattr(cache, "_state", lambda layer: whole.append(layer) or real_state(layer))
+    (bound,), = cache._append_bindings.bound()
+    calls = len(bound.calls)
+    for step in range(3):
+        for layer in range(2):
+            cache.append(layer, *_tokens(gen, 2, 2, 1, 64))
+    assert whole == [] and len(bound.calls) == calls + 6
+    assert cache.num_tokens(0) == [11, 11] and cache.num_tokens(1) == [11, 11]
+    with pytest.raises(InputError, match="layer=True"):
+        cache.append(True, *_tokens(gen, 2, 2, 1, 64))
+    assert whole == [0, 1, True]   # (num_tokens reads through _state too)
+    cache.plan(*table, seq_lens=[11, 11])   # a new plan: its addresses are made again
+    assert cache._token_write is None and cache._write_fixed == {}
+    whole.clear()
+    for _ in range(13):
+        cache.append(0, *_tokens(gen, 2, 2, 1, 64))
+    assert whole == [0] and cache.num_tokens(0) == [24, 24]   # the whole path once, then fast to capacity
+    with pytest.raises(InputError, match="past capacity"):
+        cache.append(0, *_tokens(gen, 2, 2, 1, 64))
+    assert cache.num_tokens(0) == [24, 24]
