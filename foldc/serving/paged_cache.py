@@ -30,6 +30,7 @@ import os
 
 import torch
 
+from ..backends.runtime.fast_launch import Bindings
 from ..compile import compile as compile_attention
 from ..encoding import AffineTensor
 from ..errors import InputError, InputTypeError, SpecError
@@ -38,13 +39,12 @@ from ..plan import plan_of
 from ..reference import attention_reference
 from ..spec import AttentionSpec
 from ..validate import check_sm_scale
-from ..backends.runtime.fast_launch import Bindings
 from .append import append_arguments, append_paged, check_finite, plan_append, resolve_target, run_append
 from .inputs import check_new_tokens, count, resolve_device, same_strides
+from .paged import PagedDecodeWrapper, gather_pages, launch_plain, page_pool
 
 _TENSOR = torch.Tensor
 _CAPTURING = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None)
-from .paged import PagedDecodeWrapper, gather_pages, launch_plain, page_pool
 
 
 def _lengths(seq_lens) -> list[int]:
