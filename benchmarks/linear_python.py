@@ -22,21 +22,6 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 
 
-class _Bound:
-    def __call__(self, addresses, values=()) -> bool:
-        return True
-
-
-class _Kernel:
-    """Stands in for the GEMV's `FastLaunch`: launches nothing, binds a `_Bound`."""
-
-    def __getitem__(self, grid):
-        return lambda *args, **kwargs: None
-
-    def bind(self, grid, args, kwargs, dynamic=()):
-        return _Bound()
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None)
@@ -44,7 +29,7 @@ def main() -> int:
     ap.add_argument("--k", type=int, default=2048)
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT / "benchmarks"))
-    from step_python import median_us
+    from step_python import _Kernel, median_us
 
     import foldc.nn as fnn
     from foldc.backends.gluon.gemv_launch import GluonGemv
