@@ -381,6 +381,7 @@ def test_one_token_appends_through_bound_launches_write_what_quantize_gives(kv):
         ks.append(k)
         vs.append(v)
     assert cache._append_bindings.bound(), "no body write was bound"
+    assert (cache._token_write is not None) == cache._pair, "the decode steps' fast path (K and V in one launch)"
     assert cache.body_tokens == cache.num_tokens == 80
     for name, x, enc, got in zip(("k", "v"), (torch.cat(ks, 2), torch.cat(vs, 2)), (k_enc, v_enc), cache.body()):
         want = foldc.quantize(x, enc)
@@ -425,4 +426,5 @@ def test_attention_at_every_length_through_one_launch_plan(kv, heads, window):
         assert len(body._launches) >= 1 and all(not launch.has_lens for launch in body._launches.values())
         bound = body._bindings.bound() + (body.warpgroup._bindings.bound() if body.warpgroup else [])
         assert bound, "the body's attention was never bound"
+        assert (cache._attend is not None) == (not window), "a body-only decode step's fast path"
     assert "body" not in cache._lens, "the body's attention filled a lengths tensor"
