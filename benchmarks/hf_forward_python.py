@@ -7,7 +7,7 @@ A Llama built from a config (examples/hf_decode.py's `build_model`: hidden 64, 1
 CPU) decodes with `FoldcCache` (K and V token:4:128, no sink or window) whose layers' append and body-attention
 kernels stand in (as benchmarks/step_python.py's). `FoldcLayer.update` and the attention function transformers
 calls are timed around each decode call, µs per layer, median over steps; the whole forward's time is mostly the
-CPU's own matmuls and not comparable with a GPU's. A layer's calls cost 3-4x their time in a tight loop here,
+CPU's own matmuls and not comparable with a GPU's. A layer's calls cost 2-4x their time in a tight loop here,
 because the model's other layers run between them (docs/perf.md).
 """
 from __future__ import annotations

@@ -7,7 +7,7 @@ A `QuantizedKVCache` shaped as a ~1B Llama's layer (16 query / 4 KV heads of 128
 body attention the register-operand launcher with stand-in decode and merge kernels, its appends' kernel a stand-in
 too; each figure the median µs of one call over 2000 calls. "cold" rows: other Python runs between the calls (a
 walk over 30,000 dicts), as a model's other layers run between one layer's steps: the interpreter's caches no
-longer hold the step's code and objects, which is what a step costs inside a whole forward (a step takes 3-4x its
+longer hold the step's code and objects, which is what a step costs inside a whole forward (a step takes 2-4x its
 time in a tight loop there, on this CPU and in the H200 runs of docs/perf.md). Last, a `PagedKVCache` straight to
 pages (its append kernel a stand-in): one layer's decode append at batch 1 and 64.
 """
