@@ -54,10 +54,10 @@ BLOCK_T_CHANNEL = 32  # tokens per step of the channel-wise kernel's loop over o
 # InterpretedFunction (CPU), so one process can run both (see foldc/backends/runtime/modules.py, interpreter).
 # Their tensors come first (a bound launch passes them as addresses, `FastLaunch.bind`), and the token
 # offset is not specialised on (one build for every offset: a bound launch takes it per call).
-OFFSET_ARG = 25   # the position of ``offset`` in both kernels' arguments
+OFFSET_ARG = 26   # the position of ``offset`` in both kernels' arguments
 
 def _append_token_kernel(
-    X, CODES, SCALE, ZERO, OFFSETS, KV_INDPTR, KV_INDICES, COUNTS, FLAG, X2, CODES2, SCALE2, ZERO2,
+    X, CODES, SCALE, ZERO, OFFSETS, KV_INDPTR, KV_INDICES, COUNTS, FLAG, X2, CODES2, SCALE2, ZERO2, ARRIVALS,
     stride_xb, stride_xh, stride_xn, stride_cb, stride_ch, stride_cn,
     stride_sb, stride_sh, stride_sn, stride_zb, stride_zh, stride_zn,
     offset, tokens, heads, capacity,
@@ -65,7 +65,7 @@ def _append_token_kernel(
     CPB: tl.constexpr, MAX_CODE: tl.constexpr, BLOCK_T: tl.constexpr, X_BF16: tl.constexpr,
     SCALE_KIND: tl.constexpr, PER_ROW: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
     HAS_COUNT: tl.constexpr, GROUP_P: tl.constexpr, NUM_GROUPS_P: tl.constexpr, WIDTH_P: tl.constexpr,
-    HAS_FLAG: tl.constexpr = False, PAIR: tl.constexpr = False,
+    HAS_FLAG: tl.constexpr = False, PAIR: tl.constexpr = False, ADVANCE: tl.constexpr = False,
 ):
     """One program: BLOCK_T new tokens of one (batch, kv head); each token row is cut into
     NUM_GROUPS groups of GROUP channels. PAGED: token positions map through the page table
@@ -77,7 +77,11 @@ def _append_token_kernel(
     HEAD_DIM // CPB bytes of a token (equal to them for head_dims and groups that are powers of two;
     else the padding is masked and the codes are rebuilt in planar order, each with its group's scale).
     PAIR: the grid's first axis is doubled and its second half writes X2 into CODES2, SCALE2, ZERO2 (the values
-    beside the keys: one launch for both, with the same encoding, shapes and strides)."""
+    beside the keys: one launch for both, with the same encoding, shapes and strides).
+    ADVANCE (with PER_ROW, without HAS_COUNT): the launch moves each row's offset on by ``tokens`` itself. Every
+    program counts itself in ARRIVALS[b] (int32, zero between launches) once it has read OFFSETS[b]; the row's
+    last program to arrive stores OFFSETS[b] + tokens and sets ARRIVALS[b] back to zero (a decode step's
+    ``offsets += 1`` without a launch of its own, and captured with the step)."""
     pid = tl.program_id(0)
     if PAIR:
         half = tl.num_programs(0) // 2
@@ -208,11 +212,20 @@ def _append_token_kernel(
         c_ptr = CODES + dst[:, None] * stride_cb + h * stride_ch + row[:, None] * stride_cn + \
             tl.arange(0, HEAD_DIM // CPB)[None, :]
         tl.store(c_ptr, packed.to(tl.uint8), mask=t_ok[:, None])
+    if ADVANCE:
+        # every thread of the program has read OFFSETS[b] before the barrier; the release half of the
+        # counter's acq_rel publishes that, its acquire half lets the last program see every other's
+        tl.debug_barrier()
+        arrivals = (2 if PAIR else 1) * heads * tl.num_programs(1)
+        arrived = tl.atomic_add(ARRIVALS + b, 1, sem="acq_rel", scope="gpu")
+        last = arrived == arrivals - 1
+        tl.store(OFFSETS + b, (start + tokens).to(tl.int32), mask=last)
+        tl.store(ARRIVALS + b, 0, mask=last)
 
 
 
 def _append_channel_kernel(
-    X, CODES, SCALE, ZERO, OFFSETS, KV_INDPTR, KV_INDICES, COUNTS, FLAG, X2, CODES2, SCALE2, ZERO2,
+    X, CODES, SCALE, ZERO, OFFSETS, KV_INDPTR, KV_INDICES, COUNTS, FLAG, X2, CODES2, SCALE2, ZERO2, ARRIVALS,
     stride_xb, stride_xh, stride_xn, stride_cb, stride_ch, stride_cn,
     stride_sb, stride_sh, stride_sn, stride_zb, stride_zh, stride_zn,
     offset, heads, capacity,
@@ -223,7 +236,8 @@ def _append_channel_kernel(
 ):
     """One program: one whole group of GROUP new tokens of one (batch, kv head), all channels,
     held in planar order [CPB, HEAD_DIM // CPB]; two passes over the group's tokens (min/max,
-    then codes). HAS_FLAG: as the token kernel's. X2, CODES2, SCALE2, ZERO2: the token kernel's pair (not read)."""
+    then codes). HAS_FLAG: as the token kernel's. X2, CODES2, SCALE2, ZERO2, ARRIVALS: the token kernel's pair and
+    advance (not read)."""
     pid = tl.program_id(0)
     b = (pid // heads).to(tl.int64)
     h = (pid % heads).to(tl.int64)
@@ -488,11 +502,13 @@ class AppendLaunch:
 
 @functools.lru_cache(maxsize=1024)
 def plan_append(enc, heads: int, head_dim: int, batch: int, tokens: int, x_bf16: bool, per_row: bool,
-                page_size: int, counts: bool, interpret: bool, flag: bool = False, pair: bool = False) -> AppendLaunch:
+                page_size: int, counts: bool, interpret: bool, flag: bool = False, pair: bool = False,
+                advance: bool = False) -> AppendLaunch:
     """The `AppendLaunch` writing ``tokens`` tokens of ``batch`` rows of ``heads`` heads into storage
     encoded as ``enc`` (``page_size`` > 0: a page pool; ``per_row``: one offset per row; ``counts``:
     tokens to write per row; ``flag``: store 1 to a flag where a scale or zero is not finite; ``pair``: two
-    operands of this encoding, shapes and strides in one launch, token-wise encodings only)."""
+    operands of this encoding, shapes and strides in one launch, token-wise encodings only; ``advance``: the launch
+    adds ``tokens`` to the per-row offsets itself, token-wise encodings with ``per_row`` and without ``counts``)."""
     common = dict(HEAD_DIM=head_dim, GROUP=enc.group_size, BITS=enc.bits, CPB=enc.codes_per_byte,
                   MAX_CODE=enc.max_code, X_BF16=x_bf16, SCALE_KIND=SCALE_KIND[enc.scale_dtype], PER_ROW=per_row,
                   PAGED=page_size > 0, PAGE_SIZE=page_size or 1, HAS_COUNT=counts,
@@ -505,10 +521,15 @@ def plan_append(enc, heads: int, head_dim: int, batch: int, tokens: int, x_bf16:
         common.update(NUM_GROUPS=groups, BLOCK_T=block_t, GROUP_P=_pow2(enc.group_size), NUM_GROUPS_P=_pow2(groups))
         if pair:
             common["PAIR"] = True
+        if advance:
+            if not per_row or counts:
+                raise SpecError("advance=True moves per-row offsets on by the launch's tokens: it needs per_row=True "
+                                "and counts=False")
+            common["ADVANCE"] = True
         return AppendLaunch("token", ((2 if pair else 1) * batch * heads, math.ceil(tokens / block_t)), interpret,
                             tuple(common.items()))
-    if pair:
-        raise SpecError(f"pair=True with {enc.short()}: one launch for two operands takes token-wise encodings only")
+    if pair or advance:
+        raise SpecError(f"pair=True or advance=True with {enc.short()}: token-wise encodings only")
     common.update(BLOCK_T=min(BLOCK_T_CHANNEL, 1 << (enc.group_size - 1).bit_length()))
     return AppendLaunch("channel", (batch * heads, tokens // enc.group_size), interpret, tuple(common.items()))
 
@@ -524,17 +545,19 @@ def _kernel_views(dst: AffineTensor, x: torch.Tensor) -> tuple:
 
 def append_arguments(launch: AppendLaunch, dst: AffineTensor, x: torch.Tensor, scalar, per_row,
                      paging: tuple | None = None, counts: torch.Tensor | None = None,
-                     flag: torch.Tensor | None = None, second: tuple | None = None) -> tuple:
+                     flag: torch.Tensor | None = None, second: tuple | None = None,
+                     arrivals: torch.Tensor | None = None) -> tuple:
     """(the kernel behind `FastLaunch`, its positional arguments, its keyword arguments) of `run_append`
     (``flag``: an int32 tensor the kernel stores 1 to, for a launch planned with ``flag=True``; ``second``:
-    (dst2, x2) for a launch planned with ``pair=True``, x2 into dst2 with x's and dst's strides, unchecked)."""
+    (dst2, x2) for a launch planned with ``pair=True``, x2 into dst2 with x's and dst's strides, unchecked;
+    ``arrivals``: int32 ``[batch]``, zero, for a launch planned with ``advance=True``)."""
     xin, codes, scale, zero = _kernel_views(dst, x)
     offs = per_row if per_row is not None else codes  # not read unless PER_ROW
     indptr, indices = paging if paging is not None else (codes, codes)  # read only if PAGED
     pair = _kernel_views(*second) if second is not None else (codes, codes, codes, codes)   # read only if PAIR
     sx, sc, ss, sz = xin.stride(), codes.stride(), scale.stride(), zero.stride()
     args = (xin, codes, scale, zero, offs, indptr, indices, counts if counts is not None else codes,
-            flag if flag is not None else codes, *pair, sx[0], sx[1], sx[2], sc[0], sc[1], sc[2], ss[0],
+            flag if flag is not None else codes, *pair, arrivals if arrivals is not None else codes, sx[0], sx[1], sx[2], sc[0], sc[1], sc[2], ss[0],
             ss[1], ss[2], sz[0], sz[1], sz[2], 0 if scalar is None else scalar)
     args += (x.shape[2], dst.shape[1], dst.num_tokens) if launch.kernel == "token" else (dst.shape[1], dst.num_tokens)
     return _fast(launch.kernel, launch.interpret), args, keywords(launch)
@@ -542,11 +565,12 @@ def append_arguments(launch: AppendLaunch, dst: AffineTensor, x: torch.Tensor, s
 
 def run_append(launch: AppendLaunch, dst: AffineTensor, x: torch.Tensor, scalar, per_row,
                paging: tuple | None = None, counts: torch.Tensor | None = None,
-               flag: torch.Tensor | None = None, second: tuple | None = None) -> None:
+               flag: torch.Tensor | None = None, second: tuple | None = None,
+               arrivals: torch.Tensor | None = None) -> None:
     """Launch ``launch`` (from `plan_append`), no checks: ``x`` into ``dst`` at ``scalar`` (an int) or
     ``per_row`` offsets; ``paging`` = (kv_indptr, kv_indices): dst is a page pool; ``counts``: tokens
-    to write per row; ``flag``, ``second``: see `append_arguments`."""
-    kernel, args, kwargs = append_arguments(launch, dst, x, scalar, per_row, paging, counts, flag, second)
+    to write per row; ``flag``, ``second``, ``arrivals``: see `append_arguments`."""
+    kernel, args, kwargs = append_arguments(launch, dst, x, scalar, per_row, paging, counts, flag, second, arrivals)
     if launch.interpret or os.environ.get("TRITON_INTERPRET"):
         from ..backends.runtime.modules import interpreter
 

@@ -446,8 +446,8 @@ class QuantizedKVCache:
                 fixed = self._write_addresses[(name, deferred, pair)] = (
                     (codes, body.scale.data_ptr(), body.zero.data_ptr(), codes, codes, codes, codes,
                      flag.data_ptr() if deferred else codes),
-                    (v_body.codes.data_ptr(), v_body.scale.data_ptr(), v_body.zero.data_ptr()) if pair
-                    else (codes, codes, codes, codes))
+                    (v_body.codes.data_ptr(), v_body.scale.data_ptr(), v_body.zero.data_ptr(), codes) if pair
+                    else (codes, codes, codes, codes, codes))   # the pair's (not read) and ARRIVALS (not read)
             addresses = ((src.data_ptr(), *fixed[0], second.data_ptr(), *fixed[1]) if pair
                          else (src.data_ptr(), *fixed[0], *fixed[1]))
             if state[0](addresses, (self._body_len,)):

@@ -173,7 +173,9 @@ class PagedKVCache:
             self._layers = [{"k": torch.zeros(shape, dtype=self.dtype, device=self.device),
                              "v": torch.zeros(shape, dtype=self.dtype, device=self.device),
                              "body": torch.zeros(self.batch, dtype=torch.int32, device=self.device),
-                             "plain": torch.zeros(self.batch, dtype=torch.int32, device=self.device)}
+                             "plain": torch.zeros(self.batch, dtype=torch.int32, device=self.device),
+                             # the pair append's per-row counters (it advances "body" itself): zero between launches
+                             "arrivals": torch.zeros(self.batch, dtype=torch.int32, device=self.device)}
                             for _ in range(self.num_layers)]
             for before, now in zip(old, self._layers):   # the sequences kept keep their plain tokens
                 for name in "kv":
@@ -269,8 +271,7 @@ class PagedKVCache:
             if fixed is not None and (fast[4] < 0 or not _CAPTURING()):
                 st = self._layers[layer]
                 if st["room"] >= 1 and fast[5]((k_new.data_ptr(), *fixed[0], v_new.data_ptr(), *fixed[1]), ()):
-                    st["body"] += 1
-                    self._advance(st, 1)
+                    self._advance(st, 1)   # the launch moved the offsets on itself
                     return
         st = self._state(layer)
         self._check_tokens("k_new", k_new)
@@ -305,12 +306,11 @@ class PagedKVCache:
                     and same_strides(k_new, v_new)):   # checked tokens, the cache's own pools and table
                 launch = plan_append(self.spec.k, self.spec.num_kv_heads, self.spec.head_dim, self.batch, 1,
                                      k_new.dtype == torch.bfloat16, True, self.page_size, False, self._append_interpret,
-                                     pair=True)
-                self._write_pair(layer, launch, pools, k_new, v_new, st["body"], table)
-            else:
-                for name, x in (("k", k_new), ("v", v_new)):
-                    append_paged(pools[name], x, *table, st["body"], page_size=self.page_size,
-                                 target=self._append_target)
+                                     pair=True, advance=True)
+                self._write_pair(layer, launch, pools, k_new, v_new, st, table)   # moves "body" on itself
+                return
+            for name, x in (("k", k_new), ("v", v_new)):
+                append_paged(pools[name], x, *table, st["body"], page_size=self.page_size, target=self._append_target)
             st["body"] += 1
             return
         b, h, d = self.batch, self.spec.num_kv_heads, self.spec.head_dim
@@ -332,13 +332,16 @@ class PagedKVCache:
         st["plain"] -= counts
         st["body"] += counts
 
-    def _write_pair(self, layer: int, launch, pools: dict, k_new, v_new, body: torch.Tensor, table: tuple) -> None:
-        """The pair launch of a decode step's K and V into the pages at each sequence's ``body`` offset. Natively
+    def _write_pair(self, layer: int, launch, pools: dict, k_new, v_new, st: dict, table: tuple) -> None:
+        """The pair launch of a decode step's K and V into the pages at each sequence's ``st["body"]`` offset,
+        which the launch then moves on by one (`plan_append`'s advance, counting in ``st["arrivals"]``). Natively
         a launch seen before with these strides is bound (`FastLaunch.bind`) and later ones give it the tensors'
-        addresses alone: the tokens', the pools', the offsets' and the page table's (as `append_arguments` orders
-        them; the counts and flag it does not read are the key codes')."""
+        addresses alone: the tokens', the pools', the offsets', the page table's and the counters' (as
+        `append_arguments` orders them; the counts and flag it does not read are the key codes')."""
+        body, arrivals = st["body"], st["arrivals"]
         if self._append_interpret or os.environ.get("TRITON_INTERPRET"):
-            run_append(launch, pools["k"], k_new, None, body, paging=table, second=(pools["v"], v_new))
+            run_append(launch, pools["k"], k_new, None, body, paging=table, second=(pools["v"], v_new),
+                       arrivals=arrivals)
             return
         key = (k_new.dtype, k_new.stride(), v_new.stride())
         state = self._append_bindings.get(key, launch)
@@ -346,7 +349,8 @@ class PagedKVCache:
             kp, vp = pools["k"], pools["v"]
             codes = kp.codes.data_ptr()
             fixed = ((codes, kp.scale.data_ptr(), kp.zero.data_ptr(), body.data_ptr(), table[0].data_ptr(),
-                      table[1].data_ptr(), codes, codes), (vp.codes.data_ptr(), vp.scale.data_ptr(), vp.zero.data_ptr()))
+                      table[1].data_ptr(), codes, codes),
+                     (vp.codes.data_ptr(), vp.scale.data_ptr(), vp.zero.data_ptr(), arrivals.data_ptr()))
             if state[0]((k_new.data_ptr(), *fixed[0], v_new.data_ptr(), *fixed[1]), ()):
                 # the next steps of this shape (`append`'s fast path): (k's shape, k's and v's strides, dtype,
                 # device index, the bound launch), and this layer's addresses
@@ -355,7 +359,7 @@ class PagedKVCache:
                 self._write_fixed[layer] = fixed
                 return
         kernel, args, kwargs = append_arguments(launch, pools["k"], k_new, None, body, table, None, None,
-                                                (pools["v"], v_new))
+                                                (pools["v"], v_new), arrivals)
         kernel[launch.grid](*args, **kwargs)
         self._append_bindings.note(key, launch, state, lambda: (kernel.bind(launch.grid, args, kwargs),))
 

@@ -205,6 +205,20 @@ def test_default_tile_with_token_wise_channel_groups(k_group, v_group, pack, wan
     assert attn.default_block_n == (want if pack > 1 else 32)
 
 
+@pytest.mark.parametrize("k,v,head_dim,block_n,heads", [
+    ("token:2:32", "channel:2:64", 128, 32, 2), ("channel:2:128", "token:2:32", 128, 32, 2),
+    ("token:2:32", "token:2:32", 128, 64, 2), ("token:2:64", "token:2:64", 256, 32, 1),
+    ("token:2:128", "token:2:128", 256, 32, 2)])
+def test_tiles_and_heads_that_spilled_give_way(k, v, head_dim, block_n, heads):
+    """Four channel groups per token beside a channel-wise side take 32-token tiles (64 spilled 12-37 registers per
+    tile on sm_90, 32 none), as does head_dim 256, where four groups take one KV head per program (two spilled,
+    AOT SASS: tests/backends/test_gluon_grid_aot.py builds both); both sides token-wise in four groups keep 64."""
+    from foldc.spec import spec_from_args
+
+    attn = GluonAttention(spec_from_args(k, v, "32/8", head_dim))
+    assert (attn.default_block_n, attn.heads) == (block_n, heads)
+
+
 CHUNKS = [("token", "token", 64, 1), ("token", "token", 32, 1), ("channel", "token", 64, 2),
           ("token", "channel", 32, 4), ("channel", "channel", 64, 2)]
 

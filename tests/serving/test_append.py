@@ -431,6 +431,84 @@ def test_a_pair_launch_takes_token_wise_encodings_only():
         plan_append(A(4, "channel", 16), 2, 64, 1, 16, False, False, 0, False, True, False, True)
 
 
+def _advancing_writes(enc, head_dim, batch, heads, steps, starts, dtype, gen, device="cpu", pair=True):
+    """``steps`` (tokens per launch) written one launch after another at each row's own offset by launches planned
+    with ``advance=True`` (the offsets moved on by the launches alone) into poisoned storage: (before, after,
+    written values per operand, offsets after, arrival counters after)."""
+    from foldc.serving.append import plan_append, run_append
+
+    capacity = max(starts) + sum(steps) + 2
+    ops = 2 if pair else 1
+    before = [poisoned(enc, batch, heads, capacity, head_dim, gen) for _ in range(ops)]
+    dsts = [AffineTensor(d.codes.clone().to(device), d.scale.clone().to(device), d.zero.clone().to(device), enc,
+                         head_dim) for d in before]
+    offsets = torch.tensor(starts, dtype=torch.int32, device=device)
+    arrivals = torch.zeros(batch, dtype=torch.int32, device=device)
+    written = [[] for _ in range(ops)]
+    for tokens in steps:
+        xs = [values((batch, heads, tokens, head_dim), "normal", dtype, gen, enc.bits) for _ in range(ops)]
+        launch = plan_append(enc, heads, head_dim, batch, tokens, dtype == torch.bfloat16, True, 0, False,
+                             device == "cpu", False, pair, advance=True)
+        run_append(launch, dsts[0], xs[0].to(device), None, offsets,
+                   second=(dsts[1], xs[1].to(device)) if pair else None, arrivals=arrivals)
+        for w, x in zip(written, xs):
+            w.append(x)
+    return before, dsts, [torch.cat(w, dim=2) for w in written], offsets.cpu(), arrivals.cpu()
+
+
+@settings(max_examples=20, deadline=None)
+@given(bits_=st.sampled_from([2, 4, 8]), group=st.sampled_from([16, 32, 64]), batch=st.integers(1, 3),
+       heads=st.integers(1, 3), steps=st.lists(st.integers(1, 20), min_size=1, max_size=3), pair=st.booleans(),
+       seed=st.integers(0, 2**31 - 1))
+def test_advancing_launches_write_at_each_rows_offset_and_move_it_on(bits_, group, batch, heads, steps, pair, seed):
+    """Launches planned with ``advance=True`` (the paged cache's decode steps: no ``offsets += 1`` launch of
+    their own): launch after launch, every row's tokens land at its own offset with foldc.quantize's bits and
+    nothing else touched, every offset ends moved on by all the launches' tokens (several programs per row: heads,
+    the pair's two halves, token blocks of 16), and the arrival counters are back to zero (interpreter, fp16)."""
+    gen = torch.Generator().manual_seed(seed)
+    enc = A(bits_, "token", group)
+    starts = [int(torch.randint(0, 7, (), generator=gen)) for _ in range(batch)]
+    before, dsts, xs, offsets, arrivals = _advancing_writes(enc, 64, batch, heads, steps, starts, torch.float16,
+                                                            gen, pair=pair)
+    assert offsets.tolist() == [s + sum(steps) for s in starts]
+    assert arrivals.tolist() == [0] * batch
+    for b, d, x in zip(before, dsts, xs):
+        assert_same_bits(d, expected(b, x, starts))
+
+
+def test_an_advancing_launch_needs_per_row_offsets_and_token_wise_groups():
+    from foldc.serving.append import plan_append
+
+    with pytest.raises(SpecError, match="per_row=True"):
+        plan_append(A(4, "token", 32), 2, 64, 1, 1, False, False, 0, False, True, advance=True)
+    with pytest.raises(SpecError, match="counts=False"):
+        plan_append(A(4, "token", 32), 2, 64, 1, 1, False, True, 16, True, True, advance=True)
+    with pytest.raises(SpecError, match="token-wise"):
+        plan_append(A(4, "channel", 16), 2, 64, 1, 16, False, True, 0, False, True, advance=True)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("pair", [True, False], ids=["pair", "one operand"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_advancing_launches_move_every_rows_offset_on_once(pair, dtype):
+    """On the GPU, where a row's programs run at once: 40 launches over 64 rows of 8 heads (2 x 8 programs a row
+    in pair mode, 16-token blocks on the second axis at 20 tokens), each row's offset moved on by the launch's
+    tokens exactly once per launch and every token written where its row's offset said, the counters back to
+    zero."""
+    gen = torch.Generator().manual_seed(91 + pair)
+    enc = A(4, "token", 64)
+    steps = [1] * 36 + [20, 3, 1, 1]
+    starts = [int(t) for t in torch.randint(0, 50, (64,), generator=gen)]
+    before, dsts, xs, offsets, arrivals = _advancing_writes(enc, 128, 64, 8, steps, starts, dtype, gen,
+                                                            device="cuda", pair=pair)
+    torch.cuda.synchronize()
+    assert offsets.tolist() == [s + sum(steps) for s in starts]
+    assert arrivals.tolist() == [0] * 64
+    for b, d, x in zip(before, dsts, xs):
+        got = AffineTensor(d.codes.cpu(), d.scale.cpu(), d.zero.cpu(), enc, 128)
+        assert_same_bits(got, expected(b, x, starts))
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("enc", [A(4, "token", 32), A(2, "token", 128, torch.bfloat16), A(8, "token", 64, torch.float32)])

@@ -439,7 +439,8 @@ def test_body_writes_bind_their_launch_and_pass_the_offset_per_call(monkeypatch)
         assert [values for _, values in b.calls] == [(2,), (3,), (4,)]
         assert all(addresses[1:] == (codes, body.scale.data_ptr(), body.zero.data_ptr(), codes, codes, codes, codes,
                                      cache._flag.data_ptr(),   # one-token appends: the kernel's NaN/Inf flag
-                                     codes, codes, codes, codes)   # no pair: K and V encodings differ
+                                     codes, codes, codes, codes,   # no pair: K and V encodings differ
+                                     codes)   # no counters: the offset is the call's
                    for addresses, _ in b.calls)
     assert all(args[8] is cache._flag for args in kernel.launches)
     assert cache.body_tokens == 5
@@ -473,7 +474,7 @@ def test_keys_and_values_of_one_encoding_go_in_one_launch(monkeypatch):
     (bound,), = cache._append_bindings.bound()
     assert [values for _, values in bound.calls] == [(2,), (3,)]
     assert all(addresses[9:] == (addresses[9], v_body.codes.data_ptr(), v_body.scale.data_ptr(),
-                                 v_body.zero.data_ptr()) and addresses[9] != addresses[0]
+                                 v_body.zero.data_ptr(), k_body.codes.data_ptr()) and addresses[9] != addresses[0]
                for addresses, _ in bound.calls)
     launch = next(iter(cache._append_launches.values()))
     assert launch.grid[0] == 2 * 2 * 2 and dict(launch.constants)["PAIR"]   # (k, v) x batch x kv heads

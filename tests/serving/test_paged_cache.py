@@ -318,7 +318,7 @@ def test_device_lengths_past_a_sequences_pages_read_only_its_pages():
 def test_a_decode_steps_pair_launch_binds_and_then_launches_by_address(monkeypatch):
     """Natively (stand-in kernels on the CPU), straight to pages with K and V of one encoding: the first two decode
     steps' pair launches are keyed, the second binds, later steps give the bound launch the tokens', the layer's
-    pools', its offsets' and the page table's addresses, one bound launch for every layer; a bound launch that
+    pools', its offsets', the page table's and its counters' addresses, one bound launch for every layer; a bound launch that
     declines takes the keyed way."""
     from foldc.serving import append as append_module
     from test_cache import _KernelStandIn
@@ -351,7 +351,8 @@ def test_a_decode_steps_pair_launch_binds_and_then_launches_by_address(monkeypat
         codes = kp.codes.data_ptr()
         assert addresses == (k.data_ptr(), codes, kp.scale.data_ptr(), kp.zero.data_ptr(), st["body"].data_ptr(),
                              cache.wrapper.kv_indptr.data_ptr(), cache.wrapper.kv_indices.data_ptr(), codes, codes,
-                             v.data_ptr(), vp.codes.data_ptr(), vp.scale.data_ptr(), vp.zero.data_ptr())
+                             v.data_ptr(), vp.codes.data_ptr(), vp.scale.data_ptr(), vp.zero.data_ptr(),
+                             st["arrivals"].data_ptr())   # the launch moves the offsets on itself
         assert values == ()
     keyed = kernel.launches[prefill]
     assert keyed[0].data_ptr() == steps[0][1].data_ptr() and keyed[4] is cache._layers[0]["body"]

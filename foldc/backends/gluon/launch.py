@@ -98,9 +98,10 @@ def default_pack_heads(cfg: FoldKernel, num_kv_heads: int) -> int:
         return 1
     if cfg.key_masked_groups or cfg.value_masked_groups:
         return 1   # one MMA per group over the whole operand: one head's accumulators per program
-    if max(cfg.key_groups, cfg.value_groups) > 4:
+    if max(cfg.key_groups, cfg.value_groups) > 4 or (cfg.width > 128 and max(cfg.key_groups, cfg.value_groups) == 4):
         # eight channel groups per token (head_dim 256 in groups of 32): eight score accumulators and
-        # eight P's per head; two packed heads spilled 194-257 registers, one head none (AOT SASS)
+        # eight P's per head; two packed heads spilled 194-257 registers, one head none (AOT SASS). Four groups
+        # of 64 at head_dim 256: two heads spilled 6 registers per 32-token tile, one head none (sm_90, sm_100)
         return 1
     if cfg.value_tokens == HALF_TILE_GROUP or (cfg.key_tokens == HALF_TILE_GROUP and cfg.value_tokens):
         # channel-wise V in groups of half a tile (two value products per head, each its own accumulator),
@@ -211,10 +212,15 @@ class GluonAttention:
         # 119.2 at 40/8); four packed heads: 32 (103.8 against 123.1 us at 8/8; benchmarks/gqa_sweep.py)
         # 16 rows of one head: 32 (94.3 against 94.8 us at 64/4; a cap of 168 registers, 12 programs per SM
         # instead of 8 and no spills at 32, was slower: 98.0 against 94.5, docs/perf.md)
+        # Not (AOT SASS, docs/results/grid_aot_full.json): past 128 channels (token:2:64 at head_dim 256 spilled 223
+        # registers per 64-token tile on sm_90), nor four channel groups per token beside a channel-wise side
+        # (spilled 12-37 per tile on sm_90, 2-110 on sm_100; 32-token tiles none on sm_90, at most one on sm_100;
+        # neither tile size timed there: `benchmarks/spill_twins.py` on a GPU)
         one_wide_head = self.config.rows == 16 and pack_heads == 1
+        most_groups = max(self.config.key_groups, self.config.value_groups)
         wide = pack_heads <= 2 and not one_wide_head and self.config.key_bits == self.config.value_bits == 2 and \
-            all(g % 64 == 0 for g in groups) and \
-            max(self.config.key_groups, self.config.value_groups) in (1, 4)
+            all(g % 64 == 0 for g in groups) and self.config.width <= 128 and \
+            (most_groups == 1 or (most_groups == 4 and not groups))
         # row blocks beside a channel-wise side in groups of 64 tokens: 64-token tiles, the scales loaded at each
         # tile's start (H200, 8 x 64K at 64/2: 147.0 against 182.8 µs for K channel:4:64 / V token:4:64,
         # 152.5 against 185.9 for both channel:4:64; groups of 128 and INT8 were slower so, docs/perf.md).
