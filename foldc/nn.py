@@ -53,9 +53,11 @@ _DEVICE = torch.Tensor.get_device   # a CUDA tensor's device index
 _DISPATCH_DEPTH = torch._C._len_torch_dispatch_stack
 _STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 _CAPTURING = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None)
-# (device index, stream) -> the float32 split-k workspace every layer's fast path on that stream shares: calls on
-# one stream run in order, so each may overwrite the partials of the one before (the whole path makes one per call)
-_PARTS: dict = {}
+# (device index, stream) -> the float32 split-k workspace and the int32 split-k counters (zero between calls) every
+# layer's eager calls on that stream share: calls on one stream run in order, so each may overwrite the partials
+# of the one before and finds the counters at zero; calls on two streams, which may run at once, never share them
+# (a layer's own `gemv_counters` serve its traced and captured calls)
+_STREAM_BUFFERS: dict = {}
 
 
 def _capturing(device: int) -> bool:
@@ -66,14 +68,18 @@ def _stream_of(device: int) -> int:
     return _STREAM(device) if device >= 0 else 0
 
 
-def _shared_part(device: torch.device, index: int, size: int) -> torch.Tensor:
-    """The shared split-k workspace of ``device``'s current stream, grown to ``size`` floats (a grown one is a new
-    tensor: fast paths holding the old one see that and take the whole path once)."""
+def _stream_buffers(device: torch.device, index: int, floats: int, blocks: int) -> tuple:
+    """(workspace, counters) of ``device``'s current stream, grown to ``floats`` float32 partials and ``blocks``
+    counters (a grown pair is a new tuple: fast paths holding the old one see that and take the whole path once)."""
     key = (index, _stream_of(index))
-    part = _PARTS.get(key)
-    if part is None or part.numel() < size:
-        part = _PARTS[key] = torch.empty(size, dtype=torch.float32, device=device)
-    return part
+    held = _STREAM_BUFFERS.get(key)
+    if held is None or held[0].numel() < floats or held[1].numel() < blocks:
+        part = held[0] if held is not None and held[0].numel() >= floats else \
+            torch.empty(floats, dtype=torch.float32, device=device)
+        counters = held[1] if held is not None and held[1].numel() >= blocks else \
+            torch.zeros(blocks, dtype=torch.int32, device=device)
+        held = _STREAM_BUFFERS[key] = (part, counters)
+    return held
 
 
 def _traced() -> bool:
@@ -191,8 +197,8 @@ class FoldLinear(torch.nn.Module):
         fast = self._fast
         if (fast is not None and type(x) is _TENSOR and x.shape == fast[0] and x.stride() == fast[1]
                 and x.dtype == fast[2] and not x.requires_grad and _DEVICE(x) == fast[3] and self._holds(fast[4])
-                and not _DISPATCH_DEPTH() and (fast[10] is None or (_PARTS.get((fast[3], _stream_of(fast[3])))
-                                                                     is fast[10] and not _capturing(fast[3])))):
+                and not _DISPATCH_DEPTH() and (fast[10] is None or (
+                    _STREAM_BUFFERS.get((fast[3], _stream_of(fast[3]))) is fast[10] and not _capturing(fast[3])))):
             # shaped as the last eager call, whose GEMV launch was bound (`_eager_gemv`): x's rows as they lie
             # (no reshape), the output made in its final shape, the launch given the addresses alone (a tracer's
             # fake tensors and torch.compile's are not torch.Tensor itself; a dispatch mode takes the whole path)
@@ -250,21 +256,25 @@ class FoldLinear(torch.nn.Module):
         if x2.stride(1) != 1:
             x2 = x2.contiguous()
         out = torch.empty(x2.shape[0], self.out_features, device=x2.device, dtype=x2.dtype)
-        counters = buffers["gemv_counters"]
-        bound = gemv.run_rows(launch, x2, *rows, out, counters)
+        split, index = launch.grid[1], _DEVICE(x2)
+        if _capturing(index):   # the graph keeps the layer's own counters' address, and a workspace of its own
+            held, counters, part = None, buffers["gemv_counters"], None
+        else:   # the stream's (one split reads neither)
+            held = _stream_buffers(x2.device, index, split * launch.m * self.out_features if split > 1 else 1,
+                                   launch.grid[0])
+            part, counters = held
+        bound = gemv.run_rows(launch, x2, *rows, out, counters, part)
         bias = buffers["bias"]
-        if bound is not None and bias is None and x is not None and x2.data_ptr() == x.data_ptr() and x.is_contiguous():
-            # the rows' and counters' addresses stand for the next calls of x's shape; split-k partials go to the
-            # stream's shared workspace (outside a capture; one split has none: the counters' address stands in, unread)
-            split, counters_at, index = launch.grid[1], counters.data_ptr(), _DEVICE(x)
-            part = None
-            if split > 1 and not _capturing(index):
-                part = _shared_part(x.device, index, split * launch.m * self.out_features)
-            if split == 1 or part is not None:   # (x's shape, strides, dtype, device index; the buffers; the output's
-                # shape and device; the bound launch; the rows' addresses; the workspace's and counters'; the workspace)
-                self._fast = (x.shape, x.stride(), x.dtype, index, self._held(), (*x.shape[:-1], self.out_features),
-                              x.device, bound, tuple(t.data_ptr() for t in rows),
-                              (counters_at if part is None else part.data_ptr(), counters_at), part)
+        if (bound is not None and bias is None and x is not None and x2.data_ptr() == x.data_ptr() and x.is_contiguous()
+                and (split == 1 or held is not None)):
+            # the rows', workspace's and counters' addresses stand for the next calls of x's shape (on this stream
+            # where there are several splits: ``held`` is checked there): (x's shape, strides, dtype, device index;
+            # the buffers; the output's shape and device; the bound launch; the rows' addresses; the workspace's
+            # and counters'; the stream's buffers)
+            self._fast = (x.shape, x.stride(), x.dtype, index, self._held(), (*x.shape[:-1], self.out_features),
+                          x.device, bound, tuple(t.data_ptr() for t in rows), (part.data_ptr(), counters.data_ptr())
+                          if held is not None else (counters.data_ptr(), counters.data_ptr()),
+                          held if split > 1 else None)
         return out if bias is None else out.add_(bias.to(out.dtype))
 
     def extra_repr(self) -> str:

@@ -3,6 +3,8 @@ fp16): its output against float64 over the dequantized weight, the plan proved w
 converted weights, the custom op's registration (opcheck) and a torch.compile trace through its fake."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -118,8 +120,8 @@ class _StandInGemv:
     def __init__(self, n):
         self.n, self.calls = n, []
 
-    def run_rows(self, launch, x, codes, scale, zero, out, counters):
-        self.calls.append((launch, codes, counters))
+    def run_rows(self, launch, x, codes, scale, zero, out, counters, workspace=None):
+        self.calls.append((launch, codes, counters, workspace))
         out.copy_(x.double().sum(dim=1, keepdim=True).expand(-1, self.n).to(out.dtype))
 
 
@@ -129,7 +131,13 @@ class _StandInKernel:
 
     def gemv_for(self, m, dtype, device, w):
         self.asked += 1
-        return (self.gemv, ("launch", m), (w.codes[0, 0], w.scale[0, 0], w.zero[0, 0])) if self.takes else None
+        return (self.gemv, _StandInLaunch(m), (w.codes[0, 0], w.scale[0, 0], w.zero[0, 0])) if self.takes else None
+
+
+@dataclass(frozen=True)
+class _StandInLaunch:
+    m: int
+    grid: tuple = (2, 1)   # two blocks of output channels, one split
 
 
 def test_an_eager_call_launches_the_gemv_from_the_layer_and_remakes_its_rows_when_a_buffer_changes(monkeypatch):
@@ -144,9 +152,10 @@ def test_an_eager_call_launches_the_gemv_from_the_layer_and_remakes_its_rows_whe
     y = layer._eager_gemv(x)
     assert torch.allclose(y, x.sum(dim=1, keepdim=True) + layer.bias)    # the bias added once
     layer._eager_gemv(torch.randn(3, 64))
-    assert kernel.asked == 1 and len(gemv.calls) == 2 and gemv.calls[0][2] is layer.gemv_counters
+    assert kernel.asked == 1 and len(gemv.calls) == 2
+    assert gemv.calls[0][2:] == fnn._STREAM_BUFFERS[(-1, 0)][::-1]        # the stream's counters and workspace
     layer._eager_gemv(torch.randn(5, 64))                                  # another row count: its own launch
-    assert kernel.asked == 2 and gemv.calls[-1][0] == ("launch", 5)
+    assert kernel.asked == 2 and gemv.calls[-1][0] == _StandInLaunch(5)
     layer.codes = layer.codes.clone()                                      # a replaced buffer (e.g. .to())
     layer._eager_gemv(torch.randn(3, 64))
     assert kernel.asked == 3 and gemv.calls[-1][1].data_ptr() == layer.codes.data_ptr()
@@ -232,8 +241,8 @@ class _BindingGemv(_StandInGemv):
         self.launch = self._Launch()
         self.launch.grid = (2, split)
 
-    def run_rows(self, launch, x, codes, scale, zero, out, counters):
-        super().run_rows(launch, x, codes, scale, zero, out, counters)
+    def run_rows(self, launch, x, codes, scale, zero, out, counters, workspace=None):
+        super().run_rows(launch, x, codes, scale, zero, out, counters, workspace)
         return self.bound
 
 
@@ -267,8 +276,8 @@ def test_a_call_shaped_as_the_last_bound_one_goes_straight_to_its_launch(monkeyp
     if change is None:
         y = layer(x2)
         codes, scale, zero = (t.data_ptr() for t in (layer.codes, layer.scale, layer.zero))
-        counters = layer.gemv_counters.data_ptr()
-        assert gemv.bound.calls[-1] == (x2.data_ptr(), codes, scale, zero, y.data_ptr(), counters, counters)
+        part, counters = (t.data_ptr() for t in fnn._STREAM_BUFFERS[(-1, 0)])   # the stream's (one split: unread)
+        assert gemv.bound.calls[-1] == (x2.data_ptr(), codes, scale, zero, y.data_ptr(), part, counters)
         assert y.shape == (1, 1, 32) and y.is_contiguous() and len(gemv.calls) == whole_calls
         return
     calls = len(gemv.bound.calls)
@@ -295,15 +304,12 @@ def test_a_call_shaped_as_the_last_bound_one_goes_straight_to_its_launch(monkeyp
     assert len(gemv.bound.calls) == calls + (change == "declines")
 
 
-def test_split_k_partials_go_to_the_streams_shared_workspace(monkeypatch):
-    """With split-k the fast path hands the bound launch the stream's shared float32 workspace (split x m x n
-    floats at least), one for every layer on that stream; a layer that needs more grows it, and a layer holding
-    the old one takes the whole path once and then holds the new one."""
+def _split_layers(monkeypatch, shapes):
+    """Layers of (n, split) whose GEMV stands in, bound from the first call."""
     import foldc.nn as fnn
 
-    monkeypatch.setattr(fnn, "_PARTS", {})
     layers, gemvs = [], []
-    for n, split in ((32, 3), (48, 4)):
+    for n, split in shapes:
         layer = FoldLinear.from_linear(torch.nn.Linear(64, n, bias=False), "k-group:4:32")
         gemv = _BindingGemv(n, split)
         kernel = _StandInKernel(gemv)
@@ -315,21 +321,64 @@ def test_split_k_partials_go_to_the_streams_shared_workspace(monkeypatch):
     real = fnn._gemm
     by_n = {layer.out_features: layer._gemm_stand_in for layer in layers}
     monkeypatch.setattr(fnn, "_gemm", lambda n, k, enc, target: by_n[n] if target == "auto" else real(n, k, enc, target))
+    return layers, gemvs
+
+
+def test_split_k_partials_and_counters_are_the_streams(monkeypatch):
+    """With split-k, eager calls hand the launch the stream's float32 workspace (split x m x n floats at least) and
+    int32 counters (one per block of output channels at least), one pair for every layer on that stream; a layer
+    that needs more grows them, and a layer holding the old pair takes the whole path once and then holds the new
+    one."""
+    import foldc.nn as fnn
+
+    monkeypatch.setattr(fnn, "_STREAM_BUFFERS", {})
+    layers, gemvs = _split_layers(monkeypatch, ((32, 3), (48, 4)))
+    gemvs[1].launch.grid = (3, 4)
     x = torch.randn(1, 64)
     layers[0]._eager_gemv(x, x)
-    (part,) = fnn._PARTS.values()
+    ((part, counters),) = fnn._STREAM_BUFFERS.values()
     assert part.dtype == torch.float32 and part.numel() == 3 * 32
+    assert counters.dtype == torch.int32 and counters.numel() == 2 and not counters.any()
     layers[0](torch.randn(1, 64))
-    assert gemvs[0].bound.calls[-1][5] == part.data_ptr()
-    layers[1]._eager_gemv(x, x)   # needs 4 x 48 floats: the workspace grows
-    (grown,) = fnn._PARTS.values()
-    assert grown is not part and grown.numel() == 4 * 48
+    assert gemvs[0].bound.calls[-1][5:] == (part.data_ptr(), counters.data_ptr())
+    layers[1]._eager_gemv(x, x)   # needs 4 x 48 floats and three counters: both grow
+    ((grown, more),) = fnn._STREAM_BUFFERS.values()
+    assert grown is not part and grown.numel() == 4 * 48 and more.numel() == 3
+    assert gemvs[1].calls[-1][2:] == (more, grown)
     calls = len(gemvs[0].bound.calls)
-    layers[0](torch.randn(1, 64))   # holds the old one: the whole path (the op on the CPU)
+    layers[0](torch.randn(1, 64))   # holds the old pair: the whole path (the op on the CPU)
     assert len(gemvs[0].bound.calls) == calls
-    layers[0]._eager_gemv(x, x)    # a bound GPU call again: now the grown workspace
+    layers[0]._eager_gemv(x, x)    # a bound GPU call again: now the grown pair
     layers[0](torch.randn(1, 64))
-    assert gemvs[0].bound.calls[-1][5] == grown.data_ptr()
+    assert gemvs[0].bound.calls[-1][5:] == (grown.data_ptr(), more.data_ptr())
+
+
+def test_calls_on_two_streams_never_share_counters_or_partials(monkeypatch):
+    """One layer called on two streams (which may run at once): each stream's calls get that stream's workspace
+    and counters, on the whole path and on the fast path, and a call on the other stream never takes a fast path
+    holding the first stream's (split-k's counters shared by two launches at once would end a block's reduction
+    early: a silently wrong answer)."""
+    import foldc.nn as fnn
+
+    monkeypatch.setattr(fnn, "_STREAM_BUFFERS", {})
+    stream = [11]
+    monkeypatch.setattr(fnn, "_stream_of", lambda device: stream[0])
+    (layer,), (gemv,) = _split_layers(monkeypatch, ((32, 3),))
+    x = torch.randn(1, 64)
+    layer._eager_gemv(x, x)
+    layer(torch.randn(1, 64))          # stream 11's fast path
+    first = fnn._STREAM_BUFFERS[(-1, 11)]
+    assert gemv.bound.calls[-1][5:] == tuple(t.data_ptr() for t in first)
+    stream[0] = 22
+    calls, whole = len(gemv.bound.calls), len(gemv.calls)
+    layer(torch.randn(1, 64))          # stream 22: not stream 11's fast path
+    assert len(gemv.bound.calls) == calls
+    layer._eager_gemv(x, x)            # stream 22's whole path: its own pair
+    second = fnn._STREAM_BUFFERS[(-1, 22)]
+    assert gemv.calls[-1][2:] == second[::-1] and len(gemv.calls) == whole + 1
+    assert all(a.data_ptr() != b.data_ptr() for a, b in zip(first, second))
+    layer(torch.randn(1, 64))          # and now stream 22's fast path
+    assert gemv.bound.calls[-1][5:] == tuple(t.data_ptr() for t in second)
 
 
 def test_moving_the_layer_drops_its_eager_entries():

@@ -231,6 +231,9 @@ def register_operand_kernel(spec: AttentionSpec, page_size: int, target: str, ke
 class PagedDecodeWrapper:
     """Decode attention over a paged, quantized KV cache (FlashInfer-style ``plan`` / ``run``).
 
+    A wrapper's page table, lengths, split-k workspace and lse buffer serve one CUDA stream at a time (``plan``
+    rewrites them, ``run`` writes the workspace): streams that decode at once take a wrapper each.
+
     Parameters
     ----------
     spec : AttentionSpec

@@ -291,11 +291,13 @@ class GluonGemv:
         self.run_rows(launch, x, w.codes[0, 0], w.scale[0, 0], w.zero[0, 0], out, counters)
 
     def run_rows(self, launch: GemvLaunch, x, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
-                 out: torch.Tensor, counters: torch.Tensor | None = None):
+                 out: torch.Tensor, counters: torch.Tensor | None = None, workspace: torch.Tensor | None = None):
         """`run` with the weight as its 2-D parts (codes [n, row bytes] uint8, scale and zero [n, groups]),
         which a caller holding one weight makes once (`foldc.nn.FoldLinear`'s eager calls); no checks. Returns
         the bound launch that ran it (given x's, the parts', out's, the workspace's and the counters' addresses),
-        None where the launch was keyed."""
+        None where the launch was keyed. ``counters`` (int32 zeros, a block's at least) and ``workspace`` (float32,
+        split x m x n at least) are the caller's, or this stream's own (`buffers`) where counters is None; a
+        workspace not given with the counters is made for the call."""
         if self._kernel is None:
             from .gemv import foldc_gemv_gluon
 
@@ -304,6 +306,8 @@ class GluonGemv:
             x = x.clone()                            # offset): a copy of the one row, not a failed build
         if counters is None:
             part, counters = self.buffers(launch, x.device)
+        elif workspace is not None:
+            part = workspace
         else:
             split = launch.grid[1]
             part = torch.empty(split * launch.m * self.spec.n if split > 1 else 1, device=x.device,
