@@ -36,7 +36,7 @@ def main() -> int:
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import hf_decode
     from step_python import _Kernel
-    from transformers import AttentionInterface
+    from transformers import AttentionInterface, DynamicCache
 
     import foldc.integrations.hf as fhf
     from foldc.backends.gluon.launch import GluonAttention
@@ -91,17 +91,46 @@ def main() -> int:
     cache = fhf.FoldcCache(model.config, prompt + args.steps, k="token:4:128", v="token:4:128", sink=0, window=0)
     with hf_decode.attention(model, fhf.ATTN_IMPLEMENTATION), torch.no_grad():
         model(ids[:, :prompt], use_cache=True, past_key_values=cache)
-        for t in range(prompt, prompt + args.steps - 1):
+        for t in range(prompt, prompt + args.steps - 2):
             if t == prompt + 20:   # warmed up: launches bound
                 took = {"update": [], "attention": []}
             model(ids[:, t:t + 1], use_cache=True, past_key_values=cache)
-    rows = {name: statistics.median(values) * 1e6 for name, values in took.items()}
+        rows = {name: statistics.median(values) * 1e6 for name, values in took.items()}
+        # Python calls of one whole decode forward, this cache's and DynamicCache's with SDPA (the same model;
+        # C functions and torch ops count as one call each): what transformers' side and each cache's add
+        t = prompt + args.steps - 1
+        calls = {"FoldcCache": _calls(lambda: model(ids[:, t:t + 1], use_cache=True, past_key_values=cache))}
+    default = DynamicCache(config=model.config)
+    with hf_decode.attention(model, "sdpa"), torch.no_grad():
+        model(ids[:, :prompt], use_cache=True, past_key_values=default)
+        for t in range(prompt, prompt + 20):
+            model(ids[:, t:t + 1], use_cache=True, past_key_values=default)
+        calls["DynamicCache + sdpa"] = _calls(lambda: model(ids[:, t + 1:t + 2], use_cache=True,
+                                                           past_key_values=default))
     for name, us in rows.items():
         print(f"{name:10} {us:6.1f} µs per layer and step")
+    for name, n in calls.items():
+        print(f"{name:20} {n / args.layers:6.1f} Python calls per layer in a decode forward ({n} in all)")
     if args.out:
-        Path(args.out).write_text(json.dumps(dict(us_per_layer=rows, layers=args.layers, cpu=os.cpu_count()),
-                                             indent=1))
+        Path(args.out).write_text(json.dumps(dict(us_per_layer=rows, calls_per_forward=calls, layers=args.layers,
+                                                  cpu=os.cpu_count()), indent=1))
     return 0
+
+
+def _calls(fn) -> int:
+    """Python and C function calls made while ``fn`` runs (sys.setprofile's call and c_call events)."""
+    count = [0]
+
+    def profile(frame, event, arg):
+        if event in ("call", "c_call"):
+            count[0] += 1
+
+    sys.setprofile(profile)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return count[0]
 
 
 if __name__ == "__main__":

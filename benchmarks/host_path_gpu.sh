@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# The GPU checks and host-time figures of the eager launch path (bound launches through foldc's C launcher, the
+# serving caches' decode-step fast paths, the paged append that moves its offsets, FoldLinear's per-stream
+# buffers), in three device calls of under ten minutes each. From the repository root on the device:
+#
+#     bash benchmarks/host_path_gpu.sh checks     # correctness against float64 / quantize's bits, real driver:
+#     bash benchmarks/host_path_gpu.sh checks2    #   the serving caches and Gluon kernels, then Triton, GEMV, nn
+#     bash benchmarks/host_path_gpu.sh times      # host time per call beside cuDNN, DynamicCache, nn.Linear
+#
+# Each step runs under its own time limit; its output goes to $OUT/<step>.log (and JSON where the script
+# writes one), and a line per step to $OUT/summary.txt. Figures go to docs/perf.md and docs/gemm.md with
+# their command, never into a test.
+set -u
+OUT=${OUT:-/tmp/host_path_gpu}
+mkdir -p "$OUT"
+export PYTHONPATH=.
+step() {   # step NAME SECONDS COMMAND...
+    local name=$1 limit=$2
+    shift 2
+    local start=$SECONDS
+    timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+    local rc=$?
+    echo "$name rc=$rc $((SECONDS - start))s: $(tail -n 1 "$OUT/$name.log")" | tee -a "$OUT/summary.txt"
+}
+case "${1:-checks}" in
+  checks)
+    step append 120 python3 -m pytest -q -x tests/serving/test_append.py -k "gpu"
+    step paged 200 python3 -m pytest -q tests/serving/test_paged_gpu.py
+    step gluon_bound 150 python3 -m pytest -q tests/backends/test_gluon_gpu.py \
+        -k "memo or repeated_calls or without_seq_lens or bound"
+    ;;
+  checks2)
+    step triton 240 python3 -m pytest -q tests/backends/test_triton_gpu.py
+    step gemv 60 python3 -m pytest -q tests/backends/test_gemv_gluon.py -k gpu
+    step linear 60 python3 -m pytest -q tests/test_nn.py -k gpu
+    ;;
+  times)
+    step launch_cost 90 python3 benchmarks/launch_cost.py --out "$OUT/launch_cost.json"
+    step call_overhead 120 python3 benchmarks/call_overhead.py --shape 1x16384 --out "$OUT/call_overhead.json"
+    step linear_host 60 python3 benchmarks/linear_host.py --out "$OUT/linear_host.json"
+    step cache_step 90 python3 benchmarks/cache_step_host.py --out "$OUT/cache_step.json"
+    step hf_layer_step 120 python3 benchmarks/hf_layer_step.py --out "$OUT/hf_layer_step.json"
+    ;;
+  *)
+    echo "usage: bash benchmarks/host_path_gpu.sh checks|checks2|times" >&2
+    exit 2
+    ;;
+esac
