@@ -119,6 +119,8 @@ class PagedKVCache:
         # straight to pages with K and V of one encoding: one append launch writes both (the kernel's pair mode)
         mode = resolve_target(self._append_target, self.device)
         self._pair = self._direct and spec.k == spec.v and mode != "reference"
+        # straight to pages, the decode step's (last) append launch moves the offsets on itself (token-wise groups)
+        self._advancing = self._direct and mode != "reference"
         self._append_interpret = mode == "interpret"
         self._append_bindings = Bindings(16)   # the pair launch's bound kernel per (dtype, k's and v's strides)
         self.pools = [{name: page_pool(spec, name, num_pages, page_size, device=self.device) for name in "kv"}
@@ -309,9 +311,19 @@ class PagedKVCache:
                                      pair=True, advance=True)
                 self._write_pair(layer, launch, pools, k_new, v_new, st, table)   # moves "body" on itself
                 return
-            for name, x in (("k", k_new), ("v", v_new)):
-                append_paged(pools[name], x, *table, st["body"], page_size=self.page_size, target=self._append_target)
-            st["body"] += 1
+            if self._append_target == "reference" or not self._advancing:
+                for name, x in (("k", k_new), ("v", v_new)):
+                    append_paged(pools[name], x, *table, st["body"], page_size=self.page_size,
+                                 target=self._append_target)
+                st["body"] += 1
+                return
+            # K and V of two encodings: the keys' launch reads the offsets, the values' then moves them on
+            append_paged(pools["k"], k_new, *table, st["body"], page_size=self.page_size, target=self._append_target)
+            x = v_new if v_new.stride(-1) == 1 else v_new.contiguous()
+            launch = plan_append(self.spec.v, self.spec.num_kv_heads, self.spec.head_dim, self.batch, 1,
+                                 x.dtype == torch.bfloat16, True, self.page_size, False, self._append_interpret,
+                                 advance=True)
+            run_append(launch, pools["v"], x, None, st["body"], paging=table, arrivals=st["arrivals"])
             return
         b, h, d = self.batch, self.spec.num_kv_heads, self.spec.head_dim
         idx = st["plain"].long().view(b, 1, 1, 1).expand(b, h, 1, d)
