@@ -104,6 +104,9 @@ def linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torc
     (`GemmEncoding.short`), stored as ``codes``/``scale``/``zero`` of its AffineTensor [1, 1, n, k].
     ``counters``: int32 zeros for the GPU GEMV's split-k (left at zero; `FoldLinear` owns them), so that
     the kernel holds no memory between calls (CUDA-graph trees refuse memory a step keeps)."""
+    if not x.is_floating_point():   # (a float result cast back to an integer dtype would be truncated)
+        raise InputError(f"x dtype={x.dtype}: FoldLinear takes floating-point activations (float16, bfloat16, float32 "
+                         "or float64), as nn.Linear does; cast x")
     k = x.shape[-1]
     _, affine = _weight_encoding(encoding, k)
     w = AffineTensor(codes, scale, zero, affine, k)
@@ -119,7 +122,10 @@ def linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torc
 
 @linear.register_fake
 def _(x, codes, scale, zero, bias, encoding, out_features, counters=None):
-    parse_gemm_encoding(encoding, "weight")   # a bad encoding fails at trace time too
+    parse_gemm_encoding(encoding, "weight")   # a bad encoding fails at trace time too, as does an integer x
+    if not x.is_floating_point():
+        raise InputError(f"x dtype={x.dtype}: FoldLinear takes floating-point activations (float16, bfloat16, float32 "
+                         "or float64), as nn.Linear does; cast x")
     return x.new_empty(x.shape[0], out_features)
 
 

@@ -104,6 +104,18 @@ def test_the_custom_op_passes_opcheck_and_traces_through_torch_compile():
     assert torch.equal(compiled(x), model(x))
 
 
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.bool])
+def test_integer_activations_are_refused_as_nn_linear_refuses_them(dtype):
+    """An integer x (token ids passed by mistake) is refused by name, eagerly and when traced; it was multiplied in
+    float64 and cast back to its integer dtype, a truncated answer."""
+    layer = FoldLinear.from_linear(torch.nn.Linear(64, 32), "k-group:4:32")
+    x = torch.ones(3, 64, dtype=dtype)
+    with pytest.raises(foldc.InputError, match=f"x dtype={dtype}: FoldLinear takes floating-point activations"):
+        layer(x)
+    with pytest.raises(Exception, match="FoldLinear takes floating-point activations"):
+        torch.compile(layer, backend="aot_eager", fullgraph=True)(x)
+
+
 def test_the_layer_owns_its_gemv_counters_outside_its_state():
     """The GPU GEMV's split-k counters live on the layer (a compiled step's CUDA graph sees them): int32
     zeros, one per 16 output channels, moved by .to(), not saved in the state dict."""

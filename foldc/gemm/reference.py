@@ -42,6 +42,10 @@ def check_operand(name: str, t, enc: GemmEncoding | None, rows: int | None, k: i
             raise InputTypeError(f"{name} is an AffineTensor but the spec says {name} is plain")
         if not isinstance(t, torch.Tensor) or t.dim() != 2 or t.shape[1] != k:
             raise InputError(f"{name} must be a [rows, k={k}] tensor; got {getattr(t, 'shape', type(t).__name__)}")
+        if not t.is_floating_point():
+            raise InputError(f"{name} dtype={t.dtype}: a plain operand is floating point (float16, bfloat16, float32 "
+                             f"or float64); cast it, or give the spec an encoding for {name} (e.g. 'per-token:8') and "
+                             "pass an AffineTensor")
         return t.shape[0]
     if not isinstance(t, AffineTensor):
         raise InputTypeError(f"{name} must be an AffineTensor of encoding {enc.short()} "

@@ -60,3 +60,6 @@ def test_reference_gemm_checks_its_inputs():
         gemm(x, w)
     with pytest.raises(InputError, match=r"x must be a \[rows, k=64\] tensor"):
         gemm(torch.randn(2, 32), quantize_2d(w, spec.weight))
+    for dtype in (torch.int64, torch.int8, torch.bool):   # never cast to float64 and back as if it were exact
+        with pytest.raises(InputError, match=f"x dtype={dtype}: a plain operand is floating point"):
+            gemm(torch.ones(2, 64, dtype=dtype), quantize_2d(w, spec.weight))
