@@ -186,20 +186,24 @@ from triton.compiler import ASTSource
 from foldc.backends.runtime.modules import interpreter
 from foldc.serving.append import _kernel
 out = []
-for layout, x_bf16, scale_kind, per_row, paged, head_dim in json.loads(sys.argv[1]):
+for layout, x_bf16, scale_kind, per_row, paged, head_dim, *extra in json.loads(sys.argv[1]):
     fn = _kernel(layout, False)
+    extra = extra[0] if extra else {}
     ptrs = {"X": "*i16" if x_bf16 else "*fp16", "CODES": "*u8", "SCALE": ["*fp16", "*i16", "*fp32"][scale_kind],
-            "OFFSETS": "*i64", "KV_INDPTR": "*i32", "KV_INDICES": "*i32", "COUNTS": "*i32"}
+            "OFFSETS": "*i32" if extra.get("ADVANCE") else "*i64", "KV_INDPTR": "*i32", "KV_INDICES": "*i32",
+            "COUNTS": "*i32", "FLAG": "*i32", "X2": "*i16" if x_bf16 else "*fp16", "CODES2": "*u8",
+            "ARRIVALS": "*i32"}
     sig = {a: ptrs.get(a, "constexpr" if a.isupper() else "i32") for a in fn.arg_names}
     for a in fn.arg_names:
         if a.startswith("stride"):
             sig[a] = "i64"
-    sig["ZERO"] = sig["SCALE"]
+    sig["ZERO"] = sig["SCALE2"] = sig["ZERO2"] = sig["SCALE"]
     group = 32 if layout == "token" else 128
     width = 1 << (head_dim // 4 - 1).bit_length()    # the padded bytes per token (96 at INT2: 24 -> 32)
     const = dict(HEAD_DIM=head_dim, GROUP=group, BITS=2, CPB=4, MAX_CODE=3,
                  BLOCK_T=16 if layout == "token" else 32, X_BF16=x_bf16, SCALE_KIND=scale_kind, PER_ROW=per_row,
-                 PAGED=paged, PAGE_SIZE=128 if paged else 1, HAS_COUNT=paged, WIDTH_P=width)
+                 PAGED=paged, PAGE_SIZE=128 if paged else 1, HAS_COUNT=paged and not extra.get("ADVANCE"),
+                 WIDTH_P=width, **extra)
     if layout == "token":
         groups = head_dim // group
         const.update(NUM_GROUPS=groups, GROUP_P=group, NUM_GROUPS_P=1 << (groups - 1).bit_length())
@@ -207,8 +211,11 @@ for layout, x_bf16, scale_kind, per_row, paged, head_dim in json.loads(sys.argv[
         c = triton.compile(ASTSource(fn, sig, constexprs=const), target=GPUTarget("cuda", 90, 32),
                            options={"num_warps": 4})
     ptx = c.asm["ptx"]
-    out.append({"case": [layout, x_bf16, scale_kind, per_row, paged, head_dim], "div_rn": len(re.findall(r"div\.rn\.f32", ptx)),
-                "div_approx": len(re.findall(r"div\.(approx|full)\.f32", ptx)), "cubin": len(c.asm["cubin"])})
+    out.append({"case": [layout, x_bf16, scale_kind, per_row, paged, head_dim, extra],
+                "div_rn": len(re.findall(r"div\.rn\.f32", ptx)),
+                "div_approx": len(re.findall(r"div\.(approx|full)\.f32", ptx)), "cubin": len(c.asm["cubin"]),
+                "acq_rel_atomics": len(re.findall(r"atom\.[a-z_.]*acq_rel[a-z_.]*add", ptx)),
+                "barriers": len(re.findall(r"bar\.sync|barrier\.sync", ptx))})
 print(json.dumps(out))
 """
 
@@ -216,8 +223,11 @@ print(json.dumps(out))
 def test_kernels_build_for_sm90_with_correctly_rounded_division(tmp_path):
     """The GPU build (no GPU needed): both kernels compile for sm_90, contiguous and paged (page
     table, per-row counts), at head_dim 128 and 96 (padded), and every float32 division is div.rn (an approximate division would
-    break bit-exactness with foldc.quantize)."""
-    jobs = [["token", False, 0, False, False, 128], ["token", True, 1, True, False, 128],
+    break bit-exactness with foldc.quantize). The paged cache's decode-step launches (the pair and the values' alone,
+    which move the offsets on) count their programs with one acquire-release atomic add after a barrier."""
+    advancing = [["token", True, 1, True, True, 128, {"PAIR": True, "ADVANCE": True}],
+                 ["token", False, 0, True, True, 128, {"ADVANCE": True}]]
+    jobs = advancing + [["token", False, 0, False, False, 128], ["token", True, 1, True, False, 128],
             ["channel", False, 2, True, False, 128], ["channel", True, 0, False, False, 128],
             ["token", True, 1, True, True, 128], ["channel", True, 1, True, True, 128],
             ["token", True, 0, False, False, 96], ["channel", False, 0, False, False, 96]]   # padded: head_dim 96
@@ -229,6 +239,8 @@ def test_kernels_build_for_sm90_with_correctly_rounded_division(tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     for r in json.loads(proc.stdout.strip().splitlines()[-1]):
         assert r["div_rn"] > 0 and r["div_approx"] == 0 and r["cubin"] > 0, r
+        advance = bool(r["case"][6].get("ADVANCE"))
+        assert (r["acq_rel_atomics"] == 1) == advance and (not advance or r["barriers"] >= 1), r
 
 
 # ---- errors: one per message ------------------------------------------------------------------
