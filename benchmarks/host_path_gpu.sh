@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # The GPU checks and host-time figures of the eager launch path (bound launches through foldc's C launcher, the
 # serving caches' decode-step fast paths, the paged append that moves its offsets, FoldLinear's per-stream
-# buffers), in three device calls of under ten minutes each. From the repository root on the device:
+# buffers), in four device calls of under ten minutes each. From the repository root on the device:
 #
 #     bash benchmarks/host_path_gpu.sh checks     # correctness against float64 / quantize's bits, real driver:
 #     bash benchmarks/host_path_gpu.sh checks2    #   the serving caches and Gluon kernels, then Triton, GEMV, nn
 #     bash benchmarks/host_path_gpu.sh times      # host time per call beside cuDNN, DynamicCache, nn.Linear
+#     bash benchmarks/host_path_gpu.sh hf         # examples/hf_decode.py eager, rounds alternating in one process
 #
 # Each step runs under its own time limit; its output goes to $OUT/<step>.log (and JSON where the script
 # writes one), and a line per step to $OUT/summary.txt. Figures go to docs/perf.md and docs/gemm.md with
@@ -41,8 +42,16 @@ case "${1:-checks}" in
     step cache_step 90 python3 benchmarks/cache_step_host.py --out "$OUT/cache_step.json"
     step hf_layer_step 120 python3 benchmarks/hf_layer_step.py --out "$OUT/hf_layer_step.json"
     ;;
+  hf)
+    L="--layers 16 --hidden 2048 --heads 16/4 --head-dim 128 --vocab 32000 --prompt 8192 --new 256 --batch 1"
+    H="--sdpa flash --no-check --rounds 3 --split --sink 0 --window 0"
+    step hf_tiny 90 python3 examples/hf_decode.py --new 64 $H
+    step hf_tiny_paged 90 python3 examples/hf_decode.py --new 64 --cache paged $H
+    step hf_1b_int4 150 python3 examples/hf_decode.py $L --k token:4:128 --v token:4:128 $H
+    step hf_1b_int2 150 python3 examples/hf_decode.py $L --k token:2:128 --v token:2:128 $H
+    ;;
   *)
-    echo "usage: bash benchmarks/host_path_gpu.sh checks|checks2|times" >&2
+    echo "usage: bash benchmarks/host_path_gpu.sh checks|checks2|times|hf" >&2
     exit 2
     ;;
 esac

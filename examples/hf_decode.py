@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import statistics
 import sys
 import time
 
@@ -104,6 +105,12 @@ def main(argv=None):
                     help="model dtype (default: bf16 on a GPU, fp16 on the CPU)")
     ap.add_argument("--target", default=None,
                     help="foldc target (default: auto; reference for fp32 on the CPU)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="timed rounds, the default cache's generate and foldc's alternating (fresh caches each): "
+                         "medians and each round's ratio (hosts vary between processes, and within one)")
+    ap.add_argument("--split", action="store_true",
+                    help="also time each cache's prompt alone (generate of one token) in every round, and report "
+                         "the time per later token apart from it")
     ap.add_argument("--weight", default=None,
                     help="also quantize the foldc run's linear layers (foldc.integrations.hf.quantize_model), e.g. "
                          "k-group:4:128: a W4 + KV model against the bf16 model with the default cache")
@@ -172,23 +179,48 @@ def main(argv=None):
     generate(fmodel, cache if args.cache == "static" else foldc_cache(), ids, warm, fhf.ATTN_IMPLEMENTATION)
     sync()
     t_first = time.perf_counter() - t0
-    if args.cache == "static":
-        cache.reset()
-    else:
-        cache = foldc_cache()
-    sync()
-    t0 = time.perf_counter()
-    ref_seq, ref_logits = generate(model, default_cache(), ids, args.new, "sdpa")
-    sync()
-    t_ref = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    seq, logits = generate(fmodel, cache, ids, args.new, fhf.ATTN_IMPLEMENTATION)
-    sync()
-    t_foldc = time.perf_counter() - t0
+    def fresh():
+        if args.cache == "static":
+            cache.reset()
+            return cache
+        return foldc_cache()
+
+    def timed(fn):
+        sync()
+        t0 = time.perf_counter()
+        out = fn()
+        sync()
+        return time.perf_counter() - t0, out
+
+    refs, folds, prompts = [], [], []
+    for r in range(max(1, args.rounds)):
+        t_ref, ref = timed(lambda: generate(model, default_cache(), ids, args.new, "sdpa"))
+        timed_cache = fresh()
+        t_foldc, out = timed(lambda: generate(fmodel, timed_cache, ids, args.new, fhf.ATTN_IMPLEMENTATION))
+        refs.append(t_ref)
+        folds.append(t_foldc)
+        if r == 0:   # the first round's tokens, logits and cache are the ones checked below
+            (ref_seq, ref_logits), (seq, logits), first_cache = ref, out, timed_cache
+        if args.split:   # the prompt and first token alone
+            prompts.append((timed(lambda: generate(model, default_cache(), ids, 1, "sdpa"))[0],
+                            timed(lambda: generate(fmodel, fresh(), ids, 1, fhf.ATTN_IMPLEMENTATION))[0]))
+    t_ref, t_foldc, cache = refs[0], folds[0], first_cache
     note = " (Triton's interpreter: correctness, not speed)" if device == "cpu" and target != "reference" else ""
     timing = (f"time (after a warm-up of {warm} tokens): default cache {t_ref:.2f} s, foldc {t_foldc:.2f} s "
               f"({t_ref / t_foldc:.2f}x); foldc's first generate in this process {t_first:.2f} s (builds its "
               f"kernels){note}")
+    if args.rounds > 1:
+        ratios = sorted(a / b for a, b in zip(refs, folds))
+        timing += (f"\nrounds {len(refs)}: default cache median {statistics.median(refs):.2f} s "
+                   f"({min(refs):.2f}-{max(refs):.2f}), foldc {statistics.median(folds):.2f} s "
+                   f"({min(folds):.2f}-{max(folds):.2f}); default / foldc per round {statistics.median(ratios):.2f}x "
+                   f"median ({ratios[0]:.2f}-{ratios[-1]:.2f})")
+    if prompts and args.new > 1:
+        p_ref, p_foldc = (statistics.median(x) for x in zip(*prompts))
+        later = args.new - 1
+        d_ref, d_foldc = ((statistics.median(t) - p) / later * 1e3 for t, p in ((refs, p_ref), (folds, p_foldc)))
+        timing += (f"\nprompt and first token: default cache {p_ref:.3f} s, foldc {p_foldc:.3f} s; each later token: "
+                   f"default {d_ref:.2f} ms, foldc {d_foldc:.2f} ms ({d_ref / d_foldc:.2f}x) (medians)")
     if args.no_check:
         print(timing)
         return
