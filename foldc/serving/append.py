@@ -557,8 +557,9 @@ def append_arguments(launch: AppendLaunch, dst: AffineTensor, x: torch.Tensor, s
     pair = _kernel_views(*second) if second is not None else (codes, codes, codes, codes)   # read only if PAIR
     sx, sc, ss, sz = xin.stride(), codes.stride(), scale.stride(), zero.stride()
     args = (xin, codes, scale, zero, offs, indptr, indices, counts if counts is not None else codes,
-            flag if flag is not None else codes, *pair, arrivals if arrivals is not None else codes, sx[0], sx[1], sx[2], sc[0], sc[1], sc[2], ss[0],
-            ss[1], ss[2], sz[0], sz[1], sz[2], 0 if scalar is None else scalar)
+            flag if flag is not None else codes, *pair, arrivals if arrivals is not None else codes,   # (read if ADVANCE)
+            sx[0], sx[1], sx[2], sc[0], sc[1], sc[2], ss[0], ss[1], ss[2], sz[0], sz[1], sz[2],
+            0 if scalar is None else scalar)
     args += (x.shape[2], dst.shape[1], dst.num_tokens) if launch.kernel == "token" else (dst.shape[1], dst.num_tokens)
     return _fast(launch.kernel, launch.interpret), args, keywords(launch)
 

@@ -311,7 +311,7 @@ class PagedKVCache:
                                      pair=True, advance=True)
                 self._write_pair(layer, launch, pools, k_new, v_new, st, table)   # moves "body" on itself
                 return
-            if self._append_target == "reference" or not self._advancing:
+            if not self._advancing:   # (target "reference": the host's copies)
                 for name, x in (("k", k_new), ("v", v_new)):
                     append_paged(pools[name], x, *table, st["body"], page_size=self.page_size,
                                  target=self._append_target)
