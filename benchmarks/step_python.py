@@ -9,7 +9,8 @@ too; each figure the median µs of one call over 2000 calls. "cold" rows: other 
 walk over 30,000 dicts), as a model's other layers run between one layer's steps: the interpreter's caches no
 longer hold the step's code and objects, which is what a step costs inside a whole forward (a step takes 2-4x its
 time in a tight loop there, on this CPU and in the H200 runs of docs/perf.md). Last, a `PagedKVCache` straight to
-pages (its append kernel a stand-in): one layer's decode append at batch 1 and 64.
+pages (its append kernel and its page-table launches standing in): one layer's decode append and attention
+at batch 1 and 64.
 """
 from __future__ import annotations
 
@@ -112,11 +113,19 @@ def main() -> int:
     for batch in (1, 64):
         paged = PagedKVCache(spec, num_layers=1, page_size=64, num_pages=64 * batch, max_seq_len=4096)
         paged._append_interpret = False   # native, its kernels standing in
+        wrapper = paged.wrapper   # its attention the register-operand launcher, kernels standing in
+        wrapper.attention = StandIn(spec, block_n=64)
+        wrapper.attention._stand_ins = (_Kernel(), _Kernel())
+        wrapper.register_operand, wrapper.interpret, wrapper._dtypes = True, False, (torch.float16, torch.bfloat16)
         paged.plan(torch.arange(0, 64 * batch + 1, 64, dtype=torch.int32), torch.arange(64 * batch, dtype=torch.int32),
                    seq_lens=[0] * batch)
         paged.append(0, *(torch.randn(batch, 4, 64, 128, generator=gen).half() for _ in range(2)))
         kp, vp = (torch.randn(batch, 4, 1, 128, generator=gen).half() for _ in range(2))
+        qp = torch.randn(batch, 16, 128, generator=gen).half()
         rows[f"paged append, batch {batch}"] = median_us(lambda: paged.append(0, kp, vp), 2000)
+        for _ in range(3):
+            paged.attention(0, qp)
+        rows[f"paged attention, batch {batch}"] = median_us(lambda: paged.attention(0, qp), 2000)
     for name, us in rows.items():
         print(f"{name:20} {us:6.1f} µs")
     if args.out:

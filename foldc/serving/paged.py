@@ -490,25 +490,35 @@ class PagedDecodeWrapper:
         buf = self._buffers
         launch, workspace = self._launches[q.dtype], buf[_WORKSPACE[q.dtype]]
         table = (buf["kv_indptr"], buf["kv_indices"])
-        if seq_lens is None and not return_lse and self.register_operand:
-            # the plan's lengths, table and buffers: a prepared run per pair of pools (a model's layers), its bound
+        lens = buf["seq_lens"] if seq_lens is None else seq_lens
+        if not return_lse and self.register_operand:
+            # the lengths (the plan's, or the caller's tensor, e.g. a paged cache's per-layer offsets that its appends
+            # move on), table and buffers: a prepared run per pair of pools and lengths (a model's layers), its bound
             # launches given their addresses made once (made again when the plan changed a launch or a buffer). The
-            # entry holds the pools, so their ids are not reused while it lives
-            key = (q.dtype, scale, id(k_pages), id(v_pages))
+            # entry holds the pools and the lengths, so their ids are not reused while it lives
+            key = (q.dtype, scale, id(k_pages), id(v_pages), id(lens))
             prepared = self._prepared.get(key)
             if (prepared is None or prepared.k is not k_pages or prepared.v is not v_pages
                     or prepared.launch is not launch or prepared.workspace is not workspace or prepared.lse is not lse
-                    or prepared.seq_lens is not buf["seq_lens"] or prepared.paged[0] is not table[0]
+                    or prepared.seq_lens is not lens or prepared.paged[0] is not table[0]
                     or prepared.paged[1] is not table[1]):
                 if len(self._prepared) >= MOST_PREPARED:
                     self._prepared.clear()
                 prepared = self._prepared[key] = self.attention.prepare(
-                    launch, k_pages, v_pages, workspace, lse, scale, seq_lens=buf["seq_lens"], paged=table)
+                    launch, k_pages, v_pages, workspace, lse, scale, seq_lens=lens, paged=table)
             prepared(q, out)
             return out
-        self.attention.run(launch, q, k_pages, v_pages, out, lse, scale,
-                           seq_lens=buf["seq_lens"] if seq_lens is None else seq_lens, workspace=workspace, paged=table)
+        self.attention.run(launch, q, k_pages, v_pages, out, lse, scale, seq_lens=lens, workspace=workspace,
+                           paged=table)
         return (out, lse) if return_lse else out
+
+    def prepared_run(self, dtype: torch.dtype, sm_scale: float, k_pages, v_pages, seq_lens: torch.Tensor | None = None):
+        """The prepared run (`GluonAttention.prepare`) that ``run`` keeps for queries of ``dtype``, this softmax
+        scale, these pools and lengths (None: the plan's), or None where it keeps none: a caller that checked a
+        call as ``run`` does may call it as ``prepared(q, out)`` for later calls of q's batch, strides and dtype,
+        with the same pools and lengths, until the next ``plan``."""
+        lens = self._buffers.get("seq_lens") if seq_lens is None else seq_lens
+        return self._prepared.get((dtype, sm_scale, id(k_pages), id(v_pages), id(lens)))
 
     def _check_lens(self, seq_lens, want) -> torch.Tensor | None:
         """``seq_lens`` (or None) as the kernel reads it: int32 ``[batch]`` on the wrapper's device,

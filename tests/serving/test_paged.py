@@ -347,7 +347,7 @@ def test_runs_of_one_plan_take_a_prepared_run_over_the_plans_buffers(monkeypatch
     prepared run per (query dtype, scale), bound from the second run, its decode given the plan's lengths and page
     table's addresses made once and each call's q; a re-plan into the same buffers keeps it; other pools (another
     layer's) get a prepared run of their own, and runs alternating between the layers keep both; a caller's lengths
-    and a returned lse take the plain run."""
+    tensor (a paged cache's per-layer offsets) gets a prepared run over it, and a returned lse takes the plain run."""
     import sys
     from pathlib import Path
 
@@ -397,7 +397,12 @@ def test_runs_of_one_plan_take_a_prepared_run_over_the_plans_buffers(monkeypatch
     assert len(decode.launches) == 2   # the other pools' first run: the same bound launches (same shapes)
     calls = len(decode.bound[0].calls)
     lens = torch.tensor([30, 40], dtype=torch.int32)
-    wrapper.run(q, *others, out=out, sm_scale=0.1, seq_lens=lens)   # the caller's lengths: the plain run
-    assert decode.bound[0].calls[-1][7] == lens.data_ptr() and len(decode.bound[0].calls) == calls + 1
+    for step in range(3):   # the caller's lengths, moved on in place: a prepared run over them, kept
+        wrapper.run(q, *others, out=out, sm_scale=0.1, seq_lens=lens)
+        assert decode.bound[0].calls[-1][7] == lens.data_ptr() and len(decode.bound[0].calls) == calls + step + 1
+        lens += 1
+    assert len(wrapper._prepared) == 3 and any(p.seq_lens is lens for p in wrapper._prepared.values())
+    with pytest.raises(InputError, match="seq_lens must be an int32 tensor"):   # still checked at every call
+        wrapper.run(q, *others, out=out, sm_scale=0.1, seq_lens=lens.long())
     _, lse = wrapper.run(q, *others, out=out, sm_scale=0.1, return_lse=True)
     assert lse is not wrapper._buffers["lse"]

@@ -405,3 +405,73 @@ def test_a_decode_step_shaped_as_the_last_bound_one_skips_the_whole_path(monkeyp
     with pytest.raises(InputError, match="past capacity"):
         cache.append(0, *_tokens(gen, 2, 2, 1, 64))
     assert cache.num_tokens(0) == [24, 24]
+
+
+def test_attention_shaped_as_the_last_whole_path_call_goes_straight_to_the_prepared_run(monkeypatch):
+    """Straight to pages, on the register-operand launcher (stand-in launches on the CPU, real appends in the
+    interpreter): once the whole path ran a layer's attention, calls of the same q shape, strides, dtype, device and
+    sm_scale argument go from a few comparisons to the wrapper's prepared run over that layer's pools and offsets
+    (no `_state`, no checks; the bound decode is given the layer's offsets, which its appends move on); another
+    dtype, scale, a strided q, a layer that is not an int and the first call after `plan` take the whole path."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "backends"))
+    from _kernel_cases import LaunchRecorder
+
+    from foldc.backends.gluon.launch import GluonAttention
+
+    class Resident(GluonAttention):
+        def resident(self, *a):
+            return 12
+
+    enc = A(4, "token", 64)
+    spec = S(8, 2, 128, enc, enc)
+    cache = PagedKVCache(spec, num_layers=2, page_size=64, num_pages=8, max_seq_len=256, target="interpret")
+    wrapper = cache.wrapper
+    attn = Resident(spec, block_n=64)
+    decode, merge = LaunchRecorder(), LaunchRecorder()
+    monkeypatch.setattr(attn, "_launchers", lambda: (decode, merge))
+    wrapper.attention, wrapper.register_operand, wrapper.interpret = attn, True, False
+    wrapper._dtypes = (torch.float16, torch.bfloat16)
+    table = _table(2, 4, 8, seed=3)
+    cache.plan(*table, seq_lens=[0, 0])
+    gen = torch.Generator().manual_seed(21)
+    for layer in range(2):
+        cache.append(layer, *_tokens(gen, 2, 2, 9, 128))
+    q = torch.randn(2, 8, 128, generator=gen).half()
+    for _ in range(2):   # the whole path: the second run binds the launches
+        for layer in range(2):
+            cache.attention(layer, q)
+    whole = []
+    real_state = cache._state
+    monkeypatch.setattr(cache, "_state", lambda layer: whole.append(layer) or real_state(layer))
+    calls = len(decode.bound[0].calls)
+    for step in range(3):
+        for layer in range(2):
+            cache.append(layer, *_tokens(gen, 2, 2, 1, 128))
+            out = cache.attention(layer, q)
+            assert out.shape == q.shape and out.dtype == q.dtype
+            body = cache._layers[layer]["body"]
+            assert decode.bound[0].calls[-1][7] == body.data_ptr()   # the layer's own offsets
+            assert decode.bound[0].calls[-1][1] == cache.pools[layer]["k"].codes.data_ptr()
+    assert whole == [0, 1] * 3   # the appends' whole path (the interpreter's) only: no attention's
+    assert len(decode.bound[0].calls) == calls + 6
+    assert cache._layers[1]["body"].tolist() == [12, 12]
+    for call in (lambda: cache.attention(0, q, sm_scale=0.1),
+                 lambda: cache.attention(0, torch.randn(2, 8, 256, generator=gen).half()[..., :128])):   # strided
+        whole.clear()
+        call()
+        assert whole == [0]
+    whole.clear()
+    with pytest.raises(InputError, match="q is torch.bfloat16"):   # refused by the whole path, by name
+        cache.attention(0, q.bfloat16())
+    assert whole == [0]
+    with pytest.raises(InputError, match="layer=True"):
+        cache.attention(True, q)
+    cache.plan(*table, seq_lens=[12, 12])   # a new plan: the whole path once, then the fast path again
+    assert cache._attend is None and cache._attend_runs == {}
+    whole.clear()
+    cache.attention(0, q)
+    cache.attention(0, q)
+    assert whole == [0]

@@ -172,6 +172,9 @@ def test_captured_decode_step_appends_and_attends_like_the_contiguous_cache(spec
     finally:
         torch.cuda.set_sync_debug_mode("default")
     contiguous.append(*static[1])
+    # straight to pages (the register-operand kernel on 64-token pages), both layers' attention went to their
+    # prepared runs from the second step; the capture below records what those fall back to (`run`)
+    assert sorted(cache._attend_runs) == ([0, 1] if cache._direct else [])
     graph = torch.cuda.CUDAGraph()
     counts = cache.num_tokens(0)
     with torch.cuda.graph(graph):
