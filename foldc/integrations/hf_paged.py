@@ -98,7 +98,9 @@ class PagedFoldcLayer(FoldcLayer):
 
 class PagedFoldcCache(FoldcCache):
     """`FoldcCache` on paged storage (module doc). Arguments as `FoldcCache`, plus ``page_size``
-    (tokens per page; default: the least multiple of 16 that holds whole channel-wise groups)."""
+    (tokens per page; default: the least multiple of 64 that holds whole channel-wise groups, so that pages hold the
+    register-operand kernel's 64-token tiles on sm_90 and sm_100; pages of fewer than 32 tokens run the generated
+    Triton kernel)."""
 
     def __init__(self, config, max_cache_len: int, *, k, v, sink: int = 0, window: int = 0, target: str = "auto",
                  page_size: int | None = None):
@@ -106,8 +108,8 @@ class PagedFoldcCache(FoldcCache):
         if self.spec.k is None or self.spec.v is None:
             raise SpecError(f"PagedFoldcCache quantizes both K and V (k={k!r}, v={v!r}); use FoldcCache for a "
                             "plain operand")
-        if page_size is None:   # whole channel-wise groups in a page (the plan's token alignment)
-            page_size = math.lcm(16, plan_of(self.spec).token_alignment)
+        if page_size is None:   # whole tiles and whole channel-wise groups in a page (the plan's token alignment)
+            page_size = math.lcm(64, plan_of(self.spec).token_alignment)
         shared = {"cache": None, "page_size": page_size, "num_layers": len(self.layers)}
         self.layers = [PagedFoldcLayer(shared, i, self.spec, max_cache_len, sink, window, target)
                        for i in range(len(self.layers))]

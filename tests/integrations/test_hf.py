@@ -403,6 +403,20 @@ def test_paged_cache_refuses_a_plain_operand_and_a_float32_model():
         generate(model, paged, prompt(1))
 
 
+@pytest.mark.parametrize("k,v,page", [("token:4:32", "token:4:32", 64), ("token:2:128", "channel:2:128", 128),
+                                      ("channel:4:16", "token:4:64", 64)])
+def test_paged_cache_pages_hold_the_register_operand_kernels_tiles(k, v, page):
+    """PagedFoldcCache's default page holds whole 64-token tiles and whole channel-wise groups, so that on sm_90 its
+    paged decode runs the register-operand kernel (pages of 16 tokens ran the generated Triton kernel)."""
+    from foldc.integrations.hf_paged import PagedFoldcCache
+    from foldc.serving.paged import register_operand_kernel
+
+    model = llama(head_dim=128)
+    paged = PagedFoldcCache(model.config, 32, k=k, v=v, target="reference")
+    assert paged.shared["page_size"] == page
+    assert register_operand_kernel(paged.spec, page, "sm_90") is not None
+
+
 def test_quantize_model_swaps_every_linear_but_the_head_and_matches_its_dequantized_twin():
     """quantize_model: each nn.Linear (lm_head skipped) becomes a FoldLinear whose plan was proved;
     the float32 model's logits equal, to float32 rounding, those of a copy whose linears hold the
