@@ -21,6 +21,7 @@ import functools
 
 import torch
 
+from .backends.runtime.launch import RAW_STREAM, STREAM_CAPTURING
 from .encoding import AffineTensor
 from .errors import InputError, InputTypeError, SpecError
 from .gemm.reference import quantize_2d
@@ -51,8 +52,8 @@ EAGER_ENTRIES = 64   # a layer's eager launches kept at once, per (rows, dtype, 
 _TENSOR = torch.Tensor
 _DEVICE = torch.Tensor.get_device   # a CUDA tensor's device index
 _DISPATCH_DEPTH = torch._C._len_torch_dispatch_stack
-_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-_CAPTURING = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None)
+_STREAM = RAW_STREAM
+_CAPTURING = STREAM_CAPTURING
 # (device index, stream) -> the float32 split-k workspace and the int32 split-k counters (zero between calls) every
 # layer's eager calls on that stream share: calls on one stream run in order, so each may overwrite the partials
 # of the one before and finds the counters at zero; calls on two streams, which may run at once, never share them

@@ -33,7 +33,7 @@ import os
 import torch
 
 from ..backends.runtime.fast_launch import Bindings
-from ..backends.runtime.launch import Scratch
+from ..backends.runtime.launch import RAW_STREAM, STREAM_CAPTURING, Scratch, stream_handle
 from ..compile import TARGETS as COMPILE_TARGETS
 from ..compile import compile as compile_attention
 from ..decisions import GroupAxis
@@ -50,8 +50,8 @@ from .inputs import check_new_tokens, count, mapped_flag, resolve_device, same_s
 from .part_merge import merge_two_parts
 
 _TENSOR = torch.Tensor
-_CAPTURING = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None)
-_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+_CAPTURING = STREAM_CAPTURING
+_STREAM = RAW_STREAM
 
 MODEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -559,9 +559,9 @@ class QuantizedKVCache:
                 q.dtype, self.batch, k.shape[2], self.device, has_lens=False, k=k, v=v)
         out = torch.empty(self._q_shape, dtype=torch.float32 if wide else q.dtype, device=self.device)
         cuda = self.device.type == "cuda"
-        if not launch.has_lens and not return_lse and not (cuda and torch._C._cuda_isCurrentStreamCapturing()):
+        if not launch.has_lens and not return_lse and not (cuda and _CAPTURING()):
             # a decode step: the part's prepared run on this stream (its storage, workspace and lse fixed)
-            stream = torch._C._cuda_getCurrentRawStream(self.device.index) if cuda else 0
+            stream = stream_handle(self.device)
             prepared = self._prepared.get((name, q.dtype, scale, stream))
             if prepared is None:
                 if len(self._prepared) >= 16:

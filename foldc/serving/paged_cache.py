@@ -31,6 +31,7 @@ import os
 import torch
 
 from ..backends.runtime.fast_launch import Bindings
+from ..backends.runtime.launch import STREAM_CAPTURING
 from ..compile import compile as compile_attention
 from ..encoding import AffineTensor
 from ..errors import InputError, InputTypeError, SpecError
@@ -44,7 +45,7 @@ from .inputs import check_new_tokens, count, resolve_device, same_strides
 from .paged import PagedDecodeWrapper, gather_pages, launch_plain, page_pool
 
 _TENSOR = torch.Tensor
-_CAPTURING = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None)
+_CAPTURING = STREAM_CAPTURING
 
 
 def _lengths(seq_lens) -> list[int]:

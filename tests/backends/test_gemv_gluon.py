@@ -334,7 +334,7 @@ def test_the_gemvs_own_workspace_and_counters_are_one_set_per_stream(monkeypatch
     gemv = GluonGemv(spec_of("k-group:4:128", 48, 1024), "sm_90")
     launch = gemv.plan_launch(torch.float16, 1, 132)
     stream = [7]
-    monkeypatch.setattr(gemv_launch, "_stream_key", lambda device: stream[0])
+    monkeypatch.setattr(gemv_launch, "stream_handle", lambda device: stream[0])
     first = gemv.buffers(launch, torch.device("cpu"))
     assert gemv.buffers(launch, torch.device("cpu")) is first
     stream[0] = 9

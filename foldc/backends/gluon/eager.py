@@ -20,13 +20,14 @@ from __future__ import annotations
 import torch
 
 from ...encoding import AffineTensor
+from ..runtime.launch import RAW_STREAM, STREAM_CAPTURING
 from ..runtime.merge import launch_merge
 
 _DATA_PTR = torch.Tensor.data_ptr
 _TENSOR = torch.Tensor
 _DEVICE = torch.Tensor.get_device   # a CUDA device's index, -1 off the GPU
-_CAPTURING = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None)
-_STREAM = torch._C._cuda_getCurrentRawStream if hasattr(torch._C, "_cuda_getCurrentRawStream") else None
+_CAPTURING = STREAM_CAPTURING
+_STREAM = RAW_STREAM
 MOST = 16   # entries per callable (each holds a workspace): a serving loop uses one or two shapes at a time
 
 

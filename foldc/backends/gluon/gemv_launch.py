@@ -20,6 +20,7 @@ from ...gemm.plan import GemmPlan, gemm_plan
 from ...gemm.spec import GemmSpec
 from ...validate import check_no_overlap
 from ..runtime.fast_launch import Bindings, FastLaunch, keywords
+from ..runtime.launch import stream_handle
 from ..runtime.modules import num_sms
 from .gemv_lower import GemvKernel, NotLowerable, lower_gemv, weight_code_bias
 from .operands import VALUE_EXPONENT, biased_key_unpack_asm, key_unpack_asm, natural_key_unpack_asm
@@ -183,7 +184,7 @@ class GluonGemv:
         """The split-k workspace [split, m, n] and the block counters (zero; the kernel leaves them so), one set
         per CUDA stream: calls on one stream run in order and may share them, calls on two may run at once."""
         split = launch.grid[1]
-        key = (str(device), launch.m, split, _stream_key(device))
+        key = (str(device), launch.m, split, stream_handle(device))
         if key not in self._buffers:
             part = torch.empty(split * launch.m * self.spec.n if split > 1 else 1, device=device, dtype=torch.float32)
             counters = torch.zeros(launch.grid[0], device=device, dtype=torch.int32)
@@ -326,11 +327,6 @@ class GluonGemv:
         self._kernel[launch.grid](*args, **kwargs)
         self._bindings.note(key, launch, state, lambda: (self._kernel.bind(launch.grid, args, kwargs),))
         return None
-
-
-def _stream_key(device) -> int:
-    """The raw handle of ``device``'s current CUDA stream (0 off the GPU)."""
-    return torch._C._cuda_getCurrentRawStream(device.index) if device.type == "cuda" else 0
 
 
 def _aligned(codes: torch.Tensor) -> bool:

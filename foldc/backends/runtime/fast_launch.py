@@ -34,12 +34,13 @@ from triton import knobs
 from triton.runtime.jit import JITFunction
 
 from . import fast_c
+from .launch import RAW_STREAM
 
 _SCALARS = (int, bool, float, type(None))
 _I32, _I64 = 1 << 31, 1 << 63
 _DATA_PTR = torch.Tensor.data_ptr
 _CURRENT_DEVICE = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)   # torch.cuda.current_device's own call
-_RAW_STREAM = torch._C._cuda_getCurrentRawStream if hasattr(torch._C, "_cuda_getCurrentRawStream") else None
+_RAW_STREAM = RAW_STREAM
 _DTYPE = operator.attrgetter("dtype")
 _IS_CUDA = operator.attrgetter("is_cuda")
 

@@ -76,11 +76,23 @@ def side_key(x) -> tuple:
     return codes.dtype, codes.stride(), scale.dtype, scale.stride(), x.zero.dtype
 
 
+# torch's C functions behind torch.cuda's current-stream calls, without their Python frames (a decode step calls
+# them every layer; None in a torch built without CUDA): device index -> the current stream's raw handle, and
+# whether the current stream is capturing a CUDA graph
+RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+STREAM_CAPTURING = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None)
+
+
+def stream_handle(device: torch.device) -> int:
+    """The raw handle of ``device``'s current CUDA stream (0 off the GPU, where the interpreter has one)."""
+    return RAW_STREAM(device.index) if device.type == "cuda" else 0
+
+
 def capturing(tensor: torch.Tensor) -> bool:
     """Whether ``tensor``'s device's current stream is capturing a CUDA graph (False off the GPU):
     torch.cuda.is_current_stream_capturing() without the wrapper's Python frames (a tensor on the GPU means
     CUDA is initialised)."""
-    return tensor.is_cuda and torch._C._cuda_isCurrentStreamCapturing()
+    return tensor.is_cuda and STREAM_CAPTURING()
 
 
 class Scratch:
@@ -99,10 +111,10 @@ class Scratch:
             stream: int | None = None):
         """(workspace, lse) for ``launch`` on ``device``'s current stream (or the raw handle ``stream``)."""
         cuda = device.type == "cuda"
-        if fresh or (cuda and torch._C._cuda_isCurrentStreamCapturing()):
+        if fresh or (cuda and STREAM_CAPTURING()):
             return allocate_workspace(launch, device), torch.empty(lse_shape, device=device, dtype=torch.float32)
         if stream is None:   # the CPU (the interpreter) has one stream
-            stream = torch._C._cuda_getCurrentRawStream(device.index) if cuda else 0
+            stream = stream_handle(device)
         held = self._held.get(stream)
         if held is not None and (held[0] is launch or (held[0].workspace_shapes == launch.workspace_shapes
                                                        and tuple(held[2].shape) == lse_shape)):
