@@ -348,26 +348,14 @@ def test_runs_of_one_plan_take_a_prepared_run_over_the_plans_buffers(monkeypatch
     table's addresses made once and each call's q; a re-plan into the same buffers keeps it; other pools (another
     layer's) get a prepared run of their own, and runs alternating between the layers keep both; a caller's lengths
     tensor (a paged cache's per-layer offsets) gets a prepared run over it, and a returned lse takes the plain run."""
-    import sys
-    from pathlib import Path
+    from _stand_in_wrapper import stand_in_register_operand
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "backends"))
-    from _kernel_cases import LaunchRecorder
-
-    from foldc.backends.gluon.launch import GluonAttention, _decode_addresses
-
-    class Resident(GluonAttention):
-        def resident(self, *a):
-            return 12
+    from foldc.backends.gluon.launch import _decode_addresses
 
     enc = A(2, "token", 128)
     spec = S(32, 8, 128, enc, enc)
     wrapper = PagedDecodeWrapper(spec, 64, max_seq_len=1024, device="cpu")
-    attn = Resident(spec, block_n=64)
-    decode, merge = LaunchRecorder(), LaunchRecorder()
-    monkeypatch.setattr(attn, "_launchers", lambda: (decode, merge))
-    wrapper.attention, wrapper.register_operand, wrapper.interpret = attn, True, False
-    wrapper._dtypes = (torch.float16, torch.bfloat16)
+    decode, merge = stand_in_register_operand(wrapper, spec, monkeypatch)
     gen = torch.Generator().manual_seed(4)
     pools = [page_pool(spec, name, 20, 64) for name in "kv"]
     wrapper.plan(torch.tensor([0, 3, 5], dtype=torch.int32), torch.randperm(20, generator=gen)[:5].int(), None,

@@ -413,27 +413,12 @@ def test_attention_shaped_as_the_last_whole_path_call_goes_straight_to_the_prepa
     sm_scale argument go from a few comparisons to the wrapper's prepared run over that layer's pools and offsets
     (no `_state`, no checks; the bound decode is given the layer's offsets, which its appends move on); another
     dtype, scale, a strided q, a layer that is not an int and the first call after `plan` take the whole path."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "backends"))
-    from _kernel_cases import LaunchRecorder
-
-    from foldc.backends.gluon.launch import GluonAttention
-
-    class Resident(GluonAttention):
-        def resident(self, *a):
-            return 12
+    from _stand_in_wrapper import stand_in_register_operand
 
     enc = A(4, "token", 64)
     spec = S(8, 2, 128, enc, enc)
     cache = PagedKVCache(spec, num_layers=2, page_size=64, num_pages=8, max_seq_len=256, target="interpret")
-    wrapper = cache.wrapper
-    attn = Resident(spec, block_n=64)
-    decode, merge = LaunchRecorder(), LaunchRecorder()
-    monkeypatch.setattr(attn, "_launchers", lambda: (decode, merge))
-    wrapper.attention, wrapper.register_operand, wrapper.interpret = attn, True, False
-    wrapper._dtypes = (torch.float16, torch.bfloat16)
+    decode, merge = stand_in_register_operand(cache.wrapper, spec, monkeypatch)
     table = _table(2, 4, 8, seed=3)
     cache.plan(*table, seq_lens=[0, 0])
     gen = torch.Generator().manual_seed(21)
