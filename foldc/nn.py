@@ -97,6 +97,13 @@ def _weight_encoding(encoding: str, k: int):
     return enc, enc.affine(k)
 
 
+def _check_floating(x: torch.Tensor) -> None:
+    """Refuse an integer or bool x (the op's float result cast back to x's dtype would be truncated)."""
+    if not x.is_floating_point():
+        raise InputError(f"x dtype={x.dtype}: FoldLinear takes floating-point activations (float16, bfloat16, float32 "
+                         "or float64), as nn.Linear does; cast x")
+
+
 @torch.library.custom_op("foldc::linear", mutates_args=())
 def linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
            bias: torch.Tensor | None, encoding: str, out_features: int,
@@ -105,9 +112,7 @@ def linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torc
     (`GemmEncoding.short`), stored as ``codes``/``scale``/``zero`` of its AffineTensor [1, 1, n, k].
     ``counters``: int32 zeros for the GPU GEMV's split-k (left at zero; `FoldLinear` owns them), so that
     the kernel holds no memory between calls (CUDA-graph trees refuse memory a step keeps)."""
-    if not x.is_floating_point():   # (a float result cast back to an integer dtype would be truncated)
-        raise InputError(f"x dtype={x.dtype}: FoldLinear takes floating-point activations (float16, bfloat16, float32 "
-                         "or float64), as nn.Linear does; cast x")
+    _check_floating(x)
     k = x.shape[-1]
     _, affine = _weight_encoding(encoding, k)
     w = AffineTensor(codes, scale, zero, affine, k)
@@ -124,9 +129,7 @@ def linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torc
 @linear.register_fake
 def _(x, codes, scale, zero, bias, encoding, out_features, counters=None):
     parse_gemm_encoding(encoding, "weight")   # a bad encoding fails at trace time too, as does an integer x
-    if not x.is_floating_point():
-        raise InputError(f"x dtype={x.dtype}: FoldLinear takes floating-point activations (float16, bfloat16, float32 "
-                         "or float64), as nn.Linear does; cast x")
+    _check_floating(x)
     return x.new_empty(x.shape[0], out_features)
 
 
