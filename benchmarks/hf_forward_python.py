@@ -98,6 +98,9 @@ def main() -> int:
         rows = {name: statistics.median(values) * 1e6 for name, values in took.items()}
         # Python calls of one whole decode forward, this cache's and DynamicCache's with SDPA (the same model;
         # C functions and torch ops count as one call each): what transformers' side and each cache's add
+        # (the timing wrappers out first: their own calls are not the cache's)
+        fhf.FoldcLayer.update = update
+        AttentionInterface.register(fhf.ATTN_IMPLEMENTATION, attention)
         t = prompt + args.steps - 1
         calls = {"FoldcCache": _calls(lambda: model(ids[:, t:t + 1], use_cache=True, past_key_values=cache))}
     default = DynamicCache(config=model.config)

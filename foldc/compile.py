@@ -21,6 +21,7 @@ from .errors import SpecError
 from .executor import Executor, TorchOps
 from .ir import BATCH, CHANNEL, KV_HEAD, Q_PER_KV, TOKEN
 from .options import KERNELS, attention_kernel, check_kernel  # noqa: F401 - KERNELS: public name
+from .passes import FOLD_POLICIES
 from .plan import Plan, plan
 from .registry import attention_backend, workload_of
 from .spec import AttentionSpec
@@ -108,6 +109,11 @@ def compile(spec: AttentionSpec, target: str = "reference", **options):  # noqa:
                         "num_warps, num_stages, fold_policy, split_prescaled, stages, maxnreg, split_factor, "
                         "pack_heads, scale_ahead, dynamic_tiles")
     kernel = check_kernel(options.pop("kernel", "auto"))
+    if "fold_policy" in options and options["fold_policy"] not in FOLD_POLICIES:
+        raise SpecError(f"fold_policy={options['fold_policy']!r} must be one of {FOLD_POLICIES}")
+    if options.get("split_prescaled") is not None and not isinstance(options["split_prescaled"], bool):
+        raise SpecError(f"split_prescaled={options['split_prescaled']!r} must be True, False or None (the plan's "
+                        "default)")
     if target == "auto":
         target = detect_target()
     check_gpu_target(target)

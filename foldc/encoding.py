@@ -267,6 +267,9 @@ def quantize(x: torch.Tensor, enc: Affine) -> AffineTensor:
     xf = x.to(torch.float32)
     if not torch.isfinite(xf).all():
         bad = (~torch.isfinite(xf)).nonzero()[0].tolist()
+        if bool(torch.isfinite(x[tuple(bad)])):
+            raise InputError(f"x holds {float(x[tuple(bad)])!r} at index {bad}, beyond float32's range (the "
+                             "quantizer computes in float32); scale the values into it")
         raise InputError(f"x holds NaN or Inf (first at index {bad}); quantize finite values only")
     g = enc.group_size
     if enc.layout == "token":

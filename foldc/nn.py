@@ -215,7 +215,7 @@ class FoldLinear(torch.nn.Module):
             out = torch.empty(fast[5], dtype=fast[2], device=fast[6])
             if fast[7]((x.data_ptr(), *fast[8], out.data_ptr(), *fast[9])):
                 return out
-        if not isinstance(x, torch.Tensor) or x.shape[-1] != self.in_features:
+        if not isinstance(x, torch.Tensor) or x.dim() == 0 or x.shape[-1] != self.in_features:
             got = getattr(x, "shape", type(x).__name__)
             raise InputError(f"x must be a tensor [..., {self.in_features}]; got {got}")
         lead = x.shape[:-1]

@@ -6,7 +6,9 @@ import math
 import torch
 
 from .encoding import AffineTensor
-from .validate import check_sm_scale
+from .errors import InputError, InputTypeError
+from .spec import AttentionSpec
+from .validate import check_call
 
 
 def dequantized(x) -> torch.Tensor:
@@ -23,14 +25,32 @@ def attention_reference(q: torch.Tensor, k, v, sm_scale: float | None = None,
     q: [batch, num_q_heads, head_dim]; k, v: [batch, num_kv_heads, tokens, head_dim] (AffineTensor
     or plain). Returns float64 [batch, num_q_heads, head_dim].
     """
+    call = check_call(spec_of(q, k, v), q, k, v, sm_scale, seq_lens)   # as every compiled target checks them
     kf, vf = dequantized(k), dequantized(v)
     b, hq, d = q.shape
     hkv, n = kf.shape[1], kf.shape[2]
-    scale = check_sm_scale(sm_scale, d)
     qf = q.to(torch.float64).reshape(b, hkv, hq // hkv, d)
-    logits = torch.einsum("bkhd,bknd->bkhn", qf, kf) * scale
-    if seq_lens is not None:
-        lens = torch.as_tensor(seq_lens, device=logits.device).reshape(b, 1, 1, 1)
+    logits = torch.einsum("bkhd,bknd->bkhn", qf, kf) * call.sm_scale
+    if call.seq_lens is not None:
+        lens = call.seq_lens.reshape(b, 1, 1, 1)
         logits = logits.masked_fill(torch.arange(n, device=logits.device) >= lens, -math.inf)
     p = torch.softmax(logits, dim=-1)
     return torch.einsum("bkhn,bknd->bkhd", p, vf).reshape(b, hq, d)
+
+
+def spec_of(q, k, v) -> AttentionSpec:
+    """The AttentionSpec an attention call over ``q``, ``k`` and ``v`` implies (heads, head_dim, each side's
+    encoding or None): what `attention_reference` validates its arguments against."""
+    if not isinstance(q, torch.Tensor) or q.dim() != 3:
+        got = tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__
+        raise InputTypeError(f"q must be a torch.Tensor [batch, num_q_heads, head_dim], got {got}")
+    for name, x in (("k", k), ("v", v)):
+        if not isinstance(x, (torch.Tensor, AffineTensor)) or len(x.shape) != 4:
+            got = tuple(x.shape) if isinstance(x, (torch.Tensor, AffineTensor)) else type(x).__name__
+            raise InputTypeError(f"{name} must be a torch.Tensor or AffineTensor [batch, num_kv_heads, tokens, "
+                                 f"head_dim], got {got}")
+    heads, kv_heads = q.shape[1], k.shape[1]
+    if kv_heads < 1 or heads % kv_heads:
+        raise InputError(f"q has {heads} heads and k {kv_heads}: the query heads must be a multiple of the KV heads")
+    encoding = lambda x: x.encoding if isinstance(x, AffineTensor) else None  # noqa: E731
+    return AttentionSpec(heads, kv_heads, q.shape[2], k=encoding(k), v=encoding(v))

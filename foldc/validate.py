@@ -136,9 +136,25 @@ def check_out(out, want: tuple[int, ...], device: torch.device, dtypes: tuple[to
     if out.device != device:
         raise InputError(f"{name} is on {out.device} but the result is computed on {device}; allocate it there")
     if out.numel() and out.stride(-1) != 1:
-        raise InputError(f"{name} has strides {out.stride()}; it needs unit stride along head_dim "
+        raise InputError(f"{name} has strides {out.stride()}; it needs unit stride along its last axis "
                          f"(allocate it with torch.empty{tuple(want)})")
+    if out.numel() and overlaps_itself(out):
+        raise InputError(f"{name} has strides {out.stride()} for shape {tuple(out.shape)}: some of its elements "
+                         f"share memory (a view made by expand?), so several results would land in one place; "
+                         f"allocate it with torch.empty{tuple(want)}")
     return out
+
+
+def overlaps_itself(t: torch.Tensor) -> bool:
+    """Whether two elements of ``t`` may share memory: its axes of more than one element, by stride, must each
+    step past everything the shorter-strided axes reach (a dense or sliced tensor does; an expanded one, stride 0,
+    does not). Layouts that interleave without overlapping are rare and count as overlapping here."""
+    reach = 0   # elements spanned by the axes seen so far, less one
+    for stride, size in sorted((abs(st), sz) for sz, st in zip(t.shape, t.stride()) if sz > 1):
+        if stride <= reach:
+            return True
+        reach += (size - 1) * stride
+    return False
 
 
 def _last_byte(t: torch.Tensor, start: int) -> int:
@@ -196,6 +212,9 @@ def check_merge_parts(parts) -> None:
                              "head_dim] and lse out.shape[:2]")
         if first is None:
             first = (o.shape, o.device)
+            if s.device != o.device:
+                raise InputError(f"part {i}: lse is on {s.device} but out is on {o.device}; keep each part's pair "
+                                 "on one device")
         elif o.shape != first[0] or o.device != first[1] or s.device != first[1]:
             raise InputError(f"part {i}: out {tuple(o.shape)} on {o.device} does not match part 0's "
                              f"{tuple(first[0])} on {first[1]}; every part covers the same queries")

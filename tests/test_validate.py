@@ -98,11 +98,15 @@ def test_every_entry_point_refuses_a_bad_sm_scale(entry, value, exc, match):
     (torch.empty(1, 4, 64, dtype=torch.bool), InputError, "out dtype=torch.bool cannot hold the result"),
     ([1], InputTypeError, "out must be a torch.Tensor"),
     (torch.empty(1, 4, 32), InputError, r"out shape=\(1, 4, 32\) but the result is \(1, 4, 64\)"),
-    (torch.empty(1, 64, 4).transpose(1, 2), InputError, "needs unit stride along head_dim"),
+    (torch.empty(1, 64, 4).transpose(1, 2), InputError, "needs unit stride along its last axis"),
+    (torch.empty(1, 4, 64).expand(3, 4, 64), InputError, r"some of its elements share memory"),
     (torch.empty(1, 4, 64, device="meta"), InputError, "out is on meta but the result is computed on cpu"),
 ])
 def test_a_bad_out_is_refused_before_anything_is_written(target, out, exc, match):
     q, k, v = _inputs(torch.Generator().manual_seed(2))
+    if isinstance(out, torch.Tensor) and out.shape[0] == 3:   # the expanded out: three queries
+        q = torch.cat([q] * 3)
+        k, v = (foldc.quantize(torch.randn(3, *t.shape[1:]), t.encoding) for t in (k, v))
     with pytest.raises(exc, match=match):
         foldc.compile(SPEC, target=target)(q, k, v, out=out)
 
@@ -197,3 +201,87 @@ def test_an_output_over_an_affine_tensors_scales_is_refused():
     with pytest.raises(InputError, match="out shares memory with k.scale"):
         check_no_overlap(t.scale.view(-1)[:4], "out", k=t)
     check_no_overlap(torch.empty(4), "out", k=t)
+
+
+@settings(max_examples=300, deadline=None)
+@given(shape=st.lists(st.integers(1, 4), min_size=1, max_size=4), data=st.data())
+def test_overlaps_itself_says_whether_two_elements_share_memory(shape, data):
+    """Against every element's offset, on random strides (zero, small, dense, sliced, negative-free): no
+    false "no overlap" ever, and dense or sliced views of fresh storage never refused."""
+    from foldc.validate import overlaps_itself
+    strides = data.draw(st.lists(st.integers(0, 12), min_size=len(shape), max_size=len(shape)))
+    reach = sum((n - 1) * s for n, s in zip(shape, strides)) + 1
+    t = torch.empty(reach).as_strided(shape, strides)
+    idx = torch.arange(t.numel()).reshape(shape)   # every element once
+    offsets = {sum(i * s for i, s in zip(torch.unravel_index(torch.tensor(j), shape), strides)) for j in
+               idx.flatten().tolist()}
+    if len(offsets) < t.numel():
+        assert overlaps_itself(t)
+    dense = torch.empty([n + 1 for n in shape])[tuple(slice(0, n) for n in shape)]
+    assert not overlaps_itself(dense) and not overlaps_itself(dense.transpose(0, -1))
+
+
+def test_every_output_of_expanded_rows_is_refused():
+    """An out whose rows share memory (expand) is refused by attention, the paged wrapper and the GEMM."""
+    from foldc.gemm import GemmSpec, parse_gemm_encoding, quantize_2d
+    gen = torch.Generator().manual_seed(9)
+    q = torch.randn(3, 4, 64, generator=gen).half()
+    with pytest.raises(InputError, match="share memory"):
+        _wrapper().run(q[:1], page_pool(SPEC, "k", 4, 16), page_pool(SPEC, "v", 4, 16),
+                       out=torch.empty(1, 1, 64, dtype=torch.float16).expand(1, 4, 64))
+    spec = GemmSpec(n=64, k=128, weight=parse_gemm_encoding("k-group:4:32", "weight"))
+    w = quantize_2d(torch.randn(64, 128, generator=gen), spec.weight)
+    x = torch.randn(4, 128, generator=gen).half()
+    for options in ({}, {"split_k": 2}):
+        with pytest.raises(InputError, match="share memory"):
+            foldc.compile(spec, "interpret", **options)(x, w, out=torch.empty(64, dtype=torch.float16).expand(4, 64))
+
+
+def test_small_misuses_are_refused_by_name():
+    """Each of these raised an error from inside torch or Python, named the wrong thing, or was accepted until the
+    first call: now a FoldError naming the value."""
+    from foldc.gemm import GemmSpec, parse_gemm_encoding, quantize_2d
+    from foldc.nn import FoldLinear
+    gen = torch.Generator().manual_seed(12)
+    o, s = torch.randn(2, 4, 8, generator=gen), torch.randn(2, 4, generator=gen)
+    with pytest.raises(InputError, match="part 0: lse is on meta but out is on cpu"):
+        foldc.merge_attention([(o, s.to("meta"))])
+    big = torch.randn(1, 1, 4, 32, generator=gen, dtype=torch.float64) * 1e39
+    with pytest.raises(InputError, match="beyond float32's range"):
+        foldc.quantize(big, foldc.Affine(4, "token", 32, torch.float32))
+    with pytest.raises(foldc.SpecError, match=r"fold_policy=None must be one of \('auto', 'dequant'\)"):
+        foldc.compile(SPEC, "interpret", fold_policy=None)
+    with pytest.raises(foldc.SpecError, match="split_prescaled='no' must be True, False or None"):
+        foldc.compile(SPEC, "interpret", split_prescaled="no")
+    layer = FoldLinear.from_linear(torch.nn.Linear(128, 64), "k-group:4:32")
+    with pytest.raises(InputError, match=r"x must be a tensor \[\.\.\., 128\]"):
+        layer(torch.tensor(1.0))
+    spec = GemmSpec(n=64, k=128, weight=parse_gemm_encoding("k-group:4:32", "weight"))
+    w = quantize_2d(torch.randn(64, 128, generator=gen), spec.weight)
+    gemm = foldc.compile(spec, "interpret")
+    with pytest.raises(InputTypeError, match="out must be a torch.Tensor"):
+        gemm(torch.randn(2, 128, generator=gen).half(), w, out=[1])
+    empty = gemm(torch.randn(0, 128, generator=gen).half(), w)   # no rows: an empty result, as the reference's
+    assert empty.shape == (0, 64) and foldc.compile(spec, "reference")(torch.randn(0, 128).half(), w).shape == (0, 64)
+
+
+@pytest.mark.parametrize("call, exc, match", [
+    (lambda q, k, v: foldc.attention_reference(q, k, v, seq_lens=[9]), InputError, "seq_lens holds 9 but the cache"),
+    (lambda q, k, v: foldc.attention_reference(q, k, v, seq_lens=[0]), InputError, "seq_lens holds 0"),
+    (lambda q, k, v: foldc.attention_reference(q, k, v, seq_lens=[2.5]), InputError, "must be an integer type"),
+    (lambda q, k, v: foldc.attention_reference(q, k, v, seq_lens=[1, 2]), InputError, r"seq_lens shape=\(2,\)"),
+    (lambda q, k, v: foldc.attention_reference(q[0], k, v), InputTypeError, "q must be a torch.Tensor"),
+    (lambda q, k, v: foldc.attention_reference(q, torch.randn(1, 3, 8, 64), torch.randn(1, 3, 8, 64)), InputError,
+     "a multiple of the KV heads"),
+    (lambda q, k, v: foldc.attention_reference(q, k, torch.randn(1, 2, 9, 64)), InputError, "k holds 8 tokens but v "
+     "holds 9"),
+])
+def test_the_reference_checks_its_arguments_as_every_target_does(call, exc, match):
+    """foldc.attention_reference, the ground truth, refuses what the compiled targets refuse (it capped a length
+    past the cache, gave NaN rows for a length of 0 and rounded a length of 2.5)."""
+    gen = torch.Generator().manual_seed(13)
+    enc = foldc.Affine(4, "token", 32)
+    q = torch.randn(1, 4, 64, generator=gen).half()
+    k, v = (foldc.quantize(torch.randn(1, 2, 8, 64, generator=gen), enc) for _ in range(2))
+    with pytest.raises(exc, match=match):
+        call(q, k, v)

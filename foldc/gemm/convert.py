@@ -25,6 +25,8 @@ tool's own dequantization gives in float64; a converter checks this and raises `
 """
 from __future__ import annotations
 
+import operator
+
 import torch
 
 from ..encoding import AffineTensor, pack_codes
@@ -39,6 +41,8 @@ def _int32(name: str, t, shape: tuple | None = None) -> torch.Tensor:
         raise InputTypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype != torch.int32:
         raise InputError(f"{name} dtype={t.dtype}: the packed format stores int32 words")
+    if t.dim() != 2:
+        raise InputError(f"{name} shape={tuple(t.shape)}: the packed format stores a 2-D tensor of words")
     if shape is not None and tuple(t.shape) != shape:
         raise InputError(f"{name} shape={tuple(t.shape)} but this layer needs {shape}")
     return t
@@ -57,6 +61,39 @@ def _fields(words: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
 def _check_bits(bits: int, allowed=(2, 4, 8)) -> None:
     if bits not in allowed:
         raise InputError(f"bits={bits!r}: foldc packs {allowed}-bit weights")
+
+
+def _check_group(group_size) -> None:
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+        raise InputError(f"group_size={group_size!r} must be a positive integer (the weights per scale along k)")
+
+
+def _check_sizes(n: int, k: int, bits: int | None = None) -> None:
+    """A layer of n output and k input channels: neither empty; with ``bits``, the zeros' words (packed along
+    n, 32 / bits a word) hold whole rows."""
+    if n < 1 or k < 1:
+        raise InputError(f"the weight is {n} x {k} (n x k): a layer needs at least one output and input channel")
+    if bits is not None and n * bits % 32:
+        raise InputError(f"n={n} output channels is not a multiple of {32 // bits}: qzeros packs {32 // bits} "
+                         f"{bits}-bit zeros a word along n")
+
+
+def _integer_codes(name: str, codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """``codes`` as int32, refused unless every one is an integer in 0 .. 2^bits - 1 (a float code of 3.7
+    would otherwise be truncated to 3, and the check against the format's own formula pass on the truncated
+    codes)."""
+    if codes.dtype == torch.bool or codes.is_complex():
+        raise InputError(f"{name} dtype={codes.dtype}: pass the integer codes")
+    if codes.is_floating_point():
+        finite = torch.isfinite(codes)
+        if not bool(finite.all()):
+            raise InputError(f"{name} holds {float(codes[~finite][0])!r}; codes are integers 0..{(1 << bits) - 1}")
+        if not bool((codes == codes.round()).all()):
+            raise InputError(f"{name} holds non-integer codes; pass the tool's unpacked integer codes")
+    lo, hi = int(codes.min()), int(codes.max())
+    if lo < 0 or hi >= 1 << bits:
+        raise InputError(f"{name} codes span [{lo}, {hi}], outside 0..{(1 << bits) - 1}")
+    return codes.to(torch.int32)
 
 
 def _build(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int, group: int,
@@ -113,8 +150,10 @@ def from_gptq(qweight, qzeros, scales, g_idx=None, *, bits: int = 4, group_size:
     """A GPTQ layer (module doc) as a foldc weight: ``qweight`` int32 [k * bits / 32, n], ``qzeros``
     int32 [k / group_size, n * bits / 32], ``scales`` [k / group_size, n], ``g_idx`` None or in order."""
     _check_bits(bits)
+    _check_group(group_size)
     qweight = _int32("qweight", qweight)
     k, n = qweight.shape[0] * 32 // bits, qweight.shape[1]
+    _check_sizes(n, k, bits)
     qzeros, _ = _zero_point_layer(qzeros, scales, k, n, bits, group_size)
     _groups_in_order(g_idx, k, group_size)
     codes = _fields(qweight, bits, 0).T                                  # [n, k]
@@ -126,8 +165,10 @@ def from_awq(qweight, qzeros, scales, *, bits: int = 4, group_size: int = 128) -
     """An AWQ GEMM layer (module doc) as a foldc weight: ``qweight`` int32 [k, n * bits / 32], ``qzeros``
     int32 [k / group_size, n * bits / 32], ``scales`` [k / group_size, n]."""
     _check_bits(bits, (4,))
+    _check_group(group_size)
     qweight = _int32("qweight", qweight)
     k, n = qweight.shape[0], qweight.shape[1] * 32 // bits
+    _check_sizes(n, k)
     qzeros, _ = _zero_point_layer(qzeros, scales, k, n, bits, group_size)
     order = torch.tensor(AWQ_ORDER).argsort()   # field holding column c of each group of eight
 
@@ -144,7 +185,12 @@ def from_hqq(W_q, scale, zero, *, shape: tuple[int, int], group_size: int, bits:
     groups of ``group_size`` consecutive weights of a row), ``scale`` and ``zero`` one per group (any
     shape holding n * k / group_size), ``shape`` = (n, k)."""
     _check_bits(bits)
-    n, k = shape
+    _check_group(group_size)
+    try:
+        n, k = (operator.index(x) for x in shape)
+    except (TypeError, ValueError):
+        raise InputError(f"shape={shape!r} must be the weight's (n, k), two integers") from None
+    _check_sizes(n, k)
     if k % group_size:
         raise InputError(f"k={k} is not a multiple of group_size={group_size}")
     for name, t, size in (("W_q", W_q, n * k), ("scale", scale, n * k // group_size),
@@ -152,13 +198,7 @@ def from_hqq(W_q, scale, zero, *, shape: tuple[int, int], group_size: int, bits:
         if not isinstance(t, torch.Tensor) or t.numel() != size:
             raise InputError(f"{name} must hold {size} values for shape {shape} in groups of {group_size}; got "
                              f"{getattr(t, 'shape', type(t).__name__)}")
-    codes = W_q.reshape(n, k)
-    if codes.is_floating_point():
-        if not bool((codes == codes.round()).all()):
-            raise InputError("W_q holds non-integer codes; pass HQQ's unpacked integer codes")
-    if int(codes.min()) < 0 or int(codes.max()) >= 1 << bits:
-        raise InputError(f"W_q codes span [{int(codes.min())}, {int(codes.max())}], outside 0..{(1 << bits) - 1}")
-    codes = codes.to(torch.int32)
+    codes = _integer_codes("W_q", W_q.reshape(n, k), bits)
     s, z = scale.reshape(n, -1).to(torch.float64), zero.reshape(n, -1).to(torch.float64)
     want = (codes.to(torch.float64) - z.repeat_interleave(group_size, 1)) * s.repeat_interleave(group_size, 1)
     return _build(codes, s.to(torch.float32), (-s * z).to(torch.float32), bits, group_size, want)
@@ -169,15 +209,15 @@ def from_int4pack(codes, scales_and_zeros, *, group_size: int) -> tuple[AffineTe
     ``torch._convert_weight_to_int4pack`` tiles them), ``scales_and_zeros`` [k / group_size, n, 2]."""
     if not isinstance(codes, torch.Tensor) or codes.dim() != 2:
         raise InputError(f"codes must be an [n, k] tensor; got {getattr(codes, 'shape', type(codes).__name__)}")
+    _check_group(group_size)
     n, k = codes.shape
+    _check_sizes(n, k)
     if k % group_size:
         raise InputError(f"k={k} is not a multiple of group_size={group_size}")
     if not isinstance(scales_and_zeros, torch.Tensor) or tuple(scales_and_zeros.shape) != (k // group_size, n, 2):
         raise InputError(f"scales_and_zeros must be [{k // group_size}, {n}, 2]; got "
                          f"{getattr(scales_and_zeros, 'shape', type(scales_and_zeros).__name__)}")
-    if int(codes.min()) < 0 or int(codes.max()) > 15:
-        raise InputError(f"codes span [{int(codes.min())}, {int(codes.max())}], outside 0..15")
-    codes = codes.to(torch.int32)
+    codes = _integer_codes("codes", codes, 4)
     s = scales_and_zeros[..., 0].T.to(torch.float64)                   # [n, groups]
     z = scales_and_zeros[..., 1].T.to(torch.float64)
     want = (codes - 8).to(torch.float64) * s.repeat_interleave(group_size, 1) + z.repeat_interleave(group_size, 1)

@@ -154,6 +154,47 @@ def test_bad_layers_are_refused_with_the_reason():
         from_hqq(torch.zeros(16 * 96, dtype=torch.uint8), torch.ones(48), torch.ones(48), shape=(16, 96), group_size=32)
 
 
+@pytest.mark.parametrize("call, match", [
+    (lambda q, z, s: from_gptq(q, z, s, group_size=0), "group_size=0 must be a positive integer"),
+    (lambda q, z, s: from_gptq(q, z, s, group_size=64.0), "group_size=64.0 must be a positive integer"),
+    (lambda q, z, s: from_gptq(q.flatten(), z, s, group_size=64), r"qweight shape=\(256,\): the packed format"),
+    (lambda q, z, s: from_awq(q.flatten(), z, s, group_size=64), r"qweight shape=\(256,\): the packed format"),
+    (lambda q, z, s: from_gptq(q[:, :12], z[:, :1], s[:, :12], group_size=64), "n=12 output channels is not a "
+     "multiple of 8"),
+    (lambda q, z, s: from_gptq(q[:0], z, s, group_size=64), r"the weight is 16 x 0"),
+    (lambda q, z, s: from_hqq(torch.ones(2048), torch.ones(32), torch.ones(32), shape=(2048,), group_size=64),
+     r"shape=\(2048,\) must be the weight's \(n, k\)"),
+    (lambda q, z, s: from_hqq(torch.ones(0), torch.ones(0), torch.ones(0), shape=(0, 128), group_size=64),
+     "the weight is 0 x 128"),
+    (lambda q, z, s: from_int4pack(torch.full((16, 128), float("nan")), torch.ones(2, 16, 2), group_size=64),
+     "codes holds nan"),
+    (lambda q, z, s: from_int4pack(torch.ones(16, 128), torch.ones(2, 16, 2), group_size=0),
+     "group_size=0 must be a positive integer"),
+])
+def test_inconsistent_tensors_are_refused_by_name(call, match):
+    """What the tools never write (empty layers, zero groups, 1-D words, zeros that do not fill their words, NaN
+    codes) is an InputError naming the value, not an error from inside torch."""
+    codes, scale, zero = _asymmetric(torch.randn(16, 128) * 0.05, 4, 64)
+    with pytest.raises(InputError, match=match):
+        call(_pack_along(codes.T, 4, 0), _pack_along(zero.T, 4, 1), scale.T.contiguous())
+
+
+@settings(max_examples=20, deadline=None)
+@given(fmt=st.sampled_from(["hqq", "int4pack"]), where=st.tuples(st.integers(0, 15), st.integers(0, 127)),
+       frac=st.floats(0.01, 0.99), seed=st.integers(0, 2**31 - 1))
+def test_a_fractional_code_is_refused_not_truncated(fmt, where, frac, seed):
+    """One float code of c + frac among integer codes: refused (truncating it to c passed the check before)."""
+    gen = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 15, (16, 128), generator=gen).float()
+    codes[where] += frac
+    with pytest.raises(InputError, match="non-integer codes"):
+        if fmt == "hqq":
+            from_hqq(codes, torch.rand(32, generator=gen) + 0.1, torch.rand(32, generator=gen), shape=(16, 128),
+                     group_size=64)
+        else:
+            from_int4pack(codes, torch.rand(2, 16, 2, generator=gen) + 0.1, group_size=64)
+
+
 def _numpy_ok() -> bool:
     import numpy
     return tuple(int(p) for p in numpy.__version__.split(".")[:2]) < (2, 4)

@@ -18,7 +18,7 @@ from ...encoding import AffineTensor
 from ...errors import InputError, InputTypeError, SpecError
 from ...gemm.plan import GemmPlan, gemm_plan
 from ...gemm.spec import GemmSpec
-from ...validate import check_no_overlap
+from ...validate import check_no_overlap, check_out
 from ..runtime.fast_launch import Bindings, FastLaunch, keywords
 from ..runtime.launch import stream_handle
 from ..runtime.modules import num_sms
@@ -278,10 +278,8 @@ class GluonGemv:
                                  "(one per block of 16 output channels; the kernel leaves them at zero)")
         if out is None:
             out = torch.empty(m, self.spec.n, device=x.device, dtype=x.dtype)
-        elif tuple(out.shape) != (m, self.spec.n) or out.dtype != x.dtype or out.stride(1) != 1:
-            raise InputError(f"out has shape={tuple(out.shape)}, dtype={out.dtype}; it must be ({m}, {self.spec.n}) "
-                             f"{x.dtype} with unit stride along n")
         else:
+            check_out(out, (m, self.spec.n), x.device, (x.dtype,))
             check_no_overlap(out, "out", x=x, w=w)
         self.run(self.plan_launch(x.dtype, m, num_sms(x.device)), x, w, out, counters)
         return out

@@ -19,7 +19,7 @@ from ...gemm.reference import check_operand
 from ...gemm.spec import GemmSpec
 from ...options import check_gemm_options
 from ...proof import prove
-from ...validate import check_no_overlap
+from ...validate import check_no_overlap, check_out
 from .gemm_codegen import GemmKernelSource, generate_gemm
 from .gemm_dequant import SOURCE as DEQUANT_SOURCE
 from .gemm_dequant import DequantTile, NotDequantTemplate, dequant_config, lower_dequant, unpack_asm
@@ -176,10 +176,11 @@ class TritonGemm:
             raise InputError("target='interpret' runs fp16 only (Triton's interpreter mishandles bf16)")
         if out is None:
             out = torch.empty(m, n, device=device, dtype=dtype)
-        elif tuple(out.shape) != (m, n) or out.dtype != dtype or out.stride(1) != 1:
-            raise InputError(f"out has shape={tuple(out.shape)}, dtype={out.dtype}; it must be ({m}, {n}) {dtype}")
         else:
+            check_out(out, (m, n), device, (dtype,))
             check_no_overlap(out, "out", x=x, w=w)
+        if m == 0:   # no rows: nothing to compute (as the reference returns [0, n])
+            return out
         self.run(self.plan_launch(dtype, m, num_sms(device)), x, w, out)
         return out
 
