@@ -8,7 +8,8 @@ not a test.
 The launches have the decode kernel's parameters (14 tensors, 12 integers, a float, the token count given per
 call) and the merge kernel's (5 tensors, 4 integers). Rows: triton's launcher given the arguments as a bound
 launch gave them until foldc had its own (the checks in Python: alignment, device, hooks, the token count's
-range); foldc's `Launch` called alone; `fast_launch.Bound` (the hooks and device in Python, the rest in C).
+range); foldc's `Launch` called alone; `fast_launch.Bound` (the hooks and device in Python, the rest in C); a
+decode and its merge as two `Bound` calls or one `Bound.then` (one check of the hooks, knobs and device for both).
 Each figure the median over 15 repeats of the mean of 20000 calls, µs.
 """
 from __future__ import annotations
@@ -72,7 +73,7 @@ def main() -> int:
     assert built is not None, fast_c._failed
     fast_launch._CURRENT_DEVICE = lambda: 0
     fast_launch._RAW_STREAM = lambda device: 7
-    rows = {}
+    rows, held = {}, {}
     for name, signature, grid in (("decode", DECODE, (32, 8, 1)), ("merge", MERGE, (8, 1, 1))):
         tensors = sum(t.startswith("*") for t in signature)
         values = [0] * tensors + [16 * (i + 3) for i in range(len(signature) - tensors - 2)] + [16, None]
@@ -97,6 +98,14 @@ def main() -> int:
             "foldc Launch alone": mean_us(lambda: launch(7, *addresses, *per_call)),
             "fast_launch.Bound (foldc Launch)": mean_us(lambda: bound(addresses, per_call)),
         }
+        held[name] = (bound, addresses, per_call)
+    # a decode and its merge, as an eager call launches them: two Bound calls, or one check for both (Bound.then)
+    (decode, da, dv), (merge, ma, _) = held["decode"], held["merge"]
+    assert decode.then(da, dv, merge, ma) == 2
+    rows["decode + merge"] = {
+        "two fast_launch.Bound calls": mean_us(lambda: decode(da, dv) and merge(ma)),
+        "fast_launch.Bound.then": mean_us(lambda: decode.then(da, dv, merge, ma)),
+    }
     for name, row in rows.items():
         for label, us in row.items():
             print(f"{name:7s} {label:40s} {us:6.3f} µs")

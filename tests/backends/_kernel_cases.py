@@ -93,6 +93,12 @@ class BoundRecorder:
         self.values.append(tuple(values))
         return self.ok
 
+    def then(self, addresses, values, second, addresses2) -> int:
+        """As `Bound.then`: this launch, then ``second``'s."""
+        if not self(addresses, values):
+            return 0
+        return 2 if second(addresses2) else 1
+
 
 class LaunchRecorder:
     """Stands in for a `FastLaunch`: records its ordinary launches and binds a `BoundRecorder` (None where

@@ -318,3 +318,39 @@ def test_a_bound_launch_takes_an_unspecialised_integer_per_call(monkeypatch, stu
     launches = stub_cuda.launches()
     assert bound((16, 32), (1 << 31,)) is False and stub_cuda.launches() == launches
     assert len(ordinary) == 1
+
+
+def test_two_bound_launches_go_behind_one_check(monkeypatch, stub_cuda):
+    """`Bound.then` (a decode and its merge): both launch on the current stream with their own addresses (2); a
+    second that declines (an address off a 16-byte boundary) leaves the first launched (1); a hook, the debug
+    knob or another current device launch nothing (0)."""
+    from triton import knobs
+
+    fast, launcher, ordinary = _bindable(monkeypatch, stub_cuda)
+    kwargs = dict(BLOCK=64, ASM="and.b32", num_warps=1)
+    buf = torch.randn(64, generator=torch.Generator().manual_seed(5)).half()
+    x, y = buf[:16], buf[16:32]
+    fast[(4,)](x, y, 32, 5, **kwargs)
+    first, second = fast.bind((4,), (x, y, 32, 5), kwargs), fast.bind((4,), (x, y, 32, 5), kwargs)
+    gen = torch.Generator().manual_seed(6)
+    for _ in range(3):
+        a, b, c, d = (16 * int(i) for i in torch.randint(1, 1 << 40, (4,), generator=gen))
+        before = stub_cuda.launches()
+        assert first.then((a, b), (), second, (c, d)) == 2
+        assert stub_cuda.launches() == before + 2 and _launched(stub_cuda)[1] == (c, d, 32, 5)
+    before = stub_cuda.launches()
+    assert first.then((16, 32), (), second, (16, 18)) == 1 and stub_cuda.launches() == before + 1
+    assert _launched(stub_cuda)[1] == (16, 32, 32, 5)
+    before = stub_cuda.launches()
+    monkeypatch.setattr(fast_launch, "_CURRENT_DEVICE", lambda: 1)
+    assert first.then((16, 32), (), second, (16, 32)) == 0
+    monkeypatch.setattr(fast_launch, "_CURRENT_DEVICE", lambda: 0)
+    hook = lambda metadata: None   # noqa: E731
+    knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        assert first.then((16, 32), (), second, (16, 32)) == 0
+    finally:
+        knobs.runtime.launch_enter_hook.remove(hook)
+    monkeypatch.setattr(knobs.runtime, "debug", True)
+    assert first.then((16, 32), (), second, (16, 32)) == 0
+    assert stub_cuda.launches() == before and launcher.direct == [] and len(ordinary) == 1

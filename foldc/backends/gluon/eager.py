@@ -76,10 +76,12 @@ class EagerCalls:
         if out is None:   # contiguous as the whole path's (torch.empty_like of a contiguous q: half the host time)
             out = torch.empty_like(q) if q.is_contiguous() else torch.empty(q.shape, device=q.device, dtype=q.dtype)
         qa = q.data_ptr()
-        if not decode((qa, kc.data_ptr(), ks.data_ptr(), kz.data_ptr(), vc.data_ptr(), vs.data_ptr(), vz.data_ptr(),
-                       qa, *fixed[0], qa, qa, qa), tokens):
+        launched = decode.then((qa, kc.data_ptr(), ks.data_ptr(), kz.data_ptr(), vc.data_ptr(), vs.data_ptr(),
+                                vz.data_ptr(), qa, *fixed[0], qa, qa, qa), tokens, merge,
+                               (*fixed[0], out.data_ptr(), fixed[1]))
+        if not launched:
             return None
-        if not merge((*fixed[0], out.data_ptr(), fixed[1])):
+        if launched == 1:   # the merge's bound launch declined
             launch_merge(attn._launchers()[1], *workspace, out, lse, rows)
         return out
 

@@ -596,8 +596,10 @@ class PreparedRun:
             lens = qa if fixed[3] is None else fixed[3]
             table = (qa, qa) if fixed[4] is None else fixed[4]
             count = self.launch.cache_tokens if tokens is None else tokens
-            if bound[5]((qa, *fixed[0], lens, *fixed[1], *table, qa), (count,)):
-                if not bound[6]((*fixed[1], out.data_ptr(), fixed[2])):
+            launched = bound[5].then((qa, *fixed[0], lens, *fixed[1], *table, qa), (count,), bound[6],
+                                     (*fixed[1], out.data_ptr(), fixed[2]))
+            if launched:
+                if launched == 1:   # the merge's bound launch declined
                     launch_merge(self.attn._launchers()[1], *self.workspace, out, self.lse,
                                  self.attn.config.q_per_kv * self.launch.options["heads"])
                 return

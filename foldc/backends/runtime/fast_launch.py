@@ -267,6 +267,22 @@ class Bound:
             return False
         return self.launch(_RAW_STREAM(self.device), *addresses, *values)
 
+    def then(self, addresses: tuple, values: tuple, second: "Bound", addresses2: tuple) -> int:
+        """This launch, then ``second`` (a `Bound` without per-call values, e.g. a decode's merge) on the same
+        stream, behind one check of the hooks, knobs and device: 0 where nothing launched (as `__call__`'s False),
+        1 where only this one did (``second`` declined: the caller launches it its own way), 2 where both did."""
+        runtime = knobs.runtime
+        if (getattr(runtime.launch_enter_hook, "calls", True) or getattr(runtime.launch_exit_hook, "calls", True)
+                or (runtime.debug, knobs.compilation.instrumentation_mode) != self.knobs
+                or _CURRENT_DEVICE() != self.device):
+            return 0
+        stream = _RAW_STREAM(self.device)
+        if not self.launch(stream, *addresses, *values):
+            return 0
+        if second.device != self.device or second.knobs != self.knobs or not second.launch(stream, *addresses2):
+            return 1
+        return 2
+
 
 _KEYWORDS: dict[int, tuple] = {}   # id(launch) -> (launch, its constants as one dict)
 
