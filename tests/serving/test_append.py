@@ -413,19 +413,20 @@ def test_an_append_plan_is_memoised_and_sized_from_the_shapes(layout, bits, grou
         assert consts["BLOCK_T"] == min(BLOCK_T_CHANNEL, group)
 
 
-def _pair_write(enc, head_dim, batch, heads, tokens, capacity, offset, dtype, gen, device="cpu"):
-    """Keys and values written by one pair launch (`plan_append(..., pair=True)`) into poisoned storage:
-    (before k, before v, after k, after v, k, v)."""
+def _pair_write(enc, head_dim, batch, heads, tokens, capacity, offset, dtype, gen, device="cpu", enc2=None):
+    """Keys and values written by one pair launch (`plan_append(..., pair=True)`, or ``pair=enc2``: the values in
+    an encoding of their own) into poisoned storage: (before k, before v, after k, after v, k, v)."""
     from foldc.serving.append import plan_append, run_append
 
-    before = [poisoned(enc, batch, heads, capacity, head_dim, gen) for _ in range(2)]
-    dsts = [AffineTensor(d.codes.clone().to(device), d.scale.clone().to(device), d.zero.clone().to(device), enc,
-                         head_dim) for d in before]
+    encs = (enc, enc2 or enc)
+    before = [poisoned(e, batch, heads, capacity, head_dim, gen) for e in encs]
+    dsts = [AffineTensor(d.codes.clone().to(device), d.scale.clone().to(device), d.zero.clone().to(device), e,
+                         head_dim) for d, e in zip(before, encs)]
     # keys and values as a model makes them: views of one transposed projection each
-    k, v = (values((batch, tokens, heads, head_dim), "normal", dtype, gen, enc.bits).to(device).transpose(1, 2)
-            for _ in range(2))
+    k, v = (values((batch, tokens, heads, head_dim), "normal", dtype, gen, e.bits).to(device).transpose(1, 2)
+            for e in encs)
     launch = plan_append(enc, heads, head_dim, batch, tokens, dtype == torch.bfloat16, False, 0, False,
-                         device == "cpu", False, True)
+                         device == "cpu", False, enc2 or True)
     run_append(launch, dsts[0], k, offset, None, second=(dsts[1], v))
     return before, dsts, k.cpu(), v.cpu()
 
@@ -538,23 +539,25 @@ def test_a_pair_launch_of_two_token_wise_encodings_writes_each_as_quantize_does(
 def _advancing_writes(enc, head_dim, batch, heads, steps, starts, dtype, gen, device="cpu", pair=True):
     """``steps`` (tokens per launch) written one launch after another at each row's own offset by launches planned
     with ``advance=True`` (the offsets moved on by the launches alone) into poisoned storage: (before, after,
-    written values per operand, offsets after, arrival counters after)."""
+    written values per operand, offsets after, arrival counters after). ``pair``: True (K and V of ``enc``), an
+    encoding (the values'), or False (one operand)."""
     from foldc.serving.append import plan_append, run_append
 
     capacity = max(starts) + sum(steps) + 2
-    ops = 2 if pair else 1
-    before = [poisoned(enc, batch, heads, capacity, head_dim, gen) for _ in range(ops)]
-    dsts = [AffineTensor(d.codes.clone().to(device), d.scale.clone().to(device), d.zero.clone().to(device), enc,
-                         head_dim) for d in before]
+    encs = (enc, enc if pair is True else pair) if pair is not False else (enc,)
+    ops = len(encs)
+    before = [poisoned(e, batch, heads, capacity, head_dim, gen) for e in encs]
+    dsts = [AffineTensor(d.codes.clone().to(device), d.scale.clone().to(device), d.zero.clone().to(device), e,
+                         head_dim) for d, e in zip(before, encs)]
     offsets = torch.tensor(starts, dtype=torch.int32, device=device)
     arrivals = torch.zeros(batch, dtype=torch.int32, device=device)
     written = [[] for _ in range(ops)]
     for tokens in steps:
-        xs = [values((batch, heads, tokens, head_dim), "normal", dtype, gen, enc.bits) for _ in range(ops)]
+        xs = [values((batch, heads, tokens, head_dim), "normal", dtype, gen, e.bits) for e in encs]
         launch = plan_append(enc, heads, head_dim, batch, tokens, dtype == torch.bfloat16, True, 0, False,
                              device == "cpu", False, pair, advance=True)
         run_append(launch, dsts[0], xs[0].to(device), None, offsets,
-                   second=(dsts[1], xs[1].to(device)) if pair else None, arrivals=arrivals)
+                   second=(dsts[1], xs[1].to(device)) if ops == 2 else None, arrivals=arrivals)
         for w, x in zip(written, xs):
             w.append(x)
     return before, dsts, [torch.cat(w, dim=2) for w in written], offsets.cpu(), arrivals.cpu()
@@ -592,14 +595,15 @@ def test_an_advancing_launch_needs_per_row_offsets_and_token_wise_groups():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("pair", [True, False], ids=["pair", "one operand"])
+@pytest.mark.parametrize("pair", [True, A(2, "token", 128, torch.bfloat16), False],
+                         ids=["pair", "pair of two encodings", "one operand"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_gpu_advancing_launches_move_every_rows_offset_on_once(pair, dtype):
     """On the GPU, where a row's programs run at once: 40 launches over 64 rows of 8 heads (2 x 8 programs a row
     in pair mode, 16-token blocks on the second axis at 20 tokens), each row's offset moved on by the launch's
     tokens exactly once per launch and every token written where its row's offset said, the counters back to
     zero."""
-    gen = torch.Generator().manual_seed(91 + pair)
+    gen = torch.Generator().manual_seed(91 + (pair is True))
     enc = A(4, "token", 64)
     steps = [1] * 36 + [20, 3, 1, 1]
     starts = [int(t) for t in torch.randint(0, 50, (64,), generator=gen)]
@@ -609,19 +613,23 @@ def test_gpu_advancing_launches_move_every_rows_offset_on_once(pair, dtype):
     assert offsets.tolist() == [s + sum(steps) for s in starts]
     assert arrivals.tolist() == [0] * 64
     for b, d, x in zip(before, dsts, xs):
-        got = AffineTensor(d.codes.cpu(), d.scale.cpu(), d.zero.cpu(), enc, 128)
+        got = AffineTensor(d.codes.cpu(), d.scale.cpu(), d.zero.cpu(), b.encoding, 128)
         assert_same_bits(got, expected(b, x, starts))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("enc", [A(4, "token", 32), A(2, "token", 128, torch.bfloat16), A(8, "token", 64, torch.float32)])
-def test_gpu_pair_launch_writes_keys_and_values_as_quantize_does(enc, dtype):
-    gen = torch.Generator().manual_seed(hash((enc.short(), str(dtype))) % 2**31)
-    before, dsts, k, v = _pair_write(enc, 128, 2, 4, 3, 9, 5, dtype, gen, device="cuda")
+@pytest.mark.parametrize("enc, enc2", [(A(4, "token", 32), None), (A(2, "token", 128, torch.bfloat16), None),
+                                       (A(8, "token", 64, torch.float32), None),
+                                       (A(4, "token", 128), A(2, "token", 128)),
+                                       (A(2, "token", 32, torch.bfloat16), A(8, "token", 64, torch.float32))],
+                         ids=lambda e: e.short() if e else "same")
+def test_gpu_pair_launch_writes_keys_and_values_as_quantize_does(enc, enc2, dtype):
+    gen = torch.Generator().manual_seed(hash((enc.short(), str(enc2), str(dtype))) % 2**31)
+    before, dsts, k, v = _pair_write(enc, 128, 2, 4, 3, 9, 5, dtype, gen, device="cuda", enc2=enc2)
     torch.cuda.synchronize()
     for b, d, x in zip(before, dsts, (k, v)):
-        got = AffineTensor(d.codes.cpu(), d.scale.cpu(), d.zero.cpu(), enc, 128)
+        got = AffineTensor(d.codes.cpu(), d.scale.cpu(), d.zero.cpu(), b.encoding, 128)
         assert_same_bits(got, expected(b, x, [5, 5]))
 
 
