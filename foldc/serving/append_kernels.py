@@ -333,8 +333,6 @@ def _append_channel_kernel(
                  mask=t_ok[:, None] & ok & ch_ok)
 
 
-
-
 _WRAPPED: dict[tuple[str, bool], object] = {}
 
 
