@@ -36,325 +36,21 @@ import os
 from dataclasses import dataclass
 
 import torch
-import triton.language as tl
 
 from ..backends.runtime.fast_launch import FastLaunch, keywords
 from ..decisions import GroupAxis, token_group
-from ..encoding import AffineTensor
+from ..encoding import Affine, AffineTensor
 from ..errors import InputError, InputTypeError, SpecError
+from .append_kernels import kernel as _kernel
 
 TARGETS = ("auto", "interpret", "sm_90", "sm_100", "reference")
 INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 SCALE_KIND = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 BLOCK_T_TOKEN = 16   # most tokens per program of the token-wise kernel
 BLOCK_T_CHANNEL = 32  # tokens per step of the channel-wise kernel's loop over one group
-
-
-# The kernels are plain functions wrapped on first use as a JITFunction (GPU) or an
-# InterpretedFunction (CPU), so one process can run both (see foldc/backends/runtime/modules.py, interpreter).
-# Their tensors come first (a bound launch passes them as addresses, `FastLaunch.bind`), and the token
-# offset is not specialised on (one build for every offset: a bound launch takes it per call).
-OFFSET_ARG = 26   # the position of ``offset`` in both kernels' arguments
-
-def _append_token_kernel(
-    X, CODES, SCALE, ZERO, OFFSETS, KV_INDPTR, KV_INDICES, COUNTS, FLAG, X2, CODES2, SCALE2, ZERO2, ARRIVALS,
-    stride_xb, stride_xh, stride_xn, stride_cb, stride_ch, stride_cn,
-    stride_sb, stride_sh, stride_sn, stride_zb, stride_zh, stride_zn,
-    offset, tokens, heads, capacity,
-    HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, NUM_GROUPS: tl.constexpr, BITS: tl.constexpr,
-    CPB: tl.constexpr, MAX_CODE: tl.constexpr, BLOCK_T: tl.constexpr, X_BF16: tl.constexpr,
-    SCALE_KIND: tl.constexpr, PER_ROW: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    HAS_COUNT: tl.constexpr, GROUP_P: tl.constexpr, NUM_GROUPS_P: tl.constexpr, WIDTH_P: tl.constexpr,
-    HAS_FLAG: tl.constexpr = False, PAIR: tl.constexpr = False, ADVANCE: tl.constexpr = False,
-):
-    """One program: BLOCK_T new tokens of one (batch, kv head); each token row is cut into
-    NUM_GROUPS groups of GROUP channels. PAGED: token positions map through the page table
-    (paged.py) and tokens past the row's own pages are not written; else positions outside
-    [0, capacity) are not written. HAS_COUNT: row b writes only its first COUNTS[b] tokens.
-    HAS_FLAG: a written scale or zero that is not finite after rounding to its dtype (NaN or Inf in
-    x, or a value past the scale dtype's range) stores 1 to FLAG[0] (the caches' deferred check).
-    GROUP_P, NUM_GROUPS_P, WIDTH_P: the powers of two tl.arange takes for GROUP, NUM_GROUPS and the
-    HEAD_DIM // CPB bytes of a token (equal to them for head_dims and groups that are powers of two;
-    else the padding is masked and the codes are rebuilt in planar order, each with its group's scale).
-    PAIR: the grid's first axis is doubled and its second half writes X2 into CODES2, SCALE2, ZERO2 (the values
-    beside the keys: one launch for both, with the same encoding, shapes and strides).
-    ADVANCE (with PER_ROW, without HAS_COUNT): the launch moves each row's offset on by ``tokens`` itself. Every
-    program counts itself in ARRIVALS[b] (int32, zero between launches) once it has read OFFSETS[b]; the row's
-    last program to arrive stores OFFSETS[b] + tokens and sets ARRIVALS[b] back to zero (a decode step's
-    ``offsets += 1`` without a launch of its own, and captured with the step)."""
-    pid = tl.program_id(0)
-    if PAIR:
-        half = tl.num_programs(0) // 2
-        if pid >= half:
-            X = X2
-            CODES = CODES2
-            SCALE = SCALE2
-            ZERO = ZERO2
-            pid = pid - half
-    b = (pid // heads).to(tl.int64)
-    h = (pid % heads).to(tl.int64)
-    if PER_ROW:
-        start = tl.load(OFFSETS + b).to(tl.int64)
-    else:
-        start = offset
-    t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
-    t_ok = t < tokens
-    PADDED: tl.constexpr = GROUP_P != GROUP or NUM_GROUPS_P != NUM_GROUPS or WIDTH_P != HEAD_DIM // CPB
-    g_idx = tl.arange(0, NUM_GROUPS_P)
-    cols = g_idx[:, None] * GROUP + tl.arange(0, GROUP_P)[None, :]  # channel = g * GROUP + e
-    col_ok = (g_idx < NUM_GROUPS)[:, None] & (tl.arange(0, GROUP_P) < GROUP)[None, :]
-    x_ptr = X + b * stride_xb + h * stride_xh + t[:, None, None].to(tl.int64) * stride_xn + cols[None, :, :]
-    x_mask = t_ok[:, None, None] & col_ok[None, :, :]
-    if X_BF16:  # bf16 bits << 16 is the float32 value, exactly (the interpreter's own bf16 is broken)
-        bits = tl.load(x_ptr, mask=x_mask, other=0).to(tl.uint16, bitcast=True).to(tl.uint32)
-        x = (bits << 16).to(tl.float32, bitcast=True)
-    else:
-        x = tl.load(x_ptr, mask=x_mask, other=0.0).to(tl.float32)
-    if PADDED:
-        lo = tl.min(tl.where(col_ok[None, :, :], x, float("inf")), axis=2)  # [BLOCK_T, NUM_GROUPS_P]
-        hi = tl.max(tl.where(col_ok[None, :, :], x, float("-inf")), axis=2)
-    else:
-        lo = tl.min(x, axis=2)  # [BLOCK_T, NUM_GROUPS]
-        hi = tl.max(x, axis=2)
-    raw_scale = tl.math.div_rn(hi - lo, tl.zeros_like(lo) + MAX_CODE)
-    # a group holding NaN or Inf stores NaN scale and zero (min/max would drop a NaN): attention
-    # over it is then NaN, as over the raw values, never a finite wrong number
-    bad = tl.max(((x != x) | (tl.abs(x) == float("inf"))).to(tl.int32), axis=2) > 0
-    lo = tl.where(bad, float("nan"), lo)
-    raw_scale = tl.where(bad, float("nan"), raw_scale)
-    if HAS_COUNT:
-        t_ok = t_ok & (t < tl.load(COUNTS + b))
-    pos = (start + t).to(tl.int64)
-    if PAGED:
-        first = tl.load(KV_INDPTR + b)
-        # a negative position has no page (and pos // PAGE_SIZE rounds toward 0 there): not written
-        t_ok = t_ok & (pos >= 0) & (pos // PAGE_SIZE < tl.load(KV_INDPTR + b + 1) - first)
-        dst = tl.load(KV_INDICES + first + pos // PAGE_SIZE, mask=t_ok, other=0).to(tl.int64)
-        row = pos % PAGE_SIZE
-    else:
-        t_ok = t_ok & (pos >= 0) & (pos < capacity)
-        dst = tl.zeros([BLOCK_T], tl.int64) + b
-        row = pos
-    s_ptr = SCALE + dst[:, None] * stride_sb + h * stride_sh + row[:, None] * stride_sn + g_idx[None, :]
-    z_ptr = ZERO + dst[:, None] * stride_zb + h * stride_zh + row[:, None] * stride_zn + g_idx[None, :]
-    p_mask = t_ok[:, None] & (g_idx < NUM_GROUPS)[None, :]
-    if SCALE_KIND == 0:  # float16: round to nearest even by the cast
-        s_lo = raw_scale.to(tl.float16)
-        z_lo = lo.to(tl.float16)
-        tl.store(s_ptr, s_lo, mask=p_mask)
-        tl.store(z_ptr, z_lo, mask=p_mask)
-        scale = s_lo.to(tl.float32)
-        zero = z_lo.to(tl.float32)
-    elif SCALE_KIND == 1:  # bfloat16 on its bits: round the float32 pattern to nearest even
-        s_bits = raw_scale.to(tl.uint32, bitcast=True)
-        s_bits = (s_bits + 0x7FFF + ((s_bits >> 16) & 1)) >> 16
-        z_bits = lo.to(tl.uint32, bitcast=True)
-        z_bits = (z_bits + 0x7FFF + ((z_bits >> 16) & 1)) >> 16
-        tl.store(s_ptr, s_bits.to(tl.uint16).to(tl.int16, bitcast=True), mask=p_mask)
-        tl.store(z_ptr, z_bits.to(tl.uint16).to(tl.int16, bitcast=True), mask=p_mask)
-        scale = (s_bits << 16).to(tl.float32, bitcast=True)
-        zero = (z_bits << 16).to(tl.float32, bitcast=True)
-    else:  # float32: nothing to round
-        tl.store(s_ptr, raw_scale, mask=p_mask)
-        tl.store(z_ptr, lo, mask=p_mask)
-        scale = raw_scale
-        zero = lo
-    if HAS_FLAG:
-        wrong = (scale != scale) | (tl.abs(scale) == float("inf")) | (zero != zero) | (tl.abs(zero) == float("inf"))
-        n_wrong = tl.sum(tl.sum((wrong & p_mask).to(tl.int32), axis=1), axis=0)
-        tl.store(FLAG, 1, mask=n_wrong > 0)
-    shifts = tl.arange(0, CPB) * BITS
-    if PADDED:
-        # the codes in planar order [t, i, j] = channel i * HEAD_DIM/CPB + j, each with its own group's
-        # scale and zero (a select over the NUM_GROUPS groups)
-        WIDTH: tl.constexpr = HEAD_DIM // CPB
-        j = tl.arange(0, WIDTH_P)
-        chan = tl.arange(0, CPB)[:, None] * WIDTH + j[None, :]
-        ch_ok = (j < WIDTH)[None, :]
-        xp_ptr = X + b * stride_xb + h * stride_xh + t[:, None, None].to(tl.int64) * stride_xn + chan[None, :, :]
-        xp_mask = t_ok[:, None, None] & ch_ok[None, :, :]
-        if X_BF16:
-            bits = tl.load(xp_ptr, mask=xp_mask, other=0).to(tl.uint16, bitcast=True).to(tl.uint32)
-            xp = (bits << 16).to(tl.float32, bitcast=True)
-        else:
-            xp = tl.load(xp_ptr, mask=xp_mask, other=0.0).to(tl.float32)
-        grp = chan // GROUP
-        s_el = tl.zeros([BLOCK_T, CPB, WIDTH_P], tl.float32)
-        z_el = tl.zeros([BLOCK_T, CPB, WIDTH_P], tl.float32)
-        for g in tl.static_range(NUM_GROUPS):
-            s_g = tl.sum(tl.where(g_idx[None, :] == g, scale, 0.0), axis=1)
-            z_g = tl.sum(tl.where(g_idx[None, :] == g, zero, 0.0), axis=1)
-            s_el = tl.where((grp == g)[None, :, :], s_g[:, None, None], s_el)
-            z_el = tl.where((grp == g)[None, :, :], z_g[:, None, None], z_el)
-        nonzero = s_el > 0
-        v = tl.math.div_rn(xp - z_el, tl.where(nonzero, s_el, 1.0))
-        f = tl.floor(v)  # round half to even from floor: exact for every float32
-        frac = v - f
-        odd = (f - 2.0 * tl.floor(f * 0.5)) == 1.0
-        r = tl.where((frac > 0.5) | ((frac == 0.5) & odd), f + 1.0, f)
-        r = tl.minimum(tl.maximum(r, 0.0), MAX_CODE * 1.0)
-        code = tl.where(nonzero, r, 0.0).to(tl.int32)
-        packed = tl.sum(code << shifts[None, :, None], axis=1)  # disjoint bit fields: sum == or
-        c_ptr = CODES + dst[:, None] * stride_cb + h * stride_ch + row[:, None] * stride_cn + j[None, :]
-        tl.store(c_ptr, packed.to(tl.uint8), mask=t_ok[:, None] & ch_ok)
-    else:
-        nonzero = scale[:, :, None] > 0
-        safe = tl.where(nonzero, scale[:, :, None], 1.0)
-        v = tl.math.div_rn(x - zero[:, :, None], safe)
-        f = tl.floor(v)  # round half to even from floor: exact for every float32
-        frac = v - f
-        odd = (f - 2.0 * tl.floor(f * 0.5)) == 1.0
-        r = tl.where((frac > 0.5) | ((frac == 0.5) & odd), f + 1.0, f)
-        r = tl.minimum(tl.maximum(r, 0.0), MAX_CODE * 1.0)
-        code = tl.where(nonzero, r, 0.0).to(tl.int32)  # [BLOCK_T, NUM_GROUPS, GROUP]
-        planar = tl.reshape(code, [BLOCK_T, CPB, HEAD_DIM // CPB])  # [t, i, j] = channel i * HEAD_DIM/CPB + j
-        packed = tl.sum(planar << shifts[None, :, None], axis=1)  # disjoint bit fields: sum == or
-        c_ptr = CODES + dst[:, None] * stride_cb + h * stride_ch + row[:, None] * stride_cn + \
-            tl.arange(0, HEAD_DIM // CPB)[None, :]
-        tl.store(c_ptr, packed.to(tl.uint8), mask=t_ok[:, None])
-    if ADVANCE:
-        # every thread of the program has read OFFSETS[b] before the barrier; the release half of the
-        # counter's acq_rel publishes that, its acquire half lets the last program see every other's
-        tl.debug_barrier()
-        arrivals = (2 if PAIR else 1) * heads * tl.num_programs(1)
-        arrived = tl.atomic_add(ARRIVALS + b, 1, sem="acq_rel", scope="gpu")
-        last = arrived == arrivals - 1
-        tl.store(OFFSETS + b, (start + tokens).to(tl.int32), mask=last)
-        tl.store(ARRIVALS + b, 0, mask=last)
-
-
-
-def _append_channel_kernel(
-    X, CODES, SCALE, ZERO, OFFSETS, KV_INDPTR, KV_INDICES, COUNTS, FLAG, X2, CODES2, SCALE2, ZERO2, ARRIVALS,
-    stride_xb, stride_xh, stride_xn, stride_cb, stride_ch, stride_cn,
-    stride_sb, stride_sh, stride_sn, stride_zb, stride_zh, stride_zn,
-    offset, heads, capacity,
-    HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, BITS: tl.constexpr, CPB: tl.constexpr,
-    MAX_CODE: tl.constexpr, BLOCK_T: tl.constexpr, X_BF16: tl.constexpr, SCALE_KIND: tl.constexpr,
-    PER_ROW: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_COUNT: tl.constexpr,
-    WIDTH_P: tl.constexpr, HAS_FLAG: tl.constexpr = False,
-):
-    """One program: one whole group of GROUP new tokens of one (batch, kv head), all channels,
-    held in planar order [CPB, HEAD_DIM // CPB]; two passes over the group's tokens (min/max,
-    then codes). HAS_FLAG: as the token kernel's. X2, CODES2, SCALE2, ZERO2, ARRIVALS: the token kernel's pair and
-    advance (not read)."""
-    pid = tl.program_id(0)
-    b = (pid // heads).to(tl.int64)
-    h = (pid % heads).to(tl.int64)
-    grp = tl.program_id(1).to(tl.int64)
-    if PER_ROW:
-        start = tl.load(OFFSETS + b).to(tl.int64)
-    else:
-        start = offset
-    WIDTH: tl.constexpr = HEAD_DIM // CPB
-    chan = tl.arange(0, CPB)[:, None] * WIDTH + tl.arange(0, WIDTH_P)[None, :]
-    ch_ok = (tl.arange(0, WIDTH_P) < WIDTH)[None, :]   # all true unless WIDTH is no power of two
-    x_base = X + b * stride_xb + h * stride_xh + grp * GROUP * stride_xn
-    lo = tl.full([CPB, WIDTH_P], float("inf"), tl.float32)
-    hi = tl.full([CPB, WIDTH_P], float("-inf"), tl.float32)
-    bad = tl.zeros([CPB, WIDTH_P], tl.int32)   # channels whose group holds NaN or Inf
-    for t0 in range(0, GROUP, BLOCK_T):
-        t = t0 + tl.arange(0, BLOCK_T)
-        t_ok = t < GROUP
-        x_ptr = x_base + t[:, None, None].to(tl.int64) * stride_xn + chan[None, :, :]
-        if X_BF16:
-            bits = tl.load(x_ptr, mask=t_ok[:, None, None] & ch_ok[None, :, :], other=0).to(tl.uint16, bitcast=True)
-            x = (bits.to(tl.uint32) << 16).to(tl.float32, bitcast=True)
-        else:
-            x = tl.load(x_ptr, mask=t_ok[:, None, None] & ch_ok[None, :, :], other=0.0).to(tl.float32)
-        lo = tl.minimum(lo, tl.min(tl.where(t_ok[:, None, None], x, float("inf")), axis=0))
-        hi = tl.maximum(hi, tl.max(tl.where(t_ok[:, None, None], x, float("-inf")), axis=0))
-        nonfinite = ((x != x) | (tl.abs(x) == float("inf"))) & t_ok[:, None, None]
-        bad = tl.maximum(bad, tl.max(nonfinite.to(tl.int32), axis=0))
-    raw_scale = tl.math.div_rn(hi - lo, tl.zeros_like(lo) + MAX_CODE)
-    lo = tl.where(bad > 0, float("nan"), lo)             # NaN scale and zero: see the token kernel
-    raw_scale = tl.where(bad > 0, float("nan"), raw_scale)
-    pos0 = start + grp * GROUP  # the group's first token (a page holds whole groups)
-    ok = pos0 >= 0
-    if HAS_COUNT:
-        ok = ok & (grp * GROUP < tl.load(COUNTS + b))
-    if PAGED:
-        first = tl.load(KV_INDPTR + b)
-        # a group off a group boundary would run past its page into the next one: not written
-        ok = ok & (pos0 % GROUP == 0) & (pos0 // PAGE_SIZE < tl.load(KV_INDPTR + b + 1) - first)
-        dst = tl.load(KV_INDICES + first + pos0 // PAGE_SIZE, mask=ok, other=0).to(tl.int64)
-        row0 = pos0 % PAGE_SIZE
-    else:  # a whole group inside [0, capacity), starting a group
-        ok = ok & (pos0 % GROUP == 0) & (pos0 + GROUP <= capacity)
-        dst = b
-        row0 = pos0
-    g_mask = ch_ok & ok
-    prow = row0 // GROUP
-    s_ptr = SCALE + dst * stride_sb + h * stride_sh + prow * stride_sn + chan
-    z_ptr = ZERO + dst * stride_zb + h * stride_zh + prow * stride_zn + chan
-    if SCALE_KIND == 0:
-        s_lo = raw_scale.to(tl.float16)
-        z_lo = lo.to(tl.float16)
-        tl.store(s_ptr, s_lo, mask=g_mask)
-        tl.store(z_ptr, z_lo, mask=g_mask)
-        scale = s_lo.to(tl.float32)
-        zero = z_lo.to(tl.float32)
-    elif SCALE_KIND == 1:
-        s_bits = raw_scale.to(tl.uint32, bitcast=True)
-        s_bits = (s_bits + 0x7FFF + ((s_bits >> 16) & 1)) >> 16
-        z_bits = lo.to(tl.uint32, bitcast=True)
-        z_bits = (z_bits + 0x7FFF + ((z_bits >> 16) & 1)) >> 16
-        tl.store(s_ptr, s_bits.to(tl.uint16).to(tl.int16, bitcast=True), mask=g_mask)
-        tl.store(z_ptr, z_bits.to(tl.uint16).to(tl.int16, bitcast=True), mask=g_mask)
-        scale = (s_bits << 16).to(tl.float32, bitcast=True)
-        zero = (z_bits << 16).to(tl.float32, bitcast=True)
-    else:
-        tl.store(s_ptr, raw_scale, mask=g_mask)
-        tl.store(z_ptr, lo, mask=g_mask)
-        scale = raw_scale
-        zero = lo
-    if HAS_FLAG:
-        wrong = (scale != scale) | (tl.abs(scale) == float("inf")) | (zero != zero) | (tl.abs(zero) == float("inf"))
-        n_wrong = tl.sum(tl.sum((wrong & g_mask).to(tl.int32), axis=1), axis=0)
-        tl.store(FLAG, 1, mask=n_wrong > 0)
-    nonzero = scale[None, :, :] > 0
-    safe = tl.where(nonzero, scale[None, :, :], 1.0)
-    shifts = tl.arange(0, CPB) * BITS
-    c_base = CODES + dst * stride_cb + h * stride_ch
-    for t0 in range(0, GROUP, BLOCK_T):
-        t = t0 + tl.arange(0, BLOCK_T)
-        t_ok = t < GROUP
-        x_ptr = x_base + t[:, None, None].to(tl.int64) * stride_xn + chan[None, :, :]
-        if X_BF16:
-            bits = tl.load(x_ptr, mask=t_ok[:, None, None] & ch_ok[None, :, :], other=0).to(tl.uint16, bitcast=True)
-            x = (bits.to(tl.uint32) << 16).to(tl.float32, bitcast=True)
-        else:
-            x = tl.load(x_ptr, mask=t_ok[:, None, None] & ch_ok[None, :, :], other=0.0).to(tl.float32)
-        v = tl.math.div_rn(x - zero[None, :, :], safe)
-        f = tl.floor(v)
-        frac = v - f
-        odd = (f - 2.0 * tl.floor(f * 0.5)) == 1.0
-        r = tl.where((frac > 0.5) | ((frac == 0.5) & odd), f + 1.0, f)
-        r = tl.minimum(tl.maximum(r, 0.0), MAX_CODE * 1.0)
-        code = tl.where(nonzero, r, 0.0).to(tl.int32)  # [BLOCK_T, CPB, WIDTH_P]
-        packed = tl.sum(code << shifts[None, :, None], axis=1)
-        row = row0 + t.to(tl.int64)
-        tl.store(c_base + row[:, None] * stride_cn + tl.arange(0, WIDTH_P)[None, :], packed.to(tl.uint8),
-                 mask=t_ok[:, None] & ok & ch_ok)
-
-
-_WRAPPED: dict[tuple[str, bool], object] = {}
-
-
-def _kernel(name: str, interpret: bool):
-    """The kernel ``name`` as a JITFunction (native) or an InterpretedFunction (interpreter)."""
-    key = (name, interpret)
-    if key not in _WRAPPED:
-        fn = {"token": _append_token_kernel, "channel": _append_channel_kernel}[name]
-        if interpret:
-            from triton.runtime.interpreter import InterpretedFunction
-
-            _WRAPPED[key] = InterpretedFunction(fn)
-        else:
-            from triton.runtime.jit import JITFunction
-
-            _WRAPPED[key] = JITFunction(fn, do_not_specialize=["offset"])
-    return _WRAPPED[key]
+# the position of ``offset`` in both kernels' arguments (foldc/serving/append_kernels.py), as `append_arguments`
+# orders them: a bound launch takes it per call
+OFFSET_ARG = 26
 
 
 def resolve_target(target: str, device: torch.device) -> str:
@@ -502,13 +198,14 @@ class AppendLaunch:
 
 @functools.lru_cache(maxsize=1024)
 def plan_append(enc, heads: int, head_dim: int, batch: int, tokens: int, x_bf16: bool, per_row: bool,
-                page_size: int, counts: bool, interpret: bool, flag: bool = False, pair: bool = False,
+                page_size: int, counts: bool, interpret: bool, flag: bool = False, pair: bool | Affine = False,
                 advance: bool = False) -> AppendLaunch:
     """The `AppendLaunch` writing ``tokens`` tokens of ``batch`` rows of ``heads`` heads into storage
     encoded as ``enc`` (``page_size`` > 0: a page pool; ``per_row``: one offset per row; ``counts``:
-    tokens to write per row; ``flag``: store 1 to a flag where a scale or zero is not finite; ``pair``: two
-    operands of this encoding, shapes and strides in one launch, token-wise encodings only; ``advance``: the launch
-    adds ``tokens`` to the per-row offsets itself, token-wise encodings with ``per_row`` and without ``counts``)."""
+    tokens to write per row; ``flag``: store 1 to a flag where a scale or zero is not finite; ``pair``: a second
+    operand of the same shapes in the same launch, in ``enc`` (``True``) or in the token-wise encoding given
+    (an `Affine`), token-wise encodings only; ``advance``: the launch adds ``tokens`` to the per-row offsets itself,
+    token-wise encodings with ``per_row`` and without ``counts``)."""
     common = dict(HEAD_DIM=head_dim, GROUP=enc.group_size, BITS=enc.bits, CPB=enc.codes_per_byte,
                   MAX_CODE=enc.max_code, X_BF16=x_bf16, SCALE_KIND=SCALE_KIND[enc.scale_dtype], PER_ROW=per_row,
                   PAGED=page_size > 0, PAGE_SIZE=page_size or 1, HAS_COUNT=counts,
@@ -517,21 +214,43 @@ def plan_append(enc, heads: int, head_dim: int, batch: int, tokens: int, x_bf16:
         common["HAS_FLAG"] = True
     if GroupAxis.of(enc) is GroupAxis.CHANNEL:   # token-wise: groups of channels, a scale row per token
         block_t = min(BLOCK_T_TOKEN, 1 << (tokens - 1).bit_length())
-        groups = head_dim // enc.group_size
-        common.update(NUM_GROUPS=groups, BLOCK_T=block_t, GROUP_P=_pow2(enc.group_size), NUM_GROUPS_P=_pow2(groups))
-        if pair:
+        common.update(BLOCK_T=block_t, **_token_constants(enc, head_dim))
+        if pair is not False:
             common["PAIR"] = True
+            common.update({f"{name}2": value for name, value in
+                           _token_constants(_second_encoding(enc, pair), head_dim).items()})
         if advance:
             if not per_row or counts:
                 raise SpecError("advance=True moves per-row offsets on by the launch's tokens: it needs per_row=True "
                                 "and counts=False")
             common["ADVANCE"] = True
-        return AppendLaunch("token", ((2 if pair else 1) * batch * heads, math.ceil(tokens / block_t)), interpret,
-                            tuple(common.items()))
-    if pair or advance:
-        raise SpecError(f"pair=True or advance=True with {enc.short()}: token-wise encodings only")
+        return AppendLaunch("token", ((2 if pair is not False else 1) * batch * heads, math.ceil(tokens / block_t)),
+                            interpret, tuple(common.items()))
+    if pair is not False or advance:
+        raise SpecError(f"pair and advance=True take token-wise encodings only, not {enc.short()} (channel-wise "
+                        "groups are written whole, a launch per operand)")
     common.update(BLOCK_T=min(BLOCK_T_CHANNEL, 1 << (enc.group_size - 1).bit_length()))
     return AppendLaunch("channel", (batch * heads, tokens // enc.group_size), interpret, tuple(common.items()))
+
+
+def _token_constants(enc, head_dim: int) -> dict:
+    """The token kernel's constexprs of one token-wise encoding (the pair's second gets them with a 2 appended)."""
+    groups = head_dim // enc.group_size
+    return dict(GROUP=enc.group_size, NUM_GROUPS=groups, BITS=enc.bits, CPB=enc.codes_per_byte, MAX_CODE=enc.max_code,
+                SCALE_KIND=SCALE_KIND[enc.scale_dtype], GROUP_P=_pow2(enc.group_size), NUM_GROUPS_P=_pow2(groups),
+                WIDTH_P=_pow2(head_dim // enc.codes_per_byte))
+
+
+def _second_encoding(enc, pair) -> Affine:
+    """The pair's second encoding: ``enc`` for ``pair=True``, else ``pair``, a token-wise `Affine`."""
+    if pair is True:
+        return enc
+    if not isinstance(pair, Affine):
+        raise SpecError(f"pair={pair!r} must be True (the values in the keys' encoding) or the values' foldc.Affine")
+    if GroupAxis.of(pair) is not GroupAxis.CHANNEL:
+        raise SpecError(f"pair={pair.short()} is channel-wise: the pair launch writes two token-wise encodings "
+                        "only (groups along head_dim); append a channel-wise operand in whole groups on its own")
+    return pair
 
 
 def _kernel_views(dst: AffineTensor, x: torch.Tensor) -> tuple:
@@ -549,19 +268,28 @@ def append_arguments(launch: AppendLaunch, dst: AffineTensor, x: torch.Tensor, s
                      arrivals: torch.Tensor | None = None) -> tuple:
     """(the kernel behind `FastLaunch`, its positional arguments, its keyword arguments) of `run_append`
     (``flag``: an int32 tensor the kernel stores 1 to, for a launch planned with ``flag=True``; ``second``:
-    (dst2, x2) for a launch planned with ``pair=True``, x2 into dst2 with x's and dst's strides, unchecked;
-    ``arrivals``: int32 ``[batch]``, zero, for a launch planned with ``advance=True``)."""
+    (dst2, x2) for a launch planned with ``pair``: x2 (x's shape and dtype, unit stride along head_dim) into dst2
+    (dst's shape, the pair's second encoding), each with strides of its own, unchecked; ``arrivals``: int32
+    ``[batch]``, zero, for a launch planned with ``advance=True``)."""
     xin, codes, scale, zero = _kernel_views(dst, x)
     offs = per_row if per_row is not None else codes  # not read unless PER_ROW
     indptr, indices = paging if paging is not None else (codes, codes)  # read only if PAGED
-    pair = _kernel_views(*second) if second is not None else (codes, codes, codes, codes)   # read only if PAIR
-    sx, sc, ss, sz = xin.stride(), codes.stride(), scale.stride(), zero.stride()
+    pair = _kernel_views(*second) if second is not None else None   # read only if PAIR
+    first = _strides(xin, codes, scale, zero)
     args = (xin, codes, scale, zero, offs, indptr, indices, counts if counts is not None else codes,
-            flag if flag is not None else codes, *pair, arrivals if arrivals is not None else codes,   # (read if ADVANCE)
-            sx[0], sx[1], sx[2], sc[0], sc[1], sc[2], ss[0], ss[1], ss[2], sz[0], sz[1], sz[2],
-            0 if scalar is None else scalar)
-    args += (x.shape[2], dst.shape[1], dst.num_tokens) if launch.kernel == "token" else (dst.shape[1], dst.num_tokens)
+            flag if flag is not None else codes, *(pair if pair is not None else (codes,) * 4),
+            arrivals if arrivals is not None else codes,   # (read if ADVANCE)
+            *first, 0 if scalar is None else scalar)
+    if launch.kernel == "token":   # then the second operand's strides (the first's again where there is none)
+        args += (x.shape[2], dst.shape[1], dst.num_tokens, *(_strides(*pair) if pair is not None else first))
+    else:
+        args += (dst.shape[1], dst.num_tokens)
     return _fast(launch.kernel, launch.interpret), args, keywords(launch)
+
+
+def _strides(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> tuple:
+    """The kernels' 12 strides of one operand: (batch, head, token) of x, codes, scale and zero."""
+    return (*x.stride()[:3], *codes.stride()[:3], *scale.stride()[:3], *zero.stride()[:3])
 
 
 def run_append(launch: AppendLaunch, dst: AffineTensor, x: torch.Tensor, scalar, per_row,

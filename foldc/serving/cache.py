@@ -46,7 +46,7 @@ from ..spec import AttentionSpec
 from ..validate import check_sm_scale
 from .append import (OFFSET_ARG, append_arguments, append_quantized, check_finite, plan_append, resolve_target,
                      run_append, safe_abs_limit)
-from .inputs import check_new_tokens, count, mapped_flag, resolve_device, same_strides
+from .inputs import check_new_tokens, count, mapped_flag, resolve_device
 from .part_merge import merge_two_parts
 
 _TENSOR = torch.Tensor
@@ -138,8 +138,8 @@ class QuantizedKVCache:
         self._append_mode = resolve_target(target, self.device) if target != "reference" else "reference"
         self._append_launches: dict = {}
         self._append_bindings = Bindings(64)   # the body writes' bound launches (the offset given per call)
-        # keys and values of one token-wise encoding: one append launch writes both (`_write_bodies`)
-        self._pair = spec.k is not None and spec.k == spec.v and GroupAxis.of(spec.k) is GroupAxis.CHANNEL
+        # keys and values of token-wise encodings (one, or one each): one append launch writes both (`_write_bodies`)
+        self._pair = all(enc is not None and GroupAxis.of(enc) is GroupAxis.CHANNEL for enc in (spec.k, spec.v))
         # one-token appends: the append kernels' flag (1: a scale or zero written that is not finite). On a GPU
         # it lives in pinned host memory that the kernels write through its device address (`mapped_flag`):
         # the host reads it with no copy and no sync; else (no mapping) a device flag copied after each append
@@ -388,12 +388,14 @@ class QuantizedKVCache:
         return torch.cat(self._ring_parts(plain, 0, self._recent_len), dim=2)
 
     def _write_bodies(self, k_src: torch.Tensor, v_src: torch.Tensor) -> None:
-        """`_write_body` of the keys and then the values; one launch for both where they share a token-wise
-        encoding and strides and the append kernel's checks suffice (the pair launch)."""
-        if (self._pair and k_src.dtype == v_src.dtype and same_strides(k_src, v_src)
-                and self._append_mode != "reference" and (self._deferred or self._max_abs <= self._safe_abs["k"])):
+        """`_write_body` of the keys and then the values; one launch for both where both are token-wise (each in
+        its own encoding, each with its own strides) and the append kernel's checks suffice (the pair launch)."""
+        if (self._pair and k_src.dtype == v_src.dtype and self._append_mode != "reference"
+                and (self._deferred or self._max_abs <= min(self._safe_abs["k"], self._safe_abs["v"]))):
             if k_src.stride(-1) != 1:
-                k_src, v_src = k_src.contiguous(), v_src.contiguous()
+                k_src = k_src.contiguous()
+            if v_src.stride(-1) != 1:
+                v_src = v_src.contiguous()
             self._launch_write("k", k_src, v_src)
             return
         self._write_body("k", k_src)
@@ -416,7 +418,7 @@ class QuantizedKVCache:
     def _launch_write(self, name: str, src: torch.Tensor, second: torch.Tensor | None = None) -> None:
         """The append kernel's launch of ``src`` into body ``name`` at the body's end, without append_quantized's
         checks (the cache's own storage and checked tokens); ``second``: the values, written by the same launch
-        into the value body (`_write_bodies`)."""
+        into the value body in their own encoding (`_write_bodies`)."""
         body = self._body[name]
         n, deferred, pair = src.shape[2], self._deferred, second is not None
         key = (name, n, src.dtype, deferred, pair)
@@ -426,7 +428,7 @@ class QuantizedKVCache:
                 self._append_launches.clear()
             launch = self._append_launches[key] = plan_append(
                 getattr(self.spec, name), body.shape[1], body.shape[3], src.shape[0], n, src.dtype == torch.bfloat16,
-                False, 0, False, self._append_mode == "interpret", deferred, pair)
+                False, 0, False, self._append_mode == "interpret", deferred, self.spec.v if pair else False)
         flag = self._flag if deferred else None   # one token: the kernel flags a scale or zero that is not finite
         self._flag_written |= deferred
         other = (self._body["v"], second) if pair else None
@@ -434,8 +436,8 @@ class QuantizedKVCache:
             run_append(launch, body, src, self._body_len, None, flag=flag, second=other)
             return
         # a write seen before with these strides: the compiled kernel with the addresses and the offset alone
-        # (bound in native mode only)
-        bkey = (name, n, src.dtype, src.stride(), deferred, pair)
+        # (bound in native mode only; the values' strides are the launch's too)
+        bkey = (name, n, src.dtype, src.stride(), deferred, second.stride() if pair else None)
         state = self._append_bindings.get(bkey, launch)
         if type(state) is tuple and state:
             # the storage's addresses never change (reset keeps it): made once per (operand, flag, pair)

@@ -42,18 +42,6 @@ def check_new_tokens(name: str, x, batch: int, spec, dtype: torch.dtype, device:
         raise InputError(f"{name} is on {x.device} but the cache is on {device}; move it there")
 
 
-def same_strides(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether two tensors of one shape are laid out alike (the stride of a dim of size 1 is never used: a
-    decode step's new key, made by the rotary embedding, and its value, a view of a transpose, differ there)."""
-    sa, sb = a.stride(), b.stride()
-    if sa == sb:
-        return True
-    for x, y, n in zip(sa, sb, a.shape):   # (a loop, not a generator: this runs every decode step)
-        if x != y and n != 1:
-            return False
-    return True
-
-
 class _DeviceView:
     """``__cuda_array_interface__`` of an int32 host tensor's memory, for `mapped_flag`."""
 

@@ -41,7 +41,7 @@ from ..reference import attention_reference
 from ..spec import AttentionSpec
 from ..validate import check_sm_scale
 from .append import append_arguments, append_paged, check_finite, plan_append, resolve_target, run_append
-from .inputs import check_new_tokens, count, resolve_device, same_strides
+from .inputs import check_new_tokens, count, resolve_device
 from .paged import PagedDecodeWrapper, gather_pages, launch_plain, page_pool
 
 _TENSOR = torch.Tensor
@@ -117,11 +117,10 @@ class PagedKVCache:
             raise SpecError(f"target='interpret' runs Triton's interpreter, float16 on the CPU; got dtype={dtype} on "
                             f"{self.device}. Use dtype=torch.float16 and device='cpu', or target='reference'")
         self._append_target = "reference" if self.target == "reference" else "auto"
-        # straight to pages with K and V of one encoding: one append launch writes both (the kernel's pair mode)
+        # straight to pages (token-wise groups): one append launch writes K and V, each in its own encoding (the
+        # kernel's pair mode), and moves the offsets on itself
         mode = resolve_target(self._append_target, self.device)
-        self._pair = self._direct and spec.k == spec.v and mode != "reference"
-        # straight to pages, the decode step's (last) append launch moves the offsets on itself (token-wise groups)
-        self._advancing = self._direct and mode != "reference"
+        self._pair = self._direct and mode != "reference"
         self._append_interpret = mode == "interpret"
         self._append_bindings = Bindings(16)   # the pair launch's bound kernel per (dtype, k's and v's strides)
         self.pools = [{name: page_pool(spec, name, num_pages, page_size, device=self.device) for name in "kv"}
@@ -310,26 +309,19 @@ class PagedKVCache:
         """One token per sequence, device operations only."""
         if self._direct:   # every token is the body's: quantized into its page at position body
             pools, table = self.pools[layer], (self.wrapper.kv_indptr, self.wrapper.kv_indices)
-            if (self._pair and k_new.dtype == v_new.dtype and k_new.stride(-1) == 1
-                    and same_strides(k_new, v_new)):   # checked tokens, the cache's own pools and table
-                launch = plan_append(self.spec.k, self.spec.num_kv_heads, self.spec.head_dim, self.batch, 1,
-                                     k_new.dtype == torch.bfloat16, True, self.page_size, False, self._append_interpret,
-                                     pair=True, advance=True)
-                self._write_pair(layer, launch, pools, k_new, v_new, st, table)   # moves "body" on itself
-                return
-            if not self._advancing:   # (target "reference": the host's copies)
+            if not self._pair:   # (target "reference": the host's copies)
                 for name, x in (("k", k_new), ("v", v_new)):
                     append_paged(pools[name], x, *table, st["body"], page_size=self.page_size,
                                  target=self._append_target)
                 st["body"] += 1
                 return
-            # K and V of two encodings: the keys' launch reads the offsets, the values' then moves them on
-            append_paged(pools["k"], k_new, *table, st["body"], page_size=self.page_size, target=self._append_target)
-            x = v_new if v_new.stride(-1) == 1 else v_new.contiguous()
-            launch = plan_append(self.spec.v, self.spec.num_kv_heads, self.spec.head_dim, self.batch, 1,
-                                 x.dtype == torch.bfloat16, True, self.page_size, False, self._append_interpret,
-                                 advance=True)
-            run_append(launch, pools["v"], x, None, st["body"], paging=table, arrivals=st["arrivals"])
+            # checked tokens (one dtype), the cache's own pools and table; each operand with strides of its own
+            k_new = k_new if k_new.stride(-1) == 1 else k_new.contiguous()
+            v_new = v_new if v_new.stride(-1) == 1 else v_new.contiguous()
+            launch = plan_append(self.spec.k, self.spec.num_kv_heads, self.spec.head_dim, self.batch, 1,
+                                 k_new.dtype == torch.bfloat16, True, self.page_size, False, self._append_interpret,
+                                 pair=self.spec.v, advance=True)
+            self._write_pair(layer, launch, pools, k_new, v_new, st, table)   # moves "body" on itself
             return
         b, h, d = self.batch, self.spec.num_kv_heads, self.spec.head_dim
         idx = st["plain"].long().view(b, 1, 1, 1).expand(b, h, 1, d)
@@ -351,8 +343,8 @@ class PagedKVCache:
         st["body"] += counts
 
     def _write_pair(self, layer: int, launch, pools: dict, k_new, v_new, st: dict, table: tuple) -> None:
-        """The pair launch of a decode step's K and V into the pages at each sequence's ``st["body"]`` offset,
-        which the launch then moves on by one (`plan_append`'s advance, counting in ``st["arrivals"]``). Natively
+        """The pair launch of a decode step's K and V (each in its own encoding) into the pages at each sequence's
+        ``st["body"]`` offset, which the launch then moves on by one (`plan_append`'s advance, counting in ``st["arrivals"]``). Natively
         a launch seen before with these strides is bound (`FastLaunch.bind`) and later ones give it the tensors'
         addresses alone: the tokens', the pools', the offsets', the page table's and the counters' (as
         `append_arguments` orders them; the counts and flag it does not read are the key codes')."""

@@ -188,7 +188,8 @@ from foldc.serving.append import _kernel
 out = []
 for layout, x_bf16, scale_kind, per_row, paged, head_dim, *extra in json.loads(sys.argv[1]):
     fn = _kernel(layout, False)
-    extra = extra[0] if extra else {}
+    extra = dict(extra[0]) if extra else {}
+    second = extra.pop("SECOND", [2, 32, scale_kind])   # the pair's values: bits, group, scale kind
     ptrs = {"X": "*i16" if x_bf16 else "*fp16", "CODES": "*u8", "SCALE": ["*fp16", "*i16", "*fp32"][scale_kind],
             "OFFSETS": "*i32" if extra.get("ADVANCE") else "*i64", "KV_INDPTR": "*i32", "KV_INDICES": "*i32",
             "COUNTS": "*i32", "FLAG": "*i32", "X2": "*i16" if x_bf16 else "*fp16", "CODES2": "*u8",
@@ -197,7 +198,8 @@ for layout, x_bf16, scale_kind, per_row, paged, head_dim, *extra in json.loads(s
     for a in fn.arg_names:
         if a.startswith("stride"):
             sig[a] = "i64"
-    sig["ZERO"] = sig["SCALE2"] = sig["ZERO2"] = sig["SCALE"]
+    sig["ZERO"] = sig["SCALE"]
+    sig["SCALE2"] = sig["ZERO2"] = ["*fp16", "*i16", "*fp32"][second[2]]
     group = 32 if layout == "token" else 128
     width = 1 << (head_dim // 4 - 1).bit_length()    # the padded bytes per token (96 at INT2: 24 -> 32)
     const = dict(HEAD_DIM=head_dim, GROUP=group, BITS=2, CPB=4, MAX_CODE=3,
@@ -207,6 +209,12 @@ for layout, x_bf16, scale_kind, per_row, paged, head_dim, *extra in json.loads(s
     if layout == "token":
         groups = head_dim // group
         const.update(NUM_GROUPS=groups, GROUP_P=group, NUM_GROUPS_P=1 << (groups - 1).bit_length())
+    if extra.get("PAIR"):
+        bits2, group2, kind2 = second
+        cpb2, groups2 = 8 // bits2, head_dim // group2
+        const.update(BITS2=bits2, GROUP2=group2, NUM_GROUPS2=groups2, CPB2=cpb2, MAX_CODE2=(1 << bits2) - 1,
+                     SCALE_KIND2=kind2, GROUP_P2=1 << (group2 - 1).bit_length(),
+                     NUM_GROUPS_P2=1 << (groups2 - 1).bit_length(), WIDTH_P2=1 << (head_dim // cpb2 - 1).bit_length())
     with interpreter(False):
         c = triton.compile(ASTSource(fn, sig, constexprs=const), target=GPUTarget("cuda", 90, 32),
                            options={"num_warps": 4})
@@ -223,14 +231,17 @@ print(json.dumps(out))
 def test_kernels_build_for_sm90_with_correctly_rounded_division(tmp_path):
     """The GPU build (no GPU needed): both kernels compile for sm_90, contiguous and paged (page
     table, per-row counts), at head_dim 128 and 96 (padded), and every float32 division is div.rn (an approximate division would
-    break bit-exactness with foldc.quantize). The paged cache's decode-step launches (the pair and the values' alone,
-    which move the offsets on) count their programs with one acquire-release atomic add after a barrier."""
+    break bit-exactness with foldc.quantize). The advancing launches (the paged cache's decode-step pair, of one
+    encoding or two, and one operand alone) count their programs with one acquire-release atomic add after a
+    barrier."""
     advancing = [["token", True, 1, True, True, 128, {"PAIR": True, "ADVANCE": True}],
+                 ["token", False, 0, True, True, 128, {"PAIR": True, "ADVANCE": True, "SECOND": [4, 64, 2]}],
                  ["token", False, 0, True, True, 128, {"ADVANCE": True}]]
     jobs = advancing + [["token", False, 0, False, False, 128], ["token", True, 1, True, False, 128],
             ["channel", False, 2, True, False, 128], ["channel", True, 0, False, False, 128],
             ["token", True, 1, True, True, 128], ["channel", True, 1, True, True, 128],
-            ["token", True, 0, False, False, 96], ["channel", False, 0, False, False, 96]]   # padded: head_dim 96
+            ["token", True, 0, False, False, 96], ["channel", False, 0, False, False, 96],   # padded: head_dim 96
+            ["token", False, 1, True, False, 96, {"PAIR": True, "SECOND": [8, 48, 2]}]]   # two encodings, padded
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     env["TRITON_CACHE_DIR"] = str(tmp_path / "triton")
@@ -402,19 +413,20 @@ def test_an_append_plan_is_memoised_and_sized_from_the_shapes(layout, bits, grou
         assert consts["BLOCK_T"] == min(BLOCK_T_CHANNEL, group)
 
 
-def _pair_write(enc, head_dim, batch, heads, tokens, capacity, offset, dtype, gen, device="cpu"):
-    """Keys and values written by one pair launch (`plan_append(..., pair=True)`) into poisoned storage:
-    (before k, before v, after k, after v, k, v)."""
+def _pair_write(enc, head_dim, batch, heads, tokens, capacity, offset, dtype, gen, device="cpu", enc2=None):
+    """Keys and values written by one pair launch (`plan_append(..., pair=True)`, or ``pair=enc2``: the values in
+    an encoding of their own) into poisoned storage: (before k, before v, after k, after v, k, v)."""
     from foldc.serving.append import plan_append, run_append
 
-    before = [poisoned(enc, batch, heads, capacity, head_dim, gen) for _ in range(2)]
-    dsts = [AffineTensor(d.codes.clone().to(device), d.scale.clone().to(device), d.zero.clone().to(device), enc,
-                         head_dim) for d in before]
+    encs = (enc, enc2 or enc)
+    before = [poisoned(e, batch, heads, capacity, head_dim, gen) for e in encs]
+    dsts = [AffineTensor(d.codes.clone().to(device), d.scale.clone().to(device), d.zero.clone().to(device), e,
+                         head_dim) for d, e in zip(before, encs)]
     # keys and values as a model makes them: views of one transposed projection each
-    k, v = (values((batch, tokens, heads, head_dim), "normal", dtype, gen, enc.bits).to(device).transpose(1, 2)
-            for _ in range(2))
+    k, v = (values((batch, tokens, heads, head_dim), "normal", dtype, gen, e.bits).to(device).transpose(1, 2)
+            for e in encs)
     launch = plan_append(enc, heads, head_dim, batch, tokens, dtype == torch.bfloat16, False, 0, False,
-                         device == "cpu", False, True)
+                         device == "cpu", False, enc2 or True)
     run_append(launch, dsts[0], k, offset, None, second=(dsts[1], v))
     return before, dsts, k.cpu(), v.cpu()
 
@@ -441,28 +453,111 @@ def test_a_pair_launch_takes_token_wise_encodings_only():
 
     with pytest.raises(SpecError, match="token-wise"):
         plan_append(A(4, "channel", 16), 2, 64, 1, 16, False, False, 0, False, True, False, True)
+    with pytest.raises(SpecError, match="token-wise"):
+        plan_append(A(4, "channel", 16), 2, 64, 1, 16, False, False, 0, False, True, False, A(2, "token", 32))
+    with pytest.raises(SpecError, match=r"pair=channel:2:16:bf16 is channel-wise: the pair launch writes two "
+                                        r"token-wise encodings only"):
+        plan_append(A(4, "token", 32), 2, 64, 1, 1, False, True, 0, False, True, pair=A(2, "channel", 16,
+                                                                                          torch.bfloat16))
+    with pytest.raises(SpecError, match=r"pair='token:2:32' must be True .* or the values' foldc.Affine"):
+        plan_append(A(4, "token", 32), 2, 64, 1, 1, False, True, 0, False, True, pair="token:2:32")
+
+
+def _source(shape: tuple, layout: str, dtype: torch.dtype, gen, bits_: int) -> torch.Tensor:
+    """Fresh values [batch, heads, tokens, head_dim] laid out as ``layout``: "contiguous"; "transposed" (a view of
+    a [batch, tokens, heads, head_dim] projection, as models make keys and values); "every other token" (a view of
+    twice as many tokens)."""
+    b, h, n, d = shape
+    kind = ["normal", "halves", "offset", "constant"][int(torch.randint(0, 4, (), generator=gen))]
+    if layout == "transposed":
+        return values((b, n, h, d), kind, dtype, gen, bits_).transpose(1, 2)
+    if layout == "every other token":
+        return values((b, h, 2 * n, d), kind, dtype, gen, bits_)[:, :, ::2]
+    return values(shape, kind, dtype, gen, bits_)
+
+
+@st.composite
+def two_encodings(draw):
+    """Keys and values of two token-wise encodings (bits, groups, scale dtypes drawn per side, head_dims whose
+    groups or bytes are no powers of two too), and the launches that write them."""
+    head_dim = draw(st.sampled_from([32, 64, 96]))
+    groups = [g for g in (8, 12, 16, 24, 32, 48, 64, 96) if head_dim % g == 0]
+    encs = tuple(A(draw(st.sampled_from([2, 4, 8])), "token", draw(st.sampled_from(groups)),
+                   draw(st.sampled_from(SCALE_DTYPES))) for _ in range(2))
+    advance = draw(st.booleans())
+    return dict(encs=encs, head_dim=head_dim, advance=advance, per_row=advance or draw(st.booleans()),
+                steps=draw(st.lists(st.integers(1, 20), min_size=1, max_size=3 if advance else 1)),
+                batch=draw(st.integers(1, 3)), heads=draw(st.integers(1, 3)),
+                dtype=draw(st.sampled_from([torch.float16, torch.float32, torch.bfloat16])),
+                layouts=draw(st.lists(st.sampled_from(["contiguous", "transposed", "every other token"]), min_size=2,
+                                      max_size=2)),
+                spare=draw(st.integers(0, 5)), seed=draw(st.integers(0, 2**31 - 1)))
+
+
+@settings(max_examples=40, deadline=None)
+@given(case=two_encodings())
+def test_a_pair_launch_of_two_token_wise_encodings_writes_each_as_quantize_does(case):
+    """The pair launch with the values in a token-wise encoding of their own (K token:4:128 beside V token:2:128,
+    other groups, other scale dtypes): each operand holds foldc.quantize's bits at its rows' offsets, read from
+    sources of their own layouts and written into storage of its own strides (views of longer poisoned buffers), and
+    nothing else is touched; with ``advance``, launch after launch, every row's offset ends moved on by all the
+    launches' tokens (once per launch, whatever the two halves' programs) and the counters are back to zero
+    (interpreter, fp16)."""
+    from foldc.serving.append import plan_append, run_append
+
+    gen = torch.Generator().manual_seed(case["seed"])
+    encs, d, batch, heads, steps = case["encs"], case["head_dim"], case["batch"], case["heads"], case["steps"]
+    starts = [int(torch.randint(0, 7, (), generator=gen)) for _ in range(batch)]
+    if not case["per_row"]:
+        starts = starts[:1] * batch
+    capacity = max(starts) + sum(steps) + case["spare"]
+    # each operand's storage: the first `capacity` tokens of a buffer of its own length (strides of its own)
+    before = [poisoned(enc, batch, heads, capacity + extra, d, gen) for enc, extra in zip(encs, (1, 4))]
+    buffers = [AffineTensor(b.codes.clone(), b.scale.clone(), b.zero.clone(), b.encoding, d) for b in before]
+    dsts = [AffineTensor(b.codes[:, :, :capacity], b.scale[:, :, :capacity], b.zero[:, :, :capacity], b.encoding, d)
+            for b in buffers]
+    offsets = torch.tensor(starts, dtype=torch.int32)
+    arrivals = torch.zeros(batch, dtype=torch.int32)
+    written = [[], []]
+    for tokens in steps:
+        xs = [_source((batch, heads, tokens, d), layout, case["dtype"], gen, enc.bits)
+              for layout, enc in zip(case["layouts"], encs)]
+        launch = plan_append(encs[0], heads, d, batch, tokens, case["dtype"] == torch.bfloat16, case["per_row"], 0,
+                             False, True, False, encs[1], advance=case["advance"])
+        assert dict(launch.constants)["BITS2"] == encs[1].bits and launch.grid[0] == 2 * batch * heads
+        run_append(launch, dsts[0], xs[0], None if case["per_row"] else starts[0],
+                   offsets if case["per_row"] else None, second=(dsts[1], xs[1]),
+                   arrivals=arrivals if case["advance"] else None)
+        for w, x in zip(written, xs):
+            w.append(x)
+    for b, buf, w in zip(before, buffers, written):
+        assert_same_bits(buf, expected(b, torch.cat(w, dim=2), starts))
+    moved = sum(steps) if case["advance"] else 0
+    assert offsets.tolist() == [s + moved for s in starts] and arrivals.tolist() == [0] * batch
 
 
 def _advancing_writes(enc, head_dim, batch, heads, steps, starts, dtype, gen, device="cpu", pair=True):
     """``steps`` (tokens per launch) written one launch after another at each row's own offset by launches planned
     with ``advance=True`` (the offsets moved on by the launches alone) into poisoned storage: (before, after,
-    written values per operand, offsets after, arrival counters after)."""
+    written values per operand, offsets after, arrival counters after). ``pair``: True (K and V of ``enc``), an
+    encoding (the values'), or False (one operand)."""
     from foldc.serving.append import plan_append, run_append
 
     capacity = max(starts) + sum(steps) + 2
-    ops = 2 if pair else 1
-    before = [poisoned(enc, batch, heads, capacity, head_dim, gen) for _ in range(ops)]
-    dsts = [AffineTensor(d.codes.clone().to(device), d.scale.clone().to(device), d.zero.clone().to(device), enc,
-                         head_dim) for d in before]
+    encs = (enc, enc if pair is True else pair) if pair is not False else (enc,)
+    ops = len(encs)
+    before = [poisoned(e, batch, heads, capacity, head_dim, gen) for e in encs]
+    dsts = [AffineTensor(d.codes.clone().to(device), d.scale.clone().to(device), d.zero.clone().to(device), e,
+                         head_dim) for d, e in zip(before, encs)]
     offsets = torch.tensor(starts, dtype=torch.int32, device=device)
     arrivals = torch.zeros(batch, dtype=torch.int32, device=device)
     written = [[] for _ in range(ops)]
     for tokens in steps:
-        xs = [values((batch, heads, tokens, head_dim), "normal", dtype, gen, enc.bits) for _ in range(ops)]
+        xs = [values((batch, heads, tokens, head_dim), "normal", dtype, gen, e.bits) for e in encs]
         launch = plan_append(enc, heads, head_dim, batch, tokens, dtype == torch.bfloat16, True, 0, False,
                              device == "cpu", False, pair, advance=True)
         run_append(launch, dsts[0], xs[0].to(device), None, offsets,
-                   second=(dsts[1], xs[1].to(device)) if pair else None, arrivals=arrivals)
+                   second=(dsts[1], xs[1].to(device)) if ops == 2 else None, arrivals=arrivals)
         for w, x in zip(written, xs):
             w.append(x)
     return before, dsts, [torch.cat(w, dim=2) for w in written], offsets.cpu(), arrivals.cpu()
@@ -500,14 +595,15 @@ def test_an_advancing_launch_needs_per_row_offsets_and_token_wise_groups():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("pair", [True, False], ids=["pair", "one operand"])
+@pytest.mark.parametrize("pair", [True, A(2, "token", 128, torch.bfloat16), False],
+                         ids=["pair", "pair of two encodings", "one operand"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_gpu_advancing_launches_move_every_rows_offset_on_once(pair, dtype):
     """On the GPU, where a row's programs run at once: 40 launches over 64 rows of 8 heads (2 x 8 programs a row
     in pair mode, 16-token blocks on the second axis at 20 tokens), each row's offset moved on by the launch's
     tokens exactly once per launch and every token written where its row's offset said, the counters back to
     zero."""
-    gen = torch.Generator().manual_seed(91 + pair)
+    gen = torch.Generator().manual_seed(91 + (pair is True))
     enc = A(4, "token", 64)
     steps = [1] * 36 + [20, 3, 1, 1]
     starts = [int(t) for t in torch.randint(0, 50, (64,), generator=gen)]
@@ -517,19 +613,23 @@ def test_gpu_advancing_launches_move_every_rows_offset_on_once(pair, dtype):
     assert offsets.tolist() == [s + sum(steps) for s in starts]
     assert arrivals.tolist() == [0] * 64
     for b, d, x in zip(before, dsts, xs):
-        got = AffineTensor(d.codes.cpu(), d.scale.cpu(), d.zero.cpu(), enc, 128)
+        got = AffineTensor(d.codes.cpu(), d.scale.cpu(), d.zero.cpu(), b.encoding, 128)
         assert_same_bits(got, expected(b, x, starts))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("enc", [A(4, "token", 32), A(2, "token", 128, torch.bfloat16), A(8, "token", 64, torch.float32)])
-def test_gpu_pair_launch_writes_keys_and_values_as_quantize_does(enc, dtype):
-    gen = torch.Generator().manual_seed(hash((enc.short(), str(dtype))) % 2**31)
-    before, dsts, k, v = _pair_write(enc, 128, 2, 4, 3, 9, 5, dtype, gen, device="cuda")
+@pytest.mark.parametrize("enc, enc2", [(A(4, "token", 32), None), (A(2, "token", 128, torch.bfloat16), None),
+                                       (A(8, "token", 64, torch.float32), None),
+                                       (A(4, "token", 128), A(2, "token", 128)),
+                                       (A(2, "token", 32, torch.bfloat16), A(8, "token", 64, torch.float32))],
+                         ids=lambda e: e.short() if e else "same")
+def test_gpu_pair_launch_writes_keys_and_values_as_quantize_does(enc, enc2, dtype):
+    gen = torch.Generator().manual_seed(hash((enc.short(), str(enc2), str(dtype))) % 2**31)
+    before, dsts, k, v = _pair_write(enc, 128, 2, 4, 3, 9, 5, dtype, gen, device="cuda", enc2=enc2)
     torch.cuda.synchronize()
     for b, d, x in zip(before, dsts, (k, v)):
-        got = AffineTensor(d.codes.cpu(), d.scale.cpu(), d.zero.cpu(), enc, 128)
+        got = AffineTensor(d.codes.cpu(), d.scale.cpu(), d.zero.cpu(), b.encoding, 128)
         assert_same_bits(got, expected(b, x, [5, 5]))
 
 

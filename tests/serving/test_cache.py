@@ -21,6 +21,9 @@ SPECS = {
     "K channel2 / V token2": foldc.AttentionSpec(4, 2, 64, A(2, "channel", 32), A(2, "token", 32)),
     "K channel4 g32 / V channel2 g48": foldc.AttentionSpec(2, 2, 64, A(4, "channel", 32), A(2, "channel", 48)),
     "K token8 bf16 scales / V plain": foldc.AttentionSpec(4, 1, 64, A(8, "token", 64, torch.bfloat16), None),
+    # two token-wise encodings: the body's writes are the append kernel's pair launches
+    "K token4 / V token2 g32 bf16 scales": foldc.AttentionSpec(4, 2, 64, A(4, "token", 64),
+                                                               A(2, "token", 32, torch.bfloat16)),
     "plain / plain": foldc.AttentionSpec(4, 2, 64),
     # head_dim 96 (Phi-3's): 24-channel bit fields at INT2, padded by the append and attention kernels
     "K token2 / V channel2 d96": foldc.AttentionSpec(4, 2, 96, A(2, "token", 96), A(2, "channel", 16)),
@@ -93,6 +96,9 @@ def _tokens(cache, n, gen, shift=0.0):
        prefill=st.integers(1, 70), steps=st.lists(st.one_of(st.just(1), st.integers(1, 40)), min_size=0, max_size=10),
        batch=st.integers(1, 2), seed=st.integers(0, 2**31 - 1))
 @example(name="K token2 / V channel2 d96", sink=1, window=7, prefill=40, steps=[1, 17, 1], batch=2, seed=5)
+@example(name="K token4 / V token2 g32 bf16 scales", sink=0, window=0, prefill=9, steps=[1, 1, 5, 1], batch=2, seed=3)
+@example(name="K token4 / V token2 g32 bf16 scales", sink=2, window=3, prefill=4, steps=[1, 1, 1, 6, 1], batch=1,
+         seed=4)
 def test_any_sequence_of_appends_is_cached_exactly(name, sink, window, prefill, steps, batch, seed):
     gen = torch.Generator().manual_seed(seed)
     total = prefill + sum(steps)
@@ -414,14 +420,15 @@ class _KernelStandIn:
 def test_body_writes_bind_their_launch_and_pass_the_offset_per_call(monkeypatch):
     """A GPU cache's one-token body writes: the first launch of a (operand, tokens, strides) is keyed, the
     second binds with the token offset given per call (do_not_specialize), later ones launch the bound
-    kernel with the tensors' addresses and that step's offset. Stand-in kernels; the GPU twin is
-    tests/serving/test_paged_gpu.py."""
+    kernel with the tensors' addresses and that step's offset. Keys of a token-wise encoding beside plain values
+    (a launch of their own: no pair). Stand-in kernels; the GPU twin is tests/serving/test_paged_gpu.py."""
     from foldc.serving import append as append_module
 
     kernels = {}
     monkeypatch.setattr(append_module, "_fast", lambda name, interpret: kernels.setdefault(name, _KernelStandIn()))
-    spec = foldc.AttentionSpec(4, 2, 64, A(2, "token", 16), A(4, "token", 32))   # a body write every token
+    spec = foldc.AttentionSpec(4, 2, 64, A(2, "token", 16), None)   # a body write every token
     cache = QuantizedKVCache(spec, 2, 16, target="interpret")
+    assert not cache._pair
     cache._append_mode = "native"     # as on a GPU, with the launches recorded instead of run
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     gen = torch.Generator().manual_seed(3)
@@ -429,34 +436,37 @@ def test_body_writes_bind_their_launch_and_pass_the_offset_per_call(monkeypatch)
         cache.append(*_tokens(cache, 1, gen))
     assert set(kernels) == {"token"}
     kernel = kernels["token"]
-    assert [args[append_module.OFFSET_ARG] for args in kernel.launches] == [0, 0, 1, 1]   # k and v, steps 0 and 1
-    assert len(kernel.binds) == 2 and all(dyn == (append_module.OFFSET_ARG,) for _, dyn in kernel.binds)
-    bound = cache._append_bindings.bound()
-    assert len(bound) == 2
-    for (b,), name in zip(bound, ("k", "v")):
-        body = cache._body[name]
-        codes = body.codes.data_ptr()
-        assert [values for _, values in b.calls] == [(2,), (3,), (4,)]
-        assert all(addresses[1:] == (codes, body.scale.data_ptr(), body.zero.data_ptr(), codes, codes, codes, codes,
-                                     cache._flag.data_ptr(),   # one-token appends: the kernel's NaN/Inf flag
-                                     codes, codes, codes, codes,   # no pair: K and V encodings differ
-                                     codes)   # no counters: the offset is the call's
-                   for addresses, _ in b.calls)
+    assert [args[append_module.OFFSET_ARG] for args in kernel.launches] == [0, 1]   # the keys, steps 0 and 1
+    assert len(kernel.binds) == 1 and all(dyn == (append_module.OFFSET_ARG,) for _, dyn in kernel.binds)
+    (b,), = cache._append_bindings.bound()
+    body = cache._body["k"]
+    codes = body.codes.data_ptr()
+    assert [values for _, values in b.calls] == [(2,), (3,), (4,)]
+    assert all(addresses[1:] == (codes, body.scale.data_ptr(), body.zero.data_ptr(), codes, codes, codes, codes,
+                                 cache._flag.data_ptr(),   # one-token appends: the kernel's NaN/Inf flag
+                                 codes, codes, codes, codes,   # no pair
+                                 codes)   # no counters: the offset is the call's
+               for addresses, _ in b.calls)
     assert all(args[8] is cache._flag for args in kernel.launches)
     assert cache.body_tokens == 5
 
 
-def test_keys_and_values_of_one_encoding_go_in_one_launch(monkeypatch):
-    """K and V of one token-wise encoding: each step's body write is one launch of the pair kernel (the values'
-    four tensors after the flag, the grid's first axis doubled), bound from the second step like any write; a
-    channel-wise encoding, or two encodings, keep a launch each. Stand-in kernels; the bits are the interpreter's
-    (tests/serving/test_append.py) and the GPU's (tests/serving/test_paged_gpu.py)."""
+@pytest.mark.parametrize("k_enc, v_enc", [(A(4, "token", 32), A(4, "token", 32)),
+                                          (A(4, "token", 64), A(2, "token", 64)),
+                                          (A(2, "token", 16), A(8, "token", 64, torch.bfloat16))],
+                         ids=["one-encoding", "4-and-2-bits", "other-groups-and-scales"])
+def test_token_wise_keys_and_values_go_in_one_launch(monkeypatch, k_enc, v_enc):
+    """K and V token-wise, of one encoding or one each: each step's body write is one launch of the pair kernel (the
+    values' four tensors after the flag, their own strides last, their encoding's constants as the launch's second
+    ones, the grid's first axis doubled), bound from the second step like any write; a channel-wise or a plain
+    operand keeps a launch each. Stand-in kernels; the bits are the interpreter's (tests/serving/test_append.py)
+    and the GPU's (tests/serving/test_paged_gpu.py)."""
     from foldc.serving import append as append_module
 
     kernels = {}
     monkeypatch.setattr(append_module, "_fast", lambda name, interpret: kernels.setdefault(name, _KernelStandIn()))
-    enc = A(4, "token", 32)
-    cache = QuantizedKVCache(foldc.AttentionSpec(4, 2, 64, enc, enc), 2, 16, target="interpret")
+    cache = QuantizedKVCache(foldc.AttentionSpec(4, 2, 64, k_enc, v_enc), 2, 16, target="interpret")
+    assert cache._pair
     cache._append_mode = "native"
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     gen = torch.Generator().manual_seed(4)
@@ -471,16 +481,50 @@ def test_keys_and_values_of_one_encoding_go_in_one_launch(monkeypatch):
     for args in kernel.launches:
         assert args[0].shape[2] == 1 and args[1] is k_body.codes
         assert args[10] is v_body.codes and args[11].data_ptr() == v_body.scale.data_ptr()
+        assert args[-12:] == (*args[9].stride()[:3], *v_body.codes.stride()[:3], *v_body.scale.stride()[:3],
+                              *v_body.zero.stride()[:3])   # the values' own strides
+        assert args[9].stride()[:3] != args[0].stride()[:3]
     (bound,), = cache._append_bindings.bound()
     assert [values for _, values in bound.calls] == [(2,), (3,)]
     assert all(addresses[9:] == (addresses[9], v_body.codes.data_ptr(), v_body.scale.data_ptr(),
                                  v_body.zero.data_ptr(), k_body.codes.data_ptr()) and addresses[9] != addresses[0]
                for addresses, _ in bound.calls)
     launch = next(iter(cache._append_launches.values()))
-    assert launch.grid[0] == 2 * 2 * 2 and dict(launch.constants)["PAIR"]   # (k, v) x batch x kv heads
-    for k_enc, v_enc in ((A(4, "token", 32), A(2, "token", 32)), (A(4, "channel", 16), A(4, "channel", 16))):
-        other = QuantizedKVCache(foldc.AttentionSpec(4, 2, 64, k_enc, v_enc), 2, 16, target="interpret")
+    consts = dict(launch.constants)
+    assert launch.grid[0] == 2 * 2 * 2 and consts["PAIR"]   # (k, v) x batch x kv heads
+    assert (consts["BITS"], consts["GROUP"], consts["BITS2"], consts["GROUP2"], consts["NUM_GROUPS2"]) == \
+        (k_enc.bits, k_enc.group_size, v_enc.bits, v_enc.group_size, 64 // v_enc.group_size)
+    assert consts["SCALE_KIND2"] == append_module.SCALE_KIND[v_enc.scale_dtype]
+    for k_other, v_other in ((A(4, "token", 32), A(4, "channel", 16)), (A(4, "channel", 16), A(4, "channel", 16)),
+                             (A(4, "token", 32), None)):
+        other = QuantizedKVCache(foldc.AttentionSpec(4, 2, 64, k_other, v_other), 2, 16, target="interpret")
         assert not other._pair
+
+
+def test_decode_steps_with_two_token_wise_encodings_write_both_in_one_launch(monkeypatch):
+    """K token:4:64 and V token:2:64 (a common recipe), interpreted: every decode step's body write is one pair
+    launch (the append kernel planned with the values' encoding), the body holds foldc.quantize's bits of both and
+    attention equals float64 attention over the dequantized cache."""
+    from foldc.serving import cache as cache_module
+
+    launches = []
+    real = cache_module.run_append
+    monkeypatch.setattr(cache_module, "run_append",
+                        lambda launch, *a, **kw: launches.append((launch, kw.get("second"))) or real(launch, *a, **kw))
+    spec = foldc.AttentionSpec(4, 2, 64, A(4, "token", 64), A(2, "token", 64))
+    gen = torch.Generator().manual_seed(15)
+    cache = QuantizedKVCache(spec, 2, 24, target="interpret")
+    track = Tracker(cache)
+    track.append(*_tokens(cache, 6, gen, shift=2.0))
+    for step in range(5):
+        launches.clear()
+        track.append(*_tokens(cache, 1, gen))
+        (launch, second), = launches
+        consts = dict(launch.constants)
+        assert second[0] is cache._body["v"] and consts["PAIR"] and consts["BITS"] == 4 and consts["BITS2"] == 2
+        if step % 2:
+            track.check_attention(gen)
+    assert cache.body_tokens == 11
 
 
 def test_decode_steps_run_the_bodys_prepared_attention(monkeypatch):

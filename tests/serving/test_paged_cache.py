@@ -191,14 +191,14 @@ def test_run_and_a_decode_step_read_nothing_on_the_host(no_host_reads):
     assert rel_l2(out, foldc.attention_reference(q, keys, values)) <= TOL
 
 
-@pytest.mark.parametrize("kv, pair", [((A(4, "token", 32), A(2, "token", 64)), False),
-                                      ((A(4, "token", 32), A(4, "token", 32)), True)],
-                         ids=["two-encodings", "one-encoding-pair"])
-def test_without_sink_and_window_decode_tokens_go_straight_to_the_pages(no_host_reads, monkeypatch, kv, pair):
+@pytest.mark.parametrize("kv", [(A(4, "token", 32), A(2, "token", 64)), (A(4, "token", 64), A(2, "token", 64)),
+                                (A(4, "token", 32), A(4, "token", 32))],
+                         ids=["two-encodings", "4-and-2-bits-g64", "one-encoding"])
+def test_without_sink_and_window_decode_tokens_go_straight_to_the_pages(no_host_reads, monkeypatch, kv):
     """Token-wise groups, no sink, no window: the body holds every token, so a decode step writes its token into
     the pages (no plain buffer) and attention reads the pages alone (no plain attention, no merge), on the
-    device only; the result still matches float64 over the dequantized cache, at every step. K and V of one
-    encoding go in one append launch (the kernel's pair mode), also when the value is a transposed view (its
+    device only; the result still matches float64 over the dequantized cache, at every step. K and V go in one
+    append launch (the kernel's pair mode, each in its own encoding), also when the value is a transposed view (its
     token's stride differs from the key's, as transformers makes them)."""
     import foldc.serving.paged_cache as paged_cache
 
@@ -210,11 +210,14 @@ def test_without_sink_and_window_decode_tokens_go_straight_to_the_pages(no_host_
     spec = S(4, 2, 64, *kv)
     gen = torch.Generator().manual_seed(12)
     cache = PagedKVCache(spec, num_layers=1, page_size=16, num_pages=8, max_seq_len=64)
-    assert cache._pair == pair
+    assert cache._pair
     cache.plan(*_table(2, 3, 8, seed=4), seq_lens=[0, 0])
     cache.append(0, *_tokens(gen, 2, 2, 14, 64))
-    if pair:   # decode steps: one launch for both, never the per-operand append
-        monkeypatch.setattr(paged_cache, "append_paged", never)
+    monkeypatch.setattr(paged_cache, "append_paged", never)   # decode steps: one launch for both, never one each
+    pairs = []
+    real = paged_cache.run_append
+    monkeypatch.setattr(paged_cache, "run_append",
+                        lambda launch, *a, **kw: pairs.append(dict(launch.constants)) or real(launch, *a, **kw))
     for step in range(4):   # the third step crosses into each sequence's second page
         k, v = _tokens(gen, 2, 2, 1, 64)
         v = v.transpose(1, 2).contiguous().transpose(1, 2)   # [2, 2, 1, 64] as a transposed view
@@ -227,6 +230,8 @@ def test_without_sink_and_window_decode_tokens_go_straight_to_the_pages(no_host_
         assert torch.equal(keys[:, :, -1:], foldc.quantize(k.float(), spec.k).dequantize().to(keys.dtype))
         assert torch.equal(values[:, :, -1:], foldc.quantize(v.float(), spec.v).dequantize().to(values.dtype))
         assert rel_l2(out, foldc.attention_reference(q, keys, values)) <= TOL
+    assert len(pairs) == 4 and all(c["PAIR"] and c["ADVANCE"] and (c["BITS"], c["GROUP"], c["BITS2"], c["GROUP2"]) ==
+                                   (kv[0].bits, kv[0].group_size, kv[1].bits, kv[1].group_size) for c in pairs)
 
 
 def test_lengths_cannot_claim_tokens_the_cache_never_received():
@@ -315,19 +320,21 @@ def test_device_lengths_past_a_sequences_pages_read_only_its_pages():
     assert rel_l2(got, want) < TOL
 
 
-def test_a_decode_steps_pair_launch_binds_and_then_launches_by_address(monkeypatch):
-    """Natively (stand-in kernels on the CPU), straight to pages with K and V of one encoding: the first two decode
-    steps' pair launches are keyed, the second binds, later steps give the bound launch the tokens', the layer's
-    pools', its offsets', the page table's and its counters' addresses, one bound launch for every layer; a bound launch that
-    declines takes the keyed way."""
+@pytest.mark.parametrize("kv", [(A(4, "token", 32), A(4, "token", 32)), (A(4, "token", 64), A(2, "token", 64)),
+                                (A(2, "token", 16), A(8, "token", 64, torch.float32))],
+                         ids=["one-encoding", "4-and-2-bits", "other-groups-and-scales"])
+def test_a_decode_steps_pair_launch_binds_and_then_launches_by_address(monkeypatch, kv):
+    """Natively (stand-in kernels on the CPU), straight to pages with K and V token-wise (one encoding or one each):
+    the first two decode steps' pair launches are keyed, the second binds, later steps give the bound launch the
+    tokens', the layer's pools', its offsets', the page table's and its counters' addresses, one bound launch for
+    every layer; a bound launch that declines takes the keyed way."""
     from foldc.serving import append as append_module
     from test_cache import _KernelStandIn
 
     kernels = {}
     monkeypatch.setattr(append_module, "_fast", lambda name, interpret: kernels.setdefault(name, _KernelStandIn()))
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    enc = A(4, "token", 32)
-    cache = PagedKVCache(S(4, 2, 64, enc, enc), num_layers=2, page_size=16, num_pages=16, max_seq_len=64)
+    cache = PagedKVCache(S(4, 2, 64, *kv), num_layers=2, page_size=16, num_pages=16, max_seq_len=64)
     cache._append_interpret = False   # as on a GPU, with the launches recorded instead of run
     cache.plan(*_table(2, 3, 16, seed=5), seq_lens=[0, 0])
     gen = torch.Generator().manual_seed(13)
@@ -356,25 +363,30 @@ def test_a_decode_steps_pair_launch_binds_and_then_launches_by_address(monkeypat
         assert values == ()
     keyed = kernel.launches[prefill]
     assert keyed[0].data_ptr() == steps[0][1].data_ptr() and keyed[4] is cache._layers[0]["body"]
+    vp = cache.pools[0]["v"]
+    assert keyed[9].data_ptr() == steps[0][2].data_ptr() and keyed[-12:] == (
+        *steps[0][2].stride()[:3], *vp.codes.stride()[:3], *vp.scale.stride()[:3], *vp.zero.stride()[:3])
     monkeypatch.setattr(type(bound), "__call__", lambda self, addresses, values=(): False)   # it declines
     cache.append(0, *_tokens(gen, 2, 2, 1, 64))
     assert len(kernel.launches) == prefill + 3
     assert cache.num_tokens(0) == [10, 10] and cache.num_tokens(1) == [9, 9]
 
 
-def test_a_decode_step_shaped_as_the_last_bound_one_skips_the_whole_path(monkeypatch):
-    """Straight to pages, natively (stand-in kernels): once a layer's pair write went bound, its next steps of the
-    same shapes, strides and dtypes go from a few comparisons to the bound launch (no `_state`, no token checks,
-    capacity by the layer's room) and the host counts still advance; a layer that is not an int, a step past
-    capacity and the first step after `plan` take the whole path, which refuses by name or binds again."""
+@pytest.mark.parametrize("kv", [(A(4, "token", 32), A(4, "token", 32)), (A(4, "token", 64), A(2, "token", 64))],
+                         ids=["one-encoding", "two-encodings"])
+def test_a_decode_step_shaped_as_the_last_bound_one_skips_the_whole_path(monkeypatch, kv):
+    """Straight to pages, natively (stand-in kernels): once a layer's pair write went bound (K and V of one
+    encoding or one each), its next steps of the same shapes, strides and dtypes go from a few comparisons to the
+    bound launch (no `_state`, no token checks, capacity by the layer's room) and the host counts still advance; a
+    layer that is not an int, a step past capacity and the first step after `plan` take the whole path, which
+    refuses by name or binds again."""
     from foldc.serving import append as append_module
     from test_cache import _KernelStandIn
 
     kernels = {}
     monkeypatch.setattr(append_module, "_fast", lambda name, interpret: kernels.setdefault(name, _KernelStandIn()))
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    enc = A(4, "token", 32)
-    cache = PagedKVCache(S(4, 2, 64, enc, enc), num_layers=2, page_size=16, num_pages=16, max_seq_len=24)
+    cache = PagedKVCache(S(4, 2, 64, *kv), num_layers=2, page_size=16, num_pages=16, max_seq_len=24)
     cache._append_interpret = False
     table = _table(2, 2, 16, seed=6)   # two pages a sequence: 24 tokens at most
     cache.plan(*table, seq_lens=[0, 0])
