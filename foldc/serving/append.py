@@ -276,15 +276,20 @@ def append_arguments(launch: AppendLaunch, dst: AffineTensor, x: torch.Tensor, s
     indptr, indices = paging if paging is not None else (codes, codes)  # read only if PAGED
     pair = _kernel_views(*second) if second is not None else None   # read only if PAIR
     first = _strides(xin, codes, scale, zero)
+    kwargs = keywords(launch)
+    # the kernels' capacity: the tokens of contiguous storage, or a page pool's pages (a page index outside the
+    # pool, or a pair's smaller pool, is not written)
+    capacity = (min(dst.shape[0], second[0].shape[0]) if second is not None else dst.shape[0]) \
+        if kwargs["PAGED"] else dst.num_tokens
     args = (xin, codes, scale, zero, offs, indptr, indices, counts if counts is not None else codes,
             flag if flag is not None else codes, *(pair if pair is not None else (codes,) * 4),
             arrivals if arrivals is not None else codes,   # (read if ADVANCE)
             *first, 0 if scalar is None else scalar)
     if launch.kernel == "token":   # then the second operand's strides (the first's again where there is none)
-        args += (x.shape[2], dst.shape[1], dst.num_tokens, *(_strides(*pair) if pair is not None else first))
+        args += (x.shape[2], dst.shape[1], capacity, *(_strides(*pair) if pair is not None else first))
     else:
-        args += (dst.shape[1], dst.num_tokens)
-    return _fast(launch.kernel, launch.interpret), args, keywords(launch)
+        args += (dst.shape[1], capacity)
+    return _fast(launch.kernel, launch.interpret), args, kwargs
 
 
 def _strides(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> tuple:
@@ -355,7 +360,8 @@ def append_paged(pool: AffineTensor, x: torch.Tensor, kv_indptr: torch.Tensor, k
     Token t of sequence b lands at row ``(start[b] + t) % page_size`` of page
     ``kv_indices[kv_indptr[b] + (start[b] + t) // page_size]``, with the bits ``foldc.quantize(x)``
     gives (channel-wise: groups are x's runs of group_size tokens). A token whose page-table entry
-    lies past the sequence's own pages is not written (the kernel never writes outside them).
+    lies past the sequence's own pages, or names a page outside the pool, is not written (the kernel never
+    writes outside them; `PagedDecodeWrapper.plan` checks a table on the host and refuses a bad one by name).
     Values are not checked for NaN/Inf (that needs a sync): a group holding one gets NaN scale and
     zero, so attention over it is NaN (never a finite wrong number); target "reference" raises.
 

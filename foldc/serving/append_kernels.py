@@ -59,6 +59,7 @@ def _quantize_token_block(
         # a negative position has no page (and pos // PAGE_SIZE rounds toward 0 there): not written
         t_ok = t_ok & (pos >= 0) & (pos // PAGE_SIZE < tl.load(KV_INDPTR + b + 1) - first)
         dst = tl.load(KV_INDICES + first + pos // PAGE_SIZE, mask=t_ok, other=0).to(tl.int64)
+        t_ok = t_ok & (dst >= 0) & (dst < capacity)   # (capacity: the pool's pages) a page outside it: not written
         row = pos % PAGE_SIZE
     else:
         t_ok = t_ok & (pos >= 0) & (pos < capacity)
@@ -161,8 +162,8 @@ def _append_token_kernel(
 ):
     """One program: BLOCK_T new tokens of one (batch, kv head); each token row is cut into
     NUM_GROUPS groups of GROUP channels. PAGED: token positions map through the page table
-    (paged.py) and tokens past the row's own pages are not written; else positions outside
-    [0, capacity) are not written. HAS_COUNT: row b writes only its first COUNTS[b] tokens.
+    (paged.py); tokens past the row's own pages, or on a page index outside [0, capacity) (the pool's pages),
+    are not written; else positions outside [0, capacity) are not written. HAS_COUNT: row b writes only its first COUNTS[b] tokens.
     HAS_FLAG: a written scale or zero that is not finite after rounding to its dtype (NaN or Inf in
     x, or a value past the scale dtype's range) stores 1 to FLAG[0] (the caches' deferred check).
     GROUP_P, NUM_GROUPS_P, WIDTH_P: the powers of two tl.arange takes for GROUP, NUM_GROUPS and the
@@ -273,6 +274,7 @@ def _append_channel_kernel(
         # a group off a group boundary would run past its page into the next one: not written
         ok = ok & (pos0 % GROUP == 0) & (pos0 // PAGE_SIZE < tl.load(KV_INDPTR + b + 1) - first)
         dst = tl.load(KV_INDICES + first + pos0 // PAGE_SIZE, mask=ok, other=0).to(tl.int64)
+        ok = ok & (dst >= 0) & (dst < capacity)   # (capacity: the pool's pages) a page outside it: not written
         row0 = pos0 % PAGE_SIZE
     else:  # a whole group inside [0, capacity), starting a group
         ok = ok & (pos0 % GROUP == 0) & (pos0 + GROUP <= capacity)

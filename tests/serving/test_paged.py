@@ -200,6 +200,29 @@ def test_append_paged_never_writes_past_a_sequences_own_pages():
     assert not written[[0, 1, 3]].any()
 
 
+@settings(max_examples=10, deadline=None)
+@given(layout=st.sampled_from(["token", "channel"]), page=st.sampled_from([-3, -1, 4, 5, 7]),
+       seed=st.integers(0, 2**31 - 1))
+def test_append_paged_never_writes_outside_the_pool(layout, page, seed):
+    """A page-table entry naming a page outside the pool (past its end or negative; the table of a caller who
+    skipped `PagedDecodeWrapper.plan`'s check) is skipped: the pool is a view of the middle pages of a larger
+    buffer, and nothing outside the view changes, nor the view's other pages (both kernels, interpreter)."""
+    enc = A(4, layout, 16)
+    big = page_pool(S(2, 2, 32, enc, enc), "k", 12, 16)
+    gen = torch.Generator().manual_seed(seed)
+    for t in (big.codes, big.scale, big.zero):
+        t.view(torch.uint8).copy_(torch.randint(0, 256, t.view(torch.uint8).shape, generator=gen, dtype=torch.uint8))
+    before = [t.clone() for t in (big.codes, big.scale, big.zero)]
+    pool = foldc.AffineTensor(big.codes[4:8], big.scale[4:8], big.zero[4:8], enc, 32)   # pages 4..7 of 12
+    x = torch.randn(2, 2, 16, 32, generator=gen).half()
+    # sequence 0 names a page outside the pool, sequence 1 its own page 2 (written as usual)
+    append_paged(pool, x, torch.tensor([0, 1, 2], dtype=torch.int32), torch.tensor([page, 2], dtype=torch.int32),
+                 torch.zeros(2, dtype=torch.int32), page_size=16, target="interpret")
+    for got, old in zip((big.codes, big.scale, big.zero), before):
+        same = (got.view(torch.uint8) == old.view(torch.uint8)).flatten(1).all(1)   # per page of the buffer
+        assert same[[p for p in range(12) if p != 6]].all() and not same[6]
+
+
 # ---- errors ----------------------------------------------------------------------------------------
 
 TOKEN_SPEC = SPECS["K token4 / V token2"]
