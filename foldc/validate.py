@@ -6,7 +6,7 @@ Rules shared by every entry point (one function each, so the messages agree):
 
 - `check_sm_scale`: a real, finite number (not text, not a bool); None means head_dim ** -0.5.
 - `check_out`: a floating-point tensor of the wanted shape, one of the allowed dtypes, on the
-  wanted device, unit stride along head_dim.
+  wanted device, unit stride along the last axis, no two elements sharing memory.
 - `check_call`: q, k, v and seq_lens of one attention call against its spec.
 - `check_merge_parts`: the (out, lse) parts of `foldc.merge_attention`.
 

@@ -340,7 +340,7 @@ def test_float32_out_keeps_the_unrounded_output(vattn, vinputs):
 def test_out_not_unit_stride(vattn, vinputs):
     q, k, v = vinputs
     out = torch.empty(2, 64, 4, dtype=F16).transpose(1, 2)
-    _raises(InputError, lambda: vattn(q, k, v, out=out), "unit stride along head_dim")
+    _raises(InputError, lambda: vattn(q, k, v, out=out), "unit stride along its last axis")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine with no CUDA GPU")
