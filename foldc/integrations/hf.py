@@ -103,7 +103,6 @@ class FoldcLayer(CacheLayerMixin):
         self.is_initialized = False
         self.spec, self.max_cache_len, self.sink, self.window, self.target = spec, max_cache_len, sink, window, target
         self.cache: QuantizedKVCache | None = None
-        self.mask_checked = False   # a padding mask is refused at the first step that shows one
         self.module_checked = None   # the attention module whose attributes (learned sinks) were checked
 
     def __repr__(self) -> str:
@@ -136,9 +135,13 @@ class FoldcLayer(CacheLayerMixin):
                              f"{new} more do not fit; build it with max_cache_len >= prompt + max_new_tokens")
         if new == 1:  # decode: the attention reads the whole cache itself
             cache.append(key_states, value_states)
+            _DECODING[0] = self
             keys, values, step = key_states, value_states, "decode"
         else:  # prefill: full-precision attention over the cached tokens (dequantized) and the new ones
             if cache.num_tokens:
+                if key_states.shape[0] != cache.batch:
+                    raise InputError(f"this FoldcCache holds {cache.batch} sequences but the prompt has "
+                                     f"{key_states.shape[0]}; call cache.reset() before a prompt of another batch")
                 old_k, old_v = cache.dequantized()
                 keys = torch.cat([old_k.to(key_states.dtype), key_states], dim=-2)
                 values = torch.cat([old_v.to(value_states.dtype), value_states], dim=-2)
@@ -168,7 +171,6 @@ class FoldcLayer(CacheLayerMixin):
     def reset(self) -> None:
         self.cache = None
         self.is_initialized = False
-        self.mask_checked = False
 
     def offload(self) -> None:
         raise NotImplementedError("FoldcCache does not offload layers to the CPU")
@@ -267,6 +269,7 @@ class DequantizedFoldcLayer(FoldcLayer):
         keys, values = super().update(key_states, value_states, *args, **kwargs)
         if getattr(keys, _TAG)[1] == "decode":
             keys, values = self.cache.dequantized()  # float32: foldc_attention attends in float32
+            _DECODING[0] = None                      # (untagged on purpose: the whole cache, not the new token)
         return keys, values
 
 
@@ -291,6 +294,8 @@ def _causal(q_len: int, kv_len: int, device) -> torch.Tensor:
     return rows >= torch.arange(kv_len, device=device)[None, :]
 
 
+_DECODING = [None]    # the FoldcLayer whose decode update awaits its attention call (`foldc_attention`)
+_MASK_READ = [None]   # the decode mask last read and found without padding (`foldc_attention`)
 _PADDING = ("FoldcCache holds sequences of one length: padding masks are not supported. Pass batch rows of "
             "equal length without padding (an attention_mask of all ones), or decode them one at a time")
 
@@ -317,15 +322,24 @@ def foldc_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
             raise SpecError("the attention module has learned sinks; foldc attention does not support them")
         if layer is not None:
             layer.module_checked = module
+    if layer is None and _DECODING[0] is not None:
+        # a FoldcLayer's decode update came before this call, but its tagged key did not reach it: the model
+        # replaced the key cache.update returned (JetMoe's key.repeat, a key norm or pad after the update), so the
+        # key here is the new token's alone, not the cache's
+        _DECODING[0] = None
+        raise SpecError("the key reaching foldc attention is not the one FoldcCache.update returned: this model "
+                        "changes the key after the cache's update (e.g. a repeat, norm or pad in its attention), "
+                        "which FoldcCache cannot follow; use DynamicCache with this model")
     if step == "decode":   # a FoldcCache's decode step: the fused kernel over the layer's whole cache
+        _DECODING[0] = None
         if query.shape[2] != 1:
             raise InputError(f"a decode step of FoldcCache appended 1 token but the query holds {query.shape[2]}")
-        # the mask is read once per cache (a read waits for the GPU): generate extends a mask that had no
-        # padding with ones, so a layer whose prefill (or first decode step) passed needs no second look
-        if attention_mask is not None and not layer.mask_checked:
+        # each forward's mask is read once (a read waits for the GPU), by the first layer it reaches: the layers of
+        # one forward share the mask object, and a serving loop may pad any step, not only the prompt
+        if attention_mask is not None and attention_mask is not _MASK_READ[0]:
             if not bool(_allowed(attention_mask).all()):
                 raise InputError(_PADDING)
-            layer.mask_checked = True
+            _MASK_READ[0] = attention_mask   # held, so that its identity is not another tensor's
         if scaling is None:
             scaling = query.shape[3] ** -0.5
         q3 = query.squeeze(2)   # [batch, heads, head_dim] (a squeeze costs half an index's host time)
@@ -351,7 +365,6 @@ def foldc_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
         allowed = _allowed(attention_mask[..., :kv_len])
         if not torch.equal(allowed, causal.expand_as(allowed)):
             raise InputError(_PADDING)
-        layer.mask_checked = True
     if heads != kv_heads:
         key = key.repeat_interleave(heads // kv_heads, dim=1)
         value = value.repeat_interleave(heads // kv_heads, dim=1)
@@ -398,6 +411,11 @@ def quantize_model(model: torch.nn.Module, weight="k-group:4:128", skip=("lm_hea
         skip = (skip,)
     chosen = [(name, m) for name, m in model.named_modules()
               if isinstance(m, torch.nn.Linear) and not any(name == s or name.endswith("." + s) for s in skip)]
+    if not chosen:
+        others = sorted({type(m).__name__ for m in model.modules() if type(m).__name__ == "Conv1D"})
+        raise SpecError("quantize_model found no torch.nn.Linear to quantize" + (
+            f" (this model's projections are {', '.join(others)} modules, which it does not convert)" if others
+            else f" outside skip={tuple(skip)}") + "; the model is unchanged")
     for name, m in chosen:   # every layer's shape first: nothing is replaced if one is refused
         try:
             GemmSpec(m.out_features, m.in_features, weight=enc)

@@ -42,6 +42,10 @@ class _LayerView:
         self.paged, self.layer = cache, layer
 
     @property
+    def batch(self) -> int:
+        return self.paged.batch
+
+    @property
     def num_tokens(self) -> int:
         return self.paged.num_tokens(self.layer)[0]
 
