@@ -184,7 +184,16 @@ class FoldLinear(torch.nn.Module):
         # .to(), .cuda(), .half(), ...: the eager entries hold the old buffers (and would keep a moved layer's
         # GPU memory alive); they are made again for the new ones
         self._eager, self._fast = {}, None
-        return super()._apply(fn, recurse)
+        # a dtype cast of the model (.half(), .float(), .to(torch.bfloat16)) moves the scale and zero with it but
+        # keeps their dtype: they are the encoding's (a cast would round them, and the layer refuse them)
+        params = {id(self._buffers.get("scale")), id(self._buffers.get("zero"))}
+
+        def keep_dtype(t):
+            if id(t) in params:
+                moved = fn(torch.empty(0, dtype=t.dtype, device=t.device))   # where fn sends a tensor
+                return t.to(device=moved.device)
+            return fn(t)
+        return super()._apply(keep_dtype, recurse)
 
     @classmethod
     def from_linear(cls, linear: torch.nn.Linear, weight="k-group:4:128") -> "FoldLinear":

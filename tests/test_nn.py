@@ -401,3 +401,22 @@ def test_moving_the_layer_drops_its_eager_entries():
     layer._fast = ("held",)
     moved = layer.to(torch.float64)
     assert moved is layer and layer._eager == {} and layer._fast is None
+
+
+@pytest.mark.parametrize("scale_dtype", ["fp16", "bf16"])
+def test_a_dtype_cast_of_the_model_keeps_the_encodings_scales(scale_dtype):
+    """model.half() / .float() / .to(torch.bfloat16) after quantizing: the bias follows the cast, the scale and zero
+    keep the encoding's dtype (a cast rounded bf16 scales to fp16, and the first forward refused the layer), and the
+    layer still computes x @ W.T + bias over the unchanged weight (float32 x: the float64 reference target)."""
+    gen = torch.Generator().manual_seed(21)
+    layer = FoldLinear.from_linear(torch.nn.Linear(64, 32), f"k-group:4:32:{scale_dtype}")
+    scale, zero = layer.scale.clone(), layer.zero.clone()
+    model = torch.nn.Sequential(layer)
+    for cast, dtype in ((lambda m: m.half(), torch.float16), (lambda m: m.float(), torch.float32),
+                        (lambda m: m.to(torch.bfloat16), torch.bfloat16), (lambda m: m.to(torch.float32), torch.float32)):
+        cast(model)
+        assert layer.scale.dtype == scale.dtype and torch.equal(layer.scale, scale) and torch.equal(layer.zero, zero)
+        assert layer.bias.dtype == dtype
+    x = torch.randn(3, 64, generator=gen)
+    want = x.double() @ layer.weight.dequantize(torch.float64)[0, 0].T + layer.bias.double()
+    assert torch.allclose(layer(x).double(), want, rtol=1e-5, atol=1e-5)

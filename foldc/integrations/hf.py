@@ -112,8 +112,10 @@ class FoldcLayer(CacheLayerMixin):
         batch, heads, _, head_dim = key_states.shape
         if (heads, head_dim) != (self.spec.num_kv_heads, self.spec.head_dim):
             raise InputError(f"key states have {heads} heads of {head_dim} channels but the cache was built for "
-                             f"{self.spec.num_kv_heads} KV heads of head_dim={self.spec.head_dim}; build FoldcCache "
-                             "from this model's config")
+                             f"{self.spec.num_kv_heads} KV heads of head_dim={self.spec.head_dim}: build FoldcCache "
+                             "from this model's config; if it was, this architecture caches keys of another shape "
+                             "than its config's heads (e.g. DeepSeek's compressed MLA keys), which FoldcCache does "
+                             "not hold")
         cpu = key_states.device.type == "cpu"
         if self.target == "interpret" or (self.target == "auto" and cpu):
             if not cpu or key_states.dtype != torch.float16:
@@ -416,7 +418,15 @@ def quantize_model(model: torch.nn.Module, weight="k-group:4:128", skip=("lm_hea
         raise SpecError("quantize_model found no torch.nn.Linear to quantize" + (
             f" (this model's projections are {', '.join(others)} modules, which it does not convert)" if others
             else f" outside skip={tuple(skip)}") + "; the model is unchanged")
+    owners: dict[int, list[str]] = {}
+    for name, m in model.named_modules():
+        for p in m.parameters(recurse=False):
+            owners.setdefault(id(p), []).append(name)
     for name, m in chosen:   # every layer's shape first: nothing is replaced if one is refused
+        tied = [other for other in owners.get(id(m.weight), []) if other != name]
+        if tied:
+            raise SpecError(f"{name}'s weight is tied to {tied[0]}'s (one parameter): quantizing it would untie them; "
+                            f"add {name.rsplit('.', 1)[-1]!r} to skip")
         try:
             GemmSpec(m.out_features, m.in_features, weight=enc)
         except SpecError as e:

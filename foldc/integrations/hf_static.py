@@ -99,6 +99,10 @@ class FoldcStaticLayer(FoldcLayer):
             if held:
                 raise InputError(f"FoldcStaticCache holds {held} tokens and a second prompt of {new} arrived: it "
                                  "takes one prompt, then decode steps; call cache.reset() between prompts")
+            if key_states.shape[0] != self.cache.batch:
+                raise InputError(f"FoldcStaticCache was built for {self.cache.batch} sequences (its storage stays "
+                                 f"where captured graphs read it, reset() included) but the prompt has "
+                                 f"{key_states.shape[0]}; build a new FoldcStaticCache for another batch")
             if new > self.max_cache_len:
                 raise InputError(f"a prompt of {new} tokens does not fit FoldcStaticCache(max_cache_len="
                                  f"{self.max_cache_len}); build it with max_cache_len >= prompt + max_new_tokens")

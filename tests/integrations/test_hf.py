@@ -518,3 +518,15 @@ def test_weight_and_kv_folds_end_to_end_equal_their_dequantized_twin():
     assert len(errors) == 2 * (NEW - 1) and max(errors) < ATTN_TOL
     worst, _ = diff(logits, replay(twin, dequantized(twin, "token:4:32", "token:4:32"), seq))
     assert worst < DEQUANT_TOL, f"logits differ from the dequantized twin by {worst:.2e} of max"
+
+
+def test_quantize_model_refuses_a_tied_output_projection():
+    """skip=() with tied embeddings: lm_head's weight is the embedding's parameter; replacing it untied them and
+    transformers' tie_weights() then raised a KeyError."""
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                         num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+                                         tie_word_embeddings=True)).eval()
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    with pytest.raises(SpecError, match="lm_head's weight is tied to model.embed_tokens's"):
+        fhf.quantize_model(model, weight="k-group:4:32", skip=())
+    assert isinstance(model.lm_head, torch.nn.Linear)   # nothing replaced

@@ -108,6 +108,19 @@ def test_after_reset_the_next_prompt_attends_like_a_fresh_cache():
 
 
 @torch.no_grad()
+def test_after_reset_a_prompt_of_another_batch_names_the_fix():
+    """reset() keeps the storage (captured graphs read it): a prompt of another batch is refused with the fix (build
+    a new FoldcStaticCache), not the inner cache's shape message."""
+    model = llama(dtype=torch.float32)
+    used = FoldcStaticCache(model, 32, k="token:4:16", v="token:4:16", target="reference")
+    with attention(model, "foldc"):
+        _last_logits(model, used, prompt(2))
+        used.reset()
+        with pytest.raises(InputError, match="built for 2 sequences .* prompt has 3; build a new FoldcStaticCache"):
+            _last_logits(model, used, prompt(3))
+
+
+@torch.no_grad()
 def test_a_forward_with_another_cache_does_not_read_the_static_one():
     """The model stays bound to its FoldcStaticCache; a later one-token forward with a DynamicCache (or
     no cache) used to attend over the static cache's tokens instead of its own (logits 165% off)."""
