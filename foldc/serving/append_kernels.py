@@ -187,6 +187,8 @@ def _append_token_kernel(
         start = tl.load(OFFSETS + b).to(tl.int64)
     else:
         start = offset
+    # the keys' call stands twice: under a constexpr `if PAIR` only, so that a launch without a pair compiles one
+    # body (a runtime `if` would compile the values' branch too, with their constants unset)
     if PAIR:
         if tl.program_id(0) >= half:   # the values, in their own encoding
             _quantize_token_block(
