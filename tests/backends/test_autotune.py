@@ -2,9 +2,13 @@
 (a fresh process reads the file); a tuned bucket's launch options reach the launcher."""
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import subprocess
 import sys
+import tempfile
+import warnings
 from pathlib import Path
 
 import pytest
@@ -66,9 +70,11 @@ def test_an_old_entry_without_pack_heads_still_loads(cache_dir):
 
 def test_a_damaged_cache_file_only_costs_a_retune(cache_dir):
     (cache_dir / "autotune.json").write_text("{not json")
-    tuning.load_cache(refresh=True)
+    with pytest.warns(RuntimeWarning, match="cannot be read as JSON"):
+        tuning.load_cache(refresh=True)
     assert lookup(SPEC, torch.bfloat16, 1, 16384) is None
-    store(bucket_key(SPEC, torch.bfloat16, 1, 16384), Config(), 10.0)
+    with pytest.warns(RuntimeWarning, match="cannot be read as JSON"):   # store merges with the file first
+        store(bucket_key(SPEC, torch.bfloat16, 1, 16384), Config(), 10.0)
     assert lookup(SPEC, torch.bfloat16, 1, 16384) == Config()
 
 
@@ -261,3 +267,97 @@ def test_each_backend_registers_its_config_type_and_the_cache_returns_that_type(
     store(bucket_key(SPEC, torch.float16, 2, 4096, kernel="triton"), Config(32, 2, 3, 2.0), 1.0)
     got = lookup(SPEC, torch.float16, 2, 4096, kernel="triton")
     assert type(got) is Config and got == Config(32, 2, 3, 2.0)
+
+
+@pytest.mark.parametrize("content", [b"[]", b"null", b'"x"', b"7", b"\xff\xfe\x00{", b"{not json"])
+def test_a_cache_file_that_is_no_json_object_reads_empty_with_a_warning(cache_dir, content):
+    """Valid JSON of another shape, or bytes that are not UTF-8, crashed the decode call's lookup
+    (AttributeError, UnicodeDecodeError); now the defaults run and a warning names the file."""
+    (cache_dir / "autotune.json").write_bytes(content)
+    with pytest.warns(RuntimeWarning, match="autotune.json"):
+        tuning.load_cache(refresh=True)
+    assert lookup(SPEC, torch.bfloat16, 1, 16384) is None
+
+
+def test_every_tuned_field_has_a_rule_and_every_candidate_passes_it():
+    from foldc.backends.gluon.tuning import GLUON_CANDIDATES
+    from foldc.backends.triton.tuning import CANDIDATES
+
+    for kernel, cands in (("triton", CANDIDATES), ("gluon", GLUON_CANDIDATES)):
+        names = {f.name for f in dataclasses.fields(tuning.tuned_kernel(kernel).config_type)}
+        assert names <= set(tuning.FIELD_RULES), names - set(tuning.FIELD_RULES)
+        for cfg in cands:
+            assert tuning._config_of({"config": dataclasses.asdict(cfg), "kernel": kernel}, kernel, SPEC) == (cfg, None)
+
+
+JSON_VALUES = st.one_of(st.none(), st.booleans(), st.integers(-2**40, 2**40), st.text(max_size=4),
+                        st.floats(allow_nan=True, allow_infinity=True), st.lists(st.integers(), max_size=2))
+
+
+@settings(max_examples=200, deadline=None)
+@given(kernel=st.sampled_from(["triton", "gluon"]), data=st.data())
+def test_a_damaged_entry_is_ignored_with_a_warning_never_applied_or_raised(kernel, data):
+    """An entry edited by hand or damaged (a field of the wrong type, out of range, unknown, or
+    another kernel's) reached the launcher unchecked: a crash inside torch/Triton at the decode
+    call, or a nonsense launch (block_n 48, split factor 0). Now lookup applies a config only where
+    each field passes its launch option's rule, and ignores the entry with a warning otherwise."""
+    config_type = tuning.tuned_kernel(kernel).config_type
+    names = [f.name for f in dataclasses.fields(config_type)]
+    config = data.draw(st.dictionaries(st.sampled_from(names + ["blockn"]), JSON_VALUES, max_size=4))
+    entry = data.draw(st.sampled_from([{"config": config, "kernel": kernel}, {"config": config},
+                                       {"config": config, "kernel": "other"}, config, [config]]))
+    key = bucket_key(SPEC, torch.bfloat16, 2, 4096, kernel=kernel)
+    with tempfile.TemporaryDirectory() as tmp, pytest.MonkeyPatch.context() as mp:
+        mp.setenv("FOLDC_CACHE_DIR", tmp)
+        tuning._KEYS.clear()
+        (Path(tmp) / "autotune.json").write_text(json.dumps({key: entry}))
+        tuning.load_cache(refresh=True)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            got = lookup(SPEC, torch.bfloat16, 2, 4096, kernel=kernel)
+        tuning._KEYS.clear()
+    if got is None:
+        assert any("ignored" in str(w.message) for w in caught)
+        return
+    assert caught == [] and type(got) is config_type
+    for name in names:
+        value = getattr(got, name)
+        if value is not None:
+            assert not isinstance(value, bool)
+            tuning.FIELD_RULES[name](value, kernel, SPEC)   # raises SpecError if outside its rule
+    assert math.isfinite(got.split_factor) and got.split_factor > 0
+
+
+def test_a_cache_path_that_cannot_be_written_keeps_the_entry_for_this_process(cache_dir):
+    """A folder where the cache file goes made `store` raise at the end of a tuning run (its result
+    lost); now it warns and the process keeps the entry."""
+    (cache_dir / "autotune.json").mkdir()
+    key = bucket_key(SPEC, torch.float16, 2, 4096)
+    with pytest.warns(RuntimeWarning) as caught:
+        store(key, Config(32, 2, 3, 2.0), 1.0)
+    assert any("cannot be written" in str(w.message) for w in caught)
+    assert lookup(SPEC, torch.float16, 2, 4096) == Config(32, 2, 3, 2.0)
+
+
+def test_threads_storing_at_once_leave_a_whole_file(cache_dir):
+    """Threads of one process shared one temporary file name: one's rename could take the other's
+    file away (FileNotFoundError) or publish interleaved writes. Each thread writes its own now."""
+    import threading
+
+    errors, start = [], threading.Barrier(8)
+
+    def work(i):
+        start.wait()
+        try:
+            for j in range(20):
+                store(bucket_key(SPEC, torch.float16, 1 + i, 64 * (j + 1)), Config(), float(j))
+        except Exception as e:   # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert isinstance(json.loads((cache_dir / "autotune.json").read_text()), dict)

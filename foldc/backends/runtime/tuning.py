@@ -9,10 +9,15 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from dataclasses import asdict, dataclass
+import threading
+import warnings
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import torch
+
+from ...errors import SpecError
+from ...options import check_block_n, check_int, check_num_stages, check_num_warps, check_stages
 
 
 @dataclass(frozen=True)
@@ -77,16 +82,79 @@ def bucket_key(spec, dtype: torch.dtype, batch: int, tokens: int, fold_policy: s
 _MEMO: dict = {}  # path -> data, read once per process; `store` keeps it current
 
 
+def _ignored(what: str) -> None:
+    warnings.warn(f"foldc tuning cache {str(cache_path())!r}: {what}; ignored (the defaults run; `foldc.tune` "
+                  "writes a fresh entry, or delete the file)", RuntimeWarning, stacklevel=3)
+
+
 def load_cache(refresh: bool = False) -> dict:
     """The tuning cache. Read from disk once per process (the hot path never touches the file);
-    ``refresh=True`` re-reads it, e.g. after another process tuned."""
+    ``refresh=True`` re-reads it, e.g. after another process tuned. A file that is not a JSON object
+    (damaged, not UTF-8, a folder) reads as empty, with a warning: it only costs a re-tune."""
     path = str(cache_path())
     if refresh or path not in _MEMO:
         try:
-            _MEMO[path] = json.loads(Path(path).read_text())
-        except (OSError, json.JSONDecodeError):
-            _MEMO[path] = {}  # missing or damaged: only costs a re-tune
+            data = json.loads(Path(path).read_bytes())
+        except FileNotFoundError:
+            data = {}
+        except (OSError, ValueError) as e:   # ValueError: JSONDecodeError, UnicodeDecodeError
+            _ignored(f"cannot be read as JSON ({type(e).__name__}: {e})")
+            data = {}
+        if not isinstance(data, dict):
+            _ignored(f"holds a JSON {type(data).__name__}, not an object of entries")
+            data = {}
+        _MEMO[path] = data
     return _MEMO[path]
+
+
+def _split_factor(value, kernel, spec) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 64:   # NaN too
+        raise SpecError(f"split_factor={value!r} must be a number in (0, 64]")
+    return value
+
+
+def _pack_heads(value, kernel, spec) -> int:
+    check_int("pack_heads", value, 1, spec.num_kv_heads, power_of_two=True)
+    if spec.num_kv_heads % value:
+        raise SpecError(f"pack_heads={value!r} does not divide num_kv_heads={spec.num_kv_heads}")
+    return value
+
+
+#: the rule of each tuned field (foldc/options.py's, where the launch option has one); a stored value
+#: outside it was not written by `store` (a hand-edited or damaged file) and would reach the kernel unchecked
+FIELD_RULES = {
+    "block_n": lambda v, kernel, spec: check_block_n(v, kernel),
+    "num_warps": lambda v, kernel, spec: check_num_warps(v),
+    "num_stages": lambda v, kernel, spec: check_num_stages(v),
+    "stages": lambda v, kernel, spec: check_stages(v),
+    "maxnreg": lambda v, kernel, spec: check_int("maxnreg", v, 32, 255),
+    "split_factor": _split_factor,
+    "pack_heads": _pack_heads,
+}
+
+
+def _config_of(entry, kernel: str, spec):
+    """The config a cache entry holds for ``kernel``, or the reason it cannot be applied."""
+    if not isinstance(entry, dict) or not isinstance(entry.get("config"), dict):
+        return None, f"is {entry!r}, not {{'config': {{...}}, 'kernel': ...}}"
+    if entry.get("kernel", "triton") != kernel:
+        return None, f"holds kernel={entry.get('kernel')!r} under a {kernel!r} key"
+    config_type = _KERNELS[kernel].config_type
+    try:
+        config = config_type(**entry["config"])
+    except TypeError as e:
+        return None, f"is not a {config_type.__name__}: {e}"
+    for f in fields(config):
+        value = getattr(config, f.name)
+        if value is None and f.default is None:
+            continue
+        try:
+            if value is None or isinstance(value, bool) or f.name not in FIELD_RULES:
+                raise SpecError(f"{f.name}={value!r} is not a tuned value of foldc's")
+            FIELD_RULES[f.name](value, kernel, spec)
+        except SpecError as e:
+            return None, str(e)
+    return config, None
 
 
 _KEYS: dict = {}
@@ -100,9 +168,12 @@ def lookup(spec, dtype, batch, tokens, fold_policy="auto", kernel: str = "triton
     if key is None:
         key = _KEYS[memo] = bucket_key(spec, dtype, batch, tokens, fold_policy, kernel)
     entry = load_cache().get(key)
-    if not entry:
+    if entry is None:
         return None
-    return _KERNELS[entry.get("kernel", "triton")].config_type(**entry["config"])
+    config, reason = _config_of(entry, kernel, spec)
+    if reason is not None:
+        _ignored(f"entry {key!r} {reason}")
+    return config
 
 
 def store(key: str, config, micros: float) -> None:
@@ -110,8 +181,14 @@ def store(key: str, config, micros: float) -> None:
     kernel = next(k.name for k in _KERNELS.values() if isinstance(config, k.config_type))
     data[key] = {"config": asdict(config), "us": micros, "kernel": kernel}
     path = cache_path()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
-    tmp.replace(path)
-    _MEMO[str(path)] = data
+    _MEMO[str(path)] = data   # this process keeps the entry even where the file cannot take it
+    tmp = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")   # one per writing thread
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+        tmp.replace(path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        warnings.warn(f"foldc tuning cache {str(path)!r} cannot be written ({e.strerror or e}): the tuned config "
+                      "holds for this process only; set FOLDC_CACHE_DIR to a writable folder", RuntimeWarning,
+                      stacklevel=2)
