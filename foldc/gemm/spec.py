@@ -80,8 +80,8 @@ def parse_gemm_encoding(text, role: str) -> GemmEncoding | None:
     if parts[-1] in DTYPES:
         dtype = DTYPES[parts.pop()]
     kinds = WEIGHT_KINDS if role == "weight" else ACTIVATION_KINDS
-    if parts[0] not in kinds:
-        raise SpecError(f"{role}={text!r}: kind {parts[0]!r} is not a {role} encoding; use one of {kinds} "
+    if not parts or parts[0] not in kinds:   # none left: the text was a scale dtype alone ('bf16')
+        raise SpecError(f"{role}={text!r}: kind {(parts or [''])[0]!r} is not a {role} encoding; use one of {kinds} "
                         "(e.g. 'k-group:4:128', 'per-channel:8', 'per-token:8')")
     want = 3 if parts[0] == "k-group" else 2
     if len(parts) != want:
@@ -176,5 +176,8 @@ def gemm_spec_from_table(table: dict, where: str = "[gemm]") -> GemmSpec:
     m = table.get("m")
     if m in ("symbolic", "any"):
         m = None
-    return GemmSpec(table["n"], table["k"], weight=parse_gemm_encoding(table.get("weight"), "weight"),
-                    activation=parse_gemm_encoding(table.get("activation"), "activation"), m=m)
+    try:
+        return GemmSpec(table["n"], table["k"], weight=parse_gemm_encoding(table.get("weight"), "weight"),
+                        activation=parse_gemm_encoding(table.get("activation"), "activation"), m=m)
+    except SpecError as e:   # a value's own message, with the file it came from
+        raise SpecError(f"{where}: {e}") from None

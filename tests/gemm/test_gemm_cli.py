@@ -82,6 +82,9 @@ def test_gemm_table_form_and_symbolic_m(tmp_path):
      ["activation='per-token:8' needs weight='per-channel:8'"]),
     ('[gemm]\nn = 64\nk = 128\n[attention]\nheads = "8/2"\nhead_dim = 64\n', ["both [attention] and [gemm]"]),
     ('[gemm]\nm = -1\nn = 64\nk = 128\nweight = "per-channel:8"\n', ["m=-1 must be a positive integer"]),
+    # a scale dtype alone raised IndexError; a value's error now names the file, as an attention layout's does
+    ('[gemm]\nn = 64\nk = 128\nweight = "bf16"\n', ["layout.toml: [gemm]: weight='bf16': kind ''"]),
+    ('[gemm]\nm = true\nn = 64\nk = 128\nweight = "per-channel:8"\n', ["layout.toml: [gemm]: m=True must be"]),
 ])
 def test_bad_gemm_layouts_exit_2_naming_the_value(capsys, tmp_path, text, fragments):
     rc, out, err = run(capsys, "explain", write(tmp_path, text))

@@ -94,6 +94,8 @@ def test_spec_errors_name_the_value_and_the_fix(kwargs, message):
     ("per-token:8", "weight", "kind 'per-token' is not a weight encoding"),
     ("per-channel:8:128", "weight", "must look like 'per-channel:bits'"),
     ("k-group:four:128", "weight", "bits and group_size must be integers"),
+    ("bf16", "weight", "kind '' is not a weight encoding"),          # a scale dtype alone: IndexError before
+    ("fp32", "activation", "kind '' is not a activation encoding"),
 ])
 def test_encoding_text_errors(text, role, message):
     with pytest.raises(SpecError) as info:
