@@ -170,8 +170,8 @@ def _append_token_kernel(
     HEAD_DIM // CPB bytes of a token (equal to them for head_dims and groups that are powers of two;
     else the padding is masked and the codes are rebuilt in planar order, each with its group's scale).
     PAIR: the grid's first axis is doubled and its second half writes X2 into CODES2, SCALE2, ZERO2 (the values
-    beside the keys: one launch for both) in the second token-wise encoding, GROUP2 ... WIDTH_P2 (the first's
-    constexprs again where K and V share one), with strides of their own (stride_x2b ... stride_z2n; X2 of X's dtype
+    beside the keys: one launch for both) in the second token-wise encoding, GROUP2 ... WIDTH_P2 (GROUP2 = 0 where
+    K and V share one encoding: one body, the second half's tensors and strides selected), with strides of their own (stride_x2b ... stride_z2n; X2 of X's dtype
     and shape). Without PAIR those are not read and the second half is not compiled.
     ADVANCE (with PER_ROW, without HAS_COUNT): the launch moves each row's offset on by ``tokens`` itself. Every
     program counts itself in ARRIVALS[b] (int32, zero between launches) once it has read OFFSETS[b]; the row's
@@ -187,9 +187,9 @@ def _append_token_kernel(
         start = tl.load(OFFSETS + b).to(tl.int64)
     else:
         start = offset
-    # the keys' call stands twice: under a constexpr `if PAIR` only, so that a launch without a pair compiles one
-    # body (a runtime `if` would compile the values' branch too, with their constants unset)
-    if PAIR:
+    if PAIR and GROUP2 > 0:
+        # two encodings: a body each (constexpr branches, so that a launch without a pair, or of one encoding,
+        # compiles one body; a runtime `if` alone would compile the values' branch with their constants unset)
         if tl.program_id(0) >= half:   # the values, in their own encoding
             _quantize_token_block(
                 X2, CODES2, SCALE2, ZERO2, KV_INDPTR, KV_INDICES, COUNTS, FLAG, b, h, start,
@@ -205,6 +205,25 @@ def _append_token_kernel(
                 HEAD_DIM, GROUP, NUM_GROUPS, BITS, CPB, MAX_CODE, BLOCK_T, X_BF16, SCALE_KIND, PAGED,
                 PAGE_SIZE, HAS_COUNT, GROUP_P, NUM_GROUPS_P, WIDTH_P, HAS_FLAG)
     else:
+        if PAIR:   # one encoding (GROUP2 = 0): the second half's tensors and strides stand in for the first's
+            values = tl.program_id(0) >= half
+            if values:
+                X = X2
+                CODES = CODES2
+                SCALE = SCALE2
+                ZERO = ZERO2
+            stride_xb, stride_xh, stride_xn = (tl.where(values, stride_x2b, stride_xb),
+                                               tl.where(values, stride_x2h, stride_xh),
+                                               tl.where(values, stride_x2n, stride_xn))
+            stride_cb, stride_ch, stride_cn = (tl.where(values, stride_c2b, stride_cb),
+                                               tl.where(values, stride_c2h, stride_ch),
+                                               tl.where(values, stride_c2n, stride_cn))
+            stride_sb, stride_sh, stride_sn = (tl.where(values, stride_s2b, stride_sb),
+                                               tl.where(values, stride_s2h, stride_sh),
+                                               tl.where(values, stride_s2n, stride_sn))
+            stride_zb, stride_zh, stride_zn = (tl.where(values, stride_z2b, stride_zb),
+                                               tl.where(values, stride_z2h, stride_zh),
+                                               tl.where(values, stride_z2n, stride_zn))
         _quantize_token_block(
             X, CODES, SCALE, ZERO, KV_INDPTR, KV_INDICES, COUNTS, FLAG, b, h, start,
             stride_xb, stride_xh, stride_xn, stride_cb, stride_ch, stride_cn,
