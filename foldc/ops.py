@@ -77,13 +77,14 @@ def decode_attention(q: torch.Tensor, k_data: torch.Tensor, k_scale: torch.Tenso
     # return_lse: every buffer of the call is its own, none kept for the next (a kernel keeps an eager call's
     # workspace between calls; inside torch.compile's CUDA-graph pool no allocation may outlive the step)
     out, _ = _kernel(layout, target)(q, k, v, sm_scale=sm_scale, seq_lens=seq_lens, return_lse=True)
-    return out.to(q.dtype)
+    return out.to(q.dtype).contiguous()
 
 
 @decode_attention.register_fake
 def _(q, k_data, k_scale, k_zero, v_data, v_scale, v_zero, seq_lens, layout, sm_scale):
     spec_from_key(layout)  # a bad layout fails at trace time too
-    return torch.empty_like(q)
+    # contiguous, as the real output is whatever q's strides (torch.compile lays out its readers by these)
+    return q.new_empty(q.shape)
 
 
 def attention_op(spec: AttentionSpec, q, k, v, sm_scale: float | None = None, seq_lens=None) -> torch.Tensor:
@@ -91,6 +92,12 @@ def attention_op(spec: AttentionSpec, q, k, v, sm_scale: float | None = None, se
     def parts(x):
         return (x.codes, x.scale, x.zero) if isinstance(x, AffineTensor) else (x, None, None)
     scale = check_sm_scale(sm_scale, spec.head_dim)
+    if seq_lens is not None and not isinstance(seq_lens, torch.Tensor):   # a list, as foldc.compile's calls take
+        try:
+            seq_lens = torch.as_tensor(seq_lens, device=q.device if isinstance(q, torch.Tensor) else None)
+        except (TypeError, ValueError, RuntimeError):
+            raise InputTypeError(f"seq_lens={seq_lens!r} must be an integer tensor (or list) of one length per "
+                                 "sequence") from None
     return torch.ops.foldc.decode_attention(q, *parts(k), *parts(v), seq_lens, layout_key(spec), scale)
 
 
@@ -110,7 +117,10 @@ def append_kv(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, x: t
               offsets: torch.Tensor | None, encoding: str, check: bool) -> None:
     from .serving.append import append_quantized
 
-    dst = AffineTensor(codes, scale, zero, encoding_from_key(encoding), x.shape[-1])
+    enc = encoding_from_key(encoding)
+    # the storage's head_dim, so that an x of another head_dim or rank is the one the error names
+    head_dim = codes.shape[-1] * enc.codes_per_byte if codes.dim() == 4 else x.shape[-1] if x.dim() else 0
+    dst = AffineTensor(codes, scale, zero, enc, head_dim)
     if x.is_cuda:
         target = "auto"
     else:

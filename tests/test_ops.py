@@ -1,4 +1,6 @@
 """torch.ops.foldc.decode_attention: matches compile(), passes opcheck, traces under torch.compile."""
+import re
+
 import pytest
 import torch
 
@@ -44,6 +46,20 @@ def test_opcheck():
     q, k, v, lens = _inputs(2, torch.float32)
     args = (q, k.codes, k.scale, k.zero, v.codes, v.scale, v.zero, lens, layout_key(SPEC), 0.125)
     torch.library.opcheck(torch.ops.foldc.decode_attention.default, args)
+
+
+@pytest.mark.parametrize("seed", [5, 6])
+def test_a_query_of_other_strides_gets_the_fake_outputs_strides(seed):
+    """The fake returned q's strides (empty_like) while the op returns a contiguous tensor: torch.compile
+    lays out the op's readers by the fake, and opcheck failed its fake-tensor test on a permuted q."""
+    q, k, v, lens = _inputs(seed, torch.float32)
+    q = q.transpose(0, 1).contiguous().transpose(0, 1)   # [batch, heads, dim] with batch the middle stride
+    assert not q.is_contiguous()
+    args = (q, k.codes, k.scale, k.zero, v.codes, v.scale, v.zero, lens, layout_key(SPEC), 0.125)
+    torch.library.opcheck(torch.ops.foldc.decode_attention.default, args)
+    got = attention_op(SPEC, q, k, v, seq_lens=lens.tolist())   # a list of lengths, as compile()'s calls take
+    ref = foldc.attention_reference(q, k, v, seq_lens=lens)
+    assert got.is_contiguous() and ((got.double() - ref).norm() / ref.norm()).item() < 2e-3
 
 
 def test_plain_operand_opcheck():
@@ -136,6 +152,10 @@ def test_append_op_errors_name_the_value():
         append_op(dst, torch.randn(2, 2, 16, 64).half(), 1.5)
     with pytest.raises(SpecError, match="must look like 'layout:bits:group_size'"):
         torch.ops.foldc.append_kv(dst.codes, dst.scale, dst.zero, torch.randn(2, 2, 16, 64), 0, None, "token:4", True)
+    # x's rank or head_dim is what is wrong, not dst's (a 0-d x raised IndexError; another head_dim blamed the codes)
+    for x in (torch.tensor(1.5), torch.randn(2, 2, 16, 32).half()):
+        with pytest.raises(InputError, match=re.escape(f"x shape={tuple(x.shape)} but dst needs [2, 2, tokens, 64]")):
+            append_op(dst, x, 0)
 
 
 @pytest.mark.parametrize("enc", APPEND_ENCODINGS[:2], ids=lambda e: e.short())
