@@ -79,18 +79,27 @@ def _check_rows(x, name: str, head_dim: int) -> torch.Tensor:
     return x
 
 
+def _check_dtype(dtype) -> torch.dtype:
+    """A floating-point dtype: the entries are ±1/sqrt(d), which an integer dtype truncates to 0."""
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise SpecError(f"dtype={dtype!r} must be a floating-point torch.dtype (the entries are ±1/sqrt(head_dim)), "
+                        "e.g. torch.float64")
+    return dtype
+
+
 def hadamard_matrix(head_dim: int, dtype: torch.dtype = torch.float64, device=None) -> torch.Tensor:
     """Normalized Walsh-Hadamard matrix (Sylvester order): ``H[i, j] = (-1)^popcount(i & j) / sqrt(d)``.
 
     Symmetric and orthogonal (``H Hᵀ = I``). Dense, for checks and small folds; rotate with `fwht`."""
     d = _check_head_dim(head_dim)
+    _check_dtype(dtype)
     idx = torch.arange(d, device=device)
     bits = idx[:, None] & idx[None, :]
     parity = torch.zeros_like(bits)
     while bool(bits.any()):
         parity ^= bits & 1
         bits = bits >> 1
-    return (1 - 2 * parity).to(dtype) / math.sqrt(d)
+    return ((1 - 2 * parity).to(torch.float64) / math.sqrt(d)).to(dtype)
 
 
 def _fwht_(y: torch.Tensor) -> torch.Tensor:
@@ -141,8 +150,9 @@ class Rotation:
 
     def __init__(self, head_dim: int, seed: int | None = None):
         self.head_dim = _check_head_dim(head_dim)
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-            raise SpecError(f"seed={seed!r} must be an int (a randomized Hadamard) or None (plain Hadamard)")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not -2**63 <= seed < 2**64):
+            raise SpecError(f"seed={seed!r} must be an int in [-2**63, 2**64) (a randomized Hadamard; "
+                            "torch.Generator's range) or None (plain Hadamard)")
         self.seed = seed
         if seed is None:
             self.signs = torch.ones(head_dim, dtype=torch.float64)
@@ -164,6 +174,7 @@ class Rotation:
 
     def matrix(self, dtype: torch.dtype = torch.float64, device=None) -> torch.Tensor:
         """Dense ``R = diag(s) H`` ([head_dim, head_dim]); ``x @ R`` equals `rotate_keys(x)`."""
+        _check_dtype(dtype)
         h = hadamard_matrix(self.head_dim, torch.float64, device)
         return (self.signs.to(device)[:, None] * h).to(dtype)
 

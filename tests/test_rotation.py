@@ -150,6 +150,23 @@ def test_bad_head_dim_is_a_spec_error(bad):
             hadamard_matrix(bad)
 
 
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.uint8, torch.bool, "float32"])
+def test_a_matrix_of_a_dtype_that_cannot_hold_its_entries_is_refused(dtype):
+    """Rotation.matrix(torch.int64) truncated every ±1/sqrt(d) entry to 0 (an all-zero "rotation");
+    hadamard_matrix(d, torch.int32) returned float32, not the dtype asked for; a string raised inside torch."""
+    with pytest.raises(SpecError, match="must be a floating-point torch.dtype"):
+        Rotation(16, seed=3).matrix(dtype)
+    with pytest.raises(SpecError, match="must be a floating-point torch.dtype"):
+        hadamard_matrix(16, dtype)
+
+
+@pytest.mark.parametrize("seed", [2**64, -2**63 - 1])
+def test_a_seed_past_the_generators_range_is_a_spec_error(seed):
+    with pytest.raises(SpecError, match=r"seed=.* must be an int in \[-2\*\*63, 2\*\*64\)"):
+        Rotation(64, seed=seed)
+    assert Rotation(64, seed=2**64 - 1).seed == 2**64 - 1
+
+
 def test_non_power_of_two_message_names_value_and_fix():
     with pytest.raises(SpecError) as err:
         Rotation(96)
