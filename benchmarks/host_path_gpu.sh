@@ -7,6 +7,9 @@
 #     bash benchmarks/host_path_gpu.sh checks2    #   the serving caches and Gluon kernels, then Triton, GEMV, nn
 #     bash benchmarks/host_path_gpu.sh times      # host time per call beside cuDNN, DynamicCache, nn.Linear
 #     bash benchmarks/host_path_gpu.sh hf         # examples/hf_decode.py eager, rounds alternating in one process
+#     bash benchmarks/host_path_gpu.sh pending    # what changed since the last H200 run, checked (two-encoding and
+#     bash benchmarks/host_path_gpu.sh pending_times  # one-body pair appends, Bound.then, the pool bound, the
+#                                                 #   per-forward mask read), then timed (host time, spill twins)
 #
 # Each step runs under its own time limit; its output goes to $OUT/<step>.log (and JSON where the script
 # writes one), and a line per step to $OUT/summary.txt. Figures go to docs/perf.md and docs/gemm.md with
@@ -50,8 +53,20 @@ case "${1:-checks}" in
     step hf_1b_int4 150 python3 examples/hf_decode.py $L --k token:4:128 --v token:4:128 $H
     step hf_1b_int2 150 python3 examples/hf_decode.py $L --k token:2:128 --v token:2:128 $H
     ;;
+  pending)
+    step append 150 python3 -m pytest -q -x tests/serving/test_append.py -k "gpu"
+    step gluon_bound 150 python3 -m pytest -q tests/backends/test_gluon_gpu.py \
+        -k "memo or repeated_calls or without_seq_lens or bound"
+    step paged 200 python3 -m pytest -q tests/serving/test_paged_gpu.py
+    step hf_tiny_check 90 python3 examples/hf_decode.py --new 32
+    ;;
+  pending_times)
+    step launch_cost 90 python3 benchmarks/launch_cost.py --out "$OUT/launch_cost.json"
+    step call_overhead 120 python3 benchmarks/call_overhead.py --shape 1x16384 --out "$OUT/call_overhead.json"
+    step spill_twins 240 python3 benchmarks/spill_twins.py --shape 8x65536 --out "$OUT/spill_twins.json"
+    ;;
   *)
-    echo "usage: bash benchmarks/host_path_gpu.sh checks|checks2|times|hf" >&2
+    echo "usage: bash benchmarks/host_path_gpu.sh checks|checks2|times|hf|pending|pending_times" >&2
     exit 2
     ;;
 esac
