@@ -43,6 +43,9 @@ def kernel_plan(spec, dtype: str):
 
 
 def explain(the_plan) -> str:
+    from .plan import as_plan
+
+    as_plan(the_plan, "explain")
     workload = workload_of(the_plan.spec)
     if workload is not None:
         return workload.explain(the_plan)

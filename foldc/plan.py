@@ -20,12 +20,12 @@ from .builder import build_decode_attention
 from .cost import IssueVerdict, verdicts
 from .decisions import (STAGE_OF, CorrectionTerm, FoldKind, GroupAxis, Missing, ScaleSite, ScaleTarget, Stage,
                         TilingConstraint)
-from .errors import PlanError, SpecError
+from .errors import InputTypeError, PlanError, SpecError
 from .ir import Contract, Correction, Graph, Input
 from .options import attention_kernel
 from .precision import UNIT_ROUNDOFF, PrecisionDecision, product_precision
-from .passes import (FOLD_POLICIES, PassRecord, TileConstraint, check_plan_rules, default_passes, fold_cost,
-                     rows_sharing_group, run_pipeline)
+from .passes import (FOLD_POLICIES, PassRecord, TileConstraint, check_code_bias, check_plan_rules, default_passes,
+                     fold_cost, rows_sharing_group, run_pipeline)
 from .registry import attention_backend, workload_of
 from .spec import AttentionSpec
 
@@ -158,20 +158,30 @@ def plan(spec: AttentionSpec, code_bias: dict[str, int] | None = None, fold_poli
         raise SpecError(f"spec must be a foldc.AttentionSpec, got {type(spec).__name__}")
     if fold_policy not in FOLD_POLICIES:
         raise SpecError(f"fold_policy={fold_policy!r} is not one of {FOLD_POLICIES}")
-    if dtype is not None and dtype not in UNIT_ROUNDOFF:
+    if dtype is not None and not _unit_dtype(dtype):
         raise SpecError(f"dtype={dtype!r} is not one of {sorted(UNIT_ROUNDOFF)} (the query's dtype) or None")
     for name, value in (("operand_dtype", operand_dtype), ("bar_dtype", bar_dtype)):
-        if value is not None and (dtype is None or value not in UNIT_ROUNDOFF):
+        if value is not None and (dtype is None or not _unit_dtype(value)):
             raise SpecError(f"{name}={value!r} needs a query dtype and must be one of {sorted(UNIT_ROUNDOFF)} or None")
-    unknown = sorted(set(code_bias or {}) - {"key", "value"})
-    if unknown:
-        raise SpecError(f"code_bias has unknown role(s) {unknown}; use 'key' and/or 'value'")
+    code_bias = check_code_bias(code_bias, ("key", "value"))
     if rows_per_program is not None and (isinstance(rows_per_program, bool) or not isinstance(rows_per_program, int)
                                          or not 1 <= rows_per_program <= spec.q_per_kv):
         raise SpecError(f"rows_per_program={rows_per_program!r} must be an int from 1 to the query heads per KV head "
                         f"({spec.q_per_kv}), or None")
     graph, log = run_pipeline(build_decode_attention(spec), default_passes(code_bias, fold_policy, rows_per_program))
     return _make_plan(spec, graph, tuple(log), dtype, operand_dtype, rows_per_program, bar_dtype)
+
+
+def _unit_dtype(dtype) -> bool:
+    return isinstance(dtype, str) and dtype in UNIT_ROUNDOFF   # a list or dict is no dtype (nor hashable)
+
+
+def as_plan(the_plan, what: str):
+    """``the_plan`` if it is a `Plan` or a registered workload's plan (a `foldc.gemm.GemmPlan`), else
+    InputTypeError naming what was passed (a spec, say: it raised AttributeError)."""
+    if isinstance(the_plan, Plan) or workload_of(getattr(the_plan, "spec", None)) is not None:
+        return the_plan
+    raise InputTypeError(f"{what}() takes a plan, got {type(the_plan).__name__}; make one with foldc.plan(spec)")
 
 
 def _target_plan(spec, target: str, kernel: str, dtype: str, code_bias, operand_dtype, fold_policy,
@@ -186,7 +196,7 @@ def _target_plan(spec, target: str, kernel: str, dtype: str, code_bias, operand_
     if code_bias is not None or operand_dtype is not None or bar_dtype is not None:
         raise SpecError("code_bias, operand_dtype and bar_dtype are the target's with target= set; drop them or "
                         "drop target")
-    if dtype not in UNIT_ROUNDOFF:
+    if not _unit_dtype(dtype):
         raise SpecError(f"dtype={dtype!r} is not one of {sorted(UNIT_ROUNDOFF)} (the query's dtype)")
     options = {} if fold_policy == "auto" else {"fold_policy": fold_policy}
     return attention_backend(attention_kernel(spec, target, kernel, options, aot=True, dtype=dtype)).target_plan(
@@ -208,6 +218,7 @@ def check_plan(the_plan: Plan) -> Plan:
     before the softmax (eq. 8) or a value correction after the division (eq. 10), an unscaled
     partial sum across a group (eq. 5). `plan` holds its graphs to these rules (the ordering
     pass); a plan made with `Plan.with_graph` or `dataclasses.replace` is checked here."""
+    as_plan(the_plan, "check_plan")
     for name, p in the_plan.products.items():
         if p.correction_missing:
             raise PlanError("missing-correction", f"{name}: %{p.encoded} is folded ({p.fold}) but the plan adds no "

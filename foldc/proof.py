@@ -230,6 +230,9 @@ def symbolic_check(graph: Graph, small_group: int, token_tile: int) -> tuple[Ins
 
 def prove(the_plan) -> ProofReport:
     """Prove ``the_plan`` exact, or raise PlanError/ProofError naming the rule or value that fails."""
+    from .plan import as_plan
+
+    as_plan(the_plan, "prove")
     workload = workload_of(getattr(the_plan, "spec", None))
     if workload is not None:   # e.g. a GEMM plan (foldc/gemm/proof.py)
         return workload.prove(the_plan)

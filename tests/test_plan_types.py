@@ -314,3 +314,44 @@ def test_plan_for_a_target_refuses_what_it_cannot_mean():
         foldc.plan(spec, target="sm_90", code_bias={"key": 0})
     with pytest.raises(foldc.SpecError, match="kernel='gluon'"):
         foldc.plan(spec, target="interpret", kernel="gluon")
+
+
+@settings(max_examples=60, deadline=None)
+@given(bias=st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.booleans(), st.integers(0, 2048).map(str),
+                      st.lists(st.integers(), max_size=2)),
+       role=st.sampled_from(["key", "value"]), gemm=st.booleans())
+def test_a_code_bias_that_is_no_int_is_refused(bias, role, gemm):
+    """A code bias is the constant a backend ORs into the codes: a float was truncated by the fold
+    (2.5 planned and proved as 2), a string or True read as its int, NaN raised ValueError."""
+    if gemm:
+        spec = foldc.GemmSpec(64, 128, foldc.gemm.parse_gemm_encoding("k-group:4:128", "weight"))
+        role = "weight"
+    else:
+        spec = foldc.AttentionSpec(8, 2, 64, A(2, "token", 64), A(4, "token", 64))
+    with pytest.raises(SpecError, match=r"code_bias\[.*must be an int"):
+        foldc.plan(spec, code_bias={role: bias})
+
+
+@pytest.mark.parametrize("code_bias", [["key"], "key", 3])
+def test_a_code_bias_that_is_no_dict_is_refused(code_bias):
+    spec = foldc.AttentionSpec(8, 2, 64, A(2, "token", 64), A(4, "token", 64))
+    with pytest.raises(SpecError, match="code_bias=.* must be a dict"):
+        foldc.plan(spec, code_bias=code_bias)   # a list raised ValueError inside dict()
+
+
+def test_a_query_dtype_that_is_no_string_is_a_spec_error():
+    spec = foldc.AttentionSpec(8, 2, 64, A(2, "token", 64), A(4, "token", 64))
+    for kwargs in ({"dtype": ["fp16"]}, {"dtype": "fp16", "operand_dtype": {"fp16"}}, {"target": "sm_90", "dtype": ["bf16"]}):
+        with pytest.raises(SpecError, match="dtype"):   # TypeError (unhashable) before
+            foldc.plan(spec, **kwargs)
+
+
+@pytest.mark.parametrize("wrong", [None, "plan", A(2, "token", 64), foldc.AttentionSpec(8, 2, 64, A(2, "token", 64))])
+def test_prove_check_and_explain_name_a_spec_passed_for_a_plan(wrong):
+    """foldc.prove(spec) raised AttributeError ('AttentionSpec' object has no attribute 'graph')."""
+    from foldc.layout_compile import explain
+
+    for fn in (foldc.prove, check_plan, explain):
+        with pytest.raises(foldc.InputTypeError, match=rf"takes a plan, got {type(wrong).__name__}; make one with "
+                                                        r"foldc\.plan\(spec\)"):
+            fn(wrong)

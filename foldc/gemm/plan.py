@@ -12,7 +12,8 @@ from fractions import Fraction
 from ..cost import IssueVerdict, verdicts
 from ..errors import SpecError
 from ..ir import Correction, Dequantize, Graph, Input, Prescale, ScaleGroups
-from ..passes import FOLD_POLICIES, PassRecord, TileConstraint, default_passes, fold_cost, run_pipeline
+from ..passes import (FOLD_POLICIES, PassRecord, TileConstraint, check_code_bias, default_passes, fold_cost,
+                      run_pipeline)
 from .builder import build_gemm
 from .spec import GemmSpec
 
@@ -76,9 +77,7 @@ def gemm_plan(spec: GemmSpec, code_bias: dict[str, int] | None = None, fold_poli
         raise SpecError(f"spec must be a foldc.GemmSpec, got {type(spec).__name__}")
     if fold_policy not in FOLD_POLICIES:
         raise SpecError(f"fold_policy={fold_policy!r} is not one of {FOLD_POLICIES}")
-    unknown = sorted(set(code_bias or {}) - {"weight", "activation"})
-    if unknown:
-        raise SpecError(f"code_bias has unknown role(s) {unknown}; use 'weight' and/or 'activation'")
+    code_bias = check_code_bias(code_bias, ("weight", "activation"))
     graph, log = run_pipeline(build_gemm(spec), default_passes(code_bias, fold_policy))
     return _make_plan(spec, graph, tuple(log))
 

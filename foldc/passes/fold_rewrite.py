@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..errors import PlanError
+from ..errors import PlanError, SpecError
 from ..ir import (Add, Codes, Contract, Correction, Dequantize, GroupedAxis, GroupParam, Input, Prescale,
                   ScaleGroups, canonical, element_axes, param_axes)
 from ..ir.axes import base_of, find
@@ -53,6 +53,24 @@ def _ones(graph, axis: str) -> str:
 
 def _is_encoded(node) -> bool:
     return isinstance(node, Input) and node.encoding is not None
+
+
+def check_code_bias(code_bias, roles: tuple[str, ...]) -> dict:
+    """``code_bias`` (None, or a dict mapping some of ``roles`` to an int) as a dict; SpecError
+    naming what is wrong (a float bias was truncated by the fold, 2.5 planned as 2)."""
+    if code_bias is None:
+        return {}
+    if not isinstance(code_bias, dict):
+        raise SpecError(f"code_bias={code_bias!r} must be a dict mapping {' and/or '.join(map(repr, roles))} "
+                        "to an int, or None")
+    unknown = sorted((r for r in code_bias if r not in roles), key=repr)
+    if unknown:
+        raise SpecError(f"code_bias has unknown role(s) {unknown}; use {' and/or '.join(map(repr, roles))}")
+    for role, bias in code_bias.items():
+        if isinstance(bias, bool) or not isinstance(bias, int):
+            raise SpecError(f"code_bias[{role!r}]={bias!r} must be an int: the constant a backend ORs into the "
+                            "codes (eq. 7)")
+    return dict(code_bias)
 
 
 @dataclass(frozen=True)
