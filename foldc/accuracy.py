@@ -41,6 +41,7 @@ from .encoding import SUPPORTED_BITS, SUPPORTED_LAYOUTS, SUPPORTED_SCALE_DTYPES,
 from .errors import InputError, InputTypeError, SpecError
 from .reference import attention_reference
 from .rotation import Rotation
+from .validate import check_sm_scale
 
 DATA_KINDS = ("gaussian", "outlier")
 # the reference paper's attention shape
@@ -50,6 +51,12 @@ PAPER_SHAPE = {"num_q_heads": 32, "num_kv_heads": 8, "head_dim": 128}
 def _nonneg_int(name: str, value) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise SpecError(f"{name}={value!r} must be an integer >= 0")
+    return value
+
+
+def _seed(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not -2**63 <= value < 2**64:
+        raise SpecError(f"{name}={value!r} must be an int in [-2**63, 2**64) (torch.Generator's seeds)")
     return value
 
 
@@ -80,7 +87,7 @@ class AccuracyConfig:
     scale_dtype: torch.dtype = torch.float16
 
     def __post_init__(self) -> None:
-        if isinstance(self.bits, bool) or self.bits not in SUPPORTED_BITS:
+        if isinstance(self.bits, bool) or not isinstance(self.bits, int) or self.bits not in SUPPORTED_BITS:
             raise SpecError(f"bits={self.bits!r} is not supported; use one of {SUPPORTED_BITS}")
         for name in ("k_layout", "v_layout"):
             layout = getattr(self, name)
@@ -90,6 +97,8 @@ class AccuracyConfig:
             raise SpecError(f"group_size={self.group_size!r} must be a positive integer")
         if not isinstance(self.rotate, bool):
             raise SpecError(f"rotate={self.rotate!r} must be True or False")
+        if self.rotation_seed is not None:
+            _seed("rotation_seed", self.rotation_seed)
         _nonneg_int("sink", self.sink)
         _nonneg_int("window", self.window)
         if self.scale_dtype not in SUPPORTED_SCALE_DTYPES:
@@ -136,7 +145,7 @@ def make_data(kind: str = "gaussian", *, tokens: int = 4096, batch: int = 1, num
         raise SpecError(f"num_q_heads={num_q_heads} is not a multiple of num_kv_heads={num_kv_heads}")
     if isinstance(outliers, bool) or not isinstance(outliers, int) or not 0 <= outliers <= head_dim:
         raise SpecError(f"outliers={outliers!r} must be an integer in [0, head_dim={head_dim}]")
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator().manual_seed(_seed("seed", seed))
     f64 = torch.float64
     q = torch.randn(batch, num_q_heads, head_dim, generator=gen, dtype=f64)
     k = torch.randn(batch, num_kv_heads, tokens, head_dim, generator=gen, dtype=f64)
@@ -174,18 +183,22 @@ def _check_operands(q, k, v) -> None:
             raise InputError(f"{name} must be a floating-point {want}; got dtype={x.dtype}, shape={tuple(x.shape)}")
     if k.shape != v.shape:
         raise InputError(f"k shape={tuple(k.shape)} and v shape={tuple(v.shape)} must match")
+    for name, x in (("q", q), ("k", k)):   # no KV heads divided by zero below; no tokens: nothing to attend over
+        if x.numel() == 0:
+            raise InputError(f"{name} shape={tuple(x.shape)} has an axis of size 0; every axis needs at least one "
+                             "entry (k and v at least one token)")
     b, hq, d = q.shape
     if (k.shape[0], k.shape[3]) != (b, d) or hq % k.shape[1]:
         raise InputError(f"q shape={tuple(q.shape)} does not fit k shape={tuple(k.shape)}: batch and head_dim must "
                          "match and num_q_heads must be a multiple of num_kv_heads")
-    if k.shape[2] < 1:
-        raise InputError("k and v hold no tokens")
 
 
 def cache_values(x: torch.Tensor, enc: Affine | None, sink: int = 0, window: int = 0) -> torch.Tensor:
     """float64 values a cache would hand attention for ``x [batch, heads, tokens, head_dim]``: the first
     ``sink`` and last ``window`` tokens exact, the tokens between quantized with ``enc`` and
     dequantized (all exact when ``enc`` is None or no token is left between the windows)."""
+    _nonneg_int("sink", sink)     # a negative sink sliced from the end: the last tokens were quantized, the rest kept
+    _nonneg_int("window", window)
     x = x.to(torch.float64)
     n = x.shape[2]
     s = min(sink, n)
@@ -221,9 +234,10 @@ def quantized_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, confi
 
 def compare(out: torch.Tensor, exact: torch.Tensor) -> ErrorReport:
     """`ErrorReport` of an output against the exact one (both [batch, num_q_heads, head_dim])."""
-    if not (isinstance(out, torch.Tensor) and isinstance(exact, torch.Tensor)) or out.shape != exact.shape:
-        raise InputError(f"out and exact must be tensors of one shape; got {getattr(out, 'shape', out)} and "
-                         f"{getattr(exact, 'shape', exact)}")
+    if not (isinstance(out, torch.Tensor) and isinstance(exact, torch.Tensor)) or out.shape != exact.shape \
+            or out.dim() < 1 or out.numel() == 0:
+        raise InputError(f"out and exact must be non-empty tensors of one shape [..., head_dim]; got "
+                         f"{getattr(out, 'shape', out)} and {getattr(exact, 'shape', exact)}")
     out, exact = out.to(torch.float64), exact.to(torch.float64)
     diff = (out - exact).norm(dim=-1)
     norm = exact.norm(dim=-1)
@@ -251,7 +265,7 @@ def window_mass(q: torch.Tensor, k: torch.Tensor, sink: int, window: int, sm_sca
     _nonneg_int("window", window)
     b, hq, d = q.shape
     hkv, n = k.shape[1], k.shape[2]
-    scale = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
+    scale = check_sm_scale(sm_scale, d)
     qf = q.to(torch.float64).reshape(b, hkv, hq // hkv, d)
     p = torch.softmax(torch.einsum("bkhd,bknd->bkhn", qf, k.to(torch.float64)) * scale, dim=-1)
     s = min(sink, n)

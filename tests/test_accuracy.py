@@ -153,3 +153,49 @@ def test_prerotated_operands_give_the_same_output():
     assert AccuracyConfig(2).rotation(64) is None
     with pytest.raises(SpecError, match="prerotated"):
         quantized_attention(q, k, v, AccuracyConfig(2, group_size=32), prerotated=True)
+
+
+@settings(max_examples=30, deadline=None)
+@given(sink=st.integers(-40, 40), window=st.integers(-40, 40), seed=st.integers(0, 2**31 - 1))
+def test_cache_values_keeps_the_windows_it_names_or_refuses(sink, window, seed):
+    """A negative sink sliced from the end: sink=-3 quantized only the last 3 tokens and kept the rest
+    exact (a silently wrong cache); a float window raised TypeError inside a slice."""
+    x = torch.randn(1, 2, 30, 32, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    enc = foldc.Affine(2, "token", 16)
+    if sink < 0 or window < 0:
+        with pytest.raises(SpecError, match="sink=-|window=-"):
+            cache_values(x, enc, sink, window)
+        return
+    got = cache_values(x, enc, sink, window)
+    s = min(sink, 30)
+    r = min(window, 30 - s)
+    assert torch.equal(got[:, :, :s], x[:, :, :s]) and torch.equal(got[:, :, 30 - r:], x[:, :, 30 - r:])
+    if s + r < 30:   # a body between the windows
+        assert torch.equal(got[:, :, s:30 - r], foldc.quantize(x[:, :, s:30 - r], enc).dequantize(torch.float64))
+    assert got.shape == x.shape
+    with pytest.raises(SpecError, match="window=2.5"):
+        cache_values(x, enc, sink, 2.5)
+
+
+def test_empty_operands_seeds_and_scales_are_fold_errors():
+    """Each raised inside Python or torch (ZeroDivisionError, RuntimeError, ValueError) or gave NaN."""
+    q, k, v = make_data("gaussian", tokens=16, num_q_heads=4, num_kv_heads=2, head_dim=32, seed=3)
+    cfg = AccuracyConfig(2, group_size=32)
+    with pytest.raises(InputError, match=r"q shape=\(1, 0, 32\) has an axis of size 0"):   # ZeroDivisionError
+        attention_error(q[:, :0], k[:, :0], v[:, :0], cfg)
+    with pytest.raises(InputError, match="has an axis of size 0"):
+        window_mass(q[:, :0], k[:, :0], 1, 1)
+    with pytest.raises(InputError, match="non-empty"):   # RuntimeError from max() of nothing
+        compare(q[:0], q[:0])
+    for bad in (float("nan"), float("inf")):   # NaN shares of attention weight
+        with pytest.raises(InputError, match="sm_scale"):
+            window_mass(q, k, 2, 2, sm_scale=bad)
+    with pytest.raises(InputTypeError, match="sm_scale"):
+        window_mass(q, k, 2, 2, sm_scale="0.1")
+    for seed in (2**64, 1.5, "7", True):
+        with pytest.raises(SpecError, match="seed="):
+            make_data(tokens=4, num_q_heads=2, num_kv_heads=1, head_dim=8, seed=seed)
+        with pytest.raises(SpecError, match="rotation_seed="):
+            AccuracyConfig(2, rotate=True, rotation_seed=seed)
+    with pytest.raises(SpecError, match="bits=4.0"):   # accepted, then refused by the first measurement
+        AccuracyConfig(4.0)
