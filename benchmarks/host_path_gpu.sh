@@ -63,7 +63,7 @@ case "${1:-checks}" in
   pending_times)
     step launch_cost 90 python3 benchmarks/launch_cost.py --out "$OUT/launch_cost.json"
     step call_overhead 120 python3 benchmarks/call_overhead.py --shape 1x16384 --out "$OUT/call_overhead.json"
-    step spill_twins 240 python3 benchmarks/spill_twins.py --shape 8x65536 --out "$OUT/spill_twins.json"
+    step spill_twins 300 python3 benchmarks/spill_twins.py --shape 8x65536 --out "$OUT/spill_twins.json"
     ;;
   *)
     echo "usage: bash benchmarks/host_path_gpu.sh checks|checks2|times|hf|pending|pending_times" >&2

@@ -1,9 +1,10 @@
 """The grid's builds that spill in the token loop (docs/results/grid_aot_full.json, benchmarks/grid_aot.py)
-beside their twins with 32-token tiles and/or one KV head per program: on the CPU, each variant's AOT
+beside their twins with 32-token tiles and/or one KV head per program, or with the token-wise scales loaded at
+each tile's start or one tile ahead (``scale_ahead``): on the CPU, each variant's AOT
 build (registers, spills, SASS per tile); on the GPU, each variant timed at one shape (CUDA-graph
 replay, L2 flushed) with its error against float64, beside cuDNN bf16, to decide the launcher's default.
 
-    python3 benchmarks/spill_twins.py --aot                                           # CPU
+    python3 benchmarks/spill_twins.py --aot [--arch sm_100] [--out twins_aot.json]    # CPU
     PYTHONPATH=. python3 benchmarks/spill_twins.py --shape 8x65536 --out $OUT/twins.json   # GPU
 """
 from __future__ import annotations
@@ -16,7 +17,8 @@ from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent.parent / "docs" / "results" / "grid_aot_full.json"
 VARIANTS = {"default": {}, "bn32": {"block_n": 32}, "one_head": {"pack_heads": 1},
-            "bn32_one_head": {"block_n": 32, "pack_heads": 1}}
+            "bn32_one_head": {"block_n": 32, "pack_heads": 1}, "scales_at_start": {"scale_ahead": False},
+            "scales_ahead": {"scale_ahead": True}}
 
 
 def spilling_layouts(arch: str = "sm_90") -> list[str]:
@@ -30,10 +32,11 @@ def layout_of(label: str):
     return next(x for x in grid("full") if x.label == label)
 
 
-def aot(labels, arch):
+def aot(labels, arch, out_path=None):
     from foldc.backends.gluon.aot import compile_gluon_aot
     from foldc.errors import FoldError
 
+    rows = []
     for label in labels:
         spec = layout_of(label).spec()
         for name, opts in VARIANTS.items():
@@ -42,11 +45,17 @@ def aot(labels, arch):
                 with tempfile.TemporaryDirectory() as out:
                     r = compile_gluon_aot(spec, arch, out, **opts)
                 loop = r["inner_loop"]
-                row.update(block_n=r["block_n"], pack_heads=r["pack_heads"], registers=r["registers"],
-                           spills=loop["local_memory"], instructions_per_tile=loop["instructions_per_tile"])
+                row.update(block_n=r["block_n"], pack_heads=r["pack_heads"], scale_ahead=r["scale_ahead"],
+                           registers=r["registers"], spills=loop["local_memory"],
+                           spills_every_tile=loop["local_memory_every_tile"],
+                           instructions_per_tile=round(loop["instructions_per_tile"], 1),
+                           bytes_per_tile=loop["bytes_per_tile"])
             except FoldError as e:
                 row["refused"] = str(e)[:200]
             print(json.dumps(row), flush=True)
+            rows.append(row)
+    if out_path:
+        Path(out_path).write_text(json.dumps(dict(arch=arch, rows=rows), indent=1))
 
 
 def gpu(labels, batch, tokens, out_path):
@@ -100,7 +109,7 @@ def main(argv=None) -> int:
         labels = [x for x in labels if any(w.strip() in x for w in args.only.split(","))]
     if args.aot:
         os.environ.pop("TRITON_INTERPRET", None)
-        aot(labels, args.arch)
+        aot(labels, args.arch, args.out)
     else:
         batch, tokens = map(int, args.shape.split("x"))
         gpu(labels, batch, tokens, args.out)
