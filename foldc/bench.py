@@ -405,6 +405,9 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("foldc bench needs a CUDA GPU (it times kernels); none is visible", file=sys.stderr)
         return 2
+    from .options import cli_out_dir
+
+    cli_out_dir(ap, args.out)
     results = run_bench(Path(args.out), quick=args.quick, tune=not args.no_tune, shapes=shapes, kernels=wanted)
     print(format_table(results))
     return 0

@@ -657,6 +657,9 @@ def main(argv=None) -> int:
               "`foldc bench --layouts --check-only --target interpret` checks the layouts under Triton's "
               "interpreter", file=sys.stderr)
         return 2
+    from .options import cli_out_dir
+
+    cli_out_dir(ap, args.out)
     results = run_grid(layouts, Path(args.out), args.target, check_shape, time_shapes, args.grid)
     print(format_table(results))
     return 0 if all(r["status"] in ("ok", "refused") for r in results["rows"]) else 1

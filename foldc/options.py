@@ -233,6 +233,15 @@ def check_out_dir(out, name: str = "out") -> Path:
     return path
 
 
+def cli_out_dir(ap, out) -> Path:
+    """`check_out_dir` for a command's --out, before it runs anything: a usage error (exit 2) naming the
+    folder, not a traceback from its first write (the benchmarks' mkdir)."""
+    try:
+        return check_out_dir(out)
+    except SpecError as e:
+        ap.error(str(e))
+
+
 def check_count(name: str, value, high: int, what: str = "") -> int:
     """A positive int up to ``high`` (a CLI count: --batch, --tokens...)."""
     return check_int(name, value, 1, high, what=what)

@@ -140,3 +140,22 @@ def test_the_table_reports_host_time_beside_eager_and_graph_time():
     header, _, line = text.strip().splitlines()[1:4]
     cells = dict(zip([c.strip() for c in header.strip("|").split("|")], [c.strip() for c in line.strip("|").split("|")]))
     assert (cells["us"], cells["eager us"], cells["host us"], cells["x cuDNN"]) == ("14.2", "84.7", "61.0", "2.28")
+
+
+@pytest.mark.parametrize("argv", [["--gemm", "--cpu", "--deadline", "0"],
+                                  ["--layouts", "--check-only", "--target", "interpret", "--only", "K token:2:128 V "
+                                   "token:2:128 32/8"],
+                                  ["--serving", "--dry-run"],
+                                  ["--serving", "--dry-run", "--parts", "correctness,bogus"]])
+def test_an_out_that_is_a_file_or_an_unknown_part_is_a_usage_error_before_anything_runs(argv, tmp_path, capsys):
+    """A file given as --out raised FileExistsError from the first mkdir (a traceback); an unknown
+    --serving part stopped the run only after the parts before it had run."""
+    from foldc.cli import main
+
+    taken = tmp_path / "taken"
+    taken.write_text("x")
+    with pytest.raises(SystemExit) as info:
+        main(["bench", *argv, "--out", str(taken)])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert ("unknown part(s) ['bogus']" if "bogus" in argv[-1] else "is not a writable folder") in err

@@ -173,6 +173,10 @@ def main(argv=None) -> int:
                     help=f"seconds after which no new case starts (default {DEADLINE_S})")
     args = ap.parse_args(argv)
     t0 = time.time()
+    if args.cpu or torch.cuda.is_available():
+        from foldc.options import cli_out_dir
+
+        cli_out_dir(ap, args.out)
     if args.cpu:
         device, dtype = "cpu", torch.float16
         shapes, tokens = ((128, 256),), (1, 16)

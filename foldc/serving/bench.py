@@ -486,6 +486,13 @@ def main(argv=None) -> int:
     if not args.dry_run and not torch.cuda.is_available():
         print("no CUDA GPU: run with --dry-run for the CPU check of this script", file=sys.stderr)
         return 2
+    parts = [p.strip() for p in args.parts.split(",") if p.strip()]
+    unknown = [p for p in parts if p not in PARTS]
+    if unknown:   # before any part runs (one found after the others had run minutes)
+        ap.error(f"--parts={args.parts!r}: unknown part(s) {unknown}; parts are {list(PARTS)}")
+    from foldc.options import cli_out_dir
+
+    cli_out_dir(ap, args.out)
     c = Ctx(args.dry_run)
     if args.prompt is not None or args.new_tokens is not None:
         if (args.prompt or 1) < 1 or (args.new_tokens or 1) < 1:
@@ -507,10 +514,7 @@ def main(argv=None) -> int:
     meta["triton"] = triton.__version__
     results, texts, t_start, failed = {"meta": meta}, [], time.perf_counter(), False
     print(json.dumps(meta))
-    for name in [p.strip() for p in args.parts.split(",") if p.strip()]:
-        if name not in PARTS:
-            print(f"unknown part {name!r}; parts are {list(PARTS)}", file=sys.stderr)
-            return 2
+    for name in parts:
         if time.perf_counter() - t_start > args.budget_s:
             results[name] = {"skipped": f"time budget of {args.budget_s:.0f} s spent"}
             print(f"\n[{name}] skipped: time budget spent")
