@@ -120,8 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-stages", type=int, default=None, help="generated Triton kernels: pipeline stages, 1..8 "
                    "(default 2); the register-operand kernel: code tiles in flight, 2..4")
     p.add_argument("--kernel", default="auto", choices=["auto", "triton", "gluon"],
-                   help="attention on sm_90: the register-operand kernel where it lowers the plan (auto, gluon) or the "
-                   "generated Triton kernel (triton)")
+                   help="attention on sm_90 and sm_100: the register-operand kernel where it lowers the plan (auto, "
+                   "gluon) or the generated Triton kernel (triton)")
     p.set_defaults(func=cmd_compile)
     p = sub.add_parser("bench", help="time the kernels against the HBM ceiling and bf16 peers (GPU)",
                        add_help=False)

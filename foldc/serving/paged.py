@@ -257,7 +257,7 @@ class PagedDecodeWrapper:
         The register-operand kernel's ``dynamic_tiles`` (`GluonAttention`): programs draw tiles from
         a counter; the output's last bits then vary between runs. Refused where that kernel does not run.
     kernel : str
-        "auto" (the register-operand kernel on sm_90 when it lowers the plan and the page holds
+        "auto" (the register-operand kernel on sm_90 and sm_100 when it lowers the plan and the page holds
         whole 32-token tiles, else the generated Triton kernel), "triton" or "gluon" (refused
         with the reason where it does not apply).
 
@@ -267,7 +267,7 @@ class PagedDecodeWrapper:
         The compiled attention that runs the pages (`GluonAttention` or `TritonAttention`; absent for
         target "reference"): ``plan`` holds its `Launch` per query dtype and ``run`` calls its ``run``.
     register_operand : bool
-        Whether that is the register-operand kernel (bf16 queries only).
+        Whether that is the register-operand kernel (fp16 and bf16 queries).
     """
 
     def __init__(self, spec: AttentionSpec, page_size: int, *, max_seq_len: int, device="cpu",
@@ -441,7 +441,7 @@ class PagedDecodeWrapper:
         sm_scale : float, optional
             Softmax scale (default ``head_dim ** -0.5``).
         out : torch.Tensor ``[batch, num_q_heads, head_dim]``, optional
-            Preallocated output in q's dtype.
+            Preallocated output in q's dtype, or float32 (unrounded, for a later `foldc.merge_attention`).
         return_lse : bool
             Also return the log-sum-exp of the scaled logits.
         seq_lens : torch.Tensor, int32 ``[batch]``, optional

@@ -157,9 +157,9 @@ class TritonAttention:
     def __call__(self, q, k, v, sm_scale=None, seq_lens=None, out: torch.Tensor | None = None,
                  return_lse: bool = False):
         """Decode attention. ``out`` (optional): a preallocated [batch, num_q_heads, head_dim]
-        tensor of q's dtype and device to write into. ``return_lse``: also return the float32
-        log-sum-exp of the scaled logits per query head, [batch, num_q_heads] (see
-        `foldc.merge_attention`)."""
+        tensor on q's device, of q's dtype or float32 (unrounded, for a later merge), to write into.
+        ``return_lse``: also return the float32 log-sum-exp of the scaled logits per query head,
+        [batch, num_q_heads] (see `foldc.merge_attention`)."""
         q_dtypes = (torch.float16,) if self.interpret else (torch.float16, torch.bfloat16)
         call = check_call(self.spec, q, k, v, sm_scale, seq_lens, q_dtypes=q_dtypes)
         device = q.device
