@@ -3,6 +3,8 @@
     layer = foldc.nn.FoldLinear.from_linear(linear, weight="k-group:4:128")   # quantize an nn.Linear
     layer = foldc.nn.FoldLinear(weight, encoding, bias)                        # already quantized, e.g.
                                                                               # foldc.gemm.convert.from_gptq(...)
+    layer = foldc.nn.FoldLinear(weight, encoding, bias, input_order=order)     # act-order GPTQ:
+                                                                              # from_gptq_act_order(...)
     y = layer(x)                                                               # x [..., in_features]
 
 The layer's plan (``GemmSpec(out_features, in_features, weight=encoding)``) is planned and proved
@@ -137,9 +139,12 @@ class FoldLinear(torch.nn.Module):
     """``y = x @ W.T + bias`` with ``W`` an affine-quantized ``[out_features, in_features]`` weight
     (module doc). ``weight``: an `AffineTensor` [1, 1, out_features, in_features] encoded as
     ``encoding`` (a `GemmEncoding` or its text, e.g. ``"k-group:4:128"``); ``bias``: [out_features] or
-    None. The weight's tensors are buffers (they move with ``.to()`` and are saved in the state dict)."""
+    None; ``input_order``: None, or a permutation of the input channels (int [in_features]) the layer gathers x by
+    first, ``y = x[..., input_order] @ W.T + bias`` (act-order checkpoints, `foldc.gemm.convert.from_gptq_act_order`).
+    The weight's tensors are buffers (they move with ``.to()`` and are saved in the state dict)."""
 
-    def __init__(self, weight: AffineTensor, encoding, bias: torch.Tensor | None = None):
+    def __init__(self, weight: AffineTensor, encoding, bias: torch.Tensor | None = None,
+                 input_order: torch.Tensor | None = None):
         super().__init__()
         if not isinstance(weight, AffineTensor):
             raise InputTypeError(f"weight must be a foldc.AffineTensor [1, 1, out_features, in_features], got "
@@ -167,6 +172,7 @@ class FoldLinear(torch.nn.Module):
                 raise InputError(f"bias must be a [{n}] tensor or None; got {got}")
             bias = bias.detach()
         self.register_buffer("bias", bias)
+        self.register_buffer("input_order", _input_order(input_order, k, weight.codes.device))
         # the GPU GEMV's split-k counters (one per 16 output channels, zero between calls): held here, not
         # by the shared kernel object, so a compiled step's CUDA graph sees every buffer it uses
         self.register_buffer("gemv_counters", torch.zeros(-(-n // 16), dtype=torch.int32, device=weight.codes.device),
@@ -213,6 +219,12 @@ class FoldLinear(torch.nn.Module):
         return AffineTensor(self.codes, self.scale, self.zero, self.encoding.affine(self.in_features), self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        order = self._buffers["input_order"]
+        if order is not None:   # act-order: x's channels in the weight's order first (a new, contiguous x)
+            if not isinstance(x, torch.Tensor) or x.dim() == 0 or x.shape[-1] != self.in_features:
+                got = getattr(x, "shape", type(x).__name__)
+                raise InputError(f"x must be a tensor [..., {self.in_features}]; got {got}")
+            x = x.index_select(-1, order)
         fast = self._fast
         if (fast is not None and type(x) is _TENSOR and x.shape == fast[0] and x.stride() == fast[1]
                 and x.dtype == fast[2] and not x.requires_grad and _DEVICE(x) == fast[3] and self._holds(fast[4])
@@ -298,4 +310,19 @@ class FoldLinear(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, weight={self.encoding.short()}, "
-                f"bias={self.bias is not None}, folds={self.plan.folds}")
+                f"bias={self.bias is not None}, input_order={self.input_order is not None}, folds={self.plan.folds}")
+
+
+def _input_order(order, k: int, device) -> torch.Tensor | None:
+    """``order`` as an int64 permutation of range(k) on ``device``, refused unless it is one (None stays None)."""
+    if order is None:
+        return None
+    if not isinstance(order, torch.Tensor):
+        raise InputTypeError(f"input_order must be a torch.Tensor [{k}] (a permutation of the input channels) or "
+                             f"None, got {type(order).__name__}")
+    if order.dtype == torch.bool or order.is_floating_point() or order.is_complex() or tuple(order.shape) != (k,):
+        raise InputError(f"input_order must be an integer tensor [{k}]; got {order.dtype} {tuple(order.shape)}")
+    order = order.to(device=device, dtype=torch.int64)
+    if not torch.equal(torch.sort(order).values, torch.arange(k, device=device)):
+        raise InputError(f"input_order is not a permutation of range({k}): each input channel must appear once")
+    return order

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 import foldc
 from foldc.gemm import parse_gemm_encoding
+from foldc.errors import InputError, InputTypeError
 from foldc.nn import FoldLinear
 
 
@@ -420,3 +421,64 @@ def test_a_dtype_cast_of_the_model_keeps_the_encodings_scales(scale_dtype):
     x = torch.randn(3, 64, generator=gen)
     want = x.double() @ layer.weight.dequantize(torch.float64)[0, 0].T + layer.bias.double()
     assert torch.allclose(layer(x).double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_an_input_order_gathers_x_first_and_moves_with_the_layers_state():
+    """FoldLinear(..., input_order=p) computes x[..., p] @ W.T + bias (act-order checkpoints): fp16 through
+    Triton's interpreter and float32 through the float64 executor; the order is a buffer of the state dict."""
+    from foldc.gemm.reference import quantize_2d
+
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    n, k = 32, 256
+    enc = parse_gemm_encoding("k-group:4:64", "weight")
+    weight = quantize_2d(torch.randn(n, k, generator=gen) * 0.05, enc)
+    order = torch.randperm(k, generator=gen)
+    layer = FoldLinear(weight, enc, bias=torch.randn(n, generator=gen), input_order=order.to(torch.int32))
+    assert layer.input_order.dtype == torch.int64 and set(layer.state_dict()) == {"codes", "scale", "zero", "bias",
+                                                                                  "input_order"}
+    w = weight.dequantize(torch.float64)[0, 0]
+    for x in (torch.randn(2, 3, k, generator=gen), torch.randn(4, k, generator=gen).half()):
+        want = x.double()[..., order] @ w.T + layer.bias.double()
+        got = layer(x).double()
+        assert got.shape == (*x.shape[:-1], n)
+        tol = 1e-6 if x.dtype == torch.float32 else 3e-3
+        assert float((got - want).norm() / want.norm()) < tol
+    copy = FoldLinear(weight, enc, bias=torch.zeros(n), input_order=torch.arange(k))
+    copy.load_state_dict(layer.state_dict())
+    assert torch.equal(copy.input_order, layer.input_order)
+
+
+@pytest.mark.parametrize("order, error, match", [
+    (torch.arange(255), InputError, r"integer tensor \[256\]"),
+    (torch.arange(256).float(), InputError, "integer tensor"),
+    (torch.zeros(256, dtype=torch.int64), InputError, "not a permutation"),
+    (list(range(256)), InputTypeError, "permutation of the input channels"),
+])
+def test_an_input_order_that_is_no_permutation_is_refused(order, error, match):
+    from foldc.gemm.reference import quantize_2d
+
+    enc = parse_gemm_encoding("k-group:4:64", "weight")
+    weight = quantize_2d(torch.randn(16, 256) * 0.05, enc)
+    with pytest.raises(error, match=match):
+        FoldLinear(weight, enc, input_order=order)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the register-operand GEMV)")
+@pytest.mark.parametrize("m", [1, 16])
+def test_gpu_calls_with_an_input_order_give_the_ops_answer_over_the_gathered_x(m):
+    """An act-order layer on the GPU: the eager GEMV path (and its fast path, from the second call) gives the
+    custom op's bits over x gathered by the order, within the bar against float64."""
+    from foldc.gemm.reference import quantize_2d
+
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    enc = parse_gemm_encoding("k-group:4:128", "weight")
+    order = torch.randperm(512, generator=gen)
+    layer = FoldLinear(quantize_2d(torch.randn(96, 512, generator=gen) * 0.05, enc), enc, input_order=order).cuda()
+    for _ in range(3):
+        x = torch.randn(m, 512, generator=gen).half().cuda()
+        y = layer(x)
+        via_op = torch.ops.foldc.linear(x[:, order.cuda()].contiguous(), layer.codes, layer.scale, layer.zero, None,
+                                        layer._encoding_text, 96, layer.gemv_counters)
+        assert torch.equal(y, via_op)
+    want = x.cpu().double()[:, order] @ layer.weight.dequantize(torch.float64)[0, 0].cpu().T
+    assert float((y.cpu().double() - want).norm() / want.norm()) < 1e-2

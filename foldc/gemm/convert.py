@@ -1,6 +1,6 @@
 """Weights in the formats other tools write, repacked once into foldc's layout.
 
-Each converter returns ``(weight, encoding)``: an `AffineTensor` ``[1, 1, n, k]`` (foldc's planar
+Each converter returns ``(weight, encoding)`` (``from_gptq_act_order`` the input order too): an `AffineTensor` ``[1, 1, n, k]`` (foldc's planar
 packing along k, one (scale, zero) per output channel and group of k) and its `GemmEncoding`
 (``k-group:bits:group:fp32``), so that ``foldc.compile(GemmSpec(n, k, weight=encoding), ...)`` takes
 it. foldc's affine form is ``value = scale * code + zero``; the tools store
@@ -8,7 +8,8 @@ it. foldc's affine form is ``value = scale * code + zero``; the tools store
 - GPTQ (AutoGPTQ / GPTQModel, ``from_gptq``): ``qweight`` int32 ``[k * bits / 32, n]`` (codes packed
   along k, low bits first), ``qzeros`` int32 ``[groups, n * bits / 32]`` (packed along n), ``scales``
   ``[groups, n]``, ``g_idx`` ``[k]``; ``value = scale * (code - zero)`` with the stored zero one less than
-  the zero (the "v1" checkpoint format; ``zero_offset=0`` for the v2 format);
+  the zero (the "v1" checkpoint format; ``zero_offset=0`` for the v2 format). With act-order (``g_idx`` not
+  in order), ``from_gptq_act_order`` also returns the input order that makes each group consecutive;
 - AWQ (AutoAWQ's GEMM format, ``from_awq``): ``qweight`` int32 ``[k, n * bits / 32]`` and ``qzeros``
   int32 ``[groups, n * bits / 32]``, both packed along n in the order (0, 2, 4, 6, 1, 3, 5, 7) at 4 bits,
   ``scales`` ``[groups, n]``; ``value = scale * (code - zero)``;
@@ -116,14 +117,35 @@ def _build(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: i
     return weight, enc
 
 
+def _g_idx(g_idx, k: int, group: int) -> torch.Tensor:
+    """``g_idx`` as int64 [k], refused unless it names each of the k / group groups for exactly ``group`` input
+    channels (what GPTQ writes, in order or reordered by act-order)."""
+    if not isinstance(g_idx, torch.Tensor):
+        raise InputTypeError(f"g_idx must be a torch.Tensor [{k}] of group indices, got {type(g_idx).__name__}")
+    if g_idx.dtype == torch.bool or g_idx.is_floating_point() or g_idx.is_complex():
+        raise InputError(f"g_idx dtype={g_idx.dtype}: GPTQ stores integer group indices")
+    if tuple(g_idx.shape) != (k,):
+        raise InputError(f"g_idx shape={tuple(g_idx.shape)} but this layer has k={k} input channels")
+    g_idx = g_idx.to(torch.int64)
+    groups = k // group
+    if int(g_idx.min()) < 0 or int(g_idx.max()) >= groups:
+        raise InputError(f"g_idx spans [{int(g_idx.min())}, {int(g_idx.max())}], outside the layer's {groups} groups")
+    counts = torch.bincount(g_idx.cpu(), minlength=groups)
+    if bool((counts != group).any()):
+        g = int((counts != group).nonzero()[0])
+        raise InputError(f"g_idx names group {g} for {int(counts[g])} input channels, not group_size={group}: "
+                         "foldc takes groups of group_size channels each")
+    return g_idx
+
+
 def _groups_in_order(g_idx, k: int, group: int, name: str = "g_idx") -> None:
     if g_idx is None:
         return
-    expect = torch.arange(k, device=g_idx.device) // group
-    if tuple(g_idx.shape) != (k,) or not torch.equal(g_idx.to(expect.dtype), expect):
+    g_idx = _g_idx(g_idx, k, group)
+    if not torch.equal(g_idx, torch.arange(k, device=g_idx.device) // group):
         raise InputError(f"{name} is not [k // group_size for k in range({k})]: the checkpoint reorders input "
-                         "channels (act-order / desc_act); foldc takes groups of consecutive channels only: "
-                         "export it with desc_act=False")
+                         "channels (act-order / desc_act); convert it with from_gptq_act_order, which returns the "
+                         "input order FoldLinear(..., input_order=...) applies")
 
 
 def _zero_point_layer(qzeros, scales, k: int, n: int, bits: int, group_size: int) -> tuple[torch.Tensor, int]:
@@ -159,6 +181,26 @@ def from_gptq(qweight, qzeros, scales, g_idx=None, *, bits: int = 4, group_size:
     codes = _fields(qweight, bits, 0).T                                  # [n, k]
     zeros = (_fields(qzeros, bits, 1) + zero_offset).T                   # [n, groups]
     return _from_integer_zeros(codes, zeros, scales, bits, group_size)
+
+
+def from_gptq_act_order(qweight, qzeros, scales, g_idx, *, bits: int = 4, group_size: int = 128,
+                        zero_offset: int = 1) -> tuple[AffineTensor, GemmEncoding, torch.Tensor]:
+    """A GPTQ layer quantized with act-order (``desc_act``: ``g_idx`` names each input channel's group, the
+    groups' channels scattered along k) as ``(weight, encoding, input_order)``: the weight's columns sorted by
+    group (``input_order`` = the stable argsort of ``g_idx``, int64 [k]), so that each group is consecutive, and
+    ``y = x[..., input_order] @ weight.T`` equals the layer's ``x @ W.T`` (`foldc.nn.FoldLinear` takes
+    ``input_order`` and gathers x by it). Tensors as `from_gptq`'s; ``g_idx`` in order gives the identity order."""
+    _check_bits(bits)
+    _check_group(group_size)
+    qweight = _int32("qweight", qweight)
+    k, n = qweight.shape[0] * 32 // bits, qweight.shape[1]
+    _check_sizes(n, k, bits)
+    qzeros, _ = _zero_point_layer(qzeros, scales, k, n, bits, group_size)
+    order = torch.argsort(_g_idx(g_idx, k, group_size), stable=True)
+    codes = _fields(qweight, bits, 0).T[:, order.to(qweight.device)]    # [n, k], each group's channels together
+    zeros = (_fields(qzeros, bits, 1) + zero_offset).T                   # [n, groups]
+    weight, enc = _from_integer_zeros(codes, zeros, scales, bits, group_size)
+    return weight, enc, order
 
 
 def from_awq(qweight, qzeros, scales, *, bits: int = 4, group_size: int = 128) -> tuple[AffineTensor, GemmEncoding]:

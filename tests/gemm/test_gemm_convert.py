@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 import foldc
 from foldc.errors import InputError
 from foldc.gemm import GemmSpec
-from foldc.gemm.convert import AWQ_ORDER, from_awq, from_gptq, from_hqq, from_int4pack
+from foldc.gemm.convert import AWQ_ORDER, from_awq, from_gptq, from_gptq_act_order, from_hqq, from_int4pack
 from foldc.gemm.reference import gemm_reference
 
 
@@ -85,6 +85,62 @@ def test_gptq_layers_convert_exactly(shape, bits, v2, seed):
     _check(weight, enc, _dequant(codes, scale, zero, group), seed)
 
 
+def _act_order_layer(n: int, k: int, group: int, bits: int, gen: torch.Generator):
+    """A GPTQ layer quantized with act-order as AutoGPTQ makes one (desc_act): the columns taken in a permuted
+    order, groups of ``group`` consecutive permuted columns quantized together, the codes packed back in the
+    layer's own channel order and ``g_idx[c]`` the group of channel c. (qweight, qzeros (v2: zeros as they are),
+    scales [groups, n], g_idx int32 [k], the float64 weight W [n, k] the format dequantizes to)."""
+    w = torch.randn(n, k, generator=gen) * 0.05
+    perm = torch.randperm(k, generator=gen)
+    codes_p, scale, zero = _asymmetric(w[:, perm], bits, group)   # groups over the permuted columns
+    inverse = torch.argsort(perm)
+    codes = codes_p[:, inverse]                                    # back in channel order
+    g_idx = (torch.arange(k) // group)[inverse]
+    want = scale.double()[:, g_idx] * (codes.double() - zero.double()[:, g_idx])
+    return (_pack_along(codes.T, bits, 0), _pack_along(zero.T, bits, 1), scale.T.contiguous(), g_idx.to(torch.int32),
+            want)
+
+
+@settings(max_examples=20, deadline=None)
+@given(shape=shapes, bits=st.sampled_from([2, 4, 8]), seed=st.integers(0, 2**31 - 1))
+def test_act_order_gptq_layers_convert_to_a_weight_and_its_input_order(shape, bits, seed):
+    """from_gptq refuses an act-order layer naming from_gptq_act_order; that returns the weight with each group's
+    channels together and the input order: weight == W[:, order] exactly, and FoldLinear with that order gives
+    x @ W.T over the layer's own channel order (float64 executor)."""
+    from foldc.nn import FoldLinear
+
+    n, groups, group = shape
+    k = groups * group
+    gen = torch.Generator().manual_seed(seed)
+    qweight, qzeros, scales, g_idx, want = _act_order_layer(n, k, group, bits, gen)
+    if groups > 1 and not torch.equal(g_idx.long(), torch.arange(k) // group):
+        with pytest.raises(InputError, match="from_gptq_act_order"):
+            from_gptq(qweight, qzeros, scales, g_idx, bits=bits, group_size=group, zero_offset=0)
+    weight, enc, order = from_gptq_act_order(qweight, qzeros, scales, g_idx, bits=bits, group_size=group,
+                                             zero_offset=0)
+    assert order.dtype == torch.int64 and torch.equal(g_idx[order].long(), torch.arange(k) // group)
+    assert torch.equal(weight.dequantize(torch.float64)[0, 0], want[:, order])
+    layer = FoldLinear(weight, enc, input_order=order)
+    x = torch.randn(3, k, generator=gen)
+    y = layer(x)
+    ref = x.double() @ want.T
+    assert float((y.double() - ref).abs().max()) <= 1e-6 * float(ref.abs().max() + 1)
+
+
+def test_act_order_g_idx_must_name_each_group_for_group_size_channels():
+    gen = torch.Generator().manual_seed(11)
+    qweight, qzeros, scales, g_idx, _ = _act_order_layer(16, 256, 64, 4, gen)
+    uneven = g_idx.clone()
+    uneven[int((g_idx == 0).nonzero()[0])] = 1                       # group 0 one short, group 1 one over
+    for bad, match in ((uneven, "names group 0 for 63"), (g_idx.float(), "integer group indices"),
+                       (g_idx[:-1], "k=256"), (g_idx + 1, "outside the layer's 4 groups")):
+        with pytest.raises(InputError, match=match):
+            from_gptq_act_order(qweight, qzeros, scales, bad, group_size=64, zero_offset=0)
+    in_order = torch.arange(256, dtype=torch.int32) // 64
+    _, _, order = from_gptq_act_order(qweight, qzeros, scales, in_order, group_size=64, zero_offset=0)
+    assert torch.equal(order, torch.arange(256))
+
+
 @settings(max_examples=20, deadline=None)
 @given(shape=shapes, seed=st.integers(0, 2**31 - 1))
 def test_awq_layers_convert_exactly(shape, seed):
@@ -139,7 +195,7 @@ def test_tinygemm_int4_converts_exactly(shape, seed):
 def test_bad_layers_are_refused_with_the_reason():
     codes, scale, zero = _asymmetric(torch.randn(16, 128) * 0.05, 4, 64)
     qweight, qzeros = _pack_along(codes.T, 4, 0), _pack_along(zero.T, 4, 1)
-    with pytest.raises(InputError, match="desc_act=False"):
+    with pytest.raises(InputError, match="act-order.*from_gptq_act_order"):
         shuffled = (torch.arange(128) // 64).flip(0).to(torch.int32)
         from_gptq(qweight, qzeros, scale.T.contiguous(), shuffled, group_size=64)
     with pytest.raises(InputError, match="qzeros shape"):
