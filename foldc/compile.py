@@ -5,7 +5,7 @@ Targets:
   softmax in token tiles). Returns float64 ``[batch, num_q_heads, head_dim]``.
 - ``"sm_90"``, ``"sm_100"``: a fused kernel on a CUDA GPU of that generation (fp16 or bf16
   queries; output in the query's dtype). Plans the register-operand kernel lowers
-  (foldc/backends/gluon: K and V each folded at 2, 4 or 8 bits or plain) run it unless
+  (foldc/backends/gluon: K and V each folded or dequantized at 2, 4 or 8 bits, or plain) run it unless
   ``kernel="triton"``, every other plan the generated Triton kernel (foldc/backends/triton). The
   register-operand kernel holds fp16 queries to plain bf16 attention's error, the Triton kernel to
   plain fp16 attention's (docs/derivation.md eq. 6a).
@@ -78,12 +78,13 @@ def compile(spec: AttentionSpec, target: str = "reference", **options):  # noqa:
 
     Options for "reference": ``token_tile`` (tokens per online-softmax step, default 64).
     Options for the GPU and interpreter targets: ``kernel`` ("auto", "triton" or "gluon": which
-    backend lowers the plan; "auto" takes the register-operand kernel on sm_90 when it lowers the
-    plan), ``block_n`` (tokens per tile), ``splits`` (split-KV count; default: enough programs to
+    backend lowers the plan; "auto" takes the register-operand kernel on sm_90 and sm_100 when it
+    lowers the plan), ``block_n`` (tokens per tile), ``splits`` (split-KV count; default: enough programs to
     fill the GPU). Triton kernel only: ``num_warps``, ``num_stages``, ``fold_policy`` ("auto", or
     "dequant" to force per-value reconstruction), ``split_prescaled`` (feed operand-fold pre-scaled
     operands as hi + lo; default on for bf16 queries). Register-operand kernel only: ``stages``
-    (code tiles in flight), ``maxnreg`` (register cap per thread), ``pack_heads`` (KV heads whose
+    (code tiles in flight), ``maxnreg`` (register cap per thread), ``split_factor`` (waves of
+    resident programs the splits fill; default one), ``pack_heads`` (KV heads whose
     query rows share one program's MMA rows; default: as many as fill them), ``scale_ahead``
     (token-wise scales loaded a tile early into registers; default: at each tile's start),
     ``dynamic_tiles`` (the programs of a sequence and head draw tiles from a shared counter: 0-3.5%
