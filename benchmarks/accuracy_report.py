@@ -1,4 +1,4 @@
-"""Attention-output error of quantized KV caches against exact attention (issue 5's accuracy recipe).
+"""Attention-output error of quantized KV caches against exact attention, with Hadamard rotation and exact windows.
 
 Rows: INT2/INT4 x K layout x V layout x rotation off/on x windows off/on (sink 64 + recent 256
 tokens exact); columns: Gaussian data and outlier-key / structured-value data (foldc.accuracy).
@@ -134,7 +134,7 @@ foldc's kernels are exact with respect to the dequantized cache (docs/backend.md
 relative L2 1.8e-3 against float64 with bf16 queries, no worse than bf16 attention on the same
 values; the reference paper reports ~1.7e-3 for its kernel). This page measures the other error, the
 one the codes cause: attention over the cache a configuration would hold, against exact float64
-attention over the **unquantized** keys and values (issue 5's accuracy recipe: Hadamard rotation
+attention over the **unquantized** keys and values (and the two remedies measured here: Hadamard rotation
 of K and V, exact sink and recent windows).
 
 ## How it is measured

@@ -1,5 +1,5 @@
 """Ordering: check where each fold's pieces sit and export the tiling constraints a backend
-must honour. Applies docs/derivation.md equations 5, 8, 9 and 10.
+must honour. Applies docs/derivation.md equations 5, 8 and 10.
 
 Rules (each raises PlanError with the rule's name):
 

@@ -20,7 +20,7 @@ import pytest
 from _kernel_cases import native_env
 
 
-# (K, V, query heads / KV heads, head_dim): 62 layouts
+# (K, V, query heads / KV heads, head_dim)
 GRID = [(f"{kl}:{b}:{g}", f"{vl}:{b}:{g}", "32/8", 128) for b in (2, 4, 8) for kl, vl in
         (("token", "token"), ("channel", "channel")) for g in (32, 128)]
 GRID += [("token:4:128", "token:2:128", "32/8", 128), ("token:2:128", "token:4:128", "32/8", 128),
@@ -67,8 +67,8 @@ GRID += [("token:4:128", "token:2:128", "32/8", 128), ("token:2:128", "token:4:1
 ARCHS = ("sm_90", "sm_100")
 # Builds whose token loop reads or writes local memory (spilled registers), with today's count of
 # those instructions as a bound: every other build must have none. Found when the check moved from the
-# loop's twelve commonest opcodes to its full count (docs/perf.md, "Not met"); the first is in the
-# once-per-group reload only (behind the loop's branch), the rest in every tile.
+# loop's twelve commonest opcodes to its full count (docs/perf.md, "Ahead-of-time builds and register
+# spills"); the first is in the once-per-group reload only (behind the loop's branch), the rest in every tile.
 KNOWN_SPILLS = {("channel:2:128", "channel:2:128", "32/8", 128, "sm_100"): (12, 0),
                 ("token:8:32", "channel:4:64", "32/8", 128, "sm_100"): (1, 1),
                 ("channel:4:128", "token:4:128", "64/2", 128, "sm_90"): (2, 2),
