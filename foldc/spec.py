@@ -27,8 +27,8 @@ class AttentionSpec:
         num_q_heads: query heads, 1 to MAX_HEADS (1024).
         num_kv_heads: KV heads; ``num_q_heads`` must be a multiple (GQA when larger than 1).
         head_dim: channels per head, 1 to MAX_HEAD_DIM (1024); the Triton attention kernel also needs a
-            multiple of 16 whose bit fields hold chunks of 16 channels (docs/backend.md), the append
-            kernel a power of two.
+            multiple of 16 whose 16-channel chunks (per bit field) each lie in one channel group
+            (docs/backend.md), the register-operand kernel 64 to 256 (docs/register_operands.md).
         k, v: the Affine encoding of keys / values, or None for a plain fp16/bf16 operand.
     """
 
