@@ -395,46 +395,4 @@ def register() -> str:
 register()
 TRANSFORMERS_VERSION = transformers.__version__
 
-
-def quantize_model(model: torch.nn.Module, weight="k-group:4:128", skip=("lm_head",)) -> torch.nn.Module:
-    """Replace every ``nn.Linear`` of ``model`` (in place; returned) by a `foldc.nn.FoldLinear` with its
-    weight quantized as ``weight`` (e.g. ``"k-group:4:128"``), except those whose name ends with one of
-    ``skip`` (the output projection by default). Every layer's plan is proved when it is built; a layer
-    whose shape the encoding cannot take (a group that does not divide its input features) is refused
-    with its name before any layer is replaced. With a `FoldcCache` for the KV cache, the model's weight
-    folds and KV folds are all planned and proved by foldc."""
-    from ..gemm.spec import GemmSpec, parse_gemm_encoding
-    from ..nn import FoldLinear
-
-    enc = parse_gemm_encoding(weight, "weight") if not hasattr(weight, "kind") else weight
-    if enc is None:
-        raise SpecError("weight=None: quantize_model quantizes the linear layers; give e.g. 'k-group:4:128'")
-    if isinstance(skip, str):
-        skip = (skip,)
-    chosen = [(name, m) for name, m in model.named_modules()
-              if isinstance(m, torch.nn.Linear) and not any(name == s or name.endswith("." + s) for s in skip)]
-    if not chosen:
-        others = sorted({type(m).__name__ for m in model.modules() if type(m).__name__ == "Conv1D"})
-        raise SpecError("quantize_model found no torch.nn.Linear to quantize" + (
-            f" (this model's projections are {', '.join(others)} modules, which it does not convert)" if others
-            else f" outside skip={tuple(skip)}") + "; the model is unchanged")
-    owners: dict[int, list[str]] = {}
-    for name, m in model.named_modules():
-        for p in m.parameters(recurse=False):
-            owners.setdefault(id(p), []).append(name)
-    for name, m in chosen:   # every layer's shape first: nothing is replaced if one is refused
-        tied = [other for other in owners.get(id(m.weight), []) if other != name]
-        if tied:
-            raise SpecError(f"{name}'s weight is tied to {tied[0]}'s (one parameter): quantizing it would untie them; "
-                            f"add {name.rsplit('.', 1)[-1]!r} to skip")
-        try:
-            GemmSpec(m.out_features, m.in_features, weight=enc)
-        except SpecError as e:
-            raise SpecError(f"{name} ({m.in_features} -> {m.out_features}): {e}; pick a group that divides "
-                            f"{m.in_features} or add {name.rsplit('.', 1)[-1]!r} to skip") from None
-    for name, m in chosen:
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        layer = FoldLinear.from_linear(m, enc)
-        setattr(parent, child, layer.to(m.weight.device))
-    return model
+from .hf_weights import load_quantized, quantize_model  # noqa: E402,F401  (the linear layers: hf_weights.py)

@@ -16,33 +16,7 @@ from foldc.gemm import GemmSpec
 from foldc.gemm.convert import AWQ_ORDER, from_awq, from_gptq, from_gptq_act_order, from_hqq, from_int4pack
 from foldc.gemm.reference import gemm_reference
 
-
-def _int32(words: torch.Tensor) -> torch.Tensor:
-    """uint32 values held in int64 -> the int32 tensor with the same bits (two's complement)."""
-    return (((words + 2**31) % 2**32) - 2**31).to(torch.int32)
-
-
-def _pack_along(codes: torch.Tensor, bits: int, dim: int, order=None) -> torch.Tensor:
-    """32/bits codes per int32 word along ``dim``, field j (low bits first) holding the code at
-    position ``order[j]`` of each run (consecutive positions without an order)."""
-    per = 32 // bits
-    order = order or tuple(range(per))
-    c = codes.to(torch.int64).movedim(dim, -1)
-    runs = c.reshape(*c.shape[:-1], c.shape[-1] // per, per)
-    words = sum(runs[..., order[j]] << (bits * j) for j in range(per))
-    return _int32(words).movedim(-1, dim)
-
-
-def _asymmetric(w: torch.Tensor, bits: int, group: int):
-    """Min-max asymmetric quantization of w [n, k] in groups of k, integer zeros, fp16 scales (GPTQ's
-    and AWQ's quantizer): (codes [n, k], scales [n, groups] fp16, zeros [n, groups] int)."""
-    n, k = w.shape
-    g = w.reshape(n, k // group, group)
-    lo, hi = g.amin(-1).clamp(max=0), g.amax(-1).clamp(min=0)
-    scale = ((hi - lo) / (2**bits - 1)).clamp(min=1e-5).half()
-    zero = torch.round(-lo / scale.float()).clamp(0, 2**bits - 1).to(torch.int64)
-    codes = torch.clamp(torch.round(g / scale.float()[..., None]) + zero[..., None], 0, 2**bits - 1)
-    return codes.reshape(n, k).to(torch.int64), scale, zero
+from _formats import asymmetric_codes, pack_along  # noqa: E402  (tests/_formats.py)
 
 
 def _dequant(codes, scale, zero, group):
@@ -71,10 +45,10 @@ def test_gptq_layers_convert_exactly(shape, bits, v2, seed):
     k = groups * group
     gen = torch.Generator().manual_seed(seed)
     w = torch.randn(n, k, generator=gen) * 0.05
-    codes, scale, zero = _asymmetric(w, bits, group)
-    qweight = _pack_along(codes.T, bits, 0)                        # [k / per, n]: along k
+    codes, scale, zero = asymmetric_codes(w, bits, group)
+    qweight = pack_along(codes.T, bits, 0)                        # [k / per, n]: along k
     stored = zero if v2 else zero - 1                               # v1 checkpoints store zero - 1
-    qzeros = _pack_along(stored.T % (2**bits), bits, 1)            # [groups, n / per]: along n (-1 wraps)
+    qzeros = pack_along(stored.T % (2**bits), bits, 1)            # [groups, n / per]: along n (-1 wraps)
     g_idx = torch.arange(k, dtype=torch.int32) // group
     weight, enc = from_gptq(qweight, qzeros, scale.T.contiguous(), g_idx, bits=bits, group_size=group,
                             zero_offset=0 if v2 else 1)
@@ -92,12 +66,12 @@ def _act_order_layer(n: int, k: int, group: int, bits: int, gen: torch.Generator
     scales [groups, n], g_idx int32 [k], the float64 weight W [n, k] the format dequantizes to)."""
     w = torch.randn(n, k, generator=gen) * 0.05
     perm = torch.randperm(k, generator=gen)
-    codes_p, scale, zero = _asymmetric(w[:, perm], bits, group)   # groups over the permuted columns
+    codes_p, scale, zero = asymmetric_codes(w[:, perm], bits, group)   # groups over the permuted columns
     inverse = torch.argsort(perm)
     codes = codes_p[:, inverse]                                    # back in channel order
     g_idx = (torch.arange(k) // group)[inverse]
     want = scale.double()[:, g_idx] * (codes.double() - zero.double()[:, g_idx])
-    return (_pack_along(codes.T, bits, 0), _pack_along(zero.T, bits, 1), scale.T.contiguous(), g_idx.to(torch.int32),
+    return (pack_along(codes.T, bits, 0), pack_along(zero.T, bits, 1), scale.T.contiguous(), g_idx.to(torch.int32),
             want)
 
 
@@ -148,9 +122,9 @@ def test_awq_layers_convert_exactly(shape, seed):
     k = groups * group
     gen = torch.Generator().manual_seed(seed)
     w = torch.randn(n, k, generator=gen) * 0.05
-    codes, scale, zero = _asymmetric(w, 4, group)
-    qweight = _pack_along(codes.T, 4, 1, AWQ_ORDER)                # [k, n / 8], interleaved along n
-    qzeros = _pack_along(zero.T, 4, 1, AWQ_ORDER)                  # [groups, n / 8]
+    codes, scale, zero = asymmetric_codes(w, 4, group)
+    qweight = pack_along(codes.T, 4, 1, AWQ_ORDER)                # [k, n / 8], interleaved along n
+    qzeros = pack_along(zero.T, 4, 1, AWQ_ORDER)                  # [groups, n / 8]
     weight, enc = from_awq(qweight, qzeros, scale.T.contiguous(), group_size=group)
     _check(weight, enc, _dequant(codes, scale, zero, group), seed)
 
@@ -193,8 +167,8 @@ def test_tinygemm_int4_converts_exactly(shape, seed):
 
 
 def test_bad_layers_are_refused_with_the_reason():
-    codes, scale, zero = _asymmetric(torch.randn(16, 128) * 0.05, 4, 64)
-    qweight, qzeros = _pack_along(codes.T, 4, 0), _pack_along(zero.T, 4, 1)
+    codes, scale, zero = asymmetric_codes(torch.randn(16, 128) * 0.05, 4, 64)
+    qweight, qzeros = pack_along(codes.T, 4, 0), pack_along(zero.T, 4, 1)
     with pytest.raises(InputError, match="act-order.*from_gptq_act_order"):
         shuffled = (torch.arange(128) // 64).flip(0).to(torch.int32)
         from_gptq(qweight, qzeros, scale.T.contiguous(), shuffled, group_size=64)
@@ -230,9 +204,9 @@ def test_bad_layers_are_refused_with_the_reason():
 def test_inconsistent_tensors_are_refused_by_name(call, match):
     """What the tools never write (empty layers, zero groups, 1-D words, zeros that do not fill their words, NaN
     codes) is an InputError naming the value, not an error from inside torch."""
-    codes, scale, zero = _asymmetric(torch.randn(16, 128) * 0.05, 4, 64)
+    codes, scale, zero = asymmetric_codes(torch.randn(16, 128) * 0.05, 4, 64)
     with pytest.raises(InputError, match=match):
-        call(_pack_along(codes.T, 4, 0), _pack_along(zero.T, 4, 1), scale.T.contiguous())
+        call(pack_along(codes.T, 4, 0), pack_along(zero.T, 4, 1), scale.T.contiguous())
 
 
 @settings(max_examples=20, deadline=None)
@@ -259,12 +233,12 @@ def _numpy_ok() -> bool:
 def _converted(fmt: str, gen: torch.Generator, n: int, k: int, group: int):
     """One weight in ``fmt``'s own tensors, converted: (AffineTensor, encoding)."""
     w = torch.randn(n, k, generator=gen) * 0.05
-    codes, scale, zero = _asymmetric(w, 4, group)
+    codes, scale, zero = asymmetric_codes(w, 4, group)
     if fmt == "gptq":
-        return from_gptq(_pack_along(codes.T, 4, 0), _pack_along(zero.T % 16, 4, 1), scale.T.contiguous(),
+        return from_gptq(pack_along(codes.T, 4, 0), pack_along(zero.T % 16, 4, 1), scale.T.contiguous(),
                          bits=4, group_size=group, zero_offset=0)
     if fmt == "awq":
-        return from_awq(_pack_along(codes.T, 4, 1, AWQ_ORDER), _pack_along(zero.T, 4, 1, AWQ_ORDER),
+        return from_awq(pack_along(codes.T, 4, 1, AWQ_ORDER), pack_along(zero.T, 4, 1, AWQ_ORDER),
                         scale.T.contiguous(), group_size=group)
     if fmt == "hqq":
         flat = codes.reshape(n * k // group, group).to(torch.uint8)

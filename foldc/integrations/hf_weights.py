@@ -1,0 +1,148 @@
+"""A transformers model's linear layers as `foldc.nn.FoldLinear`: quantized here (`quantize_model`) or loaded from a
+GPTQ or AWQ checkpoint's tensors (`load_quantized`). Both are re-exported by `foldc.integrations.hf`.
+
+::
+
+    model = quantize_model(model, weight="k-group:4:128")        # every nn.Linear but lm_head, quantized by foldc
+
+    model = AutoModelForCausalLM.from_config(config)             # the checkpoint's architecture, random weights
+    tensors = {}
+    for shard in shards:                                         # the checkpoint's *.safetensors files
+        tensors.update(safetensors.torch.load_file(shard))
+    load_quantized(model, tensors, checkpoint="gptq", bits=4, group_size=128)   # as its quantize_config.json says
+
+A checkpoint's packed tensors are converted by `foldc.gemm.convert` (`from_gptq`, `from_gptq_act_order` where
+``g_idx`` reorders the input channels, `from_awq`), each checked to dequantize to exactly the format's own values.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from ..errors import InputError, InputTypeError, SpecError
+
+CHECKPOINTS = ("gptq", "gptq_v2", "awq")   # GPTQ v1 (zeros stored minus one), GPTQ v2, AutoAWQ's GEMM format
+PACKED = (".qweight", ".qzeros", ".scales", ".g_idx")
+
+
+def quantize_model(model: torch.nn.Module, weight="k-group:4:128", skip=("lm_head",)) -> torch.nn.Module:
+    """Replace every ``nn.Linear`` of ``model`` (in place; returned) by a `foldc.nn.FoldLinear` with its
+    weight quantized as ``weight`` (e.g. ``"k-group:4:128"``), except those whose name ends with one of
+    ``skip`` (the output projection by default). Every layer's plan is proved when it is built; a layer
+    whose shape the encoding cannot take (a group that does not divide its input features) is refused
+    with its name before any layer is replaced. With a `FoldcCache` for the KV cache, the model's weight
+    folds and KV folds are all planned and proved by foldc."""
+    from ..gemm.spec import GemmSpec, parse_gemm_encoding
+    from ..nn import FoldLinear
+
+    enc = parse_gemm_encoding(weight, "weight") if not hasattr(weight, "kind") else weight
+    if enc is None:
+        raise SpecError("weight=None: quantize_model quantizes the linear layers; give e.g. 'k-group:4:128'")
+    if isinstance(skip, str):
+        skip = (skip,)
+    chosen = [(name, m) for name, m in model.named_modules()
+              if isinstance(m, torch.nn.Linear) and not any(name == s or name.endswith("." + s) for s in skip)]
+    if not chosen:
+        others = sorted({type(m).__name__ for m in model.modules() if type(m).__name__ == "Conv1D"})
+        raise SpecError("quantize_model found no torch.nn.Linear to quantize" + (
+            f" (this model's projections are {', '.join(others)} modules, which it does not convert)" if others
+            else f" outside skip={tuple(skip)}") + "; the model is unchanged")
+    owners: dict[int, list[str]] = {}
+    for name, m in model.named_modules():
+        for p in m.parameters(recurse=False):
+            owners.setdefault(id(p), []).append(name)
+    for name, m in chosen:   # every layer's shape first: nothing is replaced if one is refused
+        tied = [other for other in owners.get(id(m.weight), []) if other != name]
+        if tied:
+            raise SpecError(f"{name}'s weight is tied to {tied[0]}'s (one parameter): quantizing it would untie them; "
+                            f"add {name.rsplit('.', 1)[-1]!r} to skip")
+        try:
+            GemmSpec(m.out_features, m.in_features, weight=enc)
+        except SpecError as e:
+            raise SpecError(f"{name} ({m.in_features} -> {m.out_features}): {e}; pick a group that divides "
+                            f"{m.in_features} or add {name.rsplit('.', 1)[-1]!r} to skip") from None
+    for name, m in chosen:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        layer = FoldLinear.from_linear(m, enc)
+        setattr(parent, child, layer.to(m.weight.device))
+    return model
+
+
+def load_quantized(model: torch.nn.Module, state_dict: Mapping, *, checkpoint: str = "gptq", bits: int = 4,
+                   group_size: int = 128) -> list[str]:
+    """Load a GPTQ or AWQ checkpoint's tensors (``state_dict``: name -> tensor, every shard's) into ``model``, built
+    from the checkpoint's config (its ``nn.Linear`` layers are replaced, its other parameters overwritten): each
+    ``nn.Linear`` whose ``<name>.qweight`` the checkpoint holds becomes a `foldc.nn.FoldLinear` of the converted
+    weight (and the checkpoint's ``<name>.bias``; act-order layers gather x by their input order), on the layer's
+    device; every other tensor of the checkpoint is copied into the model as ``load_state_dict`` does.
+    ``checkpoint``: ``"gptq"`` (v1, the zeros stored minus one), ``"gptq_v2"`` or ``"awq"`` (AutoAWQ's GEMM format);
+    ``bits`` and ``group_size``: the checkpoint's quantization config. Refused by name before the model changes: a
+    packed layer the model has no ``nn.Linear`` for (a prefix that does not match), a tensor the model has no place
+    for, a parameter of the model the checkpoint does not hold (it would keep its random value), a layer whose
+    tensors do not convert. Returns the names of the replaced layers."""
+    from ..gemm.convert import from_awq, from_gptq, from_gptq_act_order
+    from ..nn import FoldLinear
+
+    if checkpoint not in CHECKPOINTS:
+        raise SpecError(f"checkpoint={checkpoint!r} must be one of {CHECKPOINTS}")
+    if not isinstance(model, torch.nn.Module):
+        raise InputTypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if not isinstance(state_dict, Mapping):
+        raise InputTypeError(f"state_dict must be a mapping of names to tensors, got {type(state_dict).__name__}")
+    own = model.state_dict(keep_vars=True)
+    if any(t.is_meta for t in own.values()):
+        raise InputError("the model's tensors are on the meta device (built without memory): build it on the CPU or "
+                         "a GPU, whose values the checkpoint's then overwrite")
+    linears = {name: m for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    packed = sorted(key[:-len(".qweight")] for key in state_dict if key.endswith(".qweight"))
+    if not packed:
+        raise InputError(f"state_dict holds no '<layer>.qweight' tensor: not a {checkpoint} checkpoint's tensors")
+    strangers = [name for name in packed if name not in linears]
+    if strangers:
+        raise InputError(f"the checkpoint packs {strangers[0]!r} but the model has no nn.Linear of that name (its "
+                         f"first is {next(iter(linears), None)!r}): build the model from the checkpoint's config, and "
+                         "give the tensors under the names its state_dict uses")
+    layers = {}
+    for name in packed:   # every layer converted and checked before anything changes
+        get = lambda suffix: state_dict.get(name + suffix)  # noqa: E731
+        try:
+            order = None
+            if checkpoint == "awq":
+                weight, enc = from_awq(get(".qweight"), get(".qzeros"), get(".scales"), bits=bits,
+                                       group_size=group_size)
+            else:
+                offset = 1 if checkpoint == "gptq" else 0
+                weight, enc, order = from_gptq_act_order(get(".qweight"), get(".qzeros"), get(".scales"), get(".g_idx"),
+                                                         bits=bits, group_size=group_size, zero_offset=offset) \
+                    if get(".g_idx") is not None else (*from_gptq(get(".qweight"), get(".qzeros"), get(".scales"),
+                                                                  bits=bits, group_size=group_size,
+                                                                  zero_offset=offset), None)
+                if order is not None and torch.equal(order, torch.arange(order.numel(), device=order.device)):
+                    order = None   # g_idx in order: no gather
+        except (InputError, SpecError) as e:
+            raise type(e)(f"{name}: {e}") from None
+        linear = linears[name]
+        if tuple(weight.shape[2:]) != (linear.out_features, linear.in_features):
+            raise InputError(f"{name}: the checkpoint's weight is {weight.shape[2]} x {weight.shape[3]} (out x in) but "
+                             f"the model's nn.Linear is {linear.out_features} x {linear.in_features}")
+        layers[name] = FoldLinear(weight, enc, get(".bias"), input_order=order).to(linear.weight.device)
+    # the rest of the checkpoint, as load_state_dict would take it: every name the model has, nothing it lacks
+    consumed = {name + suffix for name in packed for suffix in (*PACKED, ".bias")}
+    rest = {k: v for k, v in state_dict.items() if k not in consumed}
+    replaced = {name + suffix for name in packed for suffix in (".weight", ".bias")}
+    unknown = sorted(k for k in rest if k not in own)
+    if unknown:
+        raise InputError(f"the checkpoint holds {unknown[0]!r} (and {len(unknown) - 1} more) that the model has no "
+                         "place for: build the model from the checkpoint's config")
+    loaded = {id(own[k]) for k in rest}   # a tied parameter (lm_head and the embedding) is one object under two names
+    missing = sorted(k for k, t in own.items() if k not in rest and k not in replaced and id(t) not in loaded)
+    if missing:
+        raise InputError(f"the checkpoint does not hold {missing[0]!r} (and {len(missing) - 1} more): the model would "
+                         "keep its random value there; pass every shard's tensors")
+    model.load_state_dict(rest, strict=False)
+    for name, layer in layers.items():
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, child, layer)
+    return packed

@@ -1,0 +1,113 @@
+"""A GPTQ or AWQ checkpoint's tensors loaded into a transformers model as `FoldLinear` layers
+(`foldc.integrations.hf.load_quantized`). Each checkpoint is built here the way the tools write one (the packers of
+tests/_formats.py, written from the formats' definitions; act-order GPTQ layers quantized in a permuted channel order
+as AutoGPTQ does with desc_act) from a source model; loaded into a model of another seed, its logits must equal,
+to float32 rounding, the source's with each linear holding the format's own float64 dequantization (float32
+models: the float64 plan executor)."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+fhf = pytest.importorskip("foldc.integrations.hf")
+
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM  # noqa: E402
+
+from _formats import asymmetric_codes, pack_along  # noqa: E402  (tests/_formats.py)
+from foldc.errors import InputError, SpecError  # noqa: E402
+from foldc.gemm.convert import AWQ_ORDER  # noqa: E402
+from foldc.nn import FoldLinear  # noqa: E402
+
+
+def model(kind: str, seed: int):
+    torch.manual_seed(seed)
+    if kind == "llama":   # hidden 64, MLP 128: k of 64 and 128
+        cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                          num_key_value_heads=2, head_dim=16, vocab_size=96, max_position_embeddings=64,
+                          initializer_range=0.1, pad_token_id=0, bos_token_id=1, eos_token_id=None)
+        return LlamaForCausalLM(cfg).eval()
+    cfg = Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,   # q/k/v bias
+                      num_key_value_heads=2, vocab_size=96, max_position_embeddings=64, initializer_range=0.1,
+                      pad_token_id=0, bos_token_id=1, eos_token_id=None)
+    return Qwen2ForCausalLM(cfg).eval()
+
+
+def checkpoint(source, fmt: str, bits: int, group: int, gen: torch.Generator):
+    """(the tensors a ``fmt`` checkpoint of ``source`` holds, the source with each quantized linear holding the
+    format's float64 dequantization, the names of the act-order layers). GPTQ layers take act-order at random."""
+    tensors, twin, act_order = {}, copy.deepcopy(source), []
+    quantized = [name for name, m in source.named_modules() if isinstance(m, torch.nn.Linear) and name != "lm_head"]
+    for name in quantized:
+        m = source.get_submodule(name)
+        w = m.weight.detach()
+        n, k = w.shape
+        if fmt == "awq":
+            codes, scale, zero = asymmetric_codes(w, bits, group)
+            g_idx = torch.arange(k) // group
+            tensors[name + ".qweight"] = pack_along(codes.T, bits, 1, AWQ_ORDER)     # [k, n / 8], interleaved
+            tensors[name + ".qzeros"] = pack_along(zero.T, bits, 1, AWQ_ORDER)
+            effective = zero
+        else:
+            shuffled = bool(torch.randint(0, 2, (), generator=gen))
+            perm = torch.randperm(k, generator=gen) if shuffled else torch.arange(k)
+            codes_p, scale, zero = asymmetric_codes(w[:, perm], bits, group)            # groups of permuted columns
+            inverse = torch.argsort(perm)
+            codes, g_idx = codes_p[:, inverse], (torch.arange(k) // group)[inverse]
+            stored = zero - 1 if fmt == "gptq" else zero                                 # v1 stores zero - 1
+            effective = stored % 2**bits + (1 if fmt == "gptq" else 0)                  # (-1 wraps: v1's quirk)
+            tensors[name + ".qweight"] = pack_along(codes.T, bits, 0)                   # [k * bits / 32, n]
+            tensors[name + ".qzeros"] = pack_along(stored.T % 2**bits, bits, 1)
+            tensors[name + ".g_idx"] = g_idx.to(torch.int32)
+            if not torch.equal(g_idx, torch.arange(k) // group):   # (one group per row: any order is in order)
+                act_order.append(name)
+        tensors[name + ".scales"] = scale.T.contiguous()                                 # [groups, n]
+        if m.bias is not None:
+            tensors[name + ".bias"] = m.bias.detach().half()
+            twin.get_submodule(name).bias.data = m.bias.detach().half().float()
+        want = scale.double()[:, g_idx] * (codes.double() - effective.double()[:, g_idx])
+        twin.get_submodule(name).weight.data = want.float()
+    held = {name + suffix for name in quantized for suffix in (".weight", ".bias")}
+    tensors.update({k: v.clone() for k, v in source.state_dict().items() if k not in held})
+    return tensors, twin, act_order
+
+
+@pytest.mark.parametrize("kind, fmt, bits, group", [("llama", "gptq", 4, 32), ("llama", "gptq_v2", 8, 32),
+                                                    ("llama", "gptq", 2, 16), ("qwen2", "awq", 4, 32),
+                                                    ("qwen2", "gptq_v2", 4, 64)])
+def test_a_checkpoint_loads_as_fold_linears_equal_to_the_formats_dequantization(kind, fmt, bits, group):
+    seed = int(torch.randint(0, 2**31 - 1, ()))
+    gen = torch.Generator().manual_seed(seed)
+    source = model(kind, 1)
+    tensors, twin, act_order = checkpoint(source, fmt, bits, group, gen)
+    target = model(kind, 2)
+    names = fhf.load_quantized(target, tensors, checkpoint=fmt, bits=bits, group_size=group)
+    swapped = {n: m for n, m in target.named_modules() if isinstance(m, FoldLinear)}
+    assert set(names) == set(swapped) and "lm_head" not in swapped and len(swapped) == 14
+    assert {n for n, m in swapped.items() if m.input_order is not None} == set(act_order)
+    ids = torch.randint(3, 96, (2, 9), generator=gen)
+    with torch.no_grad():
+        got, want = target(ids).logits, twin(ids).logits
+    assert float((got - want).abs().max()) <= 1e-5 * float(want.abs().max()), seed
+
+
+def test_a_checkpoint_that_does_not_fit_the_model_is_refused_before_it_changes():
+    gen = torch.Generator().manual_seed(5)
+    tensors, _, _ = checkpoint(model("llama", 1), "gptq", 4, 32, gen)
+    target = model("llama", 2)
+    before = {k: v.clone() for k, v in target.state_dict().items()}
+    cases = [
+        ({k.removeprefix("model."): v for k, v in tensors.items()}, {}, InputError, "no nn.Linear of that name"),
+        ({k: v for k, v in tensors.items() if k != "model.norm.weight"}, {}, InputError, "does not hold 'model.norm"),
+        ({**tensors, "model.extra.weight": torch.ones(3)}, {}, InputError, "no place for"),
+        ({k: v for k, v in tensors.items() if not k.endswith(".qweight")}, {}, InputError, "no '<layer>.qweight'"),
+        (tensors, {"group_size": 64}, InputError, r"model\.layers\.0\..*: "),
+        (tensors, {"checkpoint": "exl2"}, SpecError, "must be one of"),
+    ]
+    for given, options, error, match in cases:
+        with pytest.raises(error, match=match):
+            fhf.load_quantized(target, given, **{"checkpoint": "gptq", "bits": 4, "group_size": 32, **options})
+        assert not any(isinstance(m, FoldLinear) for m in target.modules())
+        assert all(torch.equal(v, before[k]) for k, v in target.state_dict().items())
