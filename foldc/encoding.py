@@ -31,6 +31,9 @@ Layout = Literal["token", "channel"]
 SUPPORTED_BITS = (2, 4, 8)
 SUPPORTED_LAYOUTS = ("token", "channel")
 SUPPORTED_SCALE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+#: the largest group: the kernels take the group size as an int32 argument (a channel-wise group past the
+#: cache's tokens is one group of them all, so a larger one would mean nothing more)
+MAX_GROUP_SIZE = 2**31 - 1
 
 
 @dataclass(frozen=True)
@@ -57,8 +60,10 @@ class Affine:
                 f"layout={self.layout!r} is not supported; use 'token' (groups along head_dim) "
                 "or 'channel' (groups along tokens)"
             )
-        if isinstance(self.group_size, bool) or not isinstance(self.group_size, int) or self.group_size < 1:
-            raise SpecError(f"group_size={self.group_size!r} must be a positive integer")
+        if isinstance(self.group_size, bool) or not isinstance(self.group_size, int) or \
+                not 1 <= self.group_size <= MAX_GROUP_SIZE:
+            raise SpecError(f"group_size={self.group_size!r} must be a positive integer <= {MAX_GROUP_SIZE} "
+                            "(foldc.encoding.MAX_GROUP_SIZE: the kernels take it as an int32)")
         if self.scale_dtype not in SUPPORTED_SCALE_DTYPES:
             raise SpecError(
                 f"scale_dtype={self.scale_dtype} is not supported; use torch.float16, torch.bfloat16 "
@@ -224,9 +229,9 @@ class AffineTensor:
         s, z = self.scale.to(dtype), self.zero.to(dtype)
         if self.encoding.layout == "token":
             s, z = s.repeat_interleave(g, dim=-1), z.repeat_interleave(g, dim=-1)
-        else:
-            n = self.num_tokens
-            s, z = s.repeat_interleave(g, dim=2)[:, :, :n], z.repeat_interleave(g, dim=2)[:, :, :n]
+        else:   # token t reads group t // g (repeating each group g times allocated g per group, past the tokens)
+            group = torch.arange(self.num_tokens, device=s.device) // g
+            s, z = s[:, :, group], z[:, :, group]
         return s, z
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -277,11 +282,12 @@ def quantize(x: torch.Tensor, enc: Affine) -> AffineTensor:
         mn, mx = grouped.amin(-1), grouped.amax(-1)
     else:
         n_groups = math.ceil(n / g)
-        pad = n_groups * g - n
+        span = min(g, n)   # one group past the tokens holds them all: padding it to g allocated g tokens
+        pad = n_groups * span - n
         lo = torch.nn.functional.pad(xf, (0, 0, 0, pad), value=math.inf) if pad else xf
         hi = torch.nn.functional.pad(xf, (0, 0, 0, pad), value=-math.inf) if pad else xf
-        mn = lo.reshape(b, h, n_groups, g, d).amin(3)
-        mx = hi.reshape(b, h, n_groups, g, d).amax(3)
+        mn = lo.reshape(b, h, n_groups, span, d).amin(3)
+        mx = hi.reshape(b, h, n_groups, span, d).amax(3)
     scale = ((mx - mn) / enc.max_code).to(enc.scale_dtype)
     zero = mn.to(enc.scale_dtype)
     if not (torch.isfinite(scale).all() and torch.isfinite(zero).all()):

@@ -120,9 +120,11 @@ def choose_precision(fold: str, dtype: str, group_size: int | None, bits: int | 
     keep = dict(target=target, operand_dtype=operand_dtype, bar_dtype=bar_dtype)
     if fold != "operand-fold":
         bound = error_ratio(fold, OperandPrecision.PLAIN, dtype, group_size, bits, code_bias, operand_dtype, bar_dtype)
-        if bound > target:
-            raise PlanError("precision", f"{fold} with a code bias of {code_bias}: the fp32 accumulator's error "
-                            f"bound is {bound:.3g}x plain {bar} attention's, above {target:g}x; plan with bias 0")
+        if bound > target:   # only the accumulator's term grows: with the group's spread, and with the bias
+            fix = "plan with bias 0" if code_bias else "use smaller groups or fold_policy='dequant'"
+            raise PlanError("precision", f"{fold} of {bits}-bit codes in groups of {group_size} with a code bias of "
+                            f"{code_bias}: the fp32 accumulator's error bound is {bound:.3g}x plain {bar} attention's, "
+                            f"above {target:g}x; {fix}")
         return PrecisionDecision(OperandPrecision.PLAIN, dtype, bound, **keep)
     single = error_ratio(fold, OperandPrecision.SINGLE, dtype, group_size, bits, code_bias, operand_dtype, bar_dtype)
     split = error_ratio(fold, OperandPrecision.SPLIT, dtype, group_size, bits, code_bias, operand_dtype, bar_dtype)

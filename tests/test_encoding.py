@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 import foldc
 
 from foldc.encoding import (
+    MAX_GROUP_SIZE,
     SUPPORTED_BITS,
     Affine,
     AffineTensor,
@@ -125,8 +126,8 @@ def test_affine_bad_layout(layout):
     assert f"layout={layout!r}" in str(ei.value)
 
 
-@pytest.mark.parametrize("group_size", [0, -1, True, False, 2.5, "64"])
-def test_affine_bad_group_size(group_size):
+@pytest.mark.parametrize("group_size", [0, -1, True, False, 2.5, "64", 2**31, 10**17])
+def test_affine_bad_group_size(group_size):   # past int32: the kernels' argument (an InterpreterError inside Triton)
     with pytest.raises(SpecError) as ei:
         Affine(4, "channel", group_size)
     assert f"group_size={group_size!r}" in str(ei.value)
@@ -744,3 +745,20 @@ def test_affine_tensor_token_groups_must_divide_head_dim():
         foldc.AffineTensor(torch.zeros(1, 1, 4, 24, dtype=torch.uint8), z, z, enc, 96)
     with pytest.raises(SpecError, match=r"head_dim=0 must be a positive integer"):
         foldc.AffineTensor(torch.zeros(1, 1, 4, 0, dtype=torch.uint8), z, z, enc, 0)
+
+
+@settings(max_examples=25, deadline=None)
+@given(bits=st.sampled_from(SUPPORTED_BITS), tokens=st.integers(1, 70), extra=st.sampled_from([0, 1, 5, 2**20, None]),
+       seed=st.integers(0, 2**31 - 1))
+def test_a_channel_group_past_the_tokens_is_one_group_of_them_all(bits, tokens, extra, seed):
+    """quantize padded the tokens to a whole group and expanded_params repeated each pair group_size
+    times: the largest group over a 40-token cache tried to allocate half a terabyte (RuntimeError
+    inside torch). A group at least as long as the tokens is one group of all of them."""
+    extra = MAX_GROUP_SIZE - tokens if extra is None else extra
+    x = torch.randn(2, 2, tokens, 16, generator=torch.Generator().manual_seed(seed)) * 3 + 1
+    big = quantize(x, Affine(bits, "channel", tokens + extra))
+    whole = quantize(x, Affine(bits, "channel", tokens))
+    assert big.scale.shape == (2, 2, 1, 16)
+    assert torch.equal(big.codes, whole.codes) and torch.equal(big.scale, whole.scale)
+    assert torch.equal(big.zero, whole.zero) and torch.equal(big.dequantize(), whole.dequantize())
+    assert torch.equal(big.zero, x.amin(2, keepdim=True).half())   # the group's minimum over every token

@@ -79,8 +79,12 @@ def test_a_target_one_rounding_meets_keeps_one_rounding():
 
 
 def test_what_no_precision_can_meet_is_refused():
-    with pytest.raises(PlanError, match=r"\[precision\].*above 2x"):
+    with pytest.raises(PlanError, match=r"\[precision\].*above 2x; plan with bias 0"):
         choose_precision("acc-fold", "fp16", 128, 2, code_bias=1 << 22)
+    # without a bias the group's spread is at fault: "plan with bias 0" named what it already had
+    with pytest.raises(PlanError, match=r"groups of 1073741824 with a code bias of 0.*use smaller groups or "
+                                        r"fold_policy='dequant'"):
+        choose_precision("acc-fold", "fp16", 1 << 30, 8)
     with pytest.raises(PlanError, match=r"\[precision\].*even hi \+ lo"):
         choose_precision("operand-fold", "bf16", 128, 2, code_bias=1 << 22)
     with pytest.raises(PlanError, match="single or split"):
