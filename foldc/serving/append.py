@@ -217,9 +217,9 @@ def plan_append(enc, heads: int, head_dim: int, batch: int, tokens: int, x_bf16:
         common.update(BLOCK_T=block_t, **_token_constants(enc, head_dim))
         if pair is not False:
             common["PAIR"] = True
-            second = _second_encoding(enc, pair)
-            if _token_constants(second, head_dim) != _token_constants(enc, head_dim):   # else GROUP2 = 0: one body
-                common.update({f"{name}2": value for name, value in _token_constants(second, head_dim).items()})
+            second = _token_constants(_second_encoding(enc, pair), head_dim)
+            common.update({f"{name}2": value for name, value in second.items()})
+            common["SAME2"] = second == _token_constants(enc, head_dim)   # one encoding: one body
         if advance:
             if not per_row or counts:
                 raise SpecError("advance=True moves per-row offsets on by the launch's tokens: it needs per_row=True "

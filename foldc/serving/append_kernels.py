@@ -158,7 +158,7 @@ def _append_token_kernel(
     HAS_FLAG: tl.constexpr = False, PAIR: tl.constexpr = False, ADVANCE: tl.constexpr = False,
     GROUP2: tl.constexpr = 0, NUM_GROUPS2: tl.constexpr = 0, BITS2: tl.constexpr = 0, CPB2: tl.constexpr = 0,
     MAX_CODE2: tl.constexpr = 0, SCALE_KIND2: tl.constexpr = 0, GROUP_P2: tl.constexpr = 0,
-    NUM_GROUPS_P2: tl.constexpr = 0, WIDTH_P2: tl.constexpr = 0,
+    NUM_GROUPS_P2: tl.constexpr = 0, WIDTH_P2: tl.constexpr = 0, SAME2: tl.constexpr = False,
 ):
     """One program: BLOCK_T new tokens of one (batch, kv head); each token row is cut into
     NUM_GROUPS groups of GROUP channels. PAGED: token positions map through the page table
@@ -170,8 +170,8 @@ def _append_token_kernel(
     HEAD_DIM // CPB bytes of a token (equal to them for head_dims and groups that are powers of two;
     else the padding is masked and the codes are rebuilt in planar order, each with its group's scale).
     PAIR: the grid's first axis is doubled and its second half writes X2 into CODES2, SCALE2, ZERO2 (the values
-    beside the keys: one launch for both) in the second token-wise encoding, GROUP2 ... WIDTH_P2 (GROUP2 = 0 where
-    K and V share one encoding: one body, the second half's tensors and strides selected), with strides of their own (stride_x2b ... stride_z2n; X2 of X's dtype
+    beside the keys: one launch for both) in the second token-wise encoding, GROUP2 ... WIDTH_P2 (SAME2 where they
+    equal the first's: one body, the second half's tensors and strides selected per program), with strides of their own (stride_x2b ... stride_z2n; X2 of X's dtype
     and shape). Without PAIR those are not read and the second half is not compiled.
     ADVANCE (with PER_ROW, without HAS_COUNT): the launch moves each row's offset on by ``tokens`` itself. Every
     program counts itself in ARRIVALS[b] (int32, zero between launches) once it has read OFFSETS[b]; the row's
@@ -187,7 +187,7 @@ def _append_token_kernel(
         start = tl.load(OFFSETS + b).to(tl.int64)
     else:
         start = offset
-    if PAIR and GROUP2 > 0:
+    if PAIR and not SAME2:
         # two encodings: a body each (constexpr branches, so that a launch without a pair, or of one encoding,
         # compiles one body; a runtime `if` alone would compile the values' branch with their constants unset)
         if tl.program_id(0) >= half:   # the values, in their own encoding
@@ -205,7 +205,7 @@ def _append_token_kernel(
                 HEAD_DIM, GROUP, NUM_GROUPS, BITS, CPB, MAX_CODE, BLOCK_T, X_BF16, SCALE_KIND, PAGED,
                 PAGE_SIZE, HAS_COUNT, GROUP_P, NUM_GROUPS_P, WIDTH_P, HAS_FLAG)
     else:
-        if PAIR:   # one encoding (GROUP2 = 0): the second half's tensors and strides stand in for the first's
+        if PAIR:   # one encoding (SAME2): the second half's tensors and strides stand in for the first's
             values = tl.program_id(0) >= half
             if values:
                 X = X2

@@ -527,8 +527,8 @@ def test_a_pair_launch_of_two_token_wise_encodings_writes_each_as_quantize_does(
         launch = plan_append(encs[0], heads, d, batch, tokens, case["dtype"] == torch.bfloat16, case["per_row"], 0,
                              False, True, False, encs[1], advance=case["advance"])
         constants = dict(launch.constants)
-        # a second encoding compiles a second body; one encoding (GROUP2 unset, 0) compiles one
-        assert constants.get("BITS2", 0) == (0 if encs[0] == encs[1] else encs[1].bits)
+        # a second encoding compiles a second body; one encoding (SAME2) compiles one
+        assert constants["BITS2"] == encs[1].bits and constants["SAME2"] == (encs[0] == encs[1])
         assert launch.grid[0] == 2 * batch * heads
         run_append(launch, dsts[0], xs[0], None if case["per_row"] else starts[0],
                    offsets if case["per_row"] else None, second=(dsts[1], xs[1]),
