@@ -97,6 +97,25 @@ def test_a_tuned_bucket_sets_the_register_operand_launch(cache_dir):
     assert (dynamic["block_n"], dynamic["stages"], dynamic["constexprs"]["DYNAMIC"]) == (32, 2, True)
 
 
+def test_a_tuned_tile_or_packing_this_spec_cannot_take_is_ignored_with_a_warning(cache_dir):
+    """An entry whose 64-token tile would cross a channel-wise group of 32 tokens (a partial sum across groups,
+    eq. 5), or whose four packed heads' query rows overflow the MMA's 8 (another spec's build, or a damaged file),
+    is not applied: the defaults run, and a RuntimeWarning names why."""
+    from foldc.backends.gluon.launch import GluonAttention
+
+    grouped = foldc.AttentionSpec(32, 8, 128, foldc.Affine(2, "channel", 32), foldc.Affine(2, "token", 32))
+    store(bucket_key(grouped, torch.bfloat16, 8, 65536, kernel="gluon"),
+          GluonConfig(block_n=64, stages=2, maxnreg=None, split_factor=1.0, pack_heads=None), 9.0)
+    store(bucket_key(SPEC, torch.bfloat16, 8, 65536, kernel="gluon"),
+          GluonConfig(block_n=32, stages=3, maxnreg=None, split_factor=1.0, pack_heads=4), 9.0)
+    for spec, match in ((grouped, "block_n=64 must divide k's channel-wise group of 32"),
+                        (SPEC, "pack_heads=4: this spec packs 1 to 2")):
+        attn = GluonAttention(spec)
+        with pytest.warns(RuntimeWarning, match=match):
+            config = attn.launch_config(torch.bfloat16, 8, 65536)
+        assert (config["block_n"], config["heads"], config["stages"]) == (attn.default_block_n, attn.heads, 2)
+
+
 def test_paged_launch_pins_a_tile_that_fits_its_page(cache_dir):
     """A tuned bucket may pick 64-token tiles; the paged register-operand launch keeps a tile that
     lies in one page (32 for 32-token pages) whatever the tuning cache says."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import math
+import warnings
 
 import torch
 
@@ -185,14 +186,8 @@ class GluonAttention:
         if lower(self.plans[torch.float16]) != self.config:
             raise NotLowerable("the fp16 and bf16 queries' plans lower to different kernels; the register-operand "
                                "kernel builds one per spec")
-        most = packable_heads(self.config, spec.num_kv_heads)
-        bad_pack = pack_heads is not None and (
-            isinstance(pack_heads, bool) or not isinstance(pack_heads, int) or pack_heads < 1
-            or spec.num_kv_heads % pack_heads or pack_heads > most or pack_heads & (pack_heads - 1))
-        if bad_pack:
-            raise SpecError(f"pack_heads={pack_heads!r}: this spec packs 1 to {most} KV heads per program (a power "
-                            f"of two dividing num_kv_heads={spec.num_kv_heads} whose {spec.q_per_kv} query rows each "
-                            f"fit the MMA's {self.config.rows} rows); use pack_heads={most} or None")
+        if pack_heads is not None and self._pack_reason(pack_heads):
+            raise SpecError(self._pack_reason(pack_heads))
         # options left as None come from the autotuning cache for the call's shape bucket, else defaults
         self.explicit = {k: v for k, v in (("block_n", block_n), ("stages", stages), ("maxnreg", maxnreg),
                                            ("split_factor", split_factor), ("heads", pack_heads),
@@ -229,10 +224,8 @@ class GluonAttention:
         if blocked64 and scale_ahead is None:
             scale_ahead = False
         block_n, stages = block_n or (64 if wide or blocked64 else 32), stages or 2
-        for name, group in (("k", self.config.key_tokens), ("v", self.config.value_tokens)):
-            if group and group % block_n and not (group == HALF_TILE_GROUP and block_n == 2 * group):
-                raise SpecError(f"block_n={block_n} must divide {name}'s channel-wise group of {group} tokens (a tile "
-                                "lies in one group), or be twice a group of 16; use block_n=32")
+        if self._tile_reason(block_n):
+            raise SpecError(self._tile_reason(block_n))
         if scale_ahead is not None and not isinstance(scale_ahead, bool):
             raise SpecError(f"scale_ahead={scale_ahead!r} must be True, False or None (the default)")
         if not isinstance(dynamic_tiles, bool):
@@ -268,6 +261,24 @@ class GluonAttention:
             warpgroup_applies(spec, target) and not self.explicit and splits is None
             and not dynamic_tiles) else None
 
+    def _pack_reason(self, heads) -> str | None:
+        """Why ``heads`` KV heads per program do not fit this spec's kernel, or None."""
+        most = packable_heads(self.config, self.spec.num_kv_heads)
+        if isinstance(heads, bool) or not isinstance(heads, int) or heads < 1 or self.spec.num_kv_heads % heads \
+                or heads > most or heads & (heads - 1):
+            return (f"pack_heads={heads!r}: this spec packs 1 to {most} KV heads per program (a power of two dividing "
+                    f"num_kv_heads={self.spec.num_kv_heads} whose {self.spec.q_per_kv} query rows each fit the MMA's "
+                    f"{self.config.rows} rows); use pack_heads={most} or None")
+        return None
+
+    def _tile_reason(self, block_n: int) -> str | None:
+        """Why a tile of ``block_n`` tokens does not fit this spec's channel-wise groups, or None."""
+        for name, group in (("k", self.config.key_tokens), ("v", self.config.value_tokens)):
+            if group and group % block_n and not (group == HALF_TILE_GROUP and block_n == 2 * group):
+                return (f"block_n={block_n} must divide {name}'s channel-wise group of {group} tokens (a tile lies in "
+                        "one group), or be twice a group of 16; use block_n=32")
+        return None
+
     def plan_for(self, dtype: torch.dtype) -> Plan:
         """The plan ``dtype`` queries run (`lower.gluon_plan`; InputError for a dtype the kernel does not take)."""
         if dtype not in self.plans:
@@ -292,6 +303,12 @@ class GluonAttention:
                 from ..runtime.tuning import lookup
 
                 tuned = lookup(self.spec, dtype, batch, tokens, kernel="gluon")
+                reason = None if tuned is None else (self._tile_reason(tuned.block_n)
+                                                     or (tuned.pack_heads and self._pack_reason(tuned.pack_heads)))
+                if reason:   # an entry tuned for another kernel build (or damaged): the defaults run
+                    warnings.warn(f"foldc tuning cache: the entry for {self.spec.describe()} at batch {batch}, "
+                                  f"{tokens} tokens is ignored ({reason})", RuntimeWarning, stacklevel=3)
+                    tuned = None
                 if tuned is not None:
                     opts.update(block_n=tuned.block_n, stages=tuned.stages, maxnreg=tuned.maxnreg,
                                 split_factor=tuned.split_factor, heads=tuned.pack_heads or self.heads)
