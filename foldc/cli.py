@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .errors import FoldError
+from .errors import FoldError, SpecError
 from .spec import spec_from_args, spec_from_toml
 
 DEFAULT_K = "token:2:128"
@@ -17,18 +17,26 @@ DEFAULT_V = "token:2:128"
 
 
 def _add_layout_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("layout", nargs="?", help="TOML file describing the layout (overrides the flags)")
-    p.add_argument("--k", default=DEFAULT_K, help="key encoding layout:bits:group[:fp16|bf16|fp32], or none "
+    p.add_argument("layout", nargs="?", help="TOML file describing the layout (instead of the flags)")
+    p.add_argument("--k", default=None, help="key encoding layout:bits:group[:fp16|bf16|fp32], or none "
                    f"(default {DEFAULT_K})")
-    p.add_argument("--v", default=DEFAULT_V, help=f"value encoding, same syntax (default {DEFAULT_V})")
-    p.add_argument("--heads", default="32/8", help="query heads / KV heads (default 32/8)")
-    p.add_argument("--head-dim", type=int, default=128, help="channels per head (default 128)")
+    p.add_argument("--v", default=None, help=f"value encoding, same syntax (default {DEFAULT_V})")
+    p.add_argument("--heads", default=None, help="query heads / KV heads (default 32/8)")
+    p.add_argument("--head-dim", type=int, default=None, help="channels per head (default 128)")
+
+
+LAYOUT_FLAGS = (("k", "--k"), ("v", "--v"), ("heads", "--heads"), ("head_dim", "--head-dim"))
 
 
 def _spec(args):
     if args.layout:
+        given = [flag for name, flag in LAYOUT_FLAGS if getattr(args, name) is not None]
+        if given:   # the file describes the whole layout: a flag beside it would be ignored, silently
+            raise SpecError(f"{given[0]} given with the layout file {args.layout}: describe the layout in the file "
+                            "or by the flags, not both")
         return spec_from_toml(args.layout)
-    return spec_from_args(args.k, args.v, args.heads, args.head_dim)
+    return spec_from_args(args.k or DEFAULT_K, args.v or DEFAULT_V, args.heads or "32/8",
+                          128 if args.head_dim is None else args.head_dim)
 
 
 def cmd_explain(args) -> int:

@@ -92,13 +92,17 @@ def test_explain_toml_file(capsys, tmp_path):
     assert qk.startswith("operand-fold") and pv.startswith("operand-fold")
 
 
-def test_toml_file_overrides_the_flags(capsys, tmp_path):
+def test_a_toml_file_describes_the_whole_layout_and_flags_beside_it_are_refused(capsys, tmp_path):
+    """A layout flag given with a file was ignored, silently (--heads 32/8 explained the file's 4/4)."""
     path = tmp_path / "layout.toml"
     path.write_text('heads = "4/4"\nhead_dim = 16\nk = "none"\n')
-    rc, out, _ = _run(capsys, "explain", str(path), "--heads", "32/8", "--head-dim", "128")
+    rc, out, _ = _run(capsys, "explain", str(path))
     assert rc == 0
     assert out.startswith("foldc plan: 4 query heads / 4 KV heads (1 per KV head), head_dim 16")
     assert [c.split(":")[0] for c in _row(out, "fold")] == ["none", "none"]
+    for flag, value in (("--heads", "32/8"), ("--head-dim", "128"), ("--k", "token:4:16"), ("--v", "none")):
+        rc, out, err = _run(capsys, "explain", str(path), flag, value)
+        assert rc == 2 and out == "" and f"{flag} given with the layout file" in err
 
 
 def test_examples_exist():
