@@ -8,8 +8,9 @@
 #     bash benchmarks/host_path_gpu.sh times      # host time per call beside cuDNN, DynamicCache, nn.Linear
 #     bash benchmarks/host_path_gpu.sh hf         # examples/hf_decode.py eager, rounds alternating in one process
 #     bash benchmarks/host_path_gpu.sh pending    # what changed since the last H200 run, checked (two-encoding and
-#     bash benchmarks/host_path_gpu.sh pending_times  # one-body pair appends, Bound.then, the pool bound, the
-#                                                 #   per-forward mask read), then timed (host time, spill twins)
+#     bash benchmarks/host_path_gpu.sh pending_times  # one-body pair appends, Bound.then, the pool bound, act-order
+#                                                 #   FoldLinear, the per-forward mask read), then timed (host time,
+#                                                 #   spill twins)
 #
 # Each step runs under its own time limit; its output goes to $OUT/<step>.log (and JSON where the script
 # writes one), and a line per step to $OUT/summary.txt. Figures go to docs/perf.md and docs/gemm.md with
@@ -53,11 +54,12 @@ case "${1:-checks}" in
     step hf_1b_int4 150 python3 examples/hf_decode.py $L --k token:4:128 --v token:4:128 $H
     step hf_1b_int2 150 python3 examples/hf_decode.py $L --k token:2:128 --v token:2:128 $H
     ;;
-  pending)
-    step append 150 python3 -m pytest -q -x tests/serving/test_append.py -k "gpu"
-    step gluon_bound 150 python3 -m pytest -q tests/backends/test_gluon_gpu.py \
+  pending)   # each step's limit summed: 570 s, under one call's 600
+    step append 120 python3 -m pytest -q -x tests/serving/test_append.py -k "gpu"
+    step gluon_bound 120 python3 -m pytest -q tests/backends/test_gluon_gpu.py \
         -k "memo or repeated_calls or without_seq_lens or bound"
-    step paged 200 python3 -m pytest -q tests/serving/test_paged_gpu.py
+    step paged 180 python3 -m pytest -q tests/serving/test_paged_gpu.py
+    step linear 60 python3 -m pytest -q tests/test_nn.py -k gpu
     step hf_tiny_check 90 python3 examples/hf_decode.py --new 32
     ;;
   pending_times)
