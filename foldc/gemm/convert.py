@@ -167,19 +167,23 @@ def _from_integer_zeros(codes, zeros, scales, bits: int, group_size: int) -> tup
     return _build(codes, s.to(torch.float32), (-s * zeros).to(torch.float32), bits, group_size, want)
 
 
-def from_gptq(qweight, qzeros, scales, g_idx=None, *, bits: int = 4, group_size: int = 128,
-              zero_offset: int = 1) -> tuple[AffineTensor, GemmEncoding]:
-    """A GPTQ layer (module doc) as a foldc weight: ``qweight`` int32 [k * bits / 32, n], ``qzeros``
-    int32 [k / group_size, n * bits / 32], ``scales`` [k / group_size, n], ``g_idx`` None or in order."""
+def _gptq_layer(qweight, qzeros, scales, bits: int, group_size: int, zero_offset: int):
+    """A GPTQ layer's tensors checked: (codes [n, k] in k's stored order, integer zeros [n, groups], k)."""
     _check_bits(bits)
     _check_group(group_size)
     qweight = _int32("qweight", qweight)
     k, n = qweight.shape[0] * 32 // bits, qweight.shape[1]
     _check_sizes(n, k, bits)
     qzeros, _ = _zero_point_layer(qzeros, scales, k, n, bits, group_size)
+    return _fields(qweight, bits, 0).T, (_fields(qzeros, bits, 1) + zero_offset).T, k
+
+
+def from_gptq(qweight, qzeros, scales, g_idx=None, *, bits: int = 4, group_size: int = 128,
+              zero_offset: int = 1) -> tuple[AffineTensor, GemmEncoding]:
+    """A GPTQ layer (module doc) as a foldc weight: ``qweight`` int32 [k * bits / 32, n], ``qzeros``
+    int32 [k / group_size, n * bits / 32], ``scales`` [k / group_size, n], ``g_idx`` None or in order."""
+    codes, zeros, k = _gptq_layer(qweight, qzeros, scales, bits, group_size, zero_offset)
     _groups_in_order(g_idx, k, group_size)
-    codes = _fields(qweight, bits, 0).T                                  # [n, k]
-    zeros = (_fields(qzeros, bits, 1) + zero_offset).T                   # [n, groups]
     return _from_integer_zeros(codes, zeros, scales, bits, group_size)
 
 
@@ -190,16 +194,9 @@ def from_gptq_act_order(qweight, qzeros, scales, g_idx, *, bits: int = 4, group_
     group (``input_order`` = the stable argsort of ``g_idx``, int64 [k]), so that each group is consecutive, and
     ``y = x[..., input_order] @ weight.T`` equals the layer's ``x @ W.T`` (`foldc.nn.FoldLinear` takes
     ``input_order`` and gathers x by it). Tensors as `from_gptq`'s; ``g_idx`` in order gives the identity order."""
-    _check_bits(bits)
-    _check_group(group_size)
-    qweight = _int32("qweight", qweight)
-    k, n = qweight.shape[0] * 32 // bits, qweight.shape[1]
-    _check_sizes(n, k, bits)
-    qzeros, _ = _zero_point_layer(qzeros, scales, k, n, bits, group_size)
+    codes, zeros, k = _gptq_layer(qweight, qzeros, scales, bits, group_size, zero_offset)
     order = torch.argsort(_g_idx(g_idx, k, group_size), stable=True)
-    codes = _fields(qweight, bits, 0).T[:, order.to(qweight.device)]    # [n, k], each group's channels together
-    zeros = (_fields(qzeros, bits, 1) + zero_offset).T                   # [n, groups]
-    weight, enc = _from_integer_zeros(codes, zeros, scales, bits, group_size)
+    weight, enc = _from_integer_zeros(codes[:, order.to(codes.device)], zeros, scales, bits, group_size)
     return weight, enc, order
 
 
