@@ -11,6 +11,7 @@
 #     bash benchmarks/host_path_gpu.sh pending_times  # one-body pair appends, Bound.then, the pool bound, act-order
 #                                                 #   FoldLinear, the per-forward mask read), then timed (host time,
 #                                                 #   spill twins)
+#     bash benchmarks/host_path_gpu.sh gemv_split # the GEMV's split at INT2, INT4, INT8 (launch options)
 #
 # Each step runs under its own time limit; its output goes to $OUT/<step>.log (and JSON where the script
 # writes one), and a line per step to $OUT/summary.txt. Figures go to docs/perf.md and docs/gemm.md with
@@ -67,8 +68,13 @@ case "${1:-checks}" in
     step call_overhead 120 python3 benchmarks/call_overhead.py --shape 1x16384 --out "$OUT/call_overhead.json"
     step spill_twins 300 python3 benchmarks/spill_twins.py --shape 8x65536 --out "$OUT/spill_twins.json"
     ;;
+  gemv_split)   # the production GEMV beside itself at its launch options (twice and half the split among them):
+    # INT2 g128 28672 x 8192 (programs of half INT4's bytes at the same chunk count), INT4, INT8 (split 4 was faster)
+    step gemv_split 300 python3 benchmarks/gemv_ab.py --b foldc/backends/gluon/gemv.py --cases 2,1,0,8 \
+        --out "$OUT/gemv_split.json"
+    ;;
   *)
-    echo "usage: bash benchmarks/host_path_gpu.sh checks|checks2|times|hf|pending|pending_times" >&2
+    echo "usage: bash benchmarks/host_path_gpu.sh checks|checks2|times|hf|pending|pending_times|gemv_split" >&2
     exit 2
     ;;
 esac
