@@ -12,6 +12,7 @@
 #                                                 #   FoldLinear, the per-forward mask read), then timed (host time,
 #                                                 #   spill twins)
 #     bash benchmarks/host_path_gpu.sh gemv_split # the GEMV's split at INT2, INT4, INT8 (launch options)
+#     bash benchmarks/host_path_gpu.sh gemm_wgmma # the async-wgmma dequant GEMM experiment: checked, then timed
 #
 # Each step runs under its own time limit; its output goes to $OUT/<step>.log (and JSON where the script
 # writes one), and a line per step to $OUT/summary.txt. Figures go to docs/perf.md and docs/gemm.md with
@@ -73,8 +74,12 @@ case "${1:-checks}" in
     step gemv_split 300 python3 benchmarks/gemv_ab.py --b foldc/backends/gluon/gemv.py --cases 2,1,0,8 \
         --out "$OUT/gemv_split.json"
     ;;
+  gemm_wgmma)   # issue 20's m = 256 target: benchmarks/gemm_wgmma.py beside cuBLAS and the Triton template
+    step wgmma_check 200 python3 benchmarks/gemm_wgmma.py --check-only --out "$OUT/wgmma"
+    step wgmma_times 380 python3 benchmarks/gemm_wgmma.py --time-only --out "$OUT/wgmma"
+    ;;
   *)
-    echo "usage: bash benchmarks/host_path_gpu.sh checks|checks2|times|hf|pending|pending_times|gemv_split" >&2
+    echo "usage: bash benchmarks/host_path_gpu.sh checks|checks2|times|hf|pending|pending_times|gemv_split|gemm_wgmma" >&2
     exit 2
     ;;
 esac
