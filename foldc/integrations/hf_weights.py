@@ -131,7 +131,9 @@ def load_quantized(model: torch.nn.Module, state_dict: Mapping, *, checkpoint: s
     # the rest of the checkpoint, as load_state_dict would take it: every name the model has, nothing it lacks
     consumed = {name + suffix for name in packed for suffix in (*PACKED, ".bias")}
     rest = {k: v for k, v in state_dict.items() if k not in consumed}
-    replaced = {name + suffix for name in packed for suffix in (".weight", ".bias")}
+    # a packed layer's own weight is replaced; its bias only where the checkpoint holds one (else it is missing)
+    replaced = {name + ".weight" for name in packed} | {name + ".bias" for name in packed
+                                                        if name + ".bias" in state_dict}
     unknown = sorted(k for k in rest if k not in own)
     if unknown:
         raise InputError(f"the checkpoint holds {unknown[0]!r} (and {len(unknown) - 1} more) that the model has no "

@@ -111,3 +111,20 @@ def test_a_checkpoint_that_does_not_fit_the_model_is_refused_before_it_changes()
             fhf.load_quantized(target, given, **{"checkpoint": "gptq", "bits": 4, "group_size": 32, **options})
         assert not any(isinstance(m, FoldLinear) for m in target.modules())
         assert all(torch.equal(v, before[k]) for k, v in target.state_dict().items())
+
+
+def test_a_checkpoint_without_the_bias_of_a_biased_linear_is_refused():
+    """Qwen2's q/k/v projections have biases: a checkpoint that lacks one (a shard not passed) made a FoldLinear
+    without it, silently, where every other parameter the checkpoint lacks is refused by name."""
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    source = model("qwen2", 1)
+    with torch.no_grad():
+        for m in source.modules():
+            if isinstance(m, torch.nn.Linear) and m.bias is not None:
+                m.bias.normal_(generator=gen)
+    tensors, _, _ = checkpoint(source, "gptq_v2", 4, 32, gen)
+    target = model("qwen2", 2)
+    given = {k: v for k, v in tensors.items() if k != "model.layers.1.self_attn.k_proj.bias"}
+    with pytest.raises(InputError, match=r"does not hold 'model\.layers\.1\.self_attn\.k_proj\.bias'"):
+        fhf.load_quantized(target, given, checkpoint="gptq_v2", bits=4, group_size=32)
+    assert not any(isinstance(m, FoldLinear) for m in target.modules())
