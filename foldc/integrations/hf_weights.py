@@ -107,6 +107,10 @@ def load_quantized(model: torch.nn.Module, state_dict: Mapping, *, checkpoint: s
     layers = {}
     for name in packed:   # every layer converted and checked before anything changes
         get = lambda suffix: state_dict.get(name + suffix)  # noqa: E731
+        for suffix in (".qzeros", ".scales"):
+            if name + suffix not in state_dict:
+                raise InputError(f"the checkpoint holds {name + '.qweight'!r} but does not hold {name + suffix!r}: "
+                                 "pass every shard's tensors")
         try:
             order = None
             if checkpoint == "awq":
@@ -121,7 +125,7 @@ def load_quantized(model: torch.nn.Module, state_dict: Mapping, *, checkpoint: s
                                                                   zero_offset=offset), None)
                 if order is not None and torch.equal(order, torch.arange(order.numel(), device=order.device)):
                     order = None   # g_idx in order: no gather
-        except (InputError, SpecError) as e:
+        except (InputError, InputTypeError, SpecError) as e:
             raise type(e)(f"{name}: {e}") from None
         linear = linears[name]
         if tuple(weight.shape[2:]) != (linear.out_features, linear.in_features):

@@ -128,3 +128,16 @@ def test_a_checkpoint_without_the_bias_of_a_biased_linear_is_refused():
     with pytest.raises(InputError, match=r"does not hold 'model\.layers\.1\.self_attn\.k_proj\.bias'"):
         fhf.load_quantized(target, given, checkpoint="gptq_v2", bits=4, group_size=32)
     assert not any(isinstance(m, FoldLinear) for m in target.modules())
+
+
+@pytest.mark.parametrize("fmt, suffix", [("gptq", ".qzeros"), ("gptq", ".scales"), ("awq", ".qzeros"),
+                                         ("awq", ".scales")])
+def test_a_packed_layer_missing_one_of_its_tensors_is_refused_naming_it(fmt, suffix):
+    """A layer's qweight without its qzeros (another shard) raised "qzeros must be a torch.Tensor, got NoneType",
+    naming neither the layer nor the tensor."""
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    tensors, _, _ = checkpoint(model("qwen2", 1), fmt, 4, 32, gen)
+    missing = "model.layers.0.mlp.up_proj" + suffix
+    given = {k: v for k, v in tensors.items() if k != missing}
+    with pytest.raises(InputError, match=f"does not hold {missing!r}"):
+        fhf.load_quantized(model("qwen2", 2), given, checkpoint=fmt, bits=4, group_size=32)
