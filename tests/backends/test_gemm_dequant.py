@@ -1,7 +1,7 @@
 """The dequantize-then-dot GEMM template (foldc/backends/triton/gemm_dequant.py): which plans it
 takes and why it refuses the others, its PTX unpack emulated bit for bit on every code byte, the
-portable twin under Triton's interpreter against float64 on fresh random data, and an AOT build for
-sm_90 that uses wgmma."""
+portable twin under Triton's interpreter against float64 on fresh random data, an AOT build for
+sm_90 that uses wgmma, and sm_100 builds of the launcher's tiles that fit tensor memory."""
 from __future__ import annotations
 
 import subprocess
@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 from test_triton_aot import ROOT, _env
 
 import foldc
-from foldc.backends.triton.gemm_dequant import (MIN_ROWS, SHARED_BYTES, NotDequantTemplate, dequant_config,
-                                                lower_dequant, shared_bytes, unpack_asm)
+from foldc.backends.triton.gemm_dequant import (MIN_ROWS, SHARED_BYTES, TMEM_TILE, NotDequantTemplate,
+                                                dequant_config, lower_dequant, shared_bytes, unpack_asm)
 from foldc.errors import SpecError
 from foldc.gemm import GemmSpec, parse_gemm_encoding
 from foldc.gemm.plan import gemm_plan
@@ -73,6 +73,29 @@ def test_config_fills_the_gpu_and_fits_shared_memory():
             cfg = dequant_config(t, 256, 28672, 132, block_m=bm, block_n=bn)
             assert cfg["num_stages"] == 2 or shared_bytes(t, bm, bn, cfg["num_stages"]) <= SHARED_BYTES
             assert cfg["num_stages"] == 4 or shared_bytes(t, bm, bn, cfg["num_stages"] + 1) > SHARED_BYTES
+
+
+@pytest.mark.parametrize("weight", ["k-group:2:128", "k-group:4:128", "k-group:2:32", "k-group:4:64:bf16"])
+def test_sm100_tiles_fit_tensor_memory_and_sm90_keeps_its_own(weight):
+    tile = lower_dequant(plan_at(weight, 64, 4096, 256), 256)
+    for m in (17, 64, 65, 128, 129, 256, 4096):
+        cfg = dequant_config(tile, m, 28672, 148, arch="sm_100")
+        assert cfg["block_m"] * cfg["block_n"] * tile.fields <= TMEM_TILE, (m, cfg)
+        assert cfg["block_m"] == min(dequant_config(tile, m, 28672, 132)["block_m"], TMEM_TILE // (128 * tile.fields))
+    assert dequant_config(tile, 256, 28672, 132)["block_m"] == 256                     # sm_90: unchanged
+    assert dequant_config(tile, 256, 28672, 148, block_n=64, arch="sm_100")["block_m"] == min(
+        256, TMEM_TILE // (64 * tile.fields))
+    with pytest.raises(SpecError, match="block_m=256 .* tensor memory"):
+        dequant_config(tile, 256, 28672, 148, block_m=256, arch="sm_100")
+    with pytest.raises(SpecError, match="block_n=256 on sm_100"):
+        dequant_config(tile, 256, 28672, 148, block_n=256, arch="sm_100")
+
+
+def test_the_launcher_plans_by_the_device_architecture():
+    kern = foldc.compile(GemmSpec(1000, 2048, parse_gemm_encoding("k-group:2:128", "weight")), target="interpret")
+    hopper, blackwell = (kern.plan_launch(torch.float16, 256, 132, arch) for arch in ("sm_90", "sm_100"))
+    assert dict(hopper.constants)["BLOCK_M"] == 256 and dict(blackwell.constants)["BLOCK_M"] == 64
+    assert hopper.template == blackwell.template == "dequant"
 
 
 @settings(max_examples=60, deadline=None)
@@ -210,6 +233,57 @@ shared_ok = c.metadata.shared == shared_bytes(DequantTile(4, 4096, 128, "fp16", 
 print(len(calls), from_registers, len(re.findall(r"lop3.b32", ptx)), len(re.findall(r"red.|atom.", ptx)),
       int(pipelined), int(shared_ok), c.metadata.shared)
 """
+
+
+AOT_SM100 = r"""
+import json, sys
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from foldc.backends.runtime.modules import load_module
+from foldc.backends.triton.gemm_dequant import SOURCE, dequant_config, lower_dequant, unpack_asm
+from foldc.gemm import GemmSpec, parse_gemm_encoding
+from foldc.gemm.plan import gemm_plan
+mod = load_module(SOURCE, False)
+PTR = {"fp16": "*fp16", "bf16": "*bf16", "fp32": "*fp32"}
+out = []
+for weight, m, arch, x in json.loads(sys.argv[1]):
+    spec = GemmSpec(4096, 8192, parse_gemm_encoding(weight, "weight"), None, m=m)
+    tile = lower_dequant(gemm_plan(spec), m)
+    cfg = dequant_config(tile, m, spec.n, 148, arch=arch)
+    math = 0 if tile.scale_dtype != x else (1 if x == "fp16" else 2)
+    asm, cons = unpack_asm(tile.bits, math == 2)
+    sig = {"X": PTR[x], "stride_x": "i32", "WC": "*u8", "stride_w": "i32", "WS": PTR[tile.scale_dtype],
+           "WZ": PTR[tile.scale_dtype], "stride_ws": "i32", "Y": PTR[x] if cfg["split_k"] == 1 else "*fp32",
+           "stride_y": "i32", "M": "i32", "N": "i32"}
+    cx = dict(K=tile.k, BITS=tile.bits, GROUP=tile.group, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"],
+              BLOCK_K=tile.block_k, GROUP_M=cfg["group_m"], MATH=math, ASM=asm, CONS=cons, SPLIT_K=cfg["split_k"])
+    sig.update({k: "constexpr" for k in cx})
+    attrs = {(i,): [["tt.divisibility", 16]] for i in range(9)}
+    c = triton.compile(ASTSource(mod.foldc_gemm_dequant, sig, constexprs=cx, attrs=attrs),
+                       target=GPUTarget("cuda", 100, 32),
+                       options={"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]})
+    out.append([cfg["block_m"], int("tcgen05.mma" in c.asm["ptx"]), c.metadata.tmem_size])
+print(json.dumps(out))
+"""
+
+
+def test_aot_sm100_builds_of_the_launcher_tiles_fit_tensor_memory(tmp_path):
+    """The launcher's sm_100 tiles build into tcgen05 MMAs within 512 columns of tensor memory; the sm_90 tile of
+    the same call, built for sm_100, needs more and Triton 3.6 compiles it to a bare trap (why the rule exists)."""
+    import json
+    cases = [["k-group:2:128", 256, "sm_100", "fp16"], ["k-group:4:128", 256, "sm_100", "fp16"],
+             ["k-group:4:128", 100, "sm_100", "bf16"], ["k-group:4:64:fp32", 300, "sm_100", "fp16"],
+             ["k-group:2:128", 256, "sm_90", "fp16"]]
+    out = subprocess.run([sys.executable, "-c", AOT_SM100, json.dumps(cases)], cwd=ROOT, env=_env(str(tmp_path)),
+                         capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-2000:]
+    built = json.loads(out.stdout.strip().splitlines()[-1])
+    for (weight, m, arch, x), (block_m, tcgen05, tmem) in zip(cases[:-1], built[:-1]):
+        assert tcgen05 == 1 and tmem <= 512, (weight, m, x, block_m, tmem)
+    block_m, tcgen05, tmem = built[-1]
+    assert block_m == 256 and tcgen05 == 0 and tmem > 512
 
 
 def test_aot_sm90_build_feeds_wgmma(tmp_path):

@@ -107,6 +107,7 @@ def load_module(source: str, interpret: bool):
 
 
 _SMS: dict = {}   # CUDA device index -> SM count (get_device_properties costs ~10 us per call)
+_ARCH: dict = {}  # CUDA device index -> "sm_90", "sm_100", ...
 
 
 def num_sms(device) -> int:
@@ -119,3 +120,17 @@ def num_sms(device) -> int:
             _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
         return _SMS[index]
     return 2
+
+
+def device_arch(device) -> str:
+    """The architecture name of a CUDA ``device`` ("sm_90" for compute capability 9.0, "sm_100" for 10.0), cached;
+    "cpu" for the CPU's interpreter."""
+    if not isinstance(device, torch.device):
+        device = torch.device(device)
+    if device.type != "cuda":
+        return "cpu"
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _ARCH:
+        major, minor = torch.cuda.get_device_capability(index)
+        _ARCH[index] = f"sm_{major}{minor}"
+    return _ARCH[index]

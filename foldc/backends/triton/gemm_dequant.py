@@ -148,6 +148,16 @@ MIN_ROWS = 17          # fewer rows: the register-operand GEMV or the generated 
 MAX_BLOCK_K = 64       # bytes of a weight row per chunk
 CHUNK_K = 128          # channels of k per chunk, every field together (the activation tiles' shared memory)
 SHARED_BYTES = 227 * 1024   # shared memory a program may take on the H200 and the B200
+# On sm_100 (B200) Triton 3.6 keeps the template's accumulator and its weight operands in tensor memory, 512
+# columns a program; past that it compiles the kernel to a bare `trap`. What a tile takes follows
+# block_m * block_n * fields (its `tmem_size`, sm_100 builds of INT2/INT4 at block_m 64-256 and block_n 64-128:
+# tests/backends/test_gemm_dequant.py): 512 columns at this product.
+TMEM_TILE = 32768
+
+
+def tensor_memory(arch: str) -> bool:
+    """Whether ``arch`` (e.g. "sm_90", "sm_100") runs the template's dot from tensor memory (compute capability 10)."""
+    return len(arch) == 6 and arch.startswith("sm_10")
 
 
 class NotDequantTemplate(Exception):
@@ -219,14 +229,27 @@ def shared_bytes(tile: DequantTile, block_m: int, block_n: int, stages: int) -> 
 
 def dequant_config(tile: DequantTile, m: int, n: int, sms: int, block_m: int | None = None,
                    block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
-                   split_k: int | None = None) -> dict:
+                   split_k: int | None = None, arch: str = "sm_90") -> dict:
     """Tiles for a call with m rows and n output channels on a GPU of ``sms`` SMs (the ones given are
     kept): 128 weight rows on 8 warps against 64, 128 or 256 activation rows by m (docs/gemm.md,
-    "The large-m template", has the sweep). A grid that fills less than half the SMs splits every
+    "The large-m template", has the sweep); on sm_100 at most what fits tensor memory (TMEM_TILE: 128
+    rows for 4-bit weights, 64 for 2-bit). A grid that fills less than half the SMs splits every
     weight row's bytes into up to 8 parts (float32 partials added atomically) while each part keeps
     4 chunks or more. As many pipeline stages, up to 4, as fit SHARED_BYTES."""
-    block_m = block_m or (64 if m <= 64 else 128 if m <= 128 else 256)
+    explicit_m = block_m
     block_n = block_n or 128
+    block_m = block_m or (64 if m <= 64 else 128 if m <= 128 else 256)
+    if tensor_memory(arch):
+        if block_n > 128:
+            raise SpecError(f"block_n={block_n} on {arch}: the template's tiles there take at most 128 weight rows "
+                            "(tensor memory); pick block_n <= 128")
+        fits = TMEM_TILE // (block_n * tile.fields)
+        if block_m > fits:
+            if explicit_m is not None:
+                raise SpecError(f"block_m={block_m} with block_n={block_n} at {tile.bits}-bit weights does not fit "
+                                f"{arch}'s tensor memory (block_m x block_n x {tile.fields} fields at most "
+                                f"{TMEM_TILE}); pick block_m <= {fits}")
+            block_m = fits
     num_warps = num_warps or (8 if block_n >= 128 else 4)
     if num_stages is None:
         num_stages = 4

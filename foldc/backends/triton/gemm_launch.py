@@ -24,7 +24,7 @@ from .gemm_codegen import GemmKernelSource, generate_gemm
 from .gemm_dequant import SOURCE as DEQUANT_SOURCE
 from .gemm_dequant import DequantTile, NotDequantTemplate, dequant_config, lower_dequant, unpack_asm
 from ..runtime.fast_launch import FastLaunch
-from ..runtime.modules import interpreter, load_module, num_sms
+from ..runtime.modules import device_arch, interpreter, load_module, num_sms
 
 DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 INT8_CODE_BIAS = -128  # unsigned 8-bit codes become int8 for the integer tensor cores (eq. 7)
@@ -181,7 +181,7 @@ class TritonGemm:
             check_no_overlap(out, "out", x=x, w=w)
         if m == 0:   # no rows: nothing to compute (as the reference returns [0, n])
             return out
-        self.run(self.plan_launch(dtype, m, num_sms(device)), x, w, out)
+        self.run(self.plan_launch(dtype, m, num_sms(device), device_arch(device)), x, w, out)
         return out
 
     def dequant_tile(self, dtype: torch.dtype, m: int) -> DequantTile | None:
@@ -205,9 +205,10 @@ class TritonGemm:
             self._launches[key] = tile
         return self._launches[key]
 
-    def _dequant_launch(self, tile: DequantTile, dtype: torch.dtype, m: int, sms: int) -> GemmLaunch:
-        cfg = dequant_config(tile, m, self.spec.n, sms, **{k: v for k, v in self.explicit.items()
-                                                           if k in ("block_m", "block_n", "num_warps", "num_stages")})
+    def _dequant_launch(self, tile: DequantTile, dtype: torch.dtype, m: int, sms: int, arch: str) -> GemmLaunch:
+        cfg = dequant_config(tile, m, self.spec.n, sms, arch=arch,
+                             **{k: v for k, v in self.explicit.items()
+                                if k in ("block_m", "block_n", "num_warps", "num_stages")})
         scale16 = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(tile.scale_dtype)
         math = 0 if scale16 != dtype else (1 if dtype == torch.float16 else (2 if tile.bits <= 4 else 0))
         asm, cons = ("", "") if self.interpret else unpack_asm(tile.bits, math == 2)
@@ -218,17 +219,18 @@ class TritonGemm:
         grid = (triton_cdiv(m, cfg["block_m"]) * triton_cdiv(self.spec.n, cfg["block_n"]), cfg["split_k"])
         return GemmLaunch(dtype, m, self.spec.n, grid, cfg["split_k"], tuple(constants.items()), "dequant")
 
-    def plan_launch(self, dtype: torch.dtype, m: int, sms: int = 132) -> GemmLaunch:
+    def plan_launch(self, dtype: torch.dtype, m: int, sms: int = 132, arch: str = "sm_90") -> GemmLaunch:
         """The `GemmLaunch` of a call with ``m`` rows of x and a ``dtype`` output, memoised: the
         dequantize-then-dot template where the plan at m rows reconstructs the weight, else the
         generated kernel with the tiles of `launch_config` (or the options given), the grid and the
-        k chunk. ``sms``: the GPU's SM count (the template's tile choice)."""
-        key = (dtype, m, sms)
+        k chunk. ``sms``: the GPU's SM count, ``arch`` its architecture (the template's tile choice: sm_100's
+        tensor memory bounds its tiles)."""
+        key = (dtype, m, sms, arch)
         launch = self._launches.get(key)
         if launch is None:
             tile = self.dequant_tile(dtype, m)
             if tile is not None:
-                launch = self._launches[key] = self._dequant_launch(tile, dtype, m, sms)
+                launch = self._launches[key] = self._dequant_launch(tile, dtype, m, sms, arch)
         if launch is None:
             _, ks, _ = self.kernel(DTYPES[dtype])
             cfg = dict(launch_config(m, self.spec.n), **self.explicit)
