@@ -191,14 +191,18 @@ class FoldLinear(torch.nn.Module):
         # GPU memory alive); they are made again for the new ones
         self._eager, self._fast = {}, None
         # a dtype cast of the model (.half(), .float(), .to(torch.bfloat16)) moves the scale and zero with it but
-        # keeps their dtype: they are the encoding's (a cast would round them, and the layer refuse them)
+        # keeps their dtype: they are the encoding's (a cast would round them, and the layer refuse them). fn itself
+        # runs on them (``to_empty`` from the meta device makes new tensors, which no copy can)
         params = {id(self._buffers.get("scale")), id(self._buffers.get("zero"))}
+        counters = self._buffers.get("gemv_counters")
 
         def keep_dtype(t):
-            if id(t) in params:
-                moved = fn(torch.empty(0, dtype=t.dtype, device=t.device))   # where fn sends a tensor
-                return t.to(device=moved.device)
-            return fn(t)
+            out = fn(t)
+            if id(t) in params and out.dtype != t.dtype:
+                return t.to(device=out.device)
+            if t is counters and out is not t:   # zeros between calls, whatever fn made (to_empty: uninitialised)
+                return out.zero_()
+            return out
         return super()._apply(keep_dtype, recurse)
 
     @classmethod

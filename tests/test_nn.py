@@ -482,3 +482,22 @@ def test_gpu_calls_with_an_input_order_give_the_ops_answer_over_the_gathered_x(m
         assert torch.equal(y, via_op)
     want = x.cpu().double()[:, order] @ layer.weight.dequantize(torch.float64)[0, 0].cpu().T
     assert float((y.cpu().double() - want).norm() / want.norm()) < 1e-2
+
+
+def test_a_layer_built_on_the_meta_device_takes_to_empty_and_a_load():
+    """A serving engine builds its model on the meta device, then ``to_empty(device=...)`` and loads the weights:
+    the layer's own ``_apply`` copied the meta scale and zero (NotImplementedError: no data), and its split-k
+    counters must come out zero (``to_empty`` leaves memory uninitialised; the GEMV needs zeros between calls)."""
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    lin = torch.nn.Linear(128, 48)
+    torch.nn.init.normal_(lin.weight, generator=gen)
+    torch.nn.init.normal_(lin.bias, generator=gen)
+    source = FoldLinear.from_linear(lin, "k-group:4:64:bf16")
+    layer = FoldLinear.from_linear(torch.nn.Linear(128, 48), "k-group:4:64:bf16").to("meta")
+    assert layer.codes.is_meta and layer.scale.dtype == torch.bfloat16
+    layer.to_empty(device="cpu")
+    assert layer.scale.device.type == "cpu" and layer.scale.dtype == torch.bfloat16 and layer.bias.dtype == torch.float32
+    assert layer.gemv_counters.dtype == torch.int32 and not layer.gemv_counters.any()
+    layer.load_state_dict(source.state_dict())
+    x = torch.randn(3, 128, generator=gen)
+    assert torch.allclose(layer(x).double(), _reference(source, x), rtol=1e-6, atol=1e-6)
