@@ -466,6 +466,8 @@ def _append_paged_reference(pool, x, kv_indptr, kv_indices, start, page_size, co
             if pos // page_size >= len(owned):
                 break
             page, row = owned[pos // page_size], pos % page_size
+            if not 0 <= page < pool.shape[0]:   # a page outside the pool: not written (as in the kernel; a
+                continue                        # negative index would wrap to the pool's last pages here)
             pool.codes[page, :, row] = q.codes[0, :, t]
             if GroupAxis.of(enc) is GroupAxis.CHANNEL:
                 pool.scale[page, :, row] = q.scale[0, :, t]

@@ -202,11 +202,14 @@ def test_append_paged_never_writes_past_a_sequences_own_pages():
 
 @settings(max_examples=10, deadline=None)
 @given(layout=st.sampled_from(["token", "channel"]), page=st.sampled_from([-3, -1, 4, 5, 7]),
-       seed=st.integers(0, 2**31 - 1))
-def test_append_paged_never_writes_outside_the_pool(layout, page, seed):
+       target=st.sampled_from(["interpret", "reference"]), seed=st.integers(0, 2**31 - 1))
+@example(layout="token", page=-1, target="reference", seed=0)   # (was written into the pool's last page)
+@example(layout="channel", page=4, target="reference", seed=0)   # (was an IndexError)
+def test_append_paged_never_writes_outside_the_pool(layout, page, target, seed):
     """A page-table entry naming a page outside the pool (past its end or negative; the table of a caller who
     skipped `PagedDecodeWrapper.plan`'s check) is skipped: the pool is a view of the middle pages of a larger
-    buffer, and nothing outside the view changes, nor the view's other pages (both kernels, interpreter)."""
+    buffer, and nothing outside the view changes, nor the view's other pages (both kernels under the interpreter,
+    and the reference target, which mirrors them)."""
     enc = A(4, layout, 16)
     big = page_pool(S(2, 2, 32, enc, enc), "k", 12, 16)
     gen = torch.Generator().manual_seed(seed)
@@ -217,7 +220,7 @@ def test_append_paged_never_writes_outside_the_pool(layout, page, seed):
     x = torch.randn(2, 2, 16, 32, generator=gen).half()
     # sequence 0 names a page outside the pool, sequence 1 its own page 2 (written as usual)
     append_paged(pool, x, torch.tensor([0, 1, 2], dtype=torch.int32), torch.tensor([page, 2], dtype=torch.int32),
-                 torch.zeros(2, dtype=torch.int32), page_size=16, target="interpret")
+                 torch.zeros(2, dtype=torch.int32), page_size=16, target=target)
     for got, old in zip((big.codes, big.scale, big.zero), before):
         same = (got.view(torch.uint8) == old.view(torch.uint8)).flatten(1).all(1)   # per page of the buffer
         assert same[[p for p in range(12) if p != 6]].all() and not same[6]
