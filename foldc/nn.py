@@ -205,6 +205,26 @@ class FoldLinear(torch.nn.Module):
             return out
         return super()._apply(keep_dtype, recurse)
 
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        # load_state_dict copies into the buffers with a cast (or, with assign=True, puts the tensors in as they
+        # are): a state dict of another encoding's scale dtype would be rounded into this one's, codes of another
+        # dtype wrapped, an input order that is no permutation gathered as it came. Refused, before any change.
+        want = {"codes": torch.uint8, "scale": self.encoding.scale_dtype, "zero": self.encoding.scale_dtype}
+        for name, dtype in want.items():
+            t = state_dict.get(prefix + name)
+            if isinstance(t, torch.Tensor) and t.dtype != dtype:
+                raise InputError(f"{prefix + name} dtype={t.dtype} but this layer ({self.encoding.short()}) stores "
+                                 f"{dtype}: the state dict is another encoding's; build the layer with that one")
+        order = state_dict.get(prefix + "input_order")
+        if isinstance(order, torch.Tensor) and self._buffers.get("input_order") is not None:
+            try:
+                _input_order(order, self.in_features, order.device)
+            except InputError as e:
+                raise InputError(f"{prefix}input_order of the state dict: {e}") from None
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+
     @classmethod
     def from_linear(cls, linear: torch.nn.Linear, weight="k-group:4:128") -> "FoldLinear":
         """``linear`` with its weight quantized as ``weight`` (`foldc.gemm.reference.quantize_2d`:

@@ -501,3 +501,35 @@ def test_a_layer_built_on_the_meta_device_takes_to_empty_and_a_load():
     layer.load_state_dict(source.state_dict())
     x = torch.randn(3, 128, generator=gen)
     assert torch.allclose(layer(x).double(), _reference(source, x), rtol=1e-6, atol=1e-6)
+
+
+def _layer_pair(enc: str, gen: torch.Generator, order: bool = False):
+    from foldc.gemm.reference import quantize_2d
+
+    e = parse_gemm_encoding(enc, "weight")
+    make = lambda: FoldLinear(quantize_2d(torch.randn(32, 128, generator=gen) * 0.1, e), e,  # noqa: E731
+                              bias=torch.randn(32, generator=gen),
+                              input_order=torch.randperm(128, generator=gen) if order else None)
+    return make(), make()
+
+
+@pytest.mark.parametrize("key, value, match", [
+    ("scale", lambda t: t.half(), r"scale dtype=torch.float16 .*k-group:4:64:bf16"),   # rounded silently before
+    ("zero", lambda t: t.float(), r"zero dtype=torch.float32 .*k-group:4:64:bf16"),
+    ("codes", lambda t: t.to(torch.int32), r"codes dtype=torch.int32"),
+    ("input_order", lambda t: torch.zeros_like(t), "not a permutation"),              # gathered channel 0 everywhere
+    ("input_order", lambda t: t + 1000, "not a permutation"),                         # an IndexError at the call
+])
+def test_a_state_dict_the_layer_cannot_hold_is_refused_at_load(key, value, match):
+    """load_state_dict copies into the buffers, casting: bf16 scales took another encoding's fp16 scales rounded,
+    and an input order that is no permutation was taken as it came. Both are refused at the load, naming the key."""
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    source, layer = _layer_pair("k-group:4:64:bf16", gen, order=True)
+    before = {k: v.clone() for k, v in layer.state_dict().items()}
+    state = source.state_dict()
+    state[key] = value(state[key])
+    for assign in (False, True):
+        with pytest.raises(InputError, match=match):
+            layer.load_state_dict(state, assign=assign)
+        assert all(torch.equal(v, before[k]) for k, v in layer.state_dict().items())
+
