@@ -224,6 +224,15 @@ class FoldLinear(torch.nn.Module):
                 raise InputError(f"{prefix}input_order of the state dict: {e}") from None
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
+        if local_metadata.get("assign_to_params_buffers", False):
+            # assign=True put the state dict's tensors in as they are: row-major copies (the layout the kernels
+            # read), and the split-k counters (outside the state dict) beside the codes, e.g. off the meta device
+            buffers = self._buffers
+            for name in ("codes", "scale", "zero"):
+                buffers[name] = buffers[name].contiguous()
+            if buffers["gemv_counters"].device != buffers["codes"].device:
+                buffers["gemv_counters"] = torch.zeros_like(buffers["gemv_counters"], device=buffers["codes"].device)
+            self._eager, self._fast = {}, None
 
     @classmethod
     def from_linear(cls, linear: torch.nn.Linear, weight="k-group:4:128") -> "FoldLinear":

@@ -533,3 +533,17 @@ def test_a_state_dict_the_layer_cannot_hold_is_refused_at_load(key, value, match
             layer.load_state_dict(state, assign=assign)
         assert all(torch.equal(v, before[k]) for k, v in layer.state_dict().items())
 
+
+
+def test_a_load_with_assign_keeps_the_layout_the_kernels_read():
+    """load_state_dict(..., assign=True) (after building on the meta device) put the state dict's tensors in as they
+    were: a column-major scale (refused at the first call on the kernels) and the split-k counters left on meta."""
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    source, _ = _layer_pair("k-group:4:32", gen)
+    layer = FoldLinear.from_linear(torch.nn.Linear(128, 32), "k-group:4:32").to("meta")
+    state = source.state_dict()
+    state["scale"] = state["scale"].transpose(2, 3).contiguous().transpose(2, 3)   # same values, column-major
+    layer.load_state_dict(state, assign=True)
+    assert layer.scale.is_contiguous() and layer.gemv_counters.device.type == "cpu" and not layer.gemv_counters.any()
+    x = torch.randn(4, 128, generator=gen)
+    assert torch.allclose(layer(x).double(), _reference(source, x), rtol=1e-6, atol=1e-6)
