@@ -171,6 +171,9 @@ def _gptq_layer(qweight, qzeros, scales, bits: int, group_size: int, zero_offset
     """A GPTQ layer's tensors checked: (codes [n, k] in k's stored order, integer zeros [n, groups], k)."""
     _check_bits(bits)
     _check_group(group_size)
+    if type(zero_offset) is not int or zero_offset not in (0, 1):
+        raise InputError(f"zero_offset={zero_offset!r} must be 1 (GPTQ's v1 checkpoints: the zero stored minus one) "
+                         "or 0 (the v2 format: the zero as it is)")
     qweight = _int32("qweight", qweight)
     k, n = qweight.shape[0] * 32 // bits, qweight.shape[1]
     _check_sizes(n, k, bits)

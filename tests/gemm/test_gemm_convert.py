@@ -264,3 +264,15 @@ def test_converted_weights_run_on_the_kernels(fmt):
         bar = float((plain.double() - ref).norm() / ref.norm())
         err = float((kern(x, weight).double() - ref).norm() / ref.norm())
         assert err <= 2 * bar + 1e-6, (fmt, seed, m, kern.plan_launch(torch.float16, m, 2).template, err, bar)
+
+
+@pytest.mark.parametrize("offset", [-1, 2, 0.5, True, None, "1"])
+def test_a_zero_offset_other_than_0_or_1_is_refused(offset):
+    """GPTQ's zeros are stored minus one (v1, zero_offset=1) or as they are (v2, 0). "Stored minus one" read as
+    zero_offset=-1 shifted every zero by two, silently; 0.5 made fractional zeros, None a TypeError inside torch."""
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    codes, scale, zero = asymmetric_codes(torch.randn(16, 128, generator=gen) * 0.05, 4, 64)
+    args = (pack_along(codes.T, 4, 0), pack_along(zero.T, 4, 1), scale.T.contiguous())
+    for convert in (from_gptq, lambda *a, **kw: from_gptq_act_order(*a, torch.arange(128) // 64, **kw)):
+        with pytest.raises(InputError, match=f"zero_offset={offset!r} must be 1 .* or 0"):
+            convert(*args, group_size=64, zero_offset=offset)
