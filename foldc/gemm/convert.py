@@ -60,7 +60,7 @@ def _fields(words: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
 
 
 def _check_bits(bits: int, allowed=(2, 4, 8)) -> None:
-    if bits not in allowed:
+    if isinstance(bits, bool) or not isinstance(bits, int) or bits not in allowed:   # 4.0 == 4, but no shift takes it
         raise InputError(f"bits={bits!r}: foldc packs {allowed}-bit weights")
 
 

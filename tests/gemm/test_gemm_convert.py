@@ -276,3 +276,18 @@ def test_a_zero_offset_other_than_0_or_1_is_refused(offset):
     for convert in (from_gptq, lambda *a, **kw: from_gptq_act_order(*a, torch.arange(128) // 64, **kw)):
         with pytest.raises(InputError, match=f"zero_offset={offset!r} must be 1 .* or 0"):
             convert(*args, group_size=64, zero_offset=offset)
+
+
+def test_bits_that_are_no_integer_are_refused_by_name():
+    """bits=4.0 (a float from a parsed config) passed the check (4.0 in (2, 4, 8)) and raised a TypeError inside
+    the unpacking ('<<' of an int and a float)."""
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    codes, scale, zero = asymmetric_codes(torch.randn(16, 128, generator=gen) * 0.05, 4, 64)
+    calls = [lambda b: from_gptq(pack_along(codes.T, 4, 0), pack_along(zero.T, 4, 1), scale.T.contiguous(), bits=b,
+                                 group_size=64, zero_offset=0),
+             lambda b: from_awq(pack_along(codes.T, 4, 1, AWQ_ORDER), pack_along(zero.T, 4, 1, AWQ_ORDER),
+                                scale.T.contiguous(), bits=b, group_size=64),
+             lambda b: from_hqq(codes, scale, zero.half(), shape=(16, 128), group_size=64, bits=b)]
+    for call in calls:
+        with pytest.raises(InputError, match=r"bits=4\.0: foldc packs"):
+            call(4.0)
