@@ -20,6 +20,9 @@ def quantize_2d(t: torch.Tensor, enc: GemmEncoding) -> AffineTensor:
     """Quantize a ``[rows, k]`` matrix with groups along k (AffineTensor of shape [1, 1, rows, k])."""
     if not isinstance(t, torch.Tensor) or t.dim() != 2:
         raise InputError(f"expected a [rows, k] tensor, got {getattr(t, 'shape', type(t).__name__)}")
+    if not isinstance(enc, GemmEncoding):
+        raise InputTypeError(f"enc={enc!r} must be a GemmEncoding, e.g. "
+                             f"foldc.gemm.parse_gemm_encoding('k-group:4:128', 'weight')")
     return quantize(t.reshape(1, 1, *t.shape), enc.affine(t.shape[1]))
 
 

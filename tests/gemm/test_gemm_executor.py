@@ -63,3 +63,11 @@ def test_reference_gemm_checks_its_inputs():
     for dtype in (torch.int64, torch.int8, torch.bool):   # never cast to float64 and back as if it were exact
         with pytest.raises(InputError, match=f"x dtype={dtype}: a plain operand is floating point"):
             gemm(torch.ones(2, 64, dtype=dtype), quantize_2d(w, spec.weight))
+
+
+@pytest.mark.parametrize("enc", ["k-group:4:64", foldc.Affine(4, "token", 64), None])
+def test_quantize_2d_names_the_encoding_it_takes(enc):
+    """quantize_2d(w, "k-group:4:64") raised AttributeError: 'str' object has no attribute 'affine'."""
+    w = torch.randn(32, 128, generator=torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ()))))
+    with pytest.raises(InputTypeError, match=r"GemmEncoding.*parse_gemm_encoding"):
+        quantize_2d(w, enc)
