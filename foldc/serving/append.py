@@ -382,9 +382,10 @@ def append_paged(pool: AffineTensor, x: torch.Tensor, kv_indptr: torch.Tensor, k
     page_size : int
         Tokens per page (channel-wise: a multiple of group_size).
     counts : torch.Tensor, int32 ``[batch]``, optional
-        Sequence b writes only x's first ``counts[b]`` tokens (channel-wise: a multiple of group_size):
-        one launch writes a data-dependent number of tokens per row (e.g. 0 or one group), so decode
-        steps can be captured in a CUDA graph.
+        Sequence b writes only x's first ``counts[b]`` tokens (channel-wise: a multiple of group_size;
+        not checked (a sync): only the whole groups within ``counts[b]`` are written): one launch writes a
+        data-dependent number of tokens per row (e.g. 0 or one group), so decode steps can be captured in a
+        CUDA graph.
     target : str
         "auto", "interpret", "sm_90", "sm_100" or "reference" (foldc.quantize and copies, host loop,
         synchronises).
@@ -447,13 +448,15 @@ def _append_paged_reference(pool, x, kv_indptr, kv_indices, start, page_size, co
 
     enc = pool.encoding
     indptr, indices = kv_indptr.tolist(), kv_indices.tolist()
+    group = token_group(enc)
     for b in range(x.shape[0]):
         n = x.shape[2] if counts is None else min(x.shape[2], int(counts[b]))
-        if n == 0:
+        if group:   # channel-wise: the whole groups within the count (as the kernel)
+            n = n // group * group
+        if n <= 0:
             continue
         q = quantize(x[b:b + 1, :, :n], enc)
         s0 = int(start[b])
-        group = token_group(enc)
         if group and s0 % group:
             raise InputError(f"start[{b}]={s0} is not a multiple of group_size={enc.group_size}; channel-wise "
                              "groups are written whole, so every start must begin a group (the kernel skips such "

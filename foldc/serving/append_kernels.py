@@ -288,8 +288,8 @@ def _append_channel_kernel(
     raw_scale = tl.where(bad > 0, float("nan"), raw_scale)
     pos0 = start + grp * GROUP  # the group's first token (a page holds whole groups)
     ok = pos0 >= 0
-    if HAS_COUNT:
-        ok = ok & (grp * GROUP < tl.load(COUNTS + b))
+    if HAS_COUNT:   # whole groups within the row's count (a group the count ends in is not written)
+        ok = ok & ((grp + 1) * GROUP <= tl.load(COUNTS + b))
     if PAGED:
         first = tl.load(KV_INDPTR + b)
         # a group off a group boundary would run past its page into the next one: not written

@@ -200,6 +200,26 @@ def test_append_paged_never_writes_past_a_sequences_own_pages():
     assert not written[[0, 1, 3]].any()
 
 
+@pytest.mark.parametrize("target", ["interpret", "reference"])
+def test_append_paged_writes_only_whole_channel_groups_within_counts(target):
+    """``counts[b]`` that is not a multiple of a channel-wise group_size: only the whole groups within it are
+    written. The kernel wrote the group its count ended in whole (tokens past ``counts[b]``, e.g. padding, in
+    the group's scale and codes), the reference quantized the partial group on its own: different bits."""
+    gen = torch.Generator().manual_seed(21)
+    enc = A(4, "channel", 16)
+    pool = page_pool(S(2, 2, 32, enc, enc), "k", 6, 32)
+    x = (torch.randn(3, 2, 32, 32, generator=gen) * 2 + 1).half()
+    x[:, :, 24:] = 1e3   # what a caller would not count: padding past the tokens it meant
+    counts = torch.tensor([8, 24, 32], dtype=torch.int32)
+    append_paged(pool, x, torch.tensor([0, 1, 2, 3], dtype=torch.int32), torch.tensor([4, 0, 2], dtype=torch.int32),
+                 torch.zeros(3, dtype=torch.int32), page_size=32, counts=counts, target=target)
+    want = foldc.quantize(x, enc)
+    assert not pool.codes[4].any() and not pool.scale[4].any()                 # 8 tokens: no whole group
+    assert torch.equal(pool.codes[0, :, :16], want.codes[1, :, :16]) and not pool.codes[0, :, 16:].any()
+    assert torch.equal(pool.scale[0, :, :1], want.scale[1, :, :1]) and not pool.scale[0, :, 1:].any()
+    assert torch.equal(pool.codes[2], want.codes[2]) and torch.equal(pool.scale[2], want.scale[2])
+
+
 @settings(max_examples=10, deadline=None)
 @given(layout=st.sampled_from(["token", "channel"]), page=st.sampled_from([-3, -1, 4, 5, 7]),
        target=st.sampled_from(["interpret", "reference"]), seed=st.integers(0, 2**31 - 1))
