@@ -244,6 +244,10 @@ class FoldLinear(torch.nn.Module):
         if enc is None:
             raise SpecError("weight=None: from_linear quantizes the weight; give an encoding like 'k-group:4:128'")
         w = linear.weight.detach()
+        if w.is_meta:
+            raise InputError(f"linear's weight {tuple(w.shape)} is on the meta device (no values to quantize): load "
+                             "its weights first, or build the FoldLinear on the meta device and load a FoldLinear's "
+                             "state dict into it")
         GemmSpec(w.shape[0], w.shape[1], weight=enc)   # a layout the plan takes, before the work of quantizing
         return cls(quantize_2d(w.float(), enc), enc, linear.bias)
 

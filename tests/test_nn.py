@@ -547,3 +547,16 @@ def test_a_load_with_assign_keeps_the_layout_the_kernels_read():
     assert layer.scale.is_contiguous() and layer.gemv_counters.device.type == "cpu" and not layer.gemv_counters.any()
     x = torch.randn(4, 128, generator=gen)
     assert torch.allclose(layer(x).double(), _reference(source, x), rtol=1e-6, atol=1e-6)
+
+
+def test_a_linear_on_the_meta_device_is_refused_by_name():
+    """from_linear of an nn.Linear built without memory raised "Tensor.item() cannot be called on meta tensors"
+    from inside the quantizer; quantize_model of such a model likewise, naming no layer."""
+    from foldc.integrations.hf_weights import quantize_model
+
+    with pytest.raises(InputError, match="meta device.*load its weights first"):
+        FoldLinear.from_linear(torch.nn.Linear(128, 32, device="meta"), "k-group:4:64")
+    model = torch.nn.Sequential(torch.nn.Linear(128, 64), torch.nn.ReLU(), torch.nn.Linear(64, 32)).to("meta")
+    with pytest.raises(InputError, match=r"^0 \(128 -> 64\): .*meta device"):
+        quantize_model(model, weight="k-group:4:64")
+    assert not any(isinstance(m, FoldLinear) for m in model.modules())

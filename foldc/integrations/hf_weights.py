@@ -57,6 +57,9 @@ def quantize_model(model: torch.nn.Module, weight="k-group:4:128", skip=("lm_hea
         if tied:
             raise SpecError(f"{name}'s weight is tied to {tied[0]}'s (one parameter): quantizing it would untie them; "
                             f"add {name.rsplit('.', 1)[-1]!r} to skip")
+        if m.weight.is_meta:
+            raise InputError(f"{name} ({m.in_features} -> {m.out_features}): its weight is on the meta device (no "
+                             "values to quantize): load the model's weights first; the model is unchanged")
         try:
             GemmSpec(m.out_features, m.in_features, weight=enc)
         except SpecError as e:
