@@ -224,8 +224,9 @@ def from_awq(qweight, qzeros, scales, *, bits: int = 4, group_size: int = 128) -
 def from_hqq(W_q, scale, zero, *, shape: tuple[int, int], group_size: int, bits: int = 4
              ) -> tuple[AffineTensor, GemmEncoding]:
     """An HQQ weight (module doc): unpacked codes ``W_q`` (any shape holding n * k codes, row-major, in
-    groups of ``group_size`` consecutive weights of a row), ``scale`` and ``zero`` one per group (any
-    shape holding n * k / group_size), ``shape`` = (n, k)."""
+    groups of ``group_size`` consecutive weights of a row: HQQ's axis=1), ``scale`` and ``zero`` one per group (any
+    shape holding n * k / group_size), ``shape`` = (n, k). HQQ's axis=0 shapes (codes [group_size, n * k /
+    group_size], scales [1, n * k / group_size]: groups across output channels) are refused."""
     _check_bits(bits)
     _check_group(group_size)
     try:
@@ -240,6 +241,14 @@ def from_hqq(W_q, scale, zero, *, shape: tuple[int, int], group_size: int, bits:
         if not isinstance(t, torch.Tensor) or t.numel() != size:
             raise InputError(f"{name} must hold {size} values for shape {shape} in groups of {group_size}; got "
                              f"{getattr(t, 'shape', type(t).__name__)}")
+    groups = n * k // group_size
+    natural = ((groups, group_size), (n, k), (n, k // group_size))   # axis=1's shapes, and the weight's own
+    if (W_q.dim() == 2 and tuple(W_q.shape) == (group_size, groups) and (group_size, groups) not in natural) or \
+            any(t.dim() == 2 and tuple(t.shape) == (1, groups) and (1, groups) not in natural for t in (scale, zero)):
+        raise InputError(f"W_q {tuple(W_q.shape)}, scale {tuple(scale.shape)}: HQQ's axis=0 layout (each group a "
+                         f"column of the weight reshaped to [{group_size}, {groups}], values {groups} apart, across "
+                         "output channels), which foldc cannot group along k; quantize with axis=1 (HQQ's "
+                         "BaseQuantizeConfig(axis=1), transformers' HqqConfig(axis=1))")
     codes = _integer_codes("W_q", W_q.reshape(n, k), bits)
     s, z = scale.reshape(n, -1).to(torch.float64), zero.reshape(n, -1).to(torch.float64)
     want = (codes.to(torch.float64) - z.repeat_interleave(group_size, 1)) * s.repeat_interleave(group_size, 1)

@@ -291,3 +291,28 @@ def test_bits_that_are_no_integer_are_refused_by_name():
     for call in calls:
         with pytest.raises(InputError, match=r"bits=4\.0: foldc packs"):
             call(4.0)
+
+
+def _hqq_axis0(w: torch.Tensor, bits: int, group: int):
+    """HQQ's axis=0 quantization (its Quantizer with axis=0): the weight reshaped to [group, n * k / group], each
+    column a group (values n * k / group apart in the row-major weight), scale and zero [1, n * k / group]."""
+    wg = w.reshape(group, -1)
+    lo, hi = wg.amin(0, keepdim=True), wg.amax(0, keepdim=True)
+    scale = ((hi - lo) / (2**bits - 1)).half()
+    zero = (-lo / scale.float()).half()
+    codes = torch.clamp(torch.round(wg / scale.float() + zero.float()), 0, 2**bits - 1).to(torch.uint8)
+    return codes, scale, zero
+
+
+@pytest.mark.parametrize("flat", [False, True])
+def test_hqq_axis_0_tensors_are_refused_not_regrouped(flat):
+    """HQQ's axis=0 layout groups values that lie n * k / group apart (across output channels): read as groups of
+    consecutive weights of a row it converted, and the check against the same misreading passed; the weight was
+    wrong everywhere. Its shapes ([group, N] codes, [1, N] scales) are refused now, naming axis=1."""
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    n, k, group = 32, 128, 64
+    codes, scale, zero = _hqq_axis0(torch.randn(n, k, generator=gen) * 0.05, 4, group)
+    if flat:   # codes flattened by the caller: the scales' [1, N] still tell
+        codes = codes.reshape(-1)
+    with pytest.raises(InputError, match="axis=0.*axis=1"):
+        from_hqq(codes, scale, zero, shape=(n, k), group_size=group, bits=4)
