@@ -79,6 +79,12 @@ def _check_sizes(n: int, k: int, bits: int | None = None) -> None:
                          f"{bits}-bit zeros a word along n")
 
 
+def _float_params(name: str, t: torch.Tensor, hint: str = "") -> None:
+    """Refuse scales or zeros that are not real floating point (integer, bool, complex)."""
+    if not t.is_floating_point():
+        raise InputError(f"{name} dtype={t.dtype}: the format stores float {name}{hint}")
+
+
 def _integer_codes(name: str, codes: torch.Tensor, bits: int) -> torch.Tensor:
     """``codes`` as int32, refused unless every one is an integer in 0 .. 2^bits - 1 (a float code of 3.7
     would otherwise be truncated to 3, and the check against the format's own formula pass on the truncated
@@ -157,6 +163,7 @@ def _zero_point_layer(qzeros, scales, k: int, n: int, bits: int, group_size: int
     if not isinstance(scales, torch.Tensor) or tuple(scales.shape) != (groups, n):
         got = getattr(scales, "shape", type(scales).__name__)
         raise InputError(f"scales must be a [{groups}, {n}] tensor; got {got}")
+    _float_params("scales", scales)
     return qzeros, groups
 
 
@@ -241,6 +248,9 @@ def from_hqq(W_q, scale, zero, *, shape: tuple[int, int], group_size: int, bits:
         if not isinstance(t, torch.Tensor) or t.numel() != size:
             raise InputError(f"{name} must hold {size} values for shape {shape} in groups of {group_size}; got "
                              f"{getattr(t, 'shape', type(t).__name__)}")
+    for name, t in (("scale", scale), ("zero", zero)):   # HQQ's quant_scale / quant_zero store 8-bit codes of them
+        _float_params(name, t, f" (with quant_{name}=True HQQ stores the {name} as codes of its own: pass the "
+                               f"dequantized {name})")
     groups = n * k // group_size
     natural = ((groups, group_size), (n, k), (n, k // group_size))   # axis=1's shapes, and the weight's own
     if (W_q.dim() == 2 and tuple(W_q.shape) == (group_size, groups) and (group_size, groups) not in natural) or \
@@ -268,6 +278,7 @@ def from_int4pack(codes, scales_and_zeros, *, group_size: int) -> tuple[AffineTe
     if not isinstance(scales_and_zeros, torch.Tensor) or tuple(scales_and_zeros.shape) != (k // group_size, n, 2):
         raise InputError(f"scales_and_zeros must be [{k // group_size}, {n}, 2]; got "
                          f"{getattr(scales_and_zeros, 'shape', type(scales_and_zeros).__name__)}")
+    _float_params("scales_and_zeros", scales_and_zeros)
     codes = _integer_codes("codes", codes, 4)
     s = scales_and_zeros[..., 0].T.to(torch.float64)                   # [n, groups]
     z = scales_and_zeros[..., 1].T.to(torch.float64)

@@ -316,3 +316,24 @@ def test_hqq_axis_0_tensors_are_refused_not_regrouped(flat):
         codes = codes.reshape(-1)
     with pytest.raises(InputError, match="axis=0.*axis=1"):
         from_hqq(codes, scale, zero, shape=(n, k), group_size=group, bits=4)
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int32, torch.bool, torch.complex64])
+def test_scales_and_zeros_that_are_not_floating_point_are_refused(dtype):
+    """HQQ with quant_zero / quant_scale stores the zero (scale) as 8-bit codes of its own: passed as they are, the
+    codes were taken for the zero itself (a wrong weight, silently), as were integer or bool GPTQ/AWQ scales;
+    complex ones lost their imaginary part with a warning."""
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    codes, scale, zero = asymmetric_codes(torch.randn(16, 128, generator=gen) * 0.05, 4, 64)
+    as_dtype = lambda t: (t.float() * 100).to(dtype)   # noqa: E731
+    with pytest.raises(InputError, match=f"zero dtype={dtype}.*quant_zero"):
+        from_hqq(codes, scale, as_dtype(zero), shape=(16, 128), group_size=64)
+    with pytest.raises(InputError, match=f"scale dtype={dtype}.*quant_scale"):
+        from_hqq(codes, as_dtype(scale), zero.half(), shape=(16, 128), group_size=64)
+    with pytest.raises(InputError, match=f"scales dtype={dtype}"):
+        from_gptq(pack_along(codes.T, 4, 0), pack_along(zero.T, 4, 1), as_dtype(scale.T), group_size=64)
+    with pytest.raises(InputError, match=f"scales dtype={dtype}"):
+        from_awq(pack_along(codes.T, 4, 1, AWQ_ORDER), pack_along(zero.T, 4, 1, AWQ_ORDER), as_dtype(scale.T),
+                 group_size=64)
+    with pytest.raises(InputError, match=f"scales_and_zeros dtype={dtype}"):
+        from_int4pack(codes, as_dtype(torch.stack([scale.T, scale.T], -1)), group_size=64)
