@@ -19,6 +19,7 @@ more page-table entries rewrites the same buffers, so the graph replays the new 
 """
 from __future__ import annotations
 
+import reprlib
 from dataclasses import dataclass
 
 import torch
@@ -86,6 +87,10 @@ def check_page_table(kv_indptr, kv_indices, kv_last_page_len, num_pages: int, pa
     pages past its last token (reserved for appends)."""
     if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 1:
         raise SpecError(f"num_pages={num_pages!r} must be a positive integer (pages in the pool)")
+    if kv_last_page_len is not None and seq_lens is not None:   # (one would be ignored)
+        raise InputError(f"kv_last_page_len and seq_lens={reprlib.repr(seq_lens)} both give the lengths; pass one: "
+                         "kv_last_page_len (tokens in each last page), or seq_lens with kv_last_page_len=None "
+                         "(sequences may then own pages reserved for appends)")
     indptr = _int_tensor("kv_indptr", kv_indptr, "[batch + 1]").cpu().tolist()
     indices = _int_tensor("kv_indices", kv_indices, "[kv_indptr[-1]]").cpu()
     if kv_last_page_len is None:

@@ -282,6 +282,10 @@ def _planned(spec=TOKEN_SPEC, page_size=16):
     (lambda: _planned().plan(torch.tensor([0, 2], dtype=torch.int32), torch.tensor([1, 2], dtype=torch.int32),
                              torch.tensor([5, 5], dtype=torch.int32), num_pages=4),
      InputError, r"kv_last_page_len has 2 entries but kv_indptr describes batch=1"),
+    # both lengths: seq_lens was ignored, silently (the run read the table's 21 tokens, not the 3 asked for)
+    (lambda: _planned().plan(torch.tensor([0, 2], dtype=torch.int32), torch.tensor([1, 2], dtype=torch.int32),
+                             torch.tensor([5], dtype=torch.int32), num_pages=4, seq_lens=[3]),
+     InputError, r"kv_last_page_len and seq_lens=\[3\] both give the lengths; pass one"),
     (lambda: PagedDecodeWrapper(TOKEN_SPEC, 16, max_seq_len=16).plan(
         torch.tensor([0, 2], dtype=torch.int32), torch.tensor([1, 2], dtype=torch.int32),
         torch.tensor([5], dtype=torch.int32), num_pages=4),
