@@ -108,6 +108,11 @@ def _build(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: i
     """codes [n, k] (ints), scale and zero [n, k / group] float32 (value = scale * code + zero), the
     tool's dequantized values ``want`` [n, k] float64 to check against."""
     n, k = codes.shape
+    infinite = torch.isinf(scale) | torch.isinf(zero)
+    if bool(infinite.any()):   # scale * code + zero cannot hold what the format gives there (+-inf, or NaN)
+        i, g = (int(x) for x in infinite.nonzero()[0])
+        raise InputError(f"row {i}, group {g} has scale={float(scale[i, g])!r} and zero={float(zero[i, g])!r} in "
+                         "foldc's scale * code + zero: infinite (a corrupt layer?); foldc takes finite scales and zeros")
     enc = GemmEncoding("k-group", bits, group, torch.float32)
     GemmSpec(n, k, weight=enc)   # the layout foldc can plan (SpecError with the reason, e.g. groups across bit fields)
     # row-major scales and zeros (the formats store them [groups, n]): the layout foldc's kernels read

@@ -337,3 +337,14 @@ def test_scales_and_zeros_that_are_not_floating_point_are_refused(dtype):
                  group_size=64)
     with pytest.raises(InputError, match=f"scales_and_zeros dtype={dtype}"):
         from_int4pack(codes, as_dtype(torch.stack([scale.T, scale.T], -1)), group_size=64)
+
+
+def test_an_infinite_scale_is_named_not_blamed_on_float32():
+    """One inf among a GPTQ layer's scales (a corrupt checkpoint): the converter said "its scale or zero does not
+    survive float32", which points at precision; it names the infinite scale, its row and group now."""
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    codes, scale, zero = asymmetric_codes(torch.randn(16, 128, generator=gen) * 0.05, 4, 64)
+    scales = scale.T.contiguous()
+    scales[1, 5] = float("inf")
+    with pytest.raises(InputError, match=r"row 5, group 1.*scale=inf"):
+        from_gptq(pack_along(codes.T, 4, 0), pack_along(zero.T, 4, 1), scales, group_size=64, zero_offset=0)
