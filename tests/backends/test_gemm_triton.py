@@ -227,6 +227,77 @@ def test_gemm_aot_builds_use_tensor_cores(gemm_builds, report_table):
     assert by[("int4 split-k", "sm_90")]["split_k"] == 4 and by[("int4 k-group", "sm_90")]["split_k"] == 1
 
 
+TMEM_SCRIPT = r"""
+import json, sys, tempfile
+from foldc.backends.triton.gemm_aot import compile_gemm_aot
+from foldc.errors import SpecError
+from foldc.gemm import GemmSpec, parse_gemm_encoding
+spec = GemmSpec(4096, 4096, parse_gemm_encoding("k-group:4:128", "weight"))
+out = []
+for bm, bn in ((256, 256), (128, 256)):
+    try:
+        rep = compile_gemm_aot(spec, "sm_100", tempfile.mkdtemp(), dtype="fp16", m=512, block_m=bm, block_n=bn)
+        out.append(["built", sum(rep["mma"].values())])
+    except SpecError as e:
+        out.append(["refused", str(e)])
+print(json.dumps(out))
+"""
+
+
+def test_aot_refuses_an_sm100_tile_past_tensor_memory(tmp_path):
+    """256 x 256 tiles of a 4-bit weight need 576+ columns of sm_100's 512 (Triton builds a bare trap): refused
+    by name; 128 x 256 fits and builds tensor-core MMAs."""
+    proc = subprocess.run([sys.executable, "-c", TMEM_SCRIPT], cwd=ROOT, env=_env(str(tmp_path)), capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (what, why), (what2, mmas) = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert what == "refused" and "tensor memory on sm_100" in why and "block_m=256, block_n=256" in why
+    assert what2 == "built" and mmas >= 1
+
+
+def test_runtime_check_refuses_a_kernel_compiled_past_tensor_memory(monkeypatch):
+    """On sm_100 the first launch of each planned tile compiles it without launching and refuses a build past
+    the 512 columns of tensor memory (the check the AOT test shows Triton needs); once fine, it is not redone."""
+    from types import SimpleNamespace
+
+    kern = foldc.compile(GemmSpec(256, 256, parse_gemm_encoding("k-group:4:64", "weight")), target="interpret")
+    gemm = kern.triton if hasattr(kern, "triton") else kern
+    compiled = []
+
+    class Stub:
+        def __init__(self, columns):
+            self.columns = columns
+
+        def warmup(self, *args, grid, **kwargs):
+            compiled.append((grid, kwargs["BLOCK_M"]))
+            return SimpleNamespace(metadata=SimpleNamespace(tmem_size=self.columns))
+
+    from foldc.backends.triton import gemm_launch
+
+    w = quantize_2d(torch.randn(256, 256) * 0.05, parse_gemm_encoding("k-group:4:64", "weight"))
+    module, ks, plan = gemm.kernel("fp16")
+    for m, template in ((8, "generated"), (40, "dequant")):     # a fold at 8 rows, the template's dequant at 40
+        x = torch.randn(m, 256, dtype=torch.float16)
+        out = torch.empty(m, 256, dtype=torch.float16)
+        launch = gemm.plan_launch(torch.float16, m, 148, "sm_100")
+        assert launch.arch == "sm_100" and launch.template == template
+        compiled.clear()
+        for columns, ok in ((576, False), (512, True)):
+            stub = Stub(columns)
+            monkeypatch.setattr(gemm, "kernel", lambda dtype, s_=stub: (SimpleNamespace(foldc_gemm=s_), ks, plan))
+            monkeypatch.setattr(gemm_launch, "load_module", lambda src, interp, s_=stub: SimpleNamespace(
+                foldc_gemm_dequant=s_))
+            if ok:
+                gemm._check_tensor_memory(launch, x, w, out)
+                assert id(launch) in gemm._fits
+            else:
+                with pytest.raises(SpecError, match="576 columns of tensor memory on sm_100"):
+                    gemm._check_tensor_memory(launch, x, w, out)
+                assert id(launch) not in gemm._fits
+        assert compiled == [(launch.grid, dict(launch.constants)["BLOCK_M"])] * 2
+    assert gemm.plan_launch(torch.float16, 40, 148, "sm_90").arch == "sm_90"
+
+
 @st.composite
 def kernel_cases(draw):
     bits = draw(st.sampled_from([2, 4, 8]))

@@ -153,6 +153,7 @@ SHARED_BYTES = 227 * 1024   # shared memory a program may take on the H200 and t
 # block_m * block_n * fields (its `tmem_size`, sm_100 builds of INT2/INT4 at block_m 64-256 and block_n 64-128:
 # tests/backends/test_gemm_dequant.py): 512 columns at this product.
 TMEM_TILE = 32768
+TENSOR_MEMORY_COLUMNS = 512
 
 
 def tensor_memory(arch: str) -> bool:

@@ -22,7 +22,8 @@ from ...proof import prove
 from ...validate import check_no_overlap, check_out
 from .gemm_codegen import GemmKernelSource, generate_gemm
 from .gemm_dequant import SOURCE as DEQUANT_SOURCE
-from .gemm_dequant import DequantTile, NotDequantTemplate, dequant_config, lower_dequant, unpack_asm
+from .gemm_dequant import (TENSOR_MEMORY_COLUMNS, DequantTile, NotDequantTemplate, dequant_config, lower_dequant,
+                           tensor_memory, unpack_asm)
 from ..runtime.fast_launch import FastLaunch
 from ..runtime.modules import device_arch, interpreter, load_module, num_sms
 
@@ -108,6 +109,7 @@ class GemmLaunch:
     split_k: int
     constants: tuple
     template: str = "generated"   # or "dequant": the dequantize-then-dot template (gemm_dequant.py)
+    arch: str = "sm_90"           # the device's architecture the tiles were planned for
 
 
 class TritonGemm:
@@ -132,6 +134,7 @@ class TritonGemm:
         self._launches: dict[tuple, GemmLaunch] = {}   # plan_launch()'s memo
         self._dequant: dict = {}   # id(dequant launch) -> (launch, its constexpr dict)
         self._dequant_kernel = None   # the template behind FastLaunch, loaded at the first launch
+        self._fits: set = set()       # ids of launches whose sm_100 build was checked against tensor memory
 
     def kernel(self, dtype: str):
         if dtype not in self._kernels:
@@ -217,7 +220,7 @@ class TritonGemm:
                          SPLIT_K=cfg["split_k"], num_warps=cfg["num_warps"],
                          num_stages=cfg["num_stages"])
         grid = (triton_cdiv(m, cfg["block_m"]) * triton_cdiv(self.spec.n, cfg["block_n"]), cfg["split_k"])
-        return GemmLaunch(dtype, m, self.spec.n, grid, cfg["split_k"], tuple(constants.items()), "dequant")
+        return GemmLaunch(dtype, m, self.spec.n, grid, cfg["split_k"], tuple(constants.items()), "dequant", arch)
 
     def plan_launch(self, dtype: torch.dtype, m: int, sms: int = 132, arch: str = "sm_90") -> GemmLaunch:
         """The `GemmLaunch` of a call with ``m`` rows of x and a ``dtype`` output, memoised: the
@@ -239,7 +242,7 @@ class TritonGemm:
                              BLOCK_K=k_chunk(self.spec, ks.group, cfg["block_k"]), SPLIT_K=split,
                              num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
             launch = GemmLaunch(dtype, m, n, (triton_cdiv(m, cfg["block_m"]), triton_cdiv(n, cfg["block_n"]), split),
-                                split, tuple(constants.items()))
+                                split, tuple(constants.items()), arch=arch)
             self._launches[key] = launch
         return launch
 
@@ -251,6 +254,8 @@ class TritonGemm:
             target = partial.zero_() if partial is not None else torch.zeros(launch.m, launch.n, device=out.device,
                                                                              dtype=torch.float32)
         with interpreter(self.interpret):
+            if tensor_memory(launch.arch) and id(launch) not in self._fits:
+                self._check_tensor_memory(launch, x, w, target)
             if launch.template == "dequant":
                 self._launch_dequant(launch, x, w, target)
             else:
@@ -259,6 +264,27 @@ class TritonGemm:
                 module.foldc_gemm[launch.grid](*[runtime[a] for a in ks.args], **dict(launch.constants))
         if launch.split_k > 1:
             out.copy_(target)
+
+    def _check_tensor_memory(self, launch: GemmLaunch, x, w, target: torch.Tensor) -> None:
+        """Compile ``launch``'s kernel for these arguments (no launch) and refuse it where its tiles need more than
+        the 512 columns of tensor memory a program has on sm_100: Triton 3.6 compiles such a kernel to a bare
+        trap, which would take the process's CUDA context down at launch."""
+        if launch.template == "dequant":
+            kernel = load_module(DEQUANT_SOURCE, self.interpret).foldc_gemm_dequant
+            args = (x, x.stride(0), w.codes, w.codes.stride(2), w.scale, w.zero, w.scale.stride(2), target,
+                    target.stride(0), launch.m, launch.n)
+        else:
+            module, ks, _ = self.kernel(DTYPES[launch.dtype])
+            runtime = runtime_arguments(x, w, target)
+            kernel, args = module.foldc_gemm, tuple(runtime[a] for a in ks.args)
+        compiled = kernel.warmup(*args, grid=launch.grid, **dict(launch.constants))
+        columns = getattr(getattr(compiled, "metadata", None), "tmem_size", 0) or 0
+        if columns > TENSOR_MEMORY_COLUMNS:
+            tiles = {k: v for k, v in launch.constants if k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_stages")}
+            raise SpecError(f"the GEMM kernel's tiles {tiles} need {columns} columns of tensor memory on "
+                            f"{launch.arch}, which has {TENSOR_MEMORY_COLUMNS} a program (Triton compiles it to a trap); "
+                            "pick a smaller block_m or block_n")
+        self._fits.add(id(launch))
 
     def _launch_dequant(self, launch: GemmLaunch, x, w, target: torch.Tensor) -> None:
         # one FastLaunch of the template; one constexpr dict per launch (FastLaunch reads a dict once),
