@@ -180,24 +180,28 @@ def _from_integer_zeros(codes, zeros, scales, bits: int, group_size: int) -> tup
 
 
 def _gptq_layer(qweight, qzeros, scales, bits: int, group_size: int, zero_offset: int):
-    """A GPTQ layer's tensors checked: (codes [n, k] in k's stored order, integer zeros [n, groups], k)."""
+    """A GPTQ layer's tensors checked: (codes [n, k] in k's stored order, integer zeros [n, groups], k, the group
+    size: ``group_size``, or k where it is -1, GPTQ's one group per row)."""
     _check_bits(bits)
-    _check_group(group_size)
+    if not (type(group_size) is int and group_size == -1):
+        _check_group(group_size)
     if type(zero_offset) is not int or zero_offset not in (0, 1):
         raise InputError(f"zero_offset={zero_offset!r} must be 1 (GPTQ's v1 checkpoints: the zero stored minus one) "
                          "or 0 (the v2 format: the zero as it is)")
     qweight = _int32("qweight", qweight)
     k, n = qweight.shape[0] * 32 // bits, qweight.shape[1]
     _check_sizes(n, k, bits)
+    group_size = k if group_size == -1 else group_size
     qzeros, _ = _zero_point_layer(qzeros, scales, k, n, bits, group_size)
-    return _fields(qweight, bits, 0).T, (_fields(qzeros, bits, 1) + zero_offset).T, k
+    return _fields(qweight, bits, 0).T, (_fields(qzeros, bits, 1) + zero_offset).T, k, group_size
 
 
 def from_gptq(qweight, qzeros, scales, g_idx=None, *, bits: int = 4, group_size: int = 128,
               zero_offset: int = 1) -> tuple[AffineTensor, GemmEncoding]:
     """A GPTQ layer (module doc) as a foldc weight: ``qweight`` int32 [k * bits / 32, n], ``qzeros``
-    int32 [k / group_size, n * bits / 32], ``scales`` [k / group_size, n], ``g_idx`` None or in order."""
-    codes, zeros, k = _gptq_layer(qweight, qzeros, scales, bits, group_size, zero_offset)
+    int32 [k / group_size, n * bits / 32], ``scales`` [k / group_size, n], ``g_idx`` None or in order;
+    ``group_size=-1`` (GPTQ's one group per row) is the layer's k."""
+    codes, zeros, k, group_size = _gptq_layer(qweight, qzeros, scales, bits, group_size, zero_offset)
     _groups_in_order(g_idx, k, group_size)
     return _from_integer_zeros(codes, zeros, scales, bits, group_size)
 
@@ -209,7 +213,7 @@ def from_gptq_act_order(qweight, qzeros, scales, g_idx, *, bits: int = 4, group_
     group (``input_order`` = the stable argsort of ``g_idx``, int64 [k]), so that each group is consecutive, and
     ``y = x[..., input_order] @ weight.T`` equals the layer's ``x @ W.T`` (`foldc.nn.FoldLinear` takes
     ``input_order`` and gathers x by it). Tensors as `from_gptq`'s; ``g_idx`` in order gives the identity order."""
-    codes, zeros, k = _gptq_layer(qweight, qzeros, scales, bits, group_size, zero_offset)
+    codes, zeros, k, group_size = _gptq_layer(qweight, qzeros, scales, bits, group_size, zero_offset)
     order = torch.argsort(_g_idx(g_idx, k, group_size), stable=True)
     weight, enc = _from_integer_zeros(codes[:, order.to(codes.device)], zeros, scales, bits, group_size)
     return weight, enc, order

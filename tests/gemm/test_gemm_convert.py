@@ -348,3 +348,21 @@ def test_an_infinite_scale_is_named_not_blamed_on_float32():
     scales[1, 5] = float("inf")
     with pytest.raises(InputError, match=r"row 5, group 1.*scale=inf"):
         from_gptq(pack_along(codes.T, 4, 0), pack_along(zero.T, 4, 1), scales, group_size=64, zero_offset=0)
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+def test_gptq_without_groups_converts_from_group_size_minus_1(act_order):
+    """GPTQ's quantize_config says group_size=-1 for one group per row (the whole k): refused as "must be a positive
+    integer", which no value of one layer's k fixes for a whole model (load_quantized takes one group_size)."""
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    n, k, bits = 16, 128, 4
+    codes, scale, zero = asymmetric_codes(torch.randn(n, k, generator=gen) * 0.05, bits, k)
+    args = (pack_along(codes.T, bits, 0), pack_along(zero.T, bits, 1), scale.T.contiguous())
+    g_idx = torch.zeros(k, dtype=torch.int32)
+    if act_order:
+        weight, enc, order = from_gptq_act_order(*args, g_idx, bits=bits, group_size=-1, zero_offset=0)
+        assert torch.equal(order, torch.arange(k))
+    else:
+        weight, enc = from_gptq(*args, g_idx, bits=bits, group_size=-1, zero_offset=0)
+    assert enc.group_size == k
+    _check(weight, enc, _dequant(codes, scale, zero, k), 0)
