@@ -39,7 +39,9 @@ def quantize_model(model: torch.nn.Module, weight="k-group:4:128", skip=("lm_hea
     enc = parse_gemm_encoding(weight, "weight") if not hasattr(weight, "kind") else weight
     if enc is None:
         raise SpecError("weight=None: quantize_model quantizes the linear layers; give e.g. 'k-group:4:128'")
-    if isinstance(skip, str):
+    if skip is None:
+        skip = ()
+    elif isinstance(skip, str):
         skip = (skip,)
     chosen = [(name, m) for name, m in model.named_modules()
               if isinstance(m, torch.nn.Linear) and not any(name == s or name.endswith("." + s) for s in skip)]

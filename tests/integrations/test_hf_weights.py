@@ -141,3 +141,16 @@ def test_a_packed_layer_missing_one_of_its_tensors_is_refused_naming_it(fmt, suf
     given = {k: v for k, v in tensors.items() if k != missing}
     with pytest.raises(InputError, match=f"does not hold {missing!r}"):
         fhf.load_quantized(model("qwen2", 2), given, checkpoint=fmt, bits=4, group_size=32)
+
+
+def test_quantize_model_with_skip_none_skips_nothing():
+    """skip=None (nothing to skip) raised "TypeError: 'NoneType' object is not iterable"."""
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    net = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 16))
+    for p in net.parameters():
+        torch.nn.init.normal_(p, generator=gen)
+    twins = [FoldLinear.from_linear(net[i], "k-group:4:32") for i in (0, 2)]
+    fhf.quantize_model(net, weight="k-group:4:32", skip=None)
+    assert isinstance(net[0], FoldLinear) and isinstance(net[2], FoldLinear)
+    x = torch.randn(3, 64, generator=gen)
+    assert torch.equal(net(x), twins[1](torch.relu(twins[0](x))))
