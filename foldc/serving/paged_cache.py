@@ -42,7 +42,7 @@ from ..spec import AttentionSpec
 from ..validate import check_sm_scale
 from .append import append_arguments, append_paged, check_finite, plan_append, resolve_target, run_append
 from .inputs import check_new_tokens, count, resolve_device
-from .paged import PagedDecodeWrapper, gather_pages, launch_plain, page_pool
+from .paged import PagedDecodeWrapper, check_page_table, gather_pages, launch_plain, page_pool
 
 _TENSOR = torch.Tensor
 _CAPTURING = STREAM_CAPTURING
@@ -171,6 +171,14 @@ class PagedKVCache:
                                      "pass its current count, or 0 to start a new sequence there (then append() "
                                      "its tokens)")
         body = [self.body_len(n) for n in lens]
+        # the table's pages against the body's tokens, named by the lengths given (the wrapper names the body's)
+        pages = check_page_table(kv_indptr, kv_indices, None, self.num_pages, self.page_size, [0] * len(lens)).pages
+        for b, (n, m, p) in enumerate(zip(lens, body, pages)):
+            if m > p * self.page_size:
+                raise InputError(f"seq_lens[{b}]={n} puts {m} tokens in the quantized body (sink={self.sink}, "
+                                 f"window={self.window}) but sequence {b} owns {p} pages of page_size={self.page_size} "
+                                 f"({p * self.page_size} tokens); give it at least {-(-m // self.page_size)} pages "
+                                 "in kv_indices")
         self.table = self.wrapper.plan(kv_indptr, kv_indices, None, num_pages=self.num_pages, seq_lens=body)
         if len(lens) != self.batch:  # new buffers (a captured graph must be captured again)
             old, kept = self._layers, min(self.batch, len(lens))

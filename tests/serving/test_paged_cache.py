@@ -144,6 +144,19 @@ def test_a_plain_operand_and_a_bad_replan_are_refused():
         cache.plan(torch.tensor([0, 1], dtype=torch.int32), torch.tensor([3], dtype=torch.int32), seq_lens=[7])
 
 
+def test_a_replan_with_too_few_pages_names_the_lengths_it_was_given():
+    """The check named the body's length as if it were the caller's: ``seq_lens[0]=24`` for seq_lens=[30]."""
+    cache = PagedKVCache(S(4, 2, 64, A(4, "token", 32), A(4, "token", 32)), num_layers=1, page_size=16,
+                         num_pages=8, max_seq_len=64, sink=2, window=4, target="interpret")
+    cache.plan(torch.tensor([0, 2], dtype=torch.int32), torch.tensor([3, 4], dtype=torch.int32), seq_lens=[0])
+    cache.append(0, *_tokens(torch.Generator().manual_seed(4), 1, 2, 30, 64))
+    with pytest.raises(InputError, match=r"seq_lens\[0\]=30 puts 24 tokens in the quantized body \(sink=2, "
+                                         r"window=4\) but sequence 0 owns 1 pages of page_size=16 \(16 tokens\); "
+                                         r"give it at least 2 pages in kv_indices"):
+        cache.plan(torch.tensor([0, 1], dtype=torch.int32), torch.tensor([3], dtype=torch.int32), seq_lens=[30])
+    assert cache.num_tokens() == [30] and cache.table.pages == (2,)   # the refused plan changed nothing
+
+
 def test_the_paged_example_runs_and_matches_float64(capsys):
     """examples/paged_decode.py, two decode steps (CPU: Triton's interpreter)."""
     import importlib.util
