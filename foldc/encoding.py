@@ -25,7 +25,7 @@ from typing import Literal
 
 import torch
 
-from .errors import InputError, InputTypeError, SpecError
+from .errors import InputError, InputTypeError, ScaleOverflowError, SpecError
 
 Layout = Literal["token", "channel"]
 SUPPORTED_BITS = (2, 4, 8)
@@ -291,9 +291,10 @@ def quantize(x: torch.Tensor, enc: Affine) -> AffineTensor:
     scale = ((mx - mn) / enc.max_code).to(enc.scale_dtype)
     zero = mn.to(enc.scale_dtype)
     if not (torch.isfinite(scale).all() and torch.isfinite(zero).all()):
-        raise InputError(
+        raise ScaleOverflowError(
             f"x has values (max |x| = {xf.abs().max().item():.4g}) whose scale or zero overflow "
-            f"scale_dtype={enc.scale_dtype}; use Affine(..., scale_dtype=torch.float32)"
+            f"scale_dtype={enc.scale_dtype}; use float32 scales: '{enc.layout}:{enc.bits}:{enc.group_size}:fp32' "
+            "as text, or Affine(..., scale_dtype=torch.float32)"
         )
     at = AffineTensor(torch.zeros(b, h, n, d // enc.codes_per_byte, dtype=torch.uint8, device=x.device),
                       scale, zero, enc, d)

@@ -18,6 +18,10 @@ class InputError(FoldError, ValueError):
     """A tensor handed to a compiled kernel or to `quantize` that does not fit its spec."""
 
 
+class ScaleOverflowError(InputError):
+    """Values whose quantization scale or zero overflow the encoding's 16-bit scale dtype (the fix: fp32 scales)."""
+
+
 class InputTypeError(FoldError, TypeError):
     """An argument of the wrong kind (a plain tensor where an AffineTensor is needed...)."""
 

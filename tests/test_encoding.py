@@ -584,6 +584,7 @@ def test_fp16_scale_overflow_raises_and_float32_works(es, big, negative, seed, d
     assert "scale_dtype=torch.float16" in msg and "scale_dtype=torch.float32" in msg
     assert "overflow" in msg
     enc32 = Affine(enc.bits, enc.layout, enc.group_size, torch.float32)
+    assert parse_affine(msg.split("float32 scales: '")[1].split("'")[0]) == enc32    # the text it names
     at = quantize(x, enc32)
     s, z = at.expanded_params()
     err = (x - at.dequantize()).abs()

@@ -7,10 +7,12 @@ Shapes: x ``[m, k]`` (fp16/bf16/fp32 tensor, or an AffineTensor of logical shape
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from ..encoding import AffineTensor, quantize
-from ..errors import InputError, InputTypeError
+from ..errors import InputError, InputTypeError, ScaleOverflowError
 from ..executor import Executor, TorchOps
 from ..ir import K, M, N
 from .spec import GemmEncoding, GemmSpec
@@ -23,7 +25,13 @@ def quantize_2d(t: torch.Tensor, enc: GemmEncoding) -> AffineTensor:
     if not isinstance(enc, GemmEncoding):
         raise InputTypeError(f"enc={enc!r} must be a GemmEncoding, e.g. "
                              f"foldc.gemm.parse_gemm_encoding('k-group:4:128', 'weight')")
-    return quantize(t.reshape(1, 1, *t.shape), enc.affine(t.shape[1]))
+    try:
+        return quantize(t.reshape(1, 1, *t.shape), enc.affine(t.shape[1]))
+    except ScaleOverflowError:
+        raise ScaleOverflowError(
+            f"the matrix has values (max |w| = {t.float().abs().max().item():.4g}) whose scale or zero overflow "
+            f"{enc.scale_dtype}; use the encoding with float32 scales, "
+            f"{dataclasses.replace(enc, scale_dtype=torch.float32).short()!r}") from None
 
 
 def _matrix(t) -> torch.Tensor:

@@ -71,3 +71,25 @@ def test_quantize_2d_names_the_encoding_it_takes(enc):
     w = torch.randn(32, 128, generator=torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ()))))
     with pytest.raises(InputTypeError, match=r"GemmEncoding.*parse_gemm_encoding"):
         quantize_2d(w, enc)
+
+
+@settings(max_examples=15, deadline=None)
+@given(st.sampled_from(["k-group:4:128", "k-group:2:64", "per-channel:8"]), st.floats(1e8, 1e30),
+       st.integers(0, 2**31 - 1))
+def test_quantize_2d_scale_overflow_names_the_fp32_encoding_and_it_works(weight, big, seed):
+    """A weight whose scales overflow fp16 is refused with the GEMM encoding that takes it (its ':fp32' form,
+    not the attention quantizer's Affine advice), and that encoding quantizes it within half a step."""
+    from foldc.errors import ScaleOverflowError
+
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(8, 256, generator=gen)
+    w[int(torch.randint(8, (1,), generator=gen)), int(torch.randint(256, (1,), generator=gen))] = big
+    enc = parse_gemm_encoding(weight, "weight")
+    with pytest.raises(ScaleOverflowError) as ei:
+        quantize_2d(w, enc)
+    assert isinstance(ei.value, InputError)
+    fix = str(ei.value).split("float32 scales, ")[1].strip("'")
+    assert fix == weight + ":fp32"
+    q = quantize_2d(w, parse_gemm_encoding(fix, "weight"))
+    s = q.scale[0, 0].double().repeat_interleave(256 // q.scale.shape[-1], dim=1)
+    assert ((q.dequantize(torch.float64)[0, 0] - w.double()).abs() <= s / 2 * (1 + 1e-5) + 1e-3 * s).all()
