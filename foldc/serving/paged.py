@@ -174,6 +174,10 @@ def page_pool(spec: AttentionSpec, name: str, num_pages: int, page_size: int, *,
     ``[num_pages, kv_heads, page_size, head_dim]`` tensor of ``dtype`` when that encoding is None."""
     from ..encoding import scale_shape
 
+    if not isinstance(spec, AttentionSpec):
+        raise SpecError(f"spec must be a foldc.AttentionSpec, got {type(spec).__name__}")
+    if name not in ("k", "v"):
+        raise SpecError(f"name={name!r} must be 'k' or 'v' (the operand whose encoding the pool holds)")
     check_page_size(spec, page_size)
     if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 1:
         raise SpecError(f"num_pages={num_pages!r} must be a positive integer")

@@ -286,6 +286,8 @@ def _planned(spec=TOKEN_SPEC, page_size=16):
     (lambda: _planned().plan(torch.tensor([0, 2], dtype=torch.int32), torch.tensor([1, 2], dtype=torch.int32),
                              torch.tensor([5], dtype=torch.int32), num_pages=4, seq_lens=[3]),
      InputError, r"kv_last_page_len and seq_lens=\[3\] both give the lengths; pass one"),
+    (lambda: page_pool(TOKEN_SPEC, "q", 4, 16), SpecError, r"name='q' must be 'k' or 'v'"),   # (an AttributeError)
+    (lambda: page_pool(TOKEN_SPEC, "K", 4, 16), SpecError, r"name='K' must be 'k' or 'v'"),
     (lambda: PagedDecodeWrapper(TOKEN_SPEC, 16, max_seq_len=16).plan(
         torch.tensor([0, 2], dtype=torch.int32), torch.tensor([1, 2], dtype=torch.int32),
         torch.tensor([5], dtype=torch.int32), num_pages=4),
