@@ -340,17 +340,26 @@ def _append_reference(dst: AffineTensor, x: torch.Tensor, scalar, per_row) -> No
     from ..encoding import quantize
 
     q = quantize(x, dst.encoding)
-    tokens, enc = x.shape[2], dst.encoding
+    tokens, enc, cap = x.shape[2], dst.encoding, dst.num_tokens
     starts = [scalar] * dst.shape[0] if per_row is None else per_row.tolist()
     for b, start in enumerate(starts):
-        dst.codes[b, :, start:start + tokens] = q.codes[b]
+        # what the kernels write of an unchecked offset (check=False): tokens inside [0, cap), channel-wise
+        # groups whole, starting a group; the rest is skipped
         if GroupAxis.of(enc) is GroupAxis.CHANNEL:
-            dst.scale[b, :, start:start + tokens] = q.scale[b]
-            dst.zero[b, :, start:start + tokens] = q.zero[b]
-        else:
-            g0, ng = start // enc.group_size, tokens // enc.group_size
-            dst.scale[b, :, g0:g0 + ng] = q.scale[b]
-            dst.zero[b, :, g0:g0 + ng] = q.zero[b]
+            lo, hi = max(0, start), min(cap, start + tokens)
+            if lo < hi:
+                dst.codes[b, :, lo:hi] = q.codes[b, :, lo - start:hi - start]
+                dst.scale[b, :, lo:hi] = q.scale[b, :, lo - start:hi - start]
+                dst.zero[b, :, lo:hi] = q.zero[b, :, lo - start:hi - start]
+            continue
+        g = enc.group_size
+        if start % g:
+            continue
+        lo, hi = max(0, start), min(cap // g * g, start + tokens)
+        if lo < hi:
+            dst.codes[b, :, lo:hi] = q.codes[b, :, lo - start:hi - start]
+            dst.scale[b, :, lo // g:hi // g] = q.scale[b, :, (lo - start) // g:(hi - start) // g]
+            dst.zero[b, :, lo // g:hi // g] = q.zero[b, :, (lo - start) // g:(hi - start) // g]
 
 
 def append_paged(pool: AffineTensor, x: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,

@@ -363,6 +363,22 @@ def test_unchecked_tensor_offsets_read_nothing_and_skip_rows_that_do_not_fit(lay
             assert torch.equal(bits(getattr(dst, part)[b]), bits(getattr(ref, part)[b])), (b, part)
 
 
+@pytest.mark.parametrize("layout", ["token", "channel"])
+def test_the_reference_target_skips_unchecked_offsets_as_the_kernel_does(layout):
+    """check=False with target="reference": offsets outside dst were Python slice bounds there (-24 wrote the
+    row at tokens 8..23, 24 with 16 tokens a bare RuntimeError) and a channel-wise offset off a group boundary
+    was written; the reference now writes what the kernel writes, token for token."""
+    gen = torch.Generator().manual_seed(23)
+    enc = A(4, layout, 8)
+    dsts = [poisoned(enc, 6, 2, 32, 32, torch.Generator().manual_seed(24)) for _ in range(2)]
+    x = values((6, 2, 16, 32), "normal", torch.float16, gen, 4)
+    offsets = torch.tensor([8, 32, -16, 3 if layout == "token" else 4, 24, -24])
+    for dst, target in zip(dsts, ("interpret", "reference")):
+        append_quantized(dst, x, offsets, target=target, check=False)
+    for part in ("codes", "scale", "zero"):
+        assert torch.equal(bits(getattr(dsts[1], part)), bits(getattr(dsts[0], part))), part
+
+
 @pytest.mark.parametrize("enc", [A(2, "token", 32), A(4, "token", 64, torch.bfloat16), A(2, "channel", 16),
                                  A(8, "channel", 32, torch.float32)], ids=lambda e: e.short())
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
