@@ -314,7 +314,7 @@ def test_nan_and_inf_are_rejected_before_anything_is_written():
 def test_scale_overflow_is_rejected_as_quantize_rejects_it():
     x = _x(dtype=torch.float32)
     x[0, 0, 0, 0] = -1e6  # zero = min does not fit float16 scales
-    with pytest.raises(InputError, match="scale or zero overflow scale_dtype=torch.float16; use Affine"):
+    with pytest.raises(InputError, match="scale or zero overflow scale_dtype=torch.float16; use float32 scales: 'token:4:16:fp32'"):
         append_quantized(_dst(), x, 0, target="interpret")
     ok = _x(dtype=torch.float32)
     ok[0, 0, 0, 0] = 1e5  # above the float16 range but (max - min) / 15 and min still fit: quantize accepts
