@@ -14,7 +14,10 @@ def resolve_device(device) -> torch.device:
         dev = torch.device(device)
     except (TypeError, RuntimeError):
         raise SpecError(f"device={device!r} is not a torch device; use e.g. 'cpu' or 'cuda'") from None
-    if dev.type == "cuda" and dev.index is None and torch.cuda.is_available():
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise SpecError(f"device={device!r} but torch finds no CUDA GPU; use device='cpu' (Triton's interpreter, "
+                        "float16) or run where a GPU is visible")
+    if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
     return dev
 

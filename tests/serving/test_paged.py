@@ -357,6 +357,20 @@ def test_a_non_contiguous_pool_and_a_device_mismatch_are_refused():
         PagedDecodeWrapper(TOKEN_SPEC, 16, max_seq_len=64, target="sm_90")
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without a CUDA GPU")
+def test_a_cuda_device_without_a_gpu_is_refused_by_name():
+    """target='auto' with device='cuda' where torch sees no GPU: the error names the device, not the target the
+    user already left at 'auto'."""
+    from foldc.serving import PagedKVCache, QuantizedKVCache
+
+    for make in (lambda: PagedDecodeWrapper(TOKEN_SPEC, 16, max_seq_len=64, device="cuda"),
+                 lambda: QuantizedKVCache(TOKEN_SPEC, 1, 64, device="cuda"),
+                 lambda: PagedKVCache(TOKEN_SPEC, num_layers=1, page_size=16, num_pages=4, max_seq_len=64,
+                                      device="cuda:1")):
+        with pytest.raises(SpecError, match=r"device='cuda(:1)?' but torch finds no CUDA GPU; use device='cpu'"):
+            make()
+
+
 def test_a_bare_cuda_device_means_the_current_gpu():
     """``device="cuda"`` must compare equal to the device of tensors made there (cuda:0), or every
     device check of the caches would refuse their own tensors."""
