@@ -14,7 +14,7 @@ from ...errors import SpecError
 from ...options import check_choice, check_gemm_options, check_int, check_out_dir
 from ..runtime.artifacts import build_errors, write_artifacts
 from .aot import ARCHS, mma_instructions
-from .gemm_dequant import TENSOR_MEMORY_COLUMNS, tensor_memory
+from .gemm_dequant import check_tensor_memory
 from .gemm_launch import gemm_kernel_source, k_chunk, launch_config
 from ..runtime.modules import interpreter
 from ..runtime.modules import load_module
@@ -75,11 +75,7 @@ def compile_gemm_aot(spec, arch: str, out_dir: str | Path, dtype: str = "bf16", 
         compiled = triton.compile(ASTSource(module.foldc_gemm, signature, constexprs=constexprs, attrs=attrs),
                                   target=GPUTarget("cuda", ARCHS[arch], 32),
                                   options={"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]})
-    columns = getattr(compiled.metadata, "tmem_size", 0) or 0
-    if tensor_memory(arch) and columns > TENSOR_MEMORY_COLUMNS:
-        raise SpecError(f"the GEMM kernel's tiles (block_m={cfg['block_m']}, block_n={cfg['block_n']}) need {columns} "
-                        f"columns of tensor memory on {arch}, which has {TENSOR_MEMORY_COLUMNS} a program (Triton "
-                        "compiles it to a trap); pick a smaller block_m or block_n")
+    check_tensor_memory(compiled, arch, {"block_m": cfg["block_m"], "block_n": cfg["block_n"]})
     out = Path(out_dir)
     write_artifacts(out, "foldc_gemm", arch, compiled, ks.source)
     report = {

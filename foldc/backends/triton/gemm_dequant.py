@@ -161,6 +161,17 @@ def tensor_memory(arch: str) -> bool:
     return len(arch) == 6 and arch.startswith("sm_10")
 
 
+def check_tensor_memory(compiled, arch: str, tiles: dict) -> None:
+    """Refuse a kernel ``compiled`` for ``arch`` whose ``tiles`` need more tensor memory than a program has there
+    (Triton 3.6 builds it as a bare trap, which would take the process's CUDA context down at launch)."""
+    columns = getattr(getattr(compiled, "metadata", None), "tmem_size", 0) or 0
+    if tensor_memory(arch) and columns > TENSOR_MEMORY_COLUMNS:
+        shown = ", ".join(f"{k.lower()}={v}" for k, v in tiles.items())
+        raise SpecError(f"the GEMM kernel's tiles ({shown}) need {columns} columns of tensor memory on {arch}, which "
+                        f"has {TENSOR_MEMORY_COLUMNS} a program (Triton compiles it to a trap); pick a smaller "
+                        "block_m or block_n")
+
+
 class NotDequantTemplate(Exception):
     """The plan is not the template's (the reason is the message)."""
 

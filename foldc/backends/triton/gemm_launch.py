@@ -22,7 +22,7 @@ from ...proof import prove
 from ...validate import check_no_overlap, check_out
 from .gemm_codegen import GemmKernelSource, generate_gemm
 from .gemm_dequant import SOURCE as DEQUANT_SOURCE
-from .gemm_dequant import (TENSOR_MEMORY_COLUMNS, DequantTile, NotDequantTemplate, dequant_config, lower_dequant,
+from .gemm_dequant import (DequantTile, NotDequantTemplate, check_tensor_memory, dequant_config, lower_dequant,
                            tensor_memory, unpack_asm)
 from ..runtime.fast_launch import FastLaunch
 from ..runtime.modules import device_arch, interpreter, load_module, num_sms
@@ -134,7 +134,7 @@ class TritonGemm:
         self._launches: dict[tuple, GemmLaunch] = {}   # plan_launch()'s memo
         self._dequant: dict = {}   # id(dequant launch) -> (launch, its constexpr dict)
         self._dequant_kernel = None   # the template behind FastLaunch, loaded at the first launch
-        self._fits: set = set()       # ids of launches whose sm_100 build was checked against tensor memory
+        self._fits: set = set()       # ids of launches run once (an sm_100 build checked against tensor memory)
 
     def kernel(self, dtype: str):
         if dtype not in self._kernels:
@@ -254,7 +254,7 @@ class TritonGemm:
             target = partial.zero_() if partial is not None else torch.zeros(launch.m, launch.n, device=out.device,
                                                                              dtype=torch.float32)
         with interpreter(self.interpret):
-            if tensor_memory(launch.arch) and id(launch) not in self._fits:
+            if id(launch) not in self._fits:   # once per launch: sm_100 builds checked before they run
                 self._check_tensor_memory(launch, x, w, target)
             if launch.template == "dequant":
                 self._launch_dequant(launch, x, w, target)
@@ -266,24 +266,20 @@ class TritonGemm:
             out.copy_(target)
 
     def _check_tensor_memory(self, launch: GemmLaunch, x, w, target: torch.Tensor) -> None:
-        """Compile ``launch``'s kernel for these arguments (no launch) and refuse it where its tiles need more than
-        the 512 columns of tensor memory a program has on sm_100: Triton 3.6 compiles such a kernel to a bare
-        trap, which would take the process's CUDA context down at launch."""
-        if launch.template == "dequant":
-            kernel = load_module(DEQUANT_SOURCE, self.interpret).foldc_gemm_dequant
-            args = (x, x.stride(0), w.codes, w.codes.stride(2), w.scale, w.zero, w.scale.stride(2), target,
-                    target.stride(0), launch.m, launch.n)
-        else:
-            module, ks, _ = self.kernel(DTYPES[launch.dtype])
-            runtime = runtime_arguments(x, w, target)
-            kernel, args = module.foldc_gemm, tuple(runtime[a] for a in ks.args)
-        compiled = kernel.warmup(*args, grid=launch.grid, **dict(launch.constants))
-        columns = getattr(getattr(compiled, "metadata", None), "tmem_size", 0) or 0
-        if columns > TENSOR_MEMORY_COLUMNS:
-            tiles = {k: v for k, v in launch.constants if k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_stages")}
-            raise SpecError(f"the GEMM kernel's tiles {tiles} need {columns} columns of tensor memory on "
-                            f"{launch.arch}, which has {TENSOR_MEMORY_COLUMNS} a program (Triton compiles it to a trap); "
-                            "pick a smaller block_m or block_n")
+        """On an architecture with tensor memory (sm_100), compile ``launch``'s kernel for these arguments (no
+        launch) and refuse it where its tiles need more than a program has (`check_tensor_memory`)."""
+        if tensor_memory(launch.arch):
+            if launch.template == "dequant":
+                kernel = load_module(DEQUANT_SOURCE, self.interpret).foldc_gemm_dequant
+                args = (x, x.stride(0), w.codes, w.codes.stride(2), w.scale, w.zero, w.scale.stride(2), target,
+                        target.stride(0), launch.m, launch.n)
+            else:
+                module, ks, _ = self.kernel(DTYPES[launch.dtype])
+                runtime = runtime_arguments(x, w, target)
+                kernel, args = module.foldc_gemm, tuple(runtime[a] for a in ks.args)
+            compiled = kernel.warmup(*args, grid=launch.grid, **dict(launch.constants))
+            check_tensor_memory(compiled, launch.arch, {k: v for k, v in launch.constants
+                                                        if k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_stages")})
         self._fits.add(id(launch))
 
     def _launch_dequant(self, launch: GemmLaunch, x, w, target: torch.Tensor) -> None:
