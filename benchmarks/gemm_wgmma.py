@@ -304,7 +304,7 @@ def refusal(k: int, n: int, bits: int, group: int, block_m: int, stages: int, sp
         return f"group {group}: a chunk's {bk} bytes per field must lie in one group, and groups in one field"
     if rb % split_k or (rb // split_k) % (bk * stages):
         return f"k={k}: {rb // split_k} code bytes per split are not whole rings of {stages} x {bk}-byte chunks"
-    if block_m not in (64, 128, 256):
+    if block_m not in (32, 64, 128, 256):
         return f"block_m={block_m}"
     return None
 
@@ -361,7 +361,7 @@ def check(seed: int, log) -> list:
                 x = torch.randn(m, k, generator=gen).to("cuda", dtype)
                 ref = x.double() @ wd.T
                 bar = rel(x @ wd.to(dtype).T, ref)
-                for bm, stages, split in ((256, 4, 1), (128, 4, 2)):
+                for bm, stages, split in ((256, 4, 1), (128, 4, 2), (32, 4, 2)):
                     why = refusal(k, n, e.bits, e.group_size, bm, stages, split, dtype == torch.bfloat16)
                     if why:
                         continue
@@ -420,6 +420,62 @@ def timing(log) -> list:
                     + (f"wgmma {best[3]:.1f} {best[:3]} => x{row['cublas_us'] / best[3]:.2f} cuBLAS, "
                        f"x{row['template_us'] / best[3]:.2f} template" if best else "wgmma: none ok")
                     + " | " + " ".join(f"{v[:3]}:{v[3]}" for v in row["variants"]))
+                rows.append(row)
+    return rows
+
+
+SMALL_VARIANTS = [(32, 4, 1), (32, 4, 2), (32, 4, 4), (32, 4, 8)]   # block_m, stages, split_k
+
+
+def small_timing(log) -> list:
+    """m = 1 and 16 (issue 20's GEMV targets) in CUDA graphs over cold weight copies: fp16 cuBLAS, torch's
+    INT4 kernel, foldc's default (its GEMV), and this kernel at block_m = 32 (wgmma n = 32) with split k."""
+    import torch
+
+    import foldc
+    from foldc.gemm import GemmSpec, parse_gemm_encoding
+    from foldc.gemm.reference import quantize_2d
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from gemv_check import copies, graph_us, int4pack
+
+    rows = []
+    for enc, shapes in (("k-group:4:128", TIMED), ("k-group:2:128", TIMED[2:])):
+        e = parse_gemm_encoding(enc, "weight")
+        for n, k in shapes:
+            w = quantize_2d((torch.randn(n, k) * 0.05).cuda(), e)
+            w16 = w.dequantize(torch.float16)[0, 0].contiguous()
+            ref_w = w.dequantize(torch.float64)[0, 0]
+            kern = foldc.compile(GemmSpec(n, k, e), target="auto")
+            nbytes = w.codes.numel() + 4 * w.scale.numel()
+            ws = copies(w, nbytes)
+            for m in (1, 16):
+                x = torch.randn(m, k, device="cuda", dtype=torch.float16)
+                ref = x.double() @ ref_w.T
+                y = torch.empty(m, n, device="cuda", dtype=torch.float16)
+                row = dict(enc=enc, n=n, k=k, m=m, ideal_us=nbytes / 4.45e6,
+                           fp16_us=graph_us([lambda t=t: torch.mm(x, t.T) for t in copies(w16, n * k * 2)]),
+                           foldc_us=graph_us([lambda c=c: kern(x, c, out=y) for c in ws]),
+                           foldc_err=rel(kern(x, w), ref), cublas_err=rel(x @ w16.T, ref), variants=[])
+                if e.bits == 4:
+                    packed, sz = int4pack(w)
+                    xb = x.bfloat16()
+                    row["torch_int4_us"] = graph_us([lambda p=p: torch._weight_int4pack_mm(xb, p, 128, sz)
+                                                     for p in copies(packed, packed.numel())])
+                for bm, stages, split in SMALL_VARIANTS:
+                    if refusal(k, n, e.bits, e.group_size, bm, stages, split):
+                        continue
+                    try:
+                        args = (e.bits, e.group_size, bm, stages, split)
+                        err = rel(launch(x, w.codes[0, 0], w.scale[0, 0], w.zero[0, 0], *args), ref)
+                        us = graph_us([lambda c=c: launch(x, c.codes[0, 0], c.scale[0, 0], c.zero[0, 0], *args)
+                                       for c in ws])
+                        row["variants"].append([bm, stages, split, round(us, 2), err])
+                    except Exception as ex:  # noqa: BLE001 - a variant that does not build is a result
+                        row["variants"].append([bm, stages, split, f"{type(ex).__name__}: {str(ex)[:120]}", None])
+                log(f"{enc} {n}x{k} m={m}: ideal {row['ideal_us']:.1f} fp16 {row['fp16_us']:.1f} "
+                    f"torch_int4 {row.get('torch_int4_us', float('nan')):.1f} foldc {row['foldc_us']:.1f} "
+                    f"(err {row['foldc_err']:.1e}, cuBLAS {row['cublas_err']:.1e}) | "
+                    + " ".join(f"{v[:3]}:{v[3]} {v[4] if v[4] is None else f'{v[4]:.1e}'}" for v in row["variants"]))
                 rows.append(row)
     return rows
 
@@ -517,6 +573,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=int(time.time()) % 100000)
     ap.add_argument("--check-only", action="store_true")
     ap.add_argument("--time-only", action="store_true")
+    ap.add_argument("--small", action="store_true", help="time m = 1 and 16 only (CUDA graphs, cold weights)")
     a = ap.parse_args()
     if a.aot:
         for bits, group in ((2, 16), (2, 64), (4, 32), (4, 128), (8, 64)):
@@ -540,6 +597,11 @@ def main() -> None:
         lines.append(line)
     log(f"seed {a.seed}; {torch.cuda.get_device_name()}; torch {torch.__version__}")
     result = {"seed": a.seed}
+    if a.small:
+        result["small"] = small_timing(log)
+        (out / "wgmma_small.json").write_text(json.dumps(result, indent=1, default=str))
+        (out / "wgmma_small.txt").write_text("\n".join(lines) + "\n")
+        return
     if not a.time_only:
         result["checks"] = check(a.seed, log)
         bad = [r for r in result["checks"] if not r["ok"]]

@@ -13,6 +13,7 @@
 #                                                 #   spill twins)
 #     bash benchmarks/host_path_gpu.sh gemv_split # the GEMV's split at INT2, INT4, INT8 (launch options)
 #     bash benchmarks/host_path_gpu.sh gemm_wgmma # the async-wgmma dequant GEMM experiment: checked, then timed
+#     bash benchmarks/host_path_gpu.sh gemm_wgmma_small  # the same at m = 1 and 16 (block_m 32, split k), graphed
 #
 # Each step runs under its own time limit; its output goes to $OUT/<step>.log (and JSON where the script
 # writes one), and a line per step to $OUT/summary.txt. Figures go to docs/perf.md and docs/gemm.md with
@@ -78,8 +79,11 @@ case "${1:-checks}" in
     step wgmma_check 200 python3 benchmarks/gemm_wgmma.py --check-only --out "$OUT/wgmma"
     step wgmma_times 380 python3 benchmarks/gemm_wgmma.py --time-only --out "$OUT/wgmma"
     ;;
+  gemm_wgmma_small)   # issue 20's m = 1 and 16 targets: the same kernel at block_m = 32 with split k
+    step wgmma_small 300 python3 benchmarks/gemm_wgmma.py --small --out "$OUT/wgmma"
+    ;;
   *)
-    echo "usage: bash benchmarks/host_path_gpu.sh checks|checks2|times|hf|pending|pending_times|gemv_split|gemm_wgmma" >&2
+    echo "usage: bash benchmarks/host_path_gpu.sh checks|checks2|times|hf|pending|pending_times|gemv_split|gemm_wgmma|gemm_wgmma_small" >&2
     exit 2
     ;;
 esac
