@@ -76,8 +76,8 @@ case "${1:-checks}" in
         --out "$OUT/gemv_split.json"
     ;;
   gemm_wgmma)   # issue 20's m = 256 target: benchmarks/gemm_wgmma.py beside cuBLAS and the Triton template
-    step wgmma_check 200 python3 benchmarks/gemm_wgmma.py --check-only --out "$OUT/wgmma"
-    step wgmma_times 380 python3 benchmarks/gemm_wgmma.py --time-only --out "$OUT/wgmma"
+    step wgmma_check 230 python3 benchmarks/gemm_wgmma.py --check-only --out "$OUT/wgmma"
+    step wgmma_times 350 python3 benchmarks/gemm_wgmma.py --time-only --out "$OUT/wgmma"
     ;;
   gemm_wgmma_small)   # issue 20's m = 1 and 16 targets: the same kernel at block_m = 32 with split k
     step wgmma_small 300 python3 benchmarks/gemm_wgmma.py --small --out "$OUT/wgmma"
