@@ -15,7 +15,9 @@ float64 plan executor (other dtypes), cast to the input's dtype. An eager GPU ca
 register-operand GEMV takes (up to 16 rows of fp16/bf16, no autograd, nothing tracing) launches the
 kernel from the layer instead: the same kernel and launch, without the custom op's dispatch and the
 per-call checks of the weight (about 200 of an eager call's 230 µs of host time on the H200,
-benchmarks/linear_host.py).
+benchmarks/linear_host.py). Gradients flow to x (and to a bias given to the op that requires one):
+``grad @ W`` with W dequantized in float32, so adapters (LoRA) beside a quantized layer train; the weight
+itself is a constant.
 """
 from __future__ import annotations
 
@@ -133,6 +135,44 @@ def _(x, codes, scale, zero, bias, encoding, out_features, counters=None):
     parse_gemm_encoding(encoding, "weight")   # a bad encoding fails at trace time too, as does an integer x
     _check_floating(x)
     return x.new_empty(x.shape[0], out_features)
+
+
+_GRAD_ROWS_VALUES = 1 << 24   # the backward dequantizes the weight this many values at a time
+
+
+def _setup_backward(ctx, inputs, output):
+    x, codes, scale, zero, bias, encoding, _out_features, _counters = inputs
+    ctx.save_for_backward(codes, scale, zero)
+    ctx.encoding, ctx.k, ctx.x_dtype = encoding, x.shape[-1], x.dtype
+    ctx.bias_dtype = None if bias is None else bias.dtype
+
+
+def _backward(ctx, grad):
+    """The gradient of ``x @ W.T + bias`` for x (``grad @ W``, W dequantized in row blocks in float32, or
+    float64 for a float64 gradient, and the product cast to x's dtype) and for a bias that requires one. The
+    weight's codes, scales and zeros are the quantized model's constants: they get none (a LoRA adapter beside
+    the layer trains; the layer does not)."""
+    codes, scale, zero = ctx.saved_tensors
+    grad_x = grad_bias = None
+    if ctx.needs_input_grad[0]:
+        _, affine = _weight_encoding(ctx.encoding, ctx.k)
+        dtype = torch.float64 if grad.dtype == torch.float64 else torch.float32
+        g = grad.to(dtype)
+        n = codes.shape[2]
+        step = max(1, _GRAD_ROWS_VALUES // ctx.k)
+        grad_x = None
+        for r in range(0, n, step):
+            rows = slice(r, min(n, r + step))
+            w = AffineTensor(codes[:, :, rows], scale[:, :, rows], zero[:, :, rows], affine, ctx.k)
+            part = g[:, rows] @ w.dequantize(dtype)[0, 0]
+            grad_x = part if grad_x is None else grad_x + part
+        grad_x = grad_x.to(ctx.x_dtype)
+    if ctx.needs_input_grad[4]:
+        grad_bias = grad.sum(0).to(ctx.bias_dtype)
+    return grad_x, None, None, None, grad_bias, None, None, None
+
+
+linear.register_autograd(_backward, setup_context=_setup_backward)
 
 
 class FoldLinear(torch.nn.Module):

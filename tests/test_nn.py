@@ -96,13 +96,68 @@ def test_bad_layers_are_refused_before_any_work():
 def test_the_custom_op_passes_opcheck_and_traces_through_torch_compile():
     torch.manual_seed(2)
     layer = FoldLinear.from_linear(torch.nn.Linear(128, 32), "k-group:4:64")
-    x = torch.randn(3, 128)
+    x = torch.randn(3, 128, requires_grad=True)
     args = (x, layer.codes, layer.scale, layer.zero, layer.bias, layer.encoding.short(), 32)
     torch.library.opcheck(torch.ops.foldc.linear.default, args,
-                          test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"))
+                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_static"))
     model = torch.nn.Sequential(layer, torch.nn.GELU())
     compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
     assert torch.equal(compiled(x), model(x))
+
+
+@settings(max_examples=10, deadline=None)
+@given(enc=st.sampled_from(["k-group:4:128", "k-group:2:64:bf16", "k-group:8:32:fp32", "per-channel:4"]),
+       lead=st.sampled_from([(1,), (2, 3)]), order=st.booleans(), seed=st.integers(0, 2**31 - 1))
+def test_gradients_reach_x_through_the_dequantized_weight(enc, lead, order, seed):
+    """``y = x @ W.T + b`` backpropagates ``grad @ W`` into x (gradcheck in float64: the forward is the float64
+    executor, the backward W in float64), the weight's buffers get no gradient, and an act-order layer's
+    gradient lands on x's own channel order."""
+    gen = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    k, n = 128, 48
+    layer = FoldLinear.from_linear(torch.nn.Linear(k, n), enc)
+    if order:
+        layer = FoldLinear(layer.weight, layer.encoding, layer.bias, input_order=torch.randperm(k, generator=gen))
+    x = torch.randn(*lead, k, dtype=torch.float64, generator=gen, requires_grad=True)
+    assert torch.autograd.gradcheck(layer, (x,))
+    up = torch.randn(*lead, n, dtype=torch.float64, generator=gen)
+    (layer(x) * up).sum().backward()
+    w = layer.weight.dequantize(torch.float64)[0, 0]
+    want = up @ w
+    if order:
+        want = torch.zeros_like(want).index_copy(-1, layer.input_order, want)
+    assert torch.allclose(x.grad, want, rtol=1e-12, atol=1e-12)
+    assert not any(b.requires_grad for b in layer.buffers())
+
+
+def test_a_lora_adapter_beside_a_quantized_layer_trains():
+    """float32 activations (the float64 executor's forward, cast), the backward in float32 in row blocks: the
+    gradients of a LoRA pair on the layer's input (``h = x + x A^T B^T``) equal those through the float64
+    dequantized weight within float32 rounding; a bias given to the op that requires a gradient gets
+    ``grad.sum(0)``."""
+    import foldc.nn as fnn
+
+    torch.manual_seed(4)
+    k, n, r = 256, 96, 4
+    layer = FoldLinear.from_linear(torch.nn.Linear(k, n, bias=False), "k-group:4:64")
+    a = torch.nn.Parameter(torch.randn(r, k) * 0.1)
+    b = torch.nn.Parameter(torch.randn(k, r) * 0.1)
+    x = torch.randn(5, k)
+    bias = torch.randn(n, requires_grad=True)
+    old = fnn._GRAD_ROWS_VALUES
+    fnn._GRAD_ROWS_VALUES = 40 * k   # three row blocks (40, 40, 16)
+    try:
+        y = torch.ops.foldc.linear(torch.relu(x @ a.T @ b.T + x), layer.codes, layer.scale, layer.zero, bias,
+                                   layer.encoding.short(), n)
+        y.square().sum().backward()
+    finally:
+        fnn._GRAD_ROWS_VALUES = old
+    w = layer.weight.dequantize(torch.float64)[0, 0]
+    a64, b64, bias64 = (t.detach().double().requires_grad_() for t in (a, b, bias))
+    h = torch.relu(x.double() @ a64.T @ b64.T + x.double())
+    (h @ w.T + bias64).square().sum().backward()
+    for got, want in ((a.grad, a64.grad), (b.grad, b64.grad), (bias.grad, bias64.grad)):
+        assert float((got.double() - want).norm() / want.norm()) < 1e-5
 
 
 @pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.bool])
