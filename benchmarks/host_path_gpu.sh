@@ -14,6 +14,8 @@
 #     bash benchmarks/host_path_gpu.sh gemv_split # the GEMV's split at INT2, INT4, INT8 (launch options)
 #     bash benchmarks/host_path_gpu.sh gemm_wgmma # the async-wgmma dequant GEMM experiment: checked, then timed
 #     bash benchmarks/host_path_gpu.sh gemm_wgmma_small  # the same at m = 1 and 16 (block_m 32, split k), graphed
+#     bash benchmarks/host_path_gpu.sh kernels_then_wgmma_check   # two calls of under ten minutes for a short
+#     bash benchmarks/host_path_gpu.sh wgmma_times_all            #   lease: the landed kernels' tests, the experiment
 #
 # Each step runs under its own time limit; its output goes to $OUT/<step>.log (and JSON where the script
 # writes one), and a line per step to $OUT/summary.txt. Figures go to docs/perf.md and docs/gemm.md with
@@ -79,11 +81,22 @@ case "${1:-checks}" in
     step wgmma_check 230 python3 benchmarks/gemm_wgmma.py --check-only --out "$OUT/wgmma"
     step wgmma_times 350 python3 benchmarks/gemm_wgmma.py --time-only --out "$OUT/wgmma"
     ;;
+  kernels_then_wgmma_check)   # one call: the landed kernels' GPU tests (append, paged, FoldLinear), then the
+    # wgmma experiment's check (590 s of limits)
+    step append 100 python3 -m pytest -q -x tests/serving/test_append.py -k "gpu"
+    step paged 170 python3 -m pytest -q tests/serving/test_paged_gpu.py
+    step linear 60 python3 -m pytest -q tests/test_nn.py -k gpu
+    step wgmma_check 250 python3 benchmarks/gemm_wgmma.py --check-only --out "$OUT/wgmma"
+    ;;
+  wgmma_times_all)   # one call: the experiment timed at m = 64..512, then at m = 1 and 16 (590 s of limits)
+    step wgmma_times 330 python3 benchmarks/gemm_wgmma.py --time-only --out "$OUT/wgmma"
+    step wgmma_small 260 python3 benchmarks/gemm_wgmma.py --small --out "$OUT/wgmma"
+    ;;
   gemm_wgmma_small)   # issue 20's m = 1 and 16 targets: the same kernel at block_m = 32 with split k
     step wgmma_small 300 python3 benchmarks/gemm_wgmma.py --small --out "$OUT/wgmma"
     ;;
   *)
-    echo "usage: bash benchmarks/host_path_gpu.sh checks|checks2|times|hf|pending|pending_times|gemv_split|gemm_wgmma|gemm_wgmma_small" >&2
+    echo "usage: bash benchmarks/host_path_gpu.sh checks|checks2|times|hf|pending|pending_times|gemv_split|gemm_wgmma|gemm_wgmma_small|kernels_then_wgmma_check|wgmma_times_all" >&2
     exit 2
     ;;
 esac
