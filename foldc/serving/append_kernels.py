@@ -376,6 +376,11 @@ def kernel(name: str, interpret: bool):
         fn = {"token": _append_token_kernel, "channel": _append_channel_kernel}[name]
         if name == "token":
             scope = dict(globals(), _quantize_token_block=wrap(_quantize_token_block))
-            fn = types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__)
+            copy = types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__)
+            # the annotations mark the constexpr parameters; a function made from the code object has none (a
+            # JITFunction would take every constexpr as a runtime argument and fail to build)
+            copy.__annotations__, copy.__kwdefaults__ = dict(fn.__annotations__), fn.__kwdefaults__
+            copy.__module__, copy.__qualname__ = fn.__module__, fn.__qualname__
+            fn = copy
         _WRAPPED[key] = wrap(fn, do_not_specialize=["offset"])
     return _WRAPPED[key]

@@ -178,6 +178,22 @@ def test_zero_new_tokens_write_nothing():
     assert_same_bits(dst, before)
 
 
+@pytest.mark.parametrize("name", ["token", "channel"])
+def test_the_gpu_kernels_keep_their_constexpr_parameters(name):
+    """The GPU wrapping (a JITFunction, which reads the constexpr parameters from the annotations) marks exactly the
+    parameters the kernel's source annotates as constexpr: the token kernel is a copy of its function with its own
+    globals, and a copy made from the code object alone had none, so every GPU build of it failed ("Mismatched type
+    for start") while the interpreter, which reads no annotations, passed."""
+    import inspect
+
+    from foldc.serving import append_kernels
+
+    source = {"token": append_kernels._append_token_kernel, "channel": append_kernels._append_channel_kernel}[name]
+    want = {p.name: "constexpr" in str(p.annotation) for p in inspect.signature(source).parameters.values()}
+    got = {p.name: p.is_constexpr for p in append_kernels.kernel(name, False).params}
+    assert got == want and sum(want.values()) >= 10
+
+
 AOT_SCRIPT = r"""
 import json, re, sys
 import triton
