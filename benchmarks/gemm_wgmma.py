@@ -24,7 +24,10 @@ so the tensor cores idle while the warps unpack: 0.55-0.67x cuBLAS at m = 256 (d
 2-, 4- and 8-bit weights (8-bit with fp16 only), k groups that hold whole chunks (16 and up for INT2, 32 for
 INT4, 64 for INT8; 8-bit slots are the bytes in stored order).
 
-    PYTHONPATH=. python3 benchmarks/gemm_wgmma.py --out $OUT/wgmma [--check-only | --time-only]
+Result (H200, 2026-12-05, docs/gemm.md "The large-m template against fp16 cuBLAS"): exact, but 0.23-0.68x
+cuBLAS and slower than the template at most INT4 shapes; not adopted.
+
+    PYTHONPATH=. python3 benchmarks/gemm_wgmma.py --out $OUT/wgmma [--check-only | --time-only | --small]
                             # GPU: check against float64, then time beside cuBLAS and the Triton template
     python3 benchmarks/gemm_wgmma.py --aot [--out DIR]    # CPU: the slot orders emulated in float64, then
                                                           # sm_90 builds: registers, spills, waits per wgmma
