@@ -210,7 +210,8 @@ for layout, x_bf16, scale_kind, per_row, paged, head_dim, *extra in json.loads(s
             "OFFSETS": "*i32" if extra.get("ADVANCE") else "*i64", "KV_INDPTR": "*i32", "KV_INDICES": "*i32",
             "COUNTS": "*i32", "FLAG": "*i32", "X2": "*i16" if x_bf16 else "*fp16", "CODES2": "*u8",
             "ARRIVALS": "*i32"}
-    sig = {a: ptrs.get(a, "constexpr" if a.isupper() else "i32") for a in fn.arg_names}
+    # constexpr where the JIT takes one (its parameters' flags, read from the annotations), as a launch builds
+    sig = {p.name: ptrs.get(p.name, "constexpr" if p.is_constexpr else "i32") for p in fn.params}
     for a in fn.arg_names:
         if a.startswith("stride"):
             sig[a] = "i64"
