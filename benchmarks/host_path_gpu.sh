@@ -59,13 +59,13 @@ case "${1:-checks}" in
     step hf_1b_int4 150 python3 examples/hf_decode.py $L --k token:4:128 --v token:4:128 $H
     step hf_1b_int2 150 python3 examples/hf_decode.py $L --k token:2:128 --v token:2:128 $H
     ;;
-  pending)   # each step's limit summed: 570 s, under one call's 600
-    step append 120 python3 -m pytest -q -x tests/serving/test_append.py -k "gpu"
-    step gluon_bound 120 python3 -m pytest -q tests/backends/test_gluon_gpu.py \
+  pending)   # each step's limit summed: 570 s, under one call's 600 (the paged tests took over 170 s on 2026-12-05)
+    step append 80 python3 -m pytest -q -x tests/serving/test_append.py -k "gpu"
+    step gluon_bound 110 python3 -m pytest -q tests/backends/test_gluon_gpu.py \
         -k "memo or repeated_calls or without_seq_lens or bound"
-    step paged 180 python3 -m pytest -q tests/serving/test_paged_gpu.py
-    step linear 60 python3 -m pytest -q tests/test_nn.py -k gpu
-    step hf_tiny_check 90 python3 examples/hf_decode.py --new 32
+    step paged 250 python3 -m pytest -q tests/serving/test_paged_gpu.py
+    step linear 50 python3 -m pytest -q tests/test_nn.py -k gpu
+    step hf_tiny_check 80 python3 examples/hf_decode.py --new 32
     ;;
   pending_times)
     step launch_cost 90 python3 benchmarks/launch_cost.py --out "$OUT/launch_cost.json"
