@@ -124,17 +124,11 @@ def rebound(jit_function, **names):
     """A copy of a Gluon/Triton function whose global ``names`` are replaced (the callees it compiles): how a
     benchmark's variant swaps one function of a production kernel and keeps the rest of its source as it is
     (benchmarks/gemv_variants.py, benchmarks/warpgroup_variants.py)."""
-    import types
-
     from triton.experimental import gluon
 
-    fn = jit_function.fn
-    copy = types.FunctionType(fn.__code__, dict(fn.__globals__, **names), fn.__name__, fn.__defaults__,
-                              fn.__closure__)
-    # the annotations mark the constexpr parameters; a function made from the code object has none
-    copy.__annotations__, copy.__kwdefaults__ = dict(fn.__annotations__), fn.__kwdefaults__
-    copy.__module__, copy.__qualname__ = fn.__module__, fn.__qualname__
-    return gluon.jit(copy)
+    from .backends.runtime.modules import with_globals
+
+    return gluon.jit(with_globals(jit_function.fn, **names))
 
 
 def save_rows(rows: list, path: str) -> None:

@@ -160,7 +160,6 @@ def _backward(ctx, grad):
         g = grad.to(dtype)
         n = codes.shape[2]
         step = max(1, _GRAD_ROWS_VALUES // ctx.k)
-        grad_x = None
         for r in range(0, n, step):
             rows = slice(r, min(n, r + step))
             w = AffineTensor(codes[:, :, rows], scale[:, :, rows], zero[:, :, rows], affine, ctx.k)

@@ -10,9 +10,9 @@ specialised on (one build for every offset: a bound launch takes it per call).
 """
 from __future__ import annotations
 
-import types
-
 import triton.language as tl
+
+from ..backends.runtime.modules import with_globals
 
 
 def _quantize_token_block(
@@ -375,12 +375,6 @@ def kernel(name: str, interpret: bool):
             from triton.runtime.jit import JITFunction as wrap
         fn = {"token": _append_token_kernel, "channel": _append_channel_kernel}[name]
         if name == "token":
-            scope = dict(globals(), _quantize_token_block=wrap(_quantize_token_block))
-            copy = types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__)
-            # the annotations mark the constexpr parameters; a function made from the code object has none (a
-            # JITFunction would take every constexpr as a runtime argument and fail to build)
-            copy.__annotations__, copy.__kwdefaults__ = dict(fn.__annotations__), fn.__kwdefaults__
-            copy.__module__, copy.__qualname__ = fn.__module__, fn.__qualname__
-            fn = copy
+            fn = with_globals(fn, _quantize_token_block=wrap(_quantize_token_block))
         _WRAPPED[key] = wrap(fn, do_not_specialize=["offset"])
     return _WRAPPED[key]

@@ -145,6 +145,17 @@ class PagedKVCache:
         """Quantized tokens of a sequence holding ``n`` tokens."""
         return max(0, n - self.sink - self.window) // self.unit * self.unit if n > self.sink else 0
 
+    def _refuse_short_pages(self, kv_indptr, kv_indices, lens: list, body: list) -> None:
+        """Raise, naming ``seq_lens`` as the caller gave them, where a sequence owns too few pages for its body's
+        tokens (a table the wrapper refused; it names the body's lengths)."""
+        pages = check_page_table(kv_indptr, kv_indices, None, self.num_pages, self.page_size, [0] * len(lens)).pages
+        for b, (n, m, p) in enumerate(zip(lens, body, pages)):
+            if m > p * self.page_size:
+                raise InputError(f"seq_lens[{b}]={n} puts {m} tokens in the quantized body (sink={self.sink}, "
+                                 f"window={self.window}) but sequence {b} owns {p} pages of page_size={self.page_size} "
+                                 f"({p * self.page_size} tokens); give it at least {-(-m // self.page_size)} pages "
+                                 "in kv_indices")
+
     def plan(self, kv_indptr: torch.Tensor, kv_indices: torch.Tensor, seq_lens) -> None:
         """Set the body's page table and every sequence's token count (host; may synchronise).
 
@@ -171,15 +182,11 @@ class PagedKVCache:
                                      "pass its current count, or 0 to start a new sequence there (then append() "
                                      "its tokens)")
         body = [self.body_len(n) for n in lens]
-        # the table's pages against the body's tokens, named by the lengths given (the wrapper names the body's)
-        pages = check_page_table(kv_indptr, kv_indices, None, self.num_pages, self.page_size, [0] * len(lens)).pages
-        for b, (n, m, p) in enumerate(zip(lens, body, pages)):
-            if m > p * self.page_size:
-                raise InputError(f"seq_lens[{b}]={n} puts {m} tokens in the quantized body (sink={self.sink}, "
-                                 f"window={self.window}) but sequence {b} owns {p} pages of page_size={self.page_size} "
-                                 f"({p * self.page_size} tokens); give it at least {-(-m // self.page_size)} pages "
-                                 "in kv_indices")
-        self.table = self.wrapper.plan(kv_indptr, kv_indices, None, num_pages=self.num_pages, seq_lens=body)
+        try:
+            self.table = self.wrapper.plan(kv_indptr, kv_indices, None, num_pages=self.num_pages, seq_lens=body)
+        except InputError:
+            self._refuse_short_pages(kv_indptr, kv_indices, lens, body)   # named by the lengths given, if that
+            raise                                                          # is the reason (the wrapper's: the body's)
         if len(lens) != self.batch:  # new buffers (a captured graph must be captured again)
             old, kept = self._layers, min(self.batch, len(lens))
             self.batch = len(lens)

@@ -110,6 +110,20 @@ _SMS: dict = {}   # CUDA device index -> SM count (get_device_properties costs ~
 _ARCH: dict = {}  # CUDA device index -> "sm_90", "sm_100", ...
 
 
+def with_globals(fn, **names):
+    """A copy of the plain function ``fn`` whose global ``names`` are replaced (the callees a kernel compiles),
+    with everything a JIT reads from a function: its annotations (they mark the constexpr parameters; a function
+    made from the code object alone has none, and a JITFunction would take every constexpr as a runtime
+    argument), defaults, closure, module and qualified name."""
+    import types
+
+    copy = types.FunctionType(fn.__code__, dict(fn.__globals__, **names), fn.__name__, fn.__defaults__,
+                              fn.__closure__)
+    copy.__annotations__, copy.__kwdefaults__ = dict(fn.__annotations__), fn.__kwdefaults__
+    copy.__module__, copy.__qualname__ = fn.__module__, fn.__qualname__
+    return copy
+
+
 def num_sms(device) -> int:
     """SMs of a CUDA ``device`` (a torch.device or its name), cached; 2 for the CPU's interpreter."""
     if not isinstance(device, torch.device):
