@@ -11,7 +11,10 @@ kernel swaps x to match), as the GEMV did before 2026-12-04; ``natural``: with `
 (benchmarks/gemv_variants.py). Constants
 B does not declare are dropped. ``flip``: the production kernel with the other unpack order than its launcher picks (a biased bf16 launch: the unbiased path, x put in fp16)
 (SWAP and ASM). Each case also runs the production kernel at a few launch options (stages, block
-rows, a register cap, twice the split). Timing as benchmarks/gemv_check.py: CUDA graphs over distinct weight
+rows, a register cap, twice the split), or at ``--options`` (then ``--b`` may be left out):
+
+    PYTHONPATH=. python3 benchmarks/gemv_ab.py --quick --options '[{"gemv_warps": 4}]' --out $OUT/warps.json
+ Timing as benchmarks/gemv_check.py: CUDA graphs over distinct weight
 copies (cold L2), fp16 cuBLAS and torch's INT4 kernel beside them.
 """
 from __future__ import annotations
@@ -95,7 +98,8 @@ def summary(r: dict) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--b", required=True, help="a kernel file defining foldc_gemv_gluon")
+    ap.add_argument("--b", default=None, help="a kernel file defining foldc_gemv_gluon (none: the production kernel "
+                    "and its options only)")
     ap.add_argument("--b-kernel", default="foldc_gemv_gluon", help="the kernel's name in that file (e.g. foldc_gemv_bias "
                     "in benchmarks/gemv_variants.py)")
     ap.add_argument("--b-asm", choices=("launcher", "swapped", "natural"), default="launcher",
@@ -105,6 +109,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="results/gemv_ab.json")
     ap.add_argument("--seed", type=int, default=int(time.time()) % 100000)
     ap.add_argument("--quick", action="store_true", help="default options only")
+    ap.add_argument("--options", default=None, help="a JSON list of launch options (foldc.compile keywords, or "
+                    "\"split2\" / \"split/2\") to time the production kernel at, with fp16 x, instead of OPTIONS "
+                    "(also with --quick)")
     ap.add_argument("--cases", default=None, help="indices into CASES, comma-separated (default: all)")
     args = ap.parse_args(argv)
 
@@ -113,7 +120,8 @@ def main(argv=None) -> int:
     from foldc.gemm import GemmSpec, parse_gemm_encoding
     from foldc.gemm.reference import gemm_reference, quantize_2d
 
-    kernel_b = load_kernel(args.b, args.b_kernel)
+    kernel_b = load_kernel(args.b, args.b_kernel) if args.b else None
+    options = json.loads(args.options) if args.options else OPTIONS[1:]
     print(f"seed {args.seed}", flush=True)
     gen = torch.Generator().manual_seed(args.seed)
     rows = []
@@ -141,7 +149,9 @@ def main(argv=None) -> int:
             row[f"a_{tag}_err"] = rel(y, ref)
             from foldc.backends.gluon.gemv import foldc_gemv_gluon
 
-            calls = {"b": b_call(kernel_b, kern.gemv, args.b_asm), "flip": b_call(foldc_gemv_gluon, kern.gemv, "flip")}
+            calls = {"flip": b_call(foldc_gemv_gluon, kern.gemv, "flip")}
+            if kernel_b is not None:
+                calls["b"] = b_call(kernel_b, kern.gemv, args.b_asm)
             if args.variant:
                 calls["variant"] = b_call(foldc_gemv_gluon, kern.gemv, "launcher", json.loads(args.variant))
             ws = copies(wq, nbytes)
@@ -156,10 +166,10 @@ def main(argv=None) -> int:
                 if not row[f"{name}_{tag}_err"] < 1e-2:
                     print("FAIL", name, tag, row[f"{name}_{tag}_err"], flush=True)
                 row[f"{name}_{tag}_us"] = graph_us([lambda c=c: call(x, c, yb) for c in ws])
-            if dt == torch.float16 and not args.quick:   # the production kernel at other launch options
+            if dt == torch.float16 and (args.options or not args.quick):   # the production kernel at other options
                 sms = torch.cuda.get_device_properties(0).multi_processor_count
                 split = kern.gemv.plan_launch(dt, m, sms).grid[1]
-                for opts in OPTIONS[1:]:
+                for opts in options:
                     splits = {"split2": {"gemv_split": 2 * split}, "split/2": {"gemv_split": max(1, split // 2)}}
                     o = splits[opts] if isinstance(opts, str) else opts
                     try:

@@ -12,6 +12,7 @@
 #                                                 #   FoldLinear, the per-forward mask read), then timed (host time,
 #                                                 #   spill twins)
 #     bash benchmarks/host_path_gpu.sh gemv_split # the GEMV's split at INT2, INT4, INT8 (launch options)
+#     bash benchmarks/host_path_gpu.sh gemv_warps # the GEMV in programs of 2 and 4 warps; the read floor per shape
 #     bash benchmarks/host_path_gpu.sh gemm_wgmma # the async-wgmma dequant GEMM experiment: checked, then timed
 #     bash benchmarks/host_path_gpu.sh gemm_wgmma_small  # the same at m = 1 and 16 (block_m 32, split k), graphed
 #     bash benchmarks/host_path_gpu.sh kernels_then_wgmma_check   # two calls of under ten minutes for a short
@@ -77,6 +78,13 @@ case "${1:-checks}" in
     step gemv_split 300 python3 benchmarks/gemv_ab.py --b foldc/backends/gluon/gemv.py --cases 2,1,0,8 \
         --out "$OUT/gemv_split.json"
     ;;
+  gemv_warps)   # issue 20's GEMV: programs of several warps (gemv_warps) beside one-warp programs, after the GPU
+    # tests with them, and the fastest plain read of each timed shape's bytes (what a GEMV can approach there)
+    step gemv_tests 120 python3 -m pytest -q tests/backends/test_gemv_gluon.py -k gpu
+    step read_floor 90 python3 benchmarks/read_floor.py --out "$OUT/read_floor.json"
+    step gemv_warps 370 python3 benchmarks/gemv_ab.py --quick --cases 0,1,2,5,6,9,8 --out "$OUT/gemv_warps.json" \
+        --options '[{"gemv_warps": 2}, {"gemv_warps": 4}, {"gemv_warps": 4, "gemv_stages": 4}, {"gemv_warps": 4, "block_rows": 32}, {"gemv_warps": 2, "block_rows": 32}]'
+    ;;
   gemm_wgmma)   # issue 20's m = 256 target: benchmarks/gemm_wgmma.py beside cuBLAS and the Triton template
     step wgmma_check 230 python3 benchmarks/gemm_wgmma.py --check-only --out "$OUT/wgmma"
     step wgmma_times 350 python3 benchmarks/gemm_wgmma.py --time-only --out "$OUT/wgmma"
@@ -96,7 +104,7 @@ case "${1:-checks}" in
     step wgmma_small 300 python3 benchmarks/gemm_wgmma.py --small --out "$OUT/wgmma"
     ;;
   *)
-    echo "usage: bash benchmarks/host_path_gpu.sh checks|checks2|times|hf|pending|pending_times|gemv_split|gemm_wgmma|gemm_wgmma_small|kernels_then_wgmma_check|wgmma_times_all" >&2
+    echo "usage: bash benchmarks/host_path_gpu.sh checks|checks2|times|hf|pending|pending_times|gemv_split|gemv_warps|gemm_wgmma|gemm_wgmma_small|kernels_then_wgmma_check|wgmma_times_all" >&2
     exit 2
     ;;
 esac

@@ -7,6 +7,7 @@ order; addresses left out), written to a file or compared with one written befor
 
 Layouts: the CI grid's (tests/backends/test_gluon_grid_aot.py) by default, or ``--grid quick|timed|full``
 of `foldc bench --layouts`; ``--only`` keeps the labels that contain one of its comma-separated words.
+``--gemv``: the register-operand GEMV instead (GEMV_CASES: weight encodings x activation rows x dtypes).
 """
 from __future__ import annotations
 
@@ -35,12 +36,29 @@ def layouts(grid: str | None):
     return [(x.label, x.spec()) for x in layout_grid(grid)]
 
 
+GEMV_CASES = [(enc, n, k, m, dtype) for enc, n, k in (("k-group:4:128", 4096, 14336), ("k-group:2:128", 28672, 8192),
+                                                        ("k-group:8:128", 4096, 4096), ("k-group:4:32", 4096, 14336),
+                                                        ("per-channel:4", 1000, 2048), ("k-group:2:64:fp32", 96, 1536))
+              for m in (1, 5, 16) for dtype in ("fp16", "bf16")]
+
+
+def gemv_layouts():
+    from foldc.gemm import GemmSpec, parse_gemm_encoding
+
+    return [(f"gemv {enc} {n}x{k} m{m} {dtype}", (GemmSpec(n, k, parse_gemm_encoding(enc, "weight")), m, dtype))
+            for enc, n, k, m, dtype in GEMV_CASES]
+
+
 def sass_hash(spec, arch: str) -> str:
     from foldc.backends.gluon.aot import compile_gluon_aot
+    from foldc.backends.gluon.gemv_aot import compile_gemv_aot
     from foldc.backends.runtime.sass import disassemble
 
     with tempfile.TemporaryDirectory() as out:
-        compile_gluon_aot(spec, arch, out)
+        if isinstance(spec, tuple):   # a GEMV: (spec, m, dtype)
+            compile_gemv_aot(spec[0], arch, out, m=spec[1], dtype=spec[2])
+        else:
+            compile_gluon_aot(spec, arch, out)
         cubin = next(Path(out).glob(f"*.{arch}.cubin"))
         text = "\n".join(f"{op} {args}" for _, op, args in disassemble(cubin))
     return hashlib.sha256(text.encode()).hexdigest()
@@ -50,6 +68,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--grid", choices=("quick", "timed", "full"), default=None)
     ap.add_argument("--only", default=None)
+    ap.add_argument("--gemv", action="store_true", help="the GEMV's builds (GEMV_CASES) instead of attention's")
     ap.add_argument("--arch", default="sm_90,sm_100")
     group = ap.add_mutually_exclusive_group(required=True)
     group.add_argument("--out")
@@ -58,7 +77,7 @@ def main(argv=None) -> int:
     os.environ.pop("TRITON_INTERPRET", None)
     from foldc.errors import FoldError
 
-    chosen = layouts(args.grid)
+    chosen = gemv_layouts() if args.gemv else layouts(args.grid)
     if args.only:
         chosen = [(label, s) for label, s in chosen if any(w.strip() in label for w in args.only.split(","))]
     hashes = {}

@@ -139,7 +139,8 @@ def test_dequant_verdicts_encoded_activations_and_tall_calls_are_not_lowered():
 def test_options_are_checked_and_the_interpreter_refuses_the_gemv():
     spec = spec_of("k-group:4:128", 64, 2048)
     for bad, match in (({"block_rows": 24}, "block_rows"), ({"split_k": 0}, "split_k"), ({"stages": 9}, "stages"),
-                       ({"sub": 3}, "sub"), ({"maxnreg": 16}, "maxnreg"), ({"maxnreg": 96.0}, "maxnreg")):
+                       ({"sub": 3}, "sub"), ({"maxnreg": 16}, "maxnreg"), ({"maxnreg": 96.0}, "maxnreg"),
+                       ({"warps": 3}, "warps"), ({"warps": True}, "warps")):
         with pytest.raises(SpecError, match=match):
             GluonGemv(spec, "sm_90", **bad)
     with pytest.raises(SpecError, match="sm_90 and sm_100"):
@@ -165,8 +166,8 @@ def test_default_split_keeps_two_chunks_a_program_and_fills_the_gpu():
 @given(enc=st.sampled_from(ENCODINGS), n=st.sampled_from([16, 96, 1000, 4096, 28672]),
        k=st.sampled_from([1024, 2048, 4096, 8192, 14336]), m=st.sampled_from([1, 9]),
        block_rows=st.sampled_from([16, 32, 64]), split=st.sampled_from([None, 1, 3, 64]),
-       sub=st.sampled_from([None, 1, 2]))
-def test_a_launch_covers_every_chunk_once_and_its_parameter_words_fit(enc, n, k, m, block_rows, split, sub):
+       sub=st.sampled_from([None, 1, 2]), warps=st.sampled_from([None, 1, 2, 4]))
+def test_a_launch_covers_every_chunk_once_and_its_parameter_words_fit(enc, n, k, m, block_rows, split, sub, warps):
     """The programs of a block take consecutive runs of whole chunks (the last may be shorter, none
     empty), and each program's parameter words (the kernel's GW per field, row and parameter) hold
     every group its k range meets within PARAM_RUN_BYTES a row."""
@@ -176,11 +177,13 @@ def test_a_launch_covers_every_chunk_once_and_its_parameter_words_fit(enc, n, k,
         spec = spec_of(enc, n, k)
     except foldc.SpecError:
         assume(False)
-    gemv = GluonGemv(spec, "sm_90", block_rows=block_rows, split_k=split, sub=sub)
+    gemv = GluonGemv(spec, "sm_90", block_rows=block_rows, split_k=split, sub=sub, warps=warps)
     assume(gemv.lowers(torch.float16, m)[0])
     launch = gemv.plan_launch(torch.float16, m, 132)
     kern, per, splits = launch.kernel, launch.chunks_per_split, launch.grid[1]
-    assert launch.grid[0] == -(-n // block_rows)
+    consts = dict(launch.constants)
+    assert consts["num_warps"] == (warps or 1) and consts["BN"] == block_rows * (warps or 1)
+    assert launch.grid[0] == -(-n // (block_rows * (warps or 1)))
     assert 1 <= per <= min(kern.chunks, max_chunks(kern)) and (splits - 1) * per < kern.chunks <= splits * per
     gw = dict(launch.constants)["GW"]
     assert gw == param_words(kern, per) and kern.fields * gw * 8 <= PARAM_RUN_BYTES or max_chunks(kern) == 1
@@ -224,16 +227,18 @@ from foldc.backends.gluon.gemv_aot import compile_gemv_aot
 from foldc.gemm import GemmSpec, parse_gemm_encoding
 jobs, root = json.loads(sys.argv[1]), sys.argv[2]
 out = []
-for enc, m, dtype, arch, rows in jobs:
+for enc, m, dtype, arch, rows, warps in jobs:
     spec = GemmSpec(4096, 14336, parse_gemm_encoding(enc, "weight"))
-    out.append(compile_gemv_aot(spec, arch, f"{root}/{enc}-{m}-{dtype}-{arch}-{rows}", m=m, dtype=dtype,
-                                block_rows=rows))
+    out.append(compile_gemv_aot(spec, arch, f"{root}/{enc}-{m}-{dtype}-{arch}-{rows}-{warps}", m=m, dtype=dtype,
+                                block_rows=rows, warps=warps))
 print(json.dumps(out))
 """
-AOT_JOBS = [("k-group:4:128", 1, "fp16", "sm_90", 16), ("k-group:4:128", 1, "bf16", "sm_90", 16),
-            ("k-group:2:128", 1, "fp16", "sm_90", 16), ("k-group:4:32", 1, "fp16", "sm_90", 16),
-            ("per-channel:8", 1, "fp16", "sm_90", 16), ("k-group:4:128", 16, "fp16", "sm_90", 16),
-            ("k-group:4:128", 1, "fp16", "sm_100", 16), ("k-group:2:128", 1, "bf16", "sm_100", 16)]
+AOT_JOBS = [("k-group:4:128", 1, "fp16", "sm_90", 16, 1), ("k-group:4:128", 1, "bf16", "sm_90", 16, 1),
+            ("k-group:2:128", 1, "fp16", "sm_90", 16, 1), ("k-group:4:32", 1, "fp16", "sm_90", 16, 1),
+            ("per-channel:8", 1, "fp16", "sm_90", 16, 1), ("k-group:4:128", 16, "fp16", "sm_90", 16, 1),
+            ("k-group:4:128", 1, "fp16", "sm_100", 16, 1), ("k-group:2:128", 1, "bf16", "sm_100", 16, 1),
+            ("k-group:4:128", 1, "fp16", "sm_90", 16, 4), ("k-group:4:128", 16, "bf16", "sm_90", 16, 4),
+            ("k-group:2:128", 1, "fp16", "sm_90", 32, 2), ("k-group:4:128", 9, "fp16", "sm_100", 16, 4)]
 
 
 @pytest.fixture(scope="module")
@@ -246,17 +251,18 @@ def gemv_builds(tmp_path_factory):
 
 
 def test_gemv_builds_run_the_unpack_on_tensor_cores_without_spills(gemv_builds, report_table):
-    lines = [f"{'arch':<7} {'weight':<14} {'m':>2} {'x':<5} {'regs':>4} {'split':>5} {'pieces':>6} "
+    lines = [f"{'arch':<7} {'weight':<14} {'m':>2} {'x':<5} {'warps':>5} {'regs':>4} {'split':>5} {'pieces':>6} "
              f"{'HMMA/stage':>10} {'instr/stage':>11} {'spills':>6}"]
     for job, rep in zip(AOT_JOBS, gemv_builds):
         loop = rep["chunk_loop"]
-        lines.append(f"{rep['arch']:<7} {job[0]:<14} {rep['m']:>2} {rep['dtype']:<5} {rep['registers']:>4} "
+        lines.append(f"{rep['arch']:<7} {job[0]:<14} {rep['m']:>2} {rep['dtype']:<5} {rep['warps']:>5} {rep['registers']:>4} "
                      f"{rep['split_k']:>5} {rep['pieces']:>6} {loop['mma']:>10} {loop['instructions_per_warp']:>11} "
                      f"{loop['local_memory']:>6}")
         assert rep["mma_in_ptx"] >= 1 and rep["registers"] <= 255
-        if rep["arch"] == "sm_90":   # per chunk (sub of them a stage): each row tile's weight MMAs, and once the
-            k_steps, n_tiles = rep["operand_k"] // 16, 1 if rep["m"] <= 8 else 2   # ones MMAs (the sums of x)
-            assert loop["mma"] == rep["sub"] * k_steps * n_tiles * (rep["block_rows"] // 16 + 1), rep
+        if rep["arch"] == "sm_90":   # per warp and chunk (sub of them a stage): each of its row tiles' weight MMAs,
+            k_steps, n_tiles = rep["operand_k"] // 16, 1 if rep["m"] <= 8 else 2   # and once the ones MMAs (sums of x)
+            tiles = rep["block_rows"] // (16 * rep["warps"])
+            assert loop["mma"] == rep["sub"] * k_steps * n_tiles * (tiles + 1), rep
         if rep["m"] == 1:
             assert loop["local_memory"] == 0, rep
     report_table("register-operand GEMV builds (4096 x 14336)", lines)
@@ -346,8 +352,9 @@ def test_the_gemvs_own_workspace_and_counters_are_one_set_per_stream(monkeypatch
 @settings(max_examples=60, deadline=None)
 @given(enc=st.sampled_from(ENCODINGS), n=st.integers(1, 300), m=st.integers(1, 16),
        dtype=st.sampled_from([torch.float16, torch.bfloat16]), split=st.sampled_from([None, 1, 3]),
-       k=st.sampled_from([2048, 2176]), offset=st.sampled_from([0, 0, 1, 8]), seed=st.integers(0, 2**31 - 1))
-def test_gpu_gemv_matches_the_float64_reference(enc, n, m, dtype, split, k, offset, seed):
+       k=st.sampled_from([2048, 2176]), offset=st.sampled_from([0, 0, 1, 8]), warps=st.sampled_from([None, 2, 4]),
+       seed=st.integers(0, 2**31 - 1))
+def test_gpu_gemv_matches_the_float64_reference(enc, n, m, dtype, split, k, offset, warps, seed):
     """k = 2176 gives 17 groups of 128 a row: the 16-bit parameters of odd rows start in a word's upper
     half (the kernel's parameter words are read per row from the word that holds its first group). x is a
     slice ``offset`` elements into wider rows: at an odd offset its rows are only 2-byte aligned (the
@@ -357,13 +364,13 @@ def test_gpu_gemv_matches_the_float64_reference(enc, n, m, dtype, split, k, offs
         spec = spec_of(enc, n, k)
     except foldc.SpecError:
         assume(False)   # the group does not divide k
-    kern = foldc.compile(spec, target="auto", gemv_split=split)
+    kern = foldc.compile(spec, target="auto", gemv_split=split, gemv_warps=warps)
     assume(kern.gemv.lowers(torch.float16, m)[0])   # a dequant verdict at m rows: the Triton kernel's, tested there
     gen = torch.Generator().manual_seed(seed)
     wq = quantize_2d((torch.randn(n, k, generator=gen) * 0.05).cuda(), spec.weight)
     for _ in range(3):
         x = ((torch.randn(m, k + offset, generator=gen) + 0.3) * 4).to("cuda", dtype)[:, offset:]
-        _check_gemv(kern(x, wq), x, wq, k, dtype, (seed, enc, n, m, dtype, split, offset))
+        _check_gemv(kern(x, wq), x, wq, k, dtype, (seed, enc, n, m, dtype, split, offset, warps))
 
 
 def _check_gemv(y, x, wq, k, dtype, case):

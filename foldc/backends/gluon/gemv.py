@@ -60,11 +60,17 @@ def weight_tile_layout(W):
 
 
 @constexpr_function
-def x_copy_layout(D):
-    """cp.async of one activation row's chunk [D] across the lanes, 4-16 bytes a lane."""
-    D = int(D)
-    return gl.BlockedLayout(size_per_thread=[max(2, min(8, D // 32))], threads_per_warp=[32], warps_per_cta=[1],
-                            order=[0])
+def gemv_mma(WARPS):
+    """The accumulators' layout: mma.sync m16n8, warp w holding output channels 16w .. 16w + 15 of a row tile."""
+    return gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[int(WARPS), 1], instr_shape=[16, 8])
+
+
+@constexpr_function
+def x_copy_layout(D, WARPS):
+    """cp.async of one activation row's chunk [D] across the program's lanes, 4-16 bytes a lane."""
+    D, WARPS = int(D), int(WARPS)
+    return gl.BlockedLayout(size_per_thread=[max(2, min(8, D // (32 * WARPS)))], threads_per_warp=[32],
+                            warps_per_cta=[WARPS], order=[0])
 
 
 @constexpr_function
@@ -117,7 +123,7 @@ def _copy_runs(P32, run, n0, N, stride_ws, j_lo, BN: gl.constexpr, F: gl.constex
     GWP: gl.constexpr = pow2_at_least(GW)
     GROUPS: gl.constexpr = ROW_BYTES * F // G
     r_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1], threads_per_warp=[max(1, 32 // BN), min(BN, 32)],
-                                         warps_per_cta=[1, 1], order=[1, 0])
+                                         warps_per_cta=[1, gl.num_warps()], order=[1, 0])
     last = (N - 1) * stride_ws + GROUPS - 1
     if HALF:
         last = last // 2
@@ -138,13 +144,14 @@ def _param(run, base: gl.constexpr, local, t: gl.constexpr, rows, stride_ws, g, 
     field since the field's first group g_first in this program, from the field's words at rows ``base`` ..
     of ``run`` (KIND: 0 fp16, 1 bf16, 2 fp32). A 16-bit parameter's run starts at the word that holds
     g_first, so a row whose g_first is an odd half finds group g one word further."""
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
+    mma: gl.constexpr = gemv_mma(gl.num_warps())
+    TM: gl.constexpr = 16 * gl.num_warps()
     rl: gl.constexpr = gl.SliceLayout(1, mma)
     if KIND == 2:
-        out = run.index(base + local).slice(16 * t, 16, dim=0).load(rl).to(gl.float32, bitcast=True)
+        out = run.index(base + local).slice(TM * t, TM, dim=0).load(rl).to(gl.float32, bitcast=True)
     else:
-        w0 = run.index(base + (local >> 1)).slice(16 * t, 16, dim=0).load(rl)
-        w1 = run.index(base + ((local + 1) >> 1)).slice(16 * t, 16, dim=0).load(rl)
+        w0 = run.index(base + (local >> 1)).slice(TM * t, TM, dim=0).load(rl)
+        w1 = run.index(base + ((local + 1) >> 1)).slice(TM * t, TM, dim=0).load(rl)
         v = gl.where(((rows * stride_ws + g_first) & 1) == 1, w1, w0)
         half = (v >> (((rows * stride_ws + g) & 1) * 16)) & 0xFFFF
         if KIND == 1:
@@ -179,24 +186,25 @@ def _row_tile(w_tile, s_run, z_run, j_lo, t: gl.constexpr, xs, sums, y, n0, N, s
     """Output channels n0 + 16t .. n0 + 16t + 15 of one chunk: per piece, the codes' MMA with x's piece,
     times the group's scale (and field weight), plus the group's zero (less BIAS times the scaled field
     weight: the plan's code bias, eq. 7) times the piece's sum of x."""
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
+    mma: gl.constexpr = gemv_mma(gl.num_warps())
     a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=8)
     b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=8)
     D: gl.constexpr = W * 4 * F
     P: gl.constexpr = D // NG            # k per piece
     PPF: gl.constexpr = NG // F
     GWP: gl.constexpr = pow2_at_least(GW)
-    kw = w_tile.slice(16 * t, 16, dim=0).load(key_words_layout(16, W))
+    TM: gl.constexpr = 16 * gl.num_warps()   # a row tile: 16 output channels per warp
+    kw = w_tile.slice(TM * t, TM, dim=0).load(key_words_layout(TM, W, gl.num_warps()))
     if BIAS != 0:
-        op = key_operand(kw, 16, D, F, ASM, CONS, gl.bfloat16)
+        op = key_operand(kw, TM, D, F, ASM, CONS, gl.bfloat16)
     else:
-        op = key_operand(kw, 16, D, F, ASM, CONS)
-    zero = gl.zeros([16, ROWS], gl.float32, layout=mma)
+        op = key_operand(kw, TM, D, F, ASM, CONS)
+    zero = gl.zeros([TM, ROWS], gl.float32, layout=mma)
     if NG == 1:
         parts = (mma_v2(gl.convert_layout(op, a_l, assert_trivial=True), xs[0], zero),)
     else:
-        parts = group_mmas(split_groups(op, NG, 1), xs, zeros_groups([16, ROWS], mma, NG), a_l, b_l, NG)
-    rows = gl.minimum(n0 + 16 * t + gl.arange(0, 16, layout=gl.SliceLayout(1, mma)), N - 1)
+        parts = group_mmas(split_groups(op, NG, 1), xs, zeros_groups([TM, ROWS], mma, NG), a_l, b_l, NG)
+    rows = gl.minimum(n0 + TM * t + gl.arange(0, TM, layout=gl.SliceLayout(1, mma)), N - 1)
     for p in gl.static_range(NG):
         g = _group((p // PPF) * ROW_BYTES + j0 + (p % PPF) * P, G)
         g_first = _group((p // PPF) * ROW_BYTES + j_lo, G)
@@ -218,7 +226,7 @@ def _x_operand(x_in, D: gl.constexpr, ROWS: gl.constexpr, XF16: gl.constexpr, X_
     """(the activation chunk as the MMA's operand [D, ROWS], and the power of two c per column that each column
     was multiplied by: bf16 activations put in fp16; 1.0 where x enters as it is, fp16 or against biased bf16
     codes). ``x_in`` as in `_chunk`."""
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
+    mma: gl.constexpr = gemv_mma(gl.num_warps())
     b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=8)
     if X_SHARED:   # one row, in every column
         xd = x_in.load(gl.SliceLayout(1, b_l))
@@ -242,7 +250,7 @@ def _x_operand(x_in, D: gl.constexpr, ROWS: gl.constexpr, XF16: gl.constexpr, X_
 @gluon.jit
 def _undo(c):
     """1 / c per activation row, in the accumulators' layout ([1, ROWS])."""
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
+    mma: gl.constexpr = gemv_mma(gl.num_warps())
     return gl.convert_layout(1.0 / c, gl.SliceLayout(0, mma))[None, :]
 
 
@@ -257,15 +265,16 @@ def _chunk(w_tile, s_run, z_run, j_lo, x_in, ys, n0, N, stride_ws, j0, T: gl.con
     channel order; SWAP: the weight's unpack (ASM) has k with bits 0 and 1 of the byte index swapped
     (operands.key_unpack_asm), and the activation is permuted to match (PRMTs that also build the MMA's
     register pairs), else the unpack keeps channel order (operands.natural_key_unpack_asm)."""
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
+    mma: gl.constexpr = gemv_mma(gl.num_warps())
     a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=8)
     b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=8)
     D: gl.constexpr = W * 4 * F
     P: gl.constexpr = D // NG
     x16, c = _x_operand(x_in, D, ROWS, XF16, X_SHARED, SWAP, BIAS)
     # each piece's sum of x as an MMA of ones, in the accumulator's layout (every row the same)
-    ones = gl.full([16, P], 1.0, x16.dtype, layout=a_l)
-    zero = gl.zeros([16, ROWS], gl.float32, layout=mma)
+    TM: gl.constexpr = 16 * gl.num_warps()
+    ones = gl.full([TM, P], 1.0, x16.dtype, layout=a_l)
+    zero = gl.zeros([TM, ROWS], gl.float32, layout=mma)
     if NG == 1:
         xs = (x16,)
         sums = (mma_v2(ones, x16, zero),)
@@ -308,8 +317,8 @@ def _chunk(w_tile, s_run, z_run, j_lo, x_in, ys, n0, N, stride_ws, j0, T: gl.con
 
 @gluon.jit
 def _zeros_tiles(ROWS: gl.constexpr, T: gl.constexpr):
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
-    z = gl.zeros([16, ROWS], gl.float32, layout=mma)
+    mma: gl.constexpr = gemv_mma(gl.num_warps())
+    z = gl.zeros([16 * gl.num_warps(), ROWS], gl.float32, layout=mma)
     if T == 1:
         out = (z,)
     elif T == 2:
@@ -322,8 +331,9 @@ def _zeros_tiles(ROWS: gl.constexpr, T: gl.constexpr):
 @gluon.jit
 def _finish(y, t: gl.constexpr, Y, PART, n0, pid_s, M, N, stride_y, SPLIT: gl.constexpr, ROWS: gl.constexpr):
     """Row tile t's result: y (SPLIT == 1) or this split's float32 partial."""
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
-    rn = n0 + 16 * t + gl.arange(0, 16, layout=gl.SliceLayout(1, mma))
+    mma: gl.constexpr = gemv_mma(gl.num_warps())
+    TM: gl.constexpr = 16 * gl.num_warps()
+    rn = n0 + TM * t + gl.arange(0, TM, layout=gl.SliceLayout(1, mma))
     rm = gl.arange(0, ROWS, layout=gl.SliceLayout(0, mma))
     ok = (rn < N)[:, None] & (rm < M)[None, :]
     if SPLIT == 1:
@@ -335,12 +345,13 @@ def _finish(y, t: gl.constexpr, Y, PART, n0, pid_s, M, N, stride_y, SPLIT: gl.co
 @gluon.jit
 def _reduce(t: gl.constexpr, Y, PART, n0, M, N, stride_y, SPLIT: gl.constexpr, ROWS: gl.constexpr):
     """Row tile t of y as the sum of every split's partial (the block's last program)."""
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
-    rn = n0 + 16 * t + gl.arange(0, 16, layout=gl.SliceLayout(1, mma))
+    mma: gl.constexpr = gemv_mma(gl.num_warps())
+    TM: gl.constexpr = 16 * gl.num_warps()
+    rn = n0 + TM * t + gl.arange(0, TM, layout=gl.SliceLayout(1, mma))
     rm = gl.arange(0, ROWS, layout=gl.SliceLayout(0, mma))
     ok = (rn < N)[:, None] & (rm < M)[None, :]
     part = rm[None, :] * N + rn[:, None]
-    total = gl.zeros([16, ROWS], gl.float32, layout=mma)
+    total = gl.zeros([TM, ROWS], gl.float32, layout=mma)
     for j in range(SPLIT):
         total += gl.load(PART + j * M * N + part, mask=ok, other=0.0, cache_modifier=".cg")
     gl.store(Y + rm[None, :] * stride_y + rn[:, None], total.to(Y.dtype.element_ty), mask=ok)
@@ -350,14 +361,14 @@ def _reduce(t: gl.constexpr, Y, PART, n0, M, N, stride_y, SPLIT: gl.constexpr, R
 def _x_offsets(D: gl.constexpr, NB: gl.constexpr, ROW_BYTES: gl.constexpr):
     """Element offsets of chunk 0 of the activation's row [D] in channel order (channel kx of a chunk: field
     kx // NB, byte kx % NB), for its copies (X_SHARED)."""
-    kx = gl.arange(0, D, layout=x_copy_layout(D))
+    kx = gl.arange(0, D, layout=x_copy_layout(D, gl.num_warps()))
     return (kx // NB) * ROW_BYTES + kx % NB
 
 
 @gluon.jit
 def _load_x(X, rx, stride_x, j0, D: gl.constexpr, NB: gl.constexpr, ROWS: gl.constexpr, ROW_BYTES: gl.constexpr):
     """The activation chunk [D, ROWS] in channel order, in the MMA's operand layout (rows ``rx``)."""
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
+    mma: gl.constexpr = gemv_mma(gl.num_warps())
     b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=8)
     kx = gl.arange(0, D, layout=gl.SliceLayout(1, b_l))
     koff = (kx // NB) * ROW_BYTES + j0 + kx % NB
@@ -393,7 +404,7 @@ def program_tiles(X, WC, M, N, stride_wc, chunks_per_split, BN: gl.constexpr, W:
     c_lo = gl.program_id(1) * chunks_per_split
     c_hi = gl.minimum(c_lo + chunks_per_split, NCH)
     # rows past N read row N - 1 (in bounds) and are never stored
-    cp_l: gl.constexpr = copy_layout(BN, W)
+    cp_l: gl.constexpr = copy_layout(BN, W, gl.num_warps())
     rc = gl.minimum(n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, cp_l)), N - 1)
     wc = gl.arange(0, W, layout=gl.SliceLayout(0, cp_l))
     w_rows = WC + rc[:, None] * stride_wc + wc[None, :]
@@ -408,7 +419,7 @@ def program_tiles(X, WC, M, N, stride_wc, chunks_per_split, BN: gl.constexpr, W:
         x_l: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
         x_smem = gl.allocate_shared_memory(X.dtype.element_ty, [STAGES * SUB, D], x_l)
     else:
-        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
+        mma: gl.constexpr = gemv_mma(gl.num_warps())
         b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=8)
         x_at = gl.minimum(gl.arange(0, ROWS, layout=gl.SliceLayout(0, b_l)), M - 1)
         x_smem = w_smem   # (unused)
@@ -459,7 +470,7 @@ def chunk_loop(X, x_at, x_smem, w_rows, w_smem, s_run, z_run, n0, c_lo, c_hi, M,
     """A program's chunks c_lo .. c_hi after `program_start`: the pipeline's copies STAGES - 1 stages ahead and
     each chunk's work; returns the T row tiles' float32 accumulators (every copy waited for)."""
     NB: gl.constexpr = W * 4
-    T: gl.constexpr = BN // 16
+    T: gl.constexpr = BN // (16 * gl.num_warps())   # row tiles of 16 channels per warp
     D: gl.constexpr = NB * F
     ys = _zeros_tiles(ROWS, T)
     if not X_SHARED:
@@ -512,7 +523,7 @@ def foldc_gemv_gluon(X, WC, WS, WZ, Y, PART, COUNTERS, M, N, stride_x, stride_wc
                      STAGES: gl.constexpr, SPLIT: gl.constexpr, ASM: gl.constexpr, CONS: gl.constexpr,
                      XF16: gl.constexpr, VALUE_EXP: gl.constexpr, KIND: gl.constexpr, SUB: gl.constexpr,
                      GW: gl.constexpr, X_SHARED: gl.constexpr, SWAP: gl.constexpr, BIAS: gl.constexpr):
-    T: gl.constexpr = BN // 16
+    T: gl.constexpr = BN // (16 * gl.num_warps())   # row tiles of 16 channels per warp
     n0, ys = program_sums(X, WC, WS, WZ, M, N, stride_x, stride_wc, stride_ws, chunks_per_split, BN, W, F, NG, ROWS,
                           ROW_BYTES, G, BITS, STAGES, ASM, CONS, XF16, VALUE_EXP, KIND, SUB, GW, X_SHARED, SWAP,
                           BIAS)

@@ -28,7 +28,8 @@ ALIGNED_INTS = ("stride_wc", "stride_x", "stride_y")
 
 def compile_gemv_aot(spec: GemmSpec, arch: str, out_dir: str | Path, m: int = 1, dtype: str = "fp16",
                      block_rows: int | None = None, split_k: int | None = None, stages: int | None = None,
-                     sub: int | None = None, sms: int = 132, maxnreg: int | None = None) -> dict:
+                     sub: int | None = None, sms: int = 132, maxnreg: int | None = None,
+                     warps: int | None = None) -> dict:
     """Build the GEMV kernel of ``spec`` at ``m`` rows of ``dtype`` activations for ``arch`` into
     ``out_dir``, with the launcher's choices (``sms``: the SM count its split-k heuristic assumes);
     return a report (registers, spilled bytes in the chunk loop, MMAs per chunk)."""
@@ -44,7 +45,8 @@ def compile_gemv_aot(spec: GemmSpec, arch: str, out_dir: str | Path, m: int = 1,
 
     from .gemv import foldc_gemv_gluon
 
-    launcher = GluonGemv(spec, arch, block_rows=block_rows, split_k=split_k, stages=stages, sub=sub, maxnreg=maxnreg)
+    launcher = GluonGemv(spec, arch, block_rows=block_rows, split_k=split_k, stages=stages, sub=sub, maxnreg=maxnreg,
+                         warps=warps)
     torch_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
     ok, why = launcher.lowers(torch_dtype, m)
     if not ok:
@@ -82,7 +84,7 @@ def compile_gemv_aot(spec: GemmSpec, arch: str, out_dir: str | Path, m: int = 1,
     k = launch.kernel
     report = {"spec": spec.describe(), "kernel": "gluon-gemv", "arch": arch, "dtype": dtype, "m": m,
               "block_rows": consts["BN"], "split_k": consts["SPLIT"], "stages": consts["STAGES"], "sub": consts["SUB"],
-              "maxnreg": options.get("maxnreg"),
+              "maxnreg": options.get("maxnreg"), "warps": options["num_warps"],
               "chunk_bytes": k.chunk_bytes, "operand_k": k.chunk_bytes * k.fields, "pieces": k.pieces, "registers": registers(cubin),
               "mma_in_ptx": len(re.findall(r"\bmma\.sync", ptx)),
               "chunk_loop": {"instructions_per_warp": sum(loop.values()), "mma": loop.get("HMMA", 0),

@@ -27,9 +27,10 @@ from .operands import VALUE_EXPONENT, biased_key_unpack_asm, key_unpack_asm, nat
 
 DTYPES = (torch.float16, torch.bfloat16)
 ACTIVATION = {torch.float16: "fp16", torch.bfloat16: "bf16"}
-BLOCK_ROWS = (16, 32, 64)      # output channels per program
+BLOCK_ROWS = (16, 32, 64)      # output channels per warp of a program (row tiles of 16 channels: 1, 2 or 4)
+WARPS = (1, 2, 4)              # warps per program, each on its own 16 channels of a row tile
 STAGES = 3                     # pipeline stages in flight per program (cp.async), each `default_sub` chunks
-PROGRAMS_PER_SM = 16           # the split-k heuristic's least: this many one-warp programs per SM
+PROGRAMS_PER_SM = 16           # the split-k heuristic's least: this many warps per SM
 CHUNKS_PER_PROGRAM = 12        # ... and its aim for each program's length
 MAX_SPLIT = 64
 SUBS = (1, 2, 4, 8)
@@ -81,29 +82,34 @@ def default_sub(kernel: GemvKernel) -> int:
     return 1
 
 
-def default_split(kernel: GemvKernel, n: int, block_rows: int, sms: int, sub: int = 1) -> int:
-    """Splits of k per block: programs of about CHUNKS_PER_PROGRAM chunks, and at least PROGRAMS_PER_SM
-    programs per SM, each with at least two pipeline stages of ``sub`` chunks. On the H200 (INT4 g128,
-    m = 1, docs/gemm.md): 7 chunks a program (16 per SM) beat 12 (8 per SM) at 4096 x 14336, 15.9
-    against 17.8 µs; 11 beat 2 and 30 at 28672 x 8192."""
+def default_split(kernel: GemvKernel, n: int, block_rows: int, sms: int, sub: int = 1, warps: int = 1) -> int:
+    """Splits of k per block of ``block_rows`` channels (programs of ``warps`` warps): programs of about
+    CHUNKS_PER_PROGRAM chunks, and at least PROGRAMS_PER_SM warps per SM, each program with at least two
+    pipeline stages of ``sub`` chunks. On the H200 (INT4 g128, m = 1, one-warp programs, docs/gemm.md): 7
+    chunks a program (16 per SM) beat 12 (8 per SM) at 4096 x 14336, 15.9 against 17.8 µs; 11 beat 2 and 30
+    at 28672 x 8192."""
     blocks = -(-n // block_rows)
-    want = max(-(-kernel.chunks // CHUNKS_PER_PROGRAM), -(-PROGRAMS_PER_SM * sms // blocks))
+    want = max(-(-kernel.chunks // CHUNKS_PER_PROGRAM), -(-PROGRAMS_PER_SM * sms // (blocks * warps)))
     return max(1, min(want, kernel.chunks // (2 * sub), MAX_SPLIT))
 
 
 class GluonGemv:
     """``y = gemv(x, w)`` for x [m, k] fp16/bf16 (m <= 16) and w an AffineTensor [1, 1, n, k].
-    Options: block_rows (output channels per program: 16, 32 or 64), split_k (None: `default_split`),
-    stages (cp.async depth, 2-8), sub (chunks per stage), maxnreg (a register cap per thread, 32-255:
-    fewer registers let more one-warp programs reside per SM, at the risk of spills; None: the
-    compiler's choice)."""
+    Options: block_rows (output channels per warp: 16, 32 or 64), warps (per program, 1, 2 or 4: a program
+    takes warps x block_rows channels, its warps sharing the activation's chunk in shared memory at m = 1, the
+    pipeline's barriers and the split-k counter), split_k (None: `default_split`), stages (cp.async depth,
+    2-8), sub (chunks per stage), maxnreg (a register cap per thread, 32-255: fewer registers let more
+    programs reside per SM, at the risk of spills; None: the compiler's choice)."""
 
     def __init__(self, spec: GemmSpec, target: str, block_rows: int | None = None, split_k: int | None = None,
-                 stages: int | None = None, sub: int | None = None, maxnreg: int | None = None):
+                 stages: int | None = None, sub: int | None = None, maxnreg: int | None = None,
+                 warps: int | None = None):
         if target not in ("sm_90", "sm_100"):
             raise SpecError(f"target={target!r}: the register-operand GEMV runs on sm_90 and sm_100")
         if block_rows is not None and block_rows not in BLOCK_ROWS:
             raise SpecError(f"block_rows={block_rows!r} must be one of {BLOCK_ROWS}")
+        if warps is not None and (isinstance(warps, bool) or warps not in WARPS):
+            raise SpecError(f"warps={warps!r} (warps per program) must be one of {WARPS}")
         if split_k is not None and (isinstance(split_k, bool) or not isinstance(split_k, int)
                                     or not 1 <= split_k <= MAX_SPLIT):
             raise SpecError(f"split_k={split_k!r} must be an integer from 1 to {MAX_SPLIT}")
@@ -116,6 +122,8 @@ class GluonGemv:
             raise SpecError(f"maxnreg={maxnreg!r} must be an integer from 32 to 255 or None")
         self.spec, self.target, self.sub, self.maxnreg = spec, target, sub, maxnreg
         self.block_rows, self.split_k, self.stages = block_rows or 16, split_k, stages or STAGES
+        self.warps = warps or 1
+        self.program_rows = self.block_rows * self.warps   # output channels per program
         self._plans: dict[tuple, GemmPlan] = {}
         self._lowers: dict[tuple, tuple[bool, str]] = {}
         self._launches: dict[tuple, GemvLaunch] = {}
@@ -156,7 +164,7 @@ class GluonGemv:
         if launch is None:
             kernel = lower_gemv(self.plan_for(dtype, m), m, ACTIVATION[dtype])
             sub = self.sub or default_sub(kernel)
-            split = self.split_k or default_split(kernel, self.spec.n, self.block_rows, sms, sub)
+            split = self.split_k or default_split(kernel, self.spec.n, self.program_rows, sms, sub, self.warps)
             most = max_chunks(kernel)                             # a program's parameter words fit
             split = max(split, -(-kernel.chunks // most))
             per = -(-kernel.chunks // min(split, kernel.chunks))  # the chunks spread evenly
@@ -167,15 +175,15 @@ class GluonGemv:
                 asm, cons = biased_key_unpack_asm(kernel.bits)
             else:
                 asm, cons = (key_unpack_asm if swap else natural_key_unpack_asm)(kernel.bits)
-            constants = dict(BN=self.block_rows, W=kernel.chunk_bytes // 4, F=kernel.fields, NG=kernel.pieces,
+            constants = dict(BN=self.program_rows, W=kernel.chunk_bytes // 4, F=kernel.fields, NG=kernel.pieces,
                              ROWS=8 if m <= 8 else 16, ROW_BYTES=kernel.row_bytes, G=kernel.group, BITS=kernel.bits,
                              STAGES=self.stages, SPLIT=split, ASM=asm, CONS=cons, VALUE_EXP=VALUE_EXPONENT,
                              KIND=SCALE_KINDS[kernel.scale_dtype], SUB=sub, GW=param_words(kernel, per),
                              X_SHARED=m == 1 and kernel.bits < 8, SWAP=swap, XF16=dtype == torch.float16,
-                             BIAS=kernel.code_bias, num_warps=1)
+                             BIAS=kernel.code_bias, num_warps=self.warps)
             if self.maxnreg is not None:
                 constants["maxnreg"] = self.maxnreg
-            launch = GemvLaunch(kernel, m, (-(-self.spec.n // self.block_rows), split), per,
+            launch = GemvLaunch(kernel, m, (-(-self.spec.n // self.program_rows), split), per,
                                 tuple(constants.items()), constants["X_SHARED"])
             self._launches[key] = launch
         return launch

@@ -12,11 +12,11 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
 @constexpr_function
-def copy_layout(BN, W):
-    """cp.async of a [BN, W] word tile: 16 bytes per lane."""
-    BN, W = int(BN), int(W)
-    return gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[32 // (W // 4), W // 4], warps_per_cta=[1, 1],
-                            order=[1, 0])
+def copy_layout(BN, W, WARPS=1):
+    """cp.async of a [BN, W] word tile: 16 bytes per lane, WARPS warps on consecutive rows."""
+    BN, W, WARPS = int(BN), int(W), int(WARPS)
+    return gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[32 // (W // 4), W // 4],
+                            warps_per_cta=[WARPS, 1], order=[1, 0])
 
 
 @gluon.jit

@@ -30,17 +30,20 @@ def value_tile_words(W):
 
 
 @constexpr_function
-def key_words_layout(BN, W):
+def key_words_layout(BN, W, WARPS=1):
     """Key words [BN tokens, W words]: words 2t, 2t+1 of rows g, g+8 per lane (the k_width=8 A operand);
-    with four words per token, word t (operands.key_k)."""
-    BN, W = int(BN), int(W)
+    with four words per token, word t (operands.key_k). WARPS warps take consecutive row ranges of BN / WARPS
+    (an MMA layout with warps_per_cta [WARPS, 1])."""
+    BN, W, WARPS = int(BN), int(W), int(WARPS)
+    per = BN // WARPS
+    warp = [[per << i, 0] for i in range(int(math.log2(WARPS)))]
     if W == NARROW_WORDS:
-        reg = [[8, 0]] + [[16 << i, 0] for i in range(int(math.log2(BN // 16)))]
-        return gl.DistributedLinearLayout(reg_bases=reg, lane_bases=LANES_KEY_NARROW, warp_bases=[], block_bases=[],
-                                          shape=[BN, W])
+        reg = [[8, 0]] + [[16 << i, 0] for i in range(int(math.log2(per // 16)))]
+        return gl.DistributedLinearLayout(reg_bases=reg, lane_bases=LANES_KEY_NARROW, warp_bases=warp,
+                                          block_bases=[], shape=[BN, W])
     reg = [[0, 1], [8, 0]] + [[0, 8 << i] for i in range(int(math.log2(W // 8)))] + \
-        [[16 << i, 0] for i in range(int(math.log2(BN // 16)))]
-    return gl.DistributedLinearLayout(reg_bases=reg, lane_bases=LANES_KEY, warp_bases=[], block_bases=[],
+        [[16 << i, 0] for i in range(int(math.log2(per // 16)))]
+    return gl.DistributedLinearLayout(reg_bases=reg, lane_bases=LANES_KEY, warp_bases=warp, block_bases=[],
                                       shape=[BN, W])
 
 
