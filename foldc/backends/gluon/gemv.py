@@ -21,8 +21,9 @@ and each piece adds ``mma_p * scale * 2^-shift_i + (zero - 128 * scale * 2^-shif
 folded into the zero); otherwise (8-bit codes, or a bias the precision budget refuses) x is put in fp16 per
 chunk, each row times a power of two c that brings its largest entry near 2^12 (exact).
 
-Programs are one warp: (block of BN = 16 T output channels, split of the k chunks); the T row tiles
-of a chunk share the activation's pieces and their sums. The program's scale and zero words (the
+Programs are WARPS warps (`gl.num_warps()`, one by default): (block of BN = 16 WARPS T output channels, split of
+the k chunks), warp w taking channels 16 w .. 16 w + 15 of each of the T row tiles; a chunk's row tiles share
+the activation's pieces and their sums. The program's scale and zero words (the
 32-bit words that hold its groups' 16-bit parameters) go global -> shared memory once, by one cp.async
 per tensor at the start: per bit field and row the GW words from the field's first group in the split. Code words
 follow, STAGES stages of SUB chunks ahead (tile_memory.copy_layout; no copy past the program's last
