@@ -13,6 +13,7 @@
 #                                                 #   spill twins)
 #     bash benchmarks/host_path_gpu.sh gemv_split # the GEMV's split at INT2, INT4, INT8 (launch options)
 #     bash benchmarks/host_path_gpu.sh gemv_warps # the GEMV in programs of 2 and 4 warps; the read floor per shape
+#     bash benchmarks/host_path_gpu.sh gemv_unrolled_ncu  # the chunk loop unrolled by stages; ncu at 28672 x 8192
 #     bash benchmarks/host_path_gpu.sh gemm_wgmma # the async-wgmma dequant GEMM experiment: checked, then timed
 #     bash benchmarks/host_path_gpu.sh gemm_wgmma_small  # the same at m = 1 and 16 (block_m 32, split k), graphed
 #     bash benchmarks/host_path_gpu.sh kernels_then_wgmma_check   # two calls of under ten minutes for a short
@@ -85,6 +86,12 @@ case "${1:-checks}" in
     step gemv_warps 370 python3 benchmarks/gemv_ab.py --quick --cases 0,1,2,5,6,9,8 --out "$OUT/gemv_warps.json" \
         --options '[{"gemv_warps": 2}, {"gemv_warps": 4}, {"gemv_warps": 4, "gemv_stages": 4}, {"gemv_warps": 4, "block_rows": 32}, {"gemv_warps": 2, "block_rows": 32}]'
     ;;
+  gemv_unrolled_ncu)   # the GEMV's chunk loop unrolled by the pipeline depth (benchmarks/gemv_unrolled.py) beside
+    # production, then Nsight Compute on production at 28672 x 8192 (benchmarks/ncu_gemv.sh)
+    step gemv_unrolled 150 python3 benchmarks/gemv_ab.py --b benchmarks/gemv_unrolled.py --quick --cases 0,1,2,5,3 \
+        --out "$OUT/gemv_unrolled.json"
+    step ncu 330 bash benchmarks/ncu_gemv.sh
+    ;;
   gemm_wgmma)   # issue 20's m = 256 target: benchmarks/gemm_wgmma.py beside cuBLAS and the Triton template
     step wgmma_check 230 python3 benchmarks/gemm_wgmma.py --check-only --out "$OUT/wgmma"
     step wgmma_times 350 python3 benchmarks/gemm_wgmma.py --time-only --out "$OUT/wgmma"
@@ -104,7 +111,7 @@ case "${1:-checks}" in
     step wgmma_small 300 python3 benchmarks/gemm_wgmma.py --small --out "$OUT/wgmma"
     ;;
   *)
-    echo "usage: bash benchmarks/host_path_gpu.sh checks|checks2|times|hf|pending|pending_times|gemv_split|gemv_warps|gemm_wgmma|gemm_wgmma_small|kernels_then_wgmma_check|wgmma_times_all" >&2
+    echo "usage: bash benchmarks/host_path_gpu.sh checks|checks2|times|hf|pending|pending_times|gemv_split|gemv_warps|gemv_unrolled_ncu|gemm_wgmma|gemm_wgmma_small|kernels_then_wgmma_check|wgmma_times_all" >&2
     exit 2
     ;;
 esac
