@@ -126,7 +126,7 @@ def variant_call(gemv, kernel, flags: dict):
 
 def main(argv=None) -> int:
     import foldc
-    from foldc.backends.gluon.gemv_launch import GluonGemv, gemv_bytes
+    from foldc.backends.gluon.gemv_launch import gemv_bytes
     from foldc.gemm import GemmSpec, parse_gemm_encoding
     from foldc.gemm.reference import gemm_reference, quantize_2d
 

@@ -92,32 +92,10 @@ program_sums = rebound(production.program_sums, program_start=program_start, chu
 foldc_gemv_gluon = rebound(production.foldc_gemv_gluon, program_sums=program_sums)
 
 
-def sass_counts(cases=(("k-group:4:128", 4096, 14336, 1), ("k-group:2:128", 28672, 8192, 1),
-                       ("k-group:4:32", 4096, 14336, 1), ("k-group:4:128", 28672, 8192, 16),
-                       ("k-group:2:128", 28672, 8192, 16))):
-    """Registers and chunk-loop SASS of the production kernel and this variant at m rows of fp16 activations,
-    built ahead of time for sm_90 (CPU, no GPU; TRITON_INTERPRET unset)."""
-    import tempfile
+CASES = (("k-group:4:128", 4096, 14336, 1), ("k-group:2:128", 28672, 8192, 1), ("k-group:4:32", 4096, 14336, 1),
+         ("k-group:4:128", 28672, 8192, 16), ("k-group:2:128", 28672, 8192, 16))
 
-    from foldc.backends.gluon.gemv_aot import compile_gemv_aot
-    from foldc.gemm import GemmSpec, parse_gemm_encoding
+if __name__ == "__main__":   # registers and SASS per chunk beside production's
+    from foldc.bench import gemv_variant_builds
 
-    import sys
-    here, kept, rows = sys.modules[__name__], production.foldc_gemv_gluon, []
-    for enc, n, k, m in cases:
-        for name, kernel in (("production", kept), ("widened", here.foldc_gemv_gluon)):
-            production.foldc_gemv_gluon = kernel   # compile_gemv_aot builds the module's kernel
-            try:
-                with tempfile.TemporaryDirectory() as out:
-                    r = compile_gemv_aot(GemmSpec(n, k, parse_gemm_encoding(enc, "weight")), "sm_90", out, m=m)
-            finally:
-                production.foldc_gemv_gluon = kept
-            rows.append(dict(weight=enc, n=n, k=k, m=m, kernel=name, registers=r["registers"],
-                             chunk_sass=r["chunk_loop"]["instructions_per_warp"]))
-            print(f"{enc} {n}x{k} m={m} {name:10}: {r['registers']} registers, {rows[-1]['chunk_sass']} SASS per chunk",
-                  flush=True)
-    return rows
-
-
-if __name__ == "__main__":
-    sass_counts()
+    gemv_variant_builds(foldc_gemv_gluon, "widened", CASES)

@@ -56,34 +56,11 @@ program_sums = rebound(production.program_sums, chunk_loop=chunk_loop)
 foldc_gemv_gluon = rebound(production.foldc_gemv_gluon, program_sums=program_sums)
 
 
-def sass_counts(cases=(("k-group:4:128", 4096, 14336), ("k-group:2:128", 28672, 8192))) -> list[dict]:
-    """Registers and chunk-loop SASS of the production kernel and this variant, built ahead of time for sm_90
-    at m = 1 with fp16 and bf16 activations (CPU, no GPU; TRITON_INTERPRET unset). The variant's bf16 build
-    runs the unbiased path only where production's plan has no code bias, so here it equals production's."""
-    import sys
-    import tempfile
+CASES = (("k-group:4:128", 4096, 14336, 1), ("k-group:2:128", 28672, 8192, 1))
 
-    from foldc.backends.gluon.gemv_aot import compile_gemv_aot
-    from foldc.gemm import GemmSpec, parse_gemm_encoding
+if __name__ == "__main__":   # python3 benchmarks/gemv_variants.py: the SASS comparison at fp16 and bf16 activations (the
+    # variant's bf16 build runs the unbiased path only where production's plan has no code bias, so here it equals
+    # production's)
+    from foldc.bench import gemv_variant_builds
 
-    rows, kept = [], production.foldc_gemv_gluon
-    here = sys.modules[__name__]
-    for enc, n, k in cases:
-        for name, kernel in (("production", kept), ("row", here.foldc_gemv_gluon)):
-            for dtype in ("fp16", "bf16"):
-                production.foldc_gemv_gluon = kernel   # compile_gemv_aot builds the module's kernel
-                try:
-                    with tempfile.TemporaryDirectory() as out:
-                        r = compile_gemv_aot(GemmSpec(n, k, parse_gemm_encoding(enc, "weight")), "sm_90", out, m=1,
-                                             dtype=dtype)
-                finally:
-                    production.foldc_gemv_gluon = kept
-                rows.append(dict(weight=enc, n=n, k=k, kernel=name, dtype=dtype, registers=r["registers"],
-                                 chunk_sass=r["chunk_loop"]["instructions_per_warp"]))
-                print(f"{enc} {n}x{k} {name:10} {dtype}: {r['registers']} registers, "
-                      f"{rows[-1]['chunk_sass']} SASS per chunk", flush=True)
-    return rows
-
-
-if __name__ == "__main__":   # python3 benchmarks/gemv_variants.py: the SASS comparison
-    sass_counts()
+    gemv_variant_builds(foldc_gemv_gluon, "row", CASES, dtypes=("fp16", "bf16"))

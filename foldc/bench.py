@@ -131,6 +131,36 @@ def rebound(jit_function, **names):
     return gluon.jit(with_globals(jit_function.fn, **names))
 
 
+def gemv_variant_builds(variant, name: str, cases, loop_copies: int = 1, dtypes=("fp16",)) -> list[dict]:
+    """Registers and SASS per chunk of the production GEMV and of ``variant`` (a kernel made with `rebound` from
+    foldc/backends/gluon/gemv.py) for each (weight encoding, n, k, m) of ``cases`` and activation dtype of
+    ``dtypes``, built ahead of time for sm_90 (CPU, no GPU; TRITON_INTERPRET unset). ``loop_copies``: chunks in one
+    pass of the variant's loop body (an unrolled loop)."""
+    import tempfile
+
+    import foldc.backends.gluon.gemv as production
+
+    from .backends.gluon.gemv_aot import compile_gemv_aot
+    from .gemm import GemmSpec, parse_gemm_encoding
+
+    kept, rows = production.foldc_gemv_gluon, []
+    for (enc, n, k, m), dtype in ((case, dtype) for case in cases for dtype in dtypes):
+        for label, kernel, copies in (("production", kept, 1), (name, variant, loop_copies)):
+            production.foldc_gemv_gluon = kernel   # compile_gemv_aot builds the module's kernel
+            try:
+                with tempfile.TemporaryDirectory() as out:
+                    r = compile_gemv_aot(GemmSpec(n, k, parse_gemm_encoding(enc, "weight")), "sm_90", out, m=m,
+                                         dtype=dtype)
+            finally:
+                production.foldc_gemv_gluon = kept
+            loop = r["chunk_loop"]
+            rows.append(dict(weight=enc, n=n, k=k, m=m, dtype=dtype, kernel=label, registers=r["registers"],
+                             chunk_sass=loop["instructions_per_warp"] / copies, spills=loop["local_memory"]))
+            print(f"{enc} {n}x{k} m={m} {dtype} {label:10}: {r['registers']} registers, {rows[-1]['chunk_sass']:.0f} "
+                  f"SASS per chunk, {rows[-1]['spills']} local-memory instructions", flush=True)
+    return rows
+
+
 def save_rows(rows: list, path: str) -> None:
     """Write the rows so far (a sweep cut off by its time limit keeps what it measured) and give the
     last case's memory back."""
