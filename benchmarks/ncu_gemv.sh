@@ -2,12 +2,14 @@
 # Nsight Compute on the register-operand GEMV at 28672 x 8192 (INT4 and INT2 at m = 1, INT4 at m = 16): stall
 # samples by SASS opcode (benchmarks/ncu_stalls.py) and the details page, into $OUT/ncu, from the repository root
 # on the device:
-#     OUT=/tmp/o bash benchmarks/ncu_gemv.sh
+#     OUT=/tmp/o bash benchmarks/ncu_gemv.sh ["k-group:4:128 28672 8192 1" ...]   (cases: weight n k m)
 set -u
 R=${OUT:-/tmp/ncu_gemv}/ncu
 mkdir -p "$R"
 export PYTHONPATH=.
-for c in "k-group:4:128 28672 8192 1" "k-group:2:128 28672 8192 1" "k-group:4:128 28672 8192 16"; do
+CASES=("k-group:4:128 28672 8192 1" "k-group:2:128 28672 8192 1" "k-group:4:128 28672 8192 16")
+[ $# -gt 0 ] && CASES=("$@")
+for c in "${CASES[@]}"; do
   tag=$(echo "$c" | tr ' :' '__')
   timeout 100 ncu --clock-control none -k regex:foldc_gemv -c 1 --set full --import-source no -o "$R/$tag" \
       python3 benchmarks/gemv_one.py $c > "$R/$tag.log" 2>&1
