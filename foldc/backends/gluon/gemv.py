@@ -184,9 +184,9 @@ def _row_tile(w_tile, s_run, z_run, j_lo, t: gl.constexpr, xs, sums, y, n0, N, s
               F: gl.constexpr, NG: gl.constexpr, ROWS: gl.constexpr, ROW_BYTES: gl.constexpr, G: gl.constexpr,
               BITS: gl.constexpr, ASM: gl.constexpr, CONS: gl.constexpr, VALUE_EXP: gl.constexpr, KIND: gl.constexpr,
               GW: gl.constexpr, BIAS: gl.constexpr):
-    """Output channels n0 + 16t .. n0 + 16t + 15 of one chunk: per piece, the codes' MMA with x's piece,
-    times the group's scale (and field weight), plus the group's zero (less BIAS times the scaled field
-    weight: the plan's code bias, eq. 7) times the piece's sum of x."""
+    """Output channels n0 + TM t .. n0 + TM t + TM - 1 of one chunk (TM: 16 per warp, each warp its own 16): per
+    piece, the codes' MMA with x's piece, times the group's scale (and field weight), plus the group's zero (less
+    BIAS times the scaled field weight: the plan's code bias, eq. 7) times the piece's sum of x."""
     mma: gl.constexpr = gemv_mma(gl.num_warps())
     a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=8)
     b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=8)

@@ -2,8 +2,8 @@
 
 ``GluonGemv(spec, target)`` lowers the spec's plan at each call's activation dtype and row count
 (gemv_lower.py: bf16 activations plan the weight with the code bias of `weight_code_bias`) and
-launches one warp per (block of output channels, split of k). ``lowers(m)`` says whether it takes a
-call with m rows; the GEMM callable of `foldc.compile` (foldc/gemm/compile.py) sends the others to
+launches a program of one warp (or `warps`) per (block of output channels, split of k). ``lowers(m)`` says
+whether it takes a call with m rows; the GEMM callable of `foldc.compile` (foldc/gemm/compile.py) sends the others to
 the generated Triton kernel. Calls are CUDA-graph capturable: the split-k workspace and the block
 counters are allocated once per device and row count, and the kernel leaves the counters at zero.
 Two streams must not run one GluonGemv at the same time (they would share the counters).
@@ -30,7 +30,7 @@ ACTIVATION = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 BLOCK_ROWS = (16, 32, 64)      # output channels per warp of a program (row tiles of 16 channels: 1, 2 or 4)
 WARPS = (1, 2, 4)              # warps per program, each on its own 16 channels of a row tile
 STAGES = 3                     # pipeline stages in flight per program (cp.async), each `default_sub` chunks
-PROGRAMS_PER_SM = 16           # the split-k heuristic's least: this many warps per SM
+WARPS_PER_SM = 16              # the split-k heuristic's least: this many warps per SM
 CHUNKS_PER_PROGRAM = 12        # ... and its aim for each program's length
 MAX_SPLIT = 64
 SUBS = (1, 2, 4, 8)
@@ -84,12 +84,12 @@ def default_sub(kernel: GemvKernel) -> int:
 
 def default_split(kernel: GemvKernel, n: int, block_rows: int, sms: int, sub: int = 1, warps: int = 1) -> int:
     """Splits of k per block of ``block_rows`` channels (programs of ``warps`` warps): programs of about
-    CHUNKS_PER_PROGRAM chunks, and at least PROGRAMS_PER_SM warps per SM, each program with at least two
+    CHUNKS_PER_PROGRAM chunks, and at least WARPS_PER_SM warps per SM, each program with at least two
     pipeline stages of ``sub`` chunks. On the H200 (INT4 g128, m = 1, one-warp programs, docs/gemm.md): 7
     chunks a program (16 per SM) beat 12 (8 per SM) at 4096 x 14336, 15.9 against 17.8 µs; 11 beat 2 and 30
     at 28672 x 8192."""
     blocks = -(-n // block_rows)
-    want = max(-(-kernel.chunks // CHUNKS_PER_PROGRAM), -(-PROGRAMS_PER_SM * sms // (blocks * warps)))
+    want = max(-(-kernel.chunks // CHUNKS_PER_PROGRAM), -(-WARPS_PER_SM * sms // (blocks * warps)))
     return max(1, min(want, kernel.chunks // (2 * sub), MAX_SPLIT))
 
 
