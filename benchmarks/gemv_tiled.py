@@ -20,6 +20,7 @@ from types import SimpleNamespace
 
 import torch
 from triton.experimental import gluon
+from triton.experimental.gluon import constexpr_function
 from triton.experimental.gluon import language as gl
 
 import foldc.backends.gluon.gemv as production
@@ -27,52 +28,25 @@ from foldc.bench import rebound
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-async_copy = production.async_copy
+
+@constexpr_function
+def chunk_words(W, BN):
+    """A chunk of a row BN * W words after the one before it (the tiled copy)."""
+    return int(BN) * int(W)
 
 
 @gluon.jit
-def _issue(stage, c0, c_hi, w_rows, w_smem, X, x_offs, x_smem, W: gl.constexpr, SUB: gl.constexpr,
-           X_SHARED: gl.constexpr):
-    """production._issue with a chunk BN * W words after the one before it (the tiled copy)."""
-    NB: gl.constexpr = W * 4
-    BN: gl.constexpr = w_smem.shape[1]
-    for u in gl.static_range(SUB):
-        c = gl.minimum(c0 + u, c_hi - 1)
-        async_copy.async_copy_global_to_shared(w_smem.index(stage * SUB + u), w_rows + c * (BN * W))
-        if X_SHARED:
-            async_copy.async_copy_global_to_shared(x_smem.index(stage * SUB + u), X + c * NB + x_offs)
-    async_copy.commit_group()
-
-
-@gluon.jit
-def program_tiles(X, WC, M, N, stride_wc, chunks_per_split, BN: gl.constexpr, W: gl.constexpr, F: gl.constexpr,
-                  ROWS: gl.constexpr, ROW_BYTES: gl.constexpr, STAGES: gl.constexpr, SUB: gl.constexpr,
-                  X_SHARED: gl.constexpr):
-    """production.program_tiles with the code words' pointers into the tiled copy: block b's chunk c at words
-    (b * NCH + c) * BN * W, row i of the block W words after row i - 1."""
-    NB: gl.constexpr = W * 4
-    D: gl.constexpr = NB * F
-    NCH: gl.constexpr = ROW_BYTES // NB
-    n0 = gl.program_id(0) * BN
-    c_lo = gl.program_id(1) * chunks_per_split
-    c_hi = gl.minimum(c_lo + chunks_per_split, NCH)
+def code_rows(WC, n0, N, stride_wc, BN: gl.constexpr, W: gl.constexpr, NCH: gl.constexpr):
+    """production.code_rows in the tiled copy: block b's chunk 0 at words b * NCH * BN * W, row i of the block W
+    words after row i - 1 (the copy's rows are padded to whole blocks)."""
     cp_l: gl.constexpr = production.copy_layout(BN, W, gl.num_warps())
     i = gl.arange(0, BN, layout=gl.SliceLayout(1, cp_l))
     wc = gl.arange(0, W, layout=gl.SliceLayout(0, cp_l))
-    w_rows = WC + gl.program_id(0).to(gl.int64) * (NCH * BN * W) + i[:, None] * W + wc[None, :]
-    w_smem = gl.allocate_shared_memory(gl.int32, [STAGES * SUB, BN, W], production.weight_tile_layout(W))
-    if X_SHARED:
-        x_at = production._x_offsets(D, NB, ROW_BYTES)
-        x_l: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
-        x_smem = gl.allocate_shared_memory(X.dtype.element_ty, [STAGES * SUB, D], x_l)
-    else:
-        mma: gl.constexpr = production.gemv_mma(gl.num_warps())
-        b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=8)
-        x_at = gl.minimum(gl.arange(0, ROWS, layout=gl.SliceLayout(0, b_l)), M - 1)
-        x_smem = w_smem   # (unused)
-    return n0, c_lo, c_hi, w_rows, x_at, w_smem, x_smem
+    return WC + (n0 // BN).to(gl.int64) * (NCH * BN * W) + i[:, None] * W + wc[None, :]
 
 
+_issue = rebound(production._issue, chunk_words=chunk_words)
+program_tiles = rebound(production.program_tiles, code_rows=code_rows)
 program_start = rebound(production.program_start, program_tiles=program_tiles, _issue=_issue)
 chunk_loop = rebound(production.chunk_loop, _issue=_issue)
 program_sums = rebound(production.program_sums, program_start=program_start, chunk_loop=chunk_loop)

@@ -376,6 +376,23 @@ def _load_x(X, rx, stride_x, j0, D: gl.constexpr, NB: gl.constexpr, ROWS: gl.con
     return gl.load(X + rx[None, :] * stride_x + koff[:, None])
 
 
+@constexpr_function
+def chunk_words(W, BN):
+    """Words from a chunk of a weight row to its next chunk in the codes as `foldc.quantize` packs them: W (a
+    benchmark's variant of another code layout replaces this and `code_rows`)."""
+    return int(W)
+
+
+@gluon.jit
+def code_rows(WC, n0, N, stride_wc, BN: gl.constexpr, W: gl.constexpr, NCH: gl.constexpr):
+    """Pointers to chunk 0's code words of the block's BN rows from n0 [BN, W], in the copies' layout (rows
+    past N read row N - 1, in bounds, never stored)."""
+    cp_l: gl.constexpr = copy_layout(BN, W, gl.num_warps())
+    rc = gl.minimum(n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, cp_l)), N - 1)
+    wc = gl.arange(0, W, layout=gl.SliceLayout(0, cp_l))
+    return WC + rc[:, None] * stride_wc + wc[None, :]
+
+
 @gluon.jit
 def _issue(stage, c0, c_hi, w_rows, w_smem, X, x_offs, x_smem, W: gl.constexpr, SUB: gl.constexpr,
            X_SHARED: gl.constexpr):
@@ -385,7 +402,8 @@ def _issue(stage, c0, c_hi, w_rows, w_smem, X, x_offs, x_smem, W: gl.constexpr, 
     NB: gl.constexpr = W * 4
     for u in gl.static_range(SUB):
         c = gl.minimum(c0 + u, c_hi - 1)
-        async_copy.async_copy_global_to_shared(w_smem.index(stage * SUB + u), w_rows + c * W)
+        async_copy.async_copy_global_to_shared(w_smem.index(stage * SUB + u),
+                                               w_rows + c * chunk_words(W, w_smem.shape[1]))
         if X_SHARED:
             async_copy.async_copy_global_to_shared(x_smem.index(stage * SUB + u), X + c * NB + x_offs)
     async_copy.commit_group()
@@ -404,11 +422,7 @@ def program_tiles(X, WC, M, N, stride_wc, chunks_per_split, BN: gl.constexpr, W:
     n0 = gl.program_id(0) * BN
     c_lo = gl.program_id(1) * chunks_per_split
     c_hi = gl.minimum(c_lo + chunks_per_split, NCH)
-    # rows past N read row N - 1 (in bounds) and are never stored
-    cp_l: gl.constexpr = copy_layout(BN, W, gl.num_warps())
-    rc = gl.minimum(n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, cp_l)), N - 1)
-    wc = gl.arange(0, W, layout=gl.SliceLayout(0, cp_l))
-    w_rows = WC + rc[:, None] * stride_wc + wc[None, :]
+    w_rows = code_rows(WC, n0, N, stride_wc, BN, W, NCH)
     # m = 1 (X_SHARED): the activation's row goes through shared memory with the code words, and every column
     # of the MMA's operand reads it there (its loads wait on shared memory, not on global loads one chunk
     # ahead, and no registers hold the next chunk: 4096 x 14336 INT4 14.8 -> 14.0 µs, benchmarks/gemv_ab.py).
