@@ -100,6 +100,13 @@ GRID = [("token:4:128", "token:2:128", "32/8", 128), ("token:2:128", "token:4:12
         ("token:4:32", "channel:4:128", "32/8", 256),
         # dequant plans whose token-wise groups cross a padded head_dim's bit fields
         ("token:2:32", "token:2:32", "64/4", 96), ("token:8:32", "token:4:96", "64/4", 96)]
+# ragged row blocks: query rows per KV head that split into no equal blocks (17: 9 + 8; 9 at head_dim 256: 5 + 4),
+# the last block's padding rows masked in the kernel and the merge; a dequant plan at 16-row blocks (31: 16 + 15)
+RAGGED = [("token:2:128", "token:2:128", "34/2", 128), ("token:4:64", "channel:2:64", "50/2", 128),
+          ("channel:4:64", "token:4:64", "62/2", 128), ("token:2:64", "token:2:64", "42/2", 64),
+          ("token:2:128", "token:4:128", "18/2", 256), ("channel:4:128", "token:2:128", "26/2", 256),
+          ("token:2:32", "token:2:32", "46/2", 128), ("token:4:96", "token:4:96", "21/1", 96),
+          ("token:2:32", "channel:4:32", "62/2", 128)]
 
 
 def _grid_spec(k, v, heads, head_dim):
@@ -117,6 +124,25 @@ def test_generated_layouts_match_float64(k, v, heads, head_dim):
     r = run_with_lens(attn, spec, [3001, 1, 1500, 2047], 3001, torch.bfloat16, "cuda",
                       seed=sum(map(ord, k + v + heads)) + head_dim)
     _check(r, f"{spec.describe()}")
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("k,v,heads,head_dim", RAGGED, ids=[f"{k}-{v}-{h}-d{d}" for k, v, h, d in RAGGED])
+def test_ragged_row_blocks_match_float64(k, v, heads, head_dim, dtype):
+    """Query rows per KV head in row blocks of unequal size: every query head written once from its own block
+    (out poisoned with NaN), within the bar for both query dtypes, ragged lengths, splits mid-sequence."""
+    spec = _grid_spec(k, v, heads, head_dim)
+    attn = foldc.compile(spec, "sm_90", kernel="gluon", splits=5)
+    assert attn.config.head_rows == spec.q_per_kv and attn.config.row_blocks > 1
+    r = run_with_lens(attn, spec, [2500, 1, 1300, 2047], 2500, DTYPES[dtype], "cuda",
+                      seed=sum(map(ord, k + v + heads)) + head_dim + 7)
+    _check(r, f"{spec.describe()} {dtype}")
+    # calls without lengths: the ordinary path, then the bound launches (decode and merge with HEAD_ROWS), then
+    # the held eager entry; each a new output, all equal to the first and to float64 within the bar
+    q, kc, vc, _ = random_inputs(spec, 2, 1000, DTYPES[dtype], "cuda", torch.Generator().manual_seed(head_dim))
+    outs = [attn(q, kc, vc) for _ in range(4)]
+    assert all(torch.equal(o, outs[0]) for o in outs[1:])
+    assert rel_l2(outs[0], foldc.attention_reference(q, kc, vc)) <= 5e-3
 
 
 PLAIN_GRID = [row for row in GRID if "none" in row[:2]]

@@ -63,7 +63,10 @@ GRID += [("token:4:128", "token:2:128", "32/8", 128), ("token:2:128", "token:4:1
          ("token:2:32", "token:2:32", "32/8", 96), ("token:8:48", "token:8:32", "32/8", 96),
          ("token:8:32", "token:4:96", "64/4", 96),   # a dequant plan's groups across them
          # 32-token tiles where 64 spilled: four groups per token beside a channel-wise side; head_dim 256 in four
-         ("token:2:32", "channel:2:64", "32/8", 128), ("token:2:64", "token:2:64", "32/8", 256)]
+         ("token:2:32", "channel:2:64", "32/8", 128), ("token:2:64", "token:2:64", "32/8", 256),
+         # ragged row blocks (17 rows per KV head: 9 + 8; 9 at head_dim 256: 5 + 4)
+         ("token:2:128", "token:2:128", "34/2", 128), ("channel:4:128", "token:2:128", "50/2", 128),
+         ("token:2:128", "token:4:128", "18/2", 256)]
 ARCHS = ("sm_90", "sm_100")
 # Builds whose token loop reads or writes local memory (spilled registers), with today's count of
 # those instructions as a bound: every other build must have none. Found when the check moved from the

@@ -100,7 +100,27 @@ def test_more_query_rows_than_the_mma_holds_take_row_blocks(heads, head_dim, blo
     cfg = lower(gluon_plan(spec))
     assert (cfg.row_blocks, cfg.q_per_kv) == (blocks, rows)
     assert cfg.row_blocks * cfg.q_per_kv == spec.q_per_kv and cfg.q_per_kv <= max_rows(head_dim)
-    assert cfg.rows == (8 if rows <= 8 else 16)
+    assert cfg.rows == (8 if rows <= 8 else 16) and cfg.head_rows == 0
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("q_per_kv", range(1, 35))
+def test_every_ratio_of_query_to_kv_heads_lowers(q_per_kv, head_dim):
+    """Any number of query rows per KV head lowers: past the MMA's N axis (16, or 8 past 128 channels), the
+    fewest row blocks, each ceil(rows / blocks) rows and the last the rest (17: 9 + 8, primes too), every
+    block more than half of N; the plan's break-even weighs one block's rows; head_rows marks the ragged
+    split (the kernel and the merge then mask the last block's padding rows)."""
+    spec = foldc.AttentionSpec(q_per_kv * 2, 2, head_dim, A(2, "token", 64), A(4, "channel", 64))
+    the_plan = gluon_plan(spec)
+    cfg = lower(the_plan)
+    most = max_rows(head_dim)
+    assert cfg.row_blocks == -(-q_per_kv // most)
+    assert (cfg.row_blocks - 1) * cfg.q_per_kv < q_per_kv <= cfg.row_blocks * cfg.q_per_kv
+    assert most // 2 < cfg.q_per_kv <= most if cfg.row_blocks > 1 else cfg.q_per_kv == q_per_kv
+    assert cfg.head_rows == (q_per_kv if cfg.row_blocks * cfg.q_per_kv != q_per_kv else 0)
+    assert the_plan.rows_per_program == (cfg.q_per_kv if cfg.row_blocks > 1 else None)
+    assert cfg.rows == (8 if cfg.q_per_kv <= 8 else 16)
+    assert foldc.prove(the_plan) is not None
 
 
 @pytest.mark.parametrize("k,v", [("none", "token:4:128"), ("token:2:64", "none"), ("none", "channel:8:64"),
@@ -157,8 +177,6 @@ def test_split_field_groups_gives_each_group_its_own_rows(bits, head_dim, group)
     (foldc.AttentionSpec(16, 8, 256, A(2, "channel", 16), A(2, "token", 256)), "two groups' parameters per tile spill"),
     (_spec("channel", "channel", group=8), "channel-wise groups of 8 tokens"),
     (_spec(bits=4, head_dim=32, group=32, heads=(8, 8)), "or 128 at 2 bits"),
-    (_spec(heads=(34, 1)), "17 equal blocks of 2 rows"),
-    (_spec(heads=(22, 2), head_dim=256, group=128), "11 equal blocks of 1 rows"),
     (_spec(None, None), "qk and pv are both plain"),
     (foldc.AttentionSpec(8, 8, 512, A(2, "token", 128), None), "plain side of head_dim=512"),
 ])

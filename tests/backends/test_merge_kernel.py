@@ -52,3 +52,33 @@ def test_merge_matches_float64_for_any_split_count(seed, splits, q_per_kv, empty
     assert not out.isnan().any() and not lse.isnan().any()
     assert torch.allclose(out.double(), want, rtol=1e-5, atol=1e-5), (out.double() - want).abs().max()
     assert torch.allclose(lse.double(), want_lse, rtol=1e-6, atol=1e-4)
+
+
+@needs_interpreter
+@settings(max_examples=10, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), splits=st.integers(1, 70), kv_heads=st.integers(1, 3),
+       blocks=st.sampled_from([(17, 9, 16), (25, 13, 16), (31, 16, 16), (9, 5, 8), (30, 8, 8), (13, 7, 8)]))
+def test_merge_writes_ragged_row_blocks_to_their_query_heads(seed, splits, kv_heads, blocks):
+    """Ragged row blocks (HEAD_ROWS): each KV head's query rows split into blocks of q_per_kv rows, the last
+    shorter; workspace head j is block j % blocks of KV head j // blocks. Every query head is
+    written once from its block's row, nothing past the last block's real rows (the NaN-filled output
+    would keep a stray NaN otherwise, and an out-of-range write would land on a later head)."""
+    head_rows, q_per_kv, rows = blocks
+    n_blocks = -(-head_rows // q_per_kv)
+    merge = load_module("import triton\nimport triton.language as tl\n" + MERGE_SOURCE, interpret=True).foldc_merge
+    gen = torch.Generator().manual_seed(seed)
+    b, d = 2, 16
+    programs = kv_heads * n_blocks
+    ws_m = torch.randn(b, programs, splits, rows, generator=gen) * 20
+    ws_l = torch.rand(b, programs, splits, rows, generator=gen) * 50 + 0.5
+    ws_acc = torch.randn(b, programs, splits, rows, d, generator=gen) * ws_l[..., None]
+    out = torch.full((b, kv_heads * head_rows, d), float("nan"), dtype=torch.float32)
+    lse = torch.full((b, kv_heads * head_rows), float("nan"), dtype=torch.float32)
+    with interpreter(True):
+        launch_merge(merge, ws_m, ws_l, ws_acc, out, lse, q_per_kv, head_rows=head_rows)
+    every, every_lse = _merge64(ws_m, ws_l, ws_acc, q_per_kv)   # [b, programs * q_per_kv, d]: blocks padded
+    every = every.reshape(b, kv_heads, n_blocks * q_per_kv, d)[:, :, :head_rows].reshape(b, kv_heads * head_rows, d)
+    every_lse = every_lse.reshape(b, kv_heads, n_blocks * q_per_kv)[:, :, :head_rows].reshape(b, -1)
+    assert not out.isnan().any() and not lse.isnan().any()
+    assert torch.allclose(out.double(), every, rtol=1e-5, atol=1e-5), (out.double() - every).abs().max()
+    assert torch.allclose(lse.double(), every_lse, rtol=1e-6, atol=1e-4)

@@ -403,7 +403,8 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
                        VA3: gl.constexpr, VCONS: gl.constexpr, VALUE_EXP: gl.constexpr, KEY_EXP: gl.constexpr,
                        PREFETCH: gl.constexpr, DYNAMIC: gl.constexpr, CHUNK: gl.constexpr, KEY_NG: gl.constexpr,
                        VAL_NG: gl.constexpr, RB: gl.constexpr, KDQ: gl.constexpr = False,
-                       VDQ: gl.constexpr = False, KMG: gl.constexpr = False, VMG: gl.constexpr = False):
+                       VDQ: gl.constexpr = False, KMG: gl.constexpr = False, VMG: gl.constexpr = False,
+                       QH: gl.constexpr = 0):
     # each side's bytes per token per bit field (NB), 32-bit words per token (W), fields per byte (F)
     # (a plain side: KBITS or VBITS 16, fields 0, its words bf16 pairs)
     KNB: gl.constexpr = D * KBITS // 8
@@ -435,8 +436,15 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
     # the first of the H KV heads this program packs into the MMA's N; with RB row blocks per KV head
     # (more query rows per KV head than the N axis holds; then H == 1) the program takes rows
     # [rb * Q_PER_KV, (rb + 1) * Q_PER_KV) of its head, and q_head0 is the first query head it reads
+    # (QH > 0: ragged row blocks, the KV head's QH query rows in blocks of Q_PER_KV, the last one shorter:
+    # the rows past its end are padding, read as zeros and not merged)
     h = (gl.program_id(1) // RB) * H
-    q_head0 = (h * RB + gl.program_id(1) % RB) * Q_PER_KV
+    if QH > 0:
+        q_head0 = h * QH + gl.program_id(1) % RB * Q_PER_KV
+        real_rows = gl.minimum(QH - gl.program_id(1) % RB * Q_PER_KV, Q_PER_KV)
+    else:
+        q_head0 = (h * RB + gl.program_id(1) % RB) * Q_PER_KV
+        real_rows = Q_PER_KV * H
     s = gl.program_id(2)
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
     b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=8)
@@ -507,7 +515,7 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
         chan = field * KNB + 4 * ((kq >> 3) & 3) + ((kq >> 1) & 1) + 2 * (kq & 1)
         q_off = chan
     # each lane's eight consecutive channels in one vector load, then put in k order (swap_k01)
-    q_mask = (rq < Q_PER_KV * H)[None, :]
+    q_mask = (rq < real_rows)[None, :]
     if PAD:   # the cache's channel of each register channel; the padding reads nothing (zero)
         q_mask = q_mask & (q_off % KCH < KCHR)[:, None]
         q_off = (q_off // KCH) * KCHR + q_off % KCH

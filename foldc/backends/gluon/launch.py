@@ -65,7 +65,8 @@ def constexprs(cfg: FoldKernel, block_n: int, stages: int, heads: int = 1, scale
                 KEY_EXP=0 if cfg.key_dequant else KEY_EXPONENT, PREFETCH=default_prefetch(cfg),
                 DYNAMIC=bool(dynamic),
                 CHUNK=chunk_tiles(cfg, block_n), KEY_NG=cfg.key_groups, VAL_NG=cfg.value_groups,
-                KDQ=cfg.key_dequant, VDQ=cfg.value_dequant, KMG=cfg.key_masked_groups, VMG=cfg.value_masked_groups)
+                KDQ=cfg.key_dequant, VDQ=cfg.value_dequant, KMG=cfg.key_masked_groups, VMG=cfg.value_masked_groups,
+                **({"QH": cfg.head_rows} if cfg.head_rows else {}))
 
 
 def chunk_tiles(cfg: FoldKernel, block_n: int) -> int:
@@ -525,7 +526,8 @@ class GluonAttention:
             key = _binding_key(launch, q, k, v, lens, out, sm_scale, per_split, splits, paged)
             state = self._bindings.get(key, launch)
             if type(state) is tuple and run_bound(state, _decode_addresses(q, k, v, lens, ws, paged), merge, ws, out,
-                                                  lse, self.config.q_per_kv * launch["heads"], (cache_tokens,)):
+                                                  lse, self.config.q_per_kv * launch["heads"], (cache_tokens,),
+                                                  self.config.head_rows):
                 return
         counters = None
         if _dynamic(launch):   # one tile counter per (batch, head group), zeroed each call
@@ -538,7 +540,8 @@ class GluonAttention:
         # PDL under CUDA-graph capture only: launched eagerly, the programmatic dependent merge cost
         # ~44 µs of GPU time per call at INT2 1 x 16K (H200, ninth session: `git show 6178656:docs/perf.md`)
         merge_grid, merge_args, merge_kwargs = merge_arguments(*ws, out, lse, self.config.q_per_kv * launch["heads"],
-                                                               pdl=self.pdl and now_capturing)
+                                                               pdl=self.pdl and now_capturing,
+                                                               head_rows=self.config.head_rows)
         merge[merge_grid](*merge_args, **merge_kwargs)
         if bindable:
             self._bindings.note(key, launch, state, lambda: (decode.bind(grid, args, kwargs, dynamic=(TOKENS_ARG,)),
@@ -618,7 +621,8 @@ class PreparedRun:
             if launched:
                 if launched == 1:   # the merge's bound launch declined
                     launch_merge(self.attn._launchers()[1], *self.workspace, out, self.lse,
-                                 self.attn.config.q_per_kv * self.launch.options["heads"])
+                                 self.attn.config.q_per_kv * self.launch.options["heads"],
+                                 head_rows=self.attn.config.head_rows)
                 return
         launch = self.launch
         self.attn.run(launch, q, self.k, self.v, out, self.lse, self.sm_scale, workspace=self.workspace, tokens=tokens,

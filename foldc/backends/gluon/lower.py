@@ -83,6 +83,8 @@ class FoldKernel:
     value_precision: OperandPrecision | None = None   # the plan was made without a dtype
     row_blocks: int = 1  # programs per KV head, each taking q_per_kv of its query rows (> 1: more rows
     #                      per KV head than the MMA's N axis holds)
+    head_rows: int = 0   # ragged row blocks: the KV head's query rows when they are not row_blocks x q_per_kv
+    #                      (the last block takes the rest, its other rows padding); 0 when the blocks are equal
     padded_dim: int = 0  # head_dim rounded up to the register layouts' width (0: head_dim, a power of two):
     #                      each bit field of a token padded with zero codes and zero query channels
     key_dequant: bool = False    # the plan dequantizes K (eq. 12's verdict): each value rebuilt as
@@ -160,9 +162,9 @@ def gluon_plan(spec: AttentionSpec, dtype: str = "bf16") -> Plan:
         raise NotLowerable(f"dtype={dtype!r}: the register-operand kernel takes {QUERY_DTYPES} queries")
     # past the rows one program holds, each block of rows reads and rebuilds the codes itself: the
     # break-even weighs a fold against one block's rows (eq. 12)
-    blocks = _row_blocks(spec.q_per_kv, max_rows(register_width(spec.head_dim)))
+    blocks, rows = row_blocks(spec.q_per_kv, max_rows(register_width(spec.head_dim)))
     return plan(spec, code_bias={"key": KEY_BIAS, "value": VALUE_BIAS}, dtype=dtype, operand_dtype="fp16",
-                rows_per_program=spec.q_per_kv // blocks if blocks > 1 else None,
+                rows_per_program=rows if blocks > 1 else None,
                 bar_dtype=BAR_DTYPE if dtype != BAR_DTYPE else None)
 
 
@@ -248,10 +250,10 @@ def lower(the_plan: Plan) -> FoldKernel:
         raise NotLowerable(f"head_dim={spec.head_dim} with channel-wise groups of {HALF_TILE_GROUP} tokens: two groups' "
                            "parameters per tile spill the one-warp program's registers (86-132 in the token loop, AOT "
                            "SASS); groups of 32 or more tokens lower")
-    row_blocks = _row_blocks(spec.q_per_kv, max_rows(width))
-    if the_plan.rows_per_program not in (None, spec.q_per_kv // row_blocks):
+    blocks, block_rows = row_blocks(spec.q_per_kv, max_rows(width))
+    if the_plan.rows_per_program not in (None, block_rows):
         raise NotLowerable(f"the plan weighs its folds for {the_plan.rows_per_program} query rows per program; the "
-                           f"kernel's programs take {spec.q_per_kv // row_blocks} (plan it with gluon_plan)")
+                           f"kernel's programs take {block_rows} (plan it with gluon_plan)")
     if qk.code_bias != KEY_BIAS or pv.code_bias != VALUE_BIAS:
         raise NotLowerable(f"the plan's code biases are key {qk.code_bias}, value {pv.code_bias}; this kernel's "
                            f"codes enter as exact fp16 subnormals, key {KEY_BIAS} and value {VALUE_BIAS} (plan it "
@@ -266,11 +268,10 @@ def lower(the_plan: Plan) -> FoldKernel:
         if p.precision is not None and p.precision.precision not in PRECISIONS:
             raise NotLowerable(f"{p.product}: the error model asks for operand precision {p.precision.precision} "
                                f"(eq. 6a); the register-operand kernel rounds its pre-scaled operand once")
-    block_rows = spec.q_per_kv // row_blocks
     rows = 8 if block_rows <= 8 else 16   # the MMA's N: 8 or 16
     return FoldKernel(key_bits=PLAIN_BITS if plain["qk"] else qk.bits, value_bits=PLAIN_BITS if plain["pv"] else pv.bits,
                       head_dim=spec.head_dim, q_per_kv=block_rows, rows=rows,
-                      row_blocks=row_blocks,
+                      row_blocks=blocks, head_rows=spec.q_per_kv if blocks * block_rows != spec.q_per_kv else 0,
                       key_tokens=token_groups["qk"], value_tokens=token_groups["pv"],
                       key_groups=channel_groups["qk"], value_groups=channel_groups["pv"],
                       key_precision=qk.precision.precision if qk.precision is not None else None,
@@ -298,19 +299,14 @@ def max_rows(head_dim: int) -> int:
     return MAX_ROWS if head_dim <= 128 else MAX_ROWS // 2
 
 
-def _row_blocks(q_per_kv: int, most: int) -> int:
-    """Programs per KV head: 1 when its query rows fit ``most`` rows of the MMA's N axis, else the
-    fewest equal blocks of at most ``most`` rows (each program reads the head's codes; the blocks are
-    neighbours in the grid, so all but the first read them from L2 when they run together)."""
-    for blocks in range(1, q_per_kv + 1):
-        if q_per_kv % blocks == 0 and q_per_kv // blocks <= most:
-            if blocks > 1 and q_per_kv // blocks <= most // 2:
-                raise NotLowerable(f"q_per_kv={q_per_kv} query heads per KV head split into {blocks} equal blocks of "
-                                   f"{q_per_kv // blocks} rows, at most half the MMA's {most}; the register-operand "
-                                   f"kernel takes up to {most} rows per KV head, or a number that splits into equal "
-                                   f"blocks of {most // 2 + 1} to {most} (e.g. {2 * most}, {3 * most})")
-            return blocks
-    raise AssertionError("unreachable: one row per block always fits")
+def row_blocks(q_per_kv: int, most: int) -> tuple[int, int]:
+    """(programs per KV head, query rows each takes): one program when the head's query rows fit ``most``
+    rows of the MMA's N axis, else the fewest blocks of at most ``most`` rows, as even as can be: each
+    block takes ceil(q_per_kv / blocks) rows and the last one the rest (17 rows: 9 + 8; 25: 13 + 12), so
+    every block fills more than half the N axis. Each program reads the head's codes; the blocks are
+    neighbours in the grid, so all but the first read them from L2 when they run together."""
+    blocks = -(-q_per_kv // most)
+    return blocks, -(-q_per_kv // blocks)
 
 
 def lowerable(spec: AttentionSpec, dtype: str = "bf16") -> tuple[bool, str]:

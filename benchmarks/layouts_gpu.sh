@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Issue 18's GPU checks and timings of the register-operand kernel's layouts, in device calls of under ten
+# minutes each. From the repository root on the device:
+#
+#     bash benchmarks/layouts_gpu.sh ragged       # ragged row blocks (17, 21, 25, 31 query rows per KV head; 9 and
+#                                                 #   13 at head_dim 256): checked against float64, then timed
+#                                                 #   beside 16 and 18 rows per KV head at 8 x 64K
+#     bash benchmarks/layouts_gpu.sh small        # the timed layout grid at 1 x 16K beside cuDNN (checked at 1 x 2K)
+#     bash benchmarks/layouts_gpu.sh small_sweep  # launch options of the two slowest 1 x 16K layouts against cuDNN
+#
+# Each step runs under its own time limit; its output goes to $OUT/<step>.log (and JSON where the script writes
+# one), and a line per step to $OUT/summary.txt. Figures go to docs/perf.md with their command, never into a test.
+set -u
+OUT=${OUT:-/tmp/layouts_gpu}
+mkdir -p "$OUT"
+export PYTHONPATH=.
+step() {   # step NAME SECONDS COMMAND...
+    local name=$1 limit=$2
+    shift 2
+    local start=$SECONDS
+    timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+    local rc=$?
+    echo "$name rc=$rc $((SECONDS - start))s: $(tail -n 1 "$OUT/$name.log")" | tee -a "$OUT/summary.txt"
+}
+RAGGED="token:2:128,token:2:128,32/2,128;token:2:128,token:2:128,34/2,128;token:2:128,token:2:128,36/2,128"
+RAGGED="$RAGGED;token:2:128,token:2:128,50/2,128;token:2:128,token:2:128,62/2,128;token:2:128,token:2:128,64/2,128"
+RAGGED="$RAGGED;token:4:128,token:4:128,16/2,256;token:4:128,token:4:128,18/2,256;token:4:128,token:4:128,20/2,256"
+case "${1:-ragged}" in
+  ragged)
+    step ragged_checks 330 python3 -m pytest -q -x tests/backends/test_gluon_gpu.py -k "ragged"
+    step ragged_times 240 python3 benchmarks/layout_times.py --shape 8x65536 --out "$OUT/ragged_times.json" \
+        --layouts "$RAGGED"
+    ;;
+  small)
+    step small 570 python3 -m foldc bench --layouts --grid timed --shapes 1x16384 --check-shape 1x2048 \
+        --out "$OUT/small"
+    ;;
+  small_sweep)   # the 1 x 16K layout slower than cuDNN on 2026-12-01 (K channel:4:64 / V token:4:64, 64/4) over
+    #              splits, tiles and stages; then the same for token-wise INT2 at 64/2 (1.05x cuDNN then)
+    step sweep_c4 280 python3 benchmarks/gluon_sweep.py --out "$OUT/sweep_c4_64x4.json" --bits 4 \
+        --layouts channel/token --group 64 --heads 64/4 --shapes 1x16384 --pack 1 --block-n 32,64 --stages 2,3 \
+        --maxnreg none --split-factor 0.5,1,2,4 --scale-ahead 0
+    step sweep_t2 280 python3 benchmarks/gluon_sweep.py --out "$OUT/sweep_t2_64x2.json" --bits 2 \
+        --layouts token/token --group 128 --heads 64/2 --shapes 1x16384 --pack 1 --block-n 32,64 --stages 2,3 \
+        --maxnreg none --split-factor 0.5,1,2,4 --scale-ahead 0
+    ;;
+  *)
+    echo "unknown step ${1}: ragged, small or small_sweep" >&2
+    exit 2
+    ;;
+esac
