@@ -6,7 +6,9 @@
 #                                                 #   13 at head_dim 256): checked against float64, then timed
 #                                                 #   beside 16 and 18 rows per KV head at 8 x 64K
 #     bash benchmarks/layouts_gpu.sh small        # the timed layout grid at 1 x 16K beside cuDNN (checked at 1 x 2K)
+#     bash benchmarks/layouts_gpu.sh small_both   # the same grid at 1 x 4K and 1 x 16K
 #     bash benchmarks/layouts_gpu.sh small_sweep  # launch options of the two slowest 1 x 16K layouts against cuDNN
+#     bash benchmarks/layouts_gpu.sh split_sweep  # tokens per split at small shapes (benchmarks/split_sweep.py)
 #
 # Each step runs under its own time limit; its output goes to $OUT/<step>.log (and JSON where the script writes
 # one), and a line per step to $OUT/summary.txt. Figures go to docs/perf.md with their command, never into a test.
@@ -35,6 +37,10 @@ case "${1:-ragged}" in
     step small 570 python3 -m foldc bench --layouts --grid timed --shapes 1x16384 --check-shape 1x2048 \
         --out "$OUT/small"
     ;;
+  small_both)   # the timed grid at 1 x 4K and 1 x 16K beside cuDNN (checked at 1 x 2K): the split rule's effect
+    step small_both 580 python3 -m foldc bench --layouts --grid timed --shapes 1x4096,1x16384 --check-shape 1x2048 \
+        --out "$OUT/small_both"
+    ;;
   small_sweep)   # the 1 x 16K layout slower than cuDNN on 2026-12-01 (K channel:4:64 / V token:4:64, 64/4) over
     #              splits, tiles and stages; then the same for token-wise INT2 at 64/2 (1.05x cuDNN then)
     step sweep_c4 280 python3 benchmarks/gluon_sweep.py --out "$OUT/sweep_c4_64x4.json" --bits 4 \
@@ -44,8 +50,15 @@ case "${1:-ragged}" in
         --layouts token/token --group 128 --heads 64/2 --shapes 1x16384 --pack 1 --block-n 32,64 --stages 2,3 \
         --maxnreg none --split-factor 0.5,1,2,4 --scale-ahead 0
     ;;
+  split_sweep)   # tokens per split at small shapes: each layout's default split count against fewer splits
+    L="channel:4:64,token:4:64,64/4,128;token:2:128,token:2:128,64/2,128;token:2:128,token:2:128,32/8,128"
+    L="$L;token:4:128,token:4:128,32/8,128;token:8:128,token:8:128,32/8,128;token:2:64,token:2:64,32/8,64"
+    L="$L;token:2:128,token:2:128,32/8,256;token:2:32,token:2:32,64/4,128;token:2:128,token:2:128,8/8,128"
+    step split_sweep 560 python3 benchmarks/split_sweep.py --shapes 1x4096,1x16384,1x65536,4x16384 \
+        --out "$OUT/split_sweep.json" --layouts "$L"
+    ;;
   *)
-    echo "unknown step ${1}: ragged, small or small_sweep" >&2
+    echo "unknown step ${1}: ragged, small, small_both, small_sweep or split_sweep" >&2
     exit 2
     ;;
 esac

@@ -2,7 +2,7 @@
 layouts ahead of time (CPU, no GPU), the SHA-256 of its whole disassembly (opcodes and operands, in
 order; addresses left out), written to a file or compared with one written before.
 
-    python3 benchmarks/sass_hash.py --out /tmp/before.json              # on the tree before a change
+    python3 benchmarks/sass_hash.py --out /tmp/before.json              # on the tree before a change (a worktree)
     python3 benchmarks/sass_hash.py --compare /tmp/before.json          # after it: exit 1 if any differs
 
 Layouts: the CI grid's (tests/backends/test_gluon_grid_aot.py) by default, or ``--grid quick|timed|full``
@@ -20,6 +20,8 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+# the tree this script is in, not an installed (editable) foldc: a worktree of the old commit measures the old code
+sys.path.insert(0, str(ROOT))
 
 
 def layouts(grid: str | None):

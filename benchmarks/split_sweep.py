@@ -1,70 +1,68 @@
-"""How the split count decides the register-operand kernel's time: for a few shapes and launch
-options, time explicit split counts and print each with the programs it launches, the kernel's
-registers and the waves of resident programs that makes (the first row of each: the launcher's
-own choice) (H200; evidence for docs/perf.md, not a test).
+"""How many tokens a split should take at small shapes: each layout at each shape with its default split
+count and with explicit fewer splits, timed by CUDA-graph replay (L2 flushed by do_bench), beside the
+bytes each split reads from the cache and writes to the workspace (the merge reads them back).
 
-    PYTHONPATH=. python3 benchmarks/split_sweep.py --out results/splits.json
+    PYTHONPATH=. python3 benchmarks/split_sweep.py --shapes 1x16384,1x4096 --out $OUT/split_sweep.json \\
+        --layouts "channel:4:64,token:4:64,64/4,128;token:2:128,token:2:128,32/8,128"
 """
 from __future__ import annotations
 
 import argparse
-import sys
+import json
 
 import torch
 
 import foldc
-from foldc.bench import decode_case, save_rows, timed
+from foldc.bench import decode_case, timed
+from foldc.spec import spec_from_args
+from foldc.testing import rel_l2
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser()
+def cache_bytes(k, v) -> int:
+    return sum(t.numel() * t.element_size() for x in (k, v) for t in (x.codes, x.scale, x.zero))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--layouts", required=True, help="K,V,heads,head_dim entries separated by ';'")
+    ap.add_argument("--shapes", default="1x16384")
+    ap.add_argument("--divisors", default="1,1.5,2,3,4,8,16", help="split counts tried: the default's / each")
     ap.add_argument("--out", required=True)
-    ap.add_argument("--cases", default="2:8x65536,2:32x16384,4:32x16384,4:8x65536,2:32x65536")
-    ap.add_argument("--configs", default="2:64:192,2:64:none,2:32:128,4:32:none,4:32:168,4:32:128",
-                    help="bits:block_n:maxnreg")
-    ap.add_argument("--waves", default="0.5,0.75,0.9,1,1.1,1.25,1.5,1.75,2,2.5,3")
-    args = ap.parse_args()
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    args = ap.parse_args(argv)
     rows = []
-    for case in args.cases.split(","):
-        bits, shape = case.split(":")
-        bits = int(bits)
-        b, n = (int(x) for x in shape.split("x"))
-        enc = foldc.Affine(bits, "token", 128)
-        spec = foldc.AttentionSpec(32, 8, 128, enc, enc)
-        q, k, v = decode_case(spec, b, n, seed=b * n + bits)
-        for conf in args.configs.split(","):
-            cb, bn, reg = conf.split(":")
-            if int(cb) != bits:
-                continue
-            opts = dict(block_n=int(bn), stages=2, **({} if reg == "none" else {"maxnreg": int(reg)}))
-            probe = foldc.compile(spec, "sm_90", kernel="gluon", **opts)
-            launch = probe.launch_config(q.dtype, b, n)
-            resident = probe.resident(launch, q.dtype, False, 0, q.device)
-            n_regs = launch[("registers", False, 0)]
-            groups = b * 8 // probe.heads
-            seen = set()
-            for w in [None] + [float(x) for x in args.waves.split(",")]:   # None: the launcher's own choice
-                want = None if w is None else max(1, round(w * sms * resident / groups))
-                attn = foldc.compile(spec, "sm_90", kernel="gluon", splits=want, **opts)
-                splits, per_split = attn.split_plan(attn.launch_config(q.dtype, b, n), b, n, q.device)
-                if w is not None and splits in seen:
-                    continue
-                seen.add(splits)
-                eager, graph = timed(lambda attn=attn, q=q, k=k, v=v: attn(q, k, v))
-                best = min(t for t in (eager, graph) if t is not None)
-                programs = groups * splits
-                row = dict(bits=bits, batch=b, tokens=n, block_n=int(bn), maxnreg=reg, n_regs=n_regs, default=w is None,
-                           resident=resident, splits=splits, per_split=per_split, programs=programs,
-                           waves=programs / (sms * resident), us=best)
+    for item in args.layouts.split(";"):
+        k_text, v_text, heads, d = item.split(",")
+        spec = spec_from_args(k_text, v_text, heads, int(d))
+        for shape in args.shapes.split(","):
+            batch, tokens = map(int, shape.split("x"))
+            q, k, v = decode_case(spec, batch, tokens, seed=batch * tokens + int(d))
+            ref = foldc.attention_reference(q, k, v)
+            default = foldc.compile(spec, "auto")
+            launch = default.plan_launch(q.dtype, batch, tokens, q.device, k=k, v=v)
+            programs = batch * launch.head_programs
+            tried = sorted({max(1, round(launch.splits / float(x))) for x in args.divisors.split(",")}, reverse=True)
+            base = dict(k=k_text, v=v_text, heads=heads, head_dim=int(d), batch=batch, tokens=tokens,
+                        kernel=launch.kernel, block_n=launch.block_n, default_splits=launch.splits,
+                        programs=programs, cache_bytes=cache_bytes(k, v), rows=launch.rows)
+            for splits in tried:
+                attn = default if splits == launch.splits else foldc.compile(spec, "auto", splits=splits)
+                row = dict(base, splits=splits, per_split=launch.per_split * launch.splits // splits)
+                try:
+                    out = attn(q, k, v)
+                    row["error"] = rel_l2(out, ref)
+                    row["eager_us"], row["graph_us"] = timed(lambda attn=attn, q=q, k=k, v=v: attn(q, k, v))
+                    # float32 accumulator rows, their max and denominator, per program and split
+                    row["workspace_bytes"] = programs * splits * launch.rows * (spec.head_dim + 2) * 4
+                except Exception as e:   # keep sweeping; the row records the failure
+                    row["fail"] = repr(e)[:300]
                 rows.append(row)
-                print(f"INT{bits} {b}x{n} bn{bn} reg{reg} ({n_regs} regs, {resident}/SM) "
-                      f"{'default' if w is None else 'splits'} {splits:4d} "
-                      f"({per_split} tok) programs {programs:5d} waves {row['waves']:.2f}: {best:.1f} us", flush=True)
-        del q, k, v
-        save_rows(rows, args.out)
+                print(json.dumps({key: (round(x, 2) if isinstance(x, float) else x) for key, x in row.items()}),
+                      flush=True)
+            with open(args.out, "w") as f:
+                json.dump(dict(gpu=torch.cuda.get_device_name(), rows=rows), f, indent=1)
+            del q, k, v, ref
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

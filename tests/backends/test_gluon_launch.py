@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 import foldc
 import foldc.testing
-from foldc.backends.gluon.launch import GluonAttention, constexprs, resident_programs, wave_splits
+from foldc.backends.gluon.launch import MIN_SPLIT_TOKENS, GluonAttention, constexprs, resident_programs, wave_splits
 from foldc.errors import SpecError
 
 H200_SHARED = 233472   # bytes of shared memory per SM
@@ -39,8 +39,23 @@ def test_wave_splits_fill_whole_waves_and_never_spill(groups, tokens, block_n, s
     assert 1 <= splits <= max(1, math.ceil(tiles / 2))
     if splits > 1:   # more than one split only while they all fit in the waves asked for
         assert splits * groups <= capacity
-    # and as many as fit: one more split would spill or pass the two-tiles-per-split floor or the cap
-    assert (splits + 1) * groups > capacity or splits + 1 > math.ceil(tiles / 2) or splits == 1024
+    half = (sms * resident // 2) // groups
+    if splits > max(1, half):   # past half a wave: every split takes at least MIN_SPLIT_TOKENS
+        assert splits * MIN_SPLIT_TOKENS <= tokens
+    # and as many as fit: one more split would spill or pass the two-tiles-per-split floor or the cap, or pass
+    # half a wave with splits shorter than MIN_SPLIT_TOKENS
+    assert ((splits + 1) * groups > capacity or splits + 1 > math.ceil(tiles / 2) or splits == 1024
+            or splits + 1 > max(half, tokens // MIN_SPLIT_TOKENS))
+
+
+@pytest.mark.parametrize("groups,tokens,want", [(4, 16384, 132), (4, 4096, 64), (16, 65536, 66), (64, 65536, 16)])
+def test_small_shapes_take_fewer_longer_splits_past_half_a_wave(groups, tokens, want):
+    """H100 figures (132 SMs, 8 resident one-warp programs): 1 x 16K at four programs per sequence took 29.7 µs in
+    256 splits of 64 tokens and 25.2 in 128 of 128 (benchmarks/split_sweep.py, docs/perf.md): past half a wave,
+    splits of at least MIN_SPLIT_TOKENS; 1 x 4K (256 programs of two tiles, under half a wave) keeps its 64."""
+    assert wave_splits(groups, tokens, 32, 132, 8) == want
+    # no floor (channel-wise groups of 16 tokens): as many two-tile splits as fill the wave
+    assert wave_splits(groups, tokens, 32, 132, 8, min_tokens=0) == min(132 * 8 // groups, tokens // 64, 1024)
 
 
 def _spec(bits=2):
@@ -401,7 +416,7 @@ def test_a_prepared_run_hands_the_bound_launches_its_fixed_addresses(monkeypatch
     spec = _spec(2)
     attn, decode, merge = _recorded(spec, monkeypatch)
     merges = []
-    monkeypatch.setattr(gluon_launch, "launch_merge", lambda *a: merges.append(a))
+    monkeypatch.setattr(gluon_launch, "launch_merge", lambda *a, **kw: merges.append(a))
     gen = torch.Generator().manual_seed(5)
     q, k, v, _ = foldc.testing.random_inputs(spec, 1, 512, torch.float16, "cpu", gen)
     launch = attn.plan_launch(torch.float16, 1, 512, torch.device("cpu"), has_lens=False)

@@ -66,7 +66,7 @@ def constexprs(cfg: FoldKernel, block_n: int, stages: int, heads: int = 1, scale
                 DYNAMIC=bool(dynamic),
                 CHUNK=chunk_tiles(cfg, block_n), KEY_NG=cfg.key_groups, VAL_NG=cfg.value_groups,
                 KDQ=cfg.key_dequant, VDQ=cfg.value_dequant, KMG=cfg.key_masked_groups, VMG=cfg.value_masked_groups,
-                **({"QH": cfg.head_rows} if cfg.head_rows else {}))
+                QH=cfg.head_rows)
 
 
 def chunk_tiles(cfg: FoldKernel, block_n: int) -> int:
@@ -143,14 +143,26 @@ def resident_programs(n_regs: int, shared_bytes: int, max_shared: int) -> int:
     return max(1, min(by_registers, by_shared, MAX_PROGRAMS_PER_SM))
 
 
-def wave_splits(groups: int, tokens: int, block_n: int, sms: int, resident: int, waves: float = 1.0) -> int:
+MIN_SPLIT_TOKENS = 128   # tokens per split past half a wave of resident programs (wave_splits)
+
+
+def wave_splits(groups: int, tokens: int, block_n: int, sms: int, resident: int, waves: float = 1.0,
+                min_tokens: int = MIN_SPLIT_TOKENS) -> int:
     """Split count for ``groups`` (batch x packed KV head) programs per split: as many as fill
     ``waves`` whole waves of resident programs (``sms x resident`` each) without starting another,
-    at least two tiles per split. A wave that spills over by a few programs leaves the SMs nearly
-    idle while they finish: 1.13 waves took 23% longer than 0.97 (docs/perf.md)."""
+    at least two tiles per split, and ``min_tokens`` past half a wave (0: no such floor). A wave that spills over by a few
+    programs leaves the SMs nearly idle while they finish: 1.13 waves took 23% longer than 0.97 (docs/perf.md)."""
     tiles = max(1, math.ceil(tokens / block_n))
     fit = int(waves * sms * resident) // max(1, groups)
-    return max(1, min(fit, math.ceil(tiles / 2), 1024))
+    splits = max(1, min(fit, math.ceil(tiles / 2), 1024))
+    # Past half a wave, splits of two 32-token tiles spend more on each program's fixed work (its query, a
+    # group's parameters, its workspace rows, which the merge reads back) than on its tiles: at least
+    # ``min_tokens`` per split there, down to half a wave (1 x 16K at 16 rows per program: 15% faster on the
+    # H100, docs/perf.md). Below half a wave the programs run side by side and more splits are shorter.
+    half = (sms * resident // 2) // max(1, groups)
+    if min_tokens and splits > half:
+        splits = max(1, min(splits, max(half, tokens // min_tokens)))
+    return splits
 
 
 class GluonAttention:
@@ -458,7 +470,11 @@ class GluonAttention:
         splits = self.splits
         if splits is None:
             resident = self.resident(launch, q_dtype, has_lens, page, device)
-            splits = wave_splits(batch * hkv, tokens, block_n, num_sms(device), resident, launch["split_factor"])
+            # channel-wise groups of 16 tokens reload their parameters every tile: a program's fixed work is
+            # small beside its tiles, and longer splits made them 18% slower at 1 x 16K (H100, docs/perf.md)
+            half_tiles = HALF_TILE_GROUP in (self.config.key_tokens, self.config.value_tokens)
+            splits = wave_splits(batch * hkv, tokens, block_n, num_sms(device), resident, launch["split_factor"],
+                                 0 if half_tiles else MIN_SPLIT_TOKENS)
         used, per_split = split_partition(tokens, splits, block_n)
         if _dynamic(launch):   # no more programs than chunks; each draws what it runs
             chunks = math.ceil(math.ceil(tokens / block_n) / launch["constexprs"]["CHUNK"])
