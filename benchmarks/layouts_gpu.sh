@@ -7,6 +7,7 @@
 #                                                 #   beside 16 and 18 rows per KV head at 8 x 64K
 #     bash benchmarks/layouts_gpu.sh small        # the timed layout grid at 1 x 16K beside cuDNN (checked at 1 x 2K)
 #     bash benchmarks/layouts_gpu.sh small_both   # the same grid at 1 x 4K and 1 x 16K
+#     bash benchmarks/layouts_gpu.sh grids        # the timed grid at 8 x 64K, 1 x 4K and 1 x 16K (what docs/perf.md cites)
 #     bash benchmarks/layouts_gpu.sh small_sweep  # launch options of the two slowest 1 x 16K layouts against cuDNN
 #     bash benchmarks/layouts_gpu.sh split_sweep  # tokens per split at small shapes (benchmarks/split_sweep.py)
 #
@@ -41,6 +42,11 @@ case "${1:-ragged}" in
     step small_both 580 python3 -m foldc bench --layouts --grid timed --shapes 1x4096,1x16384 --check-shape 1x2048 \
         --out "$OUT/small_both"
     ;;
+  grids)   # the timed grid at 8 x 64K, then at 1 x 4K and 1 x 16K, beside cuDNN, in one call
+    step grid_8x64k 215 python3 -m foldc bench --layouts --grid timed --out "$OUT/grid_8x64k"
+    step grid_small 355 python3 -m foldc bench --layouts --grid timed --shapes 1x4096,1x16384 --check-shape 1x2048 \
+        --out "$OUT/grid_small"
+    ;;
   small_sweep)   # the 1 x 16K layout slower than cuDNN on 2026-12-01 (K channel:4:64 / V token:4:64, 64/4) over
     #              splits, tiles and stages; then the same for token-wise INT2 at 64/2 (1.05x cuDNN then)
     step sweep_c4 280 python3 benchmarks/gluon_sweep.py --out "$OUT/sweep_c4_64x4.json" --bits 4 \
@@ -58,7 +64,7 @@ case "${1:-ragged}" in
         --out "$OUT/split_sweep.json" --layouts "$L"
     ;;
   *)
-    echo "unknown step ${1}: ragged, small, small_both, small_sweep or split_sweep" >&2
+    echo "unknown step ${1}: ragged, small, small_both, grids, small_sweep or split_sweep" >&2
     exit 2
     ;;
 esac
