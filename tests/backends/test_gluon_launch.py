@@ -58,6 +58,16 @@ def test_small_shapes_take_fewer_longer_splits_past_half_a_wave(groups, tokens, 
     assert wave_splits(groups, tokens, 32, 132, 8, min_tokens=0) == min(132 * 8 // groups, tokens // 64, 1024)
 
 
+@settings(max_examples=200, deadline=None)
+@given(groups=st.integers(8, 4096), tokens=st.integers(65536, 1 << 20), block_n=st.sampled_from([32, 64]),
+       resident=st.integers(1, 16))
+def test_the_split_floor_changes_nothing_at_8_x_64k_and_larger(groups, tokens, block_n, resident):
+    """At batch 8 or more (8 or more programs per split) and 64K tokens or more on an H100/H200 (132 SMs), the
+    wave allows at most 264 splits, each of 248 tokens or more: the 128-token floor never binds there."""
+    assert wave_splits(groups, tokens, block_n, 132, resident) == wave_splits(groups, tokens, block_n, 132, resident,
+                                                                              min_tokens=0)
+
+
 def _spec(bits=2):
     enc = foldc.Affine(bits, "token", 128)
     return foldc.AttentionSpec(32, 8, 128, enc, enc)
