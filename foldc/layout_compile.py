@@ -2,8 +2,8 @@
 
 Steps, for an attention or a GEMM layout alike:
 
-1. plan the layout with the passes the Triton backend uses (its code bias included, eq. 7) and
-   print the explain table;
+1. plan the layout as the kernel that will be built lowers it (the register-operand kernel: no code bias, its row
+   blocks' rows; the Triton backend: its code bias, eq. 7) and print the explain table;
 2. prove that plan with sympy (foldc.prove) and print the proof;
 3. by target:
    - ``sm_90`` / ``sm_100``: build the generated kernel ahead of time (no GPU needed) into
@@ -32,11 +32,16 @@ def _rel_l2(a, b) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm())
 
 
-def kernel_plan(spec, dtype: str):
-    """The plan the Triton backend lowers for ``spec`` (with its code bias)."""
+def kernel_plan(spec, dtype: str, kernel: str | None = None):
+    """The plan the kernel that will be built lowers for ``spec``: the register-operand kernel's (``kernel`` "gluon":
+    no code bias, its row blocks' rows, `gluon_plan`) or the Triton backend's (its code bias)."""
     workload = workload_of(spec)
     if workload is not None:
         return workload.kernel_plan(spec)
+    if kernel == "gluon":
+        from .backends.gluon.lower import gluon_plan
+
+        return gluon_plan(spec, dtype)
     from .backends.triton.launch import triton_plan
 
     return triton_plan(spec, dtype)
@@ -128,7 +133,7 @@ def compile_layout(spec, target: str, out: str | None, dtype: str | None = None,
     checker = _prepare(spec, target, which, options)
     if out:
         check_out_dir(out)
-    the_plan = kernel_plan(spec, dtype)
+    the_plan = kernel_plan(spec, dtype, which)   # the plan the built or checked kernel runs, explained and proved
     print(explain(the_plan))
     print(prove(the_plan))
     if target in ("sm_90", "sm_100"):

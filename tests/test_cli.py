@@ -376,3 +376,20 @@ def test_explain_gives_no_fitted_figure_outside_the_fit(capsys, argv, fragment):
     tail = " ".join(out.split("+\n")[-1].split())
     assert rc == 0 and "no fitted whole-loop figure" in tail and "lane-slots/byte" not in tail
     assert fragment in tail
+
+
+@pytest.mark.parametrize("heads,rows", [((32, 8), None), ((34, 2), 9), ((64, 2), 16)])
+def test_compile_explains_and_proves_the_plan_of_the_kernel_it_builds(heads, rows):
+    """`foldc compile` prints and proves the plan the built kernel runs: for the register-operand kernel its own plan
+    (no code bias: fp16-subnormal codes; the break-even of one row block's rows), for the Triton kernel the Triton
+    backend's (its code bias, eq. 7)."""
+    from foldc.backends.gluon.lower import gluon_plan
+    from foldc.backends.triton.launch import triton_plan
+    from foldc.layout_compile import kernel_plan
+
+    spec = foldc.AttentionSpec(*heads, 128, foldc.Affine(2, "token", 128), foldc.Affine(4, "channel", 64))
+    mine = kernel_plan(spec, "bf16", "gluon")
+    assert mine == gluon_plan(spec, "bf16") and mine.rows_per_program == rows
+    assert (mine.products["qk"].code_bias, mine.products["pv"].code_bias) == (0, 0)
+    assert kernel_plan(spec, "bf16", "triton") == triton_plan(spec, "bf16") == kernel_plan(spec, "bf16")
+    assert foldc.prove(mine) is not None

@@ -127,6 +127,8 @@ def test_foldc_compile_builds_the_register_operand_kernel(tmp_path):
     done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "register-operand kernel" in done.stdout and (tmp_path / "out" / "foldc_decode_gluon.sm_90.cubin").exists()
+    # the plan printed and proved is the one the kernel runs: no code bias (the codes enter as fp16 subnormals)
+    assert "code bias (eq. 7)          | none" in done.stdout and "folded into the zero" not in done.stdout
     refused = subprocess.run(args[:5] + ["token:4:16", "--v", "token:4:16"] + args[8:] + ["--kernel", "gluon"],
                              env=env, capture_output=True, text=True, timeout=300)
     assert refused.returncode != 0 and "token-wise groups of 16 channels" in refused.stderr
