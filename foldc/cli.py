@@ -25,6 +25,12 @@ def _add_layout_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--head-dim", type=int, default=None, help="channels per head (default 128)")
 
 
+def _add_target_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", default=None, choices=["sm_90", "sm_100", "interpret"],
+                   help="the plan of the kernel that runs the layout on this target, bf16 queries (its code bias, "
+                   "operand precision and rows per program); default: the reference plan")
+
+
 LAYOUT_FLAGS = (("k", "--k"), ("v", "--v"), ("heads", "--heads"), ("head_dim", "--head-dim"))
 
 
@@ -39,11 +45,25 @@ def _spec(args):
                           128 if args.head_dim is None else args.head_dim)
 
 
-def cmd_explain(args) -> int:
-    from .layout_compile import explain
+def _plan(args):
+    """The reference plan, or with --target the plan the kernel that runs the layout there runs (bf16 queries)."""
     from .plan import plan
 
-    p = plan(_spec(args))
+    spec = _spec(args)
+    if args.target is None:
+        return plan(spec)
+    from .registry import workload_of
+
+    if workload_of(spec) is not None:
+        raise SpecError(f"--target {args.target} plans attention's kernels; a GEMM layout's plan has no target: drop "
+                        "--target (foldc compile builds its kernel)")
+    return plan(spec, target=args.target)
+
+
+def cmd_explain(args) -> int:
+    from .layout_compile import explain
+
+    p = _plan(args)
     print(explain(p))
     if args.ir:
         print()
@@ -52,10 +72,9 @@ def cmd_explain(args) -> int:
 
 
 def cmd_prove(args) -> int:
-    from .plan import plan
     from .proof import prove
 
-    p = plan(_spec(args))
+    p = _plan(args)
     print(p)
     print(prove(p))
     return 0
@@ -107,9 +126,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("explain", help="print the plan as a table: folds, corrections, ordering, cost")
     _add_layout_args(p)
     p.add_argument("--ir", action="store_true", help="also print the folded IR graph")
+    _add_target_arg(p)
     p.set_defaults(func=cmd_explain)
     p = sub.add_parser("prove", help="prove the plan exact with sympy")
     _add_layout_args(p)
+    _add_target_arg(p)
     p.set_defaults(func=cmd_prove)
     p = sub.add_parser("compile", help="plan, prove and emit the kernel of a layout: build it ahead of time for "
                        "a GPU (no GPU needed), or check it under the interpreter / float64 executor")

@@ -243,14 +243,15 @@ def _make_plan(spec: AttentionSpec, graph: Graph, log, dtype: str | None = None,
     constraints = tuple(graph.meta.get("constraint", ()))
     products = {}
     for name in PRODUCT_ORDER:
-        p = _product_plan(graph, name, spec, constraints)
+        p = _product_plan(graph, name, spec, constraints, rows_per_program)
         if dtype is not None:   # eq. 6a: the operand precision, from the product's decisions
             p = replace(p, precision=product_precision(p, dtype, operand_dtype=operand_dtype, bar_dtype=bar_dtype))
         products[name] = p
     return Plan(spec, graph, products, constraints, tuple(log), dtype, operand_dtype, rows_per_program, bar_dtype)
 
 
-def _product_plan(graph: Graph, name: str, spec: AttentionSpec, constraints) -> ProductPlan:
+def _product_plan(graph: Graph, name: str, spec: AttentionSpec, constraints,
+                  rows_per_program: int | None = None) -> ProductPlan:
     role, other, reduce = {"qk": ("key", "q", "channel"), "pv": ("value", "p", "token")}[name]
     contracts = [n for n in graph.nodes_of(Contract) if n.product == name]
     fold = FoldKind(contracts[0].fold if contracts else "none")
@@ -259,6 +260,8 @@ def _product_plan(graph: Graph, name: str, spec: AttentionSpec, constraints) -> 
     if enc is None:
         return ProductPlan(name, None, other, reduce, FoldKind.NONE, reason=f"%{inp.name} is a plain operand")
     h = rows_sharing_group(graph, _probe_contract(name, inp, other, reduce))
+    if rows_per_program is not None:   # a kernel's row blocks each rebuild the tile for their own rows (eq. 12)
+        h = min(h, rows_per_program)
     cost = fold_cost(h, enc.group_size)
     axis, g = GroupAxis.of(enc), enc.group_size
     target = {FoldKind.ACC_FOLD: ScaleTarget.ACCUMULATOR, FoldKind.OPERAND_FOLD: ScaleTarget.OPERAND}

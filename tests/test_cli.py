@@ -393,3 +393,20 @@ def test_compile_explains_and_proves_the_plan_of_the_kernel_it_builds(heads, row
     assert (mine.products["qk"].code_bias, mine.products["pv"].code_bias) == (0, 0)
     assert kernel_plan(spec, "bf16", "triton") == triton_plan(spec, "bf16") == kernel_plan(spec, "bf16")
     assert foldc.prove(mine) is not None
+
+
+def test_explain_and_prove_take_a_target(capsys):
+    """`foldc explain --target sm_90` renders the plan the register-operand kernel runs (no code bias, one row block's
+    rows in the cost and the break-even: 17 rows per KV head in blocks of 9); `prove --target` proves that plan; a
+    GEMM layout's plan has no target."""
+    assert main(["explain", "--heads", "34/2", "--target", "sm_90"]) == 0
+    out = capsys.readouterr().out
+    assert "code bias (eq. 7)          | none" in out and "2*9/128" in out and "2*17/128" not in out
+    assert main(["explain", "--heads", "34/2"]) == 0
+    out = capsys.readouterr().out
+    assert "2*17/128" in out   # the reference plan: every query row of a KV head shares a tile
+    assert main(["prove", "--heads", "34/2", "--target", "interpret"]) == 0
+    assert "exact" in capsys.readouterr().out
+    gemm = Path(__file__).resolve().parent.parent / "examples" / "layouts" / "gemm_int4_g128_gemv.toml"
+    assert main(["explain", str(gemm), "--target", "sm_90"]) == 2
+    assert "a GEMM layout's plan has no target" in capsys.readouterr().err

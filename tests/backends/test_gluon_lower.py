@@ -119,6 +119,8 @@ def test_every_ratio_of_query_to_kv_heads_lowers(q_per_kv, head_dim):
     assert most // 2 < cfg.q_per_kv <= most if cfg.row_blocks > 1 else cfg.q_per_kv == q_per_kv
     assert cfg.head_rows == (q_per_kv if cfg.row_blocks * cfg.q_per_kv != q_per_kv else 0)
     assert the_plan.rows_per_program == (cfg.q_per_kv if cfg.row_blocks > 1 else None)
+    # the plan's cost (eq. 12) and issue verdicts are one program's: each block rebuilds the tile for its rows
+    assert all(p.rows_per_group == cfg.q_per_kv for p in the_plan.products.values())
     assert cfg.rows == (8 if cfg.q_per_kv <= 8 else 16)
     assert foldc.prove(the_plan) is not None
 
