@@ -24,16 +24,7 @@
 # their command, never into a test.
 set -u
 OUT=${OUT:-/tmp/host_path_gpu}
-mkdir -p "$OUT"
-export PYTHONPATH=.
-step() {   # step NAME SECONDS COMMAND...
-    local name=$1 limit=$2
-    shift 2
-    local start=$SECONDS
-    timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
-    local rc=$?
-    echo "$name rc=$rc $((SECONDS - start))s: $(tail -n 1 "$OUT/$name.log")" | tee -a "$OUT/summary.txt"
-}
+. "$(dirname "$0")/gpu_step.sh"   # step NAME SECONDS COMMAND...
 case "${1:-checks}" in
   checks)
     step append 120 python3 -m pytest -q -x tests/serving/test_append.py -k "gpu"

@@ -15,16 +15,7 @@
 # one), and a line per step to $OUT/summary.txt. Figures go to docs/perf.md with their command, never into a test.
 set -u
 OUT=${OUT:-/tmp/layouts_gpu}
-mkdir -p "$OUT"
-export PYTHONPATH=.
-step() {   # step NAME SECONDS COMMAND...
-    local name=$1 limit=$2
-    shift 2
-    local start=$SECONDS
-    timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
-    local rc=$?
-    echo "$name rc=$rc $((SECONDS - start))s: $(tail -n 1 "$OUT/$name.log")" | tee -a "$OUT/summary.txt"
-}
+. "$(dirname "$0")/gpu_step.sh"   # step NAME SECONDS COMMAND...
 RAGGED="token:2:128,token:2:128,32/2,128;token:2:128,token:2:128,34/2,128;token:2:128,token:2:128,36/2,128"
 RAGGED="$RAGGED;token:2:128,token:2:128,50/2,128;token:2:128,token:2:128,62/2,128;token:2:128,token:2:128,64/2,128"
 RAGGED="$RAGGED;token:4:128,token:4:128,16/2,256;token:4:128,token:4:128,18/2,256;token:4:128,token:4:128,20/2,256"
