@@ -150,8 +150,9 @@ def wave_splits(groups: int, tokens: int, block_n: int, sms: int, resident: int,
                 min_tokens: int = MIN_SPLIT_TOKENS) -> int:
     """Split count for ``groups`` (batch x packed KV head) programs per split: as many as fill
     ``waves`` whole waves of resident programs (``sms x resident`` each) without starting another,
-    at least two tiles per split, and ``min_tokens`` past half a wave (0: no such floor). A wave that spills over by a few
-    programs leaves the SMs nearly idle while they finish: 1.13 waves took 23% longer than 0.97 (docs/perf.md)."""
+    at least two tiles per split, and ``min_tokens`` past half a wave (0: no such floor). A wave that
+    spills over by a few programs leaves the SMs nearly idle while they finish: 1.13 waves took 23%
+    longer than 0.97 (docs/perf.md)."""
     tiles = max(1, math.ceil(tokens / block_n))
     fit = int(waves * sms * resident) // max(1, groups)
     splits = max(1, min(fit, math.ceil(tiles / 2), 1024))
