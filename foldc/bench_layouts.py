@@ -61,8 +61,8 @@ SIDE_LAYOUTS = ("token", "channel")
 BITS = (2, 4, 8)
 GROUPS = (32, 64, 128)
 #: query heads / KV heads for each GQA ratio: 8 KV heads up to 8 query heads per KV head, fewer
-#: above it so that no layout has more than 64 query heads
-GQA_HEADS = {1: (8, 8), 4: (32, 8), 5: (40, 8), 7: (56, 8), 8: (64, 8), 16: (64, 4), 32: (64, 2)}
+#: above it so that no layout has more than 64 query heads; 17 splits into row blocks of 9 and 8
+GQA_HEADS = {1: (8, 8), 4: (32, 8), 5: (40, 8), 7: (56, 8), 8: (64, 8), 16: (64, 4), 17: (34, 2), 32: (64, 2)}
 HEAD_DIMS = (64, 128, 256)
 BASE_HEADS, BASE_HEAD_DIM = GQA_HEADS[4], 128   # every layout not said otherwise: 32/8 heads, head_dim 128
 PLAIN = "plain"
@@ -113,7 +113,7 @@ TIMED = (
     ("token:2:128", "token:2:128", *GQA_HEADS[1], 128), ("token:2:128", "token:2:128", *GQA_HEADS[5], 128),
     ("token:2:128", "token:2:128", *GQA_HEADS[7], 128), ("token:2:128", "token:2:128", *GQA_HEADS[8], 128),
     ("token:2:128", "token:2:128", *GQA_HEADS[16], 128), ("token:2:128", "token:2:128", *GQA_HEADS[32], 128),
-    ("channel:4:64", "token:4:64", *GQA_HEADS[16], 128),
+    ("channel:4:64", "token:4:64", *GQA_HEADS[16], 128), ("token:2:128", "token:2:128", *GQA_HEADS[17], 128),
     ("token:2:64", "token:2:64", *BASE_HEADS, 64), ("token:2:128", "token:2:128", *BASE_HEADS, 256),
     ("token:4:128", "channel:4:128", *BASE_HEADS, 256),
     ("channel:2:16", "token:2:128"), ("token:2:32", "token:2:32", *GQA_HEADS[16], 128),

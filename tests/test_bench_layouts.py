@@ -30,13 +30,13 @@ def test_full_grid_is_the_product_of_both_sides_plus_plain_sides_and_extras():
     sides = bl.side_encodings()
     assert len(sides) == 2 * 3 * 3 == 18
     extras = len(bl.SCALE_DTYPE_EXTRAS) + len(bl.GQA_EXTRAS) + len(bl.HEAD_DIM_EXTRAS) + len(bl.FEATURE_EXTRAS)
-    assert len(grid) == 18 * 18 + 2 * 18 + extras == 394
+    assert len(grid) == 18 * 18 + 2 * 18 + extras == 396
     assert len({lay.label for lay in grid}) == len(grid)            # no duplicates
     base = [lay for lay in grid if (lay.q_heads, lay.kv_heads, lay.head_dim) == (32, 8, 128)]
     pairs = {(bl.side_text(lay.k), bl.side_text(lay.v)) for lay in base}
     assert {(k, v) for k in sides for v in sides} <= pairs            # mixed widths and groups included
     assert {(k, "plain") for k in sides} | {("plain", v) for v in sides} <= pairs
-    assert bl.axes(grid)["gqa ratio"] == {1, 4, 5, 7, 8, 16, 32}
+    assert bl.axes(grid)["gqa ratio"] == {1, 4, 5, 7, 8, 16, 17, 32}
     assert bl.axes(grid)["head_dim"] == {64, 96, 128, 256}
     assert bl.axes(grid)["scale dtype"] == {"fp16", "bf16", "fp32"}
     assert {(lay.q_heads, lay.kv_heads) for lay in grid} == set(bl.GQA_HEADS.values())
@@ -55,7 +55,7 @@ def test_timed_subset_covers_every_axis_of_the_grid():
     assert seen["group size"] >= {16, 32, 64, 128}
     assert True in seen["mixed bits"]
     assert {"bf16", "fp32"} <= seen["scale dtype"]
-    assert {1, 5, 7, 16, 32} <= seen["gqa ratio"]
+    assert {1, 5, 7, 16, 17, 32} <= seen["gqa ratio"]
     assert {64, 96, 256} <= seen["head_dim"]
     for lay in timed:
         lay.spec()   # none of the timed layouts is one foldc refuses
@@ -68,7 +68,7 @@ def test_uncovered_names_what_a_subset_lacks():
     no_plain_k = [lay for lay in timed if lay.k is not None]
     assert bl.uncovered(no_plain_k) == {"k layout": {"plain"}}
     only_base = [lay for lay in timed if lay.gqa == 4 and lay.head_dim == 128]
-    assert bl.uncovered(only_base) == {"gqa ratio": {1, 5, 7, 8, 16, 32}, "head_dim": {64, 256}}
+    assert bl.uncovered(only_base) == {"gqa ratio": {1, 5, 7, 8, 16, 17, 32}, "head_dim": {64, 256}}
 
 
 def test_quick_grid_and_only_filter():
