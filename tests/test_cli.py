@@ -402,6 +402,7 @@ def test_explain_and_prove_take_a_target(capsys):
     assert main(["explain", "--heads", "34/2", "--target", "sm_90"]) == 0
     out = capsys.readouterr().out
     assert "code bias (eq. 7)          | none" in out and "2*9/128" in out and "2*17/128" not in out
+    assert "2 row blocks of 9 query rows per KV head (the last 8)" in " ".join(out.split())
     assert main(["explain", "--heads", "34/2"]) == 0
     out = capsys.readouterr().out
     assert "2*17/128" in out   # the reference plan: every query row of a KV head shares a tile

@@ -18,6 +18,8 @@ def describe(spec) -> str:
     launcher = GluonAttention(spec)          # its defaults: KV heads per program and tokens per tile
     heads, block_n = launcher.heads, launcher.default_block_n
     blocks = f", {cfg.row_blocks} row blocks of {cfg.q_per_kv} query rows per KV head" if cfg.row_blocks > 1 else ""
+    if cfg.head_rows:   # ragged: the last block takes the rest
+        blocks += f" (the last {cfg.head_rows - (cfg.row_blocks - 1) * cfg.q_per_kv})"
     if cfg.key_tokens or cfg.value_tokens or cfg.key_plain or cfg.value_plain or cfg.rows == 16 or cfg.width > 128 \
             or cfg.narrow or cfg.padded_dim:
         return (f"register-operand kernel (sm_90, sm_100), {heads} KV head(s) per program{blocks}: no fitted "
