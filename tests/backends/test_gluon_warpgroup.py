@@ -52,7 +52,7 @@ def test_eager_launches_are_noted_then_bound_then_launched_by_address(monkeypatc
     launcher._kernel = kernel = LaunchRecorder()
     merge = LaunchRecorder()
     ordinary_merges = []
-    monkeypatch.setattr("foldc.backends.runtime.merge.launch_merge", lambda *a: ordinary_merges.append(a))
+    monkeypatch.setattr("foldc.backends.runtime.merge.launch_merge", lambda *a, **kw: ordinary_merges.append(a))
     monkeypatch.setattr(wl, "num_sms", lambda device: 132)
     gen = torch.Generator().manual_seed(2)
     q, k, v, _ = random_inputs(spec, 2, 256, torch.float16, "cpu", gen)
