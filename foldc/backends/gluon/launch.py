@@ -169,7 +169,8 @@ def wave_splits(groups: int, tokens: int, block_n: int, sms: int, resident: int,
 class GluonAttention:
     """Decode attention through the register-operand kernel. Options: ``block_n`` (32 or 64
     tokens per tile), ``stages`` (code tiles in flight, 2-4), ``splits`` (split-KV count; default
-    as many as fill ``split_factor`` waves of resident programs, `wave_splits`), ``maxnreg``
+    as many as fill ``split_factor`` waves of resident programs, each split at least two tiles and, past
+    half a wave, MIN_SPLIT_TOKENS: `wave_splits`; pass ``splits`` to set the count), ``maxnreg``
     (register cap per thread, e.g. 128), ``pack_heads`` (KV heads per program whose query rows
     share the MMA's N axis; default `default_pack_heads`), ``scale_ahead`` (load token-wise scales a
     tile early, in registers; default `default_scale_ahead`), ``dynamic_tiles`` (default False: the
