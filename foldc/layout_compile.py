@@ -38,13 +38,9 @@ def kernel_plan(spec, dtype: str, kernel: str | None = None):
     workload = workload_of(spec)
     if workload is not None:
         return workload.kernel_plan(spec)
-    if kernel == "gluon":
-        from .backends.gluon.lower import gluon_plan
+    from .registry import attention_backend
 
-        return gluon_plan(spec, dtype)
-    from .backends.triton.launch import triton_plan
-
-    return triton_plan(spec, dtype)
+    return attention_backend(kernel or "triton").target_plan(spec, dtype)
 
 
 def explain(the_plan) -> str:

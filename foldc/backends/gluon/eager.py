@@ -82,7 +82,7 @@ class EagerCalls:
         if not launched:
             return None
         if launched == 1:   # the merge's bound launch declined
-            launch_merge(attn._launchers()[1], *workspace, out, lse, *rows)
+            launch_merge(attn._launchers()[1], *workspace, out, lse, rows, head_rows=attn.config.head_rows)
         return out
 
     def note(self, attn, launch, q, k, v, sm_scale, out, workspace, lse, binding_key) -> None:
@@ -98,7 +98,7 @@ class EagerCalls:
             return
         if len(self._held) >= MOST:
             self._held.clear()
-        rows = (attn.config.q_per_kv * launch.options["heads"], False, attn.config.head_rows)   # launch_merge's
+        rows = attn.config.q_per_kv * launch.options["heads"]
         fixed = (tuple(map(_DATA_PTR, workspace)), lse.data_ptr())
         self._held[key] = (state[0], state[1], (launch.cache_tokens,), fixed, workspace, lse, rows, attn._modules)
 
