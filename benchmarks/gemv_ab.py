@@ -89,7 +89,7 @@ def summary(r: dict) -> str:
     out = f"{r['enc']:14} {r['n']:5}x{r['k']:5} m{r['m']:2} fp16 {r['fp16_us']:6.1f} "
     out += f"torch-int4 {r.get('torch_int4_us') or 0:6.1f} |"
     for t in ("float16", "bfloat16"):
-        names = [n for n in ("a", "flip", "variant", "b") if f"{n}_{t}_us" in r]
+        names = [n for n in ("a", "flip", "variant", "b") + tuple(f"b{j}" for j in range(8)) if f"{n}_{t}_us" in r]
         out += f" {t}: " + " ".join(f"{n} {r[f'{n}_{t}_us']:.2f}" for n in names) + f" (err a {r[f'a_{t}_err']:.1e}) |"
     if "a_options" in r:
         out += " options " + " ".join(f"{json.dumps(o)}:{u and round(u, 2)}" for o, _, u in r["a_options"])
@@ -104,6 +104,8 @@ def main(argv=None) -> int:
                     "in benchmarks/gemv_variants.py)")
     ap.add_argument("--b-asm", choices=("launcher", "swapped", "natural"), default="launcher",
                     help="the unpack B runs: the launcher's (its ASM and SWAP), or one order forced")
+    ap.add_argument("--b-override", default=None, help="a JSON list of dicts of B's constants to override: B is timed "
+                    "once per dict (b0, b1, ...), e.g. '[{\"STAGES\": 2}, {\"STAGES\": 4}]'")
     ap.add_argument("--variant", default=None, help="a JSON dict of the production kernel's constants to override "
                     "(timed as 'variant', e.g. '{\"X_SHARED\": false}')")
     ap.add_argument("--out", default="results/gemv_ab.json")
@@ -150,7 +152,10 @@ def main(argv=None) -> int:
             from foldc.backends.gluon.gemv import foldc_gemv_gluon
 
             calls = {"flip": b_call(foldc_gemv_gluon, kern.gemv, "flip")}
-            if kernel_b is not None:
+            if kernel_b is not None and args.b_override:
+                for j, o in enumerate(json.loads(args.b_override)):
+                    calls[f"b{j}"] = b_call(kernel_b, kern.gemv, args.b_asm, o)
+            elif kernel_b is not None:
                 calls["b"] = b_call(kernel_b, kern.gemv, args.b_asm)
             if args.variant:
                 calls["variant"] = b_call(foldc_gemv_gluon, kern.gemv, "launcher", json.loads(args.variant))
