@@ -10,6 +10,8 @@
 #     bash benchmarks/layouts_gpu.sh grids        # the timed grid at 8 x 64K, 1 x 4K and 1 x 16K (what docs/perf.md cites)
 #     bash benchmarks/layouts_gpu.sh small_sweep  # launch options of the two slowest 1 x 16K layouts against cuDNN
 #     bash benchmarks/layouts_gpu.sh split_sweep  # tokens per split at small shapes (benchmarks/split_sweep.py)
+#     bash benchmarks/layouts_gpu.sh g16wide      # channel-wise groups of 16 tokens past 128 channels: checked,
+#                                                 #   timed beside the Triton kernel at 8 x 64K, and at 1 x 16K
 #
 # Each step runs under its own time limit; its output goes to $OUT/<step>.log (and JSON where the script writes
 # one), and a line per step to $OUT/summary.txt. Figures go to docs/perf.md with their command, never into a test.
@@ -19,11 +21,22 @@ OUT=${OUT:-/tmp/layouts_gpu}
 RAGGED="token:2:128,token:2:128,32/2,128;token:2:128,token:2:128,34/2,128;token:2:128,token:2:128,36/2,128"
 RAGGED="$RAGGED;token:2:128,token:2:128,50/2,128;token:2:128,token:2:128,62/2,128;token:2:128,token:2:128,64/2,128"
 RAGGED="$RAGGED;token:4:128,token:4:128,16/2,256;token:4:128,token:4:128,18/2,256;token:4:128,token:4:128,20/2,256"
+G16WIDE="channel:2:16,token:2:128,32/8,256;token:4:128,channel:4:16,32/8,256;channel:2:16,channel:2:16,32/8,256"
+G16WIDE="$G16WIDE;channel:8:16,token:4:64,16/4,256;token:2:128,channel:2:16,16/8,256"
+G16WIDE="$G16WIDE;channel:4:16:fp32,channel:2:16,8/8,256;channel:4:16,token:4:80,32/8,160;channel:2:32,token:2:128,32/8,256"
+G16WIDE="$G16WIDE;channel:4:16,token:2:128,72/8,256;channel:2:16,channel:2:16,16/2,256;token:4:128,channel:4:16,64/8,256"
 case "${1:-ragged}" in
   ragged)
     step ragged_checks 330 python3 -m pytest -q -x tests/backends/test_gluon_gpu.py -k "ragged"
     step ragged_times 240 python3 benchmarks/layout_times.py --shape 8x65536 --out "$OUT/ragged_times.json" \
         --layouts "$RAGGED"
+    ;;
+  g16wide)   # channel-wise groups of 16 tokens past 128 channels: checked, then timed beside the Triton kernel
+    step g16wide_checks 300 python3 -m pytest -q tests/backends/test_gluon_gpu.py -k "generated_layouts and (d256 or d160)"
+    step g16wide_times 280 python3 benchmarks/layout_times.py --shape 8x65536 --triton --out "$OUT/g16wide_times.json" \
+        --layouts "$G16WIDE"
+    step g16wide_small 150 python3 benchmarks/layout_times.py --shape 1x16384 --out "$OUT/g16wide_small.json" \
+        --layouts "$G16WIDE"
     ;;
   small)
     step small 570 python3 -m foldc bench --layouts --grid timed --shapes 1x16384 --check-shape 1x2048 \

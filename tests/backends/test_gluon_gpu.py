@@ -85,6 +85,12 @@ GRID = [("token:4:128", "token:2:128", "32/8", 128), ("token:2:128", "token:4:12
         ("channel:2:16", "channel:2:16", "32/8", 128), ("channel:8:16", "token:4:32", "16/8", 64),
         ("channel:4:16:fp32", "channel:8:16", "40/8", 128), ("channel:2:16", "channel:4:16", "64/4", 128),
         ("token:2:128", "channel:2:16", "8/8", 128), ("channel:4:16", "token:4:96", "32/8", 96),
+        # ... past 128 channels (head_dim 160 padded to 256, and 256)
+        ("channel:2:16", "token:2:128", "32/8", 256), ("token:4:128", "channel:4:16", "32/8", 256),
+        ("channel:2:16", "channel:2:16", "32/8", 256), ("channel:8:16", "token:4:64", "16/4", 256),
+        ("token:2:128", "channel:2:16", "16/8", 256), ("channel:4:16:fp32", "channel:2:16", "8/8", 256),
+        ("channel:4:16", "token:4:80", "32/8", 160), ("channel:4:16", "token:2:128", "72/8", 256),
+        ("channel:2:16", "channel:2:16", "16/2", 256), ("token:4:128", "channel:4:16", "64/8", 256),   # dequant
         # both sides channel-wise past 128 channels
         ("channel:2:128", "channel:2:128", "32/8", 256), ("channel:4:64", "channel:8:64", "16/4", 256),
         ("channel:2:32:bf16", "channel:4:32", "16/8", 256), ("channel:8:128", "channel:2:128", "8/8", 256),

@@ -176,7 +176,6 @@ def test_split_field_groups_gives_each_group_its_own_rows(bits, head_dim, group)
     (_spec(group=16), "token-wise groups of 16 channels"),
     (_spec(bits=8, group=16), "or of an aligned part of one of >= 32 channels"),
     (foldc.AttentionSpec(16, 2, 128, A(2, "token", 16), A(2, "token", 128)), "token-wise groups of 16 channels"),
-    (foldc.AttentionSpec(16, 8, 256, A(2, "channel", 16), A(2, "token", 256)), "two groups' parameters per tile spill"),
     (_spec("channel", "channel", group=8), "channel-wise groups of 8 tokens"),
     (_spec(bits=4, head_dim=32, group=32, heads=(8, 8)), "or 128 at 2 bits"),
     (_spec(None, None), "qk and pv are both plain"),
@@ -483,7 +482,9 @@ def test_dequant_plans_lower_to_the_register_operand_kernel(k, v, heads, head_di
 
 HALF_TILE_SPECS = [("channel:2:16", "token:2:128", "32/8", 128, 2), ("token:4:128", "channel:4:16", "32/8", 128, 1),
                    ("channel:2:16", "channel:2:16", "32/8", 128, 1), ("channel:8:16", "token:4:32", "16/8", 64, 4),
-                   ("channel:2:16", "channel:4:16", "64/4", 128, 1)]
+                   ("channel:2:16", "channel:4:16", "64/4", 128, 1), ("channel:2:16", "token:2:128", "32/8", 256, 1),
+                   ("token:4:128", "channel:4:16", "32/8", 256, 1), ("channel:4:16", "token:4:80", "32/8", 160, 1),
+                   ("channel:2:16", "channel:2:16", "16/2", 256, 1)]
 
 
 @pytest.mark.parametrize("k,v,heads,head_dim,pack", HALF_TILE_SPECS,

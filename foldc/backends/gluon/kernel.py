@@ -304,8 +304,14 @@ def _consume(t, v_smem, slot, vs, vz, m_i, l_i, zsum, acc_o, head_b, v_scale, v_
             pv0 = mma_v2(va, _head_p(p0, head_b, i, b_l, H, AND_P), pv0)
             pv1 = mma_v2(va, _head_p(p1, head_b, i, b_l, H, AND_P), pv1)
         s0 = gl.sum(gl.where((gl.arange(0, BN, layout=gl.SliceLayout(1, mma)) < VAL_G)[:, None], p, 0.0), axis=0)
-        acc_o = (acc_o * alpha[None, :] + pv0 * per_channel(v_scale[0], H) + per_channel(v_zero[0], H) * s0[None, :]
-                 + pv1 * per_channel(v_scale[1], H) + per_channel(v_zero[1], H) * (p_sum - s0)[None, :])
+        if LEAN:   # 16-bit group parameters (value_group's KEEP16), the field weights applied here
+            w = value_weights(D, F)
+            acc_o = (acc_o * alpha[None, :] + pv0 * per_channel16(v_scale[0], H, w) +
+                     per_channel16(v_zero[0], H) * s0[None, :] + pv1 * per_channel16(v_scale[1], H, w) +
+                     per_channel16(v_zero[1], H) * (p_sum - s0)[None, :])
+        else:
+            acc_o = (acc_o * alpha[None, :] + pv0 * per_channel(v_scale[0], H) + per_channel(v_zero[0], H) * s0[None, :]
+                     + pv1 * per_channel(v_scale[1], H) + per_channel(v_zero[1], H) * (p_sum - s0)[None, :])
     return m_new, l_i, zsum, acc_o
 
 

@@ -246,10 +246,6 @@ def lower(the_plan: Plan) -> FoldKernel:
             raise NotLowerable(f"{p.product}: head_dim x bits = {spec.head_dim * p.bits} bits per token; the register "
                                f"layouts need {' or '.join(str(32 * w) for w in WORDS[1:])}, or 128 at 2 bits (e.g. 128 "
                                "channels at 2, 4 or 8 bits, 64 at 2, 4 or 8, 256 at 2 or 4)")
-    if width > 128 and HALF_TILE_GROUP in (token_groups["qk"], token_groups["pv"]):
-        raise NotLowerable(f"head_dim={spec.head_dim} with channel-wise groups of {HALF_TILE_GROUP} tokens: two groups' "
-                           "parameters per tile spill the one-warp program's registers (86-132 in the token loop, AOT "
-                           "SASS); groups of 32 or more tokens lower")
     blocks, block_rows = row_blocks(spec.q_per_kv, max_rows(width))
     if the_plan.rows_per_program not in (None, block_rows):
         raise NotLowerable(f"the plan weighs its folds for {the_plan.rows_per_program} query rows per program; the "
