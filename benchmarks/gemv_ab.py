@@ -105,7 +105,8 @@ def main(argv=None) -> int:
     ap.add_argument("--b-asm", choices=("launcher", "swapped", "natural"), default="launcher",
                     help="the unpack B runs: the launcher's (its ASM and SWAP), or one order forced")
     ap.add_argument("--b-override", default=None, help="a JSON list of dicts of B's constants to override: B is timed "
-                    "once per dict (b0, b1, ...), e.g. '[{\"STAGES\": 2}, {\"STAGES\": 4}]'")
+                    "once per dict (b0, b1, ...), e.g. '[{\"STAGES\": 2}, {\"STAGES\": 4}]'; a dict's \"_options\": the "
+                    "foldc.compile options of B's launch, e.g. {\"gemv_warps\": 4}")
     ap.add_argument("--variant", default=None, help="a JSON dict of the production kernel's constants to override "
                     "(timed as 'variant', e.g. '{\"X_SHARED\": false}')")
     ap.add_argument("--out", default="results/gemv_ab.json")
@@ -154,7 +155,10 @@ def main(argv=None) -> int:
             calls = {"flip": b_call(foldc_gemv_gluon, kern.gemv, "flip")}
             if kernel_b is not None and args.b_override:
                 for j, o in enumerate(json.loads(args.b_override)):
-                    calls[f"b{j}"] = b_call(kernel_b, kern.gemv, args.b_asm, o)
+                    o = dict(o)
+                    opts = o.pop("_options", {})   # foldc.compile options of B's launch (e.g. gemv_warps)
+                    kb = foldc.compile(spec, target="auto", kernel="gluon", **opts) if opts else kern
+                    calls[f"b{j}"] = b_call(kernel_b, kb.gemv, args.b_asm, o)
             elif kernel_b is not None:
                 calls["b"] = b_call(kernel_b, kern.gemv, args.b_asm)
             if args.variant:
