@@ -34,7 +34,7 @@ from gemv_check import CEILING, copies, graph_us, int4pack, rel  # noqa: E402
 CASES = [("k-group:4:128", 4096, 14336, 1), ("k-group:4:128", 28672, 8192, 1), ("k-group:2:128", 28672, 8192, 1),
          ("k-group:4:128", 14336, 4096, 1), ("k-group:4:128", 4096, 4096, 1), ("k-group:4:128", 28672, 8192, 16),
          ("k-group:4:128", 4096, 14336, 16), ("k-group:4:32", 4096, 14336, 1), ("k-group:8:128", 4096, 14336, 1),
-         ("k-group:4:128", 4096, 14336, 4)]
+         ("k-group:4:128", 4096, 14336, 4), ("k-group:2:128", 28672, 8192, 16), ("k-group:4:128", 14336, 4096, 16)]
 OPTIONS = [{}, {"gemv_stages": 4}, {"gemv_maxnreg": 96}, {"gemv_maxnreg": 80}, {"block_rows": 32}, "split2",
            "split/2"]
 

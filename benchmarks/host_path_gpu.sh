@@ -15,7 +15,8 @@
 #     bash benchmarks/host_path_gpu.sh gemv_warps # the GEMV in programs of 2 and 4 warps; the read floor per shape
 #     bash benchmarks/host_path_gpu.sh gemv_unrolled_ncu  # the chunk loop unrolled by stages; ncu at 28672 x 8192
 #     bash benchmarks/host_path_gpu.sh gemv_direct  # the GEMV with code words loaded straight into registers
-#     bash benchmarks/host_path_gpu.sh gemv_xrows   # m > 1: the activation's rows in shared memory, shared by warps
+#     bash benchmarks/host_path_gpu.sh gemv_xrows_check  # the activation's rows in shared memory at m > 8: the
+#                                                 #   GEMV's GPU tests, then production beside the kernel before it
 #     bash benchmarks/host_path_gpu.sh gemm_wgmma # the async-wgmma dequant GEMM experiment: checked, then timed
 #     bash benchmarks/host_path_gpu.sh gemm_wgmma_small  # the same at m = 1 and 16 (block_m 32, split k), graphed
 #     bash benchmarks/host_path_gpu.sh kernels_then_wgmma_check   # two calls of under ten minutes for a short
@@ -38,13 +39,11 @@ case "${1:-checks}" in
     step gemv_direct 420 python3 benchmarks/gemv_ab.py --b benchmarks/gemv_direct.py --quick --cases 0,1,2,3,4,5,6 \
         --b-override '[{"STAGES": 2}, {"STAGES": 3}, {"STAGES": 4}]' --out "$OUT/gemv_direct.json"
     ;;
-  gemv_xrows)
-    X='{"X_SHARED": true, "_options":'
-    step gemv_xrows 420 python3 benchmarks/gemv_ab.py --b benchmarks/gemv_xrows.py --quick --cases 5,6,9 \
-        --b-override "[$X {}}, $X {\"gemv_warps\": 2}}, $X {\"gemv_warps\": 4}}, $X {\"gemv_warps\": 4, \"block_rows\": 32}},
-                      $X {\"gemv_warps\": 2, \"block_rows\": 32}}, $X {\"block_rows\": 64}}]" \
-        --options '[{"gemv_warps": 4}, {"gemv_warps": 4, "block_rows": 32}, {"gemv_warps": 2, "block_rows": 32}, {"block_rows": 64}]' \
-        --out "$OUT/gemv_xrows.json"
+  gemv_xrows_check)   # the landed X_SHARED 2: the GEMV's GPU tests, then production beside the kernel before it
+    step gemv_tests 240 python3 -m pytest -q tests/backends/test_gemv_gluon.py -k gpu
+    # benchmarks/_gemv_b.py: the kernel before it, not committed: git show 932582c:foldc/backends/gluon/gemv.py
+    step gemv_xrows_ab 300 python3 benchmarks/gemv_ab.py --b benchmarks/_gemv_b.py --quick --cases 5,6,10,11 \
+        --b-override '[{"X_SHARED": 0}]' --out "$OUT/gemv_xrows_ab.json"
     ;;
   checks2)
     step triton 240 python3 -m pytest -q tests/backends/test_triton_gpu.py

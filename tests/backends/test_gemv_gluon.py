@@ -162,6 +162,23 @@ def test_default_split_keeps_two_chunks_a_program_and_fills_the_gpu():
     assert default_split(small, 28672, 16, 132) == 1
 
 
+@pytest.mark.parametrize("enc,bits", [("k-group:2:128", 2), ("k-group:4:128", 4), ("k-group:8:128", 8)])
+def test_the_activation_goes_through_shared_memory_where_it_was_measured_to_pay(enc, bits):
+    """X_SHARED: the one row at m = 1 for 2- and 4-bit codes, every row of a chunk at m > 8 for 4-bit codes only (2
+    bits were slower, docs/gemm.md), registers otherwise; the launch says which, so that run_rows copies a row whose
+    16-byte copies would not be aligned."""
+    from foldc.backends.gluon.gemv_launch import activation_copies
+
+    gemv = GluonGemv(spec_of(enc, 4096, 4096), "sm_90")
+    for m in range(1, 17):
+        want = activation_copies(m, bits)
+        assert want == (1 if m == 1 and bits < 8 else 2 if m > 8 and bits == 4 else 0), (m, bits)
+        if not gemv.lowers(torch.float16, m)[0]:
+            continue
+        launch = gemv.plan_launch(torch.float16, m, 132)
+        assert dict(launch.constants)["X_SHARED"] == launch.x_shared == want
+
+
 @settings(max_examples=60, deadline=None)
 @given(enc=st.sampled_from(ENCODINGS), n=st.sampled_from([16, 96, 1000, 4096, 28672]),
        k=st.sampled_from([1024, 2048, 4096, 8192, 14336]), m=st.sampled_from([1, 9]),

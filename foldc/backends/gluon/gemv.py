@@ -28,8 +28,10 @@ the activation's pieces and their sums. The program's scale and zero words (the
 per tensor at the start: per bit field and row the GW words from the field's first group in the split. Code words
 follow, STAGES stages of SUB chunks ahead (tile_memory.copy_layout; no copy past the program's last
 chunk), into a swizzled tile so that the operand's 8-byte reads are free of bank conflicts. The
-activation's one row travels with them at m = 1 for 2- and 4-bit codes (X_SHARED); otherwise its chunk is
-loaded into registers one chunk ahead. With SPLIT > 1 each program writes its
+activation travels with them: its one row at m = 1 for 2- and 4-bit codes (X_SHARED 1), every row of the chunk at
+m > 8 for 4-bit codes (X_SHARED 2, a swizzled [16, D] tile); otherwise its chunk is loaded into registers one chunk
+ahead.
+With SPLIT > 1 each program writes its
 float32 partial [m, BN] to a workspace and bumps its row block's counter; the last program of the
 block sums the partials, writes y and resets the counter to 0 (one launch, CUDA-graph safe).
 
@@ -72,6 +74,23 @@ def x_copy_layout(D, WARPS):
     D, WARPS = int(D), int(WARPS)
     return gl.BlockedLayout(size_per_thread=[max(2, min(8, D // (32 * WARPS)))], threads_per_warp=[32],
                             warps_per_cta=[WARPS], order=[0])
+
+
+@constexpr_function
+def x_rows_copy_layout(D, WARPS):
+    """cp.async of the activation chunk [ROWS, D] (X_SHARED 2): 16 bytes (8 values) a lane, a row's lanes side by
+    side."""
+    D, WARPS = int(D), int(WARPS)
+    across = min(32, D // 8)
+    return gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[32 // across, across], warps_per_cta=[WARPS, 1],
+                            order=[1, 0])
+
+
+@constexpr_function
+def x_rows_tile_layout():
+    """The activation chunk's shared tile [ROWS, D] (X_SHARED 2): rows XOR-swizzled in 16-byte units, so that the
+    operand's reads of one k range from eight rows meet eight banks."""
+    return gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[1, 0])
 
 
 @constexpr_function
@@ -229,11 +248,15 @@ def _x_operand(x_in, D: gl.constexpr, ROWS: gl.constexpr, XF16: gl.constexpr, X_
     codes). ``x_in`` as in `_chunk`."""
     mma: gl.constexpr = gemv_mma(gl.num_warps())
     b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=8)
-    if X_SHARED:   # one row, in every column
+    if X_SHARED == 1:   # one row, in every column
         xd = x_in.load(gl.SliceLayout(1, b_l))
         if SWAP:
             xd = gl.convert_layout(swap_k01(xd, D, 0), gl.SliceLayout(1, b_l), assert_trivial=True)
         xv = gl.broadcast(xd[:, None], gl.zeros([D, ROWS], gl.int1, layout=b_l))[0]
+    elif X_SHARED == 2:   # every row, the tile [ROWS, D] read as the operand [D, ROWS]
+        xv = x_in.permute((1, 0)).load(b_l)
+        if SWAP:
+            xv = gl.convert_layout(swap_k01(xv, D, ROWS), b_l, assert_trivial=True)
     elif SWAP:
         xv = gl.convert_layout(swap_k01(x_in, D, ROWS), b_l, assert_trivial=True)
     else:
@@ -262,8 +285,8 @@ def _chunk(w_tile, s_run, z_run, j_lo, x_in, ys, n0, N, stride_ws, j0, T: gl.con
            KIND: gl.constexpr, GW: gl.constexpr, X_SHARED: gl.constexpr, SWAP: gl.constexpr, BIAS: gl.constexpr):
     """One chunk (bytes j0 .. j0 + NB of every row of the block) into the T row tiles' accumulators
     ``ys``; the activation's pieces and their sums are made once and shared by the tiles. ``x_in``: the
-    activation chunk, its one row [D] in shared memory (X_SHARED, m = 1) or [D, ROWS] in registers, in
-    channel order; SWAP: the weight's unpack (ASM) has k with bits 0 and 1 of the byte index swapped
+    activation chunk, its one row [D] in shared memory (X_SHARED 1, m = 1), its rows [ROWS, D] there (X_SHARED 2)
+    or [D, ROWS] in registers, in channel order; SWAP: the weight's unpack (ASM) has k with bits 0 and 1 of the byte index swapped
     (operands.key_unpack_asm), and the activation is permuted to match (PRMTs that also build the MMA's
     register pairs), else the unpack keeps channel order (operands.natural_key_unpack_asm)."""
     mma: gl.constexpr = gemv_mma(gl.num_warps())
@@ -410,8 +433,8 @@ def _issue(stage, c0, c_hi, w_rows, w_smem, X, x_offs, x_smem, W: gl.constexpr, 
 
 
 @gluon.jit
-def program_tiles(X, WC, M, N, stride_wc, chunks_per_split, BN: gl.constexpr, W: gl.constexpr, F: gl.constexpr,
-                  ROWS: gl.constexpr, ROW_BYTES: gl.constexpr, STAGES: gl.constexpr, SUB: gl.constexpr,
+def program_tiles(X, WC, M, N, stride_x, stride_wc, chunks_per_split, BN: gl.constexpr, W: gl.constexpr,
+                  F: gl.constexpr, ROWS: gl.constexpr, ROW_BYTES: gl.constexpr, STAGES: gl.constexpr, SUB: gl.constexpr,
                   X_SHARED: gl.constexpr):
     """A program's output channels from n0, its chunks c_lo .. c_hi and the shared memory of its pipeline: (n0,
     c_lo, c_hi, w_rows: the code words' pointers at chunk 0, x_at: the activation's offsets at chunk 0
@@ -426,13 +449,24 @@ def program_tiles(X, WC, M, N, stride_wc, chunks_per_split, BN: gl.constexpr, W:
     # m = 1 (X_SHARED): the activation's row goes through shared memory with the code words, and every column
     # of the MMA's operand reads it there (its loads wait on shared memory, not on global loads one chunk
     # ahead, and no registers hold the next chunk: 4096 x 14336 INT4 14.8 -> 14.0 µs, benchmarks/gemv_ab.py).
-    # More rows: the chunk is loaded into registers one chunk ahead (a copy per row cost more), rows past m
-    # read row m - 1 again (their columns are never stored).
+    # m > 8 at 4 bits (X_SHARED 2): every row of the chunk goes with the codes too. Each one-warp program reads 8 KB
+    # of the activation per 2 KB of codes, and loaded into registers one chunk ahead those loads were a third of the
+    # stall samples (Nsight Compute, H100): 28672 x 8192 INT4 102.6 -> 86.5 µs, 4096 x 14336 31.2 -> 26.8 (H100,
+    # docs/gemm.md; 2-bit codes, a chunk of half the bytes beside the same 8 KB, were slower and keep registers).
+    # m = 2..8: the chunk in registers one chunk ahead (a copy of the rows was 1.2-1.4x slower at m = 4 on the
+    # H200; 4096 x 14336, m = 4 16.7 against 21.6 µs on the H100). Rows past m read row m - 1 again (their columns
+    # are never stored).
     w_smem = gl.allocate_shared_memory(gl.int32, [STAGES * SUB, BN, W], weight_tile_layout(W))
-    if X_SHARED:
+    if X_SHARED == 1:
         x_at = _x_offsets(D, NB, ROW_BYTES)
         x_l: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
         x_smem = gl.allocate_shared_memory(X.dtype.element_ty, [STAGES * SUB, D], x_l)
+    elif X_SHARED == 2:   # every row of the chunk, copied with the codes (rows past m read row m - 1 again)
+        xl: gl.constexpr = x_rows_copy_layout(D, gl.num_warps())
+        r = gl.minimum(gl.arange(0, ROWS, layout=gl.SliceLayout(1, xl)), M - 1)
+        kx = gl.arange(0, D, layout=gl.SliceLayout(0, xl))
+        x_at = r[:, None] * stride_x + ((kx // NB) * ROW_BYTES + kx % NB)[None, :]
+        x_smem = gl.allocate_shared_memory(X.dtype.element_ty, [STAGES * SUB, ROWS, D], x_rows_tile_layout())
     else:
         mma: gl.constexpr = gemv_mma(gl.num_warps())
         b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=8)
@@ -451,8 +485,8 @@ def program_start(X, WC, WS, WZ, M, N, stride_x, stride_wc, stride_ws, chunks_pe
     w_rows: the code words' pointers at chunk 0, x_at: the activation's offsets at chunk 0 (X_SHARED) or the
     rows each column reads, w_smem, x_smem, s_run, z_run)."""
     NB: gl.constexpr = W * 4
-    n0, c_lo, c_hi, w_rows, x_at, w_smem, x_smem = program_tiles(X, WC, M, N, stride_wc, chunks_per_split, BN, W, F,
-                                                                 ROWS, ROW_BYTES, STAGES, SUB, X_SHARED)
+    n0, c_lo, c_hi, w_rows, x_at, w_smem, x_smem = program_tiles(X, WC, M, N, stride_x, stride_wc, chunks_per_split,
+                                                                 BN, W, F, ROWS, ROW_BYTES, STAGES, SUB, X_SHARED)
     # the program's scale and zero words, copied once: per bit field and row the GW words from the field's
     # first group in this split (copies per piece and chunk, each of 16 rows' words in its own sector,
     # took the copies from 8.7 to 14.7 µs at INT4 4096 x 14336: benchmarks/gemv_anatomy.py)

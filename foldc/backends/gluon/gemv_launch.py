@@ -40,7 +40,18 @@ SUBS = (1, 2, 4, 8)
 NATURAL_ORDER_BITS = (8,)
 # The activation's row goes through shared memory at m = 1 (the kernel's X_SHARED) for 2- and 4-bit codes: on the
 # H200 at 4096 x 14336, INT4 g128 13.8 against 14.9 µs with the row in registers, but INT8 24.9 against 22.5
-# (benchmarks/gemv_ab.py --variant '{"X_SHARED": false}', docs/results/gemv_ab_h200_2026-12-04.json)
+# (benchmarks/gemv_ab.py --variant '{"X_SHARED": false}', docs/results/gemv_ab_h200_2026-12-04.json). At m > 8 every
+# row of the activation's chunk does for 4-bit codes (X_SHARED 2): on the H100 at m = 16, 28672 x 8192 86.5 against
+# 102.6 µs in registers, 4096 x 14336 26.8 against 31.2; at 2 bits it was slower (112.3 against 100.4 at 28672 x
+# 8192), and 8 bits were not measured (docs/results/gemv_xrows_ab_h100_2026-12-05.json, docs/gemm.md).
+
+
+def activation_copies(m: int, bits: int) -> int:
+    """The kernel's X_SHARED for m activation rows and ``bits``-bit codes: 1 the one row in shared memory, 2 every
+    row of a chunk there, 0 the chunk in registers."""
+    if bits >= 8:
+        return 0
+    return 1 if m == 1 else 2 if m > 8 and bits == 4 else 0
 SCALE_KINDS = {"fp16": 0, "bf16": 1, "fp32": 2}   # the kernel's KIND: how it reads a scale word
 
 
@@ -53,7 +64,7 @@ class GemvLaunch:
     grid: tuple[int, int]
     chunks_per_split: int
     constants: tuple
-    x_shared: bool = False   # the kernel copies the activation's row into shared memory (16-byte cp.async from x)
+    x_shared: int = 0   # the kernel copies the activation's row (1) or rows (2) into shared memory (16-byte cp.async)
 
 
 PARAM_RUN_BYTES = 256          # shared memory per output channel for a program's scale and zero words (`param_words`)
@@ -179,7 +190,7 @@ class GluonGemv:
                              ROWS=8 if m <= 8 else 16, ROW_BYTES=kernel.row_bytes, G=kernel.group, BITS=kernel.bits,
                              STAGES=self.stages, SPLIT=split, ASM=asm, CONS=cons, VALUE_EXP=VALUE_EXPONENT,
                              KIND=SCALE_KINDS[kernel.scale_dtype], SUB=sub, GW=param_words(kernel, per),
-                             X_SHARED=m == 1 and kernel.bits < 8, SWAP=swap, XF16=dtype == torch.float16,
+                             X_SHARED=activation_copies(m, kernel.bits), SWAP=swap, XF16=dtype == torch.float16,
                              BIAS=kernel.code_bias, num_warps=self.warps)
             if self.maxnreg is not None:
                 constants["maxnreg"] = self.maxnreg
@@ -309,8 +320,8 @@ class GluonGemv:
             from .gemv import foldc_gemv_gluon
 
             self._kernel = FastLaunch(foldc_gemv_gluon)
-        if launch.x_shared and x.data_ptr() % 16:   # its 16-byte copies need an aligned row (a slice at an odd
-            x = x.clone()                            # offset): a copy of the one row, not a failed build
+        if launch.x_shared and (x.data_ptr() % 16 or (launch.x_shared == 2 and x.stride(0) % 16)):
+            x = x.clone()   # its 16-byte copies need aligned rows (a slice at an odd offset): a copy, not a failed build
         if counters is None:
             part, counters = self.buffers(launch, x.device)
         elif workspace is not None:
