@@ -66,13 +66,20 @@ GRID += [("token:4:128", "token:2:128", "32/8", 128), ("token:2:128", "token:4:1
          ("token:2:32", "channel:2:64", "32/8", 128), ("token:2:64", "token:2:64", "32/8", 256),
          # ragged row blocks (17 rows per KV head: 9 + 8; 9 at head_dim 256: 5 + 4)
          ("token:2:128", "token:2:128", "34/2", 128), ("channel:4:128", "token:2:128", "50/2", 128),
-         ("token:2:128", "token:4:128", "18/2", 256)]
+         ("token:2:128", "token:4:128", "18/2", 256),
+         # channel-wise groups of 16 tokens past 128 channels (they spill: KNOWN_SPILLS)
+         ("channel:2:16", "token:2:128", "32/8", 256), ("token:4:128", "channel:4:16", "32/8", 256)]
 ARCHS = ("sm_90", "sm_100")
 # Builds whose token loop reads or writes local memory (spilled registers), with today's count of
 # those instructions as a bound: every other build must have none. Found when the check moved from the
 # loop's twelve commonest opcodes to its full count (docs/perf.md, "Ahead-of-time builds and register
 # spills"); the first is in the once-per-group reload only (behind the loop's branch), the rest in every tile.
 KNOWN_SPILLS = {("channel:2:128", "channel:2:128", "32/8", 128, "sm_100"): (12, 0),
+                # two groups' query operands, parameters and products per tile past 128 channels (docs/perf.md)
+                ("channel:2:16", "token:2:128", "32/8", 256, "sm_90"): (103, 103),
+                ("channel:2:16", "token:2:128", "32/8", 256, "sm_100"): (53, 53),
+                ("token:4:128", "channel:4:16", "32/8", 256, "sm_90"): (150, 150),
+                ("token:4:128", "channel:4:16", "32/8", 256, "sm_100"): (100, 100),
                 ("token:8:32", "channel:4:64", "32/8", 128, "sm_100"): (1, 1),
                 ("channel:4:128", "token:4:128", "64/2", 128, "sm_90"): (2, 2),
                 ("channel:4:128", "token:4:128", "16/4", 256, "sm_100"): (4, 4),
