@@ -14,7 +14,6 @@
 #     bash benchmarks/host_path_gpu.sh gemv_split # the GEMV's split at INT2, INT4, INT8 (launch options)
 #     bash benchmarks/host_path_gpu.sh gemv_warps # the GEMV in programs of 2 and 4 warps; the read floor per shape
 #     bash benchmarks/host_path_gpu.sh gemv_unrolled_ncu  # the chunk loop unrolled by stages; ncu at 28672 x 8192
-#     bash benchmarks/host_path_gpu.sh gemv_direct  # the GEMV with code words loaded straight into registers
 #     bash benchmarks/host_path_gpu.sh gemv_xrows_check  # the activation's rows in shared memory at m > 8: the
 #                                                 #   GEMV's GPU tests, then production beside the kernel before it
 #     bash benchmarks/host_path_gpu.sh gemm_wgmma # the async-wgmma dequant GEMM experiment: checked, then timed
@@ -34,10 +33,6 @@ case "${1:-checks}" in
     step paged 200 python3 -m pytest -q tests/serving/test_paged_gpu.py
     step gluon_bound 150 python3 -m pytest -q tests/backends/test_gluon_gpu.py \
         -k "memo or repeated_calls or without_seq_lens or bound"
-    ;;
-  gemv_direct)
-    step gemv_direct 420 python3 benchmarks/gemv_ab.py --b benchmarks/gemv_direct.py --quick --cases 0,1,2,3,4,5,6 \
-        --b-override '[{"STAGES": 2}, {"STAGES": 3}, {"STAGES": 4}]' --out "$OUT/gemv_direct.json"
     ;;
   gemv_xrows_check)   # the landed X_SHARED 2: the GEMV's GPU tests, then production beside the kernel before it
     step gemv_tests 240 python3 -m pytest -q tests/backends/test_gemv_gluon.py -k gpu
