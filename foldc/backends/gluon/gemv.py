@@ -30,10 +30,9 @@ follow, STAGES stages of SUB chunks ahead (tile_memory.copy_layout; no copy past
 chunk), into a swizzled tile so that the operand's 8-byte reads are free of bank conflicts. The
 activation travels with them: its one row at m = 1 for 2- and 4-bit codes (X_SHARED 1), every row of the chunk at
 m > 8 for 4-bit codes (X_SHARED 2, a swizzled [16, D] tile); otherwise its chunk is loaded into registers one chunk
-ahead.
-With SPLIT > 1 each program writes its
-float32 partial [m, BN] to a workspace and bumps its row block's counter; the last program of the
-block sums the partials, writes y and resets the counter to 0 (one launch, CUDA-graph safe).
+ahead. With SPLIT > 1 each program writes its float32 partial [m, BN] to a workspace and bumps its row block's
+counter; the last program of the block sums the partials, writes y and resets the counter to 0 (one launch,
+CUDA-graph safe).
 
 Import this module only where Triton runs natively (not under TRITON_INTERPRET=1).
 """
@@ -286,9 +285,9 @@ def _chunk(w_tile, s_run, z_run, j_lo, x_in, ys, n0, N, stride_ws, j0, T: gl.con
     """One chunk (bytes j0 .. j0 + NB of every row of the block) into the T row tiles' accumulators
     ``ys``; the activation's pieces and their sums are made once and shared by the tiles. ``x_in``: the
     activation chunk, its one row [D] in shared memory (X_SHARED 1, m = 1), its rows [ROWS, D] there (X_SHARED 2)
-    or [D, ROWS] in registers, in channel order; SWAP: the weight's unpack (ASM) has k with bits 0 and 1 of the byte index swapped
-    (operands.key_unpack_asm), and the activation is permuted to match (PRMTs that also build the MMA's
-    register pairs), else the unpack keeps channel order (operands.natural_key_unpack_asm)."""
+    or [D, ROWS] in registers, in channel order; SWAP: the weight's unpack (ASM) has k with bits 0 and 1 of the
+    byte index swapped (operands.key_unpack_asm), and the activation is permuted to match (PRMTs that also build
+    the MMA's register pairs), else the unpack keeps channel order (operands.natural_key_unpack_asm)."""
     mma: gl.constexpr = gemv_mma(gl.num_warps())
     a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=8)
     b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=8)

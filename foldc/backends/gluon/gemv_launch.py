@@ -38,6 +38,9 @@ SUBS = (1, 2, 4, 8)
 #: zero bytes too, no AND, for 8-bit codes); the others unpack with one SHR and the activation is permuted to
 #: match (tile_operands.swap_k01, PRMTs that also build the MMA's register pairs)
 NATURAL_ORDER_BITS = (8,)
+SCALE_KINDS = {"fp16": 0, "bf16": 1, "fp32": 2}   # the kernel's KIND: how it reads a scale word
+
+
 # The activation's row goes through shared memory at m = 1 (the kernel's X_SHARED) for 2- and 4-bit codes: on the
 # H200 at 4096 x 14336, INT4 g128 13.8 against 14.9 µs with the row in registers, but INT8 24.9 against 22.5
 # (benchmarks/gemv_ab.py --variant '{"X_SHARED": false}', docs/results/gemv_ab_h200_2026-12-04.json). At m > 8 every
@@ -45,14 +48,12 @@ NATURAL_ORDER_BITS = (8,)
 # 102.6 µs in registers, 4096 x 14336 26.8 against 31.2; at 2 bits it was slower (112.3 against 100.4 at 28672 x
 # 8192), and 8 bits were not measured (docs/results/gemv_xrows_ab_h100_2026-12-05.json, docs/gemm.md).
 
-
 def activation_copies(m: int, bits: int) -> int:
     """The kernel's X_SHARED for m activation rows and ``bits``-bit codes: 1 the one row in shared memory, 2 every
     row of a chunk there, 0 the chunk in registers."""
     if bits >= 8:
         return 0
     return 1 if m == 1 else 2 if m > 8 and bits == 4 else 0
-SCALE_KINDS = {"fp16": 0, "bf16": 1, "fp32": 2}   # the kernel's KIND: how it reads a scale word
 
 
 @dataclass(frozen=True)
@@ -320,8 +321,10 @@ class GluonGemv:
             from .gemv import foldc_gemv_gluon
 
             self._kernel = FastLaunch(foldc_gemv_gluon)
+        # the activation's 16-byte copies need aligned rows (a slice at an odd offset, a row stride not a multiple
+        # of 16 elements): a copy of x, not a failed build
         if launch.x_shared and (x.data_ptr() % 16 or (launch.x_shared == 2 and x.stride(0) % 16)):
-            x = x.clone()   # its 16-byte copies need aligned rows (a slice at an odd offset): a copy, not a failed build
+            x = x.clone()
         if counters is None:
             part, counters = self.buffers(launch, x.device)
         elif workspace is not None:
