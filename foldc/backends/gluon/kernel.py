@@ -284,12 +284,9 @@ def _consume(t, v_smem, slot, vs, vz, m_i, l_i, zsum, acc_o, head_b, v_scale, v_
             acc_o = acc_o * alpha[None, :] + pv
         else:
             # acc-fold: this tile lies in one token group; scale the tile's sum per channel, add zero x sum(P)
-            if LEAN:   # 16-bit group parameters (value_group's KEEP16), the field weights applied here
-                w = value_weights(D, F)
-                acc_o = acc_o * alpha[None, :] + pv * per_channel16(v_scale, H, w) + \
-                    per_channel16(v_zero, H) * p_sum[None, :]
-            else:
-                acc_o = acc_o * alpha[None, :] + pv * per_channel(v_scale, H) + per_channel(v_zero, H) * p_sum[None, :]
+            w = value_weights(D, F)
+            acc_o = acc_o * alpha[None, :] + pv * _channel_scale(v_scale, H, w, LEAN) + \
+                _channel_zero(v_zero, H, LEAN) * p_sum[None, :]
     elif F > 0 and not VDQ and VAL_G > 0:
         # channel-wise V in groups of half a tile (acc-fold, eq. 3): one product per group, P zeroed past
         # (or before) its tokens, each scaled per channel by its own group's scale with its zero x sum(P)
@@ -304,15 +301,33 @@ def _consume(t, v_smem, slot, vs, vz, m_i, l_i, zsum, acc_o, head_b, v_scale, v_
             pv0 = mma_v2(va, _head_p(p0, head_b, i, b_l, H, AND_P), pv0)
             pv1 = mma_v2(va, _head_p(p1, head_b, i, b_l, H, AND_P), pv1)
         s0 = gl.sum(gl.where((gl.arange(0, BN, layout=gl.SliceLayout(1, mma)) < VAL_G)[:, None], p, 0.0), axis=0)
-        if LEAN:   # 16-bit group parameters (value_group's KEEP16), the field weights applied here
-            w = value_weights(D, F)
-            acc_o = (acc_o * alpha[None, :] + pv0 * per_channel16(v_scale[0], H, w) +
-                     per_channel16(v_zero[0], H) * s0[None, :] + pv1 * per_channel16(v_scale[1], H, w) +
-                     per_channel16(v_zero[1], H) * (p_sum - s0)[None, :])
-        else:
-            acc_o = (acc_o * alpha[None, :] + pv0 * per_channel(v_scale[0], H) + per_channel(v_zero[0], H) * s0[None, :]
-                     + pv1 * per_channel(v_scale[1], H) + per_channel(v_zero[1], H) * (p_sum - s0)[None, :])
+        w = value_weights(D, F)
+        acc_o = (acc_o * alpha[None, :] + pv0 * _channel_scale(v_scale[0], H, w, LEAN) +
+                 _channel_zero(v_zero[0], H, LEAN) * s0[None, :] + pv1 * _channel_scale(v_scale[1], H, w, LEAN) +
+                 _channel_zero(v_zero[1], H, LEAN) * (p_sum - s0)[None, :])
     return m_new, l_i, zsum, acc_o
+
+
+@gluon.jit
+def _channel_scale(v_scale, H: gl.constexpr, weight, LEAN: gl.constexpr):
+    """A channel-wise V group's scale per output row in float32, as the acc-fold applies it: LEAN, the 16-bit
+    scale of value_group's KEEP16 times the field weights ``weight`` (value_weights); else value_group's float32
+    scale (the weights in it already, ``weight`` unused)."""
+    if LEAN:
+        out = per_channel16(v_scale, H, weight)
+    else:
+        out = per_channel(v_scale, H)
+    return out
+
+
+@gluon.jit
+def _channel_zero(v_zero, H: gl.constexpr, LEAN: gl.constexpr):
+    """A channel-wise V group's zero per output row in float32 (16-bit where LEAN, as _channel_scale)."""
+    if LEAN:
+        out = per_channel16(v_zero, H)
+    else:
+        out = per_channel(v_zero, H)
+    return out
 
 
 @gluon.jit
