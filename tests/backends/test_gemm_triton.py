@@ -325,4 +325,8 @@ def test_interpreter_kernel_property(case):
     got = foldc.compile(spec, target="interpret")(xq, wq)
     want = foldc.compile(spec, target="reference")(xq, wq)
     rounding = float((want.half().double() - want).norm() / want.norm())
-    assert float((got.double() - want).norm() / want.norm()) < 3 * rounding + 1e-4
+    # each output is one fp16 rounding of a float32 sum: within one fp16 unit of the float64 answer (a sum near a
+    # rounding boundary may round the other way), which a few outputs' norm can put above 3x the rounding itself
+    ulp = float(torch.ldexp(torch.ones_like(want), torch.frexp(want.abs().clamp_min(2.0 ** -14))[1] - 11).norm()
+                / want.norm())
+    assert float((got.double() - want).norm() / want.norm()) < max(3 * rounding, ulp) + 1e-4
