@@ -14,6 +14,8 @@
 #     bash benchmarks/host_path_gpu.sh gemv_split # the GEMV's split at INT2, INT4, INT8 (launch options)
 #     bash benchmarks/host_path_gpu.sh gemv_warps # the GEMV in programs of 2 and 4 warps; the read floor per shape
 #     bash benchmarks/host_path_gpu.sh gemv_unrolled_ncu  # the chunk loop unrolled by stages; ncu at 28672 x 8192
+#     bash benchmarks/host_path_gpu.sh gemv_m16_programs  # m = 16 in programs of 2 and 4 warps sharing the
+#                                                 #   activation's tile; the GEMV's defaults at every size
 #     bash benchmarks/host_path_gpu.sh gemv_xrows_check  # the activation's rows in shared memory at m > 8: the
 #                                                 #   GEMV's GPU tests, then production beside the kernel before it
 #     bash benchmarks/host_path_gpu.sh gemm_wgmma # the async-wgmma dequant GEMM experiment: checked, then timed
@@ -84,6 +86,12 @@ case "${1:-checks}" in
     step read_floor 90 python3 benchmarks/read_floor.py --out "$OUT/read_floor.json"
     step gemv_warps 370 python3 benchmarks/gemv_ab.py --quick --cases 0,1,2,5,6,9,8 --out "$OUT/gemv_warps.json" \
         --options '[{"gemv_warps": 2}, {"gemv_warps": 4}, {"gemv_warps": 4, "gemv_stages": 4}, {"gemv_warps": 4, "block_rows": 32}, {"gemv_warps": 2, "block_rows": 32}]'
+    ;;
+  gemv_m16_programs)   # m = 16 with the activation's rows in shared memory (X_SHARED 2): programs of 2 and 4 warps
+    # share that tile (fewer activation bytes from L2 per code byte); then the launcher's defaults at every size
+    step gemv_m16_programs 330 python3 benchmarks/gemv_ab.py --quick --cases 5,6,11,10 --out "$OUT/gemv_m16_programs.json" \
+        --options '[{"gemv_warps": 2}, {"gemv_warps": 4}, {"gemv_warps": 2, "block_rows": 32}, {"gemv_warps": 4, "block_rows": 32}, {"gemv_warps": 2, "block_rows": 64}, {"gemv_warps": 4, "gemv_split": 12}, {"gemv_warps": 4, "block_rows": 32, "gemv_split": 12}, {"gemv_warps": 2, "gemv_split": 12}]'
+    step gemv_defaults 200 python3 benchmarks/gemv_check.py --quick --defaults-only --out "$OUT/gemv"
     ;;
   gemv_unrolled_ncu)   # the GEMV's chunk loop unrolled by the pipeline depth (benchmarks/gemv_unrolled.py) beside
     # production, then Nsight Compute on production at 28672 x 8192 (benchmarks/ncu_gemv.sh)

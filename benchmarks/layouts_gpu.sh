@@ -12,6 +12,10 @@
 #     bash benchmarks/layouts_gpu.sh split_sweep  # tokens per split at small shapes (benchmarks/split_sweep.py)
 #     bash benchmarks/layouts_gpu.sh g16wide      # channel-wise groups of 16 tokens past 128 channels: checked,
 #                                                 #   timed beside the Triton kernel at 8 x 64K, and at 1 x 16K
+#     bash benchmarks/layouts_gpu.sh masked       # token-wise groups across a padded head_dim's bit fields (head_dim
+#                                                 #   96, 160, 192): checked, then timed at 8 x 64K and 1 x 16K; with
+#                                                 #   OLD=dir (a tree of foldc before the operand pieces, e.g.
+#                                                 #   `git archive 8b6d7cf foldc | tar -x -C dir`) head_dim 96 by it too
 #
 # Each step runs under its own time limit; its output goes to $OUT/<step>.log (and JSON where the script writes
 # one), and a line per step to $OUT/summary.txt. Figures go to docs/perf.md with their command, never into a test.
@@ -25,7 +29,21 @@ G16WIDE="channel:2:16,token:2:128,32/8,256;token:4:128,channel:4:16,32/8,256;cha
 G16WIDE="$G16WIDE;channel:8:16,token:4:64,16/4,256;token:2:128,channel:2:16,16/8,256"
 G16WIDE="$G16WIDE;channel:4:16:fp32,channel:2:16,8/8,256;channel:4:16,token:4:80,32/8,160;channel:2:32,token:2:128,32/8,256"
 G16WIDE="$G16WIDE;channel:4:16,token:2:128,72/8,256;channel:2:16,channel:2:16,16/2,256;token:4:128,channel:4:16,64/8,256"
+MASKED="token:2:32,token:2:32,32/8,96;token:4:32,token:4:32,32/8,96;token:8:48,token:8:32,32/8,96"
+MASKED_NEW="token:2:32,token:2:32,32/8,160;token:4:32,token:4:32,32/8,160;token:8:32,token:8:32,32/8,160"
+MASKED_NEW="$MASKED_NEW;token:2:32,token:2:32,32/8,192;token:4:32,token:8:32,16/8,192;token:2:32,none,32/8,192"
 case "${1:-ragged}" in
+  masked)
+    step masked_checks 260 python3 -m pytest -q tests/backends/test_gluon_gpu.py -k "generated_layouts and (d96 or d160 or d192)"
+    step masked_times 150 python3 benchmarks/layout_times.py --shape 8x65536 --out "$OUT/masked_times.json" \
+        --layouts "$MASKED;$MASKED_NEW"
+    if [ -n "${OLD:-}" ]; then
+        step masked_times_old 60 env PYTHONPATH="$OLD" python3 benchmarks/layout_times.py --shape 8x65536 \
+            --out "$OUT/masked_times_old.json" --layouts "$MASKED"
+    fi
+    step masked_small 100 python3 benchmarks/layout_times.py --shape 1x16384 --out "$OUT/masked_small.json" \
+        --layouts "$MASKED;$MASKED_NEW"
+    ;;
   ragged)
     step ragged_checks 330 python3 -m pytest -q -x tests/backends/test_gluon_gpu.py -k "ragged"
     step ragged_times 240 python3 benchmarks/layout_times.py --shape 8x65536 --out "$OUT/ragged_times.json" \

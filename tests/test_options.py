@@ -115,17 +115,17 @@ def test_attention_kernel_choice_without_a_gpu_target():
 def test_sm_100_takes_the_register_operand_kernel_as_sm_90_does():
     """B200 keeps mma.sync: the same lowering rules on both targets (``dequant``: token-wise groups of
     32 channels shared by 16 query rows, a plan the break-even makes dequant, which the register
-    operands rebuild per value; ``refused``: head_dim 192 in token-wise groups of 32 channels, six groups across
-    the padded bit fields, which they do not lower)."""
+    operands rebuild per value; ``refused``: token-wise groups of 16 channels, smaller than the value operand's
+    eight lane rows of words, which they do not lower)."""
     lowered = foldc.AttentionSpec(32, 8, 128, A(4, "token", 128), A(2, "channel", 64))
     dequant = foldc.AttentionSpec(64, 4, 128, A(2, "token", 32), A(2, "token", 128))
-    refused = foldc.AttentionSpec(32, 8, 192, A(2, "token", 32), A(2, "token", 32))
+    refused = foldc.AttentionSpec(32, 8, 128, A(2, "token", 16), A(2, "token", 16))
     for target in ("sm_90", "sm_100"):
         assert attention_kernel(lowered, target, "auto") == "gluon"
         assert attention_kernel(SPEC, target, "auto") == "gluon"   # head_dim 64 at 2 bits: four words per token
         assert attention_kernel(dequant, target, "auto") == "gluon"
         assert attention_kernel(refused, target, "auto") == "triton"
-        _raises(lambda: attention_kernel(refused, target, "gluon"), "kernel='gluon'", "token-wise groups of 32 channels")
+        _raises(lambda: attention_kernel(refused, target, "gluon"), "kernel='gluon'", "token-wise groups of 16 channels")
 
 
 @pytest.fixture

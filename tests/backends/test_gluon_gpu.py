@@ -101,6 +101,11 @@ GRID = [("token:4:128", "token:2:128", "32/8", 128), ("token:2:128", "token:4:12
         ("token:2:32", "token:2:32", "32/8", 96), ("token:4:32", "token:2:96", "32/8", 96),
         ("token:8:48", "token:8:32:fp32", "32/8", 96), ("token:8:80", "token:8:80", "16/8", 160),
         ("token:2:32", "channel:2:32", "40/8", 96),
+        # ... five and six groups (head_dim 160 and 192 in groups of 32), ragged row blocks (9 rows: 5 + 4) among them
+        ("token:2:32", "token:2:32", "32/8", 160), ("token:4:32", "token:8:32:fp32", "16/8", 192),
+        ("token:8:32", "token:2:32:bf16", "32/4", 160), ("token:2:32", "none", "32/8", 192),
+        ("none", "token:4:32", "32/8", 160), ("token:4:32", "channel:4:32", "32/8", 192),
+        ("channel:2:64", "token:2:32", "16/8", 192), ("token:2:32", "token:4:32", "18/2", 160),
         # eight token-wise groups beside a channel-wise side at head_dim 256
         ("token:2:32", "channel:2:64", "16/4", 256), ("channel:2:64", "token:2:32", "16/4", 256),
         ("token:4:32", "channel:4:128", "32/8", 256),

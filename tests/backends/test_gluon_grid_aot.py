@@ -19,6 +19,8 @@ import sys
 import pytest
 from _kernel_cases import native_env
 
+from foldc.backends.gluon.operands import PIECE, piece_groups
+
 
 # (K, V, query heads / KV heads, head_dim)
 GRID = [(f"{kl}:{b}:{g}", f"{vl}:{b}:{g}", "32/8", 128) for b in (2, 4, 8) for kl, vl in
@@ -59,8 +61,10 @@ GRID += [("token:4:128", "token:2:128", "32/8", 128), ("token:2:128", "token:4:1
          ("channel:2:128", "channel:2:128", "32/8", 256), ("channel:4:64", "channel:4:64", "16/4", 256),
          # eight token-wise channel groups per token (head_dim 256 in groups of 32)
          ("token:2:32", "token:2:32", "32/8", 256), ("token:8:32", "token:2:128", "32/8", 256),
-         # token-wise groups across a padded head_dim's bit fields (one MMA per group, the rest masked)
+         # token-wise groups across a padded head_dim's bit fields (the operand in pieces, each piece's MMA once
+         # per group it meets): three groups at head_dim 96, five and six at 160 and 192
          ("token:2:32", "token:2:32", "32/8", 96), ("token:8:48", "token:8:32", "32/8", 96),
+         ("token:2:32", "token:2:32", "32/8", 160), ("token:4:32", "token:8:32", "16/8", 192),
          ("token:8:32", "token:4:96", "64/4", 96),   # a dequant plan's groups across them
          # 32-token tiles where 64 spilled: four groups per token beside a channel-wise side; head_dim 256 in four
          ("token:2:32", "channel:2:64", "32/8", 128), ("token:2:64", "token:2:64", "32/8", 256),
@@ -86,7 +90,11 @@ KNOWN_SPILLS = {("channel:2:128", "channel:2:128", "32/8", 128, "sm_100"): (12, 
                 ("channel:4:64", "token:4:64", "64/2", 128, "sm_90"): (36, 36),   # 64-token tiles: faster anyway
                 ("channel:4:64", "token:4:64", "64/2", 128, "sm_100"): (16, 16),
                 ("token:2:32", "token:2:32", "32/8", 256, "sm_100"): (22, 22),
-                ("token:2:32", "channel:2:64", "32/8", 128, "sm_100"): (1, 1)}   # 70 per 64-token tile
+                ("token:2:32", "channel:2:64", "32/8", 128, "sm_100"): (1, 1),   # 70 per 64-token tile
+                # five groups across head_dim 160's bit fields at 2 bits: both 256-channel operands, the query pieces
+                # and five scaled P's per tile
+                ("token:2:32", "token:2:32", "32/8", 160, "sm_90"): (50, 50),
+                ("token:2:32", "token:2:32", "32/8", 160, "sm_100"): (18, 18)}
 JOBS = [(k, v, h, d, arch) for k, v, h, d in GRID for arch in ARCHS]
 
 SCRIPT = r"""
@@ -165,15 +173,17 @@ def test_grid_build_is_the_designed_kernel(job, reports):
     value_tiles = -(-job[3] // 16) if cfg["value_bits"] == 16 else cfg["width"] // 16
     if cfg["value_tokens"] == 16 and not cfg["value_dequant"]:
         value_tiles *= 2   # channel-wise V folded in groups of half a tile: one value product per group
-    blocks = heads * (block_n // 16) * (cfg["width"] // 16 + value_tiles) * (rows // 8)
-    if cfg["key_masked"] or cfg["value_masked"]:
-        # groups across a padded head_dim's bit fields: one MMA per group over the whole operand (the
-        # compiler drops the blocks whose masked operand is all zero)
-        most = heads * (block_n // 16) * (cfg["width"] // 16 * (cfg["key_groups"] if cfg["key_masked"] else 1)
-                                          + value_tiles * (cfg["value_groups"] if cfg["value_masked"] else 1))
-        assert blocks < loop.get("HMMA", 0) <= most * (rows // 8), loop
-    else:
-        assert loop.get("HMMA", 0) == blocks, loop
+    key_tiles = cfg["width"] // 16
+    # groups across a padded head_dim's bit fields: each piece of 32 k indices (keys) or rows (values) takes one
+    # MMA per group it meets, and none where it is padding alone (operands.piece_groups)
+    if cfg["key_masked"]:
+        key_tiles = PIECE // 16 * sum(len(piece_groups("key", i, cfg["key_bits"], cfg["width"], job[3],
+                                                       cfg["key_groups"])) for i in range(cfg["width"] // PIECE))
+    if cfg["value_masked"]:
+        value_tiles = PIECE // 16 * sum(len(piece_groups("value", i, cfg["value_bits"], cfg["width"], job[3],
+                                                         cfg["value_groups"])) for i in range(cfg["width"] // PIECE))
+    blocks = heads * (block_n // 16) * (key_tiles + value_tiles) * (rows // 8)
+    assert loop.get("HMMA", 0) == blocks, loop
     # one LOP3 per two codes on each side: a side of W words per token unpacks 2 x fields registers
     # per word (operands.py); the rest of the loop adds a few (masks, group reloads, addressing)
     unpack = sum(heads * block_n * words * 2 * (8 // bits) // 32

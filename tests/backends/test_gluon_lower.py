@@ -7,7 +7,7 @@ import re
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import foldc
@@ -512,15 +512,16 @@ def test_channel_wise_groups_of_16_tokens_lower_two_per_tile(k, v, heads, head_d
 
 MASKED_SPECS = [("token:2:32", "token:2:32", 96, (True, True), (3, 3)), ("token:4:32", "token:2:96", 96, (True, False), (3, 1)),
                 ("token:8:48", "token:8:32", 96, (True, True), (2, 3)), ("token:8:80", "token:8:80", 160, (True, True), (2, 2)),
-                ("token:2:48", "token:2:48", 96, (False, False), (2, 2))]
+                ("token:2:48", "token:2:48", 96, (False, False), (2, 2)), ("token:2:32", "token:2:32", 160, (True, True), (5, 5)),
+                ("token:4:32", "token:8:32", 192, (True, True), (6, 6)), ("token:2:32", "token:2:32", 224, (True, True), (7, 7))]
 
 
 @pytest.mark.parametrize("k,v,head_dim,masked,groups", MASKED_SPECS, ids=[f"{k}-{v}-d{d}" for k, v, d, _, _ in MASKED_SPECS])
 def test_groups_across_padded_bit_fields_lower_with_masked_operands(k, v, head_dim, masked, groups):
     """A padded head_dim's bit fields hold fewer channels than the registers' (96 at 2 bits: 24 of 32),
-    so token-wise groups that are not whole fields are no range of K or M: each group's MMA takes the
-    whole operand with the other groups' channels masked (one KV head per program). Whole-field groups
-    (48 channels at 2 bits on head_dim 96) keep their ranges."""
+    so token-wise groups that are not whole fields are no range of K or M: the operands go in pieces, each
+    piece's MMA once per group it meets (one KV head per program), up to seven groups (head_dim 224 in groups of
+    32). Whole-field groups (48 channels at 2 bits on head_dim 96) keep their ranges."""
     from foldc.backends.gluon.launch import default_pack_heads
     from foldc.spec import spec_from_args
 
@@ -767,9 +768,40 @@ def test_padded_tiles_put_each_cache_code_where_the_registers_expect_it(bits, he
         assert real == cache_channel(c, ch, chr_)
 
 
+@settings(max_examples=40, deadline=None)
+@given(bits=st.sampled_from([2, 4, 8]), head_dim=st.sampled_from([80, 96, 112, 160, 192, 224]),
+       group=st.sampled_from([16, 32, 48, 64, 80, 96]), seed=st.integers(0, 2**31 - 1))
+def test_operand_pieces_meet_exactly_the_groups_of_their_channels(bits, head_dim, group, seed):
+    """Groups across a padded head_dim's bit fields (kernel.py's KMG and VMG): the kernel takes each piece of
+    PIECE k indices (keys) or rows (values) once per group piece_groups names. Every cache channel lies in one
+    piece whose groups hold its own, every group named has a channel there (no MMA wasted), and the per-piece
+    masked dot products add up to each group's own, on random codes and queries."""
+    from foldc.backends.gluon.lower import register_width
+    from foldc.backends.gluon.operands import PIECE, piece_groups
+
+    assume(head_dim % group == 0)   # groups divide head_dim
+    width, groups = register_width(head_dim), head_dim // group
+    per, real = width * bits // 8, head_dim * bits // 8
+    rng = np.random.default_rng(seed)
+    q, k = rng.standard_normal(head_dim), rng.integers(0, 1 << bits, head_dim).astype(float)
+    for side, channel in (("key", key_channel), ("value", value_channel)):
+        seen, by_group = [], np.zeros(groups)
+        for i in range(width // PIECE):
+            met = piece_groups(side, i, bits, width, head_dim, groups)
+            here = [c for r in range(i * PIECE, (i + 1) * PIECE)
+                    if (c := cache_channel(channel(r, bits, width), per, real)) is not None]
+            assert list(met) == sorted({c // group for c in here}), (side, i)
+            seen += here
+            for g in met:   # the piece with the other groups' channels zero
+                by_group[g] += sum(q[c] * k[c] for c in here if c // group == g)
+        assert sorted(seen) == list(range(head_dim)), side
+        want = [q[g * group:(g + 1) * group] @ k[g * group:(g + 1) * group] for g in range(groups)]
+        np.testing.assert_allclose(by_group, want, rtol=1e-12, atol=1e-12)
+
+
 def test_padded_widths_take_groups_inside_a_field_masked_or_rebuilt():
     """A padded head_dim lowers token-wise groups of whole bit fields as ranges, groups inside a field
-    as masked operands (one MMA per group), and in a dequant plan (16 rows per program) rebuilds each
+    as operand pieces (one MMA per piece and group it meets), and in a dequant plan (16 rows per program) rebuilds each
     value with its cache channel's group."""
     assert lowerable(foldc.AttentionSpec(32, 8, 96, A(4, "token", 48), A(2, "token", 48)))[0]
     cfg = lower(gluon_plan(foldc.AttentionSpec(32, 8, 96, A(8, "token", 32), A(8, "token", 96))))

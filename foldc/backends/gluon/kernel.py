@@ -36,7 +36,8 @@ from foldc.backends.gluon.tile_memory import (copy_layout, draw_chunk, issue_cop
 from foldc.backends.gluon.tile_dequant import (KEY_E_HI, KEY_E_LO, KEY_TOP, VALUE_E_HI, VALUE_E_LO, VALUE_TOP,
                                                channel_group, key_token_dequant, pow2, rebuild, token_exponent,
                                                value_fields, value_token_dequant)
-from foldc.backends.gluon.tile_groups import (key_tile_params, load_query, masked_query, masked_sums, rebuild_rows,
+from foldc.backends.gluon.tile_groups import (PIECE_C, key_tile_params, load_query, masked_sums, piece_count,
+                                              piece_group, piece_queries, piece_slot, rebuild_rows,
                                               value_tile_params, value_weights)
 from foldc.backends.gluon.tile_operands import (NARROW, group_mmas, group_sums, join_field_groups, join_groups,
                                                 key_operand, key_words_layout, load_value_words, per_channel,
@@ -117,15 +118,23 @@ def _scores(n0, end, k_smem, slot, ks, kz, tm, head_c, q16, q_bias, q_sum, row_s
         t = gl.convert_layout(join_groups((s0 * q_bias[0][None, :] + q_sum[0][None, :],
                                            s1 * q_bias[1][None, :] + q_sum[1][None, :]), 2), mma, assert_trivial=True)
     elif KEY_NG > 1 and KMG:
-        # token-wise K in groups across the padded bit fields: group g's MMA takes all the keys against
-        # the query with the other groups' channels zero (q16[g], masked once before the loop; the
-        # codes carry no bias); scaled per group before the groups meet (eq. 3, 6)
+        # token-wise K in groups across the padded bit fields: the keys cut into pieces of PIECE k indices, each
+        # piece's MMA into the accumulator of each group it meets, against the query piece with the other groups'
+        # channels zero (q16[piece][slot], made once before the loop; the codes carry no bias); a piece of padding
+        # alone takes no MMA; scaled per group before the groups meet (eq. 3, 6)
         gl.static_assert(H == 1, "groups across padded bit fields take one KV head per program")
+        NP: gl.constexpr = D // PIECE_C
         kw = k_smem.index(slot).load(kw_l)
-        ka = gl.convert_layout(key_operand(kw, BN, D, F, KASM, KCONS), a_l, assert_trivial=True)
+        parts = split_groups(key_operand(kw, BN, D, F, KASM, KCONS), NP, 1)
         acc = gl.zeros([BN, ROWS], gl.float32, layout=mma)
         for g in gl.static_range(KEY_NG):
-            acc = acc + per_row(ks[g], H) * mma_v2(ka, q16[g], gl.zeros([BN, ROWS], gl.float32, layout=mma))
+            accg = gl.zeros([BN, ROWS], gl.float32, layout=mma)
+            for i in gl.static_range(NP):
+                if piece_slot(0, i, g, F, D, DRK, KEY_NG) >= 0:
+                    accg = mma_v2(gl.convert_layout(parts[i], a_l, assert_trivial=True),
+                                  gl.convert_layout(q16[i][piece_slot(0, i, g, F, D, DRK, KEY_NG)], b_l,
+                                                    assert_trivial=True), accg)
+            acc = acc + per_row(ks[g], H) * accg
         off = per_row(kz[0], H) * q_sum[0][None, :]
         for g in gl.static_range(1, KEY_NG):
             off = off + per_row(kz[g], H) * q_sum[g][None, :]
@@ -234,17 +243,31 @@ def _consume(t, v_smem, slot, vs, vz, m_i, l_i, zsum, acc_o, head_b, v_scale, v_
         pv = mma_v2(vd, pb, gl.zeros([D, ROWS], gl.float32, layout=mma))
         acc_o = acc_o * alpha[None, :] + pv
     elif VAL_NG > 1 and VMG:
-        # token-wise V in groups across the padded bit fields: each group's product over all output rows
-        # with P scaled by its scales, kept in the rows of its own channels (eq. 4, 6)
+        # token-wise V in groups across the padded bit fields: the values cut into pieces of PIECE output rows,
+        # each piece's product with P scaled by each group it meets, kept in the rows of that group's channels
+        # (eq. 4, 6); a piece of padding rows alone (never stored) takes no MMA
         gl.static_assert(H == 1, "groups across padded bit fields take one KV head per program")
+        NP: gl.constexpr = D // PIECE_C
         pbs, zsum = scaled_p(p, vs, vz, zsum, alpha, b_l, H, VAL_NG)
         vw = load_value_words(v_smem.index(slot), BN, W)
-        va = gl.convert_layout(value_operand(vw, BN, D, F, VA0, VA1, VA2, VA3, VCONS), a_l, assert_trivial=True)
-        field, chan = value_fields(gl.arange(0, D, layout=gl.SliceLayout(1, mma)), D, D // F)
-        grp = channel_group(field, chan, D, F, VAL_NG, DRV)
-        pv = gl.zeros([D, ROWS], gl.float32, layout=mma)
-        for g in gl.static_range(VAL_NG):
-            pv = gl.where((grp == g)[:, None], mma_v2(va, pbs[g], gl.zeros([D, ROWS], gl.float32, layout=mma)), pv)
+        va = split_groups(value_operand(vw, BN, D, F, VA0, VA1, VA2, VA3, VCONS), NP, 0)
+        pieces = ()
+        for i in gl.static_range(NP):
+            zero = gl.zeros([PIECE_C, ROWS], gl.float32, layout=mma)
+            if piece_count(1, i, F, D, DRV, VAL_NG) == 0:
+                pv_i = zero
+            else:
+                a_i = gl.convert_layout(va[i], a_l, assert_trivial=True)
+                pv_i = mma_v2(a_i, pbs[piece_group(1, i, 0, F, D, DRV, VAL_NG)], zero)
+                if piece_count(1, i, F, D, DRV, VAL_NG) > 1:
+                    field, chan = value_fields(PIECE_C * i + gl.arange(0, PIECE_C, layout=gl.SliceLayout(1, mma)), D,
+                                               D // F)
+                    grp = channel_group(field, chan, D, F, VAL_NG, DRV)
+                    for j in gl.static_range(1, piece_count(1, i, F, D, DRV, VAL_NG)):
+                        pv_i = gl.where((grp == piece_group(1, i, j, F, D, DRV, VAL_NG))[:, None],
+                                        mma_v2(a_i, pbs[piece_group(1, i, j, F, D, DRV, VAL_NG)], zero), pv_i)
+            pieces = pieces + (pv_i,)
+        pv = gl.convert_layout(join_groups(pieces, NP), mma, assert_trivial=True)
         acc_o = acc_o * alpha[None, :] + pv
     elif VAL_NG > 1:
         # operand-fold per channel group: group g's output channels (a range of O^T's rows) take P
@@ -570,7 +593,7 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
         elif KMG:   # groups across the padded bit fields: the whole Q'^T, each group's sum(q) over its channels
             grp_q = channel_group(field, chan, D, KF, KEY_NG, DR)
             q_sum = masked_sums(qv, grp_q, qk_scale, row_l, KEY_NG)
-            q16 = masked_query(q16, grp_q, KEY_NG)
+            q16 = piece_queries(q16, grp_q, D, KF, DR, KEY_NG)
         else:   # per channel group: its piece of Q'^T for its own MMA, and its sum(q) (_scores)
             q16 = split_groups(q16, KEY_NG, 0)
             q_sum = group_sums(split_groups(qv, KEY_NG, 0), qk_scale, row_l, KEY_NG)

@@ -55,7 +55,6 @@ PLAIN_BITS = 16    # a plain side: bf16 values, read from shared memory as the M
 PLAIN_WORDS = (32, 64, 128)   # bf16 pairs per token of a plain side
 MAX_GROUPS_PER_TOKEN = 8   # token-wise channel groups per token: one score accumulator and one P each
 MAX_DEQUANT_GROUPS = 4     # a dequant plan's token-wise groups per token (tile_dequant.token_exponent)
-MAX_MASKED_GROUPS = 4      # groups across a padded head_dim's bit fields: one full MMA per group
 MIN_GROUP = 32     # token-wise channels per group inside a bit field: 8 words, the value operand's lane rows
 HALF_TILE_GROUP = 16   # channel-wise groups of 16 tokens: two per 32-token tile, token bit 4 a register bit of the
 #                        key operand's M (one MMA per half) and of P (one value product per half, P zeroed past it)
@@ -89,8 +88,8 @@ class FoldKernel:
     #                      each bit field of a token padded with zero codes and zero query channels
     key_dequant: bool = False    # the plan dequantizes K (eq. 12's verdict): each value rebuilt as
     value_dequant: bool = False  # code x scale + zero in fp16 before a plain MMA, no correction
-    key_masked_groups: bool = False    # token-wise groups across a padded head_dim's bit fields: each
-    value_masked_groups: bool = False  # group's MMA takes the whole operand, the other channels masked
+    key_masked_groups: bool = False    # token-wise groups across a padded head_dim's bit fields: the operand
+    value_masked_groups: bool = False  # in pieces, each piece's MMA once per group it meets (operands.piece_groups)
 
     @property
     def width(self) -> int:
@@ -206,9 +205,10 @@ def lower(the_plan: Plan) -> FoldKernel:
             fits = p.group_size % field == 0 or (field % p.group_size == 0 and p.group_size >= MIN_GROUP
                                                  and not padded)
             # a padded head_dim's bit fields hold fewer channels than the registers' (96 -> 24 of 32 at 2
-            # bits): a group that is not whole fields is no range of K or M there; each group's MMA takes
-            # the whole operand with the other groups' channels masked to zero (one MMA per group)
-            across = not fits and padded and p.group_size >= MIN_GROUP and groups <= MAX_MASKED_GROUPS
+            # bits): a group that is not whole fields is no range of K or M there; the operand is cut into
+            # pieces of 32 k indices (keys) or rows (values), each piece's MMA taken once per group it meets,
+            # with the other groups' query channels zero (keys) or its rows of other groups left out (values)
+            across = not fits and padded and p.group_size >= MIN_GROUP
             masked[p.product] = across and not dequant[p.product]   # a dequant plan selects per value instead
             fits = fits or across
             if not fits or groups > MAX_GROUPS_PER_TOKEN:

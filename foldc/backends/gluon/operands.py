@@ -24,6 +24,8 @@ channel ``i*W8 + 4*(m % W) + (m // W) % 4`` with ``W`` words per token (`value_c
 """
 from __future__ import annotations
 
+from triton import constexpr_function
+
 MAGIC = 0x64006400  # fp16 pair (1024, 1024)
 VALUE_EXPONENT = 24  # an fp16 bit pattern m below 0x0400 (a subnormal) is m * 2^-24
 KEY_EXPONENT = VALUE_EXPONENT   # subnormal key codes: the same unit
@@ -176,6 +178,7 @@ def dequant_exponent(scale: float, zero: float, bits: int, bounds: tuple[int, in
     return min(max(top - exponent, bounds[0]), bounds[1])
 
 
+@constexpr_function
 def key_channel(k: int, bits: int, head_dim: int) -> int:
     """Channel of k index ``k`` of the key operand (field-major, byte bits 0 and 1 swapped; with
     four words per token, `key_k`'s order)."""
@@ -200,6 +203,7 @@ def key_k(word: int, field: int, p: int, e: int, bits: int, head_dim: int) -> in
     return field * nb + 4 * word + 2 * p + e
 
 
+@constexpr_function
 def value_channel(m: int, bits: int, head_dim: int) -> int:
     """Channel of row ``m`` of the value operand (`value_row`'s order)."""
     nb = head_dim * bits // 8
@@ -223,9 +227,28 @@ def value_row(word: int, byte: int, field: int, bits: int, head_dim: int) -> int
     return field * nb + w * byte + word
 
 
+@constexpr_function
 def cache_channel(c: int, per_field: int, per_field_cache: int) -> int | None:
     """The cache's channel of register channel ``c`` when a head_dim between powers of two is padded
     (each bit field holds ``per_field`` channels in the registers, ``per_field_cache`` in the cache,
     the rest zero codes); None for a padding channel. The kernel computes the same inline."""
     field, j = divmod(c, per_field)
     return field * per_field_cache + j if j < per_field_cache else None
+
+
+PIECE = 32   # k indices of the key operand, or rows of the value operand, in one operand piece (tile_operands.split_groups)
+
+
+@constexpr_function   # also called by kernel code at compile time (tile_groups.py)
+def piece_groups(side: str, piece: int, bits: int, width: int, head_dim: int, groups: int) -> tuple[int, ...]:
+    """The token-wise channel groups that piece ``piece`` of an operand meets (PIECE consecutive k indices of the
+    key operand, ``side`` "key", or rows of the value operand, "value") when a head_dim between powers of two is
+    padded to ``width`` register channels and split into ``groups`` groups: the groups of the cache channels its
+    k indices or rows hold, in order (empty for a piece of padding alone). A piece meets one group, or two or
+    three where a group's boundary falls inside a bit field's channels."""
+    channel = key_channel if side == "key" else value_channel
+    per_field, per_field_cache = width * bits // 8, head_dim * bits // 8
+    size = head_dim // groups
+    met = {c // size for r in range(piece * PIECE, (piece + 1) * PIECE)
+           if (c := cache_channel(channel(r, bits, width), per_field, per_field_cache)) is not None}
+    return tuple(sorted(met))

@@ -9,11 +9,12 @@ Import this module only where Triton runs natively (not under TRITON_INTERPRET=1
 from __future__ import annotations
 
 from triton.experimental import gluon
+from triton.experimental.gluon import constexpr_function
 from triton.experimental.gluon import language as gl
 
-from foldc.backends.gluon.operands import VALUE_EXPONENT
+from foldc.backends.gluon.operands import PIECE, VALUE_EXPONENT, piece_groups
 from foldc.backends.gluon.tile_dequant import key_group_dequant, rebuild, value_group_dequant
-from foldc.backends.gluon.tile_operands import key_group, swap_k01, value_group
+from foldc.backends.gluon.tile_operands import key_group, split_groups, swap_k01, value_group
 
 
 @gluon.jit
@@ -54,15 +55,9 @@ def load_query(Q, b, stride_qb, q_head0, stride_qh, rq, q_off, q_mask, D: gl.con
 @gluon.jit
 def masked_sums(qv, grp, scale, layout: gl.constexpr, NG: gl.constexpr):
     """Per group g (grp: each channel's group), sum(q) over its channels times ``scale``: a tuple of NG."""
-    s0 = gl.convert_layout(gl.sum(gl.where((grp == 0)[:, None], qv, 0.0), axis=0) * scale, layout)
-    s1 = gl.convert_layout(gl.sum(gl.where((grp == 1)[:, None], qv, 0.0), axis=0) * scale, layout)
-    if NG == 2:
-        out = (s0, s1)
-    elif NG == 3:
-        out = (s0, s1, gl.convert_layout(gl.sum(gl.where((grp == 2)[:, None], qv, 0.0), axis=0) * scale, layout))
-    else:
-        out = (s0, s1, gl.convert_layout(gl.sum(gl.where((grp == 2)[:, None], qv, 0.0), axis=0) * scale, layout),
-               gl.convert_layout(gl.sum(gl.where((grp == 3)[:, None], qv, 0.0), axis=0) * scale, layout))
+    out = ()
+    for g in gl.static_range(NG):
+        out = out + (gl.convert_layout(gl.sum(gl.where((grp == g)[:, None], qv, 0.0), axis=0) * scale, layout),)
     return out
 
 
@@ -71,16 +66,47 @@ def _only(q16, grp, g):
     return gl.where((grp == g)[:, None], q16, gl.zeros_like(q16))
 
 
+PIECE_C: gl.constexpr = gl.constexpr(PIECE)
+_SIDES = ("key", "value")
+
+
+@constexpr_function
+def piece_count(side, piece, F, D, DR, NG):
+    """How many token-wise groups piece ``piece`` of the key (side 0) or value (side 1) operand meets on a head_dim
+    DR padded to D channels in F bit fields (operands.piece_groups)."""
+    return len(piece_groups(_SIDES[int(side)], int(piece), 8 // int(F), int(D), int(DR), int(NG)))
+
+
+@constexpr_function
+def piece_group(side, piece, s, F, D, DR, NG):
+    """The s-th group piece ``piece`` meets (as piece_count)."""
+    return piece_groups(_SIDES[int(side)], int(piece), 8 // int(F), int(D), int(DR), int(NG))[int(s)]
+
+
+@constexpr_function
+def piece_slot(side, piece, g, F, D, DR, NG):
+    """Where group g stands among the groups piece ``piece`` meets, -1 if it meets no channel of g."""
+    met = piece_groups(_SIDES[int(side)], int(piece), 8 // int(F), int(D), int(DR), int(NG))
+    return met.index(int(g)) if int(g) in met else -1
+
+
 @gluon.jit
-def masked_query(q16, grp, NG: gl.constexpr):
-    """Per group g (grp: each channel's group), the query operand with the other groups' channels
-    zero: a tuple of NG, made once before the token loop (the keys then need no mask)."""
-    if NG == 2:
-        out = (_only(q16, grp, 0), _only(q16, grp, 1))
-    elif NG == 3:
-        out = (_only(q16, grp, 0), _only(q16, grp, 1), _only(q16, grp, 2))
-    else:
-        out = (_only(q16, grp, 0), _only(q16, grp, 1), _only(q16, grp, 2), _only(q16, grp, 3))
+def piece_queries(q16, grp, D: gl.constexpr, F: gl.constexpr, DR: gl.constexpr, NG: gl.constexpr):
+    """The query operand Q'^T [D, ROWS] cut into D / PIECE pieces of its k index, each a tuple with one entry per
+    group the piece meets: the piece itself where it meets one group, else per group the piece with the other
+    groups' channels zero (grp: each channel's group). Made once before the token loop; a piece of padding
+    alone keeps its (zero) piece."""
+    NP: gl.constexpr = D // PIECE_C
+    parts = split_groups(q16, NP, 0)
+    out = ()
+    for i in gl.static_range(NP):
+        if piece_count(0, i, F, D, DR, NG) <= 1:
+            out = out + ((parts[i],),)
+        else:
+            entry = ()
+            for s in gl.static_range(piece_count(0, i, F, D, DR, NG)):
+                entry = entry + (split_groups(_only(q16, grp, piece_group(0, i, s, F, D, DR, NG)), NP, 0)[i],)
+            out = out + (entry,)
     return out
 
 

@@ -111,6 +111,10 @@ def _params(P, n0, tm, head_c, stride_h, live, H: gl.constexpr, MASKED: gl.const
         x = (_param(P, n0, tm, head_c, stride_h, live, H, MASKED, NG, 0),
              _param(P, n0, tm, head_c, stride_h, live, H, MASKED, NG, 1),
              _param(P, n0, tm, head_c, stride_h, live, H, MASKED, NG, 2))
+    elif NG > 4 and NG < 8:   # five to seven groups (head_dim 160 and 192 in groups of 32): one load each
+        x = ()
+        for g in gl.static_range(NG):
+            x = x + (_param(P, n0, tm, head_c, stride_h, live, H, MASKED, NG, g),)
     elif P.dtype.element_ty.primitive_bitwidth == 16:
         if NG == 2:
             word = _param(P.to(gl.pointer_type(gl.int32)), n0, tm, head_c, stride_h // 2, live, H, MASKED)

@@ -454,7 +454,7 @@ def zeros_groups(shape: gl.constexpr, layout: gl.constexpr, NG: gl.constexpr):
     elif NG == 4:
         out = (z, z, z, z)
     else:
-        out = (z, z, z, z, z, z, z, z)
+        out = (z,) * NG
     return out
 
 
@@ -480,7 +480,13 @@ def group_sums(parts, scale, layout: gl.constexpr, NG: gl.constexpr):
 def scaled_p(p, vs, vz, zsum, alpha, b_l: gl.constexpr, H: gl.constexpr, NG: gl.constexpr):
     """Token-wise V with NG channel groups per token (operand-fold, eq. 4, 6): per group, P times the
     group's scale as the value MMA's fp16 operand, and the running sum(P x zero) (tuples of NG)."""
-    if NG == 8:
+    if NG > 4 and NG < 8:   # five to seven groups (a padded head_dim's, kernel.py's VMG): one at a time
+        pbs = ()
+        zs = ()
+        for g in gl.static_range(NG):
+            pbs = pbs + (gl.convert_layout((p * per_row(vs[g], H)).to(gl.float16), b_l),)
+            zs = zs + (zsum[g] * alpha + gl.sum(p * per_row(vz[g], H), axis=0),)
+    elif NG == 8:
         lo, zlo = _scaled_p(p, (vs[0], vs[1], vs[2], vs[3]), (vz[0], vz[1], vz[2], vz[3]),
                             (zsum[0], zsum[1], zsum[2], zsum[3]), alpha, b_l, H, 4)
         hi, zhi = _scaled_p(p, (vs[4], vs[5], vs[6], vs[7]), (vz[4], vz[5], vz[6], vz[7]),
