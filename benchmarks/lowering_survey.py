@@ -14,7 +14,7 @@ from foldc.backends.gluon.lower import lowerable
 from foldc.errors import FoldError
 
 HEADS = ((8, 8), (32, 8), (40, 8), (56, 8), (64, 4), (64, 2), (48, 2), (34, 2), (62, 2), (18, 2))   # 17, 31, 9: ragged
-HEAD_DIMS = (64, 96, 128, 256)
+HEAD_DIMS = (64, 96, 128, 160, 192, 256)
 
 
 def encodings():
