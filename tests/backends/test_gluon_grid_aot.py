@@ -175,13 +175,15 @@ def test_grid_build_is_the_designed_kernel(job, reports):
         value_tiles *= 2   # channel-wise V folded in groups of half a tile: one value product per group
     key_tiles = cfg["width"] // 16
     # groups across a padded head_dim's bit fields: each piece of 32 k indices (keys) or rows (values) takes one
-    # MMA per group it meets, and none where it is padding alone (operands.piece_groups)
+    # MMA per group it meets, and none where it is padding alone (operands.piece_groups); of a value piece's two
+    # tiles of 16 rows, the compiler keeps a group's MMA only where the tile's rows meet the group (the select
+    # takes no other row of it)
     if cfg["key_masked"]:
         key_tiles = PIECE // 16 * sum(len(piece_groups("key", i, cfg["key_bits"], cfg["width"], job[3],
                                                        cfg["key_groups"])) for i in range(cfg["width"] // PIECE))
     if cfg["value_masked"]:
-        value_tiles = PIECE // 16 * sum(len(piece_groups("value", i, cfg["value_bits"], cfg["width"], job[3],
-                                                         cfg["value_groups"])) for i in range(cfg["width"] // PIECE))
+        value_tiles = sum(len(piece_groups("value", i, cfg["value_bits"], cfg["width"], job[3], cfg["value_groups"],
+                                           rows=16)) for i in range(cfg["width"] // 16))
     blocks = heads * (block_n // 16) * (key_tiles + value_tiles) * (rows // 8)
     assert loop.get("HMMA", 0) == blocks, loop
     # one LOP3 per two codes on each side: a side of W words per token unpacks 2 x fields registers

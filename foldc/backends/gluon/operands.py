@@ -240,15 +240,16 @@ PIECE = 32   # k indices of the key operand, or rows of the value operand, in on
 
 
 @constexpr_function   # also called by kernel code at compile time (tile_groups.py)
-def piece_groups(side: str, piece: int, bits: int, width: int, head_dim: int, groups: int) -> tuple[int, ...]:
-    """The token-wise channel groups that piece ``piece`` of an operand meets (PIECE consecutive k indices of the
-    key operand, ``side`` "key", or rows of the value operand, "value") when a head_dim between powers of two is
-    padded to ``width`` register channels and split into ``groups`` groups: the groups of the cache channels its
-    k indices or rows hold, in order (empty for a piece of padding alone). A piece meets one group, or two or
-    three where a group's boundary falls inside a bit field's channels."""
+def piece_groups(side: str, piece: int, bits: int, width: int, head_dim: int, groups: int,
+                 rows: int = PIECE) -> tuple[int, ...]:
+    """The token-wise channel groups that piece ``piece`` of an operand meets (``rows`` consecutive k indices of the
+    key operand, ``side`` "key", or rows of the value operand, "value"; PIECE in the kernel) when a head_dim between
+    powers of two is padded to ``width`` register channels and split into ``groups`` groups: the groups of the cache
+    channels its k indices or rows hold, in order (empty for a piece of padding alone). A piece meets one group, or
+    more where a group's boundary falls inside a bit field's channels."""
     channel = key_channel if side == "key" else value_channel
     per_field, per_field_cache = width * bits // 8, head_dim * bits // 8
     size = head_dim // groups
-    met = {c // size for r in range(piece * PIECE, (piece + 1) * PIECE)
+    met = {c // size for r in range(piece * rows, (piece + 1) * rows)
            if (c := cache_channel(channel(r, bits, width), per_field, per_field_cache)) is not None}
     return tuple(sorted(met))
