@@ -191,7 +191,8 @@ def test_grid_build_is_the_designed_kernel(job, reports):
     unpack = sum(heads * block_n * words * 2 * (8 // bits) // 32
                  for words, bits in ((cfg["key_words"], cfg["key_bits"]), (cfg["value_words"], cfg["value_bits"])))
     if cfg["key_masked"] or cfg["value_masked"]:   # the masks' selects: ptxas folds some unpack ANDs into them
-        assert 0.9 * unpack <= loop.get("LOP3", 0) <= unpack + 24 + unpack // 4, (unpack, loop)
+        # (11% of them at head_dim 192, K token:4:32 / V token:8:32)
+        assert 0.85 * unpack <= loop.get("LOP3", 0) <= unpack + 24 + unpack // 4, (unpack, loop)
     else:
         assert unpack <= loop.get("LOP3", 0) <= unpack + 24 + unpack // 4, (unpack, loop)
 
