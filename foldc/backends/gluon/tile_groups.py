@@ -1,8 +1,8 @@
 """The per-group parameters of the register-operand kernel's tiles (kernel.py): the query read from
 memory, a channel-wise group's query operand and logits' map (key side) or scales and zeros (value
 side), folded (tile_operands.key_group, value_group) or for a dequant plan (tile_dequant.py), the two
-groups of a tile of channel-wise groups of 16 tokens, and the masked per-group sums of groups that
-cross a padded head_dim's bit fields.
+groups of a tile of channel-wise groups of 16 tokens, and for groups that cross a padded head_dim's bit
+fields the per-group sums of the query and its pieces (operands.piece_groups: which groups a piece meets).
 
 Import this module only where Triton runs natively (not under TRITON_INTERPRET=1).
 """
