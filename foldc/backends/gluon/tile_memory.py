@@ -107,15 +107,7 @@ def _params(P, n0, tm, head_c, stride_h, live, H: gl.constexpr, MASKED: gl.const
     one load per group."""
     if NG == 1:
         x = _param(P, n0, tm, head_c, stride_h, live, H, MASKED)
-    elif NG == 3:   # three groups (head_dim 96 in groups of 32): one load each
-        x = (_param(P, n0, tm, head_c, stride_h, live, H, MASKED, NG, 0),
-             _param(P, n0, tm, head_c, stride_h, live, H, MASKED, NG, 1),
-             _param(P, n0, tm, head_c, stride_h, live, H, MASKED, NG, 2))
-    elif NG > 4 and NG < 8:   # five to seven groups (head_dim 160 and 192 in groups of 32): one load each
-        x = ()
-        for g in gl.static_range(NG):
-            x = x + (_param(P, n0, tm, head_c, stride_h, live, H, MASKED, NG, g),)
-    elif P.dtype.element_ty.primitive_bitwidth == 16:
+    elif P.dtype.element_ty.primitive_bitwidth == 16 and (NG == 2 or NG == 4 or NG == 8):
         if NG == 2:
             word = _param(P.to(gl.pointer_type(gl.int32)), n0, tm, head_c, stride_h // 2, live, H, MASKED)
             x = gl.inline_asm_elementwise("mov.b32 {$0, $1}, $2;", "=h,=h,r", [word],
@@ -133,23 +125,10 @@ def _params(P, n0, tm, head_c, stride_h, live, H: gl.constexpr, MASKED: gl.const
             b = gl.inline_asm_elementwise("mov.b64 {$0, $1, $2, $3}, $4;", "=h,=h,=h,=h,l", [hi],
                                           dtype=(P.dtype.element_ty,) * 4, is_pure=True, pack=1)
             x = (a[0], a[1], a[2], a[3], b[0], b[1], b[2], b[3])
-    elif NG == 2:
-        x = (_param(P, n0, tm, head_c, stride_h, live, H, MASKED, NG, 0),
-             _param(P, n0, tm, head_c, stride_h, live, H, MASKED, NG, 1))
-    elif NG == 4:
-        x = (_param(P, n0, tm, head_c, stride_h, live, H, MASKED, NG, 0),
-             _param(P, n0, tm, head_c, stride_h, live, H, MASKED, NG, 1),
-             _param(P, n0, tm, head_c, stride_h, live, H, MASKED, NG, 2),
-             _param(P, n0, tm, head_c, stride_h, live, H, MASKED, NG, 3))
-    else:
-        x = (_param(P, n0, tm, head_c, stride_h, live, H, MASKED, NG, 0),
-             _param(P, n0, tm, head_c, stride_h, live, H, MASKED, NG, 1),
-             _param(P, n0, tm, head_c, stride_h, live, H, MASKED, NG, 2),
-             _param(P, n0, tm, head_c, stride_h, live, H, MASKED, NG, 3),
-             _param(P, n0, tm, head_c, stride_h, live, H, MASKED, NG, 4),
-             _param(P, n0, tm, head_c, stride_h, live, H, MASKED, NG, 5),
-             _param(P, n0, tm, head_c, stride_h, live, H, MASKED, NG, 6),
-             _param(P, n0, tm, head_c, stride_h, live, H, MASKED, NG, 7))
+    else:   # fp32 parameters, or a group count no word holds (3, 5-7: head_dim 96, 160, 192 in groups of 32)
+        x = ()
+        for g in gl.static_range(NG):
+            x = x + (_param(P, n0, tm, head_c, stride_h, live, H, MASKED, NG, g),)
     return x
 
 
