@@ -16,6 +16,8 @@
 #                                                 #   96, 160, 192): checked, then timed at 8 x 64K and 1 x 16K; with
 #                                                 #   OLD=dir (a tree of foldc before the operand pieces, e.g.
 #                                                 #   `git archive 8b6d7cf foldc | tar -x -C dir`) head_dim 96 by it too
+#     bash benchmarks/layouts_gpu.sh full_check   # every layout of the full grid (396) checked against float64 for
+#                                                 #   bf16 and fp16 queries at 2 x 4K, in 12 processes side by side
 #
 # Each step runs under its own time limit; its output goes to $OUT/<step>.log (and JSON where the script writes
 # one), and a line per step to $OUT/summary.txt. Figures go to docs/perf.md with their command, never into a test.
@@ -43,6 +45,10 @@ case "${1:-ragged}" in
     fi
     step masked_small 100 python3 benchmarks/layout_times.py --shape 1x16384 --out "$OUT/masked_small.json" \
         --layouts "$MASKED;$MASKED_NEW"
+    ;;
+  full_check)
+    step full_check 580 python3 -m foldc bench --layouts --grid full --check-only --jobs "${JOBS:-12}" \
+        --out "$OUT/full_check"
     ;;
   ragged)
     step ragged_checks 330 python3 -m pytest -q -x tests/backends/test_gluon_gpu.py -k "ragged"
@@ -86,7 +92,7 @@ case "${1:-ragged}" in
         --out "$OUT/split_sweep.json" --layouts "$L"
     ;;
   *)
-    echo "unknown step ${1}: ragged, small, small_both, grids, small_sweep or split_sweep" >&2
+    echo "unknown step ${1}: see the list at the top of this script" >&2
     exit 2
     ;;
 esac

@@ -471,9 +471,13 @@ def status(row: dict) -> str:
 
 
 def run_grid(layouts, out_dir: Path, target: str = "auto", check_shape=(2, 16384), time_shapes=TIME_SHAPES,
-             grid_name: str = "timed") -> dict:
+             grid_name: str = "timed", jobs: int = 1) -> dict:
     """Check (and, with ``time_shapes``, time) every layout; writes layouts.json after each one and
-    layouts.txt at the end."""
+    layouts.txt at the end. ``jobs`` > 1 (checks only: timings need the GPU to themselves) checks the
+    layouts in that many worker processes side by side (each compiles its own kernels, the slow part of a
+    check), the rows kept in the grid's order."""
+    if jobs > 1 and time_shapes:
+        raise ValueError("jobs > 1 checks only: timings need the GPU to themselves (pass no time_shapes)")
     out_dir.mkdir(parents=True, exist_ok=True)
     run = Run(target, tuple(check_shape), tuple(time_shapes), cudnn={})
     gpu = torch.cuda.get_device_name() if run.device == "cuda" else "CPU (Triton interpreter)"
@@ -489,15 +493,37 @@ def run_grid(layouts, out_dir: Path, target: str = "auto", check_shape=(2, 16384
             print(f"{gpu}: streaming-read ceiling {run.ceiling / 1e12:.2f} TB/s", flush=True)
             run.cudnn_make = bench.peers()["sdpa cudnn bf16"]
         print(header(results, len(layouts)), flush=True)
-        for i, lay in enumerate(layouts):
-            start = time.time()
-            row = run_layout(lay, run)
-            row["seconds"] = time.time() - start
-            results["rows"].append(row)
-            print(f"[{i + 1}/{len(layouts)} {row['seconds']:.0f} s] " + " | ".join(table_cells(row)), flush=True)
+        done = [None] * len(layouts)
+        for count, (i, row) in enumerate(_rows(layouts, run, jobs), 1):
+            done[i] = row
+            results["rows"] = [r for r in done if r is not None]
+            print(f"[{count}/{len(layouts)} {row['seconds']:.0f} s] " + " | ".join(table_cells(row)), flush=True)
             (out_dir / "layouts.json").write_text(json.dumps(results, indent=1))
     (out_dir / "layouts.txt").write_text(format_table(results))
     return results
+
+
+def _timed_row(lay: Layout, run: Run) -> dict:
+    start = time.time()
+    row = run_layout(lay, run)
+    row["seconds"] = time.time() - start
+    return row
+
+
+def _rows(layouts, run: Run, jobs: int):
+    """(index, row) of every layout as each finishes: one after another, or in ``jobs`` spawned worker
+    processes (each with its own CUDA context; FOLDC_CACHE_DIR as this process has it)."""
+    if jobs <= 1:
+        for i, lay in enumerate(layouts):
+            yield i, _timed_row(lay, run)
+        return
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = {pool.submit(_timed_row, lay, run): i for i, lay in enumerate(layouts)}
+        for future in as_completed(futures):
+            yield futures[future], future.result()
 
 
 def _triton_version() -> str | None:
@@ -632,6 +658,8 @@ def main(argv=None) -> int:
     ap.add_argument("--only", default=None,
                     help="comma-separated labels or substrings of labels, e.g. 'K token:2:128 V token:2:128 32/8'")
     ap.add_argument("--list", action="store_true", help="print the grid's layout labels and exit")
+    ap.add_argument("--jobs", type=int, default=1,
+                    help="check layouts in this many processes side by side (checks only; default 1)")
     args = ap.parse_args(argv)
     wanted = [w.strip() for w in args.only.split(",") if w.strip()] if args.only else None
     layouts = pick(grid(args.grid), wanted)
@@ -652,6 +680,10 @@ def main(argv=None) -> int:
         check_shape = parse_shapes(args.check_shape, "--check-shape", ap)[0]
     if args.check_only or (args.grid == "full" and not args.time_all):
         time_shapes = ()
+    if args.jobs < 1:
+        ap.error(f"--jobs={args.jobs}: give at least 1 process")
+    if args.jobs > 1 and time_shapes:
+        ap.error(f"--jobs={args.jobs} checks only (timings need the GPU to themselves): add --check-only")
     if args.target != "interpret" and not torch.cuda.is_available():
         print("foldc bench --layouts needs a CUDA GPU (it times kernels); none is visible. On the CPU, "
               "`foldc bench --layouts --check-only --target interpret` checks the layouts under Triton's "
@@ -660,6 +692,6 @@ def main(argv=None) -> int:
     from .options import cli_out_dir
 
     cli_out_dir(ap, args.out)
-    results = run_grid(layouts, Path(args.out), args.target, check_shape, time_shapes, args.grid)
+    results = run_grid(layouts, Path(args.out), args.target, check_shape, time_shapes, args.grid, args.jobs)
     print(format_table(results))
     return 0 if all(r["status"] in ("ok", "refused") for r in results["rows"]) else 1

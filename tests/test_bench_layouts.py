@@ -246,6 +246,8 @@ def test_without_a_gpu_it_says_so_and_fails(monkeypatch, capsys, tmp_path):
     (["--only", "INT3"], "--only='INT3' matches no layout"),
     (["--shapes", "8by4096"], "--shapes="),
     (["--check-only", "--check-shape", "0x16"], "--check-shape="),
+    (["--check-only", "--jobs", "0"], "--jobs=0: give at least 1"),
+    (["--grid", "quick", "--jobs", "4"], "--jobs=4 checks only"),
 ])
 def test_bad_arguments_are_refused(argv, wanted, capsys):
     with pytest.raises(SystemExit) as info:
@@ -254,17 +256,20 @@ def test_bad_arguments_are_refused(argv, wanted, capsys):
 
 
 @needs_interpreter
-def test_check_only_under_the_interpreter_end_to_end(tmp_path, capsys):
+@pytest.mark.parametrize("jobs", [1, 2])
+def test_check_only_under_the_interpreter_end_to_end(tmp_path, capsys, jobs):
     """Three layouts of the full grid through `foldc bench --layouts --check-only --target interpret`:
-    a refused one (groups of 128 over head_dim 64), GQA 1 with mixed sides, and a plain V side."""
+    a refused one (groups of 128 over head_dim 64), GQA 1 with mixed sides, and a plain V side; one after
+    another and in two worker processes (the rows in the grid's order either way)."""
     only = "K token:2:128 V token:2:128 32/8 d64,K channel:4:64 V token:4:64 8/8 d128,K token:2:32 V plain 32/8 d128"
     rc = cli.main(["bench", "--layouts", "--grid", "full", "--check-only", "--target", "interpret", "--only", only,
-                     "--out", str(tmp_path)])
+                     "--out", str(tmp_path), "--jobs", str(jobs)])
     assert rc == 0
     results = json.loads((tmp_path / "layouts.json").read_text())
     assert results["target"] == "interpret" and results["check_shape"] == [2, 80] and results["time_shapes"] == []
     rows = {row["label"]: row for row in results["rows"]}
-    assert sorted(rows) == sorted(only.split(","))     # in the grid's order
+    assert list(rows) == [lay.label for lay in bl.pick(bl.grid("full"), only.split(","))]   # the grid's order
+    assert sorted(rows) == sorted(only.split(","))
     refused = rows["K token:2:128 V token:2:128 32/8 d64"]
     assert refused["status"] == "refused" and "does not divide" in refused["message"]
     for label in only.split(",")[1:]:
