@@ -7,6 +7,8 @@ triton.testing.do_bench), and % of the HBM read ceiling on the bytes the kernel 
     PYTHONPATH=. python3 benchmarks/gluon_sweep.py --out results/sweep.json [--quick]
     PYTHONPATH=. python3 benchmarks/gluon_sweep.py --out d64.json --bits 2 --head-dim 64 --group 64 \
         --shapes 8x65536 --pack 2,4 --block-n 32,64 --stages 2,3,4 --maxnreg none --scale-ahead 0,1
+    PYTHONPATH=. python3 benchmarks/gluon_sweep.py --out c8.json --sides channel:8:16/token:4:64 --heads 16/4 \
+        --head-dim 256 --shapes 1x16384 --pack 1 --block-n 32 --stages 2,3 --split-factor 0.5,1,2
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import time
 
 import foldc
 from foldc.bench import decode_case, save_rows, timed
+from foldc.encoding import parse_affine
 from foldc.testing import rel_l2
 
 CEILING = 4.4e12   # bytes/s, the streaming-read ceiling measured on the H200 (h200-anchors.md)
@@ -42,6 +45,8 @@ def main() -> int:
     ap.add_argument("--heads", default="32/8", help="query heads / KV heads")
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--group", type=int, default=128, help="group size of both sides")
+    ap.add_argument("--sides", default=None, help="K and V encodings as foldc parses them, e.g. "
+                    "'channel:8:16/token:4:64' (in place of --bits, --layouts and --group)")
     ap.add_argument("--deadline", type=float, default=1e9, help="seconds after which no new shape starts")
     args = ap.parse_args()
     num_q, num_kv = map(int, args.heads.split("/"))
@@ -60,10 +65,16 @@ def main() -> int:
         shapes, options = shapes[1:3] + shapes[4:5], options[:4]
     rows = []
     t0 = time.time()
-    for bits, layouts in itertools.product(values(args.bits, int), args.layouts.split(",")):
-        kl, vl = layouts.split("/")
-        spec = foldc.AttentionSpec(num_q, num_kv, args.head_dim, foldc.Affine(bits, kl, args.group),
-                                   foldc.Affine(bits, vl, args.group))
+    if args.sides:
+        k_text, v_text = args.sides.split("/")
+        cases = [(0, args.sides, foldc.AttentionSpec(num_q, num_kv, args.head_dim, parse_affine(k_text),
+                                                     parse_affine(v_text)))]
+    else:
+        cases = [(bits, layouts, foldc.AttentionSpec(num_q, num_kv, args.head_dim,
+                                                     foldc.Affine(bits, layouts.split("/")[0], args.group),
+                                                     foldc.Affine(bits, layouts.split("/")[1], args.group)))
+                 for bits, layouts in itertools.product(values(args.bits, int), args.layouts.split(","))]
+    for bits, layouts, spec in cases:
         for b, n in shapes:
             if time.time() - t0 > args.deadline:
                 print(f"int{bits} {b}x{n}: not run, deadline of {args.deadline:g} s reached", flush=True)
