@@ -18,6 +18,9 @@
 #                                                 #   activation's tile; the GEMV's defaults at every size
 #     bash benchmarks/host_path_gpu.sh gemv_xrows_check  # the activation's rows in shared memory at m > 8: the
 #                                                 #   GEMV's GPU tests, then production beside the kernel before it
+#     bash benchmarks/host_path_gpu.sh gemv_chunk_k  # chunks of 128 and 512 channels of k (`gemv_chunk_k`): the
+#                                                 #   GEMV's float64 property test (which draws them), then timed
+#                                                 #   beside the defaults, INT2 and INT4 at m = 1 and 16
 #     bash benchmarks/host_path_gpu.sh gemm_wgmma # the async-wgmma dequant GEMM experiment: checked, then timed
 #     bash benchmarks/host_path_gpu.sh gemm_wgmma_small  # the same at m = 1 and 16 (block_m 32, split k), graphed
 #     bash benchmarks/host_path_gpu.sh kernels_then_wgmma_check   # two calls of under ten minutes for a short
@@ -114,11 +117,16 @@ case "${1:-checks}" in
     step wgmma_times 330 python3 benchmarks/gemm_wgmma.py --time-only --out "$OUT/wgmma"
     step wgmma_small 260 python3 benchmarks/gemm_wgmma.py --small --out "$OUT/wgmma"
     ;;
+  gemv_chunk_k)   # 512 channels of k per chunk: 29% fewer SASS instructions per weight at INT2, m = 1 (AOT, sm_90)
+    step gemv_chunk_k_tests 200 python3 -m pytest -q tests/backends/test_gemv_gluon.py -k "gpu_gemv_matches"
+    step gemv_chunk_k 360 python3 benchmarks/gemv_ab.py --quick --cases 2,1,0,3,7,10,5 --out "$OUT/gemv_chunk_k.json" \
+        --options '[{"gemv_chunk_k": 512}, {"gemv_chunk_k": 128}, {"gemv_chunk_k": 256}]'
+    ;;
   gemm_wgmma_small)   # issue 20's m = 1 and 16 targets: the same kernel at block_m = 32 with split k
     step wgmma_small 300 python3 benchmarks/gemm_wgmma.py --small --out "$OUT/wgmma"
     ;;
   *)
-    echo "usage: bash benchmarks/host_path_gpu.sh checks|checks2|times|hf|pending|pending_times|gemv_split|gemv_warps|gemv_unrolled_ncu|gemm_wgmma|gemm_wgmma_small|kernels_then_wgmma_check|wgmma_times_all" >&2
+    echo "usage: bash benchmarks/host_path_gpu.sh checks|checks2|times|hf|pending|pending_times|gemv_split|gemv_warps|gemv_unrolled_ncu|gemv_chunk_k|gemm_wgmma|gemm_wgmma_small|kernels_then_wgmma_check|wgmma_times_all" >&2
     exit 2
     ;;
 esac

@@ -19,14 +19,15 @@ from .spec import GemmSpec
 
 TARGETS = ("reference", "auto", "sm_90", "sm_100", "interpret")
 KERNELS = ("auto", "gluon", "triton")
-GLUON_OPTIONS = ("block_rows", "gemv_split", "gemv_stages", "gemv_sub", "gemv_maxnreg", "gemv_warps")
+GLUON_OPTIONS = ("block_rows", "gemv_split", "gemv_stages", "gemv_sub", "gemv_maxnreg", "gemv_warps",
+                 "gemv_chunk_k")
 
 
 class GemmKernel:
     """The GPU GEMM callable: the register-operand GEMV where it lowers, the Triton kernel otherwise.
     Triton's options (block_m, block_n, block_k, split_k, num_warps, num_stages, out_dtype,
-    fold_policy) go to the Triton kernel; block_rows, gemv_split, gemv_stages, gemv_sub, gemv_maxnreg and gemv_warps to
-    the GEMV."""
+    fold_policy) go to the Triton kernel; block_rows, gemv_split, gemv_stages, gemv_sub, gemv_maxnreg, gemv_warps and
+    gemv_chunk_k to the GEMV."""
 
     def __init__(self, spec: GemmSpec, target: str, kernel: str = "auto", **options):
         from ..backends.gluon.gemv_launch import GluonGemv
@@ -44,7 +45,7 @@ class GemmKernel:
                             "plan's own fold; use kernel='auto'")
         self.gemv = GluonGemv(spec, target, gluon.get("block_rows"), gluon.get("gemv_split"),
                               gluon.get("gemv_stages"), gluon.get("gemv_sub"), gluon.get("gemv_maxnreg"),
-                              gluon.get("gemv_warps")) \
+                              gluon.get("gemv_warps"), gluon.get("gemv_chunk_k")) \
             if uses_gluon else None
         if gluon and self.gemv is None:
             raise SpecError(f"{sorted(gluon)}: options of the register-operand GEMV, which this kernel does not use")

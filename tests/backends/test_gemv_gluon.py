@@ -140,7 +140,8 @@ def test_options_are_checked_and_the_interpreter_refuses_the_gemv():
     spec = spec_of("k-group:4:128", 64, 2048)
     for bad, match in (({"block_rows": 24}, "block_rows"), ({"split_k": 0}, "split_k"), ({"stages": 9}, "stages"),
                        ({"sub": 3}, "sub"), ({"maxnreg": 16}, "maxnreg"), ({"maxnreg": 96.0}, "maxnreg"),
-                       ({"warps": 3}, "warps"), ({"warps": True}, "warps")):
+                       ({"warps": 3}, "warps"), ({"warps": True}, "warps"), ({"chunk_k": 384}, "chunk_k"),
+                       ({"chunk_k": True}, "chunk_k")):
         with pytest.raises(SpecError, match=match):
             GluonGemv(spec, "sm_90", **bad)
     with pytest.raises(SpecError, match="sm_90 and sm_100"):
@@ -151,6 +152,31 @@ def test_options_are_checked_and_the_interpreter_refuses_the_gemv():
         foldc.compile(spec, target="interpret", block_rows=32)
     capped = GluonGemv(spec, "sm_90", maxnreg=96).plan_launch(torch.float16, 1, 132)
     assert dict(capped.constants)["maxnreg"] == 96 and "maxnreg" not in dict(GluonGemv(spec, "sm_90").plan_launch(torch.float16, 1, 132).constants)
+
+
+@pytest.mark.parametrize("enc", ["k-group:2:128", "k-group:4:128", "k-group:4:32", "k-group:8:64", "per-channel:4"])
+@pytest.mark.parametrize("chunk_k", [128, 256, 512])
+def test_chunk_k_sets_the_chunk_and_its_pieces_stay_in_one_group_and_field(enc, chunk_k):
+    """``chunk_k`` (the launch option ``gemv_chunk_k``) asks for chunks of that many channels of k: a chunk's bytes
+    are chunk_k / fields unless the groups ask for fewer pieces (MAX_PIECES), and every piece of every chunk lies in
+    one k group and one bit field (no partial sum crosses a group)."""
+    plan = gemm_plan(spec_of(enc, 64, 4096, m=1))
+    kern = lower_gemv(plan, 1, "fp16", chunk_k)
+    launch = GluonGemv(spec_of(enc, 64, 4096), "sm_90", chunk_k=chunk_k).plan_launch(torch.float16, 1, 132)
+    assert launch.kernel == kern and dict(launch.constants)["W"] == kern.chunk_bytes // 4
+    assert kern.chunk_bytes * kern.fields <= chunk_k and kern.pieces <= MAX_PIECES
+    if kern.pieces // kern.fields == 1:   # one group per field and chunk: the whole chunk asked for
+        assert kern.chunk_bytes * kern.fields == chunk_k
+    k_of_byte = kern.row_bytes   # planar packing: field f of byte j is k = f * row_bytes + j
+    for c in range(kern.chunks):
+        for piece in range(kern.pieces):
+            field, within = divmod(piece, kern.pieces // kern.fields)
+            first = field * k_of_byte + c * kern.chunk_bytes + within * kern.piece_k
+            ks = range(first, first + kern.piece_k)
+            assert len({k // kern.group for k in ks}) == 1 and len({k // k_of_byte for k in ks}) == 1
+            assert kern.piece_group(c, piece) == first // kern.group
+    with pytest.raises(ValueError, match="operand_k"):
+        lower_gemv(plan, 1, "fp16", 384)
 
 
 def test_default_split_keeps_two_chunks_a_program_and_fills_the_gpu():
@@ -183,8 +209,10 @@ def test_the_activation_goes_through_shared_memory_where_it_was_measured_to_pay(
 @given(enc=st.sampled_from(ENCODINGS), n=st.sampled_from([16, 96, 1000, 4096, 28672]),
        k=st.sampled_from([1024, 2048, 4096, 8192, 14336]), m=st.sampled_from([1, 9]),
        block_rows=st.sampled_from([16, 32, 64]), split=st.sampled_from([None, 1, 3, 64]),
-       sub=st.sampled_from([None, 1, 2]), warps=st.sampled_from([None, 1, 2, 4]))
-def test_a_launch_covers_every_chunk_once_and_its_parameter_words_fit(enc, n, k, m, block_rows, split, sub, warps):
+       sub=st.sampled_from([None, 1, 2]), warps=st.sampled_from([None, 1, 2, 4]),
+       chunk_k=st.sampled_from([None, 128, 512]))
+def test_a_launch_covers_every_chunk_once_and_its_parameter_words_fit(enc, n, k, m, block_rows, split, sub, warps,
+                                                                      chunk_k):
     """The programs of a block take consecutive runs of whole chunks (the last may be shorter, none
     empty), and each program's parameter words (the kernel's GW per field, row and parameter) hold
     every group its k range meets within PARAM_RUN_BYTES a row."""
@@ -194,7 +222,7 @@ def test_a_launch_covers_every_chunk_once_and_its_parameter_words_fit(enc, n, k,
         spec = spec_of(enc, n, k)
     except foldc.SpecError:
         assume(False)
-    gemv = GluonGemv(spec, "sm_90", block_rows=block_rows, split_k=split, sub=sub, warps=warps)
+    gemv = GluonGemv(spec, "sm_90", block_rows=block_rows, split_k=split, sub=sub, warps=warps, chunk_k=chunk_k)
     assume(gemv.lowers(torch.float16, m)[0])
     launch = gemv.plan_launch(torch.float16, m, 132)
     kern, per, splits = launch.kernel, launch.chunks_per_split, launch.grid[1]
@@ -370,8 +398,8 @@ def test_the_gemvs_own_workspace_and_counters_are_one_set_per_stream(monkeypatch
 @given(enc=st.sampled_from(ENCODINGS), n=st.integers(1, 300), m=st.integers(1, 16),
        dtype=st.sampled_from([torch.float16, torch.bfloat16]), split=st.sampled_from([None, 1, 3]),
        k=st.sampled_from([2048, 2176]), offset=st.sampled_from([0, 0, 1, 8]), warps=st.sampled_from([None, 2, 4]),
-       seed=st.integers(0, 2**31 - 1))
-def test_gpu_gemv_matches_the_float64_reference(enc, n, m, dtype, split, k, offset, warps, seed):
+       chunk_k=st.sampled_from([None, None, 128, 512]), seed=st.integers(0, 2**31 - 1))
+def test_gpu_gemv_matches_the_float64_reference(enc, n, m, dtype, split, k, offset, warps, chunk_k, seed):
     """k = 2176 gives 17 groups of 128 a row: the 16-bit parameters of odd rows start in a word's upper
     half (the kernel's parameter words are read per row from the word that holds its first group). x is a
     slice ``offset`` elements into wider rows: at an odd offset its rows are only 2-byte aligned (the
@@ -381,13 +409,13 @@ def test_gpu_gemv_matches_the_float64_reference(enc, n, m, dtype, split, k, offs
         spec = spec_of(enc, n, k)
     except foldc.SpecError:
         assume(False)   # the group does not divide k
-    kern = foldc.compile(spec, target="auto", gemv_split=split, gemv_warps=warps)
+    kern = foldc.compile(spec, target="auto", gemv_split=split, gemv_warps=warps, gemv_chunk_k=chunk_k)
     assume(kern.gemv.lowers(torch.float16, m)[0])   # a dequant verdict at m rows: the Triton kernel's, tested there
     gen = torch.Generator().manual_seed(seed)
     wq = quantize_2d((torch.randn(n, k, generator=gen) * 0.05).cuda(), spec.weight)
     for _ in range(3):
         x = ((torch.randn(m, k + offset, generator=gen) + 0.3) * 4).to("cuda", dtype)[:, offset:]
-        _check_gemv(kern(x, wq), x, wq, k, dtype, (seed, enc, n, m, dtype, split, offset, warps))
+        _check_gemv(kern(x, wq), x, wq, k, dtype, (seed, enc, n, m, dtype, split, offset, warps, chunk_k))
 
 
 def _check_gemv(y, x, wq, k, dtype, case):

@@ -29,7 +29,7 @@ ALIGNED_INTS = ("stride_wc", "stride_x", "stride_y")
 def compile_gemv_aot(spec: GemmSpec, arch: str, out_dir: str | Path, m: int = 1, dtype: str = "fp16",
                      block_rows: int | None = None, split_k: int | None = None, stages: int | None = None,
                      sub: int | None = None, sms: int = 132, maxnreg: int | None = None,
-                     warps: int | None = None) -> dict:
+                     warps: int | None = None, chunk_k: int | None = None) -> dict:
     """Build the GEMV kernel of ``spec`` at ``m`` rows of ``dtype`` activations for ``arch`` into
     ``out_dir``, with the launcher's choices (``sms``: the SM count its split-k heuristic assumes);
     return a report (registers, spilled bytes in the chunk loop, MMAs per chunk)."""
@@ -46,7 +46,7 @@ def compile_gemv_aot(spec: GemmSpec, arch: str, out_dir: str | Path, m: int = 1,
     from .gemv import foldc_gemv_gluon
 
     launcher = GluonGemv(spec, arch, block_rows=block_rows, split_k=split_k, stages=stages, sub=sub, maxnreg=maxnreg,
-                         warps=warps)
+                         warps=warps, chunk_k=chunk_k)
     torch_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
     ok, why = launcher.lowers(torch_dtype, m)
     if not ok:

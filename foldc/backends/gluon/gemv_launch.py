@@ -22,7 +22,7 @@ from ...validate import check_no_overlap, check_out
 from ..runtime.fast_launch import Bindings, FastLaunch, keywords
 from ..runtime.launch import stream_handle
 from ..runtime.modules import num_sms
-from .gemv_lower import GemvKernel, NotLowerable, lower_gemv, weight_code_bias
+from .gemv_lower import OPERAND_KS, GemvKernel, NotLowerable, lower_gemv, weight_code_bias
 from .operands import VALUE_EXPONENT, biased_key_unpack_asm, key_unpack_asm, natural_key_unpack_asm
 
 DTYPES = (torch.float16, torch.bfloat16)
@@ -111,11 +111,12 @@ class GluonGemv:
     takes warps x block_rows channels, its warps sharing the activation's chunk in shared memory at m = 1, the
     pipeline's barriers and the split-k counter), split_k (None: `default_split`), stages (cp.async depth,
     2-8), sub (chunks per stage), maxnreg (a register cap per thread, 32-255: fewer registers let more
-    programs reside per SM, at the risk of spills; None: the compiler's choice)."""
+    programs reside per SM, at the risk of spills; None: the compiler's choice), chunk_k (channels of k per
+    chunk, one of OPERAND_KS: a chunk's MMA operand; None: `lower_gemv`'s default for the row count)."""
 
     def __init__(self, spec: GemmSpec, target: str, block_rows: int | None = None, split_k: int | None = None,
                  stages: int | None = None, sub: int | None = None, maxnreg: int | None = None,
-                 warps: int | None = None):
+                 warps: int | None = None, chunk_k: int | None = None):
         if target not in ("sm_90", "sm_100"):
             raise SpecError(f"target={target!r}: the register-operand GEMV runs on sm_90 and sm_100")
         if block_rows is not None and block_rows not in BLOCK_ROWS:
@@ -132,7 +133,9 @@ class GluonGemv:
         if maxnreg is not None and (isinstance(maxnreg, bool) or not isinstance(maxnreg, int)
                                     or not 32 <= maxnreg <= 255):
             raise SpecError(f"maxnreg={maxnreg!r} must be an integer from 32 to 255 or None")
-        self.spec, self.target, self.sub, self.maxnreg = spec, target, sub, maxnreg
+        if chunk_k is not None and (isinstance(chunk_k, bool) or chunk_k not in OPERAND_KS):
+            raise SpecError(f"chunk_k={chunk_k!r} (channels of k per chunk) must be one of {OPERAND_KS}")
+        self.spec, self.target, self.sub, self.maxnreg, self.chunk_k = spec, target, sub, maxnreg, chunk_k
         self.block_rows, self.split_k, self.stages = block_rows or 16, split_k, stages or STAGES
         self.warps = warps or 1
         self.program_rows = self.block_rows * self.warps   # output channels per program
@@ -163,7 +166,7 @@ class GluonGemv:
             if dtype not in ACTIVATION:
                 return False, f"activation dtype={dtype}: the GEMV takes torch.float16 and torch.bfloat16"
             try:
-                lower_gemv(self.plan_for(dtype, m), m, ACTIVATION[dtype])
+                lower_gemv(self.plan_for(dtype, m), m, ACTIVATION[dtype], self.chunk_k)
                 self._lowers[key] = (True, "")
             except NotLowerable as e:
                 self._lowers[key] = (False, str(e))
@@ -174,7 +177,7 @@ class GluonGemv:
         key = (dtype, m, sms)
         launch = self._launches.get(key)
         if launch is None:
-            kernel = lower_gemv(self.plan_for(dtype, m), m, ACTIVATION[dtype])
+            kernel = lower_gemv(self.plan_for(dtype, m), m, ACTIVATION[dtype], self.chunk_k)
             sub = self.sub or default_sub(kernel)
             split = self.split_k or default_split(kernel, self.spec.n, self.program_rows, sms, sub, self.warps)
             most = max_chunks(kernel)                             # a program's parameter words fit

@@ -25,6 +25,7 @@ from .operands import BF16_CODE_BIAS
 MAX_ROWS = 16               # activation rows on the MMA's N axis (8 or 16)
 OPERAND_K = 256             # channels of k per chunk: a [16, 256] fp16 operand is 64 registers a lane
 OPERAND_K_WIDE = 128        # ... with 9-16 activation rows (their [k, 16] operand, and the next one, take twice the registers)
+OPERAND_KS = (128, 256, 512)   # the channels of k per chunk a launch may ask for (`lower_gemv`'s operand_k)
 MAX_PIECES = 8              # MMA chains per chunk (tile_operands.split_groups)
 MIN_PIECE = 32              # k per MMA chain (16: the operand split fails to lower)
 MIN_CHUNK_WORDS = 8         # the key operand's layout reads 8 words a row and more (tile_operands.key_words_layout)
@@ -74,9 +75,12 @@ class GemvKernel:
         return (field * self.row_bytes + chunk * self.chunk_bytes + within * self.piece_k) // self.group
 
 
-def lower_gemv(plan: GemmPlan, rows: int, activation: str = "fp16") -> GemvKernel:
+def lower_gemv(plan: GemmPlan, rows: int, activation: str = "fp16", operand_k: int | None = None) -> GemvKernel:
     """The kernel's parameters for ``plan`` at ``rows`` activation rows of ``activation`` ("fp16"/"bf16"),
-    or NotLowerable."""
+    or NotLowerable. ``operand_k``: channels of k per chunk, one of OPERAND_KS (None: OPERAND_K, or
+    OPERAND_K_WIDE past 8 rows); a chunk is halved where the row or the groups ask for it."""
+    if operand_k is not None and operand_k not in OPERAND_KS:
+        raise ValueError(f"operand_k={operand_k!r} is not one of {OPERAND_KS}")
     spec = plan.spec
     if spec.activation is not None:
         raise NotLowerable(f"activation={spec.activation.short()}: encoded activations run the Triton kernel")
@@ -97,7 +101,7 @@ def lower_gemv(plan: GemmPlan, rows: int, activation: str = "fp16") -> GemvKerne
     if str(enc.scale_dtype) not in SCALE_DTYPES:
         raise NotLowerable(f"scale dtype {enc.scale_dtype}: the kernel reads fp16, bf16 or fp32 scales")
     fields, row_bytes = w.fields, w.row_bytes
-    chunk = (OPERAND_K if rows <= 8 else OPERAND_K_WIDE) // fields
+    chunk = (operand_k or (OPERAND_K if rows <= 8 else OPERAND_K_WIDE)) // fields
     while chunk >= 4 * MIN_CHUNK_WORDS and row_bytes % chunk:
         chunk //= 2
     if chunk < 4 * MIN_CHUNK_WORDS or row_bytes % chunk:
@@ -120,9 +124,10 @@ def lower_gemv(plan: GemmPlan, rows: int, activation: str = "fp16") -> GemvKerne
                       w.code_bias)
 
 
-def lowerable_gemv(plan: GemmPlan, rows: int, activation: str = "fp16") -> tuple[bool, str]:
+def lowerable_gemv(plan: GemmPlan, rows: int, activation: str = "fp16", operand_k: int | None = None
+                   ) -> tuple[bool, str]:
     try:
-        lower_gemv(plan, rows, activation)
+        lower_gemv(plan, rows, activation, operand_k)
     except NotLowerable as e:
         return False, str(e)
     return True, ""
