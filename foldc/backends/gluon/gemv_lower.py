@@ -10,7 +10,7 @@ verdict (eq. 16: groups of at most twice the rows, for small groups and m near 1
 activation is not its job: `NotLowerable` says why, and the generated Triton kernel runs the call.
 
 Tiling, as numbers: a chunk is ``chunk_bytes`` bytes of every weight row of a block (D = chunk_bytes
-x fields channels of k, 256 of them, one MMA operand); it is cut into ``pieces`` equal ranges of its
+x fields channels of k, OPERAND_K of them by default, one MMA operand); it is cut into ``pieces`` equal ranges of its
 k index, each inside one bit field and one k group, so that no partial sum crosses a group.
 """
 from __future__ import annotations
@@ -23,9 +23,14 @@ from .lower import NotLowerable
 from .operands import BF16_CODE_BIAS
 
 MAX_ROWS = 16               # activation rows on the MMA's N axis (8 or 16)
-OPERAND_K = 256             # channels of k per chunk: a [16, 256] fp16 operand is 64 registers a lane
-OPERAND_K_WIDE = 128        # ... with 9-16 activation rows (their [k, 16] operand, and the next one, take twice the registers)
 OPERAND_KS = (128, 256, 512)   # the channels of k per chunk a launch may ask for (`lower_gemv`'s operand_k)
+# By default a chunk is 128 bytes of each weight row at m <= 8 and 64 past it (2- and 4-bit codes: 512 and 256
+# channels of k for 2 bits, 256 and 128 for 4); 8-bit codes 256 and 128 channels. On an H100 (fp16 x, m = 1,
+# docs/gemm.md) 2-bit codes in 512-channel chunks took 0-14% off 256 (28672 x 8192 43.6 -> 37.4 µs: 29% fewer
+# instructions per weight), at m = 16 in 256-channel ones 12-14% off 128; 4-bit codes in 512 were up to 25% slower
+# at 4096 x 14336 (half the chunks per program), in 256 at m = 16 within 2%.
+OPERAND_K = {2: 512, 4: 256, 8: 256}         # channels of k per chunk by code width, at most 8 activation rows
+OPERAND_K_WIDE = {2: 256, 4: 128, 8: 128}    # ... with 9-16 rows (their [k, 16] operand takes twice the registers)
 MAX_PIECES = 8              # MMA chains per chunk (tile_operands.split_groups)
 MIN_PIECE = 32              # k per MMA chain (16: the operand split fails to lower)
 MIN_CHUNK_WORDS = 8         # the key operand's layout reads 8 words a row and more (tile_operands.key_words_layout)
@@ -77,8 +82,8 @@ class GemvKernel:
 
 def lower_gemv(plan: GemmPlan, rows: int, activation: str = "fp16", operand_k: int | None = None) -> GemvKernel:
     """The kernel's parameters for ``plan`` at ``rows`` activation rows of ``activation`` ("fp16"/"bf16"),
-    or NotLowerable. ``operand_k``: channels of k per chunk, one of OPERAND_KS (None: OPERAND_K, or
-    OPERAND_K_WIDE past 8 rows); a chunk is halved where the row or the groups ask for it."""
+    or NotLowerable. ``operand_k``: channels of k per chunk, one of OPERAND_KS (None: OPERAND_K of the code
+    width, or OPERAND_K_WIDE past 8 rows); a chunk is halved where the row or the groups ask for it."""
     if operand_k is not None and operand_k not in OPERAND_KS:
         raise ValueError(f"operand_k={operand_k!r} is not one of {OPERAND_KS}")
     spec = plan.spec
@@ -101,7 +106,7 @@ def lower_gemv(plan: GemmPlan, rows: int, activation: str = "fp16", operand_k: i
     if str(enc.scale_dtype) not in SCALE_DTYPES:
         raise NotLowerable(f"scale dtype {enc.scale_dtype}: the kernel reads fp16, bf16 or fp32 scales")
     fields, row_bytes = w.fields, w.row_bytes
-    chunk = (operand_k or (OPERAND_K if rows <= 8 else OPERAND_K_WIDE)) // fields
+    chunk = (operand_k or (OPERAND_K if rows <= 8 else OPERAND_K_WIDE)[w.bits]) // fields
     while chunk >= 4 * MIN_CHUNK_WORDS and row_bytes % chunk:
         chunk //= 2
     if chunk < 4 * MIN_CHUNK_WORDS or row_bytes % chunk:
