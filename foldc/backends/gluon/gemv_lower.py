@@ -26,8 +26,8 @@ MAX_ROWS = 16               # activation rows on the MMA's N axis (8 or 16)
 OPERAND_KS = (128, 256, 512)   # the channels of k per chunk a launch may ask for (`lower_gemv`'s operand_k)
 # By default a chunk is 128 bytes of each weight row at m <= 8 and 64 past it (2- and 4-bit codes: 512 and 256
 # channels of k for 2 bits, 256 and 128 for 4); 8-bit codes 256 and 128 channels. On an H100 (fp16 x, m = 1,
-# docs/gemm.md) 2-bit codes in 512-channel chunks took 0-14% off 256 (28672 x 8192 43.6 -> 37.4 µs: 29% fewer
-# instructions per weight), at m = 16 in 256-channel ones 12-14% off 128; 4-bit codes in 512 were up to 25% slower
+# docs/gemm.md) 2-bit codes in 512-channel chunks took 5-14% off 256 at four shapes and were level at 4096 x 14336
+# (28672 x 8192 43.6 -> 37.4 µs: 29% fewer instructions per weight), at m = 16 in 256-channel ones 12-14% off 128; 4-bit codes in 512 were up to 25% slower
 # at 4096 x 14336 (half the chunks per program), in 256 at m = 16 within 2%.
 OPERAND_K = {2: 512, 4: 256, 8: 256}         # channels of k per chunk by code width, at most 8 activation rows
 OPERAND_K_WIDE = {2: 256, 4: 128, 8: 128}    # ... with 9-16 rows (their [k, 16] operand takes twice the registers)
