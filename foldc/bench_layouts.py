@@ -608,11 +608,37 @@ def format_table(results: dict) -> str:
     counts = {s: sum(r["status"] == s for r in results["rows"]) for s in ("ok", "over bar", "refused", "failed")}
     lines += ["", f"{len(results['rows'])} layouts: {counts['ok']} meet the bar, {counts['over bar']} over it, "
                   f"{counts['refused']} refused, {counts['failed']} failed"]
+    lines += target_lines(results)
     for kind in ("refused", "failed"):
         notes = [f"- {r['label']}: {note}" for r in results["rows"] for note in notes_of(r, kind)]
         if notes:
             lines += ["", f"{kind}:"] + notes
     return "\n".join(lines) + "\n"
+
+
+#: the grid's speed bars (issue 18): a share of the read ceiling at shapes of at least CEILING_TOKENS (batch x
+#: tokens), and no layout slower than cuDNN bf16 at CUDNN_TOKENS tokens or more
+CEILING_BAR, CEILING_TOKENS, CUDNN_TOKENS = 60.0, 512 * 1024, 16 * 1024
+
+
+def target_lines(results: dict) -> list[str]:
+    """Per timed shape: how many layouts read at CEILING_BAR% of the ceiling or more (at CEILING_TOKENS batch x
+    tokens and up) and which do not, and which are slower than cuDNN (at CUDNN_TOKENS tokens and up)."""
+    lines = []
+    for batch, tokens in results["time_shapes"]:
+        timed = [(row["label"], t) for row in results["rows"] for t in row["timings"]
+                 if t["batch"] == batch and t["tokens"] == tokens and "us" in t]
+        if not timed:
+            continue
+        shape = f"{batch}x{tokens}"
+        if batch * tokens >= CEILING_TOKENS:
+            below = [f"{label} ({t['pct_ceiling']:.0f}%)" for label, t in timed if t["pct_ceiling"] < CEILING_BAR]
+            lines.append(f"{shape}: {len(timed) - len(below)} of {len(timed)} timed layouts at >= {CEILING_BAR:g}% "
+                         f"of the ceiling" + (f"; below: {', '.join(below)}" if below else ""))
+        if tokens >= CUDNN_TOKENS:
+            slower = [f"{label} ({t['x_cudnn']:.2f}x)" for label, t in timed if t["x_cudnn"] < 1]
+            lines.append(f"{shape}: slower than cuDNN: {', '.join(slower) if slower else 'none'}")
+    return [""] + lines if lines else []
 
 
 def notes_of(row: dict, kind: str) -> list[str]:

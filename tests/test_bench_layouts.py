@@ -180,11 +180,31 @@ def test_table_formatting():
             "refused | NO |") in lines
     assert not any(line.startswith("| token:2:128 | token:2:128 | 32/8 (4) | 64 |") for line in lines)
     assert "3 layouts: 1 meet the bar, 1 over it, 1 refused, 0 failed" in lines
+    assert "8x65536: 1 of 1 timed layouts at >= 60% of the ceiling" in lines   # 70%
+    assert "8x65536: slower than cuDNN: none" in lines
     at = lines.index("refused:")
     assert lines[at + 1:at + 3] == [
         "- K token:8:32 V plain 64/2 d128: fp16 queries: PlanError: too big",
         "- K token:2:128 V token:2:128 32/8 d64: SpecError: group_size=128 does not divide head_dim=64"]
     assert "failed:" not in lines
+
+
+def test_target_lines_name_the_layouts_below_each_bar():
+    """The share of the ceiling counts at batch x tokens >= 512K only, the cuDNN bar at >= 16K tokens only."""
+    def row(k, us, cudnn_us, batch, tokens, heads=(32, 8)):
+        lay = bl.layout(k, k, *heads)
+        t = {"batch": batch, "tokens": tokens, "us": us, **bl.speed(lay, batch, tokens, us, cudnn_us, 4.3e12)}
+        return {**lay.describe(), "timings": [t], "checks": {}}
+    fast, slow = row("token:2:128", 100.0, 480.0, 8, 65536), row("token:2:128", 300.0, 250.0, 8, 65536, (64, 2))
+    pct = slow["timings"][0]["pct_ceiling"]
+    results = {"time_shapes": [[8, 65536]], "rows": [fast, slow]}
+    assert bl.target_lines(results) == [
+        "", f"8x65536: 1 of 2 timed layouts at >= 60% of the ceiling; below: {slow['label']} ({pct:.0f}%)",
+        f"8x65536: slower than cuDNN: {slow['label']} (0.83x)"]
+    small = {"time_shapes": [[1, 4096], [1, 16384]],
+             "rows": [row("token:2:128", 20.0, 16.0, 1, 4096), row("token:2:128", 20.0, 30.0, 1, 16384)]}
+    assert bl.target_lines(small) == ["", "1x16384: slower than cuDNN: none"]   # 1 x 4K: below both bars' shapes
+    assert bl.target_lines({"time_shapes": [], "rows": [fast]}) == []
 
 
 def test_status_of_partial_refusals_and_failures():
