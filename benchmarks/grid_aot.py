@@ -21,7 +21,7 @@ from concurrent.futures import ProcessPoolExecutor
 def build(job):
     label, arch = job
     from foldc.backends.gluon.aot import compile_gluon_aot
-    from foldc.bench_layouts import grid
+    from foldc.layout_grid import grid
     from foldc.errors import FoldError
 
     lay = next(x for x in grid(build.grid_name) if x.label == label)
@@ -59,7 +59,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET"):
         sys.exit("run with TRITON_INTERPRET unset: the builds need Triton's native backend")
-    from foldc.bench_layouts import grid
+    from foldc.layout_grid import grid
 
     labels = [x.label for x in grid(args.grid)]
     if args.only:

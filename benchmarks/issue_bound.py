@@ -47,7 +47,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     from foldc.backends.gluon.warpgroup_launch import warpgroup_applies
-    from foldc.bench_layouts import grid, must_read
+    from foldc.bench_layouts import must_read
+    from foldc.layout_grid import grid
 
     builds = {r["label"]: r for r in json.loads(Path(args.aot).read_text())["rows"]
               if r["arch"] == "sm_90" and r["status"] == "ok"}

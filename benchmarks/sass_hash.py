@@ -33,7 +33,7 @@ def layouts(grid: str | None):
 
         return [(f"K {k} V {v} {h} d{d}", spec_from_args(None if k == "none" else k, None if v == "none" else v, h, d))
                 for k, v, h, d in GRID]
-    from foldc.bench_layouts import grid as layout_grid
+    from foldc.layout_grid import grid as layout_grid
 
     return [(x.label, x.spec()) for x in layout_grid(grid)]
 

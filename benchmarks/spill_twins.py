@@ -27,7 +27,7 @@ def spilling_layouts(arch: str = "sm_90") -> list[str]:
 
 
 def layout_of(label: str):
-    from foldc.bench_layouts import grid
+    from foldc.layout_grid import grid
 
     return next(x for x in grid("full") if x.label == label)
 

@@ -1,4 +1,4 @@
-"""`foldc bench --layouts` (foldc/bench_layouts.py): the grid as data, the byte arithmetic, the table,
+"""`foldc bench --layouts` (foldc/bench_layouts.py): the byte arithmetic, the table,
 refusals, and a small end-to-end run of the checks under Triton's interpreter (CPU). The timing
 itself needs a GPU: its test is skipped without one."""
 from __future__ import annotations
@@ -13,6 +13,7 @@ import torch
 import foldc
 from foldc import bench
 from foldc import bench_layouts as bl
+from foldc import layout_grid as lg
 from foldc import cli
 
 A = foldc.Affine
@@ -23,74 +24,10 @@ needs_interpreter = pytest.mark.skipif(
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
 
 
-# --- the grid -----------------------------------------------------------------------------------
-
-def test_full_grid_is_the_product_of_both_sides_plus_plain_sides_and_extras():
-    grid = bl.full_grid()
-    sides = bl.side_encodings()
-    assert len(sides) == 2 * 3 * 3 == 18
-    extras = len(bl.SCALE_DTYPE_EXTRAS) + len(bl.GQA_EXTRAS) + len(bl.HEAD_DIM_EXTRAS) + len(bl.FEATURE_EXTRAS)
-    assert len(grid) == 18 * 18 + 2 * 18 + extras == 396
-    assert len({lay.label for lay in grid}) == len(grid)            # no duplicates
-    base = [lay for lay in grid if (lay.q_heads, lay.kv_heads, lay.head_dim) == (32, 8, 128)]
-    pairs = {(bl.side_text(lay.k), bl.side_text(lay.v)) for lay in base}
-    assert {(k, v) for k in sides for v in sides} <= pairs            # mixed widths and groups included
-    assert {(k, "plain") for k in sides} | {("plain", v) for v in sides} <= pairs
-    assert bl.axes(grid)["gqa ratio"] == {1, 4, 5, 7, 8, 16, 17, 32}
-    assert bl.axes(grid)["head_dim"] == {64, 96, 128, 256}
-    assert bl.axes(grid)["scale dtype"] == {"fp16", "bf16", "fp32"}
-    assert {(lay.q_heads, lay.kv_heads) for lay in grid} == set(bl.GQA_HEADS.values())
-    assert max(lay.q_heads for lay in grid) == 64
-
-
-def test_timed_subset_covers_every_axis_of_the_grid():
-    timed = bl.grid("timed")
-    assert len(timed) >= 24
-    assert set(timed) <= set(bl.full_grid())
-    assert bl.uncovered(timed) == {}
-    seen = bl.axes(timed)
-    # spelled out, so that a shrinking subset (or a shrinking TIMED_MUST_COVER) fails here
-    assert seen["k bits"] == seen["v bits"] == {2, 4, 8}
-    assert seen["k layout"] == seen["v layout"] == {"token", "channel", "plain"}
-    assert seen["group size"] >= {16, 32, 64, 128}
-    assert True in seen["mixed bits"]
-    assert {"bf16", "fp32"} <= seen["scale dtype"]
-    assert {1, 5, 7, 16, 17, 32} <= seen["gqa ratio"]
-    assert {64, 96, 256} <= seen["head_dim"]
-    for lay in timed:
-        lay.spec()   # none of the timed layouts is one foldc refuses
-    assert bl.CHECK_SHAPES["timed"][1] >= 16384
-    assert all(b * n >= 512 * 1024 for b, n in bl.TIME_SHAPES)
-
-
-def test_uncovered_names_what_a_subset_lacks():
-    timed = bl.grid("timed")
-    no_plain_k = [lay for lay in timed if lay.k is not None]
-    assert bl.uncovered(no_plain_k) == {"k layout": {"plain"}}
-    only_base = [lay for lay in timed if lay.gqa == 4 and lay.head_dim == 128]
-    assert bl.uncovered(only_base) == {"gqa ratio": {1, 5, 7, 8, 16, 17, 32}, "head_dim": {64, 256}}
-
-
-def test_quick_grid_and_only_filter():
-    quick = bl.grid("quick")
-    assert len(quick) == 6 and set(quick) <= set(bl.full_grid())
-    label = "K token:2:128 V token:2:128 32/8 d128"
-    assert [lay.label for lay in bl.pick(quick, [label])] == [label]     # an exact label alone
-    assert len(bl.pick(quick, ["V token:2:128"])) == 2                  # else every label containing it
-    assert bl.pick(quick, None) == quick
-
-
-def test_layout_labels_and_heads():
-    lay = bl.layout("channel:4:64:fp32", "plain", 64, 2, 256)
-    assert lay.label == "K channel:4:64:fp32 V plain 64/2 d256" and lay.gqa == 32
-    assert lay.k == A(4, "channel", 64, torch.float32) and lay.v is None
-    assert lay.spec().describe() == "heads 64/2, head_dim 256, K channel:4:64:fp32, V plain"
-
-
 # --- bytes and speed ----------------------------------------------------------------------------
 
 def test_bytes_of_int2_token_wise_by_hand():
-    lay = bl.layout("token:2:128", "token:2:128")
+    lay = lg.layout("token:2:128", "token:2:128")
     values = 8 * 8 * 65536 * 128                       # 536,870,912 per side
     side = values // 4 + (values // 128) * 2 * 2      # 2-bit codes; one fp16 scale and zero per 128 values
     assert side == 150_994_944
@@ -103,7 +40,7 @@ def test_bytes_of_int2_token_wise_by_hand():
 
 
 def test_speed_figures_by_hand():
-    lay = bl.layout("token:2:128", "token:2:128")
+    lay = lg.layout("token:2:128", "token:2:128")
     got = bl.speed(lay, 8, 65536, us=100.0, cudnn_us=500.0, ceiling=4e12)
     assert got["bytes"] == 302_120_960 and got["bf16_bytes"] == 2_147_614_720
     assert got["pct_ceiling"] == pytest.approx(100 * 302_120_960 / 100e-6 / 4e12)   # 75.5%
@@ -117,14 +54,14 @@ def test_speed_figures_by_hand():
 
 
 def test_bytes_of_a_partial_channel_group_fp32_scales_and_a_plain_side():
-    lay = bl.layout("channel:4:64:fp32", "plain", 64, 2, 256)
+    lay = lg.layout("channel:4:64:fp32", "plain", 64, 2, 256)
     values = 1 * 2 * 100 * 256                         # 51,200
     k_side = values // 2 + 2 * (2 * 2 * 256) * 4      # 4-bit codes; ceil(100 / 64) = 2 groups per channel, fp32
     assert k_side == 33_792
     q_out = 2 * 2 * 1 * 64 * 256
     assert bl.must_read(lay, 1, 100) == k_side + 2 * values + q_out == 201_728
     assert bl.bf16_bytes(lay, 1, 100) == 4 * values + q_out == 270_336
-    bf16_scales = bl.layout("token:2:32:bf16", "token:2:32:bf16", 32, 8, 64)
+    bf16_scales = lg.layout("token:2:32:bf16", "token:2:32:bf16", 32, 8, 64)
     values = 2 * 8 * 10 * 64
     assert bl.side_bytes(bf16_scales.k, 2, 8, 10, 64) == values // 4 + (values // 32) * 2 * 2 == 3_840
 
@@ -158,14 +95,14 @@ def _results(rows: list) -> dict:
 
 
 def test_table_formatting():
-    lay = bl.layout("token:2:128", "token:2:128")
+    lay = lg.layout("token:2:128", "token:2:128")
     timing = {"batch": 8, "tokens": 65536, "us": 100.0,
               **bl.speed(lay, 8, 65536, us=100.0, cudnn_us=500.0, ceiling=4.3e12)}
     good = {**lay.describe(), "timings": [timing],
             "checks": {"bf16": _check("GluonAttention", 2.0e-3, 2.5e-3), "fp16": _check("TritonAttention", 3e-4, 4e-4)}}
-    over = {**bl.layout("token:8:32", "plain", 64, 2, 128).describe(), "timings": [],
+    over = {**lg.layout("token:8:32", "plain", 64, 2, 128).describe(), "timings": [],
             "checks": {"bf16": _check("TritonAttention", 6e-3, 2e-3), "fp16": {"refused": "PlanError: too big"}}}
-    refused = {**bl.layout("token:2:128", "token:2:128", 32, 8, 64).describe(), "checks": {}, "timings": [],
+    refused = {**lg.layout("token:2:128", "token:2:128", 32, 8, 64).describe(), "checks": {}, "timings": [],
                "status": "refused", "message": "SpecError: group_size=128 does not divide head_dim=64"}
     text = bl.format_table(_results([good, over, refused]))
     lines = text.splitlines()
@@ -192,7 +129,7 @@ def test_table_formatting():
 def test_target_lines_name_the_layouts_below_each_bar():
     """The share of the ceiling counts at batch x tokens >= 512K only, the cuDNN bar at >= 16K tokens only."""
     def row(k, us, cudnn_us, batch, tokens, heads=(32, 8)):
-        lay = bl.layout(k, k, *heads)
+        lay = lg.layout(k, k, *heads)
         t = {"batch": batch, "tokens": tokens, "us": us, **bl.speed(lay, batch, tokens, us, cudnn_us, 4.3e12)}
         return {**lay.describe(), "timings": [t], "checks": {}}
     fast, slow = row("token:2:128", 100.0, 480.0, 8, 65536), row("token:2:128", 300.0, 250.0, 8, 65536, (64, 2))
@@ -208,7 +145,7 @@ def test_target_lines_name_the_layouts_below_each_bar():
 
 
 def test_status_of_partial_refusals_and_failures():
-    base = bl.layout("token:2:128", "token:2:128").describe()
+    base = lg.layout("token:2:128", "token:2:128").describe()
     status = lambda checks, timings=(): bl.status({**base, "checks": checks, "timings": list(timings)})  # noqa: E731
     ok = _check("TritonAttention", 1e-3, 1e-3)
     assert status({"bf16": {"refused": "x"}, "fp16": {"refused": "y"}}) == "refused"
@@ -220,7 +157,7 @@ def test_status_of_partial_refusals_and_failures():
 
 def test_a_layout_foldc_refuses_is_reported_not_raised():
     run = bl.Run("interpret", (2, 80))
-    row = bl.run_layout(bl.layout("token:2:128", "channel:2:128", 32, 8, 64), run)
+    row = bl.run_layout(lg.layout("token:2:128", "channel:2:128", 32, 8, 64), run)
     assert row["status"] == "refused" and "group_size=128 does not divide" in row["message"]
     assert row["message"].startswith("SpecError: ")
 
@@ -229,7 +166,7 @@ def test_a_crash_is_reported_as_failed(monkeypatch):
     def boom(*args, **kwargs):
         raise RuntimeError("boom\nsecond line")
     monkeypatch.setattr(foldc, "compile", boom)
-    row = bl.run_layout(bl.layout("token:2:128", "token:2:128"), bl.Run("interpret", (2, 80)))
+    row = bl.run_layout(lg.layout("token:2:128", "token:2:128"), bl.Run("interpret", (2, 80)))
     assert row["status"] == "failed" and row["message"] == "RuntimeError: boom"
 
 
@@ -288,7 +225,7 @@ def test_check_only_under_the_interpreter_end_to_end(tmp_path, capsys, jobs):
     results = json.loads((tmp_path / "layouts.json").read_text())
     assert results["target"] == "interpret" and results["check_shape"] == [2, 80] and results["time_shapes"] == []
     rows = {row["label"]: row for row in results["rows"]}
-    assert list(rows) == [lay.label for lay in bl.pick(bl.grid("full"), only.split(","))]   # the grid's order
+    assert list(rows) == [lay.label for lay in lg.pick(lg.grid("full"), only.split(","))]   # the grid's order
     assert sorted(rows) == sorted(only.split(","))
     refused = rows["K token:2:128 V token:2:128 32/8 d64"]
     assert refused["status"] == "refused" and "does not divide" in refused["message"]
@@ -314,5 +251,5 @@ def test_one_layout_timed_on_the_gpu(tmp_path):
     row = results["rows"][0]
     assert rc == 0 and row["status"] == "ok" and set(row["checks"]) == {"bf16", "fp16"}
     timing = row["timings"][0]
-    assert timing["us"] > 0 and timing["bytes"] == bl.must_read(bl.grid("quick")[0], 1, 4096)
+    assert timing["us"] > 0 and timing["bytes"] == bl.must_read(lg.grid("quick")[0], 1, 4096)
     assert timing["error"] < 1e-2 and results["ceiling_tb_s"] > 0

@@ -684,7 +684,7 @@ def test_the_full_layout_grid_lowers():
     """`foldc bench --layouts --grid full` (394 layouts): every layout the spec accepts lowers to the
     register-operand kernel (head_dim 64 at 2 bits included: four words per token; K channel:4:64 at
     32 query heads per KV head folds for the 16 rows of each of its row blocks)."""
-    from foldc.bench_layouts import grid
+    from foldc.layout_grid import grid
 
     refused, narrow = [], 0
     for layout in grid("full"):

@@ -107,7 +107,7 @@ LAYERS = {
                 "foldc.backends", "foldc.nn"},
     "serving": {"foldc.ops"},   # the torch custom ops: decode attention and appends (integrations build on them)
     "tools": {"foldc", "foldc.__main__", "foldc.cli", "foldc.demo", "foldc.bench", "foldc.bench_layouts",
-              "foldc.gemm.bench", "foldc.serving.bench", "foldc.layout_compile"},
+              "foldc.layout_grid", "foldc.gemm.bench", "foldc.serving.bench", "foldc.layout_compile"},
 }
 PACKAGES = (("backends.gluon", "foldc.backends.gluon"), ("backends.triton", "foldc.backends.triton"),
             ("backends.runtime", "foldc.backends.runtime"), ("gemm", "foldc.gemm"), ("serving", "foldc.serving"),
