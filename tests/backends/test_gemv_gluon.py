@@ -154,6 +154,15 @@ def test_options_are_checked_and_the_interpreter_refuses_the_gemv():
     assert dict(capped.constants)["maxnreg"] == 96 and "maxnreg" not in dict(GluonGemv(spec, "sm_90").plan_launch(torch.float16, 1, 132).constants)
 
 
+@pytest.mark.parametrize("bits,rows,chunk_bytes", [(2, 1, 128), (2, 4, 64), (2, 16, 64), (4, 1, 128), (4, 8, 128),
+                                                     (4, 9, 64), (8, 1, 256), (8, 5, 256), (8, 16, 128)])
+def test_default_chunks_by_code_width_and_rows(bits, rows, chunk_bytes):
+    """The defaults docs/gemm.md gives: 128 bytes of each weight row for 2- and 4-bit codes at m = 1, 64 past 8 rows,
+    256 channels at m = 2..8 (the activation's chunk in registers) and for 8-bit codes up to 8 rows."""
+    kern = lower_gemv(gemm_plan(spec_of(f"k-group:{bits}:128", 64, 8192, m=rows)), rows)
+    assert kern.chunk_bytes == chunk_bytes and kern.chunk_bytes * kern.fields in (128, 256, 512)
+
+
 @pytest.mark.parametrize("enc", ["k-group:2:128", "k-group:4:128", "k-group:4:32", "k-group:8:64", "per-channel:4"])
 @pytest.mark.parametrize("chunk_k", [128, 256, 512])
 def test_chunk_k_sets_the_chunk_and_its_pieces_stay_in_one_group_and_field(enc, chunk_k):

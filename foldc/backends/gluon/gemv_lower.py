@@ -24,13 +24,23 @@ from .operands import BF16_CODE_BIAS
 
 MAX_ROWS = 16               # activation rows on the MMA's N axis (8 or 16)
 OPERAND_KS = (128, 256, 512)   # the channels of k per chunk a launch may ask for (`lower_gemv`'s operand_k)
-# By default a chunk is 128 bytes of each weight row at m <= 8 and 64 past it (2- and 4-bit codes: 512 and 256
-# channels of k for 2 bits, 256 and 128 for 4); 8-bit codes 256 and 128 channels. On an H100 (fp16 x, m = 1,
-# docs/gemm.md) 2-bit codes in 512-channel chunks took 5-14% off 256 at four shapes and were level at 4096 x 14336
-# (28672 x 8192 43.6 -> 37.4 µs: 29% fewer instructions per weight), at m = 16 in 256-channel ones 12-14% off 128; 4-bit codes in 512 were up to 25% slower
-# at 4096 x 14336 (half the chunks per program), in 256 at m = 16 within 2%.
-OPERAND_K = {2: 512, 4: 256, 8: 256}         # channels of k per chunk by code width, at most 8 activation rows
-OPERAND_K_WIDE = {2: 256, 4: 128, 8: 128}    # ... with 9-16 rows (their [k, 16] operand takes twice the registers)
+# By default a chunk is 128 bytes of each weight row for 2- and 4-bit codes at m = 1 and 64 past 8 rows (512 and 256
+# channels of k for 2 bits, 256 and 128 for 4), 256 channels at m = 2..8 (there the activation's chunk waits in
+# registers, and 512 channels took 2-bit codes from 129 to 204 registers, AOT sm_90; 4-bit codes at m = 4 were 18%
+# slower in them on an H100); 8-bit codes 256 and 128 channels. On an H100 (fp16 x, docs/gemm.md) 2-bit codes in
+# 512-channel chunks took 5-14% off 256 at m = 1 at four shapes and were level at 4096 x 14336 (28672 x 8192 43.6 ->
+# 37.4 µs: 29% fewer instructions per weight), at m = 16 in 256-channel ones 12-14% off 128; 4-bit codes in 512
+# were up to 25% slower at 4096 x 14336 (half the chunks per program), in 256 at m = 16 within 2%.
+OPERAND_K = {2: 512, 4: 256, 8: 256}         # channels of k per chunk by code width, one activation row
+OPERAND_K_NARROW = {2: 256, 4: 256, 8: 256}  # ... 2 to 8 rows
+OPERAND_K_WIDE = {2: 256, 4: 128, 8: 128}    # ... 9 to 16 rows (their [k, 16] operand takes twice the registers)
+
+
+def default_operand_k(bits: int, rows: int) -> int:
+    """Channels of k per chunk of a launch that asks for none: OPERAND_K, OPERAND_K_NARROW or OPERAND_K_WIDE."""
+    return (OPERAND_K if rows == 1 else OPERAND_K_NARROW if rows <= 8 else OPERAND_K_WIDE)[bits]
+
+
 MAX_PIECES = 8              # MMA chains per chunk (tile_operands.split_groups)
 MIN_PIECE = 32              # k per MMA chain (16: the operand split fails to lower)
 MIN_CHUNK_WORDS = 8         # the key operand's layout reads 8 words a row and more (tile_operands.key_words_layout)
@@ -82,8 +92,8 @@ class GemvKernel:
 
 def lower_gemv(plan: GemmPlan, rows: int, activation: str = "fp16", operand_k: int | None = None) -> GemvKernel:
     """The kernel's parameters for ``plan`` at ``rows`` activation rows of ``activation`` ("fp16"/"bf16"),
-    or NotLowerable. ``operand_k``: channels of k per chunk, one of OPERAND_KS (None: OPERAND_K of the code
-    width, or OPERAND_K_WIDE past 8 rows); a chunk is halved where the row or the groups ask for it."""
+    or NotLowerable. ``operand_k``: channels of k per chunk, one of OPERAND_KS (None: `default_operand_k`); a
+    chunk is halved where the row or the groups ask for it."""
     if operand_k is not None and operand_k not in OPERAND_KS:
         raise ValueError(f"operand_k={operand_k!r} is not one of {OPERAND_KS}")
     spec = plan.spec
@@ -106,7 +116,7 @@ def lower_gemv(plan: GemmPlan, rows: int, activation: str = "fp16", operand_k: i
     if str(enc.scale_dtype) not in SCALE_DTYPES:
         raise NotLowerable(f"scale dtype {enc.scale_dtype}: the kernel reads fp16, bf16 or fp32 scales")
     fields, row_bytes = w.fields, w.row_bytes
-    chunk = (operand_k or (OPERAND_K if rows <= 8 else OPERAND_K_WIDE)[w.bits]) // fields
+    chunk = (operand_k or default_operand_k(w.bits, rows)) // fields
     while chunk >= 4 * MIN_CHUNK_WORDS and row_bytes % chunk:
         chunk //= 2
     if chunk < 4 * MIN_CHUNK_WORDS or row_bytes % chunk:
