@@ -85,7 +85,7 @@ def main() -> int:
                 2 * q.numel() * 2
             for opt in options:
                 row = {"bits": bits, "layouts": layouts, "heads": args.heads, "head_dim": args.head_dim,
-                       "group": args.group, "batch": b, "tokens": n, **opt}
+                       "group": None if args.sides else args.group, "batch": b, "tokens": n, **opt}
                 try:
                     attn = foldc.compile(spec, "sm_90", kernel="gluon", **{k: v for k, v in opt.items()
                                                                              if v is not None})
