@@ -122,11 +122,25 @@ case "${1:-checks}" in
     step gemv_chunk_k 360 python3 benchmarks/gemv_ab.py --quick --cases 2,1,0,3,7,10,5 --out "$OUT/gemv_chunk_k.json" \
         --options '[{"gemv_chunk_k": 512}, {"gemv_chunk_k": 128}, {"gemv_chunk_k": 256}]'
     ;;
+  gemv_int4_wave)   # the GEMV's GPU tests at the 2-bit defaults of 2026-12-06, FoldLinear's, then INT4 in 512-channel
+    # chunks with splits that keep one wave (136 registers: 15 warps an SM, where default_split asks for 16)
+    step gemv_tests 200 python3 -m pytest -q tests/backends/test_gemv_gluon.py -k gpu
+    step linear 60 python3 -m pytest -q tests/test_nn.py -k gpu
+    step gemv_int4_wave 300 python3 benchmarks/gemv_ab.py --quick --cases 0,3,1,4 --out "$OUT/gemv_int4_wave.json" \
+        --options '[{"gemv_chunk_k": 512}, {"gemv_chunk_k": 512, "gemv_split": 7}, {"gemv_chunk_k": 512, "gemv_split": 6}, {"gemv_chunk_k": 512, "gemv_split": 5}, {"gemv_chunk_k": 512, "gemv_split": 4}]'
+    ;;
+  targets)   # one call on the H200: issue 20's GEMV table at the launcher's defaults (each checked first), INT4 in
+    # 512-channel chunks beside them, then issue 18's timed layout grid at 8 x 64K beside cuDNN
+    step gemv_defaults 220 python3 benchmarks/gemv_check.py --quick --defaults-only --out "$OUT/gemv"
+    step gemv_int4_512 110 python3 benchmarks/gemv_ab.py --quick --cases 0,3,1 --out "$OUT/gemv_int4_512.json" \
+        --options '[{"gemv_chunk_k": 512}, {"gemv_chunk_k": 512, "gemv_split": 6}, {"gemv_chunk_k": 512, "gemv_split": 4}]'
+    step grid_8x64k 240 python3 -m foldc bench --layouts --grid timed --out "$OUT/grid_8x64k"
+    ;;
   gemm_wgmma_small)   # issue 20's m = 1 and 16 targets: the same kernel at block_m = 32 with split k
     step wgmma_small 300 python3 benchmarks/gemm_wgmma.py --small --out "$OUT/wgmma"
     ;;
   *)
-    echo "usage: bash benchmarks/host_path_gpu.sh checks|checks2|times|hf|pending|pending_times|gemv_split|gemv_warps|gemv_unrolled_ncu|gemv_chunk_k|gemm_wgmma|gemm_wgmma_small|kernels_then_wgmma_check|wgmma_times_all" >&2
+    echo "usage: bash benchmarks/host_path_gpu.sh checks|checks2|times|hf|pending|pending_times|gemv_split|gemv_warps|gemv_unrolled_ncu|gemv_chunk_k|gemv_int4_wave|targets|gemm_wgmma|gemm_wgmma_small|kernels_then_wgmma_check|wgmma_times_all" >&2
     exit 2
     ;;
 esac
