@@ -21,6 +21,10 @@
 #     bash benchmarks/host_path_gpu.sh gemv_chunk_k  # chunks of 128 and 512 channels of k (`gemv_chunk_k`): the
 #                                                 #   GEMV's float64 property test (which draws them), then timed
 #                                                 #   beside the defaults, INT2 and INT4 at m = 1 and 16
+#     bash benchmarks/host_path_gpu.sh gemv_int4_wave  # the GEMV's and FoldLinear's GPU tests, then INT4 in 512-channel
+#                                                 #   chunks with splits that keep one wave
+#     bash benchmarks/host_path_gpu.sh targets    # on the H200: the GEMV's target table, INT4 in 512-channel chunks,
+#                                                 #   the layout grid at 8 x 64K
 #     bash benchmarks/host_path_gpu.sh gemm_wgmma # the async-wgmma dequant GEMM experiment: checked, then timed
 #     bash benchmarks/host_path_gpu.sh gemm_wgmma_small  # the same at m = 1 and 16 (block_m 32, split k), graphed
 #     bash benchmarks/host_path_gpu.sh kernels_then_wgmma_check   # two calls of under ten minutes for a short
@@ -130,11 +134,12 @@ case "${1:-checks}" in
         --options '[{"gemv_chunk_k": 512}, {"gemv_chunk_k": 512, "gemv_split": 7}, {"gemv_chunk_k": 512, "gemv_split": 6}, {"gemv_chunk_k": 512, "gemv_split": 5}, {"gemv_chunk_k": 512, "gemv_split": 4}]'
     ;;
   targets)   # one call on the H200: issue 20's GEMV table at the launcher's defaults (each checked first), INT4 in
-    # 512-channel chunks beside them, then issue 18's timed layout grid at 8 x 64K beside cuDNN
-    step gemv_defaults 220 python3 benchmarks/gemv_check.py --quick --defaults-only --out "$OUT/gemv"
-    step gemv_int4_512 110 python3 benchmarks/gemv_ab.py --quick --cases 0,3,1 --out "$OUT/gemv_int4_512.json" \
+    # 512-channel chunks beside them, then issue 18's timed layout grid at 8 x 64K beside cuDNN (on an H100 the first
+    # two took 78 and 22 s, and the grid did not finish 27 of its 35 rows in 240 s)
+    step gemv_defaults 130 python3 benchmarks/gemv_check.py --quick --defaults-only --out "$OUT/gemv"
+    step gemv_int4_512 60 python3 benchmarks/gemv_ab.py --quick --cases 0,3,1 --out "$OUT/gemv_int4_512.json" \
         --options '[{"gemv_chunk_k": 512}, {"gemv_chunk_k": 512, "gemv_split": 6}, {"gemv_chunk_k": 512, "gemv_split": 4}]'
-    step grid_8x64k 240 python3 -m foldc bench --layouts --grid timed --out "$OUT/grid_8x64k"
+    step grid_8x64k 390 python3 -m foldc bench --layouts --grid timed --out "$OUT/grid_8x64k"
     ;;
   gemm_wgmma_small)   # issue 20's m = 1 and 16 targets: the same kernel at block_m = 32 with split k
     step wgmma_small 300 python3 benchmarks/gemm_wgmma.py --small --out "$OUT/wgmma"
