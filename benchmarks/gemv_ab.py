@@ -50,13 +50,18 @@ def load_kernel(path: str, name: str = "foldc_gemv_gluon"):
 
 def b_call(kernel_b, gemv, asm_mode: str, override: dict | None = None):
     """``call(x, w, out)`` launching kernel_b with the production launcher's launch; ``asm_mode``: "swapped" or
-    "natural" sets the unpack (and SWAP where the kernel takes it), "flip" the other order than the launcher's."""
+    "natural" sets the unpack (and SWAP where the kernel takes it), "flip" the other order than the launcher's.
+    ``override``: constants of B's to set, and "_programs_per_sm": B's grid is that many programs per SM (one axis;
+    benchmarks/gemv_persistent.py) instead of the launch's."""
     from foldc.backends.gluon.operands import key_unpack_asm, natural_key_unpack_asm
     from foldc.backends.runtime.fast_launch import FastLaunch
 
     fast = FastLaunch(kernel_b)
     names = set(kernel_b.arg_names)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
+
+    override = dict(override or {})
+    per_sm = override.pop("_programs_per_sm", None)
 
     def call(x, w, out):
         launch = gemv.plan_launch(x.dtype, x.shape[0], sms)
@@ -78,9 +83,9 @@ def b_call(kernel_b, gemv, asm_mode: str, override: dict | None = None):
             consts["ASM"], consts["CONS"] = asm(launch.kernel.bits)
             if "SWAP" in consts:
                 consts["SWAP"] = mode == "swapped"
-        consts.update(override or {})
+        consts.update(override)
         codes, scale, zero = w.codes[0, 0], w.scale[0, 0], w.zero[0, 0]
-        fast[launch.grid](x, codes.view(torch.int32), scale, zero, out, part, counters, launch.m, gemv.spec.n,
+        fast[launch.grid if per_sm is None else (sms * per_sm,)](x, codes.view(torch.int32), scale, zero, out, part, counters, launch.m, gemv.spec.n,
                           x.stride(0), codes.stride(0) // 4, scale.stride(0), out.stride(0), launch.chunks_per_split,
                           **consts)
     return call
