@@ -6,10 +6,12 @@ items, each item production's program (a block of output channels and a split of
         --b-override '[{"_programs_per_sm": 12}, {"_programs_per_sm": 15}, {"_programs_per_sm": 12, "_options": {"gemv_split": 16}}, {"_programs_per_sm": 15, "_options": {"gemv_split": 16}}]'
     PYTHONPATH=. python3 benchmarks/gemv_persistent.py   # CPU: registers beside production's, sm_90
 
+(`--b-kernel foldc_gemv_persistent_late` for the persistent grid alone: the next item's copies after the end.)
 Built ahead of time for sm_90 (the second command, 2026-12-06): 131 registers against production's 98 at INT4 g128
 4096 x 14336, m = 1 (at most 15 one-warp programs an SM, so 12-15 programs per SM is the grid to try), 136 against
-102 at INT2 28672 x 8192, 182 against 114 at INT4 m = 16; no local memory. (Its "SASS per chunk" counts the item
-loop, which holds the chunk loop: not comparable with production's.) Not yet run on a GPU.
+102 at INT2 28672 x 8192, 182 against 114 at INT4 m = 16; no local memory. The late kernel takes as many (131, 137,
+178): the registers are the item loop's, not the overlap's. (Its "SASS per chunk" counts the item loop, which holds
+the chunk loop: not comparable with production's.) Not yet run on a GPU.
 
 Why: Nsight Compute put a quarter of a production program's life in its start (the parameter words' and first
 stages' copies on their way) and its end (the partial's stores, then the split-k counter's round trip), with about
@@ -28,6 +30,9 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
 import foldc.backends.gluon.gemv as production
+from foldc.backends.runtime.modules import with_globals
+
+EARLY = gl.constexpr(True)   # the next item's copies before the current item's end (False: after it)
 
 
 @gluon.jit
@@ -64,7 +69,8 @@ def foldc_gemv_persistent(X, WC, WS, WZ, Y, PART, COUNTERS, M, N, stride_x, stri
                           XF16: gl.constexpr, VALUE_EXP: gl.constexpr, KIND: gl.constexpr, SUB: gl.constexpr,
                           GW: gl.constexpr, X_SHARED: gl.constexpr, SWAP: gl.constexpr, BIAS: gl.constexpr):
     """production.foldc_gemv_gluon's arguments, over a grid of (P,) programs: items p, p + P, ... of the
-    cdiv(N, BN) x SPLIT (block, split) items, the next one's copies started before the current one ends."""
+    cdiv(N, BN) x SPLIT (block, split) items, the next one's copies started before the current one ends (EARLY),
+    or after it (`foldc_gemv_persistent_late`: the persistent grid alone)."""
     T: gl.constexpr = BN // (16 * gl.num_warps())
     NB: gl.constexpr = W * 4
     D: gl.constexpr = NB * F
@@ -109,10 +115,11 @@ def foldc_gemv_persistent(X, WC, WS, WZ, Y, PART, COUNTERS, M, N, stride_x, stri
             done_n0 = n0
             item += gl.num_programs(0)
             gl.thread_barrier()   # every lane is done with this item's stages and parameter words
-            if item < items:   # the next item's copies, in flight through this item's end
-                n0, c_lo, c_hi, w_rows = _start_item(item, X, WC, WS, WZ, N, stride_wc, stride_ws, chunks_per_split,
-                                                     w_smem, x_smem, s_copy, z_copy, x_at, BN, W, F, ROW_BYTES, G,
-                                                     STAGES, SUB, GW, HALF, SPLIT, X_SHARED)
+            if EARLY:
+                if item < items:   # the next item's copies, in flight through this item's end
+                    n0, c_lo, c_hi, w_rows = _start_item(item, X, WC, WS, WZ, N, stride_wc, stride_ws,
+                                                         chunks_per_split, w_smem, x_smem, s_copy, z_copy, x_at, BN, W,
+                                                         F, ROW_BYTES, G, STAGES, SUB, GW, HALF, SPLIT, X_SHARED)
             for t in gl.static_range(T):
                 production._finish(ys[t], t, Y, PART, done_n0, split, M, N, stride_y, SPLIT, ROWS)
             if SPLIT > 1:
@@ -122,11 +129,19 @@ def foldc_gemv_persistent(X, WC, WS, WZ, Y, PART, COUNTERS, M, N, stride_x, stri
                     for t in gl.static_range(T):
                         production._reduce(t, Y, PART, done_n0, M, N, stride_y, SPLIT, ROWS)
                     gl.atomic_xchg(COUNTERS + block, 0, sem="relaxed", scope="gpu")
+            if not EARLY:
+                if item < items:
+                    n0, c_lo, c_hi, w_rows = _start_item(item, X, WC, WS, WZ, N, stride_wc, stride_ws,
+                                                         chunks_per_split, w_smem, x_smem, s_copy, z_copy, x_at, BN, W,
+                                                         F, ROW_BYTES, G, STAGES, SUB, GW, HALF, SPLIT, X_SHARED)
+
+
+foldc_gemv_persistent_late = gluon.jit(with_globals(foldc_gemv_persistent.fn, EARLY=gl.constexpr(False)))
 
 
 if __name__ == "__main__":
     from foldc.bench import gemv_variant_builds
 
-    gemv_variant_builds(foldc_gemv_persistent, "persistent",
-                        [("k-group:4:128", 4096, 14336, 1), ("k-group:2:128", 28672, 8192, 1),
-                         ("k-group:4:128", 28672, 8192, 16)])
+    cases = [("k-group:4:128", 4096, 14336, 1), ("k-group:2:128", 28672, 8192, 1), ("k-group:4:128", 28672, 8192, 16)]
+    gemv_variant_builds(foldc_gemv_persistent, "persistent", cases)
+    gemv_variant_builds(foldc_gemv_persistent_late, "late", cases)
