@@ -85,9 +85,9 @@ def b_call(kernel_b, gemv, asm_mode: str, override: dict | None = None):
                 consts["SWAP"] = mode == "swapped"
         consts.update(override)
         codes, scale, zero = w.codes[0, 0], w.scale[0, 0], w.zero[0, 0]
-        fast[launch.grid if per_sm is None else (sms * per_sm,)](x, codes.view(torch.int32), scale, zero, out, part, counters, launch.m, gemv.spec.n,
-                          x.stride(0), codes.stride(0) // 4, scale.stride(0), out.stride(0), launch.chunks_per_split,
-                          **consts)
+        grid = launch.grid if per_sm is None else (sms * per_sm,)
+        fast[grid](x, codes.view(torch.int32), scale, zero, out, part, counters, launch.m, gemv.spec.n,
+                   x.stride(0), codes.stride(0) // 4, scale.stride(0), out.stride(0), launch.chunks_per_split, **consts)
     return call
 
 
