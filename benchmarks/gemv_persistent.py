@@ -8,10 +8,10 @@ items, each item production's program (a block of output channels and a split of
 
 (`--b-kernel foldc_gemv_persistent_late` for the persistent grid alone: the next item's copies after the end.)
 Built ahead of time for sm_90 (the second command, 2026-12-06): 131 registers against production's 98 at INT4 g128
-4096 x 14336, m = 1 (at most 15 one-warp programs an SM, so 12-15 programs per SM is the grid to try), 136 against
-102 at INT2 28672 x 8192, 182 against 114 at INT4 m = 16; no local memory. The late kernel takes as many (131, 137,
-178): the registers are the item loop's, not the overlap's. (Its "SASS per chunk" counts the item loop, which holds
-the chunk loop: not comparable with production's.) Not yet run on a GPU.
+4096 x 14336, m = 1, 136 against 102 at INT2 28672 x 8192, 182 against 114 at INT4 m = 16; no local memory (the late
+kernel as many: the item loop's registers, not the overlap's). So 12 one-warp programs an SM reside at m = 1 (16 of
+production's) and 8 at m = 16. Timed on an H100 (docs/gemm.md, "Persistent programs and the split against waves"):
+10% faster at INT4 28672 x 8192, m = 1, slower where production fits one wave, at INT2 and at m = 16.
 
 Why: Nsight Compute put a quarter of a production program's life in its start (the parameter words' and first
 stages' copies on their way) and its end (the partial's stores, then the split-k counter's round trip), with about

@@ -25,6 +25,8 @@
 #                                                 #   chunks with splits that keep one wave
 #     bash benchmarks/host_path_gpu.sh targets    # on the H200: the GEMV's target table, INT4 in 512-channel chunks,
 #                                                 #   the layout grid at 8 x 64K
+#     bash benchmarks/host_path_gpu.sh gemv_persistent  # benchmarks/gemv_persistent.py's two kernels beside production
+#     bash benchmarks/host_path_gpu.sh gemv_split_waves  # the GEMV's split k against waves; the persistent variant more
 #     bash benchmarks/host_path_gpu.sh gemm_wgmma # the async-wgmma dequant GEMM experiment: checked, then timed
 #     bash benchmarks/host_path_gpu.sh gemm_wgmma_small  # the same at m = 1 and 16 (block_m 32, split k), graphed
 #     bash benchmarks/host_path_gpu.sh kernels_then_wgmma_check   # two calls of under ten minutes for a short
@@ -141,11 +143,26 @@ case "${1:-checks}" in
         --options '[{"gemv_chunk_k": 512}, {"gemv_chunk_k": 512, "gemv_split": 6}, {"gemv_chunk_k": 512, "gemv_split": 4}]'
     step grid_8x64k 390 python3 -m foldc bench --layouts --grid timed --out "$OUT/grid_8x64k"
     ;;
+  gemv_persistent)   # benchmarks/gemv_persistent.py beside production: resident programs streaming (block, split) items
+    for kern in foldc_gemv_persistent foldc_gemv_persistent_late; do
+      step "$kern" 150 python3 benchmarks/gemv_ab.py --b benchmarks/gemv_persistent.py --b-kernel "$kern" --quick \
+          --cases 0,1,3,4 --options '[{"gemv_split": 16}]' --out "$OUT/$kern.json" \
+          --b-override '[{"_programs_per_sm": 12}, {"_programs_per_sm": 15}, {"_programs_per_sm": 12, "_options": {"gemv_split": 16}}, {"_programs_per_sm": 15, "_options": {"gemv_split": 16}}]'
+    done
+    ;;
+  gemv_split_waves)   # the GEMV's split k against the waves of resident programs it makes (m = 1), then the persistent
+    # variant at INT2 and m = 16 (12 and 8 programs per SM: what 136 and 182 registers let reside)
+    step gemv_split_waves 300 python3 benchmarks/gemv_ab.py --quick --cases 0,1,2,3,4 --out "$OUT/gemv_split_waves.json" \
+        --options '[{"gemv_split": 2}, {"gemv_split": 4}, {"gemv_split": 5}, {"gemv_split": 6}, {"gemv_split": 7}, {"gemv_split": 8}, {"gemv_split": 10}, {"gemv_split": 12}, {"gemv_split": 16}]'
+    step gemv_persistent_more 150 python3 benchmarks/gemv_ab.py --b benchmarks/gemv_persistent.py --quick --cases 2,5,6 \
+        --b-kernel foldc_gemv_persistent --out "$OUT/gemv_persistent_more.json" \
+        --b-override '[{"_programs_per_sm": 12}, {"_programs_per_sm": 8}, {"_programs_per_sm": 12, "_options": {"gemv_split": 8}}]'
+    ;;
   gemm_wgmma_small)   # issue 20's m = 1 and 16 targets: the same kernel at block_m = 32 with split k
     step wgmma_small 300 python3 benchmarks/gemm_wgmma.py --small --out "$OUT/wgmma"
     ;;
   *)
-    echo "usage: bash benchmarks/host_path_gpu.sh checks|checks2|times|hf|pending|pending_times|gemv_split|gemv_warps|gemv_unrolled_ncu|gemv_chunk_k|gemv_int4_wave|targets|gemm_wgmma|gemm_wgmma_small|kernels_then_wgmma_check|wgmma_times_all" >&2
+    echo "usage: bash benchmarks/host_path_gpu.sh checks|checks2|times|hf|pending|pending_times|gemv_split|gemv_warps|gemv_unrolled_ncu|gemv_chunk_k|gemv_int4_wave|targets|gemv_persistent|gemv_split_waves|gemm_wgmma|gemm_wgmma_small|kernels_then_wgmma_check|wgmma_times_all" >&2
     exit 2
     ;;
 esac
