@@ -27,6 +27,8 @@
 #                                                 #   the layout grid at 8 x 64K
 #     bash benchmarks/host_path_gpu.sh gemv_persistent  # benchmarks/gemv_persistent.py's two kernels beside production
 #     bash benchmarks/host_path_gpu.sh gemv_split_waves  # the GEMV's split k against waves; the persistent variant more
+#     bash benchmarks/host_path_gpu.sh gemv_block_rows   # one-warp programs of 32 and 64 channels at m = 1
+#     bash benchmarks/host_path_gpu.sh gemv_wsplit       # each program's chunks split among one-warp partitions
 #     bash benchmarks/host_path_gpu.sh gemm_wgmma # the async-wgmma dequant GEMM experiment: checked, then timed
 #     bash benchmarks/host_path_gpu.sh gemm_wgmma_small  # the same at m = 1 and 16 (block_m 32, split k), graphed
 #     bash benchmarks/host_path_gpu.sh kernels_then_wgmma_check   # two calls of under ten minutes for a short
@@ -158,11 +160,22 @@ case "${1:-checks}" in
         --b-kernel foldc_gemv_persistent --out "$OUT/gemv_persistent_more.json" \
         --b-override '[{"_programs_per_sm": 12}, {"_programs_per_sm": 8}, {"_programs_per_sm": 12, "_options": {"gemv_split": 8}}]'
     ;;
+  gemv_block_rows)   # one-warp programs of 32 and 64 output channels at m = 1 (18-27% fewer SASS per weight ahead of
+    # time, 128-255 registers), at the launcher's split and at half and twice it
+    step gemv_block_rows 300 python3 benchmarks/gemv_ab.py --quick --cases 0,1,2,3,4,12 --out "$OUT/gemv_block_rows.json" \
+        --options '[{"block_rows": 32}, {"block_rows": 64}, {"block_rows": 32, "gemv_split": 4}, {"block_rows": 32, "gemv_split": 8}, {"block_rows": 32, "gemv_split": 16}, {"block_rows": 64, "gemv_split": 8}]'
+    ;;
+  gemv_wsplit)   # benchmarks/gemv_wsplit.py: each program's chunks split among four one-warp partitions of one CTA
+    # (gl.warp_specialize; launched with num_warps=4 for the idle default partition, maxnreg=64), split k across CTAs
+    # 1-4, beside production
+    step gemv_wsplit 200 python3 benchmarks/gemv_ab.py --b benchmarks/gemv_wsplit.py --quick --cases 0,1,3,4,2 \
+        --out "$OUT/gemv_wsplit.json" --b-override '[{"num_warps": 4, "maxnreg": 64, "_options": {"gemv_split": 1}}, {"num_warps": 4, "maxnreg": 64, "_options": {"gemv_split": 2}}, {"num_warps": 4, "maxnreg": 64, "_options": {"gemv_split": 3}}, {"num_warps": 4, "maxnreg": 64, "_options": {"gemv_split": 4}}]'
+    ;;
   gemm_wgmma_small)   # issue 20's m = 1 and 16 targets: the same kernel at block_m = 32 with split k
     step wgmma_small 300 python3 benchmarks/gemm_wgmma.py --small --out "$OUT/wgmma"
     ;;
   *)
-    echo "usage: bash benchmarks/host_path_gpu.sh checks|checks2|times|hf|pending|pending_times|gemv_split|gemv_warps|gemv_unrolled_ncu|gemv_chunk_k|gemv_int4_wave|targets|gemv_persistent|gemv_split_waves|gemm_wgmma|gemm_wgmma_small|kernels_then_wgmma_check|wgmma_times_all" >&2
+    echo "usage: bash benchmarks/host_path_gpu.sh checks|checks2|times|hf|pending|pending_times|gemv_split|gemv_warps|gemv_unrolled_ncu|gemv_chunk_k|gemv_int4_wave|targets|gemv_persistent|gemv_split_waves|gemv_block_rows|gemv_wsplit|gemm_wgmma|gemm_wgmma_small|kernels_then_wgmma_check|wgmma_times_all" >&2
     exit 2
     ;;
 esac
