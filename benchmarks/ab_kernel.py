@@ -78,6 +78,8 @@ def main() -> int:
     ap.add_argument("--options", action="append", default=[],
                     help="NAME=OPTION:VALUE[;OPTION:VALUE]: also time main's kernel compiled with these options, "
                          "e.g. dyn=dynamic_tiles:1 (values: ints, or 0/1 for booleans)")
+    ap.add_argument("--variant-options", action="append", default=[],
+                    help="NAME=OPTION:VALUE[;OPTION:VALUE]: launch options of the variant NAME, e.g. vt=maxnreg:168")
     ap.add_argument("--cases", default="2:token/token:8x65536,2:token/token:32x16384,2:token/token:32x65536,"
                     "4:token/token:32x16384,2:channel/token:32x65536,2:channel/channel:32x65536",
                     help="BITS:K/V:BATCHxTOKENS, comma-separated; K and V as token, channel or e.g. token64 "
@@ -103,7 +105,11 @@ def main() -> int:
         spec = foldc.AttentionSpec(q_heads, kv_heads, args.head_dim, _encoding(int(bits), kl), _encoding(int(bits), vl))
         q, k, v = decode_case(spec, b, n, seed=b * n + int(bits))
         ref = foldc.attention_reference(q, k, v) if b * n <= 600_000 else None
-        kernels = {name: attention(spec, module) for name, module in variants.items()}
+        variant_options = {}
+        for item in args.variant_options:
+            name, _, opts = item.partition("=")
+            variant_options[name] = {k: _option(k, v) for k, v in (o.split(":") for o in opts.split(";"))}
+        kernels = {name: attention(spec, module, **variant_options.get(name, {})) for name, module in variants.items()}
         for item in args.unpack:
             name, _, path = item.partition("=")
             kernels[name] = with_unpack(attention(spec), path)

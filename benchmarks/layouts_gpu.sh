@@ -16,6 +16,7 @@
 #                                                 #   96, 160, 192): checked, then timed at 8 x 64K and 1 x 16K; with
 #                                                 #   OLD=dir (a tree of foldc before the operand pieces, e.g.
 #                                                 #   `git archive 8b6d7cf foldc | tar -x -C dir`) head_dim 96 by it too
+#     bash benchmarks/layouts_gpu.sh value_tiles  # value tiles stored for conflict-free reads (benchmarks/value_tile_layout.py)
 #     bash benchmarks/layouts_gpu.sh full_check   # every layout of the full grid (396) checked against float64 for
 #                                                 #   bf16 and fp16 queries at 2 x 4K, in 12 processes side by side
 #
@@ -35,6 +36,13 @@ MASKED="token:2:32,token:2:32,32/8,96;token:4:32,token:4:32,32/8,96;token:8:48,t
 MASKED_NEW="token:2:32,token:2:32,32/8,160;token:4:32,token:4:32,32/8,160;token:8:32,token:8:32,32/8,160"
 MASKED_NEW="$MASKED_NEW;token:2:32,token:2:32,32/8,192;token:4:32,token:8:32,16/8,192;token:2:32,none,32/8,192"
 case "${1:-ragged}" in
+  value_tiles)   # benchmarks/value_tile_layout.py: value tiles whose reads meet no bank conflicts, beside main, each
+    # also at maxnreg 168 (the variant takes 178 registers at INT2 head_dim 128: 8 programs an SM rather than 12)
+    step value_tiles 420 python3 benchmarks/ab_kernel.py --out "$OUT/value_tiles.json" \
+        --variant value_tiles=benchmarks/value_tile_layout.py --variant value_tiles_168=benchmarks/value_tile_layout.py \
+        --variant-options value_tiles_168=maxnreg:168 --options main_168=maxnreg:168 \
+        --cases 2:token/token:8x65536,2:token/token:32x65536,4:token/token:8x65536,2:token/token:32x16384,2:token/channel:8x65536
+    ;;
   masked)
     step masked_checks 260 python3 -m pytest -q tests/backends/test_gluon_gpu.py -k "generated_layouts and (d96 or d160 or d192)"
     step masked_times 150 python3 benchmarks/layout_times.py --shape 8x65536 --out "$OUT/masked_times.json" \

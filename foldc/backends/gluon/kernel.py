@@ -405,6 +405,31 @@ def _side_smem(fields):
 
 
 @constexpr_function
+def _key_smem(fields, BN, W):
+    """The key side's word tiles [BN, W] in shared memory: `_side_smem`'s (benchmarks/value_tile_layout.py swaps
+    these four functions: each side's tile layout and the layout of the copies that fill it)."""
+    return _side_smem(fields)
+
+
+@constexpr_function
+def key_copy_layout(fields, BN, W):
+    """cp.async of the key side's word tiles: `copy_layout`'s."""
+    return copy_layout(BN, W)
+
+
+@constexpr_function
+def _value_smem(fields, BN, W):
+    """The value side's word tiles [BN, W] in shared memory: `_side_smem`'s."""
+    return _side_smem(fields)
+
+
+@constexpr_function
+def value_copy_layout(fields, BN, W):
+    """cp.async of the value side's word tiles: `copy_layout`'s."""
+    return copy_layout(BN, W)
+
+
+@constexpr_function
 def _fields(bits):
     """Codes per byte; 0 for a plain (bf16) side, whose "words" are bf16 pairs."""
     return 8 // int(bits) if int(bits) <= 8 else 0
@@ -494,8 +519,8 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
     b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=8)
     # four-word value tokens: each word copied twice into the tile (load_value_words)
     VWT: gl.constexpr = value_tile_words(VW) if VF > 0 else VW
-    kcp_l: gl.constexpr = copy_layout(BN, KW)
-    vcp_l: gl.constexpr = copy_layout(BN, VWT)
+    kcp_l: gl.constexpr = key_copy_layout(KF, BN, KW)
+    vcp_l: gl.constexpr = value_copy_layout(VF, BN, VWT)
     row_l: gl.constexpr = gl.SliceLayout(0, mma)
     tok_l: gl.constexpr = gl.SliceLayout(1, mma)
 
@@ -531,8 +556,8 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
     # that the two memory latencies overlap (a program of one or two tiles, at batch 1, waits on both)
     lanes = (gl.arange(0, BN, layout=gl.SliceLayout(1, kcp_l)), gl.arange(0, KW, layout=gl.SliceLayout(0, kcp_l)),
              gl.arange(0, BN, layout=gl.SliceLayout(1, vcp_l)), gl.arange(0, VWT, layout=gl.SliceLayout(0, vcp_l)) % VW)
-    k_smem = gl.allocate_shared_memory(gl.int32, [STAGES * H, BN, KW], _side_smem(KF))
-    v_smem = gl.allocate_shared_memory(gl.int32, [STAGES * H, BN, VWT], _side_smem(VF))
+    k_smem = gl.allocate_shared_memory(gl.int32, [STAGES * H, BN, KW], _key_smem(KF, BN, KW))
+    v_smem = gl.allocate_shared_memory(gl.int32, [STAGES * H, BN, VWT], _value_smem(VF, BN, VWT))
     if n_full > 0:
         for i in gl.static_range(STAGES - 1):
             n_i = start + gl.minimum(i, n_full - 1) * BN

@@ -1,0 +1,164 @@
+"""A variant of the register-operand decode kernel for `benchmarks/ab_kernel.py`: the code-word tiles stored so that
+the operands' shared-memory reads meet no bank conflicts. Not production code.
+
+Why: `load_value_words` reads a tile [BN tokens, W words] (stored token by token) as [W, BN] in
+`value_words_layout`: one LDS.32 per register, its 32 lanes reading words 0..7 of tokens t, t + 8, t + 16 and
+t + 24. Those four tokens' rows lie 8 W words apart, so each word's four addresses share a bank: every value read
+takes four shared wavefronts where one would do (32 such reads per 64-token INT2 tile of two heads; the model below
+counts them). Here the tile's 32-bit words are placed by a linear layout whose five lowest offset bits are the
+lanes' own (words 1, 2, 4 and tokens 8, 16), so one read's 32 words are 32 consecutive words; the copies take a
+matching layout (16 bytes a lane, eight lanes a word half and tokens 8 and 16 apart: 32 consecutive words too).
+Key tiles of 16 words a token and more (INT4 at head_dim 128, INT2 at 256, ...) meet the same in their 64-bit reads,
+two or four wavefronts per half warp where one would do; they get the placement a token of 8 words has already.
+
+    PYTHONPATH=. python3 benchmarks/ab_kernel.py --variant value_tiles=benchmarks/value_tile_layout.py --out $OUT/ab.json
+    python3 benchmarks/value_tile_layout.py   # CPU: wavefronts by the model, SASS beside production's (sm_90)
+"""
+from __future__ import annotations
+
+from triton.experimental.gluon import constexpr_function
+from triton.experimental.gluon import language as gl
+
+import foldc.backends.gluon.kernel as production
+from foldc.bench import rebound
+
+
+@constexpr_function
+def value_smem(fields, BN, W):
+    """[BN, W] words: offset bits words 1, 2, 4, tokens 8, 16, then the words from 8, then tokens 1, 2, 4, 32, ..."""
+    fields, BN, W = int(fields), int(BN), int(W)
+    if fields == 0 or W < 8:
+        return production._side_smem(fields)
+    bases = [[0, 1], [0, 2], [0, 4], [8, 0], [16, 0]] + [[0, 8 << i] for i in range((W // 8).bit_length() - 1)] + \
+        [[1, 0], [2, 0], [4, 0]] + [[32 << i, 0] for i in range((BN // 32).bit_length() - 1)]
+    return gl.SharedLinearLayout(offset_bases=bases)
+
+
+@constexpr_function
+def value_copy(fields, BN, W):
+    """cp.async of a [BN, W] value tile into `value_smem`: four words (16 bytes) a lane; lanes 0-7 the word half
+    and tokens 8 and 16 (32 consecutive words of the tile), then the words from 8 and tokens 1, 2, 4, 32, ..."""
+    fields, BN, W = int(fields), int(BN), int(W)
+    if fields == 0 or W < 8:
+        return production.copy_layout(BN, W)
+    rest = [[0, 8 << i] for i in range((W // 8).bit_length() - 1)] + [[1, 0], [2, 0], [4, 0]] + \
+        [[32 << i, 0] for i in range((BN // 32).bit_length() - 1)]
+    lanes = [[0, 4], [8, 0], [16, 0]] + rest[:2]
+    return gl.DistributedLinearLayout(reg_bases=[[0, 1], [0, 2]] + rest[2:], lane_bases=lanes, warp_bases=[],
+                                      block_bases=[], shape=[BN, W])
+
+
+@constexpr_function
+def key_smem(fields, BN, W):
+    """[BN, W] key words, W >= 16: offset bits words 1, 2, 4, tokens 1, 2, 4, then the words from 8, then tokens 8, 16,
+    ... (a 64-bit key read's 16 lanes, words 2, 4 and tokens 1, 2, meet 32 consecutive words; W = 8 is that
+    already, token by token)."""
+    fields, BN, W = int(fields), int(BN), int(W)
+    if fields == 0 or W < 16:
+        return production._side_smem(fields)
+    bases = [[0, 1], [0, 2], [0, 4], [1, 0], [2, 0], [4, 0]] + [[0, 8 << i] for i in range((W // 8).bit_length() - 1)] + \
+        [[8 << i, 0] for i in range((BN // 8).bit_length() - 1)]
+    return gl.SharedLinearLayout(offset_bases=bases)
+
+
+@constexpr_function
+def key_copy(fields, BN, W):
+    """cp.async of a [BN, W] key tile into `key_smem`: four words a lane; lanes 0-7 word 4 and tokens 1, 2."""
+    fields, BN, W = int(fields), int(BN), int(W)
+    if fields == 0 or W < 16:
+        return production.copy_layout(BN, W)
+    rest = [[4, 0]] + [[0, 8 << i] for i in range((W // 8).bit_length() - 1)] + \
+        [[8 << i, 0] for i in range((BN // 8).bit_length() - 1)]
+    return gl.DistributedLinearLayout(reg_bases=[[0, 1], [0, 2]] + rest[2:], lane_bases=[[0, 4], [1, 0], [2, 0]] + rest[:2],
+                                      warp_bases=[], block_bases=[], shape=[BN, W])
+
+
+foldc_decode_gluon = rebound(production.foldc_decode_gluon, _value_smem=value_smem, value_copy_layout=value_copy,
+                             _key_smem=key_smem, key_copy_layout=key_copy)
+
+
+def read_wavefronts(offset, BN: int = 32, W: int = 8) -> float:
+    """Shared wavefronts per value read (one LDS.32 per register of `value_words_layout`: lane bits 0-1 tokens 8
+    and 16, bits 2-4 words 1, 2, 4) for a tile whose word (t, w) sits at ``offset(t, w)``; 1 is the least."""
+    total, reads = 0, 0
+    for w8 in range(W // 8):
+        for t0 in list(range(8)) + [32 * j for j in range(1, BN // 32)]:
+            banks: dict[int, set] = {}
+            for lane in range(32):
+                t, w = t0 + 8 * (lane & 1) + 16 * ((lane >> 1) & 1), (lane >> 2) + 8 * w8
+                banks.setdefault(offset(t, w) % 32, set()).add(offset(t, w))
+            total += max(len(a) for a in banks.values())
+            reads += 1
+    return total / reads
+
+
+def key_read_wavefronts(offset, BN: int = 32, W: int = 16) -> float:
+    """Shared wavefronts per 64-bit key read (`key_words_layout`: lane bits 0-1 words 2, 4, bits 2-4 tokens 1, 2, 4;
+    registers word 1, token 8, words from 8, tokens from 16), served sixteen lanes at a time; 2 is the least."""
+    total, reads = 0, 0
+    for t0 in range(0, BN, 8):
+        for w0 in range(0, W, 8):
+            for half in range(2):
+                banks: dict[int, set] = {}
+                for lane in range(16 * half, 16 * half + 16):
+                    t, w = t0 + (lane >> 2), w0 + 2 * (lane & 3)
+                    for x in (offset(t, w), offset(t, w + 1)):
+                        banks.setdefault(x % 32, set()).add(x)
+                total += max(len(a) for a in banks.values())
+            reads += 1
+    return total / reads
+
+
+def key_offset(BN: int, W: int):
+    """`key_smem`'s placement as a function (t, w) -> word offset."""
+    bits = [("w", 1), ("w", 2), ("w", 4), ("t", 1), ("t", 2), ("t", 4)] + \
+        [("w", 8 << i) for i in range((W // 8).bit_length() - 1)] + [("t", 8 << i) for i in range((BN // 8).bit_length() - 1)]
+
+    def offset(t, w):
+        return sum(1 << i for i, (d, v) in enumerate(bits) if (t if d == "t" else w) & v)
+    return offset
+
+
+def linear_offset(BN: int, W: int):
+    """`value_smem`'s placement as a function (t, w) -> word offset."""
+    bits = [("w", 1), ("w", 2), ("w", 4), ("t", 8), ("t", 16)] + [("w", 8 << i) for i in range((W // 8).bit_length() - 1)] + \
+        [("t", 1), ("t", 2), ("t", 4)] + [("t", 32 << i) for i in range((BN // 32).bit_length() - 1)]
+
+    def offset(t, w):
+        return sum(1 << i for i, (d, v) in enumerate(bits) if (t if d == "t" else w) & v)
+    return offset
+
+
+if __name__ == "__main__":
+    import glob
+    import subprocess
+    import tempfile
+    from collections import Counter
+
+    from foldc.backends.gluon.aot import compile_gluon_aot
+    from foldc.backends.runtime.sass import _tool, loop_instructions
+    from foldc.spec import spec_from_args
+
+    for W in (8, 16, 32):
+        print(f"W = {W}: wavefronts per value read, production {read_wavefronts(lambda t, w: t * W + w, 64, W):.0f}, "
+              f"this layout {read_wavefronts(linear_offset(64, W), 64, W):.0f}")
+    for W in (16, 32):
+        print(f"W = {W}: wavefronts per key read, production {key_read_wavefronts(lambda t, w: t * W + w, 64, W):.0f}, "
+              f"this layout {key_read_wavefronts(key_offset(64, W), 64, W):.0f}")
+    kept = production.foldc_decode_gluon
+    for case in (("token:2:128", "token:2:128", "32/8", 128), ("token:4:128", "token:4:128", "32/8", 128),
+                 ("token:4:128", "token:2:128", "32/8", 128), ("token:2:128", "token:2:128", "32/8", 256)):
+        for name, kernel in (("production", kept), ("value tiles", foldc_decode_gluon)):
+            production.foldc_decode_gluon = kernel   # compile_gluon_aot builds the module's kernel
+            try:
+                out = tempfile.mkdtemp()
+                r = compile_gluon_aot(spec_from_args(*case[:3], case[3]), "sm_90", out)
+            finally:
+                production.foldc_decode_gluon = kept
+            cubin = glob.glob(out + "/*.sm_90.cubin")[0]
+            body = loop_instructions(cubin)
+            text = subprocess.run([_tool("cuobjdump"), "-sass", cubin], capture_output=True, text=True).stdout
+            ops = Counter(o for _, o, _ in body)
+            print(f"{' / '.join(map(str, case))} {name:11}: {r['registers']} registers, "
+                  f"{r['inner_loop']['instructions_per_tile']:.0f} SASS per tile, spills {r['inner_loop']['local_memory']}, "
+                  f"LDS {ops.get('LDS', 0)}, LDGSTS {ops.get('LDGSTS', 0)}", flush=True)
