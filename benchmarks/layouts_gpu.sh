@@ -42,6 +42,9 @@ case "${1:-ragged}" in
         --variant value_tiles=benchmarks/value_tile_layout.py --variant value_tiles_168=benchmarks/value_tile_layout.py \
         --variant-options value_tiles_168=maxnreg:168 --options main_168=maxnreg:168 \
         --rounds 2 --cases 2:token/token:8x65536,4:token/token:8x65536,2:token/token:32x16384
+    # head_dim 64 at 2 bits (37% of the ceiling; its short-scoreboard stalls wait at the shifts after the value reads)
+    step value_tiles_d64 150 python3 benchmarks/ab_kernel.py --out "$OUT/value_tiles_d64.json" --head-dim 64 \
+        --variant value_tiles=benchmarks/value_tile_layout.py --rounds 2 --cases 2:token64/token64:8x65536
     ;;
   masked)
     step masked_checks 260 python3 -m pytest -q tests/backends/test_gluon_gpu.py -k "generated_layouts and (d96 or d160 or d192)"
