@@ -128,7 +128,9 @@ def rebound(jit_function, **names):
 
     from .backends.runtime.modules import with_globals
 
-    return gluon.jit(with_globals(jit_function.fn, **names))
+    f = jit_function   # keep the decorator's options: a launch binds ``cache_tokens`` per call only if unspecialised
+    return gluon.jit(with_globals(f.fn, **names), do_not_specialize=f.do_not_specialize,
+                     do_not_specialize_on_alignment=f.do_not_specialize_on_alignment, noinline=f.noinline)
 
 
 def gemv_variant_builds(variant, name: str, cases, loop_copies: int = 1, dtypes=("fp16",)) -> list[dict]:

@@ -159,3 +159,16 @@ def test_an_out_that_is_a_file_or_an_unknown_part_is_a_usage_error_before_anythi
     assert info.value.code == 2
     err = capsys.readouterr().err
     assert ("unknown part(s) ['bogus']" if "bogus" in argv[-1] else "is not a writable folder") in err
+
+
+def test_a_rebound_kernel_keeps_the_decorators_unspecialised_arguments():
+    """A benchmark's variant of the decode kernel must still take ``cache_tokens`` per call (bound launches give
+    it per call: a specialised copy is refused at launch)."""
+    pytest.importorskip("triton.experimental.gluon")
+    import foldc.backends.gluon.kernel as kernel
+
+    copy = bench.rebound(kernel.foldc_decode_gluon)
+    assert copy is not kernel.foldc_decode_gluon
+    unspecialised = [p.name for p in copy.params if p.do_not_specialize]
+    assert unspecialised == [p.name for p in kernel.foldc_decode_gluon.params if p.do_not_specialize]
+    assert unspecialised == ["cache_tokens"]
