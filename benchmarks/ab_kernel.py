@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import sys
+import types
 
 import torch
 
@@ -21,10 +22,16 @@ from foldc.testing import rel_l2
 
 
 def load_variant(name: str, path: str):
-    """The module at ``path`` (a kernel.py with foldc_decode_gluon), imported under its own name."""
+    """The module at ``path`` (a kernel.py with foldc_decode_gluon), imported under its own name; ``PATH:ATTR``
+    takes that module's kernel ``ATTR`` as its foldc_decode_gluon (one file, several variants)."""
+    path, _, attr = path.partition(":")
     spec = importlib.util.spec_from_file_location(f"foldc_variant_{name}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    if attr:
+        if not hasattr(module, attr):
+            raise SystemExit(f"{path} has no {attr}")
+        return types.SimpleNamespace(foldc_decode_gluon=getattr(module, attr))
     if not hasattr(module, "foldc_decode_gluon"):
         raise SystemExit(f"{path} has no foldc_decode_gluon: pass a copy of foldc/backends/gluon/kernel.py")
     return module
@@ -72,7 +79,7 @@ def _option(name: str, value: str):
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
-    ap.add_argument("--variant", action="append", default=[], help="NAME=PATH of a kernel.py copy (repeatable)")
+    ap.add_argument("--variant", action="append", default=[], help="NAME=PATH[:ATTR] of a kernel.py copy, or its kernel ATTR (repeatable)")
     ap.add_argument("--unpack", action="append", default=[],
                     help="NAME=PATH of an operands.py copy: main's kernel with that copy's unpack PTX (repeatable)")
     ap.add_argument("--options", action="append", default=[],

@@ -29,7 +29,6 @@
 #     bash benchmarks/host_path_gpu.sh gemv_split_waves  # the GEMV's split k against waves; the persistent variant more
 #     bash benchmarks/host_path_gpu.sh gemv_block_rows   # one-warp programs of 32 and 64 channels at m = 1
 #     bash benchmarks/host_path_gpu.sh gemv_wsplit       # each program's chunks split among one-warp partitions
-#     bash benchmarks/host_path_gpu.sh gemv_xswizzle     # the activation tile at m > 8 in 64-byte swizzle units
 #     bash benchmarks/host_path_gpu.sh gemm_wgmma # the async-wgmma dequant GEMM experiment: checked, then timed
 #     bash benchmarks/host_path_gpu.sh gemm_wgmma_small  # the same at m = 1 and 16 (block_m 32, split k), graphed
 #     bash benchmarks/host_path_gpu.sh kernels_then_wgmma_check   # two calls of under ten minutes for a short
@@ -172,16 +171,11 @@ case "${1:-checks}" in
     step gemv_wsplit 200 python3 benchmarks/gemv_ab.py --b benchmarks/gemv_wsplit.py --quick --cases 0,1,3,4,2 \
         --out "$OUT/gemv_wsplit.json" --b-override '[{"num_warps": 4, "maxnreg": 64, "_options": {"gemv_split": 1}}, {"num_warps": 4, "maxnreg": 64, "_options": {"gemv_split": 2}}, {"num_warps": 4, "maxnreg": 64, "_options": {"gemv_split": 3}}, {"num_warps": 4, "maxnreg": 64, "_options": {"gemv_split": 4}}]'
     ;;
-  gemv_xswizzle)   # benchmarks/gemv_xswizzle.py: the activation tile at m > 8 swizzled in 64-byte units (its LDS.128
-    # reads at 4 shared wavefronts rather than 8), beside production, m = 9..16
-    step gemv_xswizzle 200 python3 benchmarks/gemv_ab.py --b benchmarks/gemv_xswizzle.py --quick --cases 5,6,11 \
-        --out "$OUT/gemv_xswizzle.json"
-    ;;
   gemm_wgmma_small)   # issue 20's m = 1 and 16 targets: the same kernel at block_m = 32 with split k
     step wgmma_small 300 python3 benchmarks/gemm_wgmma.py --small --out "$OUT/wgmma"
     ;;
   *)
-    echo "usage: bash benchmarks/host_path_gpu.sh checks|checks2|times|hf|pending|pending_times|gemv_split|gemv_warps|gemv_unrolled_ncu|gemv_chunk_k|gemv_int4_wave|targets|gemv_persistent|gemv_split_waves|gemv_block_rows|gemv_wsplit|gemv_xswizzle|gemm_wgmma|gemm_wgmma_small|kernels_then_wgmma_check|wgmma_times_all" >&2
+    echo "usage: bash benchmarks/host_path_gpu.sh checks|checks2|times|hf|pending|pending_times|gemv_split|gemv_warps|gemv_unrolled_ncu|gemv_chunk_k|gemv_int4_wave|targets|gemv_persistent|gemv_split_waves|gemv_block_rows|gemv_wsplit|gemm_wgmma|gemm_wgmma_small|kernels_then_wgmma_check|wgmma_times_all" >&2
     exit 2
     ;;
 esac

@@ -17,6 +17,7 @@
 #                                                 #   OLD=dir (a tree of foldc before the operand pieces, e.g.
 #                                                 #   `git archive 8b6d7cf foldc | tar -x -C dir`) head_dim 96 by it too
 #     bash benchmarks/layouts_gpu.sh value_tiles  # value tiles stored for conflict-free reads (benchmarks/value_tile_layout.py)
+#     bash benchmarks/layouts_gpu.sh value_tiles_split  # the same, each side's placement alone
 #     bash benchmarks/layouts_gpu.sh full_check   # every layout of the full grid (396) checked against float64 for
 #                                                 #   bf16 and fp16 queries at 2 x 4K, in 12 processes side by side
 #
@@ -45,6 +46,18 @@ case "${1:-ragged}" in
     # head_dim 64 at 2 bits (37% of the ceiling; its short-scoreboard stalls wait at the shifts after the value reads)
     step value_tiles_d64 150 python3 benchmarks/ab_kernel.py --out "$OUT/value_tiles_d64.json" --head-dim 64 \
         --variant value_tiles=benchmarks/value_tile_layout.py --rounds 2 --cases 2:token64/token64:8x65536
+    ;;
+  value_tiles_split)   # which side's placement pays: value tiles only, key tiles only, both (value_tile_layout.py)
+    V=benchmarks/value_tile_layout.py
+    VARIANTS="--variant both=$V --variant values=$V:values_only --variant keys=$V:keys_only"
+    step split_d128 200 python3 benchmarks/ab_kernel.py --out "$OUT/split_d128.json" $VARIANTS --rounds 2 \
+        --cases 2:token/token:8x65536,4:token/token:8x65536,2:channel/token:8x65536,4:token/token:32x16384
+    step split_d64 120 python3 benchmarks/ab_kernel.py --out "$OUT/split_d64.json" --head-dim 64 $VARIANTS --rounds 2 \
+        --cases 2:token64/token64:8x65536,4:token64/token64:8x65536,2:token64/token64:32x16384
+    step split_d256 120 python3 benchmarks/ab_kernel.py --out "$OUT/split_d256.json" --head-dim 256 $VARIANTS \
+        --rounds 2 --cases 2:token/token:8x32768,4:token/token:8x32768
+    step split_gqa16 100 python3 benchmarks/ab_kernel.py --out "$OUT/split_gqa16.json" --heads 64/4 $VARIANTS \
+        --rounds 2 --cases 2:token/token:8x65536,4:token/token:8x65536
     ;;
   masked)
     step masked_checks 260 python3 -m pytest -q tests/backends/test_gluon_gpu.py -k "generated_layouts and (d96 or d160 or d192)"

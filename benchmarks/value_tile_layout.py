@@ -1,17 +1,19 @@
-"""A variant of the register-operand decode kernel for `benchmarks/ab_kernel.py`: the code-word tiles stored so that
-the operands' shared-memory reads meet no bank conflicts. Not production code.
+"""Variants of the register-operand decode kernel for `benchmarks/ab_kernel.py`: the code-word tiles stored so that
+the operands' shared-memory reads meet no bank conflicts, at every width. Not production code.
 
-Why: `load_value_words` reads a tile [BN tokens, W words] (stored token by token) as [W, BN] in
-`value_words_layout`: one LDS.32 per register, its 32 lanes reading words 0..7 of tokens t, t + 8, t + 16 and
-t + 24. Those four tokens' rows lie 8 W words apart, so each word's four addresses share a bank: every value read
-takes four shared wavefronts where one would do (32 such reads per 64-token INT2 tile of two heads; the model below
-counts them). Nsight Compute measured exactly that on the H200 at head_dim 64, INT2 (the per-instruction page of
-2026-12-01, `git show 5524660:docs/results/ncu_d64_int2_sass_h200.csv.gz`): every value LDS 131,072 shared wavefronts
-for 32,768 executions, four times the ideal. Here the tile's 32-bit words are placed by a linear layout whose five lowest offset bits are the
-lanes' own (words 1, 2, 4 and tokens 8, 16), so one read's 32 words are 32 consecutive words; the copies take a
-matching layout (16 bytes a lane, eight lanes a word half and tokens 8 and 16 apart: 32 consecutive words too).
-Key tiles of 16 words a token and more (INT4 at head_dim 128, INT2 at 256, ...) meet the same in their 64-bit reads,
-two or four wavefronts per half warp where one would do; they get the placement a token of 8 words has already.
+`load_value_words` reads a tile [BN tokens, W words] as [W, BN] in `value_words_layout`: one LDS.32 per register,
+its 32 lanes on words 0..7 of tokens t, t + 8, t + 16, t + 24. Stored token by token, those four tokens' words share
+a bank: four shared wavefronts a read where one would do (the model below; Nsight Compute counted exactly that on
+the H200 at head_dim 64, INT2: `git show 5524660:docs/results/ncu_d64_int2_sass_h200.csv.gz`, 131,072 wavefronts for
+32,768 value LDS). `tile_memory.lane_order_smem` places the words so that one read meets 32 consecutive words.
+Key tiles of 16 words a token and more (INT4 at head_dim 128, INT2 at 256) meet two to four wavefronts per half warp
+in their 64-bit reads; `key_smem` gives them the placement an eight-word token has already.
+
+Measured (H100, 2026-12-06, docs/perf.md "Value tiles in lane order"): lane-order value tiles 25% faster at head_dim
+64, INT2 (four-word tokens, copied twice into an eight-word tile), 1-7% slower at eight words a token and more; the
+key placement 4-6% slower at INT4 and head_dim 256, level elsewhere. Production took the value placement for
+four-word tokens only; `foldc_decode_gluon` here takes both sides' at every width, `values_only` and `keys_only`
+one side's.
 
     PYTHONPATH=. python3 benchmarks/ab_kernel.py --variant value_tiles=benchmarks/value_tile_layout.py --out $OUT/ab.json
     python3 benchmarks/value_tile_layout.py   # CPU: wavefronts by the model, SASS beside production's (sm_90)
@@ -22,32 +24,28 @@ from triton.experimental.gluon import constexpr_function
 from triton.experimental.gluon import language as gl
 
 import foldc.backends.gluon.kernel as production
+from foldc.backends.gluon.operands import NARROW_WORDS
+from foldc.backends.gluon.tile_memory import lane_order_copy_layout, lane_order_smem
 from foldc.bench import rebound
 
 
 @constexpr_function
 def value_smem(fields, BN, W):
-    """[BN, W] words: offset bits words 1, 2, 4, tokens 8, 16, then the words from 8, then tokens 1, 2, 4, 32, ..."""
+    """Every code side's value tiles in production's lane order (`tile_memory.lane_order_smem`; production keeps
+    it for four-word tokens only), W words a token in the cache."""
     fields, BN, W = int(fields), int(BN), int(W)
-    if fields == 0 or W < 8:
+    if fields == 0:
         return production._side_smem(fields)
-    bases = [[0, 1], [0, 2], [0, 4], [8, 0], [16, 0]] + [[0, 8 << i] for i in range((W // 8).bit_length() - 1)] + \
-        [[1, 0], [2, 0], [4, 0]] + [[32 << i, 0] for i in range((BN // 32).bit_length() - 1)]
-    return gl.SharedLinearLayout(offset_bases=bases)
+    return lane_order_smem(BN, 8 if W == NARROW_WORDS else W)
 
 
 @constexpr_function
 def value_copy(fields, BN, W):
-    """cp.async of a [BN, W] value tile into `value_smem`: four words (16 bytes) a lane; lanes 0-7 the word half
-    and tokens 8 and 16 (32 consecutive words of the tile), then the words from 8 and tokens 1, 2, 4, 32, ..."""
+    """cp.async into `value_smem`."""
     fields, BN, W = int(fields), int(BN), int(W)
-    if fields == 0 or W < 8:
+    if fields == 0:
         return production.copy_layout(BN, W)
-    rest = [[0, 8 << i] for i in range((W // 8).bit_length() - 1)] + [[1, 0], [2, 0], [4, 0]] + \
-        [[32 << i, 0] for i in range((BN // 32).bit_length() - 1)]
-    lanes = [[0, 4], [8, 0], [16, 0]] + rest[:2]
-    return gl.DistributedLinearLayout(reg_bases=[[0, 1], [0, 2]] + rest[2:], lane_bases=lanes, warp_bases=[],
-                                      block_bases=[], shape=[BN, W])
+    return lane_order_copy_layout(BN, 8 if W == NARROW_WORDS else W)
 
 
 @constexpr_function
@@ -77,6 +75,8 @@ def key_copy(fields, BN, W):
 
 foldc_decode_gluon = rebound(production.foldc_decode_gluon, _value_smem=value_smem, value_copy_layout=value_copy,
                              _key_smem=key_smem, key_copy_layout=key_copy)
+values_only = rebound(production.foldc_decode_gluon, _value_smem=value_smem, value_copy_layout=value_copy)
+keys_only = rebound(production.foldc_decode_gluon, _key_smem=key_smem, key_copy_layout=key_copy)
 
 
 def read_wavefronts(offset, BN: int = 32, W: int = 8) -> float:

@@ -87,9 +87,12 @@ def x_rows_copy_layout(D, WARPS):
 
 @constexpr_function
 def x_rows_tile_layout():
-    """The activation chunk's shared tile [ROWS, D] (X_SHARED 2): rows XOR-swizzled in 16-byte units, so that the
-    operand's reads of one k range from eight rows meet eight banks."""
-    return gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[1, 0])
+    """The activation chunk's shared tile [ROWS, D] (X_SHARED 2): 64-byte units (32 values) XOR-ed with the row's
+    parity. The MMA's B operand reads a 32-k block of eight rows in one LDS.128, lane 4n + u on row n's 16-byte unit
+    u, served eight lanes (rows n, n + 1) at a time: with rows n and n + 1 in different halves of a 128-byte bank
+    window each eight lanes take one wavefront (16-byte units XOR-ed by the row modulo 8 put both rows in the same
+    half: two; 6-9% slower at m = 16, docs/gemm.md "The activation tile's bank conflicts")."""
+    return gl.SwizzledSharedLayout(vec=32, per_phase=1, max_phase=2, order=[1, 0])
 
 
 @constexpr_function

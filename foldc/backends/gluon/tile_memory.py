@@ -19,6 +19,31 @@ def copy_layout(BN, W, WARPS=1):
                             warps_per_cta=[WARPS, 1], order=[1, 0])
 
 
+@constexpr_function
+def lane_order_smem(BN, W):
+    """A [BN tokens, W words] value tile (W a multiple of 8) placed so that one value read
+    (`tile_operands.value_words_layout`: lanes on words 0-7 of tokens t, t + 8, t + 16, t + 24) meets
+    32 consecutive words, one shared wavefront: the offset's lowest bits are words 1, 2, 4 and tokens
+    8, 16, then the words from 8, then tokens 1, 2, 4, 32, ... Stored token by token instead, those four
+    tokens' words share a bank: four wavefronts a read."""
+    BN, W = int(BN), int(W)
+    bases = [[0, 1], [0, 2], [0, 4], [8, 0], [16, 0]] + [[0, 8 << i] for i in range((W // 8).bit_length() - 1)] + \
+        [[1, 0], [2, 0], [4, 0]] + [[32 << i, 0] for i in range((BN // 32).bit_length() - 1)]
+    return gl.SharedLinearLayout(offset_bases=bases)
+
+
+@constexpr_function
+def lane_order_copy_layout(BN, W):
+    """cp.async of a [BN, W] tile into `lane_order_smem`: four words (16 bytes) a lane, lanes 0-7 the
+    word half and tokens 8 and 16 (32 consecutive words of the tile), then the words from 8 and tokens
+    1, 2, 4, 32, ..."""
+    BN, W = int(BN), int(W)
+    rest = [[0, 8 << i] for i in range((W // 8).bit_length() - 1)] + [[1, 0], [2, 0], [4, 0]] + \
+        [[32 << i, 0] for i in range((BN // 32).bit_length() - 1)]
+    return gl.DistributedLinearLayout(reg_bases=[[0, 1], [0, 2]] + rest[2:], lane_bases=[[0, 4], [8, 0], [16, 0]] + rest[:2],
+                                      warp_bases=[], block_bases=[], shape=[BN, W])
+
+
 @gluon.jit
 def issue_copies(stage, n0, k_smem, v_smem, k_base, v_base, stride_kh, stride_vh, lanes, KW: gl.constexpr,
                  VW: gl.constexpr, H: gl.constexpr, PAD: gl.constexpr = False):
