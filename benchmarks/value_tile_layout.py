@@ -9,7 +9,7 @@ the H200 at head_dim 64, INT2: `git show 5524660:docs/results/ncu_d64_int2_sass_
 Key tiles of 16 words a token and more (INT4 at head_dim 128, INT2 at 256) meet two to four wavefronts per half warp
 in their 64-bit reads; `key_smem` gives them the placement an eight-word token has already.
 
-Measured (H100, 2026-12-06, docs/perf.md "Value tiles in lane order"): lane-order value tiles 25% faster at head_dim
+Measured (H100, 2026-12-06, docs/perf.md "head_dim 64 and head_dims between powers of two"): lane-order value tiles 25% faster at head_dim
 64, INT2 (four-word tokens, copied twice into an eight-word tile), 1-7% slower at eight words a token and more; the
 key placement 4-6% slower at INT4 and head_dim 256, level elsewhere. Production took the value placement for
 four-word tokens only; `foldc_decode_gluon` here takes both sides' at every width, `values_only` and `keys_only`
