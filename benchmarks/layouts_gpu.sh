@@ -18,6 +18,7 @@
 #                                                 #   `git archive 8b6d7cf foldc | tar -x -C dir`) head_dim 96 by it too
 #     bash benchmarks/layouts_gpu.sh value_tiles  # value tiles stored for conflict-free reads (benchmarks/value_tile_layout.py)
 #     bash benchmarks/layouts_gpu.sh value_tiles_split  # the same, each side's placement alone
+#     bash benchmarks/layouts_gpu.sh swizzled_tiles  # tiles of 16+ words a token swizzled (benchmarks/swizzled_tiles.py)
 #     bash benchmarks/layouts_gpu.sh full_check   # every layout of the full grid (396) checked against float64 for
 #                                                 #   bf16 and fp16 queries at 2 x 4K, in 12 processes side by side
 #
@@ -58,6 +59,16 @@ case "${1:-ragged}" in
         --rounds 2 --cases 2:token/token:8x32768,4:token/token:8x32768
     step split_gqa16 100 python3 benchmarks/ab_kernel.py --out "$OUT/split_gqa16.json" --heads 64/4 $VARIANTS \
         --rounds 2 --cases 2:token/token:8x65536,4:token/token:8x65536
+    ;;
+  swizzled_tiles)   # code tiles of 16+ words a token swizzled in 32-byte units (benchmarks/swizzled_tiles.py)
+    S=benchmarks/swizzled_tiles.py
+    VARIANTS="--variant both=$S --variant keys=$S:keys_only --variant values=$S:values_only"
+    step swz_d128 240 python3 benchmarks/ab_kernel.py --out "$OUT/swz_d128.json" $VARIANTS --rounds 3 \
+        --cases 4:token/token:8x65536,4:token/token:32x16384,8:token/token:8x65536,2:token/token:8x65536
+    step swz_d256 120 python3 benchmarks/ab_kernel.py --out "$OUT/swz_d256.json" --head-dim 256 $VARIANTS \
+        --rounds 3 --cases 2:token/token:8x32768,4:token/token:8x32768
+    step swz_gqa16 100 python3 benchmarks/ab_kernel.py --out "$OUT/swz_gqa16.json" --heads 64/4 $VARIANTS \
+        --rounds 3 --cases 4:token/token:8x65536
     ;;
   masked)
     step masked_checks 260 python3 -m pytest -q tests/backends/test_gluon_gpu.py -k "generated_layouts and (d96 or d160 or d192)"
