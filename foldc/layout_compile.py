@@ -90,13 +90,15 @@ def _build(spec, target: str, out: str, dtype: str, kernel: str, options: dict) 
         return workload.artifact, workload.build(spec, target, out, dtype, **options)
     if kernel == "gluon":
         from .backends.gluon.aot import compile_gluon_aot, compile_warpgroup_aot
-        from .backends.gluon.warpgroup_launch import warpgroup_applies
+        from .backends.gluon.warpgroup_launch import WarpgroupLaunch, warpgroup_applies
 
         report = compile_gluon_aot(spec, target, out, dtype=dtype,   # the launcher's defaults
                                    block_n=options.get("block_n"), stages=options.get("stages"))
         if dtype == "bf16" and not options and warpgroup_applies(spec, target):
             # what a contiguous cache's call runs; the one-warp program stays for paged calls
-            report["warpgroup"] = compile_warpgroup_aot(out)
+            wg = WarpgroupLaunch(spec)   # 17..32 query rows per KV head: 32 rows, the rest padding
+            report["warpgroup"] = compile_warpgroup_aot(out, rows=wg.rows,
+                                                        head_rows=0 if wg.head_rows == wg.rows else wg.head_rows)
         return "foldc_decode_gluon", report
     from .backends.triton.aot import compile_aot
 

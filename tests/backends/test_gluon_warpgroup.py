@@ -25,6 +25,10 @@ TOLERANCE = 1.10   # as the other register-operand GPU tests: at most 1.10x plai
     ("token:2:128", "token:2:128", "32/1", "sm_90", True),
     ("token:2:128", "token:2:128", "128/4", "sm_100", False),     # B200: no wgmma, the one-warp program
     ("token:2:128", "token:2:128", "64/4", "sm_90", False),      # 16 rows: the one-warp program
+    ("token:2:128", "token:2:128", "34/2", "sm_90", True),       # 17..31 rows: 32, the rest padding
+    ("token:2:128", "token:2:128", "50/2", "sm_90", True),
+    ("token:2:128", "token:2:128", "62/2", "sm_90", True),
+    ("token:2:128", "token:2:128", "66/2", "sm_90", False),      # 33 rows: the one-warp program's row blocks
     ("token:4:128", "token:4:128", "128/4", "sm_90", False),
     ("token:2:128", "token:4:128", "128/4", "sm_90", False),
     ("channel:2:128", "token:2:128", "128/4", "sm_90", False),
@@ -76,6 +80,32 @@ def test_eager_launches_are_noted_then_bound_then_launched_by_address(monkeypatc
     assert (len(kernel.launches), kernel.binds) == (3, 1)
 
 
+@pytest.mark.parametrize("heads,rows", [("34/2", 17), ("50/2", 25), ("62/2", 31), ("64/2", 32)])
+def test_fewer_rows_than_the_template_run_as_padding_and_merge_only_the_real_ones(monkeypatch, heads, rows):
+    """17..31 query rows per KV head: the template's 32 rows (the workspace's), the kernel told the real count
+    (QH, where fewer), and the merge writing only the real rows to their query heads (grid (batch, KV heads,
+    rows x channel blocks); on CPU one block of all channels)."""
+    import foldc.backends.gluon.warpgroup_launch as wl
+    from foldc.backends.runtime.launch import allocate_workspace
+
+    spec = spec_from_args("token:2:128", "token:2:128", heads, 128)
+    launcher = wl.WarpgroupLaunch(spec)
+    assert (launcher.rows, launcher.head_rows) == (32, rows)
+    assert launcher._keywords(False).get("QH", 32) == rows and launcher._keywords(False)["ROWS"] == 32
+    launcher._kernel = LaunchRecorder(bindable=False)
+    merge = LaunchRecorder(bindable=False)
+    monkeypatch.setattr(wl, "num_sms", lambda device: 132)
+    gen = torch.Generator().manual_seed(rows)
+    q, k, v, _ = random_inputs(spec, 2, 256, torch.float16, "cpu", gen)
+    launch = launcher.plan_launch(torch.bfloat16, 2, 256, torch.device("cpu"))
+    ws = allocate_workspace(launch, "cpu")
+    assert ws[0].shape[-1] == 32   # rows per workspace head
+    out, lse = torch.empty(2, 2 * rows, 128, dtype=q.dtype), torch.empty(2, 2 * rows)
+    launcher.run(launch, q, k, v, None, 0.1, out, lse, ws, merge)
+    (grid, args), = merge.launches
+    assert grid == (2, 2, rows)
+
+
 def test_explicit_options_keep_the_one_warp_program():
     spec = spec_from_args("token:2:128", "token:2:128", "128/4", 128)
     assert GluonAttention(spec).warpgroup is not None
@@ -114,8 +144,23 @@ def test_aot_build_is_the_designed_kernel(build):
 needs_gpu = pytest.mark.skipif(not GPU, reason="needs an sm_90 GPU")
 
 
+@pytest.mark.parametrize("head_rows", [17, 25])
+def test_aot_build_of_fewer_rows_keeps_the_design(head_rows, tmp_path):
+    """17..31 rows: the same wgmma loop (32 HGMMA a tile, nothing spilled, two programs an SM), the padding
+    rows' query read masked."""
+    script = ("import json, tempfile\nfrom foldc.backends.gluon.aot import compile_warpgroup_aot\n"
+              f"print(json.dumps(compile_warpgroup_aot(tempfile.mkdtemp(), head_rows={head_rows})))")
+    done = subprocess.run([sys.executable, "-c", script], env=native_env(tmp_path / "triton"), capture_output=True, text=True,
+                          timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    r = json.loads(done.stdout.strip().splitlines()[-1])
+    assert r["head_rows"] == head_rows and r["rows"] == 32
+    assert r["inner_loop"]["top_opcodes"].get("HGMMA") == 32 and r["inner_loop"]["local_memory"] == 0
+    assert 65536 // (r["registers"] * 128) >= 2
+
+
 @needs_gpu
-@pytest.mark.parametrize("heads", ["128/4", "32/1"])
+@pytest.mark.parametrize("heads", ["128/4", "32/1", "34/2", "50/2", "62/1"])
 def test_matches_float64_with_ragged_lengths(heads):
     """Fresh random inputs, a 1-token sequence, partial last tiles, splits that end mid-tile; out= poisoned."""
     spec = spec_from_args("token:2:128", "token:2:128", heads, 128)

@@ -5,6 +5,7 @@ Must run where TRITON_INTERPRET is unset when triton is first imported.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -18,7 +19,7 @@ from ...cost import token_loop_lane_slots_per_byte
 from ...errors import SpecError
 from ...options import check_launch_options, check_out_dir
 from ..runtime.artifacts import build_errors, write_artifacts
-from ..runtime.sass import _tool, lane_slots_per_byte, loop_instructions, skipped_addresses
+from ..runtime.sass import _tool, disassemble, lane_slots_per_byte, loop_instructions, skipped_addresses
 from .launch import GluonAttention, constexprs, default_pack_heads
 from .lower import gluon_plan, lower
 
@@ -145,10 +146,11 @@ def compile_gluon_aot(spec, arch: str, out_dir: str | Path, dtype: str = "bf16",
 
 
 def compile_warpgroup_aot(out_dir: str | Path, kernel=None, rows: int | None = None,
-                          block_n: int | None = None) -> dict:
+                          block_n: int | None = None, head_rows: int = 0) -> dict:
     """Build the warpgroup template (warpgroup.py) for sm_90 into ``out_dir``, with the launcher's tile
     and stages, and report its matrix instructions, registers and token loop. ``kernel``: another kernel
-    object with its signature (benchmarks' variants); ``rows``, ``block_n``: other than the launcher's."""
+    object with its signature (benchmarks' variants); ``rows``, ``block_n``: other than the launcher's;
+    ``head_rows``: fewer query rows per KV head than ``rows`` (the rest padding, the kernel's QH)."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise SpecError("ahead-of-time compilation needs TRITON_INTERPRET unset in this process")
     import triton
@@ -162,6 +164,8 @@ def compile_warpgroup_aot(out_dir: str | Path, kernel=None, rows: int | None = N
     kernel = kernel or foldc_decode_warpgroup
     rows, block_n = rows or ROWS, block_n or BLOCK_N
     consts = {"HAS_LENS": True, "ROWS": rows, "BN": block_n, "STAGES": STAGES}
+    if "QH" in kernel.arg_names:   # the template's (a variant may predate it)
+        consts["QH"] = head_rows
     signature, attrs = {}, {}
     for i, name in enumerate(kernel.arg_names):
         if name in consts:
@@ -178,6 +182,7 @@ def compile_warpgroup_aot(out_dir: str | Path, kernel=None, rows: int | None = N
     loop = Counter(o for _, o, _ in loop_instructions(cubin))
     ptx = compiled.asm["ptx"]
     return {"kernel": "warpgroup", "arch": "sm_90", "block_n": block_n, "stages": STAGES, "rows": rows,
+            "head_rows": head_rows or rows, "sass_sha256": hashlib.sha256("\n".join(f"{op} {args}" for _, op, args in disassemble(cubin)).encode()).hexdigest(),
             "registers": registers(cubin),
             "mma": {"mma.sync": len(re.findall(r"\bmma\.sync", ptx)), "wgmma": len(re.findall(r"\bwgmma\.mma_async", ptx)),
                     "wgmma_waits": len(re.findall(r"wgmma\.wait_group", ptx))},

@@ -205,12 +205,14 @@ def _tile_max(t, red_smem, ROWS: gl.constexpr, BN: gl.constexpr):
 @gluon.jit(do_not_specialize=["cache_tokens"])   # one build for every length (kernel.py's foldc_decode_gluon)
 def foldc_decode_warpgroup(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, stride_qb, stride_qh, stride_cb,
                            stride_ch, stride_sb, stride_sh, qk_scale, tokens_per_split, cache_tokens,
-                           HAS_LENS: gl.constexpr, ROWS: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr):
+                           HAS_LENS: gl.constexpr, ROWS: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
+                           QH: gl.constexpr = 0):
     """Program (batch, KV head, split) of four warps: the split's tokens in tiles of BN, each tile's
     scores on wgmma with the key codes as the register A operand and the query in shared memory, P x
     s_tok through shared memory as the value product's B operand. Writes the split's (max in log2
     units, denominator, accumulator) for the merge kernel (eq. 14). stride_sb, stride_sh: the scales' strides
-    in rows of eight (16 bytes, the copies' width)."""
+    in rows of eight (16 bytes, the copies' width). QH > 0: the KV head has QH < ROWS query rows; rows QH..
+    ROWS - 1 are padding, read as zeros (finite logits of 0), written to the workspace and not merged."""
     D: gl.constexpr = 128
     b = gl.program_id(0)
     h = gl.program_id(1)
@@ -230,8 +232,12 @@ def foldc_decode_warpgroup(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_A
     field = (k >> 4) & 3
     chan = field * 32 + 4 * (2 * ((k >> 1) & 3) + (k >> 6)) + ((k >> 3) & 1) + 2 * (k & 1)
     r = gl.arange(0, ROWS, layout=gl.SliceLayout(0, ql))
-    qrow = Q + b * stride_qb + (h * ROWS + r) * stride_qh
-    q = gl.load(qrow[None, :] + chan[:, None]).to(gl.float32)
+    if QH > 0:
+        qrow = Q + b * stride_qb + (h * QH + r) * stride_qh
+        q = gl.load(qrow[None, :] + chan[:, None], mask=(r < QH)[None, :], other=0.0).to(gl.float32)
+    else:
+        qrow = Q + b * stride_qb + (h * ROWS + r) * stride_qh
+        q = gl.load(qrow[None, :] + chan[:, None]).to(gl.float32)
     qmax = gl.max(gl.abs(q), axis=0)
     e_row = gl.where(qmax > 0, 14.0 - gl.floor(gl.log2(gl.maximum(qmax, 1e-30))), 0.0)
     q16 = (q * gl.exp2(e_row[None, :] - 2.0 * field.to(gl.float32)[:, None])).to(gl.float16)

@@ -3,7 +3,8 @@ wave of resident programs, the workspace the merge kernel reads (the same layout
 program's, one head of 32 rows per KV head).
 
 The template lowers token-wise INT2 keys and values in one group per token (fp16 scales and zeros, no
-code bias) at head_dim 128 with 32 query rows per KV head, on sm_90 (wgmma; B200 keeps the one-warp
+code bias) at head_dim 128 with 17 to 32 query rows per KV head (fewer than 32: the rest padding, read as
+zeros and not merged), on sm_90 (wgmma; B200 keeps the one-warp
 mma.sync program), contiguous caches whose token capacity is a multiple of 8 (the scales travel in
 16-byte rows). Every other plan and call, paged ones included, runs the one-warp program.
 """
@@ -19,7 +20,8 @@ from ..runtime.merge import merge_arguments, run_bound
 from ..runtime.modules import num_sms
 from .lower import KEY_BIAS, VALUE_BIAS, NotLowerable, lower
 
-ROWS = 32          # query rows per KV head that take the template: one wgmma N
+ROWS = 32          # the template's query rows: one wgmma N; 17..32 query rows per KV head take it
+FEWEST_ROWS = 17   # below: the one-warp program (16 rows measured as fast there, one program of 16 rows)
 KERNEL_ROWS = (16, 32)   # what the kernel builds (16: measured as fast as the one-warp program, not taken)
 BLOCK_N = 128      # tokens per tile: two wgmma M of 64 (H200: 133.1 against 163.4 µs with 64 at 128/4, 8 x 64K)
 STAGES = 4         # tiles in flight by cp.async (134.1 against 149.5 µs with 2 at 128/4 8 x 64K)
@@ -52,7 +54,7 @@ def warpgroup_plan(spec) -> Plan:
 
 def warpgroup_applies(spec, target: str) -> bool:
     """The template lowers ``spec``'s plan on ``target``: every field read from the checked plan's lowering."""
-    if target != "sm_90" or spec.q_per_kv != ROWS or spec.k is None or spec.v is None:
+    if target != "sm_90" or not FEWEST_ROWS <= spec.q_per_kv <= ROWS or spec.k is None or spec.v is None:
         return False
     try:
         cfg = lower(warpgroup_plan(spec))   # check_plan first: a wrong plan never reaches the template
@@ -69,10 +71,12 @@ class WarpgroupLaunch:
     caller, `GluonAttention`, validated the call)."""
 
     def __init__(self, spec):
-        if spec.q_per_kv not in KERNEL_ROWS:
-            raise SpecError(f"the warpgroup kernel takes {KERNEL_ROWS} query rows per KV head, not {spec.q_per_kv}")
+        if spec.q_per_kv not in KERNEL_ROWS and not FEWEST_ROWS <= spec.q_per_kv <= ROWS:
+            raise SpecError(f"the warpgroup kernel takes 16 or {FEWEST_ROWS}..{ROWS} query rows per KV head, not "
+                            f"{spec.q_per_kv}")
         self.spec = spec
-        self.rows = spec.q_per_kv
+        self.rows = ROWS if spec.q_per_kv > KERNEL_ROWS[0] else spec.q_per_kv   # the kernel's rows (workspace's)
+        self.head_rows = spec.q_per_kv   # the real ones: the merge writes these
         self.plan = warpgroup_plan(spec)
         self.resident = RESIDENT   # programs per SM the splits fill one wave of
         self._kernel = None
@@ -115,7 +119,7 @@ class WarpgroupLaunch:
             if type(state) is tuple and run_bound(state, (
                     q.data_ptr(), k.codes.data_ptr(), k.scale.data_ptr(), k.zero.data_ptr(), v.codes.data_ptr(),
                     v.scale.data_ptr(), v.zero.data_ptr(), (q if lens is None else lens).data_ptr(),
-                    *map(_DATA_PTR, workspace)), merge, workspace, out, lse, self.rows, (tokens,)):
+                    *map(_DATA_PTR, workspace)), merge, workspace, out, lse, self.head_rows, (tokens,)):
                 return
         kc, vc = k.codes.view(torch.int32), v.codes.view(torch.int32)
         args = (q, kc, k.scale, k.zero, vc, v.scale, v.zero, q if lens is None else lens, *workspace, q.stride(0),
@@ -123,7 +127,7 @@ class WarpgroupLaunch:
                 k.scale.stride(1) // SCALE_ROW, sm_scale * 1.4426950408889634, launch.per_split, tokens)
         kwargs = self._keywords(lens is not None)
         self._kernel[launch.grid](*args, **kwargs)
-        merge_grid, merge_args, merge_kwargs = merge_arguments(*workspace, out, lse, self.rows)
+        merge_grid, merge_args, merge_kwargs = merge_arguments(*workspace, out, lse, self.head_rows)
         merge[merge_grid](*merge_args, **merge_kwargs)
         if bindable:
             self._bindings.note(key, launch, state, lambda: (self._kernel.bind(launch.grid, args, kwargs,
@@ -136,5 +140,6 @@ class WarpgroupLaunch:
         kwargs = self._kwargs.get(has_lens)
         if kwargs is None:
             kwargs = self._kwargs[has_lens] = dict(HAS_LENS=has_lens, ROWS=self.rows, BN=BLOCK_N, STAGES=STAGES,
-                                                   num_warps=4)
+                                                   num_warps=4, **({"QH": self.head_rows}
+                                                                   if self.head_rows != self.rows else {}))
         return kwargs
