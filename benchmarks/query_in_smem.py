@@ -67,22 +67,8 @@ foldc_decode_gluon = _load()
 
 
 if __name__ == "__main__":
-    import glob
+    from foldc.bench import decode_variant_builds
 
-    from foldc.backends.gluon.aot import compile_gluon_aot
-    from foldc.spec import spec_from_args
-
-    kept = production.foldc_decode_gluon
-    for case in (("token:2:128", "token:2:128", "64/4", 128), ("token:4:128", "token:4:128", "64/4", 128),
-                 ("token:2:128", "token:2:128", "32/8", 128)):
-        for name, kernel in (("production", kept), ("query smem", foldc_decode_gluon)):
-            production.foldc_decode_gluon = kernel   # compile_gluon_aot builds the module's kernel
-            try:
-                out = tempfile.mkdtemp()
-                r = compile_gluon_aot(spec_from_args(*case[:3], case[3]), "sm_90", out)
-            finally:
-                production.foldc_decode_gluon = kept
-            assert glob.glob(out + "/*.sm_90.cubin")
-            print(f"{' / '.join(map(str, case))} {name:10}: {r['registers']} registers, "
-                  f"{r['inner_loop']['instructions_per_tile']:.0f} SASS per tile, spills {r['inner_loop']['local_memory']}",
-                  flush=True)
+    decode_variant_builds(foldc_decode_gluon, "query smem", [("token:2:128", "token:2:128", "64/4", 128),
+                                                             ("token:4:128", "token:4:128", "64/4", 128),
+                                                             ("token:2:128", "token:2:128", "32/8", 128)])

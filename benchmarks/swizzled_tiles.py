@@ -52,20 +52,14 @@ values_only = rebound(production.foldc_decode_gluon, _value_smem=value_smem)
 
 
 if __name__ == "__main__":   # CPU: the modelled wavefronts, then registers and SASS per tile beside production's
-    import glob
     import statistics
-    import subprocess
-    import tempfile
-    from collections import Counter
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "backends"))
     from test_gluon_shared_banks import _xor, value_read_wavefronts, wavefronts, word_offsets
 
-    from foldc.backends.gluon.aot import compile_gluon_aot
     from foldc.backends.gluon.tile_operands import key_words_layout
-    from foldc.backends.runtime.sass import _tool, loop_instructions
-    from foldc.spec import spec_from_args
+    from foldc.bench import decode_variant_builds
 
     def key_wavefronts(smem, BN, W):
         layout, offsets = key_words_layout(BN, W), word_offsets(smem, BN, W)
@@ -85,18 +79,6 @@ if __name__ == "__main__":   # CPU: the modelled wavefronts, then registers and 
               f"{key_wavefronts(key_smem(1, 64, W), 64, W):.0f}; value read "
               f"{statistics.mean(value_read_wavefronts(production._value_smem(1, 64, W), 64, W)):.0f} -> "
               f"{statistics.mean(value_read_wavefronts(value_smem(1, 64, W), 64, W)):.0f}")
-    kept = production.foldc_decode_gluon
-    for case in (("token:4:128", "token:4:128", "32/8", 128), ("token:2:128", "token:2:128", "32/8", 256),
-                 ("token:8:128", "token:8:128", "32/8", 128)):
-        for name, kernel in (("production", kept), ("swizzled", foldc_decode_gluon)):
-            production.foldc_decode_gluon = kernel   # compile_gluon_aot builds the module's kernel
-            try:
-                out = tempfile.mkdtemp()
-                r = compile_gluon_aot(spec_from_args(*case[:3], case[3]), "sm_90", out)
-            finally:
-                production.foldc_decode_gluon = kept
-            cubin = glob.glob(out + "/*.sm_90.cubin")[0]
-            ops = Counter(o for _, o, _ in loop_instructions(cubin))
-            print(f"{' / '.join(map(str, case))} {name:10}: {r['registers']} registers, "
-                  f"{r['inner_loop']['instructions_per_tile']:.0f} SASS per tile, spills {r['inner_loop']['local_memory']}, "
-                  f"LDS {ops.get('LDS', 0)}", flush=True)
+    decode_variant_builds(foldc_decode_gluon, "swizzled", [("token:4:128", "token:4:128", "32/8", 128),
+                                                           ("token:2:128", "token:2:128", "32/8", 256),
+                                                           ("token:8:128", "token:8:128", "32/8", 128)])

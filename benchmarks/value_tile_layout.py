@@ -132,14 +132,7 @@ def linear_offset(BN: int, W: int):
 
 
 if __name__ == "__main__":
-    import glob
-    import subprocess
-    import tempfile
-    from collections import Counter
-
-    from foldc.backends.gluon.aot import compile_gluon_aot
-    from foldc.backends.runtime.sass import _tool, loop_instructions
-    from foldc.spec import spec_from_args
+    from foldc.bench import decode_variant_builds
 
     for W in (8, 16, 32):
         print(f"W = {W}: wavefronts per value read, production {read_wavefronts(lambda t, w: t * W + w, 64, W):.0f}, "
@@ -147,20 +140,6 @@ if __name__ == "__main__":
     for W in (16, 32):
         print(f"W = {W}: wavefronts per key read, production {key_read_wavefronts(lambda t, w: t * W + w, 64, W):.0f}, "
               f"this layout {key_read_wavefronts(key_offset(64, W), 64, W):.0f}")
-    kept = production.foldc_decode_gluon
-    for case in (("token:2:128", "token:2:128", "32/8", 128), ("token:4:128", "token:4:128", "32/8", 128),
-                 ("token:4:128", "token:2:128", "32/8", 128), ("token:2:128", "token:2:128", "32/8", 256)):
-        for name, kernel in (("production", kept), ("value tiles", foldc_decode_gluon)):
-            production.foldc_decode_gluon = kernel   # compile_gluon_aot builds the module's kernel
-            try:
-                out = tempfile.mkdtemp()
-                r = compile_gluon_aot(spec_from_args(*case[:3], case[3]), "sm_90", out)
-            finally:
-                production.foldc_decode_gluon = kept
-            cubin = glob.glob(out + "/*.sm_90.cubin")[0]
-            body = loop_instructions(cubin)
-            text = subprocess.run([_tool("cuobjdump"), "-sass", cubin], capture_output=True, text=True).stdout
-            ops = Counter(o for _, o, _ in body)
-            print(f"{' / '.join(map(str, case))} {name:11}: {r['registers']} registers, "
-                  f"{r['inner_loop']['instructions_per_tile']:.0f} SASS per tile, spills {r['inner_loop']['local_memory']}, "
-                  f"LDS {ops.get('LDS', 0)}, LDGSTS {ops.get('LDGSTS', 0)}", flush=True)
+    decode_variant_builds(foldc_decode_gluon, "value tiles", [
+        ("token:2:128", "token:2:128", "32/8", 128), ("token:4:128", "token:4:128", "32/8", 128),
+        ("token:4:128", "token:2:128", "32/8", 128), ("token:2:128", "token:2:128", "32/8", 256)])

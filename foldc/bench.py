@@ -133,6 +133,40 @@ def rebound(jit_function, **names):
                      do_not_specialize_on_alignment=f.do_not_specialize_on_alignment, noinline=f.noinline)
 
 
+def decode_variant_builds(variant, name: str, cases, **options) -> list[dict]:
+    """Registers, SASS per tile, spilled instructions and shared loads (LDS) of the production decode kernel and of
+    ``variant`` (a kernel with its signature: `rebound`, or a module's copy of foldc/backends/gluon/kernel.py) for
+    each (K, V, heads, head_dim) of ``cases``, built ahead of time for sm_90 with the launcher's defaults or
+    ``options`` (`compile_gluon_aot`'s: block_n, maxnreg, ...; CPU, no GPU; TRITON_INTERPRET unset)."""
+    import tempfile
+    from collections import Counter
+    from pathlib import Path
+
+    import foldc.backends.gluon.kernel as production
+
+    from .backends.gluon.aot import compile_gluon_aot
+    from .backends.runtime.sass import loop_instructions
+    from .spec import spec_from_args
+
+    kept, rows = production.foldc_decode_gluon, []
+    for case in cases:
+        for label, kernel in (("production", kept), (name, variant)):
+            production.foldc_decode_gluon = kernel   # compile_gluon_aot builds the module's kernel
+            try:
+                with tempfile.TemporaryDirectory() as out:
+                    r = compile_gluon_aot(spec_from_args(*case[:3], case[3]), "sm_90", out, **options)
+                    ops = Counter(o for _, o, _ in loop_instructions(next(Path(out).glob("*.sm_90.cubin"))))
+            finally:
+                production.foldc_decode_gluon = kept
+            loop = r["inner_loop"]
+            rows.append(dict(k=case[0], v=case[1], heads=case[2], head_dim=case[3], kernel=label,
+                             registers=r["registers"], tile_sass=loop["instructions_per_tile"],
+                             spills=loop["local_memory"], lds=ops.get("LDS", 0)))
+            print(f"{' / '.join(map(str, case))} {label:12}: {r['registers']} registers, {loop['instructions_per_tile']:.0f} "
+                  f"SASS per tile, spills {loop['local_memory']}, LDS {ops.get('LDS', 0)}", flush=True)
+    return rows
+
+
 def gemv_variant_builds(variant, name: str, cases, loop_copies: int = 1, dtypes=("fp16",)) -> list[dict]:
     """Registers and SASS per chunk of the production GEMV and of ``variant`` (a kernel made with `rebound` from
     foldc/backends/gluon/gemv.py) for each (weight encoding, n, k, m) of ``cases`` and activation dtype of
