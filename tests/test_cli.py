@@ -395,6 +395,18 @@ def test_compile_explains_and_proves_the_plan_of_the_kernel_it_builds(heads, row
     assert foldc.prove(mine) is not None
 
 
+@pytest.mark.parametrize("heads,says", [("34/2", "32 rows in one program (15 of them padding)"),
+                                        ("64/2", "32 rows in one program (docs"), ("64/4", None)])
+def test_explain_names_the_warpgroup_template_where_it_runs(capsys, heads, says):
+    """17 to 32 query rows per KV head at token-wise INT2 g128: explain's kernel paragraph says a contiguous cache
+    runs the warpgroup template (and how many of its 32 rows are padding); 16 rows keep the one-warp program."""
+    assert main(["explain", "--heads", heads, "--target", "sm_90"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert ("warpgroup template" in text) == (says is not None)
+    if says:
+        assert says in text
+
+
 def test_explain_and_prove_take_a_target(capsys):
     """`foldc explain --target sm_90` renders the plan the register-operand kernel runs (no code bias, one row block's
     rows in the cost and the break-even: 17 rows per KV head in blocks of 9); `prove --target` proves that plan; a

@@ -5,9 +5,22 @@ from __future__ import annotations
 from ...cost import GPUS, token_loop_lane_slots_per_byte
 from .launch import GluonAttention
 from .lower import NotLowerable, gluon_plan, lower
+from .warpgroup_launch import ROWS as TEMPLATE_ROWS
+from .warpgroup_launch import warpgroup_applies
 
 
 def describe(spec) -> str:
+    """The register-operand kernel's paragraph, and where the warpgroup template takes the layout, a sentence on it."""
+    text = _one_warp(spec)
+    if warpgroup_applies(spec, "sm_90"):
+        padding = TEMPLATE_ROWS - spec.q_per_kv
+        text += (f". On sm_90 a contiguous cache (capacity a multiple of 8 tokens) at the launcher's defaults runs the "
+                 f"warpgroup template instead: four warps sharing wgmma, a KV head's {TEMPLATE_ROWS} rows in one "
+                 "program" + (f" ({padding} of them padding)" if padding else "") + " (docs/register_operands.md)")
+    return text
+
+
+def _one_warp(spec) -> str:
     """What the whole token loop of the sm_90 register-operand kernel asks of the H200's issue slots,
     where the spec lowers to it: the budget row above counts operand construction only, the loop
     also runs the online softmax, the per-token scales, addressing and barriers."""
