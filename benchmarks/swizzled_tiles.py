@@ -13,7 +13,8 @@ Counted from the production layouts by tests/backends/test_gluon_shared_banks.py
 `foldc_decode_gluon`: both sides; `keys_only`, `values_only`: one side.
 
     PYTHONPATH=. python3 benchmarks/ab_kernel.py --variant both=benchmarks/swizzled_tiles.py \\
-        --variant keys=benchmarks/swizzled_tiles.py:keys_only --variant values=benchmarks/swizzled_tiles.py:values_only \\
+        --variant keys=benchmarks/swizzled_tiles.py:keys_only \\
+        --variant values=benchmarks/swizzled_tiles.py:values_only \\
         --cases 4:token/token:8x65536,2:token/token:8x65536 --out $OUT/ab.json
 """
 from __future__ import annotations

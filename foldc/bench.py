@@ -162,7 +162,8 @@ def decode_variant_builds(variant, name: str, cases, **options) -> list[dict]:
             rows.append(dict(k=case[0], v=case[1], heads=case[2], head_dim=case[3], kernel=label,
                              registers=r["registers"], tile_sass=loop["instructions_per_tile"],
                              spills=loop["local_memory"], lds=ops.get("LDS", 0)))
-            print(f"{' / '.join(map(str, case))} {label:12}: {r['registers']} registers, {loop['instructions_per_tile']:.0f} "
+            print(f"{' / '.join(map(str, case))} {label:12}: {r['registers']} registers, "
+                  f"{loop['instructions_per_tile']:.0f} "
                   f"SASS per tile, spills {loop['local_memory']}, LDS {ops.get('LDS', 0)}", flush=True)
     return rows
 

@@ -150,8 +150,8 @@ def test_aot_build_of_fewer_rows_keeps_the_design(head_rows, tmp_path):
     rows' query read masked."""
     script = ("import json, tempfile\nfrom foldc.backends.gluon.aot import compile_warpgroup_aot\n"
               f"print(json.dumps(compile_warpgroup_aot(tempfile.mkdtemp(), head_rows={head_rows})))")
-    done = subprocess.run([sys.executable, "-c", script], env=native_env(tmp_path / "triton"), capture_output=True, text=True,
-                          timeout=900)
+    done = subprocess.run([sys.executable, "-c", script], env=native_env(tmp_path / "triton"), capture_output=True,
+                          text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     r = json.loads(done.stdout.strip().splitlines()[-1])
     assert r["head_rows"] == head_rows and r["rows"] == 32

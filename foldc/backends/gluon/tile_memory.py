@@ -40,7 +40,8 @@ def lane_order_copy_layout(BN, W):
     BN, W = int(BN), int(W)
     rest = [[0, 8 << i] for i in range((W // 8).bit_length() - 1)] + [[1, 0], [2, 0], [4, 0]] + \
         [[32 << i, 0] for i in range((BN // 32).bit_length() - 1)]
-    return gl.DistributedLinearLayout(reg_bases=[[0, 1], [0, 2]] + rest[2:], lane_bases=[[0, 4], [8, 0], [16, 0]] + rest[:2],
+    return gl.DistributedLinearLayout(reg_bases=[[0, 1], [0, 2]] + rest[2:],
+                                      lane_bases=[[0, 4], [8, 0], [16, 0]] + rest[:2],
                                       warp_bases=[], block_bases=[], shape=[BN, W])
 
 
