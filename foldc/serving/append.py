@@ -176,12 +176,19 @@ def append_quantized(dst: AffineTensor, x: torch.Tensor, offset=0, *, target: st
     if mode == "reference":
         _append_reference(dst, x, scalar, per_row)
         return
-    for name, t in (("codes", dst.codes), ("scale", dst.scale), ("zero", dst.zero)):
-        if t.stride(-1) != 1:
-            raise InputError(f"dst.{name} must have unit stride along its last dim; got strides {t.stride()}")
+    check_unit_stride("dst", dst)
     if x.stride(-1) != 1:
         x = x.contiguous()
     _launch(dst, x, scalar, per_row, mode == "interpret")
+
+
+def check_unit_stride(what: str, storage: AffineTensor) -> None:
+    """The kernels write each token's codes, scales and zeros at unit stride along the last dim (the other
+    strides they take as given): storage with another last stride would get its bytes in the wrong places."""
+    for name, t in (("codes", storage.codes), ("scale", storage.scale), ("zero", storage.zero)):
+        if t.stride(-1) != 1:
+            raise InputError(f"{what}.{name} must have unit stride along its last dim; got strides {t.stride()} "
+                             f"for shape {tuple(t.shape)}: pass {what}.{name}.contiguous()")
 
 
 @dataclass(frozen=True)
@@ -378,7 +385,8 @@ def append_paged(pool: AffineTensor, x: torch.Tensor, kv_indptr: torch.Tensor, k
     Parameters
     ----------
     pool : AffineTensor ``[num_pages, kv_heads, page_size, head_dim]``
-        Page pool (uint8 codes, scale/zero in the encoding's dtype; `foldc.serving.page_pool`).
+        Page pool (uint8 codes, scale/zero in the encoding's dtype, each of unit stride along its last dim;
+        `foldc.serving.page_pool`).
     x : torch.Tensor ``[batch, kv_heads, T, head_dim]``
         New tokens, float16, bfloat16 or float32, on the pool's device.
     kv_indptr : torch.Tensor, int32 ``[batch + 1]``
@@ -430,6 +438,7 @@ def append_paged(pool: AffineTensor, x: torch.Tensor, kv_indptr: torch.Tensor, k
     if mode == "reference":
         _append_paged_reference(pool, x, kv_indptr, kv_indices, start, page_size, counts)
         return
+    check_unit_stride("pool", pool)
     if x.stride(-1) != 1:
         x = x.contiguous()
     _launch(pool, x, None, start, mode == "interpret", paging=(kv_indptr, kv_indices, page_size), counts=counts)

@@ -5,6 +5,8 @@ correctly or refused with a foldc error that names the value:
   the page table, ``start`` and ``counts`` of `append_paged`, per-row offsets of `append_quantized`):
   the kernels read entry ``b`` at ``base + b``, so a column of a ``[batch, 2]`` tensor gave them
   other rows' values;
+- `append_paged` into a pool whose codes, scales or zeros step by more than one element along their last
+  dim (the kernel wrote each token's bytes at unit stride: in the wrong places);
 - `append_paged` at negative positions (written into another page, or before the pool), and a
   channel-wise group off a group boundary (its rows ran past the page into the next one);
 - non-integer ``seq_lens`` in `PagedDecodeWrapper.plan` (truncated to another length);
@@ -20,6 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import foldc
+from foldc.encoding import AffineTensor
 from foldc.errors import InputError
 from foldc.serving import PagedDecodeWrapper, append_paged, append_quantized, gather_pages, page_pool
 from foldc.testing import rel_l2
@@ -137,6 +140,38 @@ def test_append_paged_skips_a_channel_group_off_a_group_boundary():
     assert not pool.codes.any() and not pool.scale.any()
     with pytest.raises(InputError, match=r"start\[0\]=8 is not a multiple of group_size=16"):
         append_paged(pool, x, *table, page_size=PAGE, target="reference")
+
+
+def every_other_column(t: torch.Tensor) -> torch.Tensor:
+    """A view of ``t``'s shape with stride 2 along its last dim (every other column of a twice-as-wide tensor)."""
+    wide = torch.zeros(*t.shape[:-1], 2 * t.shape[-1], dtype=t.dtype)
+    return wide[..., ::2]
+
+
+@settings(max_examples=6, deadline=None)
+@given(layout=st.sampled_from(["token", "channel"]), part=st.sampled_from(["codes", "scale", "zero"]),
+       seed=st.integers(0, 2**31 - 1))
+def test_append_paged_refuses_a_pool_without_unit_stride_along_its_last_dim(layout, part, seed):
+    """The kernel writes a token's bytes at unit stride: into every other column of a wider tensor it put
+    them in the wrong places (codes no longer those of quantize), silently. A pool sliced along pages or
+    tokens (unit last stride) is written as quantize computes."""
+    gen = torch.Generator().manual_seed(seed)
+    enc = A(4, layout, 16)
+    x = torch.randn(1, 2, 16, 64, generator=gen).half()
+    table = (torch.tensor([0, 1], dtype=torch.int32), torch.tensor([2], dtype=torch.int32),
+             torch.zeros(1, dtype=torch.int32))
+    pool = page_pool(S(4, 2, 64, enc, enc), "k", 4, PAGE)
+    strided_pool = AffineTensor(*(every_other_column(getattr(pool, p)) if p == part else getattr(pool, p)
+                                  for p in ("codes", "scale", "zero")), enc, 64)
+    with pytest.raises(InputError, match=rf"pool.{part} must have unit stride along its last dim"):
+        append_paged(strided_pool, x, *table, page_size=PAGE, target="interpret")
+    assert not getattr(strided_pool, part).any()
+    sliced = page_pool(S(4, 2, 64, enc, enc), "k", 8, PAGE)
+    sliced = AffineTensor(sliced.codes[::2], sliced.scale[::2], sliced.zero[::2], enc, 64)
+    append_paged(sliced, x, *table, page_size=PAGE, target="interpret")
+    want = foldc.quantize(x, enc)
+    for p in ("codes", "scale", "zero"):
+        assert torch.equal(getattr(sliced, p)[2], getattr(want, p)[0]), p
 
 
 def test_append_paged_refuses_a_page_table_that_is_not_an_int_tensor():
