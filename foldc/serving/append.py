@@ -155,6 +155,7 @@ def append_quantized(dst: AffineTensor, x: torch.Tensor, offset=0, *, target: st
     enc, (batch, heads, _, head_dim) = dst.encoding, dst.shape
     if x.dim() != 4 or x.shape[0] != batch or x.shape[1] != heads or x.shape[3] != head_dim:
         raise InputError(f"x shape={tuple(x.shape)} but dst needs [{batch}, {heads}, tokens, {head_dim}]")
+    _check_rows(x)
     if x.dtype not in INPUT_DTYPES:
         raise InputError(f"x dtype={x.dtype} is not supported; use one of {list(INPUT_DTYPES)}")
     if x.device != dst.device:
@@ -180,6 +181,13 @@ def append_quantized(dst: AffineTensor, x: torch.Tensor, offset=0, *, target: st
     if x.stride(-1) != 1:
         x = x.contiguous()
     _launch(dst, x, scalar, per_row, mode == "interpret")
+
+
+def _check_rows(x: torch.Tensor) -> None:
+    """New tokens of at least one sequence and one head (as `foldc.quantize` and attention take them)."""
+    if x.shape[0] == 0 or x.shape[1] == 0:
+        raise InputError(f"x shape={tuple(x.shape)} holds no rows (batch={x.shape[0]}, kv_heads={x.shape[1]}); "
+                         "an append needs at least one sequence and one head: skip the call for an empty batch")
 
 
 def check_unit_stride(what: str, storage: AffineTensor) -> None:
@@ -419,6 +427,7 @@ def append_paged(pool: AffineTensor, x: torch.Tensor, kv_indptr: torch.Tensor, k
         raise InputError(f"pool holds pages of {rows} tokens but page_size={page_size}; pass the pool's page size")
     if x.dim() != 4 or x.shape[1] != heads or x.shape[3] != head_dim:
         raise InputError(f"x shape={tuple(x.shape)} but the pool needs [batch, {heads}, tokens, {head_dim}]")
+    _check_rows(x)
     if x.dtype not in INPUT_DTYPES:
         raise InputError(f"x dtype={x.dtype} is not supported; use one of {list(INPUT_DTYPES)}")
     batch, tokens = x.shape[0], x.shape[2]

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 import foldc
 from foldc.encoding import AffineTensor, scale_shape
 from foldc.errors import InputError, InputTypeError, SpecError
-from foldc.serving import append_quantized
+from foldc.serving import append_paged, append_quantized
 
 ROOT = Path(__file__).resolve().parents[2]
 A = foldc.Affine
@@ -316,6 +316,33 @@ def _x(tokens=16, dtype=torch.float16, head_dim=32):
 def test_bad_calls_name_the_value_and_the_fix(call, exc, match):
     with pytest.raises(exc, match=match):
         call()
+
+
+def _empty_rows_call(append: str, rows: tuple[int, int], target: str, offset: str):
+    """An append of x with no rows (batch or kv_heads 0) into storage of those rows, by ``append``."""
+    batch, heads = rows
+    enc = A(4, "token", 16)
+    shape = scale_shape(enc, batch, heads, 32, 32)
+    dst = AffineTensor(torch.zeros(batch, heads, 32, 16, dtype=torch.uint8), torch.zeros(shape, dtype=torch.float16),
+                       torch.zeros(shape, dtype=torch.float16), enc, 32)
+    x = torch.randn(batch, heads, 16, 32).half()
+    if append == "append_quantized":
+        start = torch.zeros(batch, dtype=torch.int32) if offset == "tensor" else 0
+        return lambda: append_quantized(dst, x, start, target=target)
+    table = torch.arange(batch + 1, dtype=torch.int32), torch.arange(batch, dtype=torch.int32)
+    return lambda: append_paged(dst, x, *table, torch.zeros(batch, dtype=torch.int32), page_size=32, target=target)
+
+
+@pytest.mark.parametrize("append,offset", [("append_quantized", "int"), ("append_quantized", "tensor"),
+                                           ("append_paged", "tensor")])
+@pytest.mark.parametrize("rows", [(0, 2), (1, 0)])
+@pytest.mark.parametrize("target", ["interpret", "reference"])
+def test_an_append_of_no_rows_is_refused_by_name(append, offset, rows, target):
+    """An empty batch (or no heads): before, a RuntimeError from inside torch (an offset tensor's min), a
+    refusal under target="reference" and nothing under the interpreter, depending on the call."""
+    with pytest.raises(InputError, match=rf"x shape=\({rows[0]}, {rows[1]}, 16, 32\) holds no rows .* skip the "
+                                         "call for an empty batch"):
+        _empty_rows_call(append, rows, target, offset)()
 
 
 def test_nan_and_inf_are_rejected_before_anything_is_written():
