@@ -205,12 +205,7 @@ class FoldLinear(torch.nn.Module):
         self.register_buffer("codes", weight.codes.contiguous())
         self.register_buffer("scale", weight.scale.contiguous())
         self.register_buffer("zero", weight.zero.contiguous())
-        if bias is not None:
-            if not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (n,):
-                got = getattr(bias, "shape", type(bias).__name__)
-                raise InputError(f"bias must be a [{n}] tensor or None; got {got}")
-            bias = bias.detach()
-        self.register_buffer("bias", bias)
+        self.register_buffer("bias", _bias(bias, n, weight.codes.device))
         self.register_buffer("input_order", _input_order(input_order, k, weight.codes.device))
         # the GPU GEMV's split-k counters (one per 16 output channels, zero between calls): held here, not
         # by the shared kernel object, so a compiled step's CUDA graph sees every buffer it uses
@@ -255,6 +250,10 @@ class FoldLinear(torch.nn.Module):
             if isinstance(t, torch.Tensor) and t.dtype != dtype:
                 raise InputError(f"{prefix + name} dtype={t.dtype} but this layer ({self.encoding.short()}) stores "
                                  f"{dtype}: the state dict is another encoding's; build the layer with that one")
+        bias = state_dict.get(prefix + "bias")
+        if isinstance(bias, torch.Tensor) and not bias.is_floating_point():
+            raise InputError(f"{prefix}bias dtype={bias.dtype} must be floating point, as nn.Linear's (the copy into "
+                             "the layer's bias would cast it: a complex bias loses its imaginary part)")
         order = state_dict.get(prefix + "input_order")
         if isinstance(order, torch.Tensor) and self._buffers.get("input_order") is not None:
             try:
@@ -387,6 +386,24 @@ class FoldLinear(torch.nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, weight={self.encoding.short()}, "
                 f"bias={self.bias is not None}, input_order={self.input_order is not None}, folds={self.plan.folds}")
+
+
+def _bias(bias, n: int, device) -> torch.Tensor | None:
+    """``bias`` detached (None stays None), refused unless it is a floating-point [n] tensor on the weight's device:
+    the output adds it cast to x's dtype (a complex bias lost its imaginary part there, a bool one added 1.0), and a
+    bias on the meta device added uninitialised memory to a CPU output."""
+    if bias is None:
+        return None
+    if not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (n,):
+        got = getattr(bias, "shape", type(bias).__name__)
+        raise InputError(f"bias must be a [{n}] tensor or None; got {got}")
+    if not bias.is_floating_point():
+        raise InputError(f"bias dtype={bias.dtype} must be floating point, as nn.Linear's; pass bias.float() (or, "
+                         "for a complex bias, the real part meant)")
+    if bias.device != device:
+        raise InputError(f"bias is on {bias.device} but the weight is on {device}; move it there (a bias on the meta "
+                         "device holds no values: load it first)")
+    return bias.detach()
 
 
 def _input_order(order, k: int, device) -> torch.Tensor | None:

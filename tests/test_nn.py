@@ -93,6 +93,28 @@ def test_bad_layers_are_refused_before_any_work():
         FoldLinear(torch.randn(16, 128), "k-group:4:64")
 
 
+@pytest.mark.parametrize("bias, match", [
+    (lambda b: b.to(torch.complex64), r"bias dtype=torch.complex64 must be floating point"),  # imaginary part lost
+    (lambda b: b > 0, r"bias dtype=torch.bool must be floating point"),                        # added 1.0 where True
+    (lambda b: (b * 100).long(), r"bias dtype=torch.int64 must be floating point"),
+    (lambda b: b.to("meta"), r"bias is on meta but the weight is on cpu"),   # added uninitialised memory
+    (lambda b: b[None], r"bias must be a \[32\] tensor or None; got torch.Size\(\[1, 32\]\)"),
+])
+def test_a_bias_the_layer_cannot_add_is_refused_when_it_is_built(bias, match):
+    """Each of these biases gave an answer without an error: the output adds the bias cast to x's dtype (a complex one
+    lost its imaginary part, a bool one added 1.0), and a bias on the meta device added whatever memory the CPU output
+    was given. A floating-point bias of any such dtype is added as it comes."""
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    weight = FoldLinear.from_linear(torch.nn.Linear(128, 32), "k-group:4:64").weight
+    b = torch.randn(32, generator=gen)
+    with pytest.raises(InputError, match=match):
+        FoldLinear(weight, "k-group:4:64", bias=bias(b))
+    x = torch.randn(3, 128, generator=gen)
+    for dtype in (torch.float16, torch.float64):
+        layer = FoldLinear(weight, "k-group:4:64", bias=b.to(dtype))
+        assert torch.allclose(layer(x).double(), _reference(layer, x), rtol=1e-6, atol=1e-6)
+
+
 def test_the_custom_op_passes_opcheck_and_traces_through_torch_compile():
     torch.manual_seed(2)
     layer = FoldLinear.from_linear(torch.nn.Linear(128, 32), "k-group:4:64")
@@ -574,7 +596,8 @@ def _layer_pair(enc: str, gen: torch.Generator, order: bool = False):
     ("codes", lambda t: t.to(torch.int32), r"codes dtype=torch.int32"),
     ("input_order", lambda t: torch.zeros_like(t), "not a permutation"),              # gathered channel 0 everywhere
     ("input_order", lambda t: t + 1000, "not a permutation"),                         # an IndexError at the call
-])
+    ("bias", lambda t: t.to(torch.complex64), r"bias dtype=torch.complex64 must be floating point"),  # lost its
+])                                                                                    # imaginary part before
 def test_a_state_dict_the_layer_cannot_hold_is_refused_at_load(key, value, match):
     """load_state_dict copies into the buffers, casting: bf16 scales took another encoding's fp16 scales rounded,
     and an input order that is no permutation was taken as it came. Both are refused at the load, naming the key."""
