@@ -108,6 +108,14 @@ def _check_floating(x: torch.Tensor) -> None:
                          "or float64), as nn.Linear does; cast x")
 
 
+def _check_op_bias(bias: torch.Tensor | None, out_features: int) -> None:
+    """Refuse a bias of the op that is not [out_features]: added to the [m, out_features] output, it would broadcast
+    (a [2, m, out_features] bias made a 3-D output where the fake says [m, out_features])."""
+    if bias is not None and tuple(bias.shape) != (out_features,):
+        raise InputError(f"bias shape={tuple(bias.shape)} but the op adds one bias per output channel: pass a "
+                         f"[{out_features}] tensor (out_features={out_features}) or None")
+
+
 @torch.library.custom_op("foldc::linear", mutates_args=())
 def linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
            bias: torch.Tensor | None, encoding: str, out_features: int,
@@ -117,6 +125,7 @@ def linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torc
     ``counters``: int32 zeros for the GPU GEMV's split-k (left at zero; `FoldLinear` owns them), so that
     the kernel holds no memory between calls (CUDA-graph trees refuse memory a step keeps)."""
     _check_floating(x)
+    _check_op_bias(bias, out_features)
     k = x.shape[-1]
     _, affine = _weight_encoding(encoding, k)
     w = AffineTensor(codes, scale, zero, affine, k)
@@ -134,6 +143,7 @@ def linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torc
 def _(x, codes, scale, zero, bias, encoding, out_features, counters=None):
     parse_gemm_encoding(encoding, "weight")   # a bad encoding fails at trace time too, as does an integer x
     _check_floating(x)
+    _check_op_bias(bias, out_features)
     return x.new_empty(x.shape[0], out_features)
 
 

@@ -3,6 +3,7 @@ fp16): its output against float64 over the dequantized weight, the plan proved w
 converted weights, the custom op's registration (opcheck) and a torch.compile trace through its fake."""
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import pytest
@@ -113,6 +114,25 @@ def test_a_bias_the_layer_cannot_add_is_refused_when_it_is_built(bias, match):
     for dtype in (torch.float16, torch.float64):
         layer = FoldLinear(weight, "k-group:4:64", bias=b.to(dtype))
         assert torch.allclose(layer(x).double(), _reference(layer, x), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("shape", [(3, 32), (2, 3, 32), (1,), ()])
+def test_the_ops_bias_is_one_per_output_channel_in_the_real_op_and_its_fake(shape):
+    """torch.ops.foldc.linear added any bias that broadcast: a [2, 3, 32] bias made a [2, 3, 32] output where the
+    fake said [3, 32] (torch.compile lays out the readers by the fake), a [3, 32] or one-element bias was added as a
+    matrix or a constant, silently. Both refuse it now, naming the shape."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    layer = FoldLinear.from_linear(torch.nn.Linear(128, 32), "k-group:4:64")
+    args = [torch.randn(3, 128, generator=gen), layer.codes, layer.scale, layer.zero, torch.randn(shape, generator=gen)]
+    match = re.escape(f"bias shape={tuple(shape)} but the op adds one bias per output channel: pass a [32] tensor")
+    with pytest.raises(InputError, match=match):
+        torch.ops.foldc.linear(*args, "k-group:4:64", 32)
+    with FakeTensorMode() as mode:
+        fakes = [mode.from_tensor(t) for t in args]
+        with pytest.raises(InputError, match="bias shape="):
+            torch.ops.foldc.linear(*fakes, "k-group:4:64", 32)
 
 
 def test_the_custom_op_passes_opcheck_and_traces_through_torch_compile():
