@@ -242,7 +242,8 @@ def from_hqq(W_q, scale, zero, *, shape: tuple[int, int], group_size: int, bits:
     """An HQQ weight (module doc): unpacked codes ``W_q`` (any shape holding n * k codes, row-major, in
     groups of ``group_size`` consecutive weights of a row: HQQ's axis=1), ``scale`` and ``zero`` one per group (any
     shape holding n * k / group_size), ``shape`` = (n, k). HQQ's axis=0 shapes (codes [group_size, n * k /
-    group_size], scales [1, n * k / group_size]: groups across output channels) are refused."""
+    group_size], scales [1, n * k / group_size]: groups across output channels) are refused, as are shapes of the
+    weight's transpose (codes [k, n], scale and zero [k / group_size, n])."""
     _check_bits(bits)
     _check_group(group_size)
     try:
@@ -268,10 +269,24 @@ def from_hqq(W_q, scale, zero, *, shape: tuple[int, int], group_size: int, bits:
                          f"column of the weight reshaped to [{group_size}, {groups}], values {groups} apart, across "
                          "output channels), which foldc cannot group along k; quantize with axis=1 (HQQ's "
                          "BaseQuantizeConfig(axis=1), transformers' HqqConfig(axis=1))")
+    _refuse_transposed(W_q, scale, zero, n, k, group_size, natural + ((groups, 1),))
     codes = _integer_codes("W_q", W_q.reshape(n, k), bits)
     s, z = scale.reshape(n, -1).to(torch.float64), zero.reshape(n, -1).to(torch.float64)
     want = (codes.to(torch.float64) - z.repeat_interleave(group_size, 1)) * s.repeat_interleave(group_size, 1)
     return _build(codes, s.to(torch.float32), (-s * z).to(torch.float32), bits, group_size, want)
+
+
+def _refuse_transposed(W_q, scale, zero, n: int, k: int, group_size: int, natural: tuple) -> None:
+    """Refuse HQQ tensors shaped as the weight's transpose (codes [k, n], scales and zeros [k / group_size, n], as
+    GPTQ and AWQ store their scales): read row-major as [n, k] they gave a wrong weight, and the check against the
+    same reading passed. A shape that is also one of ``natural`` (n == k, ...) cannot tell and is taken."""
+    for name, t, flipped in (("W_q", W_q, (k, n)), ("scale", scale, (k // group_size, n)),
+                             ("zero", zero, (k // group_size, n))):
+        if t.dim() == 2 and tuple(t.shape) == flipped and flipped not in natural:
+            axis = "k" if name == "W_q" else "k / group_size"
+            raise InputError(f"{name} shape={flipped} is [{axis}, n], the weight's layout transposed (as GPTQ stores "
+                             f"its scales); from_hqq reads HQQ's tensors row-major over the weight's n={n} rows: "
+                             f"pass {name}.T")
 
 
 def from_int4pack(codes, scales_and_zeros, *, group_size: int) -> tuple[AffineTensor, GemmEncoding]:

@@ -318,6 +318,30 @@ def test_hqq_axis_0_tensors_are_refused_not_regrouped(flat):
         from_hqq(codes, scale, zero, shape=(n, k), group_size=group, bits=4)
 
 
+@settings(max_examples=12, deadline=None)
+@given(shape=shapes, which=st.sampled_from(["W_q", "scale", "zero"]), seed=st.integers(0, 2**31 - 1))
+def test_hqq_tensors_shaped_as_the_weights_transpose_are_refused(shape, which, seed):
+    """Codes [k, n] or scales and zeros [k / group_size, n] (groups first, as GPTQ stores its scales) were read
+    row-major as [n, k]: a wrong weight, and the check against the same reading passed. Refused now, naming
+    the tensor and .T; the tensors as HQQ shapes them convert exactly."""
+    n, groups, group = shape
+    k = groups * group
+    gen = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
+    scale = (torch.rand(n, groups, generator=gen) * 0.02 + 1e-3).half()
+    zero = (torch.rand(n, groups, generator=gen) * 15).half()
+    tensors = {"W_q": codes, "scale": scale, "zero": zero}
+    flipped = dict(tensors, **{which: tensors[which].T})
+    if tuple(flipped[which].shape) in ((n * groups, group), (n, k), (n, groups), (n * groups, 1)):
+        return   # also a shape HQQ's own tensors take (n == k, n == group_size, ...): the shapes cannot tell
+    # (where k or k / group_size is one layer-wide group, the transpose is also HQQ's axis=0 shape: refused as that)
+    with pytest.raises(InputError, match=rf"^{which} shape=.* is \[k.*, n\], the weight's layout transposed.*"
+                                         rf"pass {which}\.T|axis=0"):
+        from_hqq(flipped["W_q"], flipped["scale"], flipped["zero"], shape=(n, k), group_size=group)
+    weight, enc = from_hqq(codes, scale, zero, shape=(n, k), group_size=group)
+    _check(weight, enc, _dequant(codes, scale, zero, group), seed)
+
+
 @pytest.mark.parametrize("dtype", [torch.uint8, torch.int32, torch.bool, torch.complex64])
 def test_scales_and_zeros_that_are_not_floating_point_are_refused(dtype):
     """HQQ with quant_zero / quant_scale stores the zero (scale) as 8-bit codes of its own: passed as they are, the
