@@ -219,6 +219,7 @@ class PagedKVCache:
         """Host bookkeeping for a captured decode step: call it before each ``graph.replay()`` of a
         graph that appends ``tokens`` per sequence to every layer (Python code inside the graph does
         not run on replay). Raises, before anything is written, when the step would go past capacity."""
+        tokens = count("tokens", tokens, 0)   # (-1 moved every host count back, out of step with the device's)
         for layer in range(self.num_layers):
             st = self._state(layer)
             self._check_capacity(st, tokens)

@@ -105,6 +105,21 @@ def test_before_replay_advances_the_host_counts_and_refuses_past_capacity():
     assert cache.num_tokens(1) == [18]
 
 
+@pytest.mark.parametrize("tokens", [-1, -5, 2.5, True, "1", None])
+def test_before_replay_refuses_a_token_count_that_is_not_a_whole_number_of_tokens(tokens):
+    """before_replay(-1) moved every host count back (the device's moved on): later host-planned appends wrote at
+    the wrong positions, silently; a bool was taken as 1, a float or a string raised from the arithmetic."""
+    spec = S(2, 1, 64, A(4, "token", 64), A(4, "token", 64))
+    cache = PagedKVCache(spec, num_layers=2, page_size=16, num_pages=4, max_seq_len=40, window=2)
+    cache.plan(torch.tensor([0, 1], dtype=torch.int32), torch.tensor([2], dtype=torch.int32), seq_lens=[0])
+    held = int(torch.randint(1, 17, ()))
+    for layer in range(2):
+        cache.append(layer, *_tokens(torch.Generator().manual_seed(held), 1, 1, held, 64))
+    with pytest.raises(SpecError, match=rf"tokens={tokens!r} must be an integer >= 0"):
+        cache.before_replay(tokens)
+    assert cache.num_tokens(0) == cache.num_tokens(1) == [held]
+
+
 CACHE_SPEC = S(4, 2, 64, A(2, "token", 32), A(4, "channel", 16))
 
 
