@@ -145,7 +145,15 @@ def check_page_table(kv_indptr, kv_indices, kv_last_page_len, num_pages: int, pa
 def gather_pages(pool, kv_indptr, kv_indices, seq_lens, page_size: int):
     """The paged cache as contiguous storage: ``[batch, kv_heads, max_tokens, ...]`` with sequence b's
     pages in order (padded with its last page's rows, or page 0 when it has none). For checks and
-    the reference target (host loop: not for the hot path). Returns (contiguous operand, lengths)."""
+    the reference target (host loop: not for the hot path). Returns (contiguous operand, lengths).
+    The table is checked as `PagedDecodeWrapper.plan` checks it (a page index of -1 read the pool's last page)."""
+    if not isinstance(pool, (AffineTensor, torch.Tensor)) or len(pool.shape) != 4:
+        raise InputTypeError(f"pool must be a page pool [num_pages, kv_heads, page_size, head_dim] (an AffineTensor "
+                             f"or a tensor), got {type(pool).__name__} {tuple(getattr(pool, 'shape', ()))}")
+    if pool.shape[2] != page_size:
+        raise InputError(f"pool holds pages of {pool.shape[2]} tokens but page_size={page_size}; pass the pool's "
+                         "page size")
+    check_page_table(kv_indptr, kv_indices, None, pool.shape[0], page_size, seq_lens)
     indptr = kv_indptr.cpu().tolist()
     indices = kv_indices.cpu().tolist()
     batch = len(indptr) - 1
@@ -553,7 +561,7 @@ class PagedDecodeWrapper:
                 raise InputError(f"seq_lens[{b}]={n} but sequence {b} owns {pages} pages of page_size="
                                  f"{self.page_size} tokens and max_seq_len={self.max_seq_len}; pass lengths "
                                  "within both, or plan() a table with more pages")
-        used = self.kv_indices[:max(1, sum(self.table.pages))]
+        used = self.kv_indices[:sum(self.table.pages)]
         k, _ = gather_pages(k_pages, self.kv_indptr, used, lens, self.page_size)
         v, _ = gather_pages(v_pages, self.kv_indptr, used, lens, self.page_size)
         seq = torch.tensor(lens, device=q.device)

@@ -489,7 +489,7 @@ class PagedKVCache:
         out = []
         for name in "kv":
             body, _ = gather_pages(self.pools[layer][name], self.wrapper.kv_indptr,
-                                   self.wrapper.kv_indices[:max(1, sum(self.table.pages))],
+                                   self.wrapper.kv_indices[:sum(self.table.pages)],
                                    self.table.seq_lens, self.page_size)
             body = body.dequantize(torch.float32) if isinstance(body, AffineTensor) else body.float()
             full = torch.zeros(self.batch, self.spec.num_kv_heads, max(1, max(lens)), self.spec.head_dim,

@@ -10,7 +10,8 @@ correctly or refused with a foldc error that names the value:
 - `append_paged` at negative positions (written into another page, or before the pool), and a
   channel-wise group off a group boundary (its rows ran past the page into the next one);
 - non-integer ``seq_lens`` in `PagedDecodeWrapper.plan` (truncated to another length);
-- lengths past a sequence's own pages under target="reference" (read padding copies of its last page).
+- lengths past a sequence's own pages under target="reference" (read padding copies of its last page);
+- `gather_pages` of a page index of -1 (the pool's last page, read as the sequence's).
 
 Fresh random data throughout; Triton's interpreter (CPU, fp16) and the float64 reference.
 """
@@ -193,6 +194,41 @@ def test_plan_refuses_non_integer_seq_lens():
     with pytest.raises(InputError, match=r"seq_lens has 3 entries but kv_indptr describes batch=2"):
         wrapper.plan(*table, num_pages=4, seq_lens=[1, 2, 3])
     assert wrapper.plan(*table, num_pages=4, seq_lens=torch.tensor([20, 17])).seq_lens == (20, 17)
+
+
+@settings(max_examples=8, deadline=None)
+@given(bad=st.sampled_from(["negative page", "page past the pool", "length past its pages", "other page size"]),
+       seed=st.integers(0, 2**31 - 1))
+def test_gather_pages_refuses_a_table_the_wrapper_refuses(bad, seed):
+    """gather_pages took its table unchecked: a page index of -1 read the pool's last page (a wrong cache, silently),
+    one past the pool raised an IndexError from inside torch, and lengths past a sequence's pages or a page size
+    other than the pool's came back as given. Each is refused now, as PagedDecodeWrapper.plan refuses it; a good
+    table gathers each sequence's pages in order."""
+    gen = torch.Generator().manual_seed(seed)
+    batch, num_pages = 3, 12
+    indptr, indices, per = random_table(gen, batch, num_pages)
+    lens = [int(n) for n in (1 + (torch.rand(batch, generator=gen) * (per * PAGE - 1)).long())]
+    k_pages, _ = filled_pools(gen, num_pages)
+    k, got = gather_pages(k_pages, indptr, indices, lens, PAGE)
+    first = indices[int(indptr[1]) - 1]   # sequence 0's last page
+    assert got.tolist() == lens and torch.equal(k.codes[0, :, (int(per[0]) - 1) * PAGE:int(per[0]) * PAGE],
+                                                k_pages.codes[first])
+    table, page_size = [indptr, indices.clone(), lens], PAGE
+    at = int(torch.randint(0, indices.numel(), (1,), generator=gen))
+    if bad == "negative page":
+        table[1][at] = -1
+        match = rf"kv_indices\[{at}\]=-1 points outside the pool of num_pages={num_pages}"
+    elif bad == "page past the pool":
+        table[1][at] = num_pages
+        match = rf"kv_indices\[{at}\]={num_pages} points outside the pool"
+    elif bad == "length past its pages":
+        table[2] = [lens[0], int(per[1]) * PAGE + 1, lens[2]]
+        match = rf"seq_lens\[1\]={int(per[1]) * PAGE + 1} but sequence 1 owns {int(per[1])} pages"
+    else:
+        page_size = PAGE // 2
+        match = rf"pool holds pages of {PAGE} tokens but page_size={PAGE // 2}"
+    with pytest.raises(InputError, match=match):
+        gather_pages(k_pages, *table, page_size)
 
 
 def test_reference_run_refuses_lengths_past_its_own_pages():
