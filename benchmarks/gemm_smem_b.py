@@ -16,12 +16,16 @@ the next field: 0.55-0.67x. Here both wgmma operands come from shared memory, as
 - Chunk i's two wgmmas run asynchronously while chunk i + 1 is dequantized; they are waited just before chunk
   i + 1's are issued. No operand of a wgmma in flight is in registers, so nothing serialises them.
 
-k groups of 64 and up (a chunk's 64 k of a field in one group), fp16 activations and fp16 scales. Not production
-code.
+k groups of 64 and up (a chunk's 64 k of a field in one group), fp16 activations and fp16 scales. `foldc_gemm_ws`
+below does the same work warp-specialized: a worker partition copies and dequantizes, the default partition only
+issues the wgmmas, mbarriers between them. Not production code: both were slower than the template at m >= 256 on
+an H100 (docs/gemm.md, "The large-m template against fp16 cuBLAS").
 
     PYTHONPATH=. python3 benchmarks/gemm_smem_b.py --out $OUT/smem_b       # GPU: check against float64, then time
                                                                            # beside cuBLAS and the template
-    python3 benchmarks/gemm_smem_b.py --aot                                # CPU: sm_90 build, registers, spills
+    PYTHONPATH=. python3 benchmarks/gemm_smem_b.py --ablate --out $OUT/smem_b   # without dequantization / wgmmas
+    PYTHONPATH=. python3 benchmarks/gemm_smem_b.py --ws --out $OUT/ws      # the warp-specialized kernel
+    python3 benchmarks/gemm_smem_b.py --aot                                # CPU: sm_90 builds, registers, spills
 """
 from __future__ import annotations
 
@@ -39,7 +43,7 @@ from triton.experimental import gluon  # noqa: E402
 from triton.experimental.gluon import language as gl  # noqa: E402
 from triton.experimental.gluon.language.nvidia.ampere import async_copy  # noqa: E402
 from triton.experimental.gluon.language.nvidia.hopper import (  # noqa: E402
-    fence_async_shared, warpgroup_mma, warpgroup_mma_wait)
+    fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait)
 
 CB = gl.constexpr(64)   # code bytes of a weight row per chunk (64 k per field)
 
@@ -200,6 +204,155 @@ def foldc_gemm_smem_b(X, stride_x, WC, stride_w, WS, WZ, stride_ws, Y, stride_y,
         gl.store(ptrs, acc.to(Y.dtype.element_ty), mask=ok)
 
 
+# ---- the warp-specialized kernel ---------------------------------------------------------------------------
+
+CW = gl.constexpr(32)   # code bytes of a weight row per chunk (32 k per field)
+
+
+@gluon.constexpr_function
+def ws_dequant_layout(WARPS):
+    # [BLOCK_N rows, 8 words]: two consecutive words (8 k of each field) of a row per thread, 8 rows a warp
+    return gl.BlockedLayout([1, 2], [8, 4], [WARPS, 1], [1, 0])
+
+
+@gluon.jit
+def _ws_dequantize(c_tile, w_tiles, b, params, BLOCK_N: gl.constexpr):
+    """As `_dequantize`, for chunks of CW code bytes of a row."""
+    w = c_tile.load(ws_dequant_layout(gl.num_warps()))
+    s0, z0, s1, z1 = params
+    s0 = gl.broadcast(s0[:, None], w)[0]
+    z0 = gl.broadcast(z0[:, None], w)[0]
+    s1 = gl.broadcast(s1[:, None], w)[0]
+    z1 = gl.broadcast(z1[:, None], w)[0]
+    o0, o1, o2, o3, o4, o5, o6, o7 = gl.inline_asm_elementwise(DEQUANT_ASM, DEQUANT_CONS, [w, s0, z0, s1, z1],
+                                                               dtype=(gl.float16,) * 8, is_pure=True, pack=1)
+    w_tiles.index(2 * b).store(gl.reshape(_join4(o0, o1, o2, o3), [BLOCK_N, CW]))
+    w_tiles.index(2 * b + 1).store(gl.reshape(_join4(o4, o5, o6, o7), [BLOCK_N, CW]))
+
+
+@gluon.jit
+def _ws_params(WS, WZ, p_rows, j, RB: gl.constexpr, GROUP: gl.constexpr):
+    """Chunk j's (scale, zero) of both fields for the rows ``p_rows`` (offsets of their first group), half2 words."""
+    g0 = (j * CW) // GROUP
+    g1 = (RB + j * CW) // GROUP
+    return (_half2(gl.load(WS + p_rows + g0)), _half2(gl.load(WZ + p_rows + g0)),
+            _half2(gl.load(WS + p_rows + g1)), _half2(gl.load(WZ + p_rows + g1)))
+
+
+@gluon.jit
+def _ws_producer(X, stride_x, WC32, stride_w32, WS, WZ, stride_ws, M, N, m0, n0, x_smem, c_smem, w_smem, ready,
+                 w_empty, xc_empty, CONSTS: gl.constexpr):
+    """The worker partition: cp.async of chunk i (the activation's two [BLOCK_M, CW] k ranges and the code words)
+    into ring slot i % NC once the consumer is done with chunk i - NC, and the dequantization of chunk j = i - (NC - 2)
+    into weight buffer j % NW, announced on ``ready``. (A lookahead of NC - 1 would deadlock: the consumer hands
+    chunk i - NC's slot back only after chunk j's wgmmas are issued.)"""
+    K: gl.constexpr = CONSTS[0]
+    GROUP: gl.constexpr = CONSTS[1]
+    BLOCK_M: gl.constexpr = CONSTS[2]
+    BLOCK_N: gl.constexpr = CONSTS[3]
+    NC: gl.constexpr = CONSTS[4]
+    NW: gl.constexpr = CONSTS[5]
+    RB: gl.constexpr = K // 2
+    CHUNKS: gl.constexpr = RB // CW
+    LA: gl.constexpr = NC - 2
+    gl.static_assert(NC >= 3)
+    WARPS: gl.constexpr = gl.num_warps()
+    xl: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [WARPS, 1], [1, 0])
+    cl: gl.constexpr = gl.BlockedLayout([1, 4], [16, 2], [WARPS, 1], [1, 0])
+    r = gl.minimum(m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, xl)), M - 1)
+    x_rows = X + r[:, None] * stride_x + gl.arange(0, CW, layout=gl.SliceLayout(0, xl))[None, :]
+    nc = gl.minimum(n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, cl)), N - 1)
+    c_rows = WC32 + nc[:, None] * stride_w32 + gl.arange(0, CW // 4, layout=gl.SliceLayout(0, cl))[None, :]
+    nd = gl.minimum(n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ws_dequant_layout(WARPS))), N - 1)
+    p_rows = nd * stride_ws
+    params = _ws_params(WS, WZ, p_rows, 0, RB, GROUP)
+    for i in range(CHUNKS + LA):
+        if i < CHUNKS:
+            s = i % NC
+            mbarrier.wait(xc_empty.index(s), ((i // NC) & 1) ^ 1)
+            async_copy.async_copy_global_to_shared(x_smem.index(2 * s), x_rows + i * CW)
+            async_copy.async_copy_global_to_shared(x_smem.index(2 * s + 1), x_rows + (RB + i * CW))
+            async_copy.async_copy_global_to_shared(c_smem.index(s), c_rows + i * (CW // 4))
+        async_copy.commit_group()
+        if i >= LA:
+            j = i - LA
+            b = j % NW
+            async_copy.wait_group(LA)        # chunk j is here (this thread's copies)
+            gl.thread_barrier()              # (every producer thread's)
+            mbarrier.wait(w_empty.index(b), ((j // NW) & 1) ^ 1)
+            _ws_dequantize(c_smem.index(j % NC), w_smem, b, params, BLOCK_N)
+            params = _ws_params(WS, WZ, p_rows, gl.minimum(j + 1, CHUNKS - 1), RB, GROUP)   # one chunk ahead
+            fence_async_shared()
+            gl.thread_barrier()
+            mbarrier.arrive(ready.index(b), count=1)
+
+
+@gluon.jit
+def _ws_consumer(Y, stride_y, M, N, m0, n0, x_smem, w_smem, ready, w_empty, xc_empty, CONSTS: gl.constexpr):
+    """The default partition: chunk j's two wgmmas once ``ready``, chunk j - 1's buffers handed back once its
+    wgmmas are done; then y's tile."""
+    K: gl.constexpr = CONSTS[0]
+    BLOCK_M: gl.constexpr = CONSTS[2]
+    BLOCK_N: gl.constexpr = CONSTS[3]
+    NC: gl.constexpr = CONSTS[4]
+    NW: gl.constexpr = CONSTS[5]
+    CHUNKS: gl.constexpr = K // 2 // CW
+    acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[gl.num_warps(), 1],
+                                                    instr_shape=[16, BLOCK_N, 16])
+    acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=acc_l)
+    for j in range(CHUNKS):
+        s = j % NC
+        b = j % NW
+        mbarrier.wait(ready.index(b), (j // NW) & 1)
+        acc = warpgroup_mma(x_smem.index(2 * s), w_smem.index(2 * b).permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma(x_smem.index(2 * s + 1), w_smem.index(2 * b + 1).permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=2, deps=(acc,))    # chunk j - 1's are done (this warpgroup's)
+        gl.thread_barrier()                                         # (both warpgroups')
+        if j > 0:
+            mbarrier.arrive(xc_empty.index((j - 1) % NC), count=1)
+            mbarrier.arrive(w_empty.index((j - 1) % NW), count=1)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    m = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_l))
+    n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_l))
+    ok = (m < M)[:, None] & (n < N)[None, :]
+    gl.store(Y + m[:, None] * stride_y + n[None, :], acc.to(Y.dtype.element_ty), mask=ok)
+
+
+@gluon.jit
+def foldc_gemm_ws(X, stride_x, WC, stride_w, WS, WZ, stride_ws, Y, stride_y, M, N, K: gl.constexpr,
+                  GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NC: gl.constexpr,
+                  NW: gl.constexpr, PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+    """`foldc_gemm_smem_b`'s product with the copies and the dequantization in a worker partition of
+    PRODUCER_WARPS warps and the wgmmas in the default one (BLOCK_M // 16 warps): an NC-slot ring of activation and
+    code tiles, NW dequantized weight buffers, mbarriers between the two."""
+    x_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, CW], gl.float16)
+    w_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, CW], gl.float16)
+    c_sl: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
+    gl.static_assert(K // 2 // CW >= NC)
+    pid = gl.program_id(0)
+    tiles_m = gl.cdiv(M, BLOCK_M)
+    m0 = (pid % tiles_m) * BLOCK_M
+    n0 = (pid // tiles_m) * BLOCK_N
+    x_smem = gl.allocate_shared_memory(gl.float16, [2 * NC, BLOCK_M, CW], x_sl)
+    c_smem = gl.allocate_shared_memory(gl.int32, [NC, BLOCK_N, CW // 4], c_sl)
+    w_smem = gl.allocate_shared_memory(gl.float16, [2 * NW, BLOCK_N, CW], w_sl)
+    ready = gl.allocate_shared_memory(gl.int64, [NW, 1], mbarrier.MBarrierLayout())
+    w_empty = gl.allocate_shared_memory(gl.int64, [NW, 1], mbarrier.MBarrierLayout())
+    xc_empty = gl.allocate_shared_memory(gl.int64, [NC, 1], mbarrier.MBarrierLayout())
+    for k in gl.static_range(NW):
+        mbarrier.init(ready.index(k), count=1)
+        mbarrier.init(w_empty.index(k), count=1)
+    for k in gl.static_range(NC):
+        mbarrier.init(xc_empty.index(k), count=1)
+    CONSTS: gl.constexpr = (K, GROUP, BLOCK_M, BLOCK_N, NC, NW)
+    gl.warp_specialize([(_ws_consumer, (Y, stride_y, M, N, m0, n0, x_smem, w_smem, ready, w_empty, xc_empty,
+                                         CONSTS)),
+                              (_ws_producer, (X, stride_x, WC.to(gl.pointer_type(gl.int32), bitcast=True),
+                                              stride_w // 4, WS, WZ, stride_ws, M, N, m0, n0, x_smem, c_smem, w_smem,
+                                              ready, w_empty, xc_empty, CONSTS))],
+                       [PRODUCER_WARPS], [PRODUCER_REGS])
+
+
 # ---- launch, check and time (GPU) ------------------------------------------------------------------------
 
 def refusal(k: int, n: int, group: int, block_m: int, block_n: int, stages: int, split: int = 1) -> str | None:
@@ -233,6 +386,40 @@ def launch(x, codes, scale, zero, group: int, block_m: int = 128, block_n: int =
     return y.to(x.dtype) if split > 1 else y
 
 
+def refusal_ws(k: int, n: int, group: int, block_m: int, block_n: int, nc: int, nw: int, pw: int) -> str | None:
+    """Why the warp-specialized kernel does not take this call (None: it does)."""
+    rb, cw = k // 2, CW.value
+    if rb % cw or group % cw or rb % group:
+        return f"k={k}, group {group}: 32-byte chunks of a row per field must lie in one group, groups in one field"
+    if rb // cw < nc:
+        return f"k={k}: fewer chunks than ring slots"
+    if block_m not in (64, 128) or block_n not in (128, 256) or nc < 3:
+        return f"block_m={block_m}, block_n={block_n}, nc={nc}"
+    if pw not in PRODUCER_REGS or (pw == 8 and block_m * block_n > 128 * 128):
+        return f"{pw} producer warps: ptxas caps every thread at 65536 / threads registers (the accumulator)"
+    return None
+
+
+PRODUCER_REGS = {4: 128, 8: 80}   # the worker partition's registers by its warps (the default partition: the rest)
+
+
+def launch_ws(x, codes, scale, zero, group: int, block_m: int = 128, block_n: int = 256, nc: int = 4, nw: int = 2,
+              pw: int = 4):
+    """`launch` through the warp-specialized kernel (ring slots nc, weight buffers nw, pw producer warps)."""
+    import torch
+    m, k = x.shape
+    n = codes.shape[0]
+    why = refusal_ws(k, n, group, block_m, block_n, nc, nw, pw)
+    if why:
+        raise ValueError(why)
+    y = torch.empty(m, n, device=x.device, dtype=x.dtype)
+    grid = (-(-m // block_m) * -(-n // block_n),)
+    foldc_gemm_ws[grid](x, x.stride(0), codes, codes.stride(0), scale, zero, scale.stride(0), y, y.stride(0), m, n,
+                        K=k, GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, NC=nc, NW=nw, PRODUCER_WARPS=pw,
+                        PRODUCER_REGS=PRODUCER_REGS[pw], num_warps=block_m // 16)
+    return y
+
+
 def rel(a, b) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm())
 
@@ -240,10 +427,14 @@ def rel(a, b) -> float:
 # block_m, block_n, stages, split: (128, 64, 2) and (64, 64, 2) fit two and three programs an SM
 VARIANTS = [(128, 128, 3, 1), (128, 64, 4, 1), (128, 64, 2, 1), (64, 64, 2, 1), (64, 128, 3, 1), (128, 64, 2, 2),
             (128, 128, 3, 2), (128, 64, 2, 4)]
+WS_VARIANTS = [(128, 256, 6, 2, 4), (128, 128, 6, 2, 4), (128, 128, 6, 2, 8), (128, 128, 8, 3, 8),
+               (64, 128, 8, 2, 8)]   # block_m, block_n, nc, nw, producer warps
+KERNELS = {"smem_b": (launch, refusal, VARIANTS), "ws": (launch_ws, refusal_ws, WS_VARIANTS)}
 
 
-def check(seed: int, log) -> list:
+def check(seed: int, log, kernel: str = "smem_b") -> list:
     """Each variant against float64 dequantize-then-matmul, beside torch's own fp16 (bar: 2x its error)."""
+    run, why, variants = KERNELS[kernel]
     import torch
 
     from foldc.gemm import parse_gemm_encoding
@@ -261,15 +452,15 @@ def check(seed: int, log) -> list:
                 x = torch.randn(m, k, generator=gen).to("cuda", torch.float16)
                 ref = x.double() @ wd.T
                 bar = rel(x @ wd.half().T, ref)
-                for bm, bn, stages, split in VARIANTS:
-                    if refusal(k, n, e.group_size, bm, bn, stages, split):
+                for v in variants:
+                    if why(k, n, e.group_size, *v):
                         continue
-                    errs = [rel(launch(x, codes, sc, zr, e.group_size, bm, bn, stages, split), ref) for _ in range(2)]
+                    errs = [rel(run(x, codes, sc, zr, e.group_size, *v), ref) for _ in range(2)]
                     ok = max(errs) <= 2 * bar + 1e-6
-                    rows.append(dict(enc=enc, n=n, k=k, m=m, block_m=bm, block_n=bn, stages=stages, split=split,
-                                     err=max(errs), torch_err=bar, ok=ok))
-                    log(f"{enc} {n}x{k} m={m:3d} {bm}x{bn} s{stages} split {split}: err {max(errs):.2e} "
-                        f"torch {bar:.2e} {'ok' if ok else 'FAIL'}")
+                    rows.append(dict(kernel=kernel, enc=enc, n=n, k=k, m=m, variant=v, err=max(errs), torch_err=bar,
+                                     ok=ok))
+                    log(f"{kernel} {enc} {n}x{k} m={m:3d} {v}: err {max(errs):.2e} torch {bar:.2e} "
+                        f"{'ok' if ok else 'FAIL'}")
     return rows
 
 
@@ -277,7 +468,7 @@ TIMED = [(4096, 4096), (14336, 4096), (4096, 14336), (28672, 8192)]
 TIMED_ROWS = [128, 256, 512]
 
 
-def timing(log) -> list:
+def timing(log, kernel: str = "smem_b") -> list:
     """do_bench (L2 flushed) of fp16 cuBLAS on the dequantized weight, foldc's default (the Triton template), and
     the variants here, fp16 activations, INT4 g128."""
     import torch
@@ -287,6 +478,7 @@ def timing(log) -> list:
     from foldc.gemm import GemmSpec, parse_gemm_encoding
     from foldc.gemm.reference import quantize_2d
 
+    run, why, variants = KERNELS[kernel]
     rows = []
     e = parse_gemm_encoding("k-group:4:128", "weight")
     for n, k in TIMED:
@@ -301,22 +493,22 @@ def timing(log) -> list:
             row = dict(n=n, k=k, m=m, cublas_us=do_bench(lambda: x @ w16.T) * 1e3, cublas_err=rel(x @ w16.T, ref),
                        template_us=do_bench(lambda: kern(x, w)) * 1e3, template_err=rel(kern(x, w), ref),
                        variants=[])
-            for bm, bn, stages, split in VARIANTS:
-                if refusal(k, n, 128, bm, bn, stages, split):
+            for v in variants:
+                if why(k, n, 128, *v):
                     continue
                 try:
-                    err = rel(launch(x, codes, sc, zr, 128, bm, bn, stages, split), ref)
-                    us = do_bench(lambda: launch(x, codes, sc, zr, 128, bm, bn, stages, split)) * 1e3
-                    row["variants"].append([bm, bn, stages, split, round(us, 2), err])
+                    err = rel(run(x, codes, sc, zr, 128, *v), ref)
+                    us = do_bench(lambda: run(x, codes, sc, zr, 128, *v)) * 1e3
+                    row["variants"].append([*v, round(us, 2), err])
                 except Exception as ex:  # noqa: BLE001 - a variant that does not build is a result
-                    row["variants"].append([bm, bn, stages, split, f"{type(ex).__name__}: {str(ex)[:160]}", None])
-            ok = [v for v in row["variants"] if isinstance(v[4], float) and v[5] <= 2 * row["cublas_err"] + 1e-6]
-            best = min(ok, key=lambda v: v[4]) if ok else None
+                    row["variants"].append([*v, f"{type(ex).__name__}: {str(ex)[:160]}", None])
+            ok = [v for v in row["variants"] if isinstance(v[-2], float) and v[-1] <= 2 * row["cublas_err"] + 1e-6]
+            best = min(ok, key=lambda v: v[-2]) if ok else None
             row["best"] = best
             log(f"INT4 g128 {n}x{k} m={m}: cuBLAS {row['cublas_us']:.1f} template {row['template_us']:.1f} "
-                + (f"smem-B {best[4]:.1f} {best[:4]} => x{row['cublas_us'] / best[4]:.2f} cuBLAS, "
-                   f"x{row['template_us'] / best[4]:.2f} template" if best else "smem-B: none ok")
-                + " | " + " ".join(f"{v[:4]}:{v[4]}" for v in row["variants"]))
+                + (f"{kernel} {best[-2]:.1f} {best[:-2]} => x{row['cublas_us'] / best[-2]:.2f} cuBLAS, "
+                   f"x{row['template_us'] / best[-2]:.2f} template" if best else f"{kernel}: none ok")
+                + " | " + " ".join(f"{v[:-2]}:{v[-2]}" for v in row["variants"]))
             rows.append(row)
     return rows
 
@@ -382,6 +574,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=int(time.time()) % 100000)
     ap.add_argument("--check-only", action="store_true")
     ap.add_argument("--ablate", action="store_true", help="time the kernel without its dequantization or wgmmas")
+    ap.add_argument("--ws", action="store_true", help="check and time the warp-specialized kernel instead")
     a = ap.parse_args()
     if a.aot:
         rows = [aot(8192, *v, Path(a.out) if a.out else None) for v in VARIANTS]
@@ -400,13 +593,14 @@ def main() -> None:
     if a.ablate:
         (out / "smem_b_ablation.json").write_text(json.dumps(ablation(log), indent=1))
         return
-    result = {"seed": a.seed, "checks": check(a.seed, log)}
+    kernel = "ws" if a.ws else "smem_b"
+    result = {"seed": a.seed, "checks": check(a.seed, log, kernel)}
     bad = [r for r in result["checks"] if not r["ok"]]
     log(f"checks: {len(result['checks']) - len(bad)}/{len(result['checks'])} within the bar")
     if not a.check_only:
-        result["times"] = timing(log)
-    (out / "smem_b.json").write_text(json.dumps(result, indent=1, default=str))
-    (out / "smem_b.txt").write_text("\n".join(lines) + "\n")
+        result["times"] = timing(log, kernel)
+    (out / f"{kernel}.json").write_text(json.dumps(result, indent=1, default=str))
+    (out / f"{kernel}.txt").write_text("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":
