@@ -97,14 +97,20 @@ def _half2(v):
 
 
 @gluon.jit
-def _params(WS, WZ, stride_ws, n0, N, j0, RB: gl.constexpr, GROUP: gl.constexpr, BLOCK_N: gl.constexpr):
-    """The (scale, zero) of both fields at code byte j0 for each weight row, as half2 words [BLOCK_N]."""
+def _params(WS, WZ, stride_ws, n0, N, j0, RB: gl.constexpr, GROUP: gl.constexpr, BLOCK_N: gl.constexpr,
+            PARAMS_T: gl.constexpr):
+    """The (scale, zero) of both fields at code byte j0 for each weight row, as half2 words [BLOCK_N]; PARAMS_T:
+    the scales and zeros stored transposed, [k groups, n] (a chunk's rows one run of memory, not one line each)."""
     n = gl.minimum(n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, dequant_layout(gl.num_warps()))), N - 1)
     g0 = j0 // GROUP
     g1 = (RB + j0) // GROUP
-    row = n * stride_ws
-    return (_half2(gl.load(WS + row + g0)), _half2(gl.load(WZ + row + g0)),
-            _half2(gl.load(WS + row + g1)), _half2(gl.load(WZ + row + g1)))
+    if PARAMS_T:
+        a0 = g0 * stride_ws + n
+        a1 = g1 * stride_ws + n
+    else:
+        a0 = n * stride_ws + g0
+        a1 = n * stride_ws + g1
+    return (_half2(gl.load(WS + a0)), _half2(gl.load(WZ + a0)), _half2(gl.load(WS + a1)), _half2(gl.load(WZ + a1)))
 
 
 @gluon.jit
@@ -131,7 +137,8 @@ def _dequantize(c_tile, w_tiles, b, params, BLOCK_N: gl.constexpr):
 @gluon.jit
 def foldc_gemm_smem_b(X, stride_x, WC, stride_w, WS, WZ, stride_ws, Y, stride_y, M, N,
                       K: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                      STAGES: gl.constexpr, SPLIT: gl.constexpr, ABLATE: gl.constexpr = 0):
+                      STAGES: gl.constexpr, SPLIT: gl.constexpr, ABLATE: gl.constexpr = 0,
+                      PARAMS_T: gl.constexpr = False):
     """y[m, n] = sum_k x[m, k] (s[n, g] code[n, k] + z[n, g]) for a 4-bit k-group weight; one [BLOCK_M, BLOCK_N]
     tile of y per program (SPLIT > 1: each split's share of k added into float32 y), weight-row tiles outer so that
     a weight tile's programs run side by side; BLOCK_M // 16 warps."""
@@ -157,11 +164,11 @@ def foldc_gemm_smem_b(X, stride_x, WC, stride_w, WS, WZ, stride_ws, Y, stride_y,
 
     for pre in gl.static_range(STAGES - 1):
         _issue(pre, x_smem, c_smem, X, stride_x, WC32, stride_w32, m0, n0, M, N, j_first, RB, BLOCK_M, BLOCK_N, STAGES)
-    params = _params(WS, WZ, stride_ws, n0, N, j_first, RB, GROUP, BLOCK_N)
+    params = _params(WS, WZ, stride_ws, n0, N, j_first, RB, GROUP, BLOCK_N, PARAMS_T)
     async_copy.wait_group(STAGES - 2)
     gl.thread_barrier()
     _dequantize(c_smem.index(0), w_smem, 0, params, BLOCK_N)
-    params = _params(WS, WZ, stride_ws, n0, N, j_first + CB, RB, GROUP, BLOCK_N)
+    params = _params(WS, WZ, stride_ws, n0, N, j_first + CB, RB, GROUP, BLOCK_N, PARAMS_T)
     fence_async_shared()
     gl.thread_barrier()
     acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=acc_l)
@@ -182,7 +189,7 @@ def foldc_gemm_smem_b(X, stride_x, WC, stride_w, WS, WZ, stride_ws, Y, stride_y,
         if ABLATE % 2 == 0:   # ABLATE 1 and 3 (`--ablate`): no dequantization
             _dequantize(c_smem.index((i + 1) % STAGES), w_smem, nb, params, BLOCK_N)
         if i + 2 < CHUNKS:
-            params = _params(WS, WZ, stride_ws, n0, N, j_first + (i + 2) * CB, RB, GROUP, BLOCK_N)
+            params = _params(WS, WZ, stride_ws, n0, N, j_first + (i + 2) * CB, RB, GROUP, BLOCK_N, PARAMS_T)
         fence_async_shared()
         gl.thread_barrier()
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
@@ -368,7 +375,7 @@ def refusal(k: int, n: int, group: int, block_m: int, block_n: int, stages: int,
 
 
 def launch(x, codes, scale, zero, group: int, block_m: int = 128, block_n: int = 128, stages: int = 3, split: int = 1,
-           ablate: int = 0):
+           ablate: int = 0, params_t: bool = False):
     """y = x @ w.T for a foldc k-group:4 weight (codes [n, K/2] bytes, scale and zero [n, K/group] fp16); split > 1
     adds each split's share into a zeroed float32 y and casts it (both timed with the kernel)."""
     import torch
@@ -382,7 +389,7 @@ def launch(x, codes, scale, zero, group: int, block_m: int = 128, block_n: int =
     grid = (-(-m // block_m) * -(-n // block_n), split)
     foldc_gemm_smem_b[grid](x, x.stride(0), codes, codes.stride(0), scale, zero, scale.stride(0), y, y.stride(0), m, n,
                             K=k, GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, SPLIT=split,
-                            ABLATE=ablate, num_warps=block_m // 16)
+                            ABLATE=ablate, PARAMS_T=params_t, num_warps=block_m // 16)
     return y.to(x.dtype) if split > 1 else y
 
 
@@ -429,12 +436,24 @@ VARIANTS = [(128, 128, 3, 1), (128, 64, 4, 1), (128, 64, 2, 1), (64, 64, 2, 1), 
             (128, 128, 3, 2), (128, 64, 2, 4)]
 WS_VARIANTS = [(128, 256, 6, 2, 4), (128, 128, 6, 2, 4), (128, 128, 6, 2, 8), (128, 128, 8, 3, 8),
                (64, 128, 8, 2, 8)]   # block_m, block_n, nc, nw, producer warps
-KERNELS = {"smem_b": (launch, refusal, VARIANTS), "ws": (launch_ws, refusal_ws, WS_VARIANTS)}
+def launch_t(x, codes, scale_t, zero_t, group: int, *variant):
+    """`launch` with the scales and zeros transposed, [k groups, n] (`transposed`)."""
+    return launch(x, codes, scale_t, zero_t, group, *variant, 0, True)
+
+
+def transposed(scale, zero):
+    return scale.t().contiguous(), zero.t().contiguous()
+
+
+# name: (launch, refusal, variants, the scales and zeros as the launch takes them)
+KERNELS = {"smem_b": (launch, refusal, VARIANTS, lambda s, z: (s, z)),
+           "smem_b_t": (launch_t, refusal, VARIANTS, transposed),
+           "ws": (launch_ws, refusal_ws, WS_VARIANTS, lambda s, z: (s, z))}
 
 
 def check(seed: int, log, kernel: str = "smem_b") -> list:
     """Each variant against float64 dequantize-then-matmul, beside torch's own fp16 (bar: 2x its error)."""
-    run, why, variants = KERNELS[kernel]
+    run, why, variants, prepare = KERNELS[kernel]
     import torch
 
     from foldc.gemm import parse_gemm_encoding
@@ -446,7 +465,7 @@ def check(seed: int, log, kernel: str = "smem_b") -> list:
         e = parse_gemm_encoding(enc, "weight")
         for n, k in ((1000, 2048), (384, 4096)):
             w = quantize_2d((torch.randn(n, k, generator=gen) * 0.05).cuda(), e)
-            codes, sc, zr = w.codes[0, 0], w.scale[0, 0], w.zero[0, 0]
+            codes, (sc, zr) = w.codes[0, 0], prepare(w.scale[0, 0], w.zero[0, 0])
             wd = w.dequantize(torch.float64)[0, 0]
             for m in (17, 128, 300):
                 x = torch.randn(m, k, generator=gen).to("cuda", torch.float16)
@@ -478,13 +497,13 @@ def timing(log, kernel: str = "smem_b") -> list:
     from foldc.gemm import GemmSpec, parse_gemm_encoding
     from foldc.gemm.reference import quantize_2d
 
-    run, why, variants = KERNELS[kernel]
+    run, why, variants, prepare = KERNELS[kernel]
     rows = []
     e = parse_gemm_encoding("k-group:4:128", "weight")
     for n, k in TIMED:
         w = quantize_2d((torch.randn(n, k) * 0.05).cuda(), e)
         w16 = w.dequantize(torch.float16)[0, 0].contiguous()
-        codes, sc, zr = w.codes[0, 0], w.scale[0, 0], w.zero[0, 0]
+        codes, (sc, zr) = w.codes[0, 0], prepare(w.scale[0, 0], w.zero[0, 0])
         kern = foldc.compile(GemmSpec(n, k, e), target="auto")
         wd = w.dequantize(torch.float64)[0, 0]
         for m in TIMED_ROWS:
@@ -575,6 +594,9 @@ def main() -> None:
     ap.add_argument("--check-only", action="store_true")
     ap.add_argument("--ablate", action="store_true", help="time the kernel without its dequantization or wgmmas")
     ap.add_argument("--ws", action="store_true", help="check and time the warp-specialized kernel instead")
+    ap.add_argument("--params-t", action="store_true", help="... the kernel with its scales and zeros transposed")
+    ap.add_argument("--one", nargs="+", type=int, metavar="N K M VARIANT",
+                    help="launch one variant once at n x k, m rows (Nsight Compute); --ws: the warp-specialized")
     a = ap.parse_args()
     if a.aot:
         rows = [aot(8192, *v, Path(a.out) if a.out else None) for v in VARIANTS]
@@ -582,6 +604,16 @@ def main() -> None:
             print(json.dumps(r))
         return
     import torch
+    if a.one:
+        from foldc.gemm import parse_gemm_encoding
+        from foldc.gemm.reference import quantize_2d
+        n, k, m, *variant = a.one
+        w = quantize_2d((torch.randn(n, k) * 0.05).cuda(), parse_gemm_encoding("k-group:4:128", "weight"))
+        x = torch.randn(m, k, device="cuda", dtype=torch.float16)
+        run = KERNELS["ws" if a.ws else "smem_b"][0]
+        run(x, w.codes[0, 0], w.scale[0, 0], w.zero[0, 0], 128, *variant)
+        torch.cuda.synchronize()
+        return
     out = Path(a.out or "results/smem_b")
     out.mkdir(parents=True, exist_ok=True)
     lines = []
@@ -593,7 +625,7 @@ def main() -> None:
     if a.ablate:
         (out / "smem_b_ablation.json").write_text(json.dumps(ablation(log), indent=1))
         return
-    kernel = "ws" if a.ws else "smem_b"
+    kernel = "ws" if a.ws else "smem_b_t" if a.params_t else "smem_b"
     result = {"seed": a.seed, "checks": check(a.seed, log, kernel)}
     bad = [r for r in result["checks"] if not r["ok"]]
     log(f"checks: {len(result['checks']) - len(bad)}/{len(result['checks'])} within the bar")
