@@ -65,9 +65,9 @@ DEQUANT_CONS = gl.constexpr(",".join(["=h"] * 8 + ["r"] * 5))
 
 
 @gluon.constexpr_function
-def dequant_layout(WARPS):
-    # [BLOCK_N rows, 16 words]: two consecutive words (8 k of each field) of a row per thread, 4 rows a warp
-    return gl.BlockedLayout([1, 2], [4, 8], [WARPS, 1], [1, 0])
+def dequant_layout(WARPS, WORDS=16):
+    # [BLOCK_N rows, WORDS words]: two consecutive words (8 k of each field) of a row per thread
+    return gl.BlockedLayout([1, 2], [64 // int(WORDS), int(WORDS) // 2], [WARPS, 1], [1, 0])
 
 
 @gluon.jit
@@ -120,9 +120,10 @@ def _join4(x0, x1, x2, x3):
 
 
 @gluon.jit
-def _dequantize(c_tile, w_tiles, b, params, BLOCK_N: gl.constexpr):
-    """The code words of one chunk -> the two fields' fp16 weight tiles [BLOCK_N, 64] in buffer b."""
-    w = c_tile.load(dequant_layout(gl.num_warps()))
+def _dequantize(c_tile, w_tiles, b, params, BLOCK_N: gl.constexpr, WIDTH: gl.constexpr = CB):
+    """The code words of one chunk (WIDTH bytes of each row) -> the two fields' fp16 weight tiles [BLOCK_N, WIDTH]
+    in buffer b."""
+    w = c_tile.load(dequant_layout(gl.num_warps(), WIDTH // 4))
     s0, z0, s1, z1 = params
     s0 = gl.broadcast(s0[:, None], w)[0]
     z0 = gl.broadcast(z0[:, None], w)[0]
@@ -130,8 +131,8 @@ def _dequantize(c_tile, w_tiles, b, params, BLOCK_N: gl.constexpr):
     z1 = gl.broadcast(z1[:, None], w)[0]
     o0, o1, o2, o3, o4, o5, o6, o7 = gl.inline_asm_elementwise(DEQUANT_ASM, DEQUANT_CONS, [w, s0, z0, s1, z1],
                                                                dtype=(gl.float16,) * 8, is_pure=True, pack=1)
-    w_tiles.index(2 * b).store(gl.reshape(_join4(o0, o1, o2, o3), [BLOCK_N, CB]))
-    w_tiles.index(2 * b + 1).store(gl.reshape(_join4(o4, o5, o6, o7), [BLOCK_N, CB]))
+    w_tiles.index(2 * b).store(gl.reshape(_join4(o0, o1, o2, o3), [BLOCK_N, WIDTH]))
+    w_tiles.index(2 * b + 1).store(gl.reshape(_join4(o4, o5, o6, o7), [BLOCK_N, WIDTH]))
 
 
 @gluon.jit
@@ -216,27 +217,6 @@ def foldc_gemm_smem_b(X, stride_x, WC, stride_w, WS, WZ, stride_ws, Y, stride_y,
 CW = gl.constexpr(32)   # code bytes of a weight row per chunk (32 k per field)
 
 
-@gluon.constexpr_function
-def ws_dequant_layout(WARPS):
-    # [BLOCK_N rows, 8 words]: two consecutive words (8 k of each field) of a row per thread, 8 rows a warp
-    return gl.BlockedLayout([1, 2], [8, 4], [WARPS, 1], [1, 0])
-
-
-@gluon.jit
-def _ws_dequantize(c_tile, w_tiles, b, params, BLOCK_N: gl.constexpr):
-    """As `_dequantize`, for chunks of CW code bytes of a row."""
-    w = c_tile.load(ws_dequant_layout(gl.num_warps()))
-    s0, z0, s1, z1 = params
-    s0 = gl.broadcast(s0[:, None], w)[0]
-    z0 = gl.broadcast(z0[:, None], w)[0]
-    s1 = gl.broadcast(s1[:, None], w)[0]
-    z1 = gl.broadcast(z1[:, None], w)[0]
-    o0, o1, o2, o3, o4, o5, o6, o7 = gl.inline_asm_elementwise(DEQUANT_ASM, DEQUANT_CONS, [w, s0, z0, s1, z1],
-                                                               dtype=(gl.float16,) * 8, is_pure=True, pack=1)
-    w_tiles.index(2 * b).store(gl.reshape(_join4(o0, o1, o2, o3), [BLOCK_N, CW]))
-    w_tiles.index(2 * b + 1).store(gl.reshape(_join4(o4, o5, o6, o7), [BLOCK_N, CW]))
-
-
 @gluon.jit
 def _ws_params(WS, WZ, p_rows, j, RB: gl.constexpr, GROUP: gl.constexpr):
     """Chunk j's (scale, zero) of both fields for the rows ``p_rows`` (offsets of their first group), half2 words."""
@@ -270,7 +250,7 @@ def _ws_producer(X, stride_x, WC32, stride_w32, WS, WZ, stride_ws, M, N, m0, n0,
     x_rows = X + r[:, None] * stride_x + gl.arange(0, CW, layout=gl.SliceLayout(0, xl))[None, :]
     nc = gl.minimum(n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, cl)), N - 1)
     c_rows = WC32 + nc[:, None] * stride_w32 + gl.arange(0, CW // 4, layout=gl.SliceLayout(0, cl))[None, :]
-    nd = gl.minimum(n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ws_dequant_layout(WARPS))), N - 1)
+    nd = gl.minimum(n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, dequant_layout(WARPS, CW // 4))), N - 1)
     p_rows = nd * stride_ws
     params = _ws_params(WS, WZ, p_rows, 0, RB, GROUP)
     for i in range(CHUNKS + LA):
@@ -287,7 +267,7 @@ def _ws_producer(X, stride_x, WC32, stride_w32, WS, WZ, stride_ws, M, N, m0, n0,
             async_copy.wait_group(LA)        # chunk j is here (this thread's copies)
             gl.thread_barrier()              # (every producer thread's)
             mbarrier.wait(w_empty.index(b), ((j // NW) & 1) ^ 1)
-            _ws_dequantize(c_smem.index(j % NC), w_smem, b, params, BLOCK_N)
+            _dequantize(c_smem.index(j % NC), w_smem, b, params, BLOCK_N, CW)
             params = _ws_params(WS, WZ, p_rows, gl.minimum(j + 1, CHUNKS - 1), RB, GROUP)   # one chunk ahead
             fence_async_shared()
             gl.thread_barrier()

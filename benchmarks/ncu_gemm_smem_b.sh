@@ -7,20 +7,18 @@ set -u
 R=${OUT:-/tmp/ncu_gemm_smem_b}/ncu
 mkdir -p "$R"
 export PYTHONPATH=.
+. "$(dirname "$0")/ncu_case.sh"
 CASES=("28672 8192 256 128 128 3 1" "4096 4096 256 128 64 4 1" "ws 28672 8192 256 128 256 6 2 4")
 [ $# -gt 0 ] && CASES=("$@")
+HEAD="Duration|Issue Slots Busy|No Eligible|Warp Cycles Per Issued|Registers Per|Achieved Occupancy|L2 Hit"
+HEAD="$HEAD|Memory Throughput|Compute \(SM\) Throughput"
 for c in "${CASES[@]}"; do
-  tag=$(echo "$c" | tr ' ' '_')
-  set -- $c
-  if [ "$1" = ws ]; then shift; args="--ws --one $*"; kern=foldc_gemm_ws; else args="--one $*"; kern=foldc_gemm_smem_b; fi
-  timeout 120 ncu --clock-control none -k regex:$kern -c 1 --set full --import-source no -o "$R/$tag" \
-      python3 benchmarks/gemm_smem_b.py $args > "$R/$tag.log" 2>&1
-  ncu --import "$R/$tag.ncu-rep" --page source --csv --print-source sass > "$R/${tag}_sass.csv" 2>/dev/null
-  ncu --import "$R/$tag.ncu-rep" --page details > "$R/${tag}_details.txt" 2>&1
-  python3 benchmarks/ncu_stalls.py "$R/${tag}_sass.csv" > "$R/${tag}_stalls.txt" 2>&1
-  gzip -f "$R/${tag}_sass.csv"
-  rm -f "$R/$tag.ncu-rep"
   echo "== $c"
-  head -n 16 "$R/${tag}_stalls.txt"
-  grep -E "Duration|Issue Slots Busy|No Eligible|Warp Cycles Per Issued|Registers Per|Achieved Occupancy|L2 Hit|Memory Throughput|Compute \(SM\) Throughput|Bank Conflicts" "$R/${tag}_details.txt" | head -n 16
+  set -- $c
+  if [ "$1" = ws ]; then
+    shift
+    ncu_case "$R" "ws_$(echo "$*" | tr ' ' '_')" foldc_gemm_ws "$HEAD" python3 benchmarks/gemm_smem_b.py --ws --one "$@"
+  else
+    ncu_case "$R" "$(echo "$*" | tr ' ' '_')" foldc_gemm_smem_b "$HEAD" python3 benchmarks/gemm_smem_b.py --one "$@"
+  fi
 done

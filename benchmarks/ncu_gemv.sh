@@ -7,18 +7,12 @@ set -u
 R=${OUT:-/tmp/ncu_gemv}/ncu
 mkdir -p "$R"
 export PYTHONPATH=.
+. "$(dirname "$0")/ncu_case.sh"
 CASES=("k-group:4:128 28672 8192 1" "k-group:2:128 28672 8192 1" "k-group:4:128 28672 8192 16")
 [ $# -gt 0 ] && CASES=("$@")
+HEAD="DRAM Throughput|Duration|Issue Slots Busy|No Eligible|Warp Cycles Per Issued|Registers Per|Achieved Occupancy"
+HEAD="$HEAD|Theoretical Occupancy|L1/TEX Hit|L2 Hit"
 for c in "${CASES[@]}"; do
-  tag=$(echo "$c" | tr ' :' '__')
-  timeout 100 ncu --clock-control none -k regex:foldc_gemv -c 1 --set full --import-source no -o "$R/$tag" \
-      python3 benchmarks/gemv_one.py $c > "$R/$tag.log" 2>&1
-  ncu --import "$R/$tag.ncu-rep" --page source --csv --print-source sass > "$R/${tag}_sass.csv" 2>/dev/null
-  ncu --import "$R/$tag.ncu-rep" --page details > "$R/${tag}_details.txt" 2>&1
-  python3 benchmarks/ncu_stalls.py "$R/${tag}_sass.csv" > "$R/${tag}_stalls.txt" 2>&1
-  gzip -f "$R/${tag}_sass.csv"
-  rm -f "$R/$tag.ncu-rep"
   echo "== $c"
-  head -n 14 "$R/${tag}_stalls.txt"
-  grep -E "DRAM Throughput|Duration|Issue Slots Busy|No Eligible|Warp Cycles Per Issued|Registers Per|Achieved Occupancy|Theoretical Occupancy|L1/TEX Hit|L2 Hit" "$R/${tag}_details.txt" | head -n 14
+  ncu_case "$R" "$(echo "$c" | tr ' :' '__')" foldc_gemv "$HEAD" python3 benchmarks/gemv_one.py $c
 done
