@@ -116,6 +116,25 @@ def _check_op_bias(bias: torch.Tensor | None, out_features: int) -> None:
                          f"[{out_features}] tensor (out_features={out_features}) or None")
 
 
+def _op_weight(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, encoding: str,
+               out_features: int) -> AffineTensor:
+    """The op's weight, checked against x [m, in_features] and out_features at any m (the real op and its fake
+    alike: a call of no rows returned [0, out_features] for any weight)."""
+    enc = parse_gemm_encoding(encoding, "weight")
+    if x.dim() != 2:
+        raise InputError(f"x shape={tuple(x.shape)}: the op takes x [m, in_features]; reshape it (FoldLinear does)")
+    per_byte = 8 // enc.bits
+    if codes.dim() != 4 or tuple(codes.shape[:2]) != (1, 1):
+        raise InputError(f"codes shape={tuple(codes.shape)}: the op takes the weight's codes as [1, 1, out_features, "
+                         f"in_features / {per_byte}] ({enc.short()}; FoldLinear.codes)")
+    n, k = codes.shape[2], codes.shape[3] * per_byte
+    if (n, k) != (out_features, x.shape[1]):
+        raise InputError(f"codes shape={tuple(codes.shape)} hold a [{n}, {k}] weight ({enc.short()}) but the call has "
+                         f"out_features={out_features} and x [m, {x.shape[1]}]: pass out_features={n} and x [m, {k}]")
+    _, affine = _weight_encoding(encoding, k)
+    return AffineTensor(codes, scale, zero, affine, k)
+
+
 @torch.library.custom_op("foldc::linear", mutates_args=())
 def linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
            bias: torch.Tensor | None, encoding: str, out_features: int,
@@ -126,14 +145,12 @@ def linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torc
     the kernel holds no memory between calls (CUDA-graph trees refuse memory a step keeps)."""
     _check_floating(x)
     _check_op_bias(bias, out_features)
-    k = x.shape[-1]
-    _, affine = _weight_encoding(encoding, k)
-    w = AffineTensor(codes, scale, zero, affine, k)
+    w = _op_weight(x, codes, scale, zero, encoding, out_features)
     if x.shape[0] == 0:
         y = x.new_zeros(0, out_features)
     else:
         target = "auto" if x.is_cuda else "interpret" if x.dtype == torch.float16 else "reference"
-        kernel = _gemm(out_features, k, encoding, target)
+        kernel = _gemm(out_features, w.head_dim, encoding, target)
         extra = {"counters": counters} if counters is not None and x.is_cuda else {}
         y = kernel(x.contiguous(), w, **extra).to(x.dtype)
     return y if bias is None else y + bias.to(y.dtype)
@@ -141,9 +158,9 @@ def linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torc
 
 @linear.register_fake
 def _(x, codes, scale, zero, bias, encoding, out_features, counters=None):
-    parse_gemm_encoding(encoding, "weight")   # a bad encoding fails at trace time too, as does an integer x
-    _check_floating(x)
+    _check_floating(x)   # a bad encoding or weight fails at trace time too, as does an integer x
     _check_op_bias(bias, out_features)
+    _op_weight(x, codes, scale, zero, encoding, out_features)
     return x.new_empty(x.shape[0], out_features)
 
 

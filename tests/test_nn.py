@@ -135,6 +135,31 @@ def test_the_ops_bias_is_one_per_output_channel_in_the_real_op_and_its_fake(shap
             torch.ops.foldc.linear(*fakes, "k-group:4:64", 32)
 
 
+@settings(max_examples=12, deadline=None)
+@given(m=st.sampled_from([0, 2]), enc=st.sampled_from(["k-group:4:64", "k-group:2:32", "per-channel:8"]),
+       wrong=st.sampled_from(["n", "k", "both"]), dtype=st.sampled_from([torch.float32, torch.float16]),
+       seed=st.integers(0, 2**31 - 1))
+def test_the_op_checks_the_weight_against_out_features_and_k_at_any_number_of_rows(m, enc, wrong, dtype, seed):
+    """A call of no rows skipped every check: a wrong out_features came back as a [0, out_features] result and a wrong
+    k raised a SpecError about head_dim from the encoding. The real op and its fake name the weight's [n, k] at any m
+    now."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    gen = torch.Generator().manual_seed(seed)
+    layer = FoldLinear.from_linear(torch.nn.Linear(128, 32), enc)
+    n, k = (48 if wrong != "k" else 32), (100 if wrong != "n" else 128)
+    args = [torch.randn(m, k, generator=gen).to(dtype), layer.codes, layer.scale, layer.zero, None]
+    match = re.escape(f"hold a [32, 128] weight ({enc}) but the call has out_features={n} and x [m, {k}]: pass "
+                      "out_features=32 and x [m, 128]")
+    with pytest.raises(InputError, match=match):
+        torch.ops.foldc.linear(*args, enc, n)
+    with FakeTensorMode() as mode:
+        fakes = [None if t is None else mode.from_tensor(t) for t in args]
+        with pytest.raises(InputError, match=match):
+            torch.ops.foldc.linear(*fakes, enc, n)
+    assert torch.ops.foldc.linear(torch.randn(m, 128, generator=gen).to(dtype), *args[1:], enc, 32).shape == (m, 32)
+
+
 def test_the_custom_op_passes_opcheck_and_traces_through_torch_compile():
     torch.manual_seed(2)
     layer = FoldLinear.from_linear(torch.nn.Linear(128, 32), "k-group:4:64")
