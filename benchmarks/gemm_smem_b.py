@@ -99,7 +99,8 @@ def _half2(v):
 @gluon.jit
 def _params(WS, WZ, stride_ws, n0, N, j0, RB: gl.constexpr, GROUP: gl.constexpr, BLOCK_N: gl.constexpr,
             PARAMS_T: gl.constexpr):
-    """The (scale, zero) of both fields at code byte j0 for each weight row, as half2 words [BLOCK_N]; PARAMS_T:
+    """The (scale, zero) of both fields at code byte j0 for each weight row [BLOCK_N] (made half2 words where they
+    are used, so that the loads' latency hides behind a chunk: packed here, the packing waited for them); PARAMS_T:
     the scales and zeros stored transposed, [k groups, n] (a chunk's rows one run of memory, not one line each)."""
     n = gl.minimum(n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, dequant_layout(gl.num_warps()))), N - 1)
     g0 = j0 // GROUP
@@ -110,7 +111,7 @@ def _params(WS, WZ, stride_ws, n0, N, j0, RB: gl.constexpr, GROUP: gl.constexpr,
     else:
         a0 = n * stride_ws + g0
         a1 = n * stride_ws + g1
-    return (_half2(gl.load(WS + a0)), _half2(gl.load(WZ + a0)), _half2(gl.load(WS + a1)), _half2(gl.load(WZ + a1)))
+    return gl.load(WS + a0), gl.load(WZ + a0), gl.load(WS + a1), gl.load(WZ + a1)
 
 
 @gluon.jit
@@ -125,10 +126,10 @@ def _dequantize(c_tile, w_tiles, b, params, BLOCK_N: gl.constexpr, WIDTH: gl.con
     in buffer b."""
     w = c_tile.load(dequant_layout(gl.num_warps(), WIDTH // 4))
     s0, z0, s1, z1 = params
-    s0 = gl.broadcast(s0[:, None], w)[0]
-    z0 = gl.broadcast(z0[:, None], w)[0]
-    s1 = gl.broadcast(s1[:, None], w)[0]
-    z1 = gl.broadcast(z1[:, None], w)[0]
+    s0 = gl.broadcast(_half2(s0)[:, None], w)[0]
+    z0 = gl.broadcast(_half2(z0)[:, None], w)[0]
+    s1 = gl.broadcast(_half2(s1)[:, None], w)[0]
+    z1 = gl.broadcast(_half2(z1)[:, None], w)[0]
     o0, o1, o2, o3, o4, o5, o6, o7 = gl.inline_asm_elementwise(DEQUANT_ASM, DEQUANT_CONS, [w, s0, z0, s1, z1],
                                                                dtype=(gl.float16,) * 8, is_pure=True, pack=1)
     w_tiles.index(2 * b).store(gl.reshape(_join4(o0, o1, o2, o3), [BLOCK_N, WIDTH]))
@@ -219,11 +220,10 @@ CW = gl.constexpr(32)   # code bytes of a weight row per chunk (32 k per field)
 
 @gluon.jit
 def _ws_params(WS, WZ, p_rows, j, RB: gl.constexpr, GROUP: gl.constexpr):
-    """Chunk j's (scale, zero) of both fields for the rows ``p_rows`` (offsets of their first group), half2 words."""
+    """Chunk j's (scale, zero) of both fields for the rows ``p_rows`` (offsets of their first group), as `_params`."""
     g0 = (j * CW) // GROUP
     g1 = (RB + j * CW) // GROUP
-    return (_half2(gl.load(WS + p_rows + g0)), _half2(gl.load(WZ + p_rows + g0)),
-            _half2(gl.load(WS + p_rows + g1)), _half2(gl.load(WZ + p_rows + g1)))
+    return gl.load(WS + p_rows + g0), gl.load(WZ + p_rows + g0), gl.load(WS + p_rows + g1), gl.load(WZ + p_rows + g1)
 
 
 @gluon.jit
