@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import foldc
@@ -332,8 +332,8 @@ def test_hqq_tensors_shaped_as_the_weights_transpose_are_refused(shape, which, s
     zero = (torch.rand(n, groups, generator=gen) * 15).half()
     tensors = {"W_q": codes, "scale": scale, "zero": zero}
     flipped = dict(tensors, **{which: tensors[which].T})
-    if tuple(flipped[which].shape) in ((n * groups, group), (n, k), (n, groups), (n * groups, 1)):
-        return   # also a shape HQQ's own tensors take (n == k, n == group_size, ...): the shapes cannot tell
+    # not also a shape HQQ's own tensors take (n == k, n == group_size, ...): there the shapes cannot tell
+    assume(tuple(flipped[which].shape) not in ((n * groups, group), (n, k), (n, groups), (n * groups, 1)))
     # (where k or k / group_size is one layer-wide group, the transpose is also HQQ's axis=0 shape: refused as that)
     with pytest.raises(InputError, match=rf"^{which} shape=.* is \[k.*, n\], the weight's layout transposed.*"
                                          rf"pass {which}\.T|axis=0"):
