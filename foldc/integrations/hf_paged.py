@@ -29,6 +29,7 @@ import torch
 from ..errors import SpecError
 from ..plan import plan_of
 from ..serving import PagedKVCache
+from ..serving.paged import check_wrapper_page_size
 from .hf import FoldcCache, FoldcLayer
 
 __all__ = ["PagedFoldcCache", "PagedFoldcLayer"]
@@ -114,6 +115,7 @@ class PagedFoldcCache(FoldcCache):
                             "plain operand")
         if page_size is None:   # whole tiles and whole channel-wise groups in a page (the plan's token alignment)
             page_size = math.lcm(64, plan_of(self.spec).token_alignment)
+        check_wrapper_page_size(self.spec, page_size)   # here, not at the first forward
         shared = {"cache": None, "page_size": page_size, "num_layers": len(self.layers)}
         self.layers = [PagedFoldcLayer(shared, i, self.spec, max_cache_len, sink, window, target)
                        for i in range(len(self.layers))]

@@ -175,6 +175,13 @@ def gather_pages(pool, kv_indptr, kv_indices, seq_lens, page_size: int):
     return out, torch.as_tensor(seq_lens)
 
 
+def check_wrapper_page_size(spec: AttentionSpec, page_size) -> int:
+    """``page_size`` as a `PagedDecodeWrapper` of its default tiles takes it (a positive integer of whole channel-wise
+    groups, with a power-of-two divisor of at least 16 for the token tiles), checked before any cache is built."""
+    paged_block_n(spec, page_size, None)
+    return page_size
+
+
 def page_pool(spec: AttentionSpec, name: str, num_pages: int, page_size: int, *, dtype: torch.dtype = torch.float16,
               device="cpu"):
     """Zeroed storage for one operand (``name`` "k" or "v"): an `AffineTensor` of ``num_pages`` pages

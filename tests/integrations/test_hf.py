@@ -16,9 +16,12 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 transformers = pytest.importorskip("transformers")
 fhf = pytest.importorskip("foldc.integrations.hf")
@@ -449,6 +452,28 @@ def test_paged_cache_refuses_a_plain_operand_and_a_float32_model():
     paged = PagedFoldcCache(model.config, 32, k="token:4:32", v="token:4:32", target="reference")
     with pytest.raises(SpecError, match=r"holds float16 or bfloat16 models; this one runs in torch.float32"):
         generate(model, paged, prompt(1))
+
+
+@settings(max_examples=25, deadline=None)
+@given(page_size=st.one_of(st.integers(-16, 160), st.sampled_from(["64", 64.0, True])),
+       v=st.sampled_from(["token:4:32", "channel:4:32", "channel:2:16"]))
+def test_paged_cache_checks_its_page_size_where_it_is_built(page_size, v):
+    """A page_size the paged decode refuses (0, text, 24 tokens, not whole channel-wise groups) was taken by
+    PagedFoldcCache and refused at the first forward (0 and text as a ZeroDivisionError and a TypeError). It is refused
+    where the cache is built now, with the decode wrapper's own message; a page_size it takes builds."""
+    from foldc.integrations.hf_paged import PagedFoldcCache
+    from foldc.serving import PagedDecodeWrapper
+
+    config = llama().config
+    spec = PagedFoldcCache(config, 32, k="token:4:32", v=v, target="reference").spec
+    try:
+        PagedDecodeWrapper(spec, page_size, max_seq_len=32, target="reference")
+    except SpecError as e:
+        with pytest.raises(SpecError, match=re.escape(str(e))):
+            PagedFoldcCache(config, 32, k="token:4:32", v=v, target="reference", page_size=page_size)
+    else:
+        assert PagedFoldcCache(config, 32, k="token:4:32", v=v, target="reference", page_size=page_size).paged_cache \
+            is None
 
 
 @pytest.mark.parametrize("k,v,page", [("token:4:32", "token:4:32", 64), ("token:2:128", "channel:2:128", 128),
