@@ -467,7 +467,7 @@ TIMED = [(4096, 4096), (14336, 4096), (4096, 14336), (28672, 8192)]
 TIMED_ROWS = [128, 256, 512]
 
 
-def timing(log, kernel: str = "smem_b") -> list:
+def timing(log, kernel: str = "smem_b", rows_timed: list[int] = TIMED_ROWS) -> list:
     """do_bench (L2 flushed) of fp16 cuBLAS on the dequantized weight, foldc's default (the Triton template), and
     the variants here, fp16 activations, INT4 g128."""
     import torch
@@ -486,7 +486,7 @@ def timing(log, kernel: str = "smem_b") -> list:
         codes, (sc, zr) = w.codes[0, 0], prepare(w.scale[0, 0], w.zero[0, 0])
         kern = foldc.compile(GemmSpec(n, k, e), target="auto")
         wd = w.dequantize(torch.float64)[0, 0]
-        for m in TIMED_ROWS:
+        for m in rows_timed:
             x = torch.randn(m, k, device="cuda", dtype=torch.float16)
             ref = x.double() @ wd.T
             row = dict(n=n, k=k, m=m, cublas_us=do_bench(lambda: x @ w16.T) * 1e3, cublas_err=rel(x @ w16.T, ref),
@@ -575,6 +575,7 @@ def main() -> None:
     ap.add_argument("--ablate", action="store_true", help="time the kernel without its dequantization or wgmmas")
     ap.add_argument("--ws", action="store_true", help="check and time the warp-specialized kernel instead")
     ap.add_argument("--params-t", action="store_true", help="... the kernel with its scales and zeros transposed")
+    ap.add_argument("--rows", default=",".join(map(str, TIMED_ROWS)), help="activation rows timed (comma-separated)")
     ap.add_argument("--one", nargs="+", type=int, metavar="N K M VARIANT",
                     help="launch one variant once at n x k, m rows (Nsight Compute); --ws: the warp-specialized")
     a = ap.parse_args()
@@ -610,7 +611,7 @@ def main() -> None:
     bad = [r for r in result["checks"] if not r["ok"]]
     log(f"checks: {len(result['checks']) - len(bad)}/{len(result['checks'])} within the bar")
     if not a.check_only:
-        result["times"] = timing(log, kernel)
+        result["times"] = timing(log, kernel, [int(r) for r in a.rows.split(",")])
     (out / f"{kernel}.json").write_text(json.dumps(result, indent=1, default=str))
     (out / f"{kernel}.txt").write_text("\n".join(lines) + "\n")
 
