@@ -57,7 +57,7 @@ class ReferenceAttention:
 
     def __call__(self, q, k, v, sm_scale=None, seq_lens=None, out: torch.Tensor | None = None,
                  return_lse: bool = False):
-        call = check_call(self.spec, q, k, v, sm_scale, seq_lens)
+        call = check_call(self.spec, q, k, v, sm_scale, seq_lens, out=out)
         want = (call.batch, self.spec.num_q_heads, self.spec.head_dim)
         out = check_out(out, want, q.device, REFERENCE_OUT_DTYPES)
         sizes = {BATCH: call.batch, KV_HEAD: self.spec.num_kv_heads, Q_PER_KV: self.spec.q_per_kv,

@@ -7,7 +7,8 @@ Rules shared by every entry point (one function each, so the messages agree):
 - `check_sm_scale`: a real, finite number (not text, not a bool); None means head_dim ** -0.5.
 - `check_out`: a floating-point tensor of the wanted shape, one of the allowed dtypes, on the
   wanted device, unit stride along the last axis, no two elements sharing memory.
-- `check_call`: q, k, v and seq_lens of one attention call against its spec.
+- `check_call`: q, k, v and seq_lens of one attention call against its spec, and an out that
+  shares no memory with them (`check_no_overlap`).
 - `check_merge_parts`: the (out, lse) parts of `foldc.merge_attention`.
 
 Values that come from the data itself (a NaN key, a NaN query) are not refused here: the
@@ -62,7 +63,9 @@ def _check_cache(name: str, x, enc, spec: AttentionSpec, batch: int, device) -> 
 
 
 def check_call(spec: AttentionSpec, q, k, v, sm_scale, seq_lens,
-               q_dtypes=(torch.float16, torch.bfloat16, torch.float32, torch.float64)) -> CallShape:
+               q_dtypes=(torch.float16, torch.bfloat16, torch.float32, torch.float64), out=None) -> CallShape:
+    """q, k, v and seq_lens of one attention call against its spec, and an ``out`` (given or None) that shares no
+    memory with q, k or v (the kernel's programs write it while others still read them)."""
     if not isinstance(q, torch.Tensor):
         raise InputTypeError(f"q must be a torch.Tensor [batch, num_q_heads, head_dim], got {type(q).__name__}")
     if q.dim() != 3 or q.shape[1] != spec.num_q_heads or q.shape[2] != spec.head_dim:
@@ -98,6 +101,7 @@ def check_call(spec: AttentionSpec, q, k, v, sm_scale, seq_lens,
                 raise InputError(f"seq_lens holds {hi} but the cache holds {nk} tokens; lengths cannot exceed the "
                                  "cache")
         lens = lens.to(device=q.device, dtype=torch.int64)
+    check_no_overlap(out, "out", q=q, k=k, v=v)
     return CallShape(batch, nk, sm_scale, lens)
 
 

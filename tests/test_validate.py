@@ -3,7 +3,9 @@ scale factors, output buffers and merge parts with the same FoldError, and NaN f
 propagates as NaN instead of turning into zeros."""
 from __future__ import annotations
 
+import dataclasses
 import math
+import re
 
 import pytest
 import torch
@@ -193,6 +195,71 @@ def test_an_output_over_an_inputs_rows_is_refused_and_disjoint_rows_are_not(rows
     else:
         check_no_overlap(out, "out", x=x)
     check_no_overlap(out, "out", x=x.clone(), w=None)   # a copy never meets it
+
+
+def _beside(t: torch.Tensor, shape: tuple, dtype: torch.dtype, shift: int) -> tuple:
+    """(a copy of t, an out of ``shape`` and ``dtype``) in one byte buffer, out's first byte ``shift`` bytes from the
+    copy's."""
+    size = math.prod(shape) * dtype.itemsize
+    lo = min(0, shift)
+    buf = torch.zeros(max(t.nbytes, shift + size) - lo, dtype=torch.uint8)
+    copy = buf[-lo:][:t.nbytes].view(t.dtype).view(t.shape)
+    copy.copy_(t)
+    return copy, buf[shift - lo:][:size].view(dtype).view(shape)
+
+
+def _attention_call(entry: str, spec, gen):
+    """(the call's inputs by name, the call) of one entry point: a compiled target, or the paged wrapper over
+    pools of four pages of 16 tokens."""
+    if entry in ("reference", "interpret", "gluon"):
+        q, k, v = _inputs(gen, spec=spec) if spec.v is not None else (*_inputs(gen, spec=SPEC)[:2], None)
+        if v is None:
+            v = torch.randn(1, 2, 32, 64, generator=gen).half()
+        if entry == "gluon":
+            from foldc.backends.gluon.launch import GluonAttention
+            return {"q": q, "k": k, "v": v}, GluonAttention(spec)
+        return {"q": q, "k": k, "v": v}, foldc.compile(spec, target=entry)
+    target = entry.split("-")[1]
+    wrapper = PagedDecodeWrapper(spec, 16, max_seq_len=64, target=target)
+    wrapper.plan(torch.tensor([0, 2], dtype=torch.int32), torch.tensor([1, 0], dtype=torch.int32), None, num_pages=4,
+                 seq_lens=[20])
+    pools = {f"{n}_pages": foldc.quantize(torch.randn(4, 2, 16, 64, generator=gen), getattr(spec, n))
+             if getattr(spec, n) is not None else torch.randn(4, 2, 16, 64, generator=gen).half() for n in "kv"}
+    q = torch.randn(1, 4, 64, generator=gen).half()
+    return {"q": q, **pools}, lambda q, k_pages, v_pages, out: wrapper.run(q, k_pages, v_pages, out=out)
+
+
+@settings(max_examples=60, deadline=None)
+@given(entry=st.sampled_from(["reference", "interpret", "gluon", "wrapper-reference", "wrapper-interpret"]),
+       victim=st.sampled_from(["q", "k.codes", "k.scale", "k.zero", "v", "v.codes", "v.scale", "v.zero"]),
+       overlap=st.booleans(), where=st.floats(0, 1), dtype=st.sampled_from([torch.float16, torch.float32]),
+       seed=st.integers(0, 2**31 - 1))
+def test_an_attention_output_over_q_k_or_v_is_refused_on_every_target(entry, victim, overlap, where, dtype, seed):
+    """An out sharing memory with q, a plain side, or an encoded side's codes, scales or zeros was taken: the decode
+    kernel writes out while other programs still read them, a silently wrong answer on the GPU. Every target and the
+    paged wrapper refuse it by name before anything is written; an out right beside them is taken."""
+    spec = foldc.AttentionSpec(4, 2, 64, k=SPEC.k, v=None) if victim == "v" else SPEC
+    inputs, call = _attention_call(entry, spec, torch.Generator().manual_seed(seed))
+    side, _, part = victim.partition(".")
+    name = side if side == "q" or entry in ("reference", "interpret", "gluon") else f"{side}_pages"
+    held = getattr(inputs[name], part) if part else inputs[name]
+    size = 4 * 64 * dtype.itemsize
+    # overlap: out starts from size - 4 bytes before held to 4 bytes before held's end; else right after or before it
+    shift = 4 - size + 4 * int(where * (held.nbytes + size - 8) / 4) if overlap else \
+        (held.nbytes if where < .5 else -size)
+    copy, out = _beside(held, (1, 4, 64), dtype, shift)
+    inputs[name] = dataclasses.replace(inputs[name], **{part: copy}) if part else copy
+    if overlap:
+        before = copy.clone()
+        with pytest.raises(InputError, match=re.escape(f"out shares memory with {name + ('.' + part if part else '')}")):
+            call(**inputs, out=out)
+        assert torch.equal(copy, before)
+    elif entry == "gluon":
+        with pytest.raises(InputError, match="runs on a CUDA GPU"):
+            call(**inputs, out=out)
+    else:
+        want = call(**inputs, out=torch.empty(1, 4, 64, dtype=dtype))
+        assert call(**inputs, out=out) is out and torch.equal(out, want)
 
 
 def test_an_output_over_an_affine_tensors_scales_is_refused():

@@ -32,7 +32,7 @@ from ..errors import InputError, InputTypeError, SpecError
 from ..plan import plan as make_plan
 from ..registry import attention_backend
 from ..spec import AttentionSpec
-from ..validate import check_sm_scale, output_buffer
+from ..validate import check_no_overlap, check_sm_scale, output_buffer
 from .inputs import resolve_device
 
 _WORKSPACE = {torch.float16: "workspace_float16", torch.bfloat16: "workspace_bfloat16"}   # buffer names per q dtype
@@ -495,6 +495,8 @@ class PagedDecodeWrapper:
                              f"wrapper with device={str(q.device)!r}")
         self._check_pool("k", k_pages, q)
         self._check_pool("v", v_pages, q)
+        if out is not None:   # (every call runs this path: a call without an out pays nothing)
+            check_no_overlap(out, "out", q=q, k_pages=k_pages, v_pages=v_pages)
         scale = check_sm_scale(sm_scale, self.spec.head_dim)
         if self.target == "reference":
             return self._run_reference(q, k_pages, v_pages, scale, out, return_lse, seq_lens)

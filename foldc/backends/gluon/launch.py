@@ -375,7 +375,7 @@ class GluonAttention:
             done = self._eager.run(self, q, k, v, sm_scale, out)
             if done is not None:
                 return done
-        call = check_call(self.spec, q, k, v, sm_scale, seq_lens, q_dtypes=DTYPES)
+        call = check_call(self.spec, q, k, v, sm_scale, seq_lens, q_dtypes=DTYPES, out=out)
         device = q.device
         if device.type != "cuda":
             raise InputError(f"the register-operand kernel runs on a CUDA GPU; q is on {device}. Use "

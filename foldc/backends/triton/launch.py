@@ -161,7 +161,7 @@ class TritonAttention:
         ``return_lse``: also return the float32 log-sum-exp of the scaled logits per query head,
         [batch, num_q_heads] (see `foldc.merge_attention`)."""
         q_dtypes = (torch.float16,) if self.interpret else (torch.float16, torch.bfloat16)
-        call = check_call(self.spec, q, k, v, sm_scale, seq_lens, q_dtypes=q_dtypes)
+        call = check_call(self.spec, q, k, v, sm_scale, seq_lens, q_dtypes=q_dtypes, out=out)
         device = q.device
         if self.interpret and device.type != "cpu":
             raise InputError(f"target='interpret' runs on the CPU; q is on {device}")
