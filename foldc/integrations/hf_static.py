@@ -114,6 +114,7 @@ class FoldcStaticLayer(FoldcLayer):
             if not torch.compiler.is_compiling() and int(self.length) + new > self.max_cache_len:
                 raise InputError(f"FoldcStaticCache(max_cache_len={self.max_cache_len}) is full: {new} more "
                                  "token(s) do not fit; build it with max_cache_len >= prompt + max_new_tokens")
+            self._check_step(key_states, value_states, new)
             for x, dst in ((key_states, self.k), (value_states, self.v)):
                 if hasattr(dst, "codes"):
                     append_op(dst, x, self.row_lengths, check=False)
@@ -127,6 +128,16 @@ class FoldcStaticLayer(FoldcLayer):
             setattr(keys, _TAG, (self, "prefill"))
             return keys, value_states
         return key_states, value_states
+
+    def _check_step(self, key_states: torch.Tensor, value_states: torch.Tensor, new: int) -> None:
+        """Refuse a decode step's keys or values not shaped as the storage takes them, before either side is written
+        (a plain side's copy raised from inside torch). Shapes only: nothing is read from the device."""
+        want = (self.batch, self.spec.num_kv_heads, new, self.spec.head_dim)
+        for name, x in (("key_states", key_states), ("value_states", value_states)):
+            if tuple(x.shape) != want:
+                raise InputError(f"{name} shape={tuple(x.shape)} but FoldcStaticCache holds {want[0]} sequences of "
+                                 f"{want[1]} KV heads of head_dim {want[3]}: a decode step passes {want}; build a new "
+                                 "FoldcStaticCache for another batch or model")
 
     def attention(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
         """Decode attention of ``query [batch, heads, 1, head_dim]`` over every token of the layer:

@@ -6,8 +6,12 @@ and the float16 model under the interpreter. The GPU run is examples/hf_decode.p
 """
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 transformers = pytest.importorskip("transformers")
 fhf = pytest.importorskip("foldc.integrations.hf")
@@ -81,6 +85,35 @@ def test_refusals_name_the_value_and_the_fix():
     small = FoldcStaticCache(model, PROMPT - 1, k="token:4:16", v="token:4:16", target="reference")
     with attention(model, "foldc"), torch.no_grad(), pytest.raises(InputError, match="does not fit"):
         model(ids, use_cache=True, **{fhf.CACHE_KWARG: small})
+
+
+@settings(max_examples=20, deadline=None)
+@given(sides=st.sampled_from([("token:4:16", None), (None, "token:2:32"), ("token:4:16", "token:4:16")]),
+       bad=st.sampled_from(["key_states", "value_states"]), batch=st.sampled_from([1, 2, 3]),
+       heads=st.sampled_from([1, 2, 4]), seed=st.integers(0, 2**31 - 1))
+@torch.no_grad()
+def test_a_decode_step_of_another_batch_or_head_count_is_refused_before_any_write(sides, bad, batch, heads, seed):
+    """A decode step into a plain side whose batch or KV heads differed from the storage raised a RuntimeError from
+    inside torch's index_copy_ (after an encoded side had been written). Either side is refused by name now, nothing
+    written; the step of the storage's shape then goes in."""
+    model, ids = llama(dtype=torch.float32), prompt(2, seed=seed)
+    cache = FoldcStaticCache(model, 32, k=sides[0], v=sides[1], target="reference")
+    with attention(model, "foldc"):
+        model(ids, use_cache=True, **{fhf.CACHE_KWARG: cache})
+    layer = cache.layers[0]
+    gen = torch.Generator().manual_seed(seed)
+    step = {name: torch.randn(2, 2, 1, 32, generator=gen) for name in ("key_states", "value_states")}
+    shape = (batch, heads, 1, 32)
+    if shape == (2, 2, 1, 32):
+        shape = (2, 2, 1, 16)   # the head_dim differs instead
+    wrong = dict(step, **{bad: torch.randn(shape, generator=gen)})
+    before = [t.clone() for t in layer._tensors()]
+    with pytest.raises(InputError, match=re.escape(f"{bad} shape={shape} but FoldcStaticCache holds 2 sequences of "
+                                                   "2 KV heads of head_dim 32")):
+        layer.update(wrong["key_states"], wrong["value_states"])
+    assert all(torch.equal(a, b) for a, b in zip(layer._tensors(), before))
+    layer.update(step["key_states"], step["value_states"])
+    assert int(layer.length) == PROMPT + 1
 
 
 def _last_logits(model, cache, ids, steps=()):
