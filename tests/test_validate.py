@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+from unittest import mock
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import foldc
+import foldc.serving.paged as paged_module
 from foldc.errors import InputError, InputTypeError
 from foldc.serving import PagedDecodeWrapper, PagedKVCache, QuantizedKVCache, page_pool
 from foldc.validate import check_no_overlap, check_out, check_sm_scale
@@ -352,3 +354,30 @@ def test_the_reference_checks_its_arguments_as_every_target_does(call, exc, matc
     k, v = (foldc.quantize(torch.randn(1, 2, 8, 64, generator=gen), enc) for _ in range(2))
     with pytest.raises(exc, match=match):
         call(q, k, v)
+
+
+@settings(max_examples=10, deadline=None)
+@given(target=st.sampled_from(["reference", "interpret"]), seed=st.integers(0, 2**31 - 1))
+def test_the_paged_wrapper_checks_the_pools_against_an_out_once_and_q_every_call(target, seed):
+    """A serving loop hands the wrapper the same out every step: the pools are checked against it once while they and
+    the out's memory stay the same, q (new each step) at every call; a q over the out, or other pools under it, are
+    refused as on a first call."""
+    gen = torch.Generator().manual_seed(seed)
+    inputs, call = _attention_call(f"wrapper-{target}", SPEC, gen)
+    k_pages, v_pages = inputs["k_pages"], inputs["v_pages"]
+    buf = torch.empty(k_pages.codes.nbytes, dtype=torch.uint8)
+    out = buf[:4 * 64 * 2].view(torch.float16).view(1, 4, 64)
+    want = call(inputs["q"], k_pages, v_pages, out=torch.empty_like(out)).clone()
+    seen = []
+    checked = paged_module.check_no_overlap
+    with mock.patch.object(paged_module, "check_no_overlap",
+                           lambda out, name, **parts: (seen.append(sorted(parts)), checked(out, name, **parts))):
+        for _ in range(3):
+            assert torch.equal(call(inputs["q"].clone(), k_pages, v_pages, out=out), want)
+        assert seen == [["k_pages", "q", "v_pages"], ["q"], ["q"]]
+        with pytest.raises(InputError, match="out shares memory with q"):
+            call(out.view(-1)[:4 * 64].view(1, 4, 64), k_pages, v_pages, out=out)
+        under = buf.view(k_pages.codes.shape)   # other pools, their codes under the out
+        under.copy_(k_pages.codes)
+        with pytest.raises(InputError, match="out shares memory with k_pages.codes"):
+            call(inputs["q"], dataclasses.replace(k_pages, codes=under), v_pages, out=out)
