@@ -94,10 +94,16 @@ def _traced() -> bool:
 
 
 @functools.lru_cache(maxsize=None)
+def _parsed_weight(encoding: str):
+    """The GemmEncoding of an encoding's text, parsed once per text, not at every call of the op (a model makes
+    about a hundred a token)."""
+    return parse_gemm_encoding(encoding, "weight")
+
+
+@functools.lru_cache(maxsize=None)
 def _weight_encoding(encoding: str, k: int):
-    """(GemmEncoding, its Affine over k) for an encoding's text: parsed once per text and k, not at
-    every call of the op (a model makes about a hundred a token)."""
-    enc = parse_gemm_encoding(encoding, "weight")
+    """(GemmEncoding, its Affine over k) for an encoding's text, once per text and k."""
+    enc = _parsed_weight(encoding)
     return enc, enc.affine(k)
 
 
@@ -120,7 +126,7 @@ def _op_weight(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: 
                out_features: int) -> AffineTensor:
     """The op's weight, checked against x [m, in_features] and out_features at any m (the real op and its fake
     alike: a call of no rows returned [0, out_features] for any weight)."""
-    enc = parse_gemm_encoding(encoding, "weight")
+    enc = _parsed_weight(encoding)
     if x.dim() != 2:
         raise InputError(f"x shape={tuple(x.shape)}: the op takes x [m, in_features]; reshape it (FoldLinear does)")
     per_byte = 8 // enc.bits
@@ -278,9 +284,8 @@ class FoldLinear(torch.nn.Module):
                 raise InputError(f"{prefix + name} dtype={t.dtype} but this layer ({self.encoding.short()}) stores "
                                  f"{dtype}: the state dict is another encoding's; build the layer with that one")
         bias = state_dict.get(prefix + "bias")
-        if isinstance(bias, torch.Tensor) and not bias.is_floating_point():
-            raise InputError(f"{prefix}bias dtype={bias.dtype} must be floating point, as nn.Linear's (the copy into "
-                             "the layer's bias would cast it: a complex bias loses its imaginary part)")
+        if isinstance(bias, torch.Tensor):
+            _check_bias_dtype(bias, prefix + "bias")
         order = state_dict.get(prefix + "input_order")
         if isinstance(order, torch.Tensor) and self._buffers.get("input_order") is not None:
             try:
@@ -424,13 +429,19 @@ def _bias(bias, n: int, device) -> torch.Tensor | None:
     if not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (n,):
         got = getattr(bias, "shape", type(bias).__name__)
         raise InputError(f"bias must be a [{n}] tensor or None; got {got}")
-    if not bias.is_floating_point():
-        raise InputError(f"bias dtype={bias.dtype} must be floating point, as nn.Linear's; pass bias.float() (or, "
-                         "for a complex bias, the real part meant)")
+    _check_bias_dtype(bias, "bias")
     if bias.device != device:
         raise InputError(f"bias is on {bias.device} but the weight is on {device}; move it there (a bias on the meta "
                          "device holds no values: load it first)")
     return bias.detach()
+
+
+def _check_bias_dtype(bias: torch.Tensor, name: str) -> None:
+    """A bias is floating point, as nn.Linear's: the output adds it cast to x's dtype (a complex bias lost its
+    imaginary part there, a bool one added 1.0 where True)."""
+    if not bias.is_floating_point():
+        raise InputError(f"{name} dtype={bias.dtype} must be floating point, as nn.Linear's; pass bias.float() (or, "
+                         "for a complex bias, the real part meant)")
 
 
 def _input_order(order, k: int, device) -> torch.Tensor | None:
