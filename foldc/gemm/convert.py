@@ -79,6 +79,19 @@ def _check_sizes(n: int, k: int, bits: int | None = None) -> None:
                          f"{bits}-bit zeros a word along n")
 
 
+def _one_device(*named: tuple[str, torch.Tensor]) -> None:
+    """Refuse a layer's tensors on the meta device (no values to convert) or on two devices (torch raised from
+    inside the unpacking, naming neither)."""
+    first_name, first = named[0]
+    for name, t in named:
+        if t.is_meta:
+            raise InputError(f"{name} is on the meta device (no values to convert): load the checkpoint's tensors "
+                             "onto the CPU or a GPU first")
+        if t.device != first.device:
+            raise InputError(f"{name} is on {t.device} but {first_name} is on {first.device}: move the layer's "
+                             "tensors to one device")
+
+
 def _float_params(name: str, t: torch.Tensor, hint: str = "") -> None:
     """Refuse scales or zeros that are not real floating point (integer, bool, complex)."""
     if not t.is_floating_point():
@@ -137,6 +150,7 @@ def _g_idx(g_idx, k: int, group: int) -> torch.Tensor:
         raise InputError(f"g_idx dtype={g_idx.dtype}: GPTQ stores integer group indices")
     if tuple(g_idx.shape) != (k,):
         raise InputError(f"g_idx shape={tuple(g_idx.shape)} but this layer has k={k} input channels")
+    _one_device(("g_idx", g_idx))   # a g_idx on another real device than the weight is taken
     g_idx = g_idx.to(torch.int64)
     groups = k // group
     if int(g_idx.min()) < 0 or int(g_idx.max()) >= groups:
@@ -193,6 +207,7 @@ def _gptq_layer(qweight, qzeros, scales, bits: int, group_size: int, zero_offset
     _check_sizes(n, k, bits)
     group_size = k if group_size == -1 else group_size
     qzeros, _ = _zero_point_layer(qzeros, scales, k, n, bits, group_size)
+    _one_device(("qweight", qweight), ("qzeros", qzeros), ("scales", scales))
     return _fields(qweight, bits, 0).T, (_fields(qzeros, bits, 1) + zero_offset).T, k, group_size
 
 
@@ -228,6 +243,7 @@ def from_awq(qweight, qzeros, scales, *, bits: int = 4, group_size: int = 128) -
     k, n = qweight.shape[0], qweight.shape[1] * 32 // bits
     _check_sizes(n, k)
     qzeros, _ = _zero_point_layer(qzeros, scales, k, n, bits, group_size)
+    _one_device(("qweight", qweight), ("qzeros", qzeros), ("scales", scales))
     order = torch.tensor(AWQ_ORDER).argsort()   # field holding column c of each group of eight
 
     def columns(words):   # [rows, n / 8] words -> [rows, n] codes in column order
@@ -261,6 +277,7 @@ def from_hqq(W_q, scale, zero, *, shape: tuple[int, int], group_size: int, bits:
     for name, t in (("scale", scale), ("zero", zero)):   # HQQ's quant_scale / quant_zero store 8-bit codes of them
         _float_params(name, t, f" (with quant_{name}=True HQQ stores the {name} as codes of its own: pass the "
                                f"dequantized {name})")
+    _one_device(("W_q", W_q), ("scale", scale), ("zero", zero))
     groups = n * k // group_size
     natural = ((groups, group_size), (n, k), (n, k // group_size))   # axis=1's shapes, and the weight's own
     if (W_q.dim() == 2 and tuple(W_q.shape) == (group_size, groups) and (group_size, groups) not in natural) or \
@@ -303,6 +320,7 @@ def from_int4pack(codes, scales_and_zeros, *, group_size: int) -> tuple[AffineTe
         raise InputError(f"scales_and_zeros must be [{k // group_size}, {n}, 2]; got "
                          f"{getattr(scales_and_zeros, 'shape', type(scales_and_zeros).__name__)}")
     _float_params("scales_and_zeros", scales_and_zeros)
+    _one_device(("codes", codes), ("scales_and_zeros", scales_and_zeros))
     codes = _integer_codes("codes", codes, 4)
     s = scales_and_zeros[..., 0].T.to(torch.float64)                   # [n, groups]
     z = scales_and_zeros[..., 1].T.to(torch.float64)

@@ -390,3 +390,52 @@ def test_gptq_without_groups_converts_from_group_size_minus_1(act_order):
         weight, enc = from_gptq(*args, g_idx, bits=bits, group_size=-1, zero_offset=0)
     assert enc.group_size == k
     _check(weight, enc, _dequant(codes, scale, zero, k), 0)
+
+
+def _format_tensors(fmt: str, gen: torch.Generator) -> dict:
+    """One 16 x 128 layer (groups of 64) in ``fmt``'s own tensors, by name (the converter's arguments)."""
+    codes, scale, zero = asymmetric_codes(torch.randn(16, 128, generator=gen) * 0.05, 4, 64)
+    if fmt in ("gptq", "gptq_act_order"):
+        tensors = {"qweight": pack_along(codes.T, 4, 0), "qzeros": pack_along(zero.T, 4, 1),
+                   "scales": scale.T.contiguous()}
+        return dict(tensors, g_idx=(torch.arange(128) // 64)[torch.randperm(128, generator=gen)]) \
+            if fmt == "gptq_act_order" else tensors
+    if fmt == "awq":
+        return {"qweight": pack_along(codes.T, 4, 1, AWQ_ORDER), "qzeros": pack_along(zero.T, 4, 1, AWQ_ORDER),
+                "scales": scale.T.contiguous()}
+    if fmt == "hqq":
+        return {"W_q": codes.to(torch.uint8), "scale": scale, "zero": zero.half()}
+    return {"codes": codes.to(torch.int32), "scales_and_zeros": torch.stack([scale.T.float(),
+                                                                             (scale.float() * (8 - zero)).T], -1)}
+
+
+_CONVERTERS = {
+    "gptq": lambda t: from_gptq(t["qweight"], t["qzeros"], t["scales"], group_size=64),
+    "gptq_act_order": lambda t: from_gptq_act_order(t["qweight"], t["qzeros"], t["scales"], t["g_idx"], group_size=64),
+    "awq": lambda t: from_awq(t["qweight"], t["qzeros"], t["scales"], group_size=64),
+    "hqq": lambda t: from_hqq(t["W_q"], t["scale"], t["zero"], shape=(16, 128), group_size=64),
+    "int4pack": lambda t: from_int4pack(t["codes"], t["scales_and_zeros"], group_size=64),
+}
+
+
+@pytest.mark.parametrize("fmt, name", [(fmt, name) for fmt in _CONVERTERS
+                                       for name in _format_tensors(fmt, torch.Generator())])
+def test_a_tensor_on_the_meta_device_is_refused_by_name(fmt, name):
+    """A layer's tensor on the meta device (a checkpoint loaded without memory) raised a RuntimeError from inside
+    torch ("Tensor.item() cannot be called on meta tensors", "not on the expected device"); an InputError naming
+    it now. The same tensors on one real device convert."""
+    tensors = _format_tensors(fmt, torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ()))))
+    _CONVERTERS[fmt](tensors)
+    with pytest.raises(InputError, match=rf"^{name} is on the meta device"):
+        _CONVERTERS[fmt](dict(tensors, **{name: tensors[name].to("meta")}))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a second device (a CUDA GPU)")
+@pytest.mark.parametrize("fmt", list(_CONVERTERS))
+def test_tensors_on_two_devices_are_refused_by_name(fmt):
+    """A layer's tensors split between the GPU and the CPU raised torch's "Expected all tensors to be on the same
+    device" from inside the unpacking; an InputError naming the tensor and both devices now."""
+    tensors = _format_tensors(fmt, torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ()))))
+    first, *rest = (name for name in tensors if name != "g_idx")
+    with pytest.raises(InputError, match=rf"^{rest[-1]} is on cuda:0 but {first} is on cpu"):
+        _CONVERTERS[fmt](dict(tensors, **{rest[-1]: tensors[rest[-1]].cuda()}))
