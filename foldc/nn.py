@@ -313,11 +313,7 @@ class FoldLinear(torch.nn.Module):
         enc = weight if isinstance(weight, GemmEncoding) else parse_gemm_encoding(weight, "weight")
         if enc is None:
             raise SpecError("weight=None: from_linear quantizes the weight; give an encoding like 'k-group:4:128'")
-        w = linear.weight.detach()
-        if w.is_meta:
-            raise InputError(f"linear's weight {tuple(w.shape)} is on the meta device (no values to quantize): load "
-                             "its weights first, or build the FoldLinear on the meta device and load a FoldLinear's "
-                             "state dict into it")
+        w = _linear_weight(linear, "linear")
         GemmSpec(w.shape[0], w.shape[1], weight=enc)   # a layout the plan takes, before the work of quantizing
         return cls(quantize_2d(w.float(), enc), enc, linear.bias)
 
@@ -418,6 +414,26 @@ class FoldLinear(torch.nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, weight={self.encoding.short()}, "
                 f"bias={self.bias is not None}, input_order={self.input_order is not None}, folds={self.plan.folds}")
+
+
+def _linear_weight(linear: torch.nn.Linear, name: str) -> torch.Tensor:
+    """``linear``'s weight detached, refused unless it holds the layer's values: a floating-point [out_features,
+    in_features] tensor off the meta device (another quantizer's storage, e.g. bitsandbytes' int8 codes or packed
+    uint8, would be quantized as if its codes were the weights)."""
+    w = linear.weight.detach()
+    if w.is_meta:
+        raise InputError(f"{name}'s weight {tuple(w.shape)} is on the meta device (no values to quantize): load "
+                         "its weights first, or build the FoldLinear on the meta device and load a FoldLinear's "
+                         "state dict into it")
+    if not w.is_floating_point():
+        raise InputError(f"{name}'s weight dtype={w.dtype}: foldc quantizes floating-point weights (an integer weight "
+                         "is another quantizer's codes, whose scales it does not see); load the float weights, or "
+                         "convert the quantized ones with foldc.gemm.convert")
+    if tuple(w.shape) != (linear.out_features, linear.in_features):
+        raise InputError(f"{name}'s weight shape={tuple(w.shape)} but the linear is {linear.out_features} x "
+                         f"{linear.in_features} (out_features x in_features): its weight is stored in another "
+                         "tool's layout; load the float weights")
+    return w
 
 
 def _bias(bias, n: int, device) -> torch.Tensor | None:

@@ -683,3 +683,30 @@ def test_a_linear_on_the_meta_device_is_refused_by_name():
     with pytest.raises(InputError, match=r"^0 \(128 -> 64\): .*meta device"):
         quantize_model(model, weight="k-group:4:64")
     assert not any(isinstance(m, FoldLinear) for m in model.modules())
+
+
+class _CodesLinear(torch.nn.Linear):
+    """An nn.Linear whose weight another quantizer replaced by its own storage (as bitsandbytes' Linear8bitLt holds
+    int8 codes, its scales elsewhere, and Linear4bit packed uint8 of shape [n * k / 2, 1])."""
+
+
+@pytest.mark.parametrize("weight, match", [
+    (lambda w: (w * 127 / w.abs().max()).round().to(torch.int8), r"weight dtype=torch\.int8"),   # codes as values
+    (lambda w: w > 0, r"weight dtype=torch\.bool"),                                             # 0/1 as values
+    (lambda w: w.to(torch.complex64), r"weight dtype=torch\.complex64"),                        # imaginary part lost
+    (lambda w: w.reshape(-1, 1)[: w.numel() // 2], r"weight shape=\(2048, 1\) but the linear is 32 x 128"),
+])
+def test_a_weight_that_is_not_the_linears_float_matrix_is_refused(weight, match):
+    """from_linear quantized whatever the weight held, cast to float32: another quantizer's int8 codes became the
+    layer's weights (its scales dropped), a complex weight lost its imaginary part (a warning), all silently; a
+    packed weight's shape was taken for the layer's. Refused by name now; the float weight itself converts."""
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    linear = _CodesLinear(128, 32)
+    w = torch.randn(32, 128, generator=gen)
+    linear.weight = torch.nn.Parameter(weight(w), requires_grad=False)
+    with pytest.raises(InputError, match=match):
+        FoldLinear.from_linear(linear, "k-group:4:64")
+    linear.weight = torch.nn.Parameter(w)
+    layer = FoldLinear.from_linear(linear, "k-group:4:64")
+    x = torch.randn(3, 128, generator=gen)
+    assert torch.allclose(layer(x).double(), _reference(layer, x), rtol=1e-6, atol=1e-6)
