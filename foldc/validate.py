@@ -4,7 +4,8 @@ any data is touched, names the argument, the value and the fix, and raises a `Fo
 
 Rules shared by every entry point (one function each, so the messages agree):
 
-- `check_sm_scale`: a real, finite number (not text, not a bool); None means head_dim ** -0.5.
+- `check_sm_scale`: a real, finite number (not text, not a bool) within float32's range (the kernels'
+  sm_scale * log2(e) is a float32); None means head_dim ** -0.5.
 - `check_out`: a floating-point tensor of the wanted shape, one of the allowed dtypes, on the
   wanted device, unit stride along the last axis, no two elements sharing memory.
 - `check_call`: q, k, v and seq_lens of one attention call against its spec, and an out that
@@ -24,6 +25,10 @@ import torch
 from .encoding import AffineTensor
 from .errors import InputError, InputTypeError
 from .spec import AttentionSpec
+
+
+#: the largest |sm_scale|: the kernels take sm_scale * log2(e) as a float32
+MAX_SM_SCALE = float(torch.finfo(torch.float32).max) / math.log2(math.e)
 
 
 @dataclass(frozen=True)
@@ -115,10 +120,19 @@ def check_sm_scale(sm_scale, head_dim: int) -> float:
     if isinstance(sm_scale, (str, bytes, bool)) or not isinstance(sm_scale, numbers.Real):
         raise InputTypeError(f"sm_scale={sm_scale!r} must be a real number (a float such as "
                              f"{1.0 / math.sqrt(head_dim):.4g}, or None for head_dim ** -0.5)")
-    value = float(sm_scale)
-    if not math.isfinite(value):
+    try:
+        value = float(sm_scale)
+    except OverflowError:   # an int past float64's range
+        value, shown = None, f"(an int of {len(str(abs(int(sm_scale))))} digits)"
+    else:
+        shown = f"{value:g}"
+    if value is not None and not math.isfinite(value):
         raise InputError(f"sm_scale={value} must be finite; pass a finite float, or None for head_dim ** -0.5 "
                          f"= {1.0 / math.sqrt(head_dim):.4g}")
+    if value is None or abs(value) > MAX_SM_SCALE:   # the kernels' float32 sm_scale * log2(e) would be inf: NaN out
+        raise InputError(f"sm_scale={shown} is beyond float32's range: the kernels take sm_scale * log2(e) as a "
+                         f"float32, so |sm_scale| must be at most {MAX_SM_SCALE:.4g}; pass a smaller scale, or None "
+                         f"for head_dim ** -0.5 = {1.0 / math.sqrt(head_dim):.4g}")
     return value
 
 

@@ -214,6 +214,27 @@ def test_sm_scale_not_a_number(attn, inputs, value):
     _raises(InputTypeError, lambda: attn(*inputs, sm_scale=value), f"sm_scale={value!r}", "must be a real number")
 
 
+@pytest.mark.parametrize("value", [1e39, -3e38, 1e300, 10**400, np.float64(1e300)],
+                         ids=["1e39", "-3e38", "1e300", "int-10**400", "np-1e300"])
+def test_sm_scale_beyond_float32(attn, inputs, value):
+    """The kernels take sm_scale * log2(e) as a float32: past float32's range it is inf and every output NaN
+    (a Python int past float64's raised an OverflowError from float())."""
+    _raises(InputError, lambda: attn(*inputs, sm_scale=value), "sm_scale=", "float32", "at most")
+
+
+def test_sm_scale_beyond_float32_on_the_interpreter():
+    gen = torch.Generator().manual_seed(3)
+    spec = foldc.AttentionSpec(2, 1, 16, k=foldc.Affine(2, "token", 16), v=foldc.Affine(4, "channel", 16))
+    q = torch.randn(1, 2, 16, generator=gen).half()
+    k = foldc.quantize(torch.randn(1, 1, 20, 16, generator=gen), spec.k)
+    v = foldc.quantize(torch.randn(1, 1, 20, 16, generator=gen), spec.v)
+    attn = foldc.compile(spec, "interpret", block_n=16)
+    _raises(InputError, lambda: attn(q, k, v, sm_scale=1e39), "sm_scale=1e+39", "float32")
+    # a large scale within float32's range still runs (finite, as the reference), and the reference has the same rule
+    assert torch.isfinite(attn(q, k, v, sm_scale=1e30)).all()
+    _raises(InputError, lambda: foldc.compile(spec)(q, k, v, sm_scale=1e39), "sm_scale=1e+39")
+
+
 # ------------------------------------------------------------------------------------------
 # compile() itself
 # ------------------------------------------------------------------------------------------
