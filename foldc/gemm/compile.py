@@ -21,6 +21,7 @@ TARGETS = ("reference", "auto", "sm_90", "sm_100", "interpret")
 KERNELS = ("auto", "gluon", "triton")
 GLUON_OPTIONS = ("block_rows", "gemv_split", "gemv_stages", "gemv_sub", "gemv_maxnreg", "gemv_warps",
                  "gemv_chunk_k")
+TRITON_OPTIONS = ("block_m", "block_n", "block_k", "split_k", "num_warps", "num_stages", "out_dtype", "fold_policy")
 
 
 class GemmKernel:
@@ -99,6 +100,13 @@ def compile_gemm(spec: GemmSpec, target: str = "reference", **options):
         if options:
             raise SpecError(f"unknown option(s) {sorted(options)} for target='reference'; it takes none")
         return ReferenceGemm(gemm_plan(spec))
+    unknown = sorted(set(options) - {"kernel"} - set(TRITON_OPTIONS) - set(GLUON_OPTIONS))
+    if unknown:
+        raise SpecError(f"unknown option(s) {unknown} for a GEMM on target={target!r}; options are kernel, "
+                        f"{', '.join(TRITON_OPTIONS)} (Triton kernel), {', '.join(GLUON_OPTIONS)} (register-operand GEMV)")
+    kernel = options.get("kernel", "auto")
+    if isinstance(kernel, bool) or kernel not in KERNELS:
+        raise SpecError(f"kernel={kernel!r} must be one of {KERNELS}")
     from ..targets import check_gpu_target, detect_target
 
     if target == "auto":
