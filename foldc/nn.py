@@ -416,10 +416,10 @@ class FoldLinear(torch.nn.Module):
                 f"bias={self.bias is not None}, input_order={self.input_order is not None}, folds={self.plan.folds}")
 
 
-def _linear_weight(linear: torch.nn.Linear, name: str) -> torch.Tensor:
+def _linear_weight(linear: torch.nn.Linear, name: str, then: str = "") -> torch.Tensor:
     """``linear``'s weight detached, refused unless it holds the layer's values: a floating-point [out_features,
     in_features] tensor off the meta device (another quantizer's storage, e.g. bitsandbytes' int8 codes or packed
-    uint8, would be quantized as if its codes were the weights)."""
+    uint8, would be quantized as if its codes were the weights). ``then`` ends the error's message."""
     w = linear.weight.detach()
     if w.is_meta:
         raise InputError(f"{name}'s weight {tuple(w.shape)} is on the meta device (no values to quantize): load "
@@ -428,11 +428,11 @@ def _linear_weight(linear: torch.nn.Linear, name: str) -> torch.Tensor:
     if not w.is_floating_point():
         raise InputError(f"{name}'s weight dtype={w.dtype}: foldc quantizes floating-point weights (an integer weight "
                          "is another quantizer's codes, whose scales it does not see); load the float weights, or "
-                         "convert the quantized ones with foldc.gemm.convert")
+                         f"convert the quantized ones with foldc.gemm.convert{then}")
     if tuple(w.shape) != (linear.out_features, linear.in_features):
         raise InputError(f"{name}'s weight shape={tuple(w.shape)} but the linear is {linear.out_features} x "
                          f"{linear.in_features} (out_features x in_features): its weight is stored in another "
-                         "tool's layout; load the float weights")
+                         f"tool's layout; load the float weights{then}")
     return w
 
 

@@ -34,7 +34,7 @@ def quantize_model(model: torch.nn.Module, weight="k-group:4:128", skip=("lm_hea
     with its name before any layer is replaced. With a `FoldcCache` for the KV cache, the model's weight
     folds and KV folds are all planned and proved by foldc."""
     from ..gemm.spec import GemmSpec, parse_gemm_encoding
-    from ..nn import FoldLinear
+    from ..nn import FoldLinear, _linear_weight
 
     enc = parse_gemm_encoding(weight, "weight") if not hasattr(weight, "kind") else weight
     if enc is None:
@@ -62,6 +62,7 @@ def quantize_model(model: torch.nn.Module, weight="k-group:4:128", skip=("lm_hea
         if m.weight.is_meta:
             raise InputError(f"{name} ({m.in_features} -> {m.out_features}): its weight is on the meta device (no "
                              "values to quantize): load the model's weights first; the model is unchanged")
+        _linear_weight(m, name, "; the model is unchanged")   # the float [out, in] weight (not another quantizer's)
         try:
             GemmSpec(m.out_features, m.in_features, weight=enc)
         except SpecError as e:

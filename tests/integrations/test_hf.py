@@ -555,3 +555,22 @@ def test_quantize_model_refuses_a_tied_output_projection():
     with pytest.raises(SpecError, match="lm_head's weight is tied to model.embed_tokens's"):
         fhf.quantize_model(model, weight="k-group:4:32", skip=())
     assert isinstance(model.lm_head, torch.nn.Linear)   # nothing replaced
+
+
+@pytest.mark.parametrize("storage, match", [
+    (lambda w: (w * 127 / w.abs().max()).round().to(torch.int8), r"weight dtype=torch\.int8"),
+    (lambda w: w.reshape(-1, 1)[: w.numel() // 2], r"weight shape=\(4096, 1\) but the linear is 64 x 128"),
+])
+def test_quantize_model_refuses_a_linear_holding_another_quantizers_storage_before_any_change(storage, match):
+    """A linear whose weight another quantizer replaced by its storage (bitsandbytes' int8 codes, packed uint8 of
+    shape [n * k / 2, 1]): its int8 codes were quantized as if they were the weights (silently), and a packed shape
+    raised a SpecError about k=1 after every layer before it had been replaced. Refused by name now, the model
+    unchanged."""
+    from foldc.nn import FoldLinear
+
+    model = llama(dtype=torch.float32, seed=int(torch.randint(0, 2**31 - 1, ())))
+    down = model.model.layers[1].mlp.down_proj
+    down.weight = torch.nn.Parameter(storage(down.weight.detach()), requires_grad=False)
+    with pytest.raises(InputError, match=rf"^model\.layers\.1\.mlp\.down_proj's {match}.*the model is unchanged"):
+        fhf.quantize_model(model, weight="k-group:4:32")
+    assert not any(isinstance(m, FoldLinear) for m in model.modules())
