@@ -36,6 +36,12 @@ def quantize_model(model: torch.nn.Module, weight="k-group:4:128", skip=("lm_hea
     from ..gemm.spec import GemmSpec, parse_gemm_encoding
     from ..nn import FoldLinear, _linear_weight
 
+    if isinstance(model, torch.nn.Linear):   # it has no parent to hold its replacement
+        raise InputTypeError(f"model is itself an nn.Linear ({model.in_features} -> {model.out_features}): "
+                             "quantize_model replaces the linears inside a model; quantize this one with "
+                             "foldc.nn.FoldLinear.from_linear(model, weight)")
+    if not isinstance(model, torch.nn.Module):
+        raise InputTypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     enc = parse_gemm_encoding(weight, "weight") if not hasattr(weight, "kind") else weight
     if enc is None:
         raise SpecError("weight=None: quantize_model quantizes the linear layers; give e.g. 'k-group:4:128'")

@@ -574,3 +574,19 @@ def test_quantize_model_refuses_a_linear_holding_another_quantizers_storage_befo
     with pytest.raises(InputError, match=rf"^model\.layers\.1\.mlp\.down_proj's {match}.*the model is unchanged"):
         fhf.quantize_model(model, weight="k-group:4:32")
     assert not any(isinstance(m, FoldLinear) for m in model.modules())
+
+
+def test_quantize_model_of_a_linear_itself_is_refused_naming_from_linear():
+    """quantize_model(nn.Linear) replaces linears inside a model, so it set the FoldLinear as an attribute named ''
+    of the linear and returned the float linear unquantized, silently; something that is no module raised an
+    AttributeError. Both are an InputTypeError now, the first naming FoldLinear.from_linear."""
+    from foldc.errors import InputTypeError
+
+    torch.manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    linear = torch.nn.Linear(64, 16)
+    before = linear.weight.detach().clone()
+    with pytest.raises(InputTypeError, match=r"model is itself an nn\.Linear.*FoldLinear\.from_linear"):
+        fhf.quantize_model(linear, weight="k-group:4:32")
+    assert not hasattr(linear, "") and torch.equal(linear.weight, before)
+    with pytest.raises(InputTypeError, match="model must be a torch.nn.Module, got str"):
+        fhf.quantize_model("model", weight="k-group:4:32")
