@@ -49,8 +49,20 @@ def quantize_model(model: torch.nn.Module, weight="k-group:4:128", skip=("lm_hea
         skip = ()
     elif isinstance(skip, str):
         skip = (skip,)
-    chosen = [(name, m) for name, m in model.named_modules()
-              if isinstance(m, torch.nn.Linear) and not any(name == s or name.endswith("." + s) for s in skip)]
+    names: dict[int, list[str]] = {}   # every name of each module (one registered twice is given once below)
+    for name, m in model.named_modules(remove_duplicate=False):
+        names.setdefault(id(m), []).append(name)
+    chosen = []
+    for name, m in model.named_modules():
+        if not isinstance(m, torch.nn.Linear):
+            continue
+        skipped = [n for n in names[id(m)] if any(n == s or n.endswith("." + s) for s in skip)]
+        if skipped and len(skipped) < len(names[id(m)]):
+            raise SpecError(f"{name} is also registered as {', '.join(names[id(m)][1:])} (one module) but skip="
+                            f"{tuple(skip)} names only {', '.join(skipped)}: skip all its names or none; the model "
+                            "is unchanged")
+        if not skipped:
+            chosen.append((name, m))
     if not chosen:
         others = sorted({type(m).__name__ for m in model.modules() if type(m).__name__ == "Conv1D"})
         raise SpecError("quantize_model found no torch.nn.Linear to quantize" + (
@@ -75,10 +87,10 @@ def quantize_model(model: torch.nn.Module, weight="k-group:4:128", skip=("lm_hea
             raise SpecError(f"{name} ({m.in_features} -> {m.out_features}): {e}; pick a group that divides "
                             f"{m.in_features} or add {name.rsplit('.', 1)[-1]!r} to skip") from None
     for name, m in chosen:
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        layer = FoldLinear.from_linear(m, enc)
-        setattr(parent, child, layer.to(m.weight.device))
+        layer = FoldLinear.from_linear(m, enc).to(m.weight.device)
+        for where in names[id(m)]:   # one FoldLinear wherever the linear is registered (a shared layer stays shared)
+            parent_name, _, child = where.rpartition(".")
+            setattr(model.get_submodule(parent_name) if parent_name else model, child, layer)
     return model
 
 

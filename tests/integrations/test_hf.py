@@ -590,3 +590,42 @@ def test_quantize_model_of_a_linear_itself_is_refused_naming_from_linear():
     assert not hasattr(linear, "") and torch.equal(linear.weight, before)
     with pytest.raises(InputTypeError, match="model must be a torch.nn.Module, got str"):
         fhf.quantize_model("model", weight="k-group:4:32")
+
+
+class _SharedStack(torch.nn.Module):
+    """One nn.Linear applied three times, registered under three names (a weight-shared stack)."""
+
+    def __init__(self, features: int):
+        super().__init__()
+        self.layers = torch.nn.ModuleList([torch.nn.Linear(features, features)] * 3)
+        self.out = torch.nn.Linear(features, 32)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return self.out(x)
+
+
+def test_quantize_model_replaces_a_linear_registered_under_several_names_at_every_one():
+    """named_modules() gives a module once, under its first name: layers.0 became a FoldLinear, layers.1 and layers.2
+    kept the float linear (a third of the shared layer's uses quantized, silently). One FoldLinear at every name now,
+    the model equal to its twin over the dequantized weights; a skip naming some of its names but not all is refused."""
+    from foldc.nn import FoldLinear
+
+    torch.manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    model = _SharedStack(64)
+    with pytest.raises(SpecError, match=r"layers\.0 is also registered as layers\.1, layers\.2.*skip"):
+        fhf.quantize_model(model, weight="k-group:4:32", skip=("1",))
+    assert not any(isinstance(m, FoldLinear) for m in model.modules())
+    fhf.quantize_model(model, weight="k-group:4:32", skip=())
+    layer = model.layers[0]
+    assert isinstance(layer, FoldLinear) and all(m is layer for m in model.layers)
+    w = layer.weight.dequantize(torch.float64)[0, 0]
+    x = torch.randn(5, 64)
+    want = x.double()
+    for _ in range(3):
+        want = torch.tanh(want @ w.T + layer.bias.double())
+    ow = model.out.weight.dequantize(torch.float64)[0, 0]
+    want = want @ ow.T + model.out.bias.double()
+    with torch.no_grad():
+        assert torch.allclose(model(x).double(), want, rtol=0, atol=1e-5)
