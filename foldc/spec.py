@@ -65,6 +65,15 @@ class AttentionSpec:
                 f"K {enc(self.k)}, V {enc(self.v)}")
 
 
+def check_table_fields(table: dict, where: str) -> None:
+    """Each field of an encoding written as a TOML table holds one value: the fields are joined into
+    'layout:bits:group_size' text, where a ':' inside one (group_size = "128:fp32") would fill the next."""
+    for field, value in table.items():
+        if isinstance(value, (dict, list)) or ":" in str(value):
+            raise SpecError(f"{where} {field}={value!r} must hold one value (a name or an integer, no ':'); give "
+                            "each of layout/kind, bits, group_size and scale_dtype its own key")
+
+
 def _parse_heads(text: str) -> tuple[int, int]:
     try:
         q, kv = (int(p) for p in str(text).split("/"))
@@ -153,16 +162,17 @@ def spec_from_toml(path: str | Path):
         if key not in table:
             raise SpecError(f"{path}: missing key {key!r} in [attention]")
 
-    def enc(key: str) -> str | None:
+    def enc(key: str) -> str | None:   # its errors get the file's name below
         val = table.get(key)
         if isinstance(val, dict):
             bad = set(val) - {"layout", "bits", "group_size", "scale_dtype"}
             if bad:
-                raise SpecError(f"{path}: [{key}] has unknown keys {sorted(bad)}")
+                raise SpecError(f"[{key}] has unknown keys {sorted(bad)}")
+            check_table_fields(val, f"[{key}]")
             try:
                 text = f"{val['layout']}:{val['bits']}:{val['group_size']}"
             except KeyError as e:
-                raise SpecError(f"{path}: [{key}] is missing {e.args[0]!r}") from None
+                raise SpecError(f"[{key}] is missing {e.args[0]!r}") from None
             return text + (f":{val['scale_dtype']}" if "scale_dtype" in val else "")
         return val
 

@@ -250,6 +250,28 @@ def test_toml_table_missing_field(tmp_path, drop):
     assert f"[v] is missing {drop!r}" in str(ei.value)
 
 
+@pytest.mark.parametrize("table,key", [
+    ('{layout = "token", bits = 2, group_size = "128:fp32"}', "group_size"),   # fp32 scales, silently
+    ('{layout = "channel:4", bits = 64, group_size = "fp32"}', "layout"),     # channel:4:64:fp32, silently
+    ('{layout = "token", bits = "4:32", group_size = "bf16"}', "bits"),       # token:4:32:bf16, silently
+    ('{layout = {a = 1}, bits = 2, group_size = 128}', "layout"),             # a message about scale dtype '128'
+])
+def test_toml_table_field_holding_other_fields(tmp_path, table, key):
+    """The table's fields were joined into 'layout:bits:group_size[:scale_dtype]' text and parsed again, so a
+    field holding a ':' filled the next fields: bits of 64 or a group size of "fp32" came out as a valid encoding."""
+    path = write(tmp_path, f'[attention]\nheads = "32/8"\nhead_dim = 128\nk = {table}\n')
+    with pytest.raises(SpecError) as ei:
+        spec_from_toml(path)
+    msg = str(ei.value)
+    assert f"[k] {key}=" in msg and "one value" in msg, msg
+
+
+def test_toml_table_fields_as_text_still_parse(tmp_path):
+    path = write(tmp_path, '[attention]\nheads = "32/8"\nhead_dim = 128\n'
+                           'k = {layout = "token", bits = "4", group_size = "32", scale_dtype = "bf16"}\n')
+    assert spec_from_toml(path).k == Affine(4, "token", 32, torch.bfloat16)
+
+
 @pytest.mark.parametrize("text", ['[attention\nheads = "32/8"\n', 'heads = 32/8\n', 'head_dim = \n',
                                   'heads = "32/8"\nheads = "16/4"\n'])
 def test_toml_bad_syntax(tmp_path, text):

@@ -21,6 +21,7 @@ import torch
 
 from ..encoding import Affine
 from ..errors import SpecError
+from ..spec import check_table_fields
 
 WEIGHT_KINDS = ("k-group", "per-channel")
 ACTIVATION_KINDS = ("per-token",)
@@ -69,6 +70,7 @@ def parse_gemm_encoding(text, role: str) -> GemmEncoding | None:
         bad = set(text) - {"kind", "bits", "group_size", "scale_dtype"}
         if bad:
             raise SpecError(f"{role} encoding has unknown keys {sorted(bad)}; use kind, bits, group_size, scale_dtype")
+        check_table_fields(text, f"{role} encoding's")
         parts = [str(text.get("kind", "")), str(text.get("bits", ""))]
         parts += [str(text["group_size"])] if "group_size" in text else []
         parts += [str(text["scale_dtype"])] if "scale_dtype" in text else []
