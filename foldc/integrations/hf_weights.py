@@ -49,6 +49,15 @@ def quantize_model(model: torch.nn.Module, weight="k-group:4:128", skip=("lm_hea
         skip = ()
     elif isinstance(skip, str):
         skip = (skip,)
+    try:
+        skip = tuple(skip)   # read once: a generator would be used up by the first module checked against it
+    except TypeError:
+        raise InputTypeError(f"skip={skip!r} must be a module name or an iterable of names (e.g. ('lm_head',))") \
+            from None
+    for s in skip:
+        if not isinstance(s, str):
+            raise InputTypeError(f"skip holds {s!r} ({type(s).__name__}): its entries are names of modules, like "
+                                 "'lm_head' or 'model.layers.0.mlp.down_proj'")
     names: dict[int, list[str]] = {}   # every name of each module (one registered twice is given once below)
     for name, m in model.named_modules(remove_duplicate=False):
         names.setdefault(id(m), []).append(name)

@@ -629,3 +629,27 @@ def test_quantize_model_replaces_a_linear_registered_under_several_names_at_ever
     want = want @ ow.T + model.out.bias.double()
     with torch.no_grad():
         assert torch.allclose(model(x).double(), want, rtol=0, atol=1e-5)
+
+
+class _WithHead(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(64, 64)
+        self.lm_head = torch.nn.Linear(64, 16)
+
+
+def test_quantize_model_takes_skip_as_any_iterable_of_names_and_refuses_other_entries():
+    """skip as a generator was used up by the first module it was checked against: lm_head was quantized (silently);
+    an entry that is no string raised a TypeError from '.' + entry. The names are read once now, anything else an
+    InputTypeError naming it."""
+    from foldc.errors import InputTypeError
+    from foldc.nn import FoldLinear
+
+    torch.manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    model = _WithHead()
+    fhf.quantize_model(model, weight="k-group:4:32", skip=(name for name in ["lm_head"]))
+    assert isinstance(model.fc, FoldLinear) and type(model.lm_head) is torch.nn.Linear
+    model = _WithHead()
+    with pytest.raises(InputTypeError, match=r"skip holds 0 \(int\).*names of modules"):
+        fhf.quantize_model(model, weight="k-group:4:32", skip=("lm_head", 0))
+    assert not any(isinstance(m, FoldLinear) for m in model.modules())
