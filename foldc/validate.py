@@ -31,6 +31,10 @@ from .spec import AttentionSpec
 MAX_SM_SCALE = float(torch.finfo(torch.float32).max) / math.log2(math.e)
 
 
+#: the dtypes seq_lens may come in (torch has no min/max of complex or of 32- and 64-bit unsigned integers)
+SEQ_LENS_DTYPES = (torch.int32, torch.int64, torch.int16, torch.int8, torch.uint8)
+
+
 @dataclass(frozen=True)
 class CallShape:
     batch: int
@@ -92,8 +96,13 @@ def check_call(spec: AttentionSpec, q, k, v, sm_scale, seq_lens,
         except (TypeError, ValueError, RuntimeError):
             raise InputTypeError(f"seq_lens={seq_lens!r} must be an integer tensor (or list) of one length per "
                                  f"sequence, shape ({batch},)") from None
-        if lens.dtype.is_floating_point or lens.dtype == torch.bool:
-            raise InputError(f"seq_lens dtype={lens.dtype} must be an integer type")
+        if lens.layout != torch.strided or lens.is_meta:
+            where = "on the meta device" if lens.is_meta else f"of layout {lens.layout}"
+            raise InputError(f"seq_lens is a tensor {where}, whose lengths cannot be read; pass a dense integer "
+                             f"tensor (or list) of shape ({batch},)")
+        if lens.dtype not in SEQ_LENS_DTYPES:
+            raise InputError(f"seq_lens dtype={lens.dtype} must be an integer type: one of "
+                             f"{', '.join(map(str, SEQ_LENS_DTYPES))} (convert with .to(torch.int32))")
         if lens.shape != (batch,):
             raise InputError(f"seq_lens shape={tuple(lens.shape)} but q has batch={batch}; pass one length per sequence")
         # the value check reads the lengths on the host; inside a CUDA-graph capture it cannot, and

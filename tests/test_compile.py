@@ -188,6 +188,30 @@ def test_seq_lens_not_integer(attn, inputs, lens):
     _raises(InputError, lambda: attn(*inputs, seq_lens=lens), f"seq_lens dtype={lens.dtype}", "integer")
 
 
+@pytest.mark.parametrize("lens", [torch.tensor([3 + 0j, 4 + 0j]), torch.tensor([3, 4], dtype=torch.uint32),
+                                  torch.tensor([3, 4], dtype=torch.uint64), np.array([3, 4], dtype=np.uint64)],
+                         ids=["complex", "uint32", "uint64", "np-uint64"])
+def test_seq_lens_integer_dtype_without_min_max(attn, inputs, lens):
+    """Complex and 32/64-bit unsigned lengths passed the dtype check and raised a NotImplementedError from inside
+    torch (aminmax)."""
+    dtype = torch.as_tensor(lens).dtype
+    _raises(InputError, lambda: attn(*inputs, seq_lens=lens), f"seq_lens dtype={dtype}", "torch.int32", "torch.int64")
+
+
+@pytest.mark.parametrize("where", ["sparse", "meta"])
+def test_seq_lens_without_dense_data(attn, inputs, where):
+    """A sparse or meta tensor raised a NotImplementedError from inside torch."""
+    lens = torch.tensor([3, 4]).to_sparse() if where == "sparse" else torch.empty(B, dtype=torch.int64, device="meta")
+    _raises(InputError, lambda: attn(*inputs, seq_lens=lens), "seq_lens", where, "dense")
+
+
+def test_seq_lens_small_integer_dtypes_still_work(inputs):
+    attn = foldc.compile(SPEC, token_tile=4)
+    want = attn(*inputs, seq_lens=torch.tensor([7, 11]))
+    for dtype in (torch.int8, torch.int16, torch.uint8):
+        assert torch.equal(attn(*inputs, seq_lens=torch.tensor([7, 11], dtype=dtype)), want)
+
+
 @pytest.mark.parametrize("lens", ["abc", [3, None]], ids=["str", "none-entry"])
 def test_seq_lens_not_convertible(attn, inputs, lens):
     _raises(InputTypeError, lambda: attn(*inputs, seq_lens=lens), f"seq_lens={lens!r}", f"({B},)")
