@@ -124,6 +124,9 @@ def check_sm_scale(sm_scale, head_dim: int) -> float:
     if sm_scale is None:
         return 1.0 / math.sqrt(head_dim)
     if isinstance(sm_scale, torch.Tensor) and sm_scale.numel() == 1 and not sm_scale.is_complex():
+        if sm_scale.is_meta:
+            raise InputError(f"sm_scale is a tensor on the meta device, which holds no value; pass a float (such as "
+                             f"{1.0 / math.sqrt(head_dim):.4g}), a tensor with its value, or None for head_dim ** -0.5")
         sm_scale = sm_scale.item()   # a 0-d or one-element tensor (reads the device once)
     # text would parse silently (float("0.1")), a bool is an int to Python: neither is a scale
     if isinstance(sm_scale, (str, bytes, bool)) or not isinstance(sm_scale, numbers.Real):

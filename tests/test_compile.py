@@ -238,6 +238,12 @@ def test_sm_scale_not_a_number(attn, inputs, value):
     _raises(InputTypeError, lambda: attn(*inputs, sm_scale=value), f"sm_scale={value!r}", "must be a real number")
 
 
+def test_sm_scale_on_the_meta_device(attn, inputs):
+    """A one-element tensor on the meta device raised a RuntimeError from Tensor.item()."""
+    _raises(InputError, lambda: attn(*inputs, sm_scale=torch.tensor(0.25, device="meta")), "sm_scale", "meta device",
+            "a float")
+
+
 @pytest.mark.parametrize("value", [1e39, -3e38, 1e300, 10**400, np.float64(1e300)],
                          ids=["1e39", "-3e38", "1e300", "int-10**400", "np-1e300"])
 def test_sm_scale_beyond_float32(attn, inputs, value):
