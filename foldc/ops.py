@@ -27,9 +27,9 @@ import functools
 import torch
 
 from .encoding import AffineTensor, parse_affine
-from .errors import InputTypeError, SpecError
+from .errors import InputError, InputTypeError, SpecError
 from .spec import AttentionSpec, spec_from_args
-from .validate import check_sm_scale
+from .validate import check_call, check_sm_scale
 
 
 def layout_key(spec: AttentionSpec) -> str:
@@ -80,9 +80,25 @@ def decode_attention(q: torch.Tensor, k_data: torch.Tensor, k_scale: torch.Tenso
     return out.to(q.dtype).contiguous()
 
 
+#: the query dtypes of the kernels the op runs on a GPU (on the CPU the float64 executor takes the others)
+GPU_Q_DTYPES = (torch.float16, torch.bfloat16)
+
+
 @decode_attention.register_fake
 def _(q, k_data, k_scale, k_zero, v_data, v_scale, v_zero, seq_lens, layout, sm_scale):
-    spec_from_key(layout)  # a bad layout fails at trace time too
+    # what the op refuses without reading data fails at trace time too, with its error (a bad layout, a q or a
+    # cache of the wrong shape or dtype, a NaN sm_scale); the lengths' values are read by the op alone
+    spec = spec_from_key(layout)
+    k = _operand(spec.k, k_data, k_scale, k_zero, spec.head_dim)
+    v = _operand(spec.v, v_data, v_scale, v_zero, spec.head_dim)
+    if q.is_cuda:
+        check_call(spec, q, k, v, sm_scale, seq_lens, q_dtypes=GPU_Q_DTYPES, read_lens=False)
+    else:
+        check_call(spec, q, k, v, sm_scale, seq_lens, read_lens=False)
+    if q.is_cuda or q.dtype == torch.float16:   # a kernel, not the float64 executor: plain operands in q's dtype
+        for name, x in (("k", k), ("v", v)):
+            if not isinstance(x, AffineTensor) and x.dtype != q.dtype:
+                raise InputError(f"{name} dtype={x.dtype} must match q dtype={q.dtype} for a plain operand")
     # contiguous, as the real output is whatever q's strides (torch.compile lays out its readers by these)
     return q.new_empty(q.shape)
 

@@ -72,9 +72,11 @@ def _check_cache(name: str, x, enc, spec: AttentionSpec, batch: int, device) -> 
 
 
 def check_call(spec: AttentionSpec, q, k, v, sm_scale, seq_lens,
-               q_dtypes=(torch.float16, torch.bfloat16, torch.float32, torch.float64), out=None) -> CallShape:
+               q_dtypes=(torch.float16, torch.bfloat16, torch.float32, torch.float64), out=None,
+               read_lens: bool = True) -> CallShape:
     """q, k, v and seq_lens of one attention call against its spec, and an ``out`` (given or None) that shares no
-    memory with q, k or v (the kernel's programs write it while others still read them)."""
+    memory with q, k or v (the kernel's programs write it while others still read them). ``read_lens=False``: the
+    lengths' values are not checked (a custom op's fake implementation, whose tensors hold none)."""
     if not isinstance(q, torch.Tensor):
         raise InputTypeError(f"q must be a torch.Tensor [batch, num_q_heads, head_dim], got {type(q).__name__}")
     if q.dim() != 3 or q.shape[1] != spec.num_q_heads or q.shape[2] != spec.head_dim:
@@ -107,7 +109,7 @@ def check_call(spec: AttentionSpec, q, k, v, sm_scale, seq_lens,
             raise InputError(f"seq_lens shape={tuple(lens.shape)} but q has batch={batch}; pass one length per sequence")
         # the value check reads the lengths on the host; inside a CUDA-graph capture it cannot, and
         # the kernels clamp to the cache anyway (a length past the cache reads nothing beyond it)
-        if not (lens.is_cuda and torch.cuda.is_current_stream_capturing()):
+        if read_lens and not (lens.is_cuda and torch.cuda.is_current_stream_capturing()):
             lo, hi = torch.stack(torch.aminmax(lens)).tolist()   # one read of the device, not two
             if lo < 1:
                 raise InputError(f"seq_lens holds {lo}; every sequence needs at least one token")

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import foldc
-from foldc.errors import SpecError
+from foldc.errors import FoldError, InputError, SpecError
 from foldc.ops import attention_op, layout_key, spec_from_key
 
 SPEC = foldc.AttentionSpec(8, 2, 64, foldc.Affine(2, "token", 32), foldc.Affine(4, "channel", 16))
@@ -82,10 +82,64 @@ def test_traces_under_torch_compile_without_graph_breaks():
     assert torch.allclose(compiled(*args), step(*args))
 
 
+def _bad_attention_calls(seed):
+    """(what, args of torch.ops.foldc.decode_attention) the real op refuses on the CPU, from q, k, v and seq_lens
+    that alone it takes."""
+    q, k, v, lens = _inputs(seed, torch.float32, tokens=48)
+    kv = (k.codes, k.scale, k.zero, v.codes, v.scale, v.zero)
+    lk = layout_key(SPEC)
+    q16 = q.half()
+    plain = foldc.AttentionSpec(8, 2, 64, SPEC.k, None)
+    return [
+        ("q of another head_dim", (q[..., :32].contiguous(), *kv, lens, lk, 0.125)),
+        ("q of rank 4", (q[None], *kv, lens, lk, 0.125)),
+        ("an integer q", (q.mul(4).to(torch.int32), *kv, lens, lk, 0.125)),
+        ("no sequence", (q[:0], *(t[:0] for t in kv), None, lk, 0.125)),
+        ("a NaN sm_scale", (q, *kv, lens, lk, float("nan"))),
+        ("no k scale", (q, k.codes, None, k.zero, *kv[3:], lens, lk, 0.125)),
+        ("float codes", (q, k.codes.float(), *kv[1:], lens, lk, 0.125)),
+        ("a scale of fewer tokens", (q, k.codes, k.scale[:, :, :10], *kv[2:], lens, lk, 0.125)),
+        ("float lengths", (q, *kv, lens.float(), lk, 0.125)),
+        ("a length per head", (q, *kv, lens.repeat(2), lk, 0.125)),
+        ("a plain v in another dtype than an fp16 q", (q16, *kv[:3], v.dequantize(torch.float32), None, None, lens,
+                                                        layout_key(plain), 0.125)),
+    ]
+
+
+@pytest.mark.parametrize("case", range(11))
+def test_the_attention_fake_refuses_what_the_op_refuses(case):
+    """The fake checked the layout alone: a q of another head_dim, an integer q, a cache of the wrong shape, a NaN
+    sm_scale... traced to an output of q's shape and dtype (a q [2, 8, 32] gave a [2, 8, 32] output the graph's
+    later ops were traced against) where the op raises. Now the fake raises the op's error, naming the value."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    what, args = _bad_attention_calls(case)[case]
+    with pytest.raises(FoldError) as real:
+        torch.ops.foldc.decode_attention(*args)
+    with FakeTensorMode() as mode:
+        fakes = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
+        with pytest.raises(type(real.value), match=re.escape(str(real.value))):
+            torch.ops.foldc.decode_attention(*fakes)
+
+
+def test_the_attention_fake_refuses_a_float32_query_on_a_gpu():
+    """On a GPU the op runs a kernel, which takes fp16 and bf16 queries: the fake said float32 [2, 8, 64]."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    q, k, v, lens = _inputs(12, torch.float32)
+    with FakeTensorMode():   # tensors of the real ones' shapes and dtypes on a GPU (a CPU-only torch makes them)
+        args = [torch.empty(t.shape, dtype=t.dtype, device="cuda")
+                for t in (q, k.codes, k.scale, k.zero, v.codes, v.scale, v.zero, lens)]
+        with pytest.raises(InputError, match=re.escape("q dtype=torch.float32 is not supported here")):
+            torch.ops.foldc.decode_attention(*args, layout_key(SPEC), 0.125)
+        out = torch.ops.foldc.decode_attention(args[0].to(torch.bfloat16), *args[1:], layout_key(SPEC), 0.125)
+        assert out.shape == q.shape and out.dtype == torch.bfloat16 and out.is_cuda
+
+
 # ---- foldc::append_kv -------------------------------------------------------------------------
 
 from foldc.encoding import AffineTensor, scale_shape  # noqa: E402
-from foldc.errors import InputError, InputTypeError  # noqa: E402
+from foldc.errors import InputTypeError  # noqa: E402
 from foldc.ops import append_op, encoding_from_key  # noqa: E402
 
 APPEND_ENCODINGS = [foldc.Affine(4, "token", 32), foldc.Affine(2, "channel", 16, torch.bfloat16),
