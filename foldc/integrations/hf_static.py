@@ -28,7 +28,7 @@ Limits, each refused with the reason: token-wise groups or plain sides only (a c
 is quantized when its last token arrives: `FoldcCache` keeps the tokens before it plain), no sink or
 window, one prompt per cache (the prompt attends with SDPA over its own keys; a second prompt into a
 filled cache is refused), equal-length rows (no padding), full-attention layers, no beam search or
-cropping, inference only. The checks a `FoldcCache` makes at every append (NaN/Inf, scale overflow)
+cropping, inference only, decode steps through the bound model only (another instance or a copy is refused). The checks a `FoldcCache` makes at every append (NaN/Inf, scale overflow)
 run at the prompt only.
 """
 from __future__ import annotations
@@ -202,6 +202,21 @@ class FoldcStaticCache(FoldcCache):
         return True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        self._slot.cache = self   # the model's attention reads this cache's layers from now on
-        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        slot = self._slot
+        if slot.cache is self and key_states.shape[-2] == 1:
+            # the attention after this cache's last update did not take it from the slot (`StaticSlot.take`): the
+            # modules that ran are not the bound model's, and this step's would attend over its new token alone
+            raise SpecError("the attention of the last forward did not read this FoldcStaticCache: its decode steps "
+                            "attend through the attention modules of the model it was built from, and the model "
+                            "that runs is another one (another instance, or a copy such as copy.deepcopy(model)) "
+                            "or does not attend through attn_implementation='foldc'. Build FoldcStaticCache(model, "
+                            "...) from the model that runs (this cache refuses decode steps until reset())")
+        keys, values = super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        slot.cache = self   # the model's attention reads this cache's layers from now on
+        return keys, values
+
+    def reset(self) -> None:
+        super().reset()
+        if self._slot.cache is self:   # (an update whose attention did not take it)
+            self._slot.cache = None
 

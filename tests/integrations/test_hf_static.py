@@ -167,3 +167,31 @@ def test_a_forward_with_another_cache_does_not_read_the_static_one():
         want = model(ids[:, :1], use_cache=False).logits
     for g in got:
         assert torch.allclose(g, want, rtol=0, atol=1e-5 * float(want.abs().max()))
+
+
+@pytest.mark.parametrize("other", ["copy", "instance"])
+@torch.no_grad()
+def test_a_model_the_cache_is_not_bound_to_is_refused_before_its_first_decode_step(other):
+    """The decode attention finds a FoldcStaticCache's layers through the attention modules of the model it was built
+    from. Another model (a copy.deepcopy of it, another instance of the same weights) took the prompt, then attended
+    each decode step over its new token alone (logits 3.6 off, other tokens, silently). Refused at the first decode
+    step now, before it writes, until reset(); the bound model then decodes as a fresh cache does."""
+    import copy
+
+    model, ids = llama(dtype=torch.float32), prompt(2)
+    model.set_attn_implementation("foldc")
+    cache = FoldcStaticCache(model, 32, k="token:4:16", v="token:4:16", target="reference")
+    runner = copy.deepcopy(model) if other == "copy" else llama(dtype=torch.float32)   # the same weights
+    with attention(runner, "foldc"):
+        with pytest.raises(SpecError, match=r"did not read this FoldcStaticCache.*FoldcStaticCache\(model, \.\.\.\) "
+                                            r"from the model that runs"):
+            runner.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False,
+                            **{fhf.CACHE_KWARG: cache})
+        assert int(cache.layers[0].length) == PROMPT   # the prompt only: the decode step wrote nothing
+        with pytest.raises(SpecError, match="did not read this FoldcStaticCache"):   # until reset()
+            runner(ids[:, :1], use_cache=True, **{fhf.CACHE_KWARG: cache})
+    cache.reset()
+    seq, logits = generate(model, cache, ids, new=4)
+    want_seq, want_logits = generate(model, FoldcStaticCache(model, 32, k="token:4:16", v="token:4:16",
+                                                             target="reference"), ids, new=4)
+    assert torch.equal(seq, want_seq) and torch.equal(logits, want_logits)
