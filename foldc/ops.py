@@ -133,20 +133,30 @@ def append_kv(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, x: t
               offsets: torch.Tensor | None, encoding: str, check: bool) -> None:
     from .serving.append import append_quantized
 
+    dst, target = _append_call(codes, scale, zero, x, encoding)
+    append_quantized(dst, x, offsets if offsets is not None else offset, target=target, check=check)
+
+
+def _append_call(codes, scale, zero, x, encoding: str):
+    """The storage of an append_kv call as an AffineTensor, and the target that writes it."""
     enc = encoding_from_key(encoding)
-    # the storage's head_dim, so that an x of another head_dim or rank is the one the error names
-    head_dim = codes.shape[-1] * enc.codes_per_byte if codes.dim() == 4 else x.shape[-1] if x.dim() else 0
+    # the storage's head_dim, so that an x of another head_dim or rank is the one the error names (an int: traced
+    # with dynamic shapes, the fake's is symbolic, and head_dim is fixed by the model)
+    head_dim = int(codes.shape[-1]) * enc.codes_per_byte if codes.dim() == 4 else int(x.shape[-1]) if x.dim() else 0
     dst = AffineTensor(codes, scale, zero, enc, head_dim)
     if x.is_cuda:
-        target = "auto"
-    else:
-        target = "interpret" if x.dtype == torch.float16 else "reference"
-    append_quantized(dst, x, offsets if offsets is not None else offset, target=target, check=check)
+        return dst, "auto"
+    return dst, "interpret" if x.dtype == torch.float16 else "reference"
 
 
 @append_kv.register_fake
 def _(codes, scale, zero, x, offset, offsets, encoding, check):
-    encoding_from_key(encoding)  # a bad encoding fails at trace time too
+    from .serving.append import check_append
+
+    # what the op refuses without reading data fails at trace time too, with its error (a bad encoding, storage
+    # or x, an int offset past the storage); the offsets' values and x's NaN are read by the op alone
+    dst, target = _append_call(codes, scale, zero, x, encoding)
+    check_append(dst, x, offsets if offsets is not None else offset, target, read_device=False)
     return None
 
 

@@ -212,6 +212,46 @@ def test_append_op_errors_name_the_value():
             append_op(dst, x, 0)
 
 
+def _bad_appends(seed):
+    """(what, args of torch.ops.foldc.append_kv) the op refuses, into token:4:32 storage [2, 2, 48, 64] (or
+    channel:2:16 where named), of x and offsets it takes otherwise."""
+    enc, chan = APPEND_ENCODINGS[0], APPEND_ENCODINGS[1]
+    dst, dst_c = _storage(enc, seed=seed), _storage(chan, seed=seed)
+    parts, parts_c = (dst.codes, dst.scale, dst.zero), (dst_c.codes, dst_c.scale, dst_c.zero)
+    x = torch.randn(2, 2, 16, 64, generator=torch.Generator().manual_seed(seed))
+    key = enc.short()
+    return [
+        ("x of another head_dim", (*parts, x[..., :32].contiguous(), 16, None, key, True)),
+        ("x of one row", (*parts, x[:1], 16, None, key, True)),
+        ("an integer x", (*parts, x.mul(4).to(torch.int32), 16, None, key, True)),
+        ("a float64 x", (*parts, x.double(), 16, None, key, True)),
+        ("an offset past the storage", (*parts, x, 40, None, key, True)),
+        ("a negative offset", (*parts, x, -1, None, key, True)),
+        ("float offsets", (*parts, x, 0, torch.tensor([0.0, 16.0]), key, False)),
+        ("an offset per head", (*parts, x, 0, torch.tensor([0, 16, 32]), key, False)),
+        ("float codes", (dst.codes.float(), *parts[1:], x, 16, None, key, True)),
+        ("fp32 scales for an fp16 encoding", (dst.codes, dst.scale.float(), dst.zero, x, 16, None, key, True)),
+        ("storage of another encoding", (*parts, x, 16, None, "token:2:32", True)),
+        ("an offset inside a channel group", (*parts_c, x, 8, None, chan.short(), True)),
+    ]
+
+
+@pytest.mark.parametrize("case", range(12))
+def test_the_append_fake_refuses_what_the_op_refuses(case):
+    """The fake checked the encoding's text alone: an x of another shape or dtype, an offset past the storage,
+    storage of another encoding... traced (torch.compile, export) where the op raises. Now the fake raises the
+    op's error, naming the value (the offsets' values and x's NaN, which need the data, the op alone checks)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    what, args = _bad_appends(case)[case]
+    with pytest.raises(FoldError) as real:
+        torch.ops.foldc.append_kv(*args)
+    with FakeTensorMode() as mode:
+        fakes = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
+        with pytest.raises(type(real.value), match=re.escape(str(real.value))):
+            torch.ops.foldc.append_kv(*fakes)
+
+
 @pytest.mark.parametrize("enc", APPEND_ENCODINGS[:2], ids=lambda e: e.short())
 def test_append_opcheck(enc):
     dst = _storage(enc)

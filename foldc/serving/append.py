@@ -148,6 +148,28 @@ def append_quantized(dst: AffineTensor, x: torch.Tensor, offset=0, *, target: st
     groups are x's runs of group_size tokens); tokens outside ``[offset, offset + T)`` and scale rows
     outside their groups are not touched.
     """
+    tokens, scalar, per_row, mode = check_append(dst, x, offset, target, read_device=check)
+    enc = dst.encoding
+    if tokens == 0:
+        return
+    if check:
+        m = check_finite(x)
+        if m > safe_abs_limit(enc.scale_dtype):
+            from ..encoding import quantize
+
+            quantize(x, enc)  # raises exactly when foldc.quantize would (scale/zero overflow)
+    if mode == "reference":
+        _append_reference(dst, x, scalar, per_row)
+        return
+    check_unit_stride("dst", dst)
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    _launch(dst, x, scalar, per_row, mode == "interpret")
+
+
+def check_append(dst: AffineTensor, x: torch.Tensor, offset, target: str, read_device: bool = True):
+    """(tokens, scalar offset, per-row offsets, mode) of an `append_quantized` call, its arguments checked; without
+    ``read_device`` nothing is read from the device (`_offsets`; the ``append_kv`` op's fake implementation)."""
     if not isinstance(dst, AffineTensor):
         raise InputTypeError(f"dst must be a foldc.AffineTensor (preallocated storage), got {type(dst).__name__}")
     if not isinstance(x, torch.Tensor):
@@ -164,23 +186,8 @@ def append_quantized(dst: AffineTensor, x: torch.Tensor, offset=0, *, target: st
     if group and tokens % group:
         raise InputError(f"x holds {tokens} tokens, not a multiple of group_size={enc.group_size}; channel-wise "
                          "groups are written whole (keep the partial group in the model dtype until it fills)")
-    scalar, per_row = _offsets(offset, dst, tokens, read_device=check)
-    mode = resolve_target(target, dst.device)
-    if tokens == 0:
-        return
-    if check:
-        m = check_finite(x)
-        if m > safe_abs_limit(enc.scale_dtype):
-            from ..encoding import quantize
-
-            quantize(x, enc)  # raises exactly when foldc.quantize would (scale/zero overflow)
-    if mode == "reference":
-        _append_reference(dst, x, scalar, per_row)
-        return
-    check_unit_stride("dst", dst)
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    _launch(dst, x, scalar, per_row, mode == "interpret")
+    scalar, per_row = _offsets(offset, dst, tokens, read_device=read_device)
+    return tokens, scalar, per_row, resolve_target(target, dst.device)
 
 
 def _check_rows(x: torch.Tensor) -> None:
