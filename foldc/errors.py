@@ -22,6 +22,11 @@ class ScaleOverflowError(InputError):
     """Values whose quantization scale or zero overflow the encoding's 16-bit scale dtype (the fix: fp32 scales)."""
 
 
+class UnsupportedError(FoldError, NotImplementedError):
+    """An operation foldc does not run (beam search's reorder_cache on a quantized cache...), named with the
+    alternative."""
+
+
 class InputTypeError(FoldError, TypeError):
     """An argument of the wrong kind (a plain tensor where an AffineTensor is needed...)."""
 

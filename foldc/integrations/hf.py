@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from ..encoding import Affine, parse_affine
-from ..errors import InputError, SpecError
+from ..errors import InputError, SpecError, UnsupportedError
 from ..compile import TARGETS as CACHE_TARGETS
 from ..serving import QuantizedKVCache
 from ..spec import AttentionSpec
@@ -175,31 +175,33 @@ class FoldcLayer(CacheLayerMixin):
         self.is_initialized = False
 
     def offload(self) -> None:
-        raise NotImplementedError("FoldcCache does not offload layers to the CPU")
+        raise UnsupportedError("FoldcCache does not offload layers to the CPU (offload): keep it on the model's "
+                               "device")
 
     def prefetch(self) -> None:
-        raise NotImplementedError("FoldcCache does not offload layers to the CPU")
+        raise UnsupportedError("FoldcCache does not offload layers to the CPU (prefetch): keep it on the model's "
+                               "device")
 
     def _refuse(self, what: str) -> None:
         if self.get_seq_length():
-            raise NotImplementedError(f"FoldcCache cannot {what}: its tokens are quantized in place. Use greedy or "
-                                      "sampled decoding with one sequence per prompt (no beam search, assisted or "
-                                      "speculative decoding)")
+            raise UnsupportedError(f"FoldcCache cannot {what}: its tokens are quantized in place. Use greedy or "
+                                   "sampled decoding with one sequence per prompt (no beam search, assisted or "
+                                   "speculative decoding)")
 
     def crop(self, tokens_to_remove: int) -> None:
         # 0 removes nothing; transformers < 5 passed the length to keep, which is a no-op when it is the length
         if tokens_to_remove and tokens_to_remove != self.get_seq_length():
-            self._refuse(f"drop tokens (crop({tokens_to_remove}))")
+            self._refuse(f"drop tokens (crop({tokens_to_remove}), assisted or speculative decoding)")
 
     def reorder_cache(self, beam_idx) -> None:
-        self._refuse("reorder its batch (beam search)")
+        self._refuse("reorder its batch (reorder_cache, beam search)")
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         if repeats != 1:
-            self._refuse("repeat its batch rows")
+            self._refuse(f"repeat its batch rows (batch_repeat_interleave({repeats}))")
 
     def batch_select_indices(self, indices) -> None:
-        self._refuse("select batch rows")
+        self._refuse("select batch rows (batch_select_indices)")
 
 
 class FoldcCache(Cache):

@@ -36,7 +36,7 @@ from __future__ import annotations
 import torch
 
 from ..decisions import GroupAxis
-from ..errors import InputError, SpecError
+from ..errors import InputError, SpecError, UnsupportedError
 from ..ops import append_op, attention_op
 from .hf import _TAG, FoldcCache, FoldcLayer, _model_shape
 
@@ -159,8 +159,9 @@ class FoldcStaticLayer(FoldcLayer):
 
     def crop(self, tokens_to_remove: int) -> None:
         if tokens_to_remove:
-            raise NotImplementedError("FoldcStaticCache cannot drop tokens: they are quantized in place (no "
-                                      "assisted or speculative decoding)")
+            raise UnsupportedError(f"FoldcStaticCache cannot drop tokens (crop({tokens_to_remove}), assisted or "
+                                   "speculative decoding): they are quantized in place. Use greedy or sampled "
+                                   "decoding")
 
 
 class FoldcStaticCache(FoldcCache):

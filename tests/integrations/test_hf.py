@@ -653,3 +653,32 @@ def test_quantize_model_takes_skip_as_any_iterable_of_names_and_refuses_other_en
     with pytest.raises(InputTypeError, match=r"skip holds 0 \(int\).*names of modules"):
         fhf.quantize_model(model, weight="k-group:4:32", skip=("lm_head", 0))
     assert not any(isinstance(m, FoldLinear) for m in model.modules())
+
+
+@pytest.mark.parametrize("kind", ["FoldcCache", "PagedFoldcCache", "FoldcStaticCache"])
+@pytest.mark.parametrize("method, args", [("reorder_cache", (torch.tensor([1, 0]),)), ("batch_select_indices",
+                                          (torch.tensor([1]),)), ("batch_repeat_interleave", (2,)), ("crop", (-1,))])
+@torch.no_grad()
+def test_cache_methods_it_cannot_run_are_refused_as_fold_errors_naming_the_method(kind, method, args):
+    """reorder_cache (beam search), batch_select_indices, batch_repeat_interleave and crop (assisted decoding) on a
+    cache holding tokens raised a builtin NotImplementedError, which `except foldc.FoldError` (every foldc error, by
+    docs/serving.md) let through, and named no method. Now a FoldError that is still a NotImplementedError, naming
+    the method; the cache keeps its tokens."""
+    from foldc.errors import FoldError
+    from foldc.integrations.hf_paged import PagedFoldcCache
+    from foldc.integrations.hf_static import FoldcStaticCache
+
+    model, ids = llama(dtype=torch.float16 if kind == "PagedFoldcCache" else torch.float32), prompt(2)
+    cls = {"FoldcCache": fhf.FoldcCache, "PagedFoldcCache": PagedFoldcCache, "FoldcStaticCache": FoldcStaticCache}[kind]
+    make = lambda: cls(model if cls is FoldcStaticCache else model.config, 32, k="token:4:32", v="token:4:32",  # noqa: E731
+                       target="reference")
+    c = make()
+    with attention(model, "foldc"):
+        model(ids, use_cache=True, **{fhf.CACHE_KWARG: c})
+    with pytest.raises(FoldError, match=re.escape(method)) as err:
+        getattr(c, method)(*args)
+    assert isinstance(err.value, NotImplementedError)
+    assert int(c.get_seq_length()) == PROMPT
+    with attention(model, "foldc"), pytest.raises(FoldError, match="reorder_cache"):
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, num_beams=2, do_sample=False,
+                       **{fhf.CACHE_KWARG: make()})
