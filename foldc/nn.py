@@ -114,12 +114,20 @@ def _check_floating(x: torch.Tensor) -> None:
                          "or float64), as nn.Linear does; cast x")
 
 
-def _check_op_bias(bias: torch.Tensor | None, out_features: int) -> None:
-    """Refuse a bias of the op that is not [out_features]: added to the [m, out_features] output, it would broadcast
-    (a [2, m, out_features] bias made a 3-D output where the fake says [m, out_features])."""
-    if bias is not None and tuple(bias.shape) != (out_features,):
+def _check_op_bias(bias: torch.Tensor | None, out_features: int, x: torch.Tensor) -> None:
+    """Refuse a bias of the op that is not a floating-point [out_features] tensor on x's device: added to the
+    [m, out_features] output, it would broadcast (a [2, m, out_features] bias made a 3-D output where the fake says
+    [m, out_features]), and cast to x's dtype (a complex bias lost its imaginary part; a meta one added uninitialised
+    memory)."""
+    if bias is None:
+        return
+    if tuple(bias.shape) != (out_features,):
         raise InputError(f"bias shape={tuple(bias.shape)} but the op adds one bias per output channel: pass a "
                          f"[{out_features}] tensor (out_features={out_features}) or None")
+    _check_bias_dtype(bias, "bias")
+    if bias.device != x.device:
+        raise InputError(f"bias is on {bias.device} but x is on {x.device}; move it there (a bias on the meta device "
+                         "holds no values: load it first)")
 
 
 def _op_weight(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, encoding: str,
@@ -133,6 +141,9 @@ def _op_weight(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: 
     if codes.dim() != 4 or tuple(codes.shape[:2]) != (1, 1):
         raise InputError(f"codes shape={tuple(codes.shape)}: the op takes the weight's codes as [1, 1, out_features, "
                          f"in_features / {per_byte}] ({enc.short()}; FoldLinear.codes)")
+    if codes.device != x.device:   # (scale and zero are checked against the codes by AffineTensor)
+        raise InputError(f"the weight (codes) is on {codes.device} but x is on {x.device}; move the weight's codes, "
+                         "scale and zero to x's device (a weight on the meta device holds no values: load it first)")
     n, k = codes.shape[2], codes.shape[3] * per_byte
     if (n, k) != (out_features, x.shape[1]):
         raise InputError(f"codes shape={tuple(codes.shape)} hold a [{n}, {k}] weight ({enc.short()}) but the call has "
@@ -150,7 +161,7 @@ def linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torc
     ``counters``: int32 zeros for the GPU GEMV's split-k (left at zero; `FoldLinear` owns them), so that
     the kernel holds no memory between calls (CUDA-graph trees refuse memory a step keeps)."""
     _check_floating(x)
-    _check_op_bias(bias, out_features)
+    _check_op_bias(bias, out_features, x)
     w = _op_weight(x, codes, scale, zero, encoding, out_features)
     if x.shape[0] == 0:
         y = x.new_zeros(0, out_features)
@@ -165,7 +176,7 @@ def linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torc
 @linear.register_fake
 def _(x, codes, scale, zero, bias, encoding, out_features, counters=None):
     _check_floating(x)   # a bad encoding or weight fails at trace time too, as does an integer x
-    _check_op_bias(bias, out_features)
+    _check_op_bias(bias, out_features, x)
     _op_weight(x, codes, scale, zero, encoding, out_features)
     return x.new_empty(x.shape[0], out_features)
 

@@ -135,6 +135,35 @@ def test_the_ops_bias_is_one_per_output_channel_in_the_real_op_and_its_fake(shap
             torch.ops.foldc.linear(*fakes, "k-group:4:64", 32)
 
 
+@pytest.mark.parametrize("bad", ["complex bias", "bool bias", "int bias", "bias on meta", "weight on meta"])
+def test_the_op_refuses_a_bias_or_weight_it_cannot_add_or_read(bad):
+    """The op added any bias cast to x's dtype and read the weight wherever it lay: a complex bias lost its imaginary
+    part, a bool one added 1.0 where True, and a bias or weight on the meta device gave a CPU result of uninitialised
+    memory (values of 1e20), where FoldLinear refuses each. The real op and its fake refuse them now, by name."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    layer = FoldLinear.from_linear(torch.nn.Linear(128, 32), "k-group:4:64")
+    weight = [layer.codes, layer.scale, layer.zero]
+    bias = torch.randn(32, generator=gen)
+    if bad == "complex bias":
+        bias, match = torch.complex(bias, torch.randn(32, generator=gen)), "bias dtype=torch.complex64 must be floating"
+    elif bad == "bool bias":
+        bias, match = bias > 0, "bias dtype=torch.bool must be floating"
+    elif bad == "int bias":
+        bias, match = (bias * 8).to(torch.int64), "bias dtype=torch.int64 must be floating"
+    elif bad == "bias on meta":
+        bias, match = bias.to("meta"), "bias is on meta but x is on cpu"
+    else:
+        weight, match = [t.to("meta") for t in weight], "the weight (codes) is on meta but x is on cpu"
+    args = [torch.randn(3, 128, generator=gen), *weight, bias]
+    with pytest.raises(InputError, match=re.escape(match)):
+        torch.ops.foldc.linear(*args, "k-group:4:64", 32)
+    with FakeTensorMode() as mode:
+        fakes = [mode.from_tensor(t) for t in args]
+        with pytest.raises(InputError, match=re.escape(match)):
+            torch.ops.foldc.linear(*fakes, "k-group:4:64", 32)
+
 @settings(max_examples=12, deadline=None)
 @given(m=st.sampled_from([0, 2]), enc=st.sampled_from(["k-group:4:64", "k-group:2:32", "per-channel:8"]),
        wrong=st.sampled_from(["n", "k", "both"]), dtype=st.sampled_from([torch.float32, torch.float16]),
