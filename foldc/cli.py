@@ -34,7 +34,19 @@ def _add_target_arg(p: argparse.ArgumentParser) -> None:
 LAYOUT_FLAGS = (("k", "--k"), ("v", "--v"), ("heads", "--heads"), ("head_dim", "--head-dim"))
 
 
+#: what an empty layout value should have held (an unset shell variable, --k "$K", gives one)
+EMPTY_HINTS = {"--k": "an encoding such as token:2:128, or none for a plain operand",
+               "--v": "an encoding such as channel:2:128, or none for a plain operand",
+               "--heads": "query heads / KV heads such as 32/8"}
+
+
 def _spec(args):
+    if args.layout == "":
+        raise SpecError("layout file '' is empty: give the path of a TOML layout file, or leave it out and describe "
+                        "the layout by the flags")
+    for name, flag in LAYOUT_FLAGS:
+        if getattr(args, name) == "":   # taken for a flag left out, the default came out silently
+            raise SpecError(f"{flag}='' is empty: give {EMPTY_HINTS[flag]}, or leave the flag out for its default")
     if args.layout:
         given = [flag for name, flag in LAYOUT_FLAGS if getattr(args, name) is not None]
         if given:   # the file describes the whole layout: a flag beside it would be ignored, silently

@@ -105,6 +105,16 @@ def test_a_toml_file_describes_the_whole_layout_and_flags_beside_it_are_refused(
         assert rc == 2 and out == "" and f"{flag} given with the layout file" in err
 
 
+@pytest.mark.parametrize("command", ["explain", "prove", "compile"])
+@pytest.mark.parametrize("argv,fragment", [
+    (["--k", ""], "--k=''"), (["--v", ""], "--v=''"), (["--heads", ""], "--heads=''"), ([""], "layout file ''")])
+def test_an_empty_layout_value_exits_2_naming_the_flag(capsys, command, argv, fragment):
+    """An empty --k, --v, --heads or layout path (an unset shell variable: --k "$K") was taken for a flag left out:
+    the default token:2:128 or 32/8 (or the flags' layout for an empty path) came out with exit status 0."""
+    rc, out, err = _run(capsys, command, *argv, *(["--target", "reference"] if command == "compile" else []))
+    assert rc == 2 and out == ""
+    assert err.startswith("foldc: error: ") and fragment in err and err.count("\n") == 1
+
 def test_examples_exist():
     assert EXAMPLES, f"no example layouts under {REPO / 'examples' / 'layouts'}"
 
