@@ -362,6 +362,11 @@ def foldc_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
     static = slot.take(module.layer_idx) if slot is not None else None
     if (static is not None and q_len == 1 and kv_len == 1 and static.is_initialized
             and (torch.compiler.is_compiling() or layer is None)):
+        # eager, each forward's mask is read once, over the tokens held, as for FoldcCache (traced: nothing is read)
+        if attention_mask is not None and not torch.compiler.is_compiling() and attention_mask is not _MASK_READ[0]:
+            if not bool(_allowed(attention_mask[..., :int(static.length)]).all()):
+                raise InputError(_PADDING)
+            _MASK_READ[0] = attention_mask
         return static.attention(query, scaling), None
 
     if layer is not None and attention_mask is not None:

@@ -28,8 +28,9 @@ Limits, each refused with the reason: token-wise groups or plain sides only (a c
 is quantized when its last token arrives: `FoldcCache` keeps the tokens before it plain), no sink or
 window, one prompt per cache (the prompt attends with SDPA over its own keys; a second prompt into a
 filled cache is refused), equal-length rows (no padding), full-attention layers, no beam search or
-cropping, inference only, decode steps through the bound model only (another instance or a copy is refused). The checks a `FoldcCache` makes at every append (NaN/Inf, scale overflow)
-run at the prompt only.
+cropping, inference only, decode steps through the bound model only (another instance or a copy is
+refused). The checks a `FoldcCache` makes at every append (NaN/Inf, scale overflow) run at the prompt
+only; a padding mask is refused at the prompt and at an eager decode step (a compiled step reads no mask).
 """
 from __future__ import annotations
 

@@ -195,3 +195,28 @@ def test_a_model_the_cache_is_not_bound_to_is_refused_before_its_first_decode_st
     want_seq, want_logits = generate(model, FoldcStaticCache(model, 32, k="token:4:16", v="token:4:16",
                                                              target="reference"), ids, new=4)
     assert torch.equal(seq, want_seq) and torch.equal(logits, want_logits)
+
+
+@settings(max_examples=6, deadline=None)
+@given(row=st.integers(0, 1), hidden=st.integers(1, PROMPT), seed=st.integers(0, 2**31 - 1))
+@torch.no_grad()
+def test_an_eager_decode_step_with_a_padding_mask_is_refused(row, hidden, seed):
+    """A decode step whose mask hides some of a row's cached tokens (a serving loop's own masks) attended over every
+    token of FoldcStaticCache, the mask ignored (DynamicCache honours it, FoldcCache refuses it: silently other
+    logits). Refused eagerly now, as FoldcCache does; an all-ones mask decodes as no mask."""
+    model, ids = llama(dtype=torch.float32), prompt(2, seed=seed)
+    cache = FoldcStaticCache(model, 32, k="token:4:16", v="token:4:16", target="reference")
+    kw = {fhf.CACHE_KWARG: cache, "use_cache": True}
+    mask = torch.ones(2, PROMPT + 1, dtype=torch.long)
+    mask[row, :hidden] = 0
+    with attention(model, "foldc"):
+        model(ids, attention_mask=torch.ones_like(ids), **kw)
+        with pytest.raises(InputError, match="padding masks are not supported"):
+            model(ids[:, :1], attention_mask=mask, **kw)
+        cache.reset()
+        model(ids, **kw)
+        got = model(ids[:, :1], attention_mask=torch.ones(2, PROMPT + 1, dtype=torch.long), **kw).logits
+        cache.reset()
+        model(ids, **kw)
+        want = model(ids[:, :1], **kw).logits
+    assert torch.equal(got, want)
