@@ -172,6 +172,9 @@ def main(argv=None) -> int:
     ap.add_argument("--deadline", type=float, default=DEADLINE_S,
                     help=f"seconds after which no new case starts (default {DEADLINE_S})")
     args = ap.parse_args(argv)
+    if not args.deadline > 0:   # -1 ran no case (exit 0); NaN was never reached (inf: no deadline)
+        ap.error(f"--deadline={args.deadline:g}: give the seconds after which no new case starts, a positive number "
+                 f"(default {DEADLINE_S})")
     t0 = time.time()
     if args.cpu or torch.cuda.is_available():
         from foldc.options import cli_out_dir

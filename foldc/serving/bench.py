@@ -490,6 +490,9 @@ def main(argv=None) -> int:
     unknown = [p for p in parts if p not in PARTS]
     if unknown:   # before any part runs (one found after the others had run minutes)
         ap.error(f"--parts={args.parts!r}: unknown part(s) {unknown}; parts are {list(PARTS)}")
+    if not args.budget_s > 0:   # -5 skipped every part (exit 0); NaN was never spent (inf: no budget)
+        ap.error(f"--budget-s={args.budget_s:g}: give the seconds after which the parts left are skipped, a positive "
+                 "number (default 450)")
     from foldc.options import cli_out_dir
 
     cli_out_dir(ap, args.out)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from foldc import cli
 from foldc.gemm import bench
 
@@ -19,3 +21,14 @@ def test_cpu_mode_checks_every_case_and_writes_results(tmp_path, capsys):
         assert r["foldc_dequant_ms"] > 0 and 0 < r["foldc_dequant_error"] < 1e-3  # the in-kernel dequant variant
     table = (tmp_path / "gemm_bench.txt").read_text()
     assert table.splitlines()[0].startswith("case") and len(table.splitlines()) == 2 + len(rows)
+
+
+@pytest.mark.parametrize("deadline", ["-1", "0", "nan"])
+def test_a_deadline_that_is_not_a_positive_number_exits_2(tmp_path, capsys, deadline):
+    """--deadline -1 (or 0) marked every case 'not run' and exited 0; NaN was never reached (every case timed past
+    any deadline). Both exit 2 naming the flag now, before anything runs or is written."""
+    with pytest.raises(SystemExit) as done:
+        cli.main(["bench", "--gemm", "--cpu", "--deadline", deadline, "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert done.value.code == 2 and f"--deadline={float(deadline):g}" in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists()

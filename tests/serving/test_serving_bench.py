@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
+from foldc import cli
 from foldc.serving import bench
 
 
@@ -17,3 +20,14 @@ def test_serving_bench_dry_run_checks_pass_and_reports_are_written(tmp_path, cap
                                           "PagedKVCache == QuantizedKVCache"}
     assert "a. correctness" in (tmp_path / "serving.md").read_text()
     assert "| check" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("budget", ["-5", "0", "nan"])
+def test_a_budget_that_is_not_a_positive_number_exits_2(tmp_path, capsys, budget):
+    """--budget-s -5 (or 0) skipped every part, printed 'wrote serving.json and serving.md' (neither was written) and
+    exited 0; NaN was never spent. Both exit 2 naming the flag now, before anything runs."""
+    with pytest.raises(SystemExit) as done:
+        cli.main(["bench", "--serving", "--dry-run", "--budget-s", budget, "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert done.value.code == 2 and f"--budget-s={float(budget):g}" in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists()
