@@ -155,10 +155,11 @@ def test_options_are_checked_and_the_interpreter_refuses_the_gemv():
 
 
 @pytest.mark.parametrize("bits,rows,chunk_bytes", [(2, 1, 128), (2, 4, 64), (2, 16, 64), (4, 1, 128), (4, 8, 128),
-                                                     (4, 9, 64), (8, 1, 256), (8, 5, 256), (8, 16, 128)])
+                                                     (4, 9, 128), (4, 16, 128), (8, 1, 256), (8, 5, 256), (8, 16, 128)])
 def test_default_chunks_by_code_width_and_rows(bits, rows, chunk_bytes):
-    """The defaults docs/gemm.md gives: 128 bytes of each weight row for 2- and 4-bit codes at m = 1, 64 past 8 rows,
-    256 channels at m = 2..8 (the activation's chunk in registers) and for 8-bit codes up to 8 rows."""
+    """The defaults docs/gemm.md gives: 128 bytes of each weight row for 2- and 4-bit codes at m = 1 (and 4-bit codes
+    at every m), 64 for 2-bit codes past one row, 256 channels at m = 2..8 (the activation's chunk in registers) and
+    for 8-bit codes up to 8 rows."""
     kern = lower_gemv(gemm_plan(spec_of(f"k-group:{bits}:128", 64, 8192, m=rows)), rows)
     assert kern.chunk_bytes == chunk_bytes and kern.chunk_bytes * kern.fields in (128, 256, 512)
 
@@ -186,6 +187,27 @@ def test_chunk_k_sets_the_chunk_and_its_pieces_stay_in_one_group_and_field(enc, 
             assert kern.piece_group(c, piece) == first // kern.group
     with pytest.raises(ValueError, match="operand_k"):
         lower_gemv(plan, 1, "fp16", 384)
+
+
+@pytest.mark.parametrize("n,k", [(28672, 8192), (4096, 14336), (14336, 4096), (4096, 4096), (1024, 4096),
+                                 (8192, 8192), (256, 2048)])
+@pytest.mark.parametrize("m", [1, 8, 9, 16])
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_default_block_rows_and_split_by_rows(n, k, m, bits):
+    """Warps of two row tiles (32 output channels) at 9-16 rows of 4-bit codes, one tile elsewhere; their split
+    gives programs of at most WIDE_CHUNKS_PER_PROGRAM chunks (where two stages fit) and at least
+    WIDE_PROGRAMS_PER_SM programs an SM (where the chunks allow), the one-tile rule otherwise."""
+    from foldc.backends.gluon.gemv_launch import WIDE_CHUNKS_PER_PROGRAM, WIDE_PROGRAMS_PER_SM
+    launch = GluonGemv(spec_of(f"k-group:{bits}:128", n, k, m=m), "sm_90").plan_launch(torch.float16, m, 132)
+    block, split = dict(launch.constants)["BN"], launch.grid[1]
+    assert block == (32 if m > 8 and bits == 4 else 16) and launch.grid[0] == -(-n // block)
+    chunks = launch.kernel.chunks
+    assert launch.chunks_per_split * split >= chunks and launch.chunks_per_split * (split - 1) < chunks
+    if block == 32:
+        assert launch.chunks_per_split <= max(WIDE_CHUNKS_PER_PROGRAM, 2) or split == chunks // 2
+        assert launch.grid[0] * split >= WIDE_PROGRAMS_PER_SM * 132 or launch.chunks_per_split <= 2
+    assert launch == GluonGemv(spec_of(f"k-group:{bits}:128", n, k, m=m), "sm_90", block_rows=block,
+                               split_k=split).plan_launch(torch.float16, m, 132)
 
 
 def test_default_split_keeps_two_chunks_a_program_and_fills_the_gpu():

@@ -32,6 +32,8 @@ WARPS = (1, 2, 4)              # warps per program, each on its own 16 channels 
 STAGES = 3                     # pipeline stages in flight per program (cp.async), each `default_sub` chunks
 WARPS_PER_SM = 16              # the split-k heuristic's least: this many warps per SM
 CHUNKS_PER_PROGRAM = 12        # ... and its aim for each program's length
+WIDE_PROGRAMS_PER_SM = 3.5     # ... for warps of two row tiles at 9-16 rows (`default_block_rows`): this many
+WIDE_CHUNKS_PER_PROGRAM = 16   # programs per SM at the least, and about this many chunks each
 MAX_SPLIT = 64
 SUBS = (1, 2, 4, 8)
 #: code widths whose unpack keeps the channel order (operands.natural_key_unpack_asm: two PRMTs that write the
@@ -94,14 +96,30 @@ def default_sub(kernel: GemvKernel) -> int:
     return 1
 
 
-def default_split(kernel: GemvKernel, n: int, block_rows: int, sms: int, sub: int = 1, warps: int = 1) -> int:
+def default_block_rows(kernel: GemvKernel, rows: int) -> int:
+    """Output channels per warp of a launch that asks for none: 16 (one row tile), or 32 (two row tiles sharing
+    each chunk's activation operand and its sums) at 9-16 rows of 4-bit codes. There, with 256-channel chunks
+    (gemv_lower.OPERAND_K_WIDE) and `default_split`'s programs, 28672 x 8192 took 80.4 -> 64.7 µs, 4096 x 14336
+    24.1 -> 18.0, 14336 x 4096 23.0 -> 20.0 on an H100 at m = 16 (docs/gemm.md): 169 SASS per KB of codes against
+    301, at 224 registers. Two-bit codes were slower in two tiles (87.5 -> 92.9 µs at 28672 x 8192)."""
+    return 32 if rows > 8 and kernel.bits == 4 else 16
+
+
+def default_split(kernel: GemvKernel, n: int, block_rows: int, sms: int, sub: int = 1, warps: int = 1,
+                  m: int = 1) -> int:
     """Splits of k per block of ``block_rows`` channels (programs of ``warps`` warps): programs of about
     CHUNKS_PER_PROGRAM chunks, and at least WARPS_PER_SM warps per SM, each program with at least two
-    pipeline stages of ``sub`` chunks. On the H200 (INT4 g128, m = 1, one-warp programs, docs/gemm.md): 7
+    pipeline stages of ``sub`` chunks, for m activation rows. On the H200 (INT4 g128, m = 1, one-warp programs, docs/gemm.md): 7
     chunks a program (16 per SM) beat 12 (8 per SM) at 4096 x 14336, 15.9 against 17.8 µs; 11 beat 2 and 30
-    at 28672 x 8192."""
+    at 28672 x 8192. Warps of two row tiles or more at 9-16 rows take about 224 registers (9 one-warp programs an
+    SM): programs of about WIDE_CHUNKS_PER_PROGRAM chunks, at least WIDE_PROGRAMS_PER_SM an SM. On an H100 at m = 16
+    that picks the fastest split timed at each of three shapes: 4096 x 14336 18.0 µs at 4 splits (26.2 at 2, 21.3-21.5
+    at 6 and 8, 29.0 at 14), 14336 x 4096 20.0 at 2 (20.7-25.5 at 4-8), 28672 x 8192 64.7 at 2 (66.8-74.9 at 3-8)."""
     blocks = -(-n // block_rows)
-    want = max(-(-kernel.chunks // CHUNKS_PER_PROGRAM), -(-WARPS_PER_SM * sms // (blocks * warps)))
+    if m > 8 and block_rows // warps >= 32:
+        want = max(-(-kernel.chunks // WIDE_CHUNKS_PER_PROGRAM), -(-int(WIDE_PROGRAMS_PER_SM * sms) // blocks))
+    else:
+        want = max(-(-kernel.chunks // CHUNKS_PER_PROGRAM), -(-WARPS_PER_SM * sms // (blocks * warps)))
     return max(1, min(want, kernel.chunks // (2 * sub), MAX_SPLIT))
 
 
@@ -136,9 +154,8 @@ class GluonGemv:
         if chunk_k is not None and (isinstance(chunk_k, bool) or chunk_k not in OPERAND_KS):
             raise SpecError(f"chunk_k={chunk_k!r} (channels of k per chunk) must be one of {OPERAND_KS}")
         self.spec, self.target, self.sub, self.maxnreg, self.chunk_k = spec, target, sub, maxnreg, chunk_k
-        self.block_rows, self.split_k, self.stages = block_rows or 16, split_k, stages or STAGES
+        self.block_rows, self.split_k, self.stages = block_rows, split_k, stages or STAGES   # None: per launch
         self.warps = warps or 1
-        self.program_rows = self.block_rows * self.warps   # output channels per program
         self._plans: dict[tuple, GemmPlan] = {}
         self._lowers: dict[tuple, tuple[bool, str]] = {}
         self._launches: dict[tuple, GemvLaunch] = {}
@@ -179,7 +196,8 @@ class GluonGemv:
         if launch is None:
             kernel = lower_gemv(self.plan_for(dtype, m), m, ACTIVATION[dtype], self.chunk_k)
             sub = self.sub or default_sub(kernel)
-            split = self.split_k or default_split(kernel, self.spec.n, self.program_rows, sms, sub, self.warps)
+            rows = (self.block_rows or default_block_rows(kernel, m)) * self.warps   # output channels per program
+            split = self.split_k or default_split(kernel, self.spec.n, rows, sms, sub, self.warps, m)
             most = max_chunks(kernel)                             # a program's parameter words fit
             split = max(split, -(-kernel.chunks // most))
             per = -(-kernel.chunks // min(split, kernel.chunks))  # the chunks spread evenly
@@ -190,7 +208,7 @@ class GluonGemv:
                 asm, cons = biased_key_unpack_asm(kernel.bits)
             else:
                 asm, cons = (key_unpack_asm if swap else natural_key_unpack_asm)(kernel.bits)
-            constants = dict(BN=self.program_rows, W=kernel.chunk_bytes // 4, F=kernel.fields, NG=kernel.pieces,
+            constants = dict(BN=rows, W=kernel.chunk_bytes // 4, F=kernel.fields, NG=kernel.pieces,
                              ROWS=8 if m <= 8 else 16, ROW_BYTES=kernel.row_bytes, G=kernel.group, BITS=kernel.bits,
                              STAGES=self.stages, SPLIT=split, ASM=asm, CONS=cons, VALUE_EXP=VALUE_EXPONENT,
                              KIND=SCALE_KINDS[kernel.scale_dtype], SUB=sub, GW=param_words(kernel, per),
@@ -198,7 +216,7 @@ class GluonGemv:
                              BIAS=kernel.code_bias, num_warps=self.warps)
             if self.maxnreg is not None:
                 constants["maxnreg"] = self.maxnreg
-            launch = GemvLaunch(kernel, m, (-(-self.spec.n // self.program_rows), split), per,
+            launch = GemvLaunch(kernel, m, (-(-self.spec.n // rows), split), per,
                                 tuple(constants.items()), constants["X_SHARED"])
             self._launches[key] = launch
         return launch
@@ -207,7 +225,7 @@ class GluonGemv:
         """The split-k workspace [split, m, n] and the block counters (zero; the kernel leaves them so), one set
         per CUDA stream: calls on one stream run in order and may share them, calls on two may run at once."""
         split = launch.grid[1]
-        key = (str(device), launch.m, split, stream_handle(device))
+        key = (str(device), launch.m, launch.grid, stream_handle(device))
         if key not in self._buffers:
             part = torch.empty(split * launch.m * self.spec.n if split > 1 else 1, device=device, dtype=torch.float32)
             counters = torch.zeros(launch.grid[0], device=device, dtype=torch.int32)

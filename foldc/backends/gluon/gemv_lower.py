@@ -30,10 +30,11 @@ OPERAND_KS = (128, 256, 512)   # the channels of k per chunk a launch may ask fo
 # slower in them on an H100); 8-bit codes 256 and 128 channels. On an H100 (fp16 x, docs/gemm.md) 2-bit codes in
 # 512-channel chunks took 5-14% off 256 at m = 1 at four shapes and were level at 4096 x 14336 (28672 x 8192 43.6 ->
 # 37.4 µs: 29% fewer instructions per weight), at m = 16 in 256-channel ones 12-14% off 128; 4-bit codes in 512
-# were up to 25% slower at 4096 x 14336 (half the chunks per program), in 256 at m = 16 within 2%.
+# were up to 25% slower at 4096 x 14336 (half the chunks per program). At 9 to 16 rows 4-bit codes take 256 channels
+# beside two row tiles a warp (gemv_launch.default_block_rows): 13-27% off 128 channels and one tile there.
 OPERAND_K = {2: 512, 4: 256, 8: 256}         # channels of k per chunk by code width, one activation row
 OPERAND_K_NARROW = {2: 256, 4: 256, 8: 256}  # ... 2 to 8 rows
-OPERAND_K_WIDE = {2: 256, 4: 128, 8: 128}    # ... 9 to 16 rows (their [k, 16] operand takes twice the registers)
+OPERAND_K_WIDE = {2: 256, 4: 256, 8: 128}    # ... 9 to 16 rows (their [k, 16] operand takes twice the registers)
 
 
 def default_operand_k(bits: int, rows: int) -> int:
