@@ -142,7 +142,7 @@ def test_the_table_reports_host_time_beside_eager_and_graph_time():
     assert (cells["us"], cells["eager us"], cells["host us"], cells["x cuDNN"]) == ("14.2", "84.7", "61.0", "2.28")
 
 
-@pytest.mark.parametrize("argv", [["--gemm", "--cpu", "--deadline", "0"],
+@pytest.mark.parametrize("argv", [["--gemm", "--cpu", "--deadline", "1"],
                                   ["--layouts", "--check-only", "--target", "interpret", "--only", "K token:2:128 V "
                                    "token:2:128 32/8"],
                                   ["--serving", "--dry-run"],
