@@ -106,20 +106,24 @@ def _bad_attention_calls(seed):
     ]
 
 
+def _fake_raises_as_the_op(op, args):
+    """``op`` on ``args`` raises a FoldError; on fake copies of them its fake raises the same error, same message."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with pytest.raises(FoldError) as real:
+        op(*args)
+    with FakeTensorMode() as mode:
+        fakes = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
+        with pytest.raises(type(real.value), match=re.escape(str(real.value))):
+            op(*fakes)
+
+
 @pytest.mark.parametrize("case", range(11))
 def test_the_attention_fake_refuses_what_the_op_refuses(case):
     """The fake checked the layout alone: a q of another head_dim, an integer q, a cache of the wrong shape, a NaN
     sm_scale... traced to an output of q's shape and dtype (a q [2, 8, 32] gave a [2, 8, 32] output the graph's
     later ops were traced against) where the op raises. Now the fake raises the op's error, naming the value."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    what, args = _bad_attention_calls(case)[case]
-    with pytest.raises(FoldError) as real:
-        torch.ops.foldc.decode_attention(*args)
-    with FakeTensorMode() as mode:
-        fakes = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
-        with pytest.raises(type(real.value), match=re.escape(str(real.value))):
-            torch.ops.foldc.decode_attention(*fakes)
+    _fake_raises_as_the_op(torch.ops.foldc.decode_attention, _bad_attention_calls(case)[case][1])
 
 
 def test_the_attention_fake_refuses_a_float32_query_on_a_gpu():
@@ -241,15 +245,7 @@ def test_the_append_fake_refuses_what_the_op_refuses(case):
     """The fake checked the encoding's text alone: an x of another shape or dtype, an offset past the storage,
     storage of another encoding... traced (torch.compile, export) where the op raises. Now the fake raises the
     op's error, naming the value (the offsets' values and x's NaN, which need the data, the op alone checks)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    what, args = _bad_appends(case)[case]
-    with pytest.raises(FoldError) as real:
-        torch.ops.foldc.append_kv(*args)
-    with FakeTensorMode() as mode:
-        fakes = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
-        with pytest.raises(type(real.value), match=re.escape(str(real.value))):
-            torch.ops.foldc.append_kv(*fakes)
+    _fake_raises_as_the_op(torch.ops.foldc.append_kv, _bad_appends(case)[case][1])
 
 
 @pytest.mark.parametrize("enc", APPEND_ENCODINGS[:2], ids=lambda e: e.short())
