@@ -225,6 +225,13 @@ class AffineTensor:
 
     def expanded_params(self, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
         """scale and zero broadcast to one entry per value, [batch, kv_heads, tokens, head_dim]."""
+        if not isinstance(dtype, torch.dtype):
+            raise InputTypeError(f"dtype={dtype!r} must be a torch.dtype, e.g. torch.float32 (the default) or "
+                                 "torch.float16")
+        if not dtype.is_floating_point:
+            raise InputError(f"dtype={dtype} is not a floating-point dtype: scales, zeros and values would be "
+                             "cast to it (an integer dtype truncates them); pass torch.float32 (the default), "
+                             "torch.float64, torch.float16 or torch.bfloat16")
         g = self.encoding.group_size
         s, z = self.scale.to(dtype), self.zero.to(dtype)
         if self.encoding.layout == "token":

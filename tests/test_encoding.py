@@ -763,3 +763,25 @@ def test_a_channel_group_past_the_tokens_is_one_group_of_them_all(bits, tokens, 
     assert torch.equal(big.codes, whole.codes) and torch.equal(big.scale, whole.scale)
     assert torch.equal(big.zero, whole.zero) and torch.equal(big.dequantize(), whole.dequantize())
     assert torch.equal(big.zero, x.amin(2, keepdim=True).half())   # the group's minimum over every token
+
+
+@pytest.mark.parametrize("dtype, exc, match", [
+    (torch.int32, InputError, r"dtype=torch.int32 is not a floating-point dtype"),
+    (torch.int64, InputError, r"dtype=torch.int64 is not a floating-point dtype"),
+    (torch.bool, InputError, r"dtype=torch.bool is not a floating-point dtype"),
+    (torch.complex64, InputError, r"dtype=torch.complex64 is not a floating-point dtype"),
+    ("float16", InputTypeError, r"dtype='float16' must be a torch.dtype"),
+    (None, InputTypeError, r"dtype=None must be a torch.dtype"),
+])
+@pytest.mark.parametrize("layout", ["token", "channel"])
+def test_dequantize_refuses_a_dtype_that_is_not_floating_point(dtype, exc, match, layout):
+    """dequantize(torch.int32) truncated every scale, zero and value (scale 0.19 -> 0: every value its group's
+    truncated zero, silently); a dtype given as text raised a RuntimeError from torch ("Invalid device string")."""
+    x = torch.randn(2, 2, 6, 16, generator=torch.Generator().manual_seed(41)) * 3
+    at = quantize(x, Affine(4, layout, 4))
+    for call in (at.dequantize, at.expanded_params):
+        with pytest.raises(exc, match=match):
+            call(dtype)
+    for ok in (torch.float16, torch.bfloat16, torch.float32, torch.float64):   # floating dtypes still work
+        assert at.dequantize(ok).dtype == ok
+        assert torch.allclose(at.dequantize(ok).double(), at.dequantize(torch.float64), rtol=1e-2, atol=1e-1)
