@@ -41,6 +41,7 @@ from ..backends.runtime.fast_launch import FastLaunch, keywords
 from ..decisions import GroupAxis, token_group
 from ..encoding import Affine, AffineTensor
 from ..errors import InputError, InputTypeError, SpecError
+from ..validate import overlaps_itself
 from .append_kernels import kernel as _kernel
 
 TARGETS = ("auto", "interpret", "sm_90", "sm_100", "reference")
@@ -178,6 +179,7 @@ def check_append(dst: AffineTensor, x: torch.Tensor, offset, target: str, read_d
     if x.dim() != 4 or x.shape[0] != batch or x.shape[1] != heads or x.shape[3] != head_dim:
         raise InputError(f"x shape={tuple(x.shape)} but dst needs [{batch}, {heads}, tokens, {head_dim}]")
     _check_rows(x)
+    check_no_shared_elements("dst", dst)
     if x.dtype not in INPUT_DTYPES:
         raise InputError(f"x dtype={x.dtype} is not supported; use one of {list(INPUT_DTYPES)}")
     if x.device != dst.device:
@@ -195,6 +197,16 @@ def _check_rows(x: torch.Tensor) -> None:
     if x.shape[0] == 0 or x.shape[1] == 0:
         raise InputError(f"x shape={tuple(x.shape)} holds no rows (batch={x.shape[0]}, kv_heads={x.shape[1]}); "
                          "an append needs at least one sequence and one head: skip the call for an empty batch")
+
+
+def check_no_shared_elements(what: str, storage: AffineTensor) -> None:
+    """Storage whose parts hold each element at an address of its own: in an expanded part (stride 0) every
+    token's write lands on the same bytes (the kernel's last write wins, silently; the reference's copy raises)."""
+    for name, t in (("codes", storage.codes), ("scale", storage.scale), ("zero", storage.zero)):
+        if not t.is_contiguous() and overlaps_itself(t):
+            raise InputError(f"{what}.{name} has strides {t.stride()} for shape {tuple(t.shape)}: some of its elements "
+                             "share memory (an expanded tensor), so appended tokens would overwrite one another; "
+                             f"allocate it whole, e.g. {what}.{name}.contiguous() (keep that tensor as the storage)")
 
 
 def check_unit_stride(what: str, storage: AffineTensor) -> None:
@@ -435,6 +447,7 @@ def append_paged(pool: AffineTensor, x: torch.Tensor, kv_indptr: torch.Tensor, k
     if x.dim() != 4 or x.shape[1] != heads or x.shape[3] != head_dim:
         raise InputError(f"x shape={tuple(x.shape)} but the pool needs [batch, {heads}, tokens, {head_dim}]")
     _check_rows(x)
+    check_no_shared_elements("pool", pool)
     if x.dtype not in INPUT_DTYPES:
         raise InputError(f"x dtype={x.dtype} is not supported; use one of {list(INPUT_DTYPES)}")
     batch, tokens = x.shape[0], x.shape[2]

@@ -723,3 +723,35 @@ def test_gpu_appends_write_what_quantize_computes_on_every_repeat_launch(enc, dt
     assert torch.equal(bits(dst.scale[part].cpu()), bits(want.scale)) and torch.equal(bits(dst.zero[part].cpu()),
                                                                                         bits(want.zero))
     assert torch.equal(dst.codes[:, :, n:].cpu(), before.codes[:, :, n:])
+
+
+@pytest.mark.parametrize("target", ["interpret", "reference"])
+@pytest.mark.parametrize("part", ["codes", "scale", "zero"])
+@pytest.mark.parametrize("append", ["append_quantized", "append_paged"])
+def test_storage_whose_elements_share_memory_is_refused(append, part, target):
+    """Storage with a part expanded along tokens (stride 0: every token's bytes at one address): the kernel wrote
+    each token over the last (the appended tokens read back as copies of one, silently wrong by the values'
+    range) and target="reference" raised a RuntimeError from inside torch's copy."""
+    gen = torch.Generator().manual_seed(43)
+    enc = A(4, "token", 16)
+    fresh = poisoned(enc, 2, 2, 16, 32, gen)
+    parts = {"codes": fresh.codes, "scale": fresh.scale, "zero": fresh.zero}
+    parts[part] = parts[part][:, :, :1].expand(parts[part].shape)
+    dst = AffineTensor(parts["codes"], parts["scale"], parts["zero"], enc, 32)
+    x = torch.randn(2, 2, 16, 32, generator=gen).half() * 3
+    before = [bits(t).clone() for t in (dst.codes, dst.scale, dst.zero)]
+    name = "dst" if append == "append_quantized" else "pool"
+    with pytest.raises(InputError, match=rf"{name}.{part} has strides \(.*, 0, .*\) for shape .*: some of its "
+                                         rf"elements share memory.*{name}.{part}.contiguous\(\)"):
+        if append == "append_quantized":
+            append_quantized(dst, x, 0, target=target)
+        else:   # one 16-token page per sequence
+            append_paged(dst, x[:, :, :16], torch.tensor([0, 1, 2], dtype=torch.int32),
+                         torch.tensor([1, 0], dtype=torch.int32), torch.zeros(2, dtype=torch.int32), page_size=16,
+                         target=target)
+    for t, old in zip((dst.codes, dst.scale, dst.zero), before):
+        assert torch.equal(bits(t), old)   # nothing written
+    # the same storage made whole takes the same append and holds exactly what foldc.quantize computes
+    whole = AffineTensor(dst.codes.contiguous(), dst.scale.contiguous(), dst.zero.contiguous(), enc, 32)
+    append_quantized(whole, x, 0, target=target)
+    assert_same_bits(whole, foldc.quantize(x, enc))
