@@ -181,6 +181,9 @@ class AffineTensor:
             if not isinstance(t, torch.Tensor):
                 raise InputTypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}; build an AffineTensor "
                                      "with foldc.quantize(x, encoding) or from the tensors of one")
+            if t.layout != torch.strided:
+                raise InputError(f"{name} is a tensor of layout {t.layout}; an AffineTensor holds dense tensors: "
+                                 f"pass {name}.to_dense()")
         enc.check_head_dim(self.head_dim)
         if self.codes.dtype != torch.uint8 or self.codes.dim() != 4:
             raise InputError(
@@ -262,6 +265,10 @@ def quantize(x: torch.Tensor, enc: Affine) -> AffineTensor:
         raise InputTypeError(f"enc={enc!r} must be a foldc.Affine, e.g. foldc.Affine(2, 'token', 128)")
     if not isinstance(x, torch.Tensor):
         raise InputTypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if x.layout != torch.strided or x.is_meta:
+        where = "on the meta device" if x.is_meta else f"of layout {x.layout}"
+        raise InputError(f"x is a tensor {where}, whose values cannot be read; pass a dense tensor holding the "
+                         "values (x.to_dense(), or weights loaded onto a real device)")
     if x.dim() != 4:
         raise InputError(f"x must be [batch, kv_heads, tokens, head_dim]; got shape={tuple(x.shape)}")
     if not x.is_floating_point():

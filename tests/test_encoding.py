@@ -785,3 +785,32 @@ def test_dequantize_refuses_a_dtype_that_is_not_floating_point(dtype, exc, match
     for ok in (torch.float16, torch.bfloat16, torch.float32, torch.float64):   # floating dtypes still work
         assert at.dequantize(ok).dtype == ok
         assert torch.allclose(at.dequantize(ok).double(), at.dequantize(torch.float64), rtol=1e-2, atol=1e-1)
+
+
+@pytest.mark.parametrize("where", ["meta", "sparse_coo"])
+def test_quantize_refuses_x_whose_values_cannot_be_read(where):
+    """x on the meta device (a model built with empty weights) raised a RuntimeError from torch's Tensor.item(),
+    a sparse x a NotImplementedError from inside torch."""
+    x = torch.randn(1, 2, 4, 16, generator=torch.Generator().manual_seed(44))
+    bad = x.to("meta") if where == "meta" else x.to_sparse()
+    what = "on the meta device" if where == "meta" else "of layout torch.sparse_coo"
+    with pytest.raises(InputError, match=rf"x is a tensor {what}, whose values cannot be read; pass a dense "
+                                         r"tensor"):
+        quantize(bad, Affine(4, "token", 8))
+    if where == "sparse_coo":   # the fix the message names: the dense tensor quantizes as x does
+        dense, want = quantize(bad.to_dense(), Affine(4, "token", 8)), quantize(x, Affine(4, "token", 8))
+        assert torch.equal(dense.codes, want.codes) and torch.equal(dense.scale, want.scale)
+
+
+@pytest.mark.parametrize("part", ["codes", "scale", "zero"])
+def test_affine_tensor_refuses_sparse_parts(part):
+    """A sparse part was taken, and dequantize (or attention) raised a NotImplementedError from inside torch."""
+    codes, scale, zero, enc = _valid_parts()
+    parts = {"codes": codes, "scale": scale, "zero": zero}
+    parts[part] = parts[part].to_sparse()
+    with pytest.raises(InputError, match=rf"{part} is a tensor of layout torch.sparse_coo; an AffineTensor holds "
+                                         rf"dense tensors: pass {part}.to_dense\(\)"):
+        AffineTensor(parts["codes"], parts["scale"], parts["zero"], enc, 8)
+    parts[part] = parts[part].to_dense()
+    assert torch.equal(AffineTensor(parts["codes"], parts["scale"], parts["zero"], enc, 8).dequantize(),
+                       AffineTensor(codes, scale, zero, enc, 8).dequantize())
