@@ -305,6 +305,11 @@ def quantize(x: torch.Tensor, enc: Affine) -> AffineTensor:
     scale = ((mx - mn) / enc.max_code).to(enc.scale_dtype)
     zero = mn.to(enc.scale_dtype)
     if not (torch.isfinite(scale).all() and torch.isfinite(zero).all()):
+        if not torch.isfinite(mx - mn).all():   # float32 scales would overflow too
+            raise ScaleOverflowError(
+                f"x has values (max |x| = {xf.abs().max().item():.4g}) whose group's range (max - min) is beyond "
+                f"float32's range (the quantizer computes in float32), so no scale_dtype holds its scale; scale the "
+                "values down (or clip them) before quantizing")
         raise ScaleOverflowError(
             f"x has values (max |x| = {xf.abs().max().item():.4g}) whose scale or zero overflow "
             f"scale_dtype={enc.scale_dtype}; use float32 scales: '{enc.layout}:{enc.bits}:{enc.group_size}:fp32' "

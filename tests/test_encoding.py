@@ -22,7 +22,7 @@ from foldc.encoding import (
     scale_shape,
     unpack_codes,
 )
-from foldc.errors import InputError, InputTypeError, SpecError
+from foldc.errors import InputError, InputTypeError, ScaleOverflowError, SpecError
 
 SCALE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 PROP = settings(max_examples=80, deadline=None)
@@ -814,3 +814,24 @@ def test_affine_tensor_refuses_sparse_parts(part):
     parts[part] = parts[part].to_dense()
     assert torch.equal(AffineTensor(parts["codes"], parts["scale"], parts["zero"], enc, 8).dequantize(),
                        AffineTensor(codes, scale, zero, enc, 8).dequantize())
+
+
+@settings(max_examples=30, deadline=None)
+@given(encodings_and_shapes(), st.floats(1.8e38, 3.4e38), st.integers(0, 2**31 - 1), st.data())
+def test_a_range_past_float32_names_scaling_the_values_not_float32_scales(es, big, seed, data):
+    """Finite values whose group range (max - min) overflows float32, the quantizer's arithmetic: the error told
+    to use float32 scales, with float32 scales already (and with 16-bit ones, where they would not help either)."""
+    enc, shape = es
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+    pos = [data.draw(st.integers(0, s - 1)) for s in shape]
+    twin = list(pos)   # a second value of the same group, of the opposite sign
+    axis = 3 if enc.layout == "token" else 2
+    others = [i for i in range(shape[axis]) if i != pos[axis] and i // enc.group_size == pos[axis] // enc.group_size]
+    assume(others)
+    twin[axis] = data.draw(st.sampled_from(others))
+    x[tuple(pos)], x[tuple(twin)] = big, -big
+    with pytest.raises(ScaleOverflowError) as ei:
+        quantize(x, enc)
+    msg = str(ei.value)
+    assert "float32 scales" not in msg and "beyond float32's range" in msg and "scale the values" in msg, msg
+    assert quantize(x / 4, Affine(enc.bits, enc.layout, enc.group_size, torch.float32)).scale.isfinite().all()
