@@ -135,8 +135,31 @@ def scale_shape(enc: Affine, batch: int, heads: int, tokens: int, head_dim: int)
     return (batch, heads, math.ceil(tokens / enc.group_size), head_dim)
 
 
+def _check_bits(bits) -> None:
+    if isinstance(bits, bool) or not isinstance(bits, int) or bits not in SUPPORTED_BITS:
+        raise SpecError(f"bits={bits!r} is not supported; use one of {SUPPORTED_BITS}")
+
+
 def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """Pack integer codes [..., head_dim] into uint8 [..., head_dim * bits // 8] (planar order)."""
+    _check_bits(bits)
+    k, top = 8 // bits, (1 << bits) - 1
+    if codes.is_floating_point() or codes.is_complex() or codes.dtype == torch.bool:
+        raise InputError(f"codes dtype={codes.dtype} must be an integer dtype (codes 0..{top}); round and convert "
+                         "them first, e.g. codes.round().to(torch.uint8)")
+    if codes.shape[-1] % k:
+        raise InputError(f"codes last dim {codes.shape[-1]} is not a multiple of {k}, the number of {bits}-bit codes "
+                         "per byte; pad the rows")
+    if codes.numel():
+        lo, hi = torch.stack(torch.aminmax(codes)).tolist()
+        if lo < 0 or hi > top:
+            raise InputError(f"codes span [{lo}, {hi}], outside 0..{top} ({bits}-bit codes): a code past its bit "
+                             f"field spills into its neighbours'; clamp them (codes.clamp(0, {top})) or use more bits")
+    return _pack(codes, bits)
+
+
+def _pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """`pack_codes` without its checks (codes already in 0 .. 2**bits - 1)."""
     k = 8 // bits
     d = codes.shape[-1]
     fields = codes.to(torch.uint8).reshape(*codes.shape[:-1], k, d // k)
@@ -148,6 +171,7 @@ def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
 
 def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
     """Inverse of `pack_codes`: uint8 [..., head_dim * bits // 8] -> uint8 codes [..., head_dim]."""
+    _check_bits(bits)
     k = 8 // bits
     mask = (1 << bits) - 1
     fields = [(packed >> (i * bits)) & mask for i in range(k)]
@@ -321,4 +345,4 @@ def quantize(x: torch.Tensor, enc: Affine) -> AffineTensor:
     safe = torch.where(s_full > 0, s_full, torch.ones_like(s_full))
     codes = torch.where(s_full > 0, torch.round((xf - z_full) / safe), torch.zeros_like(xf))
     codes = codes.clamp_(0, enc.max_code).to(torch.uint8)
-    return AffineTensor(pack_codes(codes, enc.bits), scale, zero, enc, d)
+    return AffineTensor(_pack(codes, enc.bits), scale, zero, enc, d)   # codes clamped: no checks

@@ -835,3 +835,34 @@ def test_a_range_past_float32_names_scaling_the_values_not_float32_scales(es, bi
     msg = str(ei.value)
     assert "float32 scales" not in msg and "beyond float32's range" in msg and "scale the values" in msg, msg
     assert quantize(x / 4, Affine(enc.bits, enc.layout, enc.group_size, torch.float32)).scale.isfinite().all()
+
+
+@pytest.mark.parametrize("bits", SUPPORTED_BITS)
+def test_pack_codes_refuses_codes_it_cannot_pack(bits):
+    """pack_codes OR-ed a code past 2**bits - 1 (or a negative one, wrapped to 255) into its neighbours' bit fields
+    and truncated float codes (silently: unpack_codes gave other codes back); a row of a width that is not a
+    multiple of the codes per byte raised a RuntimeError from torch's reshape."""
+    gen = torch.Generator().manual_seed(45 + bits)
+    k, top = 8 // bits, (1 << bits) - 1
+    codes = torch.randint(0, top + 1, (3, 4 * k), generator=gen)
+    assert torch.equal(unpack_codes(pack_codes(codes, bits), bits).long(), codes)   # in range: a round trip
+    for bad in (top + 1 + int(torch.randint(0, 9, (), generator=gen)), -1):
+        wrong = codes.clone()
+        wrong[1, 2] = bad
+        with pytest.raises(InputError, match=rf"codes span \[{int(wrong.min())}, {int(wrong.max())}\], "
+                                             rf"outside 0..{top} \({bits}-bit codes\)"):
+            pack_codes(wrong, bits)
+    with pytest.raises(InputError, match=r"codes dtype=torch.float32 must be an integer dtype"):
+        pack_codes(codes.float() + 0.4, bits)
+    if k > 1:
+        with pytest.raises(InputError, match=rf"codes last dim {4 * k + 1} is not a multiple of {k}"):
+            pack_codes(torch.cat([codes, codes[:, :1]], dim=1), bits)
+
+
+@pytest.mark.parametrize("bits", [0, 1, 3, 5, 16, True])
+def test_pack_and_unpack_codes_refuse_unsupported_bits(bits):
+    """bits=3 packed two 3-bit fields a byte and unpacked them with a 3-bit mask: other codes back, silently."""
+    codes = torch.randint(0, 2, (2, 8), generator=torch.Generator().manual_seed(46))
+    for call in (lambda: pack_codes(codes, bits), lambda: unpack_codes(codes.to(torch.uint8), bits)):
+        with pytest.raises(SpecError, match=rf"bits={bits!r} is not supported; use one of \(2, 4, 8\)"):
+            call()
