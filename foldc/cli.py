@@ -95,6 +95,8 @@ def cmd_prove(args) -> int:
 def cmd_compile(args) -> int:
     from .layout_compile import compile_layout
 
+    if args.out == "":   # taken for --out left out, no kernel source was written
+        raise SpecError("--out='' is empty: give a folder for the kernel source, or leave the flag out to write none")
     return compile_layout(_spec(args), args.target, args.out, dtype=args.dtype, seed=args.seed,
                           block_n=args.block_n, num_warps=args.num_warps, num_stages=args.num_stages,
                           kernel=args.kernel)

@@ -433,3 +433,11 @@ def test_explain_and_prove_take_a_target(capsys):
     gemm = Path(__file__).resolve().parent.parent / "examples" / "layouts" / "gemm_int4_g128_gemv.toml"
     assert main(["explain", str(gemm), "--target", "sm_90"]) == 2
     assert "a GEMM layout's plan has no target" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("target", ["reference", "interpret"])
+def test_an_empty_out_folder_exits_2_naming_the_flag(capsys, target):
+    """``--out ""`` (an unset shell variable) was taken for no --out: the kernel source was not written, exit 0."""
+    rc, out, err = _run(capsys, "compile", "--target", target, "--out", "")
+    assert rc == 2 and out == ""
+    assert err.startswith("foldc: error: ") and "--out=''" in err and err.count("\n") == 1
