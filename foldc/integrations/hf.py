@@ -304,6 +304,15 @@ _PADDING = ("FoldcCache holds sequences of one length: padding masks are not sup
             "equal length without padding (an attention_mask of all ones), or decode them one at a time")
 
 
+def _check_decode_mask(mask: torch.Tensor | None, tokens=None) -> None:
+    """Refuse a decode step's mask that hides any of the first ``tokens`` (all: None) tokens, reading each mask
+    object once: the layers of one forward share it, so the first layer it reaches reads it."""
+    if mask is not None and mask is not _MASK_READ[0]:
+        if not bool(_allowed(mask if tokens is None else mask[..., :int(tokens)]).all()):
+            raise InputError(_PADDING)
+        _MASK_READ[0] = mask   # held, so that its identity is not another tensor's
+
+
 def foldc_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
                     **kwargs):
@@ -340,10 +349,7 @@ def foldc_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
             raise InputError(f"a decode step of FoldcCache appended 1 token but the query holds {query.shape[2]}")
         # each forward's mask is read once (a read waits for the GPU), by the first layer it reaches: the layers of
         # one forward share the mask object, and a serving loop may pad any step, not only the prompt
-        if attention_mask is not None and attention_mask is not _MASK_READ[0]:
-            if not bool(_allowed(attention_mask).all()):
-                raise InputError(_PADDING)
-            _MASK_READ[0] = attention_mask   # held, so that its identity is not another tensor's
+        _check_decode_mask(attention_mask)
         if scaling is None:
             scaling = query.shape[3] ** -0.5
         q3 = query.squeeze(2)   # [batch, heads, head_dim] (a squeeze costs half an index's host time)
@@ -363,10 +369,8 @@ def foldc_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
     if (static is not None and q_len == 1 and kv_len == 1 and static.is_initialized
             and (torch.compiler.is_compiling() or layer is None)):
         # eager, each forward's mask is read once, over the tokens held, as for FoldcCache (traced: nothing is read)
-        if attention_mask is not None and not torch.compiler.is_compiling() and attention_mask is not _MASK_READ[0]:
-            if not bool(_allowed(attention_mask[..., :int(static.length)]).all()):
-                raise InputError(_PADDING)
-            _MASK_READ[0] = attention_mask
+        if not torch.compiler.is_compiling():
+            _check_decode_mask(attention_mask, static.length)
         return static.attention(query, scaling), None
 
     if layer is not None and attention_mask is not None:
