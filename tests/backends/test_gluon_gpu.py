@@ -198,6 +198,38 @@ def test_dequant_plans_keep_values_in_range(k, v, k_mult, v_mult):
     assert err <= TOLERANCE * base, f"{spec.describe()} x({k_mult}, {v_mult}): error {err:.3e} > bf16's {base:.3e}"
 
 
+KEY_FOLD_RANGES = [("channel:2:32", "token:2:32", "32/8", 128), ("channel:4:32", "channel:4:64", "8/8", 128),
+                   ("channel:8:16", "token:4:128", "40/8", 128), ("channel:2:16", "token:2:64", "32/8", 64)]
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("k,v,heads,head_dim", KEY_FOLD_RANGES, ids=[f"{k}-{v}-{h}-d{d}" for k, v, h, d in KEY_FOLD_RANGES])
+@pytest.mark.parametrize("k_mult,q_mult", [(1e-4, 1.0), (300.0, 1.0), (1.0, 30.0), (3e-3, 30.0)],
+                         ids=["tiny", "large", "loud", "tiny-loud"])
+def test_channel_wise_key_fold_keeps_values_in_range(k, v, heads, head_dim, dtype, k_mult, q_mult):
+    """Channel-wise keys with fp16 scales build each group's query operand in fp16 at a power of two per query
+    row and per head's group (tile_groups.key_group16): keys 1e-4 or hundreds of times the usual size, channels
+    of sizes 2^-6 to 2^3 apart, queries 30 times louder, stay within the bar at logits of order one."""
+    from foldc.reference import attention_reference
+    from foldc.testing import bf16_attention
+
+    spec = _grid_spec(k, v, heads, head_dim)
+    gen = torch.Generator().manual_seed(int(k_mult * 1e4) + int(q_mult) + head_dim)
+    q = (torch.randn(2, spec.num_q_heads, head_dim, generator=gen) * q_mult).to("cuda", DTYPES[dtype])
+    keys = torch.randn(2, spec.num_kv_heads, 1500, head_dim, generator=gen) * k_mult * \
+        torch.exp2(torch.randint(-6, 4, (1, spec.num_kv_heads, 1, head_dim), generator=gen).float())
+    values = torch.randn(2, spec.num_kv_heads, 1500, head_dim, generator=gen) + 0.5
+    kq, vq = foldc.quantize(keys.cuda(), spec.k), foldc.quantize(values.cuda(), spec.v)
+    lens = torch.tensor([1500, 777], device="cuda")
+    sm_scale = 1.0 / (k_mult * q_mult * head_dim ** 0.5)
+    out = torch.full(q.shape, float("nan"), device="cuda", dtype=q.dtype)
+    got = foldc.compile(spec, "sm_90", kernel="gluon")(q, kq, vq, sm_scale=sm_scale, seq_lens=lens, out=out)
+    ref = attention_reference(q, kq, vq, sm_scale=sm_scale, seq_lens=lens)
+    err, base = rel_l2(got, ref), rel_l2(bf16_attention(q, kq, vq, sm_scale, lens), ref)
+    assert not torch.isnan(out).any()
+    assert err <= TOLERANCE * base, f"{spec.describe()} x({k_mult}, {q_mult}): error {err:.3e} > bf16's {base:.3e}"
+
+
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("bits", [2, 4], ids=["int2", "int4"])
 @pytest.mark.parametrize("kl,vl", LAYOUTS, ids=[f"K{k[0]}V{v[0]}" for k, v in LAYOUTS])

@@ -185,6 +185,8 @@ def test_grid_build_is_the_designed_kernel(job, reports):
         value_tiles = sum(len(piece_groups("value", i, cfg["value_bits"], cfg["width"], job[3], cfg["value_groups"],
                                            rows=16)) for i in range(cfg["width"] // 16))
     blocks = heads * (block_n // 16) * (key_tiles + value_tiles) * (rows // 8)
+    if _key_query16(job, cfg):   # each key group's zero term: one MMA over head_dim (tile_groups.key_group16)
+        blocks += cfg["width"] // 16 * (2 if cfg["key_tokens"] < block_n else 1)
     assert loop.get("HMMA", 0) == blocks, loop
     # one LOP3 per two codes on each side: a side of W words per token unpacks 2 x fields registers
     # per word (operands.py); the rest of the loop adds a few (masks, group reloads, addressing)
@@ -195,6 +197,17 @@ def test_grid_build_is_the_designed_kernel(job, reports):
         assert 0.85 * unpack <= loop.get("LOP3", 0) <= unpack + 24 + unpack // 4, (unpack, loop)
     else:
         assert unpack <= loop.get("LOP3", 0) <= unpack + 24 + unpack // 4, (unpack, loop)
+
+
+def _key_query16(job, cfg) -> bool:
+    """The build folds channel-wise keys with fp16 scales at head_dim up to 128 (kernel.py's KQ16)."""
+    import torch
+
+    from foldc.spec import spec_from_args
+
+    spec = spec_from_args(*job[:4])
+    return 0 < cfg["key_tokens"] <= 32 and not cfg["key_dequant"] and cfg["width"] <= 128 and cfg["rows"] <= 8 and \
+        spec.k.scale_dtype == torch.float16
 
 
 def _in_the_fit(job) -> bool:

@@ -38,9 +38,9 @@ from foldc.backends.gluon.tile_memory import (copy_layout, draw_chunk, issue_cop
 from foldc.backends.gluon.tile_dequant import (KEY_E_HI, KEY_E_LO, KEY_TOP, VALUE_E_HI, VALUE_E_LO, VALUE_TOP,
                                                channel_group, key_token_dequant, pow2, rebuild, token_exponent,
                                                value_fields, value_token_dequant)
-from foldc.backends.gluon.tile_groups import (PIECE_C, key_tile_params, load_query, masked_sums, piece_count,
-                                              piece_group, piece_queries, piece_slot, rebuild_rows,
-                                              value_tile_params, value_weights)
+from foldc.backends.gluon.tile_groups import (PIECE_C, key_query16, key_tile_params, key_tile_params16, load_query,
+                                              masked_sums, piece_count, piece_group, piece_queries, piece_slot,
+                                              rebuild_rows, value_tile_params, value_weights)
 from foldc.backends.gluon.tile_operands import (NARROW, group_mmas, group_sums, join_field_groups, join_groups,
                                                 key_operand, key_words_layout, load_value_words, per_channel,
                                                 per_channel16, per_row, scaled_p, select_groups, split_field_groups,
@@ -504,6 +504,12 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
     # parameters are held 16-bit (they spilled 66-147 registers, AOT SASS)
     LEAN: gl.constexpr = D > 128 and ((KEY_G > 0 and VAL_G > 0) or (VAL_G > 0 and KEY_NG > 4) or
                                       (KEY_G > 0 and VAL_NG > 4))
+    # channel-wise K folded in groups of up to 32 tokens with fp16 scales, up to 128 channels and 8 query rows: each
+    # group's query operand by fp16 products, its zero term by one MMA (tile_groups.key_group16: 300 -> 161 SASS a
+    # group of INT2 at 32/8, AOT; 1.04-1.31x on an H100, docs/perf.md). Larger groups (no faster), 16 rows, head_dim
+    # 256 (their fixed operands spilled) and other scale dtypes keep the float32 path (key_group)
+    KQ16: gl.constexpr = (KEY_G > 0 and KEY_G <= 32 and not KDQ and D <= 128 and ROWS <= 8 and
+                          KS.dtype.element_ty == gl.float16)
     KWR: gl.constexpr = DR * KBITS // 32
     VWR: gl.constexpr = DR * VBITS // 32
     # P masked per head by ANDs with two packed heads: 3.6% fewer instructions per INT2 tile, 1-3% faster
@@ -634,9 +640,15 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
     else:
         if KDQ:   # channel-wise K, dequant: the query times c (fp16) and the logits' factor per row, once
             qv = ((qv * c[None, :]).to(gl.float16), gl.convert_layout(qk_scale / c, row_l))
-        q16, q_bias, q_sum = key_tile_params(qv, field, chan, head_q, stride_ksh, KSp, KZp, stride_ksn, start, end,
-                                              qk_scale, KBITS, KEY_EXP, H, D, ROWS, KSWAP, KCH, KCHR, KDQ,
-                                              KEY_G, BN)
+        if KQ16:   # the query's fixed operands (qv is then key_query16's tuple)
+            qv = key_query16(Q, b, stride_qb, q_head0, stride_qh, rq, q_mask, real_rows, qv, field, qk_scale, KBITS,
+                             KEY_EXP, D, ROWS, DR)
+            q16, q_bias, q_sum = key_tile_params16(qv, chan, head_q, stride_ksh, KSp, KZp, stride_ksn, start, end, H,
+                                                   D, ROWS, Q_PER_KV, KSWAP, KCH, KCHR, DR, KEY_G, BN)
+        else:
+            q16, q_bias, q_sum = key_tile_params(qv, field, chan, head_q, stride_ksh, KSp, KZp, stride_ksn, start,
+                                                  end, qk_scale, KBITS, KEY_EXP, H, D, ROWS, KSWAP, KCH, KCHR, KDQ,
+                                                  KEY_G, BN)
     # row m of O^T is channel operands.value_channel(m)
     cm = gl.arange(0, D, layout=tok_l)
     if VF == 0:   # plain values: channel order
@@ -677,13 +689,18 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
                                                       KEY_NG, VAL_NG)
             if KEY_G > 0:
                 if n0 % KEY_G == 0:
-                    if LEAN and not KDQ:   # the query read again (L1/L2) at each group: no float32 copy held
-                        _, qg = load_query(Q, b, stride_qb, q_head0, stride_qh, rq, q_off, q_mask, D, ROWS, KSWAP)
+                    if KQ16:
+                        q16, q_bias, q_sum = key_tile_params16(qv, chan, head_q, stride_ksh, KSp, KZp, stride_ksn, n0,
+                                                               end, H, D, ROWS, Q_PER_KV, KSWAP, KCH, KCHR, DR, KEY_G,
+                                                               BN)
                     else:
-                        qg = qv
-                    q16, q_bias, q_sum = key_tile_params(qg, field, chan, head_q, stride_ksh, KSp, KZp, stride_ksn,
-                                                          n0, end, qk_scale, KBITS, KEY_EXP, H, D, ROWS,
-                                                          KSWAP, KCH, KCHR, KDQ, KEY_G, BN)
+                        if LEAN and not KDQ:   # the query read again (L1/L2) at each group: no float32 copy held
+                            _, qg = load_query(Q, b, stride_qb, q_head0, stride_qh, rq, q_off, q_mask, D, ROWS, KSWAP)
+                        else:
+                            qg = qv
+                        q16, q_bias, q_sum = key_tile_params(qg, field, chan, head_q, stride_ksh, KSp, KZp, stride_ksn,
+                                                              n0, end, qk_scale, KBITS, KEY_EXP, H, D, ROWS,
+                                                              KSWAP, KCH, KCHR, KDQ, KEY_G, BN)
             if VAL_G > 0:
                 if n0 % VAL_G == 0:
                     v_scale, v_zero = value_tile_params(VSp, VZp, stride_vsn, n0, end, chan_o, weight_o, head_c,
@@ -744,7 +761,10 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
         if PAGE > 0:
             k_base, v_base, KSp, KZp, VSp, VZp = tile_bases(full_end, b, h, cache, table, strides, KWR, VWR, KEY_G,
                                                             VAL_G, PAGE, KEY_NG, VAL_NG)
-        if KEY_G > 0:
+        if KQ16:
+            q16, q_bias, q_sum = key_tile_params16(qv, chan, head_q, stride_ksh, KSp, KZp, stride_ksn, full_end, end, H,
+                                                   D, ROWS, Q_PER_KV, KSWAP, KCH, KCHR, DR, KEY_G, BN)
+        elif KEY_G > 0:
             if LEAN and not KDQ:
                 _, qg = load_query(Q, b, stride_qb, q_head0, stride_qh, rq, q_off, q_mask, D, ROWS, KSWAP)
             else:

@@ -3,6 +3,8 @@ memory, a channel-wise group's query operand and logits' map (key side) or scale
 side), folded (tile_operands.key_group, value_group) or for a dequant plan (tile_dequant.py), the two
 groups of a tile of channel-wise groups of 16 tokens, and for groups that cross a padded head_dim's bit
 fields the per-group sums of the query and its pieces (operands.piece_groups: which groups a piece meets).
+Channel-wise K with fp16 scales at head_dim up to 128 builds each group's query operand by fp16 products and
+its zero term by one MMA (key_query16, key_group16).
 
 Import this module only where Triton runs natively (not under TRITON_INTERPRET=1).
 """
@@ -14,7 +16,9 @@ from triton.experimental.gluon import language as gl
 
 from foldc.backends.gluon.operands import PIECE, VALUE_EXPONENT, piece_groups
 from foldc.backends.gluon.tile_dequant import key_group_dequant, rebuild, value_group_dequant
-from foldc.backends.gluon.tile_operands import key_group, split_groups, swap_k01, value_group
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+
+from foldc.backends.gluon.tile_operands import channel_param16, key_group, split_groups, swap_k01, value_group
 
 
 @gluon.jit
@@ -173,6 +177,82 @@ def value_tile_params(VSp, VZp, stride_vsn, n0, end, chan_o, weight, head_c, ok,
         second = value_params(VSp + g2 * stride_vsn, VZp + g2 * stride_vsn, chan_o, weight, head_c, ok, stride_vsh, cm,
                               H, PAD, D, BITS, DQ, LEAN)
         out = (first[0], second[0]), (first[1], second[1])
+    else:
+        out = first
+    return out
+
+
+@gluon.jit
+def key_query16(Q, b, stride_qb, q_head0, stride_qh, rq, q_mask, real_rows, qv, field, qk_scale, BITS: gl.constexpr,
+                KEY_EXP: gl.constexpr, D: gl.constexpr, ROWS: gl.constexpr, DR: gl.constexpr):
+    """Channel-wise K with fp16 scales, once a call: each query row times a power of two cq putting its largest
+    entry in [1/2, 1), as Q'n = q x cq x 2^-(bits x field) in fp16 (exact for bf16 and fp16 queries in fp16's
+    normal range) in the key operand's k order (the B operand of the keys' MMA, key_group16 scales it per group),
+    and as Qz = q x cq in channel order, the A operand of the zero term's MMA (rows past the query rows zero);
+    the logits' factor per row qk_scale x 2^KEY_EXP / cq, and the zero term's qk_scale / cq per A row."""
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
+    a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=8)
+    amax = gl.maximum(gl.max(gl.abs(qv), axis=0), 1e-30)
+    cq = gl.exp2(-1.0 - gl.floor(gl.log2(amax)))
+    qn16 = (qv * cq[None, :] * gl.exp2(-(field * BITS).to(gl.float32))[:, None]).to(gl.float16)
+    mul = gl.convert_layout(qk_scale * (2.0 ** KEY_EXP) / cq, gl.SliceLayout(0, mma))
+    ra = gl.arange(0, 16, layout=gl.SliceLayout(1, a_l))
+    ca = gl.arange(0, D, layout=gl.SliceLayout(0, a_l))
+    qa = gl.load(Q + b * stride_qb + (q_head0 + ra)[:, None] * stride_qh + ca[None, :],
+                 mask=((ra < real_rows) & (ra < ROWS))[:, None] & (ca < DR)[None, :], other=0.0).to(gl.float32)
+    cqa = gl.exp2(-1.0 - gl.floor(gl.log2(gl.maximum(gl.max(gl.abs(qa), axis=1), 1e-30))))
+    qza = (qa * cqa[:, None]).to(gl.float16)
+    zmul = gl.convert_layout(qk_scale / cqa, gl.SliceLayout(1, mma))
+    return qn16, qza, mul, zmul
+
+
+@gluon.jit
+def key_group16(query, chan, head_q, stride_ksh, KSg, KZg, H: gl.constexpr, D: gl.constexpr, ROWS: gl.constexpr,
+                Q_PER_KV: gl.constexpr, SWAP: gl.constexpr, CH: gl.constexpr, CHR: gl.constexpr, DR: gl.constexpr):
+    """One channel-wise K group with fp16 scales (operand-fold, eq. 4, 6): each head's scales s times a power
+    of two 2^-e putting the largest in [1, 2) (e clamped to [-15, 15]), Q' = Q'n x (s x 2^-e) in fp16 (finite:
+    |Q'n| < 1); the logits' map t = acc x mul + add with mul = key_query16's factor x 2^e and
+    add = qk_scale x sum(q x zero) from one MMA, C[r, n] = sum_c Qz[r, c] z[c] of head n % H, each query row
+    keeping a column of its own head (``query``: key_query16's)."""
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
+    b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=8)
+    row_l: gl.constexpr = gl.SliceLayout(0, mma)
+    qn16, qza, mul, zmul = query
+    sk = channel_param16(KSg, chan, head_q, stride_ksh, D, ROWS, H, SWAP, CH, CHR)
+    top = gl.max(gl.abs(sk), axis=0).to(gl.float32).to(gl.int32, bitcast=True)   # zero, subnormal: e = -15
+    e = gl.minimum(gl.maximum(((top >> 23) & 255) - 127, -15), 15)
+    down = ((127 - e) << 23).to(gl.float32, bitcast=True).to(gl.float16)   # 2^-e, exact in fp16
+    up = ((127 + e) << 23).to(gl.float32, bitcast=True)
+    q16 = qn16 * (sk * down[None, :])
+    cz = gl.arange(0, D, layout=gl.SliceLayout(1, b_l))
+    nz = gl.arange(0, 8, layout=gl.SliceLayout(0, b_l))
+    zb = gl.load(KZg + (nz % H)[None, :] * stride_ksh + cz[:, None], mask=(cz < DR)[:, None], other=0.0)
+    c = mma_v2(qza, zb, gl.zeros([16, 8], gl.float32, layout=mma))
+    rm = gl.arange(0, 16, layout=gl.SliceLayout(1, mma))
+    nm = gl.arange(0, 8, layout=gl.SliceLayout(0, mma))
+    mine = (nm % H)[None, :] == gl.minimum(rm // Q_PER_KV, H - 1)[:, None]
+    v = gl.max(gl.where(mine, c, float("-inf")), axis=1) * zmul   # [16]: the rows past ROWS are zero
+    if ROWS == 16:
+        add = gl.convert_layout(v, row_l)
+    else:
+        add = gl.convert_layout(gl.sum(gl.reshape(v, [16 // ROWS, ROWS]), axis=0), row_l)
+    return q16, mul * gl.convert_layout(up, row_l), add
+
+
+@gluon.jit
+def key_tile_params16(query, chan, head_q, stride_ksh, KSp, KZp, stride_ksn, n0, end, H: gl.constexpr,
+                      D: gl.constexpr, ROWS: gl.constexpr, Q_PER_KV: gl.constexpr, SWAP: gl.constexpr,
+                      CH: gl.constexpr, CHR: gl.constexpr, DR: gl.constexpr, KEY_G: gl.constexpr, BN: gl.constexpr):
+    """key_tile_params by key_group16: the group holding token n0, or with groups of half a tile both groups'
+    (q16, mul, add) as pairs."""
+    g = n0 // KEY_G
+    first = key_group16(query, chan, head_q, stride_ksh, KSp + g * stride_ksn, KZp + g * stride_ksn, H, D, ROWS,
+                        Q_PER_KV, SWAP, CH, CHR, DR)
+    if KEY_G < BN:
+        g2 = gl.maximum(gl.minimum(g + 1, (end - 1) // KEY_G), g)
+        second = key_group16(query, chan, head_q, stride_ksh, KSp + g2 * stride_ksn, KZp + g2 * stride_ksn, H, D,
+                             ROWS, Q_PER_KV, SWAP, CH, CHR, DR)
+        out = (first[0], second[0]), (first[1], second[1]), (first[2], second[2])
     else:
         out = first
     return out

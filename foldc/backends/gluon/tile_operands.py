@@ -195,7 +195,14 @@ def swap_k01(x, D: gl.constexpr, ROWS: gl.constexpr):
 @gluon.jit
 def _channel_param(P, chan, head_q, stride_h, D: gl.constexpr, ROWS: gl.constexpr, H: gl.constexpr,
                    SWAP: gl.constexpr, CH: gl.constexpr, CHR: gl.constexpr):
-    """A channel-wise K parameter (scale or zero) of one token group as float32 in the query
+    """channel_param16 in float32."""
+    return channel_param16(P, chan, head_q, stride_h, D, ROWS, H, SWAP, CH, CHR).to(gl.float32)
+
+
+@gluon.jit
+def channel_param16(P, chan, head_q, stride_h, D: gl.constexpr, ROWS: gl.constexpr, H: gl.constexpr,
+                    SWAP: gl.constexpr, CH: gl.constexpr, CHR: gl.constexpr):
+    """A channel-wise K parameter (scale or zero) of one token group in its 16-bit dtype, in the query
     operand's layout, [D, 1] or [D, ROWS] with each row's own head: each lane's eight consecutive
     channels in one vector load, then put in k order (swap_k01). Not SWAP (four words per token,
     whose k order moves channels across lanes): each k's channel ``chan`` loaded where it is used.
@@ -209,23 +216,21 @@ def _channel_param(P, chan, head_q, stride_h, D: gl.constexpr, ROWS: gl.constexp
         c = (c // CH) * CHR + c % CH
         if H == 1:
             x = gl.load(P + c, mask=ok, other=0)
-            y = gl.convert_layout(swap_k01(x, D, 0), gl.SliceLayout(1, b_l), assert_trivial=True)
-            out = y.to(gl.float32)[:, None]
+            out = gl.convert_layout(swap_k01(x, D, 0), gl.SliceLayout(1, b_l), assert_trivial=True)[:, None]
         else:
             x = gl.load(P + head_q[None, :] * stride_h + c[:, None], mask=ok[:, None], other=0)
-            out = gl.convert_layout(swap_k01(x, D, ROWS), b_l, assert_trivial=True).to(gl.float32)
+            out = gl.convert_layout(swap_k01(x, D, ROWS), b_l, assert_trivial=True)
     elif not SWAP:
         if H == 1:
-            out = gl.load(P + chan).to(gl.float32)[:, None]
+            out = gl.load(P + chan)[:, None]
         else:
-            out = gl.load(P + head_q[None, :] * stride_h + chan[:, None]).to(gl.float32)
+            out = gl.load(P + head_q[None, :] * stride_h + chan[:, None])
     elif H == 1:
         x = gl.load(P + c)
-        y = gl.convert_layout(swap_k01(x, D, 0), gl.SliceLayout(1, b_l), assert_trivial=True)
-        out = y.to(gl.float32)[:, None]
+        out = gl.convert_layout(swap_k01(x, D, 0), gl.SliceLayout(1, b_l), assert_trivial=True)[:, None]
     else:
         x = gl.load(P + head_q[None, :] * stride_h + c[:, None])
-        out = gl.convert_layout(swap_k01(x, D, ROWS), b_l, assert_trivial=True).to(gl.float32)
+        out = gl.convert_layout(swap_k01(x, D, ROWS), b_l, assert_trivial=True)
     return out
 
 
