@@ -200,13 +200,13 @@ def test_grid_build_is_the_designed_kernel(job, reports):
 
 
 def _key_query16(job, cfg) -> bool:
-    """The build folds channel-wise keys with fp16 scales at head_dim up to 128 (kernel.py's KQ16)."""
+    """The build folds 2-bit channel-wise keys in groups of up to 32 tokens with fp16 scales (kernel.py's KQ16)."""
     import torch
 
     from foldc.spec import spec_from_args
 
     spec = spec_from_args(*job[:4])
-    return 0 < cfg["key_tokens"] <= 32 and not cfg["key_dequant"] and cfg["width"] <= 128 and cfg["rows"] <= 8 and \
+    return cfg["key_bits"] == 2 and 0 < cfg["key_tokens"] <= 32 and not cfg["key_dequant"] and cfg["width"] <= 128 and cfg["rows"] <= 8 and \
         spec.k.scale_dtype == torch.float16
 
 

@@ -504,11 +504,11 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
     # parameters are held 16-bit (they spilled 66-147 registers, AOT SASS)
     LEAN: gl.constexpr = D > 128 and ((KEY_G > 0 and VAL_G > 0) or (VAL_G > 0 and KEY_NG > 4) or
                                       (KEY_G > 0 and VAL_NG > 4))
-    # channel-wise K folded in groups of up to 32 tokens with fp16 scales, up to 128 channels and 8 query rows: each
-    # group's query operand by fp16 products, its zero term by one MMA (tile_groups.key_group16: 300 -> 161 SASS a
-    # group of INT2 at 32/8, AOT; 1.04-1.31x on an H100, docs/perf.md). Larger groups (no faster), 16 rows, head_dim
-    # 256 (their fixed operands spilled) and other scale dtypes keep the float32 path (key_group)
-    KQ16: gl.constexpr = (KEY_G > 0 and KEY_G <= 32 and not KDQ and D <= 128 and ROWS <= 8 and
+    # 2-bit channel-wise K folded in groups of up to 32 tokens with fp16 scales, up to 128 channels and 8 query rows:
+    # each group's query operand by fp16 products, its zero term by one MMA (tile_groups.key_group16: 300 -> 161 SASS
+    # a group at 32/8, AOT; 1.04-1.31x on an H100, docs/perf.md). INT4, INT8 and larger groups (no faster, and a few
+    # builds spilled), 16 rows and head_dim 256 (spilled), other scale dtypes keep the float32 path (key_group)
+    KQ16: gl.constexpr = (KBITS == 2 and KEY_G > 0 and KEY_G <= 32 and not KDQ and D <= 128 and ROWS <= 8 and
                           KS.dtype.element_ty == gl.float16)
     KWR: gl.constexpr = DR * KBITS // 32
     VWR: gl.constexpr = DR * VBITS // 32
