@@ -3,8 +3,8 @@ memory, a channel-wise group's query operand and logits' map (key side) or scale
 side), folded (tile_operands.key_group, value_group) or for a dequant plan (tile_dequant.py), the two
 groups of a tile of channel-wise groups of 16 tokens, and for groups that cross a padded head_dim's bit
 fields the per-group sums of the query and its pieces (operands.piece_groups: which groups a piece meets).
-Channel-wise K with fp16 scales at head_dim up to 128 builds each group's query operand by fp16 products and
-its zero term by one MMA (key_query16, key_group16).
+2-bit channel-wise K in groups of up to 32 tokens with fp16 scales (kernel.py's KQ16) builds each group's query
+operand by fp16 products and its zero term by one MMA (key_query16, key_group16).
 
 Import this module only where Triton runs natively (not under TRITON_INTERPRET=1).
 """
@@ -13,11 +13,10 @@ from __future__ import annotations
 from triton.experimental import gluon
 from triton.experimental.gluon import constexpr_function
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from foldc.backends.gluon.operands import PIECE, VALUE_EXPONENT, piece_groups
 from foldc.backends.gluon.tile_dequant import key_group_dequant, rebuild, value_group_dequant
-from triton.experimental.gluon.language.nvidia.ampere import mma_v2
-
 from foldc.backends.gluon.tile_operands import channel_param16, key_group, split_groups, swap_k01, value_group
 
 
@@ -185,7 +184,7 @@ def value_tile_params(VSp, VZp, stride_vsn, n0, end, chan_o, weight, head_c, ok,
 @gluon.jit
 def key_query16(Q, b, stride_qb, q_head0, stride_qh, rq, q_mask, real_rows, qv, field, qk_scale, BITS: gl.constexpr,
                 KEY_EXP: gl.constexpr, D: gl.constexpr, ROWS: gl.constexpr, DR: gl.constexpr):
-    """Channel-wise K with fp16 scales, once a call: each query row times a power of two cq putting its largest
+    """Channel-wise K by fp16 products (KQ16), once a call: each query row times a power of two cq putting its largest
     entry in [1/2, 1), as Q'n = q x cq x 2^-(bits x field) in fp16 (exact for bf16 and fp16 queries in fp16's
     normal range) in the key operand's k order (the B operand of the keys' MMA, key_group16 scales it per group),
     and as Qz = q x cq in channel order, the A operand of the zero term's MMA (rows past the query rows zero);
