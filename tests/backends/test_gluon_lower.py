@@ -637,6 +637,17 @@ def test_narrow_key_and_value_maps_agree_with_the_kernels_index_arithmetic():
         assert value_channel(m, 2, 64) == (m // 16) * 16 + 4 * (m & 3) + ((m >> 3) & 1) + 2 * ((m >> 2) & 1)
 
 
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_value_rows_split_into_a_lane_part_and_a_constant_a_register(bits, head_dim):
+    """tile_operands.value_group addresses a channel-wise V group's parameters as (base + lane part) + a constant
+    a register: the channel of output row m (operands.value_channel, which tile_operands.value_row_channel
+    computes) is the sum of its low three bits' (the lane's row g of the MMA) and the rest's (8j, 16i)."""
+    for m in range(head_dim):
+        assert value_channel(m, bits, head_dim) == value_channel(m & 7, bits, head_dim) + \
+            value_channel(m & -8, bits, head_dim), m
+
 # --- wrong plans never reach code generation --------------------------------------------------------
 
 def test_a_key_correction_after_the_softmax_is_refused_before_lowering():

@@ -44,7 +44,8 @@ from foldc.backends.gluon.tile_groups import (PIECE_C, key_query16, key_tile_par
 from foldc.backends.gluon.tile_operands import (NARROW, group_mmas, group_sums, join_field_groups, join_groups,
                                                 key_operand, key_words_layout, load_value_words, per_channel,
                                                 per_channel16, per_row, scaled_p, select_groups, split_field_groups,
-                                                split_groups, value_operand, value_tile_words, zeros_groups)
+                                                split_groups, value_operand, value_row_channel, value_tile_words,
+                                                zeros_groups)
 
 
 @gluon.jit
@@ -653,10 +654,8 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
     cm = gl.arange(0, D, layout=tok_l)
     if VF == 0:   # plain values: channel order
         chan_o = cm
-    elif VW == NARROW:   # row 16 field + 8 byte + word + 4 (byte // 2), operands.value_row
-        chan_o = (cm // VNB) * VNB + 4 * (cm & 3) + ((cm >> 3) & 1) + 2 * ((cm >> 2) & 1)
     else:
-        chan_o = (cm // VNB) * VNB + 4 * (cm % VW) + (cm // VW) % 4
+        chan_o = value_row_channel(cm, D, VBITS)
     # the value codes enter the MMA as fp16 subnormals code * 2^(bits*field - VALUE_EXP) (operands.py)
     weight_o = gl.exp2((VALUE_EXP - (cm // VNB) * VBITS).to(gl.float32))
     out_ok = None   # every output row is a channel of the cache

@@ -17,7 +17,8 @@ from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from foldc.backends.gluon.operands import PIECE, VALUE_EXPONENT, piece_groups
 from foldc.backends.gluon.tile_dequant import key_group_dequant, rebuild, value_group_dequant
-from foldc.backends.gluon.tile_operands import channel_param16, key_group, split_groups, swap_k01, value_group
+from foldc.backends.gluon.tile_operands import (channel_param16, key_group, split_groups, swap_k01, value_group,
+                                                value_row_channel)
 
 
 @gluon.jit
@@ -138,8 +139,11 @@ def value_params(VSg, VZg, chan_o, weight, head_c, ok, stride_vsh, cm, H: gl.con
     if DQ:
         a, b, f = value_group_dequant(VSg, VZg, chan_o, cm, ok, D, 8 // BITS, PAD)
         out = (a, b), f
-    else:
+    elif PAD:
         out = value_group(VSg, VZg, chan_o, weight, head_c, ok, stride_vsh, H, PAD, LEAN)
+    else:   # the rows' channels split into a lane part and a constant a register (value_row_channel)
+        out = value_group(VSg, VZg, (value_row_channel(cm & 7, D, BITS), value_row_channel(cm & -8, D, BITS)), weight,
+                          head_c, ok, stride_vsh, H, PAD, LEAN)
     return out
 
 

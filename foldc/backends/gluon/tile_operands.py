@@ -256,29 +256,56 @@ def key_group(qv, field, chan, head_q, stride_ksh, KSg, KZg, qk_scale, BITS: gl.
 
 
 @gluon.jit
+def value_row_channel(c, D: gl.constexpr, BITS: gl.constexpr):
+    """The cache channel of row c of O^T for a quantized value side of BITS bits (operands.value_channel): row
+    16 field + 8 byte + word + 4 (byte // 2) at four words a token, else field x bytes + 4 word + byte. Additive
+    over c's low three bits and the rest: channel(c) = channel(c & 7) + channel(c & -8)."""
+    VNB: gl.constexpr = D * BITS // 8
+    VW: gl.constexpr = VNB // 4
+    if VW == NARROW:
+        out = (c // VNB) * VNB + 4 * (c & 3) + ((c >> 3) & 1) + 2 * ((c >> 2) & 1)
+    else:
+        out = (c // VNB) * VNB + 4 * (c % VW) + (c // VW) % 4
+    return out
+
+
+@gluon.jit
 def value_group(VSg, VZg, chan_o, weight, head_c, ok, stride_vsh, H: gl.constexpr, PAD: gl.constexpr = False,
                 KEEP16: gl.constexpr = False):
     """Channel-wise V: one token group's scale (times the field weight) and zero per output row
     [D], or per output row and query row [D, ROWS] with packed heads (each row its own head's).
+    ``chan_o``: each output row's cache channel, or without PAD the pair (lane part, register part) of it
+    (value_row_channel's split): the address is then one base per lane and head plus a constant a register,
+    each load an immediate offset from it (as tile_memory._param's).
     PAD: a padded head_dim, whose padding rows (not ``ok``) load zero (``ok`` is None otherwise).
     KEEP16: 16-bit scales and zeros as loaded (`per_channel` applies ``weight``), half the registers."""
-    if H == 1:
-        off = chan_o
-        w = weight
+    if PAD:
+        if H == 1:
+            ps = VSg + chan_o
+            pz = VZg + chan_o
+            m = ok
+        else:
+            ps = VSg + (head_c[None, :] * stride_vsh + chan_o[:, None])
+            pz = VZg + (head_c[None, :] * stride_vsh + chan_o[:, None])
+            m = ok[:, None]
     else:
-        off = head_c[None, :] * stride_vsh + chan_o[:, None]
-        w = weight[:, None]
+        lo, hi = chan_o
+        if H == 1:
+            ps = (VSg + lo) + hi
+            pz = (VZg + lo) + hi
+        else:
+            ps = (VSg + head_c[None, :] * stride_vsh + lo[:, None]) + hi[:, None]
+            pz = (VZg + head_c[None, :] * stride_vsh + lo[:, None]) + hi[:, None]
+    w = weight if H == 1 else weight[:, None]
     if KEEP16:   # held in their 16-bit dtype across the tiles of the group, the field weight applied at use
         if PAD:
-            m = ok if H == 1 else ok[:, None]
-            out = gl.load(VSg + off, mask=m, other=0), gl.load(VZg + off, mask=m, other=0)
+            out = gl.load(ps, mask=m, other=0), gl.load(pz, mask=m, other=0)
         else:
-            out = gl.load(VSg + off), gl.load(VZg + off)
+            out = gl.load(ps), gl.load(pz)
     elif PAD:
-        m = ok if H == 1 else ok[:, None]
-        out = gl.load(VSg + off, mask=m, other=0).to(gl.float32) * w, gl.load(VZg + off, mask=m, other=0).to(gl.float32)
+        out = gl.load(ps, mask=m, other=0).to(gl.float32) * w, gl.load(pz, mask=m, other=0).to(gl.float32)
     else:
-        out = gl.load(VSg + off).to(gl.float32) * w, gl.load(VZg + off).to(gl.float32)
+        out = gl.load(ps).to(gl.float32) * w, gl.load(pz).to(gl.float32)
     return out
 
 
