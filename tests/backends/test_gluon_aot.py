@@ -33,6 +33,9 @@ GROUP_BUILDS = [(2, 32, 8, 128, "sm_90", 32, 2, "token64", "token64", None, 0),
                 (2, 32, 8, 128, "sm_90", 64, 2, "token32", "token32", None, 0),
                 (4, 32, 8, 128, "sm_90", 32, 2, "token64", "token64", None, 0),
                 (2, 32, 8, 128, "sm_90", 64, 2, "token64", "token64", 1, 0)]
+# channel-wise V in groups of one 32-token tile beside K channel-wise in groups of 128 or token-wise
+MIXED_GROUP_BUILDS = [(2, 32, 8, 128, "sm_90", 32, 2, "channel", "channel32", None, 0),
+                      (2, 32, 8, 128, "sm_90", 32, 2, "token", "channel32", None, 0)]
 # the same builds with dynamic tiles (GluonAttention's dynamic_tiles): the static build they compare with
 DYNAMIC_BUILDS = {(2, 32, 8, 128, "sm_90", 64, 2, "token", "token", None, 0, True):
                       (2, 32, 8, 128, "sm_90", 64, 2, "token", "token", None, 0),
@@ -60,7 +63,7 @@ print(json.dumps(out))
 def reports(tmp_path_factory):
     root = tmp_path_factory.mktemp("gluon_aot")
     env = native_env(root / "triton")
-    jobs = BUILDS + GROUP_BUILDS + list(DYNAMIC_BUILDS) + [b for b in DYNAMIC_BUILDS.values() if b not in BUILDS]
+    jobs = BUILDS + GROUP_BUILDS + MIXED_GROUP_BUILDS + list(DYNAMIC_BUILDS) + [b for b in DYNAMIC_BUILDS.values() if b not in BUILDS]
     done = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(jobs), str(root)], env=env,
                           capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -106,6 +109,19 @@ def test_once_per_group_work_is_counted_apart_from_every_tile(build, reports):
         assert r["once_per_group"] >= 32, r
         every_tile = r["instructions_per_warp"] - r["once_per_group"]
         assert r["instructions_per_tile"] == pytest.approx(every_tile + r["once_per_group"] * block_n / 128)
+
+
+@pytest.mark.parametrize("build", MIXED_GROUP_BUILDS, ids=lambda b: f"K{b[7]}-V{b[8]}")
+def test_groups_of_one_tile_reload_every_tile_and_only_longer_groups_count_apart(build, reports):
+    """A side whose group is one tile reloads at every tile with no branch (n0 % 32 is always 0), so the
+    once-per-group block is K's alone, 128 tokens apart: counted block_n/128 times a tile, not block_n/32."""
+    r = reports[build]["inner_loop"]
+    every_tile = r["instructions_per_warp"] - r["once_per_group"]
+    if build[7] == "token":
+        assert r["once_per_group"] == 0 and r["instructions_per_tile"] == r["instructions_per_warp"]
+    else:
+        assert r["once_per_group"] >= 32, r
+        assert r["instructions_per_tile"] == pytest.approx(every_tile + r["once_per_group"] * 32 / 128)
 
 
 @pytest.mark.parametrize("build", [b for b in BUILDS if b[4] == "sm_90" and b[7] == b[8] == "token" and b[2] == 8

@@ -104,10 +104,12 @@ def compile_gluon_aot(spec, arch: str, out_dir: str | Path, dtype: str = "bf16",
     body = loop_instructions(cubin)
     loop = Counter(o for _, o, _ in body)
     # the once-per-group reloads of channel-wise sides sit in the loop behind a branch: per tile they
-    # cost block_n / group of their size (the smaller group, where K and V differ)
+    # cost block_n / group of their size. Groups of at most a tile reload every tile with no branch (the
+    # kernel's n0 % group test is always true), so only groups longer than a tile count; where K and V
+    # both have such groups of different sizes, the smaller (an upper bound)
     skipped = skipped_addresses(body)
     once_per_group = len(skipped)
-    groups = [g for g in (cfg.key_tokens, cfg.value_tokens) if g]
+    groups = [g for g in (cfg.key_tokens, cfg.value_tokens) if g > block_n]
     per_tile = len(body) - once_per_group + (once_per_group * block_n / min(groups) if groups else 0)
     # codes + fp16 scale and zero, K and V, of every packed head
     params = (0 if cfg.key_plain else cfg.key_groups) + (0 if cfg.value_plain else cfg.value_groups)
