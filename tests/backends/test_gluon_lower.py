@@ -481,7 +481,8 @@ def test_dequant_plans_lower_to_the_register_operand_kernel(k, v, heads, head_di
 
 
 HALF_TILE_SPECS = [("channel:2:16", "token:2:128", "32/8", 128, 2), ("token:4:128", "channel:4:16", "32/8", 128, 2),
-                   ("channel:2:16", "channel:2:16", "32/8", 128, 2), ("token:2:128", "channel:2:16", "8/8", 128, 2), ("channel:8:16", "token:4:32", "16/8", 64, 4),
+                   ("channel:2:16", "channel:2:16", "32/8", 128, 2), ("token:2:128", "channel:2:16", "8/8", 128, 2),
+                   ("channel:8:16", "token:4:32", "16/8", 64, 4),
                    ("channel:2:16", "channel:4:16", "64/4", 128, 1), ("channel:2:16", "token:2:128", "32/8", 256, 1),
                    ("token:4:128", "channel:4:16", "32/8", 256, 1), ("channel:4:16", "token:4:80", "32/8", 160, 1),
                    ("channel:2:16", "channel:2:16", "16/2", 256, 1)]

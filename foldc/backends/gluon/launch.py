@@ -107,9 +107,10 @@ def default_pack_heads(cfg: FoldKernel, num_kv_heads: int) -> int:
         return 1
     if cfg.value_tokens == HALF_TILE_GROUP or (cfg.key_tokens == HALF_TILE_GROUP and cfg.value_tokens):
         # channel-wise V in groups of half a tile (two value products per head, each its own accumulator),
-        # or both sides channel-wise with such groups: two heads. On an H100 at 8 x 64K, 32/8, two were 1.05-1.56x
-        # faster than one (INT2 1.23-1.56x, INT4 1.10-1.34x, INT8 1.05x; docs/results/pack2_half_tile_32x8_h100_2026-12-06.json)
-        # with 0-24 spilled registers a tile in AOT builds; before V's parameter offsets (219200f) 2-4 spilled 4-335
+        # or both sides channel-wise with such groups: two heads. On an H100 at 8 x 64K, 32/8, two were
+        # 1.05-1.56x faster than one (INT2 1.23-1.56x, INT4 1.10-1.34x, INT8 1.05x;
+        # docs/results/pack2_half_tile_32x8_h100_2026-12-06.json) with 0-24 spilled registers a tile in AOT
+        # builds; before V's parameter offsets (219200f) 2-4 heads spilled 4-335
         return min(packable_heads(cfg, num_kv_heads), 2)
     # at most DEFAULT_MAX_PACK: eight one-row heads (query heads = KV heads) took 235 us at INT2 8 x 64K
     # on the H200 against 104 with four and 108 with two (each head's P masked by a select per half
