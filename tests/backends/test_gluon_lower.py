@@ -531,7 +531,8 @@ def test_groups_across_padded_bit_fields_lower_with_masked_operands(k, v, head_d
     assert (cfg.key_masked_groups, cfg.value_masked_groups) == masked
     assert (cfg.key_groups, cfg.value_groups) == groups
     assert cfg.padded_dim in (128, 256)
-    assert (default_pack_heads(cfg, spec.num_kv_heads) == 1) == any(masked)
+    if any(masked):   # each packed head's pieces in turn: two heads of four query rows in 128 padded channels
+        assert default_pack_heads(cfg, spec.num_kv_heads) == (2 if cfg.padded_dim == 128 else 1)
 
 
 def test_dequant_plans_route_to_the_register_operand_kernel():

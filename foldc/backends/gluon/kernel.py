@@ -59,7 +59,7 @@ def _scores(n0, end, k_smem, slot, ks, kz, tm, head_c, q16, q_bias, q_sum, row_s
     operand).
     KDQ: a dequant plan (tile_dequant.py; one KV head per program). KMG: the KEY_NG groups cross a
     padded head_dim's bit fields: one MMA per group over all of K, the other groups' channels masked
-    to zero (one KV head per program). DRK: the real head_dim (a padded one's groups follow the
+    to zero (each packed head's keys in turn). DRK: the real head_dim (a padded one's groups follow the
     cache's channels)."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
     a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=8)
@@ -125,18 +125,25 @@ def _scores(n0, end, k_smem, slot, ks, kz, tm, head_c, q16, q_bias, q_sum, row_s
         # piece's MMA into the accumulator of each group it meets, against the query piece with the other groups'
         # channels zero (q16[piece][slot], made once before the loop; the codes carry no bias); a piece of padding
         # alone takes no MMA; scaled per group before the groups meet (eq. 3, 6)
-        gl.static_assert(H == 1, "groups across padded bit fields take one KV head per program")
         NP: gl.constexpr = D // PIECE_C
-        kw = k_smem.index(slot).load(kw_l)
-        parts = split_groups(key_operand(kw, BN, D, F, KASM, KCONS), NP, 1)
+        heads_parts = ()
+        for i in gl.static_range(H):   # each packed head's key operand, cut into pieces once
+            kw = k_smem.index(slot + i).load(kw_l)
+            heads_parts = heads_parts + (split_groups(key_operand(kw, BN, D, F, KASM, KCONS), NP, 1),)
         acc = gl.zeros([BN, ROWS], gl.float32, layout=mma)
         for g in gl.static_range(KEY_NG):
             accg = gl.zeros([BN, ROWS], gl.float32, layout=mma)
-            for i in gl.static_range(NP):
-                if piece_slot(0, i, g, F, D, DRK, KEY_NG) >= 0:
-                    accg = mma_v2(gl.convert_layout(parts[i], a_l, assert_trivial=True),
-                                  gl.convert_layout(q16[i][piece_slot(0, i, g, F, D, DRK, KEY_NG)], b_l,
-                                                    assert_trivial=True), accg)
+            for h in gl.static_range(H):   # head h's keys against every row, kept in the rows of head h
+                acch = gl.zeros([BN, ROWS], gl.float32, layout=mma)
+                for i in gl.static_range(NP):
+                    if piece_slot(0, i, g, F, D, DRK, KEY_NG) >= 0:
+                        acch = mma_v2(gl.convert_layout(heads_parts[h][i], a_l, assert_trivial=True),
+                                      gl.convert_layout(q16[i][piece_slot(0, i, g, F, D, DRK, KEY_NG)], b_l,
+                                                        assert_trivial=True), acch)
+                if H == 1:
+                    accg = acch
+                else:
+                    accg = gl.where((head_c == h)[None, :], acch, accg)
             acc = acc + per_row(ks[g], H) * accg
         off = per_row(kz[0], H) * q_sum[0][None, :]
         for g in gl.static_range(1, KEY_NG):
@@ -249,27 +256,33 @@ def _consume(t, v_smem, slot, vs, vz, m_i, l_i, zsum, acc_o, head_b, v_scale, v_
         # token-wise V in groups across the padded bit fields: the values cut into pieces of PIECE output rows,
         # each piece's product with P scaled by each group it meets, kept in the rows of that group's channels
         # (eq. 4, 6); a piece of padding rows alone (never stored) takes no MMA
-        gl.static_assert(H == 1, "groups across padded bit fields take one KV head per program")
         NP: gl.constexpr = D // PIECE_C
         pbs, zsum = scaled_p(p, vs, vz, zsum, alpha, b_l, H, VAL_NG)
-        vw = load_value_words(v_smem.index(slot), BN, W)
-        va = split_groups(value_operand(vw, BN, D, F, VA0, VA1, VA2, VA3, VCONS), NP, 0)
         pieces = ()
         for i in gl.static_range(NP):
-            zero = gl.zeros([PIECE_C, ROWS], gl.float32, layout=mma)
-            if piece_count(1, i, F, D, DRV, VAL_NG) == 0:
-                pv_i = zero
-            else:
-                a_i = gl.convert_layout(va[i], a_l, assert_trivial=True)
-                pv_i = mma_v2(a_i, pbs[piece_group(1, i, 0, F, D, DRV, VAL_NG)], zero)
-                if piece_count(1, i, F, D, DRV, VAL_NG) > 1:
-                    field, chan = value_fields(PIECE_C * i + gl.arange(0, PIECE_C, layout=gl.SliceLayout(1, mma)), D,
-                                               D // F)
-                    grp = channel_group(field, chan, D, F, VAL_NG, DRV)
-                    for j in gl.static_range(1, piece_count(1, i, F, D, DRV, VAL_NG)):
-                        pv_i = gl.where((grp == piece_group(1, i, j, F, D, DRV, VAL_NG))[:, None],
-                                        mma_v2(a_i, pbs[piece_group(1, i, j, F, D, DRV, VAL_NG)], zero), pv_i)
-            pieces = pieces + (pv_i,)
+            pieces = pieces + (gl.zeros([PIECE_C, ROWS], gl.float32, layout=mma),)
+        for h in gl.static_range(H):   # head h's values against its own rows' P (other heads' columns zero)
+            vw = load_value_words(v_smem.index(slot + h), BN, W)
+            va = split_groups(value_operand(vw, BN, D, F, VA0, VA1, VA2, VA3, VCONS), NP, 0)
+            summed = ()
+            for i in gl.static_range(NP):
+                prev = pieces[i]
+                if piece_count(1, i, F, D, DRV, VAL_NG) == 0:
+                    pv_i = prev
+                else:
+                    a_i = gl.convert_layout(va[i], a_l, assert_trivial=True)
+                    pv_i = mma_v2(a_i, _head_p(pbs[piece_group(1, i, 0, F, D, DRV, VAL_NG)], head_b, h, b_l, H, AND_P),
+                                  prev)
+                    if piece_count(1, i, F, D, DRV, VAL_NG) > 1:
+                        field, chan = value_fields(PIECE_C * i + gl.arange(0, PIECE_C, layout=gl.SliceLayout(1, mma)),
+                                                   D, D // F)
+                        grp = channel_group(field, chan, D, F, VAL_NG, DRV)
+                        for j in gl.static_range(1, piece_count(1, i, F, D, DRV, VAL_NG)):
+                            pv_i = gl.where((grp == piece_group(1, i, j, F, D, DRV, VAL_NG))[:, None],
+                                            mma_v2(a_i, _head_p(pbs[piece_group(1, i, j, F, D, DRV, VAL_NG)], head_b, h,
+                                                                b_l, H, AND_P), prev), pv_i)
+                summed = summed + (pv_i,)
+            pieces = summed
         pv = gl.convert_layout(join_groups(pieces, NP), mma, assert_trivial=True)
         acc_o = acc_o * alpha[None, :] + pv
     elif VAL_NG > 1:
