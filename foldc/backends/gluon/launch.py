@@ -100,8 +100,9 @@ def default_pack_heads(cfg: FoldKernel, num_kv_heads: int) -> int:
         return 1
     if cfg.key_masked_groups or cfg.value_masked_groups:
         # token-wise groups across a padded head_dim's bit fields: each packed head's pieces in turn, at most two
-        # and only in 128 padded channels (AOT, sm_90: 20-24% fewer SASS per byte than one head at head_dim 96, no
-        # spill; at head_dim 160, INT2 in groups of 32, two heads spilled 143 registers a tile against one's 50)
+        # and only in 128 padded channels. H100, head_dim 96, 32/8, 8 x 64K: token-wise g32 INT2 199.3 -> 160.1 us,
+        # INT4 1.06x, INT8 (K g48) 1.01x, INT2 at 2 x 16K 1.04x (docs/results/masked_heads_d96_32x8_h100_2026-12-06
+        # .json). At head_dim 160, INT2 g32, two heads spilled 143 registers a tile against one's 50 (AOT, sm_90)
         return 1 if cfg.width > 128 else min(packable_heads(cfg, num_kv_heads), 2)
     if max(cfg.key_groups, cfg.value_groups) > 4 or (cfg.width > 128 and max(cfg.key_groups, cfg.value_groups) == 4):
         # eight channel groups per token (head_dim 256 in groups of 32): eight score accumulators and
@@ -220,8 +221,9 @@ class GluonAttention:
         # and where a channel-wise group of 32 tokens could not hold a 64-token tile. With two channel
         # groups per token, 32-token tiles: 168 registers (three warps per scheduler) against 214,
         # 1-3% faster at INT2 8 x 64K and 32 x 64K; with four, both sizes hold two warps and 64 was
-        # 6-7% faster (H200, tenth session: `git show 6178656:docs/perf.md`); a mix follows the side with more groups
-        # (not measured)
+        # 6-7% faster (H200, tenth session: `git show 6178656:docs/perf.md`). Two token-wise groups a token beside a
+        # channel-wise side in groups of 64 or 128 tokens: 64, 3-7% faster at INT2 32/8 8 x 64K on an H100
+        # (docs/results/block64_mixed_32x8_h100_2026-12-06.json; no spill ahead of time on sm_90 or sm_100)
         groups = [g for g in (self.config.key_tokens, self.config.value_tokens) if g]
         # one KV head per program: 64 also won at INT2 (114.5 against 118.3 us at 32/8, 115.6 against
         # 119.2 at 40/8); four packed heads: 32 (103.8 against 123.1 us at 8/8; benchmarks/gqa_sweep.py)
@@ -235,7 +237,7 @@ class GluonAttention:
         most_groups = max(self.config.key_groups, self.config.value_groups)
         wide = pack_heads <= 2 and not one_wide_head and self.config.key_bits == self.config.value_bits == 2 and \
             all(g % 64 == 0 for g in groups) and self.config.width <= 128 and \
-            (most_groups == 1 or (most_groups == 4 and not groups))
+            (most_groups == 1 or (most_groups == 4 and not groups) or (most_groups == 2 and bool(groups)))
         # row blocks beside a channel-wise side in groups of 64 tokens: 64-token tiles, the scales loaded at each
         # tile's start (H200, 8 x 64K at 64/2: 147.0 against 182.8 µs for K channel:4:64 / V token:4:64,
         # 152.5 against 185.9 for both channel:4:64; groups of 128 and INT8 were slower so, docs/perf.md).
