@@ -11,6 +11,7 @@ spill) than the fold's per-group query operand for 16 rows.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from dataclasses import replace
 
@@ -62,13 +63,14 @@ def main() -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--shape", default="8x65536")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--cases", default=None, help="JSON list of [K, V, heads, head_dim, override, options]")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
         return 2
     b, n = (int(x) for x in args.shape.split("x"))
     rows = []
-    for k, v, heads, d, how, options in CASES:
+    for k, v, heads, d, how, options in (json.loads(args.cases) if args.cases else CASES):
         spec = spec_from_args(k, v, heads, d)
         q, kc, vc = decode_case(spec, b, n, seed=b * n)
         ref = foldc.attention_reference(q, kc, vc)
