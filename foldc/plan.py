@@ -24,8 +24,8 @@ from .errors import InputTypeError, PlanError, SpecError
 from .ir import Contract, Correction, Graph, Input
 from .options import attention_kernel
 from .precision import UNIT_ROUNDOFF, PrecisionDecision, product_precision
-from .passes import (FOLD_POLICIES, PassRecord, TileConstraint, check_code_bias, check_plan_rules, default_passes,
-                     fold_cost, rows_sharing_group, run_pipeline)
+from .passes import (FOLD_POLICIES, FoldCosts, PassRecord, TileConstraint, check_code_bias, check_plan_rules,
+                     default_passes, fold_cost, rows_sharing_group, run_pipeline)
 from .registry import attention_backend, workload_of
 from .spec import AttentionSpec
 
@@ -126,7 +126,8 @@ class Plan:
 
 def plan(spec: AttentionSpec, code_bias: dict[str, int] | None = None, fold_policy: str = "auto",
          dtype: str | None = None, operand_dtype: str | None = None, target: str | None = None,
-         kernel: str = "auto", rows_per_program: int | None = None, bar_dtype: str | None = None) -> Plan:
+         kernel: str = "auto", rows_per_program: int | None = None, bar_dtype: str | None = None,
+         fold_costs: FoldCosts | None = None) -> Plan:
     """Plan decode attention for ``spec``: pick each fold, insert corrections, check ordering.
 
     ``target`` ("sm_90", "sm_100", "interpret"): the plan the kernel ``foldc.compile(spec, target,
@@ -146,6 +147,8 @@ def plan(spec: AttentionSpec, code_bias: dict[str, int] | None = None, fold_poli
     ``rows_per_program``: the query rows of a KV head one program takes, where a kernel splits them
     into blocks that each reconstruct the tile on their own; the break-even (eq. 12) then weighs a
     fold against that many rows (None: all the query heads of a KV head).
+    ``fold_costs``: a target kernel's departures from eq. 12's count (`foldc.passes.FoldCosts`, eq. 12a; the
+    register-operand kernel's plan passes its own).
     A spec of a registered workload (`foldc.GemmSpec`) is planned by that workload (foldc/registry.py;
     `foldc.gemm.plan.gemm_plan`, with the same passes).
     """
@@ -168,7 +171,10 @@ def plan(spec: AttentionSpec, code_bias: dict[str, int] | None = None, fold_poli
                                          or not 1 <= rows_per_program <= spec.q_per_kv):
         raise SpecError(f"rows_per_program={rows_per_program!r} must be an int from 1 to the query heads per KV head "
                         f"({spec.q_per_kv}), or None")
-    graph, log = run_pipeline(build_decode_attention(spec), default_passes(code_bias, fold_policy, rows_per_program))
+    if fold_costs is not None and not isinstance(fold_costs, FoldCosts):
+        raise SpecError(f"fold_costs={fold_costs!r} must be a foldc.passes.FoldCosts or None")
+    graph, log = run_pipeline(build_decode_attention(spec),
+                              default_passes(code_bias, fold_policy, rows_per_program, fold_costs))
     return _make_plan(spec, graph, tuple(log), dtype, operand_dtype, rows_per_program, bar_dtype)
 
 

@@ -178,7 +178,7 @@ def test_each_pass_cites_the_equations_the_derivation_lists():
         listed = set(re.findall(r"\((\d+[a-z]?)\)", cell))
         mod = importlib.import_module(f"foldc.passes.{module}")
         doc = re.search(r"equations ([\d, and]+)", " ".join(mod.__doc__.split()))
-        docstring = set(re.findall(r"\d+", doc.group(1))) if doc else set()
+        docstring = set(re.findall(r"\d+[a-z]?", doc.group(1))) if doc else set()
         passes = [v for v in vars(mod).values() if isinstance(v, type) and v.__module__ == mod.__name__
                   and isinstance(getattr(v, "equation", None), str) and v.equation]
         declared = {e.strip() for p in passes for e in p.equation.split(",")}

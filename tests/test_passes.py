@@ -13,11 +13,11 @@ from hypothesis import strategies as st
 
 import foldc
 from foldc.builder import build_decode_attention
-from foldc.errors import GraphError, PlanError
+from foldc.errors import GraphError, PlanError, SpecError
 from foldc.ir import (CHANNEL, TOKEN, Add, Codes, Contract, Correction, Dequantize, GroupedAxis, GroupParam,
                       MulScalar, Prescale, ScaleGroups)
-from foldc.passes import (AxisAnalysis, BreakEven, FoldRewrite, Ordering, Pass, TileConstraint, default_passes,
-                          encoded_operand, fold_cost, fold_from_axes, rows_sharing_group, run_pipeline,
+from foldc.passes import (AxisAnalysis, BreakEven, FoldCosts, FoldRewrite, Ordering, Pass, TileConstraint,
+                          default_passes, encoded_operand, fold_cost, fold_from_axes, rows_sharing_group, run_pipeline,
                           tile_constraints)
 
 A = foldc.Affine
@@ -172,6 +172,36 @@ def test_break_even_boundary(h, g, kept):
     assert [r.changed for r in p.passes if r.name == "break-even"] == [not kept]
     assert bool(p.graph.nodes_of(Correction)) == kept
     assert bool(p.graph.nodes_of(Dequantize)) == (not kept)
+
+
+@FAST
+@given(specs(), st.integers(1, 16), st.booleans())
+def test_a_targets_costs_keep_folds_at_the_tie_and_rebuild_keys_past_its_resident_rows(spec, resident, at_tie):
+    """eq. 12a: with a target's `FoldCosts` a fold at the tie (g = 2h) is kept where ``fold_at_tie`` says so, and a
+    channel-wise key side (an operand-fold of the query, which stays the same along the token loop, in groups along
+    that loop) is reconstructed past ``resident_rows`` rows; every other verdict is eq. 12's. Both plans prove."""
+    costs = FoldCosts("a target", fold_at_tie=at_tie, resident_rows=resident)
+    graph, _ = run_pipeline(build_decode_attention(spec), default_passes(fold_costs=costs))
+    h = spec.q_per_kv
+    for operand, enc in (("k", spec.k), ("v", spec.v)):
+        if enc is None:
+            continue
+        g, seed = enc.group_size, SEED[(operand, enc.layout)]
+        rebuilt = operand == "k" and enc.layout == "channel" and h > resident
+        kept = not rebuilt and (g > 2 * h or (g == 2 * h and at_tie))
+        node = contract_of(graph, PRODUCT[operand])
+        assert node.fold == (seed if kept else "dequant")
+        text = graph.meta[f"break-even.{PRODUCT[operand]}"]
+        if rebuilt:
+            assert f"from the {h} rows it keeps, more than the {resident}" in text and text.endswith(": dequant")
+        elif g == 2 * h and at_tie:
+            assert text.endswith(f"keeps the {seed} at the tie")
+    plan = foldc.plan(spec, fold_costs=costs)
+    assert plan.folds == {PRODUCT[o]: contract_of(graph, PRODUCT[o]).fold if e is not None else "none"
+                          for o, e in (("k", spec.k), ("v", spec.v))}
+    assert foldc.prove(plan) is not None
+    with pytest.raises(SpecError, match="fold_costs"):
+        foldc.plan(spec, fold_costs="fold at the tie")
 
 
 def test_break_even_text_names_the_numbers():

@@ -74,7 +74,8 @@ GRID = [("token:4:128", "token:2:128", "32/8", 128), ("token:2:128", "token:4:12
         ("channel:4:64", "token:2:96", "24/8", 96), ("token:2:80", "none", "32/8", 80),
         ("none", "token:4:112", "32/8", 112), ("channel:8:64", "token:4:80", "16/8", 160),
         ("channel:4:32", "channel:4:32", "32/8", 96),
-        # dequant plans (eq. 12's verdict at 16 rows per program), each side rebuilt per value or folded
+        # 16 rows per program: each side rebuilt per value or folded as eq. 12 and 12a say (channel-wise keys
+        # rebuilt; token-wise groups at the tie folded)
         ("token:2:32", "token:2:32", "64/4", 128), ("channel:2:32", "channel:4:32", "64/4", 128),
         ("token:4:32", "channel:2:32", "64/2", 128), ("channel:2:32", "token:2:128", "64/4", 128),
         ("token:4:64", "token:4:32", "64/2", 128), ("channel:8:32", "token:8:32", "64/4", 64),
@@ -109,7 +110,7 @@ GRID = [("token:4:128", "token:2:128", "32/8", 128), ("token:2:128", "token:4:12
         # eight token-wise groups beside a channel-wise side at head_dim 256
         ("token:2:32", "channel:2:64", "16/4", 256), ("channel:2:64", "token:2:32", "16/4", 256),
         ("token:4:32", "channel:4:128", "32/8", 256),
-        # dequant plans whose token-wise groups cross a padded head_dim's bit fields
+        # token-wise groups across a padded head_dim's bit fields at 16 rows (dequant plans before eq. 12a)
         ("token:2:32", "token:2:32", "64/4", 96), ("token:8:32", "token:4:96", "64/4", 96)]
 # ragged row blocks: query rows per KV head that split into no equal blocks (17: 9 + 8; 9 at head_dim 256: 5 + 4),
 # the last block's padding rows masked in the kernel and the merge; a dequant plan at 16-row blocks (31: 16 + 15)
@@ -170,7 +171,7 @@ def test_a_plain_side_in_fp16_matches_float64(k, v, heads, head_dim):
     _check(r, f"{spec.describe()} fp16")
 
 
-DEQUANT_RANGES = [("token:2:32", "token:2:32"), ("channel:4:32", "channel:2:32")]
+DEQUANT_RANGES = [("channel:4:64", "token:4:64"), ("channel:4:32", "channel:2:32")]
 
 
 @pytest.mark.parametrize("k,v", DEQUANT_RANGES, ids=[f"{k}-{v}" for k, v in DEQUANT_RANGES])

@@ -204,6 +204,19 @@ def test_default_tile_is_64_tokens_only_for_packed_int2_whose_groups_hold_it(bit
         assert g % attn.default_block_n == 0
 
 
+@pytest.mark.parametrize("k,v,dequant,block_n", [("channel:4:64", "token:4:64", True, 32),
+                                                  ("channel:4:64", "channel:4:64", True, 32),
+                                                  ("token:4:64", "channel:4:64", False, 64)])
+def test_row_blocks_beside_groups_of_64_tokens_take_64_token_tiles_unless_a_side_is_rebuilt(k, v, dequant, block_n):
+    """32 query rows per KV head in two blocks of 16 beside channel-wise groups of 64 tokens: 64-token tiles on sm_90
+    where both sides fold; where eq. 12a rebuilds the channel-wise keys, 32 (64 spilled 30-44 registers a tile)."""
+    from foldc.spec import spec_from_args
+
+    attn = GluonAttention(spec_from_args(k, v, "64/2", 128), target="sm_90")
+    assert attn.config.row_blocks == 2 and attn.config.key_dequant is dequant
+    assert attn.default_block_n == block_n
+
+
 @pytest.mark.parametrize("k,v,block_n", [("channel:2:64", "token:2:64", 64), ("channel:2:128", "token:2:64", 64),
                                           ("token:2:64", "channel:2:64", 64), ("token:2:64", "channel:2:128", 64),
                                           ("channel:2:64", "token:2:32", 32), ("token:2:32", "channel:2:128", 32),

@@ -445,16 +445,17 @@ def test_dequant_rebuilds_every_value_in_fp16_range(bits, log_scale, zero_ratio,
                     assert abs(got - want) <= 2 ** -9 * in_range + 2 ** -24, (got, want)
 
 
-DEQUANT_SPECS = [("token:2:32", "token:2:32", "64/4", 128), ("channel:2:32", "channel:4:32", "64/4", 128),
-                 ("token:4:32", "channel:2:32", "64/2", 128), ("channel:2:32", "token:2:128", "64/4", 128),
-                 ("token:4:64", "token:4:32", "64/2", 128), ("channel:8:32", "token:8:32", "64/4", 64),
-                 ("token:2:32", "token:4:32", "64/4", 64), ("channel:4:32", "channel:4:32", "64/4", 96)]
+DEQUANT_SPECS = [("channel:4:64", "token:4:64", "64/4", 128), ("channel:2:32", "channel:4:32", "64/4", 128),
+                 ("token:4:32", "channel:2:16", "64/2", 128), ("channel:2:32", "token:2:128", "64/4", 128),
+                 ("channel:2:128", "token:2:128", "48/4", 128), ("channel:8:32", "token:8:32", "64/4", 64),
+                 ("token:2:128", "channel:2:16", "64/4", 128), ("channel:4:32", "channel:4:32", "64/4", 96)]
 
 
 @pytest.mark.parametrize("k,v,heads,head_dim", DEQUANT_SPECS, ids=[f"{k}-{v}-{h}-d{d}" for k, v, h, d in DEQUANT_SPECS])
 def test_dequant_plans_lower_to_the_register_operand_kernel(k, v, heads, head_dim):
-    """Where eq. 12 says the fold does not pay (groups of at most twice a program's rows), the plan
-    dequantizes and the kernel lowers it as planned: the side the plan dequantizes is rebuilt per value
+    """Where eq. 12 says the fold does not pay (channel-wise groups of at most twice a program's rows) or eq. 12a
+    (channel-wise keys past 8 rows a program), the plan dequantizes and the kernel lowers it as planned: the side the
+    plan dequantizes is rebuilt per value
     (integer unpack, no 2^24 on the logits), the other folds, one KV head per program; the plan is
     the one foldc.prove checks."""
     from foldc.backends.gluon.launch import constexprs, packable_heads
@@ -540,7 +541,7 @@ def test_dequant_plans_route_to_the_register_operand_kernel():
     the generated Triton kernel took every dequant plan)."""
     from foldc.options import attention_kernel
 
-    spec = foldc.AttentionSpec(64, 4, 128, A(2, "token", 32), A(2, "token", 32))
+    spec = foldc.AttentionSpec(64, 4, 128, A(2, "channel", 32), A(2, "token", 32))
     assert foldc.plan(spec, target="sm_90").products["qk"].fold == "dequant"
     assert lowerable(spec) == (True, "")
     for target in ("sm_90", "sm_100"):
@@ -715,14 +716,14 @@ def test_the_full_layout_grid_lowers():
 
 def test_row_blocks_weigh_the_break_even_against_one_blocks_rows():
     """eq. 12's h is the rows that share one reconstructed tile: with 32 query rows per KV head in two
-    row blocks, each block rebuilds the codes for its 16 rows, so channel-wise groups of 64 tokens fold
+    row blocks, each block rebuilds the codes for its 16 rows, so channel-wise values in groups of 64 tokens fold
     (2 * 16 / 64 < 1) where the one-program plan reconstructs (2 * 32 / 64 = 1). The reference plan keeps
     all the rows; the kernel refuses a plan weighed for other blocks."""
-    spec = foldc.AttentionSpec(64, 2, 128, A(4, "channel", 64), A(4, "token", 64))
-    assert foldc.plan(spec).products["qk"].fold == "dequant"
+    spec = foldc.AttentionSpec(64, 2, 128, A(4, "token", 64), A(4, "channel", 64))
+    assert foldc.plan(spec).products["pv"].fold == "dequant"
     blocked = gluon_plan(spec)
-    assert blocked.rows_per_program == 16 and blocked.products["qk"].fold == "operand-fold"
-    assert "16 (rows per program)" in blocked.products["qk"].break_even
+    assert blocked.rows_per_program == 16 and blocked.products["pv"].fold == "acc-fold"
+    assert "16 (rows per program)" in blocked.products["pv"].break_even
     assert lower(blocked).row_blocks == 2
     assert foldc.plan(spec, target="sm_90").rows_per_program == 16
     other = foldc.plan(spec, code_bias={"key": 0, "value": 0}, dtype="bf16", operand_dtype="fp16", rows_per_program=8)
@@ -820,8 +821,11 @@ def test_padded_widths_take_groups_inside_a_field_masked_or_rebuilt():
     cfg = lower(gluon_plan(foldc.AttentionSpec(32, 8, 96, A(8, "token", 32), A(8, "token", 96))))
     assert cfg.key_masked_groups and not cfg.value_masked_groups
     spec = foldc.AttentionSpec(64, 4, 96, A(8, "token", 32), A(8, "token", 96))
-    assert gluon_plan(spec).products["qk"].fold == "dequant"
-    cfg = lower(gluon_plan(spec))
+    assert gluon_plan(spec).products["qk"].fold == "acc-fold"   # a tie at 16 rows: the fold (eq. 12a)
+    assert lower(gluon_plan(spec)).key_masked_groups
+    dequant = foldc.plan(spec, code_bias={"key": KEY_BIAS, "value": VALUE_BIAS}, fold_policy="dequant", dtype="bf16",
+                         operand_dtype="fp16")
+    cfg = lower(dequant)
     assert cfg.key_dequant and cfg.key_groups == 3 and not cfg.key_masked_groups
     ok, why = lowerable(foldc.AttentionSpec(8, 8, 300, A(8, "token", 300), A(8, "token", 300)))
     assert not ok and "at most 256" in why

@@ -242,7 +242,11 @@ class GluonAttention:
         # tile's start (H200, 8 x 64K at 64/2: 147.0 against 182.8 µs for K channel:4:64 / V token:4:64,
         # 152.5 against 185.9 for both channel:4:64; groups of 128 and INT8 were slower so, docs/perf.md).
         # sm_90 only: not measured on sm_100, whose build of both channel:4:64 spills 52 registers so
-        blocked64 = target == "sm_90" and self.config.row_blocks > 1 and 64 in groups
+        # Not beside a dequant plan (eq. 12a rebuilds channel-wise keys past 8 rows): 64-token tiles of rebuilt keys
+        # spilled 30-44 registers a tile ahead of time, 32 none (K channel:4:64 at 64/2 146.1 µs on an H100 against
+        # the fold's 148.2 at 64, docs/results/fold_or_dequant_h100_2026-12-06.json)
+        blocked64 = target == "sm_90" and self.config.row_blocks > 1 and 64 in groups and not (
+            self.config.key_dequant or self.config.value_dequant)
         if blocked64 and scale_ahead is None:
             scale_ahead = False
         block_n, stages = block_n or (64 if wide or blocked64 else 32), stages or 2

@@ -42,6 +42,7 @@ from dataclasses import dataclass
 
 from ...decisions import FoldKind, GroupAxis
 from ...plan import Plan, check_plan, plan
+from ...passes import FoldCosts
 from ...precision import OperandPrecision
 from ...spec import AttentionSpec
 
@@ -152,6 +153,17 @@ FP16_BAR_REASON = ("a plan for fp16 queries held to plain fp16 attention's error
 PRECISIONS = (OperandPrecision.PLAIN, OperandPrecision.SINGLE)
 
 
+#: Where this kernel departs from eq. 12's count (eq. 12a). H100, 8 x 64K, each choice beside the other in one run
+#: (`benchmarks/variants/fold_or_dequant.py`, docs/results/fold_or_dequant*_h100_2026-12-06.json): token-wise groups
+#: of 32 at the tie (16 rows a program) folded 1.06-1.22x faster than reconstructed (INT2, INT4, INT8; 64/4, 64/2,
+#: 32/2); channel-wise keys in groups of 32-128 reconstructed 1.01-1.26x faster than folded at 12 and 16 rows a
+#: program, and 1.03-1.17x slower at 8 (one MMA n-tile of query rows: the fold's per-group query operand fits beside
+#: the accumulators there). This rule against eq. 12 alone: 1.00-1.40x at 16 layouts of head_dim 64, 96 and 128
+#: (docs/results/fold_tie_ab_h100_2026-12-06.json and fold_costs_ab_h100_2026-12-06.json; the latter's
+#: token:4:32 / channel:2:32 row ran an earlier draft that kept the tie for token-wise groups only)
+FOLD_COSTS = FoldCosts("the register-operand kernel", fold_at_tie=True, resident_rows=8)
+
+
 def gluon_plan(spec: AttentionSpec, dtype: str = "bf16") -> Plan:
     """The plan the Gluon kernel runs for ``dtype`` queries: no code bias on either side (subnormal
     codes) and fp16 operands, so each product carries the operand precision the error model of
@@ -164,7 +176,7 @@ def gluon_plan(spec: AttentionSpec, dtype: str = "bf16") -> Plan:
     blocks, rows = row_blocks(spec.q_per_kv, max_rows(register_width(spec.head_dim)))
     return plan(spec, code_bias={"key": KEY_BIAS, "value": VALUE_BIAS}, dtype=dtype, operand_dtype="fp16",
                 rows_per_program=rows if blocks > 1 else None,
-                bar_dtype=BAR_DTYPE if dtype != BAR_DTYPE else None)
+                bar_dtype=BAR_DTYPE if dtype != BAR_DTYPE else None, fold_costs=FOLD_COSTS)
 
 
 def lower(the_plan: Plan) -> FoldKernel:
