@@ -33,6 +33,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -41,7 +42,7 @@ from ..backends.runtime.fast_launch import FastLaunch, keywords
 from ..decisions import GroupAxis, token_group
 from ..encoding import Affine, AffineTensor
 from ..errors import InputError, InputTypeError, SpecError
-from ..validate import overlaps_itself
+from ..validate import overlaps_itself, shared_memory_pair
 from .append_kernels import kernel as _kernel
 
 TARGETS = ("auto", "interpret", "sm_90", "sm_100", "reference")
@@ -199,14 +200,37 @@ def _check_rows(x: torch.Tensor) -> None:
                          "an append needs at least one sequence and one head: skip the call for an empty batch")
 
 
+# storage whose parts were found apart (`check_no_shared_elements`), with their addresses then
+_APART: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def check_no_shared_elements(what: str, storage: AffineTensor) -> None:
     """Storage whose parts hold each element at an address of its own: in an expanded part (stride 0) every
-    token's write lands on the same bytes (the kernel's last write wins, silently; the reference's copy raises)."""
-    for name, t in (("codes", storage.codes), ("scale", storage.scale), ("zero", storage.zero)):
+    token's write lands on the same bytes (the kernel's last write wins, silently; the reference's copy raises),
+    and two parts at one address (``scale = zero = torch.zeros(...)``) hold whichever the append wrote last."""
+    parts = (("codes", storage.codes), ("scale", storage.scale), ("zero", storage.zero))
+    for name, t in parts:
         if not t.is_contiguous() and overlaps_itself(t):
             raise InputError(f"{what}.{name} has strides {t.stride()} for shape {tuple(t.shape)}: some of its elements "
                              "share memory (an expanded tensor), so appended tokens would overwrite one another; "
                              f"allocate it whole, e.g. {what}.{name}.contiguous() (keep that tensor as the storage)")
+    codes, scale, zero = storage.codes, storage.scale, storage.zero
+    if type(codes) is not torch.Tensor or type(scale) is not torch.Tensor or type(zero) is not torch.Tensor:
+        return   # a tracer's fake tensors (the append_kv op's fake): no addresses
+    # two parts at one address: checked once per storage object and addresses (a serving loop appends into the
+    # same pools every step)
+    addresses = (codes.data_ptr(), scale.data_ptr(), zero.data_ptr())
+    if _APART.get(storage) == addresses:
+        return
+    pair = shared_memory_pair((codes, scale, zero))
+    if pair is None:
+        _APART[storage] = addresses
+    else:
+        name, other = parts[pair[0]][0], parts[pair[1]][0]
+        raise InputError(f"{what}.{name} and {what}.{other} share memory (one tensor, or views of one, passed as "
+                         f"both?): an append writes both, so one overwrites the other and the stored tokens "
+                         f"dequantize wrong; give each part its own tensor, e.g. {what}.{other}.clone() "
+                         "(keep that tensor as the storage)")
 
 
 def check_unit_stride(what: str, storage: AffineTensor) -> None:
