@@ -508,6 +508,8 @@ def _table_tensor(name: str, t, n: int | None, batch: int, device: torch.device)
             or (n is not None and t.shape[0] != n):
         raise InputError(f"{name} must be an int32 tensor of {what}; got "
                          f"{type(t).__name__} {getattr(t, 'dtype', '')} {tuple(getattr(t, 'shape', ()))}")
+    if t.layout != torch.strided:   # (the kernel reads entries at their addresses: a sparse tensor has none)
+        raise InputError(f"{name} is a tensor of layout {t.layout}; pass a dense int32 tensor ({name}.to_dense())")
     if t.device != device:
         raise InputError(f"{name} is on {t.device} but the pool is on {device}; move it there")
     return t.contiguous()

@@ -30,6 +30,17 @@ def count(name: str, value, minimum: int) -> int:
     return value
 
 
+def check_readable(name: str, x: torch.Tensor, what: str) -> torch.Tensor:
+    """``x``, a tensor whose values the host reads (a page table, lengths), refused where it holds none to read:
+    on the meta device or sparse (torch raised NotImplementedError or RuntimeError from inside its copy).
+    ``what``: the tensor wanted, for the message (e.g. "int32 tensor [batch + 1]")."""
+    if x.layout != torch.strided or x.is_meta:
+        where = "on the meta device" if x.is_meta else f"of layout {x.layout}"
+        raise InputError(f"{name} is a tensor {where}, whose values cannot be read; pass a dense {what} on the CPU "
+                         f"or the GPU{' (x.to_dense())' if not x.is_meta else ''}")
+    return x
+
+
 def check_new_tokens(name: str, x, batch: int, spec, dtype: torch.dtype, device: torch.device) -> None:
     """Tokens to append: a tensor [batch, kv_heads, tokens, head_dim] of the cache's dtype and device."""
     if not isinstance(x, torch.Tensor):

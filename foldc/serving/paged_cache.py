@@ -41,7 +41,7 @@ from ..reference import attention_reference
 from ..spec import AttentionSpec
 from ..validate import check_sm_scale
 from .append import append_arguments, append_paged, check_finite, plan_append, resolve_target, run_append
-from .inputs import check_new_tokens, count, resolve_device
+from .inputs import check_new_tokens, check_readable, count, resolve_device
 from .paged import PagedDecodeWrapper, check_page_table, gather_pages, launch_plain, page_pool
 
 _TENSOR = torch.Tensor
@@ -56,6 +56,7 @@ def _lengths(seq_lens) -> list[int]:
         lens = torch.as_tensor(seq_lens)
     except (TypeError, ValueError, RuntimeError):
         raise InputTypeError(f"seq_lens={seq_lens!r} must be a list of ints or an integer tensor [batch]") from None
+    check_readable("seq_lens", lens, "integer tensor [batch] (or a list of ints)")
     if lens.dtype.is_floating_point or lens.dtype.is_complex or lens.dtype == torch.bool or lens.dim() != 1 \
             or lens.numel() < 1:
         raise InputError(f"seq_lens dtype={lens.dtype} shape={tuple(lens.shape)} must be one integer token count "

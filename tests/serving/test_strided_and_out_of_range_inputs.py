@@ -250,3 +250,51 @@ def test_reference_run_refuses_lengths_past_its_own_pages():
     lens = torch.tensor([16, 40], dtype=torch.int32)   # within both: the reference and the kernel agree
     assert rel_l2(kernel.run(q, k_pages, v_pages, seq_lens=lens),
                   wrapper.run(q, k_pages, v_pages, seq_lens=strided(lens))) < 2e-3
+
+
+def _unreadable(t: torch.Tensor, kind: str) -> torch.Tensor:
+    return t.to("meta") if kind == "meta" else t.to_sparse()
+
+
+@pytest.mark.parametrize("kind", ["meta", "sparse"])
+@pytest.mark.parametrize("entry, arg", [
+    ("plan", "kv_indptr"), ("plan", "kv_indices"), ("plan", "kv_last_page_len"), ("plan", "seq_lens"),
+    ("gather_pages", "kv_indptr"), ("gather_pages", "kv_indices"), ("gather_pages", "seq_lens"),
+    ("PagedKVCache.plan", "kv_indptr"), ("PagedKVCache.plan", "seq_lens"),
+    ("append_paged", "kv_indptr"), ("append_paged", "kv_indices"), ("append_paged", "start"),
+    ("append_paged", "counts")])
+def test_page_tables_and_lengths_with_no_values_to_read_are_refused_by_name(entry, arg, kind):
+    """A page table or lengths on the meta device or sparse raised NotImplementedError ("Cannot copy out of meta
+    tensor") or RuntimeError ("Cannot access data pointer", "unsupported memory format") from inside torch, naming
+    no argument; each is an InputError naming the argument now. The same values as dense tensors are taken."""
+    from foldc.serving import PagedKVCache
+
+    gen = torch.Generator().manual_seed(9)
+    k_pages, _ = filled_pools(gen, 4)
+    table = {"kv_indptr": torch.tensor([0, 2, 3], dtype=torch.int32),
+             "kv_indices": torch.tensor([3, 0, 1], dtype=torch.int32), "kv_last_page_len": torch.tensor([5, 7], dtype=torch.int32), "seq_lens": torch.tensor([21, 7]),
+             "start": torch.zeros(2, dtype=torch.int32), "counts": torch.full((2,), 16, dtype=torch.int32)}
+
+    def call(args: dict):
+        if entry == "plan":
+            last = None if arg == "seq_lens" else args["kv_last_page_len"]
+            seq = args["seq_lens"] if arg == "seq_lens" else None
+            PagedDecodeWrapper(SPEC, PAGE, max_seq_len=64, target="reference").plan(
+                args["kv_indptr"], args["kv_indices"], last, num_pages=4, seq_lens=seq)
+        elif entry == "gather_pages":
+            gather_pages(k_pages, args["kv_indptr"], args["kv_indices"], args["seq_lens"], PAGE)
+        elif entry == "PagedKVCache.plan":
+            cache = PagedKVCache(SPEC, num_layers=1, page_size=PAGE, num_pages=4, max_seq_len=64, target="reference")
+            cache.plan(args["kv_indptr"], args["kv_indices"], args["seq_lens"] * 0)
+        else:
+            pool = page_pool(SPEC, "v", 4, PAGE)
+            x = torch.randn(2, 2, 16, 64, generator=gen).half()
+            append_paged(pool, x, args["kv_indptr"], args["kv_indices"], args["start"], page_size=PAGE,
+                         counts=args["counts"], target="interpret")
+
+    call(table)
+    bad = dict(table, **{arg: _unreadable(table[arg], kind)})
+    where = "on the meta device" if kind == "meta" else "of layout torch.sparse_coo"
+    match = rf"{arg} is a tensor {where}" if kind == "sparse" or entry != "append_paged" else rf"{arg} is on meta"
+    with pytest.raises(InputError, match=match):
+        call(bad)
