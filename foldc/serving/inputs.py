@@ -14,6 +14,9 @@ def resolve_device(device) -> torch.device:
         dev = torch.device(device)
     except (TypeError, RuntimeError):
         raise SpecError(f"device={device!r} is not a torch device; use e.g. 'cpu' or 'cuda'") from None
+    if dev.type == "meta":   # (an append raised NotImplementedError inside torch; target 'auto' said to use 'auto')
+        raise SpecError(f"device={device!r} holds no values, and a cache stores tokens and reads them back; use "
+                        "device='cpu' (Triton's interpreter, float16, or target='reference') or 'cuda'")
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise SpecError(f"device={device!r} but torch finds no CUDA GPU; use device='cpu' (Triton's interpreter, "
                         "float16) or run where a GPU is visible")
