@@ -441,8 +441,10 @@ def append_paged(pool: AffineTensor, x: torch.Tensor, kv_indptr: torch.Tensor, k
     x : torch.Tensor ``[batch, kv_heads, T, head_dim]``
         New tokens, float16, bfloat16 or float32, on the pool's device.
     kv_indptr : torch.Tensor, int32 ``[batch + 1]``
-    kv_indices : torch.Tensor, int32 ``[kv_indptr[-1]]``
-        FlashInfer page table (foldc/serving/paged.py), validated by `PagedDecodeWrapper.plan`, not here.
+    kv_indices : torch.Tensor, int32 ``[kv_indptr[-1]]`` (or longer)
+        FlashInfer page table (foldc/serving/paged.py), validated by `PagedDecodeWrapper.plan`; here only (where
+        that needs no device sync: a table on the CPU, or target "reference") that kv_indptr stays within
+        kv_indices.
     start : torch.Tensor, int32 or int64 ``[batch]``
         Token position of x's first token in each sequence (device). Channel-wise encodings need a
         multiple of group_size (a group starts there). Not checked (a sync): tokens at negative
@@ -458,6 +460,14 @@ def append_paged(pool: AffineTensor, x: torch.Tensor, kv_indptr: torch.Tensor, k
         "auto", "interpret", "sm_90", "sm_100" or "reference" (foldc.quantize and copies, host loop,
         synchronises).
     """
+    write_paged(pool, x, kv_indptr, kv_indices, start, page_size=page_size, counts=counts, target=target)
+
+
+def write_paged(pool: AffineTensor, x: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
+                start: torch.Tensor, *, page_size: int, counts: torch.Tensor | None = None, target: str = "auto",
+                table_checked: bool = False) -> None:
+    """`append_paged`; ``table_checked``: the table is one `PagedDecodeWrapper.plan` checked (a `PagedKVCache`'s own
+    buffers), not read here again (a decode step reads nothing on the host)."""
     from ..backends.triton.paging import check_page_size_for
 
     if not isinstance(pool, AffineTensor):
@@ -481,11 +491,13 @@ def append_paged(pool: AffineTensor, x: torch.Tensor, kv_indptr: torch.Tensor, k
                            ("start", start, batch), ("counts", counts, batch)))
     if x.device != pool.device:
         raise InputError(f"x is on {x.device} but the pool is on {pool.device}; move x there")
+    mode = resolve_target(target, pool.device)
+    if not table_checked and (mode == "reference" or kv_indptr.device.type == "cpu"):   # read with no device sync
+        _check_indptr_within(kv_indptr, kv_indices.numel())
     group = token_group(enc)
     if group and tokens % group:
         raise InputError(f"x holds {tokens} tokens, not a multiple of group_size={enc.group_size}; channel-wise "
                          "groups are written whole (keep the partial group in the model dtype until it fills)")
-    mode = resolve_target(target, pool.device)
     if tokens == 0:
         return
     if mode == "reference":
@@ -513,6 +525,20 @@ def _table_tensor(name: str, t, n: int | None, batch: int, device: torch.device)
     if t.device != device:
         raise InputError(f"{name} is on {t.device} but the pool is on {device}; move it there")
     return t.contiguous()
+
+
+def _check_indptr_within(kv_indptr: torch.Tensor, entries: int) -> None:
+    """Every ``kv_indptr`` entry in ``[0, entries]`` (``kv_indices``' length): the kernel reads sequence b's page
+    numbers at ``kv_indices[kv_indptr[b]:kv_indptr[b + 1]]``, and one past the end read whatever memory follows as
+    page numbers (tokens written into other sequences' pages, silently; the reference dropped them)."""
+    lo, hi = torch.stack(torch.aminmax(kv_indptr)).tolist()
+    if lo >= 0 and hi <= entries:
+        return
+    bad = lo if lo < 0 else hi
+    at = int(((kv_indptr < 0) | (kv_indptr > entries)).nonzero()[0])
+    raise InputError(f"kv_indptr[{at}]={bad} but kv_indices holds {entries} entries: sequence page ranges "
+                     f"kv_indptr[b]:kv_indptr[b + 1] must lie in [0, {entries}] (kv_indptr[-1] <= len(kv_indices)); "
+                     "pass the kv_indices this kv_indptr indexes")
 
 
 def _append_paged_reference(pool, x, kv_indptr, kv_indices, start, page_size, counts) -> None:

@@ -298,3 +298,28 @@ def test_page_tables_and_lengths_with_no_values_to_read_are_refused_by_name(entr
     match = rf"{arg} is a tensor {where}" if kind == "sparse" or entry != "append_paged" else rf"{arg} is on meta"
     with pytest.raises(InputError, match=match):
         call(bad)
+
+
+@pytest.mark.parametrize("target", ["interpret", "reference"])
+@pytest.mark.parametrize("bad", ["past the end", "negative"])
+def test_append_paged_refuses_a_kv_indptr_past_its_kv_indices(bad, target):
+    """kv_indptr [0, 3] over a kv_indices of one entry (a view of a longer table): the kernel read entries 1 and 2
+    past kv_indices' end, the next table's page numbers, and wrote 24 of the 40 tokens into those pages (another
+    sequence's, silently); the reference dropped them. Refused now, nothing written; a kv_indices longer than
+    kv_indptr[-1] (the wrapper's buffer of num_pages entries) is taken."""
+    gen = torch.Generator().manual_seed(10)
+    enc = A(4, "token", 32)
+    pool = page_pool(S(4, 2, 64, enc, enc), "k", 8, PAGE)
+    x = torch.randn(1, 2, 40, 64, generator=gen).half()
+    table = torch.tensor([5, 6, 7, 1, 2, 3], dtype=torch.int32)
+    indptr = torch.tensor([0, 3] if bad == "past the end" else [-2, 3], dtype=torch.int32)
+    start = torch.zeros(1, dtype=torch.int32)
+    match = (r"kv_indptr\[1\]=3 but kv_indices holds 1 entries" if bad == "past the end"
+             else r"kv_indptr\[0\]=-2 but kv_indices holds 1 entries")
+    with pytest.raises(InputError, match=match + r".*pass the kv_indices this kv_indptr indexes"):
+        append_paged(pool, x, indptr, table[:1], start, page_size=PAGE, target=target)
+    assert not pool.codes.any() and not pool.scale.any()   # nothing written
+    append_paged(pool, x, torch.tensor([0, 3], dtype=torch.int32), table, start, page_size=PAGE, target=target)
+    k, _ = gather_pages(pool, torch.tensor([0, 3], dtype=torch.int32), table[:3], [40], PAGE)
+    want = foldc.quantize(x, enc)
+    assert torch.equal(k.codes[:, :, :40], want.codes) and torch.equal(k.scale[:, :, :40], want.scale)
