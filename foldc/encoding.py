@@ -170,8 +170,23 @@ def _pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
-    """Inverse of `pack_codes`: uint8 [..., head_dim * bits // 8] -> uint8 codes [..., head_dim]."""
+    """Inverse of `pack_codes`: uint8 [..., head_dim * bits // 8] -> uint8 codes [..., head_dim] (bytes held in
+    another integer dtype give codes of that dtype; int8 is read as the bytes' bits)."""
     _check_bits(bits)
+    if not isinstance(packed, torch.Tensor):
+        raise InputTypeError(f"packed must be a torch.Tensor of uint8 bytes (pack_codes' output), got "
+                             f"{type(packed).__name__}")
+    if packed.dtype != torch.uint8:
+        if packed.is_floating_point() or packed.is_complex() or packed.dtype == torch.bool:
+            raise InputError(f"packed dtype={packed.dtype}: unpack_codes reads bytes of packed codes (uint8, as "
+                             "pack_codes writes them); pass the uint8 tensor itself")
+        if packed.dtype != torch.int8 and packed.numel():   # a wider integer: each element one byte, 0..255
+            lo, hi = torch.stack(torch.aminmax(packed)).tolist()
+            if lo < 0 or hi > 255:
+                raise InputError(f"packed dtype={packed.dtype} holds values in [{lo}, {hi}], outside a byte's 0..255: "
+                                 "each element is one byte of packed codes (only its low 8 bits would be read); pass "
+                                 "uint8 bytes (another tool's packed words, e.g. GPTQ's int32: "
+                                 "foldc.gemm.convert)")
     k = 8 // bits
     mask = (1 << bits) - 1
     fields = [(packed >> (i * bits)) & mask for i in range(k)]

@@ -197,6 +197,37 @@ def _last_byte(t: torch.Tensor, start: int) -> int:
     return start + (extent + 1) * t.element_size() - 1
 
 
+def _span(t: torch.Tensor) -> tuple | None:
+    """(first byte, last byte, element size, contiguous) of a non-empty tensor with addresses of its own, else None
+    (empty, the meta device, or a subclass such as a tracer's fake tensors, whose addresses mean nothing)."""
+    if type(t) is not torch.Tensor or t.is_meta or not t.numel():
+        return None
+    lo = t.data_ptr()
+    contiguous = t.is_contiguous()
+    return lo, _last_byte(t, lo), t.element_size(), contiguous
+
+
+def shared_memory_pair(tensors) -> tuple[int, int] | None:
+    """The indices (i, j) of the first two of ``tensors`` that certainly have elements at a common address, or None,
+    from addresses and strides alone (no loop over elements): their first elements coincide (one tensor, or views of
+    it, passed twice), or an end element (first or last) of one lies in the bytes of the other where that other is
+    contiguous (it covers its span). Views that interleave without touching (every other column each) are never
+    named; others that interleave and do share some elements may pass."""
+    spans = [_span(t) for t in tensors]
+    for i, x in enumerate(spans):
+        for j in range(i + 1, len(spans)):
+            y = spans[j]
+            if x is None or y is None or x[0] > y[1] or y[0] > x[1]:
+                continue
+            if x[0] == y[0]:
+                return i, j
+            for (x0, x1, size, _), (y0, y1, _, dense) in ((x, y), (y, x)):
+                # the first element [x0, x0 + size) and the last [x1 - size + 1, x1] against a dense span [y0, y1]
+                if dense and ((x0 <= y1 and x0 + size - 1 >= y0) or (x1 - size + 1 <= y1 and x1 >= y0)):
+                    return i, j
+    return None
+
+
 def check_no_overlap(out, name: str = "out", **inputs) -> None:
     """Refuse an output that shares memory with an input a kernel still reads while it writes (a GEMM's
     programs write y while others read x): the answer would be silently wrong. An AffineTensor input is

@@ -866,3 +866,25 @@ def test_pack_and_unpack_codes_refuse_unsupported_bits(bits):
     for call in (lambda: pack_codes(codes, bits), lambda: unpack_codes(codes.to(torch.uint8), bits)):
         with pytest.raises(SpecError, match=rf"bits={bits!r} is not supported; use one of \(2, 4, 8\)"):
             call()
+
+
+@pytest.mark.parametrize("bits", SUPPORTED_BITS)
+def test_unpack_codes_refuses_what_is_not_bytes_of_packed_codes(bits):
+    """unpack_codes of a bool tensor gave codes of its True/False (garbage, silently), of GPTQ-style int32 words
+    the codes of each word's low byte alone (the other 24 bits dropped, silently), and of a float tensor a
+    NotImplementedError from inside torch. Bytes held in any integer dtype (0..255, or int8's bits) still unpack."""
+    gen = torch.Generator().manual_seed(47 + bits)
+    codes = torch.randint(0, 1 << bits, (3, 4 * (8 // bits)), generator=gen)
+    packed = pack_codes(codes, bits)
+    for dtype in (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64):
+        assert torch.equal(unpack_codes(packed.to(dtype) if dtype != torch.int8 else packed.view(torch.int8),
+                                        bits).long() & 0xFF, codes)
+    for bad in (packed.bool(), packed.float(), packed.to(torch.float16)):
+        with pytest.raises(InputError, match=rf"packed dtype={bad.dtype}: unpack_codes reads bytes of packed codes"):
+            unpack_codes(bad, bits)
+    words = packed.to(torch.int32) | (1 << 20)
+    with pytest.raises(InputError, match=r"packed dtype=torch.int32 holds values in \[\d+, \d+\], outside a byte's "
+                                         r"0..255.*foldc.gemm.convert"):
+        unpack_codes(words, bits)
+    with pytest.raises(InputTypeError, match=r"packed must be a torch.Tensor"):
+        unpack_codes(packed.tolist(), bits)

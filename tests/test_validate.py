@@ -381,3 +381,22 @@ def test_the_paged_wrapper_checks_the_pools_against_an_out_once_and_q_every_call
         under.copy_(k_pages.codes)
         with pytest.raises(InputError, match="out shares memory with k_pages.codes"):
             call(inputs["q"], dataclasses.replace(k_pages, codes=under), v_pages, out=out)
+
+
+def test_shared_memory_pair_names_parts_that_certainly_overlap_and_no_others():
+    """One tensor twice, overlapping slices of one buffer: named; disjoint slices, interleaved columns, meta and fake
+    tensors (whose addresses mean nothing): not."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from foldc.validate import shared_memory_pair
+
+    a = torch.zeros(4, 8)
+    flat = a.view(-1)
+    assert shared_memory_pair([a, a]) == (0, 1)
+    assert shared_memory_pair([torch.zeros(3), a[1:], a[:2]]) == (1, 2)
+    assert shared_memory_pair([flat[3:20], flat[10:12]]) == (0, 1)
+    assert shared_memory_pair([a[:2], a[2:]]) is None and shared_memory_pair([a[:, ::2], a[:, 1::2]]) is None
+    assert shared_memory_pair([a[:, :4], a[:, 4:], a[:0], torch.zeros(2, device="meta")]) is None
+    with FakeTensorMode():
+        fake = torch.zeros(3)
+    assert shared_memory_pair([fake, fake]) is None

@@ -33,6 +33,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -41,7 +42,7 @@ from ..backends.runtime.fast_launch import FastLaunch, keywords
 from ..decisions import GroupAxis, token_group
 from ..encoding import Affine, AffineTensor
 from ..errors import InputError, InputTypeError, SpecError
-from ..validate import overlaps_itself
+from ..validate import overlaps_itself, shared_memory_pair
 from .append_kernels import kernel as _kernel
 
 TARGETS = ("auto", "interpret", "sm_90", "sm_100", "reference")
@@ -199,14 +200,37 @@ def _check_rows(x: torch.Tensor) -> None:
                          "an append needs at least one sequence and one head: skip the call for an empty batch")
 
 
+# storage whose parts were found apart (`check_no_shared_elements`), with their addresses then
+_APART: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def check_no_shared_elements(what: str, storage: AffineTensor) -> None:
     """Storage whose parts hold each element at an address of its own: in an expanded part (stride 0) every
-    token's write lands on the same bytes (the kernel's last write wins, silently; the reference's copy raises)."""
-    for name, t in (("codes", storage.codes), ("scale", storage.scale), ("zero", storage.zero)):
+    token's write lands on the same bytes (the kernel's last write wins, silently; the reference's copy raises),
+    and two parts at one address (``scale = zero = torch.zeros(...)``) hold whichever the append wrote last."""
+    parts = (("codes", storage.codes), ("scale", storage.scale), ("zero", storage.zero))
+    for name, t in parts:
         if not t.is_contiguous() and overlaps_itself(t):
             raise InputError(f"{what}.{name} has strides {t.stride()} for shape {tuple(t.shape)}: some of its elements "
                              "share memory (an expanded tensor), so appended tokens would overwrite one another; "
                              f"allocate it whole, e.g. {what}.{name}.contiguous() (keep that tensor as the storage)")
+    codes, scale, zero = storage.codes, storage.scale, storage.zero
+    if type(codes) is not torch.Tensor or type(scale) is not torch.Tensor or type(zero) is not torch.Tensor:
+        return   # a tracer's fake tensors (the append_kv op's fake): no addresses
+    # two parts at one address: checked once per storage object and addresses (a serving loop appends into the
+    # same pools every step)
+    addresses = (codes.data_ptr(), scale.data_ptr(), zero.data_ptr())
+    if _APART.get(storage) == addresses:
+        return
+    pair = shared_memory_pair((codes, scale, zero))
+    if pair is None:
+        _APART[storage] = addresses
+    else:
+        name, other = parts[pair[0]][0], parts[pair[1]][0]
+        raise InputError(f"{what}.{name} and {what}.{other} share memory (one tensor, or views of one, passed as "
+                         f"both?): an append writes both, so one overwrites the other and the stored tokens "
+                         f"dequantize wrong; give each part its own tensor, e.g. {what}.{other}.clone() "
+                         "(keep that tensor as the storage)")
 
 
 def check_unit_stride(what: str, storage: AffineTensor) -> None:
@@ -417,8 +441,10 @@ def append_paged(pool: AffineTensor, x: torch.Tensor, kv_indptr: torch.Tensor, k
     x : torch.Tensor ``[batch, kv_heads, T, head_dim]``
         New tokens, float16, bfloat16 or float32, on the pool's device.
     kv_indptr : torch.Tensor, int32 ``[batch + 1]``
-    kv_indices : torch.Tensor, int32 ``[kv_indptr[-1]]``
-        FlashInfer page table (foldc/serving/paged.py), validated by `PagedDecodeWrapper.plan`, not here.
+    kv_indices : torch.Tensor, int32 ``[kv_indptr[-1]]`` (or longer)
+        FlashInfer page table (foldc/serving/paged.py), validated by `PagedDecodeWrapper.plan`; here only (where
+        that needs no device sync: a table on the CPU, or target "reference") that kv_indptr stays within
+        kv_indices.
     start : torch.Tensor, int32 or int64 ``[batch]``
         Token position of x's first token in each sequence (device). Channel-wise encodings need a
         multiple of group_size (a group starts there). Not checked (a sync): tokens at negative
@@ -434,6 +460,14 @@ def append_paged(pool: AffineTensor, x: torch.Tensor, kv_indptr: torch.Tensor, k
         "auto", "interpret", "sm_90", "sm_100" or "reference" (foldc.quantize and copies, host loop,
         synchronises).
     """
+    write_paged(pool, x, kv_indptr, kv_indices, start, page_size=page_size, counts=counts, target=target)
+
+
+def write_paged(pool: AffineTensor, x: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
+                start: torch.Tensor, *, page_size: int, counts: torch.Tensor | None = None, target: str = "auto",
+                table_checked: bool = False) -> None:
+    """`append_paged`; ``table_checked``: the table is one `PagedDecodeWrapper.plan` checked (a `PagedKVCache`'s own
+    buffers), not read here again (a decode step reads nothing on the host)."""
     from ..backends.triton.paging import check_page_size_for
 
     if not isinstance(pool, AffineTensor):
@@ -457,11 +491,13 @@ def append_paged(pool: AffineTensor, x: torch.Tensor, kv_indptr: torch.Tensor, k
                            ("start", start, batch), ("counts", counts, batch)))
     if x.device != pool.device:
         raise InputError(f"x is on {x.device} but the pool is on {pool.device}; move x there")
+    mode = resolve_target(target, pool.device)
+    if not table_checked and (mode == "reference" or kv_indptr.device.type == "cpu"):   # read with no device sync
+        _check_indptr_within(kv_indptr, kv_indices.numel())
     group = token_group(enc)
     if group and tokens % group:
         raise InputError(f"x holds {tokens} tokens, not a multiple of group_size={enc.group_size}; channel-wise "
                          "groups are written whole (keep the partial group in the model dtype until it fills)")
-    mode = resolve_target(target, pool.device)
     if tokens == 0:
         return
     if mode == "reference":
@@ -484,9 +520,25 @@ def _table_tensor(name: str, t, n: int | None, batch: int, device: torch.device)
             or (n is not None and t.shape[0] != n):
         raise InputError(f"{name} must be an int32 tensor of {what}; got "
                          f"{type(t).__name__} {getattr(t, 'dtype', '')} {tuple(getattr(t, 'shape', ()))}")
+    if t.layout != torch.strided:   # (the kernel reads entries at their addresses: a sparse tensor has none)
+        raise InputError(f"{name} is a tensor of layout {t.layout}; pass a dense int32 tensor ({name}.to_dense())")
     if t.device != device:
         raise InputError(f"{name} is on {t.device} but the pool is on {device}; move it there")
     return t.contiguous()
+
+
+def _check_indptr_within(kv_indptr: torch.Tensor, entries: int) -> None:
+    """Every ``kv_indptr`` entry in ``[0, entries]`` (``kv_indices``' length): the kernel reads sequence b's page
+    numbers at ``kv_indices[kv_indptr[b]:kv_indptr[b + 1]]``, and one past the end read whatever memory follows as
+    page numbers (tokens written into other sequences' pages, silently; the reference dropped them)."""
+    lo, hi = torch.stack(torch.aminmax(kv_indptr)).tolist()
+    if lo >= 0 and hi <= entries:
+        return
+    bad = lo if lo < 0 else hi
+    at = int(((kv_indptr < 0) | (kv_indptr > entries)).nonzero()[0])
+    raise InputError(f"kv_indptr[{at}]={bad} but kv_indices holds {entries} entries: sequence page ranges "
+                     f"kv_indptr[b]:kv_indptr[b + 1] must lie in [0, {entries}] (kv_indptr[-1] <= len(kv_indices)); "
+                     "pass the kv_indices this kv_indptr indexes")
 
 
 def _append_paged_reference(pool, x, kv_indptr, kv_indices, start, page_size, counts) -> None:

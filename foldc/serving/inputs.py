@@ -14,6 +14,9 @@ def resolve_device(device) -> torch.device:
         dev = torch.device(device)
     except (TypeError, RuntimeError):
         raise SpecError(f"device={device!r} is not a torch device; use e.g. 'cpu' or 'cuda'") from None
+    if dev.type == "meta":   # (an append raised NotImplementedError inside torch; target 'auto' said to use 'auto')
+        raise SpecError(f"device={device!r} holds no values, and a cache stores tokens and reads them back; use "
+                        "device='cpu' (Triton's interpreter, float16, or target='reference') or 'cuda'")
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise SpecError(f"device={device!r} but torch finds no CUDA GPU; use device='cpu' (Triton's interpreter, "
                         "float16) or run where a GPU is visible")
@@ -28,6 +31,17 @@ def count(name: str, value, minimum: int) -> int:
         kind = "a positive integer" if minimum == 1 else "an integer >= 0"
         raise SpecError(f"{name}={value!r} must be {kind}")
     return value
+
+
+def check_readable(name: str, x: torch.Tensor, what: str) -> torch.Tensor:
+    """``x``, a tensor whose values the host reads (a page table, lengths), refused where it holds none to read:
+    on the meta device or sparse (torch raised NotImplementedError or RuntimeError from inside its copy).
+    ``what``: the tensor wanted, for the message (e.g. "int32 tensor [batch + 1]")."""
+    if x.layout != torch.strided or x.is_meta:
+        where = "on the meta device" if x.is_meta else f"of layout {x.layout}"
+        raise InputError(f"{name} is a tensor {where}, whose values cannot be read; pass a dense {what} on the CPU "
+                         f"or the GPU{' (x.to_dense())' if not x.is_meta else ''}")
+    return x
 
 
 def check_new_tokens(name: str, x, batch: int, spec, dtype: torch.dtype, device: torch.device) -> None:

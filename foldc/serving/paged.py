@@ -33,7 +33,7 @@ from ..plan import plan as make_plan
 from ..registry import attention_backend
 from ..spec import AttentionSpec
 from ..validate import check_no_overlap, check_sm_scale, output_buffer
-from .inputs import resolve_device
+from .inputs import check_readable, resolve_device
 
 _WORKSPACE = {torch.float16: "workspace_float16", torch.bfloat16: "workspace_bfloat16"}   # buffer names per q dtype
 MOST_PREPARED = 512   # prepared runs a wrapper keeps: a model's layers x query dtypes x scales
@@ -61,7 +61,7 @@ def _int_tensor(name: str, x, shape_text: str) -> torch.Tensor:
     if x.dtype not in (torch.int32, torch.int64) or x.dim() != 1:
         raise InputError(f"{name} must be a 1-D int32 tensor {shape_text}; got dtype={x.dtype}, "
                          f"shape={tuple(x.shape)}")
-    return x
+    return check_readable(name, x, f"int32 tensor {shape_text}")
 
 
 def _host_lengths(seq_lens) -> list[int]:
@@ -74,6 +74,7 @@ def _host_lengths(seq_lens) -> list[int]:
         lens = torch.as_tensor(seq_lens)
     except (TypeError, ValueError, RuntimeError):
         raise InputTypeError(f"seq_lens={seq_lens!r} must be a list of ints or an integer tensor [batch]") from None
+    check_readable("seq_lens", lens, "integer tensor [batch] (or a list of ints)")
     if lens.dtype.is_floating_point or lens.dtype.is_complex or lens.dtype == torch.bool or lens.dim() != 1:
         raise InputError(f"seq_lens dtype={lens.dtype} shape={tuple(lens.shape)} must be one integer token count "
                          "per sequence, shape [batch]; pass ints (e.g. [int(n) for n in lengths])")

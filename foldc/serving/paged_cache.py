@@ -40,8 +40,9 @@ from ..plan import plan_of
 from ..reference import attention_reference
 from ..spec import AttentionSpec
 from ..validate import check_sm_scale
-from .append import append_arguments, append_paged, check_finite, plan_append, resolve_target, run_append
-from .inputs import check_new_tokens, count, resolve_device
+from .append import (append_arguments, append_paged, check_finite, plan_append, resolve_target, run_append,
+                     write_paged)
+from .inputs import check_new_tokens, check_readable, count, resolve_device
 from .paged import PagedDecodeWrapper, check_page_table, gather_pages, launch_plain, page_pool
 
 _TENSOR = torch.Tensor
@@ -56,6 +57,7 @@ def _lengths(seq_lens) -> list[int]:
         lens = torch.as_tensor(seq_lens)
     except (TypeError, ValueError, RuntimeError):
         raise InputTypeError(f"seq_lens={seq_lens!r} must be a list of ints or an integer tensor [batch]") from None
+    check_readable("seq_lens", lens, "integer tensor [batch] (or a list of ints)")
     if lens.dtype.is_floating_point or lens.dtype.is_complex or lens.dtype == torch.bool or lens.dim() != 1 \
             or lens.numel() < 1:
         raise InputError(f"seq_lens dtype={lens.dtype} shape={tuple(lens.shape)} must be one integer token count "
@@ -327,8 +329,8 @@ class PagedKVCache:
             pools, table = self.pools[layer], (self.wrapper.kv_indptr, self.wrapper.kv_indices)
             if not self._pair:   # (target "reference": the host's copies)
                 for name, x in (("k", k_new), ("v", v_new)):
-                    append_paged(pools[name], x, *table, st["body"], page_size=self.page_size,
-                                 target=self._append_target)
+                    write_paged(pools[name], x, *table, st["body"], page_size=self.page_size,
+                                target=self._append_target, table_checked=True)
                 st["body"] += 1
                 return
             # checked tokens (one dtype), the cache's own pools and table; each operand with strides of its own
@@ -348,9 +350,9 @@ class PagedKVCache:
         counts = flush.to(torch.int32) * self.unit
         lo = self.sink
         for name in "kv":
-            append_paged(self.pools[layer][name], st[name][:, :, lo:lo + self.unit], self.wrapper.kv_indptr,
-                         self.wrapper.kv_indices, st["body"], page_size=self.page_size, counts=counts,
-                         target=self._append_target)
+            write_paged(self.pools[layer][name], st[name][:, :, lo:lo + self.unit], self.wrapper.kv_indptr,
+                        self.wrapper.kv_indices, st["body"], page_size=self.page_size, counts=counts,
+                        target=self._append_target, table_checked=True)
             if self.window:  # the kept tokens slide down by one unit where a flush happened
                 kept = st[name][:, :, lo:lo + self.window]
                 moved = st[name][:, :, lo + self.unit:lo + self.unit + self.window]

@@ -3,6 +3,7 @@ and nothing else (storage is poisoned with random bits first and compared bit fo
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -755,3 +756,54 @@ def test_storage_whose_elements_share_memory_is_refused(append, part, target):
     whole = AffineTensor(dst.codes.contiguous(), dst.scale.contiguous(), dst.zero.contiguous(), enc, 32)
     append_quantized(whole, x, 0, target=target)
     assert_same_bits(whole, foldc.quantize(x, enc))
+
+
+@pytest.mark.parametrize("target", ["interpret", "reference"])
+@pytest.mark.parametrize("pair", ["scale-zero", "codes-scale"])
+@pytest.mark.parametrize("append", ["append_quantized", "append_paged"])
+def test_storage_whose_parts_share_memory_is_refused(append, pair, target):
+    """Storage whose scale and zero are one tensor (``scale = zero = torch.zeros(...)``), or whose codes' bytes
+    run into the scales' (views of one buffer carved at the wrong offset): the append wrote the scale and then the
+    zero over it (every stored token dequantized to zero * (code + 1), 54x quantize's error, silently)."""
+    gen = torch.Generator().manual_seed(44)
+    enc = A(4, "token", 16)
+    shape = scale_shape(enc, 2, 2, 16, 32)
+    if pair == "scale-zero":
+        codes, scale = torch.zeros(2, 2, 16, 16, dtype=torch.uint8), torch.zeros(shape, dtype=torch.float16)
+        zero = scale
+    else:   # an arena whose scale view starts 8 bytes before the codes' end
+        arena = torch.zeros(2 * 2 * 16 * 16 + 2 * math.prod(shape) * 2, dtype=torch.uint8)
+        n = 2 * 2 * 16 * 16
+        codes = arena[:n].view(2, 2, 16, 16)
+        scale = arena[n - 8:n - 8 + math.prod(shape) * 2].view(torch.float16).view(shape)
+        zero = torch.zeros(shape, dtype=torch.float16)
+    dst = AffineTensor(codes, scale, zero, enc, 32)
+    x = torch.randn(2, 2, 16, 32, generator=gen).half()
+    names = pair.split("-")
+    name = "dst" if append == "append_quantized" else "pool"
+    with pytest.raises(InputError, match=rf"{name}.{names[0]} and {name}.{names[1]} share memory .* give each part "
+                                         rf"its own tensor, e.g. {name}.{names[1]}.clone\(\)"):
+        if append == "append_quantized":
+            append_quantized(dst, x, 0, target=target)
+        else:   # one 16-token page per sequence
+            append_paged(dst, x, torch.tensor([0, 1, 2], dtype=torch.int32), torch.tensor([1, 0], dtype=torch.int32),
+                         torch.zeros(2, dtype=torch.int32), page_size=16, target=target)
+
+
+@pytest.mark.parametrize("target", ["interpret", "reference"])
+def test_storage_carved_from_one_buffer_without_overlap_is_taken(target):
+    """Parts that are views of one buffer but share no element (an arena of codes, then scales, then zeros; scales
+    and zeros as the two halves of each row of one tensor) are written as quantize writes separate tensors."""
+    gen = torch.Generator().manual_seed(45)
+    enc = A(4, "token", 16)
+    shape = scale_shape(enc, 2, 2, 16, 32)
+    n, m = 2 * 2 * 16 * 16, math.prod(shape) * 2
+    arena = torch.zeros(n + 2 * m, dtype=torch.uint8)
+    halves = torch.zeros(*shape[:-1], 2 * shape[-1], dtype=torch.float16)
+    for dst in (AffineTensor(arena[:n].view(2, 2, 16, 16), arena[n:n + m].view(torch.float16).view(shape),
+                             arena[n + m:].view(torch.float16).view(shape), enc, 32),
+                AffineTensor(torch.zeros(2, 2, 16, 16, dtype=torch.uint8), halves[..., :shape[-1]],
+                             halves[..., shape[-1]:], enc, 32)):
+        x = torch.randn(2, 2, 16, 32, generator=gen).half()
+        append_quantized(dst, x, 0, target=target)
+        assert_same_bits(dst, foldc.quantize(x, enc))

@@ -371,6 +371,22 @@ def test_a_cuda_device_without_a_gpu_is_refused_by_name():
             make()
 
 
+@pytest.mark.parametrize("target", ["reference", "auto", "interpret"])
+def test_a_meta_device_is_refused_where_the_cache_is_built(target):
+    """A cache or wrapper on the meta device was built under target='reference' and its first append raised
+    NotImplementedError ("Cannot copy out of meta tensor") from inside torch; under target='auto' the error said
+    "use target='auto'", the target given. It is a SpecError naming the device where it is built now."""
+    from foldc.serving import PagedKVCache, QuantizedKVCache
+
+    for make in (lambda: PagedDecodeWrapper(TOKEN_SPEC, 16, max_seq_len=64, device="meta", target=target),
+                 lambda: QuantizedKVCache(TOKEN_SPEC, 1, 64, device=torch.device("meta"), target=target),
+                 lambda: PagedKVCache(TOKEN_SPEC, num_layers=1, page_size=16, num_pages=4, max_seq_len=64,
+                                      device="meta", target=target)):
+        with pytest.raises(SpecError, match=r"device=.*meta.* holds no values, and a cache stores tokens and reads "
+                                            r"them back; use device='cpu'"):
+            make()
+
+
 def test_a_bare_cuda_device_means_the_current_gpu():
     """``device="cuda"`` must compare equal to the device of tensors made there (cuda:0), or every
     device check of the caches would refuse their own tensors."""

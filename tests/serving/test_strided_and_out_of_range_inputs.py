@@ -250,3 +250,76 @@ def test_reference_run_refuses_lengths_past_its_own_pages():
     lens = torch.tensor([16, 40], dtype=torch.int32)   # within both: the reference and the kernel agree
     assert rel_l2(kernel.run(q, k_pages, v_pages, seq_lens=lens),
                   wrapper.run(q, k_pages, v_pages, seq_lens=strided(lens))) < 2e-3
+
+
+def _unreadable(t: torch.Tensor, kind: str) -> torch.Tensor:
+    return t.to("meta") if kind == "meta" else t.to_sparse()
+
+
+@pytest.mark.parametrize("kind", ["meta", "sparse"])
+@pytest.mark.parametrize("entry, arg", [
+    ("plan", "kv_indptr"), ("plan", "kv_indices"), ("plan", "kv_last_page_len"), ("plan", "seq_lens"),
+    ("gather_pages", "kv_indptr"), ("gather_pages", "kv_indices"), ("gather_pages", "seq_lens"),
+    ("PagedKVCache.plan", "kv_indptr"), ("PagedKVCache.plan", "seq_lens"),
+    ("append_paged", "kv_indptr"), ("append_paged", "kv_indices"), ("append_paged", "start"),
+    ("append_paged", "counts")])
+def test_page_tables_and_lengths_with_no_values_to_read_are_refused_by_name(entry, arg, kind):
+    """A page table or lengths on the meta device or sparse raised NotImplementedError ("Cannot copy out of meta
+    tensor") or RuntimeError ("Cannot access data pointer", "unsupported memory format") from inside torch, naming
+    no argument; each is an InputError naming the argument now. The same values as dense tensors are taken."""
+    from foldc.serving import PagedKVCache
+
+    gen = torch.Generator().manual_seed(9)
+    k_pages, _ = filled_pools(gen, 4)
+    table = {"kv_indptr": torch.tensor([0, 2, 3], dtype=torch.int32),
+             "kv_indices": torch.tensor([3, 0, 1], dtype=torch.int32), "kv_last_page_len": torch.tensor([5, 7], dtype=torch.int32), "seq_lens": torch.tensor([21, 7]),
+             "start": torch.zeros(2, dtype=torch.int32), "counts": torch.full((2,), 16, dtype=torch.int32)}
+
+    def call(args: dict):
+        if entry == "plan":
+            last = None if arg == "seq_lens" else args["kv_last_page_len"]
+            seq = args["seq_lens"] if arg == "seq_lens" else None
+            PagedDecodeWrapper(SPEC, PAGE, max_seq_len=64, target="reference").plan(
+                args["kv_indptr"], args["kv_indices"], last, num_pages=4, seq_lens=seq)
+        elif entry == "gather_pages":
+            gather_pages(k_pages, args["kv_indptr"], args["kv_indices"], args["seq_lens"], PAGE)
+        elif entry == "PagedKVCache.plan":
+            cache = PagedKVCache(SPEC, num_layers=1, page_size=PAGE, num_pages=4, max_seq_len=64, target="reference")
+            cache.plan(args["kv_indptr"], args["kv_indices"], args["seq_lens"] * 0)
+        else:
+            pool = page_pool(SPEC, "v", 4, PAGE)
+            x = torch.randn(2, 2, 16, 64, generator=gen).half()
+            append_paged(pool, x, args["kv_indptr"], args["kv_indices"], args["start"], page_size=PAGE,
+                         counts=args["counts"], target="interpret")
+
+    call(table)
+    bad = dict(table, **{arg: _unreadable(table[arg], kind)})
+    where = "on the meta device" if kind == "meta" else "of layout torch.sparse_coo"
+    match = rf"{arg} is a tensor {where}" if kind == "sparse" or entry != "append_paged" else rf"{arg} is on meta"
+    with pytest.raises(InputError, match=match):
+        call(bad)
+
+
+@pytest.mark.parametrize("target", ["interpret", "reference"])
+@pytest.mark.parametrize("bad", ["past the end", "negative"])
+def test_append_paged_refuses_a_kv_indptr_past_its_kv_indices(bad, target):
+    """kv_indptr [0, 3] over a kv_indices of one entry (a view of a longer table): the kernel read entries 1 and 2
+    past kv_indices' end, the next table's page numbers, and wrote 24 of the 40 tokens into those pages (another
+    sequence's, silently); the reference dropped them. Refused now, nothing written; a kv_indices longer than
+    kv_indptr[-1] (the wrapper's buffer of num_pages entries) is taken."""
+    gen = torch.Generator().manual_seed(10)
+    enc = A(4, "token", 32)
+    pool = page_pool(S(4, 2, 64, enc, enc), "k", 8, PAGE)
+    x = torch.randn(1, 2, 40, 64, generator=gen).half()
+    table = torch.tensor([5, 6, 7, 1, 2, 3], dtype=torch.int32)
+    indptr = torch.tensor([0, 3] if bad == "past the end" else [-2, 3], dtype=torch.int32)
+    start = torch.zeros(1, dtype=torch.int32)
+    match = (r"kv_indptr\[1\]=3 but kv_indices holds 1 entries" if bad == "past the end"
+             else r"kv_indptr\[0\]=-2 but kv_indices holds 1 entries")
+    with pytest.raises(InputError, match=match + r".*pass the kv_indices this kv_indptr indexes"):
+        append_paged(pool, x, indptr, table[:1], start, page_size=PAGE, target=target)
+    assert not pool.codes.any() and not pool.scale.any()   # nothing written
+    append_paged(pool, x, torch.tensor([0, 3], dtype=torch.int32), table, start, page_size=PAGE, target=target)
+    k, _ = gather_pages(pool, torch.tensor([0, 3], dtype=torch.int32), table[:3], [40], PAGE)
+    want = foldc.quantize(x, enc)
+    assert torch.equal(k.codes[:, :, :40], want.codes) and torch.equal(k.scale[:, :, :40], want.scale)
