@@ -83,12 +83,14 @@ KNOWN_SPILLS = {# two groups' query operands, parameters and products per tile p
                 ("channel:2:16", "token:2:128", "32/8", 256, "sm_100"): (53, 53),
                 ("token:4:128", "channel:4:16", "32/8", 256, "sm_90"): (150, 150),
                 ("token:4:128", "channel:4:16", "32/8", 256, "sm_100"): (100, 100),
-                ("channel:4:128", "token:4:128", "64/2", 128, "sm_90"): (2, 2),
                 ("channel:4:128", "token:4:128", "16/4", 256, "sm_100"): (4, 4),
-                ("channel:4:64", "token:4:64", "64/2", 128, "sm_90"): (36, 36),   # 64-token tiles: faster anyway
+                ("channel:4:64", "token:4:64", "64/2", 128, "sm_90"): (1, 0),   # once a group, keys rebuilt (eq. 12a)
+                # folds at the tie of 16 rows a program (eq. 12a; 1.14-1.17x the dequant plans' speed, H100)
+                ("token:4:32", "channel:2:32", "64/2", 128, "sm_90"): (12, 12),
+                ("token:2:32", "token:2:32", "64/4", 96, "sm_90"): (8, 8),
+                ("token:2:32", "token:2:32", "64/4", 96, "sm_100"): (8, 8),
                 # two packed heads with groups of 16 tokens both sides (none on sm_90; 1.39x one head's speed, H100)
                 ("channel:2:16", "channel:2:16", "32/8", 128, "sm_100"): (8, 8),
-                ("channel:4:64", "token:4:64", "64/2", 128, "sm_100"): (16, 16),
                 ("token:2:32", "token:2:32", "32/8", 256, "sm_100"): (22, 22),
                 # five groups across head_dim 160's bit fields at 2 bits: both 256-channel operands, the query pieces
                 # and five scaled P's per tile
@@ -241,8 +243,8 @@ def test_token_wise_grid_builds_match_the_cost_model(job, reports):
 
 def test_sm_100_builds_the_same_token_loop(reports):
     """B200 keeps mma.sync: the sm_100 build of every layout has the same matrix instructions and unpack
-    as sm_90's, and a token loop within 12% of its length (10.5% shorter on sm_100 for channel-wise V in
-    groups of 16 tokens). Where the launcher's default tile differs by target (row blocks beside channel-wise
+    as sm_90's, and a token loop within 15% of its length (10.5% shorter on sm_100 for channel-wise V in
+    groups of 16 tokens, 13.5-14.2% beside rebuilt channel-wise keys at 16 rows). Where the launcher's default tile differs by target (row blocks beside channel-wise
     groups of 64 tokens take 64-token tiles on sm_90 only), the matrix instructions per token must match."""
     for k, v, h, d, arch in JOBS:
         if arch != "sm_100":
@@ -254,22 +256,25 @@ def test_sm_100_builds_the_same_token_loop(reports):
                 b90["top_opcodes"].get("HMMA") * r100["block_n"], (k, v, h, d)
             continue
         assert b100["top_opcodes"].get("HMMA") == b90["top_opcodes"].get("HMMA"), (k, v, h, d)
-        assert abs(b100["instructions_per_tile"] - b90["instructions_per_tile"]) <= 0.12 * b90["instructions_per_tile"]
+        assert abs(b100["instructions_per_tile"] - b90["instructions_per_tile"]) <= 0.15 * b90["instructions_per_tile"]
 
 
 @pytest.mark.parametrize("job", [j for j in JOBS if "channel" in j[0] and "channel" in j[1] and j[2] == "64/4"],
                          ids=lambda j: f"{j[0]}-{j[1]}-{j[2]}-d{j[3]}-{j[4]}")
 def test_dequant_group_parameters_load_once_per_lane(job, reports):
     """A channel-wise dequant plan's group (its scales and zeros, and the power of two they are rebuilt
-    at) is read and computed once per lane, D/32 channels each, then moved to the operand's layout:
+    at; and a folded channel-wise side's) is read and computed once per lane, D/32 channels each, then moved to the operand's layout:
     not once per k index a lane holds (32 of them: 96 global loads per 32-token tile, 192 with groups of
     16 tokens, before)."""
     r = reports[job]
-    assert r["config"]["key_dequant"] and r["config"]["value_dequant"], r["config"]
+    assert r["config"]["key_dequant"], r["config"]   # (eq. 12a: channel-wise keys past 8 rows; values at the tie fold)
     groups_per_tile = max(1, r["block_n"] // min(int(job[0].split(":")[2]), int(job[1].split(":")[2])))
     width = r["config"]["width"]
-    # two sides x (scales, zeros) x width / 32 channels per lane, per group in the tile
-    assert r["inner_loop"]["global_loads"] <= 2 * 2 * (width // 32) * groups_per_tile, r["inner_loop"]
+    # per side (scales, zeros) x width / 32 channels per lane for a rebuilt side, x the 2 x width / 16 output rows a
+    # lane holds for a folded channel-wise V (its per-row scales and zeros), per group in the tile
+    per_group = sum(2 * (width // 32) if r["config"][f"{side}_dequant"] else 2 * (width // 8)
+                    for side in ("key", "value"))
+    assert r["inner_loop"]["global_loads"] <= per_group * groups_per_tile, r["inner_loop"]
 
 
 @pytest.mark.parametrize("job", [j for j in JOBS if j[3] == 96 and j[0].startswith("token:") and

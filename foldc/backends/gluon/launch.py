@@ -222,8 +222,9 @@ class GluonAttention:
         # groups per token, 32-token tiles: 168 registers (three warps per scheduler) against 214,
         # 1-3% faster at INT2 8 x 64K and 32 x 64K; with four, both sizes hold two warps and 64 was
         # 6-7% faster (H200, tenth session: `git show 6178656:docs/perf.md`). Two token-wise groups a token beside a
-        # channel-wise side in groups of 64 or 128 tokens: 64, 3-7% faster at INT2 32/8 8 x 64K on an H100
-        # (docs/results/block64_mixed_32x8_h100_2026-12-06.json; no spill ahead of time on sm_90 or sm_100)
+        # channel-wise side in groups of 64 or 128 tokens, head_dim 128: 64, 3-7% faster at INT2 32/8 8 x 64K on an
+        # H100 (docs/results/block64_mixed_32x8_h100_2026-12-06.json; no spill ahead of time on sm_90 or sm_100;
+        # at head_dim 64 and 96 64-token tiles spilled 8-13 registers a tile)
         groups = [g for g in (self.config.key_tokens, self.config.value_tokens) if g]
         # one KV head per program: 64 also won at INT2 (114.5 against 118.3 us at 32/8, 115.6 against
         # 119.2 at 40/8); four packed heads: 32 (103.8 against 123.1 us at 8/8; benchmarks/gqa_sweep.py)
@@ -237,7 +238,8 @@ class GluonAttention:
         most_groups = max(self.config.key_groups, self.config.value_groups)
         wide = pack_heads <= 2 and not one_wide_head and self.config.key_bits == self.config.value_bits == 2 and \
             all(g % 64 == 0 for g in groups) and self.config.width <= 128 and \
-            (most_groups == 1 or (most_groups == 4 and not groups) or (most_groups == 2 and bool(groups)))
+            (most_groups == 1 or (most_groups == 4 and not groups) or
+             (most_groups == 2 and bool(groups) and self.config.head_dim == 128))
         # row blocks beside a channel-wise side in groups of 64 tokens: 64-token tiles, the scales loaded at each
         # tile's start (H200, 8 x 64K at 64/2: 147.0 against 182.8 µs for K channel:4:64 / V token:4:64,
         # 152.5 against 185.9 for both channel:4:64; groups of 128 and INT8 were slower so, docs/perf.md).
