@@ -744,18 +744,24 @@ def test_storage_whose_elements_share_memory_is_refused(append, part, target):
     name = "dst" if append == "append_quantized" else "pool"
     with pytest.raises(InputError, match=rf"{name}.{part} has strides \(.*, 0, .*\) for shape .*: some of its "
                                          rf"elements share memory.*{name}.{part}.contiguous\(\)"):
-        if append == "append_quantized":
-            append_quantized(dst, x, 0, target=target)
-        else:   # one 16-token page per sequence
-            append_paged(dst, x[:, :, :16], torch.tensor([0, 1, 2], dtype=torch.int32),
-                         torch.tensor([1, 0], dtype=torch.int32), torch.zeros(2, dtype=torch.int32), page_size=16,
-                         target=target)
+        _append_either(append, dst, x, target)
     for t, old in zip((dst.codes, dst.scale, dst.zero), before):
         assert torch.equal(bits(t), old)   # nothing written
     # the same storage made whole takes the same append and holds exactly what foldc.quantize computes
     whole = AffineTensor(dst.codes.contiguous(), dst.scale.contiguous(), dst.zero.contiguous(), enc, 32)
     append_quantized(whole, x, 0, target=target)
     assert_same_bits(whole, foldc.quantize(x, enc))
+
+
+def _append_either(append: str, dst, x, target: str) -> None:
+    """``append_quantized`` of x at offset 0, or ``append_paged`` of its first 16 tokens as one 16-token page per
+    sequence (sequence 0 in page 1, sequence 1 in page 0)."""
+    if append == "append_quantized":
+        append_quantized(dst, x, 0, target=target)
+    else:
+        append_paged(dst, x[:, :, :16], torch.tensor([0, 1, 2], dtype=torch.int32),
+                     torch.tensor([1, 0], dtype=torch.int32), torch.zeros(2, dtype=torch.int32), page_size=16,
+                     target=target)
 
 
 @pytest.mark.parametrize("target", ["interpret", "reference"])
@@ -783,11 +789,7 @@ def test_storage_whose_parts_share_memory_is_refused(append, pair, target):
     name = "dst" if append == "append_quantized" else "pool"
     with pytest.raises(InputError, match=rf"{name}.{names[0]} and {name}.{names[1]} share memory .* give each part "
                                          rf"its own tensor, e.g. {name}.{names[1]}.clone\(\)"):
-        if append == "append_quantized":
-            append_quantized(dst, x, 0, target=target)
-        else:   # one 16-token page per sequence
-            append_paged(dst, x, torch.tensor([0, 1, 2], dtype=torch.int32), torch.tensor([1, 0], dtype=torch.int32),
-                         torch.zeros(2, dtype=torch.int32), page_size=16, target=target)
+        _append_either(append, dst, x, target)
 
 
 @pytest.mark.parametrize("target", ["interpret", "reference"])
