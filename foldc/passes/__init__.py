@@ -16,7 +16,7 @@ def default_passes(code_bias=None, fold_policy: str = "auto", rows_per_program: 
 
 
 __all__ = [
-    "FOLD_POLICIES", "AxisAnalysis", "BreakEven", "FoldCosts", "FoldRewrite", "Ordering", "Pass", "PassRecord", "TileConstraint",
-    "check_code_bias", "check_plan_rules", "default_passes", "encoded_operand", "fold_cost", "fold_from_axes",
+    "FOLD_POLICIES", "AxisAnalysis", "BreakEven", "FoldCosts", "FoldRewrite", "Ordering", "Pass", "PassRecord",
+    "TileConstraint", "check_code_bias", "check_plan_rules", "default_passes", "encoded_operand", "fold_cost", "fold_from_axes",
     "rows_sharing_group", "run_pipeline", "tile_constraints",
 ]

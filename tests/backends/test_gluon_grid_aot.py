@@ -244,8 +244,9 @@ def test_token_wise_grid_builds_match_the_cost_model(job, reports):
 def test_sm_100_builds_the_same_token_loop(reports):
     """B200 keeps mma.sync: the sm_100 build of every layout has the same matrix instructions and unpack
     as sm_90's, and a token loop within 15% of its length (10.5% shorter on sm_100 for channel-wise V in
-    groups of 16 tokens, 13.5-14.2% beside rebuilt channel-wise keys at 16 rows). Where the launcher's default tile differs by target (row blocks beside channel-wise
-    groups of 64 tokens take 64-token tiles on sm_90 only), the matrix instructions per token must match."""
+    groups of 16 tokens, 13.5-14.2% beside rebuilt channel-wise keys at 16 rows). Where the launcher's default
+    tile differs by target (row blocks beside channel-wise groups of 64 tokens take 64-token tiles on sm_90
+    only), the matrix instructions per token must match."""
     for k, v, h, d, arch in JOBS:
         if arch != "sm_100":
             continue
@@ -263,8 +264,8 @@ def test_sm_100_builds_the_same_token_loop(reports):
                          ids=lambda j: f"{j[0]}-{j[1]}-{j[2]}-d{j[3]}-{j[4]}")
 def test_dequant_group_parameters_load_once_per_lane(job, reports):
     """A channel-wise dequant plan's group (its scales and zeros, and the power of two they are rebuilt
-    at; and a folded channel-wise side's) is read and computed once per lane, D/32 channels each, then moved to the operand's layout:
-    not once per k index a lane holds (32 of them: 96 global loads per 32-token tile, 192 with groups of
+    at; and a folded channel-wise side's) is read and computed once per lane, D/32 channels each, then moved to
+    the operand's layout: not once per k index a lane holds (32 of them: 96 global loads per 32-token tile, 192 with groups of
     16 tokens, before)."""
     r = reports[job]
     assert r["config"]["key_dequant"], r["config"]   # (eq. 12a: channel-wise keys past 8 rows; values at the tie fold)

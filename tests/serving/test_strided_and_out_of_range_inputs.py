@@ -272,7 +272,8 @@ def test_page_tables_and_lengths_with_no_values_to_read_are_refused_by_name(entr
     gen = torch.Generator().manual_seed(9)
     k_pages, _ = filled_pools(gen, 4)
     table = {"kv_indptr": torch.tensor([0, 2, 3], dtype=torch.int32),
-             "kv_indices": torch.tensor([3, 0, 1], dtype=torch.int32), "kv_last_page_len": torch.tensor([5, 7], dtype=torch.int32), "seq_lens": torch.tensor([21, 7]),
+             "kv_indices": torch.tensor([3, 0, 1], dtype=torch.int32),
+             "kv_last_page_len": torch.tensor([5, 7], dtype=torch.int32), "seq_lens": torch.tensor([21, 7]),
              "start": torch.zeros(2, dtype=torch.int32), "counts": torch.full((2,), 16, dtype=torch.int32)}
 
     def call(args: dict):
