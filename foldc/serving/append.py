@@ -344,10 +344,12 @@ def append_arguments(launch: AppendLaunch, dst: AffineTensor, x: torch.Tensor, s
             flag if flag is not None else codes, *(pair if pair is not None else (codes,) * 4),
             arrivals if arrivals is not None else codes,   # (read if ADVANCE)
             *first, 0 if scalar is None else scalar)
+    # the page table's entries (kv_indices' length): an entry index kv_indptr puts past it is never read
+    entries = indices.numel() if paging is not None else 0
     if launch.kernel == "token":   # then the second operand's strides (the first's again where there is none)
-        args += (x.shape[2], dst.shape[1], capacity, *(_strides(*pair) if pair is not None else first))
+        args += (x.shape[2], dst.shape[1], capacity, entries, *(_strides(*pair) if pair is not None else first))
     else:
-        args += (dst.shape[1], capacity)
+        args += (dst.shape[1], capacity, entries)
     return _fast(launch.kernel, launch.interpret), args, kwargs
 
 
@@ -442,9 +444,10 @@ def append_paged(pool: AffineTensor, x: torch.Tensor, kv_indptr: torch.Tensor, k
         New tokens, float16, bfloat16 or float32, on the pool's device.
     kv_indptr : torch.Tensor, int32 ``[batch + 1]``
     kv_indices : torch.Tensor, int32 ``[kv_indptr[-1]]`` (or longer)
-        FlashInfer page table (foldc/serving/paged.py), validated by `PagedDecodeWrapper.plan`; here only (where
-        that needs no device sync: a table on the CPU, or target "reference") that kv_indptr stays within
-        kv_indices.
+        FlashInfer page table (foldc/serving/paged.py), validated by `PagedDecodeWrapper.plan`. Here a table on
+        the CPU (or target "reference") whose kv_indptr runs past kv_indices is refused by name; on the GPU (a
+        check would sync) the kernel reads no entry past kv_indices' length and writes no token whose entry
+        lies there.
     start : torch.Tensor, int32 or int64 ``[batch]``
         Token position of x's first token in each sequence (device). Channel-wise encodings need a
         multiple of group_size (a group starts there). Not checked (a sync): tokens at negative

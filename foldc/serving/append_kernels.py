@@ -18,7 +18,7 @@ from ..backends.runtime.modules import with_globals
 def _quantize_token_block(
     X, CODES, SCALE, ZERO, KV_INDPTR, KV_INDICES, COUNTS, FLAG, b, h, start,
     stride_xb, stride_xh, stride_xn, stride_cb, stride_ch, stride_cn,
-    stride_sb, stride_sh, stride_sn, stride_zb, stride_zh, stride_zn, tokens, capacity,
+    stride_sb, stride_sh, stride_sn, stride_zb, stride_zh, stride_zn, tokens, capacity, entries,
     HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, NUM_GROUPS: tl.constexpr, BITS: tl.constexpr,
     CPB: tl.constexpr, MAX_CODE: tl.constexpr, BLOCK_T: tl.constexpr, X_BF16: tl.constexpr,
     SCALE_KIND: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_COUNT: tl.constexpr,
@@ -55,10 +55,13 @@ def _quantize_token_block(
         t_ok = t_ok & (t < tl.load(COUNTS + b))
     pos = (start + t).to(tl.int64)
     if PAGED:
-        first = tl.load(KV_INDPTR + b)
-        # a negative position has no page (and pos // PAGE_SIZE rounds toward 0 there): not written
+        first = tl.load(KV_INDPTR + b).to(tl.int64)
+        entry = first + pos // PAGE_SIZE
+        # a negative position has no page (and pos // PAGE_SIZE rounds toward 0 there): not written; nor is a
+        # token whose table entry lies outside kv_indices' ``entries`` (a kv_indptr past the table: never read)
         t_ok = t_ok & (pos >= 0) & (pos // PAGE_SIZE < tl.load(KV_INDPTR + b + 1) - first)
-        dst = tl.load(KV_INDICES + first + pos // PAGE_SIZE, mask=t_ok, other=0).to(tl.int64)
+        t_ok = t_ok & (entry >= 0) & (entry < entries)
+        dst = tl.load(KV_INDICES + entry, mask=t_ok, other=0).to(tl.int64)
         t_ok = t_ok & (dst >= 0) & (dst < capacity)   # (capacity: the pool's pages) a page outside it: not written
         row = pos % PAGE_SIZE
     else:
@@ -148,7 +151,7 @@ def _append_token_kernel(
     X, CODES, SCALE, ZERO, OFFSETS, KV_INDPTR, KV_INDICES, COUNTS, FLAG, X2, CODES2, SCALE2, ZERO2, ARRIVALS,
     stride_xb, stride_xh, stride_xn, stride_cb, stride_ch, stride_cn,
     stride_sb, stride_sh, stride_sn, stride_zb, stride_zh, stride_zn,
-    offset, tokens, heads, capacity,
+    offset, tokens, heads, capacity, entries,
     stride_x2b, stride_x2h, stride_x2n, stride_c2b, stride_c2h, stride_c2n,
     stride_s2b, stride_s2h, stride_s2n, stride_z2b, stride_z2h, stride_z2n,
     HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, NUM_GROUPS: tl.constexpr, BITS: tl.constexpr,
@@ -194,14 +197,14 @@ def _append_token_kernel(
             _quantize_token_block(
                 X2, CODES2, SCALE2, ZERO2, KV_INDPTR, KV_INDICES, COUNTS, FLAG, b, h, start,
                 stride_x2b, stride_x2h, stride_x2n, stride_c2b, stride_c2h, stride_c2n,
-                stride_s2b, stride_s2h, stride_s2n, stride_z2b, stride_z2h, stride_z2n, tokens, capacity,
+                stride_s2b, stride_s2h, stride_s2n, stride_z2b, stride_z2h, stride_z2n, tokens, capacity, entries,
                 HEAD_DIM, GROUP2, NUM_GROUPS2, BITS2, CPB2, MAX_CODE2, BLOCK_T, X_BF16, SCALE_KIND2, PAGED,
                 PAGE_SIZE, HAS_COUNT, GROUP_P2, NUM_GROUPS_P2, WIDTH_P2, HAS_FLAG)
         else:
             _quantize_token_block(
                 X, CODES, SCALE, ZERO, KV_INDPTR, KV_INDICES, COUNTS, FLAG, b, h, start,
                 stride_xb, stride_xh, stride_xn, stride_cb, stride_ch, stride_cn,
-                stride_sb, stride_sh, stride_sn, stride_zb, stride_zh, stride_zn, tokens, capacity,
+                stride_sb, stride_sh, stride_sn, stride_zb, stride_zh, stride_zn, tokens, capacity, entries,
                 HEAD_DIM, GROUP, NUM_GROUPS, BITS, CPB, MAX_CODE, BLOCK_T, X_BF16, SCALE_KIND, PAGED,
                 PAGE_SIZE, HAS_COUNT, GROUP_P, NUM_GROUPS_P, WIDTH_P, HAS_FLAG)
     else:
@@ -227,7 +230,7 @@ def _append_token_kernel(
         _quantize_token_block(
             X, CODES, SCALE, ZERO, KV_INDPTR, KV_INDICES, COUNTS, FLAG, b, h, start,
             stride_xb, stride_xh, stride_xn, stride_cb, stride_ch, stride_cn,
-            stride_sb, stride_sh, stride_sn, stride_zb, stride_zh, stride_zn, tokens, capacity,
+            stride_sb, stride_sh, stride_sn, stride_zb, stride_zh, stride_zn, tokens, capacity, entries,
             HEAD_DIM, GROUP, NUM_GROUPS, BITS, CPB, MAX_CODE, BLOCK_T, X_BF16, SCALE_KIND, PAGED,
             PAGE_SIZE, HAS_COUNT, GROUP_P, NUM_GROUPS_P, WIDTH_P, HAS_FLAG)
     if ADVANCE:
@@ -245,7 +248,7 @@ def _append_channel_kernel(
     X, CODES, SCALE, ZERO, OFFSETS, KV_INDPTR, KV_INDICES, COUNTS, FLAG, X2, CODES2, SCALE2, ZERO2, ARRIVALS,
     stride_xb, stride_xh, stride_xn, stride_cb, stride_ch, stride_cn,
     stride_sb, stride_sh, stride_sn, stride_zb, stride_zh, stride_zn,
-    offset, heads, capacity,
+    offset, heads, capacity, entries,
     HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, BITS: tl.constexpr, CPB: tl.constexpr,
     MAX_CODE: tl.constexpr, BLOCK_T: tl.constexpr, X_BF16: tl.constexpr, SCALE_KIND: tl.constexpr,
     PER_ROW: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_COUNT: tl.constexpr,
@@ -291,10 +294,13 @@ def _append_channel_kernel(
     if HAS_COUNT:   # whole groups within the row's count (a group the count ends in is not written)
         ok = ok & ((grp + 1) * GROUP <= tl.load(COUNTS + b))
     if PAGED:
-        first = tl.load(KV_INDPTR + b)
-        # a group off a group boundary would run past its page into the next one: not written
+        first = tl.load(KV_INDPTR + b).to(tl.int64)
+        entry = first + pos0 // PAGE_SIZE
+        # a group off a group boundary would run past its page into the next one: not written; nor one whose
+        # table entry lies outside kv_indices' ``entries`` (never read)
         ok = ok & (pos0 % GROUP == 0) & (pos0 // PAGE_SIZE < tl.load(KV_INDPTR + b + 1) - first)
-        dst = tl.load(KV_INDICES + first + pos0 // PAGE_SIZE, mask=ok, other=0).to(tl.int64)
+        ok = ok & (entry >= 0) & (entry < entries)
+        dst = tl.load(KV_INDICES + entry, mask=ok, other=0).to(tl.int64)
         ok = ok & (dst >= 0) & (dst < capacity)   # (capacity: the pool's pages) a page outside it: not written
         row0 = pos0 % PAGE_SIZE
     else:  # a whole group inside [0, capacity), starting a group

@@ -324,3 +324,41 @@ def test_append_paged_refuses_a_kv_indptr_past_its_kv_indices(bad, target):
     k, _ = gather_pages(pool, torch.tensor([0, 3], dtype=torch.int32), table[:3], [40], PAGE)
     want = foldc.quantize(x, enc)
     assert torch.equal(k.codes[:, :, :40], want.codes) and torch.equal(k.scale[:, :, :40], want.scale)
+
+
+@settings(max_examples=4, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), layout=st.sampled_from(["token", "channel"]))
+def test_append_kernels_never_read_page_table_entries_past_kv_indices(seed, layout):
+    """On the GPU `append_paged` cannot check kv_indptr against kv_indices' length without a device sync, so the
+    kernels bound it themselves: a token whose table entry kv_indptr puts at or past ``len(kv_indices)`` is not
+    written (before, the kernels read the memory after the table as page numbers). The host check is skipped here
+    (``table_checked``, as for a GPU table); kv_indices is the head of a longer table whose tail names other pages.
+    The pool afterwards equals the reference's with kv_indptr clipped to the table's length."""
+    from foldc.serving.append import write_paged
+
+    gen = torch.Generator().manual_seed(seed)
+    enc = A(4, layout, 32 if layout == "token" else 16)
+    pages = 10
+    full = torch.randperm(pages, generator=gen).to(torch.int32)   # the memory after kv_indices: real page numbers
+    entries = int(torch.randint(1, 4, (1,), generator=gen))
+    over = int(torch.randint(1, 4, (1,), generator=gen))
+    indptr = torch.tensor([0, entries - 1, entries + over], dtype=torch.int32)   # sequence 1 runs past the table
+    x = torch.randn(2, 2, 64, 64, generator=gen).half()
+    start = torch.zeros(2, dtype=torch.int32)
+    pools = []
+    for how in ("kernel", "reference"):
+        pool = page_pool(S(4, 2, 64, enc, enc), "k", pages, PAGE)
+        for part in (pool.codes, pool.scale, pool.zero):   # fresh random contents: a write shows
+            part.copy_(torch.randint(0, 200, part.shape, generator=torch.Generator().manual_seed(seed)))
+        if how == "kernel":
+            write_paged(pool, x, indptr, full[:entries], start, page_size=PAGE, target="interpret",
+                        table_checked=True)
+        else:
+            append_paged(pool, x, indptr.clamp(max=entries), full[:entries], start, page_size=PAGE,
+                         target="reference")
+        pools.append(pool)
+    kernel, reference = pools
+    before = torch.randint(0, 200, kernel.codes.shape, generator=torch.Generator().manual_seed(seed))
+    assert not torch.equal(kernel.codes, before.to(kernel.codes.dtype))   # sequence 1's first page was written
+    for name in ("codes", "scale", "zero"):
+        assert torch.equal(getattr(kernel, name), getattr(reference, name)), name
