@@ -15,6 +15,46 @@ import triton.language as tl
 from ..backends.runtime.modules import with_globals
 
 
+def _store_scale_zero(s_ptr, z_ptr, raw_scale, lo, mask, SCALE_KIND: tl.constexpr):
+    """Store a block's scales and zeros in the encoding's dtype (SCALE_KIND 0 float16, 1 bfloat16 as its int16
+    bits, 2 float32), rounded to nearest even; returns them as float32, as stored (what the codes divide by)."""
+    if SCALE_KIND == 0:  # float16: round to nearest even by the cast
+        s_lo = raw_scale.to(tl.float16)
+        z_lo = lo.to(tl.float16)
+        tl.store(s_ptr, s_lo, mask=mask)
+        tl.store(z_ptr, z_lo, mask=mask)
+        scale = s_lo.to(tl.float32)
+        zero = z_lo.to(tl.float32)
+    elif SCALE_KIND == 1:  # bfloat16 on its bits: round the float32 pattern to nearest even
+        s_bits = raw_scale.to(tl.uint32, bitcast=True)
+        s_bits = (s_bits + 0x7FFF + ((s_bits >> 16) & 1)) >> 16
+        z_bits = lo.to(tl.uint32, bitcast=True)
+        z_bits = (z_bits + 0x7FFF + ((z_bits >> 16) & 1)) >> 16
+        tl.store(s_ptr, s_bits.to(tl.uint16).to(tl.int16, bitcast=True), mask=mask)
+        tl.store(z_ptr, z_bits.to(tl.uint16).to(tl.int16, bitcast=True), mask=mask)
+        scale = (s_bits << 16).to(tl.float32, bitcast=True)
+        zero = (z_bits << 16).to(tl.float32, bitcast=True)
+    else:  # float32: nothing to round
+        tl.store(s_ptr, raw_scale, mask=mask)
+        tl.store(z_ptr, lo, mask=mask)
+        scale = raw_scale
+        zero = lo
+    return scale, zero
+
+
+def _codes(x, scale, zero, MAX_CODE: tl.constexpr):
+    """round((x - zero) / scale), half to even, clamped to [0, MAX_CODE], as int32 (0 where scale is not positive:
+    a constant group)."""
+    nonzero = scale > 0
+    v = tl.math.div_rn(x - zero, tl.where(nonzero, scale, 1.0))
+    f = tl.floor(v)  # round half to even from floor: exact for every float32
+    frac = v - f
+    odd = (f - 2.0 * tl.floor(f * 0.5)) == 1.0
+    r = tl.where((frac > 0.5) | ((frac == 0.5) & odd), f + 1.0, f)
+    r = tl.minimum(tl.maximum(r, 0.0), MAX_CODE * 1.0)
+    return tl.where(nonzero, r, 0.0).to(tl.int32)
+
+
 def _quantize_token_block(
     X, CODES, SCALE, ZERO, KV_INDPTR, KV_INDICES, COUNTS, FLAG, b, h, start,
     stride_xb, stride_xh, stride_xn, stride_cb, stride_ch, stride_cn,
@@ -71,27 +111,7 @@ def _quantize_token_block(
     s_ptr = SCALE + dst[:, None] * stride_sb + h * stride_sh + row[:, None] * stride_sn + g_idx[None, :]
     z_ptr = ZERO + dst[:, None] * stride_zb + h * stride_zh + row[:, None] * stride_zn + g_idx[None, :]
     p_mask = t_ok[:, None] & (g_idx < NUM_GROUPS)[None, :]
-    if SCALE_KIND == 0:  # float16: round to nearest even by the cast
-        s_lo = raw_scale.to(tl.float16)
-        z_lo = lo.to(tl.float16)
-        tl.store(s_ptr, s_lo, mask=p_mask)
-        tl.store(z_ptr, z_lo, mask=p_mask)
-        scale = s_lo.to(tl.float32)
-        zero = z_lo.to(tl.float32)
-    elif SCALE_KIND == 1:  # bfloat16 on its bits: round the float32 pattern to nearest even
-        s_bits = raw_scale.to(tl.uint32, bitcast=True)
-        s_bits = (s_bits + 0x7FFF + ((s_bits >> 16) & 1)) >> 16
-        z_bits = lo.to(tl.uint32, bitcast=True)
-        z_bits = (z_bits + 0x7FFF + ((z_bits >> 16) & 1)) >> 16
-        tl.store(s_ptr, s_bits.to(tl.uint16).to(tl.int16, bitcast=True), mask=p_mask)
-        tl.store(z_ptr, z_bits.to(tl.uint16).to(tl.int16, bitcast=True), mask=p_mask)
-        scale = (s_bits << 16).to(tl.float32, bitcast=True)
-        zero = (z_bits << 16).to(tl.float32, bitcast=True)
-    else:  # float32: nothing to round
-        tl.store(s_ptr, raw_scale, mask=p_mask)
-        tl.store(z_ptr, lo, mask=p_mask)
-        scale = raw_scale
-        zero = lo
+    scale, zero = _store_scale_zero(s_ptr, z_ptr, raw_scale, lo, p_mask, SCALE_KIND)
     if HAS_FLAG:
         wrong = (scale != scale) | (tl.abs(scale) == float("inf")) | (zero != zero) | (tl.abs(zero) == float("inf"))
         n_wrong = tl.sum(tl.sum((wrong & p_mask).to(tl.int32), axis=1), axis=0)
@@ -119,27 +139,12 @@ def _quantize_token_block(
             z_g = tl.sum(tl.where(g_idx[None, :] == g, zero, 0.0), axis=1)
             s_el = tl.where((grp == g)[None, :, :], s_g[:, None, None], s_el)
             z_el = tl.where((grp == g)[None, :, :], z_g[:, None, None], z_el)
-        nonzero = s_el > 0
-        v = tl.math.div_rn(xp - z_el, tl.where(nonzero, s_el, 1.0))
-        f = tl.floor(v)  # round half to even from floor: exact for every float32
-        frac = v - f
-        odd = (f - 2.0 * tl.floor(f * 0.5)) == 1.0
-        r = tl.where((frac > 0.5) | ((frac == 0.5) & odd), f + 1.0, f)
-        r = tl.minimum(tl.maximum(r, 0.0), MAX_CODE * 1.0)
-        code = tl.where(nonzero, r, 0.0).to(tl.int32)
+        code = _codes(xp, s_el, z_el, MAX_CODE)
         packed = tl.sum(code << shifts[None, :, None], axis=1)  # disjoint bit fields: sum == or
         c_ptr = CODES + dst[:, None] * stride_cb + h * stride_ch + row[:, None] * stride_cn + j[None, :]
         tl.store(c_ptr, packed.to(tl.uint8), mask=t_ok[:, None] & ch_ok)
     else:
-        nonzero = scale[:, :, None] > 0
-        safe = tl.where(nonzero, scale[:, :, None], 1.0)
-        v = tl.math.div_rn(x - zero[:, :, None], safe)
-        f = tl.floor(v)  # round half to even from floor: exact for every float32
-        frac = v - f
-        odd = (f - 2.0 * tl.floor(f * 0.5)) == 1.0
-        r = tl.where((frac > 0.5) | ((frac == 0.5) & odd), f + 1.0, f)
-        r = tl.minimum(tl.maximum(r, 0.0), MAX_CODE * 1.0)
-        code = tl.where(nonzero, r, 0.0).to(tl.int32)  # [BLOCK_T, NUM_GROUPS, GROUP]
+        code = _codes(x, scale[:, :, None], zero[:, :, None], MAX_CODE)  # [BLOCK_T, NUM_GROUPS, GROUP]
         planar = tl.reshape(code, [BLOCK_T, CPB, HEAD_DIM // CPB])  # [t, i, j] = channel i * HEAD_DIM/CPB + j
         packed = tl.sum(planar << shifts[None, :, None], axis=1)  # disjoint bit fields: sum == or
         c_ptr = CODES + dst[:, None] * stride_cb + h * stride_ch + row[:, None] * stride_cn + \
@@ -311,33 +316,11 @@ def _append_channel_kernel(
     prow = row0 // GROUP
     s_ptr = SCALE + dst * stride_sb + h * stride_sh + prow * stride_sn + chan
     z_ptr = ZERO + dst * stride_zb + h * stride_zh + prow * stride_zn + chan
-    if SCALE_KIND == 0:
-        s_lo = raw_scale.to(tl.float16)
-        z_lo = lo.to(tl.float16)
-        tl.store(s_ptr, s_lo, mask=g_mask)
-        tl.store(z_ptr, z_lo, mask=g_mask)
-        scale = s_lo.to(tl.float32)
-        zero = z_lo.to(tl.float32)
-    elif SCALE_KIND == 1:
-        s_bits = raw_scale.to(tl.uint32, bitcast=True)
-        s_bits = (s_bits + 0x7FFF + ((s_bits >> 16) & 1)) >> 16
-        z_bits = lo.to(tl.uint32, bitcast=True)
-        z_bits = (z_bits + 0x7FFF + ((z_bits >> 16) & 1)) >> 16
-        tl.store(s_ptr, s_bits.to(tl.uint16).to(tl.int16, bitcast=True), mask=g_mask)
-        tl.store(z_ptr, z_bits.to(tl.uint16).to(tl.int16, bitcast=True), mask=g_mask)
-        scale = (s_bits << 16).to(tl.float32, bitcast=True)
-        zero = (z_bits << 16).to(tl.float32, bitcast=True)
-    else:
-        tl.store(s_ptr, raw_scale, mask=g_mask)
-        tl.store(z_ptr, lo, mask=g_mask)
-        scale = raw_scale
-        zero = lo
+    scale, zero = _store_scale_zero(s_ptr, z_ptr, raw_scale, lo, g_mask, SCALE_KIND)
     if HAS_FLAG:
         wrong = (scale != scale) | (tl.abs(scale) == float("inf")) | (zero != zero) | (tl.abs(zero) == float("inf"))
         n_wrong = tl.sum(tl.sum((wrong & g_mask).to(tl.int32), axis=1), axis=0)
         tl.store(FLAG, 1, mask=n_wrong > 0)
-    nonzero = scale[None, :, :] > 0
-    safe = tl.where(nonzero, scale[None, :, :], 1.0)
     shifts = tl.arange(0, CPB) * BITS
     c_base = CODES + dst * stride_cb + h * stride_ch
     for t0 in range(0, GROUP, BLOCK_T):
@@ -349,13 +332,7 @@ def _append_channel_kernel(
             x = (bits.to(tl.uint32) << 16).to(tl.float32, bitcast=True)
         else:
             x = tl.load(x_ptr, mask=t_ok[:, None, None] & ch_ok[None, :, :], other=0.0).to(tl.float32)
-        v = tl.math.div_rn(x - zero[None, :, :], safe)
-        f = tl.floor(v)
-        frac = v - f
-        odd = (f - 2.0 * tl.floor(f * 0.5)) == 1.0
-        r = tl.where((frac > 0.5) | ((frac == 0.5) & odd), f + 1.0, f)
-        r = tl.minimum(tl.maximum(r, 0.0), MAX_CODE * 1.0)
-        code = tl.where(nonzero, r, 0.0).to(tl.int32)  # [BLOCK_T, CPB, WIDTH_P]
+        code = _codes(x, scale[None, :, :], zero[None, :, :], MAX_CODE)  # [BLOCK_T, CPB, WIDTH_P]
         packed = tl.sum(code << shifts[None, :, None], axis=1)
         row = row0 + t.to(tl.int64)
         tl.store(c_base + row[:, None] * stride_cn + tl.arange(0, WIDTH_P)[None, :], packed.to(tl.uint8),
@@ -367,9 +344,9 @@ _WRAPPED: dict[tuple[str, bool], object] = {}
 
 def kernel(name: str, interpret: bool):
     """The kernel ``name`` ("token" or "channel") as a JITFunction (native) or an InterpretedFunction
-    (interpreter). The token kernel is a copy of `_append_token_kernel` whose globals name its body,
-    `_quantize_token_block`, wrapped in the same mode (a JITFunction calls JITFunctions, an interpreted
-    kernel calls InterpretedFunctions)."""
+    (interpreter): a copy of the kernel whose globals name its callees (`_store_scale_zero`, `_codes` and the token
+    kernel's body, `_quantize_token_block`, itself such a copy) wrapped in the same mode (a JITFunction calls
+    JITFunctions, an interpreted kernel calls InterpretedFunctions)."""
     key = (name, interpret)
     if key not in _WRAPPED:
         if interpret:
@@ -379,8 +356,9 @@ def kernel(name: str, interpret: bool):
                 return InterpretedFunction(fn)
         else:
             from triton.runtime.jit import JITFunction as wrap
+        helpers = dict(_store_scale_zero=wrap(_store_scale_zero), _codes=wrap(_codes))
         fn = {"token": _append_token_kernel, "channel": _append_channel_kernel}[name]
         if name == "token":
-            fn = with_globals(fn, _quantize_token_block=wrap(_quantize_token_block))
-        _WRAPPED[key] = wrap(fn, do_not_specialize=["offset"])
+            helpers["_quantize_token_block"] = wrap(with_globals(_quantize_token_block, **helpers))
+        _WRAPPED[key] = wrap(with_globals(fn, **helpers), do_not_specialize=["offset"])
     return _WRAPPED[key]

@@ -431,3 +431,29 @@ def test_attention_at_every_length_through_one_launch_plan(kv, heads, window):
         assert bound, "the body's attention was never bound"
         assert (cache._attend is not None) == (not window), "a body-only decode step's fast path"
     assert "body" not in cache._lens, "the body's attention filled a lengths tensor"
+
+
+@pytest.mark.parametrize("layout", ["token", "channel"])
+def test_append_paged_on_the_gpu_reads_no_table_entry_past_kv_indices(layout):
+    """A GPU kv_indptr running past its kv_indices (the head of a longer table whose tail names real pages) is not
+    checked on the host (a sync): the kernels write only the tokens whose entries lie inside kv_indices, as the
+    reference does with kv_indptr clipped to the table's length; before, they wrote into the pages after it."""
+    from foldc.serving import append_paged, page_pool
+
+    gen = torch.Generator().manual_seed(23)
+    spec = S(4, 2, 64, A(4, layout, 32 if layout == "token" else 16), A(4, layout, 32 if layout == "token" else 16))
+    full = torch.randperm(10, generator=gen).to(torch.int32)
+    x = torch.randn(2, 2, 64, 64, generator=gen).half()
+    indptr = torch.tensor([0, 1, 4], dtype=torch.int32)   # sequence 1: entry 1 of a table of 2, then 2 past it
+    start = torch.zeros(2, dtype=torch.int32)
+    pools = []
+    for device, table, target in (("cuda", indptr, "auto"), ("cpu", indptr.clamp(max=2), "reference")):
+        pool = page_pool(spec, "k", 10, 16, device=device)
+        for part in (pool.codes, pool.scale, pool.zero):
+            part.copy_(torch.randint(0, 200, part.shape, generator=torch.Generator().manual_seed(5)))
+        append_paged(pool, x.to(device), table.to(device), full.to(device)[:2], start.to(device), page_size=16,
+                     target=target)
+        pools.append(pool)
+    torch.cuda.synchronize()
+    for name in ("codes", "scale", "zero"):
+        assert torch.equal(getattr(pools[0], name).cpu(), getattr(pools[1], name)), name
