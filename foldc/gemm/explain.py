@@ -2,22 +2,12 @@
 encoded operand (the weight w, the activation x), one row per decision."""
 from __future__ import annotations
 
-from ..cost import lane_slots_per_byte
-from ..explain import _table
+from ..explain import _issue_text, _table
 
 
 def _cost(p) -> str:
     return (f"fold 2*h/g = 2*{p.rows_per_group}/{p.group_size} = {float(p.fold_ops_per_value):.4g} scale+offset "
             "ops per stored value; per-value reconstruction 1 (eq. 16)")
-
-
-def _issue(p) -> str:
-    rows = []
-    for v in p.issue:
-        dq = lane_slots_per_byte(v.gpu.arch, "dequant", p.bits, 0)
-        rows.append(f"{v.gpu.name}: {v.demand:.2f} of {v.budget:.2f} lane-slots/byte "
-                    f"({100 * v.demand / v.budget:.0f}%, reconstruction {dq:.2f}) -> {v.bound}")
-    return "\n".join(rows)
 
 
 def gemm_explain_table(plan) -> str:
@@ -36,7 +26,7 @@ def gemm_explain_table(plan) -> str:
         ("tiling constraint", lambda p: "\n".join(str(c).split(": ", 1)[1] for c in plan.constraints) or "-"),
         ("cost (eq. 16)", _cost),
         ("break-even", lambda p: p.break_even or "-"),
-        ("issue budget (eq. 13)", _issue),
+        ("issue budget (eq. 13)", _issue_text),
     ]
     rows = [[label] + [fn(p) for p in ops] for label, fn in fields]
     m = "m symbolic" if spec.m is None else f"m = {spec.m}"
