@@ -531,7 +531,9 @@ class QuantizedKVCache:
         if self._body_len:
             self._last_prepared = None
             parts.append(self._part("body", q, scale, wide, return_lse))
-            if not plain_len and self._last_prepared is not None:   # the next decode steps' fast path:
+            # the next decode steps' fast path, for a scale given as a number or None (a tensor scale may change in
+            # place: its value is read each call, by the whole path)
+            if not plain_len and self._last_prepared is not None and not isinstance(sm_scale, torch.Tensor):
                 # (the scale's type and value as given, q's dtype and device index, the stream, the prepared run)
                 self._attend = (type(sm_scale), sm_scale, q.dtype, q.get_device(), *self._last_prepared)
         if plain_len:  # sink and recent are one contiguous prefix of the plain buffer

@@ -469,7 +469,9 @@ class PagedKVCache:
         if self._direct:   # no plain tokens: the pages are the whole sequence
             out = self.wrapper.run(q, pools["k"], pools["v"], sm_scale=scale, seq_lens=st["body"])
             prepared = self.wrapper.prepared_run(q.dtype, scale, pools["k"], pools["v"], st["body"])
-            if prepared is not None and q.is_contiguous():   # the next calls of q's shape (`attention`'s fast path)
+            # the next calls of q's shape (`attention`'s fast path); a tensor scale, which may change in place, is
+            # read each call by the whole path
+            if prepared is not None and q.is_contiguous() and not isinstance(sm_scale, torch.Tensor):
                 key = (q.shape, q.stride(), q.dtype, q.get_device(), sm_scale)
                 if self._attend != key:
                     self._attend, self._attend_runs = key, {}

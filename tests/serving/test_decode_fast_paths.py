@@ -165,3 +165,24 @@ def test_an_attention_the_fast_path_cannot_vouch_for_takes_the_whole_path(native
         assert cache._attend is None
         cache.attention(q, sm_scale=0.125)
     assert scales, "the whole path was not taken"
+
+
+def test_a_tensor_scale_changed_in_place_is_read_again(native, monkeypatch):
+    """A softmax scale given as a tensor may change in place between steps (the same object, a new value): the fast
+    path, which compares the scale argument, would take it for the one it was bound with and attend with the old
+    value. Such a scale takes the whole path every step, which reads its value."""
+    gen = torch.Generator().manual_seed(4)
+    cache, _, _ = native()
+    cache.append(*_tokens(cache, 10, gen))
+    q = torch.randn(1, 8, 64, generator=gen).half()
+    scale = torch.tensor(0.125)
+    for _ in range(3):
+        cache.append(*_tokens(cache, 1, gen))
+        cache.attention(q, sm_scale=scale)
+    assert cache._attend is None
+    scale.fill_(0.5)
+    read = []
+    real = cache_module.check_sm_scale
+    monkeypatch.setattr(cache_module, "check_sm_scale", lambda s, d: read.append(real(s, d)) or read[-1])
+    cache.attention(q, sm_scale=scale)
+    assert read == [0.5]

@@ -488,6 +488,13 @@ def test_attention_shaped_as_the_last_whole_path_call_goes_straight_to_the_prepa
         whole.clear()
         call()
         assert whole == [0]
+    scale = torch.tensor(0.125)   # a tensor scale may change in place: read by the whole path every call
+    for value in (0.125, 0.5):
+        scale.fill_(value)
+        whole.clear()
+        cache.attention(0, q, sm_scale=scale)
+        assert whole == [0] and not isinstance(cache._attend[4], torch.Tensor)   # (still the float scale's key)
+    cache.attention(0, q)   # bound again
     whole.clear()
     with pytest.raises(InputError, match="q is torch.bfloat16"):   # refused by the whole path, by name
         cache.attention(0, q.bfloat16())
