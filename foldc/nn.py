@@ -245,10 +245,11 @@ class FoldLinear(torch.nn.Module):
         self.plan = _proved(self.spec)      # planned and proved exact before the layer exists
         self.in_features, self.out_features, self.encoding = k, n, enc
         self._encoding_text = enc.short()   # the op's argument, made once
-        # row-major, the layout the kernels read (a weight built from another tool's tensors may be a view)
-        self.register_buffer("codes", weight.codes.contiguous())
-        self.register_buffer("scale", weight.scale.contiguous())
-        self.register_buffer("zero", weight.zero.contiguous())
+        # row-major copies, the layout the kernels read (a weight built from another tool's tensors may be a view),
+        # the layer's own: layers built from one placeholder weight shared the memory each load_state_dict copied into
+        self.register_buffer("codes", weight.codes.clone(memory_format=torch.contiguous_format))
+        self.register_buffer("scale", weight.scale.clone(memory_format=torch.contiguous_format))
+        self.register_buffer("zero", weight.zero.clone(memory_format=torch.contiguous_format))
         self.register_buffer("bias", _bias(bias, n, weight.codes.device))
         self.register_buffer("input_order", _input_order(input_order, k, weight.codes.device))
         # the GPU GEMV's split-k counters (one per 16 output channels, zero between calls): held here, not
@@ -448,9 +449,9 @@ def _linear_weight(linear: torch.nn.Linear, name: str, then: str = "") -> torch.
 
 
 def _bias(bias, n: int, device) -> torch.Tensor | None:
-    """``bias`` detached (None stays None), refused unless it is a floating-point [n] tensor on the weight's device:
-    the output adds it cast to x's dtype (a complex bias lost its imaginary part there, a bool one added 1.0), and a
-    bias on the meta device added uninitialised memory to a CPU output."""
+    """``bias`` detached and copied (None stays None), refused unless it is a floating-point [n] tensor on the weight's
+    device: the output adds it cast to x's dtype (a complex bias lost its imaginary part there, a bool one added 1.0),
+    and a bias on the meta device added uninitialised memory to a CPU output."""
     if bias is None:
         return None
     if not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (n,):
@@ -460,7 +461,7 @@ def _bias(bias, n: int, device) -> torch.Tensor | None:
     if bias.device != device:
         raise InputError(f"bias is on {bias.device} but the weight is on {device}; move it there (a bias on the meta "
                          "device holds no values: load it first)")
-    return bias.detach()
+    return bias.detach().clone()   # the layer's own (from_linear's linear keeps its bias; a load copies into it)
 
 
 def _check_bias_dtype(bias: torch.Tensor, name: str) -> None:
@@ -472,7 +473,8 @@ def _check_bias_dtype(bias: torch.Tensor, name: str) -> None:
 
 
 def _input_order(order, k: int, device) -> torch.Tensor | None:
-    """``order`` as an int64 permutation of range(k) on ``device``, refused unless it is one (None stays None)."""
+    """``order`` as an int64 permutation of range(k) on ``device`` (a copy), refused unless it is one (None stays
+    None)."""
     if order is None:
         return None
     if not isinstance(order, torch.Tensor):
@@ -480,7 +482,7 @@ def _input_order(order, k: int, device) -> torch.Tensor | None:
                              f"None, got {type(order).__name__}")
     if order.dtype == torch.bool or order.is_floating_point() or order.is_complex() or tuple(order.shape) != (k,):
         raise InputError(f"input_order must be an integer tensor [{k}]; got {order.dtype} {tuple(order.shape)}")
-    order = order.to(device=device, dtype=torch.int64)
+    order = order.to(device=device, dtype=torch.int64, copy=True)   # the layer's own (a load copies into it)
     if not torch.equal(torch.sort(order).values, torch.arange(k, device=device)):
         raise InputError(f"input_order is not a permutation of range({k}): each input channel must appear once")
     return order
