@@ -429,9 +429,12 @@ class FoldLinear(torch.nn.Module):
 
 
 def _linear_weight(linear: torch.nn.Linear, name: str, then: str = "") -> torch.Tensor:
-    """``linear``'s weight detached, refused unless it holds the layer's values: a floating-point [out_features,
-    in_features] tensor off the meta device (another quantizer's storage, e.g. bitsandbytes' int8 codes or packed
-    uint8, would be quantized as if its codes were the weights). ``then`` ends the error's message."""
+    """``linear``'s weight detached, refused unless it holds the layer's values: an initialized floating-point
+    [out_features, in_features] tensor off the meta device (another quantizer's storage, e.g. bitsandbytes' int8
+    codes or packed uint8, would be quantized as if its codes were the weights). ``then`` ends the error's message."""
+    if isinstance(linear.weight, torch.nn.parameter.UninitializedParameter):
+        raise InputError(f"{name}'s weight is uninitialized (an nn.LazyLinear before its first forward, in_features="
+                         f"{linear.in_features}): run the model on an input first, which makes it an nn.Linear{then}")
     w = linear.weight.detach()
     if w.is_meta:
         raise InputError(f"{name}'s weight {tuple(w.shape)} is on the meta device (no values to quantize): load "
