@@ -107,11 +107,22 @@ def _weight_encoding(encoding: str, k: int):
     return enc, enc.affine(k)
 
 
+_X_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
 def _check_floating(x: torch.Tensor) -> None:
-    """Refuse an integer or bool x (the op's float result cast back to x's dtype would be truncated)."""
-    if not x.is_floating_point():
+    """Refuse an x of another dtype than ``_X_DTYPES`` (an integer or bool x: the op's float result cast back to x's
+    dtype would be truncated; an fp8 one: torch adds no bias in fp8 on the CPU, and the GPU kernels take none) or a
+    sparse one."""
+    if x.dtype not in _X_DTYPES:
         raise InputError(f"x dtype={x.dtype}: FoldLinear takes floating-point activations (float16, bfloat16, float32 "
                          "or float64), as nn.Linear does; cast x")
+    _check_dense(x)
+
+
+def _check_dense(x: torch.Tensor) -> None:
+    if x.layout != torch.strided:
+        raise InputError(f"x is a {x.layout} tensor: FoldLinear takes dense activations; pass x.to_dense()")
 
 
 def _check_op_bias(bias: torch.Tensor | None, out_features: int, x: torch.Tensor) -> None:
@@ -339,6 +350,7 @@ class FoldLinear(torch.nn.Module):
             if not isinstance(x, torch.Tensor) or x.dim() == 0 or x.shape[-1] != self.in_features:
                 got = getattr(x, "shape", type(x).__name__)
                 raise InputError(f"x must be a tensor [..., {self.in_features}]; got {got}")
+            _check_dense(x)
             x = x.index_select(-1, order)
         fast = self._fast
         if (fast is not None and type(x) is _TENSOR and x.shape == fast[0] and x.stride() == fast[1]
@@ -354,6 +366,7 @@ class FoldLinear(torch.nn.Module):
         if not isinstance(x, torch.Tensor) or x.dim() == 0 or x.shape[-1] != self.in_features:
             got = getattr(x, "shape", type(x).__name__)
             raise InputError(f"x must be a tensor [..., {self.in_features}]; got {got}")
+        _check_dense(x)   # (reshape raised on a sparse x)
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
         y = None

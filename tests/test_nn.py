@@ -268,6 +268,33 @@ def test_integer_activations_are_refused_as_nn_linear_refuses_them(dtype):
         torch.compile(layer, backend="aot_eager", fullgraph=True)(x)
 
 
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_float8_activations_are_refused_naming_the_dtypes_taken(dtype):
+    """An fp8 x passed the floating-point check: on the CPU its bias raised NotImplementedError ("add_stub" not
+    implemented for 'Float8_e4m3fn') from inside the op; the GPU kernels refuse fp8 by name. Refused by name on
+    every path now."""
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    layer = FoldLinear.from_linear(torch.nn.Linear(64, 32), "k-group:4:32")
+    x = (torch.randn(3, 64, generator=gen) + 0.5).to(dtype)
+    with pytest.raises(foldc.InputError, match=rf"x dtype={dtype}: FoldLinear takes .*float16, bfloat16, float32"):
+        layer(x)
+
+
+@pytest.mark.parametrize("layout", ["sparse_coo", "sparse_csr"])
+def test_sparse_activations_are_refused_by_name(layout):
+    """A sparse x raised "reshape is not implemented for sparse tensors" from inside FoldLinear (and an act-order
+    layer's gather before it)."""
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    dense = torch.randn(3, 64, generator=gen) * (torch.rand(3, 64, generator=gen) > 0.5)
+    x = dense.to_sparse() if layout == "sparse_coo" else dense.to_sparse_csr()
+    for order in (None, torch.randperm(64, generator=gen)):
+        layer = FoldLinear(FoldLinear.from_linear(torch.nn.Linear(64, 32), "k-group:4:32").weight, "k-group:4:32",
+                           input_order=order)
+        with pytest.raises(foldc.InputError, match=r"x is a torch\.sparse_\w+ tensor.*x\.to_dense\(\)"):
+            layer(x)
+        assert torch.equal(layer(x.to_dense()), layer(dense))
+
+
 def test_the_layer_owns_its_gemv_counters_outside_its_state():
     """The GPU GEMV's split-k counters live on the layer (a compiled step's CUDA graph sees them): int32
     zeros, one per 16 output channels, moved by .to(), not saved in the state dict."""
