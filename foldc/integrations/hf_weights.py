@@ -61,7 +61,7 @@ def quantize_model(model: torch.nn.Module, weight="k-group:4:128", skip=("lm_hea
     whose shape the encoding cannot take (a group that does not divide its input features) is refused
     with its name before any layer is replaced. With a `FoldcCache` for the KV cache, the model's weight
     folds and KV folds are all planned and proved by foldc."""
-    from ..gemm.spec import GemmSpec, parse_gemm_encoding
+    from ..gemm.spec import WEIGHT_KINDS, GemmEncoding, GemmSpec, parse_gemm_encoding
     from ..nn import FoldLinear, _linear_weight
 
     if isinstance(model, torch.nn.Linear):   # it has no parent to hold its replacement
@@ -73,6 +73,9 @@ def quantize_model(model: torch.nn.Module, weight="k-group:4:128", skip=("lm_hea
     enc = parse_gemm_encoding(weight, "weight") if not hasattr(weight, "kind") else weight
     if enc is None:
         raise SpecError("weight=None: quantize_model quantizes the linear layers; give e.g. 'k-group:4:128'")
+    if not isinstance(enc, GemmEncoding) or enc.kind not in WEIGHT_KINDS:   # once, not per layer with a group's advice
+        shown = enc.short() if isinstance(enc, GemmEncoding) else enc
+        raise SpecError(f"weight={shown!r}: a FoldLinear weight is 'k-group:bits:group' or 'per-channel:bits'")
     if skip is None:
         skip = ()
     elif isinstance(skip, str):

@@ -264,3 +264,15 @@ def test_a_checkpoint_layer_a_fold_linear_cannot_stand_in_for_is_refused():
     with pytest.raises(SpecError, match=r"^model\.layers\.1\.mlp\.up_proj has 1 forward or backward hook"):
         fhf.load_quantized(target, tensors, checkpoint="gptq_v2", bits=4, group_size=32)
     assert not any(isinstance(m, FoldLinear) for m in target.modules())
+
+
+def test_quantize_model_refuses_an_activation_encoding_as_the_weights_once():
+    """A per-token GemmEncoding object (an activation's) given as weight was refused per layer with the advice of a
+    group that does not divide: "0 (64 -> 64): weight='per-token:8': kind 'per-token' does not apply to the weight ...;
+    pick a group that divides 64 or add '0' to skip". Refused as the encoding it is, naming no layer."""
+    from foldc.gemm import GemmEncoding
+
+    net = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 32))
+    with pytest.raises(SpecError, match=r"^weight='per-token:8': .*'k-group:bits:group' or 'per-channel:bits'$"):
+        fhf.quantize_model(net, weight=GemmEncoding("per-token", 8))
+    assert not any(isinstance(m, FoldLinear) for m in net.modules())
