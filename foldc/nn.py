@@ -107,11 +107,22 @@ def _weight_encoding(encoding: str, k: int):
     return enc, enc.affine(k)
 
 
+_X_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
 def _check_floating(x: torch.Tensor) -> None:
-    """Refuse an integer or bool x (the op's float result cast back to x's dtype would be truncated)."""
-    if not x.is_floating_point():
+    """Refuse an x of another dtype than ``_X_DTYPES`` (an integer or bool x: the op's float result cast back to x's
+    dtype would be truncated; an fp8 one: torch adds no bias in fp8 on the CPU, and the GPU kernels take none) or a
+    sparse one."""
+    if x.dtype not in _X_DTYPES:
         raise InputError(f"x dtype={x.dtype}: FoldLinear takes floating-point activations (float16, bfloat16, float32 "
                          "or float64), as nn.Linear does; cast x")
+    _check_dense(x)
+
+
+def _check_dense(x: torch.Tensor) -> None:
+    if x.layout != torch.strided:
+        raise InputError(f"x is a {x.layout} tensor: FoldLinear takes dense activations; pass x.to_dense()")
 
 
 def _check_op_bias(bias: torch.Tensor | None, out_features: int, x: torch.Tensor) -> None:
@@ -245,10 +256,11 @@ class FoldLinear(torch.nn.Module):
         self.plan = _proved(self.spec)      # planned and proved exact before the layer exists
         self.in_features, self.out_features, self.encoding = k, n, enc
         self._encoding_text = enc.short()   # the op's argument, made once
-        # row-major, the layout the kernels read (a weight built from another tool's tensors may be a view)
-        self.register_buffer("codes", weight.codes.contiguous())
-        self.register_buffer("scale", weight.scale.contiguous())
-        self.register_buffer("zero", weight.zero.contiguous())
+        # row-major copies, the layout the kernels read (a weight built from another tool's tensors may be a view),
+        # the layer's own: layers built from one placeholder weight shared the memory each load_state_dict copied into
+        self.register_buffer("codes", weight.codes.clone(memory_format=torch.contiguous_format))
+        self.register_buffer("scale", weight.scale.clone(memory_format=torch.contiguous_format))
+        self.register_buffer("zero", weight.zero.clone(memory_format=torch.contiguous_format))
         self.register_buffer("bias", _bias(bias, n, weight.codes.device))
         self.register_buffer("input_order", _input_order(input_order, k, weight.codes.device))
         # the GPU GEMV's split-k counters (one per 16 output channels, zero between calls): held here, not
@@ -338,6 +350,7 @@ class FoldLinear(torch.nn.Module):
             if not isinstance(x, torch.Tensor) or x.dim() == 0 or x.shape[-1] != self.in_features:
                 got = getattr(x, "shape", type(x).__name__)
                 raise InputError(f"x must be a tensor [..., {self.in_features}]; got {got}")
+            _check_dense(x)
             x = x.index_select(-1, order)
         fast = self._fast
         if (fast is not None and type(x) is _TENSOR and x.shape == fast[0] and x.stride() == fast[1]
@@ -353,6 +366,7 @@ class FoldLinear(torch.nn.Module):
         if not isinstance(x, torch.Tensor) or x.dim() == 0 or x.shape[-1] != self.in_features:
             got = getattr(x, "shape", type(x).__name__)
             raise InputError(f"x must be a tensor [..., {self.in_features}]; got {got}")
+        _check_dense(x)   # (reshape raised on a sparse x)
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
         y = None
@@ -428,9 +442,12 @@ class FoldLinear(torch.nn.Module):
 
 
 def _linear_weight(linear: torch.nn.Linear, name: str, then: str = "") -> torch.Tensor:
-    """``linear``'s weight detached, refused unless it holds the layer's values: a floating-point [out_features,
-    in_features] tensor off the meta device (another quantizer's storage, e.g. bitsandbytes' int8 codes or packed
-    uint8, would be quantized as if its codes were the weights). ``then`` ends the error's message."""
+    """``linear``'s weight detached, refused unless it holds the layer's values: an initialized floating-point
+    [out_features, in_features] tensor off the meta device (another quantizer's storage, e.g. bitsandbytes' int8
+    codes or packed uint8, would be quantized as if its codes were the weights). ``then`` ends the error's message."""
+    if isinstance(linear.weight, torch.nn.parameter.UninitializedParameter):
+        raise InputError(f"{name}'s weight is uninitialized (an nn.LazyLinear before its first forward, in_features="
+                         f"{linear.in_features}): run the model on an input first, which makes it an nn.Linear{then}")
     w = linear.weight.detach()
     if w.is_meta:
         raise InputError(f"{name}'s weight {tuple(w.shape)} is on the meta device (no values to quantize): load "
@@ -448,9 +465,9 @@ def _linear_weight(linear: torch.nn.Linear, name: str, then: str = "") -> torch.
 
 
 def _bias(bias, n: int, device) -> torch.Tensor | None:
-    """``bias`` detached (None stays None), refused unless it is a floating-point [n] tensor on the weight's device:
-    the output adds it cast to x's dtype (a complex bias lost its imaginary part there, a bool one added 1.0), and a
-    bias on the meta device added uninitialised memory to a CPU output."""
+    """``bias`` detached and copied (None stays None), refused unless it is a floating-point [n] tensor on the weight's
+    device: the output adds it cast to x's dtype (a complex bias lost its imaginary part there, a bool one added 1.0),
+    and a bias on the meta device added uninitialised memory to a CPU output."""
     if bias is None:
         return None
     if not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (n,):
@@ -460,7 +477,7 @@ def _bias(bias, n: int, device) -> torch.Tensor | None:
     if bias.device != device:
         raise InputError(f"bias is on {bias.device} but the weight is on {device}; move it there (a bias on the meta "
                          "device holds no values: load it first)")
-    return bias.detach()
+    return bias.detach().clone()   # the layer's own (from_linear's linear keeps its bias; a load copies into it)
 
 
 def _check_bias_dtype(bias: torch.Tensor, name: str) -> None:
@@ -472,7 +489,8 @@ def _check_bias_dtype(bias: torch.Tensor, name: str) -> None:
 
 
 def _input_order(order, k: int, device) -> torch.Tensor | None:
-    """``order`` as an int64 permutation of range(k) on ``device``, refused unless it is one (None stays None)."""
+    """``order`` as an int64 permutation of range(k) on ``device`` (a copy), refused unless it is one (None stays
+    None)."""
     if order is None:
         return None
     if not isinstance(order, torch.Tensor):
@@ -480,7 +498,7 @@ def _input_order(order, k: int, device) -> torch.Tensor | None:
                              f"None, got {type(order).__name__}")
     if order.dtype == torch.bool or order.is_floating_point() or order.is_complex() or tuple(order.shape) != (k,):
         raise InputError(f"input_order must be an integer tensor [{k}]; got {order.dtype} {tuple(order.shape)}")
-    order = order.to(device=device, dtype=torch.int64)
+    order = order.to(device=device, dtype=torch.int64, copy=True)   # the layer's own (a load copies into it)
     if not torch.equal(torch.sort(order).values, torch.arange(k, device=device)):
         raise InputError(f"input_order is not a permutation of range({k}): each input channel must appear once")
     return order

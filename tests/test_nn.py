@@ -268,6 +268,33 @@ def test_integer_activations_are_refused_as_nn_linear_refuses_them(dtype):
         torch.compile(layer, backend="aot_eager", fullgraph=True)(x)
 
 
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_float8_activations_are_refused_naming_the_dtypes_taken(dtype):
+    """An fp8 x passed the floating-point check: on the CPU its bias raised NotImplementedError ("add_stub" not
+    implemented for 'Float8_e4m3fn') from inside the op; the GPU kernels refuse fp8 by name. Refused by name on
+    every path now."""
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    layer = FoldLinear.from_linear(torch.nn.Linear(64, 32), "k-group:4:32")
+    x = (torch.randn(3, 64, generator=gen) + 0.5).to(dtype)
+    with pytest.raises(foldc.InputError, match=rf"x dtype={dtype}: FoldLinear takes .*float16, bfloat16, float32"):
+        layer(x)
+
+
+@pytest.mark.parametrize("layout", ["sparse_coo", "sparse_csr"])
+def test_sparse_activations_are_refused_by_name(layout):
+    """A sparse x raised "reshape is not implemented for sparse tensors" from inside FoldLinear (and an act-order
+    layer's gather before it)."""
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    dense = torch.randn(3, 64, generator=gen) * (torch.rand(3, 64, generator=gen) > 0.5)
+    x = dense.to_sparse() if layout == "sparse_coo" else dense.to_sparse_csr()
+    for order in (None, torch.randperm(64, generator=gen)):
+        layer = FoldLinear(FoldLinear.from_linear(torch.nn.Linear(64, 32), "k-group:4:32").weight, "k-group:4:32",
+                           input_order=order)
+        with pytest.raises(foldc.InputError, match=r"x is a torch\.sparse_\w+ tensor.*x\.to_dense\(\)"):
+            layer(x)
+        assert torch.equal(layer(x.to_dense()), layer(dense))
+
+
 def test_the_layer_owns_its_gemv_counters_outside_its_state():
     """The GPU GEMV's split-k counters live on the layer (a compiled step's CUDA graph sees them): int32
     zeros, one per 16 output channels, moved by .to(), not saved in the state dict."""
@@ -739,3 +766,32 @@ def test_a_weight_that_is_not_the_linears_float_matrix_is_refused(weight, match)
     layer = FoldLinear.from_linear(linear, "k-group:4:64")
     x = torch.randn(3, 128, generator=gen)
     assert torch.allclose(layer(x).double(), _reference(layer, x), rtol=1e-6, atol=1e-6)
+
+
+@settings(max_examples=8, deadline=None)
+@given(enc=st.sampled_from(["k-group:4:32", "k-group:2:64:bf16", "per-channel:8"]), layers=st.integers(2, 4),
+       seed=st.integers(0, 2**31 - 1))
+def test_layers_built_from_one_weight_hold_their_own_buffers_through_a_load(enc, layers, seed):
+    """A serving engine builds its model's layers from one placeholder weight, bias and input order, then loads the
+    checkpoint: each layer aliased the placeholder's tensors (``.contiguous()`` of a contiguous tensor is itself), so
+    ``load_state_dict``, which copies into the buffers, wrote every layer's state into the same memory and all layers
+    computed the last one's. A layer made by from_linear likewise shared its bias with the linear."""
+    from foldc.gemm.reference import quantize_2d
+
+    gen = torch.Generator().manual_seed(seed)
+    e = parse_gemm_encoding(enc, "weight")
+    make = lambda: quantize_2d(torch.randn(32, 128, generator=gen), e)  # noqa: E731
+    placeholder, bias, order = make(), torch.randn(32, generator=gen), torch.randperm(128, generator=gen)
+    model = torch.nn.Sequential(*[FoldLinear(placeholder, e, bias, input_order=order) for _ in range(layers)])
+    sources = [FoldLinear(make(), e, torch.randn(32, generator=gen), input_order=torch.randperm(128, generator=gen))
+               for _ in range(layers)]
+    model.load_state_dict({f"{i}.{key}": t for i, s in enumerate(sources) for key, t in s.state_dict().items()})
+    x = torch.randn(3, 128, generator=gen)
+    for layer, source in zip(model, sources):
+        assert torch.equal(layer(x), source(x))
+    linear = torch.nn.Linear(128, 32)
+    layer = FoldLinear.from_linear(linear, e)
+    before = layer(x)
+    with torch.no_grad():
+        linear.bias.add_(torch.randn(32, generator=gen))   # the float linear trained on (or reused) after the copy
+    assert torch.equal(layer(x), before)

@@ -314,6 +314,10 @@ def from_int4pack(codes, scales_and_zeros, *, group_size: int) -> tuple[AffineTe
     _check_group(group_size)
     n, k = codes.shape
     _check_sizes(n, k)
+    if codes.dtype == torch.uint8 and getattr(scales_and_zeros, "shape", None) == (2 * k // group_size, n, 2):
+        raise InputError(f"codes [{n}, {k}] with scales_and_zeros for k={2 * k}: the codes are packed two codes a byte "
+                         "(uint8 [n, k / 2], as torch._convert_weight_to_int4pack takes them on the GPU); pass the "
+                         f"[{n}, {2 * k}] codes in 0..15 (the high nibble of byte j holds code 2j, the low one 2j + 1)")
     if k % group_size:
         raise InputError(f"k={k} is not a multiple of group_size={group_size}")
     if not isinstance(scales_and_zeros, torch.Tensor) or tuple(scales_and_zeros.shape) != (k // group_size, n, 2):

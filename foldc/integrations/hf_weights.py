@@ -24,6 +24,34 @@ from ..errors import InputError, InputTypeError, SpecError
 
 CHECKPOINTS = ("gptq", "gptq_v2", "awq")   # GPTQ v1 (zeros stored minus one), GPTQ v2, AutoAWQ's GEMM format
 PACKED = (".qweight", ".qzeros", ".scales", ".g_idx")
+# modules whose forward reads their linears' weights as tensors: MultiheadAttention's out_proj
+# (F.multi_head_attention_forward), TransformerEncoderLayer's linear1 and linear2 (its fused inference path)
+_READ_AS_TENSORS = (torch.nn.MultiheadAttention, torch.nn.TransformerEncoderLayer)
+
+
+def _stand_in(model: torch.nn.Module, name: str, linear: torch.nn.Linear, names: list[str], then: str) -> None:
+    """Refuse a linear that a FoldLinear (``x @ W.T + b``) in its place would not reproduce: one whose forward is its
+    subclass's or its own (accelerate's hooks replace an instance's), one with hooks, which the FoldLinear would not
+    run, and a linear of a module that reads its weight as a tensor instead of calling it (``_READ_AS_TENSORS``).
+    ``names``: every name of the linear in ``model``; ``then`` ends the error's message."""
+    short = name.rsplit(".", 1)[-1]
+    if type(linear).forward is not torch.nn.Linear.forward or "forward" in vars(linear):
+        raise SpecError(f"{name} ({type(linear).__name__}) runs a forward of its own, not nn.Linear's x @ W.T + b, "
+                        f"which a FoldLinear in its place would drop; add {short!r} to skip{then}")
+    hooks = [*linear._forward_pre_hooks.values(), *linear._forward_hooks.values(),
+             *linear._backward_pre_hooks.values(), *linear._backward_hooks.values()]
+    if hooks:
+        what = ", ".join(getattr(h, "__qualname__", type(h).__name__) for h in hooks)
+        raise SpecError(f"{name} has {len(hooks)} forward or backward hook(s) ({what}), which a FoldLinear in its "
+                        "place would not run: remove them first (torch.nn.utils.prune.remove(module, 'weight') for "
+                        f"pruning) or add {short!r} to skip{then}")
+    for where in names:
+        parent = where.rpartition(".")[0]
+        parent = model.get_submodule(parent) if parent else model
+        if isinstance(parent, _READ_AS_TENSORS):
+            raise SpecError(f"{where} is a linear of an nn.{type(parent).__name__}, which reads its weight and bias as "
+                            "tensors (a fused forward) instead of calling it: the model's forward would fail on a "
+                            f"FoldLinear there; add {short!r} to skip{then}")
 
 
 def quantize_model(model: torch.nn.Module, weight="k-group:4:128", skip=("lm_head",)) -> torch.nn.Module:
@@ -33,7 +61,7 @@ def quantize_model(model: torch.nn.Module, weight="k-group:4:128", skip=("lm_hea
     whose shape the encoding cannot take (a group that does not divide its input features) is refused
     with its name before any layer is replaced. With a `FoldcCache` for the KV cache, the model's weight
     folds and KV folds are all planned and proved by foldc."""
-    from ..gemm.spec import GemmSpec, parse_gemm_encoding
+    from ..gemm.spec import WEIGHT_KINDS, GemmEncoding, GemmSpec, parse_gemm_encoding
     from ..nn import FoldLinear, _linear_weight
 
     if isinstance(model, torch.nn.Linear):   # it has no parent to hold its replacement
@@ -45,6 +73,9 @@ def quantize_model(model: torch.nn.Module, weight="k-group:4:128", skip=("lm_hea
     enc = parse_gemm_encoding(weight, "weight") if not hasattr(weight, "kind") else weight
     if enc is None:
         raise SpecError("weight=None: quantize_model quantizes the linear layers; give e.g. 'k-group:4:128'")
+    if not isinstance(enc, GemmEncoding) or enc.kind not in WEIGHT_KINDS:   # once, not per layer with a group's advice
+        shown = enc.short() if isinstance(enc, GemmEncoding) else enc
+        raise SpecError(f"weight={shown!r}: a FoldLinear weight is 'k-group:bits:group' or 'per-channel:bits'")
     if skip is None:
         skip = ()
     elif isinstance(skip, str):
@@ -90,6 +121,7 @@ def quantize_model(model: torch.nn.Module, weight="k-group:4:128", skip=("lm_hea
             raise InputError(f"{name} ({m.in_features} -> {m.out_features}): its weight is on the meta device (no "
                              "values to quantize): load the model's weights first; the model is unchanged")
         _linear_weight(m, name, "; the model is unchanged")   # the float [out, in] weight (not another quantizer's)
+        _stand_in(model, name, m, names[id(m)], "; the model is unchanged")
         try:
             GemmSpec(m.out_features, m.in_features, weight=enc)
         except SpecError as e:
@@ -129,6 +161,9 @@ def load_quantized(model: torch.nn.Module, state_dict: Mapping, *, checkpoint: s
         raise InputError("the model's tensors are on the meta device (built without memory): build it on the CPU or "
                          "a GPU, whose values the checkpoint's then overwrite")
     linears = {name: m for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    names: dict[int, list[str]] = {}   # every name of each module
+    for name, m in model.named_modules(remove_duplicate=False):
+        names.setdefault(id(m), []).append(name)
     packed = sorted(key[:-len(".qweight")] for key in state_dict if key.endswith(".qweight"))
     if not packed:
         raise InputError(f"state_dict holds no '<layer>.qweight' tensor: not a {checkpoint} checkpoint's tensors")
@@ -161,6 +196,7 @@ def load_quantized(model: torch.nn.Module, state_dict: Mapping, *, checkpoint: s
         except (InputError, InputTypeError, SpecError) as e:
             raise type(e)(f"{name}: {e}") from None
         linear = linears[name]
+        _stand_in(model, name, linear, names[id(linear)], "; the model is unchanged")
         if tuple(weight.shape[2:]) != (linear.out_features, linear.in_features):
             raise InputError(f"{name}: the checkpoint's weight is {weight.shape[2]} x {weight.shape[3]} (out x in) but "
                              f"the model's nn.Linear is {linear.out_features} x {linear.in_features}")

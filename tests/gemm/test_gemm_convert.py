@@ -439,3 +439,25 @@ def test_tensors_on_two_devices_are_refused_by_name(fmt):
     first, *rest = (name for name in tensors if name != "g_idx")
     with pytest.raises(InputError, match=rf"^{rest[-1]} is on cuda:0 but {first} is on cpu"):
         _CONVERTERS[fmt](dict(tensors, **{rest[-1]: tensors[rest[-1]].cuda()}))
+
+
+@settings(max_examples=10, deadline=None)
+@given(n=st.sampled_from([16, 32]), groups=st.sampled_from([1, 2, 4]), group=st.sampled_from([32, 64, 128]),
+       seed=st.integers(0, 2**31 - 1))
+def test_int4pack_codes_packed_two_a_byte_are_refused_naming_the_packing(n, groups, group, seed):
+    """torch._convert_weight_to_int4pack takes the codes packed two a byte (uint8 [n, k / 2]) on the GPU: given those
+    with the layer's scales_and_zeros, from_int4pack took k / 2 for k and refused the right scales ("scales_and_zeros
+    must be [1, n, 2]") or the group ("k=64 is not a multiple of group_size=128"), naming neither the codes nor the
+    fix."""
+    k = groups * group
+    gen = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.int32)
+    packed = (codes[:, ::2] << 4 | codes[:, 1::2]).to(torch.uint8)              # [n, k / 2], two codes a byte
+    sz = torch.stack([torch.rand(groups, n, generator=gen) * 0.1 + 1e-3, torch.randn(groups, n, generator=gen)],
+                     -1).to(torch.bfloat16)
+    with pytest.raises(InputError, match=rf"codes \[{n}, {k // 2}\] .*two codes a byte.*\[{n}, {k}\] codes"):
+        from_int4pack(packed, sz, group_size=group)
+    try:   # the unpacked codes convert (or, where zero - 8 x scale is not exact in float32, say so)
+        from_int4pack(codes, sz, group_size=group)
+    except InputError as e:
+        assert "does not survive float32" in str(e)

@@ -154,3 +154,125 @@ def test_quantize_model_with_skip_none_skips_nothing():
     assert isinstance(net[0], FoldLinear) and isinstance(net[2], FoldLinear)
     x = torch.randn(3, 64, generator=gen)
     assert torch.equal(net(x), twins[1](torch.relu(twins[0](x))))
+
+
+class _ScaledLinear(torch.nn.Linear):
+    """An nn.Linear subclass whose forward does more than x @ W.T + b."""
+
+    def forward(self, x):
+        return super().forward(x) * 0.5
+
+
+def _offloaded(linear: torch.nn.Linear) -> None:
+    """accelerate's add_hook_to_module: the instance's own forward wraps the class's."""
+    inner = linear.forward
+    linear.forward = lambda x: inner(x.flip(-1))
+
+
+@pytest.mark.parametrize("change, where, match", [
+    (lambda m: m[0].register_forward_hook(lambda mod, i, out: out * 2), "0", r"forward or backward hook"),
+    (lambda m: m[0].register_forward_pre_hook(lambda mod, i: (i[0].flip(-1),)), "0", r"forward or backward hook"),
+    (lambda m: torch.nn.utils.prune.random_unstructured(m[2], "weight", 0.5), "2", r"prune\.remove"),
+    (lambda m: m.__setitem__(0, _ScaledLinear(64, 64)), "0", r"\(_ScaledLinear\) runs a forward of its own"),
+    (lambda m: _offloaded(m[2]), "2", r"\(Linear\) runs a forward of its own"),
+])
+def test_quantize_model_refuses_a_linear_a_fold_linear_cannot_stand_in_for(change, where, match):
+    """A FoldLinear computes x @ W.T + b: in place of a linear with hooks, a subclass's or an instance's own forward
+    (accelerate's offload hooks), it dropped what they did, silently (a forward hook doubling the output: the model's
+    output halved). Refused by name, the model unchanged; with the layer in skip the rest is quantized."""
+    import torch.nn.utils.prune  # noqa: F401  (torch.nn.utils.prune is not imported by torch)
+
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    net = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 32))
+    change(net)
+    for p in net.parameters():
+        torch.nn.init.normal_(p, generator=gen)
+    x = torch.randn(3, 64, generator=gen)
+    with torch.no_grad():
+        before = net(x)
+    with pytest.raises(SpecError, match=rf"^{where} .*{match}.*add '{where}' to skip; the model is unchanged"):
+        fhf.quantize_model(net, weight="k-group:8:32")
+    assert not any(isinstance(m, FoldLinear) for m in net.modules())
+    with torch.no_grad():
+        assert torch.equal(net(x), before)
+    fhf.quantize_model(net, weight="k-group:8:32", skip=(where,))
+    assert sum(isinstance(m, FoldLinear) for m in net.modules()) == 1
+    with torch.no_grad():
+        assert float((net(x) - before).norm() / before.norm()) < 0.05   # 8-bit weights
+
+
+class _AttentionBlock(torch.nn.Module):
+    """An nn.MultiheadAttention (its out_proj read as tensors) and a projection after it."""
+
+    def __init__(self):
+        super().__init__()
+        self.attn = torch.nn.MultiheadAttention(64, 4, batch_first=True)
+        self.proj = torch.nn.Linear(64, 32)
+
+    def forward(self, x):
+        return self.proj(self.attn(x, x, x, need_weights=False)[0])
+
+
+def test_quantize_model_refuses_linears_their_module_reads_as_tensors():
+    """nn.MultiheadAttention reads its out_proj's weight and bias as tensors (F.multi_head_attention_forward), and
+    nn.TransformerEncoderLayer its linear1's and linear2's (its fused inference path), instead of calling them:
+    quantize_model replaced them and every later forward of the model raised "linear(): argument 'weight' must be
+    Tensor, not AffineTensor". Refused by name, the model unchanged; skipped, the rest converts."""
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    block = _AttentionBlock().eval()
+    for p in block.parameters():
+        torch.nn.init.normal_(p, std=0.1, generator=gen)
+    x = torch.randn(2, 5, 64, generator=gen)
+    with torch.no_grad():
+        before = block(x)
+    with pytest.raises(SpecError, match=r"^attn\.out_proj is a linear of an nn\.MultiheadAttention.*"
+                                        r"add 'out_proj' to skip; the model is unchanged"):
+        fhf.quantize_model(block, weight="k-group:8:32")
+    assert not any(isinstance(m, FoldLinear) for m in block.modules())
+    fhf.quantize_model(block, weight="k-group:8:32", skip=("out_proj",))
+    assert isinstance(block.proj, FoldLinear)
+    with torch.no_grad():
+        assert float((block(x) - before).norm() / before.norm()) < 0.05   # 8-bit weights
+    layer = torch.nn.TransformerEncoderLayer(64, 4, 128, dropout=0.0, batch_first=True).eval()
+    with pytest.raises(SpecError, match=r"^linear1 is a linear of an nn\.TransformerEncoderLayer.*"
+                                        r"add 'linear1' to skip"):
+        fhf.quantize_model(layer, weight="k-group:8:32", skip=("out_proj",))
+    assert not any(isinstance(m, FoldLinear) for m in layer.modules())
+
+
+def test_a_lazy_linear_before_its_first_forward_is_refused_by_name():
+    """An nn.LazyLinear not yet run has no weight (in_features=0): torch raised "Attempted to use an uninitialized
+    parameter in <method 'detach'...>", naming no layer."""
+    net = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.LazyLinear(32))
+    with pytest.raises(InputError, match=r"^1's weight is uninitialized \(an nn\.LazyLinear.*the model is unchanged"):
+        fhf.quantize_model(net, weight="k-group:4:32")
+    assert not any(isinstance(m, FoldLinear) for m in net.modules())
+    with pytest.raises(InputError, match=r"^linear's weight is uninitialized"):
+        FoldLinear.from_linear(torch.nn.LazyLinear(32), "k-group:4:32")
+    net(torch.randn(2, 64))   # its first forward makes it an nn.Linear of 64 input features
+    fhf.quantize_model(net, weight="k-group:4:32")
+    assert isinstance(net[1], FoldLinear)
+
+
+def test_a_checkpoint_layer_a_fold_linear_cannot_stand_in_for_is_refused():
+    """load_quantized replaces the checkpoint's linears as quantize_model does, so a forward hook on one of them was
+    dropped silently there too."""
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    tensors, _, _ = checkpoint(model("llama", 1), "gptq_v2", 4, 32, gen)
+    target = model("llama", 2)
+    target.model.layers[1].mlp.up_proj.register_forward_hook(lambda mod, i, out: out * 2)
+    with pytest.raises(SpecError, match=r"^model\.layers\.1\.mlp\.up_proj has 1 forward or backward hook"):
+        fhf.load_quantized(target, tensors, checkpoint="gptq_v2", bits=4, group_size=32)
+    assert not any(isinstance(m, FoldLinear) for m in target.modules())
+
+
+def test_quantize_model_refuses_an_activation_encoding_as_the_weights_once():
+    """A per-token GemmEncoding object (an activation's) given as weight was refused per layer with the advice of a
+    group that does not divide: "0 (64 -> 64): weight='per-token:8': kind 'per-token' does not apply to the weight ...;
+    pick a group that divides 64 or add '0' to skip". Refused as the encoding it is, naming no layer."""
+    from foldc.gemm import GemmEncoding
+
+    net = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 32))
+    with pytest.raises(SpecError, match=r"^weight='per-token:8': .*'k-group:bits:group' or 'per-channel:bits'$"):
+        fhf.quantize_model(net, weight=GemmEncoding("per-token", 8))
+    assert not any(isinstance(m, FoldLinear) for m in net.modules())
