@@ -145,7 +145,13 @@ def _shrink(graph: Graph, small_group: int, token_tile: int) -> tuple[Graph, Ins
         if not isinstance(ax, GroupedAxis):
             return ax
         base_ref = ref.get(ax.base, ax.group_size)
-        return GroupedAxis(ax.base, max(1, ax.group_size * small_group // base_ref))
+        size = max(1, ax.group_size * small_group // base_ref)
+        if size > 2 * small_group:
+            # a group many times the reference's (K in groups of 1, V of 128: 256 symbols a group, and an
+            # instance sympy takes hours over): two reference groups a group where the reference's divides it,
+            # else one more symbol, so that it stays a multiple of the reference's or does not
+            size = 2 * small_group if ax.group_size % base_ref == 0 else 2 * small_group + 1
+        return GroupedAxis(ax.base, size)
 
     out = graph.copy()
     for node in graph:

@@ -323,6 +323,25 @@ def test_symbolic_check_accepts_the_right_plan():
     assert checks == ["accumulator", "denominator", "output = accumulator / denominator"]
 
 
+
+@pytest.mark.parametrize("k, v", [(A(2, "token", 4), A(2, "token", 64)), (A(4, "token", 64), A(4, "token", 4)),
+                                  (A(2, "token", 4), A(2, "channel", 256)), (A(2, "token", 8), A(2, "token", 64))])
+def test_instances_stay_small_where_k_and_v_groups_differ_many_times(k, v):
+    """Group sizes scale by the first operand's: K in groups of 1 channel and V of 128 made V's instance groups 256
+    symbols each, and prove() ran for hours in sympy (a property test of the passes hung CI there). A group many times
+    the reference's is two reference groups in the instance (one symbol more where the reference's does not divide
+    it); the proof still rejects a wrong plan over such groups."""
+    plan = foldc.plan(foldc.AttentionSpec(2, 2, 64, k, v))   # one query row per KV head: every side folds
+    assert set(plan.folds.values()) <= {"acc-fold", "operand-fold"}
+    for small in (2, 3):   # (fails fast where the instance is large, before sympy takes it)
+        assert max(proof._shrink(plan.graph, small, 3)[1].groups.values()) <= 2 * small + 1
+    report = foldc.prove(plan)
+    check_report(report, plan)
+    for inst, small in zip(report.instances, (2, 3)):
+        assert max(inst.groups.values()) <= 2 * small + 1, inst
+    with pytest.raises(ProofError, match="differs from dequantize-then-compute"):
+        symbolic_check(key_after_softmax(plan), 2, 3)
+
 # -- lemmas over a symbolic group size ----------------------------------------------------------
 @pytest.mark.parametrize("fold", ["acc-fold", "operand-fold"])
 @pytest.mark.parametrize("bias", [0, 1024])
