@@ -116,6 +116,9 @@ def compile_layout(spec, target: str, out: str | None, dtype: str | None = None,
     check_choice("target", target, TARGETS)
     if dtype is not None:
         check_choice("dtype", dtype, ("bf16", "fp16"))
+        if target == "reference":   # the float64 executor has no MMA dtype: the flag would change nothing
+            raise SpecError(f"dtype={dtype!r} (--dtype): target='reference' runs the float64 executor, no kernel; "
+                            "drop --dtype or build for a GPU target")
         if target == "interpret" and dtype != "fp16":
             raise SpecError(f"dtype={dtype!r} (--dtype): the interpreter runs fp16 only; drop --dtype or build for "
                             "a GPU target")
@@ -131,7 +134,8 @@ def compile_layout(spec, target: str, out: str | None, dtype: str | None = None,
     checker = _prepare(spec, target, which, options)
     if out:
         check_out_dir(out)
-    the_plan = kernel_plan(spec, dtype, which)   # the plan the built or checked kernel runs, explained and proved
+    # the plan the built or checked kernel runs (the executor's own for reference), explained and proved
+    the_plan = checker.plan if target == "reference" else kernel_plan(spec, dtype, which)
     print(explain(the_plan))
     print(prove(the_plan))
     if target in ("sm_90", "sm_100"):

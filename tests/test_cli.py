@@ -278,6 +278,7 @@ def _fails_before_printing(capsys, argv, fragments):
     (["--target", "reference", "--num-warps", "4"], ["num_warps=4 (--num-warps)", "target='reference'"]),
     (["--target", "reference", "--kernel", "triton"], ["kernel='triton' (--kernel)", "drop --kernel"]),
     (["--target", "reference", "--out", "build"], ["out='build' (--out)", "writes no kernel"]),
+    (["--target", "reference", "--dtype", "bf16"], ["dtype='bf16' (--dtype)", "target='reference'", "drop"]),
     (["--target", "interpret", "--kernel", "gluon"], ["kernel='gluon'", "target='interpret'"]),
     (["--target", "interpret", "--dtype", "bf16"], ["dtype='bf16' (--dtype)", "fp16 only"]),
     (["--target", "interpret", "--seed", "-1"], ["seed=-1", ">= 0"]),
@@ -289,8 +290,8 @@ def _fails_before_printing(capsys, argv, fragments):
     (["--target", "interpret", "--heads", "100000/1"], ["num_q_heads=100000", "<= 1024", "MAX_HEADS"]),
     (["--target", "reference", "--heads", "8/2000"], ["num_kv_heads=2000", "<= 1024"]),
 ], ids=["block-n-0", "warps-3", "stages-0", "block-n-huge", "ref-block-n", "ref-warps", "ref-kernel", "ref-out",
-        "interp-gluon", "interp-bf16", "seed", "aot-warps-64", "aot-block-n-0", "sm100-warps-3", "aot-stages-9",
-        "head-dim-huge", "heads-huge", "kv-heads-huge"])
+        "ref-dtype", "interp-gluon", "interp-bf16", "seed", "aot-warps-64", "aot-block-n-0", "sm100-warps-3",
+        "aot-stages-9", "head-dim-huge", "heads-huge", "kv-heads-huge"])
 def test_compile_option_errors_come_before_the_plan(capsys, tmp_path, argv, fragments):
     argv = [str(tmp_path / "out") if a == "OUT" else a for a in argv]
     _fails_before_printing(capsys, ["compile", "--k", "token:2:128", "--v", "token:2:128", *argv], fragments)
@@ -441,3 +442,16 @@ def test_an_empty_out_folder_exits_2_naming_the_flag(capsys, target):
     rc, out, err = _run(capsys, "compile", "--target", target, "--out", "")
     assert rc == 2 and out == ""
     assert err.startswith("foldc: error: ") and "--out=''" in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("layout", [["--k", "token:2:128", "--v", "channel:4:64", "--heads", "8/2"],
+                                    [str(REPO / "examples" / "layouts" / "gemm_w8a8.toml")]], ids=["attention", "w8a8"])
+def test_compile_reference_prints_the_plan_it_checks(capsys, layout):
+    """`foldc compile --target reference` printed and proved the Triton kernel's bf16 plan (a code bias of 128 on the
+    keys, -128 on both W8A8 operands), then checked the float64 executor, which runs the reference plan: the plan
+    printed must be the one `foldc explain` gives without a target."""
+    rc, ref, _ = _run(capsys, "explain", *layout)
+    assert rc == 0
+    rc, out, err = _run(capsys, "compile", *layout, "--target", "reference")
+    assert rc == 0 and err == "" and "checked: float64 plan executor" in out
+    assert out.startswith(ref), out[:2000]
