@@ -37,13 +37,24 @@ def layout_key(spec: AttentionSpec) -> str:
     return f"{spec.num_q_heads}/{spec.num_kv_heads}/{spec.head_dim}/{enc(spec.k)}/{enc(spec.v)}"
 
 
-@functools.lru_cache(maxsize=None)
 def spec_from_key(layout: str) -> AttentionSpec:
+    """The `AttentionSpec` of ``layout``, the text of `layout_key`."""
+    if not isinstance(layout, str):   # before the cache, which would hash it
+        raise SpecError(f"layout={layout!r} must be a string like '32/8/128/token:2:128/none' (foldc.ops.layout_key), "
+                        f"got {type(layout).__name__}")
+    return _spec_from_key(layout)
+
+
+@functools.lru_cache(maxsize=None)
+def _spec_from_key(layout: str) -> AttentionSpec:
     try:
         heads_q, heads_kv, head_dim, k, v = layout.split("/")
     except ValueError:
         raise SpecError(f"layout={layout!r} must look like 'Q/KV/head_dim/k_encoding/v_encoding', "
                         "e.g. '32/8/128/token:2:128/none' (see foldc.ops.layout_key)") from None
+    if "" in (k, v):   # spec_from_args reads '' as plain; layout_key writes 'none'
+        raise SpecError(f"layout={layout!r} has an empty {'k' if k == '' else 'v'} encoding; write 'none' for a plain "
+                        "operand (see foldc.ops.layout_key)")
     return spec_from_args(k, v, f"{heads_q}/{heads_kv}", head_dim)
 
 
@@ -54,8 +65,12 @@ def _kernel(layout: str, target: str):
     return compile_attention(spec_from_key(layout), target=target)
 
 
-def _operand(enc, data, scale, zero, head_dim):
+def _operand(enc, data, scale, zero, head_dim, name):
     if enc is None:
+        if scale is not None or zero is not None:   # they would be dropped: the caller's cache is not the layout's
+            raise InputError(f"{name}_scale / {name}_zero given, but the layout says {name} is a plain operand "
+                             f"('none'); pass None for both, or give the layout {name}'s encoding "
+                             "(foldc.ops.layout_key)")
         return data
     if scale is None or zero is None:
         raise SpecError("an encoded operand needs its scale and zero tensors (got None)")
@@ -68,8 +83,8 @@ def decode_attention(q: torch.Tensor, k_data: torch.Tensor, k_scale: torch.Tenso
                      v_zero: torch.Tensor | None, seq_lens: torch.Tensor | None, layout: str,
                      sm_scale: float) -> torch.Tensor:
     spec = spec_from_key(layout)
-    k = _operand(spec.k, k_data, k_scale, k_zero, spec.head_dim)
-    v = _operand(spec.v, v_data, v_scale, v_zero, spec.head_dim)
+    k = _operand(spec.k, k_data, k_scale, k_zero, spec.head_dim, "k")
+    v = _operand(spec.v, v_data, v_scale, v_zero, spec.head_dim, "v")
     if q.is_cuda:
         target = "auto"
     else:
@@ -89,8 +104,8 @@ def _(q, k_data, k_scale, k_zero, v_data, v_scale, v_zero, seq_lens, layout, sm_
     # what the op refuses without reading data fails at trace time too, with its error (a bad layout, a q or a
     # cache of the wrong shape or dtype, a NaN sm_scale); the lengths' values are read by the op alone
     spec = spec_from_key(layout)
-    k = _operand(spec.k, k_data, k_scale, k_zero, spec.head_dim)
-    v = _operand(spec.v, v_data, v_scale, v_zero, spec.head_dim)
+    k = _operand(spec.k, k_data, k_scale, k_zero, spec.head_dim, "k")
+    v = _operand(spec.v, v_data, v_scale, v_zero, spec.head_dim, "v")
     if q.is_cuda:
         check_call(spec, q, k, v, sm_scale, seq_lens, q_dtypes=GPU_Q_DTYPES, read_lens=False)
     else:

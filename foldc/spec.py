@@ -164,6 +164,9 @@ def spec_from_toml(path: str | Path):
 
     def enc(key: str) -> str | None:   # its errors get the file's name below
         val = table.get(key)
+        if val == "":   # a template's unset value, not a plain operand (as the CLI refuses --k '')
+            raise SpecError(f"{key}='' is empty: give an encoding such as token:2:128, 'none' for a plain operand, "
+                            "or leave the key out")
         if isinstance(val, dict):
             bad = set(val) - {"layout", "bits", "group_size", "scale_dtype"}
             if bad:

@@ -3,6 +3,8 @@ import re
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import foldc
 from foldc.errors import FoldError, InputError, SpecError
@@ -31,6 +33,50 @@ def test_layout_key_round_trips():
 def test_bad_layout_key_names_the_format():
     with pytest.raises(SpecError, match="Q/KV/head_dim"):
         spec_from_key("8/2/64/token:2:32")
+
+
+@st.composite
+def _specs(draw):
+    kv = draw(st.integers(1, 64))
+    head_dim = 8 * draw(st.integers(1, 128))
+
+    def enc():
+        if draw(st.booleans()):
+            return None
+        layout = draw(st.sampled_from(["token", "channel"]))
+        divisors = [d for d in range(1, head_dim + 1) if head_dim % d == 0]
+        group = draw(st.sampled_from(divisors) if layout == "token" else st.integers(1, 2**31 - 1))
+        return foldc.Affine(draw(st.sampled_from([2, 4, 8])), layout, group,
+                            draw(st.sampled_from([torch.float16, torch.bfloat16, torch.float32])))
+
+    return foldc.AttentionSpec(kv * draw(st.integers(1, 1024 // kv)), kv, head_dim, enc(), enc())
+
+
+@settings(max_examples=200, deadline=None)
+@given(_specs())
+def test_layout_key_round_trips_every_spec(spec):
+    """spec -> layout_key -> spec is the identity (scale dtypes, plain operands, the largest groups and heads)."""
+    key = layout_key(spec)
+    assert spec_from_key(key) == spec and layout_key(spec_from_key(key)) == key
+
+
+@pytest.mark.parametrize("layout", ["8/2/64//channel:4:16", "8/2/64/token:2:32/", "8/2/64//"])
+def test_an_empty_encoding_in_a_layout_key_is_not_a_plain_operand(layout):
+    """An empty encoding field (a key joined from an unset value) read as a plain operand: the op then took the
+    codes of a quantized cache for values, or attended over a plain cache the caller meant quantized. layout_key
+    writes 'none' for a plain operand; an empty field is an error naming it."""
+    with pytest.raises(SpecError) as ei:
+        spec_from_key(layout)
+    assert repr(layout) in str(ei.value) and "'none'" in str(ei.value)
+
+
+@pytest.mark.parametrize("layout", [123, None, b"8/2/64/none/none", ["8/2/64/none/none"]])
+def test_a_layout_key_that_is_no_string_names_the_type(layout):
+    """spec_from_key(123) raised AttributeError ('int' object has no attribute 'split'), a list TypeError
+    (unhashable type) from its cache."""
+    with pytest.raises(SpecError) as ei:
+        spec_from_key(layout)
+    assert "must be a string" in str(ei.value) and type(layout).__name__ in str(ei.value)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
@@ -103,6 +149,10 @@ def _bad_attention_calls(seed):
         ("a length per head", (q, *kv, lens.repeat(2), lk, 0.125)),
         ("a plain v in another dtype than an fp16 q", (q16, *kv[:3], v.dequantize(torch.float32), None, None, lens,
                                                         layout_key(plain), 0.125)),
+        ("a scale and zero for a v the layout says plain", (q, *kv[:3], v.dequantize(torch.float32), v.scale, v.zero,
+                                                            lens, layout_key(plain), 0.125)),
+        ("a zero alone for a v the layout says plain", (q, *kv[:3], v.dequantize(torch.float32), None, v.zero,
+                                                        lens, layout_key(plain), 0.125)),
     ]
 
 
@@ -118,7 +168,7 @@ def _fake_raises_as_the_op(op, args):
             op(*fakes)
 
 
-@pytest.mark.parametrize("case", range(11))
+@pytest.mark.parametrize("case", range(13))
 def test_the_attention_fake_refuses_what_the_op_refuses(case):
     """The fake checked the layout alone: a q of another head_dim, an integer q, a cache of the wrong shape, a NaN
     sm_scale... traced to an output of q's shape and dtype (a q [2, 8, 32] gave a [2, 8, 32] output the graph's

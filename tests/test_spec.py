@@ -231,6 +231,20 @@ def test_toml_unknown_key(tmp_path, extra):
     assert f"unknown keys [{key!r}]" in str(ei.value)
 
 
+@pytest.mark.parametrize("key", ["k", "v"])
+@pytest.mark.parametrize("attention_header", [True, False])
+def test_toml_empty_encoding_is_not_a_plain_operand(tmp_path, key, attention_header):
+    """``k = ""`` (a template's unset value) read as a plain operand: a spec with an unquantized K came back
+    silently, where the CLI refuses ``--k ''``. Now an error names the key and the fix."""
+    lines = {"k": 'k = "token:2:128"', "v": 'v = "channel:2:128"', key: f'{key} = ""'}
+    header = "[attention]\n" if attention_header else ""
+    path = write(tmp_path, header + 'heads = "32/8"\nhead_dim = 128\n' + "\n".join(lines.values()) + "\n")
+    with pytest.raises(SpecError) as ei:
+        spec_from_toml(path)
+    msg = str(ei.value)
+    assert str(path) in msg and f"{key}='' is empty" in msg and "'none'" in msg
+
+
 def test_toml_table_unknown_key(tmp_path):
     path = write(tmp_path, '[attention]\nheads = "32/8"\nhead_dim = 128\n'
                            'k = {layout = "token", bits = 2, group_size = 128, width = 3}\n')
