@@ -134,7 +134,8 @@ def plan(spec: AttentionSpec, code_bias: dict[str, int] | None = None, fold_poli
     kernel=kernel)`` runs for ``dtype`` queries (default bf16), with that kernel's code biases and
     operand dtype: the register-operand kernel's (`foldc.backends.gluon.lower.gluon_plan`) where it
     lowers the plan, else the generated Triton kernel's (`triton_plan`). The kernel is generated
-    from exactly this plan. ``code_bias`` and ``operand_dtype`` are then the target's, not options.
+    from exactly this plan; where neither kernel tiles ``spec`` (head_dim 8, channel groups of 7 tokens...)
+    SpecError says why. ``code_bias`` and ``operand_dtype`` are then the target's, not options.
 
     ``code_bias`` maps "key"/"value" to the constant a backend ORs into the codes (eq. 7); the
     reference plan uses none. ``fold_policy="dequant"`` forces per-value reconstruction.
@@ -205,8 +206,12 @@ def _target_plan(spec, target: str, kernel: str, dtype: str, code_bias, operand_
     if not _unit_dtype(dtype):
         raise SpecError(f"dtype={dtype!r} is not one of {sorted(UNIT_ROUNDOFF)} (the query's dtype)")
     options = {} if fold_policy == "auto" else {"fold_policy": fold_policy}
-    return attention_backend(attention_kernel(spec, target, kernel, options, aot=True, dtype=dtype)).target_plan(
-        spec, dtype, fold_policy)
+    backend = attention_backend(attention_kernel(spec, target, kernel, options, aot=True, dtype=dtype))
+    ok, reason = backend.lowerable(spec, dtype) if backend.lowerable is not None else (True, "")
+    if not ok:   # no kernel is built for it: a plan would describe nothing that runs
+        raise SpecError(f"target={target!r}: no kernel runs this spec ({reason}); its plan without a target is the "
+                        "float64 executor's (target='reference')")
+    return backend.target_plan(spec, dtype, fold_policy)
 
 
 @functools.lru_cache(maxsize=256)

@@ -257,6 +257,30 @@ def test_explain_says_when_the_register_operand_kernel_is_not_used(capsys):
     assert "not used for this layout" in tail and "generated Triton kernel" in tail
 
 
+UNTILED = {   # layouts the reference plan takes and neither kernel tiles
+    "head-dim-8": ["--k", "token:2:8", "--v", "token:2:8", "--heads", "1/1", "--head-dim", "8"],
+    "channel-g7": ["--k", "channel:2:7", "--v", "token:2:128"],
+    "plain-hd24": ["--k", "none", "--v", "none", "--head-dim", "24"],
+}
+
+
+@pytest.mark.parametrize("layout", list(UNTILED.values()), ids=list(UNTILED))
+def test_explain_does_not_promise_a_kernel_for_a_layout_none_runs(capsys, layout):
+    """explain said "the generated Triton kernel runs it" for layouts the Triton kernel refuses (head_dim 8, channel
+    groups of 7 tokens...), and `explain --target sm_90` printed a plan for a kernel that is never built: `foldc
+    compile --target sm_90` then failed. Now explain says only the float64 executor runs the layout, and --target
+    fails with the Triton kernel's reason."""
+    rc, out, err = _run(capsys, "explain", *layout)
+    assert rc == 0 and err == ""
+    tail = " ".join(out.split("+\n")[-1].split())
+    assert "the generated Triton kernel runs it" not in tail and "target='reference'" in tail, tail
+    for target in ("sm_90", "sm_100", "interpret"):
+        rc, out, err = _run(capsys, "explain", *layout, "--target", target)
+        assert rc == 2 and out == "" and err.count("\n") == 1 and f"target={target!r}" in err, (rc, err)
+        rc, cout, cerr = _run(capsys, "compile", *layout, "--target", "interpret")
+        assert rc == 2 and cerr.split("error: ")[-1].strip() in err   # the reason compile gives
+
+
 # -- issue 17: every option checked before the plan prints, every failure a one-line error ---------
 
 def _fails_before_printing(capsys, argv, fragments):

@@ -316,6 +316,42 @@ def test_plan_for_a_target_refuses_what_it_cannot_mean():
         foldc.plan(spec, target="interpret", kernel="gluon")
 
 
+@st.composite
+def _attention_specs(draw):
+    kv = draw(st.sampled_from([1, 2, 8]))
+    head_dim = draw(st.sampled_from([8, 16, 24, 32, 48, 64, 96, 128, 160, 256]))
+
+    def enc():
+        if draw(st.integers(0, 4)) == 0:
+            return None
+        layout, bits = draw(st.sampled_from(["token", "channel"])), draw(st.sampled_from([2, 4, 8]))
+        group = draw(st.sampled_from([d for d in range(1, head_dim + 1) if head_dim % d == 0]) if layout == "token"
+                     else st.integers(1, 300))
+        return A(bits, layout, group)
+
+    return foldc.AttentionSpec(kv * draw(st.sampled_from([1, 3, 4, 16])), kv, head_dim, enc(), enc())
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.filter_too_much])
+@given(_attention_specs(), st.sampled_from(["fp16", "bf16"]))
+def test_plan_for_the_interpreter_exists_where_its_kernel_does(spec, dtype):
+    """foldc.plan(spec, target="interpret") gave a plan for specs whose kernel foldc.compile refuses (head_dim 8 or 24,
+    channel groups of 7 tokens, chunks crossing a token-wise group): the plan of a kernel that is never built."""
+    try:
+        foldc.compile(spec, target="interpret")
+    except SpecError as e:
+        with pytest.raises(SpecError) as ei:
+            foldc.plan(spec, target="interpret", dtype=dtype)
+        assert str(e) in str(ei.value)
+    else:
+        try:
+            got = foldc.plan(spec, target="interpret", dtype=dtype)
+        except PlanError as e:   # a plan whose error model its dtype refuses (eq. 6a), the same on both sides
+            assert e.rule == "precision"
+        else:
+            assert check_plan(got) is got
+
+
 @settings(max_examples=60, deadline=None)
 @given(bias=st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.booleans(), st.integers(0, 2048).map(str),
                       st.lists(st.integers(), max_size=2)),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ...cost import GPUS, token_loop_lane_slots_per_byte
+from ...registry import attention_backend
 from .launch import GluonAttention
 from .lower import NotLowerable, gluon_plan, lower
 from .warpgroup_launch import ROWS as TEMPLATE_ROWS
@@ -27,7 +28,10 @@ def _one_warp(spec) -> str:
     try:
         cfg = lower(gluon_plan(spec))
     except NotLowerable as e:
-        return f"register-operand kernel (sm_90): not used for this layout ({e}); the generated Triton kernel runs it"
+        ok, why = attention_backend("triton").lowerable(spec, "bf16")
+        runs = "the generated Triton kernel runs it" if ok else \
+            f"nor does the generated Triton kernel ({why}): only the float64 executor (target='reference') runs it"
+        return f"register-operand kernel (sm_90): not used for this layout ({e}); {runs}"
     launcher = GluonAttention(spec)          # its defaults: KV heads per program and tokens per tile
     heads, block_n = launcher.heads, launcher.default_block_n
     blocks = f", {cfg.row_blocks} row blocks of {cfg.q_per_kv} query rows per KV head" if cfg.row_blocks > 1 else ""
