@@ -175,6 +175,11 @@ def gemm_spec_from_table(table: dict, where: str = "[gemm]") -> GemmSpec:
     for key in ("n", "k"):
         if key not in table:
             raise SpecError(f"{where}: missing key {key!r}; give the output channels n and the reduced size k")
+    for key in ("weight", "activation"):
+        if table.get(key) == "":   # a template's unset value, not a plain operand
+            raise SpecError(f"{where}: {key}='' is empty: give an encoding such as "
+                            f"{'k-group:4:128' if key == 'weight' else 'per-token:8'}, 'none' for a plain operand, "
+                            "or leave the key out")
     m = table.get("m")
     if m in ("symbolic", "any"):
         m = None
