@@ -133,7 +133,8 @@ def spec_from_toml(path: str | Path):
         activation = "per-token:8" # optional: INT8 activations with zero points
     """
     try:
-        data: dict[str, Any] = tomllib.loads(Path(path).read_text(encoding="utf-8"))
+        # utf-8-sig: a file saved "UTF-8 with BOM" (Windows editors) is UTF-8 text; tomllib takes no mark
+        data: dict[str, Any] = tomllib.loads(Path(path).read_text(encoding="utf-8-sig"))
     except OSError as e:
         raise SpecError(f"cannot read layout file {str(path)!r}: {e.strerror or e}") from None
     except UnicodeDecodeError as e:

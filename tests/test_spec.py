@@ -389,6 +389,19 @@ def test_toml_not_utf8(tmp_path):
     assert f"layout file {str(path)!r} is not UTF-8 text" in str(ei.value) and "save it as UTF-8" in str(ei.value)
 
 
+@PROP
+@given(valid_specs())
+def test_toml_with_a_byte_order_mark_reads_as_without(tmp_path_factory, spec):
+    """A layout file saved as "UTF-8 with BOM" (Windows editors) failed as 'not valid TOML: Invalid statement (at line
+    1, column 1)', naming neither the mark nor the fix; it is UTF-8 text, and reads as the same file without it."""
+    text = lambda e: "none" if e is None else e.short()  # noqa: E731
+    body = (f'[attention]\nheads = "{spec.num_q_heads}/{spec.num_kv_heads}"\nhead_dim = {spec.head_dim}\n'
+            f'k = "{text(spec.k)}"\nv = "{text(spec.v)}"\n')
+    path = tmp_path_factory.mktemp("bom") / "layout.toml"
+    path.write_bytes(b"\xef\xbb\xbf" + body.encode())
+    assert spec_from_toml(path) == spec
+
+
 def test_toml_path_is_a_folder(tmp_path):
     with pytest.raises(SpecError) as ei:
         spec_from_toml(tmp_path)
