@@ -206,8 +206,10 @@ def _target_plan(spec, target: str, kernel: str, dtype: str, code_bias, operand_
     if not _unit_dtype(dtype):
         raise SpecError(f"dtype={dtype!r} is not one of {sorted(UNIT_ROUNDOFF)} (the query's dtype)")
     options = {} if fold_policy == "auto" else {"fold_policy": fold_policy}
-    backend = attention_backend(attention_kernel(spec, target, kernel, options, aot=True, dtype=dtype))
-    ok, reason = backend.lowerable(spec, dtype) if backend.lowerable is not None else (True, "")
+    name = attention_kernel(spec, target, kernel, options, aot=True, dtype=dtype)
+    backend = attention_backend(name)
+    # attention_kernel picks the register-operand kernel only where it lowers; the Triton kernel is its fallback
+    ok, reason = backend.lowerable(spec, dtype) if name != "gluon" and backend.lowerable is not None else (True, "")
     if not ok:   # no kernel is built for it: a plan would describe nothing that runs
         raise SpecError(f"target={target!r}: no kernel runs this spec ({reason}); its plan without a target is the "
                         "float64 executor's (target='reference')")
