@@ -104,6 +104,7 @@ class _GemmEmitter:
         self.final: list[str] = []
         self.vals: dict[str, Val] = {}
         self.args: list[str] = []
+        self.bases: list[str] = []   # the per-program int64 pointer advances (`_advance`)
         packed = [n.encoding for n in self.graph.nodes_of(Input) if n.encoding is not None]
         self.lanes = max(8 // e.bits for e in packed) if packed else 1
         self.lane_len = self.spec.k // self.lanes
@@ -151,8 +152,17 @@ class _GemmEmitter:
 
     # -- sources ---------------------------------------------------------------------------
     def _rows(self, name: str) -> tuple[str, str, str]:
-        """(row offsets, row mask, tile form) of input ``name``: x rows are m, w rows are n."""
-        return ("rows", "row_ok", "MK") if self.graph[name].axes[0] == M else ("cols", "col_ok", "KN")
+        """(row offsets in the program's tile, row mask, tile form) of input ``name``: x rows are m, w rows
+        are n. The offsets count from the tile's first row: `_advance` moves the input's pointers there."""
+        return ("rows_in", "row_ok", "MK") if self.graph[name].axes[0] == M else ("cols_in", "col_ok", "KN")
+
+    def _advance(self, name: str, pointer: str, stride: str) -> None:
+        """Move ``pointer`` (an argument of input ``name``) to the program's first row, in int64: the
+        tile's offsets from there stay 32-bit (see `generate_gemm`)."""
+        first = "row0" if self.graph[name].axes[0] == M else "col0"
+        line = f"{pointer} += {first} * {stride}  # 64-bit: rows x stride may pass 2**31 - 1"
+        if line not in self.bases:
+            self.bases.append(line)
 
     def emit_input(self, node: Input):
         if node.role == "ones":
@@ -162,6 +172,7 @@ class _GemmEmitter:
         up = node.name.upper()
         self.arg(up, f"stride_{node.name}")
         rows, ok, form = self._rows(node.name)
+        self._advance(node.name, up, f"stride_{node.name}")
         v = self.cvar(node)
         if form == "MK":
             ptr = f"{up} + {rows}[:, None] * stride_{node.name} + (k0@ + kk)[None, :]"
@@ -180,6 +191,7 @@ class _GemmEmitter:
         up = source.upper()
         self.arg(f"{up}_CODES", f"stride_{source}")
         rows, ok, form = self._rows(source)
+        self._advance(source, f"{up}_CODES", f"stride_{source}")
         field_len = self.spec.k // (8 // enc.bits)
         if field_len == self.lane_len:  # the same bytes for every lane: load once, shift per lane
             raw, byte, shift = f"{source}_bytes", "(j + kk)", f"$L * {enc.bits}"
@@ -214,6 +226,8 @@ class _GemmEmitter:
         up = src.upper()
         self.arg(f"{up}_SCALE", f"{up}_ZERO", f"stride_{src}s")
         rows, ok, form = self._rows(src)
+        for p in ("SCALE", "ZERO"):
+            self._advance(src, f"{up}_{p}", f"stride_{src}s")
         v = self.gvar(node)
         part = "SCALE" if node.param == "scale" else "ZERO"
         grp = "grp@" if self.lane_groups else "grp"
@@ -347,15 +361,25 @@ def generate_gemm(plan, dtype: str = "fp16") -> GemmKernelSource:
         outer_loop, chunk_loop = "range(pid_k, {0}, SPLIT_K)", "range(0, {1}, BLOCK_K)"
     else:
         outer_loop, chunk_loop = "range(0, {0})", "range(pid_k * BLOCK_K, {1}, SPLIT_K * BLOCK_K)"
-    store = "Y + rows[:, None] * stride_y + cols[None, :]"
+    # 64-bit addressing at no cost in the loop: a row's offset (row x stride) can pass 2**31 - 1 (an
+    # int8 weight over 2 GiB, an output over 2**31 elements), which int32 arithmetic wraps. So each
+    # pointer moves once per program to the tile's first row in int64, and the loop's offsets count
+    # from there in int32 (a tile spans less than 2**31 elements: the launcher checks, `check_tile_span`).
+    store = "Y + rows_in[:, None] * stride_y + cols[None, :]"
     body = [
         "pid_m = tl.program_id(0)",
         "pid_n = tl.program_id(1)",
         "pid_k = tl.program_id(2)",
-        "rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)",
-        "cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)",
+        "row0 = (pid_m * BLOCK_M).to(tl.int64)  # the tile's first row and column",
+        "col0 = (pid_n * BLOCK_N).to(tl.int64)",
+        "rows_in = tl.arange(0, BLOCK_M)  # rows and columns from the tile's first",
+        "cols_in = tl.arange(0, BLOCK_N)",
+        "rows = pid_m * BLOCK_M + rows_in",
+        "cols = pid_n * BLOCK_N + cols_in",
         "row_ok = rows < M",
         "col_ok = cols < N",
+        *em.bases,
+        "Y += row0 * stride_y  # 64-bit: rows x stride may pass 2**31 - 1",
         "kk = tl.arange(0, BLOCK_K)",
         *em.pre,
         f"for t in {outer_loop.format(em.outer, chunk_len)}:  # k groups of {em.group}; {em.lanes} bit-field "

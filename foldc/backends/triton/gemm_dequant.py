@@ -87,11 +87,21 @@ def foldc_gemm_dequant(X, stride_x, WC, stride_w, WS, WZ, stride_ws, Y, stride_y
     size_m = tl.minimum(tiles_m - first_m, GROUP_M)
     pid_m = first_m + (pid % per_group) % size_m
     pid_n = (pid % per_group) // size_m
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row0 = pid_m * BLOCK_M
+    col0 = pid_n * BLOCK_N
+    rows = row0 + tl.arange(0, BLOCK_M)
+    cols = col0 + tl.arange(0, BLOCK_N)
+    # 64-bit addressing outside the loop: a row's offset (row x stride) can pass 2**31 - 1 (a weight over
+    # 2 GiB, an output over 2**31 elements), so each pointer moves to the tile's first row in int64 and the
+    # tile's offsets count from there in int32 (a tile spans less than 2**31 elements: the launcher checks)
+    X += row0.to(tl.int64) * stride_x
+    WC += col0.to(tl.int64) * stride_w
+    WS += col0.to(tl.int64) * stride_ws
+    WZ += col0.to(tl.int64) * stride_ws
+    Y += row0.to(tl.int64) * stride_y
     kb = tl.arange(0, BLOCK_K)
-    x_ptrs = X + tl.minimum(rows, M - 1)[:, None] * stride_x + kb[None, :]
-    cols_in = tl.minimum(cols, N - 1)
+    x_ptrs = X + (tl.minimum(rows, M - 1) - row0)[:, None] * stride_x + kb[None, :]
+    cols_in = tl.minimum(cols, N - 1) - col0
     w_ptrs = WC + cols_in[:, None] * stride_w + kb[None, :]
     p_ptrs = cols_in * stride_ws
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)   # y's tile transposed: the weight is the A operand
@@ -117,7 +127,7 @@ def foldc_gemm_dequant(X, stride_x, WC, stride_w, WS, WZ, stride_ws, Y, stride_y
             xt = tl.load(x_ptrs + (f * ROW_BYTES + j0))
             acc = tl.dot(v, tl.trans(xt), acc)
     ok = (rows < M)[None, :] & (cols < N)[:, None]
-    y_ptrs = Y + rows[None, :] * stride_y + cols[:, None]
+    y_ptrs = Y + (rows - row0)[None, :] * stride_y + cols[:, None]
     if SPLIT_K > 1:
         tl.atomic_add(y_ptrs, acc, mask=ok, sem="relaxed")
     else:

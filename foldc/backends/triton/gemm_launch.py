@@ -97,6 +97,27 @@ def check_kernel_layout(name: str, t: AffineTensor) -> None:
                          f"along the groups; {fix}")
 
 
+INT32_MAX = 2**31 - 1
+
+
+def check_tile_span(launch: "GemmLaunch", x, w, out: torch.Tensor) -> None:
+    """Both kernels move each pointer to its tile's first row in int64 and address the tile's rows from
+    there in int32 (``row x stride``, `generate_gemm`): refuse a tile whose rows span more than 2**31 - 1
+    elements (a row stride of about 2**31 / block elements; Triton passes a stride of 2**31 or more as
+    int64, so only a smaller one can wrap)."""
+    blocks = dict(launch.constants)
+    rows = {"x": blocks["BLOCK_M"], "w": blocks["BLOCK_N"], "out": blocks["BLOCK_M"]}
+    for name, t in (("x", x), ("w", w), ("out", out)):
+        parts = (t.codes[0, 0], t.scale[0, 0]) if isinstance(t, AffineTensor) else (t,)
+        for part in parts:
+            stride, row = part.stride(0), part.shape[1]
+            span = (rows[name] - 1) * stride + row
+            if stride <= INT32_MAX and span > INT32_MAX:
+                raise InputError(f"{name} has row stride {stride}: a tile of {rows[name]} rows spans {span} elements, "
+                                 f"past the kernel's 32-bit tile offsets (limit {INT32_MAX}); pass a tile of fewer "
+                                 f"rows (block_m / block_n) or rows of fewer than {INT32_MAX // rows[name]} elements")
+
+
 @dataclass(frozen=True)
 class GemmLaunch:
     """What one GEMM call launches: output dtype, ``m`` x ``n``, the grid (row tiles, column tiles,
@@ -184,7 +205,9 @@ class TritonGemm:
             check_no_overlap(out, "out", x=x, w=w)
         if m == 0:   # no rows: nothing to compute (as the reference returns [0, n])
             return out
-        self.run(self.plan_launch(dtype, m, num_sms(device), device_arch(device)), x, w, out)
+        launch = self.plan_launch(dtype, m, num_sms(device), device_arch(device))
+        check_tile_span(launch, x, w, out)
+        self.run(launch, x, w, out)
         return out
 
     def dequant_tile(self, dtype: torch.dtype, m: int) -> DequantTile | None:
