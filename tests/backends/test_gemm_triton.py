@@ -5,6 +5,7 @@ fresh subprocess; and the launcher's input checks."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -330,3 +331,133 @@ def test_interpreter_kernel_property(case):
     ulp = float(torch.ldexp(torch.ones_like(want), torch.frexp(want.abs().clamp_min(2.0 ** -14))[1] - 11).norm()
                 / want.norm())
     assert float((got.double() - want).norm() / want.norm()) < max(3 * rounding, ulp) + 1e-4
+
+
+# ---- 64-bit row offsets ------------------------------------------------------------------------------------
+# A row's offset (row x stride) passes 2**31 - 1 for an int8 weight over 2 GiB or an output over 2**31 elements,
+# and int32 arithmetic (Triton's, for int32 strides) wraps it. Both kernels move each pointer to the tile's first
+# row once in int64 and keep the loop's offsets int32.
+
+TTIR_SCRIPT = r"""
+import json, re, sys, tempfile
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from foldc.backends.runtime.modules import load_module
+from foldc.backends.triton.gemm_aot import compile_gemm_aot
+from foldc.backends.triton.gemm_dequant import SOURCE, unpack_asm
+from foldc.gemm import GemmSpec, parse_gemm_encoding
+out = {}
+d = tempfile.mkdtemp()
+spec = GemmSpec(4096, 4096, parse_gemm_encoding("per-channel:8", "weight"))
+compile_gemm_aot(spec, "sm_90", d, dtype="fp16", m=17)
+out["generated"] = open(f"{d}/foldc_gemm.sm_90.ttir").read()
+asm, cons = unpack_asm(4, False)
+sig = {"X": "*fp16", "stride_x": "i32", "WC": "*u8", "stride_w": "i32", "WS": "*fp16", "WZ": "*fp16",
+       "stride_ws": "i32", "Y": "*fp16", "stride_y": "i32", "M": "i32", "N": "i32"}
+cx = dict(K=4096, BITS=4, GROUP=128, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, MATH=1, ASM=asm,
+          CONS=cons, SPLIT_K=1)
+sig.update({k: "constexpr" for k in cx})
+attrs = {(i,): [["tt.divisibility", 16]] for i in range(9)}
+c = triton.compile(ASTSource(load_module(SOURCE, False).foldc_gemm_dequant, sig, constexprs=cx, attrs=attrs),
+                   target=GPUTarget("cuda", 90, 32), options={"num_warps": 8, "num_stages": 3})
+out["dequant"] = c.asm["ttir"]
+print(json.dumps(out))
+"""
+
+
+def pointer_bases_and_loop(ttir: str) -> tuple[dict, list]:
+    """(pointer argument -> whether it moves by an i64 offset before any loop, the lines of the kernel's loops)
+    of a kernel's TTIR."""
+    header = re.search(r"tt\.func public @\w+\((.*?)\)\s*attributes", ttir, re.S).group(1)
+    pointers = re.findall(r"%(\w+): !tt\.ptr<", header)
+    first_loop = ttir.index("scf.for")
+    before = ttir[:first_loop]
+    moved = {p: bool(re.search(rf"tt\.addptr %{p}, %\w+ : !tt\.ptr<\w+>, i64", before)) for p in pointers}
+    loops, depth = [], None
+    for line in ttir.splitlines():
+        indent = len(line) - len(line.lstrip())
+        if depth is None and "scf.for" in line:
+            depth = indent
+        elif depth is not None:
+            if indent <= depth and line.strip().startswith("}"):
+                depth = None
+            else:
+                loops.append(line)
+    return moved, loops
+
+
+def test_both_gemm_kernels_move_every_pointer_in_int64_and_keep_the_loop_32_bit(tmp_path):
+    """TTIR of the generated kernel (INT8 weight, m = 17 tiles) and of the dequantize-then-dot template with int32
+    strides: every pointer argument (codes, scales, zeros, activation, output) moves to its tile by an i64 offset
+    before the k loop, and the loop does no 64-bit arithmetic (its instructions are the 32-bit kernel's)."""
+    proc = subprocess.run([sys.executable, "-c", TTIR_SCRIPT], cwd=ROOT, env=_env(str(tmp_path)),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for name, ttir in json.loads(proc.stdout.strip().splitlines()[-1]).items():
+        moved, loop = pointer_bases_and_loop(ttir)
+        assert len(moved) >= 5 and all(moved.values()), (name, moved)
+        assert loop and not [ln for ln in loop if "i64" in ln], (name, [ln for ln in loop if "i64" in ln][:3])
+
+
+def test_a_tile_spanning_past_32_bit_offsets_is_refused():
+    """The loop's offsets count from the tile's first row in int32: a row stride whose tile spans 2**31 elements is
+    refused by name (meta tensors: nothing allocated); a stride of 2**31 or more goes in as int64 and is taken."""
+    from foldc.backends.triton.gemm_launch import INT32_MAX, TritonGemm, check_tile_span
+    from foldc.encoding import AffineTensor
+    spec = spec_of("per-channel:8", None, 17, 64, 128)
+    gemm = TritonGemm(spec, "interpret")
+    launch = gemm.plan_launch(torch.float16, 17)
+    block_m = dict(launch.constants)["BLOCK_M"]
+    w = operands(spec, 1, 0)[1]
+    stride = INT32_MAX // (block_m - 1) + 1
+    x = torch.empty(17, stride, device="meta", dtype=torch.float16)[:, :128]
+    out = torch.empty(17, 64, device="meta", dtype=torch.float16)
+    with pytest.raises(InputError, match=rf"x has row stride {stride}.*limit {INT32_MAX}"):
+        check_tile_span(launch, x, w, out)
+    check_tile_span(launch, torch.empty(17, 2**31, device="meta", dtype=torch.float16)[:, :128], w, out)
+    check_tile_span(launch, torch.empty(17, 128, device="meta", dtype=torch.float16), w, out)
+    assert isinstance(w, AffineTensor)
+
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (about 20 GB free)")
+
+
+def _tail_check(got, x, w, spec, first_row: int, first_col: int) -> None:
+    """got's rows from first_row and columns from first_col against float64 x @ w.T over those rows of w."""
+    from foldc.encoding import AffineTensor
+    tail = AffineTensor(w.codes[:, :, first_col:], w.scale[:, :, first_col:], w.zero[:, :, first_col:], w.encoding,
+                        w.head_dim)
+    want = (x[first_row:].double() @ tail.dequantize(torch.float64)[0, 0].T)
+    err = float((got[first_row:, first_col:].double() - want).norm() / want.norm())
+    assert err < 2e-3, f"rel L2 {err:.2e} past the 2**31 element offset"
+
+
+@gpu
+def test_gpu_int8_weight_over_2_gib_matches_float64_past_the_32_bit_offset():
+    """An INT8 weight of n x k > 2**31 bytes at m = 17 and 70 (generated kernel and template): the output columns
+    whose weight rows lie past byte 2**31 match float64 (they read wrapped, wrong rows in 32-bit)."""
+    k = 16384
+    n = 2**31 // k + 256
+    spec = GemmSpec(n, k, parse_gemm_encoding("per-channel:8", "weight"))
+    gen = torch.Generator(device="cuda").manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    w = quantize_2d(torch.randn(n, k, device="cuda", generator=gen, dtype=torch.float16) * 0.1 + 0.01, spec.weight)
+    assert w.codes[0, 0].numel() > 2**31
+    for m in (17, 70):
+        x = torch.randn(m, k, device="cuda", generator=gen, dtype=torch.float16)
+        got = foldc.compile(spec)(x, w)
+        _tail_check(got, x, w, spec, 0, 2**31 // k - 1)
+
+
+@gpu
+def test_gpu_output_over_2_to_the_31_elements_matches_float64_in_its_last_rows():
+    """y = x @ w.T with m x n > 2**31 elements: the last rows (past element 2**31 of y) match float64."""
+    n, k = 32768, 256
+    m = 2**31 // n + 64
+    spec = GemmSpec(n, k, parse_gemm_encoding("k-group:4:64", "weight"))
+    gen = torch.Generator(device="cuda").manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    w = quantize_2d(torch.randn(n, k, device="cuda", generator=gen) * 0.1 + 0.01, spec.weight)
+    x = torch.randn(m, k, device="cuda", generator=gen, dtype=torch.float16)
+    got = foldc.compile(spec)(x, w)
+    assert got.numel() > 2**31
+    _tail_check(got, x, w, spec, 2**31 // n - 1, 0)
