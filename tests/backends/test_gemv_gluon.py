@@ -509,3 +509,25 @@ def test_the_gemm_callable_routes_each_call_by_its_plan():
         GemmKernel(act, "sm_90", kernel="gluon")
     with pytest.raises(SpecError, match="kernel="):
         GemmKernel(spec, "sm_90", kernel="cuda")
+
+
+def test_run_rows_refuses_a_weight_past_32_bit_offsets_before_a_launch():
+    """The chunk loop keeps 32-bit offsets (64-bit row bases would cost it instructions): a weight whose code
+    words pass 2**31 - 1 (an 8-bit n x k of 8 GiB) is refused by name, nothing launched (meta tensors)."""
+    from foldc.backends.runtime.offsets import INT32_MAX
+    from foldc.errors import InputError
+    n, k = 2**20, 2**13 + 2**12
+    spec = spec_of("k-group:8:128", n, k)
+    gemv = GluonGemv(spec, "sm_90")
+    gemv._kernel = kernel = LaunchRecorder(True)
+    launch = gemv.plan_launch(torch.float16, 1, 132)
+    codes = torch.empty(n, k, device="meta", dtype=torch.uint8)
+    scale = torch.empty(n, k // 128, device="meta", dtype=torch.float16)
+    x = torch.empty(1, k, device="meta", dtype=torch.float16)
+    out = torch.empty(1, n, device="meta", dtype=torch.float16)
+    counters = torch.zeros(n // 16, dtype=torch.int32, device="meta")
+    words = (n - 1) * k // 4 + k // 4 - 1
+    assert words > INT32_MAX
+    with pytest.raises(InputError, match=rf"w.codes \(32-bit words\) reaches element offset {words}.*kernel='triton'"):
+        gemv.run_rows(launch, x, codes, scale, scale, out, counters, workspace=torch.empty(1, device="meta"))
+    assert kernel.launches == []

@@ -529,3 +529,31 @@ def test_the_generated_kernels_eager_launches_are_bound_too(monkeypatch):
             call(0.3)
         monkeypatch.delenv("TRITON_INTERPRET")
         assert (len(decode.launches), len(decode.bound)) == (6, 1)
+
+
+def test_a_cache_past_32_bit_offsets_is_refused_by_the_register_operand_kernels():
+    """The decode kernels' token loops keep 32-bit offsets: a contiguous cache whose code words pass 2**31 - 1
+    (b x stride_b) is refused by name with the fixes; a paged pool is checked within a page (its page offsets are
+    64-bit), so the same pool as pages is taken (meta tensors: nothing allocated)."""
+    from types import SimpleNamespace
+
+    from foldc.backends.runtime.offsets import DECODE_FIX, INT32_MAX, check_offsets, decode_offsets
+    from foldc.errors import InputError
+
+    def side(batch, tokens):
+        codes = torch.empty(batch, 8, tokens, 64, device="meta", dtype=torch.uint8)   # INT4, head_dim 128
+        scale = torch.empty(batch, 8, tokens, 1, device="meta", dtype=torch.float16)
+        return SimpleNamespace(codes=codes, scale=scale, zero=scale)
+
+    q = torch.empty(64, 32, 128, device="meta", dtype=torch.bfloat16)
+    ws = (None, None, torch.empty(64, 8, 4, 16, 128, device="meta"))
+    k = side(64, 2**18 + 16)
+    words = 64 * 8 * (2**18 + 16) * 16 - 1
+    assert words > INT32_MAX
+    offsets = decode_offsets(q, k, k, ws)
+    assert offsets["k.codes (32-bit words)"] == words and offsets["q"] == 64 * 32 * 128 - 1
+    with pytest.raises(InputError, match=rf"k.codes \(32-bit words\) reaches element offset {words}.*paged pool"):
+        check_offsets("register-operand decode kernel", offsets, DECODE_FIX)
+    pages = side(64 * (2**18 + 16) // 16, 16)
+    check_offsets("register-operand decode kernel", decode_offsets(q, pages, pages, ws, paged=(None, None, 16)),
+                  DECODE_FIX)

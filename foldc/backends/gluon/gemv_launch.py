@@ -22,6 +22,7 @@ from ...validate import check_no_overlap, check_out
 from ..runtime.fast_launch import Bindings, FastLaunch, keywords
 from ..runtime.launch import stream_handle
 from ..runtime.modules import num_sms
+from ..runtime.offsets import check_offsets, last_offset
 from .gemv_lower import OPERAND_KS, GemvKernel, NotLowerable, lower_gemv, weight_code_bias
 from .operands import VALUE_EXPONENT, biased_key_unpack_asm, key_unpack_asm, natural_key_unpack_asm
 
@@ -362,6 +363,13 @@ class GluonGemv:
                                                         zero.data_ptr(), out.data_ptr(), part.data_ptr(),
                                                         counters.data_ptr())):
             return state[0]
+        # the kernel's chunk loop keeps 32-bit offsets (64-bit row bases would cost instructions there): refused
+        # past them, as every later call of this key (the same strides and shapes) would be
+        check_offsets("register-operand GEMV", {"x": last_offset(x), "w.codes (32-bit words)": last_offset(
+            codes.view(torch.int32)), "w.scale": last_offset(scale), "w.zero": last_offset(zero),
+            "out": last_offset(out), "the split-k workspace": launch.grid[1] * launch.m * self.spec.n - 1},
+            "split the weight's output channels (n) over several GEMVs, or call the Triton GEMM "
+            "(foldc.compile(spec, target=..., kernel='triton')), whose row offsets are 64-bit")
         args = (x, codes.view(torch.int32), scale, zero, out, part, counters, launch.m, self.spec.n, x.stride(0),
                 codes.stride(0) // 4, scale.stride(0), out.stride(0), launch.chunks_per_split)
         kwargs = keywords(launch)

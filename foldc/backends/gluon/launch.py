@@ -22,6 +22,7 @@ from ..runtime.fast_launch import Bindings, FastLaunch
 from ..runtime.launch import Launch, Scratch, allocate_workspace, capturing, side_key, split_partition
 from ..runtime.merge import MERGE_SOURCE, launch_merge, merge_arguments, run_bound
 from ..runtime.modules import load_module, num_sms
+from ..runtime.offsets import DECODE_FIX, check_offsets, decode_offsets
 from .eager import EagerCalls
 from .lower import HALF_TILE_GROUP, FoldKernel, NotLowerable, gluon_plan, lower
 from .warpgroup_launch import WarpgroupLaunch, warpgroup_applies
@@ -560,6 +561,7 @@ class GluonAttention:
                                                   lse, self.config.q_per_kv * launch["heads"], (cache_tokens,),
                                                   self.config.head_rows):
                 return
+        check_offsets("register-operand decode kernel", decode_offsets(q, k, v, ws, paged), DECODE_FIX)
         counters = None
         if _dynamic(launch):   # one tile counter per (batch, head group), zeroed each call
             counters = torch.zeros(q.shape[0] * self.head_programs(launch), device=q.device,

@@ -18,6 +18,7 @@ from ..runtime.fast_launch import Bindings, FastLaunch
 from ..runtime.launch import Launch, capturing, split_partition
 from ..runtime.merge import merge_arguments, run_bound
 from ..runtime.modules import num_sms
+from ..runtime.offsets import DECODE_FIX, check_offsets, decode_offsets
 from .lower import KEY_BIAS, VALUE_BIAS, NotLowerable, lower
 
 ROWS = 32          # the template's query rows: one wgmma N; 17..32 query rows per KV head take it
@@ -121,6 +122,7 @@ class WarpgroupLaunch:
                     v.scale.data_ptr(), v.zero.data_ptr(), (q if lens is None else lens).data_ptr(),
                     *map(_DATA_PTR, workspace)), merge, workspace, out, lse, self.head_rows, (tokens,)):
                 return
+        check_offsets("warpgroup decode kernel", decode_offsets(q, k, v, workspace), DECODE_FIX)
         kc, vc = k.codes.view(torch.int32), v.codes.view(torch.int32)
         args = (q, kc, k.scale, k.zero, vc, v.scale, v.zero, q if lens is None else lens, *workspace, q.stride(0),
                 q.stride(1), kc.stride(0), kc.stride(1), k.scale.stride(0) // SCALE_ROW,
