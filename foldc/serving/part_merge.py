@@ -22,7 +22,7 @@ def _merge_two_kernel(O0, L0, O1, L1, OUT, LSE, s0b, s0h, s1b, s1h, sob, soh, he
                       D: tl.constexpr, BLOCK_D: tl.constexpr):
     """One program per (batch, query head): the two parts' rows weighted by their lse (eq. 14)."""
     pid = tl.program_id(0)
-    b = pid // heads
+    b = (pid // heads).to(tl.int64)   # 64-bit: batch x stride may pass 2**31 - 1
     h = pid % heads
     l0 = tl.load(L0 + pid)
     l1 = tl.load(L1 + pid)

@@ -82,3 +82,14 @@ def test_merge_writes_ragged_row_blocks_to_their_query_heads(seed, splits, kv_he
     assert not out.isnan().any() and not lse.isnan().any()
     assert torch.allclose(out.double(), every, rtol=1e-5, atol=1e-5), (out.double() - every).abs().max()
     assert torch.allclose(lse.double(), every_lse, rtol=1e-6, atol=1e-4)
+
+
+def test_merge_moves_its_pointers_to_the_row_in_int64_and_keeps_the_split_loop_32_bit():
+    """The workspace (batch x heads x splits x rows x head_dim) and the output may pass 2**31 elements: the
+    row's workspace pointers and the output's batch offset are 64-bit, outside the loop over splits."""
+    src = MERGE_SOURCE
+    assert "base = (b * NUM_KV_HEADS + kvh).to(tl.int64) * num_splits * ROWS + row" in src
+    assert "WS_ACC += base * HEAD_DIM" in src and "WS_M += base" in src and "WS_L += base" in src
+    assert "OUT + b.to(tl.int64) * stride_ob" in src and src.count("lse_at = b.to(tl.int64)") == 2
+    loop = src[src.index("for s0 in"):src.index("l_total")]
+    assert "base" not in loop and "int64" not in loop

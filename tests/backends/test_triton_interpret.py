@@ -420,3 +420,35 @@ def test_split_prescaled_operands_are_exact_and_more_accurate(k_layout, v_layout
     assert split.unwritten == 0 and split.error < 2e-3
     assert split.error <= plain.error * 1.05
     assert "_lo = (" in attn.source(torch.float16)
+
+
+# -- 64-bit (batch, head) bases --------------------------------------------------------------------------------
+
+def test_source_moves_each_cache_pointer_to_its_batch_and_head_in_int64():
+    """b x stride_b passes 2**31 - 1 in a cache over 2**31 elements: each pointer moves to its (batch, head) once,
+    in int64, before the token loop; the loop's offsets (token x stride) count from there. The workspace row and
+    the query offset are 64-bit too (outside the loop); a paged kernel's page bases were already int64."""
+    src = _src(A(4, "token", 32), A(2, "channel", 32))
+    for ptr, s in (("K_CODES", "k"), ("V_CODES", "v")):
+        assert f"{ptr} += b64 * stride_{s}b + kvh64 * stride_{s}h" in src
+    for ptr, s in (("K_SCALE", "k"), ("K_ZERO", "k"), ("V_SCALE", "v"), ("V_ZERO", "v")):
+        assert f"{ptr} += b64 * stride_{s}sb + kvh64 * stride_{s}sh" in src
+    assert "b64 = b.to(tl.int64)" in src and "k_base = 0" in src and "v_sbase = 0" in src
+    assert "ws_row = ((b.to(tl.int64) * NUM_KV_HEADS" in src and "q_row_off = b.to(tl.int64) * stride_qb" in src
+    loop = src[src.index("for tile_start"):src.index("ws_row")]
+    assert "int64" not in loop and "b64" not in loop
+    plain = _src(None, None)
+    assert "K_VALUES += b64 * stride_kb + kvh64 * stride_kh" in plain
+
+
+def test_a_sequence_past_32_bit_token_offsets_is_refused():
+    """The token loop's offsets (token x token stride + channel) stay int32: a cache whose (batch, head) slice
+    passes 2**31 - 1 elements is refused by name before a launch (meta tensors: nothing allocated)."""
+    from foldc.backends.runtime.offsets import INT32_MAX, check_offsets
+    from foldc.backends.triton.launch import token_offsets
+    tokens = 2**31 // 64 + 16
+    k = torch.empty(1, 2, tokens, 64, device="meta", dtype=torch.float16)
+    offsets = token_offsets(k, k[:, :, :16], 16)
+    assert offsets["k"] == tokens * 64 + 63 > INT32_MAX and offsets["v"] == 16 * 64 + 63
+    with pytest.raises(InputError, match=rf"k reaches element offset {tokens * 64 + 63}.*limit {INT32_MAX}"):
+        check_offsets("Triton decode kernel", offsets, "split the tokens")

@@ -48,3 +48,11 @@ def test_empty_and_nan_parts():
     ok = ~torch.zeros(2, 3, dtype=torch.bool)
     ok[0, 2] = False
     assert torch.allclose(out[ok], want[ok], atol=1e-6)
+
+
+def test_merge_two_takes_its_batch_offset_in_int64():
+    """out [batch, heads, head_dim] views may pass 2**31 elements: batch x stride is 64-bit."""
+    import inspect
+
+    from foldc.serving import part_merge
+    assert "b = (pid // heads).to(tl.int64)" in inspect.getsource(part_merge._merge_two_kernel)

@@ -37,19 +37,24 @@ def foldc_merge(WS_M, WS_L, WS_ACC, OUT, LSE, stride_ob, stride_oh, num_splits,
         BLOCKS: tl.constexpr = (HEAD_ROWS + Q_PER_KV - 1) // Q_PER_KV
         first = (kvh // BLOCKS) * HEAD_ROWS + (kvh % BLOCKS) * Q_PER_KV   # its first query head
         real = real & ((kvh % BLOCKS) * Q_PER_KV + row < HEAD_ROWS)
-        lse_at = b * (NUM_KV_HEADS // BLOCKS) * HEAD_ROWS + first + row
+        lse_at = b.to(tl.int64) * (NUM_KV_HEADS // BLOCKS) * HEAD_ROWS + first + row
     else:
         first = kvh * Q_PER_KV
-        lse_at = b * NUM_KV_HEADS * Q_PER_KV + kvh * Q_PER_KV + row
+        lse_at = b.to(tl.int64) * NUM_KV_HEADS * Q_PER_KV + kvh * Q_PER_KV + row
     cols = dblk * D_BLOCK + tl.arange(0, D_BLOCK)
     sb = tl.arange(0, SPLIT_BLOCK)
-    base = (b * NUM_KV_HEADS + kvh) * num_splits * ROWS + row
+    # 64-bit addressing outside the loop: the workspace and the output may pass 2**31 elements, so the
+    # pointers move to this row once in int64 and the loop's offsets (splits x ROWS x HEAD_DIM) stay int32
+    base = (b * NUM_KV_HEADS + kvh).to(tl.int64) * num_splits * ROWS + row
+    WS_M += base
+    WS_L += base
+    WS_ACC += base * HEAD_DIM
     m = tl.max(tl.full([SPLIT_BLOCK], float("-inf"), tl.float32), axis=0)
     l = tl.sum(tl.zeros([SPLIT_BLOCK], tl.float32), axis=0)
     acc = tl.zeros([D_BLOCK], tl.float32)
     for s0 in range(0, num_splits, SPLIT_BLOCK):
         live = ((s0 + sb) < num_splits) & real
-        idx = base + (s0 + sb) * ROWS
+        idx = (s0 + sb) * ROWS
         m_s = tl.load(WS_M + idx, mask=live, other=float("-inf"))
         l_s = tl.load(WS_L + idx, mask=live, other=0.0)
         acc_s = tl.load(WS_ACC + idx[:, None] * HEAD_DIM + cols[None, :], mask=live[:, None], other=0.0)
@@ -62,7 +67,7 @@ def foldc_merge(WS_M, WS_L, WS_ACC, OUT, LSE, stride_ob, stride_oh, num_splits,
         m = m_new
     l_total = tl.where(real, l, 1.0)   # a padding row divides by 1, not 0
     out = acc / l_total
-    ptr = OUT + b * stride_ob + (first + row) * stride_oh + cols
+    ptr = OUT + b.to(tl.int64) * stride_ob + (first + row) * stride_oh + cols
     tl.store(ptr, out.to(OUT.dtype.element_ty), mask=real & (cols < HEAD_DIM))
     # natural-log sum of exp of the logits (m is in log2 units): lets callers merge attention
     # over several caches, e.g. a quantized body and a bf16 window (eq. 14)

@@ -544,11 +544,19 @@ def generate(plan, geo: TileGeometry, dtype: str, fast: bool = False,
     pv_chunks, w_pv = geo.chunks("pv"), geo.width("pv")
     inputs = {n.name: ("encoded" if n.encoding is not None else "values")
               for n in plan.graph.nodes_of(Input) if n.role != "query"}
-    bases = []
+    # 64-bit addressing outside the loop: (batch, head)'s offset in a cache over 2**31 elements passes
+    # 2**31 - 1, so each pointer moves there once in int64; the tile's offsets (token x stride) stay int32
+    # from there (the launcher refuses a (batch, head) slice past them, `check_offsets`)
+    bases = ["b64 = b.to(tl.int64)", "kvh64 = kvh.to(tl.int64)"]
     for name, kind in inputs.items():
-        bases.append(f"{name}_base = b * stride_{name}b + kvh * stride_{name}h")
+        up = name.upper()
+        for ptr in ((f"{up}_CODES",) if kind == "encoded" else (f"{up}_VALUES",)):
+            bases.append(f"{ptr} += b64 * stride_{name}b + kvh64 * stride_{name}h")
+        bases.append(f"{name}_base = 0")
         if kind == "encoded":
-            bases.append(f"{name}_sbase = b * stride_{name}sb + kvh * stride_{name}sh")
+            for ptr in (f"{up}_SCALE", f"{up}_ZERO"):
+                bases.append(f"{ptr} += b64 * stride_{name}sb + kvh64 * stride_{name}sh")
+            bases.append(f"{name}_sbase = 0")
     args = ["SEQ_LENS", "WS_M", "WS_L", "WS_ACC"] + em.args + ["qk_scale", "tokens_per_split", "num_splits",
                                                                "cache_tokens"]
     tile_bases: list[str] = []
@@ -577,7 +585,7 @@ def generate(plan, geo: TileGeometry, dtype: str, fast: bool = False,
         "end = tl.minimum(start + tokens_per_split, seq_len)",
         "rows = tl.arange(0, ROWS)",
         "row_ok = rows < Q_PER_KV",
-        "q_row_off = b * stride_qb + (kvh * Q_PER_KV + rows) * stride_qh",
+        "q_row_off = b.to(tl.int64) * stride_qb + (kvh * Q_PER_KV + rows) * stride_qh",
         *bases,
         *em.pre,
         "m_i = tl.full([ROWS], float('-inf'), tl.float32)",
@@ -590,7 +598,8 @@ def generate(plan, geo: TileGeometry, dtype: str, fast: bool = False,
         "if full_end < end:",
         *[ind + line for line in ["tile_start = full_end", "offs_n = tile_start + tl.arange(0, BLOCK_N)",
                                   "valid = offs_n < end", *tile_bases, *tile]],
-        "ws_row = ((b * NUM_KV_HEADS + kvh) * num_splits + split) * ROWS + rows",
+        "ws_row = ((b.to(tl.int64) * NUM_KV_HEADS + kvh) * num_splits + split) * ROWS + rows  # 64-bit: a "
+        "workspace may pass 2**31 elements",
         "tl.store(WS_M + ws_row, m_i)",
         "tl.store(WS_L + ws_row, l_i)",
         *[f"tl.store(WS_ACC + ws_row[:, None] * HEAD_DIM + {geo.first_pv[c]} + tl.arange(0, {w_pv})[None, :], acc_c{c}"

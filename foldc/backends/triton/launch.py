@@ -24,6 +24,7 @@ from ..runtime.fast_launch import Bindings, FastLaunch
 from ..runtime.merge import MERGE_SOURCE, launch_merge, merge_arguments, run_bound
 from ..runtime.modules import interpreter
 from ..runtime.modules import load_module, num_sms
+from ..runtime.offsets import check_offsets, last_offset
 from .codegen import MAGIC, KernelSource, generate, magic_ok
 from .layout import TileGeometry, geometry, token_block
 
@@ -227,6 +228,8 @@ class TritonAttention:
             if type(state) is tuple and run_bound(state, _pointer_addresses(ks.args, q, k, v, seq_lens, ws),
                                                   self._fast_kernels(module)[1], ws, out, lse, self.spec.q_per_kv):
                 return
+        check_offsets("Triton decode kernel", token_offsets(k, v, launch.cache_tokens),
+                      "split the sequences' tokens over several calls and merge their outputs by their lse")
         runtime = runtime_arguments(q, k, v, seq_lens, ws, sm_scale, launch.per_split, launch.splits)
         extra = {}
         if paged is not None:
@@ -273,6 +276,17 @@ class TritonAttention:
         if pair is None or pair[0] is not module:
             pair = fast[id(module)] = (module, FastLaunch(module.foldc_decode), FastLaunch(module.foldc_merge))
         return pair[1], pair[2]
+
+
+def token_offsets(k, v, tokens: int) -> dict:
+    """The largest offset from a (batch, head)'s base (or a page's, rebased) that the kernel's token loop
+    computes in int32 (token x token stride + channel), per cache tensor: the bases are 64-bit (codegen.py)."""
+    out = {}
+    for side, x in (("k", k), ("v", v)):
+        parts = {side: x} if isinstance(x, torch.Tensor) else {f"{side}.{p}": getattr(x, p) for p in ("codes", "scale")}
+        for name, t in parts.items():
+            out[name] = max(tokens, t.shape[2]) * t.stride(2) + last_offset(t, 3)
+    return out
 
 
 def launch_options(cfg, spec, q, k) -> dict:
