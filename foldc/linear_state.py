@@ -46,15 +46,19 @@ def layer_record(encoding: GemmEncoding, in_features: int, out_features: int, in
 def record_tensor(record: dict) -> torch.Tensor:
     """``record`` as its JSON text in a 1-D uint8 tensor of UTF-8 bytes (the form the state dict holds)."""
     text = json.dumps(record, sort_keys=True).encode("utf-8")
-    return torch.tensor(list(text), dtype=torch.uint8)
+    # on the CPU, whatever the default device (a model built under ``with torch.device("meta")`` saves one too)
+    return torch.tensor(list(text), dtype=torch.uint8, device="cpu")
 
 
-def read_record(value, key: str) -> dict:
+def read_record(value, key: str) -> dict | None:
     """The record saved under ``key``, checked: a uint8 tensor of JSON text (`record_tensor`), the text itself, or the
-    dict. Refused with an InputError naming ``key``: anything else, a record of another format or of a newer version,
-    a missing field or one of the wrong type, an encoding foldc does not read, a packing it does not know."""
+    dict; None for a tensor on the meta device (a state dict of placeholders, whose values are not there to check).
+    Refused with an InputError naming ``key``: anything else, a record of another format or of a newer version, a
+    missing field or one of the wrong type, an encoding foldc does not read, a packing it does not know."""
     if isinstance(value, torch.Tensor):
-        if value.dtype != torch.uint8 or value.dim() != 1 or value.is_meta:
+        if value.is_meta and value.dtype == torch.uint8:
+            return None
+        if value.dtype != torch.uint8 or value.dim() != 1:
             raise InputError(f"{key}: a FoldLinear saves its encoding as a 1-D uint8 tensor of JSON text, got "
                              f"{value.dtype} {tuple(value.shape)} on {value.device}; pass the state dict's "
                              "_extra_state entry unchanged (a cast of every tensor of a state dict changes it too)")

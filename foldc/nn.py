@@ -318,7 +318,8 @@ class FoldLinear(torch.nn.Module):
         """Check a loaded ``_extra_state`` against the layer (its encoding is fixed when it is built): refused,
         naming both encodings, where the state dict's tensors would mean another weight here."""
         saved = linear_state.read_record(state, linear_state.KEY)
-        linear_state.check_same_meaning(saved, self._record(), linear_state.KEY)
+        if saved is not None:
+            linear_state.check_same_meaning(saved, self._record(), linear_state.KEY)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
@@ -326,7 +327,8 @@ class FoldLinear(torch.nn.Module):
         key = prefix + linear_state.KEY
         if key in state_dict:
             saved = linear_state.read_record(state_dict[key], key)
-            linear_state.check_same_meaning(saved, self._record(), key)
+            if saved is not None:
+                linear_state.check_same_meaning(saved, self._record(), key)
         elif isinstance(state_dict.get(prefix + "input_order"), torch.Tensor) and self._buffers["input_order"] is None:
             # a state dict without a record (an older one) of an act-order layer: with strict=False the order was
             # dropped as an unexpected key, and x multiplied by columns in another order
@@ -377,6 +379,8 @@ class FoldLinear(torch.nn.Module):
                              "foldc wrote it has none): build the layer with FoldLinear(weight, encoding) or "
                              "FoldLinear.from_linear(linear, weight=...) and load the state dict into it")
         record = linear_state.read_record(state_dict[key], key)
+        if record is None:
+            raise InputError(f"{key} is on the meta device (a state dict of placeholders): load the saved one")
         enc, k = linear_state.record_encoding(record), record["in_features"]
         names = ["codes", "scale", "zero"] + (["input_order"] if record["input_order"] else [])
         missing = [prefix + name for name in names if not isinstance(state_dict.get(prefix + name), torch.Tensor)]

@@ -197,7 +197,7 @@ def test_a_whole_model_names_the_layer_and_from_state_dict_takes_a_prefix():
 
 
 def test_the_record_is_read_at_state_dict_time_only(monkeypatch):
-    """The forward, torch.compile's trace and a deep copy never make or read the record."""
+    """The forward, torch.compile's trace, torch.export and a deep copy never make or read the record."""
     import copy
 
     gen = _gen()
@@ -212,3 +212,19 @@ def test_the_record_is_read_at_state_dict_time_only(monkeypatch):
     compiled = torch.compile(torch.nn.Sequential(layer, torch.nn.GELU()), backend="aot_eager", fullgraph=True)
     assert torch.equal(compiled(x), torch.nn.functional.gelu(want))
     assert torch.equal(copy.deepcopy(layer)(x), want)
+    assert torch.equal(torch.export.export(layer, (x,)).module()(x), want)
+
+
+def test_a_model_built_on_the_meta_device_saves_a_record_and_takes_a_state_dict_of_placeholders():
+    """Built under ``with torch.device("meta")`` the record was made there too (unreadable); a state dict of meta
+    placeholders (``assign=True``, structure only) holds no record to check."""
+    gen = _gen()
+    source = _layer("k-group:4:64", 128, gen)
+    with torch.device("meta"):
+        state = source.to("meta").state_dict()
+    assert state["_extra_state"].device.type == "cpu" and state["codes"].is_meta
+    layer = _layer("k-group:4:64", 128, gen).to("meta")
+    layer.load_state_dict({k: v.to("meta") for k, v in state.items()}, assign=True)
+    assert layer.codes.is_meta
+    with pytest.raises(InputError, match="k-group:4:64 over .* k-group:8:64 over"):
+        _layer("k-group:8:64", 64, gen).to("meta").load_state_dict(state, assign=True)
