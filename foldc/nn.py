@@ -25,6 +25,7 @@ import functools
 
 import torch
 
+from . import linear_state
 from .backends.runtime.launch import RAW_STREAM, STREAM_CAPTURING
 from .encoding import AffineTensor
 from .errors import InputError, InputTypeError, SpecError
@@ -235,7 +236,15 @@ class FoldLinear(torch.nn.Module):
     ``encoding`` (a `GemmEncoding` or its text, e.g. ``"k-group:4:128"``); ``bias``: [out_features] or
     None; ``input_order``: None, or a permutation of the input channels (int [in_features]) the layer gathers x by
     first, ``y = x[..., input_order] @ W.T + bias`` (act-order checkpoints, `foldc.gemm.convert.from_gptq_act_order`).
-    The weight's tensors are buffers (they move with ``.to()`` and are saved in the state dict)."""
+    The weight's tensors are buffers (they move with ``.to()`` and are saved in the state dict).
+
+    The state dict also records the weight's encoding, shape and whether the layer has an input order, under
+    ``_extra_state`` (`foldc.linear_state`: JSON text in a uint8 tensor, so a state dict stays all tensors). A load
+    whose record names another encoding is refused, naming both (tensors of two encodings can have the same shapes:
+    4-bit in groups of 128 over 256 inputs, 8-bit in groups of 64 over 128), as is a codes, scale or zero tensor of
+    another dtype than the encoding's (the load's copy would convert it). `from_state_dict` builds the layer a state
+    dict records. A state dict without the record (saved before foldc wrote one) loads as before, with
+    ``strict=True`` too: its tensors' shapes and dtypes are checked, not their encoding; save it again to record it."""
 
     def __init__(self, weight: AffineTensor, encoding, bias: torch.Tensor | None = None,
                  input_order: torch.Tensor | None = None):
@@ -295,8 +304,37 @@ class FoldLinear(torch.nn.Module):
             return out
         return super()._apply(keep_dtype, recurse)
 
+    def _record(self) -> dict:
+        """The layer's `foldc.linear_state` record: its encoding, shape and whether it has an input order."""
+        return linear_state.layer_record(self.encoding, self.in_features, self.out_features,
+                                         self._buffers.get("input_order") is not None)
+
+    def get_extra_state(self) -> torch.Tensor:
+        """The state dict's ``_extra_state``: the layer's record as JSON text in a uint8 tensor (`foldc.linear_state`),
+        made when the state dict is (the forward never reads it)."""
+        return linear_state.record_tensor(self._record())
+
+    def set_extra_state(self, state) -> None:
+        """Check a loaded ``_extra_state`` against the layer (its encoding is fixed when it is built): refused,
+        naming both encodings, where the state dict's tensors would mean another weight here."""
+        saved = linear_state.read_record(state, linear_state.KEY)
+        if saved is not None:
+            linear_state.check_same_meaning(saved, self._record(), linear_state.KEY)
+
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
+        # the record first (the clearest message: both encodings), then each tensor's dtype, before any change
+        key = prefix + linear_state.KEY
+        if key in state_dict:
+            saved = linear_state.read_record(state_dict[key], key)
+            if saved is not None:
+                linear_state.check_same_meaning(saved, self._record(), key)
+        elif isinstance(state_dict.get(prefix + "input_order"), torch.Tensor) and self._buffers["input_order"] is None:
+            # a state dict without a record (an older one) of an act-order layer: with strict=False the order was
+            # dropped as an unexpected key, and x multiplied by columns in another order
+            raise InputError(f"{prefix}input_order: the state dict is an act-order layer's (x gathered by an input "
+                             "order) but this FoldLinear has none; build it with FoldLinear(weight, encoding, bias, "
+                             "input_order=...) before the load")
         # load_state_dict copies into the buffers with a cast (or, with assign=True, puts the tensors in as they
         # are): a state dict of another encoding's scale dtype would be rounded into this one's, codes of another
         # dtype wrapped, an input order that is no permutation gathered as it came. Refused, before any change.
@@ -317,6 +355,8 @@ class FoldLinear(torch.nn.Module):
                 raise InputError(f"{prefix}input_order of the state dict: {e}") from None
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
+        if key in missing_keys:   # a state dict saved before the record: loaded, as it was then (class doc)
+            missing_keys.remove(key)
         if local_metadata.get("assign_to_params_buffers", False):
             # assign=True put the state dict's tensors in as they are: row-major copies (the layout the kernels
             # read), and the split-k counters (outside the state dict) beside the codes, e.g. off the meta device
@@ -326,6 +366,39 @@ class FoldLinear(torch.nn.Module):
             if buffers["gemv_counters"].device != buffers["codes"].device:
                 buffers["gemv_counters"] = torch.zeros_like(buffers["gemv_counters"], device=buffers["codes"].device)
             self._eager, self._fast = {}, None
+
+    @classmethod
+    def from_state_dict(cls, state_dict, prefix: str = "") -> "FoldLinear":
+        """The layer a FoldLinear's state dict records (its ``<prefix>_extra_state``: encoding, shape, input order),
+        holding that state dict's tensors (copies, on their device). Refused by name: a state dict without the record
+        (saved before foldc wrote one: build ``FoldLinear(weight, encoding)`` and load it) or without a tensor the
+        record needs."""
+        key = prefix + linear_state.KEY
+        if key not in state_dict:
+            raise InputError(f"the state dict has no {key!r} (a FoldLinear's record of its encoding; one saved before "
+                             "foldc wrote it has none): build the layer with FoldLinear(weight, encoding) or "
+                             "FoldLinear.from_linear(linear, weight=...) and load the state dict into it")
+        record = linear_state.read_record(state_dict[key], key)
+        if record is None:
+            raise InputError(f"{key} is on the meta device (a state dict of placeholders): load the saved one")
+        enc, k = linear_state.record_encoding(record), record["in_features"]
+        names = ["codes", "scale", "zero"] + (["input_order"] if record["input_order"] else [])
+        missing = [prefix + name for name in names if not isinstance(state_dict.get(prefix + name), torch.Tensor)]
+        if missing:
+            raise InputError(f"the state dict records a {linear_state.describe(record)} layer but does not hold "
+                             f"{missing[0]!r}: pass the layer's whole state dict")
+        get = lambda name: state_dict[prefix + name]  # noqa: E731
+        try:
+            weight = AffineTensor(get("codes"), get("scale"), get("zero"), enc.affine(k), k)
+        except InputError as e:
+            raise InputError(f"{prefix}codes, scale and zero: the state dict's tensors do not fit its record "
+                             f"({linear_state.describe(record)}): {e}") from None
+        layer = cls(weight, enc, state_dict.get(prefix + "bias"),
+                    input_order=get("input_order") if record["input_order"] else None)
+        if layer.out_features != record["out_features"]:
+            raise InputError(f"{key} records out_features={record['out_features']} but {prefix}codes holds "
+                             f"{layer.out_features} rows: the record is another layer's; pass the layer's state dict")
+        return layer
 
     @classmethod
     def from_linear(cls, linear: torch.nn.Linear, weight="k-group:4:128") -> "FoldLinear":

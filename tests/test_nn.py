@@ -59,7 +59,7 @@ def test_a_converted_weight_makes_a_layer_and_its_state_moves_with_it():
     weight, enc = from_hqq(codes, scale, zero, shape=(32, 128), group_size=64)
     layer = FoldLinear(weight, enc, bias=torch.randn(32, generator=gen))
     state = layer.state_dict()
-    assert set(state) == {"codes", "scale", "zero", "bias"}
+    assert set(state) == {"codes", "scale", "zero", "bias", "_extra_state"}
     x = torch.randn(2, 128, generator=gen)
     want = (x.double() @ ((codes.double() - zero.double()) * scale.double()).reshape(32, 128).T
             + layer.bias.double())
@@ -613,7 +613,7 @@ def test_an_input_order_gathers_x_first_and_moves_with_the_layers_state():
     order = torch.randperm(k, generator=gen)
     layer = FoldLinear(weight, enc, bias=torch.randn(n, generator=gen), input_order=order.to(torch.int32))
     assert layer.input_order.dtype == torch.int64 and set(layer.state_dict()) == {"codes", "scale", "zero", "bias",
-                                                                                  "input_order"}
+                                                                                  "input_order", "_extra_state"}
     w = weight.dequantize(torch.float64)[0, 0]
     for x in (torch.randn(2, 3, k, generator=gen), torch.randn(4, k, generator=gen).half()):
         want = x.double()[..., order] @ w.T + layer.bias.double()

@@ -15,6 +15,7 @@ a weight ``[n, k]`` is quantized as ``quantize(w.reshape(1, 1, n, k), enc)``.
 """
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +30,10 @@ DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 #: activation rows that share one dequantized weight tile in the generated kernel (the largest
 #: BLOCK_M); the break-even of eq. 16 counts min(m, this)
 ROWS_PER_TILE = 64
+#: the largest n, k and m: the kernels number rows, output channels and input channels with 32-bit integers (a tile's
+#: ``program_id * BLOCK + arange``, the k loop), which wrap past it
+MAX_SIZE = 2**31 - 1
+_SIZE_NAMES = {"n": "output channels", "k": "input channels", "m": "rows of x"}
 
 
 @dataclass(frozen=True)
@@ -117,10 +122,7 @@ class GemmSpec:
 
     def __post_init__(self) -> None:
         for field in ("n", "k") + (("m",) if self.m is not None else ()):
-            val = getattr(self, field)
-            if isinstance(val, bool) or not isinstance(val, int) or val < 1:
-                symbolic = " or None (symbolic)" if field == "m" else ""
-                raise SpecError(f"{field}={val!r} must be a positive integer{symbolic}")
+            object.__setattr__(self, field, _size(field, getattr(self, field)))
         for role, kinds in (("weight", WEIGHT_KINDS), ("activation", ACTIVATION_KINDS)):
             enc = getattr(self, role)
             if enc is None:
@@ -165,6 +167,23 @@ class GemmSpec:
         enc = lambda e: "plain" if e is None else e.short()  # noqa: E731
         m = "m" if self.m is None else str(self.m)
         return f"gemm {m}x{self.n}x{self.k}, weight {enc(self.weight)}, activation {enc(self.activation)}"
+
+
+def _size(field: str, val) -> int:
+    """``val`` as the positive int it must be (a NumPy or 0-dim torch integer is one), refused by name otherwise."""
+    symbolic = " or None (symbolic)" if field == "m" else ""
+    try:
+        size = None if isinstance(val, bool) else operator.index(val)   # (a float, or a bool, is refused)
+    except TypeError:
+        size = None
+    if size is None or size < 1:
+        raise SpecError(f"{field}={val!r} must be a positive integer{symbolic}")
+    if size > MAX_SIZE:
+        fix = "call with fewer rows at a time" if field == "m" else \
+            f"split the layer into parts of fewer {_SIZE_NAMES[field]}"
+        raise SpecError(f"{field}={size} {_SIZE_NAMES[field]} is past {MAX_SIZE} (2**31 - 1, foldc.gemm.spec."
+                        f"MAX_SIZE): the kernels number them with 32-bit integers, which would wrap; {fix}")
+    return size
 
 
 def gemm_spec_from_table(table: dict, where: str = "[gemm]") -> GemmSpec:

@@ -276,3 +276,64 @@ def test_quantize_model_refuses_an_activation_encoding_as_the_weights_once():
     with pytest.raises(SpecError, match=r"^weight='per-token:8': .*'k-group:bits:group' or 'per-channel:bits'$"):
         fhf.quantize_model(net, weight=GemmEncoding("per-token", 8))
     assert not any(isinstance(m, FoldLinear) for m in net.modules())
+
+
+def _through_a_file(state: dict, how: str) -> dict:
+    import io
+
+    if how == "safetensors":   # (a state dict of tensors only: the layers' records are uint8 tensors)
+        safetensors = pytest.importorskip("safetensors.torch")
+        return safetensors.load(safetensors.save(state))
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=True)
+
+
+@pytest.mark.parametrize("how", ["torch", "safetensors"])
+def test_a_quantized_models_state_dict_round_trips_and_one_of_another_encoding_is_refused_by_name(how):
+    """quantize_model's model saved and loaded into the same model quantized alike: its logits bit for bit. Loaded
+    into one quantized as another encoding, the first layer that differs is refused naming it and both encodings
+    (a bf16-scale model's state dict was refused naming one encoding; another bit width raised torch's size
+    mismatches, after the load had copied the rest)."""
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    source = fhf.quantize_model(model("llama", 1), weight="k-group:4:32")
+    state = _through_a_file(source.state_dict(), how)
+    target = fhf.quantize_model(model("llama", 2), weight="k-group:4:32")
+    assert target.load_state_dict(state).missing_keys == []
+    ids = torch.randint(3, 96, (2, 7), generator=gen)
+    with torch.no_grad():
+        assert torch.equal(target(ids).logits, source(ids).logits)
+    first = "model.layers.0.self_attn.q_proj"
+    for other in ("k-group:4:32:bf16", "k-group:8:32", "per-channel:4"):
+        built = fhf.quantize_model(model("llama", 2), weight=other)
+        with pytest.raises(InputError, match=rf"^{first}\._extra_state: .*k-group:4:32 over .*FoldLinear's is "
+                                             rf"{other} over .*quantize_model\(model, weight='k-group:4:32'\)"):
+            built.load_state_dict(state)
+    old = {k: v for k, v in state.items() if not k.endswith("._extra_state")}   # saved before the records
+    target = fhf.quantize_model(model("llama", 3), weight="k-group:4:32")
+    assert target.load_state_dict(old).missing_keys == []
+    with torch.no_grad():
+        assert torch.equal(target(ids).logits, source(ids).logits)
+
+
+def test_a_loaded_checkpoints_state_dict_round_trips_with_its_act_order_layers():
+    """load_quantized's model (act-order layers among its FoldLinears) saved and loaded into a model made from a
+    checkpoint of the same layout: its logits bit for bit; a layer of another input order layout is refused."""
+    seed = int(torch.randint(0, 2**31 - 1, ()))
+    ids = torch.randint(3, 96, (2, 7), generator=torch.Generator().manual_seed(seed))
+    made = []
+    for source_seed in (1, 3):   # two sources, one generator seed: the same act-order layers and orders
+        tensors, _, act_order = checkpoint(model("llama", source_seed), "gptq", 4, 32,
+                                           torch.Generator().manual_seed(seed))
+        target = model("llama", 2)
+        fhf.load_quantized(target, tensors, checkpoint="gptq", bits=4, group_size=32)
+        made.append((target, act_order))
+    (source, act_order), (target, _) = made
+    target.load_state_dict(_through_a_file(source.state_dict(), "safetensors"))
+    with torch.no_grad():
+        assert torch.equal(target(ids).logits, source(ids).logits)
+    plain = fhf.quantize_model(model("llama", 2), weight="k-group:4:32:fp32")   # no input orders
+    if act_order:
+        with pytest.raises(InputError, match=rf"^{act_order[0]}\._extra_state: .*act-order"):
+            plain.load_state_dict(source.state_dict(), strict=False)
