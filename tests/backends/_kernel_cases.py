@@ -116,3 +116,28 @@ class LaunchRecorder:
             return None
         self.bound.append(BoundRecorder(grid, dynamic))
         return self.bound[-1]
+
+
+# A script's lines that build the large-m GEMM template (foldc/backends/triton/gemm_dequant.py) ahead of time for
+# sm_90 at INT4 g128, 4096 x 4096, fp16, 128 x 128 x 64 tiles: `dequant_build(split_k)` returns the compiled kernel
+# (run in a fresh process, TRITON_INTERPRET unset).
+DEQUANT_BUILD = r"""
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from foldc.backends.runtime.modules import load_module
+from foldc.backends.triton.gemm_dequant import SOURCE, unpack_asm
+
+
+def dequant_build(split_k):
+    asm, cons = unpack_asm(4, False)
+    sig = {"X": "*fp16", "stride_x": "i32", "WC": "*u8", "stride_w": "i32", "WS": "*fp16", "WZ": "*fp16",
+           "stride_ws": "i32", "Y": "*fp16", "stride_y": "i32", "M": "i32", "N": "i32"}
+    cx = dict(K=4096, BITS=4, GROUP=128, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, MATH=1, ASM=asm,
+              CONS=cons, SPLIT_K=split_k)
+    sig.update({k: "constexpr" for k in cx})
+    # pointers and strides 16-divisible, as triton specialises a launch on aligned tensors (the pipeline needs it)
+    attrs = {(i,): [["tt.divisibility", 16]] for i in range(9)}
+    return triton.compile(ASTSource(load_module(SOURCE, False).foldc_gemm_dequant, sig, constexprs=cx, attrs=attrs),
+                          target=GPUTarget("cuda", 90, 32), options={"num_warps": 8, "num_stages": 3})
+"""

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from _kernel_cases import needs_interpreter
+from _kernel_cases import DEQUANT_BUILD, needs_interpreter
 from hypothesis import assume, given, note, settings
 from hypothesis import strategies as st
 from test_triton_aot import ROOT, _env
@@ -206,24 +206,10 @@ def test_interpreter_template_matches_float64(weight, m, n, k, sms, seed):
 
 # ---- AOT -----------------------------------------------------------------------------------------------
 
-AOT = r"""
-import re, sys
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from foldc.backends.runtime.modules import load_module
-from foldc.backends.triton.gemm_dequant import SOURCE, DequantTile, shared_bytes, unpack_asm
-mod = load_module(SOURCE, False)
-asm, cons = unpack_asm(4, False)
-sig = {"X": "*fp16", "stride_x": "i32", "WC": "*u8", "stride_w": "i32", "WS": "*fp16", "WZ": "*fp16",
-       "stride_ws": "i32", "Y": "*fp16", "stride_y": "i32", "M": "i32", "N": "i32"}
-cx = dict(K=4096, BITS=4, GROUP=128, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, MATH=1, ASM=asm,
-          CONS=cons, SPLIT_K=2)
-sig.update({k: "constexpr" for k in cx})
-# pointers and strides 16-divisible, as triton specialises a launch on aligned tensors (the pipeline needs it)
-attrs = {(i,): [["tt.divisibility", 16]] for i in range(9)}
-c = triton.compile(ASTSource(mod.foldc_gemm_dequant, sig, constexprs=cx, attrs=attrs),
-                   target=GPUTarget("cuda", 90, 32), options={"num_warps": 8, "num_stages": 3})
+AOT = DEQUANT_BUILD + r"""
+import re
+from foldc.backends.triton.gemm_dequant import DequantTile, shared_bytes
+c = dequant_build(2)
 ptx = c.asm["ptx"]
 # wgmma's A operand: a brace list of registers (after the accumulator's list) or a shared-memory descriptor
 calls = re.findall(r"wgmma.mma_async[^;]*;", ptx)

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 import torch
-from _kernel_cases import needs_interpreter
+from _kernel_cases import DEQUANT_BUILD, needs_interpreter
 from hypothesis import given, note, settings
 from hypothesis import strategies as st
 from test_triton_aot import ROOT, _env
@@ -338,30 +338,16 @@ def test_interpreter_kernel_property(case):
 # and int32 arithmetic (Triton's, for int32 strides) wraps it. Both kernels move each pointer to the tile's first
 # row once in int64 and keep the loop's offsets int32.
 
-TTIR_SCRIPT = r"""
-import json, re, sys, tempfile
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from foldc.backends.runtime.modules import load_module
+TTIR_SCRIPT = DEQUANT_BUILD + r"""
+import json, tempfile
 from foldc.backends.triton.gemm_aot import compile_gemm_aot
-from foldc.backends.triton.gemm_dequant import SOURCE, unpack_asm
 from foldc.gemm import GemmSpec, parse_gemm_encoding
 out = {}
 d = tempfile.mkdtemp()
 spec = GemmSpec(4096, 4096, parse_gemm_encoding("per-channel:8", "weight"))
 compile_gemm_aot(spec, "sm_90", d, dtype="fp16", m=17)
 out["generated"] = open(f"{d}/foldc_gemm.sm_90.ttir").read()
-asm, cons = unpack_asm(4, False)
-sig = {"X": "*fp16", "stride_x": "i32", "WC": "*u8", "stride_w": "i32", "WS": "*fp16", "WZ": "*fp16",
-       "stride_ws": "i32", "Y": "*fp16", "stride_y": "i32", "M": "i32", "N": "i32"}
-cx = dict(K=4096, BITS=4, GROUP=128, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, MATH=1, ASM=asm,
-          CONS=cons, SPLIT_K=1)
-sig.update({k: "constexpr" for k in cx})
-attrs = {(i,): [["tt.divisibility", 16]] for i in range(9)}
-c = triton.compile(ASTSource(load_module(SOURCE, False).foldc_gemm_dequant, sig, constexprs=cx, attrs=attrs),
-                   target=GPUTarget("cuda", 90, 32), options={"num_warps": 8, "num_stages": 3})
-out["dequant"] = c.asm["ttir"]
+out["dequant"] = dequant_build(1).asm["ttir"]
 print(json.dumps(out))
 """
 
