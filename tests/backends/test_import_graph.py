@@ -104,7 +104,7 @@ def test_every_backend_and_workload_registers_on_import():
 # and a top-level module of foldc/ in "core"
 LAYERS = {
     "compile": {"foldc.compile", "foldc.tune", "foldc.gemm", "foldc.gemm.compile", "foldc.gemm.workload",
-                "foldc.backends", "foldc.nn"},
+                "foldc.backends", "foldc.nn", "foldc.linear_state"},
     "serving": {"foldc.ops"},   # the torch custom ops: decode attention and appends (integrations build on them)
     "tools": {"foldc", "foldc.__main__", "foldc.cli", "foldc.demo", "foldc.bench", "foldc.bench_layouts",
               "foldc.layout_grid", "foldc.gemm.bench", "foldc.serving.bench", "foldc.layout_compile"},
