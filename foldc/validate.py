@@ -60,6 +60,9 @@ def _check_cache(name: str, x, enc, spec: AttentionSpec, batch: int, device) -> 
             raise InputTypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
         if not x.is_floating_point():
             raise InputError(f"{name} dtype={x.dtype} must be floating point")
+        if x.layout != torch.strided:   # (the float64 executor raised from inside torch: no storage)
+            raise InputError(f"{name} is a tensor of layout {x.layout}; attention reads a dense cache: pass "
+                             f"{name}.to_dense()")
         shape = tuple(x.shape)
     want = (batch, spec.num_kv_heads, "tokens", spec.head_dim)
     if len(shape) != 4 or shape[0] != batch or shape[1] != spec.num_kv_heads or shape[3] != spec.head_dim:
@@ -79,6 +82,8 @@ def check_call(spec: AttentionSpec, q, k, v, sm_scale, seq_lens,
     lengths' values are not checked (a custom op's fake implementation, whose tensors hold none)."""
     if not isinstance(q, torch.Tensor):
         raise InputTypeError(f"q must be a torch.Tensor [batch, num_q_heads, head_dim], got {type(q).__name__}")
+    if q.layout != torch.strided:   # (the float64 executor raised from inside torch's reshape)
+        raise InputError(f"q is a tensor of layout {q.layout}; attention takes dense queries: pass q.to_dense()")
     if q.dim() != 3 or q.shape[1] != spec.num_q_heads or q.shape[2] != spec.head_dim:
         raise InputError(f"q shape={tuple(q.shape)} but the spec needs [batch, {spec.num_q_heads}, {spec.head_dim}]")
     if q.dtype not in q_dtypes:

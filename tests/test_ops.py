@@ -190,6 +190,20 @@ def test_the_attention_fake_refuses_a_float32_query_on_a_gpu():
         assert out.shape == q.shape and out.dtype == torch.bfloat16 and out.is_cuda
 
 
+@settings(max_examples=4, deadline=None)
+@given(which=st.sampled_from(["q", "k"]), dtype=st.sampled_from([torch.float16, torch.float32]),
+       seed=st.integers(0, 2**31 - 1))
+def test_a_sparse_query_or_plain_cache_is_refused_by_name(which, dtype, seed):
+    """A sparse q or plain k raised from inside torch on the float64 executor's path (RuntimeError: reshape is not
+    implemented for sparse tensors; NotImplementedError: storage of SparseTensorImpl) and blamed strides on the
+    interpreter's: an InputError naming the layout and to_dense() now."""
+    spec = foldc.AttentionSpec(8, 2, 64, None, SPEC.v)
+    q, k, v, lens = _inputs(seed, dtype, spec)
+    q, k = (q.to_sparse(), k) if which == "q" else (q, k.to_sparse())
+    with pytest.raises(InputError, match=rf"{which} is a tensor of layout torch.sparse_coo.*{which}.to_dense\(\)"):
+        attention_op(spec, q, k, v, seq_lens=lens)
+
+
 # ---- foldc::append_kv -------------------------------------------------------------------------
 
 from foldc.encoding import AffineTensor, scale_shape  # noqa: E402

@@ -249,6 +249,8 @@ class FoldcCache(Cache):
         # read at each forward's first layer (a config attribute costs a few µs through transformers' lookups;
         # the implementation does not change between a forward's layers)
         impl = getattr(self.config, "_attn_implementation", None) if layer_idx == 0 else ATTN_IMPLEMENTATION
+        if layer_idx == 0:   # a new forward: its mask is read again, even the last one's tensor refilled in place
+            _MASK_READ[0] = None
         if impl != ATTN_IMPLEMENTATION:
             raise SpecError(f"FoldcCache decodes through attn_implementation={ATTN_IMPLEMENTATION!r} but the model "
                             f"uses {impl!r}; import foldc.integrations.hf and call "

@@ -503,6 +503,8 @@ def write_paged(pool: AffineTensor, x: torch.Tensor, kv_indptr: torch.Tensor, kv
                          "groups are written whole (keep the partial group in the model dtype until it fills)")
     if tokens == 0:
         return
+    if not table_checked and (mode == "reference" or kv_indptr.device.type == "cpu"):   # read with no device sync
+        _check_pages_written_once(kv_indptr, kv_indices, start, counts, tokens, page_size, group, pool.shape[0])
     if mode == "reference":
         _append_paged_reference(pool, x, kv_indptr, kv_indices, start, page_size, counts)
         return
@@ -542,6 +544,36 @@ def _check_indptr_within(kv_indptr: torch.Tensor, entries: int) -> None:
     raise InputError(f"kv_indptr[{at}]={bad} but kv_indices holds {entries} entries: sequence page ranges "
                      f"kv_indptr[b]:kv_indptr[b + 1] must lie in [0, {entries}] (kv_indptr[-1] <= len(kv_indices)); "
                      "pass the kv_indices this kv_indptr indexes")
+
+
+def _check_pages_written_once(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, start: torch.Tensor,
+                              counts: torch.Tensor | None, tokens: int, page_size: int, group: int | None,
+                              num_pages: int) -> None:
+    """No page that this append writes through two page-table entries: two sequences' entries naming one page, or
+    one sequence's page listed twice. The kernel's programs write such a page in any order and the reference one
+    entry after the other, so one entry's tokens are overwritten by the other's, silently. Only the entries the
+    append writes through count (the positions of its tokens, as the kernels write them), so a shared page that
+    no token lands on passes."""
+    indptr, indices = kv_indptr.tolist(), kv_indices.tolist()
+    lens = [tokens] * (len(indptr) - 1) if counts is None else [min(tokens, max(0, n)) for n in counts.tolist()]
+    owner: dict = {}
+    for b, (s0, n) in enumerate(zip(start.tolist(), lens)):
+        if group:   # channel-wise: whole groups from a group boundary (the kernels skip the rest)
+            if s0 % group:
+                continue
+            n = n // group * group
+        lo, hi = max(s0, 0), s0 + n   # the positions written: [lo, hi), within the sequence's own entries
+        for entry in range(indptr[b] + lo // page_size, min(indptr[b + 1], indptr[b] + (hi - 1) // page_size + 1)):
+            page = indices[entry]
+            if not 0 <= page < num_pages:   # not written
+                continue
+            b0, e0 = owner.setdefault(page, (b, entry))
+            if e0 != entry:
+                who = f"sequence {b}" if b0 == b else f"sequences {b0} and {b}"
+                raise InputError(f"kv_indices[{e0}] and kv_indices[{entry}] both name page {page}, and this append "
+                                 f"writes tokens of {who} through both: one entry's tokens would overwrite the "
+                                 "other's; give every page-table entry a page of its own (as PagedDecodeWrapper.plan "
+                                 "requires)")
 
 
 def _append_paged_reference(pool, x, kv_indptr, kv_indices, start, page_size, counts) -> None:

@@ -343,6 +343,27 @@ def test_a_padded_decode_step_after_a_chunked_prompt_is_refused():
             model(ids[:, :1], attention_mask=step_mask, use_cache=True, **{fhf.CACHE_KWARG: c})
 
 
+@settings(max_examples=5, deadline=None)
+@given(clean=st.integers(1, 3), row=st.integers(0, 1), padded=st.integers(1, PROMPT), seed=st.integers(0, 2**31 - 1))
+def test_a_decode_mask_refilled_in_place_is_read_again_at_the_next_forward(clean, row, padded, seed):
+    """A serving loop's mask buffer for FoldcStaticCache ([batch, 1, 1, max_cache_len], which transformers passes on
+    as it is), refilled in place each step: the decode check read each mask object once, so after a step without
+    padding the same buffer with padding went unread at every later step (the padded tokens attended to,
+    silently). Each forward reads its mask again now."""
+    from foldc.integrations.hf_static import FoldcStaticCache
+
+    model, ids = llama(dtype=torch.float32, seed=seed % 1000), prompt(2, seed=seed)
+    c = FoldcStaticCache(model, PROMPT + 8, k="token:4:32", v=None, target="reference")
+    mask = torch.zeros(2, 1, 1, PROMPT + 8)   # additive, 0: attend
+    with attention(model, "foldc"), torch.no_grad():
+        model(ids, use_cache=True, **{fhf.CACHE_KWARG: c})
+        for step in range(clean):
+            model(ids[:, step:step + 1], attention_mask=mask, use_cache=True, **{fhf.CACHE_KWARG: c})
+        mask[row, ..., :padded] = float("-inf")   # the same buffer: row's first tokens are padding now
+        with pytest.raises(InputError, match="padding masks are not supported"):
+            model(ids[:, :1], attention_mask=mask, use_cache=True, **{fhf.CACHE_KWARG: c})
+
+
 def test_a_model_that_changes_the_key_after_the_update_is_refused():
     """JetMoe repeats the key cache.update returned before its attention call: the decode step's key is then the
     new token's alone. Refused at the first decode step (it attended over that token only, silently)."""

@@ -362,3 +362,43 @@ def test_append_kernels_never_read_page_table_entries_past_kv_indices(seed, layo
     assert not torch.equal(kernel.codes, before.to(kernel.codes.dtype))   # sequence 1's first page was written
     for name in ("codes", "scale", "zero"):
         assert torch.equal(getattr(kernel, name), getattr(reference, name)), name
+
+
+@settings(max_examples=8, deadline=None)
+@given(layout=st.sampled_from(["token", "channel"]), target=st.sampled_from(["interpret", "reference"]),
+       same_sequence=st.booleans(), seed=st.integers(0, 2**31 - 1))
+def test_append_paged_refuses_a_page_it_would_write_through_two_entries(layout, target, same_sequence, seed):
+    """A page table whose entries name one page twice (two sequences', or one sequence's page listed twice), called
+    without `PagedDecodeWrapper.plan` (which refuses such a table): `append_paged` wrote both entries' tokens into
+    that page, the last write winning, so one sequence's tokens were another's, silently. Refused now by name,
+    nothing written. A shared page that no token of the append lands on (a prefix's page, tokens written past it)
+    still passes, and the append writes what it writes over a table of distinct pages."""
+    gen = torch.Generator().manual_seed(seed)
+    enc = A(4, layout, 32 if layout == "token" else 16)
+    spec, pages = S(4, 2, 64, enc, enc), 8
+
+    def pool():
+        p = page_pool(spec, "k", pages, PAGE)
+        for part in (p.codes, p.scale, p.zero):   # fresh random contents: a write shows
+            part.copy_(torch.randint(0, 200, part.shape, generator=torch.Generator().manual_seed(seed)))
+        return p
+
+    order = torch.randperm(pages, generator=gen).to(torch.int32)
+    indptr = torch.tensor([0, 2, 4], dtype=torch.int32)
+    x = torch.randn(2, 2, 2 * PAGE, 64, generator=gen).half()   # both pages of each sequence
+    table = order[:4].clone()
+    table[1 if same_sequence else 2] = table[0]
+    p = pool()
+    with pytest.raises(InputError, match=rf"kv_indices\[0\] and kv_indices\[{1 if same_sequence else 2}\] both name "
+                                         rf"page {int(table[0])}.*of its own"):
+        append_paged(p, x, indptr, table, torch.zeros(2, dtype=torch.int32), page_size=PAGE, target=target)
+    assert all(torch.equal(getattr(p, f), getattr(pool(), f)) for f in ("codes", "scale", "zero"))
+    # sequence 1's first page is sequence 0's (a shared prefix): tokens from position PAGE on land on neither
+    shared, own = order[:4].clone(), order[:4].clone()
+    shared[2] = shared[0]
+    got, want = pool(), pool()
+    start = torch.full((2,), PAGE, dtype=torch.int32)
+    append_paged(got, x[:, :, :PAGE], indptr, shared, start, page_size=PAGE, target=target)
+    append_paged(want, x[:, :, :PAGE], indptr, own, start, page_size=PAGE, target=target)
+    assert all(torch.equal(getattr(got, f), getattr(want, f)) for f in ("codes", "scale", "zero"))
+    assert not torch.equal(got.codes, pool().codes)   # it wrote
