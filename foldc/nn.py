@@ -143,7 +143,7 @@ def _check_op_bias(bias: torch.Tensor | None, out_features: int, x: torch.Tensor
 
 
 def _op_weight(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, encoding: str,
-               out_features: int) -> AffineTensor:
+               out_features: int) -> AffineTensor | None:
     """The op's weight, checked against x [m, in_features] and out_features at any m (the real op and its fake
     alike: a call of no rows returned [0, out_features] for any weight)."""
     enc = _parsed_weight(encoding)
@@ -160,6 +160,8 @@ def _op_weight(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: 
     if (n, k) != (out_features, x.shape[1]):
         raise InputError(f"codes shape={tuple(codes.shape)} hold a [{n}, {k}] weight ({enc.short()}) but the call has "
                          f"out_features={out_features} and x [m, {x.shape[1]}]: pass out_features={n} and x [m, {k}]")
+    if not isinstance(k, int):   # a trace with the weight's shapes symbolic (the fake): nothing more to check here
+        return None              # that the real op will not (its encoding memo is keyed by plain integers)
     _, affine = _weight_encoding(encoding, k)
     return AffineTensor(codes, scale, zero, affine, k)
 
@@ -211,14 +213,15 @@ def _backward(ctx, grad):
     codes, scale, zero = ctx.saved_tensors
     grad_x = grad_bias = None
     if ctx.needs_input_grad[0]:
-        _, affine = _weight_encoding(ctx.encoding, ctx.k)
+        # (a trace with symbolic shapes: the weight's in and out features are a layer's constants, taken as such)
+        k, n = int(ctx.k), int(codes.shape[2])
+        _, affine = _weight_encoding(ctx.encoding, k)
         dtype = torch.float64 if grad.dtype == torch.float64 else torch.float32
         g = grad.to(dtype)
-        n = codes.shape[2]
-        step = max(1, _GRAD_ROWS_VALUES // ctx.k)
+        step = max(1, _GRAD_ROWS_VALUES // k)
         for r in range(0, n, step):
             rows = slice(r, min(n, r + step))
-            w = AffineTensor(codes[:, :, rows], scale[:, :, rows], zero[:, :, rows], affine, ctx.k)
+            w = AffineTensor(codes[:, :, rows], scale[:, :, rows], zero[:, :, rows], affine, k)
             part = g[:, rows] @ w.dequantize(dtype)[0, 0]
             grad_x = part if grad_x is None else grad_x + part
         grad_x = grad_x.to(ctx.x_dtype)

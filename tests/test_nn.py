@@ -195,7 +195,8 @@ def test_the_custom_op_passes_opcheck_and_traces_through_torch_compile():
     x = torch.randn(3, 128, requires_grad=True)
     args = (x, layer.codes, layer.scale, layer.zero, layer.bias, layer.encoding.short(), 32)
     torch.library.opcheck(torch.ops.foldc.linear.default, args,
-                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_static"))
+                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_static",
+                                      "test_aot_dispatch_dynamic"))
     model = torch.nn.Sequential(layer, torch.nn.GELU())
     compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
     assert torch.equal(compiled(x), model(x))
