@@ -187,7 +187,7 @@ def test_int2_prefetches_the_next_tiles_scales_into_l2(build, reports):
     """At INT2 with scales loaded at each tile's start (token-wise K and V), the token loop sends
     the next tile's scale rows to L2 with one prefetch; INT4 (where its registers cost resident
     programs), the layouts that load scales a tile ahead and the paged builds (where the per-tile page
-    rebases the four pointers) do not (launch.default_prefetch, kernel.py)."""
+    rebases the four pointers) do not (launch_defaults.default_prefetch, kernel.py)."""
     bits, kl, vl, page = build[0], build[7], build[8], build[10]
     want = 1 if bits == 2 and kl == vl == "token" and page == 0 else 0
     assert reports[build]["inner_loop"]["l2_prefetches"] == want, reports[build]["inner_loop"]

@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 
 import foldc
 import foldc.testing
-from foldc.backends.gluon.launch import MIN_SPLIT_TOKENS, GluonAttention, constexprs, resident_programs, wave_splits
+from foldc.backends.gluon.launch import GluonAttention
+from foldc.backends.gluon.launch_defaults import MIN_SPLIT_TOKENS, constexprs, resident_programs, wave_splits
 from foldc.errors import SpecError
 
 H200_SHARED = 233472   # bytes of shared memory per SM
@@ -281,7 +282,7 @@ CHUNKS = [("token", "token", 64, 1), ("token", "token", 32, 1), ("channel", "tok
 def test_dynamic_tiles_draw_a_channel_group_at_a_time(kl, vl, block_n, chunk):
     """A drawn chunk starts on a channel-wise group's boundary and covers the group (128 tokens here),
     so the kernel's once-per-group reload of the group's scales meets every group at its first tile."""
-    from foldc.backends.gluon.launch import chunk_tiles
+    from foldc.backends.gluon.launch_defaults import chunk_tiles
 
     spec = foldc.AttentionSpec(32, 8, 128, foldc.Affine(2, kl, 128), foldc.Affine(2, vl, 128))
     attn = GluonAttention(spec, block_n=block_n, dynamic_tiles=True)

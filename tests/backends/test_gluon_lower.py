@@ -458,7 +458,7 @@ def test_dequant_plans_lower_to_the_register_operand_kernel(k, v, heads, head_di
     plan dequantizes is rebuilt per value
     (integer unpack, no 2^24 on the logits), the other folds, one KV head per program; the plan is
     the one foldc.prove checks."""
-    from foldc.backends.gluon.launch import constexprs, packable_heads
+    from foldc.backends.gluon.launch_defaults import constexprs, packable_heads
     from foldc.decisions import FoldKind
     from foldc.spec import spec_from_args
 
@@ -495,7 +495,8 @@ def test_channel_wise_groups_of_16_tokens_lower_two_per_tile(k, v, heads, head_d
     """Channel-wise groups of 16 tokens: a 32-token tile holds two, each half of its tokens against its
     own group's parameters (folded, or rebuilt per value where eq. 12 says dequant); 64-token tiles
     are refused; channel-wise V in such groups takes at most two KV heads per program (registers)."""
-    from foldc.backends.gluon.launch import GluonAttention, default_pack_heads
+    from foldc.backends.gluon.launch import GluonAttention
+    from foldc.backends.gluon.launch_defaults import default_pack_heads
     from foldc.spec import spec_from_args
 
     spec = spec_from_args(k, v, heads, head_dim)
@@ -524,7 +525,7 @@ def test_groups_across_padded_bit_fields_lower_with_masked_operands(k, v, head_d
     so token-wise groups that are not whole fields are no range of K or M: the operands go in pieces, each
     piece's MMA once per group it meets (one KV head per program), up to seven groups (head_dim 224 in groups of
     32). Whole-field groups (48 channels at 2 bits on head_dim 96) keep their ranges."""
-    from foldc.backends.gluon.launch import default_pack_heads
+    from foldc.backends.gluon.launch_defaults import default_pack_heads
     from foldc.spec import spec_from_args
 
     spec = spec_from_args(k, v, "32/8", head_dim)

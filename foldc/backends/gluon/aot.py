@@ -20,7 +20,8 @@ from ...errors import SpecError
 from ...options import check_launch_options, check_out_dir
 from ..runtime.artifacts import build_errors, write_artifacts
 from ..runtime.sass import _tool, disassemble, lane_slots_per_byte, loop_instructions, skipped_addresses
-from .launch import GluonAttention, constexprs, default_pack_heads
+from .launch import GluonAttention
+from .launch_defaults import constexprs, default_pack_heads
 from .lower import gluon_plan, lower
 
 POINTERS = {"Q": "*bf16", "KC": "*i32", "KS": "*fp16", "KZ": "*fp16", "VC": "*i32", "VS": "*fp16", "VZ": "*fp16",

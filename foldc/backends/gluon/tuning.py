@@ -36,7 +36,7 @@ class GluonConfig:
 # one head per program (pack_heads=1) is tried beside the default packing for small batches
 # register caps: 128 and 168 won at 32-token tiles with scales loaded at each tile's start, 192 at 64-token
 # tiles (fourth session's sweep, `git show 6178656:docs/perf.md`); 128 at 64-token tiles spills
-# split_factor is in waves of resident programs for this kernel (gluon/launch.py wave_splits): one full
+# split_factor is in waves of resident programs for this kernel (gluon/launch_defaults.py wave_splits): one full
 # wave was best or within 2% of the best at every large shape (fifth session's split sweep), 2 and 3 tie at some
 GLUON_CANDIDATES = tuple(GluonConfig(bn, 2, r, f, p) for p in (None, 1) for bn in (32, 64)
                          for r in ((None, 128, 168) if bn == 32 else (None, 192)) for f in (1.0, 2.0, 3.0))
