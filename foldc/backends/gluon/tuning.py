@@ -41,7 +41,10 @@ class GluonConfig:
 GLUON_CANDIDATES = tuple(GluonConfig(bn, 2, r, f, p) for p in (None, 1) for bn in (32, 64)
                          for r in ((None, 128, 168) if bn == 32 else (None, 192)) for f in (1.0, 2.0, 3.0))
 
-# the sources that decide what the kernel does and how fast: a tuned entry is kept only for them
+# the sources that decide what the kernel does and how fast: a tuned entry is kept only for them. Every module of
+# this package that kernel.py or launch.py imports is one (kernel.py's tile_* helpers, launch_defaults.py's
+# constexprs and wave splits, lower.py's FoldKernel), except host-only ones that take no tuned config (eager.py's
+# bound calls, the warpgroup template's warpgroup*.py); tests/backends/test_autotune.py checks the list
 register_tuned_kernel(TunedKernel("gluon", GluonConfig, tuple(HERE / name for name in (
-    "kernel.py", "tile_operands.py", "tile_memory.py", "operands.py", "launch.py")) + (
-    HERE.parent / "runtime" / "merge.py",)))
+    "kernel.py", "tile_operands.py", "tile_memory.py", "tile_dequant.py", "tile_groups.py", "operands.py",
+    "launch.py", "launch_defaults.py", "lower.py")) + (HERE.parent / "runtime" / "merge.py",)))

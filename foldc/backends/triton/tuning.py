@@ -25,6 +25,8 @@ class Config:
 CANDIDATES = tuple(Config(bn, w, s, f) for bn in (32, 64, 128) for w in (2, 4) for s in (2, 3)
                    for f in (1.0, 2.0))
 
-# the sources that decide what the kernel does and how fast: a tuned entry is kept only for them
-register_tuned_kernel(TunedKernel("triton", Config, (HERE / "codegen.py", HERE / "launch.py",
-                                                     HERE.parent / "runtime" / "merge.py")))
+# the sources that decide what the kernel does and how fast: a tuned entry is kept only for them (codegen.py and
+# launch.py, and the modules of this package they import: layout.py's tiles, paging.py's paged variant; checked by
+# tests/backends/test_autotune.py)
+register_tuned_kernel(TunedKernel("triton", Config, (HERE / "codegen.py", HERE / "launch.py", HERE / "layout.py",
+                                                     HERE / "paging.py", HERE.parent / "runtime" / "merge.py")))
