@@ -419,3 +419,33 @@ def test_the_fingerprint_covers_every_module_the_kernel_sources_import(kernel):
         todo.extend(package_dir / name for name in _package_imports(path))
     missing = {name for name in seen if package_dir / name not in sources}
     assert not missing, f"{kernel} kernel sources import {sorted(missing)}, outside its tuning fingerprint"
+
+
+def test_a_cache_file_nested_past_pythons_recursion_limit_reads_empty_with_a_warning(cache_dir):
+    """JSON nested deeper than the interpreter's recursion limit (a damaged file) made json.loads raise
+    RecursionError, which load_cache did not catch: the decode call's lookup crashed. Now it reads as empty."""
+    depth = sys.getrecursionlimit() * 2
+    (cache_dir / "autotune.json").write_text("[" * depth + "]" * depth)
+    with pytest.warns(RuntimeWarning, match="cannot be read as JSON .*RecursionError"):
+        tuning.load_cache(refresh=True)
+    assert lookup(SPEC, torch.bfloat16, 1, 16384, kernel="gluon") is None
+
+
+@settings(max_examples=30, deadline=None)
+@given(field=st.sampled_from(["block_n", "stages"]), data=st.data())
+def test_a_whole_number_stored_as_a_float_is_not_applied(field, data):
+    """The register-operand kernel's block_n and stages were checked with ``value in (32, 64)``, which 64.0 passes:
+    a hand-edited entry's float reached the kernel's constexprs. Now such an entry is ignored with a warning."""
+    good = {"block_n": [32, 64], "stages": [2, 3, 4]}[field]
+    config = dataclasses.asdict(GluonConfig())
+    config[field] = float(data.draw(st.sampled_from(good)))
+    with tempfile.TemporaryDirectory() as tmp, pytest.MonkeyPatch.context() as mp:
+        mp.setenv("FOLDC_CACHE_DIR", tmp)
+        tuning._KEYS.clear()
+        key = bucket_key(SPEC, torch.bfloat16, 2, 4096, kernel="gluon")
+        (Path(tmp) / "autotune.json").write_text(json.dumps({key: {"config": config, "kernel": "gluon"}}))
+        tuning.load_cache(refresh=True)
+        with pytest.warns(RuntimeWarning, match=f"{field}=.* must be an integer"):
+            got = lookup(SPEC, torch.bfloat16, 2, 4096, kernel="gluon")
+        tuning._KEYS.clear()
+    assert got is None
