@@ -21,6 +21,7 @@ from .backends.gluon.tuning import GluonConfig
 from .backends.runtime.tuning import bucket_key, store
 from .backends.triton.tuning import CANDIDATES, Config
 from .backends.triton.launch import launch_options
+from .errors import InputError, SpecError
 
 
 def _progress(i: int, n: int, label: str) -> None:
@@ -39,10 +40,18 @@ CONFIRM_FINALISTS, CONFIRM_WITHIN, CONFIRM_ROUNDS = 3, 0.05, 2
 
 def tune(spec, q, k, v, seq_lens=None, fold_policy="auto", candidates=CANDIDATES, label: str = "",
          rep_ms: int = 40) -> tuple[Config, float]:
-    """Time every candidate on these tensors, store and return (best config, its microseconds)."""
+    """Time every candidate on these tensors, store and return (best config, its microseconds).
+
+    A candidate the compiler rejects is skipped; tensors the kernel cannot take (`foldc.InputError`: a dtype,
+    shape or device the spec does not allow) are raised at once, as every candidate would fail on them alike."""
     from .compile import compile as compile_attention   # at call time: tests stand in a fake compile
 
-    kernel = "gluon" if candidates and isinstance(candidates[0], GluonConfig) else "triton"
+    kinds = {type(cfg) for cfg in candidates} if isinstance(candidates, (list, tuple)) else None
+    if not kinds or not kinds <= {Config, GluonConfig} or len(kinds) > 1:
+        raise SpecError(f"candidates must be a non-empty list of Config (Triton kernel) or of GluonConfig "
+                        f"(register-operand kernel), one kind per call (its tuned entry is the one kernel's); got "
+                        f"{sorted(k.__name__ for k in kinds) if kinds else candidates!r}")
+    kernel = "gluon" if kinds == {GluonConfig} else "triton"
     key = bucket_key(spec, q.dtype, q.shape[0], k.shape[2] if hasattr(k, "shape") else k.num_tokens, fold_policy,
                      kernel)
     timed = []         # [microseconds, config, call] of every candidate that ran
@@ -61,6 +70,9 @@ def tune(spec, q, k, v, seq_lens=None, fold_policy="auto", candidates=CANDIDATES
                                          **launch_options(cfg, spec, q, k))
             call = (lambda attn=attn: attn(q, k, v, seq_lens=seq_lens))
             us = _time_us(call, rep_ms)
+        except InputError:   # the tensors, not this config: no candidate can run on them
+            sys.stderr.write("\n")
+            raise
         except Exception as e:  # a config the compiler rejects (e.g. out of shared memory) is skipped
             print(f"\n  skipped {cfg}: {type(e).__name__}: {str(e).splitlines()[0][:100]}", file=sys.stderr)
             continue

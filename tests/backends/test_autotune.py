@@ -449,3 +449,43 @@ def test_a_whole_number_stored_as_a_float_is_not_applied(field, data):
             got = lookup(SPEC, torch.bfloat16, 2, 4096, kernel="gluon")
         tuning._KEYS.clear()
     assert got is None
+
+
+@settings(max_examples=10, deadline=None)
+@given(bad=st.sampled_from(["q dtype", "q heads", "k spec"]), seed=st.integers(0, 2**31 - 1))
+def test_tensors_the_kernel_cannot_take_raise_their_input_error_not_no_config_compiled(bad, seed):
+    """Every candidate failed on the same bad tensor (q in float32 where the kernel takes float16, q with another
+    head count, k quantized with another encoding) and each failure was printed as 'skipped' and swallowed: the
+    caller got RuntimeError('no launch configuration compiled'), which blames the configs. Now the InputError
+    naming the tensor comes out (the interpreter runs the candidates here; no GPU)."""
+    import triton.testing
+
+    gen = torch.Generator().manual_seed(seed)
+    enc = foldc.Affine(2, "token", 16)
+    spec = foldc.AttentionSpec(4, 2, 32, enc, enc)
+    q = torch.randn(1, 4, 32, generator=gen).half()
+    k = foldc.quantize(torch.randn(1, 2, 40, 32, generator=gen), enc)
+    v = foldc.quantize(torch.randn(1, 2, 40, 32, generator=gen), enc)
+    if bad == "q dtype":
+        q = q.float()
+    elif bad == "q heads":
+        q = torch.randn(1, 2, 32, generator=gen).half()
+    else:
+        k = foldc.quantize(torch.randn(1, 2, 40, 32, generator=gen), foldc.Affine(4, "token", 16))
+    with tempfile.TemporaryDirectory() as tmp, pytest.MonkeyPatch.context() as mp:
+        mp.setenv("FOLDC_CACHE_DIR", tmp)
+        mp.setattr(torch.cuda, "is_available", lambda: False)
+        mp.setattr(triton.testing, "do_bench", lambda fn, **kw: (fn(), 0.01)[1])
+        with pytest.raises(foldc.InputError):
+            autotune.tune(spec, q, k, v, candidates=[Config(16, 1, 1, 1.0), Config(32, 1, 1, 1.0)])
+        assert not (Path(tmp) / "autotune.json").exists()
+
+
+@pytest.mark.parametrize("candidates", [[], (), [Config(), GluonConfig()], [GluonConfig(), Config()], [{"block_n": 32}]])
+def test_candidates_of_no_kind_or_of_two_kinds_are_a_spec_error(candidates):
+    """An empty list ended in RuntimeError('no launch configuration compiled'); a Triton and a register-operand
+    config in one list stored the winner under the first one's kernel key, where the other kernel's config is never
+    applied. Now both are a SpecError naming the candidates."""
+    q = torch.randn(1, 32, 128).half()
+    with pytest.raises(foldc.SpecError, match="candidates must be a non-empty list of Config"):
+        autotune.tune(SPEC, q, q, q, candidates=candidates)
