@@ -481,7 +481,8 @@ def test_tensors_the_kernel_cannot_take_raise_their_input_error_not_no_config_co
         assert not (Path(tmp) / "autotune.json").exists()
 
 
-@pytest.mark.parametrize("candidates", [[], (), [Config(), GluonConfig()], [GluonConfig(), Config()], [{"block_n": 32}]])
+@pytest.mark.parametrize("candidates", [[], (), [Config(), GluonConfig()], [GluonConfig(), Config()],
+                                        [{"block_n": 32}]])
 def test_candidates_of_no_kind_or_of_two_kinds_are_a_spec_error(candidates):
     """An empty list ended in RuntimeError('no launch configuration compiled'); a Triton and a register-operand
     config in one list stored the winner under the first one's kernel key, where the other kernel's config is never
