@@ -213,6 +213,19 @@ def _check_weight(w, name: str, axis: int, heads_name: str, rotation: Rotation) 
     return w
 
 
+def _check_bias(bias, w_v: torch.Tensor) -> torch.Tensor:
+    """The value projection's bias: ``[out_features]`` floating point, on w_v's device (``nn.Linear``'s)."""
+    if not isinstance(bias, torch.Tensor):
+        raise InputTypeError(f"bias must be a torch.Tensor [out_features={w_v.shape[0]}] or None, got "
+                             f"{type(bias).__name__}")
+    if not bias.is_floating_point() or tuple(bias.shape) != (w_v.shape[0],):
+        raise InputError(f"bias dtype={bias.dtype} shape={tuple(bias.shape)} must be a floating-point "
+                         f"[out_features={w_v.shape[0]}] vector (w_v is {tuple(w_v.shape)}), as nn.Linear's bias")
+    if bias.device != w_v.device:
+        raise InputError(f"bias is on {bias.device} but w_v is on {w_v.device}; move both to one device")
+    return bias
+
+
 def fold_into_value_projection(w_v: torch.Tensor, rotation: Rotation, bias: torch.Tensor | None = None):
     """Offline fold of `Rotation.rotate_values` into a value projection (``torch.nn.Linear`` layout).
 
@@ -226,7 +239,7 @@ def fold_into_value_projection(w_v: torch.Tensor, rotation: Rotation, bias: torc
     w_new = torch.einsum("ji,hjc->hic", r, blocks).reshape(w_v.shape).to(w_v.dtype)
     if bias is None:
         return w_new, None
-    _check_rows(bias, "bias", w_v.shape[0])
+    _check_bias(bias, w_v)
     b_new = (bias.to(torch.float64).reshape(-1, d) @ r).reshape(bias.shape).to(bias.dtype)
     return w_new, b_new
 
