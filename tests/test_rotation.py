@@ -203,8 +203,8 @@ def test_errors_are_fold_errors():
 
 
 @settings(max_examples=20, deadline=None)
-@given(kv_heads=st.integers(1, 4), d=st.sampled_from([4, 16, 64]), extra=st.sampled_from(["half", "double", "rows"]),
-       seed=st.integers(0, 2**31 - 1))
+@given(kv_heads=st.integers(1, 4), d=st.sampled_from([4, 16, 64]),
+       extra=st.sampled_from(["half", "double", "rows"]), seed=st.integers(0, 2**31 - 1))
 def test_a_bias_that_is_not_the_projections_is_refused_with_its_own_message(kv_heads, d, extra, seed):
     """A bias of one head's size was told to 'build the Rotation with head_dim=...' (the rows check's advice, wrong
     for a bias); a bias of two rows [2, out] was folded as if it were one; a bias on another device than w_v reached
@@ -214,7 +214,8 @@ def test_a_bias_that_is_not_the_projections_is_refused_with_its_own_message(kv_h
     rot = Rotation(d, seed % 97)
     w_v = torch.randn(kv_heads * d, 24, generator=gen, dtype=F64)
     good = torch.randn(kv_heads * d, generator=gen, dtype=F64)
-    wrong = {"half": good[:good.numel() // 2], "double": torch.cat([good, good]), "rows": torch.stack([good, good])}[extra]
+    wrong = {"half": good[:good.numel() // 2], "double": torch.cat([good, good]),
+             "rows": torch.stack([good, good])}[extra]
     with pytest.raises(InputError, match=rf"bias dtype=torch.float64 shape=.* \[out_features={kv_heads * d}\]"):
         fold_into_value_projection(w_v, rot, wrong)
     with pytest.raises(InputError, match="bias is on meta but w_v is on cpu"):
