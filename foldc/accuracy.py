@@ -199,6 +199,11 @@ def cache_values(x: torch.Tensor, enc: Affine | None, sink: int = 0, window: int
     dequantized (all exact when ``enc`` is None or no token is left between the windows)."""
     _nonneg_int("sink", sink)     # a negative sink sliced from the end: the last tokens were quantized, the rest kept
     _nonneg_int("window", window)
+    if not isinstance(x, torch.Tensor):
+        raise InputTypeError(f"x must be a torch.Tensor [batch, heads, tokens, head_dim], got {type(x).__name__}")
+    if x.dim() != 4 or not x.is_floating_point():
+        raise InputError(f"x must be a floating-point [batch, heads, tokens, head_dim]; got dtype={x.dtype}, "
+                         f"shape={tuple(x.shape)}")
     x = x.to(torch.float64)
     n = x.shape[2]
     s = min(sink, n)
@@ -238,6 +243,11 @@ def compare(out: torch.Tensor, exact: torch.Tensor) -> ErrorReport:
             or out.dim() < 1 or out.numel() == 0:
         raise InputError(f"out and exact must be non-empty tensors of one shape [..., head_dim]; got "
                          f"{getattr(out, 'shape', out)} and {getattr(exact, 'shape', exact)}")
+    for name, x in (("out", out), ("exact", exact)):   # complex: .to(float64) dropped the imaginary part
+        if not x.is_floating_point():
+            raise InputError(f"{name} dtype={x.dtype} must be a real floating-point type (an attention output)")
+    if out.device != exact.device:
+        raise InputError(f"out is on {out.device} but exact is on {exact.device}; move both to one device")
     out, exact = out.to(torch.float64), exact.to(torch.float64)
     diff = (out - exact).norm(dim=-1)
     norm = exact.norm(dim=-1)

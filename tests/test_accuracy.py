@@ -199,3 +199,29 @@ def test_empty_operands_seeds_and_scales_are_fold_errors():
             AccuracyConfig(2, rotate=True, rotation_seed=seed)
     with pytest.raises(SpecError, match="bits=4.0"):   # accepted, then refused by the first measurement
         AccuracyConfig(4.0)
+
+
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), shape=st.sampled_from([(1, 4, 16), (2, 8, 32)]))
+def test_compare_refuses_complex_and_split_devices_and_cache_values_non_tensors(seed, shape):
+    """compare() of a complex output cast it to float64, dropping its imaginary part without an error (a report of
+    the real part alone); outputs on two devices raised RuntimeError inside torch; cache_values() of a list raised
+    AttributeError, and of a 3-D or integer tensor kept it as is when nothing was quantized. Now each is a foldc
+    error naming the operand (the meta device stands in for a second device)."""
+    gen = torch.Generator().manual_seed(seed)
+    out, exact = torch.randn(*shape, generator=gen, dtype=torch.float64), torch.randn(*shape, generator=gen)
+    imag = torch.randn(*shape, generator=gen, dtype=torch.float64)
+    with pytest.raises(InputError, match="out dtype=torch.complex128 must be a real floating-point"):
+        compare(torch.complex(out, imag), exact)
+    with pytest.raises(InputError, match="exact dtype=torch.int64"):
+        compare(out, exact.round().long())
+    with pytest.raises(InputError, match="out is on meta but exact is on cpu"):
+        compare(out.to("meta"), exact)
+    report = compare(out, exact)   # the real pair still reports its error
+    assert report.rel_l2 == pytest.approx(float((out - exact.double()).norm() / exact.double().norm()))
+    x = torch.randn(1, *shape, generator=gen)
+    with pytest.raises(InputTypeError, match="x must be a torch.Tensor"):
+        cache_values(x.tolist(), None)
+    for bad in (x[0], x.round().long()):
+        with pytest.raises(InputError, match=r"x must be a floating-point \[batch, heads, tokens, head_dim\]"):
+            cache_values(bad, None)
