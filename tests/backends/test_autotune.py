@@ -490,3 +490,27 @@ def test_candidates_of_no_kind_or_of_two_kinds_are_a_spec_error(candidates):
     q = torch.randn(1, 32, 128).half()
     with pytest.raises(foldc.SpecError, match="candidates must be a non-empty list of Config"):
         autotune.tune(SPEC, q, q, q, candidates=candidates)
+
+
+def test_processes_storing_at_once_keep_every_entry(cache_dir):
+    """store() read the file, added its entry and replaced the file: two processes tuning at once (one per GPU,
+    sharing ~/.cache/foldc) each wrote back what they had read, and the later write dropped the earlier one's
+    entries (110 of 180 survived with six processes). Now read-merge-replace runs under a lock file."""
+    code = ("import sys, torch, foldc; from foldc.backends.runtime.tuning import bucket_key, store; "
+            "from foldc.backends.triton.tuning import Config; e = foldc.Affine(2, 'token', 128); "
+            "s = foldc.AttentionSpec(32, 8, 128, e, e); i = int(sys.argv[1]); print('ready', flush=True); "
+            "sys.stdin.readline(); [store(bucket_key(s, torch.float16, 2 ** i, 64 * 2 ** j), Config(), 1.0 + j) "
+            "for j in range(25)]")
+    env = {"FOLDC_CACHE_DIR": str(cache_dir), "PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(i)], env=env, stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(5)]
+    for p in procs:   # every process imported foldc: then all start storing together
+        assert p.stdout.readline().strip() == "ready", p.stderr.read()[-2000:]
+    for p in procs:
+        p.stdin.write("go\n")
+        p.stdin.flush()
+    for p in procs:
+        assert p.wait(timeout=120) == 0, p.stderr.read()[-2000:]
+    stored = json.loads((cache_dir / "autotune.json").read_text())
+    want = {bucket_key(SPEC, torch.float16, 2 ** i, 64 * 2 ** j) for i in range(5) for j in range(25)}
+    assert want <= set(stored), f"{len(want - set(stored))} of {len(want)} entries lost"

@@ -6,6 +6,7 @@ candidates through foldc.compile) is foldc.tune.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -15,6 +16,11 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import torch
+
+try:
+    import fcntl
+except ImportError:   # not POSIX: stores of two processes are not serialised (one may drop the other's entry)
+    fcntl = None
 
 from ...errors import SpecError
 from ...options import check_block_n, check_int, check_num_stages, check_num_warps, check_stages
@@ -183,19 +189,43 @@ def lookup(spec, dtype, batch, tokens, fold_policy="auto", kernel: str = "triton
     return config
 
 
-def store(key: str, config, micros: float) -> None:
-    data = dict(load_cache(refresh=True))  # merge with what other processes stored meanwhile
-    kernel = next(k.name for k in _KERNELS.values() if isinstance(config, k.config_type))
-    data[key] = {"config": asdict(config), "us": micros, "kernel": kernel}
-    path = cache_path()
-    _MEMO[str(path)] = data   # this process keeps the entry even where the file cannot take it
-    tmp = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")   # one per writing thread
+@contextlib.contextmanager
+def _exclusive(path: Path):
+    """Hold an exclusive lock on ``path``'s sibling ``.lock`` file (POSIX flock; every opening conflicts, so threads
+    and processes alike wait their turn); no lock where the folder cannot take the file (store's write warns)."""
+    fd = None
+    if fcntl is not None:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path.with_name(path.name + ".lock"), os.O_RDWR | os.O_CREAT, 0o644)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError:
+            if fd is not None:
+                os.close(fd)
+            fd = None
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
-        tmp.replace(path)
-    except OSError as e:
-        tmp.unlink(missing_ok=True)
-        warnings.warn(f"foldc tuning cache {str(path)!r} cannot be written ({e.strerror or e}): the tuned config "
-                      "holds for this process only; set FOLDC_CACHE_DIR to a writable folder", RuntimeWarning,
-                      stacklevel=2)
+        yield
+    finally:
+        if fd is not None:
+            os.close(fd)   # releases the lock
+
+
+def store(key: str, config, micros: float) -> None:
+    """Add one tuned entry to the cache file. Read, merge and replace run under a lock: two processes tuning at once
+    each read the file, added their entry and wrote it back, and the later write dropped the earlier one's."""
+    kernel = next(k.name for k in _KERNELS.values() if isinstance(config, k.config_type))
+    path = cache_path()
+    with _exclusive(path):
+        data = dict(load_cache(refresh=True))  # merge with what other processes stored meanwhile
+        data[key] = {"config": asdict(config), "us": micros, "kernel": kernel}
+        _MEMO[str(path)] = data   # this process keeps the entry even where the file cannot take it
+        tmp = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")   # one per writing thread
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+            tmp.replace(path)
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            warnings.warn(f"foldc tuning cache {str(path)!r} cannot be written ({e.strerror or e}): the tuned "
+                          "config holds for this process only; set FOLDC_CACHE_DIR to a writable folder",
+                          RuntimeWarning, stacklevel=2)
