@@ -387,36 +387,25 @@ def test_threads_storing_at_once_leave_a_whole_file(cache_dir):
 UNTUNED_MODULES = {"gluon": {"eager.py", "warpgroup_launch.py", "warpgroup.py"}, "triton": set()}
 
 
-def _package_imports(path: Path) -> set[str]:
-    """File names of the modules of ``path``'s own package that ``path`` imports (relative or absolute, at the
-    top or inside a function)."""
-    import ast
-
-    package = ".".join(path.relative_to(ROOT).with_suffix("").parts[:-1])
-    found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.module:
-            module = node.module if node.level == 0 else f"{package}.{node.module}" if node.level == 1 else ""
-            if module.startswith(package + "."):
-                found.add(module[len(package) + 1:].split(".")[0] + ".py")
-    return {name for name in found if (path.parent / name).exists()}
-
-
 @pytest.mark.parametrize("kernel", ["triton", "gluon"])
 def test_the_fingerprint_covers_every_module_the_kernel_sources_import(kernel):
     """The gluon kernel's tile_dequant.py and tile_groups.py (its dequantization and group loops), launch_defaults.py
     (its constexprs and what a split factor of waves means) and lower.py, and the Triton kernel's layout.py and
     paging.py, were outside the fingerprint: a change to them kept serving configs tuned for the old kernel. Now
     every module of the kernel's package its sources import, closed over, is fingerprinted (or named untuned)."""
+    from test_import_graph import import_graph   # foldc's import graph, read with ast (tests/backends/)
+
+    graph, package = import_graph(), f"foldc.backends.{kernel}"
     sources = {Path(p).resolve() for p in tuning.tuned_kernel(kernel).sources}
     package_dir = ROOT / "foldc" / "backends" / kernel
-    seen, todo = set(), [p for p in sources if p.parent == package_dir]
+    seen, todo = set(), [f"{package}.{p.stem}" for p in sources if p.parent == package_dir]
     while todo:
-        path = todo.pop()
-        if path.name in seen or path.name in UNTUNED_MODULES[kernel]:
+        module = todo.pop()
+        name = module.rpartition(".")[2] + ".py"
+        if name in seen or name in UNTUNED_MODULES[kernel]:
             continue
-        seen.add(path.name)
-        todo.extend(package_dir / name for name in _package_imports(path))
+        seen.add(name)
+        todo.extend(m for m in graph.successors(module) if m.rpartition(".")[0] == package)
     missing = {name for name in seen if package_dir / name not in sources}
     assert not missing, f"{kernel} kernel sources import {sorted(missing)}, outside its tuning fingerprint"
 
