@@ -19,6 +19,7 @@ float64 executor) launches no kernel and takes none of these.
 """
 from __future__ import annotations
 
+import numbers
 import os
 import tempfile
 from pathlib import Path
@@ -62,15 +63,20 @@ def check_int(name: str, value, low: int, high: int | None = None, power_of_two:
     return value
 
 
+def _whole(value) -> bool:
+    """An integer (Python's or NumPy's), not a bool or a float that equals one."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
 def check_block_n(block_n, kernel: str = "triton") -> int | None:
     """Tokens per tile of the attention kernel ``kernel`` ("triton" or "gluon"); None: the default."""
     if block_n is None:
         return None
     if kernel == "gluon":
-        if isinstance(block_n, bool) or block_n not in GLUON_BLOCK_N:
-            raise SpecError(f"block_n={block_n!r} must be 32 or 64 for the register-operand kernel; "
+        if not _whole(block_n) or block_n not in GLUON_BLOCK_N:   # 64.0 would reach the kernel's constexprs
+            raise SpecError(f"block_n={block_n!r} must be the integer 32 or 64 for the register-operand kernel; "
                             "use one of those or kernel='triton' (--kernel triton)")
-        return block_n
+        return int(block_n)
     return check_int("block_n", block_n, *BLOCK_N, power_of_two=True, what="tokens per tile, e.g. 32 or 64")
 
 
@@ -89,9 +95,12 @@ def check_num_stages(num_stages) -> int | None:
 
 def check_stages(stages) -> int | None:
     """Code tiles in flight of the register-operand kernel."""
-    if stages is not None and (isinstance(stages, bool) or stages not in GLUON_STAGES):
-        raise SpecError(f"stages={stages!r} must be 2, 3 or 4 (code tiles in flight of the register-operand kernel)")
-    return stages
+    if stages is None:
+        return None
+    if not _whole(stages) or stages not in GLUON_STAGES:   # 3.0 would reach the kernel's constexprs
+        raise SpecError(f"stages={stages!r} must be the integer 2, 3 or 4 (code tiles in flight of the "
+                        "register-operand kernel)")
+    return int(stages)
 
 
 def check_splits(splits) -> int | None:

@@ -41,7 +41,7 @@ def test_block_n_out_of_range(value):
     _raises(lambda: check_block_n(value), f"block_n={value!r}", "power of two >= 16 and <= 256")
 
 
-@pytest.mark.parametrize("value", [16, 128, 0, True])
+@pytest.mark.parametrize("value", [16, 128, 0, True, 64.0, 32.0])
 def test_gluon_block_n_is_32_or_64(value):
     _raises(lambda: check_block_n(value, "gluon"), f"block_n={value!r}", "32 or 64", "kernel='triton'")
 
@@ -56,9 +56,20 @@ def test_num_stages_out_of_range(value):
     _raises(lambda: check_num_stages(value), f"num_stages={value!r}", "positive integer <= 8")
 
 
-@pytest.mark.parametrize("value", [1, 5, 0, True])
+@pytest.mark.parametrize("value", [1, 5, 0, True, 3.0])
 def test_gluon_stages(value):
     _raises(lambda: check_stages(value), f"stages={value!r}", "2, 3 or 4")
+
+
+def test_gluon_integer_options_take_numpy_integers_as_ints():
+    """A NumPy integer (a sweep over np.arange) is an integer; the checkers hand the kernel a Python int."""
+    np = pytest.importorskip("numpy")
+    for value in (32, 64):
+        got = check_block_n(np.int64(value), "gluon")
+        assert got == value and type(got) is int
+    for value in (2, 3, 4):
+        got = check_stages(np.int32(value))
+        assert got == value and type(got) is int
 
 
 @pytest.mark.parametrize("value", [0, -3, False, 1.5])
