@@ -22,7 +22,9 @@ and scale overflow before anything is written (one device sync). Any other one-t
 step) reads nothing back: the append kernel that quantizes a token into the body stores a flag where a
 scale or zero is not finite, straight into pinned host memory on a GPU (no copy, no sync), and the cache's
 next call (or `QuantizedKVCache.check`) raises; a token the window or a filling channel-wise group keeps
-plain is flagged when it moves to the body.
+plain is flagged when it moves to the body: by the kernel's flag when a one-token append moves it, by a
+host check of what is written when an append of several tokens moves it (one more sync, only once a
+one-token append has left an unchecked token plain).
 """
 from __future__ import annotations
 
@@ -186,6 +188,9 @@ class QuantizedKVCache:
         self._ring_head = 0  # a ring window (`_ring`): the slot of its oldest token
         self._max_abs = 0.0  # largest |value| appended since reset (decides the overflow check)
         self._deferred = False   # this append: checked by the append kernel's flag (one token, native kernels)
+        # a one-token append (checked only by the flag of the kernel that quantizes it) left a token plain in the
+        # window or a filling channel-wise group: an append of several tokens that moves it to the body checks it
+        self._plain_unchecked = False
         self._flag_written = False   # this append: a body write stored to the flag
         if self._flag_copied:   # an old flag's copy (or a kernel's write) still on its way would land on the zero
             torch.cuda.synchronize(self.device)
@@ -275,10 +280,12 @@ class QuantizedKVCache:
         if self._deferred and not self.window and self.unit == 1:   # a decode step: the token goes to the body
             self._write_bodies(k_new, v_new)
             self._body_len += 1
-        elif self._ring:
-            self._append_ring(k_new, v_new, tokens)
         else:
-            self._append_shift(k_new, v_new, tokens)
+            if self._ring:
+                self._append_ring(k_new, v_new, tokens)
+            else:
+                self._append_shift(k_new, v_new, tokens)
+            self._plain_unchecked |= self._deferred   # (the new token stays plain, or came after one that did)
         if self._flag_written:   # the flag in host memory, no sync (read by the next call)
             self._flag_written = False
             self._flag_copied_after_write()
@@ -390,6 +397,8 @@ class QuantizedKVCache:
     def _write_bodies(self, k_src: torch.Tensor, v_src: torch.Tensor) -> None:
         """`_write_body` of the keys and then the values; one launch for both where both are token-wise (each in
         its own encoding, each with its own strides) and the append kernel's checks suffice (the pair launch)."""
+        if self._plain_unchecked and not self._deferred:
+            self._check_unchecked(k_src, v_src)
         if (self._pair and k_src.dtype == v_src.dtype and self._append_mode != "reference"
                 and (self._deferred or self._max_abs <= min(self._safe_abs["k"], self._safe_abs["v"]))):
             if k_src.stride(-1) != 1:
@@ -400,6 +409,19 @@ class QuantizedKVCache:
             return
         self._write_body("k", k_src)
         self._write_body("v", v_src)
+
+    def _check_unchecked(self, k_src: torch.Tensor, v_src: torch.Tensor) -> None:
+        """An append of several tokens moves to the body tokens that one-token appends kept plain unchecked (their
+        check is the flag of the append kernel that quantizes them, and this write sets no flag): NaN or Inf among
+        them flags the cache, as that kernel would have, and raises before anything is written; their largest
+        |value| joins the one that decides the exact overflow check (`_write_body`). One device sync."""
+        peaks = torch.stack(torch._foreach_norm([k_src, v_src], math.inf)).tolist()
+        if not all(math.isfinite(p) for p in peaks):
+            self._flag_host.fill_(1)
+            if not self._flag_mapped and self._flag is not self._flag_host:
+                self._flag.fill_(1)
+            self._raise_if_flagged()
+        self._max_abs = max(self._max_abs, *peaks)
 
     def _write_body(self, name: str, src: torch.Tensor) -> None:
         body, enc = self._body[name], getattr(self.spec, name)

@@ -337,6 +337,48 @@ def test_a_one_token_append_of_nan_or_inf_is_reported_by_the_next_call(kv, windo
     assert torch.isfinite(cache.attention(q)).all()
 
 
+@settings(max_examples=12, deadline=None)
+@given(kv=st.sampled_from([("token:2:32", "token:4:16"), ("channel:2:16", "token:2:32"),
+                            ("token:4:32", "channel:4:16")]),
+       window=st.integers(0, 3), decode=st.integers(1, 4), bad_at=st.integers(0, 3),
+       bad=st.sampled_from([float("nan"), float("inf"), -float("inf")]), seed=st.integers(0, 2**31 - 1))
+@example(kv=("token:2:32", "token:4:16"), window=2, decode=1, bad_at=0, bad=float("nan"), seed=1)
+@example(kv=("channel:2:16", "token:2:32"), window=2, decode=3, bad_at=2, bad=float("inf"), seed=2)
+def test_a_bad_token_kept_plain_is_reported_when_an_append_of_several_tokens_moves_it(kv, window, decode, bad_at,
+                                                                                       bad, seed):
+    """A one-token append is checked by the flag of the kernel that quantizes it; a token the window (or a filling
+    channel-wise group) keeps plain is quantized later. When an append of several tokens (a chunked prompt after
+    decode steps) moves it to the body, that append raises before writing, and so does every call until reset()
+    (before: NaN scales written without a word, check() passed and attention was NaN from then on)."""
+    from foldc.encoding import parse_affine
+
+    spec = foldc.AttentionSpec(4, 2, 32, *(parse_affine(t) for t in kv))
+    gen = torch.Generator().manual_seed(seed)
+    cache = QuantizedKVCache(spec, 2, 80, window=window, target="interpret")
+    cache.append(*_tokens(cache, int(torch.randint(2, 20, (), generator=gen)), gen))
+    bad_at = min(bad_at, decode - 1)
+    for step in range(decode):
+        k, v = _tokens(cache, 1, gen)
+        if step == bad_at:
+            row, head, channel = (int(torch.randint(0, n, (), generator=gen)) for n in (2, 2, 32))
+            (k if seed % 2 else v)[row, head, 0, channel] = bad
+        try:
+            cache.append(k, v)
+        except InputError:   # flagged by the kernel that quantized it, at a later one-token append
+            break
+    counts = (cache.num_tokens, cache.body_tokens, cache.window_tokens)
+    chunk = _tokens(cache, window + cache.unit, gen)   # moves every token the window holds to the body
+    with pytest.raises(InputError, match="a one-token append held NaN or Inf"):
+        cache.append(*chunk)
+    assert (cache.num_tokens, cache.body_tokens, cache.window_tokens) == counts
+    q = torch.randn(2, 4, 32, generator=gen).half()
+    for call in (cache.check, lambda: cache.attention(q), lambda: cache.append(*_tokens(cache, 3, gen))):
+        with pytest.raises(InputError, match="a one-token append held NaN or Inf"):
+            call()
+    cache.reset()
+    cache.append(*_tokens(cache, 4, gen))
+    assert torch.isfinite(cache.attention(q)).all()
+
 def test_a_one_token_append_into_the_sink_is_checked_at_once():
     """A sink token is never quantized (no kernel could flag it): one-token appends that fill the sink keep
     the check before the write, naming the index, and leave the cache as it was."""
