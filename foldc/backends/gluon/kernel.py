@@ -17,9 +17,10 @@ words travel global -> shared memory by cp.async, STAGES tiles ahead; token-wise
 are loaded at each tile's start (SCALE_AHEAD=False; with PREFETCH the next tile's go to L2 first)
 or one tile ahead in registers (SCALE_AHEAD=True). Each split writes (max, denominator,
 accumulator) for the merge kernel (eq. 14), the same workspace the Triton backend uses. The channel and row maps of
-the operands are in operands.py; the unpack and the group parameters in tile_operands.py; a tile's
-group loads in tile_groups.py; dequant plans' per-value rebuild in tile_dequant.py; copies, scale
-loads, cache addressing and tile draws in tile_memory.py.
+the operands are in operands.py; a tile's key side in tile_scores.py and its softmax and value side in
+tile_values.py; the unpack and the group parameters in tile_operands.py; a tile's group loads in
+tile_groups.py; dequant plans' per-value rebuild in tile_dequant.py; copies, scale loads, cache
+addressing, tile draws and the shared-memory tiles of a plain side in tile_memory.py.
 
 Import this module only where Triton runs natively (not under TRITON_INTERPRET=1).
 """
@@ -28,390 +29,25 @@ from __future__ import annotations
 from triton.experimental import gluon
 from triton.experimental.gluon import constexpr_function
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
 # absolute imports: benchmarks load copies of this file as modules of their own (ab_kernel.py)
 from foldc.backends.gluon.operands import NARROW_WORDS
-from foldc.backends.gluon.tile_memory import (copy_layout, draw_chunk, issue_copies, lane_order_copy_layout,
-                                              lane_order_smem, next_tile, prefetch_scales, stage_tail, tile_bases,
-                                              tile_scales)
-from foldc.backends.gluon.tile_dequant import (KEY_E_HI, KEY_E_LO, KEY_TOP, VALUE_E_HI, VALUE_E_LO, VALUE_TOP,
-                                               channel_group, key_token_dequant, pow2, rebuild, token_exponent,
-                                               value_fields, value_token_dequant)
-from foldc.backends.gluon.tile_groups import (PIECE_C, key_query16, key_tile_params, key_tile_params16, load_query,
-                                              masked_sums, piece_count, piece_group, piece_queries, piece_slot,
-                                              rebuild_rows, value_tile_params, value_weights)
-from foldc.backends.gluon.tile_operands import (NARROW, group_mmas, group_sums, join_field_groups, join_groups,
-                                                key_operand, key_words_layout, load_value_words, per_channel,
-                                                per_channel16, per_row, scaled_p, select_groups, split_field_groups,
-                                                split_groups, value_operand, value_row_channel, value_tile_words,
+from foldc.backends.gluon.tile_memory import (CODE_WORDS, PLAIN_WORDS, copy_layout, draw_chunk, issue_copies,
+                                              lane_order_copy_layout, lane_order_smem, next_tile, prefetch_scales,
+                                              stage_tail, tile_bases, tile_scales)
+from foldc.backends.gluon.tile_dequant import channel_group
+from foldc.backends.gluon.tile_groups import (key_query16, key_tile_params, key_tile_params16, load_query, masked_sums,
+                                              piece_queries, value_tile_params)
+from foldc.backends.gluon.tile_operands import (NARROW, group_sums, split_groups, value_row_channel, value_tile_words,
                                                 zeros_groups)
-
-
-@gluon.jit
-def _scores(n0, end, k_smem, slot, ks, kz, tm, head_c, q16, q_bias, q_sum, row_scale, BN: gl.constexpr,
-            D: gl.constexpr, F: gl.constexpr, ROWS: gl.constexpr, H: gl.constexpr, KEY_G: gl.constexpr,
-            KASM: gl.constexpr, KCONS: gl.constexpr, MASKED: gl.constexpr,
-            KEY_NG: gl.constexpr, KDQ: gl.constexpr, KMG: gl.constexpr = False, DRK: gl.constexpr = 0,
-            PDT: gl.constexpr = gl.bfloat16):
-    """Key side of one tile: the logits t [BN tokens, ROWS] (log2 units), -inf past ``end``. F == 0:
-    a plain key side in the queries' dtype PDT (its words are pairs, read from shared memory as the MMA
-    operand).
-    KDQ: a dequant plan (tile_dequant.py; one KV head per program). KMG: the KEY_NG groups cross a
-    padded head_dim's bit fields: one MMA per group over all of K, the other groups' channels masked
-    to zero (each packed head's keys in turn). DRK: the real head_dim (a padded one's groups follow the
-    cache's channels)."""
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
-    a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=8)
-    b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=8)
-    W: gl.constexpr = _words(D, F)
-    kw_l: gl.constexpr = key_words_layout(BN, W)
-    if F == 0:
-        # plain keys: S^T = K.Q^T in PDT, the logits' scale on the rows (no fold, no correction); the
-        # operands in the k_width=2 layout ldmatrix loads (q16 is in it, kernel prologue)
-        a2_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
-        sacc = gl.zeros([BN, ROWS], gl.float32, layout=mma)
-        for i in gl.static_range(H):
-            ka = k_smem.index(slot + i)._reinterpret(PDT, [BN, D], PLAIN_VIEW).load(a2_l)
-            if H == 1:
-                sacc = mma_v2(ka, q16, sacc)
-            else:
-                sacc = gl.where((head_c == i)[None, :], mma_v2(ka, q16, gl.zeros([BN, ROWS], gl.float32, layout=mma)),
-                                sacc)
-        t = sacc * row_scale[None, :]
-    elif KDQ:
-        # dequant (eq. 12's verdict): each key rebuilt in fp16 as code x scale + zero times 2^e, a plain
-        # MMA against the query, 2^-e on the scores; no correction (eq. 1)
-        gl.static_assert(H == 1, "dequant plans take one KV head per program")
-        kw = k_smem.index(slot).load(kw_l)
-        ka = gl.convert_layout(key_operand(kw, BN, D, F, KASM, KCONS), a_l, assert_trivial=True)
-        if KEY_G == 0:
-            e = token_exponent(ks, kz, 8 // F, KEY_NG, KEY_E_LO, KEY_E_HI, KEY_TOP)
-            kd = key_token_dequant(ka, ks, kz, e, a_l, D, F, KEY_NG, DRK)
-            sacc = mma_v2(kd, q16, gl.zeros([BN, ROWS], gl.float32, layout=mma))
-            t = (sacc * row_scale[None, :]) * pow2(-e)[:, None]
-        elif KEY_G >= BN:   # channel-wise: q_bias is the group's (a, b) per k, q_sum the logits' factor per row
-            sacc = mma_v2(rebuild_rows(ka, q_bias[0], q_bias[1]), q16, gl.zeros([BN, ROWS], gl.float32, layout=mma))
-            t = sacc * q_sum[None, :]
-        else:   # two groups per tile: each half of the tile's tokens (a register bit of M) rebuilt with its own
-            halves = split_groups(ka, 2, 0)
-            k0 = rebuild_rows(gl.convert_layout(halves[0], a_l, assert_trivial=True), q_bias[0][0], q_bias[0][1])
-            k1 = rebuild_rows(gl.convert_layout(halves[1], a_l, assert_trivial=True), q_bias[1][0], q_bias[1][1])
-            t0 = mma_v2(k0, q16[0], gl.zeros([BN // 2, ROWS], gl.float32, layout=mma)) * q_sum[0][None, :]
-            t1 = mma_v2(k1, q16[0], gl.zeros([BN // 2, ROWS], gl.float32, layout=mma)) * q_sum[1][None, :]
-            t = gl.convert_layout(join_groups((t0, t1), 2), mma, assert_trivial=True)
-    elif KEY_G > 0 and KEY_G < BN:
-        # channel-wise K in groups of half a tile (operand-fold, eq. 4): each half of the tile's tokens (token
-        # bit 4, a register bit of the MMA's M) against the query pre-scaled by its own group's scales
-        s0 = gl.zeros([BN // 2, ROWS], gl.float32, layout=mma)
-        s1 = gl.zeros([BN // 2, ROWS], gl.float32, layout=mma)
-        for i in gl.static_range(H):
-            kw = k_smem.index(slot + i).load(kw_l)
-            halves = split_groups(key_operand(kw, BN, D, F, KASM, KCONS), 2, 0)
-            h0 = mma_v2(gl.convert_layout(halves[0], a_l, assert_trivial=True), q16[0],
-                        gl.zeros([BN // 2, ROWS], gl.float32, layout=mma))
-            h1 = mma_v2(gl.convert_layout(halves[1], a_l, assert_trivial=True), q16[1],
-                        gl.zeros([BN // 2, ROWS], gl.float32, layout=mma))
-            if H == 1:
-                s0 = h0
-                s1 = h1
-            else:
-                s0 = gl.where((head_c == i)[None, :], h0, s0)
-                s1 = gl.where((head_c == i)[None, :], h1, s1)
-        t = gl.convert_layout(join_groups((s0 * q_bias[0][None, :] + q_sum[0][None, :],
-                                           s1 * q_bias[1][None, :] + q_sum[1][None, :]), 2), mma, assert_trivial=True)
-    elif KEY_NG > 1 and KMG:
-        # token-wise K in groups across the padded bit fields: the keys cut into pieces of PIECE k indices, each
-        # piece's MMA into the accumulator of each group it meets, against the query piece with the other groups'
-        # channels zero (q16[piece][slot], made once before the loop; the codes carry no bias); a piece of padding
-        # alone takes no MMA; scaled per group before the groups meet (eq. 3, 6)
-        NP: gl.constexpr = D // PIECE_C
-        heads_parts = ()
-        for i in gl.static_range(H):   # each packed head's key operand, cut into pieces once
-            kw = k_smem.index(slot + i).load(kw_l)
-            heads_parts = heads_parts + (split_groups(key_operand(kw, BN, D, F, KASM, KCONS), NP, 1),)
-        acc = gl.zeros([BN, ROWS], gl.float32, layout=mma)
-        for g in gl.static_range(KEY_NG):
-            accg = gl.zeros([BN, ROWS], gl.float32, layout=mma)
-            for h in gl.static_range(H):   # head h's keys against every row, kept in the rows of head h
-                acch = gl.zeros([BN, ROWS], gl.float32, layout=mma)
-                for i in gl.static_range(NP):
-                    if piece_slot(0, i, g, F, D, DRK, KEY_NG) >= 0:
-                        acch = mma_v2(gl.convert_layout(heads_parts[h][i], a_l, assert_trivial=True),
-                                      gl.convert_layout(q16[i][piece_slot(0, i, g, F, D, DRK, KEY_NG)], b_l,
-                                                        assert_trivial=True), acch)
-                if H == 1:
-                    accg = acch
-                else:
-                    accg = gl.where((head_c == h)[None, :], acch, accg)
-            acc = acc + per_row(ks[g], H) * accg
-        off = per_row(kz[0], H) * q_sum[0][None, :]
-        for g in gl.static_range(1, KEY_NG):
-            off = off + per_row(kz[g], H) * q_sum[g][None, :]
-        t = acc * row_scale[None, :] + off
-    elif KEY_NG > 1:
-        # token-wise K in KEY_NG channel groups: one accumulator per group (q16 and q_sum are tuples
-        # of the groups' pieces), each scaled by its group's scale before the groups meet (eq. 3, 6)
-        sacc = zeros_groups([BN, ROWS], mma, KEY_NG)
-        for i in gl.static_range(H):
-            kw = k_smem.index(slot + i).load(kw_l)
-            parts = group_mmas(split_groups(key_operand(kw, BN, D, F, KASM, KCONS), KEY_NG, 1), q16,
-                               zeros_groups([BN, ROWS], mma, KEY_NG), a_l, b_l, KEY_NG)
-            if H == 1:
-                sacc = parts
-            else:
-                sacc = select_groups((head_c == i)[None, :], parts, sacc, KEY_NG)
-        acc = per_row(ks[0], H) * sacc[0]
-        off = per_row(kz[0], H) * q_sum[0][None, :]
-        for g in gl.static_range(1, KEY_NG):
-            acc = acc + per_row(ks[g], H) * sacc[g]
-            off = off + per_row(kz[g], H) * q_sum[g][None, :]
-        t = acc * row_scale[None, :] + off
-    else:
-        # scores of every packed head: head i's keys against all query rows, kept in the rows of head i
-        sacc = gl.zeros([BN, ROWS], gl.float32, layout=mma)
-        for i in gl.static_range(H):
-            kw = k_smem.index(slot + i).load(kw_l)
-            ka = gl.convert_layout(key_operand(kw, BN, D, F, KASM, KCONS), a_l, assert_trivial=True)
-            if H == 1:
-                sacc = mma_v2(ka, q16, sacc)
-            else:
-                sacc = gl.where((head_c == i)[None, :], mma_v2(ka, q16, gl.zeros([BN, ROWS], gl.float32, layout=mma)),
-                                sacc)
-        if KEY_G == 0:
-            ks2 = per_row(ks, H)
-            kz2 = per_row(kz, H)
-            # acc-fold, one scale per token (row of M); bias and zero through sum(q') and sum(q) (eq. 3, 6, 7)
-            # (subnormal codes: no bias to remove, row_scale carries 2^KEY_EXP)
-            t = ks2 * (sacc * row_scale[None, :]) + kz2 * q_sum[None, :]
-        else:
-            # operand-fold: q16 was pre-scaled by this group's channel scales (and its own power of two);
-            # here q_bias is that group's scale back to logits and q_sum its offset: the bias removed and
-            # sum(q x zero) added (eq. 4, 6, 7), see key_group
-            t = sacc * q_bias[None, :] + q_sum[None, :]
-    if MASKED:
-        t = gl.where((n0 + tm < end)[:, None], t, float("-inf"))
-    return t
-
-
-@gluon.jit
-def _consume(t, v_smem, slot, vs, vz, m_i, l_i, zsum, acc_o, head_b, v_scale, v_zero, BN: gl.constexpr,
-             D: gl.constexpr, F: gl.constexpr, ROWS: gl.constexpr, H: gl.constexpr, VAL_G: gl.constexpr,
-             VA0: gl.constexpr, VA1: gl.constexpr, VA2: gl.constexpr, VA3: gl.constexpr, VCONS: gl.constexpr,
-             AND_P: gl.constexpr, VAL_NG: gl.constexpr, VDQ: gl.constexpr, LEAN: gl.constexpr = False,
-             VMG: gl.constexpr = False, DRV: gl.constexpr = 0, PDT: gl.constexpr = gl.bfloat16):
-    """Online softmax of one tile's logits ``t`` and its value side into (max, denominator, zero sum, O^T).
-    VDQ: a dequant plan (tile_dequant.py; one KV head per program). LEAN: channel-wise V's group
-    parameters held 16-bit (both sides channel-wise past 128 channels, `value_params`). VMG, DRV: as
-    _scores' KMG, DRK.
-    ``AND_P``: mask each packed head's P by an AND per register instead of a select per half. With
-    VAL_NG channel groups per token (token-wise V), vs, vz and zsum are tuples of VAL_NG."""
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
-    a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=8)
-    b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=8)
-    W: gl.constexpr = _words(D, F)
-    m_new = gl.maximum(m_i, gl.max(t, axis=0))
-    alpha = gl.exp2(m_i - m_new)
-    p = gl.exp2(t - m_new[None, :])
-    p_sum = gl.sum(p, axis=0)
-    l_i = l_i * alpha + p_sum
-    if F == 0:
-        # plain values (in the queries' dtype PDT): O^T += V^T.P^T, V^T read from shared memory as the MMA operand
-        pb = gl.convert_layout(p.to(PDT), b_l)
-        pv = gl.zeros([D, ROWS], gl.float32, layout=mma)
-        for i in gl.static_range(H):
-            va = v_smem.index(slot + i)._reinterpret(PDT, [BN, D], PLAIN_VIEW).permute((1, 0)).load(a_l)
-            pv = mma_v2(va, _head_p(pb, head_b, i, b_l, H, False), pv)
-        acc_o = acc_o * alpha[None, :] + pv
-    elif VDQ:
-        # dequant: each value rebuilt in fp16 times 2^e, P times 2^-e, a plain MMA; no correction (eq. 1)
-        gl.static_assert(H == 1, "dequant plans take one KV head per program")
-        if VAL_G == 0:   # 2^e per token
-            e = token_exponent(vs, vz, 8 // F, VAL_NG, VALUE_E_LO, VALUE_E_HI, VALUE_TOP)
-            pb = gl.convert_layout((p * pow2(-e)[:, None]).to(gl.float16), b_l)
-        elif VAL_G >= BN:   # one 2^e per group: v_zero holds its 2^-e
-            pb = gl.convert_layout((p * v_zero).to(gl.float16), b_l)
-        else:               # two groups per tile: each half of the tokens takes its group's 2^-e
-            first = (gl.arange(0, BN, layout=gl.SliceLayout(1, mma)) < VAL_G)[:, None]
-            pb = gl.convert_layout((p * gl.where(first, v_zero[0], v_zero[1])).to(gl.float16), b_l)
-        vw = load_value_words(v_smem.index(slot), BN, W)
-        va = gl.convert_layout(value_operand(vw, BN, D, F, VA0, VA1, VA2, VA3, VCONS), a_l, assert_trivial=True)
-        rows_l: gl.constexpr = gl.SliceLayout(1, a_l)
-        if VAL_G == 0:
-            vd = value_token_dequant(va, vs, vz, e, a_l, D, F, VAL_NG, DRV)
-        elif VAL_G >= BN:   # v_scale: the group's (a, b) per output row
-            a, _ = gl.broadcast(gl.convert_layout(v_scale[0], rows_l)[:, None], va)
-            b, _ = gl.broadcast(gl.convert_layout(v_scale[1], rows_l)[:, None], va)
-            vd = rebuild(va, a, b)
-        else:               # two groups per tile: the tokens (K) of each half take their group's (a, b)
-            first_k = (gl.arange(0, BN, layout=gl.SliceLayout(0, a_l)) < VAL_G)[None, :]
-            a = gl.where(first_k, gl.convert_layout(v_scale[0][0], rows_l)[:, None],
-                         gl.convert_layout(v_scale[1][0], rows_l)[:, None])
-            b = gl.where(first_k, gl.convert_layout(v_scale[0][1], rows_l)[:, None],
-                         gl.convert_layout(v_scale[1][1], rows_l)[:, None])
-            vd = rebuild(va, a, b)
-        pv = mma_v2(vd, pb, gl.zeros([D, ROWS], gl.float32, layout=mma))
-        acc_o = acc_o * alpha[None, :] + pv
-    elif VAL_NG > 1 and VMG:
-        # token-wise V in groups across the padded bit fields: the values cut into pieces of PIECE output rows,
-        # each piece's product with P scaled by each group it meets, kept in the rows of that group's channels
-        # (eq. 4, 6); a piece of padding rows alone (never stored) takes no MMA
-        NP: gl.constexpr = D // PIECE_C
-        pbs, zsum = scaled_p(p, vs, vz, zsum, alpha, b_l, H, VAL_NG)
-        pieces = ()
-        for i in gl.static_range(NP):
-            pieces = pieces + (gl.zeros([PIECE_C, ROWS], gl.float32, layout=mma),)
-        for h in gl.static_range(H):   # head h's values against its own rows' P (other heads' columns zero)
-            vw = load_value_words(v_smem.index(slot + h), BN, W)
-            va = split_groups(value_operand(vw, BN, D, F, VA0, VA1, VA2, VA3, VCONS), NP, 0)
-            summed = ()
-            for i in gl.static_range(NP):
-                prev = pieces[i]
-                if piece_count(1, i, F, D, DRV, VAL_NG) == 0:
-                    pv_i = prev
-                else:
-                    a_i = gl.convert_layout(va[i], a_l, assert_trivial=True)
-                    pv_i = mma_v2(a_i, _head_p(pbs[piece_group(1, i, 0, F, D, DRV, VAL_NG)], head_b, h, b_l, H, AND_P),
-                                  prev)
-                    if piece_count(1, i, F, D, DRV, VAL_NG) > 1:
-                        field, chan = value_fields(PIECE_C * i + gl.arange(0, PIECE_C, layout=gl.SliceLayout(1, mma)),
-                                                   D, D // F)
-                        grp = channel_group(field, chan, D, F, VAL_NG, DRV)
-                        for j in gl.static_range(1, piece_count(1, i, F, D, DRV, VAL_NG)):
-                            pv_i = gl.where((grp == piece_group(1, i, j, F, D, DRV, VAL_NG))[:, None],
-                                            mma_v2(a_i, _head_p(pbs[piece_group(1, i, j, F, D, DRV, VAL_NG)], head_b, h,
-                                                                b_l, H, AND_P), prev), pv_i)
-                summed = summed + (pv_i,)
-            pieces = summed
-        pv = gl.convert_layout(join_groups(pieces, NP), mma, assert_trivial=True)
-        acc_o = acc_o * alpha[None, :] + pv
-    elif VAL_NG > 1:
-        # operand-fold per channel group: group g's output channels (a range of O^T's rows) take P
-        # scaled by group g's scales (eq. 4, 6)
-        pbs, zsum = scaled_p(p, vs, vz, zsum, alpha, b_l, H, VAL_NG)
-        pv = zeros_groups([D // VAL_NG, ROWS], mma, VAL_NG)
-        for i in gl.static_range(H):
-            vw = load_value_words(v_smem.index(slot + i), BN, W)
-            va = value_operand(vw, BN, D, F, VA0, VA1, VA2, VA3, VCONS)
-            if D // VAL_NG < D // F:   # groups smaller than a bit field
-                va_parts = split_field_groups(va, F, W, VAL_NG)
-            else:                      # groups of whole fields: consecutive rows
-                va_parts = split_groups(va, VAL_NG, 0)
-            pv = group_mmas(va_parts, _head_ps(pbs, head_b, i, b_l, H, AND_P, VAL_NG), pv, a_l, b_l, VAL_NG)
-        if D // VAL_NG < D // F:
-            pv_all = join_field_groups(pv, F, W, VAL_NG)
-        else:
-            pv_all = join_groups(pv, VAL_NG)
-        acc_o = acc_o * alpha[None, :] + gl.convert_layout(pv_all, mma, assert_trivial=True)
-    elif VAL_G == 0:
-        vs2 = per_row(vs, H)
-        vz2 = per_row(vz, H)
-        # operand-fold: P x scale before the product; sum(P x zero) beside it (eq. 4, 6)
-        pb = gl.convert_layout((p * vs2).to(gl.float16), b_l)
-        zsum = zsum * alpha + gl.sum(p * vz2, axis=0)
-    else:
-        pb = gl.convert_layout(p.to(gl.float16), b_l)
-    if VAL_NG == 1 and F > 0 and not VDQ and (VAL_G == 0 or VAL_G >= BN):
-        # a fresh accumulator per tile: the tensor core's own running sum over many tiles loses low bits;
-        # head i's values meet only the columns (query rows) of head i
-        pv = gl.zeros([D, ROWS], gl.float32, layout=mma)
-        for i in gl.static_range(H):
-            vw = load_value_words(v_smem.index(slot + i), BN, W)
-            va = gl.convert_layout(value_operand(vw, BN, D, F, VA0, VA1, VA2, VA3, VCONS), a_l, assert_trivial=True)
-            pv = mma_v2(va, _head_p(pb, head_b, i, b_l, H, AND_P), pv)
-        if VAL_G == 0:
-            acc_o = acc_o * alpha[None, :] + pv
-        else:
-            # acc-fold: this tile lies in one token group; scale the tile's sum per channel, add zero x sum(P)
-            w = value_weights(D, F)
-            acc_o = acc_o * alpha[None, :] + pv * _channel_scale(v_scale, H, w, LEAN) + \
-                _channel_zero(v_zero, H, LEAN) * p_sum[None, :]
-    elif F > 0 and not VDQ and VAL_G > 0:
-        # channel-wise V in groups of half a tile (acc-fold, eq. 3): one product per group, P zeroed past
-        # (or before) its tokens, each scaled per channel by its own group's scale with its zero x sum(P)
-        first = (gl.arange(0, BN, layout=gl.SliceLayout(1, b_l)) < VAL_G)[:, None]
-        p0 = gl.where(first, pb, gl.zeros_like(pb))
-        p1 = gl.where(first, gl.zeros_like(pb), pb)
-        pv0 = gl.zeros([D, ROWS], gl.float32, layout=mma)
-        pv1 = gl.zeros([D, ROWS], gl.float32, layout=mma)
-        for i in gl.static_range(H):
-            vw = load_value_words(v_smem.index(slot + i), BN, W)
-            va = gl.convert_layout(value_operand(vw, BN, D, F, VA0, VA1, VA2, VA3, VCONS), a_l, assert_trivial=True)
-            pv0 = mma_v2(va, _head_p(p0, head_b, i, b_l, H, AND_P), pv0)
-            pv1 = mma_v2(va, _head_p(p1, head_b, i, b_l, H, AND_P), pv1)
-        s0 = gl.sum(gl.where((gl.arange(0, BN, layout=gl.SliceLayout(1, mma)) < VAL_G)[:, None], p, 0.0), axis=0)
-        w = value_weights(D, F)
-        acc_o = (acc_o * alpha[None, :] + pv0 * _channel_scale(v_scale[0], H, w, LEAN) +
-                 _channel_zero(v_zero[0], H, LEAN) * s0[None, :] + pv1 * _channel_scale(v_scale[1], H, w, LEAN) +
-                 _channel_zero(v_zero[1], H, LEAN) * (p_sum - s0)[None, :])
-    return m_new, l_i, zsum, acc_o
-
-
-@gluon.jit
-def _channel_scale(v_scale, H: gl.constexpr, weight, LEAN: gl.constexpr):
-    """A channel-wise V group's scale per output row in float32, as the acc-fold applies it: LEAN, the 16-bit
-    scale of value_group's KEEP16 times the field weights ``weight`` (value_weights); else value_group's float32
-    scale (the weights in it already, ``weight`` unused)."""
-    if LEAN:
-        out = per_channel16(v_scale, H, weight)
-    else:
-        out = per_channel(v_scale, H)
-    return out
-
-
-@gluon.jit
-def _channel_zero(v_zero, H: gl.constexpr, LEAN: gl.constexpr):
-    """A channel-wise V group's zero per output row in float32 (16-bit where LEAN, as _channel_scale)."""
-    if LEAN:
-        out = per_channel16(v_zero, H)
-    else:
-        out = per_channel(v_zero, H)
-    return out
-
-
-@gluon.jit
-def _head_p(pb, head_b, i, b_l: gl.constexpr, H: gl.constexpr, AND_P: gl.constexpr):
-    """P as packed head i's value MMA sees it: the other heads' columns (query rows) zeroed."""
-    if H == 1:
-        out = pb
-    elif not AND_P:
-        out = gl.where((head_b == i)[None, :], pb, gl.zeros_like(pb))
-    else:
-        # a lane's pair of P (two tokens of one column, one query row) is one head's: kept or
-        # zeroed by one AND per register (a select per half took a SEL and two PRMTs)
-        keep = gl.where((head_b == i)[None, :], gl.full(pb.shape, -1, gl.int16, layout=b_l),
-                        gl.zeros(pb.shape, gl.int16, layout=b_l))
-        out = gl.inline_asm_elementwise("and.b32 $0, $1, $2;", "=r,r,r", [pb, keep], dtype=gl.float16, is_pure=True,
-                                        pack=2)
-    return out
-
-
-@gluon.jit
-def _head_ps(pbs, head_b, i, b_l: gl.constexpr, H: gl.constexpr, AND_P: gl.constexpr, NG: gl.constexpr):
-    """_head_p of each group's P (a tuple of NG)."""
-    if NG == 8:
-        lo = _head_ps((pbs[0], pbs[1], pbs[2], pbs[3]), head_b, i, b_l, H, AND_P, 4)
-        hi = _head_ps((pbs[4], pbs[5], pbs[6], pbs[7]), head_b, i, b_l, H, AND_P, 4)
-        out = (lo[0], lo[1], lo[2], lo[3], hi[0], hi[1], hi[2], hi[3])
-    elif NG == 2:
-        out = (_head_p(pbs[0], head_b, i, b_l, H, AND_P), _head_p(pbs[1], head_b, i, b_l, H, AND_P))
-    else:
-        out = (_head_p(pbs[0], head_b, i, b_l, H, AND_P), _head_p(pbs[1], head_b, i, b_l, H, AND_P),
-               _head_p(pbs[2], head_b, i, b_l, H, AND_P), _head_p(pbs[3], head_b, i, b_l, H, AND_P))
-    return out
+from foldc.backends.gluon.tile_scores import tile_scores
+from foldc.backends.gluon.tile_values import consume_values
 
 
 @constexpr_function
 def _and_p(heads, dynamic, page, value_plain=False):
     return heads == 2 and not (dynamic and page > 0) and not value_plain
-
-
-#: a plain side's tiles in shared memory: 16-byte chunks of a row XOR-swizzled over 8 rows, so that
-#: ldmatrix's eight rows fall in different banks; PLAIN_WORDS as the copies write it (32-bit words),
-#: PLAIN_VIEW as the operand loads read it (bf16), the same bytes
-PLAIN_WORDS: gl.constexpr = gl.SwizzledSharedLayout(vec=4, per_phase=1, max_phase=8, order=[1, 0])
-PLAIN_VIEW: gl.constexpr = gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[1, 0])
-CODE_WORDS: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
 
 
 @constexpr_function
@@ -458,12 +94,6 @@ def _fields(bits):
     return 8 // int(bits) if int(bits) <= 8 else 0
 
 
-@constexpr_function
-def _words(head_dim, fields):
-    """32-bit words per token: head_dim x bits / 32, or head_dim / 2 for a plain bf16 side."""
-    return int(head_dim) // int(fields) // 4 if int(fields) else int(head_dim) // 2
-
-
 @gluon.jit
 def _tile(n0, end, k_smem, v_smem, slot, ks, kz, vs, vz, m_i, l_i, zsum, acc_o, tm, head_c, head_b, q16, q_bias,
           q_sum, row_scale, v_scale, v_zero, BN: gl.constexpr, D: gl.constexpr, KF: gl.constexpr, VF: gl.constexpr,
@@ -475,10 +105,10 @@ def _tile(n0, end, k_smem, v_smem, slot, ks, kz, vs, vz, m_i, l_i, zsum, acc_o, 
           KMG: gl.constexpr = False, VMG: gl.constexpr = False, DRQ: gl.constexpr = 0,
           PDT: gl.constexpr = gl.bfloat16):
     """One tile, key side then value side (PDT: the dtype of a plain side, the queries')."""
-    t = _scores(n0, end, k_smem, slot, ks, kz, tm, head_c, q16, q_bias, q_sum, row_scale, BN, D, KF, ROWS, H, KEY_G,
-                KASM, KCONS, MASKED, KEY_NG, KDQ, KMG, DRQ, PDT)
-    return _consume(t, v_smem, slot, vs, vz, m_i, l_i, zsum, acc_o, head_b, v_scale, v_zero, BN, D, VF, ROWS, H,
-                    VAL_G, VA0, VA1, VA2, VA3, VCONS, AND_P, VAL_NG, VDQ, LEAN, VMG, DRQ, PDT)
+    t = tile_scores(n0, end, k_smem, slot, ks, kz, tm, head_c, q16, q_bias, q_sum, row_scale, BN, D, KF, ROWS, H,
+                    KEY_G, KASM, KCONS, MASKED, KEY_NG, KDQ, KMG, DRQ, PDT)
+    return consume_values(t, v_smem, slot, vs, vz, m_i, l_i, zsum, acc_o, head_b, v_scale, v_zero, BN, D, VF, ROWS,
+                          H, VAL_G, VA0, VA1, VA2, VA3, VCONS, AND_P, VAL_NG, VDQ, LEAN, VMG, DRQ, PDT)
 
 
 @gluon.jit(do_not_specialize=["cache_tokens"])   # one build for every length: given per call by bound launches
@@ -648,7 +278,7 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
             grp_q = channel_group(field, chan, D, KF, KEY_NG, DR)
             q_sum = masked_sums(qv, grp_q, qk_scale, row_l, KEY_NG)
             q16 = piece_queries(q16, grp_q, D, KF, DR, KEY_NG)
-        else:   # per channel group: its piece of Q'^T for its own MMA, and its sum(q) (_scores)
+        else:   # per channel group: its piece of Q'^T for its own MMA, and its sum(q) (tile_scores)
             q16 = split_groups(q16, KEY_NG, 0)
             q_sum = group_sums(split_groups(qv, KEY_NG, 0), qk_scale, row_l, KEY_NG)
     else:

@@ -11,6 +11,20 @@ from triton.experimental.gluon import constexpr_function
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
+#: a plain side's tiles in shared memory: 16-byte chunks of a row XOR-swizzled over 8 rows, so that
+#: ldmatrix's eight rows fall in different banks; PLAIN_WORDS as the copies write it (32-bit words),
+#: PLAIN_VIEW as the operand loads read it (bf16), the same bytes
+PLAIN_WORDS: gl.constexpr = gl.SwizzledSharedLayout(vec=4, per_phase=1, max_phase=8, order=[1, 0])
+PLAIN_VIEW: gl.constexpr = gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[1, 0])
+CODE_WORDS: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
+
+
+@constexpr_function
+def words_per_token(head_dim, fields):
+    """32-bit words per token: head_dim x bits / 32, or head_dim / 2 for a plain bf16 side."""
+    return int(head_dim) // int(fields) // 4 if int(fields) else int(head_dim) // 2
+
+
 @constexpr_function
 def copy_layout(BN, W, WARPS=1):
     """cp.async of a [BN, W] word tile: 16 bytes per lane, WARPS warps on consecutive rows."""
