@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from fractions import Fraction
 
 import torch
@@ -21,9 +21,10 @@ from .cost import IssueVerdict, verdicts
 from .decisions import (STAGE_OF, CorrectionTerm, FoldKind, GroupAxis, Missing, ScaleSite, ScaleTarget, Stage,
                         TilingConstraint)
 from .errors import InputTypeError, PlanError, SpecError
-from .ir import Contract, Correction, Graph, Input
+from .ir import Contract, Correction, Graph, Input, verify
 from .options import attention_kernel
 from .precision import UNIT_ROUNDOFF, PrecisionDecision, product_precision
+from .proof import structural_fold
 from .passes import (FOLD_POLICIES, FoldCosts, PassRecord, TileConstraint, check_code_bias, check_plan_rules,
                      default_passes, fold_cost, rows_sharing_group, run_pipeline)
 from .registry import attention_backend, workload_of
@@ -229,7 +230,9 @@ def check_plan(the_plan: Plan) -> Plan:
     """Return ``the_plan`` if it keeps the fold rules, else raise PlanError naming the rule and the
     product: a folded product without its correction (eq. 6), a key correction that does not land
     before the softmax (eq. 8) or a value correction after the division (eq. 10), an unscaled
-    partial sum across a group (eq. 5). `plan` holds its graphs to these rules (the ordering
+    partial sum across a group (eq. 5), a graph whose inputs are not the spec's (``spec-mismatch``)
+    or a decision that is not the one its graph implements (``decision-mismatch``: a backend reads
+    the decisions, the proof runs the graph). `plan` holds its graphs to these rules (the ordering
     pass); a plan made with `Plan.with_graph` or `dataclasses.replace` is checked here."""
     as_plan(the_plan, "check_plan")
     for name, p in the_plan.products.items():
@@ -247,7 +250,48 @@ def check_plan(the_plan: Plan) -> Plan:
         if not e.product or e.detail.startswith(f"{e.product}: "):
             raise
         raise PlanError(e.rule, f"{e.product}: {e.detail}", product=e.product) from e
+    check_decisions(the_plan)
     return the_plan
+
+
+def check_decisions(the_plan: Plan) -> None:
+    """PlanError unless ``the_plan``'s graph reads the spec's inputs (rule ``spec-mismatch``) and each product's
+    decisions are the ones `plan` reads off that graph (rule ``decision-mismatch``): the proof and the executor
+    run the graph, a backend reads the decisions (the fold, bits, group size, tiling, code bias, precision...), so
+    a decision edited with `dataclasses.replace` would have a kernel generated from a plan that was not proved."""
+    spec, graph = the_plan.spec, the_plan.graph
+    verify(graph)   # a hand-edited graph must be well-formed before its decisions can be read off it
+    built = build_decode_attention(spec)
+    for node in built.nodes_of(Input):
+        have = graph[node.name] if node.name in graph else None
+        if have != node:
+            raise PlanError("spec-mismatch", f"the plan's graph has input {have} where its spec "
+                            f"({spec.describe()}) gives {node}; plan the spec again (foldc.plan)")
+    extra = sorted(n.name for n in graph.nodes_of(Input) if n.role != "ones" and n.name not in built)
+    if extra or any(graph.sizes.get(axis) != size for axis, size in built.sizes.items()):
+        raise PlanError("spec-mismatch", f"the plan's graph (inputs {extra or 'as the spec'}, sizes {graph.sizes}) is "
+                        f"not one of its spec ({spec.describe()}, sizes {built.sizes}); plan the spec again")
+    if set(the_plan.products) != set(PRODUCT_ORDER):
+        raise PlanError("decision-mismatch", f"the plan has products {sorted(the_plan.products)}; decode attention "
+                        f"has {list(PRODUCT_ORDER)}")
+    for node in graph.nodes_of(Contract):   # the fold a product's contractions name is the one its nodes apply
+        applied = structural_fold(graph, node.product) or "none"
+        if node.product in PRODUCT_ORDER and node.fold != applied:
+            raise PlanError("decision-mismatch", f"{node.product}: %{node.name} says fold {node.fold}, but the graph "
+                            f"applies {applied} (eq. 11)", product=node.product)
+    fresh = _make_plan(spec, graph, the_plan.passes, the_plan.dtype, the_plan.operand_dtype, the_plan.rows_per_program,
+                       the_plan.bar_dtype)
+    if the_plan.constraints != fresh.constraints:
+        raise PlanError("decision-mismatch", f"the plan's tiling constraints {[str(c) for c in the_plan.constraints]} "
+                        f"are not its graph's {[str(c) for c in fresh.constraints]} (eq. 5)")
+    for name in PRODUCT_ORDER:
+        have, want = the_plan.products[name], fresh.products[name]
+        for f in fields(ProductPlan):
+            if f.compare and getattr(have, f.name) != getattr(want, f.name):
+                raise PlanError("decision-mismatch", f"{name}: the plan's {f.name} is {getattr(have, f.name)!r}, but "
+                                f"its graph implements {getattr(want, f.name)!r}; a backend would generate a kernel "
+                                "from a decision that was not proved (plan the spec again, or edit the graph and "
+                                "use Plan.with_graph)", product=name)
 
 
 def _make_plan(spec: AttentionSpec, graph: Graph, log, dtype: str | None = None,
@@ -272,6 +316,9 @@ def _product_plan(graph: Graph, name: str, spec: AttentionSpec, constraints,
     enc = inp.encoding
     if enc is None:
         return ProductPlan(name, None, other, reduce, FoldKind.NONE, reason=f"%{inp.name} is a plain operand")
+    if fold is FoldKind.NONE:   # a hand-edited graph: the contraction of an encoded operand names no fold
+        raise PlanError("fold-kind-mismatch", f"{name}: %{inp.name} is encoded but its contraction says fold none; "
+                        "it is folded (eq. 3, 4) or dequantized (eq. 1)", product=name)
     h = rows_sharing_group(graph, _probe_contract(name, inp, other, reduce))
     if rows_per_program is not None:   # a kernel's row blocks each rebuild the tile for their own rows (eq. 12)
         h = min(h, rows_per_program)

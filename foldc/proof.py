@@ -236,7 +236,7 @@ def symbolic_check(graph: Graph, small_group: int, token_tile: int) -> tuple[Ins
 
 def prove(the_plan) -> ProofReport:
     """Prove ``the_plan`` exact, or raise PlanError/ProofError naming the rule or value that fails."""
-    from .plan import as_plan
+    from .plan import as_plan, check_plan
 
     as_plan(the_plan, "prove")
     workload = workload_of(getattr(the_plan, "spec", None))
@@ -249,6 +249,7 @@ def prove(the_plan) -> ProofReport:
     check_plan_rules(graph)
     if not graph.nodes_of(OnlineSoftmax) or not graph.nodes_of(Divide):
         raise PlanError("not-attention", "prove() handles decode-attention plans (online softmax and division)")
+    check_plan(the_plan)   # the decisions a backend reads are the graph's, and the graph is the spec's
     lemmas = []
     for name, prod in the_plan.products.items():
         if prod.fold in ("acc-fold", "operand-fold"):

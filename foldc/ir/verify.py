@@ -123,6 +123,9 @@ def _check_scale_groups(graph, node: ScaleGroups) -> None:
     if node.groups is None or node.groups not in partial.axes:
         raise GraphError(f"%{node.name}: groups={node.groups} is not an axis of %{partial.name} "
                          f"{format_axes(partial.axes)}")
+    if not isinstance(find(scale.axes, node.groups.base), GroupedAxis):   # eq. 3: one scale per group
+        raise GraphError(f"%{node.name}: scales partial sums per {node.groups}, but the scale %{scale.name} "
+                         f"{format_axes(scale.axes)} is not grouped along {node.groups.base!r}")
     _expect(node, canonical(a for a in _union(partial.axes, scale.axes) if node.keep_groups or a != node.groups))
 
 
