@@ -235,6 +235,10 @@ def check_plan(the_plan: Plan) -> Plan:
     the decisions, the proof runs the graph). `plan` holds its graphs to these rules (the ordering
     pass); a plan made with `Plan.with_graph` or `dataclasses.replace` is checked here."""
     as_plan(the_plan, "check_plan")
+    if workload_of(getattr(the_plan, "spec", None)) is not None:   # a GEMM plan (it raised AttributeError)
+        from .gemm.plan import check_gemm_plan
+
+        return check_gemm_plan(the_plan)
     for name, p in the_plan.products.items():
         if p.correction_missing:
             raise PlanError("missing-correction", f"{name}: %{p.encoded} is folded ({p.fold}) but the plan adds no "

@@ -162,3 +162,34 @@ def test_a_group_scale_taken_from_the_other_operand_is_a_graph_error(node, scale
     g.replace_node(R(g[node], scale=scale))
     with pytest.raises(foldc.errors.GraphError, match=f"^%{node}: scales partial sums per .* is not grouped along"):
         foldc.prove(the_plan.with_graph(g))
+
+
+# -- GEMM: the same rule for a GemmPlan's OperandPlan decisions (foldc/gemm/plan.py) -------------------------
+def _gemm_spec(weight, activation, m):
+    from foldc.gemm import GemmSpec, parse_gemm_encoding
+
+    return GemmSpec(256, 512, parse_gemm_encoding(weight, "weight"), parse_gemm_encoding(activation, "activation"),
+                    m=m)
+
+
+GEMM_SPECS = st.builds(lambda pair, m: _gemm_spec(*pair, m),
+                       st.sampled_from([("k-group:4:64", None), ("k-group:2:128", None), ("k-group:8:32", None),
+                                        ("per-channel:4", None), ("per-channel:8", "per-token:8")]),
+                       st.sampled_from([1, 16, 256]))
+GEMM_EDITS = {"fold": lambda w: _other(w.fold, ["acc-fold", "operand-fold", "dequant"]),
+              "bits": lambda w: _other(w.bits, [2, 4, 8]),
+              "group_size": lambda w: w.group_size // 2, "fields": lambda w: 2 * w.fields,
+              "row_bytes": lambda w: 2 * w.row_bytes, "code_bias": lambda w: w.code_bias + 128}
+
+
+@settings(max_examples=20, deadline=None)
+@given(GEMM_SPECS, st.sampled_from(sorted(GEMM_EDITS)))
+def test_a_gemm_decision_its_graph_does_not_implement_is_refused(spec, what):
+    """Before, prove() accepted such a plan and lower_gemv built, e.g., a 2-bit kernel from a 4-bit weight's plan."""
+    the_plan = foldc.plan(spec)
+    check_plan(the_plan)   # a GEMM plan (it raised AttributeError)
+    w = the_plan.operands["w"]
+    bad = R(the_plan, operands={**the_plan.operands, "w": R(w, **{what: GEMM_EDITS[what](w)})})
+    for check in (check_plan, foldc.prove):
+        with pytest.raises(PlanError, match=rf"^\[decision-mismatch\] w: the plan's {what} is "):
+            check(bad)

@@ -6,12 +6,12 @@ tiling constraint, and the cost of eq. 16. A backend reads these fields and the 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from fractions import Fraction
 
 from ..cost import IssueVerdict, verdicts
-from ..errors import SpecError
-from ..ir import Correction, Dequantize, Graph, Input, Prescale, ScaleGroups
+from ..errors import PlanError, SpecError
+from ..ir import Correction, Dequantize, Graph, Input, Prescale, ScaleGroups, verify
 from ..passes import (FOLD_POLICIES, PassRecord, TileConstraint, check_code_bias, default_passes, fold_cost,
                       run_pipeline)
 from .builder import build_gemm
@@ -80,6 +80,36 @@ def gemm_plan(spec: GemmSpec, code_bias: dict[str, int] | None = None, fold_poli
     code_bias = check_code_bias(code_bias, ("weight", "activation"))
     graph, log = run_pipeline(build_gemm(spec), default_passes(code_bias, fold_policy))
     return _make_plan(spec, graph, tuple(log))
+
+
+def check_gemm_plan(the_plan: GemmPlan) -> GemmPlan:
+    """``the_plan`` if its graph reads its spec's inputs (rule ``spec-mismatch``) and each operand's decisions are
+    the ones `gemm_plan` reads off that graph (rule ``decision-mismatch``), else PlanError naming the field: the
+    proof runs the graph, a kernel reads the decisions (fold, bits, group size, fields, row bytes, code bias), so
+    one edited with `dataclasses.replace` would have a kernel generated from a plan that was not proved."""
+    spec, graph = the_plan.spec, the_plan.graph
+    verify(graph)
+    built = build_gemm(spec)
+    for node in built.nodes_of(Input):
+        have = graph[node.name] if node.name in graph else None
+        if have != node:
+            raise PlanError("spec-mismatch", f"the plan's graph has input {have} where its spec ({spec.describe()}) "
+                            f"gives {node}; plan the spec again (foldc.plan)")
+    if graph.sizes != built.sizes:
+        raise PlanError("spec-mismatch", f"the plan's graph has sizes {graph.sizes}; its spec gives {built.sizes}")
+    fresh = _make_plan(spec, graph, the_plan.passes)
+    if the_plan.constraints != fresh.constraints or set(the_plan.operands) != set(fresh.operands):
+        raise PlanError("decision-mismatch", f"the plan's operands {sorted(the_plan.operands)} and tiling constraints "
+                        f"{[str(c) for c in the_plan.constraints]} are not its graph's {sorted(fresh.operands)}, "
+                        f"{[str(c) for c in fresh.constraints]}", product="xw")
+    for name, want in fresh.operands.items():
+        have = the_plan.operands[name]
+        for f in fields(OperandPlan):
+            if f.compare and getattr(have, f.name) != getattr(want, f.name):
+                raise PlanError("decision-mismatch", f"{name}: the plan's {f.name} is {getattr(have, f.name)!r}, but "
+                                f"its graph implements {getattr(want, f.name)!r}; a kernel would be generated from "
+                                "a decision that was not proved (plan the spec again)", product="xw")
+    return the_plan
 
 
 def structural_fold(graph: Graph, source: str) -> str:

@@ -19,6 +19,7 @@ from ..executor import Executor, SympyOps
 from ..ir import K, M, N, GroupedAxis, Input, param_axes, verify
 from ..ir.graph import Graph
 from ..passes import check_plan_rules
+from .plan import check_gemm_plan
 from ..proof import ProofReport, _linear_sums, _symbols, check_fold_kinds, group_lemma
 
 #: small group sizes tried: group 2 and group 3 (k = 4 and 6 for a k-group weight)
@@ -107,6 +108,7 @@ def prove_gemm(the_plan) -> ProofReport:
     verify(graph)
     check_fold_kinds(graph)
     check_plan_rules(graph)
+    check_gemm_plan(the_plan)   # the decisions a kernel reads are the graph's, and the graph is the spec's
     lemmas = [f"{name}: " + group_lemma(p.fold, p.code_bias) for name, p in the_plan.operands.items()
               if p.fold in ("acc-fold", "operand-fold")]
     if len(the_plan.operands) == 2 and all(p.fold == "acc-fold" for p in the_plan.operands.values()):

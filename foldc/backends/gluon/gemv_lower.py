@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ...gemm.plan import GemmPlan
+from ...gemm.plan import GemmPlan, check_gemm_plan
 from ...precision import code_bias_allowed
 from .lower import NotLowerable
 from .operands import BF16_CODE_BIAS
@@ -97,6 +97,7 @@ def lower_gemv(plan: GemmPlan, rows: int, activation: str = "fp16", operand_k: i
     chunk is halved where the row or the groups ask for it."""
     if operand_k is not None and operand_k not in OPERAND_KS:
         raise ValueError(f"operand_k={operand_k!r} is not one of {OPERAND_KS}")
+    check_gemm_plan(plan)   # a decision that is not the proved graph's never reaches a kernel
     spec = plan.spec
     if spec.activation is not None:
         raise NotLowerable(f"activation={spec.activation.short()}: encoded activations run the Triton kernel")

@@ -30,6 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ...errors import PlanError
+from ...gemm.plan import check_gemm_plan
 from .codegen import kernel_module
 from ...ir import (Add, Codes, Contract, Correction, Dequantize, GroupedAxis, GroupParam, Input, K, M,
                    ScaleGroups)
@@ -340,6 +341,7 @@ class _GemmEmitter:
 
 def generate_gemm(plan, dtype: str = "fp16") -> GemmKernelSource:
     """Triton source of ``y = x @ w.T`` for a GEMM plan, MMA inputs in ``dtype``."""
+    check_gemm_plan(plan)   # a decision that is not the proved graph's never reaches code generation
     em = _GemmEmitter(plan, dtype)
     em.run()
     out = em.vals[plan.graph.output]

@@ -33,7 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ...errors import SpecError
-from ...gemm.plan import GemmPlan
+from ...gemm.plan import GemmPlan, check_gemm_plan
 
 SOURCE = '''
 import triton
@@ -212,6 +212,7 @@ SCALE_DTYPES = {"torch.float16": "fp16", "torch.bfloat16": "bf16", "torch.float3
 
 def lower_dequant(plan: GemmPlan, rows: int) -> DequantTile:
     """The template's parameters for ``plan`` at ``rows`` activation rows, or NotDequantTemplate."""
+    check_gemm_plan(plan)   # a decision that is not the proved graph's never reaches a kernel
     spec = plan.spec
     if spec.activation is not None:
         raise NotDequantTemplate(f"activation={spec.activation.short()}: encoded activations run the generated kernel")
