@@ -21,10 +21,9 @@ from .cost import IssueVerdict, verdicts
 from .decisions import (STAGE_OF, CorrectionTerm, FoldKind, GroupAxis, Missing, ScaleSite, ScaleTarget, Stage,
                         TilingConstraint)
 from .errors import InputTypeError, PlanError, SpecError
-from .ir import Contract, Correction, Graph, Input, verify
+from .ir import Contract, Correction, Graph, Input, structural_fold, verify
 from .options import attention_kernel
 from .precision import UNIT_ROUNDOFF, PrecisionDecision, product_precision
-from .proof import structural_fold
 from .passes import (FOLD_POLICIES, FoldCosts, PassRecord, TileConstraint, check_code_bias, check_plan_rules,
                      default_passes, fold_cost, rows_sharing_group, run_pipeline)
 from .registry import attention_backend, workload_of
@@ -235,10 +234,9 @@ def check_plan(the_plan: Plan) -> Plan:
     the decisions, the proof runs the graph). `plan` holds its graphs to these rules (the ordering
     pass); a plan made with `Plan.with_graph` or `dataclasses.replace` is checked here."""
     as_plan(the_plan, "check_plan")
-    if workload_of(getattr(the_plan, "spec", None)) is not None:   # a GEMM plan (it raised AttributeError)
-        from .gemm.plan import check_gemm_plan
-
-        return check_gemm_plan(the_plan)
+    workload = workload_of(getattr(the_plan, "spec", None))
+    if workload is not None:   # a GEMM plan: its workload's own check (this one raised AttributeError)
+        return workload.check_plan(the_plan)
     for name, p in the_plan.products.items():
         if p.correction_missing:
             raise PlanError("missing-correction", f"{name}: %{p.encoded} is folded ({p.fold}) but the plan adds no "

@@ -25,8 +25,8 @@ import sympy as sp
 
 from .errors import PlanError, ProofError
 from .executor import Executor, SympyOps
-from .ir import (CHANNEL, TOKEN, Accumulate, Codes, Contract, Dequantize, Divide, GroupedAxis, Input,
-                 OnlineSoftmax, Prescale, ScaleGroups, param_axes, verify)
+from .ir import (CHANNEL, TOKEN, Accumulate, Codes, Contract, Divide, GroupedAxis, Input, OnlineSoftmax,
+                 param_axes, structural_fold, verify)
 from .ir.graph import Graph
 from .passes import check_plan_rules, fold_from_axes
 from .registry import workload_of
@@ -68,19 +68,6 @@ class ProofReport:
 
 
 # -- 1. rules ---------------------------------------------------------------------------
-def structural_fold(graph: Graph, product: str) -> str | None:
-    """The fold kind the graph's structure implements for ``product``."""
-    nodes = [n for n in graph if getattr(n, "product", None) == product]
-    if any(isinstance(n, ScaleGroups) for n in nodes):
-        return "acc-fold"
-    if any(isinstance(n, Prescale) for n in nodes):
-        return "operand-fold"
-    contracts = [n for n in nodes if isinstance(n, Contract)]
-    if any(isinstance(graph[o], Dequantize) for c in contracts for o in c.operands()):
-        return "dequant"
-    return None
-
-
 def check_fold_kinds(graph: Graph) -> None:
     """Rule fold-kind-mismatch (eq. 11): the structure must match what the axes call for."""
     for contract in graph.nodes_of(Contract):

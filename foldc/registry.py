@@ -39,7 +39,8 @@ class Workload:
 
     ``spec_type``: its spec's class; ``table``: its layout file's TOML section and ``from_table(table,
     where)`` the spec read from it; ``plan(spec, code_bias, fold_policy)``, ``prove(plan)``,
-    ``compile(spec, target, **options)``, ``explain(plan) -> str``; for `foldc compile`:
+    ``compile(spec, target, **options)``, ``explain(plan) -> str``, ``check_plan(plan) -> plan`` (its decisions are
+    its graph's, `foldc.check_plan`); for `foldc compile`:
     ``kernel_plan(spec)`` (the plan its kernel runs), ``cli_options(spec, target, kernel, block_n,
     num_warps, num_stages) -> (kernel, options)``, ``check(spec, target, seed, callable) -> (line, ok)``
     (the interpreter or reference check), ``build(spec, target, out, dtype, **options) -> report``
@@ -58,6 +59,7 @@ class Workload:
     check: Callable[..., tuple[str, bool]]
     build: Callable[..., dict]
     artifact: str
+    check_plan: Callable[..., Any]
 
 
 _BACKENDS: dict[str, AttentionBackend] = {}

@@ -9,7 +9,7 @@ from ..options import check_launch_options
 from ..registry import Workload, register_workload
 from .compile import compile_gemm
 from .explain import gemm_explain_table
-from .plan import gemm_plan
+from .plan import check_gemm_plan, gemm_plan
 from .proof import prove_gemm
 from .reference import gemm_reference, quantize_2d
 from .spec import GemmSpec, gemm_spec_from_table
@@ -66,4 +66,4 @@ def build(spec: GemmSpec, target: str, out, dtype: str, **options) -> dict:
 WORKLOAD = register_workload(Workload(
     name="gemm", spec_type=GemmSpec, table="gemm", from_table=gemm_spec_from_table, plan=gemm_plan,
     prove=prove_gemm, compile=compile_gemm, explain=gemm_explain_table, kernel_plan=kernel_plan,
-    cli_options=cli_options, check=check, build=build, artifact="foldc_gemm"))
+    cli_options=cli_options, check=check, build=build, artifact="foldc_gemm", check_plan=check_gemm_plan))

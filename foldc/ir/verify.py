@@ -191,3 +191,17 @@ _CHECKS = {
     Correction: _check_correction, Add: _check_add, MulScalar: _check_same_axes,
     OnlineSoftmax: _check_softmax, Accumulate: _check_accumulate, Divide: _check_divide,
 }
+
+
+def structural_fold(graph, product: str) -> str | None:
+    """The fold kind the graph's structure implements for ``product`` (eq. 11): a ScaleGroups is an acc-fold, a
+    Prescale an operand-fold, a contraction of dequantized values a dequant; None for a plain product."""
+    nodes = [n for n in graph if getattr(n, "product", None) == product]
+    if any(isinstance(n, ScaleGroups) for n in nodes):
+        return "acc-fold"
+    if any(isinstance(n, Prescale) for n in nodes):
+        return "operand-fold"
+    contracts = [n for n in nodes if isinstance(n, Contract)]
+    if any(isinstance(graph[o], Dequantize) for c in contracts for o in c.operands()):
+        return "dequant"
+    return None
