@@ -27,8 +27,9 @@ def _add_layout_args(p: argparse.ArgumentParser) -> None:
 
 def _add_target_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default=None, choices=["sm_90", "sm_100", "interpret"],
-                   help="the plan of the kernel that runs the layout on this target, bf16 queries (its code bias, "
-                   "operand precision and rows per program); default: the reference plan")
+                   help="the plan of the kernel that runs the layout on this target, bf16 queries (fp16 for interpret, "
+                   "the only ones it runs): its code bias, operand precision and rows per program; default: the "
+                   "reference plan")
 
 
 LAYOUT_FLAGS = (("k", "--k"), ("v", "--v"), ("heads", "--heads"), ("head_dim", "--head-dim"))

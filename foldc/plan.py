@@ -131,7 +131,8 @@ def plan(spec: AttentionSpec, code_bias: dict[str, int] | None = None, fold_poli
     """Plan decode attention for ``spec``: pick each fold, insert corrections, check ordering.
 
     ``target`` ("sm_90", "sm_100", "interpret"): the plan the kernel ``foldc.compile(spec, target,
-    kernel=kernel)`` runs for ``dtype`` queries (default bf16), with that kernel's code biases and
+    kernel=kernel)`` runs for ``dtype`` queries (default bf16; fp16, the only one it runs, for "interpret"), with
+    that kernel's code biases and
     operand dtype: the register-operand kernel's (`foldc.backends.gluon.lower.gluon_plan`) where it
     lowers the plan, else the generated Triton kernel's (`triton_plan`). The kernel is generated
     from exactly this plan; where neither kernel tiles ``spec`` (head_dim 8, channel groups of 7 tokens...)
@@ -154,7 +155,8 @@ def plan(spec: AttentionSpec, code_bias: dict[str, int] | None = None, fold_poli
     `foldc.gemm.plan.gemm_plan`, with the same passes).
     """
     if target is not None:
-        return _target_plan(spec, target, kernel, dtype or "bf16", code_bias, operand_dtype, fold_policy, bar_dtype)
+        dtype = dtype or ("fp16" if target == "interpret" else "bf16")
+        return _target_plan(spec, target, kernel, dtype, code_bias, operand_dtype, fold_policy, bar_dtype)
     workload = workload_of(spec)
     if workload is not None:
         return workload.plan(spec, code_bias, fold_policy)
@@ -205,6 +207,9 @@ def _target_plan(spec, target: str, kernel: str, dtype: str, code_bias, operand_
                         "drop target")
     if not _unit_dtype(dtype):
         raise SpecError(f"dtype={dtype!r} is not one of {sorted(UNIT_ROUNDOFF)} (the query's dtype)")
+    if target == "interpret" and dtype != "fp16":   # its plan (bf16's code bias of 128) would describe no kernel
+        raise SpecError(f"dtype={dtype!r}: the interpreter's kernel runs fp16 queries only (Triton's interpreter "
+                        "mishandles bf16); plan it with dtype='fp16', or plan target='sm_90' for bf16")
     options = {} if fold_policy == "auto" else {"fold_policy": fold_policy}
     name = attention_kernel(spec, target, kernel, options, aot=True, dtype=dtype)
     backend = attention_backend(name)
