@@ -259,7 +259,7 @@ def check_no_overlap(out, name: str = "out", **inputs) -> None:
 
 def check_merge_parts(parts) -> None:
     """The parts of `foldc.merge_attention`: a non-empty list of (out [batch, heads, head_dim],
-    lse [batch, heads]) floating-point tensor pairs of one shape and device."""
+    lse [batch, heads]) floating-point tensor pairs of one shape and device, each lse float32 or float64."""
     if isinstance(parts, (torch.Tensor, str, bytes)) or not isinstance(parts, (list, tuple)):
         raise InputTypeError(f"parts must be a list of (out, lse) pairs, got {type(parts).__name__}")
     if not parts:
@@ -275,6 +275,10 @@ def check_merge_parts(parts) -> None:
                 raise InputTypeError(f"part {i}: {what} must be a torch.Tensor, got {type(t).__name__}")
             if not t.is_floating_point():
                 raise InputError(f"part {i}: {what} dtype={t.dtype} must be floating point")
+        if s.dtype not in (torch.float32, torch.float64):   # bf16 at lse 20 moves a part's weight by up to 6%
+            raise InputError(f"part {i}: lse dtype={s.dtype}: a log-sum-exp rounded to 16 bits moves the parts' "
+                             "weights exp(lse_i - lse) by up to 2**-8 x |lse| (6% at lse 20); pass the float32 lse "
+                             "the attention call returned")
         if o.dim() != 3 or tuple(s.shape) != tuple(o.shape[:2]):
             raise InputError(f"part {i}: out {tuple(o.shape)} / lse {tuple(s.shape)}: out must be [batch, heads, "
                              "head_dim] and lse out.shape[:2]")

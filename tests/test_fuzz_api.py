@@ -186,7 +186,7 @@ def test_merged_parts_equal_attention_over_all_keys(c, data):
     plain = foldc.compile(foldc.AttentionSpec(spec.num_q_heads, spec.num_kv_heads, spec.head_dim), "reference")
     parts = [plain(c["q"], deq[0][:, :, a:b], deq[1][:, :, a:b], sm_scale=c["sm_scale"], return_lse=True)
              for a, b in zip(bounds, bounds[1:])]
-    how = data.draw(st.sampled_from([None, "nan-lse", "inf-lse", "shape", "dtype", "not-a-pair", "empty"]))
+    how = data.draw(st.sampled_from([None, "nan-lse", "inf-lse", "shape", "dtype", "lse16", "not-a-pair", "empty"]))
     if how is None:
         out, lse = foldc.merge_attention(parts)
         assert rel_l2(out, _exact(c)) < 1e-10
@@ -194,6 +194,7 @@ def test_merged_parts_equal_attention_over_all_keys(c, data):
         o, s = parts[0]
         bad = {"nan-lse": [(o, s.clone().fill_(math.nan))] + parts[1:], "inf-lse": [(o, s.clone().fill_(math.inf))],
                "shape": parts + [(o[..., :-1], s)], "dtype": [(o.long(), s)] + parts[1:], "not-a-pair": [o],
+               "lse16": [(o, s.to(data.draw(st.sampled_from([torch.float16, torch.bfloat16]))))] + parts[1:],
                "empty": []}[how]
         with pytest.raises(FoldError):
             foldc.merge_attention(bad)

@@ -58,3 +58,18 @@ def test_mismatched_parts_are_rejected():
         foldc.merge_attention([(torch.randn(1, 2, 4), torch.zeros(1, 2)), (torch.randn(1, 3, 4), torch.zeros(1, 3))])
     with pytest.raises(InputError, match="at least one"):
         foldc.merge_attention([])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_16_bit_lse_is_refused(dtype):
+    """A log-sum-exp rounded to 16 bits moves each part's weight exp(lse_i - lse) by up to 2**-8 x |lse|: about 6%
+    at lse 20 in bf16, silently."""
+    gen = torch.Generator().manual_seed(11)
+    lse = 20 + torch.rand(1, 2, generator=gen, dtype=torch.float64)
+    parts = [(torch.randn(1, 2, 4, generator=gen), lse.float()), (torch.randn(1, 2, 4, generator=gen), lse.float() - 1)]
+    rounded = lse.to(dtype).double()
+    assert (rounded - lse).abs().max() > 1e-3   # the rounding the merge would have taken as the logits' own
+    with pytest.raises(InputError, match="part 1: lse dtype"):
+        foldc.merge_attention([parts[0], (parts[1][0], parts[1][1].to(dtype))])
+    foldc.merge_attention(parts)   # float32 and float64 lse pass
+    foldc.merge_attention([(o, s.double()) for o, s in parts])
