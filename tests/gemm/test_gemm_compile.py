@@ -34,3 +34,26 @@ def test_known_options_still_compile():
     kernel = foldc.compile(SPEC, target="interpret", kernel="triton", block_m=16, block_n=32, split_k=1)
     assert kernel.explicit == {"block_m": 16, "block_n": 32, "split_k": 1}
     assert foldc.compile(SPEC, target="interpret", kernel="auto").explicit == {}
+
+
+@pytest.mark.parametrize("kernel", ["auto", "gluon"])
+def test_gpu_callable_names_an_x_that_is_not_a_plain_tensor(kernel):
+    """The GPU callable's choice between the GEMV and the Triton kernel called x.dim(): an AffineTensor x for a
+    plain-activation spec, or a NumPy array, raised AttributeError. The launcher's checks now say what to pass
+    (built without a GPU: the checks run before any launch)."""
+    import numpy
+    import torch
+
+    from foldc.errors import InputError, InputTypeError
+    from foldc.gemm.compile import GemmKernel
+    from foldc.gemm.reference import quantize_2d
+
+    gemm = GemmKernel(SPEC, "sm_90", kernel=kernel)
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    x = torch.randn(2, 128, generator=gen) + 0.5
+    w = quantize_2d(torch.randn(32, 128, generator=gen), SPEC.weight)
+    with pytest.raises(InputTypeError, match="x is an AffineTensor but the spec says x is plain"):
+        gemm(quantize_2d(x, parse_gemm_encoding("per-token:8", "activation")), w)
+    with pytest.raises(InputError, match=r"got a ndarray, not a torch.Tensor"):
+        gemm(numpy.asarray(x.half()), w)
+    assert not gemm.uses_gemv(numpy.asarray(x.half()), w)
