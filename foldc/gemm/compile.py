@@ -54,8 +54,10 @@ class GemmKernel:
     def uses_gemv(self, x, w=None) -> bool:
         """Whether a call with ``x`` (and ``w``: its alignment is checked too) runs the register-operand
         GEMV. With ``kernel="gluon"`` a call it does not take raises (the GEMV's own checks say why)."""
-        if self.gemv is None or not hasattr(x, "shape") or x.dim() != 2 or x.shape[0] == 0:
-            return False   # (no rows: the Triton launcher's checks, then an empty result)
+        import torch
+
+        if self.gemv is None or not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[0] == 0:
+            return False   # (an AffineTensor, a NumPy array, no rows: the Triton launcher's checks say what to pass)
         if self.choice == "gluon":
             ok, why = self.gemv.lowers(x.dtype, x.shape[0])
             if not ok:

@@ -52,7 +52,12 @@ def check_operand(name: str, t, enc: GemmEncoding | None, rows: int | None, k: i
         if isinstance(t, AffineTensor):
             raise InputTypeError(f"{name} is an AffineTensor but the spec says {name} is plain")
         if not isinstance(t, torch.Tensor) or t.dim() != 2 or t.shape[1] != k:
-            raise InputError(f"{name} must be a [rows, k={k}] tensor; got {getattr(t, 'shape', type(t).__name__)}")
+            # (a NumPy array's shape alone, "(3, 128)", read as the right one)
+            got = t.shape if isinstance(t, torch.Tensor) else f"a {type(t).__name__}, not a torch.Tensor"
+            raise InputError(f"{name} must be a [rows, k={k}] tensor; got {got}")
+        if t.layout != torch.strided:   # (the executor raised from inside torch's reshape; the kernels named strides)
+            raise InputError(f"{name} is a tensor of layout {t.layout}; the GEMM reads a dense {name}: pass "
+                             f"{name}.to_dense()")
         if not t.is_floating_point():
             raise InputError(f"{name} dtype={t.dtype}: a plain operand is floating point (float16, bfloat16, float32 "
                              f"or float64); cast it, or give the spec an encoding for {name} (e.g. 'per-token:8') and "
@@ -66,6 +71,15 @@ def check_operand(name: str, t, enc: GemmEncoding | None, rows: int | None, k: i
         raise InputError(f"{name} has encoding {t.encoding.short()} and shape {t.shape}; the spec needs "
                          f"{want.short()} with shape [1, 1, rows, k={k}]")
     return t.shape[2]
+
+
+def operand_device(x, w) -> torch.device:
+    """The device of one call: x's, which w's must be (a kernel given a weight on another device read another
+    device's addresses, or raised from inside Triton; the float64 executor from inside torch)."""
+    x_device, w_device = (t.device for t in (x, w))
+    if w_device != x_device:
+        raise InputError(f"w is on {w_device} but x is on {x_device}; move both to one device (w.to(x.device))")
+    return x_device
 
 
 def bindings(x, w) -> dict:
@@ -92,6 +106,10 @@ class ReferenceGemm:
         n = check_operand("w", w, spec.weight, spec.n, spec.k)
         if n != spec.n or (spec.m is not None and m != spec.m):
             raise InputError(f"x has {m} rows and w {n}; the spec says m={spec.m}, n={spec.n}")
+        device = operand_device(x, w)
+        if device.type == "meta":   # (the executor returned a CPU tensor of whatever its memory held)
+            raise InputError("x and w are on the meta device, which holds no values to multiply; pass tensors on "
+                             "the CPU or a GPU")
         sizes = {M: m, N: n, K: spec.k}
-        env = Executor(self.plan.graph, TorchOps(), bindings(x, w), sizes, 1, None, 1).run()
+        env = Executor(self.plan.graph, TorchOps(device), bindings(x, w), sizes, 1, None, 1).run()
         return env[self.plan.graph.output].data

@@ -158,6 +158,23 @@ def test_launcher_checks_inputs():
 
 
 
+@needs_interpreter
+@pytest.mark.parametrize("weight, activation", [("k-group:4:32", None), ("per-channel:8", "per-token:8")])
+def test_a_weight_on_another_device_than_x_is_refused(weight, activation):
+    """The launcher checked x's device alone: a weight elsewhere reached the kernel (the interpreter raised
+    NotImplementedError copying out of a meta weight; on a GPU, Triton's "cannot be accessed" for a CPU weight, or
+    another GPU's addresses). Refused by name before anything runs; the same weight on x's device answers."""
+    spec = spec_of(weight, activation, None, 24, 128, symbolic=True)
+    kernel = foldc.compile(spec, target="interpret")
+    xq, wq = operands(spec, 3, int(torch.randint(0, 2**31 - 1, ())))
+    out = torch.full((3, 24), float("nan"), dtype=torch.float16)
+    with pytest.raises(InputError, match="w is on meta but x is on cpu; move both to one device"):
+        kernel(xq, wq.to("meta"), out=out)
+    assert torch.isnan(out).all()
+    want = foldc.compile(spec, target="reference")(xq, wq)
+    assert float((kernel(xq, wq, out=out).double() - want).norm() / want.norm()) < 2e-3
+
+
 @pytest.mark.parametrize("part", ["zero", "scale", "codes"])
 @pytest.mark.parametrize("m", [4, 40])   # the generated kernel's fold, the large-m template's dequant verdict
 def test_operands_in_a_layout_the_kernels_do_not_read_are_refused(part, m):

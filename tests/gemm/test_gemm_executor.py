@@ -93,3 +93,42 @@ def test_quantize_2d_scale_overflow_names_the_fp32_encoding_and_it_works(weight,
     q = quantize_2d(w, parse_gemm_encoding(fix, "weight"))
     s = q.scale[0, 0].double().repeat_interleave(256 // q.scale.shape[-1], dim=1)
     assert ((q.dequantize(torch.float64)[0, 0] - w.double()).abs() <= s / 2 * (1 + 1e-5) + 1e-3 * s).all()
+
+
+@settings(max_examples=8, deadline=None)
+@given(st.sampled_from(["k-group:4:32", "per-channel:8"]), st.integers(1, 6), st.integers(0, 2**31 - 1))
+def test_reference_gemm_refuses_operands_it_cannot_read(weight, m, seed):
+    """x on the meta device returned a float64 [m, n] of whatever memory held (no error); a weight on the meta device
+    (or another device than x) and a sparse x raised torch's RuntimeError naming neither; a NumPy x was refused as
+    "got (m, k)", its shape, the right one. Each is refused by name; the same operands on one device still answer."""
+    spec = GemmSpec(16, 64, parse_gemm_encoding(weight, "weight"))
+    gemm = foldc.compile(spec, target="reference")
+    gen = torch.Generator().manual_seed(seed)
+    x = (torch.randn(m, 64, generator=gen) + 0.5).half()
+    w = quantize_2d(torch.randn(16, 64, generator=gen), spec.weight)
+    with pytest.raises(InputError, match="w is on cpu but x is on meta; move both to one device"):
+        gemm(x.to("meta"), w)
+    with pytest.raises(InputError, match="w is on meta but x is on cpu; move both to one device"):
+        gemm(x, w.to("meta"))
+    with pytest.raises(InputError, match="x and w are on the meta device, which holds no values"):
+        gemm(x.to("meta"), w.to("meta"))
+    with pytest.raises(InputError, match=r"x is a tensor of layout torch.sparse_coo.*x.to_dense\(\)"):
+        gemm(x.float().to_sparse(), w)
+    with pytest.raises(InputError, match=r"x must be a \[rows, k=64\] tensor; got a ndarray, not a torch.Tensor"):
+        gemm(x.numpy(), w)
+    want = gemm_reference(x, w)
+    assert float(want.abs().max()) > 0 and torch.allclose(gemm(x, w), want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("weight", ["k-group:4:32", "per-channel:8"])
+def test_reference_gemm_runs_on_the_operands_gpu(weight):
+    """The executor made its group-membership matrices on the CPU whatever the operands' device: x and w on a GPU
+    raised torch's device-mismatch RuntimeError. It now runs where they are, with the CPU's answer."""
+    spec = GemmSpec(16, 64, parse_gemm_encoding(weight, "weight"))
+    gemm = foldc.compile(spec, target="reference")
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    x = (torch.randn(3, 64, generator=gen) + 0.5).half()
+    w = quantize_2d(torch.randn(16, 64, generator=gen), spec.weight)
+    got = gemm(x.cuda(), w.to("cuda"))
+    assert got.is_cuda and torch.allclose(got.cpu(), gemm(x, w), rtol=1e-12, atol=1e-12)

@@ -240,7 +240,8 @@ class GluonGemv:
         if isinstance(x, AffineTensor) or not isinstance(x, torch.Tensor) or x.dim() != 2 or \
                 not isinstance(w, AffineTensor) or w.codes.dim() != 4:
             return False
-        return x.dtype in DTYPES and x.is_cuda and _aligned(w.codes[0, 0]) and self.lowers(x.dtype, x.shape[0])[0]
+        return x.dtype in DTYPES and x.is_cuda and _aligned(w.codes[0, 0]) and _params_aligned(w) and \
+            self.lowers(x.dtype, x.shape[0])[0]
 
     def bind(self, m: int, dtype: torch.dtype, device, w) -> tuple[GemvLaunch, tuple] | None:
         """(launch, the weight's 2-D rows) for calls of ``m`` rows of ``dtype`` on ``device`` with weight ``w``,
@@ -298,6 +299,10 @@ class GluonGemv:
         if scale.stride() != zero.stride() or scale.stride(1) != 1:
             raise InputError(f"w.scale strides {scale.stride()} and w.zero strides {zero.stride()} must match, "
                              "with unit stride along the groups")
+        if not _params_aligned(w):
+            raise InputError(f"w.scale and w.zero start {scale.data_ptr() % 4} and {zero.data_ptr() % 4} bytes past a "
+                             "4-byte boundary (a view from an odd row or group?): the kernel reads 16-bit scales and "
+                             "zeros as 32-bit words; pass w with copies, w.scale.clone() and w.zero.clone()")
 
     def __call__(self, x, w, out: torch.Tensor | None = None, counters: torch.Tensor | None = None) -> torch.Tensor:
         """``y = x @ w.T`` into ``out`` (or a new tensor). ``counters``: the split-k block counters from the
@@ -381,6 +386,12 @@ class GluonGemv:
 def _aligned(codes: torch.Tensor) -> bool:
     """Code rows with unit stride, each 16-byte aligned (the kernel's 16-byte cp.async)."""
     return codes.stride(1) == 1 and codes.stride(0) % 16 == 0 and codes.data_ptr() % 16 == 0
+
+
+def _params_aligned(w: AffineTensor) -> bool:
+    """Scales and zeros whose first element starts a 32-bit word: the kernel copies 16-bit ones as words counted
+    from there (`gemv._copy_runs`), which a view starting at an odd element would misalign."""
+    return w.scale.element_size() == 4 or (w.scale.data_ptr() % 4 == 0 and w.zero.data_ptr() % 4 == 0)
 
 
 def gemv_bytes(spec: GemmSpec) -> int:

@@ -15,7 +15,7 @@ import torch
 from ...encoding import AffineTensor
 from ...errors import InputError, SpecError
 from ...gemm.plan import GemmPlan, gemm_plan
-from ...gemm.reference import check_operand
+from ...gemm.reference import check_operand, operand_device
 from ...gemm.spec import GemmSpec
 from ...options import check_gemm_options
 from ...proof import prove
@@ -182,7 +182,7 @@ class TritonGemm:
         for name, t in (("x", x), ("w", w)):
             if isinstance(t, AffineTensor):
                 check_kernel_layout(name, t)
-        device = (x.codes if isinstance(x, AffineTensor) else x).device
+        device = operand_device(x, w)
         if self.interpret and device.type != "cpu":
             raise InputError(f"target='interpret' runs on the CPU; x is on {device}")
         if not self.interpret and device.type != "cuda":
