@@ -246,21 +246,27 @@ def _rel(a, b) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
+def sdpa_peer(backend):
+    """factory(q [batch, q heads, d], k, v [batch, KV heads, tokens, d]) -> a zero-argument call of torch SDPA with
+    that backend alone (another raises rather than runs in its place) and ``enable_gqa`` (each KV head read once)."""
+    from torch.nn.attention import sdpa_kernel
+
+    def make(q, k, v):
+        q4 = q.unsqueeze(2)
+
+        def run():
+            with sdpa_kernel(backend):
+                return torch.nn.functional.scaled_dot_product_attention(q4, k, v, enable_gqa=True).squeeze(2)
+        return run
+    return make
+
+
 def peers():
     """name -> factory(q, k_bf16, v_bf16) returning a zero-argument callable; only importable ones."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention import SDPBackend
 
-    def sdpa(backend):
-        def make(q, k, v):
-            q4 = q.unsqueeze(2)
-
-            def run():
-                with sdpa_kernel(backend):
-                    return torch.nn.functional.scaled_dot_product_attention(q4, k, v, enable_gqa=True).squeeze(2)
-            return run
-        return make
-
-    out = {"sdpa cudnn bf16": sdpa(SDPBackend.CUDNN_ATTENTION), "sdpa flash bf16": sdpa(SDPBackend.FLASH_ATTENTION)}
+    out = {"sdpa cudnn bf16": sdpa_peer(SDPBackend.CUDNN_ATTENTION),
+           "sdpa flash bf16": sdpa_peer(SDPBackend.FLASH_ATTENTION)}
     try:
         import flashinfer
 
