@@ -248,17 +248,35 @@ def _rel(a, b) -> float:
 
 def sdpa_peer(backend):
     """factory(q [batch, q heads, d], k, v [batch, KV heads, tokens, d]) -> a zero-argument call of torch SDPA with
-    that backend alone (another raises rather than runs in its place) and ``enable_gqa`` (each KV head read once)."""
-    from torch.nn.attention import sdpa_kernel
+    ``enable_gqa`` (each KV head read once) and that backend alone (another raises rather than runs in its place).
+    The backend is selected once around a measurement (``with run.selected():``), not inside each call: torch's
+    ``sdpa_kernel`` context costs about 10 µs of host time, which the peer's host µs counted; a call made outside
+    ``run.selected()`` raises (it would let SDPA pick its backend)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    cuda = torch.backends.cuda
+    enabled = {SDPBackend.CUDNN_ATTENTION: cuda.cudnn_sdp_enabled, SDPBackend.FLASH_ATTENTION: cuda.flash_sdp_enabled,
+               SDPBackend.EFFICIENT_ATTENTION: cuda.mem_efficient_sdp_enabled, SDPBackend.MATH: cuda.math_sdp_enabled}
+    others = [flag for b, flag in enabled.items() if b != backend]
 
     def make(q, k, v):
         q4 = q.unsqueeze(2)
 
         def run():
-            with sdpa_kernel(backend):
-                return torch.nn.functional.scaled_dot_product_attention(q4, k, v, enable_gqa=True).squeeze(2)
+            if not enabled[backend]() or any(flag() for flag in others):
+                raise RuntimeError(f"SDPA peer {backend.name}: call it inside `with run.selected():`, which selects "
+                                   "that backend alone")
+            return torch.nn.functional.scaled_dot_product_attention(q4, k, v, enable_gqa=True).squeeze(2)
+        run.selected = lambda: sdpa_kernel(backend)
         return run
     return make
+
+
+def selected(fn):
+    """The context a peer's call runs in (`sdpa_peer`'s backend selection), or none."""
+    import contextlib
+
+    return getattr(fn, "selected", contextlib.nullcontext)()
 
 
 def peers():
@@ -336,12 +354,13 @@ def run_bench(out_dir: Path, quick: bool = False, tune: bool = True, shapes=None
         for name, make in peer_makers.items():
             try:
                 fn = make(q, k, v)
-                got = fn()
-                eager, graph = timed(fn)
+                with selected(fn):   # once around the measurements: not in the host time of each call
+                    got = fn()
+                    eager, graph = timed(fn)
+                    host = host_us(fn, calls=50)
                 ref = attention_reference(q[:1], k[:1], v[:1])
                 err = _rel(got[:1].float(), ref)
-                shape_rows[name] = (eager, graph, host_us(fn, calls=50), must_read(None, None, batch, tokens), err,
-                                    "")
+                shape_rows[name] = (eager, graph, host, must_read(None, None, batch, tokens), err, "")
             except Exception as e:
                 print(f"  {name}: failed ({type(e).__name__}: {str(e).splitlines()[0][:120]})", flush=True)
         quantized = {}

@@ -211,8 +211,9 @@ def time_cudnn(make, lay: Layout, batch: int, tokens: int) -> dict:
     v = torch.randn(batch, lay.kv_heads, tokens, lay.head_dim, device="cuda", dtype=torch.bfloat16) + 0.5
     try:
         fn = make(q, k, v)
-        fn()
-        eager, graph = bench.timed(fn)
+        with bench.selected(fn):
+            fn()
+            eager, graph = bench.timed(fn)
         return {"us": best_us(eager, graph), "us_eager": eager, "us_graph": graph}
     except Exception as e:  # e.g. a head_dim cuDNN does not take here: the x cuDNN cells stay empty
         print(f"  cuDNN SDPA {lay.q_heads}/{lay.kv_heads} d{lay.head_dim} {batch}x{tokens}: {message(e)}",

@@ -267,7 +267,9 @@ def paged_kernel(c: Ctx) -> tuple[list, str]:
             t_contig = _time(c, lambda: contiguous(q, kc, vc, seq_lens=lens, out=out), reps)
             kd = kc.dequantize(torch.float32).to(c.dtype)
             vd = vc.dequantize(torch.float32).to(c.dtype)
-            t_sdpa = _time(c, sdpa_baseline(q, kd, vd), reps)
+            sdpa = sdpa_baseline(q, kd, vd)
+            with sdpa.selected():
+                t_sdpa = _time(c, sdpa, reps)
             kv_bytes = 2 * batch * hkv * n * d * 2
             t_step = _decode_step_time(c, spec, batch, n, reps, gen)
             rows.append([f"INT{bits} token/token g{c.group}", batch, n, t_paged * 1e6, t_contig * 1e6, t_step * 1e6,
