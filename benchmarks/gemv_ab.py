@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gemv_check import CEILING, copies, graph_us, int4pack, rel  # noqa: E402
+from gemv_check import copies, graph_us, int4pack, rel, read_ceiling  # noqa: E402
 
 CASES = [("k-group:4:128", 4096, 14336, 1), ("k-group:4:128", 28672, 8192, 1), ("k-group:2:128", 28672, 8192, 1),
          ("k-group:4:128", 14336, 4096, 1), ("k-group:4:128", 4096, 4096, 1), ("k-group:4:128", 28672, 8192, 16),
@@ -199,12 +199,13 @@ def main(argv=None) -> int:
                         err, us = f"{type(e).__name__}: {str(e)[:200]}", None
                     row.setdefault("a_options", []).append((o, err, us))
             del ws
-            row[f"a_{tag}_pct"] = 100 * nbytes / (row[f"a_{tag}_us"] * 1e-6) / CEILING
+            row[f"a_{tag}_pct"] = 100 * nbytes / (row[f"a_{tag}_us"] * 1e-6) / read_ceiling()
         print(summary(row), flush=True)
         rows.append(row)
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps({"seed": args.seed, "b": args.b, "b_kernel": args.b_kernel,
                                               "b_asm": args.b_asm, "device": torch.cuda.get_device_name(),
+                                              "ceiling_tb_s": read_ceiling() / 1e12,
                                               "rows": rows}, indent=1))
     return 0
 

@@ -79,7 +79,7 @@ def main(argv=None) -> int:
     from foldc.gemm import GemmSpec, parse_gemm_encoding
     from foldc.gemm.reference import gemm_reference, quantize_2d
     from gemv_ab import b_call
-    from gemv_check import CEILING, copies, graph_us, rel
+    from gemv_check import copies, graph_us, read_ceiling, rel
 
     print(f"seed {args.seed}", flush=True)
     gen = torch.Generator().manual_seed(args.seed)
@@ -109,7 +109,8 @@ def main(argv=None) -> int:
                    for _ in range(max(2, -(-(400 << 20) // nbytes)))]
         row["tiled_us"] = graph_us([lambda c=c: call(x, c, yt) for c in tcopies])
         del tcopies
-        row["pct"], row["tiled_pct"] = (100 * nbytes / (row[key] * 1e-6) / CEILING for key in ("us", "tiled_us"))
+        row["pct"], row["tiled_pct"] = (100 * nbytes / (row[key] * 1e-6) / read_ceiling()
+                                        for key in ("us", "tiled_us"))
         ok = row["tiled_err"] < 1e-2
         print(f"{enc} {n}x{k} m{m}: production {row['us']:.2f} µs ({row['pct']:.0f}%), tiled {row['tiled_us']:.2f} "
               f"({row['tiled_pct']:.0f}%), errors {row['err']:.1e} / {row['tiled_err']:.1e}{'' if ok else ' FAIL'}",

@@ -253,3 +253,31 @@ def test_one_layout_timed_on_the_gpu(tmp_path):
     timing = row["timings"][0]
     assert timing["us"] > 0 and timing["bytes"] == bl.must_read(lg.grid("quick")[0], 1, 4096)
     assert timing["error"] < 1e-2 and results["ceiling_tb_s"] > 0
+
+
+def test_the_ceiling_of_a_timed_run_is_the_fastest_read_in_it(monkeypatch, tmp_path):
+    """layout_grid_h200.json: cuDNN read at 103% of the streaming read at 8 x 64K, so the layouts' % of that read
+    were 3% too high. With the kernels and cuDNN faked (CPU), the run's ceiling is cuDNN's rate, every timing's %
+    is of it (the first layout's too, timed before cuDNN raised it), and the table says so."""
+    stream = 4.0e12
+    lays = [lg.layout("token:2:128", "token:2:128"), lg.layout("token:4:128", "token:4:128")]
+    cudnn_us = bl.bf16_bytes(lays[0], 8, 65536) / 4.4e12 * 1e6     # cuDNN at 4.4 TB/s: 110% of the streaming read
+    ours_us = {lay.label: bl.must_read(lay, 8, 65536) / 3.2e12 * 1e6 for lay in lays}   # both layouts at 3.2 TB/s
+
+    monkeypatch.setattr(bench, "stream_read_ceiling", lambda: stream)
+    monkeypatch.setattr(bench, "peers", lambda: {"sdpa cudnn bf16": None})
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "fake GPU")
+    monkeypatch.setattr(foldc, "compile", lambda spec, target: object())
+    monkeypatch.setattr(bl, "check", lambda *a: {**_check("GluonAttention", 1e-3, 1e-3), "bar_dtype": "bf16",
+                                                 "batch": 2, "tokens": 80, "folds": None})
+    labels = {lay.spec(): lay.label for lay in lays}
+    monkeypatch.setattr(bl, "time_kernel", lambda attn, spec, b, n, seed: {
+        "batch": b, "tokens": n, "us": ours_us[labels[spec]], "us_eager": 1.0, "us_graph": None, "error": 1e-3})
+    monkeypatch.setattr(bl, "time_cudnn", lambda make, lay, b, n: {"us": cudnn_us, "us_eager": cudnn_us,
+                                                                   "us_graph": None})
+    results = bl.run_grid(lays, tmp_path, check_shape=(2, 80), time_shapes=((8, 65536),))
+    assert results["stream_read_tb_s"] == pytest.approx(4.0) and results["ceiling_tb_s"] == pytest.approx(4.4)
+    for row in results["rows"]:
+        assert row["timings"][0]["pct_ceiling"] == pytest.approx(100 * 3.2 / 4.4)   # 72.7%, not 80%
+    assert json.loads((tmp_path / "layouts.json").read_text())["ceiling_tb_s"] == pytest.approx(4.4)
+    assert "ceiling 4.40 TB/s (the faster of a streaming read, 4.00 TB/s" in (tmp_path / "layouts.txt").read_text()

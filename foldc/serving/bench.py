@@ -11,8 +11,9 @@ a. ``correctness``: the append kernels (contiguous and paged) bit for bit agains
    paged decode kernel against float64 attention over the gathered cache (bar: 1.10 x the error of
    bf16 attention over the same dequantized values), paged == contiguous kernel; a PagedKVCache
    decode loop against the contiguous QuantizedKVCache (same bits) and float64 attention.
-b. ``paged_kernel``: one layer's decode attention at 4K context, batch 1 and 8, CUDA-graph replay:
-   paged foldc kernel, contiguous foldc kernel, and bf16 SDPA over the same (dequantized) tokens.
+b. ``paged_kernel``: one layer's decode attention at 4K context, batch 1 and 8, CUDA-graph replay with the L2
+   flushed before each replay (median): paged foldc kernel, contiguous foldc kernel, and bf16 SDPA over the same
+   (dequantized) tokens (cuDNN, ``enable_gqa`` over the KV heads as `foldc bench` runs it: `sdpa_baseline`).
 c. ``throughput``: decode tokens/s of a randomly initialised Llama-style model (hidden 2048, 16 layers,
    32/8 heads, head_dim 128, bf16, no download) with transformers' DynamicCache (bf16), foldc's
    FoldcCache INT4 and INT2 (contiguous), PagedFoldcCache INT4 and INT2 (paged, no host sync per
@@ -33,6 +34,7 @@ import argparse
 import importlib.util
 import json
 import platform
+import statistics
 import sys
 import time
 import traceback
@@ -193,7 +195,10 @@ def correctness(c: Ctx) -> tuple[list, str]:
 # ---- b. one layer's decode kernel ----------------------------------------------------------------------
 
 def _time(c: Ctx, fn, reps: int) -> float:
-    """Seconds per call: CUDA-graph replay on a GPU, plain calls on the CPU."""
+    """Seconds per call: on a GPU the median of ``reps`` CUDA-graph replays, the L2 flushed before each (as
+    `foldc.timing.graph_us`, with a fixed count of replays: a decode step appends a token per replay); the mean of
+    plain calls on the CPU. Replays back to back kept a cache smaller than the L2 (INT4 at batch 1 x 4K: 4.7 MB)
+    there between calls, but not a larger one (bf16 SDPA's)."""
     fn()
     c.sync()
     if c.device != "cuda":
@@ -211,13 +216,27 @@ def _time(c: Ctx, fn, reps: int) -> float:
         fn()
     graph.replay()
     torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
+    flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")   # triton do_bench's L2 flush
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+    for start, end in events:
+        flush.zero_()
+        start.record()
         graph.replay()
-    end.record()
+        end.record()
     torch.cuda.synchronize()
-    return start.elapsed_time(end) / 1e3 / reps
+    return statistics.median(start.elapsed_time(end) for start, end in events) / 1e3
+
+
+def sdpa_baseline(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    """A call of torch SDPA over q [batch, q heads, head_dim] and k, v [batch, KV heads, tokens, head_dim] as
+    `foldc bench` times its peer (`foldc.bench.sdpa_peer`): ``enable_gqa`` (each KV head read once) and, on a GPU,
+    the cuDNN backend alone (the math backend on the CPU). It was SDPA's default backend over K and V repeated to the
+    query heads (4x the bytes at 32/8 heads: 123 µs at 8 x 4K on the H200, where cuDNN took 48 in `foldc bench`)."""
+    from torch.nn.attention import SDPBackend
+
+    from foldc.bench import sdpa_peer
+
+    return sdpa_peer(SDPBackend.CUDNN_ATTENTION if q.is_cuda else SDPBackend.MATH)(q, k, v)
 
 
 def paged_kernel(c: Ctx) -> tuple[list, str]:
@@ -246,18 +265,19 @@ def paged_kernel(c: Ctx) -> tuple[list, str]:
             lens = torch.full((batch,), n, dtype=torch.int32, device=c.device)
             contiguous = foldc.compile(spec, c.target)
             t_contig = _time(c, lambda: contiguous(q, kc, vc, seq_lens=lens, out=out), reps)
-            kd = kc.dequantize(torch.float32).to(c.dtype).repeat_interleave(hq // hkv, 1)
-            vd = vc.dequantize(torch.float32).to(c.dtype).repeat_interleave(hq // hkv, 1)
-            qs = q[:, :, None]
-            sdpa = torch.nn.functional.scaled_dot_product_attention
-            t_sdpa = _time(c, lambda: sdpa(qs, kd, vd), reps)
+            kd = kc.dequantize(torch.float32).to(c.dtype)
+            vd = vc.dequantize(torch.float32).to(c.dtype)
+            sdpa = sdpa_baseline(q, kd, vd)
+            with sdpa.selected():
+                t_sdpa = _time(c, sdpa, reps)
             kv_bytes = 2 * batch * hkv * n * d * 2
             t_step = _decode_step_time(c, spec, batch, n, reps, gen)
             rows.append([f"INT{bits} token/token g{c.group}", batch, n, t_paged * 1e6, t_contig * 1e6, t_step * 1e6,
                          t_sdpa * 1e6, kv_bytes / t_sdpa / 1e9])
     header = ["cache", "batch", "tokens", "paged foldc (us)", "contiguous foldc (us)",
               "PagedKVCache step: append + attention (us)", "bf16 SDPA (us)", "SDPA GB/s (bf16 K+V)"]
-    text = table("b. one layer's decode attention (CUDA-graph replay)", header, rows)
+    text = table("b. one layer's decode attention (CUDA-graph replay, L2 flushed, median; SDPA: cuDNN, enable_gqa)",
+                 header, rows)
     return [dict(zip(header, r)) for r in rows], text
 
 
