@@ -252,22 +252,30 @@ def sdpa_peer(backend):
     The backend is selected once around a measurement (``with run.selected():``), not inside each call: torch's
     ``sdpa_kernel`` context costs about 10 µs of host time, which the peer's host µs counted; a call made outside
     ``run.selected()`` raises (it would let SDPA pick its backend)."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+    import contextlib
 
-    cuda = torch.backends.cuda
-    enabled = {SDPBackend.CUDNN_ATTENTION: cuda.cudnn_sdp_enabled, SDPBackend.FLASH_ATTENTION: cuda.flash_sdp_enabled,
-               SDPBackend.EFFICIENT_ATTENTION: cuda.mem_efficient_sdp_enabled, SDPBackend.MATH: cuda.math_sdp_enabled}
-    others = [flag for b, flag in enabled.items() if b != backend]
+    from torch.nn.attention import sdpa_kernel
+
+    inside = [False]   # inside run.selected(): one list lookup a call, not the context's ~10 µs
+
+    @contextlib.contextmanager
+    def select():
+        with sdpa_kernel(backend):
+            inside[0] = True
+            try:
+                yield
+            finally:
+                inside[0] = False
 
     def make(q, k, v):
         q4 = q.unsqueeze(2)
 
         def run():
-            if not enabled[backend]() or any(flag() for flag in others):
+            if not inside[0]:
                 raise RuntimeError(f"SDPA peer {backend.name}: call it inside `with run.selected():`, which selects "
                                    "that backend alone")
             return torch.nn.functional.scaled_dot_product_attention(q4, k, v, enable_gqa=True).squeeze(2)
-        run.selected = lambda: sdpa_kernel(backend)
+        run.selected = select
         return run
     return make
 

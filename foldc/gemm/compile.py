@@ -12,6 +12,8 @@ rest (more rows, dequant verdicts of eq. 16, encoded activations). ``kernel="tri
 """
 from __future__ import annotations
 
+import torch
+
 from ..errors import InputError, SpecError
 from .plan import gemm_plan
 from .reference import ReferenceGemm
@@ -54,8 +56,6 @@ class GemmKernel:
     def uses_gemv(self, x, w=None) -> bool:
         """Whether a call with ``x`` (and ``w``: its alignment is checked too) runs the register-operand
         GEMV. With ``kernel="gluon"`` a call it does not take raises (the GEMV's own checks say why)."""
-        import torch
-
         if self.gemv is None or not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[0] == 0:
             return False   # (an AffineTensor, a NumPy array, no rows: the Triton launcher's checks say what to pass)
         if self.choice == "gluon":
