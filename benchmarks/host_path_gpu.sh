@@ -29,6 +29,13 @@
 #     bash benchmarks/host_path_gpu.sh gemv_split_waves  # the GEMV's split k against waves; the persistent variant more
 #     bash benchmarks/host_path_gpu.sh gemv_block_rows   # one-warp programs of 32 and 64 channels at m = 1
 #     bash benchmarks/host_path_gpu.sh gemv_wsplit       # each program's chunks split among one-warp partitions
+#     bash benchmarks/host_path_gpu.sh unrun      # what landed 2026-12-06 evening to 2026-12-07 with no GPU: every
+#                                                 #   layout of the full grid checked, the GEMV's, FoldLinear's and the
+#                                                 #   GEMM's GPU tests (past 2**31 elements, the executor on the GPU)
+#     bash benchmarks/host_path_gpu.sh pdl_patch  # after `git apply benchmarks/variants/gemv_pdl_production.patch`
+#                                                 #   and `git show HEAD:foldc/backends/gluon/gemv.py >
+#                                                 #   benchmarks/_gemv_b.py`: its GPU tests, then production (PDL in
+#                                                 #   graphs) beside the kernel before it and itself launched plain
 #     bash benchmarks/host_path_gpu.sh gemm_wgmma # the async-wgmma dequant GEMM experiment: checked, then timed
 #     bash benchmarks/host_path_gpu.sh gemm_wgmma_small  # the same at m = 1 and 16 (block_m 32, split k), graphed
 #     bash benchmarks/host_path_gpu.sh kernels_then_wgmma_check   # two calls of under ten minutes for a short
@@ -80,6 +87,17 @@ case "${1:-checks}" in
     step paged 250 python3 -m pytest -q tests/serving/test_paged_gpu.py
     step linear 50 python3 -m pytest -q tests/test_nn.py -k gpu
     step hf_tiny_check 80 python3 examples/hf_decode.py --new 32
+    ;;
+  unrun)   # 560 s of limits: the full grid took 135 s on an H100 on 2026-12-06
+    step full_check 200 python3 -m foldc bench --layouts --grid full --check-only --jobs 12 --out "$OUT/full_check"
+    step gemv_linear 150 python3 -m pytest -q tests/test_nn.py tests/backends/test_gemv_gluon.py -k gpu
+    step gemm 150 python3 -m pytest -q tests/backends/test_gemm_triton.py tests/gemm/test_gemm_executor.py -k gpu
+    step cache 60 python3 -m pytest -q tests/serving/test_cache.py
+    ;;
+  pdl_patch)   # 400 s of limits
+    step pdl_tests 180 python3 -m pytest -q -x tests/test_nn.py tests/backends/test_gemv_gluon.py -k gpu
+    step pdl_ab 220 python3 benchmarks/gemv_ab.py --b benchmarks/_gemv_b.py --variant '{}' --quick \
+        --cases 0,1,2,3,4,5,12 --out "$OUT/pdl_ab.json"
     ;;
   pending_times)
     step launch_cost 90 python3 benchmarks/launch_cost.py --out "$OUT/launch_cost.json"
