@@ -27,6 +27,8 @@ from pathlib import Path
 
 import torch
 
+from foldc.gemm.bench import gemv_rows_ceiling as apply_ceiling   # the run's ceiling and every row's %
+
 #: bytes/s the tables of docs/gemm.md up to 2026-12-07 divided by on every card (an H200's streaming read); a run
 #: measures its own now (`read_ceiling`), e.g. ``--ceiling 4.46`` to compare with those tables
 DOCS_CEILING = 4.46e12
@@ -50,32 +52,6 @@ def read_ceiling(tb_s: float | None = None) -> float:
 
         _MEASURED["bytes_s"] = stream_read_ceiling()
     return _MEASURED["bytes_s"]
-
-
-def apply_ceiling(rows: list[dict], stream_read: float) -> float:
-    """The run's ceiling (`foldc.bench.run_ceiling`: the streaming read, or the fastest read of any row where one
-    was faster: fp16 cuBLAS on n x k x 2 bytes, torch's INT4 kernel and foldc's on their codes, scales and zeros) and
-    every foldc row's % of it, set in ``rows``; returns it."""
-    from foldc.backends.gluon.gemv_launch import gemv_bytes
-    from foldc.bench import run_ceiling
-    from foldc.gemm import GemmSpec, parse_gemm_encoding
-
-    def nbytes(r, tag):
-        return gemv_bytes(GemmSpec(r["n"], r["k"], parse_gemm_encoding(f"k-group:{tag}:128", "weight")))
-    reads = []
-    for r in rows:
-        reads.append((r["n"] * r["k"] * 2, r.get("fp16_graph_us")))
-        reads.append((nbytes(r, 4), r.get("torch_int4_graph_us")))   # its bf16 scale-and-zero pairs: as many bytes
-        reads += [(nbytes(r, tag), r.get(f"int{tag}_{dt}_graph_us")) for tag in (4, 2) for dt in ("fp16", "bf16")]
-    ceiling = run_ceiling(stream_read, reads)
-    for r in rows:
-        r["ceiling_tb_s"] = ceiling / 1e12
-        for tag in (4, 2):
-            for dt in ("fp16", "bf16"):
-                us = r.get(f"int{tag}_{dt}_graph_us")
-                if us:
-                    r[f"int{tag}_{dt}_graph_pct"] = 100 * nbytes(r, tag) / (us * 1e-6) / ceiling
-    return ceiling
 
 
 def rel(a, b) -> float:

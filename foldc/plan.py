@@ -25,7 +25,7 @@ from .ir import Contract, Correction, Graph, Input, structural_fold, verify
 from .options import attention_kernel
 from .precision import UNIT_ROUNDOFF, PrecisionDecision, product_precision
 from .passes import (FOLD_POLICIES, FoldCosts, PassRecord, TileConstraint, check_code_bias, check_plan_rules,
-                     default_passes, fold_cost, rows_sharing_group, run_pipeline)
+                     check_spec_inputs, default_passes, fold_cost, rows_sharing_group, run_pipeline)
 from .registry import attention_backend, workload_of
 from .spec import AttentionSpec
 
@@ -268,16 +268,7 @@ def check_decisions(the_plan: Plan) -> None:
     a decision edited with `dataclasses.replace` would have a kernel generated from a plan that was not proved."""
     spec, graph = the_plan.spec, the_plan.graph
     verify(graph)   # a hand-edited graph must be well-formed before its decisions can be read off it
-    built = build_decode_attention(spec)
-    for node in built.nodes_of(Input):
-        have = graph[node.name] if node.name in graph else None
-        if have != node:
-            raise PlanError("spec-mismatch", f"the plan's graph has input {have} where its spec "
-                            f"({spec.describe()}) gives {node}; plan the spec again (foldc.plan)")
-    extra = sorted(n.name for n in graph.nodes_of(Input) if n.role != "ones" and n.name not in built)
-    if extra or any(graph.sizes.get(axis) != size for axis, size in built.sizes.items()):
-        raise PlanError("spec-mismatch", f"the plan's graph (inputs {extra or 'as the spec'}, sizes {graph.sizes}) is "
-                        f"not one of its spec ({spec.describe()}, sizes {built.sizes}); plan the spec again")
+    check_spec_inputs(graph, build_decode_attention(spec), spec.describe())
     if set(the_plan.products) != set(PRODUCT_ORDER):
         raise PlanError("decision-mismatch", f"the plan has products {sorted(the_plan.products)}; decode attention "
                         f"has {list(PRODUCT_ORDER)}")

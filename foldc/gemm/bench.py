@@ -147,6 +147,32 @@ def run_case(name, n, k, m, device, dtype, bench, cpu, seed) -> dict:
     return row
 
 
+def gemv_rows_ceiling(rows: list[dict], stream_read: float) -> float:
+    """The read ceiling of a GEMV table's run (the rows of benchmarks/gemv_check.py: n, k, each kernel's graph µs) by
+    `foldc.bench.run_ceiling` (the streaming read, or the fastest read of any row where one was faster: fp16 cuBLAS on
+    n x k x 2 bytes, torch's INT4 kernel and foldc's on their codes, scales and zeros), and every foldc row's % of
+    it, set in ``rows``; returns it."""
+    from foldc.backends.gluon.gemv_launch import gemv_bytes
+    from foldc.bench import run_ceiling
+
+    def nbytes(r, tag):
+        return gemv_bytes(GemmSpec(r["n"], r["k"], parse_gemm_encoding(f"k-group:{tag}:128", "weight")))
+    reads = []
+    for r in rows:
+        reads.append((r["n"] * r["k"] * 2, r.get("fp16_graph_us")))
+        reads.append((nbytes(r, 4), r.get("torch_int4_graph_us")))   # its bf16 scale-and-zero pairs: as many bytes
+        reads += [(nbytes(r, tag), r.get(f"int{tag}_{dt}_graph_us")) for tag in (4, 2) for dt in ("fp16", "bf16")]
+    ceiling = run_ceiling(stream_read, reads)
+    for r in rows:
+        r["ceiling_tb_s"] = ceiling / 1e12
+        for tag in (4, 2):
+            for dt in ("fp16", "bf16"):
+                us = r.get(f"int{tag}_{dt}_graph_us")
+                if us:
+                    r[f"int{tag}_{dt}_graph_pct"] = 100 * nbytes(r, tag) / (us * 1e-6) / ceiling
+    return ceiling
+
+
 def table(rows) -> str:
     head = (f"{'case':<17} {'N x K':<11} {'tok':>4} {'fold':<9} {'ok':<3} {'err':>8} {'bf16 err':>8} "
             f"{'foldc ms':>9} {'in-k deq':>9} {'deq+mm ms':>9} {'bf16 ms':>8} {'vs deq':>6} {'vs bf16':>7} {'GB/s':>6}")

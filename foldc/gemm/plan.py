@@ -12,8 +12,8 @@ from fractions import Fraction
 from ..cost import IssueVerdict, verdicts
 from ..errors import PlanError, SpecError
 from ..ir import Correction, Dequantize, Graph, Input, Prescale, ScaleGroups, verify
-from ..passes import (FOLD_POLICIES, PassRecord, TileConstraint, check_code_bias, default_passes, fold_cost,
-                      run_pipeline)
+from ..passes import (FOLD_POLICIES, PassRecord, TileConstraint, check_code_bias, check_spec_inputs, default_passes,
+                      fold_cost, run_pipeline)
 from .builder import build_gemm
 from .spec import GemmSpec
 
@@ -89,14 +89,7 @@ def check_gemm_plan(the_plan: GemmPlan) -> GemmPlan:
     one edited with `dataclasses.replace` would have a kernel generated from a plan that was not proved."""
     spec, graph = the_plan.spec, the_plan.graph
     verify(graph)
-    built = build_gemm(spec)
-    for node in built.nodes_of(Input):
-        have = graph[node.name] if node.name in graph else None
-        if have != node:
-            raise PlanError("spec-mismatch", f"the plan's graph has input {have} where its spec ({spec.describe()}) "
-                            f"gives {node}; plan the spec again (foldc.plan)")
-    if graph.sizes != built.sizes:
-        raise PlanError("spec-mismatch", f"the plan's graph has sizes {graph.sizes}; its spec gives {built.sizes}")
+    check_spec_inputs(graph, build_gemm(spec), spec.describe())
     fresh = _make_plan(spec, graph, the_plan.passes)
     if the_plan.constraints != fresh.constraints or set(the_plan.operands) != set(fresh.operands):
         raise PlanError("decision-mismatch", f"the plan's operands {sorted(the_plan.operands)} and tiling constraints "

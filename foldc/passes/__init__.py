@@ -3,7 +3,7 @@ from .axis_analysis import AxisAnalysis, encoded_operand, fold_from_axes
 from .base import Pass, PassRecord, run_pipeline
 from .break_even import BreakEven, FoldCosts, fold_cost, rows_sharing_group
 from .fold_rewrite import FoldRewrite, check_code_bias
-from .ordering import Ordering, TileConstraint, check_plan_rules, tile_constraints
+from .ordering import Ordering, TileConstraint, check_plan_rules, check_spec_inputs, tile_constraints
 
 
 FOLD_POLICIES = ("auto", "dequant")
@@ -17,6 +17,6 @@ def default_passes(code_bias=None, fold_policy: str = "auto", rows_per_program: 
 
 __all__ = [
     "FOLD_POLICIES", "AxisAnalysis", "BreakEven", "FoldCosts", "FoldRewrite", "Ordering", "Pass", "PassRecord",
-    "TileConstraint", "check_code_bias", "check_plan_rules", "default_passes", "encoded_operand", "fold_cost", "fold_from_axes",
-    "rows_sharing_group", "run_pipeline", "tile_constraints",
+    "TileConstraint", "check_code_bias", "check_plan_rules", "check_spec_inputs", "default_passes", "encoded_operand",
+    "fold_cost", "fold_from_axes", "rows_sharing_group", "run_pipeline", "tile_constraints",
 ]

@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import PlanError
-from ..ir import (Accumulate, Add, Contract, Correction, Divide, GroupedAxis,
+from ..ir import (Accumulate, Add, Contract, Correction, Divide, GroupedAxis, Input,
                   OnlineSoftmax, Prescale, ScaleGroups)
 from ..ir.axes import find
 from .base import Pass
@@ -155,6 +155,21 @@ def check_offsets_paired(graph) -> None:
             raise PlanError("missing-correction",
                             f"%{sg.name} scales by %{sg.scale} but is not added to the offset correction of "
                             f"%{source} (zero x sum of the other operand, eq. 6)", product=sg.product)
+
+
+def check_spec_inputs(graph, built, spec_text: str) -> None:
+    """Rule ``spec-mismatch``: ``graph`` (a plan's, perhaps edited) reads the inputs and axis sizes of ``built``, the
+    graph its spec builds (``spec_text`` describes the spec), and no input of its own but matrices of ones. A plan
+    whose graph reads another encoding would be proved for that one while its kernel is built for the spec's."""
+    for node in built.nodes_of(Input):
+        have = graph[node.name] if node.name in graph else None
+        if have != node:
+            raise PlanError("spec-mismatch", f"the plan's graph has input {have} where its spec ({spec_text}) gives "
+                            f"{node}; plan the spec again (foldc.plan)")
+    extra = sorted(n.name for n in graph.nodes_of(Input) if n.role != "ones" and n.name not in built)
+    if extra or any(graph.sizes.get(axis) != size for axis, size in built.sizes.items()):
+        raise PlanError("spec-mismatch", f"the plan's graph (inputs {extra or 'as the spec'}, sizes {graph.sizes}) is "
+                        f"not one of its spec ({spec_text}, sizes {built.sizes}); plan the spec again")
 
 
 def check_plan_rules(graph) -> None:

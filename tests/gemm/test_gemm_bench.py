@@ -52,36 +52,22 @@ def test_the_chosen_config_is_timed_afresh_not_at_its_luckiest(monkeypatch):
     assert (row["foldc_dequant_ms"], row["torch_dequant_ms"], row["bf16_ms"]) == (2.0, 3.0, 4.0)
 
 
-def _gemv_check():
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "gemv_check.py"
-    spec = importlib.util.spec_from_file_location("gemv_check_under_test", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_gemv_percentages_are_of_the_card_that_ran_them():
     """benchmarks/gemv_check.py divided by a fixed 4.46 TB/s (an H200's read) on every card: the H100 runs' '42-44%
     of the H100's ceiling' (docs/gemm.md) were of the H200's, 63-66% of the H100's 2.99 TB/s. The % is of the run's
     own ceiling now: its streaming read, or the fastest read of any row where one was faster (cuBLAS's here)."""
     from foldc.backends.gluon.gemv_launch import gemv_bytes
     from foldc.gemm import GemmSpec, parse_gemm_encoding
-
-    gemv_check = _gemv_check()
-    assert not hasattr(gemv_check, "CEILING")   # no fixed ceiling for every card
-    assert gemv_check.read_ceiling(2.99) == 2.99e12
+    from foldc.gemm.bench import gemv_rows_ceiling
     int4 = gemv_bytes(GemmSpec(4096, 14336, parse_gemm_encoding("k-group:4:128", "weight")))
     # the H100 row of docs/results/gemv_defaults_h100_2026-12-05.txt: 16.62 µs, '42.07%' of 4.46 TB/s
     row = {"n": 4096, "k": 14336, "m": 1, "fp16_graph_us": 43.55, "int4_fp16_graph_us": 16.624}
-    assert gemv_check.apply_ceiling([row], 2.99e12) == 2.99e12
+    assert gemv_rows_ceiling([row], 2.99e12) == 2.99e12
     assert row["int4_fp16_graph_pct"] == pytest.approx(100 * int4 / 16.624e-6 / 2.99e12) == pytest.approx(62.76, 0.01)
-    assert 100 * int4 / 16.624e-6 / gemv_check.DOCS_CEILING == pytest.approx(42.07, abs=0.01)
+    assert 100 * int4 / 16.624e-6 / 4.46e12 == pytest.approx(42.07, abs=0.01)
     fast_cublas = {"n": 4096, "k": 4096, "m": 1, "fp16_graph_us": 4096 * 4096 * 2 / 3.2e12 * 1e6,
                    "int2_bf16_graph_us": 10.0}
     rows = [row, fast_cublas]
-    assert gemv_check.apply_ceiling(rows, 2.99e12) == pytest.approx(3.2e12)
+    assert gemv_rows_ceiling(rows, 2.99e12) == pytest.approx(3.2e12)
     assert rows[0]["int4_fp16_graph_pct"] == pytest.approx(100 * int4 / 16.624e-6 / 3.2e12)
     assert rows[1]["ceiling_tb_s"] == pytest.approx(3.2) and "int2_bf16_graph_pct" in rows[1]
