@@ -379,6 +379,7 @@ def test_a_bad_token_kept_plain_is_reported_when_an_append_of_several_tokens_mov
     cache.append(*_tokens(cache, 4, gen))
     assert torch.isfinite(cache.attention(q)).all()
 
+
 def test_a_one_token_append_into_the_sink_is_checked_at_once():
     """A sink token is never quantized (no kernel could flag it): one-token appends that fill the sink keep
     the check before the write, naming the index, and leave the cache as it was."""
