@@ -82,8 +82,6 @@ class GemmKernel:
     def plan_for(self, dtype=None, m: int | None = None):
         """The plan the call runs: the GEMV's at ``m`` rows of ``dtype`` (default fp16) where it takes them,
         else the Triton kernel's."""
-        import torch
-
         gemv_dtype = torch.float16 if dtype is None else dtype
         if m is not None and self.gemv is not None and self.gemv.lowers(gemv_dtype, m)[0]:
             return self.gemv.plan_for(gemv_dtype, m)
