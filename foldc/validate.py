@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from .encoding import AffineTensor
-from .errors import InputError, InputTypeError
+from .errors import InputError, InputTypeError, UnsupportedError
 from .spec import AttentionSpec
 
 
@@ -299,3 +299,28 @@ def output_buffer(out: torch.Tensor | None, want: tuple[int, ...], q: torch.Tens
     if out is None:
         return torch.empty(want, device=q.device, dtype=q.dtype)
     return check_out(out, want, q.device, tuple(dict.fromkeys((q.dtype, torch.float32))))
+
+
+class _NoBackward(torch.autograd.Function):
+    """y as computed, joined to the graph of the input it came from so that a backward through it raises instead of
+    leaving that input's gradient out (the kernel's output had no grad_fn: a loss through it trained the rest of a
+    model and silently never this path)."""
+
+    @staticmethod
+    def forward(ctx, y, x, what):
+        ctx.what = what
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise UnsupportedError(f"{ctx.what} has no backward: its kernels compute inference only. For gradients use "
+                               "foldc.nn.FoldLinear (torch.ops.foldc.linear has a backward), or call this kernel under "
+                               "torch.no_grad()")
+
+
+def without_backward(y: torch.Tensor, x, what: str) -> torch.Tensor:
+    """``y``, the output of a kernel without a backward, computed from ``x``: unchanged unless gradients are being
+    recorded for ``x``, then a view whose backward raises (`_NoBackward`) rather than drop x's gradient silently."""
+    if torch.is_grad_enabled() and isinstance(x, torch.Tensor) and x.requires_grad:
+        return _NoBackward.apply(y, x, what)
+    return y

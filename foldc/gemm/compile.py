@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import InputError, SpecError
+from ..validate import without_backward
 from .plan import gemm_plan
 from .reference import ReferenceGemm
 from .spec import GemmSpec
@@ -69,7 +70,8 @@ class GemmKernel:
         """``y = x @ w.T``; ``counters``: the GEMV's split-k counters from the caller (see
         `GluonGemv.__call__`), unused by the Triton kernels."""
         if self.uses_gemv(x, w):
-            return self.gemv(x, w, out=out, counters=counters)
+            return without_backward(self.gemv(x, w, out=out, counters=counters), x,
+                                    "the compiled GEMM (foldc.compile of a GemmSpec)")
         return self.triton(x, w, out=out)
 
     def gemv_for(self, m: int, dtype, device, w):

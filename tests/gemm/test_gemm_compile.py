@@ -97,3 +97,27 @@ def test_gemv_takes_no_16_bit_scales_that_start_inside_a_word(weight):
         gemv._check_weight(odd)
     fixed = AffineTensor(odd.codes, odd.scale.clone(), odd.zero.clone(), odd.encoding, 128)
     assert gemv.weight_rows(fixed) is not None
+
+
+def test_a_direct_call_with_an_x_that_records_gradients_raises_at_backward_rather_than_drop_them():
+    """The compiled GEMM has no backward: its output had no grad_fn, so a loss through it trained the rest of a model
+    and never this path, silently. Now a backward through it raises by name; under no_grad, or for an x that records
+    no gradient, the call is as before (the same values)."""
+    import torch
+
+    from foldc.errors import UnsupportedError
+    from foldc.gemm.reference import quantize_2d
+
+    spec = GemmSpec(64, 128, parse_gemm_encoding("k-group:4:32", "weight"))
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    w = quantize_2d(torch.randn(64, 128, generator=gen), spec.weight)
+    x = torch.randn(3, 128, generator=gen).half().requires_grad_()
+    gemm = foldc.compile(spec, "interpret")
+    y = gemm(x, w)
+    assert y.requires_grad
+    with pytest.raises(UnsupportedError, match="has no backward.*FoldLinear"):
+        y.float().sum().backward()
+    with torch.no_grad():
+        assert not gemm(x, w).requires_grad
+    plain = gemm(x.detach(), w)
+    assert not plain.requires_grad and torch.equal(plain, y.detach())

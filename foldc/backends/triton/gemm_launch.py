@@ -19,7 +19,7 @@ from ...gemm.reference import check_operand, operand_device
 from ...gemm.spec import GemmSpec
 from ...options import check_gemm_options
 from ...proof import prove
-from ...validate import check_no_overlap, check_out
+from ...validate import check_no_overlap, check_out, without_backward
 from .gemm_codegen import GemmKernelSource, generate_gemm
 from .gemm_dequant import SOURCE as DEQUANT_SOURCE
 from .gemm_dequant import (DequantTile, NotDequantTemplate, check_tensor_memory, dequant_config, lower_dequant,
@@ -208,7 +208,7 @@ class TritonGemm:
         launch = self.plan_launch(dtype, m, num_sms(device), device_arch(device))
         check_tile_span(launch, x, w, out)
         self.run(launch, x, w, out)
-        return out
+        return without_backward(out, x, "the compiled GEMM (foldc.compile of a GemmSpec)")
 
     def dequant_tile(self, dtype: torch.dtype, m: int) -> DequantTile | None:
         """The template's tile when a call with ``m`` rows of plain ``dtype`` activations runs it: the
