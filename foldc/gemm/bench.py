@@ -10,9 +10,10 @@ in groups of 128, INT8 per output channel, INT8 x INT8 with zero points) it
 1. checks the foldc kernel against the float64 reference (dequantize, then matmul in float64),
    next to the error of torch's bf16 dequantize-then-matmul on the same values (the bar);
 2. times with ``triton.testing.do_bench``: the foldc kernel (tile sizes tuned per case from a few
-   candidates, the chosen one timed again for the table), the same generated kernel with ``fold_policy="dequant"`` (every weight value
-   reconstructed in the kernel: what the fold saves), torch dequantize-then-matmul (unpack, s*c + z to bf16, then ``x @ w.T``), and a
-   bf16 ``x @ w.T`` on weights already dequantized (no quantization at all);
+   candidates, the chosen one timed again for the table), the same generated kernel with
+   ``fold_policy="dequant"`` (every weight value reconstructed in the kernel: what the fold saves), torch
+   dequantize-then-matmul (unpack, s*c + z to bf16, then ``x @ w.T``), and a bf16 ``x @ w.T`` on weights
+   already dequantized (no quantization at all);
 3. prints a table and writes ``gemm_bench.json`` (and the table as ``gemm_bench.txt``) under --out.
 
 The INT8 x INT8 case times the GEMM on activations already quantized per token (quantizing x is
