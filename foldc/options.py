@@ -74,7 +74,7 @@ def check_block_n(block_n, kernel: str = "triton") -> int | None:
         return None
     if kernel == "gluon":
         if not _whole(block_n) or block_n not in GLUON_BLOCK_N:   # 64.0 would reach the kernel's constexprs
-            raise SpecError(f"block_n={block_n!r} must be the integer 32 or 64 for the register-operand kernel; "
+            raise SpecError(f"block_n={block_n!r} must be an integer, 32 or 64, for the register-operand kernel; "
                             "use one of those or kernel='triton' (--kernel triton)")
         return int(block_n)
     return check_int("block_n", block_n, *BLOCK_N, power_of_two=True, what="tokens per tile, e.g. 32 or 64")
@@ -98,8 +98,8 @@ def check_stages(stages) -> int | None:
     if stages is None:
         return None
     if not _whole(stages) or stages not in GLUON_STAGES:   # 3.0 would reach the kernel's constexprs
-        raise SpecError(f"stages={stages!r} must be the integer 2, 3 or 4 (code tiles in flight of the "
-                        "register-operand kernel)")
+        raise SpecError(f"stages={stages!r} must be an integer, 2, 3 or 4 (code tiles in flight of "
+                        "the register-operand kernel)")
     return int(stages)
 
 

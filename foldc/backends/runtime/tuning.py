@@ -126,20 +126,13 @@ def _pack_heads(value, kernel, spec) -> int:
     return value
 
 
-def _whole(name: str, value) -> None:
-    """A count of tiles, warps or stages read back from JSON is an int: 64.0 passes ``value in (32, 64)`` and
-    would reach the kernel's constexprs as a float."""
-    if isinstance(value, float):
-        raise SpecError(f"{name}={value!r} must be an integer, not a float")
-
-
 #: the rule of each tuned field (foldc/options.py's, where the launch option has one); a stored value
 #: outside it was not written by `store` (a hand-edited or damaged file) and would reach the kernel unchecked
 FIELD_RULES = {
-    "block_n": lambda v, kernel, spec: (_whole("block_n", v), check_block_n(v, kernel)),
+    "block_n": lambda v, kernel, spec: check_block_n(v, kernel),   # (64.0 refused there, as in options)
     "num_warps": lambda v, kernel, spec: check_num_warps(v),
     "num_stages": lambda v, kernel, spec: check_num_stages(v),
-    "stages": lambda v, kernel, spec: (_whole("stages", v), check_stages(v)),
+    "stages": lambda v, kernel, spec: check_stages(v),
     "maxnreg": lambda v, kernel, spec: check_int("maxnreg", v, 32, 255),
     "split_factor": _split_factor,
     "pack_heads": _pack_heads,
