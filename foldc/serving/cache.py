@@ -286,6 +286,8 @@ class QuantizedKVCache:
             else:
                 self._append_shift(k_new, v_new, tokens)
             self._plain_unchecked |= self._deferred   # (the new token stays plain, or came after one that did)
+            if not self._deferred and tokens >= self.window + self.unit:   # every token kept plain before has moved
+                self._plain_unchecked = False                             # to the body, checked: no sync from now
         if self._flag_written:   # the flag in host memory, no sync (read by the next call)
             self._flag_written = False
             self._flag_copied_after_write()

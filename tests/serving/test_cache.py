@@ -380,6 +380,24 @@ def test_a_bad_token_kept_plain_is_reported_when_an_append_of_several_tokens_mov
     assert torch.isfinite(cache.attention(q)).all()
 
 
+def test_the_check_of_tokens_kept_plain_ends_once_an_append_has_moved_them_all():
+    """The check of tokens one-token appends kept plain costs a sync per append of several tokens; once one append
+    has moved every such token to the body (as many tokens as the window and a group hold), later ones skip it."""
+    spec = foldc.AttentionSpec(4, 2, 32, foldc.Affine(2, "token", 32), foldc.Affine(4, "channel", 16))
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    cache = QuantizedKVCache(spec, 2, 120, window=3, target="interpret")
+    cache.append(*_tokens(cache, 20, gen))
+    for _ in range(2):
+        cache.append(*_tokens(cache, 1, gen))
+    assert cache._plain_unchecked
+    cache.append(*_tokens(cache, 2, gen))   # fewer than the window: older plain tokens stay unchecked
+    assert cache._plain_unchecked
+    cache.append(*_tokens(cache, cache.window + cache.unit, gen))
+    assert not cache._plain_unchecked
+    q = torch.randn(2, 4, 32, generator=gen).half()
+    assert torch.isfinite(cache.attention(q)).all()
+
+
 def test_a_one_token_append_into_the_sink_is_checked_at_once():
     """A sink token is never quantized (no kernel could flag it): one-token appends that fill the sink keep
     the check before the write, naming the index, and leave the cache as it was."""
