@@ -8,7 +8,8 @@ it. foldc's affine form is ``value = scale * code + zero``; the tools store
 - GPTQ (AutoGPTQ / GPTQModel, ``from_gptq``): ``qweight`` int32 ``[k * bits / 32, n]`` (codes packed
   along k, low bits first), ``qzeros`` int32 ``[groups, n * bits / 32]`` (packed along n), ``scales``
   ``[groups, n]``, ``g_idx`` ``[k]``; ``value = scale * (code - zero)`` with the stored zero one less than
-  the zero (the "v1" checkpoint format; ``zero_offset=0`` for the v2 format). With act-order (``g_idx`` not
+  the zero, modulo 2^bits (the "v1" checkpoint format: a zero of 0 is stored as all ones; ``zero_offset=0`` for
+  the v2 format). With act-order (``g_idx`` not
   in order), ``from_gptq_act_order`` also returns the input order that makes each group consecutive;
 - AWQ (AutoAWQ's GEMM format, ``from_awq``): ``qweight`` int32 ``[k, n * bits / 32]`` and ``qzeros``
   int32 ``[groups, n * bits / 32]``, both packed along n in the order (0, 2, 4, 6, 1, 3, 5, 7) at 4 bits,
@@ -208,7 +209,10 @@ def _gptq_layer(qweight, qzeros, scales, bits: int, group_size: int, zero_offset
     group_size = k if group_size == -1 else group_size
     qzeros, _ = _zero_point_layer(qzeros, scales, k, n, bits, group_size)
     _one_device(("qweight", qweight), ("qzeros", qzeros), ("scales", scales))
-    return _fields(qweight, bits, 0).T, (_fields(qzeros, bits, 1) + zero_offset).T, k, group_size
+    # v1: the zero is (stored + 1) mod 2^bits, as AutoGPTQ's kernels (cuda, exllama, exllamav2: `(z + 1) & 0x0f`) and
+    # GPTQModel's dequantizer read it: a zero of 0, stored as -1, is all ones in its field and reads back as 0
+    zeros = (_fields(qzeros, bits, 1) + zero_offset) & ((1 << bits) - 1)
+    return _fields(qweight, bits, 0).T, zeros.T, k, group_size
 
 
 def from_gptq(qweight, qzeros, scales, g_idx=None, *, bits: int = 4, group_size: int = 128,

@@ -52,10 +52,8 @@ def test_gptq_layers_convert_exactly(shape, bits, v2, seed):
     g_idx = torch.arange(k, dtype=torch.int32) // group
     weight, enc = from_gptq(qweight, qzeros, scale.T.contiguous(), g_idx, bits=bits, group_size=group,
                             zero_offset=0 if v2 else 1)
-    if not v2 and bool((zero == 0).any()):
-        # a stored -1 wraps to the top code: v1 cannot hold a zero of 0 (AutoGPTQ's own quirk); the
-        # converter must still agree with that format's dequantization: (stored + 1) mod 2^bits
-        zero = (stored % (2**bits)) + 1
+    # a zero of 0 is stored as -1, all ones in its field (wrapped here field by field): the format reads the zero
+    # back as (stored + 1) mod 2^bits, the zero itself (AutoGPTQ's kernels: `(z + 1) & 0x0f`)
     _check(weight, enc, _dequant(codes, scale, zero, group), seed)
 
 
