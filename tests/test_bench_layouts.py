@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import math
 
-import numpy
 import pytest
 import torch
 
@@ -17,11 +16,6 @@ from foldc import layout_grid as lg
 from foldc import cli
 
 A = foldc.Affine
-#: triton 3.6's interpreter needs numpy < 2.4 (tests/backends/_kernel_cases.py)
-needs_interpreter = pytest.mark.skipif(
-    tuple(int(p) for p in numpy.__version__.split(".")[:2]) >= (2, 4),
-    reason=f"triton 3.6's interpreter needs numpy < 2.4; this python has {numpy.__version__}")
-pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
 
 
 # --- bytes and speed ----------------------------------------------------------------------------
@@ -212,7 +206,6 @@ def test_bad_arguments_are_refused(argv, wanted, capsys):
     assert info.value.code == 2 and wanted in capsys.readouterr().err
 
 
-@needs_interpreter
 @pytest.mark.parametrize("jobs", [1, 2])
 def test_check_only_under_the_interpreter_end_to_end(tmp_path, capsys, jobs):
     """Three layouts of the full grid through `foldc bench --layouts --check-only --target interpret`:

@@ -29,8 +29,6 @@ F16 = torch.float16
 #: additive floor 20x below that only absorbs float noise in the ratio of two tiny numbers
 FLOOR = 1e-5
 
-pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
-
 
 # -- the model ------------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])

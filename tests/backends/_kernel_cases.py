@@ -6,8 +6,6 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy
-import pytest
 import torch
 
 from foldc.reference import attention_reference
@@ -23,14 +21,6 @@ def native_env(cache_dir) -> dict:
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     env["TRITON_CACHE_DIR"] = str(cache_dir)
     return env
-
-
-#: triton 3.6's interpreter breaks with numpy >= 2.4 ("only 0-dimensional arrays can be converted
-#: to Python scalars" whenever a runtime int bounds a range()); pyproject pins numpy<2.4, but the
-#: GPU machine's own python may carry a newer one
-NUMPY_OK = tuple(int(p) for p in numpy.__version__.split(".")[:2]) < (2, 4)
-needs_interpreter = pytest.mark.skipif(
-    not NUMPY_OK, reason=f"triton 3.6's interpreter needs numpy < 2.4; this python has {numpy.__version__}")
 
 
 @dataclass

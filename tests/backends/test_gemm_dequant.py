@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from _kernel_cases import DEQUANT_BUILD, needs_interpreter
+from _kernel_cases import DEQUANT_BUILD
 from hypothesis import assume, given, note, settings
 from hypothesis import strategies as st
 from test_triton_aot import ROOT, _env
@@ -178,7 +178,6 @@ def test_unpack_asm_gives_magic_plus_code_for_every_field_in_k_order(bits, bf16)
 
 # ---- the portable twin under the interpreter ------------------------------------------------------------
 
-@needs_interpreter
 @settings(max_examples=6, deadline=None)
 @given(st.sampled_from(["k-group:4:32", "k-group:2:64", "k-group:4:32:fp32", "k-group:2:32:bf16",
                         "k-group:4:64"]),

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 import torch
-from _kernel_cases import DEQUANT_BUILD, needs_interpreter
+from _kernel_cases import DEQUANT_BUILD
 from hypothesis import given, note, settings
 from hypothesis import strategies as st
 from test_triton_aot import ROOT, _env
@@ -48,7 +48,6 @@ def operands(spec, m, seed):
     return xq, quantize_2d(w, spec.weight)
 
 
-@needs_interpreter
 @pytest.mark.parametrize("name, weight, activation, m, n, k", CASES, ids=[c[0] for c in CASES])
 def test_interpreter_kernel_matches_the_float64_executor(name, weight, activation, m, n, k):
     spec = spec_of(weight, activation, m, n, k)
@@ -64,7 +63,6 @@ def test_interpreter_kernel_matches_the_float64_executor(name, weight, activatio
     assert err < 3 * rounding + 1e-4, f"seed={seed}: rel L2 {err:.2e} vs fp16 rounding {rounding:.2e}"
 
 
-@needs_interpreter
 def test_symbolic_m_spec_runs_any_row_count_and_out():
     spec = spec_of("k-group:4:64", None, None, 32, 128, symbolic=True)
     kernel = foldc.compile(spec, target="interpret")
@@ -76,7 +74,6 @@ def test_symbolic_m_spec_runs_any_row_count_and_out():
         assert float((out.double() - want).norm() / want.norm()) < 2e-3
 
 
-@needs_interpreter
 def test_an_out_that_shares_memory_with_an_input_is_refused():
     """y = x @ w.T into memory the kernel still reads (out=x when n == k, or a view over the weight's
     scales) was a silently wrong answer (61% error under the interpreter): refused, naming the input.
@@ -105,7 +102,6 @@ def test_an_out_that_shares_memory_with_an_input_is_refused():
     assert got.data_ptr() == buf[4:8].data_ptr() and float((got.double() - want).norm() / want.norm()) < 2e-3
 
 
-@needs_interpreter
 @pytest.mark.parametrize("weight, activation", [("k-group:4:32", None), ("per-channel:4", None),
                                                 ("per-channel:8", "per-token:8")])
 @pytest.mark.parametrize("split_k", [2, 3])
@@ -122,7 +118,6 @@ def test_split_k_programs_add_up_to_the_whole_sum(weight, activation, split_k):
     assert float((split.double() - one.double()).abs().max()) <= 2e-3 * float(want.abs().max())
 
 
-@needs_interpreter
 @pytest.mark.parametrize("split_k", [1, 2])
 def test_plan_launch_and_run_write_what_a_call_writes(split_k):
     """``run(plan_launch(dtype, m), ...)`` into the caller's output (and, with split-k, its float32
@@ -158,7 +153,6 @@ def test_launcher_checks_inputs():
 
 
 
-@needs_interpreter
 @pytest.mark.parametrize("weight, activation", [("k-group:4:32", None), ("per-channel:8", "per-token:8")])
 def test_a_weight_on_another_device_than_x_is_refused(weight, activation):
     """The launcher checked x's device alone: a weight elsewhere reached the kernel (the interpreter raised
@@ -331,7 +325,6 @@ def kernel_cases(draw):
     return weight, act, draw(st.integers(1, 40)), draw(st.integers(1, 40)), k, draw(st.integers(0, 2**31 - 1))
 
 
-@needs_interpreter
 @settings(max_examples=15, deadline=None)
 @given(kernel_cases())
 def test_interpreter_kernel_property(case):

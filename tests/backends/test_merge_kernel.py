@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 
 import torch
-from _kernel_cases import needs_interpreter
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -26,7 +25,6 @@ def _merge64(ws_m, ws_l, ws_acc, q_per_kv):
     return out[:, :, :q_per_kv].reshape(b, hkv * q_per_kv, -1), lse[:, :, :q_per_kv].reshape(b, hkv * q_per_kv)
 
 
-@needs_interpreter
 @settings(max_examples=12, deadline=None)
 @given(seed=st.integers(0, 2**31 - 1), splits=st.integers(1, 150), q_per_kv=st.sampled_from([1, 3, 4]),
        empty=st.floats(0.0, 0.5))
@@ -54,7 +52,6 @@ def test_merge_matches_float64_for_any_split_count(seed, splits, q_per_kv, empty
     assert torch.allclose(lse.double(), want_lse, rtol=1e-6, atol=1e-4)
 
 
-@needs_interpreter
 @settings(max_examples=10, deadline=None)
 @given(seed=st.integers(0, 2**31 - 1), splits=st.integers(1, 70), kv_heads=st.integers(1, 3),
        blocks=st.sampled_from([(17, 9, 16), (25, 13, 16), (31, 16, 16), (9, 5, 8), (30, 8, 8), (13, 7, 8)]))

@@ -17,7 +17,6 @@ from foldc.backends.runtime.launch import Launch, Scratch, allocate_workspace, s
 from foldc.backends.triton import TritonAttention
 from foldc.testing import rel_l2
 
-from _kernel_cases import needs_interpreter
 
 
 @settings(max_examples=400, deadline=None)
@@ -52,7 +51,6 @@ def test_register_operand_launch_is_frozen_memoised_and_sized_from_its_options(b
     assert workspace_fits(ws, launch) and all(t.dtype == torch.float32 for t in ws)
 
 
-@needs_interpreter
 @settings(max_examples=12, deadline=None)
 @given(batch=st.integers(1, 3), tokens=st.integers(1, 200), splits=st.sampled_from([None, 1, 3]),
        layouts=st.sampled_from([("token", "token"), ("channel", "token"), ("token", None)]),

@@ -15,7 +15,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from _kernel_cases import needs_interpreter
 
 import foldc
 from foldc.backends.triton.aot import compile_aot, mma_instructions
@@ -243,7 +242,6 @@ print(json.dumps({"errors": errors, "mma": sum(report["mma"].values())}))
 """
 
 
-@needs_interpreter
 def test_interpreter_and_native_builds_share_a_process(tmp_path):
     """Triton fixes its library functions' mode (tl.sum, tl.max ...) at first import; foldc swaps
     them per launch, so target="interpret" works after a native import of triton, and an AOT

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _kernel_cases import needs_interpreter, run_with_lens
+from _kernel_cases import run_with_lens
 
 import foldc
 from foldc.errors import InputError, SpecError
@@ -24,9 +24,6 @@ A = foldc.Affine
 S = foldc.AttentionSpec
 F16 = torch.float16
 TOL = 2e-3
-
-# triton 3.6's interpreter converts 1-element arrays to ints (numpy 1.25+ deprecation): not ours
-pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
 
 ACC, OPF, DEQ, NONE = "acc-fold", "operand-fold", "dequant", "none"
 
@@ -87,7 +84,6 @@ def _check(result, what: str) -> None:
         f"{what}: error {result.error:.3e} exceeds plain bf16 attention's {result.bf16_error:.3e}")
 
 
-@needs_interpreter
 @pytest.mark.parametrize("spec,batch,tokens,block_n,folds", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
 def test_kernel_matches_float64(spec, batch, tokens, block_n, folds):
     attn = foldc.compile(spec, "interpret", block_n=block_n)
@@ -99,7 +95,6 @@ def test_kernel_matches_float64(spec, batch, tokens, block_n, folds):
 SPLIT_SPEC = S(8, 2, 64, A(2, "token", 32), A(2, "channel", 32))
 
 
-@needs_interpreter
 @pytest.mark.parametrize("splits", [None, 1, 3, 7, 64], ids=lambda s: f"splits={s}")
 def test_split_counts(splits):
     """Forced split counts (64 is more than the tiles: capped at one tile per split) and the
@@ -109,7 +104,6 @@ def test_split_counts(splits):
     _check(run_case(attn, SPLIT_SPEC, 2, 150, F16, "cpu", seed=11), f"splits={splits}")
 
 
-@needs_interpreter
 def test_split_results_agree():
     """One input, several split counts: the outputs agree to fp16 rounding of the merge."""
     outs = []
@@ -122,7 +116,6 @@ def test_split_results_agree():
         assert ((other - outs[0]).norm() / outs[0].norm()).item() <= 1e-3
 
 
-@needs_interpreter
 def test_ragged_seq_lens_with_empty_splits():
     """Lengths 1, 15, 17, 33, 65 and the full 130 (block_n 16, channel group 32) with 3 splits
     of 48 tokens: short sequences leave whole splits empty, which the merge must ignore."""
@@ -138,7 +131,6 @@ def test_ragged_seq_lens_with_empty_splits():
         assert rb <= TOL, f"sequence {b}: relative L2 {rb:.3e}"
 
 
-@needs_interpreter
 def test_channel_group_narrows_token_tile():
     """Channel-wise groups of 16 cannot hold a 32-token tile: the backend tiles by 16 (the
     plan's tiling constraint), and the result is still right with a partial last group."""
@@ -241,7 +233,6 @@ def _raises(exc, call, *fragments):
         assert frag in msg, f"{frag!r} not in {msg!r}"
 
 
-@needs_interpreter
 def test_valid_call_writes_out(vattn, vinputs):
     q, k, v = vinputs
     out = torch.full((2, 4, 64), float("nan"), dtype=F16)
@@ -254,7 +245,6 @@ def test_valid_call_writes_out(vattn, vinputs):
     assert torch.equal(fresh, out)
 
 
-@needs_interpreter
 def test_strided_query_and_out_views(vattn, vinputs):
     """q and out may be views with unit stride along head_dim (e.g. slices of a fused buffer):
     the kernel reads q and writes out through their strides, and nothing outside the view."""
@@ -323,7 +313,6 @@ def test_out_wrong_dtype(vattn, vinputs):
             "dtype=torch.float64", "use one of float16, float32")
 
 
-@needs_interpreter
 def test_float32_out_keeps_the_unrounded_output(vattn, vinputs):
     """A float32 ``out`` receives the merged output before any rounding to q's dtype: it rounds to
     exactly the fp16 result, and sits closer to float64 than that result does."""

@@ -223,11 +223,6 @@ def test_a_fractional_code_is_refused_not_truncated(fmt, where, frac, seed):
             from_int4pack(codes, torch.rand(2, 16, 2, generator=gen) + 0.1, group_size=64)
 
 
-def _numpy_ok() -> bool:
-    import numpy
-    return tuple(int(p) for p in numpy.__version__.split(".")[:2]) < (2, 4)
-
-
 def _converted(fmt: str, gen: torch.Generator, n: int, k: int, group: int):
     """One weight in ``fmt``'s own tensors, converted: (AffineTensor, encoding)."""
     w = torch.randn(n, k, generator=gen) * 0.05
@@ -245,7 +240,6 @@ def _converted(fmt: str, gen: torch.Generator, n: int, k: int, group: int):
     return from_int4pack(codes.to(torch.int32), sz, group_size=group)
 
 
-@pytest.mark.skipif(not _numpy_ok(), reason="triton 3.6's interpreter needs numpy < 2.4")
 @pytest.mark.parametrize("fmt", ["gptq", "awq", "hqq", "int4pack"])
 def test_converted_weights_run_on_the_kernels(fmt):
     # the formats store scales [groups, n]; a converted weight must come out in the layout the kernels read

@@ -42,6 +42,36 @@ def _library_twin(obj, interpret: bool):
     return _TWINS[id(obj)][1]
 
 
+def _index_takes_the_one_element() -> None:
+    """Make the interpreter's ``tl.tensor.__index__`` take a scalar's one element; idempotent.
+
+    Triton 3.6's interpreter holds every scalar (a program id, a loaded length, a sum of them) as a
+    1-element array, and converts it with ``int(array)`` where Python asks for an index:
+    ``range(start, end, BLOCK_N)`` over runtime bounds. NumPy deprecated that conversion in 1.25 and
+    refuses it from 2.4 ("only 0-dimensional arrays can be converted to Python scalars", a TypeError
+    from every decode kernel's loop; triton-lang/triton#9171). The function that patches tl.tensor
+    for each interpreted launch is wrapped so that it sets an ``__index__`` of ``int(data.item())``
+    for one element (what the conversion gave before); any other array goes to ``int`` as before.
+    The wrapper's own setting is recorded by the launch's scope, so it is undone with triton's.
+    Pinned to triton 3.6 internals (``_patch_lang_tensor`` and its scope)."""
+    from triton.runtime import interpreter as interp
+
+    patch = interp._patch_lang_tensor
+    if getattr(patch, "foldc_index", False):
+        return
+
+    def one_element(self):
+        data = self.handle.data
+        return int(data.item() if data.size == 1 else data)
+
+    def patch_lang_tensor(tensor, scope):
+        patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", one_element)
+
+    patch_lang_tensor.foldc_index = True
+    interp._patch_lang_tensor = patch_lang_tensor
+
+
 @contextmanager
 def interpreter(on: bool):
     """Run Triton in interpreter mode (``on``) or native mode for the duration.
@@ -53,7 +83,8 @@ def interpreter(on: bool):
     interpreter cannot compile them natively. And an interpreted call of one of them patches
     triton.language for the interpreter without undoing it. So besides setting the variable,
     swap those functions for twins of the wanted mode, and on exit put back every attribute of
-    triton.language that changed."""
+    triton.language that changed. Interpreting, make sure that scalars index under any NumPy
+    (`_index_takes_the_one_element`)."""
     old = os.environ.get("TRITON_INTERPRET")
     if on:
         os.environ["TRITON_INTERPRET"] = "1"
@@ -63,6 +94,8 @@ def interpreter(on: bool):
     try:
         import triton.language as tl  # a first import happens in the wanted mode
 
+        if on:
+            _index_takes_the_one_element()
         if not on and type(tl.standard.sum).__name__ == "JITFunction":
             yield  # native mode, native library: nothing to swap (the fast path of GPU launches)
             return
