@@ -8,6 +8,7 @@ Shapes: x ``[m, k]`` (fp16/bf16/fp32 tensor, or an AffineTensor of logical shape
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 
@@ -71,6 +72,46 @@ def check_operand(name: str, t, enc: GemmEncoding | None, rows: int | None, k: i
         raise InputError(f"{name} has encoding {t.encoding.short()} and shape {t.shape}; the spec needs "
                          f"{want.short()} with shape [1, 1, rows, k={k}]")
     return t.shape[2]
+
+
+_PEAK_VALUES = 1 << 24   # the exact check dequantizes this many values at a time
+
+
+def rebuilt_peak(t: AffineTensor, limit: float) -> tuple[float, int, int] | None:
+    """(largest |scale * code + zero|, its row, its column) over a ``[1, 1, rows, k]`` operand, or None when no value
+    can pass ``limit``. First a bound from the scales and zeros alone (each group's values lie between ``zero`` and
+    ``scale * max_code + zero``); only where the bound passes ``limit``, the values of the codes stored (a group whose
+    codes never reach the top code can fit where its bound does not). Computed in float64 (one device sync)."""
+    enc = t.encoding
+    if t.scale.numel() == 0 or float(torch.finfo(enc.scale_dtype).max) * (enc.max_code + 1) <= limit:
+        return None   # no scale and zero of the dtype can get there
+    s, z = t.scale.to(torch.float64), t.zero.to(torch.float64)
+    if not float(torch.maximum(z.abs(), (s * enc.max_code + z).abs()).max()) > limit:
+        return None
+    peak, at, k = -1.0, (0, 0), t.head_dim
+    step = max(1, _PEAK_VALUES // k)
+    for r in range(0, t.shape[2], step):
+        rows = slice(r, r + step)
+        part = AffineTensor(t.codes[:, :, rows], t.scale[:, :, rows], t.zero[:, :, rows], enc, k)
+        values = part.dequantize(torch.float64)[0, 0].abs().nan_to_num(nan=0.0, posinf=math.inf)
+        i = int(values.argmax())
+        if float(values.view(-1)[i]) > peak:
+            peak, at = float(values.view(-1)[i]), (r + i // k, i % k)
+    return (peak, *at) if peak > limit else None
+
+
+def check_rebuilt(name: str, t: AffineTensor, dtype: torch.dtype, fix: str) -> None:
+    """Refuse an operand whose values ``scale * code + zero``, rebuilt one by one in ``dtype`` by a kernel (a plan
+    whose fold for it is ``dequant``), pass ``dtype``'s largest finite value: each such value would be inf there
+    and the output silently wrong (the plan executor's float64 gives finite values). ``fix``: what to change, for
+    the message."""
+    limit = float(torch.finfo(dtype).max)
+    found = rebuilt_peak(t, limit)
+    if found is not None:
+        peak, row, col = found
+        raise InputError(f"{name} holds values scale * code + zero up to |{peak:.6g}| ({name}[{row}, {col}]), past "
+                         f"{dtype}'s largest finite value {limit:.6g}: this call's plan rebuilds every {name} value "
+                         f"in {dtype} (fold 'dequant'), where they would be inf and the output wrong; {fix}")
 
 
 def operand_device(x, w) -> torch.device:

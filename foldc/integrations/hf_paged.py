@@ -26,13 +26,27 @@ import math
 
 import torch
 
-from ..errors import SpecError
+from ..errors import InputError, SpecError
 from ..plan import plan_of
 from ..serving import PagedKVCache
 from ..serving.paged import check_wrapper_page_size
 from .hf import FoldcCache, FoldcLayer
 
 __all__ = ["PagedFoldcCache", "PagedFoldcLayer"]
+
+
+def _check_device(paged: PagedKVCache, layer: int, device: torch.device) -> None:
+    """Refuse key or value states of ``layer`` on another ``device`` than the pages of the `PagedKVCache` every layer
+    shares (the paged cache's own check told the caller to move the model's states to the pages' device). The fix is
+    the model's or the cache's: one device for the whole model, FoldcCache for a model split across devices, or a
+    reset for a model moved since the pages were built."""
+    if device != paged.device:
+        raise InputError(f"layer {layer}'s key and value states are on {device} but this PagedFoldcCache's pages are "
+                         f"on {paged.device}, where its first forward built them: every layer shares one "
+                         f"PagedKVCache, on one device. Run the whole model on one device (a model split across "
+                         f"devices, e.g. by device_map, needs FoldcCache, which builds each layer's cache on that "
+                         f"layer's device); for a model moved to {device} since, call cache.reset() (its tokens "
+                         f"are dropped) and the next forward builds the pages there")
 
 
 class _LayerView:
@@ -79,9 +93,15 @@ class PagedFoldcLayer(FoldcLayer):
         if paged is None or paged.batch != batch:
             paged = self._build(batch, key_states.dtype, key_states.device)
             self.shared["cache"] = paged
+        _check_device(paged, self.index, key_states.device)   # a later layer on another device than the first's
         self.cache = _LayerView(paged, self.index)
         self.dtype, self.device = key_states.dtype, key_states.device
         self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if self.is_initialized:   # before a prefill reads the cached tokens (torch.cat raised across devices)
+            _check_device(self.cache.paged, self.index, key_states.device)
+        return super().update(key_states, value_states, *args, **kwargs)
 
     def _build(self, batch: int, dtype: torch.dtype, device: torch.device) -> PagedKVCache:
         s = self.shared

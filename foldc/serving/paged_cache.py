@@ -26,6 +26,7 @@ size: same buffers) whenever the page table grows, e.g. before each replay of a 
 """
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -33,15 +34,15 @@ import torch
 from ..backends.runtime.fast_launch import Bindings
 from ..backends.runtime.launch import STREAM_CAPTURING
 from ..compile import compile as compile_attention
-from ..encoding import AffineTensor
-from ..errors import InputError, InputTypeError, SpecError
+from ..encoding import AffineTensor, quantize
+from ..errors import InputError, InputTypeError, ScaleOverflowError, SpecError
 from .part_merge import merge_two_parts
 from ..plan import plan_of
 from ..reference import attention_reference
 from ..spec import AttentionSpec
 from ..validate import check_sm_scale
 from .append import (append_arguments, append_paged, check_finite, plan_append, resolve_target, run_append,
-                     write_paged)
+                     safe_abs_limit, write_paged)
 from .inputs import check_new_tokens, check_readable, count, resolve_device
 from .paged import PagedDecodeWrapper, check_page_table, gather_pages, launch_plain, page_pool
 
@@ -277,8 +278,9 @@ class PagedKVCache:
         ``T == 1`` (decode) runs on the device only (capturable; during a capture the host counts do not
         move: call `before_replay` before each replay); a NaN or Inf it brings makes attention over its
         sequence NaN. ``T > 1`` (prefill) is planned on the host and refuses NaN/Inf (InputError), as
-        does every append with target "reference".
-        Capacity is checked on the host before anything is written.
+        does every append with target "reference", and tokens it moves into the pages whose scale or zero would
+        overflow the encoding's scale dtype (`ScaleOverflowError`, as foldc.quantize and `QuantizedKVCache`).
+        Capacity is checked on the host, and a prefill's values, before anything is written.
 
         Parameters
         ----------
@@ -392,20 +394,26 @@ class PagedKVCache:
         self._append_bindings.note(key, launch, state, lambda: (kernel.bind(launch.grid, args, kwargs),))
 
     def _prefill_append(self, layer: int, st: dict, k_new, v_new) -> None:
-        """Several tokens per sequence: every part's range computed on the host, sequence by sequence."""
+        """Several tokens per sequence: every part's range computed on the host, sequence by sequence. The tokens
+        that move into the pages are checked first (`_check_flushed`): a refused prefill writes nothing."""
         tokens, sink = k_new.shape[2], self.sink
+        moves = []   # per sequence: (b, n, old body, tokens flushed, new sink tokens, {name: old recent + new})
         for b, n in enumerate(self._counts(st)):
             m = n + tokens
             body_old, body_new = self.body_len(n), self.body_len(m)
+            n_sink_new = max(0, min(m, sink) - n)
+            tails = {}
             for name, new in (("k", k_new[b:b + 1]), ("v", v_new[b:b + 1])):
-                plain = st[name][b:b + 1]
                 # the sequence's tokens from the first not yet in the body on: old recent, then new
-                old_recent = plain[:, :, sink:sink + (n - min(n, sink) - body_old)]
-                n_sink_new = max(0, min(m, sink) - n)
+                old_recent = st[name][b:b + 1, :, sink:sink + (n - min(n, sink) - body_old)]
+                tails[name] = torch.cat([old_recent, new[:, :, n_sink_new:]], dim=2)
+            moves.append((b, n, body_old, body_new - body_old, n_sink_new, tails))
+        self._check_flushed(layer, moves)
+        for b, n, body_old, flushed, n_sink_new, tails in moves:
+            for name, new in (("k", k_new[b:b + 1]), ("v", v_new[b:b + 1])):
+                plain, tail = st[name][b:b + 1], tails[name]
                 if n_sink_new:
                     plain[:, :, n:n + n_sink_new] = new[:, :, :n_sink_new]
-                tail = torch.cat([old_recent, new[:, :, n_sink_new:]], dim=2)
-                flushed = body_new - body_old
                 if flushed:
                     pages = self._row_table(b)
                     start = torch.full((1,), body_old, dtype=torch.int32, device=self.device)
@@ -416,6 +424,28 @@ class PagedKVCache:
         body = [self.body_len(n + tokens) for n in st["n"]]
         st["body"].copy_(torch.tensor(body, dtype=torch.int32))
         st["plain"].copy_(torch.tensor([n + tokens - m for n, m in zip(st["n"], body)], dtype=torch.int32))
+
+    def _check_flushed(self, layer: int, moves: list) -> None:
+        """Refuse (`ScaleOverflowError`, foldc.quantize's) a prefill whose tokens moving into the pages hold a value
+        whose scale or zero overflows the encoding's scale dtype, before anything is written, as `QuantizedKVCache`
+        refuses one (the append kernels would store an inf scale, and attention over the sequence be NaN). The
+        tokens moved are the new ones and the window's older ones (a decode step's, unchecked); their largest
+        |value| in one device sync, and only above `safe_abs_limit` the exact check, foldc.quantize of the groups
+        written."""
+        parts = [(b, name, tails[name][:, :, :flushed]) for b, _, _, flushed, _, tails in moves if flushed
+                 for name in "kv"]
+        if not parts:
+            return
+        peaks = torch.stack(torch._foreach_norm([part for _, _, part in parts], math.inf)).tolist()
+        for (b, name, part), peak in zip(parts, peaks):
+            enc = getattr(self.spec, name)
+            if peak > safe_abs_limit(enc.scale_dtype):
+                try:
+                    quantize(part, enc)
+                except ScaleOverflowError as e:
+                    raise ScaleOverflowError(f"layer {layer}, sequence {b}: the {'keys' if name == 'k' else 'values'} "
+                                             f"this prefill moves into the pages cannot be quantized: {e}; nothing "
+                                             "was written") from None
 
     def _row_table(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A one-sequence page table for sequence b (host values from the plan)."""

@@ -186,6 +186,93 @@ def test_operands_in_a_layout_the_kernels_do_not_read_are_refused(part, m):
                                          r"pass contiguous tensors: AffineTensor\(w\.codes\.contiguous\(\)"):
         kernel(torch.randn(m, 256).half(), bad)
 
+# -- values a dequant plan rebuilds past fp16 ----------------------------------------------------------------
+
+def _rebuilt_error(w) -> str:
+    """The refusal's text for a weight w: its largest |scale * code + zero| as the message writes it."""
+    peak = float(w.dequantize(torch.float64)[0, 0].abs().max())
+    return (rf"w holds values scale \* code \+ zero up to \|{peak:.6g}\| .* past torch.float16's largest finite "
+            r"value 65504")
+
+
+@needs_interpreter
+@settings(max_examples=8, deadline=None)
+@given(st.sampled_from(["k-group:4:32", "k-group:2:64", "k-group:4:32:fp32", "k-group:8:32", "per-channel:4"]),
+       st.sampled_from([3, 40]), st.floats(70000, 180000), st.integers(0, 2**31 - 1))
+def test_a_plan_rebuilding_the_weight_in_fp16_refuses_values_past_65504(weight, m, top, seed):
+    """A dequant plan (the generated kernel's of a spec without m for k groups, the large-m template's) rebuilds
+    each weight value scale * code + zero in the activation dtype: a value past 65504 became inf in fp16 and the
+    output inf or NaN, silently (the quantizer's fp16 scales and zeros fit: values in [0, top] need a scale of
+    top / max code). Refused before anything is written, naming the largest value; a plan folding the weight (the
+    generated kernel's for one group per row, and every plan at 4 rows) takes the same weight, matching float64."""
+    gen = torch.Generator().manual_seed(seed)
+    n, k = 24, 256
+    spec = spec_of(weight, None, None, n, k, symbolic=True)
+    kernel = foldc.compile(spec, target="interpret")
+    w = quantize_2d(torch.rand(n, k, generator=gen) * top, spec.weight)
+    assert float(w.dequantize(torch.float64).abs().max()) > 65504   # the quantizer took it (scales fit fp16)
+    x = (torch.randn(m, k, generator=gen) * 1e-3).half()
+    reference = foldc.compile(spec, target="reference")
+    fold = kernel.plan_for(torch.float16, m).operands["w"].fold
+    note(f"{weight} m={m} fold={fold} template={kernel.plan_launch(torch.float16, m, 2).template}")
+    out = torch.full((m, n), float("nan"), dtype=torch.float16)
+    if fold == "dequant":
+        with pytest.raises(InputError, match=_rebuilt_error(w) + r".*pass bfloat16 activations"):
+            kernel(x, w, out=out)
+        assert torch.isnan(out).all()
+    else:   # a plan folding the weight at any m (its codes enter the product, its scales the float32 sums)
+        y, ref = kernel(x, w, out=out), reference(x, w)
+        assert torch.isfinite(y).all() and float((y.double() - ref).norm() / ref.norm()) < 2e-3
+    folded = foldc.compile(spec_of(weight, None, 4, n, k), target="interpret")
+    assert folded.plan_for(torch.float16, 4).operands["w"].fold == "acc-fold"
+    x4 = x[:4] if m >= 4 else (torch.randn(4, k, generator=gen) * 1e-3).half()
+    y, ref = folded(x4, w), reference(x4, w)
+    assert torch.isfinite(y).all() and float((y.double() - ref).norm() / ref.norm()) < 2e-3
+
+
+@needs_interpreter
+@settings(max_examples=4, deadline=None)
+@given(st.sampled_from([3, 40]), st.integers(0, 2**31 - 1))
+def test_a_weight_whose_codes_stay_below_the_overflow_runs(m, seed):
+    """The refusal reads the codes stored where the scales and zeros alone would allow a value past 65504: a
+    weight whose groups could reach 15 x 8000 but whose codes stop at 7 holds values below 61000, and runs."""
+    from foldc.encoding import AffineTensor, pack_codes
+
+    gen = torch.Generator().manual_seed(seed)
+    n, k = 24, 256
+    spec = spec_of("k-group:4:32", None, None, n, k, symbolic=True)
+    codes = torch.randint(0, 8, (1, 1, n, k), generator=gen)
+    scale = (torch.rand(1, 1, n, k // 32, generator=gen) * 3000 + 5000).half()
+    zero = (torch.rand(1, 1, n, k // 32, generator=gen) * 5000).half()
+    w = AffineTensor(pack_codes(codes, 4), scale, zero, spec.weight.affine(k), k)
+    assert float((scale.double() * 15 + zero.double()).max()) > 65504   # the bound alone would refuse it
+    x = (torch.randn(m, k, generator=gen) * 1e-3).half()
+    y, ref = foldc.compile(spec, target="interpret")(x, w), foldc.compile(spec, target="reference")(x, w)
+    assert torch.isfinite(y).all() and float((y.double() - ref).norm() / ref.norm()) < 2e-3
+
+
+@needs_interpreter
+def test_a_weight_is_read_for_the_overflow_once_and_again_after_an_in_place_change(monkeypatch):
+    """The weight is a model's constant: its values are read once (a device sync), not at every call; a change in
+    place (a load_state_dict copying into the tensors) bumps their version and the next call reads them again."""
+    import foldc.backends.triton.gemm_launch as launch_module
+
+    calls = []
+    check = launch_module.check_rebuilt
+    monkeypatch.setattr(launch_module, "check_rebuilt", lambda *a: (calls.append(a[0]), check(*a)))
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    spec = spec_of("k-group:4:32", None, None, 24, 256, symbolic=True)
+    kernel = foldc.compile(spec, target="interpret")
+    w = quantize_2d(torch.rand(24, 256, generator=gen) * 30000, spec.weight)
+    x = (torch.randn(5, 256, generator=gen) * 1e-3).half()
+    first = kernel(x, w)
+    assert torch.equal(kernel(x, w), first) and calls == ["w"]
+    w.scale.mul_(4)   # values up to about 120000 now
+    with pytest.raises(InputError, match=_rebuilt_error(w)):
+        kernel(x, w)
+    assert calls == ["w", "w"]
+
+
 # -- ahead-of-time builds --------------------------------------------------------------------
 AOT_CASES = [("int4 k-group", "k-group:4:128", None, 1), ("int2 k-group", "k-group:2:128", None, 16),
              ("int4 split-k", "k-group:4:128", None, 1),

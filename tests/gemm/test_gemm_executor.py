@@ -132,3 +132,24 @@ def test_reference_gemm_runs_on_the_operands_gpu(weight):
     w = quantize_2d(torch.randn(16, 64, generator=gen), spec.weight)
     got = gemm(x.cuda(), w.to("cuda"))
     assert got.is_cuda and torch.allclose(got.cpu(), gemm(x, w), rtol=1e-12, atol=1e-12)
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.sampled_from(["k-group:4:32", "k-group:2:64:bf16", "per-channel:8", "k-group:4:32:fp32"]),
+       st.floats(0.3, 1.3), st.integers(0, 2**31 - 1))
+def test_rebuilt_peak_is_the_largest_value_where_it_passes_the_limit(weight, spread, seed):
+    """`rebuilt_peak` (the check of a plan rebuilding values in fp16): the largest |scale * code + zero| and where
+    it lies, exactly where it passes the limit (a bound from the scales alone decides only that it cannot)."""
+    from foldc.gemm.reference import rebuilt_peak
+
+    limit = 65504.0
+    gen = torch.Generator().manual_seed(seed)
+    w = quantize_2d(torch.rand(8, 128, generator=gen) * limit * spread, parse_gemm_encoding(weight, "weight"))
+    values = w.dequantize(torch.float64)[0, 0].abs()
+    peak = float(values.max())
+    found = rebuilt_peak(w, limit)
+    note(f"peak={peak} found={found}")
+    if peak > limit:
+        assert found is not None and found[0] == peak and float(values[found[1], found[2]]) == peak
+    else:
+        assert found is None

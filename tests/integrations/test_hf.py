@@ -475,6 +475,36 @@ def test_paged_cache_refuses_a_plain_operand_and_a_float32_model():
         generate(model, paged, prompt(1))
 
 
+def test_paged_cache_on_another_device_than_a_layers_states_names_both_and_the_fix():
+    """PagedFoldcCache keeps every layer's pages in one PagedKVCache, built on the first layer's device. A later
+    layer's states on another device (a model split by device_map), or a model moved after the first forward, were
+    refused by the paged cache's "k_new is on meta but the cache is on cpu; move it there" (the model's states to
+    the pages: not the user's to move), and a prefill raised from inside torch.cat. Refused now naming both devices
+    and the fix (one device, FoldcCache for a split model, reset for a moved one); the cache goes on as it was.
+    The meta device stands in for a second one (the check compares devices; no value is read)."""
+    from foldc.integrations.hf_paged import PagedFoldcCache
+
+    model = llama()
+    paged = PagedFoldcCache(model.config, 32, k="token:4:32", v="token:4:32", target="reference")
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    k, v = (torch.randn(1, 2, 5, 32, generator=gen).half() for _ in range(2))
+    fix = (r"on meta but this PagedFoldcCache's pages are on cpu, where its first forward built them: .* needs "
+           r"FoldcCache, which builds each layer's cache on that layer's device\); .* call cache\.reset\(\)")
+    with attention(model, "foldc"):
+        paged.update(k, v, 0)
+        with pytest.raises(InputError, match=rf"layer 1's key and value states are {fix}"):
+            paged.update(k.to("meta"), v.to("meta"), 1)   # a model split across devices
+        assert not paged.layers[1].is_initialized
+        for new in (1, 5):   # a decode step and a prefill, the model moved since
+            with pytest.raises(InputError, match=rf"layer 0's key and value states are {fix}"):
+                paged.update(k[:, :, :new].to("meta"), v[:, :, :new].to("meta"), 0)
+        paged.update(k, v, 1)
+    assert paged.paged_cache.num_tokens(0) == paged.paged_cache.num_tokens(1) == [5]
+    got_k, got_v, _ = paged.paged_cache.dequantized(1)
+    want_k, want_v, _ = paged.paged_cache.dequantized(0)
+    assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
+
+
 @settings(max_examples=25, deadline=None)
 @given(page_size=st.one_of(st.integers(-16, 160), st.sampled_from(["64", 64.0, True])),
        v=st.sampled_from(["token:4:32", "channel:4:32", "channel:2:16"]))

@@ -328,6 +328,49 @@ def test_nan_tokens_are_refused_on_the_host_and_propagate_as_nan_on_the_device(t
         assert torch.isnan(v_all[1, 0]).any()
 
 
+@pytest.mark.parametrize("spec", [S(4, 2, 64, A(2, "token", 32), A(4, "token", 64)),
+                                  S(4, 2, 64, A(4, "channel", 16), A(2, "token", 32))], ids=["token", "channel"])
+@pytest.mark.parametrize("name", ["k", "v"])
+def test_a_prefill_whose_scales_would_overflow_is_refused_before_anything_is_written(monkeypatch, spec, name):
+    """A bfloat16 prefill holding a value whose group's scale or zero overflows the fp16 scales: the prefill wrote
+    each sequence's flushed tokens in turn, unchecked on the GPU (the append kernel stored an inf scale: attention
+    NaN) and, by foldc.quantize, refused by target "reference" midway, earlier sequences' pages written. Refused
+    now with foldc.quantize's error, naming the layer, sequence and operand, before any write (the writer is never
+    called), as QuantizedKVCache refuses it; the cache is as it was and takes the prefill without the value."""
+    from foldc.errors import ScaleOverflowError
+    import foldc.serving.paged_cache as paged_cache
+
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    cache = PagedKVCache(spec, num_layers=2, page_size=16, num_pages=12, max_seq_len=64, sink=2, window=4,
+                         dtype=torch.bfloat16, target="reference")
+    cache.plan(*_table(3, 4, 12, seed=3), seq_lens=[0] * 3)
+    k, v = (t.bfloat16() for t in _tokens(gen, 3, 2, 10, 64))
+    for layer in range(2):
+        cache.append(layer, k, v)
+    k, v = (t.bfloat16() for t in _tokens(gen, 3, 2, 40, 64))
+    bad_b = int(torch.randint(0, 3, (), generator=gen))
+    bad = {"k": k.clone(), "v": v.clone()}
+    bad[name][bad_b, 1, 5, 9] = 3e6   # token 15 of the sequence: past the sink, flushed into the pages
+    before = [[t.clone() for pool in layer.values() for t in (pool.codes, pool.scale, pool.zero)]
+              for layer in cache.pools]
+    held = [cache.dequantized(layer) for layer in range(2)]
+    writes = []
+    real = paged_cache.append_paged
+    monkeypatch.setattr(paged_cache, "append_paged", lambda *a, **kw: (writes.append(1), real(*a, **kw)))
+    operand = "keys" if name == "k" else "values"
+    with pytest.raises(ScaleOverflowError, match=rf"layer 1, sequence {bad_b}: the {operand} this prefill moves into "
+                                                 r"the pages cannot be quantized: x has values .* whose scale or zero "
+                                                 r"overflow scale_dtype=torch.float16; use float32 scales"):
+        cache.append(1, bad["k"], bad["v"])
+    assert writes == [] and cache.num_tokens(1) == [10] * 3
+    after = [t for pool in cache.pools[1].values() for t in (pool.codes, pool.scale, pool.zero)]
+    assert all(torch.equal(a, b) for a, b in zip(after, before[1]))
+    got = cache.dequantized(1)
+    assert all(torch.equal(a, b) for a, b in zip(got[:2], held[1][:2])) and got[2] == held[1][2]
+    cache.append(1, k, v)
+    assert writes and cache.num_tokens(1) == [50] * 3
+
+
 def test_device_lengths_past_a_sequences_pages_read_only_its_pages():
     """run(seq_lens=...) is not checked on the host (that needs a sync): a length past the pages a
     sequence owns must still read only those pages: the answer is attention over them, never a read

@@ -8,6 +8,7 @@ y ``[m, n]`` in x's dtype (``out_dtype``, fp16 by default, when x is encoded).
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -15,7 +16,7 @@ import torch
 from ...encoding import AffineTensor
 from ...errors import InputError, SpecError
 from ...gemm.plan import GemmPlan, gemm_plan
-from ...gemm.reference import check_operand, operand_device
+from ...gemm.reference import check_operand, check_rebuilt, operand_device
 from ...gemm.spec import GemmSpec
 from ...options import check_gemm_options
 from ...proof import prove
@@ -25,6 +26,7 @@ from .gemm_dequant import SOURCE as DEQUANT_SOURCE
 from .gemm_dequant import (DequantTile, NotDequantTemplate, check_tensor_memory, dequant_config, lower_dequant,
                            tensor_memory, unpack_asm)
 from ..runtime.fast_launch import FastLaunch
+from ..runtime.launch import STREAM_CAPTURING
 from ..runtime.modules import device_arch, interpreter, load_module, num_sms
 
 DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
@@ -131,6 +133,7 @@ class GemmLaunch:
     constants: tuple
     template: str = "generated"   # or "dequant": the dequantize-then-dot template (gemm_dequant.py)
     arch: str = "sm_90"           # the device's architecture the tiles were planned for
+    rebuilds: tuple = ()          # the operands ("w", "x") whose values its plan rebuilds in ``dtype`` (fold dequant)
 
 
 class TritonGemm:
@@ -156,6 +159,7 @@ class TritonGemm:
         self._dequant: dict = {}   # id(dequant launch) -> (launch, its constexpr dict)
         self._dequant_kernel = None   # the template behind FastLaunch, loaded at the first launch
         self._fits: set = set()       # ids of launches run once (an sm_100 build checked against tensor memory)
+        self._rebuilt: dict = {}      # operands checked by `_check_rebuilt`: their tensors and versions
 
     def kernel(self, dtype: str):
         if dtype not in self._kernels:
@@ -207,8 +211,34 @@ class TritonGemm:
             return out
         launch = self.plan_launch(dtype, m, num_sms(device), device_arch(device))
         check_tile_span(launch, x, w, out)
+        for name in launch.rebuilds:
+            self._check_rebuilt(name, x if name == "x" else w, dtype)
         self.run(launch, x, w, out)
         return without_backward(out, x, "the compiled GEMM (foldc.compile of a GemmSpec)")
+
+    def _check_rebuilt(self, name: str, t: AffineTensor, dtype: torch.dtype) -> None:
+        """Refuse an operand that a plan rebuilding its values in ``dtype`` would make inf (`check_rebuilt`). Once
+        per operand (a weight is a model's constant): its codes, scale and zero tensors and their version counters
+        (an in-place change bumps them) are kept, and a later call with the very same tensors is not read again. Not
+        during a CUDA-graph capture (the check reads the device); a weight's first call is a warm-up's."""
+        parts = (t.codes, t.scale, t.zero)
+        key = (name, dtype, *map(id, parts))
+        seen = self._rebuilt.get(key)
+        versions = tuple(map(_version, parts))
+        if seen is not None and all(ref() is p for ref, p in zip(seen[0], parts)) and seen[1] == versions:
+            return
+        if t.codes.is_cuda and STREAM_CAPTURING():
+            return
+        if dtype == torch.float16:
+            fix = ("pass bfloat16 activations (x.bfloat16(), on a GPU target; the interpreter runs float16 only)"
+                   if name == "w" else "pass out_dtype=torch.bfloat16 (on a GPU target)")
+            fix += f", or quantize {name} with smaller scales and zeros (values within +-65504)"
+        else:
+            fix = f"quantize {name} with smaller scales and zeros"
+        check_rebuilt(name, t, dtype, fix)
+        if len(self._rebuilt) >= 256:   # many weights through one kernel: keep the memo bounded
+            self._rebuilt.clear()
+        self._rebuilt[key] = (tuple(weakref.ref(p) for p in parts), versions)
 
     def dequant_tile(self, dtype: torch.dtype, m: int) -> DequantTile | None:
         """The template's tile when a call with ``m`` rows of plain ``dtype`` activations runs it: the
@@ -243,7 +273,8 @@ class TritonGemm:
                          SPLIT_K=cfg["split_k"], num_warps=cfg["num_warps"],
                          num_stages=cfg["num_stages"])
         grid = (triton_cdiv(m, cfg["block_m"]) * triton_cdiv(self.spec.n, cfg["block_n"]), cfg["split_k"])
-        return GemmLaunch(dtype, m, self.spec.n, grid, cfg["split_k"], tuple(constants.items()), "dequant", arch)
+        return GemmLaunch(dtype, m, self.spec.n, grid, cfg["split_k"], tuple(constants.items()), "dequant", arch,
+                          ("w",))
 
     def plan_launch(self, dtype: torch.dtype, m: int, sms: int = 132, arch: str = "sm_90") -> GemmLaunch:
         """The `GemmLaunch` of a call with ``m`` rows of x and a ``dtype`` output, memoised: the
@@ -258,14 +289,15 @@ class TritonGemm:
             if tile is not None:
                 launch = self._launches[key] = self._dequant_launch(tile, dtype, m, sms, arch)
         if launch is None:
-            _, ks, _ = self.kernel(DTYPES[dtype])
+            _, ks, the_plan = self.kernel(DTYPES[dtype])
             cfg = dict(launch_config(m, self.spec.n), **self.explicit)
             n, split = self.spec.n, cfg["split_k"]
             constants = dict(N=n, K=self.spec.k, GROUP=ks.group, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"],
                              BLOCK_K=k_chunk(self.spec, ks.group, cfg["block_k"]), SPLIT_K=split,
                              num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
             launch = GemmLaunch(dtype, m, n, (triton_cdiv(m, cfg["block_m"]), triton_cdiv(n, cfg["block_n"]), split),
-                                split, tuple(constants.items()), arch=arch)
+                                split, tuple(constants.items()), arch=arch,
+                                rebuilds=tuple(op for op, f in the_plan.folds.items() if f == "dequant"))
             self._launches[key] = launch
         return launch
 
@@ -317,6 +349,14 @@ class TritonGemm:
         codes, scale = w.codes, w.scale
         self._dequant_kernel[launch.grid](x, x.stride(0), codes, codes.stride(2), scale, w.zero, scale.stride(2),
                                           target, target.stride(0), launch.m, launch.n, **entry[1])
+
+
+def _version(t: torch.Tensor):
+    """``t``'s version counter (bumped by each in-place change), or None for an inference tensor (none kept)."""
+    try:
+        return t._version
+    except RuntimeError:
+        return None
 
 
 def triton_cdiv(a: int, b: int) -> int:
