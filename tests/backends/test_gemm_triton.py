@@ -195,7 +195,6 @@ def _rebuilt_error(w) -> str:
             r"value 65504")
 
 
-@needs_interpreter
 @settings(max_examples=8, deadline=None)
 @given(st.sampled_from(["k-group:4:32", "k-group:2:64", "k-group:4:32:fp32", "k-group:8:32", "per-channel:4"]),
        st.sampled_from([3, 40]), st.floats(70000, 180000), st.integers(0, 2**31 - 1))
@@ -230,7 +229,6 @@ def test_a_plan_rebuilding_the_weight_in_fp16_refuses_values_past_65504(weight, 
     assert torch.isfinite(y).all() and float((y.double() - ref).norm() / ref.norm()) < 2e-3
 
 
-@needs_interpreter
 @settings(max_examples=4, deadline=None)
 @given(st.sampled_from([3, 40]), st.integers(0, 2**31 - 1))
 def test_a_weight_whose_codes_stay_below_the_overflow_runs(m, seed):
@@ -251,7 +249,6 @@ def test_a_weight_whose_codes_stay_below_the_overflow_runs(m, seed):
     assert torch.isfinite(y).all() and float((y.double() - ref).norm() / ref.norm()) < 2e-3
 
 
-@needs_interpreter
 def test_a_weight_is_read_for_the_overflow_once_and_again_after_an_in_place_change(monkeypatch):
     """The weight is a model's constant: its values are read once (a device sync), not at every call; a change in
     place (a load_state_dict copying into the tensors) bumps their version and the next call reads them again."""
