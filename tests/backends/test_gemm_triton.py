@@ -541,3 +541,25 @@ def test_gpu_output_over_2_to_the_31_elements_matches_float64_in_its_last_rows()
     got = foldc.compile(spec)(x, w)
     assert got.numel() > 2**31
     _tail_check(got, x, w, spec, 2**31 // n - 1, 0)
+
+
+@gpu
+@pytest.mark.parametrize("weight", ["k-group:4:128", "k-group:2:64"])
+def test_gpu_large_m_template_refuses_fp16_values_past_65504_and_runs_bf16(weight):
+    """On a GPU the large-m template rebuilds each weight value in x's dtype: with fp16 x a weight holding values past
+    65504 is refused (reading the device's codes once), nothing written; the same weight with bf16 x matches float64."""
+    gen = torch.Generator().manual_seed(1234)
+    n, k, m = 256, 1024, 64
+    spec = spec_of(weight, None, None, n, k, symbolic=True)
+    kernel = foldc.compile(spec, target="auto")
+    w = quantize_2d(torch.rand(n, k, generator=gen) * 150000, spec.weight).to("cuda")
+    assert kernel.plan_launch(torch.float16, m, 132).template == "dequant"
+    x = (torch.randn(m, k, generator=gen) * 1e-3).cuda()
+    out = torch.full((m, n), float("nan"), dtype=torch.float16, device="cuda")
+    with pytest.raises(InputError, match=_rebuilt_error(w) + r".*pass bfloat16 activations"):
+        kernel(x.half(), w, out=out)
+    assert torch.isnan(out).all()
+    y = kernel(x.bfloat16(), w)
+    ref = foldc.compile(spec, target="reference")(x.bfloat16().double().cpu(), w.to("cpu"))
+    err = float((y.double().cpu() - ref).norm() / ref.norm())
+    assert torch.isfinite(y).all() and err < 1e-2, f"rel L2 {err:.2e}"

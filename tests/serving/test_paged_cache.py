@@ -331,23 +331,26 @@ def test_nan_tokens_are_refused_on_the_host_and_propagate_as_nan_on_the_device(t
 @pytest.mark.parametrize("spec", [S(4, 2, 64, A(2, "token", 32), A(4, "token", 64)),
                                   S(4, 2, 64, A(4, "channel", 16), A(2, "token", 32))], ids=["token", "channel"])
 @pytest.mark.parametrize("name", ["k", "v"])
-def test_a_prefill_whose_scales_would_overflow_is_refused_before_anything_is_written(monkeypatch, spec, name):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU (the append kernels)"))])
+def test_a_prefill_whose_scales_would_overflow_is_refused_before_anything_is_written(monkeypatch, spec, name, device):
     """A bfloat16 prefill holding a value whose group's scale or zero overflows the fp16 scales: the prefill wrote
     each sequence's flushed tokens in turn, unchecked on the GPU (the append kernel stored an inf scale: attention
     NaN) and, by foldc.quantize, refused by target "reference" midway, earlier sequences' pages written. Refused
     now with foldc.quantize's error, naming the layer, sequence and operand, before any write (the writer is never
-    called), as QuantizedKVCache refuses it; the cache is as it was and takes the prefill without the value."""
+    called), as QuantizedKVCache refuses it; the cache is as it was and takes the prefill without the value. On a GPU
+    the pages take the append kernels (target "auto"), on the CPU target "reference"."""
     from foldc.errors import ScaleOverflowError
     import foldc.serving.paged_cache as paged_cache
 
     gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
     cache = PagedKVCache(spec, num_layers=2, page_size=16, num_pages=12, max_seq_len=64, sink=2, window=4,
-                         dtype=torch.bfloat16, target="reference")
-    cache.plan(*_table(3, 4, 12, seed=3), seq_lens=[0] * 3)
-    k, v = (t.bfloat16() for t in _tokens(gen, 3, 2, 10, 64))
+                         dtype=torch.bfloat16, device=device, target="reference" if device == "cpu" else "auto")
+    cache.plan(*(t.to(device) for t in _table(3, 4, 12, seed=3)), seq_lens=[0] * 3)
+    k, v = (t.bfloat16().to(device) for t in _tokens(gen, 3, 2, 10, 64))
     for layer in range(2):
         cache.append(layer, k, v)
-    k, v = (t.bfloat16() for t in _tokens(gen, 3, 2, 40, 64))
+    k, v = (t.bfloat16().to(device) for t in _tokens(gen, 3, 2, 40, 64))
     bad_b = int(torch.randint(0, 3, (), generator=gen))
     bad = {"k": k.clone(), "v": v.clone()}
     bad[name][bad_b, 1, 5, 9] = 3e6   # token 15 of the sequence: past the sink, flushed into the pages
