@@ -17,7 +17,7 @@ from ...encoding import scale_shape
 from ...plan import Plan
 from ...errors import InputError, SpecError
 from ...options import check_launch_options, check_splits
-from ...validate import check_call, output_buffer
+from ...validate import ATTENTION_FIX, ATTENTION_KERNEL, check_call, output_buffer, without_backward
 from ..runtime.fast_launch import Bindings, FastLaunch
 from ..runtime.launch import Launch, Scratch, allocate_workspace, capturing, side_key, split_partition
 from ..runtime.merge import MERGE_SOURCE, launch_merge, merge_arguments, run_bound
@@ -247,8 +247,8 @@ class GluonAttention:
         (and the lse if asked)."""
         if seq_lens is None and not return_lse:   # a call shaped as one bound before: its launches at once
             done = self._eager.run(self, q, k, v, sm_scale, out)
-            if done is not None:
-                return done
+            if done is not None:   # (k and v are AffineTensors here: q alone may record gradients)
+                return done if not q.requires_grad else without_backward(done, q, ATTENTION_KERNEL, ATTENTION_FIX)
         call = check_call(self.spec, q, k, v, sm_scale, seq_lens, q_dtypes=DTYPES, out=out)
         device = q.device
         if device.type != "cuda":
@@ -285,7 +285,11 @@ class GluonAttention:
             self._eager.note(self, launch, q, k, v, sm_scale, given, workspace, lse,
                              lambda: _binding_key(launch.options, q, k, v, None, out, call.sm_scale, launch.per_split,
                                                   launch.splits))
-        return (out, lse) if return_lse else out
+        result = (out, lse) if return_lse else out
+        if q.requires_grad or (isinstance(k, torch.Tensor) and k.requires_grad) or (
+                isinstance(v, torch.Tensor) and v.requires_grad):   # no backward: one through it raises by name
+            return without_backward(result, (q, k, v), ATTENTION_KERNEL, ATTENTION_FIX)
+        return result
 
     def plan_launch(self, dtype: torch.dtype, batch: int, tokens: int, device, *, has_lens: bool = False,
                     page: int = 0, k=None, v=None) -> Launch:

@@ -18,7 +18,7 @@ from ...errors import InputError
 from ...options import check_launch_options
 from ...plan import Plan, plan
 from ...precision import code_bias_allowed, key_reduction_group
-from ...validate import check_call, output_buffer
+from ...validate import ATTENTION_FIX, ATTENTION_KERNEL, check_call, output_buffer, without_backward
 from ..runtime.launch import Launch, allocate_workspace, capturing, side_key, split_partition
 from ..runtime.fast_launch import Bindings, FastLaunch
 from ..runtime.merge import MERGE_SOURCE, launch_merge, merge_arguments, run_bound
@@ -186,7 +186,11 @@ class TritonAttention:
         out = output_buffer(out, (b, self.spec.num_q_heads, self.spec.head_dim), q)
         lse = torch.empty(b, self.spec.num_q_heads, device=device, dtype=torch.float32)
         self.run(launch, q, k, v, out, lse, call.sm_scale, seq_lens=lens)
-        return (out, lse) if return_lse else out
+        result = (out, lse) if return_lse else out
+        if q.requires_grad or (isinstance(k, torch.Tensor) and k.requires_grad) or (
+                isinstance(v, torch.Tensor) and v.requires_grad):   # no backward: one through it raises by name
+            return without_backward(result, (q, k, v), ATTENTION_KERNEL, ATTENTION_FIX)
+        return result
 
     def plan_launch(self, dtype: torch.dtype, batch: int, tokens: int, device, *, has_lens: bool = True,
                     page: int = 0, k=None, v=None) -> Launch:
