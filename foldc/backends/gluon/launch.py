@@ -183,15 +183,16 @@ class GluonAttention:
     def default_stages(self) -> int:
         return self._defaults["stages"]
 
-    def launch_config(self, dtype: torch.dtype, batch: int, tokens: int) -> dict:
-        """block_n / stages / maxnreg / split factor for this call (memoised per shape bucket)."""
-        bucket = (dtype, batch, tokens)
+    def launch_config(self, dtype: torch.dtype, batch: int, tokens: int, device=None) -> dict:
+        """block_n / stages / maxnreg / split factor for this call on ``device`` (its tensors' device, whose GPU's
+        tuned entry applies; None: the current GPU's), memoised per shape bucket."""
+        bucket = (dtype, batch, tokens, device)
         if bucket not in self._configs:
             opts = dict(self._defaults)
             if not TUNED_OPTIONS <= set(self.explicit):   # some option is left to the tuning cache
                 from ..runtime.tuning import lookup
 
-                tuned = lookup(self.spec, dtype, batch, tokens, kernel="gluon")
+                tuned = lookup(self.spec, dtype, batch, tokens, kernel="gluon", device=device)
                 reason = None if tuned is None else (self._tile_reason(tuned.block_n)
                                                      or (tuned.pack_heads and self._pack_reason(tuned.pack_heads)))
                 if reason:   # an entry tuned for another kernel build (or damaged): the defaults run
@@ -306,7 +307,7 @@ class GluonAttention:
         if launch is None and warpgroup:
             launch = self._launches[key] = self.warpgroup.plan_launch(dtype, batch, tokens, device, has_lens)
         if launch is None:
-            opts = self.launch_config(dtype, batch, tokens)
+            opts = self.launch_config(dtype, batch, tokens, device)
             splits, per_split = self.split_plan(opts, batch, tokens, device, dtype, has_lens, page)
             launch = Launch("gluon", dtype, batch, self.head_programs(opts), splits, per_split, opts["block_n"],
                             per_split * splits if page else tokens, self.config.rows, self.config.head_dim, page,

@@ -137,9 +137,10 @@ class TritonAttention:
     def source(self, dtype: torch.dtype = torch.float16) -> str:
         return self.kernels(DTYPES[dtype])[1].source
 
-    def launch_config(self, dtype: torch.dtype, batch: int, tokens: int) -> dict:
-        """block_n / num_warps / num_stages / split factor for this call (memoised per bucket)."""
-        bucket = (dtype, batch, tokens)
+    def launch_config(self, dtype: torch.dtype, batch: int, tokens: int, device=None) -> dict:
+        """block_n / num_warps / num_stages / split factor for this call on ``device`` (its tensors' device, whose
+        GPU's tuned entry applies; None: the current GPU's), memoised per bucket."""
+        bucket = (dtype, batch, tokens, device)
         cfg = self._configs.get(bucket)
         if cfg is not None:
             return cfg
@@ -147,7 +148,7 @@ class TritonAttention:
         if not self.interpret and len(self.explicit) < 3:
             from ..runtime.tuning import lookup
 
-            tuned = lookup(self.spec, dtype, batch, tokens, self.fold_policy)
+            tuned = lookup(self.spec, dtype, batch, tokens, self.fold_policy, device=device)
             if tuned is not None:
                 cfg.update(block_n=tuned.block_n, num_warps=tuned.num_warps, num_stages=tuned.num_stages,
                            split_factor=tuned.split_factor)
@@ -203,7 +204,7 @@ class TritonAttention:
         key = (dtype, batch, tokens, page, device)
         launch = self._launches.get(key)
         if launch is None:
-            cfg = self.launch_config(dtype, batch, tokens)
+            cfg = self.launch_config(dtype, batch, tokens, device)
             _, _, geo, _ = self.kernels(DTYPES[dtype], cfg["block_n"], paged=bool(page))
             hkv = self.spec.num_kv_heads
             want = self.splits
