@@ -50,8 +50,8 @@ def with_unpack(attn, path: str):
     module.__spec__.loader.exec_module(module)
     base = attn.launch_config
 
-    def launch_config(dtype, batch, tokens):
-        opts = base(dtype, batch, tokens)
+    def launch_config(dtype, batch, tokens, device=None):
+        opts = base(dtype, batch, tokens, device)
         cfg = attn.config
         kasm, kcons = module.key_unpack_asm(cfg.key_bits)
         values = [module.value_unpack_asm(cfg.value_bits, byte) for byte in range(4)]

@@ -134,7 +134,7 @@ def gluon_call_parts(attn, q, k, v, sm_scale: float) -> dict:
     benchmarks that launch its kernels by hand: launch config, splits, tokens per split, workspace,
     the decode kernel's (args, kwargs) and grid."""
     b, n = q.shape[0], k.shape[2]
-    launch = attn.launch_config(q.dtype, b, n)
+    launch = attn.launch_config(q.dtype, b, n, q.device)
     splits, per_split = attn.split_plan(launch, b, n, q.device, q.dtype)
     ws = attn.workspace(launch, b, splits, q.device)
     args, kwargs = attn.decode_arguments(launch, q, k, v, None, ws, sm_scale, per_split, n, None)

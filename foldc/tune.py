@@ -53,7 +53,7 @@ def tune(spec, q, k, v, seq_lens=None, fold_policy="auto", candidates=CANDIDATES
                         f"{sorted(k.__name__ for k in kinds) if kinds else candidates!r}")
     kernel = "gluon" if kinds == {GluonConfig} else "triton"
     key = bucket_key(spec, q.dtype, q.shape[0], k.shape[2] if hasattr(k, "shape") else k.num_tokens, fold_policy,
-                     kernel)
+                     kernel, q.device)   # the card that times the candidates (not the current one)
     timed = []         # [microseconds, config, call] of every candidate that ran
     launches = set()   # what the register-operand candidates launch: equal launches are timed once
     for i, cfg in enumerate(candidates):
@@ -119,6 +119,6 @@ def _gluon_launch(attn, q, k, seq_lens) -> tuple:
     """What a register-operand launch runs for these tensors: tile, stages, register cap, packed
     heads, scale schedule and split count."""
     batch, tokens = q.shape[0], k.shape[2] if hasattr(k, "shape") else k.num_tokens
-    launch = attn.launch_config(q.dtype, batch, tokens)
+    launch = attn.launch_config(q.dtype, batch, tokens, q.device)
     splits, _ = attn.split_plan(launch, batch, tokens, q.device, q.dtype, seq_lens is not None)
     return (launch["block_n"], launch["stages"], launch["maxnreg"], launch["heads"], launch["scale_ahead"], splits)

@@ -301,26 +301,44 @@ def output_buffer(out: torch.Tensor | None, want: tuple[int, ...], q: torch.Tens
     return check_out(out, want, q.device, tuple(dict.fromkeys((q.dtype, torch.float32))))
 
 
+#: the fix a backward through the compiled GEMM names
+GEMM_FIX = ("For gradients use foldc.nn.FoldLinear (torch.ops.foldc.linear has a backward), or call this kernel under "
+            "torch.no_grad()")
+#: the fix a backward through an attention kernel names (the float64 executor is torch ops: it has a backward)
+ATTENTION_FIX = ("For gradients use target='reference' (the float64 executor, which has a backward), or call this "
+                 "kernel under torch.no_grad()")
+#: what a backward through a direct call of `foldc.compile`'s attention kernels names
+ATTENTION_KERNEL = "the attention kernel (foldc.compile of an AttentionSpec)"
+
+
 class _NoBackward(torch.autograd.Function):
-    """y as computed, joined to the graph of the input it came from so that a backward through it raises instead of
-    leaving that input's gradient out (the kernel's output had no grad_fn: a loss through it trained the rest of a
+    """y as computed, joined to the graph of the inputs it came from so that a backward through it raises instead of
+    leaving those inputs' gradients out (the kernel's output had no grad_fn: a loss through it trained the rest of a
     model and silently never this path)."""
 
     @staticmethod
-    def forward(ctx, y, x, what):
-        ctx.what = what
+    def forward(ctx, y, what, fix, *inputs):
+        ctx.what, ctx.fix = what, fix
         return y.view_as(y)
 
     @staticmethod
     def backward(ctx, *grads):
-        raise UnsupportedError(f"{ctx.what} has no backward: its kernels compute inference only. For gradients use "
-                               "foldc.nn.FoldLinear (torch.ops.foldc.linear has a backward), or call this kernel under "
-                               "torch.no_grad()")
+        raise UnsupportedError(f"{ctx.what} has no backward: its kernels compute inference only. {ctx.fix}")
 
 
-def without_backward(y: torch.Tensor, x, what: str) -> torch.Tensor:
-    """``y``, the output of a kernel without a backward, computed from ``x``: unchanged unless gradients are being
-    recorded for ``x``, then a view whose backward raises (`_NoBackward`) rather than drop x's gradient silently."""
-    if torch.is_grad_enabled() and isinstance(x, torch.Tensor) and x.requires_grad:
-        return _NoBackward.apply(y, x, what)
-    return y
+def without_backward(y, x, what: str, fix: str = GEMM_FIX):
+    """``y`` (a tensor, or a tuple of them: out and lse), the output of a kernel without a backward, computed from
+    ``x`` (a tensor, or a tuple of the call's inputs; anything but a tensor ignored): unchanged unless gradients are
+    being recorded for one of them, then views whose backward raises `UnsupportedError` naming ``what`` and ``fix``
+    (`_NoBackward`) rather than drop those gradients silently. Callers on a hot path call it only when one of them
+    requires grad (no torch call otherwise)."""
+    if isinstance(x, torch.Tensor):   # (the GEMM's x: no tuple built per call)
+        inputs = (x,) if x.requires_grad else ()
+    else:
+        inputs = tuple(t for t in x if isinstance(t, torch.Tensor) and t.requires_grad) if isinstance(x, tuple) else ()
+    if not inputs or not torch.is_grad_enabled():
+        return y
+    if isinstance(y, tuple):
+        return tuple(_NoBackward.apply(t, what, fix, *inputs) for t in y)
+    return _NoBackward.apply(y, what, fix, *inputs)
+

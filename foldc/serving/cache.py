@@ -45,7 +45,7 @@ from ..errors import InputError, InputTypeError, SpecError
 from ..merge import merge_parts
 from ..plan import plan_of
 from ..spec import AttentionSpec
-from ..validate import check_sm_scale
+from ..validate import ATTENTION_FIX, check_sm_scale, without_backward
 from .append import (OFFSET_ARG, append_arguments, append_quantized, check_finite, plan_append, resolve_target,
                      run_append, safe_abs_limit)
 from .inputs import check_new_tokens, count, mapped_flag, resolve_device
@@ -133,6 +133,7 @@ class QuantizedKVCache:
         self._attend = None
         self._last_prepared = None
         self._q_shape = (self.batch, spec.num_q_heads, spec.head_dim)
+        self._what = f"QuantizedKVCache.attention with target={target!r}"   # (a backward through it raises)
         # the body's appends: the largest |value| below which no group can overflow its scale dtype (above
         # it, the exact check of append_quantized), and the append kernel's launch per (operand, tokens)
         self._safe_abs = {name: safe_abs_limit(enc.scale_dtype) for name in ("k", "v")
@@ -531,7 +532,7 @@ class QuantizedKVCache:
             # a decode step over the body alone, shaped as the last one the whole path ran prepared (`_part`)
             out = torch.empty_like(q)   # contiguous as q is (half torch.empty's host time)
             fast[5](q, out, self._body_len)
-            return out
+            return out if not q.requires_grad else without_backward(out, q, self._what, ATTENTION_FIX)
         self._raise_if_flagged()
         if not isinstance(q, torch.Tensor):
             raise InputTypeError(f"q must be a torch.Tensor [batch, num_q_heads, head_dim], got {type(q).__name__}")
@@ -568,7 +569,10 @@ class QuantizedKVCache:
             out, lse = merge_parts(parts)
         else:   # one launch: eq. 14 over the two parts, written in q's dtype
             out, lse = merge_two_parts(parts[0], parts[1], q.dtype)
-        return (out, lse) if return_lse else out
+        result = (out, lse) if return_lse else out
+        if q.requires_grad and self.target != "reference":   # (the float64 executor's parts and merge have a backward)
+            return without_backward(result, q, self._what, ATTENTION_FIX)
+        return result
 
     def _part(self, name: str, q: torch.Tensor, scale: float, wide: bool, return_lse: bool):
         """(out, lse) of attention over part ``name`` ("body": the quantized tokens; "plain": sink and window)."""

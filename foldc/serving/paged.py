@@ -32,7 +32,7 @@ from ..errors import InputError, InputTypeError, SpecError
 from ..plan import plan as make_plan
 from ..registry import attention_backend
 from ..spec import AttentionSpec
-from ..validate import check_no_overlap, check_sm_scale, output_buffer
+from ..validate import ATTENTION_FIX, check_no_overlap, check_sm_scale, output_buffer, without_backward
 from .inputs import check_readable, resolve_device
 
 _WORKSPACE = {torch.float16: "workspace_float16", torch.bfloat16: "workspace_bfloat16"}   # buffer names per q dtype
@@ -547,10 +547,15 @@ class PagedDecodeWrapper:
                 prepared = self._prepared[key] = self.attention.prepare(
                     launch, k_pages, v_pages, workspace, lse, scale, seq_lens=lens, paged=table)
             prepared(q, out)
-            return out
-        self.attention.run(launch, q, k_pages, v_pages, out, lse, scale, seq_lens=lens, workspace=workspace,
-                           paged=table)
-        return (out, lse) if return_lse else out
+            result = out
+        else:
+            self.attention.run(launch, q, k_pages, v_pages, out, lse, scale, seq_lens=lens, workspace=workspace,
+                               paged=table)
+            result = (out, lse) if return_lse else out
+        if q.requires_grad or (isinstance(k_pages, torch.Tensor) and k_pages.requires_grad) or (
+                isinstance(v_pages, torch.Tensor) and v_pages.requires_grad):   # no backward: one through it raises
+            return without_backward(result, (q, k_pages, v_pages), "PagedDecodeWrapper.run", ATTENTION_FIX)
+        return result
 
     def prepared_run(self, dtype: torch.dtype, sm_scale: float, k_pages, v_pages, seq_lens: torch.Tensor | None = None):
         """The prepared run (`GluonAttention.prepare`) that ``run`` keeps for queries of ``dtype``, this softmax

@@ -40,7 +40,7 @@ from .part_merge import merge_two_parts
 from ..plan import plan_of
 from ..reference import attention_reference
 from ..spec import AttentionSpec
-from ..validate import check_sm_scale
+from ..validate import ATTENTION_FIX, check_sm_scale, without_backward
 from .append import (append_arguments, append_paged, check_finite, plan_append, resolve_target, run_append,
                      safe_abs_limit, write_paged)
 from .inputs import check_new_tokens, check_readable, count, resolve_device
@@ -48,6 +48,7 @@ from .paged import PagedDecodeWrapper, check_page_table, gather_pages, launch_pl
 
 _TENSOR = torch.Tensor
 _CAPTURING = STREAM_CAPTURING
+_WHAT = "PagedKVCache.attention"   # what a backward through its kernels' output names (it has none)
 
 
 def _lengths(seq_lens) -> list[int]:
@@ -480,7 +481,7 @@ class PagedKVCache:
             if prepared is not None:
                 out = torch.empty_like(q)
                 prepared(q, out)
-                return out
+                return out if not q.requires_grad else without_backward(out, q, _WHAT, ATTENTION_FIX)
         st = self._state(layer)
         want = (self.batch, self.spec.num_q_heads, self.spec.head_dim)
         if not isinstance(q, torch.Tensor) or tuple(q.shape) != want:
@@ -506,14 +507,15 @@ class PagedKVCache:
                 if self._attend != key:
                     self._attend, self._attend_runs = key, {}
                 self._attend_runs[layer] = prepared
-            return out
+            return out if not q.requires_grad else without_backward(out, q, _WHAT, ATTENTION_FIX)
         # both parts stay float32 until the merge: one rounding to q's dtype, not two
         body = self.wrapper.run(q, pools["k"], pools["v"], sm_scale=scale, return_lse=True, seq_lens=st["body"],
                                 out=torch.empty(want, dtype=torch.float32, device=q.device))
         out = torch.empty(want, dtype=torch.float32, device=q.device)
         lse = torch.empty(want[:2], dtype=torch.float32, device=q.device)
         launch_plain(self._plain_attn, q, st["k"], st["v"], st["plain"], scale, out, lse)
-        return merge_two_parts(body, (out, lse), q.dtype)[0]   # one launch: eq. 14, written in q's dtype
+        out = merge_two_parts(body, (out, lse), q.dtype)[0]   # one launch: eq. 14, written in q's dtype
+        return out if not q.requires_grad else without_backward(out, q, _WHAT, ATTENTION_FIX)
 
     def dequantized(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
         """(k, v, lengths): every token of ``layer`` as float32 ``[batch, kv_heads, max_tokens, head_dim]``

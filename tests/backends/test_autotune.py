@@ -59,6 +59,52 @@ def test_store_then_lookup_round_trips_and_survives_a_restart(cache_dir):
     assert "pack_heads=1" in done.stdout and "block_n=64" in done.stdout
 
 
+def test_a_call_reads_the_tuned_entry_of_its_tensors_gpu_not_the_current_ones(cache_dir, monkeypatch):
+    """On a host with two kinds of card the key named the current GPU (torch.cuda.get_device_name()): a call on
+    cuda:1 while cuda:0 was current ran cuda:0's tuned config, silently. Now a call's launch reads the entry of
+    its tensors' device (cards stood in by name: this machine may have none)."""
+    from foldc.backends.gluon import launch as gluon_launch
+    from foldc.backends.gluon.launch import GluonAttention
+    from foldc.backends.triton.launch import TritonAttention
+
+    names = {0: "NVIDIA H100 80GB HBM3", 1: "NVIDIA H200"}
+
+    def device_name(device=None):
+        index = device if isinstance(device, int) else None if device is None else torch.device(device).index
+        return names[torch.cuda.current_device() if index is None else index]
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_name", device_name)
+    monkeypatch.setattr(gluon_launch, "num_sms", lambda device: 132)
+    cuda0, cuda1 = torch.device("cuda", 0), torch.device("cuda", 1)
+    key0, key1 = (bucket_key(SPEC, torch.bfloat16, 1, 16384, kernel="gluon", device=d) for d in (cuda0, cuda1))
+    assert key0.startswith(names[0]) and key1.startswith(names[1])
+    assert bucket_key(SPEC, torch.bfloat16, 1, 16384, kernel="gluon") == key0   # no tensors: the current GPU's
+    on0 = GluonConfig(block_n=32, stages=2, maxnreg=None, split_factor=1.0, pack_heads=1)
+    on1 = GluonConfig(block_n=64, stages=4, maxnreg=None, split_factor=2.0, pack_heads=2)
+    store(key0, on0, 30.0)
+    store(key1, on1, 20.0)
+    triton0, triton1 = Config(32, 2, 3, 1.0), Config(64, 8, 4, 2.0)
+    for device, config in ((cuda0, triton0), (cuda1, triton1)):
+        store(bucket_key(SPEC, torch.bfloat16, 1, 16384, device=device), config, 10.0)
+
+    class Resident(GluonAttention):
+        def resident(self, *args):
+            return 12
+
+    attn = Resident(SPEC)
+    for device, want in ((cuda1, on1), (cuda0, on0), (cuda1, on1)):   # either first: the memos hold both
+        launch = attn.plan_launch(torch.bfloat16, 1, 16384, device)
+        assert (launch.block_n, launch.options["stages"], launch.options["heads"]) == (
+            want.block_n, want.stages, want.pack_heads), device
+    triton = TritonAttention(SPEC, "sm_90")
+    for device, want in ((cuda1, triton1), (cuda0, triton0)):
+        cfg = triton.launch_config(torch.bfloat16, 1, 16384, device)
+        assert (cfg["block_n"], cfg["num_warps"], cfg["num_stages"]) == (want.block_n, want.num_warps,
+                                                                          want.num_stages), device
+
+
 def test_an_old_entry_without_pack_heads_still_loads(cache_dir):
     key = bucket_key(SPEC, torch.bfloat16, 1, 16384, kernel="gluon")
     entry = {"config": {"block_n": 32, "stages": 2, "maxnreg": None, "split_factor": 2.0}, "us": 40.0,
@@ -185,7 +231,7 @@ def test_candidates_that_launch_the_same_kernel_are_timed_once(cache_dir, monkey
         def __init__(self, opts):
             self.opts = opts
 
-        def launch_config(self, dtype, batch, tokens):
+        def launch_config(self, dtype, batch, tokens, device=None):
             return {"block_n": self.opts["block_n"], "stages": self.opts["stages"],
                     "maxnreg": self.opts.get("maxnreg"), "heads": self.opts.get("pack_heads") or 2,
                     "scale_ahead": None}

@@ -139,3 +139,21 @@ def test_a_call_without_out_gets_a_new_contiguous_output_each_time(case):
     assert all(o.shape == q.shape and o.dtype == q.dtype and o.is_contiguous() for o in outs)
     assert len({o.data_ptr() for o in outs}) == 3
     assert [c[-2] for c in merge.bound[0].calls[-3:]] == [o.data_ptr() for o in outs]
+
+
+def test_a_memo_call_with_a_query_that_records_gradients_gets_an_output_whose_backward_raises(case):
+    """A call the memo takes runs the kernel, which has no backward: its output had no grad_fn, so a loss through
+    it never trained q, silently. Now its backward raises by name; under no_grad the memo's output is ``out``."""
+    from foldc.errors import UnsupportedError
+
+    attn, (q, k, v, out, gen), decode, merge, ws, lse, whole = case
+    qg = q.clone().requires_grad_()
+    launches = len(decode.bound[0].calls)
+    got = attn(qg, k, v, sm_scale=0.1, out=out)
+    assert len(decode.bound[0].calls) == launches + 1   # the memo's bound launch took it
+    assert got.requires_grad and got.data_ptr() == out.data_ptr()
+    with pytest.raises(UnsupportedError, match=r"^the attention kernel .* has no backward.*torch\.no_grad\(\)"):
+        got.float().sum().backward()
+    with torch.no_grad():
+        assert attn(qg, k, v, sm_scale=0.1, out=out) is out
+    assert attn(q, k, v, sm_scale=0.1, out=out) is out

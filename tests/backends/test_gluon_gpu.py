@@ -560,3 +560,28 @@ def test_nan_in_the_cache_propagates_as_nan(kl, vl, name):
     mask = torch.ones(2, 32, dtype=torch.bool)
     mask[1, 12:16] = False
     assert torch.isfinite(out[mask]).all()
+
+
+def test_a_query_or_plain_side_that_records_gradients_gets_outputs_whose_backward_raises():
+    """The kernel has no backward: the whole path (first call, lengths, lse) and the memo of bound calls return
+    outputs whose backward raises by name, with the same values, rather than outputs without a grad_fn."""
+    from foldc.errors import UnsupportedError
+
+    spec = _spec()
+    attn = foldc.compile(spec, "sm_90")
+    gen = torch.Generator().manual_seed(31)
+    q, k, v, _ = random_inputs(spec, 2, 512, torch.bfloat16, "cuda", gen)
+    want = attn(q, k, v)
+    qg = q.clone().requires_grad_()
+    for call in (lambda: attn(qg, k, v), lambda: attn(qg, k, v, return_lse=True)[1],
+                 lambda: attn(qg, k, v, seq_lens=torch.full((2,), 512, device="cuda"))):
+        for _ in range(3):   # from the third call of one shape the memo's bound launches take it
+            got = call()
+            assert got.requires_grad
+            with pytest.raises(UnsupportedError, match="has no backward"):
+                got.float().sum().backward()
+    assert torch.equal(attn(qg, k, v).detach(), want) and len(attn._eager) >= 1
+    plain = foldc.AttentionSpec(32, 8, 128, spec.k, None)
+    vg = v.dequantize().to(q.dtype).requires_grad_()
+    with pytest.raises(UnsupportedError, match="has no backward"):
+        foldc.compile(plain, "sm_90")(q, k, vg).float().sum().backward()

@@ -41,7 +41,7 @@ def test_register_operand_launch_is_frozen_memoised_and_sized_from_its_options(b
     assert attn.plan_launch(torch.bfloat16, batch, tokens, "cuda", has_lens=bool(page), page=page) is launch
     with pytest.raises(dataclasses.FrozenInstanceError):
         launch.splits = 1
-    opts = attn.launch_config(torch.bfloat16, batch, tokens)
+    opts = attn.launch_config(torch.bfloat16, batch, tokens, "cuda")   # (memoised per device, as the launch)
     assert launch.options is opts and launch.block_n == opts["block_n"] and launch.kernel == "gluon"
     assert (launch.splits, launch.per_split) == attn.split_plan(opts, batch, tokens, "cuda", torch.bfloat16,
                                                                 bool(page), page)

@@ -17,7 +17,7 @@ import torch
 from _kernel_cases import run_with_lens
 
 import foldc
-from foldc.errors import InputError, SpecError
+from foldc.errors import InputError, SpecError, UnsupportedError
 from foldc.testing import run_case
 
 A = foldc.Affine
@@ -324,6 +324,37 @@ def test_float32_out_keeps_the_unrounded_output(vattn, vinputs):
     assert torch.equal(out.to(F16), rounded)
     ref = foldc.attention_reference(q, k, v)
     assert (out.double() - ref).norm() <= (rounded.double() - ref).norm()
+
+
+def test_a_query_that_records_gradients_gets_outputs_whose_backward_raises(vattn, vinputs):
+    """The kernel has no backward: its output had no grad_fn, so a loss through it trained the rest of a model and
+    never q, silently. Now out (and the lse) raise by name at backward, with the same values; under no_grad, or for
+    a q that records no gradient, the call is as before (the ``out`` given is what comes back)."""
+    q, k, v = vinputs
+    qg = q.clone().requires_grad_()
+    got, lse = vattn(qg, k, v, return_lse=True)
+    assert got.requires_grad and lse.requires_grad
+    for y in (got, lse):
+        with pytest.raises(UnsupportedError, match=r"^the attention kernel .* has no backward.*target='reference'"):
+            y.float().sum().backward()
+    plain, plain_lse = vattn(q, k, v, return_lse=True)
+    assert torch.equal(got.detach(), plain) and torch.equal(lse.detach(), plain_lse)
+    assert not plain.requires_grad and not plain_lse.requires_grad
+    out = torch.empty_like(q)
+    with torch.no_grad():
+        assert vattn(qg, k, v, out=out) is out and not out.requires_grad
+
+
+def test_a_plain_side_that_records_gradients_gets_an_output_whose_backward_raises():
+    spec = S(4, 2, 64, A(4, "token", 32), None)
+    attn = foldc.compile(spec, "interpret", block_n=16)
+    gen = torch.Generator().manual_seed(11)
+    q = torch.randn(1, 4, 64, generator=gen).to(F16)
+    k = foldc.quantize(torch.randn(1, 2, 20, 64, generator=gen), spec.k)
+    v = torch.randn(1, 2, 20, 64, generator=gen).to(F16).requires_grad_()
+    got = attn(q, k, v)
+    with pytest.raises(UnsupportedError, match="has no backward"):
+        torch.autograd.grad(got.float().sum(), v)
 
 
 def test_out_not_unit_stride(vattn, vinputs):

@@ -624,3 +624,68 @@ def test_decode_steps_run_the_bodys_prepared_attention(monkeypatch):
     assert len(cache._prepared) == 1 and len(decode.bound[0].values) == 4 and lse is not prepared.lse
     cache.attention(q, sm_scale=0.1)   # another scale: another prepared run
     assert len(cache._prepared) == 2 and "body" not in cache._lens
+
+
+def test_a_query_that_records_gradients_gets_an_output_whose_backward_raises():
+    """The cache's kernels have no backward: their output had no grad_fn, so a loss through the cache's attention
+    trained the rest of a model and never q, silently. Now its backward raises by name (values unchanged); under
+    no_grad nothing changes; target="reference" (torch ops in float64) keeps its gradient."""
+    from foldc.errors import UnsupportedError
+
+    gen = torch.Generator().manual_seed(17)
+    cache = QuantizedKVCache(SPEC, 2, 40, sink=2, window=4, target="interpret")
+    cache.append(*_tokens(cache, 30, gen))
+    assert cache.body_tokens and cache.window_tokens   # two parts and their merge
+    q = torch.randn(2, 4, 64, generator=gen).half().requires_grad_()
+    plain, plain_lse = cache.attention(q.detach(), return_lse=True)
+    out, lse = cache.attention(q, return_lse=True)
+    assert torch.equal(out.detach(), plain) and torch.equal(lse.detach(), plain_lse)
+    for y in (out, lse, cache.attention(q)):
+        with pytest.raises(UnsupportedError, match=r"^QuantizedKVCache\.attention with target='interpret' has no "
+                                                   r"backward.*target='reference'"):
+            y.float().sum().backward()
+    with torch.no_grad():
+        assert not cache.attention(q).requires_grad
+    reference = QuantizedKVCache(SPEC, 2, 40, sink=2, window=4, target="reference")
+    reference.append(*_tokens(reference, 30, gen))
+    reference.attention(q).sum().backward()
+    assert q.grad is not None and torch.isfinite(q.grad).all() and q.grad.abs().sum() > 0
+
+
+def test_a_decode_step_of_the_fast_path_with_a_query_that_records_gradients_raises_at_backward(monkeypatch):
+    """The body-only decode step that runs the prepared attention straight away (stand-in launches on the CPU)
+    returns an output whose backward raises, as the whole path's does."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "backends"))
+    from _kernel_cases import LaunchRecorder
+
+    from foldc.backends.gluon.launch import GluonAttention
+    from foldc.errors import UnsupportedError
+
+    class Resident(GluonAttention):
+        def resident(self, *a):
+            return 12
+
+    enc = A(4, "token", 32)
+    spec = foldc.AttentionSpec(8, 2, 64, enc, enc)
+    cache = QuantizedKVCache(spec, 1, 64, target="interpret")
+    body = Resident(spec)
+    decode, merge = LaunchRecorder(), LaunchRecorder()
+    monkeypatch.setattr(body, "_launchers", lambda: (decode, merge))
+    cache._body_attention = body
+    gen = torch.Generator().manual_seed(9)
+    cache.append(*_tokens(cache, 10, gen))
+    q = torch.randn(1, 8, 64, generator=gen).half()
+    for _ in range(3):
+        cache.append(*_tokens(cache, 1, gen))
+        cache.attention(q, sm_scale=0.125)
+    assert cache._attend is not None   # the next step takes the fast path
+    whole = []
+    monkeypatch.setattr(cache, "_raise_if_flagged", lambda: whole.append(1))   # the whole path's first step
+    out = cache.attention(q.clone().requires_grad_(), sm_scale=0.125)
+    assert whole == [] and out.requires_grad
+    with pytest.raises(UnsupportedError, match=r"^QuantizedKVCache\.attention .* has no backward"):
+        out.float().sum().backward()
+    assert not cache.attention(q, sm_scale=0.125).requires_grad

@@ -129,6 +129,33 @@ def test_plain_pools_and_an_empty_sequence_merge_to_the_reference():
     assert torch.equal(merged[1], other[0][1]) and not torch.isnan(merged).any()
 
 
+def test_a_query_or_plain_pool_that_records_gradients_gets_outputs_whose_backward_raises():
+    """The wrapper's kernels have no backward: their output had no grad_fn, so a loss through it trained the rest
+    of a model and never q (or a plain pool), silently. Now out and lse raise by name at backward, with the same
+    values; under no_grad nothing changes."""
+    from foldc.errors import UnsupportedError
+
+    spec, page_size = S(4, 2, 64), 16
+    gen = torch.Generator().manual_seed(6)
+    pool_k = torch.randn(4, 2, page_size, 64, generator=gen).half()
+    pool_v = torch.randn(4, 2, page_size, 64, generator=gen).half()
+    wrapper = PagedDecodeWrapper(spec, page_size, max_seq_len=64, target="interpret")
+    wrapper.plan(torch.tensor([0, 2], dtype=torch.int32), torch.tensor([3, 1], dtype=torch.int32),
+                 torch.tensor([7], dtype=torch.int32), num_pages=4)
+    q = torch.randn(1, 4, 64, generator=gen).half()
+    plain, plain_lse = wrapper.run(q, pool_k, pool_v, return_lse=True)
+    for q_grad, k_grad in ((True, False), (False, True)):
+        qg, kg = q.clone().requires_grad_(q_grad), pool_k.clone().requires_grad_(k_grad)
+        out, lse = wrapper.run(qg, kg, pool_v, return_lse=True)
+        assert torch.equal(out.detach(), plain) and torch.equal(lse.detach(), plain_lse)
+        for y in (out, lse, wrapper.run(qg, kg, pool_v)):
+            with pytest.raises(UnsupportedError, match=r"^PagedDecodeWrapper\.run has no backward.*torch\.no_grad"):
+                y.float().sum().backward()
+        with torch.no_grad():
+            assert not wrapper.run(qg, kg, pool_v).requires_grad
+    assert not wrapper.run(q, pool_k, pool_v).requires_grad
+
+
 def test_replan_reuses_the_device_buffers():
     """A later plan with the same batch writes into the same tensors (captured graphs stay valid)."""
     spec = SPECS["K token4 / V token2"]

@@ -553,3 +553,44 @@ def test_attention_shaped_as_the_last_whole_path_call_goes_straight_to_the_prepa
     cache.attention(0, q)
     cache.attention(0, q)
     assert whole == [0]
+
+
+def test_a_query_that_records_gradients_gets_an_output_whose_backward_raises(monkeypatch):
+    """The cache's kernels have no backward: their output had no grad_fn, so a loss through the cache's attention
+    trained the rest of a model and never q, silently. Now its backward raises by name on each path (body and
+    window merged; straight to pages; the prepared run of a call shaped as the last one), values unchanged."""
+    from _stand_in_wrapper import stand_in_register_operand
+
+    from foldc.errors import UnsupportedError
+
+    def raises_at_backward(y):
+        assert y.requires_grad
+        with pytest.raises(UnsupportedError, match=r"^PagedKVCache\.attention has no backward.*target='reference'"):
+            y.float().sum().backward()
+
+    gen = torch.Generator().manual_seed(23)
+    spec = S(4, 2, 64, A(4, "token", 32), A(4, "token", 32))
+    merged = PagedKVCache(spec, num_layers=1, page_size=16, num_pages=12, max_seq_len=64, sink=1, window=4)
+    merged.plan(*_table(2, 4, 12, seed=2), seq_lens=[0, 0])
+    merged.append(0, *_tokens(gen, 2, 2, 30, 64))
+    q = torch.randn(2, 4, 64, generator=gen).half()
+    got = merged.attention(0, q.clone().requires_grad_())
+    assert torch.equal(got.detach(), merged.attention(0, q))
+    raises_at_backward(got)
+    with torch.no_grad():
+        assert not merged.attention(0, q.clone().requires_grad_()).requires_grad
+
+    enc = A(4, "token", 64)
+    direct = PagedKVCache(S(8, 2, 128, enc, enc), num_layers=1, page_size=64, num_pages=8, max_seq_len=256,
+                          target="interpret")
+    decode, merge = stand_in_register_operand(direct.wrapper, direct.spec, monkeypatch)
+    direct.plan(*_table(2, 4, 8, seed=3), seq_lens=[0, 0])
+    direct.append(0, *_tokens(gen, 2, 2, 9, 128))
+    q = torch.randn(2, 8, 128, generator=gen).half()
+    raises_at_backward(direct.attention(0, q.clone().requires_grad_()))   # the whole path
+    direct.attention(0, q)
+    assert direct._attend is not None   # bound: the next call is the prepared run's
+    whole, real_state = [], direct._state
+    monkeypatch.setattr(direct, "_state", lambda layer: whole.append(layer) or real_state(layer))
+    raises_at_backward(direct.attention(0, q.clone().requires_grad_()))
+    assert whole == [] and not direct.attention(0, q).requires_grad

@@ -17,7 +17,7 @@ from ...encoding import scale_shape
 from ...plan import Plan
 from ...errors import InputError, SpecError
 from ...options import check_launch_options, check_splits
-from ...validate import check_call, output_buffer
+from ...validate import ATTENTION_FIX, ATTENTION_KERNEL, check_call, output_buffer, without_backward
 from ..runtime.fast_launch import Bindings, FastLaunch
 from ..runtime.launch import Launch, Scratch, allocate_workspace, capturing, side_key, split_partition
 from ..runtime.merge import MERGE_SOURCE, launch_merge, merge_arguments, run_bound
@@ -183,15 +183,16 @@ class GluonAttention:
     def default_stages(self) -> int:
         return self._defaults["stages"]
 
-    def launch_config(self, dtype: torch.dtype, batch: int, tokens: int) -> dict:
-        """block_n / stages / maxnreg / split factor for this call (memoised per shape bucket)."""
-        bucket = (dtype, batch, tokens)
+    def launch_config(self, dtype: torch.dtype, batch: int, tokens: int, device=None) -> dict:
+        """block_n / stages / maxnreg / split factor for this call on ``device`` (its tensors' device, whose GPU's
+        tuned entry applies; None: the current GPU's), memoised per shape bucket."""
+        bucket = (dtype, batch, tokens, device)
         if bucket not in self._configs:
             opts = dict(self._defaults)
             if not TUNED_OPTIONS <= set(self.explicit):   # some option is left to the tuning cache
                 from ..runtime.tuning import lookup
 
-                tuned = lookup(self.spec, dtype, batch, tokens, kernel="gluon")
+                tuned = lookup(self.spec, dtype, batch, tokens, kernel="gluon", device=device)
                 reason = None if tuned is None else (self._tile_reason(tuned.block_n)
                                                      or (tuned.pack_heads and self._pack_reason(tuned.pack_heads)))
                 if reason:   # an entry tuned for another kernel build (or damaged): the defaults run
@@ -247,8 +248,8 @@ class GluonAttention:
         (and the lse if asked)."""
         if seq_lens is None and not return_lse:   # a call shaped as one bound before: its launches at once
             done = self._eager.run(self, q, k, v, sm_scale, out)
-            if done is not None:
-                return done
+            if done is not None:   # (k and v are AffineTensors here: q alone may record gradients)
+                return done if not q.requires_grad else without_backward(done, q, ATTENTION_KERNEL, ATTENTION_FIX)
         call = check_call(self.spec, q, k, v, sm_scale, seq_lens, q_dtypes=DTYPES, out=out)
         device = q.device
         if device.type != "cuda":
@@ -285,7 +286,11 @@ class GluonAttention:
             self._eager.note(self, launch, q, k, v, sm_scale, given, workspace, lse,
                              lambda: _binding_key(launch.options, q, k, v, None, out, call.sm_scale, launch.per_split,
                                                   launch.splits))
-        return (out, lse) if return_lse else out
+        result = (out, lse) if return_lse else out
+        if q.requires_grad or (isinstance(k, torch.Tensor) and k.requires_grad) or (
+                isinstance(v, torch.Tensor) and v.requires_grad):   # no backward: one through it raises by name
+            return without_backward(result, (q, k, v), ATTENTION_KERNEL, ATTENTION_FIX)
+        return result
 
     def plan_launch(self, dtype: torch.dtype, batch: int, tokens: int, device, *, has_lens: bool = False,
                     page: int = 0, k=None, v=None) -> Launch:
@@ -302,7 +307,7 @@ class GluonAttention:
         if launch is None and warpgroup:
             launch = self._launches[key] = self.warpgroup.plan_launch(dtype, batch, tokens, device, has_lens)
         if launch is None:
-            opts = self.launch_config(dtype, batch, tokens)
+            opts = self.launch_config(dtype, batch, tokens, device)
             splits, per_split = self.split_plan(opts, batch, tokens, device, dtype, has_lens, page)
             launch = Launch("gluon", dtype, batch, self.head_programs(opts), splits, per_split, opts["block_n"],
                             per_split * splits if page else tokens, self.config.rows, self.config.head_dim, page,

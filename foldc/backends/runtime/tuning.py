@@ -74,11 +74,23 @@ def kernel_fingerprint(kernel: str) -> str:
     return _FINGERPRINTS[kernel]
 
 
+def device_name(device=None) -> str:
+    """The name of the GPU whose tuned entries a call reads: ``device``'s, the device of the call's tensors (on a host
+    with two kinds of card, a call on cuda:1 while cuda:0 is current is tuned for cuda:1's); "cpu" for another
+    device; None (a caller without tensors): the current GPU's; "cpu" where there is none (a launch planned for
+    "cuda" on a host without a GPU, as before)."""
+    device = None if device is None else torch.device(device)
+    if device is not None and device.type != "cuda" or not torch.cuda.is_available():
+        return "cpu"
+    return torch.cuda.get_device_name(device)   # (None, or "cuda" without an index: the current GPU)
+
+
 def bucket_key(spec, dtype: torch.dtype, batch: int, tokens: int, fold_policy: str = "auto",
-               kernel: str = "triton") -> str:
+               kernel: str = "triton", device=None) -> str:
+    """The cache key of a call's bucket on ``device`` (its tensors' device; None: the current GPU, `device_name`)."""
     import triton
 
-    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    gpu = device_name(device)
     policy = fold_policy if kernel == "triton" else f"{fold_policy}|{kernel}"
     return (f"{gpu}|torch {torch.__version__}|triton {triton.__version__}|kernel {kernel_fingerprint(kernel)}|"
             f"{spec.describe()}|{policy}|{str(dtype).replace('torch.', '')}|batch<={_pow2_ceil(batch)}|"
@@ -166,13 +178,14 @@ def _config_of(entry, kernel: str, spec):
 _KEYS: dict = {}
 
 
-def lookup(spec, dtype, batch, tokens, fold_policy="auto", kernel: str = "triton"):
-    """The tuned config (the registered config type of ``kernel``) of this call's bucket, or None.
+def lookup(spec, dtype, batch, tokens, fold_policy="auto", kernel: str = "triton", device=None):
+    """The tuned config (the registered config type of ``kernel``) of this call's bucket on ``device`` (the device of
+    the call's tensors, whose GPU keys the entry; None: the current GPU), or None.
     Cheap on the hot path: the key is memoised and the file is parsed once per change."""
-    memo = (spec, dtype, _pow2_ceil(batch), _pow2_ceil(tokens), fold_policy, kernel)
+    memo = (spec, dtype, _pow2_ceil(batch), _pow2_ceil(tokens), fold_policy, kernel, device)
     key = _KEYS.get(memo)
     if key is None:
-        key = _KEYS[memo] = bucket_key(spec, dtype, batch, tokens, fold_policy, kernel)
+        key = _KEYS[memo] = bucket_key(spec, dtype, batch, tokens, fold_policy, kernel, device)
     entry = load_cache().get(key)
     if entry is None:
         return None

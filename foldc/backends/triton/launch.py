@@ -18,7 +18,7 @@ from ...errors import InputError
 from ...options import check_launch_options
 from ...plan import Plan, plan
 from ...precision import code_bias_allowed, key_reduction_group
-from ...validate import check_call, output_buffer
+from ...validate import ATTENTION_FIX, ATTENTION_KERNEL, check_call, output_buffer, without_backward
 from ..runtime.launch import Launch, allocate_workspace, capturing, side_key, split_partition
 from ..runtime.fast_launch import Bindings, FastLaunch
 from ..runtime.merge import MERGE_SOURCE, launch_merge, merge_arguments, run_bound
@@ -137,9 +137,10 @@ class TritonAttention:
     def source(self, dtype: torch.dtype = torch.float16) -> str:
         return self.kernels(DTYPES[dtype])[1].source
 
-    def launch_config(self, dtype: torch.dtype, batch: int, tokens: int) -> dict:
-        """block_n / num_warps / num_stages / split factor for this call (memoised per bucket)."""
-        bucket = (dtype, batch, tokens)
+    def launch_config(self, dtype: torch.dtype, batch: int, tokens: int, device=None) -> dict:
+        """block_n / num_warps / num_stages / split factor for this call on ``device`` (its tensors' device, whose
+        GPU's tuned entry applies; None: the current GPU's), memoised per bucket."""
+        bucket = (dtype, batch, tokens, device)
         cfg = self._configs.get(bucket)
         if cfg is not None:
             return cfg
@@ -147,7 +148,7 @@ class TritonAttention:
         if not self.interpret and len(self.explicit) < 3:
             from ..runtime.tuning import lookup
 
-            tuned = lookup(self.spec, dtype, batch, tokens, self.fold_policy)
+            tuned = lookup(self.spec, dtype, batch, tokens, self.fold_policy, device=device)
             if tuned is not None:
                 cfg.update(block_n=tuned.block_n, num_warps=tuned.num_warps, num_stages=tuned.num_stages,
                            split_factor=tuned.split_factor)
@@ -186,7 +187,11 @@ class TritonAttention:
         out = output_buffer(out, (b, self.spec.num_q_heads, self.spec.head_dim), q)
         lse = torch.empty(b, self.spec.num_q_heads, device=device, dtype=torch.float32)
         self.run(launch, q, k, v, out, lse, call.sm_scale, seq_lens=lens)
-        return (out, lse) if return_lse else out
+        result = (out, lse) if return_lse else out
+        if q.requires_grad or (isinstance(k, torch.Tensor) and k.requires_grad) or (
+                isinstance(v, torch.Tensor) and v.requires_grad):   # no backward: one through it raises by name
+            return without_backward(result, (q, k, v), ATTENTION_KERNEL, ATTENTION_FIX)
+        return result
 
     def plan_launch(self, dtype: torch.dtype, batch: int, tokens: int, device, *, has_lens: bool = True,
                     page: int = 0, k=None, v=None) -> Launch:
@@ -199,7 +204,7 @@ class TritonAttention:
         key = (dtype, batch, tokens, page, device)
         launch = self._launches.get(key)
         if launch is None:
-            cfg = self.launch_config(dtype, batch, tokens)
+            cfg = self.launch_config(dtype, batch, tokens, device)
             _, _, geo, _ = self.kernels(DTYPES[dtype], cfg["block_n"], paged=bool(page))
             hkv = self.spec.num_kv_heads
             want = self.splits
