@@ -75,7 +75,7 @@ def main() -> int:
     for _ in range(2):
         whole_path(q, k, v, out=out)
     bound = attn._bindings.bound()[0]
-    from foldc.backends.gluon.launch import _decode_addresses
+    from foldc.backends.gluon.decode_args import decode_addresses
 
     # a serving cache's repeated run (`GluonAttention.prepare`): k, v and the buffers' addresses made once
     plan = attn.plan_launch(q.dtype, b, n, q.device, k=k, v=v)
@@ -108,7 +108,7 @@ def main() -> int:
         "whole call, new out": lambda: attn(q, k, v),
         "whole call without the memo of bound calls (the whole path)": lambda: whole_path(q, k, v, out=out),
         "whole call, launches not bound": lambda: unbound(q, k, v, out=out),
-        "bound decode launch (addresses included)": lambda: bound[0](_decode_addresses(q, k, v, None, ws), (n,)),
+        "bound decode launch (addresses included)": lambda: bound[0](decode_addresses(q, k, v, None, ws), (n,)),
         "bound merge launch (addresses included)": lambda: bound[1]((*(t.data_ptr() for t in ws), out.data_ptr(),
                                                                      lse.data_ptr())),
         "check_call": lambda: check_call(spec, q, k, v, None, None),

@@ -5,6 +5,9 @@ production launcher's launches (grid, split, constants, buffers) and each checke
     git show 6544a51:foldc/backends/gluon/gemv.py > benchmarks/_gemv_b.py      # the B kernel (not committed)
     PYTHONPATH=. python3 benchmarks/gemv_ab.py --b benchmarks/_gemv_b.py --b-asm swapped --out $OUT/ab.json
 
+A gemv.py of a commit after its split into gemv.py and gemv_chunk.py (one chunk's arithmetic) imports the working
+tree's gemv_chunk.py: to compare a change there, copy that commit's gemv_chunk.py too and point B's import at it.
+
 ``--b-asm swapped``: B reads the weight with `key_unpack_asm` (k index with bits 0 and 1 of the byte swapped, the
 kernel swaps x to match), as the GEMV did before 2026-12-04; ``natural``: with `natural_key_unpack_asm`;
 ``launcher`` (the default): the production launcher's choice, for a B built from today's kernel

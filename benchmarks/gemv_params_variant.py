@@ -19,6 +19,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 import foldc.backends.gluon.gemv as production
+import foldc.backends.gluon.gemv_chunk as production_chunk
 from foldc.bench import rebound
 
 pow2_at_least = production.pow2_at_least
@@ -26,7 +27,7 @@ pow2_at_least = production.pow2_at_least
 
 @gluon.jit
 def _param(run, base: gl.constexpr, local, t: gl.constexpr, rows, stride_ws, g, g_first, KIND: gl.constexpr):
-    """production._param, reading the program's float32 parameters: field base // GWP's rows start at 2 * base
+    """production_chunk._param, reading the program's float32 parameters: field base // GWP's rows start at 2 * base
     (two 16-bit groups per word of production's runs); fp32 parameters as production reads them."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
     rl: gl.constexpr = gl.SliceLayout(1, mma)
@@ -85,8 +86,8 @@ def program_start(X, WC, WS, WZ, M, N, stride_x, stride_wc, stride_ws, chunks_pe
     return n0, c_lo, c_hi, w_rows, x_at, w_smem, x_smem, s_run, z_run
 
 
-_row_tile = rebound(production._row_tile, _param=_param)
-_chunk = rebound(production._chunk, _row_tile=_row_tile)
+_row_tile = rebound(production_chunk._row_tile, _param=_param)
+_chunk = rebound(production_chunk._chunk, _row_tile=_row_tile)
 chunk_loop = rebound(production.chunk_loop, _chunk=_chunk)
 program_sums = rebound(production.program_sums, program_start=program_start, chunk_loop=chunk_loop)
 foldc_gemv_gluon = rebound(production.foldc_gemv_gluon, program_sums=program_sums)

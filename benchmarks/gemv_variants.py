@@ -23,6 +23,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 import foldc.backends.gluon.gemv as production
+import foldc.backends.gluon.gemv_chunk as production_chunk
 from foldc.bench import rebound
 from foldc.backends.gluon.tile_operands import swap_k01
 
@@ -30,11 +31,11 @@ from foldc.backends.gluon.tile_operands import swap_k01
 @gluon.jit
 def _x_operand(x_in, D: gl.constexpr, ROWS: gl.constexpr, XF16: gl.constexpr, X_SHARED: gl.constexpr,
                SWAP: gl.constexpr, BIAS: gl.constexpr):
-    """production._x_operand, except at m = 1 with bf16 activations: the row in fp16 with one value per lane
+    """production_chunk._x_operand, except at m = 1 with bf16 activations: the row in fp16 with one value per lane
     first, then in every column."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
     b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=8)
-    if X_SHARED and not production.x_as_is(XF16, BIAS):
+    if X_SHARED and not production_chunk.x_as_is(XF16, BIAS):
         flat: gl.constexpr = gl.BlockedLayout(size_per_thread=[max(1, D // 32)], threads_per_warp=[32],
                                               warps_per_cta=[1], order=[0])
         xr = x_in.load(flat).to(gl.float32)
@@ -43,14 +44,14 @@ def _x_operand(x_in, D: gl.constexpr, ROWS: gl.constexpr, XF16: gl.constexpr, X_
         if SWAP:
             xd = gl.convert_layout(swap_k01(xd, D, 0), gl.SliceLayout(1, b_l), assert_trivial=True)
         x16 = gl.broadcast(xd[:, None], gl.zeros([D, ROWS], gl.int1, layout=b_l))[0]
-        # the one row's c in every column, in the accumulators' layout (production._undo's conversion is then none)
+        # the one row's c in every column, in the accumulators' layout (production_chunk._undo's conversion: none)
         c = gl.zeros([ROWS], gl.float32, layout=gl.SliceLayout(0, mma)) + c1
     else:
-        x16, c = production._x_operand(x_in, D, ROWS, XF16, X_SHARED, SWAP, BIAS)
+        x16, c = production_chunk._x_operand(x_in, D, ROWS, XF16, X_SHARED, SWAP, BIAS)
     return x16, c
 
 
-_chunk = rebound(production._chunk, _x_operand=_x_operand)
+_chunk = rebound(production_chunk._chunk, _x_operand=_x_operand)
 chunk_loop = rebound(production.chunk_loop, _chunk=_chunk)
 program_sums = rebound(production.program_sums, chunk_loop=chunk_loop)
 foldc_gemv_gluon = rebound(production.foldc_gemv_gluon, program_sums=program_sums)

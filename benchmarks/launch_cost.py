@@ -91,7 +91,7 @@ def main() -> int:
     erun = cempty.run
 
     # foldc's own C launcher over the same launch (fast_c): packed once, the addresses and token count per call
-    from foldc.backends.gluon.launch import TOKENS_ARG
+    from foldc.backends.gluon.decode_args import TOKENS_ARG
     from foldc.backends.runtime import fast_c
     from foldc.backends.runtime.fast_launch import Bound
 

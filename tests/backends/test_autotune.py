@@ -429,8 +429,9 @@ def test_threads_storing_at_once_leave_a_whole_file(cache_dir):
 
 
 # modules of a backend's package that its kernel sources import but that take no tuned config: a change to them
-# cannot make a tuned entry stale (eager.py binds calls; the warpgroup template runs its own fixed launch)
-UNTUNED_MODULES = {"gluon": {"eager.py", "warpgroup_launch.py", "warpgroup.py"}, "triton": set()}
+# cannot make a tuned entry stale (eager.py and prepared.py bind calls; the warpgroup template runs its own fixed
+# launch)
+UNTUNED_MODULES = {"gluon": {"eager.py", "prepared.py", "warpgroup_launch.py", "warpgroup.py"}, "triton": set()}
 
 
 @pytest.mark.parametrize("kernel", ["triton", "gluon"])

@@ -191,7 +191,8 @@ def test_the_decode_and_merge_kernels_real_signatures_pack_as_triton_packs_them(
     import foldc
     import foldc.testing
     from foldc.backends.gluon import kernel as gluon_kernel
-    from foldc.backends.gluon.launch import TOKENS_ARG, GluonAttention
+    from foldc.backends.gluon.decode_args import TOKENS_ARG
+    from foldc.backends.gluon.launch import GluonAttention
     from foldc.backends.runtime.merge import MERGE_SOURCE, merge_arguments
     from foldc.backends.runtime.modules import load_module
 

@@ -13,7 +13,8 @@ from _kernel_cases import LaunchRecorder
 import foldc
 import foldc.testing
 from foldc.backends.gluon import eager
-from foldc.backends.gluon.launch import GluonAttention, _binding_key, _decode_addresses
+from foldc.backends.gluon.decode_args import binding_key, decode_addresses
+from foldc.backends.gluon.launch import GluonAttention
 from foldc.encoding import AffineTensor
 
 
@@ -42,7 +43,7 @@ def case(monkeypatch):
     def whole(q, k, v, out, scale=0.1):   # what __call__'s whole path does after its checks
         attn.run(launch, q, k, v, out, lse, scale, workspace=ws)
         attn._eager.note(attn, launch, q, k, v, scale, out, ws, lse,
-                         lambda: _binding_key(launch.options, q, k, v, None, out, scale, launch.per_split,
+                         lambda: binding_key(launch.options, q, k, v, None, out, scale, launch.per_split,
                                               launch.splits))
 
     whole(q, k, v, out)
@@ -58,7 +59,7 @@ def test_a_call_of_the_same_shapes_hands_its_own_addresses_to_the_bound_launches
     out2 = torch.empty_like(out)
     assert attn._eager.run(attn, q2, k2, v2, 0.1, out2) is out2
     (bound_decode,), (bound_merge,) = decode.bound, merge.bound
-    assert bound_decode.calls[-1] == _decode_addresses(q2, k2, v2, None, ws)
+    assert bound_decode.calls[-1] == decode_addresses(q2, k2, v2, None, ws)
     assert bound_decode.values[-1] == (256,)
     assert bound_merge.calls[-1] == (*(t.data_ptr() for t in ws), out2.data_ptr(), lse.data_ptr())
     launches = (len(decode.launches), len(merge.launches))
@@ -134,7 +135,7 @@ def test_a_call_without_out_gets_a_new_contiguous_output_each_time(case):
     attn, (q, k, v, out, gen), decode, merge, ws, lse, whole = case
     launch = attn.plan_launch(q.dtype, 2, 256, torch.device("cpu"), k=k, v=v)   # the fixture's (memoised)
     attn._eager.note(attn, launch, q, k, v, 0.1, None, ws, lse,
-                     lambda: _binding_key(launch.options, q, k, v, None, out, 0.1, launch.per_split, launch.splits))
+                     lambda: binding_key(launch.options, q, k, v, None, out, 0.1, launch.per_split, launch.splits))
     outs = [attn._eager.run(attn, q, k, v, 0.1, None) for _ in range(3)]
     assert all(o.shape == q.shape and o.dtype == q.dtype and o.is_contiguous() for o in outs)
     assert len({o.data_ptr() for o in outs}) == 3

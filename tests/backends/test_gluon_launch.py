@@ -345,7 +345,7 @@ def test_eager_launches_are_noted_then_bound_then_launched_by_address(monkeypatc
     else. A bound launch that declines (a misaligned tensor) sends that call the ordinary way, the merge's
     alone where only it declines; another cache length takes the same bound launches (the count given per call),
     another softmax scale is another launch, noted anew."""
-    from foldc.backends.gluon.launch import TOKENS_ARG, _decode_addresses
+    from foldc.backends.gluon.decode_args import TOKENS_ARG, decode_addresses
     from foldc.backends.runtime.launch import allocate_workspace
 
     spec = _spec(2)
@@ -368,7 +368,7 @@ def test_eager_launches_are_noted_then_bound_then_launched_by_address(monkeypatc
         call()
     assert (len(decode.launches), len(merge.launches)) == (2, 2)
     (bound_decode,), (bound_merge,) = decode.bound, merge.bound
-    assert bound_decode.calls == [_decode_addresses(q, k, v, None, ws)] * 3
+    assert bound_decode.calls == [decode_addresses(q, k, v, None, ws)] * 3
     assert bound_merge.calls == [(*(t.data_ptr() for t in ws), out.data_ptr(), lse.data_ptr())] * 3
     bound_merge.ok = False
     call()
@@ -388,7 +388,7 @@ def test_paged_launches_bind_with_the_page_table_given_per_call(monkeypatch):
     """A paged decode (`PagedDecodeWrapper.run`'s launch) binds as a contiguous one does: its second call with one
     launch's integers binds, later ones hand the bound decode the page table's addresses among its 14 (a new table
     at another address takes the same bound launches); another page size is another launch, noted anew."""
-    from foldc.backends.gluon.launch import _decode_addresses
+    from foldc.backends.gluon.decode_args import decode_addresses
     from foldc.backends.runtime.launch import allocate_workspace
     from foldc.serving import page_pool
 
@@ -407,7 +407,7 @@ def test_paged_launches_bind_with_the_page_table_given_per_call(monkeypatch):
         paged = (torch.tensor([0, 2, 4], dtype=torch.int32), indices, page)
         attn.launch(launch.options, q, k, v, lens, ws, out, lse, 0.1, launch.per_split, launch.splits,
                     launch.cache_tokens, paged)
-        return _decode_addresses(q, k, v, lens, ws, paged)
+        return decode_addresses(q, k, v, lens, ws, paged)
 
     table = torch.randperm(pages, generator=gen)[:4].to(torch.int32)
     call(64, table)
@@ -425,7 +425,7 @@ def test_run_takes_the_token_count_per_call_within_its_launch(monkeypatch):
     """`GluonAttention.run(..., tokens=n)` (the serving caches' steps): a launch planned without lengths runs
     over n of its tokens, the count reaching the decode kernel as its cache_tokens argument; a count outside
     0 .. the launch's tokens (an out-of-bounds read) and a count with page tables are refused by name."""
-    from foldc.backends.gluon.launch import TOKENS_ARG
+    from foldc.backends.gluon.decode_args import TOKENS_ARG
     from foldc.backends.runtime.launch import allocate_workspace
 
     spec = _spec(2)
@@ -451,12 +451,13 @@ def test_a_prepared_run_hands_the_bound_launches_its_fixed_addresses(monkeypatch
     q, out and token count; a q of other strides, or of another batch, and a call inside a CUDA-graph capture take
     `run` again; a merge that declines is launched the ordinary way."""
     import foldc.backends.gluon.launch as gluon_launch
+    import foldc.backends.gluon.prepared as gluon_prepared
     from foldc.backends.runtime.launch import allocate_workspace
 
     spec = _spec(2)
     attn, decode, merge = _recorded(spec, monkeypatch)
     merges = []
-    monkeypatch.setattr(gluon_launch, "launch_merge", lambda *a, **kw: merges.append(a))
+    monkeypatch.setattr(gluon_prepared, "launch_merge", lambda *a, **kw: merges.append(a))
     gen = torch.Generator().manual_seed(5)
     q, k, v, _ = foldc.testing.random_inputs(spec, 1, 512, torch.float16, "cpu", gen)
     launch = attn.plan_launch(torch.float16, 1, 512, torch.device("cpu"), has_lens=False)
@@ -477,10 +478,12 @@ def test_a_prepared_run_hands_the_bound_launches_its_fixed_addresses(monkeypatch
     wide = torch.randn(1, 32, 256, generator=gen).half()[:, :, :128]   # other strides: run, keyed anew
     prepared(wide, outs[0], 64)
     assert len(decode.launches) == 3 and decode.launches[-1][1][0] is wide
-    monkeypatch.setattr(gluon_launch, "capturing", lambda t: True)   # inside a capture: run, never bound
+    for module in (gluon_launch, gluon_prepared):   # inside a capture: run, never bound
+        monkeypatch.setattr(module, "capturing", lambda t: True)
     prepared(qs[0], outs[0], 64)
     assert len(decode.launches) == 4 and len(bd.calls) == 2
-    monkeypatch.setattr(gluon_launch, "capturing", lambda t: False)
+    for module in (gluon_launch, gluon_prepared):
+        monkeypatch.setattr(module, "capturing", lambda t: False)
     bm.ok = False
     prepared(qs[1], outs[1], 77)
     assert len(bd.calls) == 3 and len(merges) == 1 and merges[0][4] is outs[1] and merges[0][5] is lse

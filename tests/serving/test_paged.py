@@ -459,7 +459,7 @@ def test_runs_of_one_plan_take_a_prepared_run_over_the_plans_buffers(monkeypatch
     tensor (a paged cache's per-layer offsets) gets a prepared run over it, and a returned lse takes the plain run."""
     from _stand_in_wrapper import stand_in_register_operand
 
-    from foldc.backends.gluon.launch import _decode_addresses
+    from foldc.backends.gluon.decode_args import decode_addresses
 
     enc = A(2, "token", 128)
     spec = S(32, 8, 128, enc, enc)
@@ -477,7 +477,7 @@ def test_runs_of_one_plan_take_a_prepared_run_over_the_plans_buffers(monkeypatch
     (prepared,) = wrapper._prepared.values()
     buf = wrapper._buffers
     table = (buf["kv_indptr"], buf["kv_indices"], 64)
-    want = _decode_addresses(q, *pools, buf["seq_lens"], buf["workspace_float16"], table)
+    want = decode_addresses(q, *pools, buf["seq_lens"], buf["workspace_float16"], table)
     assert len(decode.launches) == 2 and decode.bound[0].calls == [want] * 2
     assert decode.bound[0].values == [(prepared.launch.cache_tokens,)] * 2
     wrapper.plan(torch.tensor([0, 10, 20], dtype=torch.int32), torch.randperm(20, generator=gen).int(), None,

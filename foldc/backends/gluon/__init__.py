@@ -2,8 +2,11 @@
 registers, two codes per instruction, for the plans lower.py accepts.
 
 lower.py reads the plan, operands.py holds the unpack PTX and the channel maps, kernel.py the
-Gluon kernel (GPU only), launch.py the attention callable, aot.py ahead-of-time builds,
-describe.py `foldc explain`'s paragraph. Registered as the "gluon" attention backend."""
+Gluon kernel (GPU only), launch.py the attention callable (launch_defaults.py its defaults, decode_args.py
+the kernel's arguments, eager.py and prepared.py its bound calls), aot.py ahead-of-time builds,
+describe.py `foldc explain`'s paragraph. Registered as the "gluon" attention backend. The GEMV:
+gemv_lower.py reads the GEMM plan, gemv.py (the program) and gemv_chunk.py (one chunk's arithmetic)
+are its kernel, gemv_launch.py its callable, gemv_aot.py its ahead-of-time builds."""
 from ...registry import AttentionBackend, register_backend
 from .describe import describe
 from .launch import GluonAttention

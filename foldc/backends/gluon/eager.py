@@ -2,7 +2,7 @@
 
 An eager call of the register-operand kernel validates q, k and v (`foldc.validate.check_call`, the layout checks
 of `GluonAttention.__call__`), finds its memoised launch plan and its stream's buffers, builds the key of its bound
-launches (`_binding_key`: shapes, strides, dtypes) and reads every tensor's address. From the second call with one
+launches (`binding_key`: shapes, strides, dtypes) and reads every tensor's address. From the second call with one
 launch the launches are bound, and on the H200 the rest of that path cost about as much host time as the two
 launches themselves (docs/perf.md). `EagerCalls` keeps, per shape of call, what that path found once it was bound:
 the launch, the stream's workspace and lse, the two bound launches and the buffers' addresses.

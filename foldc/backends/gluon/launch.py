@@ -13,26 +13,28 @@ import warnings
 
 import torch
 
-from ...encoding import scale_shape
 from ...plan import Plan
 from ...errors import InputError, SpecError
 from ...options import check_launch_options, check_splits
 from ...validate import ATTENTION_FIX, ATTENTION_KERNEL, check_call, output_buffer, without_backward
 from ..runtime.fast_launch import Bindings, FastLaunch
-from ..runtime.launch import Launch, Scratch, allocate_workspace, capturing, side_key, split_partition
-from ..runtime.merge import MERGE_SOURCE, launch_merge, merge_arguments, run_bound
+from ..runtime.launch import Launch, Scratch, allocate_workspace, capturing, split_partition
+from ..runtime.merge import MERGE_SOURCE, merge_arguments, run_bound
 from ..runtime.modules import load_module, num_sms
 from ..runtime.offsets import DECODE_FIX, check_offsets, decode_offsets
+from .decode_args import (TOKENS_ARG, binding_key, decode_addresses, decode_arguments, draws_tiles,
+                          mock_decode_arguments)
 from .eager import EagerCalls
-from .launch_defaults import (MIN_SPLIT_TOKENS, constexprs, default_pack_heads, packable_heads,
-                              resident_programs, wave_splits)
+from .launch_defaults import (MIN_SPLIT_TOKENS, constexprs, default_block_n, default_pack_heads, packable_heads,
+                              resident_programs, row_blocks_at_64, wave_splits)
 from .lower import HALF_TILE_GROUP, NotLowerable, gluon_plan, lower
+from .prepared import PreparedRun
 from .warpgroup_launch import WarpgroupLaunch, warpgroup_applies
 
-_DATA_PTR = torch.Tensor.data_ptr
-TOKENS_ARG = 28   # the position of ``cache_tokens`` in the decode kernel's arguments (given per call when bound)
 DTYPES = (torch.bfloat16, torch.float16)   # lower.QUERY_DTYPES, each held to plain bf16 attention's error
 TUNED_OPTIONS = {"block_n", "stages", "maxnreg", "split_factor", "heads"}   # what a tuned bucket sets
+
+
 class GluonAttention:
     """Decode attention through the register-operand kernel. Options: ``block_n`` (32 or 64
     tokens per tile), ``stages`` (code tiles in flight, 2-4), ``splits`` (split-KV count; default
@@ -77,42 +79,11 @@ class GluonAttention:
         if pack_heads is None:
             pack_heads = default_pack_heads(self.config, spec.num_kv_heads)
         self.heads = pack_heads     # the default; a tuned bucket may take one head per program instead
-        # 64-token tiles won for packed INT2 at every large shape and layout on the H200 (docs/perf.md):
-        # 4-13% faster than 32 for channel-wise sides since their scales arrive as vectors. 32 elsewhere,
-        # and where a channel-wise group of 32 tokens could not hold a 64-token tile. With two channel
-        # groups per token, 32-token tiles: 168 registers (three warps per scheduler) against 214,
-        # 1-3% faster at INT2 8 x 64K and 32 x 64K; with four, both sizes hold two warps and 64 was
-        # 6-7% faster (H200, tenth session: `git show 6178656:docs/perf.md`). Two token-wise groups a token beside a
-        # channel-wise side in groups of 64 or 128 tokens, head_dim 128: 64, 3-7% faster at INT2 32/8 8 x 64K on an
-        # H100 (docs/results/block64_mixed_32x8_h100_2026-12-06.json; no spill ahead of time on sm_90 or sm_100;
-        # at head_dim 64 and 96 64-token tiles spilled 8-13 registers a tile)
-        groups = [g for g in (self.config.key_tokens, self.config.value_tokens) if g]
-        # one KV head per program: 64 also won at INT2 (114.5 against 118.3 us at 32/8, 115.6 against
-        # 119.2 at 40/8); four packed heads: 32 (103.8 against 123.1 us at 8/8; benchmarks/gqa_sweep.py)
-        # 16 rows of one head: 32 (94.3 against 94.8 us at 64/4; a cap of 168 registers, 12 programs per SM
-        # instead of 8 and no spills at 32, was slower: 98.0 against 94.5, docs/perf.md)
-        # Not (AOT SASS, docs/results/grid_aot_full.json): past 128 channels (token:2:64 at head_dim 256 spilled 223
-        # registers per 64-token tile on sm_90), nor four channel groups per token beside a channel-wise side
-        # (spilled 12-37 per tile on sm_90, 2-110 on sm_100; 32-token tiles none on sm_90, at most one on sm_100;
-        # neither tile size timed there: `benchmarks/spill_twins.py` on a GPU)
-        one_wide_head = self.config.rows == 16 and pack_heads == 1
-        most_groups = max(self.config.key_groups, self.config.value_groups)
-        wide = pack_heads <= 2 and not one_wide_head and self.config.key_bits == self.config.value_bits == 2 and \
-            all(g % 64 == 0 for g in groups) and self.config.width <= 128 and \
-            (most_groups == 1 or (most_groups == 4 and not groups) or
-             (most_groups == 2 and bool(groups) and self.config.head_dim == 128))
-        # row blocks beside a channel-wise side in groups of 64 tokens: 64-token tiles, the scales loaded at each
-        # tile's start (H200, 8 x 64K at 64/2: 147.0 against 182.8 µs for K channel:4:64 / V token:4:64,
-        # 152.5 against 185.9 for both channel:4:64; groups of 128 and INT8 were slower so, docs/perf.md).
-        # sm_90 only: not measured on sm_100, whose build of both channel:4:64 spills 52 registers so
-        # Not beside a dequant plan (eq. 12a rebuilds channel-wise keys past 8 rows): 64-token tiles of rebuilt keys
-        # spilled 30-44 registers a tile ahead of time, 32 none (K channel:4:64 at 64/2 146.1 µs on an H100 against
-        # the fold's 148.2 at 64, docs/results/fold_or_dequant_h100_2026-12-06.json)
-        blocked64 = target == "sm_90" and self.config.row_blocks > 1 and 64 in groups and not (
-            self.config.key_dequant or self.config.value_dequant)
-        if blocked64 and scale_ahead is None:
+        # where neither the call nor a tuned bucket sets the tile size (launch_defaults.default_block_n); row blocks
+        # beside a channel-wise side in groups of 64 tokens load its scales at each tile's start
+        if row_blocks_at_64(self.config, target) and scale_ahead is None:
             scale_ahead = False
-        block_n, stages = block_n or (64 if wide or blocked64 else 32), stages or 2
+        block_n, stages = block_n or default_block_n(self.config, target, pack_heads), stages or 2
         if self._tile_reason(block_n):
             raise SpecError(self._tile_reason(block_n))
         if scale_ahead is not None and not isinstance(scale_ahead, bool):
@@ -284,8 +255,8 @@ class GluonAttention:
         self.run(launch, q, k, v, out, lse, call.sm_scale, seq_lens=lens, workspace=workspace)
         if not has_lens and not return_lse and not capturing(q):   # bound by now? then later calls find it
             self._eager.note(self, launch, q, k, v, sm_scale, given, workspace, lse,
-                             lambda: _binding_key(launch.options, q, k, v, None, out, call.sm_scale, launch.per_split,
-                                                  launch.splits))
+                             lambda: binding_key(launch.options, q, k, v, None, out, call.sm_scale, launch.per_split,
+                                                 launch.splits))
         result = (out, lse) if return_lse else out
         if q.requires_grad or (isinstance(k, torch.Tensor) and k.requires_grad) or (
                 isinstance(v, torch.Tensor) and v.requires_grad):   # no backward: one through it raises by name
@@ -357,7 +328,7 @@ class GluonAttention:
             splits = wave_splits(batch * hkv, tokens, block_n, num_sms(device), resident, launch["split_factor"],
                                  0 if half_tiles else MIN_SPLIT_TOKENS)
         used, per_split = split_partition(tokens, splits, block_n)
-        if _dynamic(launch):   # no more programs than chunks; each draws what it runs
+        if draws_tiles(launch):   # no more programs than chunks; each draws what it runs
             chunks = math.ceil(math.ceil(tokens / block_n) / launch["constexprs"]["CHUNK"])
             return max(1, min(splits, chunks)), per_split
         return used, per_split
@@ -386,18 +357,9 @@ class GluonAttention:
         return launch[key]
 
     def mock_arguments(self, launch: dict, q_dtype: torch.dtype, has_lens: bool, page: int) -> tuple[tuple, dict]:
-        """The decode kernel's arguments for one sequence with no memory behind them (triton's
-        MockTensor: dtypes, shapes, strides): enough to compile the variant a call would run."""
-        spec, cfg = self.spec, self.config
-        d, h = cfg.head_dim, spec.num_kv_heads
-        q = _mock(q_dtype, [1, spec.num_q_heads, d])
-        k, v = (_MockAffine(enc, h, d, w, page or 4096) if enc is not None else _MockPlain(h, w, page or 4096)
-                for enc, w in ((spec.k, cfg.key_words), (spec.v, cfg.value_words)))
-        int32 = _mock(torch.int32, [1])
-        ws = (_mock(torch.float32, [1]),) * 3
-        paged = (int32, int32, page) if page else None
-        return self.decode_arguments(launch, q, k, v, int32 if has_lens else None, ws, 1.0, 2 * launch["block_n"],
-                                     4096, paged, int32 if _dynamic(launch) else None)
+        """The decode kernel's arguments for one sequence with no memory behind them (`mock_decode_arguments`):
+        enough to compile the variant a call would run."""
+        return mock_decode_arguments(self.spec, self.config, launch, q_dtype, has_lens, page)
 
     def head_programs(self, launch: dict) -> int:
         """Programs per sequence and split (the grid's second axis): one per group of ``launch["heads"]``
@@ -417,18 +379,18 @@ class GluonAttention:
         page_size) when k and v are page pools (foldc/serving/paged.py)."""
         decode, merge = self._launchers()
         now_capturing = capturing(q)
-        bindable = not now_capturing and not _dynamic(launch)
+        bindable = not now_capturing and not draws_tiles(launch)
         if bindable:   # later calls with one launch's integers, strides and dtypes: its bound kernels (the
             # token count given per call: the kernel does not specialise on it; a page table's addresses too)
-            key = _binding_key(launch, q, k, v, lens, out, sm_scale, per_split, splits, paged)
+            key = binding_key(launch, q, k, v, lens, out, sm_scale, per_split, splits, paged)
             state = self._bindings.get(key, launch)
-            if type(state) is tuple and run_bound(state, _decode_addresses(q, k, v, lens, ws, paged), merge, ws, out,
+            if type(state) is tuple and run_bound(state, decode_addresses(q, k, v, lens, ws, paged), merge, ws, out,
                                                   lse, self.config.q_per_kv * launch["heads"], (cache_tokens,),
                                                   self.config.head_rows):
                 return
         check_offsets("register-operand decode kernel", decode_offsets(q, k, v, ws, paged), DECODE_FIX)
         counters = None
-        if _dynamic(launch):   # one tile counter per (batch, head group), zeroed each call
+        if draws_tiles(launch):   # one tile counter per (batch, head group), zeroed each call
             counters = torch.zeros(q.shape[0] * self.head_programs(launch), device=q.device,
                                    dtype=torch.int32)
         args, kwargs = self.decode_arguments(launch, q, k, v, lens, ws, sm_scale, per_split, cache_tokens, paged,
@@ -445,164 +407,4 @@ class GluonAttention:
             self._bindings.note(key, launch, state, lambda: (decode.bind(grid, args, kwargs, dynamic=(TOKENS_ARG,)),
                                                               merge.bind(merge_grid, merge_args, merge_kwargs)))
 
-    @staticmethod
-    def decode_arguments(launch: dict, q, k, v, lens, ws, sm_scale: float, per_split: int, cache_tokens: int,
-                         paged: tuple | None, counters=None) -> tuple[tuple, dict]:
-        """The decode kernel's arguments (positional, keyword) for one call (see `launch`); ``counters``:
-        int32 zeros, one per (batch, head group), for dynamic tiles."""
-        (kc, ks, kz), (vc, vs, vz) = _parts(k, q), _parts(v, q)
-        indptr, indices, page = paged if paged is not None else (q, q, 0)
-        qs, kcs, vcs = q.stride(), kc.stride(), vc.stride()
-        args = (q, kc, ks, kz, vc, vs, vz, q if lens is None else lens, *ws, indptr, indices,
-                q if counters is None else counters,
-                qs[0], qs[1], kcs[0], kcs[1], *_scale_strides(ks, kc), vcs[0], vcs[1], *_scale_strides(vs, vc),
-                sm_scale * 1.4426950408889634, per_split, cache_tokens)
-        # the keyword arguments depend on the launch's options alone: built once per (lengths, page)
-        key = ("kwargs", lens is not None, page)
-        kwargs = launch.get(key)
-        if kwargs is None:
-            extra = {"maxnreg": launch["maxnreg"]} if launch["maxnreg"] else {}
-            kwargs = launch[key] = dict(HAS_LENS=lens is not None, PAGE=page, **launch["constexprs"], num_warps=1,
-                                        **extra)
-        return args, kwargs
-
-
-def _binding_key(options: dict, q, k, v, lens, out, sm_scale: float, per_split: int, splits: int,
-                 paged: tuple | None = None) -> tuple:
-    """What a decode launch's bound kernels fix besides its options: shapes, strides, dtypes, integers (and a page
-    table's page size and dtypes: one options dict serves contiguous and paged launches of a shape)."""
-    return (id(options), q.shape[0], q.stride(), side_key(k), side_key(v), out.stride(), out.dtype,
-            None if lens is None else lens.dtype, sm_scale, per_split, splits,
-            None if paged is None else (paged[2], paged[0].dtype, paged[1].dtype))
-
-
-class PreparedRun:
-    """`GluonAttention.prepare`'s repeated run of one launch over k, v, a workspace and an lse buffer that stay
-    where they are (a serving cache's own storage; a paged launch's lengths and page table too):
-    ``prepared(q, out, tokens)`` does what ``run(launch, q, k, v, out, lse, sm_scale, workspace=workspace,
-    tokens=tokens)`` does (``seq_lens=..., paged=...`` for a paged launch, which takes no ``tokens``); once that
-    run's launches are bound it hands them k's, v's and the buffers' addresses made once, with q's and out's, and
-    rebuilds no key. Calls whose q or out differ from the bound one in batch, strides or dtype, calls on another
-    device and calls inside a CUDA-graph capture take ``run``. The caller validates q, out and tokens (0 .. the
-    launch's tokens)."""
-
-    __slots__ = ("attn", "launch", "k", "v", "workspace", "lse", "sm_scale", "seq_lens", "paged", "_fixed", "_bound")
-
-    def __init__(self, attn, launch: Launch, k, v, workspace, lse, sm_scale: float, seq_lens=None,
-                 paged: tuple | None = None):
-        if (paged is not None) != bool(launch.page) or (seq_lens is not None) != launch.has_lens:
-            raise InputError(f"a prepared run of a launch planned with page={launch.page} and has_lens="
-                             f"{launch.has_lens} takes {'a page table' if launch.page else 'no page table'} and "
-                             f"{'lengths' if launch.has_lens else 'no lengths'}")
-        self.attn, self.launch, self.k, self.v = attn, launch, k, v
-        self.workspace, self.lse, self.sm_scale, self.seq_lens, self.paged = workspace, lse, sm_scale, seq_lens, paged
-        # the addresses a bound call repeats: both sides encoded (a plain side's stand-ins are q's address)
-        fixed = None
-        if not isinstance(k, torch.Tensor) and not isinstance(v, torch.Tensor) and launch.kernel == "gluon":
-            fixed = ((k.codes.data_ptr(), k.scale.data_ptr(), k.zero.data_ptr(), v.codes.data_ptr(),
-                      v.scale.data_ptr(), v.zero.data_ptr()), tuple(map(_DATA_PTR, workspace)), lse.data_ptr(),
-                     None if seq_lens is None else seq_lens.data_ptr(),
-                     None if paged is None else (paged[0].data_ptr(), paged[1].data_ptr()))
-        self._fixed = fixed
-        self._bound = None   # (q's batch, strides and dtype, out's strides and dtype, the two Bound launches)
-
-    def __call__(self, q, out, tokens: int | None = None) -> None:
-        bound, fixed = self._bound, self._fixed
-        if (bound is not None and q.stride() == bound[1] and out.stride() == bound[3] and q.shape[0] == bound[0]
-                and q.dtype == bound[2] and out.dtype == bound[4] and not capturing(q)):
-            qa = q.data_ptr()
-            lens = qa if fixed[3] is None else fixed[3]
-            table = (qa, qa) if fixed[4] is None else fixed[4]
-            count = self.launch.cache_tokens if tokens is None else tokens
-            launched = bound[5].then((qa, *fixed[0], lens, *fixed[1], *table, qa), (count,), bound[6],
-                                     (*fixed[1], out.data_ptr(), fixed[2]))
-            if launched:
-                if launched == 1:   # the merge's bound launch declined
-                    launch_merge(self.attn._launchers()[1], *self.workspace, out, self.lse,
-                                 self.attn.config.q_per_kv * self.launch.options["heads"],
-                                 head_rows=self.attn.config.head_rows)
-                return
-        launch = self.launch
-        self.attn.run(launch, q, self.k, self.v, out, self.lse, self.sm_scale, workspace=self.workspace, tokens=tokens,
-                      seq_lens=self.seq_lens, paged=self.paged)
-        if bound is None and fixed is not None and not capturing(q):   # bound by now (from the second run)?
-            paged = None if self.paged is None else (*self.paged, launch.page)
-            key = _binding_key(launch.options, q, self.k, self.v, self.seq_lens, out, self.sm_scale, launch.per_split,
-                               launch.splits, paged)
-            state = self.attn._bindings.get(key, launch.options)
-            if type(state) is tuple and state:
-                self._bound = (q.shape[0], q.stride(), q.dtype, out.stride(), out.dtype, state[0], state[1])
-
-
-def _decode_addresses(q, k, v, lens, ws, paged: tuple | None = None) -> tuple:
-    """The decode kernel's 14 tensor arguments as addresses, in `decode_arguments`' order, for a launch without
-    dynamic tiles (the counters are the query, unread; so is the page table of a contiguous cache)."""
-    qa = q.data_ptr()
-    ka = (k.data_ptr(), qa, qa) if isinstance(k, torch.Tensor) else (
-        k.codes.data_ptr(), k.scale.data_ptr(), k.zero.data_ptr())
-    va = (v.data_ptr(), qa, qa) if isinstance(v, torch.Tensor) else (
-        v.codes.data_ptr(), v.scale.data_ptr(), v.zero.data_ptr())
-    table = (qa, qa) if paged is None else (paged[0].data_ptr(), paged[1].data_ptr())
-    return (qa, *ka, *va, qa if lens is None else lens.data_ptr(), *map(_DATA_PTR, ws), *table, qa)
-
-
-def _parts(x, q):
-    """(32-bit code words, scale, zero) of an encoded side; a plain side's bf16 rows as 32-bit words
-    and the query standing in for the scales it has none of (the kernel reads none)."""
-    if isinstance(x, torch.Tensor) or isinstance(x, _MockPlain):
-        return x.view(torch.int32), q, q
-    return x.codes.view(torch.int32), x.scale, x.zero
-
-
-def _scale_strides(scale, words) -> tuple[int, int, int]:
-    """The scale tensor's (batch, head, token or group) strides; zeros for a plain side (``scale`` is
-    the query then, whose shape is not the codes')."""
-    shape = scale.shape
-    if len(shape) != 4 or tuple(shape[:2]) != tuple(words.shape[:2]):
-        return 0, 0, 0
-    strides = scale.stride()
-    return strides[0], strides[1], strides[2]
-
-
-def _dynamic(launch: dict) -> bool:
-    """Whether this launch draws tiles from counters (a launch without compiled options: no)."""
-    return bool(launch.get("constexprs", {}).get("DYNAMIC", False))
-
-
-def _mock(dtype: torch.dtype, shape: list):
-    """triton's MockTensor (a dtype and a shape, no memory) whose ``stride(dim)`` answers as torch's."""
-    from triton.runtime.jit import MockTensor
-
-    class Mock(MockTensor):
-        def stride(self, dim=None):   # row-major, as a contiguous torch tensor's
-            strides = tuple(math.prod(self.shape[i + 1:]) for i in range(len(self.shape)))
-            return strides if dim is None else strides[dim]
-
-    return Mock(dtype, list(shape))
-
-
-class _MockAffine:
-    """Stand-in for an AffineTensor of ``tokens`` tokens (one sequence) with the shapes, strides and
-    dtypes a real one has: enough to compile the kernel variant without memory (`GluonAttention.resident`)."""
-
-    def __init__(self, enc, heads: int, head_dim: int, words: int, tokens: int):
-        self.codes = _MockCodes(_mock(torch.int32, [1, heads, tokens, words]))
-        self.scale = self.zero = _mock(enc.scale_dtype, scale_shape(enc, 1, heads, tokens, head_dim))
-
-
-class _MockPlain:
-    """Stand-in for a plain bf16 side of ``tokens`` tokens: its 32-bit view is what the kernel takes."""
-
-    def __init__(self, heads: int, words: int, tokens: int):
-        self.words = _mock(torch.int32, [1, heads, tokens, words])
-
-    def view(self, dtype):
-        return self.words
-
-
-class _MockCodes:
-    def __init__(self, words):
-        self.words = words
-
-    def view(self, dtype):
-        return self.words
+    decode_arguments = staticmethod(decode_arguments)   # the kernel's arguments for one call (decode_args.py)

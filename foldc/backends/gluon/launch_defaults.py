@@ -1,5 +1,6 @@
 """The register-operand kernel's launch defaults: its constexprs from the lowered plan, how many KV heads a
-program packs, where token scales load, the resident programs of an SM and the split count that fills a wave.
+program packs, tokens per tile, where token scales load, the resident programs of an SM and the split count that
+fills a wave.
 `GluonAttention` (launch.py) reads them; each cites the measurement behind it (docs/perf.md)."""
 from __future__ import annotations
 
@@ -98,6 +99,49 @@ def default_pack_heads(cfg: FoldKernel, num_kv_heads: int) -> int:
     # on the H200 against 104 with four and 108 with two (each head's P masked by a select per half
     # with more than two; benchmarks/gqa_sweep.py, docs/perf.md)
     return min(packable_heads(cfg, num_kv_heads), DEFAULT_MAX_PACK)
+
+
+def row_blocks_at_64(cfg: FoldKernel, target: str) -> bool:
+    """Whether a kernel of query row blocks beside a channel-wise side in groups of 64 tokens takes 64-token tiles
+    by default, its scales loaded at each tile's start (`GluonAttention` then leaves ``scale_ahead`` False)."""
+    # H200, 8 x 64K at 64/2: 147.0 against 182.8 µs for K channel:4:64 / V token:4:64,
+    # 152.5 against 185.9 for both channel:4:64; groups of 128 and INT8 were slower so, docs/perf.md).
+    # sm_90 only: not measured on sm_100, whose build of both channel:4:64 spills 52 registers so
+    # Not beside a dequant plan (eq. 12a rebuilds channel-wise keys past 8 rows): 64-token tiles of rebuilt keys
+    # spilled 30-44 registers a tile ahead of time, 32 none (K channel:4:64 at 64/2 146.1 µs on an H100 against
+    # the fold's 148.2 at 64, docs/results/fold_or_dequant_h100_2026-12-06.json)
+    groups = [g for g in (cfg.key_tokens, cfg.value_tokens) if g]
+    return target == "sm_90" and cfg.row_blocks > 1 and 64 in groups and not (cfg.key_dequant or cfg.value_dequant)
+
+
+def default_block_n(cfg: FoldKernel, target: str, pack_heads: int) -> int:
+    """Tokens per tile where neither the call nor a tuned bucket sets them, for ``pack_heads`` KV heads per
+    program: 64 for wide INT2 layouts and `row_blocks_at_64`, else 32."""
+    # 64-token tiles won for packed INT2 at every large shape and layout on the H200 (docs/perf.md):
+    # 4-13% faster than 32 for channel-wise sides since their scales arrive as vectors. 32 elsewhere,
+    # and where a channel-wise group of 32 tokens could not hold a 64-token tile. With two channel
+    # groups per token, 32-token tiles: 168 registers (three warps per scheduler) against 214,
+    # 1-3% faster at INT2 8 x 64K and 32 x 64K; with four, both sizes hold two warps and 64 was
+    # 6-7% faster (H200, tenth session: `git show 6178656:docs/perf.md`). Two token-wise groups a token beside a
+    # channel-wise side in groups of 64 or 128 tokens, head_dim 128: 64, 3-7% faster at INT2 32/8 8 x 64K on an
+    # H100 (docs/results/block64_mixed_32x8_h100_2026-12-06.json; no spill ahead of time on sm_90 or sm_100;
+    # at head_dim 64 and 96 64-token tiles spilled 8-13 registers a tile)
+    groups = [g for g in (cfg.key_tokens, cfg.value_tokens) if g]
+    # one KV head per program: 64 also won at INT2 (114.5 against 118.3 us at 32/8, 115.6 against
+    # 119.2 at 40/8); four packed heads: 32 (103.8 against 123.1 us at 8/8; benchmarks/gqa_sweep.py)
+    # 16 rows of one head: 32 (94.3 against 94.8 us at 64/4; a cap of 168 registers, 12 programs per SM
+    # instead of 8 and no spills at 32, was slower: 98.0 against 94.5, docs/perf.md)
+    # Not (AOT SASS, docs/results/grid_aot_full.json): past 128 channels (token:2:64 at head_dim 256 spilled 223
+    # registers per 64-token tile on sm_90), nor four channel groups per token beside a channel-wise side
+    # (spilled 12-37 per tile on sm_90, 2-110 on sm_100; 32-token tiles none on sm_90, at most one on sm_100;
+    # neither tile size timed there: `benchmarks/spill_twins.py` on a GPU)
+    one_wide_head = cfg.rows == 16 and pack_heads == 1
+    most_groups = max(cfg.key_groups, cfg.value_groups)
+    wide = pack_heads <= 2 and not one_wide_head and cfg.key_bits == cfg.value_bits == 2 and \
+        all(g % 64 == 0 for g in groups) and cfg.width <= 128 and \
+        (most_groups == 1 or (most_groups == 4 and not groups) or
+         (most_groups == 2 and bool(groups) and cfg.head_dim == 128))
+    return 64 if wide or row_blocks_at_64(cfg, target) else 32
 
 
 def default_scale_ahead(cfg: FoldKernel) -> bool:

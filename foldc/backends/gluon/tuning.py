@@ -43,9 +43,10 @@ GLUON_CANDIDATES = tuple(GluonConfig(bn, 2, r, f, p) for p in (None, 1) for bn i
 
 # the sources that decide what the kernel does and how fast: a tuned entry is kept only for them. Every module of
 # this package that kernel.py or launch.py imports is one (kernel.py's tile_* helpers, launch_defaults.py's
-# constexprs and wave splits, lower.py's FoldKernel), except host-only ones that take no tuned config (eager.py's
-# bound calls, the warpgroup template's warpgroup*.py); tests/backends/test_autotune.py checks the list
+# constexprs and wave splits, decode_args.py's kernel arguments, lower.py's FoldKernel), except host-only ones that
+# take no tuned config (eager.py's and prepared.py's bound calls, the warpgroup template's warpgroup*.py);
+# tests/backends/test_autotune.py checks the list
 register_tuned_kernel(TunedKernel("gluon", GluonConfig, tuple(HERE / name for name in (
     "kernel.py", "tile_scores.py", "tile_values.py", "tile_operands.py", "tile_memory.py", "tile_dequant.py",
-    "tile_groups.py", "operands.py", "launch.py", "launch_defaults.py", "lower.py")) + (
+    "tile_groups.py", "operands.py", "launch.py", "launch_defaults.py", "decode_args.py", "lower.py")) + (
     HERE.parent / "runtime" / "merge.py",)))
