@@ -588,10 +588,10 @@ def test_decode_steps_with_two_token_wise_encodings_write_both_in_one_launch(mon
     assert cache.body_tokens == 11
 
 
-def test_decode_steps_run_the_bodys_prepared_attention(monkeypatch):
-    """A cache whose body attention plans without lengths (the register-operand kernel, stand-in launches on the
-    CPU): every step runs one prepared run per (query dtype, softmax scale), bound from its third call, the
-    body's token count given per call; a call that returns the lse takes the plain run with fresh buffers."""
+def _stand_in_body(monkeypatch):
+    """A one-layer cache (K and V token:4:32, 8/2 heads of 64, target "interpret") whose body attention is the
+    register-operand launcher with stand-in launches on the CPU (12 resident programs an SM): (cache, the decode
+    launches' recorder)."""
     import sys
     from pathlib import Path
 
@@ -611,6 +611,14 @@ def test_decode_steps_run_the_bodys_prepared_attention(monkeypatch):
     decode, merge = LaunchRecorder(), LaunchRecorder()
     monkeypatch.setattr(body, "_launchers", lambda: (decode, merge))
     cache._body_attention = body
+    return cache, decode
+
+
+def test_decode_steps_run_the_bodys_prepared_attention(monkeypatch):
+    """A cache whose body attention plans without lengths (the register-operand kernel, stand-in launches on the
+    CPU): every step runs one prepared run per (query dtype, softmax scale), bound from its third call, the
+    body's token count given per call; a call that returns the lse takes the plain run with fresh buffers."""
+    cache, decode = _stand_in_body(monkeypatch)
     gen = torch.Generator().manual_seed(8)
     cache.append(*_tokens(cache, 10, gen))
     q = torch.randn(1, 8, 64, generator=gen).half()
@@ -655,26 +663,9 @@ def test_a_query_that_records_gradients_gets_an_output_whose_backward_raises():
 def test_a_decode_step_of_the_fast_path_with_a_query_that_records_gradients_raises_at_backward(monkeypatch):
     """The body-only decode step that runs the prepared attention straight away (stand-in launches on the CPU)
     returns an output whose backward raises, as the whole path's does."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "backends"))
-    from _kernel_cases import LaunchRecorder
-
-    from foldc.backends.gluon.launch import GluonAttention
     from foldc.errors import UnsupportedError
 
-    class Resident(GluonAttention):
-        def resident(self, *a):
-            return 12
-
-    enc = A(4, "token", 32)
-    spec = foldc.AttentionSpec(8, 2, 64, enc, enc)
-    cache = QuantizedKVCache(spec, 1, 64, target="interpret")
-    body = Resident(spec)
-    decode, merge = LaunchRecorder(), LaunchRecorder()
-    monkeypatch.setattr(body, "_launchers", lambda: (decode, merge))
-    cache._body_attention = body
+    cache, decode = _stand_in_body(monkeypatch)
     gen = torch.Generator().manual_seed(9)
     cache.append(*_tokens(cache, 10, gen))
     q = torch.randn(1, 8, 64, generator=gen).half()
