@@ -57,7 +57,8 @@ def checkpoint(source, fmt: str, bits: int, group: int, gen: torch.Generator):
             inverse = torch.argsort(perm)
             codes, g_idx = codes_p[:, inverse], (torch.arange(k) // group)[inverse]
             stored = zero - 1 if fmt == "gptq" else zero                                 # v1 stores zero - 1
-            effective = stored % 2**bits + (1 if fmt == "gptq" else 0)                  # (-1 wraps: v1's quirk)
+            # v1 reads (field + 1) mod 2**bits, as AutoGPTQ's kernels do: a zero of 0, stored as -1, is 0 again
+            effective = (stored % 2**bits + (1 if fmt == "gptq" else 0)) % 2**bits
             tensors[name + ".qweight"] = pack_along(codes.T, bits, 0)                   # [k * bits / 32, n]
             tensors[name + ".qzeros"] = pack_along(stored.T % 2**bits, bits, 1)
             tensors[name + ".g_idx"] = g_idx.to(torch.int32)
