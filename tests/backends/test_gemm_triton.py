@@ -553,7 +553,7 @@ def test_gpu_large_m_template_refuses_fp16_values_past_65504_and_runs_bf16(weigh
     spec = spec_of(weight, None, None, n, k, symbolic=True)
     kernel = foldc.compile(spec, target="auto")
     w = quantize_2d(torch.rand(n, k, generator=gen) * 150000, spec.weight).to("cuda")
-    assert kernel.plan_launch(torch.float16, m, 132).template == "dequant"
+    assert kernel.triton.plan_launch(torch.float16, m, 132).template == "dequant"   # (GemmKernel: m > 16)
     x = (torch.randn(m, k, generator=gen) * 1e-3).cuda()
     out = torch.full((m, n), float("nan"), dtype=torch.float16, device="cuda")
     with pytest.raises(InputError, match=_rebuilt_error(w) + r".*pass bfloat16 activations"):
