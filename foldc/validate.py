@@ -134,6 +134,10 @@ def check_sm_scale(sm_scale, head_dim: int) -> float:
         if sm_scale.is_meta:
             raise InputError(f"sm_scale is a tensor on the meta device, which holds no value; pass a float (such as "
                              f"{1.0 / math.sqrt(head_dim):.4g}), a tensor with its value, or None for head_dim ** -0.5")
+        if sm_scale.requires_grad and torch.is_grad_enabled():   # .item() below would drop its gradient, silently
+            raise InputError("sm_scale is a tensor that records gradients, and no target passes a gradient to the "
+                             "softmax scale (it is read as a number); pass sm_scale.detach() or a float, or call "
+                             "under torch.no_grad()")
         sm_scale = sm_scale.item()   # a 0-d or one-element tensor (reads the device once)
     # text would parse silently (float("0.1")), a bool is an int to Python: neither is a scale
     if isinstance(sm_scale, (str, bytes, bool)) or not isinstance(sm_scale, numbers.Real):

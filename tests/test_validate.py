@@ -53,6 +53,24 @@ def test_check_sm_scale_takes_reals(value):
     assert check_sm_scale(None, 64) == 0.125
 
 
+@pytest.mark.parametrize("target", ["reference", "interpret"])
+def test_an_sm_scale_that_records_gradients_is_refused_not_read_as_a_number(target):
+    """A tensor sm_scale that records gradients was read with .item(): its gradient dropped on every target, the
+    reference's included, silently. Refused with the fix now; detached, or under no_grad, it is the number it holds."""
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    q, k, v = _inputs(gen)
+    attn = foldc.compile(SPEC, target=target)
+    scale = (0.05 + torch.rand((), generator=gen)).requires_grad_()
+    with pytest.raises(InputError, match=r"sm_scale is a tensor that records gradients.*sm_scale\.detach\(\)"):
+        attn(q, k, v, sm_scale=scale)
+    with pytest.raises(InputError, match="sm_scale is a tensor that records gradients"):
+        check_sm_scale(scale, 64)
+    want = attn(q, k, v, sm_scale=float(scale.detach()))
+    assert torch.equal(attn(q, k, v, sm_scale=scale.detach()), want)
+    with torch.no_grad():
+        assert torch.equal(attn(q, k, v, sm_scale=scale), want)
+
+
 def _paged_cache(target):
     cache = PagedKVCache(SPEC, num_layers=1, page_size=16, num_pages=8, max_seq_len=64, sink=2, window=4,
                          target=target)
