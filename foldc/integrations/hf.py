@@ -136,10 +136,17 @@ class FoldcLayer(CacheLayerMixin):
             raise InputError(f"FoldcCache(max_cache_len={self.max_cache_len}) holds {cache.num_tokens} tokens and "
                              f"{new} more do not fit; build it with max_cache_len >= prompt + max_new_tokens")
         if new == 1:  # decode: the attention reads the whole cache itself
-            cache.append(key_states, value_states)
+            try:
+                cache.append(key_states, value_states)
+            except InputError:   # (no check on the step's path: the cache's own refuses another device)
+                if key_states.device != self.device:
+                    raise self._moved(key_states.device) from None
+                raise
             _DECODING[0] = self
             keys, values, step = key_states, value_states, "decode"
         else:  # prefill: full-precision attention over the cached tokens (dequantized) and the new ones
+            if key_states.device != self.device:
+                raise self._moved(key_states.device)
             if cache.num_tokens:
                 if key_states.shape[0] != cache.batch:
                     raise InputError(f"this FoldcCache holds {cache.batch} sequences but the prompt has "
@@ -156,6 +163,14 @@ class FoldcLayer(CacheLayerMixin):
         # a decode step's key is the model's own new tensor: tagged as it is (a view costs a torch call per layer)
         setattr(keys, _TAG, (self, step))
         return keys, values
+
+    def _moved(self, device: torch.device) -> InputError:
+        """The error for key states on another ``device`` than this layer's cache, built by its first forward on
+        its device (the cache's own check told the caller to move the model's states to the cache)."""
+        return InputError(f"this layer's key and value states are on {device} but its FoldcCache layer was built on "
+                          f"{self.device} by the first forward: for a model moved to {device} since, call "
+                          f"cache.reset() (its tokens are dropped) or use a new FoldcCache; a model split across "
+                          f"devices keeps each layer on one device")
 
     def get_seq_length(self, *args) -> int:
         return self.cache.num_tokens if self.cache is not None else 0

@@ -505,6 +505,26 @@ def test_paged_cache_on_another_device_than_a_layers_states_names_both_and_the_f
     assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
 
 
+def test_foldc_cache_of_a_model_moved_since_its_first_forward_names_both_devices_and_the_fix():
+    """FoldcCache builds each layer's cache on the device of that layer's first forward. A model moved since was told
+    "k_new is on meta but the cache is on cpu; move it there" (the model's states to the cache: not the user's to
+    move) at a decode step, and a prefill raised from inside torch.cat. Refused now naming both devices and the fix
+    (reset or a new cache); the layer goes on as it was. The meta device stands in for a second one (the check
+    compares devices; no value is read)."""
+    model = llama()
+    c = fhf.FoldcCache(model.config, 32, k="token:4:32", v="token:4:32", target="reference")
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    k, v = (torch.randn(1, 2, 5, 32, generator=gen).half() for _ in range(2))
+    fix = r"states are on meta but its FoldcCache layer was built on cpu by the first forward: .* cache\.reset\(\)"
+    with attention(model, "foldc"):
+        c.update(k, v, 0)
+        for new in (1, 3):   # a decode step and a prefill, the model moved since
+            with pytest.raises(InputError, match=fix):
+                c.update(k[:, :, :new].to("meta"), v[:, :, :new].to("meta"), 0)
+        c.update(k[:, :, :1], v[:, :, :1], 0)
+    assert c.get_seq_length(0) == 6
+
+
 @settings(max_examples=25, deadline=None)
 @given(page_size=st.one_of(st.integers(-16, 160), st.sampled_from(["64", 64.0, True])),
        v=st.sampled_from(["token:4:32", "channel:4:32", "channel:2:16"]))
