@@ -29,7 +29,7 @@ whatever the encoding (tests/integrations/test_hf.py, examples/hf_decode.py).
 
 Limits (each raises an error that says so): every batch row holds the same number of tokens (no
 padding masks: pass rows of one length), full-attention layers only (no sliding-window, chunked
-or linear-attention layers, no soft-capping or learned sinks), no beam search, no cropping
+or linear-attention layers, no soft-capping, learned sinks or position biases), no beam search, no cropping
 (assisted or speculative decoding), inference only. Keys are cached after the rotary embedding,
 so positions need nothing from foldc.
 
@@ -321,6 +321,22 @@ _PADDING = ("FoldcCache holds sequences of one length: padding masks are not sup
             "equal length without padding (an attention_mask of all ones), or decode them one at a time")
 
 
+# attention arguments that change the scores or the softmax, which foldc attention does not apply
+_REFUSED = ("softcap", "sliding_window", "s_aux", "sinks", "position_bias")
+
+
+def _shown(value) -> str:
+    """``value`` for an error message: a tensor by its shape, not its values."""
+    return f"<tensor {tuple(value.shape)}>" if isinstance(value, torch.Tensor) else repr(value)
+
+
+def _is_causal(module, kwargs: dict) -> bool:
+    """Whether a call without a mask attends causally: the call's ``is_causal`` where it passes one, else the module's
+    (transformers' SDPA reads both; an encoder's attention, e.g. a VLM's vision tower, is not causal)."""
+    flag = kwargs.get("is_causal")
+    return bool(getattr(module, "is_causal", True) if flag is None else flag)
+
+
 def _check_decode_mask(mask: torch.Tensor | None, tokens=None) -> None:
     """Refuse a decode step's mask that hides any of the first ``tokens`` (all: None) tokens, reading each mask
     object once: the layers of one forward share it, so the first layer it reaches reads it."""
@@ -334,15 +350,15 @@ def foldc_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
                     attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
                     **kwargs):
     """The ``"foldc"`` attention implementation: `QuantizedKVCache.attention` for a decode step of a
-    `FoldcCache`, SDPA (causal) otherwise. Shapes as transformers' attention functions: query
-    [batch, heads, q_len, head_dim], key/value [batch, kv_heads, kv_len, head_dim]; returns
-    ([batch, q_len, heads, head_dim], None)."""
+    `FoldcCache`, SDPA otherwise (causal unless the call or the module says ``is_causal=False``). Shapes as
+    transformers' attention functions: query [batch, heads, q_len, head_dim], key/value [batch, kv_heads, kv_len,
+    head_dim]; returns ([batch, q_len, heads, head_dim], None)."""
     if dropout:
         raise SpecError(f"dropout={dropout} in foldc attention: it is for inference; call model.eval()")
-    for name in ("softcap", "sliding_window", "s_aux"):
+    for name in _REFUSED:   # (an argument the SDPA path would also drop: T5's relative bias, Inkling's sinks...)
         if kwargs.get(name) is not None:
-            raise SpecError(f"{name}={kwargs[name]!r}: foldc attention supports plain softmax attention over the "
-                            "whole cache only")
+            raise SpecError(f"{name}={_shown(kwargs[name])}: foldc attention supports plain softmax attention over "
+                            "the whole cache only; run this model (or these layers) with attn_implementation='sdpa'")
     if kwargs.get("output_attentions"):
         raise SpecError("output_attentions=True: foldc attention does not return attention weights")
     layer, step = getattr(key, _TAG, (None, None))
@@ -401,10 +417,11 @@ def foldc_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
     mask, is_causal = None, False
     if attention_mask is not None:
         mask = attention_mask[..., :kv_len]
-    elif q_len == kv_len:
-        is_causal = q_len > 1
-    elif q_len > 1:
-        mask = _causal(q_len, kv_len, query.device)
+    elif q_len > 1 and _is_causal(module, kwargs):   # a bidirectional module (a vision or text encoder) attends to all
+        if q_len == kv_len:
+            is_causal = True
+        else:
+            mask = _causal(q_len, kv_len, query.device)
     work = key.dtype if key.dtype.itemsize > query.dtype.itemsize else query.dtype  # float32 K/V: float32 math
     out = F.scaled_dot_product_attention(query.to(work), key.to(work), value.to(work), attn_mask=mask,
                                          is_causal=is_causal, scale=scaling)
