@@ -29,7 +29,7 @@ whatever the encoding (tests/integrations/test_hf.py, examples/hf_decode.py).
 
 Limits (each raises an error that says so): every batch row holds the same number of tokens (no
 padding masks: pass rows of one length), full-attention layers only (no sliding-window, chunked
-or linear-attention layers, no soft-capping or learned sinks), no beam search, no cropping
+or linear-attention layers, no soft-capping, learned sinks or position biases), no beam search, no cropping
 (assisted or speculative decoding), inference only. Keys are cached after the rotary embedding,
 so positions need nothing from foldc.
 
@@ -104,6 +104,9 @@ class FoldcLayer(CacheLayerMixin):
         self.spec, self.max_cache_len, self.sink, self.window, self.target = spec, max_cache_len, sink, window, target
         self.cache: QuantizedKVCache | None = None
         self.module_checked = None   # the attention module whose attributes (learned sinks) were checked
+        # why a forward failed after this layer's update, leaving the cache's layers out of step (one list shared by
+        # a FoldcCache's layers: its next forward is refused with it until reset())
+        self.refusal = [None]
 
     def __repr__(self) -> str:
         return f"FoldcLayer({self.cache!r})" if self.cache is not None else f"FoldcLayer({self.spec.describe()}, empty)"
@@ -256,6 +259,13 @@ class FoldcCache(Cache):
         self._max_cache_len = max_cache_len  # (transformers < 5 derives max_cache_len from the layers)
         super().__init__(layers=[self.layer_class(self.spec, max_cache_len, sink, window, target)
                                  for _ in range(num_layers)])
+        self._share_refusal()
+
+    def _share_refusal(self) -> None:
+        """One refusal for all the layers (`FoldcLayer.refusal`): a forward that fails at any layer marks the cache."""
+        self.refusal = [None]
+        for layer in self.layers:
+            layer.refusal = self.refusal
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.spec.describe()}, layers={len(self.layers)}, max_cache_len={self._max_cache_len})"
@@ -266,12 +276,23 @@ class FoldcCache(Cache):
         impl = getattr(self.config, "_attn_implementation", None) if layer_idx == 0 else ATTN_IMPLEMENTATION
         if layer_idx == 0:   # a new forward: its mask is read again, even the last one's tensor refilled in place
             _MASK_READ[0] = None
+            if self.refusal[0] is not None:
+                raise InputError(self.refusal[0])
         if impl != ATTN_IMPLEMENTATION:
             raise SpecError(f"FoldcCache decodes through attn_implementation={ATTN_IMPLEMENTATION!r} but the model "
                             f"uses {impl!r}; import foldc.integrations.hf and call "
                             f"model.set_attn_implementation({ATTN_IMPLEMENTATION!r}) (or load the model with "
                             f"attn_implementation={ATTN_IMPLEMENTATION!r})")
-        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        try:
+            return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        except Exception as err:   # (a try costs nothing on the way through)
+            if layer_idx:   # the layers before this one cached this forward's tokens (the first refuses before)
+                self.refusal[0] = _refusal_text(err)
+            raise
+
+    def reset(self) -> None:
+        super().reset()
+        self.refusal[0] = None
 
     def get_mask_sizes(self, query, layer_idx: int = 0, *args) -> tuple[int, int]:
         return self.layers[layer_idx].get_mask_sizes(query)
@@ -321,6 +342,29 @@ _PADDING = ("FoldcCache holds sequences of one length: padding masks are not sup
             "equal length without padding (an attention_mask of all ones), or decode them one at a time")
 
 
+# attention arguments that change the scores or the softmax, which foldc attention does not apply
+_REFUSED = ("softcap", "sliding_window", "s_aux", "sinks", "position_bias")
+
+
+def _shown(value) -> str:
+    """``value`` for an error message: a tensor by its shape, not its values."""
+    return f"<tensor {tuple(value.shape)}>" if isinstance(value, torch.Tensor) else repr(value)
+
+
+def _is_causal(module, kwargs: dict) -> bool:
+    """Whether a call without a mask attends causally: the call's ``is_causal`` where it passes one, else the module's
+    (transformers' SDPA reads both; an encoder's attention, e.g. a VLM's vision tower, is not causal)."""
+    flag = kwargs.get("is_causal")
+    return bool(getattr(module, "is_causal", True) if flag is None else flag)
+
+
+def _refusal_text(err: Exception) -> str:
+    """What the next forward through a cache is told after ``err`` failed a forward partway through its layers."""
+    return (f"this cache's layers no longer hold the same tokens: its last forward failed ({type(err).__name__}: "
+            f"{err}) after some layers had cached that forward's keys and values and before the others did. Call "
+            "cache.reset() (its tokens are dropped) or use a new cache, and send the prompt again")
+
+
 def _check_decode_mask(mask: torch.Tensor | None, tokens=None) -> None:
     """Refuse a decode step's mask that hides any of the first ``tokens`` (all: None) tokens, reading each mask
     object once: the layers of one forward share it, so the first layer it reaches reads it."""
@@ -334,81 +378,93 @@ def foldc_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
                     attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
                     **kwargs):
     """The ``"foldc"`` attention implementation: `QuantizedKVCache.attention` for a decode step of a
-    `FoldcCache`, SDPA (causal) otherwise. Shapes as transformers' attention functions: query
-    [batch, heads, q_len, head_dim], key/value [batch, kv_heads, kv_len, head_dim]; returns
-    ([batch, q_len, heads, head_dim], None)."""
-    if dropout:
-        raise SpecError(f"dropout={dropout} in foldc attention: it is for inference; call model.eval()")
-    for name in ("softcap", "sliding_window", "s_aux"):
-        if kwargs.get(name) is not None:
-            raise SpecError(f"{name}={kwargs[name]!r}: foldc attention supports plain softmax attention over the "
-                            "whole cache only")
-    if kwargs.get("output_attentions"):
-        raise SpecError("output_attentions=True: foldc attention does not return attention weights")
-    layer, step = getattr(key, _TAG, (None, None))
-    # a module's attributes are read once per layer (a missing attribute of an nn.Module costs an exception)
-    if layer is None or layer.module_checked is not module:
-        if getattr(module, "sinks", None) is not None:
-            raise SpecError("the attention module has learned sinks; foldc attention does not support them")
-        if layer is not None:
-            layer.module_checked = module
-    if layer is None and _DECODING[0] is not None:
-        # a FoldcLayer's decode update came before this call, but its tagged key did not reach it: the model
-        # replaced the key cache.update returned (JetMoe's key.repeat, a key norm or pad after the update), so the
-        # key here is the new token's alone, not the cache's
-        _DECODING[0] = None
-        raise SpecError("the key reaching foldc attention is not the one FoldcCache.update returned: this model "
-                        "changes the key after the cache's update (e.g. a repeat, norm or pad in its attention), "
-                        "which FoldcCache cannot follow; use DynamicCache with this model")
-    if step == "decode":   # a FoldcCache's decode step: the fused kernel over the layer's whole cache
-        _DECODING[0] = None
-        if query.shape[2] != 1:
-            raise InputError(f"a decode step of FoldcCache appended 1 token but the query holds {query.shape[2]}")
-        # each forward's mask is read once (a read waits for the GPU), by the first layer it reaches: the layers of
-        # one forward share the mask object, and a serving loop may pad any step, not only the prompt
-        _check_decode_mask(attention_mask)
+    `FoldcCache`, SDPA otherwise (causal unless the call or the module says ``is_causal=False``). Shapes as
+    transformers' attention functions: query [batch, heads, q_len, head_dim], key/value [batch, kv_heads, kv_len,
+    head_dim]; returns ([batch, q_len, heads, head_dim], None)."""
+    owner = None
+    try:
+        layer, step = getattr(key, _TAG, (None, None))
+        owner = layer   # the foldc cache layer this call's update wrote to, once known: a failure marks its cache
+        if dropout:
+            raise SpecError(f"dropout={dropout} in foldc attention: it is for inference; call model.eval()")
+        for name in _REFUSED:   # (an argument the SDPA path would also drop: T5's relative bias, Inkling's sinks...)
+            if kwargs.get(name) is not None:
+                raise SpecError(f"{name}={_shown(kwargs[name])}: foldc attention supports plain softmax attention "
+                                "over the whole cache only; run this model (or these layers) with "
+                                "attn_implementation='sdpa'")
+        if kwargs.get("output_attentions"):
+            raise SpecError("output_attentions=True: foldc attention does not return attention weights")
+        # a module's attributes are read once per layer (a missing attribute of an nn.Module costs an exception)
+        if layer is None or layer.module_checked is not module:
+            if getattr(module, "sinks", None) is not None:
+                raise SpecError("the attention module has learned sinks; foldc attention does not support them")
+            if layer is not None:
+                layer.module_checked = module
+        if layer is None and _DECODING[0] is not None:
+            # a FoldcLayer's decode update came before this call, but its tagged key did not reach it: the model
+            # replaced the key cache.update returned (JetMoe's key.repeat, a key norm or pad after the update), so
+            # the key here is the new token's alone, not the cache's
+            owner, _DECODING[0] = _DECODING[0], None
+            raise SpecError("the key reaching foldc attention is not the one FoldcCache.update returned: this model "
+                            "changes the key after the cache's update (e.g. a repeat, norm or pad in its attention), "
+                            "which FoldcCache cannot follow; use DynamicCache with this model")
+        if step == "decode":   # a FoldcCache's decode step: the fused kernel over the layer's whole cache
+            _DECODING[0] = None
+            if query.shape[2] != 1:
+                raise InputError(f"a decode step of FoldcCache appended 1 token but the query holds {query.shape[2]}")
+            # each forward's mask is read once (a read waits for the GPU), by the first layer it reaches: the layers
+            # of one forward share the mask object, and a serving loop may pad any step, not only the prompt
+            _check_decode_mask(attention_mask)
+            if scaling is None:
+                scaling = query.shape[3] ** -0.5
+            q3 = query.squeeze(2)   # [batch, heads, head_dim] (a squeeze costs half an index's host time)
+            out = layer.cache.attention(q3 if q3.stride(-1) == 1 else q3.contiguous(), sm_scale=scaling)
+            return (out if out.dtype == query.dtype else out.to(query.dtype)).unsqueeze(1), None
+        batch, heads, q_len, head_dim = query.shape
+        kv_heads, kv_len = key.shape[1], key.shape[2]
+        if heads % kv_heads:
+            raise InputError(f"query has {heads} heads, not a multiple of the {kv_heads} key/value heads")
         if scaling is None:
-            scaling = query.shape[3] ** -0.5
-        q3 = query.squeeze(2)   # [batch, heads, head_dim] (a squeeze costs half an index's host time)
-        out = layer.cache.attention(q3 if q3.stride(-1) == 1 else q3.contiguous(), sm_scale=scaling)
-        return (out if out.dtype == query.dtype else out.to(query.dtype)).unsqueeze(1), None
-    batch, heads, q_len, head_dim = query.shape
-    kv_heads, kv_len = key.shape[1], key.shape[2]
-    if heads % kv_heads:
-        raise InputError(f"query has {heads} heads, not a multiple of the {kv_heads} key/value heads")
-    if scaling is None:
-        scaling = head_dim ** -0.5
-    # a FoldcStaticCache's decode step (foldc/integrations/hf_static.py): the module is bound to its layer and
-    # the key is the new token, untagged (tracing carries no tag; eager, FoldcCache's keys are tagged)
-    slot = getattr(module, "foldc_static", None)
-    # taken once: a stale slot (a forward after the static cache's, with another cache) must not be read
-    static = slot.take(module.layer_idx) if slot is not None else None
-    if (static is not None and q_len == 1 and kv_len == 1 and static.is_initialized
-            and (torch.compiler.is_compiling() or layer is None)):
-        # eager, each forward's mask is read once, over the tokens held, as for FoldcCache (traced: nothing is read)
-        if not torch.compiler.is_compiling():
-            _check_decode_mask(attention_mask, static.length)
-        return static.attention(query, scaling), None
+            scaling = head_dim ** -0.5
+        # a FoldcStaticCache's decode step (foldc/integrations/hf_static.py): the module is bound to its layer and
+        # the key is the new token, untagged (tracing carries no tag; eager, FoldcCache's keys are tagged)
+        slot = getattr(module, "foldc_static", None)
+        # taken once: a stale slot (a forward after the static cache's, with another cache) must not be read
+        static = slot.take(module.layer_idx) if slot is not None else None
+        if owner is None:
+            owner = static
+        if (static is not None and q_len == 1 and kv_len == 1 and static.is_initialized
+                and (torch.compiler.is_compiling() or layer is None)):
+            # eager, each forward's mask is read once, over the tokens held, as for FoldcCache (traced: nothing is
+            # read)
+            if not torch.compiler.is_compiling():
+                _check_decode_mask(attention_mask, static.length)
+            return static.attention(query, scaling), None
 
-    if layer is not None and attention_mask is not None:
-        causal = _causal(q_len, kv_len, query.device)
-        allowed = _allowed(attention_mask[..., :kv_len])
-        if not torch.equal(allowed, causal.expand_as(allowed)):
-            raise InputError(_PADDING)
-    if heads != kv_heads:
-        key = key.repeat_interleave(heads // kv_heads, dim=1)
-        value = value.repeat_interleave(heads // kv_heads, dim=1)
-    mask, is_causal = None, False
-    if attention_mask is not None:
-        mask = attention_mask[..., :kv_len]
-    elif q_len == kv_len:
-        is_causal = q_len > 1
-    elif q_len > 1:
-        mask = _causal(q_len, kv_len, query.device)
-    work = key.dtype if key.dtype.itemsize > query.dtype.itemsize else query.dtype  # float32 K/V: float32 math
-    out = F.scaled_dot_product_attention(query.to(work), key.to(work), value.to(work), attn_mask=mask,
-                                         is_causal=is_causal, scale=scaling)
-    return out.to(query.dtype).transpose(1, 2).contiguous(), None
+        if layer is not None and attention_mask is not None:
+            causal = _causal(q_len, kv_len, query.device)
+            allowed = _allowed(attention_mask[..., :kv_len])
+            if not torch.equal(allowed, causal.expand_as(allowed)):
+                raise InputError(_PADDING)
+        if heads != kv_heads:
+            key = key.repeat_interleave(heads // kv_heads, dim=1)
+            value = value.repeat_interleave(heads // kv_heads, dim=1)
+        mask, is_causal = None, False
+        if attention_mask is not None:
+            mask = attention_mask[..., :kv_len]
+        elif q_len > 1 and _is_causal(module, kwargs):   # a bidirectional module (an encoder's) attends to all
+            if q_len == kv_len:
+                is_causal = True
+            else:
+                mask = _causal(q_len, kv_len, query.device)
+        work = key.dtype if key.dtype.itemsize > query.dtype.itemsize else query.dtype  # float32 K/V: float32 math
+        out = F.scaled_dot_product_attention(query.to(work), key.to(work), value.to(work), attn_mask=mask,
+                                             is_causal=is_causal, scale=scaling)
+        return out.to(query.dtype).transpose(1, 2).contiguous(), None
+    except Exception as err:   # (a try costs nothing on the way through)
+        if owner is not None:   # this layer and those before it cached this forward's tokens, those after it did not
+            owner.refusal[0] = _refusal_text(err)
+        raise
 
 
 def register() -> str:

@@ -139,6 +139,7 @@ class PagedFoldcCache(FoldcCache):
         shared = {"cache": None, "page_size": page_size, "num_layers": len(self.layers)}
         self.layers = [PagedFoldcLayer(shared, i, self.spec, max_cache_len, sink, window, target)
                        for i in range(len(self.layers))]
+        self._share_refusal()
         self.shared = shared
 
     @property

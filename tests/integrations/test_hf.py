@@ -495,11 +495,18 @@ def test_paged_cache_on_another_device_than_a_layers_states_names_both_and_the_f
         with pytest.raises(InputError, match=rf"layer 1's key and value states are {fix}"):
             paged.update(k.to("meta"), v.to("meta"), 1)   # a model split across devices
         assert not paged.layers[1].is_initialized
-        for new in (1, 5):   # a decode step and a prefill, the model moved since
+        # layer 0 holds the failed forward's tokens, layer 1 none (tests/integrations/test_hf_failed_forward.py)
+        with pytest.raises(InputError, match="no longer hold the same tokens"):
+            paged.update(k, v, 0)
+        paged.reset()
+        paged.update(k, v, 0)
+        paged.update(k, v, 1)
+        for new in (1, 5):   # a decode step and a prefill, the model moved since: refused before any change
             with pytest.raises(InputError, match=rf"layer 0's key and value states are {fix}"):
                 paged.update(k[:, :, :new].to("meta"), v[:, :, :new].to("meta"), 0)
-        paged.update(k, v, 1)
-    assert paged.paged_cache.num_tokens(0) == paged.paged_cache.num_tokens(1) == [5]
+        paged.update(k[:, :, :1], v[:, :, :1], 0)
+        paged.update(k[:, :, :1], v[:, :, :1], 1)
+    assert paged.paged_cache.num_tokens(0) == paged.paged_cache.num_tokens(1) == [6]
     got_k, got_v, _ = paged.paged_cache.dequantized(1)
     want_k, want_v, _ = paged.paged_cache.dequantized(0)
     assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
