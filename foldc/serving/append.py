@@ -445,9 +445,11 @@ def append_paged(pool: AffineTensor, x: torch.Tensor, kv_indptr: torch.Tensor, k
     kv_indptr : torch.Tensor, int32 ``[batch + 1]``
     kv_indices : torch.Tensor, int32 ``[kv_indptr[-1]]`` (or longer)
         FlashInfer page table (foldc/serving/paged.py), validated by `PagedDecodeWrapper.plan`. Here a table on
-        the CPU (or target "reference") whose kv_indptr runs past kv_indices is refused by name; on the GPU (a
-        check would sync) the kernel reads no entry past kv_indices' length and writes no token whose entry
-        lies there.
+        the CPU (or target "reference") whose kv_indptr runs past kv_indices, or through whose entries the append
+        would write one page twice (two sequences' entries naming it: a prefix shared on read), is refused by name;
+        on the GPU (a check would sync) the kernel reads no entry past kv_indices' length and writes no token whose
+        entry lies there, but a page written through two entries is not caught: the last write wins, silently (plan
+        such a table with `PagedDecodeWrapper.plan`, which refuses it, or give each writer a page of its own).
     start : torch.Tensor, int32 or int64 ``[batch]``
         Token position of x's first token in each sequence (device). Channel-wise encodings need a
         multiple of group_size (a group starts there). Not checked (a sync): tokens at negative

@@ -133,6 +133,7 @@ class PagedKVCache:
             self._plain_attn = compile_attention(AttentionSpec(spec.num_q_heads, spec.num_kv_heads, spec.head_dim),
                                                  self.target)
         self._layers: list[dict] = []
+        self._owned: list = []   # the last plan's page-table entries per sequence (host)
         self.batch = 0
         # a decode step's pair write shaped as the last bound one (`append`'s fast path): its key and launch, and
         # per layer the pools', offsets' and page table's addresses (made again at each plan)
@@ -160,6 +161,25 @@ class PagedKVCache:
                                  f"({p * self.page_size} tokens); give it at least {-(-m // self.page_size)} pages "
                                  "in kv_indices")
 
+    def _refuse_moved_sequences(self, owned: list, lens: list, body: list) -> None:
+        """Raise where a held sequence with sink or window tokens would be planned with other pages under the ones its
+        body fills (its first page, while its body fills none and both tables give it one): its plain tokens stay at
+        its batch position, so a sequence moved to another position (a batch compacted after one finished) read the
+        plain tokens of the sequence that was there, silently. ``owned``: the new table's entries per sequence."""
+        for b, (n, m) in enumerate(zip(lens, body)):
+            if n == m or b >= len(self._owned):   # no plain token to mismatch (n = 0 included), or a new position
+                continue
+            filled = -(-m // self.page_size) or min(1, len(self._owned[b]), len(owned[b]))
+            was, now = self._owned[b][:filled], owned[b][:filled]
+            if was != now:
+                raise InputError(f"seq_lens[{b}]={n}: sequence {b} began with pages {was} (the last plan's kv_indices; "
+                                 f"its body fills {-(-m // self.page_size)} with {m} quantized tokens) but this table "
+                                 f"gives it {now} there, and its {n - m} sink and window tokens are kept at its batch "
+                                 "position: a held sequence moved to another position (it would read another "
+                                 "sequence's plain tokens) or its first pages changed. Keep each held sequence at its "
+                                 "position with its first pages (add pages after them), or pass seq_lens 0 there to "
+                                 "start a sequence anew")
+
     def plan(self, kv_indptr: torch.Tensor, kv_indices: torch.Tensor, seq_lens) -> None:
         """Set the body's page table and every sequence's token count (host; may synchronise).
 
@@ -173,6 +193,13 @@ class PagedKVCache:
         seq_lens : list of int or torch.Tensor ``[batch]``
             Tokens each sequence holds now (0 for a new one). A sequence the cache already holds must
             be given its current count.
+
+        The cache knows a sequence by its batch position (its sink and window tokens are kept there): a held
+        sequence keeps its position and the pages its body fills (its first page, while the body fills none). A
+        table that moves one with sink or window tokens is refused where it held a page and is given one; a
+        sequence given no page in either table cannot be told from the one that was there by its length alone.
+        Compacting a batch (moving sequences into a finished one's place) is not supported: restart a moved
+        sequence with 0.
         """
         lens = _lengths(seq_lens)
         held_counts = [self._counts(st) for st in self._layers] or [[]]   # (none held yet: a new cache)
@@ -186,11 +213,16 @@ class PagedKVCache:
                                      "pass its current count, or 0 to start a new sequence there (then append() "
                                      "its tokens)")
         body = [self.body_len(n) for n in lens]
-        try:
-            self.table = self.wrapper.plan(kv_indptr, kv_indices, None, num_pages=self.num_pages, seq_lens=body)
+        try:   # (the wrapper's check, before anything changes: the table's entries are read below)
+            check_page_table(kv_indptr, kv_indices, None, self.num_pages, self.page_size, body)
         except InputError:
             self._refuse_short_pages(kv_indptr, kv_indices, lens, body)   # named by the lengths given, if that
             raise                                                          # is the reason (the wrapper's: the body's)
+        indptr, indices = kv_indptr.cpu().tolist(), kv_indices.cpu().tolist()
+        owned = [indices[indptr[b]:indptr[b + 1]] for b in range(len(lens))]
+        self._refuse_moved_sequences(owned, lens, body)
+        self.table = self.wrapper.plan(kv_indptr, kv_indices, None, num_pages=self.num_pages, seq_lens=body)
+        self._owned = owned
         if len(lens) != self.batch:  # new buffers (a captured graph must be captured again)
             old, kept = self._layers, min(self.batch, len(lens))
             self.batch = len(lens)
