@@ -95,10 +95,13 @@ class LaunchRecorder:
     ``bindable`` is False)."""
 
     def __init__(self, bindable: bool = True):
-        self.launches, self.bound, self.binds, self.bindable = [], [], 0, bindable
+        self.launches, self.bound, self.binds, self.bindable, self.keywords = [], [], 0, bindable, []
 
     def __getitem__(self, grid):
-        return lambda *args, **kwargs: self.launches.append((grid, args))
+        def launch(*args, **kwargs):
+            self.launches.append((grid, args))
+            self.keywords.append(kwargs)
+        return launch
 
     def bind(self, grid, args, kwargs, dynamic=()):
         self.binds += 1

@@ -42,6 +42,15 @@ DYNAMIC_BUILDS = {(2, 32, 8, 128, "sm_90", 64, 2, "token", "token", None, 0, Tru
                   (2, 32, 8, 128, "sm_90", 64, 2, "token", "token", None, 128, True):
                       (2, 32, 8, 128, "sm_90", 64, 2, "token", "token", None, 128)}
 
+# the builds that merge their splits themselves (an eager call's cooperative launch, split_merge.py): the build each
+# compares with
+MERGED_BUILDS = {(2, 32, 8, 128, "sm_90", 64, 2, "token", "token", None, 0, "merge"):
+                     (2, 32, 8, 128, "sm_90", 64, 2, "token", "token", None, 0),
+                 (2, 32, 8, 128, "sm_100", 32, 2, "token", "token", None, 0, "merge"):
+                     (2, 32, 8, 128, "sm_100", 32, 2, "token", "token", None, 0),
+                 (2, 32, 8, 128, "sm_90", 32, 2, "channel", "token", None, 0, "merge"):
+                     (2, 32, 8, 128, "sm_90", 32, 2, "channel", "token", None, 0)}
+
 SCRIPT = r"""
 import json, sys
 import foldc
@@ -51,10 +60,11 @@ out = []
 def enc(bits, layout, d):   # "token32": token-wise, groups of 32 channels; else one group of d
     name = layout.rstrip("0123456789")
     return foldc.Affine(bits, name, int(layout[len(name):] or d))
-for bits, h, kv, d, arch, bn, st, kl, vl, ph, page, *dynamic in jobs:
+for bits, h, kv, d, arch, bn, st, kl, vl, ph, page, *flags in jobs:   # flags: [True] dynamic tiles, ["merge"]
     spec = foldc.AttentionSpec(h, kv, d, enc(bits, kl, d), enc(bits, vl, d))
-    out.append(compile_gluon_aot(spec, arch, f"{root}/{bits}-{h}-{kv}-{arch}-{bn}-{st}-{kl}-{vl}-{ph}-{page}-{dynamic}",
-                                 block_n=bn, stages=st, pack_heads=ph, page_size=page, dynamic=bool(dynamic)))
+    out.append(compile_gluon_aot(spec, arch, f"{root}/{bits}-{h}-{kv}-{arch}-{bn}-{st}-{kl}-{vl}-{ph}-{page}-{flags}",
+                                 block_n=bn, stages=st, pack_heads=ph, page_size=page, dynamic=True in flags,
+                                 merge="merge" in flags))
 print(json.dumps(out))
 """
 
@@ -63,7 +73,7 @@ print(json.dumps(out))
 def reports(tmp_path_factory):
     root = tmp_path_factory.mktemp("gluon_aot")
     env = native_env(root / "triton")
-    jobs = BUILDS + GROUP_BUILDS + MIXED_GROUP_BUILDS + list(DYNAMIC_BUILDS)
+    jobs = BUILDS + GROUP_BUILDS + MIXED_GROUP_BUILDS + list(DYNAMIC_BUILDS) + list(MERGED_BUILDS)
     jobs += [b for b in DYNAMIC_BUILDS.values() if b not in BUILDS]
     done = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(jobs), str(root)], env=env,
                           capture_output=True, text=True, timeout=900)
@@ -207,6 +217,21 @@ def test_dynamic_tiles_draw_once_per_tile_and_keep_the_registers(build, reports)
     assert dyn["registers"] <= ref["registers"], (dyn["registers"], ref["registers"])
     assert loop["instructions_per_tile"] <= ref["inner_loop"]["instructions_per_tile"] + 12, (loop, ref["inner_loop"])
     assert loop["top_opcodes"]["HMMA"] == ref["inner_loop"]["top_opcodes"]["HMMA"]
+
+
+@pytest.mark.parametrize("build", list(MERGED_BUILDS), ids=lambda b: f"{b[4]}-K{b[7][0]}V{b[8][0]}-bn{b[5]}")
+def test_a_build_that_merges_its_splits_keeps_the_token_loop(build, reports):
+    """The merge after a split's end (a grid barrier, then each program's share of the merge) leaves the token loop
+    as it was: the same register units or fewer (the residency its cooperative launch needs), no spills in the loop, its
+    instructions within 2% of the plain build's (ptxas schedules it anew) and no atomic in it (the barrier's are after the loop)."""
+    merged, ref = reports[build], reports[MERGED_BUILDS[build]]
+    loop, ref_loop = merged["inner_loop"], ref["inner_loop"]
+    # registers are allocated in units of 8 a thread: the same units, the same programs per SM
+    assert -(-merged["registers"] // 8) <= -(-ref["registers"] // 8), (merged["registers"], ref["registers"])
+    assert loop["local_memory"] == 0 and loop["atomics"] == 0, loop
+    assert abs(loop["instructions_per_tile"] - ref_loop["instructions_per_tile"]) <= \
+        0.02 * ref_loop["instructions_per_tile"], (loop, ref_loop)
+    assert loop["top_opcodes"]["HMMA"] == ref_loop["top_opcodes"]["HMMA"]
 
 
 @pytest.mark.parametrize("build", GROUP_BUILDS, ids=lambda b: f"int{b[0]}-K{b[7]}-V{b[8]}-bn{b[5]}-H{b[9]}")

@@ -43,8 +43,8 @@ def case(monkeypatch):
     def whole(q, k, v, out, scale=0.1):   # what __call__'s whole path does after its checks
         attn.run(launch, q, k, v, out, lse, scale, workspace=ws)
         attn._eager.note(attn, launch, q, k, v, scale, out, ws, lse,
-                         lambda: binding_key(launch.options, q, k, v, None, out, scale, launch.per_split,
-                                              launch.splits))
+                         lambda merging: binding_key(launch.options, q, k, v, None, out, scale, launch.per_split,
+                                                     launch.splits, None, merging))
 
     whole(q, k, v, out)
     assert len(attn._eager) == 0   # launched once: noted by the bindings, not bound, no entry
@@ -135,7 +135,8 @@ def test_a_call_without_out_gets_a_new_contiguous_output_each_time(case):
     attn, (q, k, v, out, gen), decode, merge, ws, lse, whole = case
     launch = attn.plan_launch(q.dtype, 2, 256, torch.device("cpu"), k=k, v=v)   # the fixture's (memoised)
     attn._eager.note(attn, launch, q, k, v, 0.1, None, ws, lse,
-                     lambda: binding_key(launch.options, q, k, v, None, out, 0.1, launch.per_split, launch.splits))
+                     lambda merging: binding_key(launch.options, q, k, v, None, out, 0.1, launch.per_split,
+                                                 launch.splits, None, merging))
     outs = [attn._eager.run(attn, q, k, v, 0.1, None) for _ in range(3)]
     assert all(o.shape == q.shape and o.dtype == q.dtype and o.is_contiguous() for o in outs)
     assert len({o.data_ptr() for o in outs}) == 3

@@ -502,6 +502,43 @@ def test_eager_calls_of_one_shape_take_the_memo_of_bound_calls(bits, heads):
         assert rel_l2(with_lens, foldc.attention_reference(q, k, v, seq_lens=lens)) <= 5e-3
 
 
+@pytest.mark.parametrize("k, v, heads, head_dim", [("token:2:128", "token:2:128", "32/8", 128),
+                                                   ("token:4:32", "channel:4:64", "40/8", 128),
+                                                   ("token:8:32", "token:2:32", "8/8", 96),
+                                                   ("channel:2:16", "token:4:64", "64/4", 64)])
+def test_eager_calls_merge_their_splits_inside_the_decode(k, v, heads, head_dim):
+    """Eager calls whose grid fits a wave merge their splits inside the decode kernel (split_merge.py, one
+    cooperative launch): within the bar of float64 and within 1e-5 of the merge kernel's answer on the same
+    workspace, through the whole path, the bound launch and the memo of bound calls, at grids of several sizes on one
+    stream (one barrier buffer), each leaving the barrier's counts at zero; under CUDA-graph capture the merge
+    kernel runs instead."""
+    from foldc.spec import spec_from_args
+
+    spec = spec_from_args(k, v, heads, head_dim)
+    attn = foldc.compile(spec, "sm_90", kernel="gluon")
+    apart = foldc.compile(spec, "sm_90", kernel="gluon")
+    apart.merge_in_decode = False
+    gen = torch.Generator().manual_seed(head_dim)
+    merged = 0
+    for batch, tokens in ((1, 4096), (2, 1000), (1, 16384), (3, 333), (1, 4096)):
+        q, kc, vc, lens = random_inputs(spec, batch, tokens, torch.bfloat16, "cuda", gen)
+        launch = attn.plan_launch(q.dtype, batch, tokens, q.device, k=kc, v=vc)
+        merged += attn.merges_inside(launch.options, q, launch.splits, True)
+        ref = foldc.attention_reference(q, kc, vc)
+        two = apart(q, kc, vc)
+        for i in range(4):   # whole path, bound, memo
+            got = attn(q, kc, vc)
+            assert rel_l2(got, ref) <= 5e-3, (batch, tokens, i, rel_l2(got, ref))
+            assert (got.float() - two.float()).abs().max().item() <= 1e-5 * two.float().abs().max().item() + 1e-6
+        with_lens = attn(q, kc, vc, seq_lens=lens)
+        assert rel_l2(with_lens, foldc.attention_reference(q, kc, vc, seq_lens=lens)) <= 5e-3
+        torch.cuda.synchronize()
+        for barrier in attn._barriers.values():
+            assert barrier[0].item() == 0 and barrier[2:].abs().sum().item() == 0
+    assert merged >= 3, "the small grids merge inside the decode"
+    check_graph_replay(attn, spec, head_dim)
+
+
 def _large_zero_inputs(spec, batch, tokens, dtype, gen):
     """Values whose group zero is large against the values (a large negative outlier per token or
     channel over small values): one rounding of P x scale or q x scale cancels against the zero

@@ -118,10 +118,12 @@ LAYOUT_PAIRS = [("token", "token"), ("token", "channel"), ("channel", "token"), 
 
 
 @pytest.mark.parametrize("kl,vl", LAYOUT_PAIRS, ids=[f"K{k[0]}V{v[0]}" for k, v in LAYOUT_PAIRS])
-@pytest.mark.parametrize("has_lens,page", [(False, 0), (True, 0), (True, 16)])
-def test_mock_arguments_fill_every_kernel_parameter_with_the_real_dtypes(kl, vl, has_lens, page):
+@pytest.mark.parametrize("has_lens,page,merged", [(False, 0, False), (True, 0, False), (True, 16, False),
+                                                   (False, 0, True), (True, 0, True)])
+def test_mock_arguments_fill_every_kernel_parameter_with_the_real_dtypes(kl, vl, has_lens, page, merged):
     """The stand-in arguments that compile the kernel for its register count (GluonAttention.resident)
-    name every parameter once, with the dtypes and shapes a real call passes."""
+    name every parameter once, with the dtypes and shapes a real call passes (``merged``: the build that merges
+    its splits itself, its output, log-sum-exp and barrier counters in the page table's and counters' places)."""
     import torch
     from triton.runtime.jit import MockTensor
 
@@ -130,14 +132,18 @@ def test_mock_arguments_fill_every_kernel_parameter_with_the_real_dtypes(kl, vl,
     spec = foldc.AttentionSpec(32, 8, 128, foldc.Affine(2, kl, 128), foldc.Affine(2, vl, 128, torch.bfloat16))
     attn = GluonAttention(spec)
     launch = dict(attn._defaults, constexprs=constexprs(attn.config, 32, 2, attn.heads))
-    args, kwargs = attn.mock_arguments(launch, torch.float16, has_lens, page)
-    names = foldc_decode_gluon.arg_names
+    args, kwargs = attn.mock_arguments(launch, torch.float16, has_lens, page, merged)
+    names = [n for n in foldc_decode_gluon.arg_names if merged or n != "MERGE"]   # (False by default)
     assert len(args) + len([k for k in kwargs if k in names]) == len(names)
     bound = dict(zip(names, args))
     assert bound["Q"].dtype == torch.float16 and bound["KC"].dtype == torch.int32
     assert bound["KS"].dtype == torch.float16 and bound["VS"].dtype == bound["VZ"].dtype == torch.bfloat16
     assert isinstance(bound["SEQ_LENS"], MockTensor) and (bound["SEQ_LENS"].dtype == torch.int32) == has_lens
     assert kwargs["HAS_LENS"] is has_lens and kwargs["PAGE"] == page
+    assert kwargs.get("MERGE", False) is merged and kwargs.get("launch_cooperative_grid", False) is merged
+    if merged:
+        assert (bound["KV_INDPTR"].dtype, bound["KV_INDICES"].dtype, bound["COUNTERS"].dtype) == (
+            torch.float16, torch.float32, torch.int64)
     assert bound["stride_qh"] == 128 and bound["stride_kh"] == (page or 4096) * 8   # INT2: 8 words a token
     assert all(isinstance(bound[n], int) for n in names if n.startswith("stride_"))
     # token-wise scales run along tokens with stride 1, as a real cache's do

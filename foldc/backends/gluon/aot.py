@@ -28,6 +28,7 @@ POINTERS = {"Q": "*bf16", "KC": "*i32", "KS": "*fp16", "KZ": "*fp16", "VC": "*i3
             "SEQ_LENS": "*i32", "WS_M": "*fp32", "WS_L": "*fp32", "WS_ACC": "*fp32", "KV_INDPTR": "*i32",
             "KV_INDICES": "*i32", "COUNTERS": "*i32"}
 SCALE_POINTERS = ("KS", "KZ", "VS", "VZ")
+MERGED_POINTERS = {"KV_INDICES": "*fp32", "COUNTERS": "*i64"}   # a merging build's log-sum-exp and barrier
 SCALE_TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 # runtime ints the JIT sees as multiples of 16 for caches whose token count is a multiple of 16 (not
 # cache_tokens: the kernel does not specialise on it)
@@ -46,13 +47,15 @@ def registers(cubin: Path) -> int | None:
 
 def compile_gluon_aot(spec, arch: str, out_dir: str | Path, dtype: str = "bf16", block_n: int | None = None,
                       stages: int | None = None, maxnreg: int | None = None, pack_heads: int | None = None,
-                      page_size: int = 0, scale_ahead: bool | None = None, dynamic: bool = False) -> dict:
+                      page_size: int = 0, scale_ahead: bool | None = None, dynamic: bool = False,
+                      merge: bool = False) -> dict:
     """Build the register-operand kernel of ``spec`` for ``arch`` into ``out_dir``; return a report.
     ``block_n``, ``stages`` and ``pack_heads`` (KV heads per program) default to what the launcher
     picks for ``spec`` (`GluonAttention`'s defaults, no tuning cache); ``maxnreg``: a register cap
     (None: none, as the launcher's default); ``page_size``:
     tokens per page for the paged build (0: contiguous cache); ``scale_ahead``: as `GluonAttention`'s
-    option; ``dynamic``: tiles drawn from a counter (its ``dynamic_tiles``)."""
+    option; ``dynamic``: tiles drawn from a counter (its ``dynamic_tiles``); ``merge``: the build that merges its
+    splits itself (an eager call's cooperative launch, split_merge.py; contiguous caches)."""
     if arch not in ("sm_90", "sm_100"):
         raise SpecError(f"arch={arch!r}: the register-operand kernel builds for sm_90 and sm_100")
     check_launch_options(arch, "gluon", block_n=block_n, stages=stages)
@@ -73,15 +76,20 @@ def compile_gluon_aot(spec, arch: str, out_dir: str | Path, dtype: str = "bf16",
     cfg = lower(gluon_plan(spec, dtype))   # the operand precision (eq. 6a) depends on the query dtype
     heads = default_pack_heads(cfg, spec.num_kv_heads) if pack_heads is None else pack_heads
     check_out_dir(out_dir)
-    consts = dict(constexprs(cfg, block_n, stages, heads, scale_ahead, dynamic), HAS_LENS=True, PAGE=page_size)
+    if merge and (page_size or dynamic):
+        raise SpecError("merge=True builds the contiguous cache's kernel: no page_size, no dynamic tiles")
+    consts = dict(constexprs(cfg, block_n, stages, heads, scale_ahead, dynamic), HAS_LENS=True, PAGE=page_size,
+                  MERGE=merge)
     signature, attrs = {}, {}
     for i, name in enumerate(foldc_decode_gluon.arg_names):
         if name in consts:
             signature[name] = "constexpr"
         elif name in POINTERS:
             signature[name] = POINTERS[name]
-            if name == "Q":
+            if name == "Q" or (merge and name == "KV_INDPTR"):   # (merged: the output, in the queries' dtype)
                 signature[name] = "*bf16" if dtype == "bf16" else "*fp16"
+            elif merge and name in MERGED_POINTERS:
+                signature[name] = MERGED_POINTERS[name]
             elif name in SCALE_POINTERS:   # the encoding's scale dtype (a plain side: the query stands in)
                 enc = spec.k if name.startswith("K") else spec.v
                 signature[name] = "*" + (SCALE_TYPES[enc.scale_dtype] if enc is not None else dtype)

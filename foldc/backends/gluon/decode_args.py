@@ -17,30 +17,37 @@ TOKENS_ARG = 28   # the position of ``cache_tokens`` in the decode kernel's argu
 
 
 def decode_arguments(launch: dict, q, k, v, lens, ws, sm_scale: float, per_split: int, cache_tokens: int,
-                     paged: tuple | None, counters=None) -> tuple[tuple, dict]:
+                     paged: tuple | None, counters=None, merged: tuple | None = None) -> tuple[tuple, dict]:
     """The decode kernel's arguments (positional, keyword) for one call (see `GluonAttention.launch`); ``counters``:
-    int32 zeros, one per (batch, head group), for dynamic tiles."""
+    int32 zeros, one per (batch, head group), for dynamic tiles; ``merged``: (out, lse, barrier) of a contiguous
+    launch that merges its splits itself (split_merge.py), which take the page table's and counters' places."""
     (kc, ks, kz), (vc, vs, vz) = _parts(k, q), _parts(v, q)
     indptr, indices, page = paged if paged is not None else (q, q, 0)
+    if merged is not None:
+        indptr, indices, counters = merged
     qs, kcs, vcs = q.stride(), kc.stride(), vc.stride()
     args = (q, kc, ks, kz, vc, vs, vz, q if lens is None else lens, *ws, indptr, indices,
             q if counters is None else counters,
             qs[0], qs[1], kcs[0], kcs[1], *_scale_strides(ks, kc), vcs[0], vcs[1], *_scale_strides(vs, vc),
             sm_scale * 1.4426950408889634, per_split, cache_tokens)
     # the keyword arguments depend on the launch's options alone: built once per (lengths, page)
-    key = ("kwargs", lens is not None, page)
+    key = ("kwargs", lens is not None, page, merged is not None)
     kwargs = launch.get(key)
     if kwargs is None:
         extra = {"maxnreg": launch["maxnreg"]} if launch["maxnreg"] else {}
+        if merged is not None:   # every program resident at once: its barrier cannot deadlock (MERGE is left out
+            # otherwise: a benchmark's copy of an older kernel has no such parameter)
+            extra.update(MERGE=True, launch_cooperative_grid=True)
         kwargs = launch[key] = dict(HAS_LENS=lens is not None, PAGE=page, **launch["constexprs"], num_warps=1,
                                     **extra)
     return args, kwargs
 
 
 def mock_decode_arguments(spec, cfg, launch: dict, q_dtype: torch.dtype, has_lens: bool,
-                          page: int) -> tuple[tuple, dict]:
+                          page: int, merged: bool = False) -> tuple[tuple, dict]:
     """The decode kernel's arguments for one sequence of ``spec`` (lowered to ``cfg``) with no memory behind them
-    (triton's MockTensor: dtypes, shapes, strides): enough to compile the variant a call would run."""
+    (triton's MockTensor: dtypes, shapes, strides): enough to compile the variant a call would run (``merged``: the
+    build that merges its splits itself)."""
     d, h = cfg.head_dim, spec.num_kv_heads
     q = _mock(q_dtype, [1, spec.num_q_heads, d])
     k, v = (_MockAffine(enc, h, d, w, page or 4096) if enc is not None else _MockPlain(h, w, page or 4096)
@@ -48,27 +55,32 @@ def mock_decode_arguments(spec, cfg, launch: dict, q_dtype: torch.dtype, has_len
     int32 = _mock(torch.int32, [1])
     ws = (_mock(torch.float32, [1]),) * 3
     paged = (int32, int32, page) if page else None
+    out = (q, _mock(torch.float32, [1]), _mock(torch.int64, [1])) if merged else None
     return decode_arguments(launch, q, k, v, int32 if has_lens else None, ws, 1.0, 2 * launch["block_n"],
-                            4096, paged, int32 if draws_tiles(launch) else None)
+                            4096, paged, int32 if draws_tiles(launch) else None, out)
 
 
 def binding_key(options: dict, q, k, v, lens, out, sm_scale: float, per_split: int, splits: int,
-                paged: tuple | None = None) -> tuple:
+                paged: tuple | None = None, merged: bool = False) -> tuple:
     """What a decode launch's bound kernels fix besides its options: shapes, strides, dtypes, integers (and a page
-    table's page size and dtypes: one options dict serves contiguous and paged launches of a shape)."""
+    table's page size and dtypes: one options dict serves contiguous and paged launches of a shape; ``merged``:
+    the launch that merges its splits itself, one bound kernel instead of two)."""
     return (id(options), q.shape[0], q.stride(), side_key(k), side_key(v), out.stride(), out.dtype,
             None if lens is None else lens.dtype, sm_scale, per_split, splits,
-            None if paged is None else (paged[2], paged[0].dtype, paged[1].dtype))
+            None if paged is None else (paged[2], paged[0].dtype, paged[1].dtype), merged)
 
 
-def decode_addresses(q, k, v, lens, ws, paged: tuple | None = None) -> tuple:
+def decode_addresses(q, k, v, lens, ws, paged: tuple | None = None, merged: tuple | None = None) -> tuple:
     """The decode kernel's 14 tensor arguments as addresses, in `decode_arguments`' order, for a launch without
-    dynamic tiles (the counters are the query, unread; so is the page table of a contiguous cache)."""
+    dynamic tiles (the counters are the query, unread; so is the page table of a contiguous cache, unless
+    ``merged`` = (out, lse, barrier) take those places)."""
     qa = q.data_ptr()
     ka = (k.data_ptr(), qa, qa) if isinstance(k, torch.Tensor) else (
         k.codes.data_ptr(), k.scale.data_ptr(), k.zero.data_ptr())
     va = (v.data_ptr(), qa, qa) if isinstance(v, torch.Tensor) else (
         v.codes.data_ptr(), v.scale.data_ptr(), v.zero.data_ptr())
+    if merged is not None:
+        return (qa, *ka, *va, qa if lens is None else lens.data_ptr(), *map(_DATA_PTR, ws), *map(_DATA_PTR, merged))
     table = (qa, qa) if paged is None else (paged[0].data_ptr(), paged[1].data_ptr())
     return (qa, *ka, *va, qa if lens is None else lens.data_ptr(), *map(_DATA_PTR, ws), *table, qa)
 

@@ -76,6 +76,11 @@ class EagerCalls:
         if out is None:   # contiguous as the whole path's (torch.empty_like of a contiguous q: half the host time)
             out = torch.empty_like(q) if q.is_contiguous() else torch.empty(q.shape, device=q.device, dtype=q.dtype)
         qa = q.data_ptr()
+        if merge is None:   # the decode merges its splits itself (split_merge.py): one launch
+            if not decode((qa, kc.data_ptr(), ks.data_ptr(), kz.data_ptr(), vc.data_ptr(), vs.data_ptr(),
+                           vz.data_ptr(), qa, *fixed[0], out.data_ptr(), fixed[1], fixed[2]), tokens):
+                return None
+            return out
         launched = decode.then((qa, kc.data_ptr(), ks.data_ptr(), kz.data_ptr(), vc.data_ptr(), vs.data_ptr(),
                                 vz.data_ptr(), qa, *fixed[0], qa, qa, qa), tokens, merge,
                                (*fixed[0], out.data_ptr(), fixed[1]))
@@ -87,20 +92,25 @@ class EagerCalls:
 
     def note(self, attn, launch, q, k, v, sm_scale, out, workspace, lse, binding_key) -> None:
         """After the whole path ran ``launch`` for a call (``sm_scale`` and ``out`` as the caller gave them): hold
-        its entry once its launches are bound (``binding_key()``: their key in ``attn._bindings``)."""
+        its entry once its launches are bound (``binding_key(merging)``: their key in ``attn._bindings``, of a
+        launch that merges its splits itself or not)."""
         key = _key(q, k, v, sm_scale, out)
         if key is None or key in self._held or launch.kernel != "gluon" or launch.page or launch.has_lens:
             return
         if k.encoding is not attn.spec.k or v.encoding is not attn.spec.v:
             return
-        state = attn._bindings.get(binding_key(), launch.options)
-        if type(state) is not tuple or len(state) != 2:
+        merging = attn.merges_inside(launch.options, q, launch.splits, out is None or out.is_contiguous())
+        state = attn._bindings.get(binding_key(merging), launch.options)
+        if type(state) is not tuple or len(state) != (1 if merging else 2):
             return
         if len(self._held) >= MOST:
             self._held.clear()
         rows = attn.config.q_per_kv * launch.options["heads"]
         fixed = (tuple(map(_DATA_PTR, workspace)), lse.data_ptr())
-        self._held[key] = (state[0], state[1], (launch.cache_tokens,), fixed, workspace, lse, rows, attn._modules)
+        if merging:   # the stream's barrier too (held by the launcher for as long as this entry)
+            fixed += (attn.barrier(q, q.shape[0] * attn.head_programs(launch.options)).data_ptr(),)
+        self._held[key] = (state[0], state[1] if not merging else None, (launch.cache_tokens,), fixed, workspace, lse,
+                           rows, attn._modules)
 
     def clear(self) -> None:
         self._held.clear()

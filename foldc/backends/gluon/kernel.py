@@ -16,7 +16,8 @@ key side's 2^24 rides on the logits' scale, the value side's is undone per outpu
 words travel global -> shared memory by cp.async, STAGES tiles ahead; token-wise scales and zeros
 are loaded at each tile's start (SCALE_AHEAD=False; with PREFETCH the next tile's go to L2 first)
 or one tile ahead in registers (SCALE_AHEAD=True). Each split writes (max, denominator,
-accumulator) for the merge kernel (eq. 14), the same workspace the Triton backend uses. The channel and row maps of
+accumulator) for the merge kernel (eq. 14), the same workspace the Triton backend uses; with MERGE (an eager call's
+cooperative launch, split_merge.py) the programs then merge it themselves. The channel and row maps of
 the operands are in operands.py; a tile's key side in tile_scores.py and its softmax and value side in
 tile_values.py; the unpack and the group parameters in tile_operands.py; a tile's group loads in
 tile_groups.py; dequant plans' per-value rebuild in tile_dequant.py; copies, scale loads, cache
@@ -41,6 +42,7 @@ from foldc.backends.gluon.tile_groups import (key_query16, key_tile_params, key_
                                               piece_queries, value_tile_params)
 from foldc.backends.gluon.tile_operands import (NARROW, group_sums, split_groups, value_row_channel, value_tile_words,
                                                 zeros_groups)
+from foldc.backends.gluon.split_merge import merge_splits
 from foldc.backends.gluon.tile_scores import tile_scores
 from foldc.backends.gluon.tile_values import consume_values
 
@@ -126,7 +128,7 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
                        PREFETCH: gl.constexpr, DYNAMIC: gl.constexpr, CHUNK: gl.constexpr, KEY_NG: gl.constexpr,
                        VAL_NG: gl.constexpr, RB: gl.constexpr, KDQ: gl.constexpr = False,
                        VDQ: gl.constexpr = False, KMG: gl.constexpr = False, VMG: gl.constexpr = False,
-                       QH: gl.constexpr = 0):
+                       QH: gl.constexpr = 0, MERGE: gl.constexpr = False):
     # each side's bytes per token per bit field (NB), 32-bit words per token (W), fields per byte (F)
     # (a plain side: KBITS or VBITS 16, fields 0, its words bf16 pairs)
     KNB: gl.constexpr = D * KBITS // 8
@@ -451,3 +453,7 @@ def foldc_decode_gluon(Q, KC, KS, KZ, VC, VS, VZ, SEQ_LENS, WS_M, WS_L, WS_ACC, 
     gl.store(WS_ACC + (base + rr)[None, :] * DR + chan_o[:, None], res, mask=out_ok)
     gl.store(WS_M + base + rr, m_i)
     gl.store(WS_L + base + rr, l_i)
+    if MERGE:   # the call's splits merged here, by every program after all have written (split_merge.py): a
+        # contiguous launch leaves the page-table and tile-counter arguments unread, which then take the output,
+        # its log-sum-exp and the barrier's counters
+        merge_splits(KV_INDPTR, KV_INDICES, COUNTERS, WS_M, WS_L, WS_ACC, b, s, ROWS, DR, Q_PER_KV * H)

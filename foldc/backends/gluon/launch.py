@@ -28,6 +28,7 @@ from .eager import EagerCalls
 from .launch_defaults import (MIN_SPLIT_TOKENS, constexprs, default_block_n, default_pack_heads, packable_heads,
                               resident_programs, row_blocks_at_64, wave_splits)
 from .lower import HALF_TILE_GROUP, NotLowerable, gluon_plan, lower
+from .launch_defaults import BARRIER_FIXED, MERGE_MOST_PROGRAMS
 from .prepared import PreparedRun
 from .warpgroup_launch import WarpgroupLaunch, warpgroup_applies
 
@@ -115,6 +116,10 @@ class GluonAttention:
         # the merge as a programmatic dependent launch of the decode kernel: its launch overlaps the
         # decode's last programs (0.2-0.4 µs of a batch-1 call on the H200, docs/perf.md)
         self.pdl = True
+        # eager calls that fit one wave merge their splits inside the decode kernel (one launch: split_merge.py);
+        # False: every call launches the merge kernel after it
+        self.merge_in_decode = True
+        self._barriers: dict = {}     # the merging launches' barrier counters, per (device, stream)
         # 32 query rows per KV head at token-wise INT2: the four-warp wgmma template for calls on a contiguous
         # cache with the launcher's defaults (warpgroup_launch.py); None: the one-warp program only
         self.warpgroup = WarpgroupLaunch(spec) if (
@@ -200,6 +205,7 @@ class GluonAttention:
         other._eager = EagerCalls()
         other._scratch = Scratch()
         other.warpgroup = None   # the variant is the one-warp program's
+        other.merge_in_decode = self.merge_in_decode and "MERGE" in getattr(decode, "arg_names", ())
         return other
 
     def _launchers(self):
@@ -255,8 +261,8 @@ class GluonAttention:
         self.run(launch, q, k, v, out, lse, call.sm_scale, seq_lens=lens, workspace=workspace)
         if not has_lens and not return_lse and not capturing(q):   # bound by now? then later calls find it
             self._eager.note(self, launch, q, k, v, sm_scale, given, workspace, lse,
-                             lambda: binding_key(launch.options, q, k, v, None, out, call.sm_scale, launch.per_split,
-                                                 launch.splits))
+                             lambda merging: binding_key(launch.options, q, k, v, None, out, call.sm_scale,
+                                                         launch.per_split, launch.splits, None, merging))
         result = (out, lse) if return_lse else out
         if q.requires_grad or (isinstance(k, torch.Tensor) and k.requires_grad) or (
                 isinstance(v, torch.Tensor) and v.requires_grad):   # no backward: one through it raises by name
@@ -333,19 +339,21 @@ class GluonAttention:
             return max(1, min(splits, chunks)), per_split
         return used, per_split
 
-    def resident(self, launch: dict, q_dtype: torch.dtype, has_lens: bool, page: int, device) -> int:
+    def resident(self, launch: dict, q_dtype: torch.dtype, has_lens: bool, page: int, device,
+                 merged: bool = False) -> int:
         """Programs of this launch's kernel one SM holds at once (`resident_programs`), from its
         compiled register and shared-memory use; compiled once per variant (no launch). fp16 and bf16
         queries share the bf16 build's figures (the query dtype changes a load's conversion and a plain
         side's view, not the registers: equal counts in the AOT builds), so a wrapper that plans both
         dtypes compiles one variant."""
-        key = ("resident", has_lens, page)
+        key = ("resident", has_lens, page) + ((True,) if merged else ())
         if key not in launch:
             # one compile per kernel variant, shared by every shape bucket that runs it (a growing
             # cache makes a new bucket at each decode step)
-            variant = (tuple(sorted(launch["constexprs"].items())), launch["maxnreg"], has_lens, page, str(device))
+            variant = (tuple(sorted(launch["constexprs"].items())), launch["maxnreg"], has_lens, page, str(device),
+                       merged)
             if variant not in self._variants:
-                args, kwargs = self.mock_arguments(launch, torch.bfloat16, has_lens, page)
+                args, kwargs = self.mock_arguments(launch, torch.bfloat16, has_lens, page, merged)
                 with torch.cuda.device(device):
                     compiled = self._kernels()[0].warmup(*args, grid=(1, 1, 1), **kwargs)
                     compiled._init_handles()
@@ -356,10 +364,11 @@ class GluonAttention:
             launch[key], launch[("registers",) + key[1:]] = self._variants[variant]
         return launch[key]
 
-    def mock_arguments(self, launch: dict, q_dtype: torch.dtype, has_lens: bool, page: int) -> tuple[tuple, dict]:
+    def mock_arguments(self, launch: dict, q_dtype: torch.dtype, has_lens: bool, page: int,
+                       merged: bool = False) -> tuple[tuple, dict]:
         """The decode kernel's arguments for one sequence with no memory behind them (`mock_decode_arguments`):
         enough to compile the variant a call would run."""
-        return mock_decode_arguments(self.spec, self.config, launch, q_dtype, has_lens, page)
+        return mock_decode_arguments(self.spec, self.config, launch, q_dtype, has_lens, page, merged)
 
     def head_programs(self, launch: dict) -> int:
         """Programs per sequence and split (the grid's second axis): one per group of ``launch["heads"]``
@@ -372,21 +381,51 @@ class GluonAttention:
         return allocate_workspace(Launch("gluon", torch.bfloat16, batch, self.head_programs(launch), splits, 0,
                                          launch["block_n"], 0, self.config.rows, self.config.head_dim), device)
 
+    def merges_inside(self, launch: dict, q, splits: int, contiguous_out: bool, paged: tuple | None = None,
+                      has_lens: bool = False) -> bool:
+        """Whether a call merges its splits inside the decode kernel (split_merge.py, one cooperative launch)
+        rather than in the merge kernel: eager calls (not under CUDA-graph capture, where the merge kernel's
+        programmatic dependent launch costs no host time) on a contiguous cache, without dynamic tiles, row blocks
+        or ragged rows, into a contiguous output, whose grid fits one wave of the merging build's resident programs
+        and holds at most `MERGE_MOST_PROGRAMS` (past that its barrier costs more GPU time than a launch saves)."""
+        if (not self.merge_in_decode or paged is not None or draws_tiles(launch) or q.device.type != "cuda"
+                or self.config.row_blocks != 1 or self.config.head_rows or self.config.head_dim % 8
+                or not contiguous_out or capturing(q)):
+            return False
+        programs = q.shape[0] * self.head_programs(launch) * splits
+        if programs > MERGE_MOST_PROGRAMS:
+            return False
+        resident = self.resident(launch, torch.bfloat16, has_lens, 0, q.device, merged=True)
+        return programs <= resident * num_sms(q.device)
+
+    def barrier(self, q, groups: int) -> torch.Tensor:
+        """The merging launches' int64 barrier counters on q's device and current stream (split_merge.py): zeros,
+        which every call leaves as it found them, at least ``2 + groups`` of them."""
+        key = (q.device, torch.cuda.current_stream(q.device).cuda_stream)
+        held = self._barriers.get(key)
+        if held is None or held.numel() < BARRIER_FIXED + groups:
+            held = self._barriers[key] = torch.zeros(BARRIER_FIXED + max(groups, 64), device=q.device,
+                                                     dtype=torch.int64)
+        return held
+
     def launch(self, launch: dict, q, k, v, lens, ws, out, lse, sm_scale: float, per_split: int, splits: int,
                cache_tokens: int, paged: tuple | None = None) -> None:
         """Launch the decode and merge kernels, no checks (callers validate). ``lens``: int32 device
         lengths or None (every sequence holds ``cache_tokens``); ``paged``: (kv_indptr, kv_indices,
-        page_size) when k and v are page pools (foldc/serving/paged.py)."""
+        page_size) when k and v are page pools (foldc/serving/paged.py). Where `merges_inside` says so, the decode
+        kernel merges its splits itself: one launch."""
         decode, merge = self._launchers()
         now_capturing = capturing(q)
         bindable = not now_capturing and not draws_tiles(launch)
+        merging = self.merges_inside(launch, q, splits, out.is_contiguous(), paged, lens is not None)
+        merged = (out, lse, self.barrier(q, q.shape[0] * self.head_programs(launch))) if merging else None
         if bindable:   # later calls with one launch's integers, strides and dtypes: its bound kernels (the
             # token count given per call: the kernel does not specialise on it; a page table's addresses too)
-            key = binding_key(launch, q, k, v, lens, out, sm_scale, per_split, splits, paged)
+            key = binding_key(launch, q, k, v, lens, out, sm_scale, per_split, splits, paged, merging)
             state = self._bindings.get(key, launch)
-            if type(state) is tuple and run_bound(state, decode_addresses(q, k, v, lens, ws, paged), merge, ws, out,
-                                                  lse, self.config.q_per_kv * launch["heads"], (cache_tokens,),
-                                                  self.config.head_rows):
+            if type(state) is tuple and run_bound(state, decode_addresses(q, k, v, lens, ws, paged, merged), merge,
+                                                  ws, out, lse, self.config.q_per_kv * launch["heads"],
+                                                  (cache_tokens,), self.config.head_rows):
                 return
         check_offsets("register-operand decode kernel", decode_offsets(q, k, v, ws, paged), DECODE_FIX)
         counters = None
@@ -394,9 +433,14 @@ class GluonAttention:
             counters = torch.zeros(q.shape[0] * self.head_programs(launch), device=q.device,
                                    dtype=torch.int32)
         args, kwargs = self.decode_arguments(launch, q, k, v, lens, ws, sm_scale, per_split, cache_tokens, paged,
-                                             counters)
+                                             counters, merged)
         grid = (q.shape[0], self.head_programs(launch), splits)
         decode[grid](*args, **kwargs)
+        if merging:
+            if bindable:
+                self._bindings.note(key, launch, state,
+                                    lambda: (decode.bind(grid, args, kwargs, dynamic=(TOKENS_ARG,)),))
+            return
         # PDL under CUDA-graph capture only: launched eagerly, the programmatic dependent merge cost
         # ~44 µs of GPU time per call at INT2 1 x 16K (H200, ninth session: `git show 6178656:docs/perf.md`)
         merge_grid, merge_args, merge_kwargs = merge_arguments(*ws, out, lse, self.config.q_per_kv * launch["heads"],

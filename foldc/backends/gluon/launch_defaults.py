@@ -192,3 +192,9 @@ def wave_splits(groups: int, tokens: int, block_n: int, sms: int, resident: int,
     if min_tokens and splits > half:
         splits = max(1, min(splits, max(half, tokens // min_tokens)))
     return splits
+
+
+# An eager call's decode kernel merges its own splits (split_merge.py) where its grid holds at most this many
+# programs: the barrier's GPU time grows with them (H100, `benchmarks/grid_merge.py`, docs/perf.md)
+MERGE_MOST_PROGRAMS = 1024
+BARRIER_FIXED = 2   # the merging barrier's counters before the groups' (split_merge.py): arrivals and the generation

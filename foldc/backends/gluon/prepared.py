@@ -40,7 +40,9 @@ class PreparedRun:
                      None if seq_lens is None else seq_lens.data_ptr(),
                      None if paged is None else (paged[0].data_ptr(), paged[1].data_ptr()))
         self._fixed = fixed
-        self._bound = None   # (q's batch, strides and dtype, out's strides and dtype, the two Bound launches)
+        # (q's batch, strides and dtype, out's strides and dtype, the two Bound launches: the second None where the
+        # decode merges its splits itself, then with its barrier's address)
+        self._bound = None
 
     def __call__(self, q, out, tokens: int | None = None) -> None:
         bound, fixed = self._bound, self._fixed
@@ -50,21 +52,30 @@ class PreparedRun:
             lens = qa if fixed[3] is None else fixed[3]
             table = (qa, qa) if fixed[4] is None else fixed[4]
             count = self.launch.cache_tokens if tokens is None else tokens
-            launched = bound[5].then((qa, *fixed[0], lens, *fixed[1], *table, qa), (count,), bound[6],
-                                     (*fixed[1], out.data_ptr(), fixed[2]))
-            if launched:
-                if launched == 1:   # the merge's bound launch declined
-                    launch_merge(self.attn._launchers()[1], *self.workspace, out, self.lse,
-                                 self.attn.config.q_per_kv * self.launch.options["heads"],
-                                 head_rows=self.attn.config.head_rows)
-                return
+            if bound[6] is None:   # the decode merges its splits itself (split_merge.py): one launch
+                if bound[5]((qa, *fixed[0], lens, *fixed[1], out.data_ptr(), fixed[2], bound[7]), (count,)):
+                    return
+            else:
+                launched = bound[5].then((qa, *fixed[0], lens, *fixed[1], *table, qa), (count,), bound[6],
+                                         (*fixed[1], out.data_ptr(), fixed[2]))
+                if launched:
+                    if launched == 1:   # the merge's bound launch declined
+                        launch_merge(self.attn._launchers()[1], *self.workspace, out, self.lse,
+                                     self.attn.config.q_per_kv * self.launch.options["heads"],
+                                     head_rows=self.attn.config.head_rows)
+                    return
         launch = self.launch
         self.attn.run(launch, q, self.k, self.v, out, self.lse, self.sm_scale, workspace=self.workspace, tokens=tokens,
                       seq_lens=self.seq_lens, paged=self.paged)
         if bound is None and fixed is not None and not capturing(q):   # bound by now (from the second run)?
             paged = None if self.paged is None else (*self.paged, launch.page)
+            merging = self.attn.merges_inside(launch.options, q, launch.splits, out.is_contiguous(), self.paged,
+                                              self.seq_lens is not None)
             key = binding_key(launch.options, q, self.k, self.v, self.seq_lens, out, self.sm_scale, launch.per_split,
-                              launch.splits, paged)
+                              launch.splits, paged, merging)
             state = self.attn._bindings.get(key, launch.options)
-            if type(state) is tuple and state:
-                self._bound = (q.shape[0], q.stride(), q.dtype, out.stride(), out.dtype, state[0], state[1])
+            if type(state) is tuple and len(state) == (1 if merging else 2):
+                barrier = self.attn.barrier(q, q.shape[0] * self.attn.head_programs(launch.options)).data_ptr() \
+                    if merging else None
+                self._bound = (q.shape[0], q.stride(), q.dtype, out.stride(), out.dtype, state[0],
+                               None if merging else state[1], barrier)

@@ -96,9 +96,12 @@ def run_bound(state, decode_addresses: tuple, merge_kernel, ws, out, lse, q_per_
     """A call's bound decode and merge launches (a `fast_launch.Bindings` state) with its addresses (and the
     decode's integers given per call, ``values``): True where the decode went bound (the merge bound too, or
     through ``merge_kernel`` where its bound launch declines), False where the call takes the ordinary path
-    (nothing bound yet, or the decode's bound launch declines)."""
+    (nothing bound yet, or the decode's bound launch declines). A state of one launch is a decode that merges its
+    splits itself (foldc/backends/gluon/split_merge.py)."""
     if type(state) is not tuple or not state or not state[0](decode_addresses, values):
         return False
+    if len(state) == 1:
+        return True
     if not state[1]((*(t.data_ptr() for t in ws), out.data_ptr(), lse.data_ptr())):
         launch_merge(merge_kernel, *ws, out, lse, q_per_kv, head_rows=head_rows)
     return True

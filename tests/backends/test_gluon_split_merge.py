@@ -1,0 +1,164 @@
+"""The decode kernel that merges its own splits (foldc/backends/gluon/split_merge.py), launched by `GluonAttention`
+for eager calls, on stand-in kernels on the CPU: which calls take it (`merges_inside`), that such a call launches
+the decode alone, as a cooperative launch whose page-table and counter arguments are its output, log-sum-exp and
+barrier, and that its bound launch, the memo of bound calls and a prepared run hand it those addresses. The kernel
+itself against float64 on a GPU: tests/backends/test_gluon_gpu.py; ahead of time: tests/backends/test_gluon_aot.py."""
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+from _kernel_cases import LaunchRecorder
+
+import foldc
+import foldc.testing
+from foldc.backends.gluon import eager
+from foldc.backends.gluon.decode_args import decode_addresses
+from foldc.backends.gluon.launch import GluonAttention
+from foldc.backends.gluon.launch_defaults import BARRIER_FIXED, MERGE_MOST_PROGRAMS
+
+
+def _spec(heads="32/8", bits=2):
+    enc = foldc.Affine(bits, "token", 128)
+    hq, hkv = map(int, heads.split("/"))
+    return foldc.AttentionSpec(hq, hkv, 128, enc, enc)
+
+
+class _Merging(GluonAttention):
+    """A launcher on stand-in kernels whose CPU calls merge inside the decode (`merges_inside` as on a GPU whose
+    check passes), with a CPU barrier."""
+
+    def resident(self, launch, q_dtype, has_lens, page, device, merged=False):
+        return 12
+
+    def merges_inside(self, launch, q, splits, contiguous_out, paged=None, has_lens=False):
+        return self.merge_in_decode and paged is None and contiguous_out
+
+    def barrier(self, q, groups):
+        if not hasattr(self, "_cpu_barrier"):
+            self._cpu_barrier = torch.zeros(BARRIER_FIXED + groups, dtype=torch.int64)
+        return self._cpu_barrier
+
+
+@pytest.fixture
+def merging(monkeypatch):
+    attn = _Merging(_spec())
+    decode, merge = LaunchRecorder(), LaunchRecorder()
+    monkeypatch.setattr(attn, "_launchers", lambda: (decode, merge))
+    gen = torch.Generator().manual_seed(31)
+    q, k, v, _ = foldc.testing.random_inputs(attn.spec, 2, 256, torch.float16, "cpu", gen)
+    return attn, decode, merge, q, k, v, gen
+
+
+def test_a_merging_call_launches_the_decode_alone_with_its_output_lse_and_barrier(merging):
+    attn, decode, merge, q, k, v, gen = merging
+    launch = attn.plan_launch(torch.float16, 2, 256, torch.device("cpu"))
+    ws, lse = attn._scratch.get(launch, torch.device("cpu"), (2, 32))
+    out = torch.empty(2, 32, 128, dtype=q.dtype)
+
+    def call(tokens=256):
+        attn.launch(launch.options, q, k, v, None, ws, out, lse, 0.1, launch.per_split, launch.splits, tokens)
+
+    call()
+    assert (len(decode.launches), len(merge.launches)) == (1, 0)
+    (_, args), kwargs = decode.launches[0], decode.keywords[0]
+    assert kwargs["MERGE"] is True and kwargs["launch_cooperative_grid"] is True
+    barrier = attn.barrier(q, 0)
+    assert args[11] is out and args[12] is lse and args[13] is barrier
+    call()   # the second: bound (one launch: no merge to bind)
+    assert len(decode.bound) == 1 and merge.binds == 0
+    for tokens in (256, 200):
+        call(tokens)
+    assert (len(decode.launches), len(merge.launches)) == (2, 0)
+    (bound,) = decode.bound
+    want = decode_addresses(q, k, v, None, ws, None, (out, lse, barrier))
+    assert bound.calls == [want] * 2 and bound.values == [(256,), (200,)]
+    assert want[11:] == (out.data_ptr(), lse.data_ptr(), barrier.data_ptr())
+    bound.ok = False   # a bound launch that declines: the ordinary way, still one launch
+    call()
+    assert (len(decode.launches), len(merge.launches)) == (3, 0)
+
+
+def test_calls_that_do_not_merge_inside_launch_the_merge_kernel(merging):
+    """A launcher told not to (``merge_in_decode = False``) and a non-contiguous output keep two launches, the
+    decode's page-table and counter arguments not the output's."""
+    attn, decode, merge, q, k, v, gen = merging
+    launch = attn.plan_launch(torch.float16, 2, 256, torch.device("cpu"))
+    ws, lse = attn._scratch.get(launch, torch.device("cpu"), (2, 32))
+    out = torch.empty(2, 32, 128, dtype=q.dtype)
+    strided = torch.empty(2, 128, 32, dtype=q.dtype).transpose(1, 2)
+    attn.launch(launch.options, q, k, v, None, ws, strided, lse, 0.1, launch.per_split, launch.splits, 256)
+    attn.merge_in_decode = False
+    attn.launch(launch.options, q, k, v, None, ws, out, lse, 0.1, launch.per_split, launch.splits, 256)
+    assert (len(decode.launches), len(merge.launches)) == (2, 2)
+    assert all("MERGE" not in kw and "launch_cooperative_grid" not in kw for kw in decode.keywords)
+    assert all(args[11] is q and args[13] is q for _, args in decode.launches)
+
+
+def test_the_memo_of_bound_calls_hands_a_merging_decode_its_addresses(merging, monkeypatch):
+    monkeypatch.setattr(eager, "_DEVICE", lambda t: 0)
+    monkeypatch.setattr(eager, "_STREAM", lambda device: 7)
+    monkeypatch.setattr(eager, "_CAPTURING", lambda: False)
+    attn, decode, merge, q, k, v, gen = merging
+    launch = attn.plan_launch(q.dtype, 2, 256, torch.device("cpu"), k=k, v=v)
+    ws, lse = attn._scratch.get(launch, torch.device("cpu"), (2, 32))
+    from foldc.backends.gluon.decode_args import binding_key
+
+    def whole(q, k, v, out):   # what __call__'s whole path does after its checks
+        attn.run(launch, q, k, v, out, lse, 0.1, workspace=ws)
+        attn._eager.note(attn, launch, q, k, v, 0.1, out, ws, lse,
+                         lambda merging: binding_key(launch.options, q, k, v, None, out, 0.1, launch.per_split,
+                                                     launch.splits, None, merging))
+
+    out = torch.empty(2, 32, 128, dtype=q.dtype)
+    whole(q, k, v, out)
+    whole(q, k, v, out)
+    assert len(attn._eager) == 1
+    q2, k2, v2, _ = foldc.testing.random_inputs(attn.spec, 2, 256, torch.float16, "cpu", gen)
+    out2 = torch.empty_like(out)
+    assert attn._eager.run(attn, q2, k2, v2, 0.1, out2) is out2
+    (bound,) = decode.bound
+    assert bound.calls[-1] == decode_addresses(q2, k2, v2, None, ws, None, (out2, lse, attn.barrier(q, 0)))
+    assert (len(decode.launches), len(merge.launches)) == (2, 0)
+    bound.ok = False   # declined: nothing launched, the caller takes the whole path
+    assert attn._eager.run(attn, q2, k2, v2, 0.1, out2) is None
+
+
+def test_a_prepared_run_hands_a_merging_decode_its_addresses(merging):
+    attn, decode, merge, q, k, v, gen = merging
+    launch = attn.plan_launch(q.dtype, 2, 256, torch.device("cpu"), k=k, v=v)
+    ws, lse = attn._scratch.get(launch, torch.device("cpu"), (2, 32), fresh=True)
+    prepared = attn.prepare(launch, k, v, ws, lse, 0.1)
+    out = torch.empty(2, 32, 128, dtype=q.dtype)
+    for tokens in (256, 256, 100, 17):
+        prepared(q, out, tokens)
+    assert (len(decode.launches), len(merge.launches)) == (2, 0)
+    (bound,) = decode.bound
+    assert bound.calls == [decode_addresses(q, k, v, None, ws, None, (out, lse, attn.barrier(q, 0)))] * 2
+    assert bound.values == [(100,), (17,)]
+
+
+def test_merges_inside_takes_eager_contiguous_calls_that_fit_a_wave(monkeypatch):
+    """The rule on a launcher whose tensors claim a GPU: contiguous, eager, no page table, dynamic tiles, row blocks
+    or ragged rows, and a grid of at most `MERGE_MOST_PROGRAMS` programs that one wave of the merging build's
+    resident programs holds."""
+    monkeypatch.setattr("foldc.backends.gluon.launch.num_sms", lambda device: 132)
+    monkeypatch.setattr("foldc.backends.gluon.launch.capturing", lambda q: False)
+
+    class OnGpu(GluonAttention):
+        def resident(self, launch, q_dtype, has_lens, page, device, merged=False):
+            assert merged
+            return 3
+
+    attn = OnGpu(_spec())
+    q = types.SimpleNamespace(device=types.SimpleNamespace(type="cuda"), shape=(2, 32, 128))   # a GPU's query
+    launch = attn.launch_config(torch.float16, 2, 4096)
+    heads = attn.head_programs(launch)
+    most = min(MERGE_MOST_PROGRAMS, 3 * 132) // (2 * heads)
+    assert attn.merges_inside(launch, q, most, True)
+    assert not attn.merges_inside(launch, q, most + 1, True)   # past one wave (or the cap)
+    assert not attn.merges_inside(launch, q, most, False)      # a strided output
+    assert not attn.merges_inside(launch, q, most, True, paged=(q, q, 16))
+    attn.merge_in_decode = False
+    assert not attn.merges_inside(launch, q, most, True)
