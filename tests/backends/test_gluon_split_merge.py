@@ -162,3 +162,16 @@ def test_merges_inside_takes_eager_contiguous_calls_that_fit_a_wave(monkeypatch)
     assert not attn.merges_inside(launch, q, most, True, paged=(q, q, 16))
     attn.merge_in_decode = False
     assert not attn.merges_inside(launch, q, most, True)
+
+
+def test_a_larger_barrier_leaves_the_smaller_ones_alive(monkeypatch):
+    """`GluonAttention.barrier` grows a stream's counters for a larger grid without freeing the smaller buffer, whose
+    address a bound call or prepared run may still hold; each is zeroed with room for its groups."""
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device: types.SimpleNamespace(cuda_stream=5))
+    attn = GluonAttention(_spec())
+    q = torch.empty(1, 32, 128)
+    small = attn.barrier(q, 10)
+    assert attn.barrier(q, 60) is small and small.numel() >= BARRIER_FIXED + 60
+    large = attn.barrier(q, 500)
+    assert large is not small and large.numel() >= BARRIER_FIXED + 500 and not large.any()
+    assert [t is small or t is large for t in attn._barriers[(q.device, 5)]] == [True, True]

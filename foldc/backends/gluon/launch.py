@@ -402,11 +402,11 @@ class GluonAttention:
         """The merging launches' int64 barrier counters on q's device and current stream (split_merge.py): zeros,
         which every call leaves as it found them, at least ``2 + groups`` of them."""
         key = (q.device, torch.cuda.current_stream(q.device).cuda_stream)
-        held = self._barriers.get(key)
-        if held is None or held.numel() < BARRIER_FIXED + groups:
-            held = self._barriers[key] = torch.zeros(BARRIER_FIXED + max(groups, 64), device=q.device,
-                                                     dtype=torch.int64)
-        return held
+        held = self._barriers.setdefault(key, [])
+        if not held or held[-1].numel() < BARRIER_FIXED + groups:   # a larger one; the smaller ones stay alive,
+            # since bound calls and prepared runs hold their addresses
+            held.append(torch.zeros(BARRIER_FIXED + max(groups, 64), device=q.device, dtype=torch.int64))
+        return held[-1]
 
     def launch(self, launch: dict, q, k, v, lens, ws, out, lse, sm_scale: float, per_split: int, splits: int,
                cache_tokens: int, paged: tuple | None = None) -> None:
