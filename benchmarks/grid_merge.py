@@ -13,37 +13,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 
 from foldc.backends.gluon.kernel import foldc_decode_gluon
-
-
-def host_us(fn, n: int = 300) -> float:
-    """Median host time of one call on an idle GPU (synchronised before each)."""
-    import torch
-
-    times = []
-    for _ in range(n):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    torch.cuda.synchronize()
-    return statistics.median(times) * 1e6
-
-
-def back_to_back_us(fn, n: int = 400) -> float:
-    import torch
-
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / n * 1e6
 
 
 def case(layout: str, heads: str, batch: int, tokens: int, kernel) -> dict:
@@ -55,7 +26,7 @@ def case(layout: str, heads: str, batch: int, tokens: int, kernel) -> dict:
     from foldc.backends.runtime.launch import allocate_workspace
     from foldc.backends.runtime.modules import num_sms
     from foldc.spec import spec_from_args
-    from foldc.timing import graph_us
+    from foldc.timing import back_to_back_us, graph_us, host_us
 
     spec = spec_from_args(layout, layout, heads, 128)
     gen = torch.Generator(device="cuda").manual_seed(11)
