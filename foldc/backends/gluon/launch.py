@@ -2,7 +2,8 @@
 
 `GluonAttention` validates a call like the Triton backend, launches the Gluon decode kernel
 (kernel.py) over (batch, kv_head, split) programs of one warp each and the Triton backend's merge
-kernel (eq. 14), and returns [batch, num_q_heads, head_dim] in the query's dtype. Calls are
+kernel (eq. 14), or, for an eager call of one wave, the decode kernel alone, merging its own splits
+(split_merge.py), and returns [batch, num_q_heads, head_dim] in the query's dtype. Calls are
 CUDA-graph capturable: no host synchronisation, lengths clamped in the kernel.
 """
 from __future__ import annotations
@@ -25,10 +26,9 @@ from ..runtime.offsets import DECODE_FIX, check_offsets, decode_offsets
 from .decode_args import (TOKENS_ARG, binding_key, decode_addresses, decode_arguments, draws_tiles,
                           mock_decode_arguments)
 from .eager import EagerCalls
-from .launch_defaults import (MIN_SPLIT_TOKENS, constexprs, default_block_n, default_pack_heads, packable_heads,
-                              resident_programs, row_blocks_at_64, wave_splits)
+from .launch_defaults import (BARRIER_FIXED, MERGE_MOST_PROGRAMS, MIN_SPLIT_TOKENS, constexprs, default_block_n,
+                              default_pack_heads, packable_heads, resident_programs, row_blocks_at_64, wave_splits)
 from .lower import HALF_TILE_GROUP, NotLowerable, gluon_plan, lower
-from .launch_defaults import BARRIER_FIXED, MERGE_MOST_PROGRAMS
 from .prepared import PreparedRun
 from .warpgroup_launch import WarpgroupLaunch, warpgroup_applies
 
