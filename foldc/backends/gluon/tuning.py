@@ -47,6 +47,7 @@ GLUON_CANDIDATES = tuple(GluonConfig(bn, 2, r, f, p) for p in (None, 1) for bn i
 # take no tuned config (eager.py's and prepared.py's bound calls, the warpgroup template's warpgroup*.py);
 # tests/backends/test_autotune.py checks the list
 register_tuned_kernel(TunedKernel("gluon", GluonConfig, tuple(HERE / name for name in (
-    "kernel.py", "tile_scores.py", "tile_values.py", "tile_operands.py", "tile_memory.py", "tile_dequant.py",
-    "tile_groups.py", "operands.py", "launch.py", "launch_defaults.py", "decode_args.py", "lower.py")) + (
+    "kernel.py", "split_merge.py", "tile_scores.py", "tile_values.py", "tile_operands.py", "tile_memory.py",
+    "tile_dequant.py", "tile_groups.py", "operands.py", "launch.py", "launch_defaults.py", "decode_args.py",
+    "lower.py")) + (
     HERE.parent / "runtime" / "merge.py",)))
