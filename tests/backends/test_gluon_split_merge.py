@@ -5,11 +5,15 @@ barrier, and that its bound launch, the memo of bound calls and a prepared run h
 itself against float64 on a GPU: tests/backends/test_gluon_gpu.py; ahead of time: tests/backends/test_gluon_aot.py."""
 from __future__ import annotations
 
+import json
+import re
+import subprocess
+import sys
 import types
 
 import pytest
 import torch
-from _kernel_cases import LaunchRecorder
+from _kernel_cases import LaunchRecorder, native_env
 
 import foldc
 import foldc.testing
@@ -175,3 +179,45 @@ def test_a_larger_barrier_leaves_the_smaller_ones_alive(monkeypatch):
     large = attn.barrier(q, 500)
     assert large is not small and large.numel() >= BARRIER_FIXED + 500 and not large.any()
     assert [t is small or t is large for t in attn._barriers[(q.device, 5)]] == [True, True]
+
+
+# merge_splits alone in a one-warp Gluon kernel, built for sm_90 (no GPU needed): its PTX
+BARRIER_PTX = r"""
+import json, triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon._runtime import GluonASTSource
+from foldc.backends.gluon.split_merge import merge_splits
+
+@gluon.jit
+def probe(OUT, LSE, COUNTERS, WS_M, WS_L, WS_ACC):
+    merge_splits(OUT, LSE, COUNTERS, WS_M, WS_L, WS_ACC, gl.program_id(0), gl.program_id(2), 16, 128, 4)
+
+sig = {"OUT": "*bf16", "LSE": "*fp32", "COUNTERS": "*i64", "WS_M": "*fp32", "WS_L": "*fp32", "WS_ACC": "*fp32"}
+built = triton.compile(GluonASTSource(probe, sig, constexprs={}), target=GPUTarget("cuda", 90, 32),
+                       options={"num_warps": 1})
+print(json.dumps(built.asm["ptx"]))
+"""
+
+
+def test_the_merge_reads_the_workspace_after_an_acquire_of_the_last_arrival(tmp_path):
+    """The grid barrier as built (PTX): after the last group's release of the generation, the wait ends on an
+    acquire (a load or atomic with acquire semantics at GPU scope, or a fence) before the merge's first read of the
+    other programs' rows: a wait on volatile (relaxed) loads alone orders nothing. (Triton makes an atomic add of 0
+    an acquire load and drops one whose value is unused, as it dropped the barrier's first acquire.)"""
+    script = tmp_path / "probe.py"   # (a jitted function needs a source file)
+    script.write_text(BARRIER_PTX)
+    done = subprocess.run([sys.executable, str(script)], env=native_env(tmp_path / "triton"), capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    ptx = json.loads(done.stdout.strip().splitlines()[-1])
+    bump = re.search(r"atom\.global\.gpu\.release\.add\.u64", ptx)
+    assert bump is not None, "the last group's release of the generation"
+    after = ptx[bump.end():]
+    first_read = re.search(r"ld\.global(\.v\d)?\.b32", after)   # the merge's first workspace load
+    assert first_read is not None
+    acquire = r"(ld|atom)\.global\.gpu\.(acquire|acq_rel)|fence\.(acq_rel|sc)\.gpu"
+    assert re.search(acquire, after[:first_read.start()]), after[:first_read.start()]
+    # every lane waits for one value: no per-lane volatile loads of the generation
+    assert "ld.volatile" not in ptx
