@@ -143,6 +143,26 @@ def test_a_prepared_run_hands_a_merging_decode_its_addresses(merging):
     assert bound.values == [(100,), (17,)]
 
 
+def test_a_prepared_run_hands_each_stream_its_own_barrier(merging, monkeypatch):
+    """A prepared run bound on one stream and then called on another hands the merging decode that stream's barrier
+    (and the first one's again back there): two grids at once on one set of counters would miscount, a program
+    merging rows not yet written or waiting for ever."""
+    attn, decode, merge, q, k, v, gen = merging
+    current, barriers = [1], {}
+    monkeypatch.setattr(attn, "barrier", lambda q, groups: barriers.setdefault(
+        current[0], torch.zeros(BARRIER_FIXED + groups, dtype=torch.int64)))
+    monkeypatch.setattr("foldc.backends.gluon.prepared.stream_handle", lambda device: current[0], raising=False)
+    launch = attn.plan_launch(q.dtype, 2, 256, torch.device("cpu"), k=k, v=v)
+    ws, lse = attn._scratch.get(launch, torch.device("cpu"), (2, 32), fresh=True)
+    prepared = attn.prepare(launch, k, v, ws, lse, 0.1)
+    out = torch.empty(2, 32, 128, dtype=q.dtype)
+    for stream in (1, 1, 2, 2, 1):   # bound at the second call, on stream 1
+        current[0] = stream
+        prepared(q, out)
+    (bound,) = decode.bound
+    assert len(decode.launches) == 2 and len(barriers) == 2
+    assert [call[13] for call in bound.calls] == [barriers[s].data_ptr() for s in (2, 2, 1)]
+
 def test_merges_inside_takes_eager_contiguous_calls_that_fit_a_wave(monkeypatch):
     """The rule on a launcher whose tensors claim a GPU: contiguous, eager, no page table, dynamic tiles, row blocks
     or ragged rows, and a grid of at most `MERGE_MOST_PROGRAMS` programs that one wave of the merging build's
