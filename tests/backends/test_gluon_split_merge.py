@@ -163,6 +163,32 @@ def test_a_prepared_run_hands_each_stream_its_own_barrier(merging, monkeypatch):
     assert len(decode.launches) == 2 and len(barriers) == 2
     assert [call[13] for call in bound.calls] == [barriers[s].data_ptr() for s in (2, 2, 1)]
 
+def test_merge_in_decode_set_false_after_calls_were_bound_applies_to_them(merging, monkeypatch):
+    """``merge_in_decode = False`` set once calls merging inside are bound: the memo of bound calls drops them, and a
+    prepared run bound to the merging decode launches the decode and the merge kernel from then on."""
+    monkeypatch.setattr(eager, "_DEVICE", lambda t: 0)
+    monkeypatch.setattr(eager, "_STREAM", lambda device: 7)
+    monkeypatch.setattr(eager, "_CAPTURING", lambda: False)
+    attn, decode, merge, q, k, v, gen = merging
+    launch = attn.plan_launch(q.dtype, 2, 256, torch.device("cpu"), k=k, v=v)
+    ws, lse = attn._scratch.get(launch, torch.device("cpu"), (2, 32), fresh=True)
+    prepared = attn.prepare(launch, k, v, ws, lse, 0.1)
+    out = torch.empty(2, 32, 128, dtype=q.dtype)
+    for _ in range(3):   # the third bound, merging inside
+        prepared(q, out)
+    from foldc.backends.gluon.decode_args import binding_key
+
+    for _ in range(2):   # the memo's entry (as __call__'s whole path makes it)
+        attn._eager.note(attn, launch, q, k, v, 0.1, out, ws, lse,
+                         lambda merging: binding_key(launch.options, q, k, v, None, out, 0.1, launch.per_split,
+                                                     launch.splits, None, merging))
+    assert len(attn._eager) == 1 and (len(decode.bound[0].calls), len(merge.launches)) == (1, 0)
+    attn.merge_in_decode = False
+    assert len(attn._eager) == 0 and attn._eager.run(attn, q, k, v, 0.1, out) is None
+    prepared(q, out)
+    assert len(decode.bound[0].calls) == 1 and len(merge.launches) == 1
+    assert decode.launches[-1][1][11] is q and "MERGE" not in decode.keywords[-1]
+
 def test_merges_inside_takes_eager_contiguous_calls_that_fit_a_wave(monkeypatch):
     """The rule on a launcher whose tensors claim a GPU: contiguous, eager, no page table, dynamic tiles, row blocks
     or ragged rows, and a grid of at most `MERGE_MOST_PROGRAMS` programs that one wave of the merging build's

@@ -46,6 +46,8 @@ class PreparedRun:
 
     def __call__(self, q, out, tokens: int | None = None) -> None:
         bound, fixed = self._bound, self._fixed
+        if bound is not None and bound[6] is None and not self.attn.merge_in_decode:   # told since not to merge
+            bound = self._bound = None   # inside: bound again to the two launches
         if (bound is not None and q.stride() == bound[1] and out.stride() == bound[3] and q.shape[0] == bound[0]
                 and q.dtype == bound[2] and out.dtype == bound[4] and not capturing(q)):
             qa = q.data_ptr()
