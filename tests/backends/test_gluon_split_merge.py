@@ -5,11 +5,15 @@ barrier, and that its bound launch, the memo of bound calls and a prepared run h
 itself against float64 on a GPU: tests/backends/test_gluon_gpu.py; ahead of time: tests/backends/test_gluon_aot.py."""
 from __future__ import annotations
 
+import json
+import re
+import subprocess
+import sys
 import types
 
 import pytest
 import torch
-from _kernel_cases import LaunchRecorder
+from _kernel_cases import LaunchRecorder, native_env
 
 import foldc
 import foldc.testing
@@ -139,6 +143,52 @@ def test_a_prepared_run_hands_a_merging_decode_its_addresses(merging):
     assert bound.values == [(100,), (17,)]
 
 
+def test_a_prepared_run_hands_each_stream_its_own_barrier(merging, monkeypatch):
+    """A prepared run bound on one stream and then called on another hands the merging decode that stream's barrier
+    (and the first one's again back there): two grids at once on one set of counters would miscount, a program
+    merging rows not yet written or waiting for ever."""
+    attn, decode, merge, q, k, v, gen = merging
+    current, barriers = [1], {}
+    monkeypatch.setattr(attn, "barrier", lambda q, groups: barriers.setdefault(
+        current[0], torch.zeros(BARRIER_FIXED + groups, dtype=torch.int64)))
+    monkeypatch.setattr("foldc.backends.gluon.prepared.stream_handle", lambda device: current[0], raising=False)
+    launch = attn.plan_launch(q.dtype, 2, 256, torch.device("cpu"), k=k, v=v)
+    ws, lse = attn._scratch.get(launch, torch.device("cpu"), (2, 32), fresh=True)
+    prepared = attn.prepare(launch, k, v, ws, lse, 0.1)
+    out = torch.empty(2, 32, 128, dtype=q.dtype)
+    for stream in (1, 1, 2, 2, 1):   # bound at the second call, on stream 1
+        current[0] = stream
+        prepared(q, out)
+    (bound,) = decode.bound
+    assert len(decode.launches) == 2 and len(barriers) == 2
+    assert [call[13] for call in bound.calls] == [barriers[s].data_ptr() for s in (2, 2, 1)]
+
+def test_merge_in_decode_set_false_after_calls_were_bound_applies_to_them(merging, monkeypatch):
+    """``merge_in_decode = False`` set once calls merging inside are bound: the memo of bound calls drops them, and a
+    prepared run bound to the merging decode launches the decode and the merge kernel from then on."""
+    monkeypatch.setattr(eager, "_DEVICE", lambda t: 0)
+    monkeypatch.setattr(eager, "_STREAM", lambda device: 7)
+    monkeypatch.setattr(eager, "_CAPTURING", lambda: False)
+    attn, decode, merge, q, k, v, gen = merging
+    launch = attn.plan_launch(q.dtype, 2, 256, torch.device("cpu"), k=k, v=v)
+    ws, lse = attn._scratch.get(launch, torch.device("cpu"), (2, 32), fresh=True)
+    prepared = attn.prepare(launch, k, v, ws, lse, 0.1)
+    out = torch.empty(2, 32, 128, dtype=q.dtype)
+    for _ in range(3):   # the third bound, merging inside
+        prepared(q, out)
+    from foldc.backends.gluon.decode_args import binding_key
+
+    for _ in range(2):   # the memo's entry (as __call__'s whole path makes it)
+        attn._eager.note(attn, launch, q, k, v, 0.1, out, ws, lse,
+                         lambda merging: binding_key(launch.options, q, k, v, None, out, 0.1, launch.per_split,
+                                                     launch.splits, None, merging))
+    assert len(attn._eager) == 1 and (len(decode.bound[0].calls), len(merge.launches)) == (1, 0)
+    attn.merge_in_decode = False
+    assert len(attn._eager) == 0 and attn._eager.run(attn, q, k, v, 0.1, out) is None
+    prepared(q, out)
+    assert len(decode.bound[0].calls) == 1 and len(merge.launches) == 1
+    assert decode.launches[-1][1][11] is q and "MERGE" not in decode.keywords[-1]
+
 def test_merges_inside_takes_eager_contiguous_calls_that_fit_a_wave(monkeypatch):
     """The rule on a launcher whose tensors claim a GPU: contiguous, eager, no page table, dynamic tiles, row blocks
     or ragged rows, and a grid of at most `MERGE_MOST_PROGRAMS` programs that one wave of the merging build's
@@ -175,3 +225,45 @@ def test_a_larger_barrier_leaves_the_smaller_ones_alive(monkeypatch):
     large = attn.barrier(q, 500)
     assert large is not small and large.numel() >= BARRIER_FIXED + 500 and not large.any()
     assert [t is small or t is large for t in attn._barriers[(q.device, 5)]] == [True, True]
+
+
+# merge_splits alone in a one-warp Gluon kernel, built for sm_90 (no GPU needed): its PTX
+BARRIER_PTX = r"""
+import json, triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon._runtime import GluonASTSource
+from foldc.backends.gluon.split_merge import merge_splits
+
+@gluon.jit
+def probe(OUT, LSE, COUNTERS, WS_M, WS_L, WS_ACC):
+    merge_splits(OUT, LSE, COUNTERS, WS_M, WS_L, WS_ACC, gl.program_id(0), gl.program_id(2), 16, 128, 4)
+
+sig = {"OUT": "*bf16", "LSE": "*fp32", "COUNTERS": "*i64", "WS_M": "*fp32", "WS_L": "*fp32", "WS_ACC": "*fp32"}
+built = triton.compile(GluonASTSource(probe, sig, constexprs={}), target=GPUTarget("cuda", 90, 32),
+                       options={"num_warps": 1})
+print(json.dumps(built.asm["ptx"]))
+"""
+
+
+def test_the_merge_reads_the_workspace_after_an_acquire_of_the_last_arrival(tmp_path):
+    """The grid barrier as built (PTX): after the last group's release of the generation, the wait ends on an
+    acquire (a load or atomic with acquire semantics at GPU scope, or a fence) before the merge's first read of the
+    other programs' rows: a wait on volatile (relaxed) loads alone orders nothing. (Triton makes an atomic add of 0
+    an acquire load and drops one whose value is unused, as it dropped the barrier's first acquire.)"""
+    script = tmp_path / "probe.py"   # (a jitted function needs a source file)
+    script.write_text(BARRIER_PTX)
+    done = subprocess.run([sys.executable, str(script)], env=native_env(tmp_path / "triton"), capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    ptx = json.loads(done.stdout.strip().splitlines()[-1])
+    bump = re.search(r"atom\.global\.gpu\.release\.add\.u64", ptx)
+    assert bump is not None, "the last group's release of the generation"
+    after = ptx[bump.end():]
+    first_read = re.search(r"ld\.global(\.v\d)?\.b32", after)   # the merge's first workspace load
+    assert first_read is not None
+    acquire = r"(ld|atom)\.global\.gpu\.(acquire|acq_rel)|fence\.(acq_rel|sc)\.gpu"
+    assert re.search(acquire, after[:first_read.start()]), after[:first_read.start()]
+    # every lane waits for one value: no per-lane volatile loads of the generation
+    assert "ld.volatile" not in ptx

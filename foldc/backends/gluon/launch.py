@@ -117,8 +117,8 @@ class GluonAttention:
         # decode's last programs (0.2-0.4 µs of a batch-1 call on the H200, docs/perf.md)
         self.pdl = True
         # eager calls that fit one wave merge their splits inside the decode kernel (one launch: split_merge.py);
-        # False: every call launches the merge kernel after it
-        self.merge_in_decode = True
+        # False: every call launches the merge kernel after it (`merge_in_decode`)
+        self._merge_in_decode = True
         self._barriers: dict = {}     # the merging launches' barrier counters, per (device, stream)
         # 32 query rows per KV head at token-wise INT2: the four-warp wgmma template for calls on a contiguous
         # cache with the launcher's defaults (warpgroup_launch.py); None: the one-warp program only
@@ -149,6 +149,18 @@ class GluonAttention:
         if dtype not in self.plans:
             raise InputError(f"dtype={dtype}: the register-operand kernel takes {list(self.plans)} queries")
         return self.plans[dtype]
+
+    @property
+    def merge_in_decode(self) -> bool:
+        """Whether eager calls that fit one wave merge their splits inside the decode kernel (split_merge.py); False:
+        every call launches the merge kernel after it. Setting it drops the memo of bound calls, whose entries hold
+        one way or the other (prepared runs look at it per call)."""
+        return self._merge_in_decode
+
+    @merge_in_decode.setter
+    def merge_in_decode(self, value: bool) -> None:
+        self._merge_in_decode = bool(value)
+        self._eager.clear()
 
     @property
     def default_block_n(self) -> int:

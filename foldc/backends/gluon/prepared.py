@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ...errors import InputError
-from ..runtime.launch import Launch, capturing
+from ..runtime.launch import Launch, capturing, stream_handle
 from ..runtime.merge import launch_merge
 from .decode_args import binding_key
 
@@ -41,18 +41,25 @@ class PreparedRun:
                      None if paged is None else (paged[0].data_ptr(), paged[1].data_ptr()))
         self._fixed = fixed
         # (q's batch, strides and dtype, out's strides and dtype, the two Bound launches: the second None where the
-        # decode merges its splits itself, then with its barrier's address)
+        # decode merges its splits itself, then with its barrier's address and the stream whose barrier it is)
         self._bound = None
 
     def __call__(self, q, out, tokens: int | None = None) -> None:
         bound, fixed = self._bound, self._fixed
+        if bound is not None and bound[6] is None and not self.attn.merge_in_decode:   # told since not to merge
+            bound = self._bound = None   # inside: bound again to the two launches
         if (bound is not None and q.stride() == bound[1] and out.stride() == bound[3] and q.shape[0] == bound[0]
                 and q.dtype == bound[2] and out.dtype == bound[4] and not capturing(q)):
             qa = q.data_ptr()
             lens = qa if fixed[3] is None else fixed[3]
             table = (qa, qa) if fixed[4] is None else fixed[4]
             count = self.launch.cache_tokens if tokens is None else tokens
-            if bound[6] is None:   # the decode merges its splits itself (split_merge.py): one launch
+            if bound[6] is None:   # the decode merges its splits itself (split_merge.py): one launch, with the
+                # current stream's barrier (a launch on another stream at once must not count on the same counters)
+                stream = stream_handle(q.device)
+                if stream != bound[8]:
+                    groups = q.shape[0] * self.attn.head_programs(self.launch.options)
+                    bound = self._bound = (*bound[:7], self.attn.barrier(q, groups).data_ptr(), stream)
                 if bound[5]((qa, *fixed[0], lens, *fixed[1], out.data_ptr(), fixed[2], bound[7]), (count,)):
                     return
             else:
@@ -78,4 +85,4 @@ class PreparedRun:
                 barrier = self.attn.barrier(q, q.shape[0] * self.attn.head_programs(launch.options)).data_ptr() \
                     if merging else None
                 self._bound = (q.shape[0], q.stride(), q.dtype, out.stride(), out.dtype, state[0],
-                               None if merging else state[1], barrier)
+                               None if merging else state[1], barrier, stream_handle(q.device))

@@ -41,7 +41,9 @@ def merge_splits(OUT, LSE, COUNTERS, WS_M, WS_L, WS_ACC, b, s, ROWS: gl.constexp
     # every lane's rows are written before the count says so (the release of the atomic orders them through the
     # warp's barrier)
     gl.thread_barrier()
-    gen0 = gl.load(COUNTERS + 1, volatile=True)   # read before arriving: it moves only after every arrival
+    # the generation, read before arriving (it moves only after every arrival): lane 0's read, ordered before its
+    # arrival by the arrival's release and handed to every lane (a scalar atomic's value), so all wait for one value
+    gen0 = gl.atomic_add(COUNTERS + 1, 0, sem="relaxed", scope="gpu")
     group = COUNTERS + BARRIER_FIXED + b * heads + gl.program_id(1)
     old = gl.atomic_add(group, 1, sem="acq_rel", scope="gpu")
     if old == splits - 1:   # the group's last split
@@ -50,10 +52,13 @@ def merge_splits(OUT, LSE, COUNTERS, WS_M, WS_L, WS_ACC, b, s, ROWS: gl.constexp
         if arrived == groups - 1:   # the last group: every program has written its rows
             gl.store(COUNTERS, 0)
             gl.atomic_add(COUNTERS + 1, 1, sem="release", scope="gpu")
-    gen = gl.load(COUNTERS + 1, volatile=True)
-    while gen == gen0:   # plain loads while waiting: no read-modify-write traffic on the counter
-        gen = gl.load(COUNTERS + 1, volatile=True)
-    gl.atomic_add(COUNTERS + 1, 0, sem="acquire", scope="gpu")   # synchronises with the last group's release
+    # wait with acquire loads (triton makes an atomic add of 0 a load, no read-modify-write traffic on the counter,
+    # and drops one whose value is unused: an acquire after a wait on volatile loads was compiled away): the load
+    # that sees the new generation synchronises with the last group's release, and the barrier hands that to every
+    # lane before the merge reads the other programs' rows
+    gen = gl.atomic_add(COUNTERS + 1, 0, sem="acquire", scope="gpu")
+    while gen == gen0:
+        gen = gl.atomic_add(COUNTERS + 1, 0, sem="acquire", scope="gpu")
     gl.thread_barrier()
 
     blk: gl.constexpr = gl.BlockedLayout([1, 4], [16, 2], [gl.num_warps(), 1], [1, 0])
