@@ -98,7 +98,11 @@ def _traced() -> bool:
 def _parsed_weight(encoding: str):
     """The GemmEncoding of an encoding's text, parsed once per text, not at every call of the op (a model makes
     about a hundred a token)."""
-    return parse_gemm_encoding(encoding, "weight")
+    enc = parse_gemm_encoding(encoding, "weight")
+    if enc is None:   # ('none', '': a plain weight, which the op's codes, scale and zero cannot be)
+        raise SpecError(f"encoding={encoding!r} names a plain weight; the op multiplies by a quantized one: pass its "
+                        "encoding, e.g. 'k-group:4:128' (FoldLinear.encoding.short())")
+    return enc
 
 
 @functools.lru_cache(maxsize=None)

@@ -13,8 +13,9 @@ the new tokens ``x [batch, kv_heads, T, head_dim]`` into one operand's prealloca
 (``codes``/``scale``/``zero`` of an `AffineTensor` encoded as ``encoding``, the text of
 `Affine.short`, e.g. ``"token:4:32"``) at tokens ``[offset, offset + T)``, in place, bit for bit
 as `foldc.quantize` (`foldc.serving.append_quantized`). ``offsets`` (an integer tensor [batch]),
-when given, replaces ``offset`` with one start per batch row. Returns nothing; ``codes``, ``scale``
-and ``zero`` are declared mutated, so torch.compile orders the writes and later reads correctly.
+when given, replaces ``offset`` (which must then be 0) with one start per batch row. Returns nothing;
+``codes``, ``scale`` and ``zero`` are declared mutated, so torch.compile orders the writes and later reads
+correctly.
 On a GPU it runs the append kernel; on the CPU the interpreter (fp16 tokens) or foldc.quantize
 and a copy (other dtypes): both write the same bits. ``check=False`` reads nothing from the device
 (no NaN check, offsets not validated: tokens they would put outside the storage are skipped), so
@@ -148,12 +149,15 @@ def append_kv(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, x: t
               offsets: torch.Tensor | None, encoding: str, check: bool) -> None:
     from .serving.append import append_quantized
 
-    dst, target = _append_call(codes, scale, zero, x, encoding)
+    dst, target = _append_call(codes, scale, zero, x, encoding, offset, offsets)
     append_quantized(dst, x, offsets if offsets is not None else offset, target=target, check=check)
 
 
-def _append_call(codes, scale, zero, x, encoding: str):
+def _append_call(codes, scale, zero, x, encoding: str, offset: int, offsets):
     """The storage of an append_kv call as an AffineTensor, and the target that writes it."""
+    if offsets is not None and offset != 0:   # offsets replace offset: a start given with them would be dropped
+        raise InputError(f"offset={offset} given with per-row offsets: offsets replaces offset (one start per batch "
+                         "row, not added to it); pass offset=0 and add it to offsets (offsets + offset)")
     enc = encoding_from_key(encoding)
     # the storage's head_dim, so that an x of another head_dim or rank is the one the error names (an int: traced
     # with dynamic shapes, the fake's is symbolic, and head_dim is fixed by the model)
@@ -170,7 +174,7 @@ def _(codes, scale, zero, x, offset, offsets, encoding, check):
 
     # what the op refuses without reading data fails at trace time too, with its error (a bad encoding, storage
     # or x, an int offset past the storage); the offsets' values and x's NaN are read by the op alone
-    dst, target = _append_call(codes, scale, zero, x, encoding)
+    dst, target = _append_call(codes, scale, zero, x, encoding, offset, offsets)
     check_append(dst, x, offsets if offsets is not None else offset, target, read_device=False)
     return None
 

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 import foldc
 from foldc.gemm import parse_gemm_encoding
-from foldc.errors import InputError, InputTypeError
+from foldc.errors import InputError, InputTypeError, SpecError
 from foldc.nn import FoldLinear
 
 
@@ -163,6 +163,27 @@ def test_the_op_refuses_a_bias_or_weight_it_cannot_add_or_read(bad):
         fakes = [mode.from_tensor(t) for t in args]
         with pytest.raises(InputError, match=re.escape(match)):
             torch.ops.foldc.linear(*fakes, "k-group:4:64", 32)
+
+
+@pytest.mark.parametrize("text", ["none", "", "plain"])
+@pytest.mark.parametrize("m", [0, 3])
+def test_the_op_refuses_a_plain_weights_encoding_by_name(text, m):
+    """An encoding text that names a plain weight ('none', '': what parse_gemm_encoding reads as no encoding) raised
+    AttributeError ('NoneType' object has no attribute 'bits') from inside the op and its fake; a SpecError naming
+    the text now."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    layer = FoldLinear.from_linear(torch.nn.Linear(128, 32), "k-group:4:64")
+    args = [torch.randn(m, 128, generator=gen), layer.codes, layer.scale, layer.zero, None]
+    match = f"encoding={text!r} names a plain weight"
+    with pytest.raises(SpecError, match=re.escape(match)):
+        torch.ops.foldc.linear(*args, text, 32)
+    with FakeTensorMode() as mode:
+        fakes = [mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in args]
+        with pytest.raises(SpecError, match=re.escape(match)):
+            torch.ops.foldc.linear(*fakes, text, 32)
+
 
 @settings(max_examples=12, deadline=None)
 @given(m=st.sampled_from([0, 2]), enc=st.sampled_from(["k-group:4:64", "k-group:2:32", "per-channel:8"]),

@@ -312,6 +312,28 @@ def test_the_append_fake_refuses_what_the_op_refuses(case):
     _fake_raises_as_the_op(torch.ops.foldc.append_kv, _bad_appends(case)[case][1])
 
 
+@settings(max_examples=10, deadline=None)
+@given(start=st.integers(1, 16), seed=st.integers(0, 2**31 - 1))
+def test_an_offset_given_with_per_row_offsets_is_refused_not_dropped(start, seed):
+    """``offsets`` replaces ``offset``: a start given with them was dropped silently (the tokens landed at
+    ``offsets``, not ``offsets + offset``). Refused by name, the real op and its fake alike; with offset 0 the
+    op writes where ``offsets + start`` says."""
+    enc = APPEND_ENCODINGS[0]
+    x = torch.randn(2, 2, 4, 64, generator=torch.Generator().manual_seed(seed))
+    dst = _storage(enc, seed=seed)
+    before = _clone(dst)
+    offsets = torch.tensor([0, 8])
+    args = (dst.codes, dst.scale, dst.zero, x, start, offsets, enc.short(), True)
+    with pytest.raises(InputError, match=f"offset={start} given with per-row offsets"):
+        torch.ops.foldc.append_kv(*args)
+    assert _same(dst, before)   # nothing written
+    _fake_raises_as_the_op(torch.ops.foldc.append_kv, args)
+    got, want = _storage(enc, seed=seed), _storage(enc, seed=seed)
+    torch.ops.foldc.append_kv(got.codes, got.scale, got.zero, x, 0, offsets + start, enc.short(), True)
+    append_op(want, x, offsets + start)
+    assert _same(got, want) and not _same(got, before)
+
+
 @pytest.mark.parametrize("enc", APPEND_ENCODINGS[:2], ids=lambda e: e.short())
 def test_append_opcheck(enc):
     dst = _storage(enc)
