@@ -19,7 +19,7 @@ from ...errors import InputError, SpecError
 from ...options import check_launch_options, check_splits
 from ...validate import ATTENTION_FIX, ATTENTION_KERNEL, check_call, output_buffer, without_backward
 from ..runtime.fast_launch import Bindings, FastLaunch
-from ..runtime.launch import Launch, Scratch, allocate_workspace, capturing, split_partition
+from ..runtime.launch import Launch, Scratch, allocate_workspace, capturing, split_partition, stream_handle
 from ..runtime.merge import MERGE_SOURCE, merge_arguments, run_bound
 from ..runtime.modules import load_module, num_sms
 from ..runtime.offsets import DECODE_FIX, check_offsets, decode_offsets
@@ -413,7 +413,7 @@ class GluonAttention:
     def barrier(self, q, groups: int) -> torch.Tensor:
         """The merging launches' int64 barrier counters on q's device and current stream (split_merge.py): zeros,
         which every call leaves as it found them, at least ``2 + groups`` of them."""
-        key = (q.device, torch.cuda.current_stream(q.device).cuda_stream)
+        key = (q.device, stream_handle(q.device))   # the raw handle, as prepared runs compare it
         held = self._barriers.setdefault(key, [])
         if not held or held[-1].numel() < BARRIER_FIXED + groups:   # a larger one; the smaller ones stay alive,
             # since bound calls and prepared runs hold their addresses
@@ -429,7 +429,8 @@ class GluonAttention:
         decode, merge = self._launchers()
         now_capturing = capturing(q)
         bindable = not now_capturing and not draws_tiles(launch)
-        merging = self.merges_inside(launch, q, splits, out.is_contiguous(), paged, lens is not None)
+        merging = not now_capturing and self.merges_inside(launch, q, splits, out.is_contiguous(), paged,
+                                                           lens is not None)
         merged = (out, lse, self.barrier(q, q.shape[0] * self.head_programs(launch))) if merging else None
         if bindable:   # later calls with one launch's integers, strides and dtypes: its bound kernels (the
             # token count given per call: the kernel does not specialise on it; a page table's addresses too)
