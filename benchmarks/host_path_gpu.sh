@@ -3,6 +3,7 @@
 # serving caches' decode-step fast paths, the paged append that moves its offsets, FoldLinear's per-stream
 # buffers), in four device calls of under ten minutes each. From the repository root on the device:
 #
+#     bash benchmarks/host_path_gpu.sh merged     # eager calls merging inside the decode: checked, timed
 #     bash benchmarks/host_path_gpu.sh checks     # correctness against float64 / quantize's bits, real driver:
 #     bash benchmarks/host_path_gpu.sh checks2    #   the serving caches and Gluon kernels, then Triton, GEMV, nn
 #     bash benchmarks/host_path_gpu.sh times      # host time per call beside cuDNN, DynamicCache, nn.Linear
@@ -48,6 +49,13 @@ set -u
 OUT=${OUT:-/tmp/host_path_gpu}
 . "$(dirname "$0")/gpu_step.sh"   # step NAME SECONDS COMMAND...
 case "${1:-checks}" in
+  merged)   # the eager call that merges its splits inside the decode (split_merge.py, acquire-load barrier of
+    # 2026-12-07): its GPU test, then two launches against one, then the host time of a whole call (500 s of limits)
+    step merge_test 150 python3 -m pytest -q -x -p no:cacheprovider tests/backends/test_gluon_gpu.py -k merge_their_splits
+    step grid_merge 150 python3 benchmarks/grid_merge.py --out "$OUT/grid_merge.json"
+    step launch_cost 90 python3 benchmarks/launch_cost.py --out "$OUT/launch_cost.json"
+    step call_overhead 110 python3 benchmarks/call_overhead.py --shape 1x16384 --out "$OUT/call_overhead.json"
+    ;;
   checks)
     step append 120 python3 -m pytest -q -x tests/serving/test_append.py -k "gpu"
     step paged 200 python3 -m pytest -q tests/serving/test_paged_gpu.py
