@@ -39,8 +39,14 @@ def main() -> int:
     enc = foldc.Affine(args.bits, "token", 128)
     spec = foldc.AttentionSpec(32, 8, 128, enc, enc)
     q, k, v = decode_case(spec, b, n, seed=b + n)
+    # the steps below are those of a call of two launches (the decode, then the merge kernel); `merging` is the
+    # default launcher, whose one-wave eager calls merge their splits inside the decode (split_merge.py)
     attn = foldc.compile(spec, "sm_90", kernel="gluon")
+    attn.merge_in_decode = False
+    merging = foldc.compile(spec, "sm_90", kernel="gluon")
     out = attn(q, k, v)
+    for _ in range(2):
+        merging(q, k, v, out=out)
     parts = gluon_call_parts(attn, q, k, v, 0.1)
     launch, splits, per_split, ws = parts["launch"], parts["splits"], parts["per_split"], parts["ws"]
     dargs, kwargs, grid = parts["args"], parts["kwargs"], parts["grid"]
@@ -56,6 +62,7 @@ def main() -> int:
             pass
 
     unbound = GluonAttention(spec)
+    unbound.merge_in_decode = False
     unbound._bindings = Never()
     unbound(q, k, v, out=out)
     attn(q, k, v, out=out)   # the second call with one key binds
@@ -71,6 +78,7 @@ def main() -> int:
             pass
 
     whole_path = GluonAttention(spec)
+    whole_path.merge_in_decode = False
     whole_path._eager = NoMemo()
     for _ in range(2):
         whole_path(q, k, v, out=out)
@@ -80,8 +88,10 @@ def main() -> int:
     # a serving cache's repeated run (`GluonAttention.prepare`): k, v and the buffers' addresses made once
     plan = attn.plan_launch(q.dtype, b, n, q.device, k=k, v=v)
     prepared = attn.prepare(plan, k, v, allocate_workspace(plan, q.device), lse, 0.1)
+    merging_prepared = merging.prepare(plan, k, v, allocate_workspace(plan, q.device), lse, 0.1)
     for _ in range(3):
         prepared(q, out, n)
+        merging_prepared(q, out, n)
     # a serving engine's paged call: `PagedDecodeWrapper.run` over 64-token pages holding the same tokens
     from foldc.serving import PagedDecodeWrapper, page_pool
 
@@ -102,8 +112,10 @@ def main() -> int:
     print(f"paged against contiguous: max |diff| {(paged_out.float() - attn(q, k, v, 0.1).float()).abs().max():.2e}")
     steps = {
         "prepared run (bound launches, addresses made once)": lambda: prepared(q, out, n),
+        "prepared run, merging inside the decode": lambda: merging_prepared(q, out, n),
         "PagedDecodeWrapper.run (64-token pages), out given": lambda: wrapper.run(q, pools["k"], pools["v"],
                                                                                   sm_scale=0.1, out=out),
+        "whole call, merging inside the decode (the default)": lambda: merging(q, k, v, out=out),
         "whole call": lambda: attn(q, k, v, out=out),
         "whole call, new out": lambda: attn(q, k, v),
         "whole call without the memo of bound calls (the whole path)": lambda: whole_path(q, k, v, out=out),
@@ -141,7 +153,8 @@ def main() -> int:
         rows["cuDNN SDPA bf16 call"] = host_us(cudnn, 300)
     for name, us in rows.items():
         print(f"{name:<32} {us:8.2f} us", flush=True)
-    for name, fn in (("foldc", lambda: attn(q, k, v)), ("cuDNN", cudnn)):
+    for name, fn in (("foldc", lambda: attn(q, k, v)), ("foldc merging", lambda: merging(q, k, v)),
+                     ("cuDNN", cudnn)):
         with bench_selected(fn):
             rows[f"back to back: {name}"] = back_to_back_us(fn)
         print(f"back to back, per call: {name:<10} {rows[f'back to back: {name}']:8.2f} us", flush=True)

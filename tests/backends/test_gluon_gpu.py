@@ -539,6 +539,47 @@ def test_eager_calls_merge_their_splits_inside_the_decode(k, v, heads, head_dim)
     check_graph_replay(attn, spec, head_dim)
 
 
+def test_prepared_runs_merge_inside_the_decode_on_each_stream():
+    """A serving cache's prepared run (`GluonAttention.prepare`) of a launch whose grid fits a wave merges inside
+    the decode with the barrier of the stream it is called on: calls alternating between the current stream and
+    another, at several token counts, each within the bar of float64 over its tokens, every stream's barrier counts
+    back at zero; told `merge_in_decode = False` on the way, the same run binds the two launches again."""
+    from foldc.backends.runtime.launch import allocate_workspace
+    from foldc.spec import spec_from_args
+
+    spec = spec_from_args("token:2:128", "token:2:128", "32/8", 128)
+    attn = foldc.compile(spec, "sm_90", kernel="gluon")
+    gen = torch.Generator().manual_seed(11)
+    tokens = 16384
+    q, kc, vc, _ = random_inputs(spec, 1, tokens, torch.bfloat16, "cuda", gen)
+    launch = attn.plan_launch(q.dtype, 1, tokens, q.device, k=kc, v=vc)
+    assert attn.merges_inside(launch.options, q, launch.splits, True)
+    lse = torch.empty(1, spec.num_q_heads, device="cuda")
+    prepared = attn.prepare(launch, kc, vc, allocate_workspace(launch, q.device), lse, 0.1)
+    out = torch.empty_like(q)
+    side = torch.cuda.Stream()
+    merged_binds = 0
+    for i, count in enumerate((tokens, 9000, tokens, 5000, 12000, tokens, 7777, tokens)):
+        if i == 6:
+            attn.merge_in_decode = False
+        torch.cuda.synchronize()
+        stream = side if i % 2 else torch.cuda.current_stream()
+        with torch.cuda.stream(stream):
+            prepared(q, out, count)
+        torch.cuda.synchronize()
+        lens = torch.full((1,), count, dtype=torch.int32, device="cuda")
+        ref = foldc.attention_reference(q, kc, vc, sm_scale=0.1, seq_lens=lens)
+        assert rel_l2(out, ref) <= 5e-3, (i, count, rel_l2(out, ref))
+        bound = prepared._bound
+        merged_binds += bound is not None and bound[6] is None
+        if i >= 6:
+            assert bound is None or bound[6] is not None, "bound to merge inside after merge_in_decode = False"
+    assert merged_binds >= 3, "the prepared run bound its one merging launch"
+    assert len(attn._barriers) >= 2, "one barrier buffer per stream"
+    for barrier in (b for held in attn._barriers.values() for b in held):
+        assert barrier[0].item() == 0 and barrier[2:].abs().sum().item() == 0
+
+
 def _large_zero_inputs(spec, batch, tokens, dtype, gen):
     """Values whose group zero is large against the values (a large negative outlier per token or
     channel over small values): one rounding of P x scale or q x scale cancels against the zero
