@@ -539,7 +539,8 @@ def test_eager_calls_merge_their_splits_inside_the_decode(k, v, heads, head_dim)
     check_graph_replay(attn, spec, head_dim)
 
 
-def test_prepared_runs_merge_inside_the_decode_on_each_stream():
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_prepared_runs_merge_inside_the_decode_on_each_stream(dtype):
     """A serving cache's prepared run (`GluonAttention.prepare`) of a launch whose grid fits a wave merges inside
     the decode with the barrier of the stream it is called on: calls alternating between the current stream and
     another, at several token counts, each within the bar of float64 over its tokens, every stream's barrier counts
@@ -551,7 +552,7 @@ def test_prepared_runs_merge_inside_the_decode_on_each_stream():
     attn = foldc.compile(spec, "sm_90", kernel="gluon")
     gen = torch.Generator().manual_seed(11)
     tokens = 16384
-    q, kc, vc, _ = random_inputs(spec, 1, tokens, torch.bfloat16, "cuda", gen)
+    q, kc, vc, _ = random_inputs(spec, 1, tokens, DTYPES[dtype], "cuda", gen)
     launch = attn.plan_launch(q.dtype, 1, tokens, q.device, k=kc, v=vc)
     assert attn.merges_inside(launch.options, q, launch.splits, True)
     lse = torch.empty(1, spec.num_q_heads, device="cuda")

@@ -192,17 +192,18 @@ def test_merge_in_decode_set_false_after_calls_were_bound_applies_to_them(mergin
 def test_merges_inside_takes_eager_contiguous_calls_that_fit_a_wave(monkeypatch):
     """The rule on a launcher whose tensors claim a GPU: contiguous, eager, no page table, dynamic tiles, row blocks
     or ragged rows, and a grid of at most `MERGE_MOST_PROGRAMS` programs that one wave of the merging build's
-    resident programs holds."""
+    resident programs (of the call's query dtype: its build stores the output in it) holds."""
     monkeypatch.setattr("foldc.backends.gluon.launch.num_sms", lambda device: 132)
     monkeypatch.setattr("foldc.backends.gluon.launch.capturing", lambda q: False)
 
     class OnGpu(GluonAttention):
         def resident(self, launch, q_dtype, has_lens, page, device, merged=False):
-            assert merged
+            assert merged and q_dtype == torch.float16, "the merging build of the call's own query dtype"
             return 3
 
     attn = OnGpu(_spec())
-    q = types.SimpleNamespace(device=types.SimpleNamespace(type="cuda"), shape=(2, 32, 128))   # a GPU's query
+    q = types.SimpleNamespace(device=types.SimpleNamespace(type="cuda"), shape=(2, 32, 128),   # a GPU's query
+                              dtype=torch.float16)
     launch = attn.launch_config(torch.float16, 2, 4096)
     heads = attn.head_programs(launch)
     most = min(MERGE_MOST_PROGRAMS, 3 * 132) // (2 * heads)

@@ -357,15 +357,18 @@ class GluonAttention:
         compiled register and shared-memory use; compiled once per variant (no launch). fp16 and bf16
         queries share the bf16 build's figures (the query dtype changes a load's conversion and a plain
         side's view, not the registers: equal counts in the AOT builds), so a wrapper that plans both
-        dtypes compiles one variant."""
-        key = ("resident", has_lens, page) + ((True,) if merged else ())
+        dtypes compiles one variant. The ``merged`` build's figures are ``q_dtype``'s own: they size a cooperative
+        launch, which the driver refuses where one program too many would have to wait, and that build stores the
+        output in the query's dtype."""
+        build_dtype = q_dtype if merged else torch.bfloat16
+        key = ("resident", has_lens, page) + ((True, build_dtype) if merged else ())
         if key not in launch:
             # one compile per kernel variant, shared by every shape bucket that runs it (a growing
             # cache makes a new bucket at each decode step)
             variant = (tuple(sorted(launch["constexprs"].items())), launch["maxnreg"], has_lens, page, str(device),
-                       merged)
+                       merged, build_dtype)
             if variant not in self._variants:
-                args, kwargs = self.mock_arguments(launch, torch.bfloat16, has_lens, page, merged)
+                args, kwargs = self.mock_arguments(launch, build_dtype, has_lens, page, merged)
                 with torch.cuda.device(device):
                     compiled = self._kernels()[0].warmup(*args, grid=(1, 1, 1), **kwargs)
                     compiled._init_handles()
@@ -407,7 +410,7 @@ class GluonAttention:
         programs = q.shape[0] * self.head_programs(launch) * splits
         if programs > MERGE_MOST_PROGRAMS:
             return False
-        resident = self.resident(launch, torch.bfloat16, has_lens, 0, q.device, merged=True)
+        resident = self.resident(launch, q.dtype, has_lens, 0, q.device, merged=True)
         return programs <= resident * num_sms(q.device)
 
     def barrier(self, q, groups: int) -> torch.Tensor:
