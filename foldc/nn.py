@@ -537,6 +537,10 @@ def _linear_weight(linear: torch.nn.Linear, name: str, then: str = "") -> torch.
         raise InputError(f"{name}'s weight dtype={w.dtype}: foldc quantizes floating-point weights (an integer weight "
                          "is another quantizer's codes, whose scales it does not see); load the float weights, or "
                          f"convert the quantized ones with foldc.gemm.convert{then}")
+    if w.element_size() == 1:   # float8 (and float4 pairs): codes whose scales the quantizer keeps apart
+        raise InputError(f"{name}'s weight dtype={w.dtype}: an 8-bit float weight is another quantizer's codes (FP8 "
+                         "linears keep their scales apart, e.g. weight_scale or weight_scale_inv), which foldc would "
+                         f"quantize without them; load the float weights (bf16, fp16 or fp32){then}")
     if tuple(w.shape) != (linear.out_features, linear.in_features):
         raise InputError(f"{name}'s weight shape={tuple(w.shape)} but the linear is {linear.out_features} x "
                          f"{linear.in_features} (out_features x in_features): its weight is stored in another "

@@ -790,6 +790,28 @@ def test_a_weight_that_is_not_the_linears_float_matrix_is_refused(weight, match)
     assert torch.allclose(layer(x).double(), _reference(layer, x), rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_an_fp8_weight_whose_scales_are_kept_apart_is_refused(dtype):
+    """An FP8 linear (transformers' FP8Linear, FbgemmFp8Linear: nn.Linear subclasses) holds float8 codes of w / scale
+    as its weight and the per-row or per-block scale in another parameter. from_linear and quantize_model took the
+    float8 weight as floating point and quantized the codes as the layer's values, the scales dropped: silently a
+    weight off by each row's scale. Refused by name now, naming the dtype."""
+    from foldc.integrations.hf import quantize_model
+
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    w = torch.randn(32, 128, generator=gen) * 0.02
+    scale = w.abs().amax(1, keepdim=True) / float(torch.finfo(dtype).max)   # the per-row scale, kept apart
+    linear = _CodesLinear(128, 32)
+    linear.weight = torch.nn.Parameter((w / scale).to(dtype), requires_grad=False)
+    linear.weight_scale = torch.nn.Parameter(scale, requires_grad=False)
+    with pytest.raises(InputError, match=rf"linear's weight dtype={dtype}: an 8-bit float weight is another"):
+        FoldLinear.from_linear(linear, "k-group:4:64")
+    model = torch.nn.Sequential(linear)
+    with pytest.raises(InputError, match=rf"^0's weight dtype={dtype}: .*the model is unchanged"):
+        quantize_model(model, weight="k-group:4:64", skip=())
+    assert model[0] is linear
+
+
 @settings(max_examples=8, deadline=None)
 @given(enc=st.sampled_from(["k-group:4:32", "k-group:2:64:bf16", "per-channel:8"]), layers=st.integers(2, 4),
        seed=st.integers(0, 2**31 - 1))

@@ -145,8 +145,8 @@ def load_quantized(model: torch.nn.Module, state_dict: Mapping, *, checkpoint: s
     ``checkpoint``: ``"gptq"`` (v1, the zeros stored minus one), ``"gptq_v2"`` or ``"awq"`` (AutoAWQ's GEMM format);
     ``bits`` and ``group_size``: the checkpoint's quantization config. Refused by name before the model changes: a
     packed layer the model has no ``nn.Linear`` for (a prefix that does not match), a tensor the model has no place
-    for, a parameter of the model the checkpoint does not hold (it would keep its random value), a layer whose
-    tensors do not convert. Returns the names of the replaced layers."""
+    for or of another shape than the model's, a parameter of the model the checkpoint does not hold (it would keep
+    its random value), a layer whose tensors do not convert. Returns the names of the replaced layers."""
     from ..gemm.convert import from_awq, from_gptq, from_gptq_act_order
     from ..nn import FoldLinear
 
@@ -211,6 +211,13 @@ def load_quantized(model: torch.nn.Module, state_dict: Mapping, *, checkpoint: s
     if unknown:
         raise InputError(f"the checkpoint holds {unknown[0]!r} (and {len(unknown) - 1} more) that the model has no "
                          "place for: build the model from the checkpoint's config")
+    for k, t in rest.items():   # load_state_dict copies the tensors that fit before it raises on one that does not
+        if k.rpartition(".")[2] == "_extra_state" or not isinstance(own[k], torch.Tensor):
+            continue   # a module's extra state is its own to check (set_extra_state), whatever its shape
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(own[k].shape):
+            got = f"shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else f"a {type(t).__name__}"
+            raise InputError(f"the checkpoint's {k!r} is {got} but the model's is {tuple(own[k].shape)}: build the "
+                             "model from the checkpoint's config; the model is unchanged")
     loaded = {id(own[k]) for k in rest}   # a tied parameter (lm_head and the embedding) is one object under two names
     missing = sorted(k for k, t in own.items() if k not in rest and k not in replaced and id(t) not in loaded)
     if missing:

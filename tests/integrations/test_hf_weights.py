@@ -114,6 +114,22 @@ def test_a_checkpoint_that_does_not_fit_the_model_is_refused_before_it_changes()
         assert all(torch.equal(v, before[k]) for k, v in target.state_dict().items())
 
 
+def test_a_checkpoint_tensor_of_another_shape_is_refused_before_the_model_changes():
+    """A checkpoint of another config (a vocabulary of 100 where the model has 96): load_state_dict copied every
+    tensor that fit (lm_head's weight among them) and then raised a RuntimeError about the embedding, leaving the model
+    half loaded, its linears unreplaced. Refused by name now, before any change."""
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    tensors, _, _ = checkpoint(model("llama", 1), "gptq", 4, 32, gen)
+    tensors["model.embed_tokens.weight"] = torch.randn(100, 64, generator=gen)
+    target = model("llama", 2)
+    before = {k: v.clone() for k, v in target.state_dict().items()}
+    with pytest.raises(InputError, match=r"the checkpoint's 'model\.embed_tokens\.weight' is shape \(100, 64\) but "
+                                         r"the model's is \(96, 64\): .*the model is unchanged"):
+        fhf.load_quantized(target, tensors, checkpoint="gptq", bits=4, group_size=32)
+    assert not any(isinstance(m, FoldLinear) for m in target.modules())
+    assert all(torch.equal(v, before[k]) for k, v in target.state_dict().items())
+
+
 def test_a_checkpoint_without_the_bias_of_a_biased_linear_is_refused():
     """Qwen2's q/k/v projections have biases: a checkpoint that lacks one (a shard not passed) made a FoldLinear
     without it, silently, where every other parameter the checkpoint lacks is refused by name."""
