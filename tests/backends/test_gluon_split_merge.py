@@ -84,6 +84,39 @@ def test_a_merging_call_launches_the_decode_alone_with_its_output_lse_and_barrie
     assert (len(decode.launches), len(merge.launches)) == (3, 0)
 
 
+def test_a_refused_cooperative_launch_falls_back_to_two_launches(merging, monkeypatch):
+    """Where the driver refuses the merging decode's cooperative launch (fewer SMs than the device reports, as under
+    MPS), the call launches the decode and the merge kernel instead, warns once, and the launcher stops merging; the
+    barrier is left untouched. Other launch errors are raised as they are."""
+    attn, _, merge, q, k, v, gen = merging
+
+    class Refusing(LaunchRecorder):
+        error = "too many blocks in cooperative launch"
+
+        def __getitem__(self, grid):
+            def launch_or_refuse(*args, **kwargs):
+                if kwargs.get("launch_cooperative_grid") or "illegal" in self.error:
+                    raise RuntimeError(f"foldc launch [CUDA]: {self.error}")
+                super(Refusing, self).__getitem__(grid)(*args, **kwargs)
+            return launch_or_refuse
+
+    decode = Refusing()
+    monkeypatch.setattr(attn, "_launchers", lambda: (decode, merge))
+    launch = attn.plan_launch(torch.float16, 2, 256, torch.device("cpu"))
+    ws, lse = attn._scratch.get(launch, torch.device("cpu"), (2, 32))
+    out = torch.empty(2, 32, 128, dtype=q.dtype)
+    with pytest.warns(RuntimeWarning, match="cooperative launch"):
+        attn.launch(launch.options, q, k, v, None, ws, out, lse, 0.1, launch.per_split, launch.splits, 256)
+    assert not attn.merge_in_decode
+    assert (len(decode.launches), len(merge.launches)) == (1, 1)
+    assert "MERGE" not in decode.keywords[0] and not attn.barrier(q, 0).any()
+    attn.merge_in_decode = True
+    decode.error = "an illegal memory access was encountered"
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        attn.launch(launch.options, q, k, v, None, ws, out, lse, 0.1, launch.per_split, launch.splits, 256)
+    assert attn.merge_in_decode
+
+
 def test_calls_that_do_not_merge_inside_launch_the_merge_kernel(merging):
     """A launcher told not to (``merge_in_decode = False``) and a non-contiguous output keep two launches, the
     decode's page-table and counter arguments not the output's."""

@@ -451,7 +451,18 @@ class GluonAttention:
         args, kwargs = self.decode_arguments(launch, q, k, v, lens, ws, sm_scale, per_split, cache_tokens, paged,
                                              counters, merged)
         grid = (q.shape[0], self.head_programs(launch), splits)
-        decode[grid](*args, **kwargs)
+        try:
+            decode[grid](*args, **kwargs)
+        except RuntimeError as err:
+            if not merging or "cooperative launch" not in str(err):
+                raise
+            # the driver holds fewer programs at once than the SMs x the build's residency promise (MPS's share of
+            # the SMs, a green context): the kernel never ran; this launcher keeps two launches from now on
+            warnings.warn(f"foldc: the decode that merges its splits inside was refused as a cooperative launch of "
+                          f"{math.prod(grid)} programs ({err}); this launcher launches the merge kernel from now on "
+                          "(merge_in_decode = False)", RuntimeWarning, stacklevel=3)
+            self.merge_in_decode = False
+            return self.launch(launch, q, k, v, lens, ws, out, lse, sm_scale, per_split, splits, cache_tokens, paged)
         if merging:
             if bindable:
                 self._bindings.note(key, launch, state,
