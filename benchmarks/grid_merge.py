@@ -8,6 +8,10 @@ and the GPU time in CUDA-graph replay (L2 flushed; production's graphs launch th
 captured alone for its GPU time):
 
     PYTHONPATH=. python3 benchmarks/grid_merge.py --out $OUT/grid_merge.json
+    PYTHONPATH=. python3 benchmarks/grid_merge.py --variants production,packed,sleep --out $OUT/barriers.json
+
+``--variants``: the merging launch ("fused" in the rows) with each barrier of benchmarks/variants/merge_barrier.py in
+turn, each row labelled with its own.
 """
 from __future__ import annotations
 
@@ -111,18 +115,29 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cases", default="token:2:128,32/8,1,16384;token:2:128,32/8,1,4096;token:2:128,32/8,1,65536;"
                     "token:4:128,32/8,1,16384;token:2:128,32/8,4,16384;token:2:128,8/8,1,16384")
+    ap.add_argument("--variants", default=None, help="barriers of benchmarks/variants/merge_barrier.py, e.g. "
+                    "production,packed,sleep")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    kernel = foldc_decode_gluon
+    kernels = {"production": foldc_decode_gluon}
+    if args.variants:
+        import sys
+        from pathlib import Path
+
+        sys.path.insert(0, str(Path(__file__).resolve().parent / "variants"))
+        from merge_barrier import decode_kernel
+
+        kernels = {name: decode_kernel(name) for name in args.variants.split(",")}
     rows = []
     for item in args.cases.split(";"):
         layout, heads, batch, tokens = item.split(",")
-        try:
-            row = case(layout, heads, int(batch), int(tokens), kernel)
-        except Exception as e:   # keep going: the row records it
-            row = dict(layout=layout, heads=heads, batch=batch, tokens=tokens, fail=repr(e)[:400])
-        print(json.dumps(row), flush=True)
-        rows.append(row)
+        for name, kernel in kernels.items():
+            try:
+                row = dict(case(layout, heads, int(batch), int(tokens), kernel), barrier=name)
+            except Exception as e:   # keep going: the row records it
+                row = dict(layout=layout, heads=heads, batch=batch, tokens=tokens, barrier=name, fail=repr(e)[:400])
+            print(json.dumps(row), flush=True)
+            rows.append(row)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)

@@ -4,6 +4,7 @@
 # buffers), in four device calls of under ten minutes each. From the repository root on the device:
 #
 #     bash benchmarks/host_path_gpu.sh merged     # eager calls merging inside the decode: checked, timed
+#     bash benchmarks/host_path_gpu.sh merge_barriers  # its grid barrier's variants beside production
 #     bash benchmarks/host_path_gpu.sh checks     # correctness against float64 / quantize's bits, real driver:
 #     bash benchmarks/host_path_gpu.sh checks2    #   the serving caches and Gluon kernels, then Triton, GEMV, nn
 #     bash benchmarks/host_path_gpu.sh times      # host time per call beside cuDNN, DynamicCache, nn.Linear
@@ -55,6 +56,10 @@ case "${1:-checks}" in
     step grid_merge 150 python3 benchmarks/grid_merge.py --out "$OUT/grid_merge.json"
     step launch_cost 90 python3 benchmarks/launch_cost.py --out "$OUT/launch_cost.json"
     step call_overhead 110 python3 benchmarks/call_overhead.py --shape 1x16384 --out "$OUT/call_overhead.json"
+    ;;
+  merge_barriers)   # the merging decode's barrier: production beside one packed word and sleeps between polls
+    # (benchmarks/variants/merge_barrier.py), every variant checked against float64 by the run
+    step barriers 300 python3 benchmarks/grid_merge.py --variants production,packed,sleep --out "$OUT/barriers.json"
     ;;
   checks)
     step append 120 python3 -m pytest -q -x tests/serving/test_append.py -k "gpu"

@@ -7,7 +7,8 @@ order; addresses left out), written to a file or compared with one written befor
 
 Layouts: the CI grid's (tests/backends/test_gluon_grid_aot.py) by default, or ``--grid quick|timed|full``
 of `foldc bench --layouts`; ``--only`` keeps the labels that contain one of its comma-separated words.
-``--gemv``: the register-operand GEMV instead (GEMV_CASES: weight encodings x activation rows x dtypes).
+``--gemv``: the register-operand GEMV instead (GEMV_CASES: weight encodings x activation rows x dtypes); ``--merge``:
+the decode builds that merge their splits inside (an eager call's cooperative launch, split_merge.py).
 """
 from __future__ import annotations
 
@@ -51,7 +52,7 @@ def gemv_layouts():
             for enc, n, k, m, dtype in GEMV_CASES]
 
 
-def sass_hash(spec, arch: str) -> str:
+def sass_hash(spec, arch: str, merge: bool = False) -> str:
     from foldc.backends.gluon.aot import compile_gluon_aot
     from foldc.backends.gluon.gemv_aot import compile_gemv_aot
     from foldc.backends.runtime.sass import disassemble
@@ -60,7 +61,7 @@ def sass_hash(spec, arch: str) -> str:
         if isinstance(spec, tuple):   # a GEMV: (spec, m, dtype)
             compile_gemv_aot(spec[0], arch, out, m=spec[1], dtype=spec[2])
         else:
-            compile_gluon_aot(spec, arch, out)
+            compile_gluon_aot(spec, arch, out, merge=merge)
         cubin = next(Path(out).glob(f"*.{arch}.cubin"))
         text = "\n".join(f"{op} {args}" for _, op, args in disassemble(cubin))
     return hashlib.sha256(text.encode()).hexdigest()
@@ -72,6 +73,7 @@ def main(argv=None) -> int:
     ap.add_argument("--only", default=None)
     ap.add_argument("--gemv", action="store_true", help="the GEMV's builds (GEMV_CASES) instead of attention's")
     ap.add_argument("--arch", default="sm_90,sm_100")
+    ap.add_argument("--merge", action="store_true", help="the decode builds that merge their splits inside")
     group = ap.add_mutually_exclusive_group(required=True)
     group.add_argument("--out")
     group.add_argument("--compare")
@@ -86,7 +88,7 @@ def main(argv=None) -> int:
     for label, spec in chosen:
         for arch in args.arch.split(","):
             try:
-                hashes[f"{label} {arch}"] = sass_hash(spec, arch)
+                hashes[f"{label} {arch}"] = sass_hash(spec, arch, args.merge)
             except FoldError as e:
                 hashes[f"{label} {arch}"] = f"refused: {str(e)[:120]}"
             print(f"{label} {arch}: {hashes[f'{label} {arch}'][:16]}", flush=True)
