@@ -503,3 +503,91 @@ def test_runs_of_one_plan_take_a_prepared_run_over_the_plans_buffers(monkeypatch
         wrapper.run(q, *others, out=out, sm_scale=0.1, seq_lens=lens.long())
     _, lse = wrapper.run(q, *others, out=out, sm_scale=0.1, return_lse=True)
     assert lse is not wrapper._buffers["lse"]
+
+
+def _repeating_wrapper(monkeypatch, plain_v: bool = False):
+    """A wrapper on stand-in register-operand launches, planned over two sequences, with its pools, a query and an
+    out: the pieces of a serving loop's repeated `run`."""
+    from _stand_in_wrapper import stand_in_register_operand
+
+    enc = A(2, "token", 128)
+    spec = S(32, 8, 128, enc, None if plain_v else enc)
+    wrapper = PagedDecodeWrapper(spec, 64, max_seq_len=1024, device="cpu")
+    decode, _ = stand_in_register_operand(wrapper, spec, monkeypatch)
+    gen = torch.Generator().manual_seed(23)
+    pools = [page_pool(spec, "k", 20, 64), page_pool(spec, "v", 20, 64, dtype=torch.float16) if plain_v
+             else page_pool(spec, "v", 20, 64)]
+    wrapper.plan(torch.tensor([0, 3, 5], dtype=torch.int32), torch.randperm(20, generator=gen)[:5].int(), None,
+                 num_pages=20, seq_lens=[150, 100])
+    q = torch.randn(2, 32, 128, generator=gen).half()
+    return wrapper, decode, pools, q, torch.empty_like(q), gen
+
+
+def test_a_repeated_run_skips_its_checks_and_launches_with_the_new_query(monkeypatch):
+    """A call that repeats the last checked one (same pools, lengths, scale and out; a q of the same shape, strides,
+    dtype and device) goes straight to its prepared run: no check runs again, and the decode gets the new q's
+    address. Another scale, other pools, another out, a q of another shape, a return_lse call or a plan in between
+    each take the checks again."""
+    wrapper, decode, pools, q, out, gen = _repeating_wrapper(monkeypatch)
+    checks = []
+    real = PagedDecodeWrapper._check_pool
+    monkeypatch.setattr(PagedDecodeWrapper, "_check_pool", lambda self, *a: checks.append(a[0]) or real(self, *a))
+    for _ in range(3):
+        wrapper.run(q, *pools, out=out, sm_scale=0.1)
+    assert wrapper._repeat is not None and len(checks) == 2   # the first call's pools; the others repeat it
+    for _ in range(3):
+        q2 = torch.randn(2, 32, 128, generator=gen).half()
+        assert wrapper.run(q2, *pools, out=out, sm_scale=0.1) is out
+        assert decode.bound[0].calls[-1][0] == q2.data_ptr()
+    assert len(checks) == 2
+    wrapper.run(q, *pools, out=out, sm_scale=0.2)                        # another scale: checked
+    wrapper.run(q, *pools, out=torch.empty_like(q), sm_scale=0.2)        # another out: checked
+    _, lse = wrapper.run(q, *pools, out=out, sm_scale=0.2, return_lse=True)   # lse asked: checked
+    assert len(checks) == 8 and lse.shape == (2, 32)
+    with pytest.raises(InputError, match="q shape"):
+        wrapper.run(q[:1], *pools, out=out, sm_scale=0.2)
+    wrapper.run(q, *pools, out=out, sm_scale=0.2)
+    wrapper.plan(torch.tensor([0, 2, 5], dtype=torch.int32), torch.randperm(20, generator=gen)[:5].int(), None,
+                 num_pages=20, seq_lens=[120, 190])
+    assert wrapper._repeat is None
+    before = len(checks)
+    wrapper.run(q, *pools, out=out, sm_scale=0.2)
+    assert len(checks) == before + 2
+    other = [page_pool(wrapper.spec, name, 20, 64) for name in "kv"]
+    wrapper.run(q, *other, out=out, sm_scale=0.2)
+    assert len(checks) == before + 4
+
+
+def test_a_repeated_run_still_refuses_a_query_over_its_out(monkeypatch):
+    """The one check a repeated call keeps on its own: a q whose memory meets the out it writes is sent through the
+    checks, which name it; a q of other strides or dtype is checked as any call."""
+    wrapper, decode, pools, q, out, gen = _repeating_wrapper(monkeypatch)
+    big = torch.randn(4, 32, 128, generator=gen).half()
+    out = big[:2]
+    for _ in range(2):
+        wrapper.run(q, *pools, out=out, sm_scale=0.1)
+    assert wrapper._repeat is not None
+    with pytest.raises(InputError, match="out shares memory with q"):
+        wrapper.run(big[1:3], *pools, out=out, sm_scale=0.1)
+    with pytest.raises(InputError, match="q dtype"):
+        wrapper.run(q.double(), *pools, out=out, sm_scale=0.1)
+    strided = torch.randn(2, 128, 32, generator=gen).half().transpose(1, 2)
+    with pytest.raises(InputError, match="unit stride"):
+        wrapper.run(strided, *pools, out=out, sm_scale=0.1)
+
+
+def test_a_repeated_run_keeps_refusing_gradients(monkeypatch):
+    """A q or a plain pool that records gradients is not a repeat: the result is wrapped so that a backward through
+    it raises, as for any call (a plain pool's requires_grad may be switched on in place between calls)."""
+    wrapper, decode, pools, q, out, gen = _repeating_wrapper(monkeypatch, plain_v=True)
+    for _ in range(2):
+        wrapper.run(q, *pools, out=out, sm_scale=0.1)
+    assert wrapper._repeat is not None
+    pools[1].requires_grad_(True)
+    result = wrapper.run(q, *pools, out=out, sm_scale=0.1)
+    assert result.requires_grad
+    with pytest.raises(foldc.FoldError, match="has no backward"):
+        result.float().sum().backward()
+    pools[1].requires_grad_(False)
+    grad_q = q.clone().requires_grad_(True)
+    assert wrapper.run(grad_q, *pools, out=out, sm_scale=0.1).requires_grad
