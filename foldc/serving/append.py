@@ -449,7 +449,9 @@ def append_paged(pool: AffineTensor, x: torch.Tensor, kv_indptr: torch.Tensor, k
         would write one page twice (two sequences' entries naming it: a prefix shared on read), is refused by name;
         on the GPU (a check would sync) the kernel reads no entry past kv_indices' length and writes no token whose
         entry lies there, but a page written through two entries is not caught: the last write wins, silently (plan
-        such a table with `PagedDecodeWrapper.plan`, which refuses it, or give each writer a page of its own).
+        such a table with `PagedDecodeWrapper.plan`, which takes a page listed twice only as a full page before each
+        listing sequence's last token, which appends at the sequences' ends never write; or give each writer a
+        page of its own).
     start : torch.Tensor, int32 or int64 ``[batch]``
         Token position of x's first token in each sequence (device). Channel-wise encodings need a
         multiple of group_size (a group starts there). Not checked (a sync): tokens at negative

@@ -82,10 +82,12 @@ def _host_lengths(seq_lens) -> list[int]:
 
 
 def check_page_table(kv_indptr, kv_indices, kv_last_page_len, num_pages: int, page_size: int,
-                     seq_lens=None) -> PageTable:
+                     seq_lens=None, shared: bool = False) -> PageTable:
     """Validate a page table on the host; every error names the value and the fix. With
     ``kv_last_page_len=None``, ``seq_lens`` gives the lengths instead, and a sequence may own
-    pages past its last token (reserved for appends)."""
+    pages past its last token (reserved for appends). ``shared``: a page may be listed more than once (a prefix
+    several sequences read) where every entry naming it is a full page before its sequence's last token, which no
+    append at the sequence's end writes; otherwise every entry names a page of its own."""
     if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 1:
         raise SpecError(f"num_pages={num_pages!r} must be a positive integer (pages in the pool)")
     if kv_last_page_len is not None and seq_lens is not None:   # (one would be ignored)
@@ -123,24 +125,51 @@ def check_page_table(kv_indptr, kv_indices, kv_last_page_len, num_pages: int, pa
             where = int(((indices < 0) | (indices >= num_pages)).nonzero()[0])
             raise InputError(f"kv_indices[{where}]={bad} points outside the pool of num_pages={num_pages}; every "
                              f"page index must lie in [0, {num_pages - 1}]")
-        if torch.unique(indices).numel() != indices.numel():
-            raise InputError("kv_indices lists a page twice; every page-table entry must name a different page "
-                             "(two sequences writing one page would corrupt each other)")
     if kv_last_page_len is None:
         for b in range(batch):
             if not 0 <= last[b] <= pages[b] * page_size:
                 raise InputError(f"seq_lens[{b}]={last[b]} but sequence {b} owns {pages[b]} pages of "
                                  f"page_size={page_size} tokens; give it more pages in kv_indices")
-        return PageTable(batch, num_pages, page_size, tuple(last), tuple(pages))
-    lens = []
-    for b in range(batch):
-        n = last[b]
-        if pages[b] == 0 and n != 0:
-            raise InputError(f"sequence {b} owns no page but kv_last_page_len[{b}]={n}; it must be 0")
-        if not 0 <= n <= page_size:
-            raise InputError(f"kv_last_page_len[{b}]={n} must lie in [0, page_size={page_size}]")
-        lens.append((pages[b] - 1) * page_size + n if pages[b] else 0)
+        lens = list(last)
+    else:
+        lens = []
+        for b in range(batch):
+            n = last[b]
+            if pages[b] == 0 and n != 0:
+                raise InputError(f"sequence {b} owns no page but kv_last_page_len[{b}]={n}; it must be 0")
+            if not 0 <= n <= page_size:
+                raise InputError(f"kv_last_page_len[{b}]={n} must lie in [0, page_size={page_size}]")
+            lens.append((pages[b] - 1) * page_size + n if pages[b] else 0)
+    if indices.numel():
+        _check_shared_pages(indices, pages, lens, page_size, shared)
     return PageTable(batch, num_pages, page_size, tuple(lens), tuple(pages))
+
+
+def _check_shared_pages(indices: torch.Tensor, pages: list[int], lens: list[int], page_size: int,
+                        shared: bool) -> None:
+    """Refuse a page listed more than once, unless ``shared`` and every entry naming it is a full page before its
+    sequence's last token (read by each, written by none: an append at a sequence's end lands past it)."""
+    values, counts = torch.unique(indices, return_counts=True)
+    if bool((counts == 1).all()):
+        return
+    twice = values[counts > 1]
+    listed = torch.isin(indices, twice)
+    if not shared:
+        where = int(listed.nonzero()[0])
+        raise InputError(f"kv_indices lists page {int(indices[where])} more than once; every page-table entry of "
+                         "this cache must name a page of its own (its appends write them); a PagedDecodeWrapper "
+                         "takes a prefix of full pages shared by several sequences")
+    seq = torch.repeat_interleave(torch.arange(len(pages)), torch.tensor(pages))
+    starts = torch.tensor([0] + pages[:-1]).cumsum(0)
+    page_end = (torch.arange(indices.numel()) - starts[seq] + 1) * page_size   # tokens up to each entry's end
+    bad = listed & (page_end > torch.tensor(lens)[seq])
+    if bool(bad.any()):
+        where = int(bad.nonzero()[0])
+        b, page = int(seq[where]), int(indices[where])
+        raise InputError(f"kv_indices[{where}] lists page {page} again, as entry {where - int(starts[b])} of "
+                         f"sequence {b}, which holds {lens[b]} tokens: a page listed more than once must be full "
+                         f"before each of its sequences' last tokens ({page_size} tokens each), a prefix they only "
+                         "read; give the partly filled page of each sequence a page of its own")
 
 
 def gather_pages(pool, kv_indptr, kv_indices, seq_lens, page_size: int):
@@ -154,7 +183,7 @@ def gather_pages(pool, kv_indptr, kv_indices, seq_lens, page_size: int):
     if pool.shape[2] != page_size:
         raise InputError(f"pool holds pages of {pool.shape[2]} tokens but page_size={page_size}; pass the pool's "
                          "page size")
-    check_page_table(kv_indptr, kv_indices, None, pool.shape[0], page_size, seq_lens)
+    check_page_table(kv_indptr, kv_indices, None, pool.shape[0], page_size, seq_lens, shared=True)
     indptr = kv_indptr.cpu().tolist()
     indices = kv_indices.cpu().tolist()
     batch = len(indptr) - 1
@@ -355,7 +384,8 @@ class PagedDecodeWrapper:
         kv_indptr : torch.Tensor, int32 ``[batch + 1]``
             Non-decreasing from 0: sequence b owns entries ``kv_indptr[b]:kv_indptr[b + 1]``.
         kv_indices : torch.Tensor, int32 ``[kv_indptr[-1]]``
-            Distinct page numbers in ``[0, num_pages)``, in token order.
+            Page numbers in ``[0, num_pages)``, in token order; a page listed more than once (a prefix several
+            sequences share, read-only) must be a full page before the last token of each sequence listing it.
         kv_last_page_len : torch.Tensor, int32 ``[batch]``, or None
             Tokens in each sequence's last page, in ``[0, page_size]`` (module doc).
         num_pages : int
@@ -369,7 +399,8 @@ class PagedDecodeWrapper:
         PageTable
             Host facts: lengths, pages per sequence, headroom for appends.
         """
-        table = check_page_table(kv_indptr, kv_indices, kv_last_page_len, num_pages, self.page_size, seq_lens)
+        table = check_page_table(kv_indptr, kv_indices, kv_last_page_len, num_pages, self.page_size, seq_lens,
+                                 shared=True)
         most = max(table.seq_lens)
         if most > self.max_seq_len:
             b = table.seq_lens.index(most)
@@ -378,8 +409,10 @@ class PagedDecodeWrapper:
         lens = torch.tensor(table.seq_lens, dtype=torch.int32)
         self._repeat = None   # the launches and buffers a repeated call holds may change below
         self._store("kv_indptr", kv_indptr.to(torch.int32))
-        # room for every page of the pool (entries are distinct pages), so re-plans never move it
-        self._store("kv_indices", kv_indices.to(torch.int32), capacity=num_pages)
+        # room for every table of this batch, so re-plans never move it: pages listed once are distinct (at most the
+        # pool's), and a sequence lists shared pages for whole pages of its tokens only (at most max_seq_len's)
+        self._store("kv_indices", kv_indices.to(torch.int32),
+                    capacity=num_pages + table.batch * (self.max_seq_len // self.page_size))
         self._store("seq_lens", lens)
         self.table = table
         if self.target != "reference":

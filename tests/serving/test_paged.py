@@ -299,7 +299,8 @@ def _planned(spec=TOKEN_SPEC, page_size=16):
      InputError, r"kv_indices\[1\]=4 points outside the pool of num_pages=4; .*\[0, 3\]"),
     (lambda: _planned().plan(torch.tensor([0, 2], dtype=torch.int32), torch.tensor([1, 1], dtype=torch.int32),
                              torch.tensor([5], dtype=torch.int32), num_pages=4),
-     InputError, r"lists a page twice"),
+     InputError, r"kv_indices\[1\] lists page 1 again, as entry 1 of sequence 0, which holds 21 tokens: a page "
+                 r"listed more than once must be full"),
     (lambda: _planned().plan(torch.tensor([0, 3], dtype=torch.int32), torch.tensor([1, 2], dtype=torch.int32),
                              torch.tensor([5], dtype=torch.int32), num_pages=4),
      InputError, r"kv_indptr\[-1\]=3 but kv_indices holds 2 entries"),
@@ -591,3 +592,67 @@ def test_a_repeated_run_keeps_refusing_gradients(monkeypatch):
     pools[1].requires_grad_(False)
     grad_q = q.clone().requires_grad_(True)
     assert wrapper.run(grad_q, *pools, out=out, sm_scale=0.1).requires_grad
+
+
+def _shared_prefix_table(batch: int, num_pages: int, page_size: int, gen):
+    """A table whose sequences all begin with the same 1..2 full pages (a prompt's prefix, read by each), then
+    1..2 pages of their own, the last partly filled: the entries, and the lengths."""
+    prefix = torch.randperm(num_pages, generator=gen)
+    shared, own = prefix[:int(torch.randint(1, 3, (), generator=gen))], prefix[2:]
+    rows, lens, taken = [], [], 0
+    for _ in range(batch):
+        mine = own[taken:taken + int(torch.randint(1, 3, (), generator=gen))]
+        taken += mine.numel()
+        rows.append(torch.cat([shared, mine]))
+        lens.append((rows[-1].numel() - 1) * page_size + int(torch.randint(1, page_size + 1, (), generator=gen)))
+    indptr = torch.tensor([0] + [r.numel() for r in rows]).cumsum(0).to(torch.int32)
+    return indptr, torch.cat(rows).to(torch.int32), lens
+
+
+@settings(max_examples=5, deadline=None)
+@given(name=st.sampled_from(sorted(SPECS)), batch=st.integers(2, 3), seed=st.integers(0, 2**31 - 1))
+def test_sequences_sharing_a_prefix_of_full_pages_read_it_each(name, batch, seed):
+    """A prefix of full pages listed by every sequence (FlashInfer's shared prefix: one copy of a prompt's pages) is
+    a table `plan` takes, and each sequence attends over it and its own pages within the bar of float64 over the
+    same tokens gathered apart; the table's buffer holds room for it, so a re-plan does not move it."""
+    spec, page_size = SPECS[name], 32
+    gen = torch.Generator().manual_seed(seed)
+    num_pages = 3 * batch + 2
+    k_pages, v_pages = random_pools(spec, num_pages, page_size, gen)
+    indptr, indices, lens = _shared_prefix_table(batch, num_pages, page_size, gen)
+    wrapper = PagedDecodeWrapper(spec, page_size, max_seq_len=4 * page_size, target="interpret")
+    table = wrapper.plan(indptr, indices, None, num_pages=num_pages, seq_lens=lens)
+    assert list(table.seq_lens) == lens
+    q = torch.randn(batch, spec.num_q_heads, spec.head_dim, generator=gen).half()
+    got = wrapper.run(q, k_pages, v_pages, sm_scale=0.1)
+    ref, k, v = reference_over_pages(spec, q, k_pages, v_pages, indptr, indices, lens, page_size, 0.1)
+    assert rel_l2(got, ref) <= TOL
+    buffer = wrapper.kv_indices
+    every = torch.cat([indices[:int(indptr[1])]] * batch)   # every sequence the first one's pages: all shared
+    wrapper.plan(torch.arange(0, every.numel() + 1, int(indptr[1]), dtype=torch.int32), every, None,
+                 num_pages=num_pages, seq_lens=[int(indptr[1]) * page_size] * batch)
+    assert wrapper.kv_indices is buffer
+
+
+@pytest.mark.parametrize("entries, lens, where", [
+    ([[5, 3], [3, 6]], [40, 64], "kv_indices\\[1\\] lists page 3 again, as entry 1 of sequence 0, which holds 40"),
+    ([[5, 3], [3, 6]], [32, 64], "kv_indices\\[1\\] lists page 3 again, as entry 1 of sequence 0, which holds 32"),
+    ([[3, 3], [6]], [40, 20], "kv_indices\\[1\\] lists page 3 again, as entry 1 of sequence 0, which holds 40"),
+    ([[3, 5], [6, 3]], [64, 40], "kv_indices\\[3\\] lists page 3 again, as entry 1 of sequence 1, which holds 40"),
+])
+def test_a_page_listed_twice_is_refused_where_an_append_could_write_it(entries, lens, where):
+    """A page listed more than once that is not full before each listing sequence's last token (its partly filled
+    last page, or a page past its tokens reserved for appends) is refused, naming the entry; a PagedKVCache, whose
+    appends write every page of its tables, refuses any page listed twice."""
+    spec = S(4, 2, 64, A(2, "token", 32), A(2, "token", 32))
+    wrapper = PagedDecodeWrapper(spec, 32, max_seq_len=128, target="interpret")
+    indptr = torch.tensor([0] + [len(e) for e in entries]).cumsum(0).to(torch.int32)
+    indices = torch.tensor([p for e in entries for p in e], dtype=torch.int32)
+    with pytest.raises(InputError, match=where + " tokens: a page listed more than once must be full"):
+        wrapper.plan(indptr, indices, None, num_pages=8, seq_lens=lens)
+    from foldc.serving.paged import check_page_table
+
+    ok = torch.tensor([3, 5, 3, 6], dtype=torch.int32)
+    assert check_page_table(indptr.new_tensor([0, 2, 4]), ok, None, 8, 32, [40, 64], shared=True).pages == (2, 2)
+    with pytest.raises(InputError, match="lists page 3 more than once; every page-table entry of this cache"):
+        check_page_table(indptr.new_tensor([0, 2, 4]), ok, None, 8, 32, [40, 64])

@@ -369,7 +369,7 @@ def test_append_kernels_never_read_page_table_entries_past_kv_indices(seed, layo
        same_sequence=st.booleans(), seed=st.integers(0, 2**31 - 1))
 def test_append_paged_refuses_a_page_it_would_write_through_two_entries(layout, target, same_sequence, seed):
     """A page table whose entries name one page twice (two sequences', or one sequence's page listed twice), called
-    without `PagedDecodeWrapper.plan` (which refuses such a table): `append_paged` wrote both entries' tokens into
+    without `PagedDecodeWrapper.plan` (which refuses such a table where appends could write it): `append_paged` wrote both entries' tokens into
     that page, the last write winning, so one sequence's tokens were another's, silently. Refused now by name,
     nothing written. A shared page that no token of the append lands on (a prefix's page, tokens written past it)
     still passes, and the append writes what it writes over a table of distinct pages."""
