@@ -23,6 +23,7 @@ from .ir import BATCH, CHANNEL, KV_HEAD, Q_PER_KV, TOKEN
 from .options import KERNELS, attention_kernel, check_kernel  # noqa: F401 - KERNELS: public name
 from .passes import FOLD_POLICIES
 from .plan import Plan, plan
+from .reference import past_lengths_zeroed
 from .registry import attention_backend, workload_of
 from .spec import AttentionSpec
 from .targets import GPU_TARGETS, check_gpu_target, detect_target  # noqa: F401 - public names
@@ -63,6 +64,8 @@ class ReferenceAttention:
         sizes = {BATCH: call.batch, KV_HEAD: self.spec.num_kv_heads, Q_PER_KV: self.spec.q_per_kv,
                  CHANNEL: self.spec.head_dim, TOKEN: call.tokens}
         tokens = call.tokens if call.seq_lens is None else int(call.seq_lens.max())
+        if call.seq_lens is not None:   # (the executor's weights past a length are 0, and 0 x NaN is NaN)
+            k, v = past_lengths_zeroed(k, call.seq_lens), past_lengths_zeroed(v, call.seq_lens)
         env = Executor(self.plan.graph, TorchOps(q.device), bind_inputs(self.spec, q, k, v), sizes, tokens,
                        call.sm_scale, self.token_tile, valid_tokens=call.seq_lens).run()
         result = env[self.plan.graph.output].data.reshape(call.batch, self.spec.num_q_heads, self.spec.head_dim)

@@ -30,12 +30,30 @@ def attention_reference(q: torch.Tensor, k, v, sm_scale: float | None = None,
     b, hq, d = q.shape
     hkv, n = kf.shape[1], kf.shape[2]
     qf = q.to(torch.float64).reshape(b, hkv, hq // hkv, d)
+    if call.seq_lens is not None:   # (a NaN or Inf past a length gave NaN: weight 0 times NaN)
+        kf, vf = past_lengths_zeroed(kf, call.seq_lens), past_lengths_zeroed(vf, call.seq_lens)
     logits = torch.einsum("bkhd,bknd->bkhn", qf, kf) * call.sm_scale
     if call.seq_lens is not None:
         lens = call.seq_lens.reshape(b, 1, 1, 1)
         logits = logits.masked_fill(torch.arange(n, device=logits.device) >= lens, -math.inf)
     p = torch.softmax(logits, dim=-1)
     return torch.einsum("bkhn,bknd->bkhd", p, vf).reshape(b, hq, d)
+
+
+def past_lengths_zeroed(x, seq_lens: torch.Tensor):
+    """``x`` (an AffineTensor or a plain cache ``[batch, kv_heads, tokens, head_dim]``) with what belongs only to
+    tokens at or past ``seq_lens[b]`` set to 0 (new tensors; codes kept): plain values, a token-wise scale and zero
+    row per token, a channel-wise group's pair where the group starts at or past the length (a group that a length
+    cuts holds valid tokens too). Attention gives such tokens a weight of 0, and 0 times a NaN or Inf (storage
+    allocated by torch.empty) is NaN: the kernels never read them, so neither may the float64 references."""
+    lens = seq_lens.to(torch.int64).reshape(-1, 1)
+    if not isinstance(x, AffineTensor):
+        past = torch.arange(x.shape[2], device=x.device) >= lens   # [batch, tokens]
+        return x.masked_fill(past[:, None, :, None], 0)
+    step = x.encoding.group_size if x.encoding.layout == "channel" else 1   # tokens a scale row covers
+    past = torch.arange(x.scale.shape[2], device=x.device) * step >= lens   # [batch, scale rows]
+    return AffineTensor(x.codes, x.scale.masked_fill(past[:, None, :, None], 0),
+                        x.zero.masked_fill(past[:, None, :, None], 0), x.encoding, x.head_dim)
 
 
 def spec_of(q, k, v) -> AttentionSpec:

@@ -445,13 +445,13 @@ def append_paged(pool: AffineTensor, x: torch.Tensor, kv_indptr: torch.Tensor, k
     kv_indptr : torch.Tensor, int32 ``[batch + 1]``
     kv_indices : torch.Tensor, int32 ``[kv_indptr[-1]]`` (or longer)
         FlashInfer page table (foldc/serving/paged.py), validated by `PagedDecodeWrapper.plan`. Here a table on
-        the CPU (or target "reference") whose kv_indptr runs past kv_indices, or through whose entries the append
-        would write one page twice (two sequences' entries naming it: a prefix shared on read), is refused by name;
-        on the GPU (a check would sync) the kernel reads no entry past kv_indices' length and writes no token whose
-        entry lies there, but a page written through two entries is not caught: the last write wins, silently (plan
-        such a table with `PagedDecodeWrapper.plan`, which takes a page listed twice only as a full page before each
-        listing sequence's last token, which appends at the sequences' ends never write; or give each writer a
-        page of its own).
+        the CPU (or target "reference") whose kv_indptr decreases or runs past kv_indices, or through whose entries
+        the append would write one page twice (two sequences' entries naming it: a prefix shared on read), is
+        refused by name; on the GPU (a check would sync) the kernel reads no entry past kv_indices' length and
+        writes no token whose entry lies there, but a decreasing kv_indptr or a page written through two entries is
+        not caught: the last write wins, silently (plan such a table with `PagedDecodeWrapper.plan`, which takes a
+        page listed twice only as a full page before each listing sequence's last token, which appends at the
+        sequences' ends never write; or give each writer a page of its own).
     start : torch.Tensor, int32 or int64 ``[batch]``
         Token position of x's first token in each sequence (device). Channel-wise encodings need a
         multiple of group_size (a group starts there). Not checked (a sync): tokens at negative
@@ -500,7 +500,7 @@ def write_paged(pool: AffineTensor, x: torch.Tensor, kv_indptr: torch.Tensor, kv
         raise InputError(f"x is on {x.device} but the pool is on {pool.device}; move x there")
     mode = resolve_target(target, pool.device)
     if not table_checked and (mode == "reference" or kv_indptr.device.type == "cpu"):   # read with no device sync
-        _check_indptr_within(kv_indptr, kv_indices.numel())
+        _check_indptr(kv_indptr, kv_indices.numel())
     group = token_group(enc)
     if group and tokens % group:
         raise InputError(f"x holds {tokens} tokens, not a multiple of group_size={enc.group_size}; channel-wise "
@@ -536,11 +536,19 @@ def _table_tensor(name: str, t, n: int | None, batch: int, device: torch.device)
     return t.contiguous()
 
 
-def _check_indptr_within(kv_indptr: torch.Tensor, entries: int) -> None:
-    """Every ``kv_indptr`` entry in ``[0, entries]`` (``kv_indices``' length): the kernel reads sequence b's page
-    numbers at ``kv_indices[kv_indptr[b]:kv_indptr[b + 1]]``, and one past the end read whatever memory follows as
-    page numbers (tokens written into other sequences' pages, silently; the reference dropped them)."""
-    lo, hi = torch.stack(torch.aminmax(kv_indptr)).tolist()
+def _check_indptr(kv_indptr: torch.Tensor, entries: int) -> None:
+    """Every ``kv_indptr`` entry in ``[0, entries]`` (``kv_indices``' length), none below the one before: the kernel
+    reads sequence b's page numbers at ``kv_indices[kv_indptr[b]:kv_indptr[b + 1]]``, and one past the end read
+    whatever memory follows as page numbers (tokens written into other sequences' pages, silently; the reference
+    dropped them); a decrease gave one sequence no page (its tokens dropped) and the next the pages of those before
+    it (written over theirs through the same entries, which the check of pages written twice does not see)."""
+    lo, hi, step = torch.stack([*torch.aminmax(kv_indptr), kv_indptr.diff().min()]).tolist()
+    if step < 0:
+        b = int((kv_indptr.diff() < 0).nonzero()[0])
+        raise InputError(f"kv_indptr decreases at sequence {b} ({int(kv_indptr[b])} -> {int(kv_indptr[b + 1])}); it "
+                         "must be non-decreasing (a prefix sum of pages per sequence): sequence b owns entries "
+                         "kv_indptr[b]:kv_indptr[b + 1], so a range that runs back gives the next sequence the pages "
+                         "of those before it")
     if lo >= 0 and hi <= entries:
         return
     bad = lo if lo < 0 else hi

@@ -11,7 +11,9 @@ correctly or refused with a foldc error that names the value:
   channel-wise group off a group boundary (its rows ran past the page into the next one);
 - non-integer ``seq_lens`` in `PagedDecodeWrapper.plan` (truncated to another length);
 - lengths past a sequence's own pages under target="reference" (read padding copies of its last page);
-- `gather_pages` of a page index of -1 (the pool's last page, read as the sequence's).
+- `gather_pages` of a page index of -1 (the pool's last page, read as the sequence's);
+- `append_paged` with a decreasing ``kv_indptr`` (one sequence's tokens dropped, the next written over earlier
+  sequences' pages).
 
 Fresh random data throughout; Triton's interpreter (CPU, fp16) and the float64 reference.
 """
@@ -324,6 +326,30 @@ def test_append_paged_refuses_a_kv_indptr_past_its_kv_indices(bad, target):
     k, _ = gather_pages(pool, torch.tensor([0, 3], dtype=torch.int32), table[:3], [40], PAGE)
     want = foldc.quantize(x, enc)
     assert torch.equal(k.codes[:, :, :40], want.codes) and torch.equal(k.scale[:, :, :40], want.scale)
+
+
+@pytest.mark.parametrize("target", ["interpret", "reference"])
+@pytest.mark.parametrize("layout", ["token", "channel"])
+def test_append_paged_refuses_a_kv_indptr_that_decreases(layout, target):
+    """kv_indptr [0, 3, 1, 4] (a prefix sum gone wrong): sequence 1 owned no entry, its tokens dropped, and sequence
+    2 entries 1..3, two of them sequence 0's, so its tokens were written over sequence 0's through the same entries
+    (which the check of a page written through two entries does not see), silently. Refused now on a table read
+    with no device sync (CPU, "reference"), nothing written; the table put right writes every sequence's tokens."""
+    gen = torch.Generator().manual_seed(11 if layout == "token" else 12)
+    enc = A(4, layout, 32 if layout == "token" else 16)
+    pool = page_pool(S(4, 2, 64, enc, enc), "k", 8, PAGE)
+    x = torch.randn(3, 2, 32, 64, generator=gen).half()
+    table = torch.randperm(8, generator=gen)[:6].to(torch.int32)
+    start = torch.zeros(3, dtype=torch.int32)
+    with pytest.raises(InputError, match=r"kv_indptr decreases at sequence 1 \(3 -> 1\); it must be non-decreasing"):
+        append_paged(pool, x, torch.tensor([0, 3, 1, 4], dtype=torch.int32), table, start, page_size=PAGE,
+                     target=target)
+    assert not pool.codes.any() and not pool.scale.any()   # nothing written
+    indptr = torch.tensor([0, 2, 4, 6], dtype=torch.int32)
+    append_paged(pool, x, indptr, table, start, page_size=PAGE, target=target)
+    k, _ = gather_pages(pool, indptr, table, [32] * 3, PAGE)
+    want = foldc.quantize(x, enc)
+    assert torch.equal(k.codes, want.codes) and torch.equal(k.scale, want.scale) and torch.equal(k.zero, want.zero)
 
 
 @settings(max_examples=4, deadline=None)
