@@ -4,7 +4,8 @@ with a plain sink and recent window (`QuantizedKVCache`), the FlashInfer-style p
 (`PagedDecodeWrapper`, `page_pool`) and a paged multi-layer cache (`PagedKVCache`)."""
 from .append import append_paged, append_quantized
 from .cache import QuantizedKVCache
-from .paged import PagedDecodeWrapper, PageTable, gather_pages, page_pool
+from .page_table import PageTable, gather_pages, page_pool
+from .paged import PagedDecodeWrapper
 from .paged_cache import PagedKVCache
 
 __all__ = ["PageTable", "PagedDecodeWrapper", "PagedKVCache", "QuantizedKVCache", "append_paged",

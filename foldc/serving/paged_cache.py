@@ -44,7 +44,8 @@ from ..validate import ATTENTION_FIX, check_sm_scale, without_backward
 from .append import (append_arguments, append_paged, check_finite, plan_append, resolve_target, run_append,
                      safe_abs_limit, write_paged)
 from .inputs import check_new_tokens, check_readable, count, resolve_device
-from .paged import PagedDecodeWrapper, check_page_table, gather_pages, launch_plain, page_pool
+from .page_table import check_page_table, gather_pages, page_pool
+from .paged import PagedDecodeWrapper, launch_plain
 
 _TENSOR = torch.Tensor
 _CAPTURING = STREAM_CAPTURING

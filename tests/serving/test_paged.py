@@ -650,7 +650,7 @@ def test_a_page_listed_twice_is_refused_where_an_append_could_write_it(entries, 
     indices = torch.tensor([p for e in entries for p in e], dtype=torch.int32)
     with pytest.raises(InputError, match=where + " tokens: a page listed more than once must be full"):
         wrapper.plan(indptr, indices, None, num_pages=8, seq_lens=lens)
-    from foldc.serving.paged import check_page_table
+    from foldc.serving.page_table import check_page_table
 
     ok = torch.tensor([3, 5, 3, 6], dtype=torch.int32)
     assert check_page_table(indptr.new_tensor([0, 2, 4]), ok, None, 8, 32, [40, 64], shared=True).pages == (2, 2)
