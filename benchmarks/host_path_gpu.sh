@@ -5,6 +5,7 @@
 #
 #     bash benchmarks/host_path_gpu.sh merged     # eager calls merging inside the decode: checked, timed
 #     bash benchmarks/host_path_gpu.sh merge_barriers  # its grid barrier's variants beside production
+#     bash benchmarks/host_path_gpu.sh unrun2     # what landed 2026-12-07 afternoon with no GPU, checked
 #     bash benchmarks/host_path_gpu.sh checks     # correctness against float64 / quantize's bits, real driver:
 #     bash benchmarks/host_path_gpu.sh checks2    #   the serving caches and Gluon kernels, then Triton, GEMV, nn
 #     bash benchmarks/host_path_gpu.sh times      # host time per call beside cuDNN, DynamicCache, nn.Linear
@@ -56,6 +57,13 @@ case "${1:-checks}" in
     step grid_merge 150 python3 benchmarks/grid_merge.py --out "$OUT/grid_merge.json"
     step launch_cost 90 python3 benchmarks/launch_cost.py --out "$OUT/launch_cost.json"
     step call_overhead 110 python3 benchmarks/call_overhead.py --shape 1x16384 --out "$OUT/call_overhead.json"
+    ;;
+  unrun2)   # what landed 2026-12-07 afternoon with no GPU: the paged wrapper's repeated call and shared-prefix tables,
+    # the merging decode's fallback and residency per query dtype (580 s of limits)
+    step paged 300 python3 -m pytest -q -p no:cacheprovider tests/serving/test_paged_gpu.py
+    step merging 150 python3 -m pytest -q -p no:cacheprovider tests/backends/test_gluon_gpu.py \
+        -k "merge_their_splits or prepared_runs_merge or repeated_calls_reuse"
+    step call_overhead 130 python3 benchmarks/call_overhead.py --shape 1x16384 --out "$OUT/call_overhead.json"
     ;;
   merge_barriers)   # the merging decode's barrier: production beside one packed word and sleeps between polls
     # (benchmarks/variants/merge_barrier.py), every variant checked against float64 by the run

@@ -75,6 +75,36 @@ def test_paged_run_matches_float64_without_host_sync(name, dtype):
     _check(spec, q, k_pages, v_pages, indptr, indices, lens, page_size, out)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("name", sorted(SPECS))
+def test_sequences_sharing_a_prefix_read_its_pages_each(name, dtype):
+    """A table whose sequences all list the same prefix of full pages (one copy of a prompt's pages), then pages of
+    their own: the register-operand kernel reads the shared pages for each, within the bf16 bar of float64 over the
+    tokens gathered apart, through the whole path and the repeated call."""
+    spec, page_size, num_pages = SPECS[name], 128, 64
+    gen = torch.Generator().manual_seed(7 + len(name))
+    k_pages, v_pages = _pools(spec, num_pages, page_size, gen)
+    perm = torch.randperm(num_pages, generator=gen).tolist()
+    prefix, own = perm[:9], perm[9:]
+    lens = [9 * page_size + n for n in (1, 700, 128, 2000)]
+    rows = []
+    for n in lens:
+        mine = -(-n // page_size) - len(prefix)
+        rows.append(prefix + own[:mine])
+        own = own[mine:]
+    indptr = torch.tensor([0] + torch.tensor([len(r) for r in rows]).cumsum(0).tolist(), dtype=torch.int32).cuda()
+    indices = torch.tensor([p for r in rows for p in r], dtype=torch.int32).cuda()
+    wrapper = PagedDecodeWrapper(spec, page_size, max_seq_len=max(lens), device="cuda")
+    wrapper.plan(indptr, indices, None, num_pages=num_pages, seq_lens=lens)
+    q = torch.randn(len(lens), spec.num_q_heads, spec.head_dim, generator=gen).cuda().to(dtype)
+    out = torch.empty_like(q)
+    for _ in range(3):
+        q.normal_()
+        out.fill_(float("nan"))
+        wrapper.run(q, k_pages, v_pages, out=out)
+        _check(spec, q, k_pages, v_pages, indptr, indices, lens, page_size, out)
+
+
 @pytest.mark.parametrize("name", ["int2 K-token V-channel", "int4 token/token"])
 def test_eager_runs_go_through_bound_launches_over_new_page_tables(name):
     """Eager runs of one plan's launch bind (the second run) and later ones hand the bound launches the page
