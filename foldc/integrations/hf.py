@@ -89,6 +89,22 @@ def _model_shape(config) -> tuple[int, int, int, int]:
     return heads, kv_heads, head_dim, layers
 
 
+def _check_sliding_window(config, layer_types, max_cache_len: int) -> None:
+    """Refuse a config without ``layer_types`` whose ``sliding_window`` applies to every layer (Mistral, Mixtral,
+    Phi-3, PhiMoE, Starcoder2, ...) and would bind within ``max_cache_len`` tokens: foldc attends over every cached
+    token. PhiMoE applies its window through the mask alone, which a compiled `FoldcStaticCache` step does not read
+    (the window was ignored, silently) and an eager step refused as padding. With ``layer_types`` the layer types
+    say which layers slide (FoldcCache refuses any that does)."""
+    window = getattr(config, "sliding_window", None)
+    if (layer_types is not None or isinstance(window, bool) or not isinstance(window, int) or window <= 0
+            or getattr(config, "use_sliding_window", True) is False or window >= max_cache_len):
+        return
+    raise SpecError(f"the model's config has sliding_window={window}: each token attends to the last {window} tokens "
+                    f"only, but foldc attends over every cached token and max_cache_len={max_cache_len} holds more; "
+                    f"run this model with DynamicCache and attn_implementation='sdpa' (a cache of max_cache_len <= "
+                    f"{window} never reaches the window)")
+
+
 class FoldcLayer(CacheLayerMixin):
     """One attention layer's cache: a `QuantizedKVCache`, built on the first update (which fixes the
     batch size, model dtype and device) and dropped by `reset` (the next update builds a new one)."""
@@ -252,6 +268,7 @@ class FoldcCache(Cache):
         for name, value, least in (("max_cache_len", max_cache_len, 1), ("sink", sink, 0), ("window", window, 0)):
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise SpecError(f"{name}={value!r} must be " + ("a positive integer" if least else "an integer >= 0"))
+        _check_sliding_window(text, layer_types, max_cache_len)
         if target not in CACHE_TARGETS:
             raise SpecError(f"target={target!r} is not available; use one of {CACHE_TARGETS}")
         self.spec = AttentionSpec(heads, kv_heads, head_dim, k=_encoding(k, "k"), v=_encoding(v, "v"))

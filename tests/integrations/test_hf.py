@@ -432,6 +432,59 @@ def test_bad_construction_names_the_value(make, match):
         make(llama(dtype=torch.float32))
 
 
+def phimoe(window, seed, dtype=torch.float32):
+    """A tiny random PhiMoE: no layer_types, its config's sliding_window applies to every layer, through the mask
+    alone (no sliding_window argument reaches the attention)."""
+    torch.manual_seed(seed)
+    cfg = transformers.PhimoeConfig(hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                    num_key_value_heads=2, vocab_size=128, max_position_embeddings=128,
+                                    sliding_window=window, num_local_experts=2, num_experts_per_tok=1,
+                                    initializer_range=0.1, pad_token_id=0, bos_token_id=1, eos_token_id=None)
+    return transformers.PhimoeForCausalLM(cfg).eval().to(dtype)
+
+
+@pytest.mark.parametrize("kind", ["FoldcCache", "FoldcStaticCache", "PagedFoldcCache", "Mistral"])
+@pytest.mark.parametrize("seed", [3, 4])
+def test_a_sliding_window_of_every_layer_is_refused_where_max_cache_len_reaches_it(kind, seed):
+    """A config without layer_types whose sliding_window applies to every layer (PhiMoE through its mask, Mistral
+    through an argument too) was taken: a compiled FoldcStaticCache decode step reads no mask, so past the window it
+    attended over every token (PhiMoE, window 6: logits 0.7-4.4 off the default cache's, silently), and eager steps
+    refused the window's mask as padding. Refused where the cache is built, naming the window."""
+    from foldc.integrations.hf_paged import PagedFoldcCache
+    from foldc.integrations.hf_static import FoldcStaticCache
+
+    gen = torch.Generator().manual_seed(seed)
+    window = int(torch.randint(4, 12, (), generator=gen))
+    model = phimoe(window, seed)
+    if kind == "Mistral":
+        config = transformers.MistralConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                                            num_hidden_layers=2, sliding_window=window)
+        make = lambda n: fhf.FoldcCache(config, n, k="token:4:16", v=None)  # noqa: E731
+    else:
+        cls = {"FoldcCache": fhf.FoldcCache, "FoldcStaticCache": FoldcStaticCache, "PagedFoldcCache": PagedFoldcCache}
+        make = lambda n: cls[kind](model if kind == "FoldcStaticCache" else model.config, n,  # noqa: E731
+                                   k="token:4:16", v="token:4:16")
+    with pytest.raises(SpecError, match=rf"sliding_window={window}: .*max_cache_len={window + 1} holds more.*sdpa"):
+        make(window + 1)
+    make(window)   # a window the cache never reaches
+
+
+@torch.no_grad()
+def test_a_sliding_window_the_cache_never_reaches_decodes_as_the_default_cache():
+    """The window check takes a window max_cache_len stays within (PhiMoE attends as the default cache there) and
+    a config whose layer_types say every layer is full attention (Qwen2 with max_window_layers past its layers)."""
+    model = phimoe(PROMPT + 6, seed=5)
+    ids = prompt(2, seed=6)
+    seq, logits = generate(model, fhf.FoldcCache(model.config, PROMPT + 6, k=None, v=None, target="reference"), ids,
+                           new=6)
+    ref_seq, ref = generate(model, DynamicCache(config=model.config), ids, new=6, impl="sdpa")
+    assert torch.equal(seq, ref_seq) and diff(logits, ref)[0] <= FP32_TOL
+    qwen = Qwen2Config(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
+                       use_sliding_window=True, sliding_window=8, max_window_layers=2)
+    assert qwen.sliding_window == 8 and set(qwen.layer_types) == {"full_attention"}
+    fhf.FoldcCache(qwen, 32, k=None, v=None)
+
+
 def test_the_interpreter_needs_a_float16_model():
     model, ids = llama(dtype=torch.float32), prompt(1)
     with pytest.raises(SpecError, match=r"float16 on the CPU only, but the model runs in torch.float32"):
