@@ -111,6 +111,11 @@ def test_a_refused_cooperative_launch_falls_back_to_two_launches(merging, monkey
     assert (len(decode.launches), len(merge.launches)) == (1, 1)
     assert "MERGE" not in decode.keywords[0] and not attn.barrier(q, 0).any()
     attn.merge_in_decode = True
+    decode.error = "CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE"   # the error code's name, as some launchers word it
+    with pytest.warns(RuntimeWarning, match="cooperative launch"):
+        attn.launch(launch.options, q, k, v, None, ws, out, lse, 0.1, launch.per_split, launch.splits, 256)
+    assert not attn.merge_in_decode and len(merge.launches) == 2
+    attn.merge_in_decode = True
     decode.error = "an illegal memory access was encountered"
     with pytest.raises(RuntimeError, match="illegal memory access"):
         attn.launch(launch.options, q, k, v, None, ws, out, lse, 0.1, launch.per_split, launch.splits, 256)
