@@ -198,7 +198,7 @@ def overlaps_itself(t: torch.Tensor) -> bool:
     return False
 
 
-def _last_byte(t: torch.Tensor, start: int) -> int:
+def last_byte(t: torch.Tensor, start: int) -> int:
     """The last byte address a non-empty tensor's elements touch (a contiguous tensor's without a loop)."""
     if t.is_contiguous():
         return start + t.nbytes - 1
@@ -213,7 +213,7 @@ def _span(t: torch.Tensor) -> tuple | None:
         return None
     lo = t.data_ptr()
     contiguous = t.is_contiguous()
-    return lo, _last_byte(t, lo), t.element_size(), contiguous
+    return lo, last_byte(t, lo), t.element_size(), contiguous
 
 
 def shared_memory_pair(tensors) -> tuple[int, int] | None:
@@ -244,7 +244,7 @@ def check_no_overlap(out, name: str = "out", **inputs) -> None:
     if not isinstance(out, torch.Tensor) or out.numel() == 0:
         return
     lo = out.data_ptr()
-    hi = _last_byte(out, lo)
+    hi = last_byte(out, lo)
     for what, t in inputs.items():
         parts = ((f"{what}.codes", t.codes), (f"{what}.scale", t.scale), (f"{what}.zero", t.zero)) \
             if isinstance(t, AffineTensor) else ((what, t),)
@@ -254,7 +254,7 @@ def check_no_overlap(out, name: str = "out", **inputs) -> None:
             a = u.data_ptr()
             if a > hi or not u.numel():
                 continue
-            b = _last_byte(u, a)
+            b = last_byte(u, a)
             if b >= lo:
                 raise InputError(f"{name} shares memory with {part} (bytes {max(a, lo):#x}..{min(b, hi):#x}); the "
                                  f"kernel reads {part} while it writes {name}: pass a separate {name} "

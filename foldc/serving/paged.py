@@ -29,7 +29,7 @@ from ..errors import InputError, InputTypeError, SpecError
 from ..plan import plan as make_plan
 from ..registry import attention_backend
 from ..spec import AttentionSpec
-from ..validate import ATTENTION_FIX, check_no_overlap, check_sm_scale, output_buffer, without_backward
+from ..validate import ATTENTION_FIX, check_no_overlap, check_sm_scale, last_byte, output_buffer, without_backward
 from .inputs import resolve_device
 from .page_table import PageTable, check_page_table, gather_pages, page_pool  # noqa: F401 - public names
 
@@ -410,9 +410,9 @@ class PagedDecodeWrapper:
         layer's pools in turn): a later call with the same pools, lengths object, scale and out, and a q of the same
         shape, dtype, strides and device, is that call again but for q's values and address (`_repeat_run`)."""
         plain = tuple(p for p in (k_pages, v_pages) if isinstance(p, torch.Tensor))
-        q_bytes = (sum((n - 1) * st for n, st in zip(q.shape, q.stride())) + 1) * q.element_size()
+        q_bytes = last_byte(q, 0) + 1   # q's span from its first byte: the same for every q of its shape and strides
         o_lo = out.data_ptr()
-        o_hi = o_lo + (sum((n - 1) * st for n, st in zip(out.shape, out.stride())) + 1) * out.element_size() - 1
+        o_hi = last_byte(out, o_lo)
         self._repeat = (k_pages, v_pages, seq_lens, sm_scale, q.shape, q.stride(), q.dtype, q.get_device(),
                         (o_lo, out.shape, out.stride(), out.dtype), o_lo, o_hi, q_bytes, plain, prepared)
 
