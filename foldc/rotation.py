@@ -93,13 +93,15 @@ def hadamard_matrix(head_dim: int, dtype: torch.dtype = torch.float64, device=No
     Symmetric and orthogonal (``H Hᵀ = I``). Dense, for checks and small folds; rotate with `fwht`."""
     d = _check_head_dim(head_dim)
     _check_dtype(dtype)
-    idx = torch.arange(d, device=device)
+    # built on the CPU, then moved: the loop reads its bits on the host (a device sync each step; on the meta
+    # device, where a model built with init_empty_weights lives, no value can be read at all)
+    idx = torch.arange(d)
     bits = idx[:, None] & idx[None, :]
     parity = torch.zeros_like(bits)
     while bool(bits.any()):
         parity ^= bits & 1
         bits = bits >> 1
-    return ((1 - 2 * parity).to(torch.float64) / math.sqrt(d)).to(dtype)
+    return ((1 - 2 * parity).to(torch.float64) / math.sqrt(d)).to(device=device, dtype=dtype)
 
 
 def _fwht_(y: torch.Tensor) -> torch.Tensor:

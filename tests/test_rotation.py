@@ -224,3 +224,27 @@ def test_a_bias_that_is_not_the_projections_is_refused_with_its_own_message(kv_h
         fold_into_value_projection(w_v, rot, good.tolist())
     w_new, b_new = fold_into_value_projection(w_v, rot, good)   # the right bias still folds: (b R) per head
     assert torch.allclose(b_new.reshape(kv_heads, d), rot.rotate_values(good.reshape(kv_heads, d)), atol=1e-12)
+
+
+@settings(max_examples=10, deadline=None)
+@given(kv_heads=st.integers(1, 4), d=st.sampled_from([4, 16, 64]), seed=st.integers(0, 2**31 - 1))
+def test_folds_into_weights_on_the_meta_device_as_on_a_real_one(kv_heads, d, seed):
+    """A model built on the meta device (transformers' and accelerate's init_empty_weights, before its checkpoint
+    loads) raised torch's RuntimeError (Tensor.item() cannot be called on meta tensors) from hadamard_matrix's loop,
+    which read its bits on the weights' device: hadamard_matrix, Rotation.matrix and both folds. The matrix is
+    built on the CPU and moved, so meta weights fold to meta weights of the same shapes and dtypes, and a real
+    device's matrix is the CPU's."""
+    gen = torch.Generator().manual_seed(seed)
+    rot = Rotation(d, seed % 97)
+    w_v = torch.randn(kv_heads * d, 24, generator=gen, dtype=torch.float16)
+    b_v = torch.randn(kv_heads * d, generator=gen, dtype=torch.float16)
+    w_o = torch.randn(24, 2 * kv_heads * d, generator=gen, dtype=torch.bfloat16)
+    w_new, b_new = fold_into_value_projection(w_v.to("meta"), rot, b_v.to("meta"))
+    o_new = fold_into_output_projection(w_o.to("meta"), rot)
+    for got, want in ((w_new, w_v), (b_new, b_v), (o_new, w_o)):
+        assert got.is_meta and got.shape == want.shape and got.dtype == want.dtype
+    assert hadamard_matrix(d, F64, "meta").shape == (d, d) and rot.matrix(torch.float32, "meta").is_meta
+    assert torch.equal(hadamard_matrix(d, F64, torch.device("cpu")), hadamard_matrix(d))
+    w_cpu, b_cpu = fold_into_value_projection(w_v, rot, b_v)   # the real weights still fold: R^T per head's rows
+    want = torch.einsum("ji,hjc->hic", rot.matrix(), w_v.double().reshape(kv_heads, d, 24)).reshape(w_v.shape)
+    assert torch.allclose(w_cpu.double(), want, atol=1e-2)
