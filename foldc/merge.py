@@ -24,11 +24,13 @@ def merge_attention(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[tor
     Raises `foldc.InputError` when a part's lse is NaN or +inf where its output is finite: such a
     pair did not come from one attention call (its lse is not the log-sum-exp of the logits that
     gave the output). Outside a CUDA-graph capture that check reads the values (one device sync);
-    inside one it cannot, and such a part makes the result NaN instead.
+    inside one it cannot, and such a part makes the result NaN instead. Parts on the meta device merge to
+    meta tensors of the result's shapes and dtypes, unchecked.
     """
     check_merge_parts(parts)
     o0 = parts[0][0]
-    if not (o0.is_cuda and torch.cuda.is_current_stream_capturing()):
+    # meta tensors (a shape-only run, as attention runs on them) hold no values to check: every part is on o0's device
+    if not (o0.is_meta or (o0.is_cuda and torch.cuda.is_current_stream_capturing())):
         for i, (o, s) in enumerate(parts):
             bad = (torch.isnan(s) | (s == float("inf"))) & torch.isfinite(o).all(-1)
             if bool(bad.any()):

@@ -73,3 +73,21 @@ def test_a_16_bit_lse_is_refused(dtype):
         foldc.merge_attention([parts[0], (parts[1][0], parts[1][1].to(dtype))])
     foldc.merge_attention(parts)   # float32 and float64 lse pass
     foldc.merge_attention([(o, s.double()) for o, s in parts])
+
+
+@settings(max_examples=10, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), parts=st.integers(1, 3), lse64=st.booleans(),
+       out_dtype=st.sampled_from([torch.float16, torch.float32, torch.float64]))
+def test_parts_on_the_meta_device_merge_to_meta_tensors(seed, parts, lse64, out_dtype):
+    """Attention runs on meta tensors (a shape-only run: foldc.compile's reference target returns meta out and lse),
+    but merging its parts raised torch's RuntimeError (Tensor.item() cannot be called on meta tensors) from the
+    check of the lse values. Meta parts hold no values to check: they merge to meta tensors of the shapes and dtypes
+    real parts give."""
+    gen = torch.Generator().manual_seed(seed)
+    lse_dtype = torch.float64 if lse64 else torch.float32
+    real = [(torch.randn(2, 3, 8, generator=gen).to(out_dtype), torch.randn(2, 3, generator=gen).to(lse_dtype))
+            for _ in range(parts)]
+    out, lse = foldc.merge_attention(real)
+    got, got_lse = foldc.merge_attention([(o.to("meta"), s.to("meta")) for o, s in real])
+    assert got.is_meta and got_lse.is_meta
+    assert (got.shape, got.dtype, got_lse.shape, got_lse.dtype) == (out.shape, out.dtype, lse.shape, lse.dtype)
