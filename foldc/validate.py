@@ -279,6 +279,9 @@ def check_merge_parts(parts) -> None:
                 raise InputTypeError(f"part {i}: {what} must be a torch.Tensor, got {type(t).__name__}")
             if not t.is_floating_point():
                 raise InputError(f"part {i}: {what} dtype={t.dtype} must be floating point")
+            if t.layout != torch.strided:   # (the merge raised from inside torch: no ne, no isfinite)
+                raise InputError(f"part {i}: {what} is a tensor of layout {t.layout}; the merge takes the dense "
+                                 f"tensors attention returns: pass {what}.to_dense()")
         if s.dtype not in (torch.float32, torch.float64):   # bf16 at lse 20 moves a part's weight by up to 6%
             raise InputError(f"part {i}: lse dtype={s.dtype}: a log-sum-exp rounded to 16 bits moves the parts' "
                              "weights exp(lse_i - lse) by up to 2**-8 x |lse| (6% at lse 20); pass the float32 lse "

@@ -91,3 +91,18 @@ def test_parts_on_the_meta_device_merge_to_meta_tensors(seed, parts, lse64, out_
     got, got_lse = foldc.merge_attention([(o.to("meta"), s.to("meta")) for o, s in real])
     assert got.is_meta and got_lse.is_meta
     assert (got.shape, got.dtype, got_lse.shape, got_lse.dtype) == (out.shape, out.dtype, lse.shape, lse.dtype)
+
+
+@settings(max_examples=6, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), which=st.sampled_from(["out", "lse"]), index=st.integers(0, 1))
+def test_a_sparse_part_is_refused_by_name(seed, which, index):
+    """A sparse out or lse raised from inside torch (NotImplementedError: aten::ne.Scalar on SparseCPU, or
+    isfinite's); attention itself refuses sparse tensors by name. Now an InputError naming the part, the tensor,
+    its layout and to_dense()."""
+    gen = torch.Generator().manual_seed(seed)
+    parts = [[torch.randn(2, 3, 8, generator=gen), torch.randn(2, 3, generator=gen)] for _ in range(2)]
+    slot = 0 if which == "out" else 1
+    parts[index][slot] = parts[index][slot].to_sparse()
+    with pytest.raises(InputError, match=rf"part {index}: {which} is a tensor of layout torch.sparse_coo.*"
+                                         rf"{which}.to_dense\(\)"):
+        foldc.merge_attention([tuple(p) for p in parts])
