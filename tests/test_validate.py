@@ -418,3 +418,23 @@ def test_shared_memory_pair_names_parts_that_certainly_overlap_and_no_others():
     with FakeTensorMode():
         fake = torch.zeros(3)
     assert shared_memory_pair([fake, fake]) is None
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float64, torch.float16])
+def test_an_out_on_the_meta_device_is_not_taken_for_one_over_the_inputs(out_dtype):
+    """The reference target runs on meta tensors (a shape-only run gives meta out and lse), but an out on the meta
+    device was refused as 'out shares memory with q (bytes 0x0..)': every meta tensor's data_ptr() is 0, so the
+    overlap check saw each input at the out's address. Meta tensors have no memory to share: the call writes the
+    out it is given, as on a real device, where an out over q is still refused."""
+    q, k, v = _inputs(torch.Generator().manual_seed(21), batch=2)
+    meta = [q.to("meta"), k.to("meta"), v.to("meta")]
+    attn = foldc.compile(SPEC, target="reference")
+    out = torch.empty(2, 4, 64, dtype=out_dtype, device="meta")
+    got, lse = attn(*meta, out=out, return_lse=True)
+    assert got is out and lse.is_meta and lse.shape == (2, 4)
+    want = attn(q, k, v)
+    real = torch.full((2, 4, 64), 7.0, dtype=out_dtype)
+    assert attn(q, k, v, out=real) is real and torch.allclose(real.double(), want, rtol=1e-2, atol=1e-3)
+    q64 = q.double()
+    with pytest.raises(InputError, match="out shares memory with q"):
+        attn(q64, k, v, out=q64)
