@@ -379,3 +379,34 @@ def test_append_then_attend_traces_under_torch_compile_without_graph_breaks():
     assert _same(k_comp, k_eager) and _same(v_comp, v_eager)  # the storage was written in place
     full = foldc.quantize(torch.cat([k0, k_new], dim=2), spec.k)
     assert _same(k_comp, full)  # token-wise: the whole cache equals quantize of all tokens
+
+
+@settings(max_examples=6, deadline=None)
+@given(where=st.sampled_from(["meta", "sparse"]), check=st.booleans(), seed=st.integers(0, 2**31 - 1))
+def test_per_row_offsets_on_the_meta_device_or_sparse_are_refused_by_name(where, check, seed):
+    """Offsets on the meta device or sparse, beside storage and x on the CPU, raised from inside torch's copy of
+    them to the storage's device (NotImplementedError: Cannot copy out of meta tensor; RuntimeError: unsupported
+    memory format option Contiguous), with check=True or False; page tables and lengths such as these are refused
+    by name. Now an InputError naming offset, where it is and the fix, before anything is written; storage, x and
+    offsets all on the meta device (a shape-only run) still go through the op's fake."""
+    from foldc.serving import append_quantized
+
+    enc = APPEND_ENCODINGS[0]
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(2, 2, 4, 64, generator=gen) + 1
+    dst = _storage(enc, seed=seed)
+    before = _clone(dst)
+    offsets = torch.tensor([3, 20])
+    bad = offsets.to("meta") if where == "meta" else offsets.to_sparse()
+    what = "on the meta device" if where == "meta" else "of layout torch.sparse_coo"
+    for call in (lambda: append_op(dst, x, bad, check=check),
+                 lambda: append_quantized(dst, x, bad, target="reference", check=check)):
+        with pytest.raises(InputError, match=f"offset is a tensor {what}, whose values cannot be read"):
+            call()
+    assert _same(dst, before)   # nothing written
+    meta = AffineTensor(dst.codes.to("meta"), dst.scale.to("meta"), dst.zero.to("meta"), enc, 64)
+    append_op(meta, x.to("meta"), offsets.to("meta"), check=check)
+    append_op(dst, x, offsets, check=check)   # dense offsets on the storage's device: written where they say
+    want = _clone(before)
+    append_quantized(want, x, offsets, target="reference")
+    assert _same(dst, want) and not _same(dst, before)

@@ -102,6 +102,12 @@ def _offsets(offset, dst: AffineTensor, tokens: int, read_device: bool = True):
         if tuple(offset.shape) != (batch,):
             raise InputError(f"offset shape={tuple(offset.shape)} but dst has batch={batch}; pass one token "
                              "offset per batch row, or an int")
+        if offset.layout != torch.strided or (offset.is_meta and dst.device.type != "meta"):
+            # (torch raised from inside the copy to dst's device: a meta tensor holds no values, a sparse one no
+            # memory the kernel could read)
+            where = "on the meta device" if offset.is_meta else f"of layout {offset.layout}"
+            raise InputError(f"offset is a tensor {where}, whose values cannot be read; pass a dense integer tensor "
+                             f"of one offset per batch row on {dst.device}, or an int")
         # contiguous: the kernel reads offset b at OFFSETS + b (a strided view would give other rows' values)
         per_row = offset.to(device=dst.device, dtype=torch.int64).contiguous()
         if not read_device:
