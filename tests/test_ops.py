@@ -410,3 +410,22 @@ def test_per_row_offsets_on_the_meta_device_or_sparse_are_refused_by_name(where,
     want = _clone(before)
     append_quantized(want, x, offsets, target="reference")
     assert _same(dst, want) and not _same(dst, before)
+
+
+@settings(max_examples=6, deadline=None)
+@given(check=st.booleans(), reference=st.booleans(), seed=st.integers(0, 2**31 - 1))
+def test_sparse_new_tokens_are_refused_by_name(check, reference, seed):
+    """A sparse x raised from inside torch (NotImplementedError: aten::amax on the SparseCPU backend, from the NaN
+    check; with check=False from the copy or the launch); attention and foldc.quantize refuse sparse tensors by
+    name. Now an InputError naming x's layout and to_dense(), before anything is written."""
+    from foldc.serving import append_quantized
+
+    enc = APPEND_ENCODINGS[0]
+    x = torch.randn(2, 2, 4, 64, generator=torch.Generator().manual_seed(seed)) + 1
+    dst = _storage(enc, seed=seed)
+    before = _clone(dst)
+    call = (lambda: append_quantized(dst, x.to_sparse(), 8, target="reference", check=check)) if reference else \
+        (lambda: append_op(dst, x.to_sparse(), 8, check=check))
+    with pytest.raises(InputError, match=r"x is a tensor of layout torch.sparse_coo.*x.to_dense\(\)"):
+        call()
+    assert _same(dst, before)

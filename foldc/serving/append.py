@@ -185,6 +185,8 @@ def check_append(dst: AffineTensor, x: torch.Tensor, offset, target: str, read_d
     enc, (batch, heads, _, head_dim) = dst.encoding, dst.shape
     if x.dim() != 4 or x.shape[0] != batch or x.shape[1] != heads or x.shape[3] != head_dim:
         raise InputError(f"x shape={tuple(x.shape)} but dst needs [{batch}, {heads}, tokens, {head_dim}]")
+    if x.layout != torch.strided:   # (torch raised from inside the NaN check or the kernel's launch)
+        raise InputError(f"x is a tensor of layout {x.layout}; appends quantize dense tokens: pass x.to_dense()")
     _check_rows(x)
     check_no_shared_elements("dst", dst)
     if x.dtype not in INPUT_DTYPES:
