@@ -174,6 +174,16 @@ def make_data(kind: str = "gaussian", *, tokens: int = 4096, batch: int = 1, num
     return q, k, v
 
 
+def _check_readable(name: str, x: torch.Tensor) -> None:
+    """A tensor whose values the figures are computed from: dense, not on the meta device (torch raised from
+    inside an as_strided, a reshape or an .item() of such tensors)."""
+    if x.layout != torch.strided or x.is_meta:
+        where = "on the meta device" if x.is_meta else f"of layout {x.layout}"
+        fix = f"{name}.to_dense()" if not x.is_meta else "a tensor on the CPU or a GPU"
+        raise InputError(f"{name} is a tensor {where}, whose values cannot be read; the accuracy figures are computed "
+                         f"from the values: pass {fix}")
+
+
 def _check_operands(q, k, v) -> None:
     for name, x, dims in (("q", q, 3), ("k", k, 4), ("v", v, 4)):
         if not isinstance(x, torch.Tensor):
@@ -181,6 +191,7 @@ def _check_operands(q, k, v) -> None:
         if x.dim() != dims or not x.is_floating_point():
             want = "[batch, num_q_heads, head_dim]" if dims == 3 else "[batch, num_kv_heads, tokens, head_dim]"
             raise InputError(f"{name} must be a floating-point {want}; got dtype={x.dtype}, shape={tuple(x.shape)}")
+        _check_readable(name, x)
     if k.shape != v.shape:
         raise InputError(f"k shape={tuple(k.shape)} and v shape={tuple(v.shape)} must match")
     for name, x in (("q", q), ("k", k)):   # no KV heads divided by zero below; no tokens: nothing to attend over
@@ -204,6 +215,7 @@ def cache_values(x: torch.Tensor, enc: Affine | None, sink: int = 0, window: int
     if x.dim() != 4 or not x.is_floating_point():
         raise InputError(f"x must be a floating-point [batch, heads, tokens, head_dim]; got dtype={x.dtype}, "
                          f"shape={tuple(x.shape)}")
+    _check_readable("x", x)
     x = x.to(torch.float64)
     n = x.shape[2]
     s = min(sink, n)
@@ -248,6 +260,8 @@ def compare(out: torch.Tensor, exact: torch.Tensor) -> ErrorReport:
             raise InputError(f"{name} dtype={x.dtype} must be a real floating-point type (an attention output)")
     if out.device != exact.device:
         raise InputError(f"out is on {out.device} but exact is on {exact.device}; move both to one device")
+    _check_readable("out", out)
+    _check_readable("exact", exact)
     out, exact = out.to(torch.float64), exact.to(torch.float64)
     diff = (out - exact).norm(dim=-1)
     norm = exact.norm(dim=-1)

@@ -225,3 +225,34 @@ def test_compare_refuses_complex_and_split_devices_and_cache_values_non_tensors(
     for bad in (x[0], x.round().long()):
         with pytest.raises(InputError, match=r"x must be a floating-point \[batch, heads, tokens, head_dim\]"):
             cache_values(bad, None)
+
+
+@settings(max_examples=8, deadline=None)
+@given(where=st.sampled_from(["meta", "sparse"]), name=st.sampled_from(["q", "k", "v"]), seed=st.integers(0, 2**31 - 1))
+def test_operands_on_the_meta_device_or_sparse_are_refused_by_name(where, name, seed):
+    """Each function raised from inside torch: a sparse operand in attention_error, quantized_attention,
+    cache_values and window_mass (NotImplementedError: aten::as_strided on SparseCPU; RuntimeError: reshape is not
+    implemented for sparse tensors), compare of sparse outputs (add(sparse, dense) is not supported), window_mass
+    and compare of meta ones (Tensor.item() cannot be called on meta tensors). Their figures are numbers read from
+    the values: an InputError naming the operand and where it is now."""
+    q, k, v = make_data("gaussian", tokens=24, batch=2, num_q_heads=4, num_kv_heads=2, head_dim=16,
+                        seed=seed % 1000)
+    ops = {"q": q, "k": k, "v": v}
+    ops[name] = ops[name].to("meta") if where == "meta" else ops[name].to_sparse()
+    what = "on the meta device" if where == "meta" else "of layout torch.sparse_coo"
+    cfg = AccuracyConfig(4, group_size=16, sink=2, window=3)
+    with pytest.raises(InputError, match=f"{name} is a tensor {what}, whose values cannot be read"):
+        attention_error(ops["q"], ops["k"], ops["v"], cfg)
+    if name != "v":
+        with pytest.raises(InputError, match=f"{name} is a tensor {what}"):
+            window_mass(ops["q"], ops["k"], 2, 3)
+    if name != "q":
+        with pytest.raises(InputError, match=f"x is a tensor {what}"):
+            cache_values(ops[name], cfg.encoding(name), 2, 3)
+    out = quantized_attention(q, k, v, cfg)
+    exact = quantized_attention(q, k, v, AccuracyConfig(4, None, None))
+    bad = (lambda t: t.to("meta")) if where == "meta" else (lambda t: t.to_sparse())
+    with pytest.raises(InputError, match=f"out is a tensor {what}"):
+        compare(bad(out), bad(exact))
+    report = compare(out, exact)   # the dense pair still reports its error
+    assert 0 < report.rel_l2 < 0.5
