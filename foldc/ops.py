@@ -73,8 +73,12 @@ def _operand(enc, data, scale, zero, head_dim, name):
                              f"('none'); pass None for both, or give the layout {name}'s encoding "
                              "(foldc.ops.layout_key)")
         return data
-    if scale is None or zero is None:
-        raise SpecError("an encoded operand needs its scale and zero tensors (got None)")
+    if scale is None or zero is None:   # (the message named no operand: k's and v's alike)
+        missing = [f"{name}_{part}" for part, t in (("scale", scale), ("zero", zero)) if t is None]
+        verb = "are" if len(missing) == 2 else "is"
+        raise SpecError(f"{' and '.join(missing)} {verb} None, but the layout says {name} is encoded as "
+                        f"{enc.short()}: pass {name}'s codes, scale and zero (foldc.quantize({name}, encoding)), or a "
+                        f"layout with {name} 'none' for plain values (foldc.ops.layout_key)")
     return AffineTensor(data, scale, zero, enc, head_dim)
 
 

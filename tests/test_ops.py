@@ -429,3 +429,26 @@ def test_sparse_new_tokens_are_refused_by_name(check, reference, seed):
     with pytest.raises(InputError, match=r"x is a tensor of layout torch.sparse_coo.*x.to_dense\(\)"):
         call()
     assert _same(dst, before)
+
+
+@settings(max_examples=6, deadline=None)
+@given(side=st.sampled_from(["k", "v"]), missing=st.sampled_from(["scale", "zero", "both"]),
+       seed=st.integers(0, 2**31 - 1))
+def test_a_missing_scale_or_zero_names_its_operand_and_the_layout(side, missing, seed):
+    """A None scale or zero for a side the layout calls encoded (a plain tensor handed to attention_op, or a cache
+    whose parameters were not passed) said 'an encoded operand needs its scale and zero tensors (got None)': k's and
+    v's alike, with no layout and no fix. Now the message names the missing tensors, the side's encoding and the
+    fix, the op's and its fake's alike."""
+    q, k, v, lens = _inputs(seed, torch.float32)
+    args = {"k": [k.codes, k.scale, k.zero], "v": [v.codes, v.scale, v.zero]}
+    for part in (("scale", "zero") if missing == "both" else (missing,)):
+        args[side][1 if part == "scale" else 2] = None
+    names = " and ".join(f"{side}_{p}" for p in (("scale", "zero") if missing == "both" else (missing,)))
+    enc = (SPEC.k if side == "k" else SPEC.v).short()
+    call = (q, *args["k"], *args["v"], lens, layout_key(SPEC), 0.125)
+    with pytest.raises(SpecError, match=rf"{names} (is|are) None, but the layout says {side} is encoded as {enc}"):
+        torch.ops.foldc.decode_attention(*call)
+    _fake_raises_as_the_op(torch.ops.foldc.decode_attention, call)
+    plain = {"k": k.dequantize(torch.float32), "v": v.dequantize(torch.float32)}[side]
+    with pytest.raises(SpecError, match=rf"{side}_scale and {side}_zero are None.*{side}'s codes, scale and zero"):
+        attention_op(SPEC, q, plain if side == "k" else k, plain if side == "v" else v, seq_lens=lens)
