@@ -31,6 +31,11 @@ class InputTypeError(FoldError, TypeError):
     """An argument of the wrong kind (a plain tensor where an AffineTensor is needed...)."""
 
 
+class TuneError(FoldError, RuntimeError):
+    """`foldc.tune` timed no candidate: every launch configuration failed (each reason printed as it was skipped;
+    the error names the first)."""
+
+
 class GraphError(FoldError):
     """The IR verifier found a malformed graph (missing input, axis mismatch, cycle...)."""
 

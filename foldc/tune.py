@@ -21,7 +21,7 @@ from .backends.gluon.tuning import GluonConfig
 from .backends.runtime.tuning import bucket_key, store
 from .backends.triton.tuning import CANDIDATES, Config
 from .backends.triton.launch import launch_options
-from .errors import InputError, SpecError
+from .errors import InputError, SpecError, TuneError
 
 
 def _progress(i: int, n: int, label: str) -> None:
@@ -55,6 +55,7 @@ def tune(spec, q, k, v, seq_lens=None, fold_policy="auto", candidates=CANDIDATES
     key = bucket_key(spec, q.dtype, q.shape[0], k.shape[2] if hasattr(k, "shape") else k.num_tokens, fold_policy,
                      kernel, q.device)   # the card that times the candidates (not the current one)
     timed = []         # [microseconds, config, call] of every candidate that ran
+    skipped = []       # (config, why) of every candidate that did not
     launches = set()   # what the register-operand candidates launch: equal launches are timed once
     for i, cfg in enumerate(candidates):
         _progress(i, len(candidates), label or spec.describe())
@@ -74,12 +75,18 @@ def tune(spec, q, k, v, seq_lens=None, fold_policy="auto", candidates=CANDIDATES
             sys.stderr.write("\n")
             raise
         except Exception as e:  # a config the compiler rejects (e.g. out of shared memory) is skipped
-            print(f"\n  skipped {cfg}: {type(e).__name__}: {str(e).splitlines()[0][:100]}", file=sys.stderr)
+            why = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
+            print(f"\n  skipped {cfg}: {why[:120]}", file=sys.stderr)
+            skipped.append((cfg, why))
             continue
         timed.append([us, cfg, call])
     _progress(len(candidates), len(candidates), label or spec.describe())
     if not timed:
-        raise RuntimeError(f"no launch configuration compiled for {spec.describe()}")
+        cfg, why = skipped[0]
+        fix = (f"tune on a CUDA GPU (q is on {q.device})" if q.device.type != "cuda" else
+               "pass candidates the kernel can build (foldc.tune's defaults: candidates=CANDIDATES)")
+        raise TuneError(f"no launch configuration ran for {spec.describe()}: all {len(skipped)} failed, the first "
+                        f"({cfg}) with {why}; {fix}")
     best_us, best, _ = min(timed, key=lambda t: t[0])
     # the closest few are timed again, in alternating rounds, and ranked by the median of their
     # readings: one lucky first reading should not pick the config (readings of one launch differ

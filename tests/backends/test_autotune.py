@@ -550,3 +550,26 @@ def test_processes_storing_at_once_keep_every_entry(cache_dir):
     stored = json.loads((cache_dir / "autotune.json").read_text())
     want = {bucket_key(SPEC, torch.float16, 2 ** i, 64 * 2 ** j) for i in range(5) for j in range(25)}
     assert want <= set(stored), f"{len(want - set(stored))} of {len(want)} entries lost"
+
+
+@settings(max_examples=5, deadline=None)
+@given(message=st.text(st.characters(codec="ascii", categories=["L", "N"]), min_size=3, max_size=40))
+def test_every_candidate_failing_is_a_tune_error_naming_the_first_reason(message):
+    """Every candidate failing (a compiler that rejects each config; on a CPU, each timing) ended in a bare
+    RuntimeError('no launch configuration compiled'), the reasons only printed. Now a TuneError (a FoldError and
+    still a RuntimeError) names how many failed, the first config and its reason, and the fix for a CPU tensor."""
+    enc = foldc.Affine(2, "token", 16)
+    spec = foldc.AttentionSpec(4, 2, 32, enc, enc)
+    q = torch.randn(1, 4, 32).half()
+
+    def rejecting(*args, **kwargs):
+        raise ValueError(f"rejected {message}")
+
+    with tempfile.TemporaryDirectory() as tmp, pytest.MonkeyPatch.context() as mp:
+        mp.setenv("FOLDC_CACHE_DIR", tmp)
+        mp.setattr(sys.modules["foldc.compile"], "compile", rejecting)
+        with pytest.raises(foldc.errors.TuneError, match=f"all 2 failed.*ValueError: rejected {message}.*on a CUDA "
+                           "GPU") as caught:
+            autotune.tune(spec, q, q, q, candidates=[Config(16, 1, 1, 1.0), Config(32, 1, 1, 1.0)])
+        assert isinstance(caught.value, RuntimeError) and isinstance(caught.value, foldc.FoldError)
+        assert not (Path(tmp) / "autotune.json").exists()
