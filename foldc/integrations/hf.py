@@ -39,6 +39,7 @@ float64 executor, any model dtype, any device: slow, exact, for checking).
 """
 from __future__ import annotations
 
+import copy
 import inspect
 
 import torch
@@ -310,6 +311,20 @@ class FoldcCache(Cache):
     def reset(self) -> None:
         super().reset()
         self.refusal[0] = None
+
+    def __deepcopy__(self, memo: dict):
+        """A cache of the same tokens in storage of its own (transformers reuses a prompt's cache through
+        ``copy.deepcopy``; each layer's `QuantizedKVCache` copies itself). What belongs to the model is shared, not
+        copied: its config and the attention modules the layers checked (a copy of each held its weights)."""
+        for layer in self.layers:
+            if layer.module_checked is not None:
+                memo[id(layer.module_checked)] = layer.module_checked
+        memo[id(self.config)] = self.config
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        for name, value in vars(self).items():
+            setattr(new, name, copy.deepcopy(value, memo))
+        return new
 
     def get_mask_sizes(self, query, layer_idx: int = 0, *args) -> tuple[int, int]:
         return self.layers[layer_idx].get_mask_sizes(query)

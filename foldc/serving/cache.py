@@ -612,6 +612,32 @@ class QuantizedKVCache:
             attention.run(launch, q, k, v, out, lse, scale, workspace=workspace, tokens=n)
         return out, lse
 
+    def __deepcopy__(self, memo: dict) -> QuantizedKVCache:
+        """A cache holding the same tokens in storage of its own (transformers reuses a prompt's cache through
+        ``copy.deepcopy``): the compiled attention is shared (`compiled_attention`), the launches and fast paths are
+        made again for the new storage, and a flag a one-token append raised travels with the tokens. Python's own
+        copy raised TypeError ("cannot pickle 'module' object") once a kernel had run."""
+        new = QuantizedKVCache(self.spec, self.batch, self.capacity, sink=self.sink, window=self.window,
+                               device=self.device, dtype=self.dtype, target=self.target)
+        memo[id(self)] = new
+        for name in ("k", "v"):
+            for mine, theirs in ((new._body[name], self._body[name]), (new._plain[name], self._plain[name])):
+                if isinstance(theirs, AffineTensor):
+                    for part in ("codes", "scale", "zero"):
+                        getattr(mine, part).copy_(getattr(theirs, part))
+                else:
+                    mine.copy_(theirs)
+                memo[id(theirs)] = mine   # (e.g. FoldcStaticLayer's views of the body: the copy's)
+        for attr in ("_sink_len", "_body_len", "_recent_len", "_ring_head", "_max_abs", "_plain_unchecked"):
+            setattr(new, attr, getattr(self, attr))
+        if self._flag_copied:   # a kernel's flag on its way to host memory
+            torch.cuda.synchronize(self.device)
+        if self._flag_seen[0]:
+            new._flag_host.fill_(1)
+            if not new._flag_mapped and new._flag is not new._flag_host:
+                new._flag.fill_(1)
+        return new
+
     def __repr__(self) -> str:
         return (f"QuantizedKVCache({self.spec.describe()}, batch={self.batch}, capacity={self.capacity}, "
                 f"sink={self.sink}, window={self.window}, tokens={self.num_tokens} "

@@ -15,6 +15,7 @@ generated, so a near-tie that flips one token cannot make later steps incomparab
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import re
 
@@ -378,6 +379,34 @@ def test_a_model_that_changes_the_key_after_the_update_is_refused():
         model(ids, use_cache=True, **{fhf.CACHE_KWARG: c})   # the prompt: its keys are whole, and right
         with pytest.raises(SpecError, match="changes the key after the cache's update"):
             model(ids[:, :1], use_cache=True, **{fhf.CACHE_KWARG: c})
+
+
+@pytest.mark.parametrize("kind", ["FoldcCache"])
+def test_a_prompts_cache_copied_with_deepcopy_continues_as_the_original(kind):
+    """transformers' recipe for reusing a prompt's cache: ``copy.deepcopy`` it before each continuation. The copy of a
+    cache whose kernels had run raised TypeError ("cannot pickle 'module' object") from inside the copy; now it
+    continues exactly as the original does and leaves the original's tokens alone, and what belongs to the model (the
+    attention modules the layers checked) is not copied."""
+    model, ids = llama(), prompt(2)
+    c = _caches()[kind](model)
+    suffix = torch.randint(3, 128, (2, 4), generator=torch.Generator().manual_seed(5))
+    with attention(model, "foldc"), torch.no_grad():
+        model(ids, use_cache=True, **{fhf.CACHE_KWARG: c})
+        model(suffix[:, :1], use_cache=True, **{fhf.CACHE_KWARG: c})   # a decode step: the fused kernel ran
+        twin = copy.deepcopy(c)
+        assert twin.layers[1].module_checked is c.layers[1].module_checked is model.model.layers[1].self_attn
+        runs = []
+        for which in (twin, c):   # the copy first: the original must not see its tokens
+            runs.append(torch.cat([model(suffix[:, t:t + 1], use_cache=True, **{fhf.CACHE_KWARG: which}).logits
+                                   for t in range(1, 4)], dim=1))
+    assert int(twin.get_seq_length()) == int(c.get_seq_length()) == PROMPT + 4
+    assert torch.equal(runs[0], runs[1])
+
+
+def _caches() -> dict:
+    """Cache kinds of one encoding on an fp16 model under the interpreter, by name."""
+    kw = dict(k="token:4:32", v="token:4:32", target="interpret")
+    return {"FoldcCache": lambda model: fhf.FoldcCache(model.config, 32, window=3, **kw)}
 
 
 def test_a_prompt_of_another_batch_without_reset_is_refused():

@@ -3,6 +3,7 @@ foldc.quantize of its tokens (grouped from the body's start), and attention over
 float64 attention over its dequantized contents."""
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -680,3 +681,47 @@ def test_a_decode_step_of_the_fast_path_with_a_query_that_records_gradients_rais
     with pytest.raises(UnsupportedError, match=r"^QuantizedKVCache\.attention .* has no backward"):
         out.float().sum().backward()
     assert not cache.attention(q, sm_scale=0.125).requires_grad
+
+
+@pytest.mark.parametrize("name, sink, window", [("K token2 / V channel4", 2, 5), ("K token4 / V token2 g32 bf16 scales",
+                                                                                    0, 0),
+                                                ("K token4 / V token2 g32 bf16 scales", 1, 3)])
+@pytest.mark.parametrize("target", ["interpret", "reference"])
+def test_a_deepcopy_holds_the_same_tokens_in_storage_of_its_own(name, sink, window, target):
+    """transformers reuses a prompt's cache by ``copy.deepcopy`` (a FoldcCache's layers are these caches): Python's
+    copy raised TypeError ("cannot pickle 'module' object") from inside the copy once a kernel had run. The copy
+    holds the original's tokens; each then takes appends of its own without touching the other, each equal to a
+    fresh cache given the same appends."""
+    gen = torch.Generator().manual_seed(11)
+    make = lambda: QuantizedKVCache(SPECS[name], 2, 80, sink=sink, window=window, target=target)  # noqa: E731
+    cache, prompt = make(), [_tokens(make(), 21, gen, shift=1.0), *(_tokens(make(), 1, gen) for _ in range(3))]
+    q = torch.randn(2, SPECS[name].num_q_heads, 64, generator=gen).half()
+    for k, v in prompt:
+        cache.append(k, v)
+        cache.attention(q)
+    twin = copy.deepcopy(cache)
+    assert twin.num_tokens == cache.num_tokens and twin._body["k"].codes is not cache._body["k"].codes
+    for c in (cache, twin):   # each its own continuation: a step of several tokens, then decode steps
+        rest = [_tokens(c, 9, gen, shift=-1.0), *(_tokens(c, 1, gen) for _ in range(4))]
+        fresh = make()
+        for k, v in [*prompt, *rest]:
+            fresh.append(k, v)
+        for k, v in rest:
+            c.append(k, v)
+        for got, want in zip(c.dequantized(), fresh.dequantized()):
+            assert torch.equal(got, want)
+        assert torch.equal(c.attention(q), fresh.attention(q))
+
+
+def test_a_deepcopy_of_a_cache_a_one_token_append_flagged_raises_as_the_original():
+    gen = torch.Generator().manual_seed(12)
+    cache = QuantizedKVCache(SPECS["K token4 / V token2 g32 bf16 scales"], 2, 40, target="interpret")
+    cache.append(*_tokens(cache, 6, gen))
+    k, v = _tokens(cache, 1, gen)
+    k[1, 0, 0, 3] = float("nan")
+    cache.append(k, v)   # flagged by the append kernel, raised by the next call
+    twin = copy.deepcopy(cache)
+    q = torch.randn(2, 4, 64, generator=gen).half()
+    for c in (cache, twin):
+        with pytest.raises(InputError, match="a one-token append held NaN or Inf"):
+            c.attention(q)
