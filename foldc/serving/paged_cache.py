@@ -26,6 +26,7 @@ size: same buffers) whenever the page table grows, e.g. before each replay of a 
 """
 from __future__ import annotations
 
+import copy
 import math
 import os
 
@@ -549,6 +550,27 @@ class PagedKVCache:
         launch_plain(self._plain_attn, q, st["k"], st["v"], st["plain"], scale, out, lse)
         out = merge_two_parts(body, (out, lse), q.dtype)[0]   # one launch: eq. 14, written in q's dtype
         return out if not q.requires_grad else without_backward(out, q, _WHAT, ATTENTION_FIX)
+
+    def __deepcopy__(self, memo: dict) -> PagedKVCache:
+        """A cache of the same tokens in pools and buffers of its own, planned with the same page table (transformers
+        reuses a prompt's cache through ``copy.deepcopy``; a `PagedFoldcCache` holds one of these): its kernels'
+        launches and fast paths are made again for the new storage. Python's own copy raised TypeError ("cannot
+        pickle 'module' object") from inside the copy."""
+        new = PagedKVCache(self.spec, num_layers=self.num_layers, page_size=self.page_size, num_pages=self.num_pages,
+                           max_seq_len=self.max_seq_len, sink=self.sink, window=self.window, device=self.device,
+                           dtype=self.dtype, target=self.target)
+        memo[id(self)] = new
+        for mine, theirs in zip(new.pools, self.pools):
+            for name in "kv":
+                for part in ("codes", "scale", "zero"):
+                    getattr(mine[name], part).copy_(getattr(theirs[name], part))
+        if self._layers:
+            new.table = new.wrapper.plan(self.wrapper.kv_indptr, self.wrapper.kv_indices[:sum(self.table.pages)], None,
+                                         num_pages=self.num_pages, seq_lens=list(self.table.seq_lens))
+            new.batch, new._owned = self.batch, [list(pages) for pages in self._owned]
+            new._layers = [{key: value.clone() if isinstance(value, torch.Tensor) else copy.copy(value)
+                            for key, value in st.items()} for st in self._layers]
+        return new
 
     def dequantized(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
         """(k, v, lengths): every token of ``layer`` as float32 ``[batch, kv_heads, max_tokens, head_dim]``

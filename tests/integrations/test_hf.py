@@ -381,7 +381,7 @@ def test_a_model_that_changes_the_key_after_the_update_is_refused():
             model(ids[:, :1], use_cache=True, **{fhf.CACHE_KWARG: c})
 
 
-@pytest.mark.parametrize("kind", ["FoldcCache"])
+@pytest.mark.parametrize("kind", ["FoldcCache", "PagedFoldcCache"])
 def test_a_prompts_cache_copied_with_deepcopy_continues_as_the_original(kind):
     """transformers' recipe for reusing a prompt's cache: ``copy.deepcopy`` it before each continuation. The copy of a
     cache whose kernels had run raised TypeError ("cannot pickle 'module' object") from inside the copy; now it
@@ -405,8 +405,11 @@ def test_a_prompts_cache_copied_with_deepcopy_continues_as_the_original(kind):
 
 def _caches() -> dict:
     """Cache kinds of one encoding on an fp16 model under the interpreter, by name."""
+    from foldc.integrations.hf_paged import PagedFoldcCache
+
     kw = dict(k="token:4:32", v="token:4:32", target="interpret")
-    return {"FoldcCache": lambda model: fhf.FoldcCache(model.config, 32, window=3, **kw)}
+    return {"FoldcCache": lambda model: fhf.FoldcCache(model.config, 32, window=3, **kw),
+            "PagedFoldcCache": lambda model: PagedFoldcCache(model.config, 32, window=3, **kw)}
 
 
 def test_a_prompt_of_another_batch_without_reset_is_refused():

@@ -3,6 +3,8 @@ QuantizedKVCache holds for the same tokens (same bits), and its attention (paged
 the plain window by log-sum-exp) matches float64 attention over the dequantized cache."""
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -594,3 +596,43 @@ def test_a_query_that_records_gradients_gets_an_output_whose_backward_raises(mon
     monkeypatch.setattr(direct, "_state", lambda layer: whole.append(layer) or real_state(layer))
     raises_at_backward(direct.attention(0, q.clone().requires_grad_()))
     assert whole == [] and not direct.attention(0, q).requires_grad
+
+
+@pytest.mark.parametrize("spec, sink, window", [(S(4, 2, 64, A(2, "token", 32), A(4, "channel", 16)), 2, 5),
+                                                (S(4, 2, 64, A(2, "token", 32), A(4, "token", 64)), 0, 0)],
+                         ids=["sink-window", "straight-to-pages"])
+def test_a_deepcopy_holds_the_same_tokens_in_pools_of_its_own(spec, sink, window):
+    """transformers reuses a prompt's cache by ``copy.deepcopy`` (a PagedFoldcCache holds this cache): Python's copy
+    raised TypeError ("cannot pickle 'module' object") from inside the copy. The copy holds the original's tokens
+    under the same page table; each then takes appends of its own without touching the other, each equal to a fresh
+    cache given the same appends."""
+    gen = torch.Generator().manual_seed(21)
+    table = _table(2, 3, 8, seed=4)
+
+    def make():
+        c = PagedKVCache(spec, num_layers=2, page_size=32, num_pages=8, max_seq_len=96, sink=sink, window=window,
+                         target="interpret")
+        c.plan(*table, seq_lens=[0, 0])
+        return c
+
+    def append(c, steps):
+        for k, v in steps:
+            for layer in range(2):
+                c.append(layer, k, v)
+
+    prompt = [_tokens(gen, 2, 2, 19, 64), *(_tokens(gen, 2, 2, 1, 64) for _ in range(3))]
+    q = torch.randn(2, 4, 64, generator=gen).half()
+    cache = make()
+    append(cache, prompt)
+    cache.attention(1, q)
+    twin = copy.deepcopy(cache)
+    assert twin.num_tokens(1) == cache.num_tokens(1) and twin.pools[0]["k"].codes is not cache.pools[0]["k"].codes
+    for c in (twin, cache):   # the copy first: the original must not see its tokens
+        rest = [_tokens(gen, 2, 2, 7, 64), *(_tokens(gen, 2, 2, 1, 64) for _ in range(3))]
+        fresh = make()
+        append(fresh, prompt + rest)
+        append(c, rest)
+        for layer in range(2):
+            for got, want in zip(c.dequantized(layer), fresh.dequantized(layer)):
+                assert got == want if isinstance(got, list) else torch.equal(got, want)
+            assert torch.equal(c.attention(layer, q), fresh.attention(layer, q))
