@@ -217,6 +217,11 @@ class FoldcStaticCache(FoldcCache):
         slot.cache = self   # the model's attention reads this cache's layers from now on
         return keys, values
 
+    def __deepcopy__(self, memo: dict):
+        """`FoldcCache`'s copy, bound to the same model: the slot its attention modules read is the model's."""
+        memo[id(self._slot)] = self._slot
+        return super().__deepcopy__(memo)
+
     def reset(self) -> None:
         super().reset()
         if self._slot.cache is self:   # (an update whose attention did not take it)

@@ -381,12 +381,13 @@ def test_a_model_that_changes_the_key_after_the_update_is_refused():
             model(ids[:, :1], use_cache=True, **{fhf.CACHE_KWARG: c})
 
 
-@pytest.mark.parametrize("kind", ["FoldcCache", "PagedFoldcCache"])
+@pytest.mark.parametrize("kind", ["FoldcCache", "PagedFoldcCache", "FoldcStaticCache"])
 def test_a_prompts_cache_copied_with_deepcopy_continues_as_the_original(kind):
     """transformers' recipe for reusing a prompt's cache: ``copy.deepcopy`` it before each continuation. The copy of a
-    cache whose kernels had run raised TypeError ("cannot pickle 'module' object") from inside the copy; now it
+    cache whose kernels had run raised TypeError ("cannot pickle 'module' object") from inside the copy (a copy of a
+    FoldcStaticCache, unbound from the model, was refused at its first decode step as another model's); now it
     continues exactly as the original does and leaves the original's tokens alone, and what belongs to the model (the
-    attention modules the layers checked) is not copied."""
+    attention modules the layers checked, a static cache's binding) is not copied."""
     model, ids = llama(), prompt(2)
     c = _caches()[kind](model)
     suffix = torch.randint(3, 128, (2, 4), generator=torch.Generator().manual_seed(5))
@@ -406,10 +407,12 @@ def test_a_prompts_cache_copied_with_deepcopy_continues_as_the_original(kind):
 def _caches() -> dict:
     """Cache kinds of one encoding on an fp16 model under the interpreter, by name."""
     from foldc.integrations.hf_paged import PagedFoldcCache
+    from foldc.integrations.hf_static import FoldcStaticCache
 
     kw = dict(k="token:4:32", v="token:4:32", target="interpret")
     return {"FoldcCache": lambda model: fhf.FoldcCache(model.config, 32, window=3, **kw),
-            "PagedFoldcCache": lambda model: PagedFoldcCache(model.config, 32, window=3, **kw)}
+            "PagedFoldcCache": lambda model: PagedFoldcCache(model.config, 32, window=3, **kw),
+            "FoldcStaticCache": lambda model: FoldcStaticCache(model, 32, **kw)}
 
 
 def test_a_prompt_of_another_batch_without_reset_is_refused():
