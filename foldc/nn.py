@@ -582,7 +582,10 @@ def _input_order(order, k: int, device) -> torch.Tensor | None:
                              f"None, got {type(order).__name__}")
     if order.dtype == torch.bool or order.is_floating_point() or order.is_complex() or tuple(order.shape) != (k,):
         raise InputError(f"input_order must be an integer tensor [{k}]; got {order.dtype} {tuple(order.shape)}")
+    values = None if order.is_meta else order.to(torch.int64)   # checked where it holds values (not on meta)
     order = order.to(device=device, dtype=torch.int64, copy=True)   # the layer's own (a load copies into it)
-    if not torch.equal(torch.sort(order).values, torch.arange(k, device=device)):
+    # a layer built on the meta device (a serving engine's model before its weights load) takes a placeholder order:
+    # torch.equal has no meta kernel (NotImplementedError from inside torch); its load is checked
+    if values is not None and not torch.equal(torch.sort(values).values, torch.arange(k, device=values.device)):
         raise InputError(f"input_order is not a permutation of range({k}): each input channel must appear once")
     return order

@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import foldc
+from foldc.encoding import AffineTensor
 from foldc.gemm import parse_gemm_encoding
 from foldc.errors import InputError, InputTypeError, SpecError
 from foldc.nn import FoldLinear
@@ -702,6 +703,30 @@ def test_a_layer_built_on_the_meta_device_takes_to_empty_and_a_load():
     x = torch.randn(3, 128, generator=gen)
     assert torch.allclose(layer(x).double(), _reference(source, x), rtol=1e-6, atol=1e-6)
 
+
+
+def test_an_act_order_layer_built_on_the_meta_device_takes_to_empty_and_a_load():
+    """A serving engine builds an act-order layer on the meta device (its input order a placeholder there too), then
+    ``to_empty`` and a load: the order's permutation check ran torch.equal on meta tensors, a NotImplementedError
+    from inside torch. The placeholder is taken; the loaded order is checked and gathers x."""
+    from foldc.gemm.reference import quantize_2d
+
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    enc = parse_gemm_encoding("k-group:4:64", "weight")
+    source = FoldLinear(quantize_2d(torch.randn(48, 128, generator=gen) * 0.1, enc), enc,
+                        bias=torch.randn(48, generator=gen), input_order=torch.randperm(128, generator=gen))
+    with torch.device("meta"):
+        placeholder = AffineTensor(torch.empty(1, 1, 48, 64, dtype=torch.uint8), torch.empty(1, 1, 48, 2).half(),
+                                   torch.empty(1, 1, 48, 2).half(), enc.affine(128), 128)
+        layer = FoldLinear(placeholder, enc, torch.empty(48), input_order=torch.empty(128, dtype=torch.int64))
+    assert layer.input_order.is_meta
+    layer.to_empty(device="cpu")
+    layer.load_state_dict(source.state_dict())
+    assert torch.equal(layer.input_order, source.input_order)
+    x = torch.randn(3, 128, generator=gen)
+    assert torch.allclose(layer(x).double(), _reference(source, x[:, source.input_order]), rtol=1e-6, atol=1e-6)
+    with pytest.raises(InputError, match="not a permutation"):   # an order with values is checked as before
+        FoldLinear(placeholder, enc, input_order=torch.zeros(128, dtype=torch.int64))
 
 def _layer_pair(enc: str, gen: torch.Generator, order: bool = False):
     from foldc.gemm.reference import quantize_2d
