@@ -240,12 +240,15 @@ def from_gptq_act_order(qweight, qzeros, scales, g_idx, *, bits: int = 4, group_
 
 def from_awq(qweight, qzeros, scales, *, bits: int = 4, group_size: int = 128) -> tuple[AffineTensor, GemmEncoding]:
     """An AWQ GEMM layer (module doc) as a foldc weight: ``qweight`` int32 [k, n * bits / 32], ``qzeros``
-    int32 [k / group_size, n * bits / 32], ``scales`` [k / group_size, n]."""
+    int32 [k / group_size, n * bits / 32], ``scales`` [k / group_size, n]; ``group_size=-1`` (AutoAWQ's
+    ``q_group_size`` for one group per row: ``WQLinear_GEMM`` reads it as in_features) is the layer's k."""
     _check_bits(bits, (4,))
-    _check_group(group_size)
+    if not (type(group_size) is int and group_size == -1):
+        _check_group(group_size)
     qweight = _int32("qweight", qweight)
     k, n = qweight.shape[0], qweight.shape[1] * 32 // bits
     _check_sizes(n, k)
+    group_size = k if group_size == -1 else group_size
     qzeros, _ = _zero_point_layer(qzeros, scales, k, n, bits, group_size)
     _one_device(("qweight", qweight), ("qzeros", qzeros), ("scales", scales))
     order = torch.tensor(AWQ_ORDER).argsort()   # field holding column c of each group of eight

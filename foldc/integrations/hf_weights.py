@@ -143,10 +143,11 @@ def load_quantized(model: torch.nn.Module, state_dict: Mapping, *, checkpoint: s
     weight (and the checkpoint's ``<name>.bias``; act-order layers gather x by their input order), on the layer's
     device; every other tensor of the checkpoint is copied into the model as ``load_state_dict`` does.
     ``checkpoint``: ``"gptq"`` (v1, the zeros stored minus one), ``"gptq_v2"`` or ``"awq"`` (AutoAWQ's GEMM format);
-    ``bits`` and ``group_size``: the checkpoint's quantization config. Refused by name before the model changes: a
-    packed layer the model has no ``nn.Linear`` for (a prefix that does not match), a tensor the model has no place
-    for or of another shape than the model's, a parameter of the model the checkpoint does not hold (it would keep
-    its random value), a layer whose tensors do not convert. Returns the names of the replaced layers."""
+    ``bits`` and ``group_size``: the checkpoint's quantization config (``group_size=-1``: one group per row, each
+    layer's k). Refused by name before the model changes: a packed layer the model has no ``nn.Linear`` for (a prefix
+    that does not match), a tensor the model has no place for or of another shape than the model's, a parameter of
+    the model the checkpoint does not hold (it would keep its random value), a layer whose tensors do not convert.
+    Returns the names of the replaced layers."""
     from ..gemm.convert import from_awq, from_gptq, from_gptq_act_order
     from ..nn import FoldLinear
 

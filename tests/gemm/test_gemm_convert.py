@@ -453,3 +453,19 @@ def test_int4pack_codes_packed_two_a_byte_are_refused_naming_the_packing(n, grou
         from_int4pack(codes, sz, group_size=group)
     except InputError as e:
         assert "does not survive float32" in str(e)
+
+
+def test_awq_without_groups_converts_from_group_size_minus_1():
+    """AutoAWQ's quant_config says q_group_size=-1 for one group per row (WQLinear_GEMM reads it as in_features):
+    from_awq refused it as "must be a positive integer", which no value of one layer's k fixes for a whole model
+    (load_quantized takes one group_size)."""
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    n, k = 16, 128
+    codes, scale, zero = asymmetric_codes(torch.randn(n, k, generator=gen) * 0.05, 4, k)
+    weight, enc = from_awq(pack_along(codes.T, 4, 1, AWQ_ORDER), pack_along(zero.T, 4, 1, AWQ_ORDER),
+                           scale.T.contiguous(), group_size=-1)
+    assert enc.group_size == k
+    _check(weight, enc, _dequant(codes, scale, zero, k), 0)
+    with pytest.raises(InputError, match="group_size=-2 must be a positive integer"):
+        from_awq(pack_along(codes.T, 4, 1, AWQ_ORDER), pack_along(zero.T, 4, 1, AWQ_ORDER), scale.T.contiguous(),
+                 group_size=-2)

@@ -35,15 +35,17 @@ def model(kind: str, seed: int):
     return Qwen2ForCausalLM(cfg).eval()
 
 
-def checkpoint(source, fmt: str, bits: int, group: int, gen: torch.Generator):
+def checkpoint(source, fmt: str, bits: int, group_size: int, gen: torch.Generator):
     """(the tensors a ``fmt`` checkpoint of ``source`` holds, the source with each quantized linear holding the
-    format's float64 dequantization, the names of the act-order layers). GPTQ layers take act-order at random."""
+    format's float64 dequantization, the names of the act-order layers). GPTQ layers take act-order at random;
+    ``group_size=-1``: one group per row (each layer's k), as the tools' configs say it."""
     tensors, twin, act_order = {}, copy.deepcopy(source), []
     quantized = [name for name, m in source.named_modules() if isinstance(m, torch.nn.Linear) and name != "lm_head"]
     for name in quantized:
         m = source.get_submodule(name)
         w = m.weight.detach()
         n, k = w.shape
+        group = k if group_size == -1 else group_size
         if fmt == "awq":
             codes, scale, zero = asymmetric_codes(w, bits, group)
             g_idx = torch.arange(k) // group
@@ -77,7 +79,8 @@ def checkpoint(source, fmt: str, bits: int, group: int, gen: torch.Generator):
 
 @pytest.mark.parametrize("kind, fmt, bits, group", [("llama", "gptq", 4, 32), ("llama", "gptq_v2", 8, 32),
                                                     ("llama", "gptq", 2, 16), ("qwen2", "awq", 4, 32),
-                                                    ("qwen2", "gptq_v2", 4, 64)])
+                                                    ("qwen2", "gptq_v2", 4, 64), ("llama", "awq", 4, -1),
+                                                    ("qwen2", "gptq", 4, -1)])
 def test_a_checkpoint_loads_as_fold_linears_equal_to_the_formats_dequantization(kind, fmt, bits, group):
     seed = int(torch.randint(0, 2**31 - 1, ()))
     gen = torch.Generator().manual_seed(seed)
