@@ -206,7 +206,9 @@ def _gptq_layer(qweight, qzeros, scales, bits: int, group_size: int, zero_offset
     qweight = _int32("qweight", qweight)
     k, n = qweight.shape[0] * 32 // bits, qweight.shape[1]
     _check_sizes(n, k, bits)
-    group_size = k if group_size == -1 else group_size
+    # -1, GPTQ's one group per row; a group past k (a layer narrower than the group: AutoGPTQ stores
+    # ceil(k / group_size) = 1 group, every g_idx 0) is that one group too
+    group_size = k if group_size == -1 or group_size > k else group_size
     qzeros, _ = _zero_point_layer(qzeros, scales, k, n, bits, group_size)
     _one_device(("qweight", qweight), ("qzeros", qzeros), ("scales", scales))
     # v1: the zero is (stored + 1) mod 2^bits, as AutoGPTQ's kernels (cuda, exllama, exllamav2: `(z + 1) & 0x0f`) and

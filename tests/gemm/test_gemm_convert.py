@@ -469,3 +469,25 @@ def test_awq_without_groups_converts_from_group_size_minus_1():
     with pytest.raises(InputError, match="group_size=-2 must be a positive integer"):
         from_awq(pack_along(codes.T, 4, 1, AWQ_ORDER), pack_along(zero.T, 4, 1, AWQ_ORDER), scale.T.contiguous(),
                  group_size=-2)
+
+
+@settings(max_examples=10, deadline=None)
+@given(k=st.sampled_from([32, 64, 96]), group=st.sampled_from([128, 256]), bits=st.sampled_from([2, 4, 8]),
+       act_order=st.booleans(), seed=st.integers(0, 2**31 - 1))
+def test_a_gptq_layer_narrower_than_its_group_is_one_group_per_row(k, group, bits, act_order, seed):
+    """AutoGPTQ quantizes a layer of k < group_size input channels as ceil(k / group_size) = 1 group (scales [1, n],
+    every g_idx 0): it was refused as "k=64 (from qweight) is not a multiple of group_size=128", though it is one
+    group per row exactly. Converted so now, to the format's float64 values."""
+    assume(k * bits % 32 == 0)
+    gen = torch.Generator().manual_seed(seed)
+    n = 16
+    codes, scale, zero = asymmetric_codes(torch.randn(n, k, generator=gen) * 0.05, bits, k)
+    args = (pack_along(codes.T, bits, 0), pack_along(((zero - 1) % 2**bits).T, bits, 1), scale.T.contiguous())
+    g_idx = torch.arange(k, dtype=torch.int32) // group   # all 0
+    if act_order:
+        weight, enc, order = from_gptq_act_order(*args, g_idx, bits=bits, group_size=group)
+        assert torch.equal(order, torch.arange(k))
+    else:
+        weight, enc = from_gptq(*args, g_idx, bits=bits, group_size=group)
+    assert enc.group_size == k
+    _check(weight, enc, _dequant(codes, scale, zero, k), seed)
