@@ -193,6 +193,17 @@ def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
     return torch.cat(fields, dim=-1)
 
 
+def _check_value_dtype(dtype) -> None:
+    """The dtype of dequantized values (or of their scale and zero): a floating-point torch.dtype."""
+    if not isinstance(dtype, torch.dtype):
+        raise InputTypeError(f"dtype={dtype!r} must be a torch.dtype, e.g. torch.float32 (the default) or "
+                             "torch.float16")
+    if not dtype.is_floating_point:
+        raise InputError(f"dtype={dtype} is not a floating-point dtype: scales, zeros and values would be "
+                         "cast to it (an integer dtype truncates them); pass torch.float32 (the default), "
+                         "torch.float64, torch.float16 or torch.bfloat16")
+
+
 @dataclass(frozen=True, eq=False)
 class AffineTensor:
     """A quantized tensor: packed codes plus per-group scale and zero.
@@ -267,13 +278,7 @@ class AffineTensor:
 
     def expanded_params(self, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
         """scale and zero broadcast to one entry per value, [batch, kv_heads, tokens, head_dim]."""
-        if not isinstance(dtype, torch.dtype):
-            raise InputTypeError(f"dtype={dtype!r} must be a torch.dtype, e.g. torch.float32 (the default) or "
-                                 "torch.float16")
-        if not dtype.is_floating_point:
-            raise InputError(f"dtype={dtype} is not a floating-point dtype: scales, zeros and values would be "
-                             "cast to it (an integer dtype truncates them); pass torch.float32 (the default), "
-                             "torch.float64, torch.float16 or torch.bfloat16")
+        _check_value_dtype(dtype)
         g = self.encoding.group_size
         s, z = self.scale.to(dtype), self.zero.to(dtype)
         if self.encoding.layout == "token":
@@ -284,9 +289,13 @@ class AffineTensor:
         return s, z
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """``scale * code + zero`` in ``dtype`` (float32 by default), shaped like the input."""
-        s, z = self.expanded_params(dtype)
-        return s * self.unpack().to(dtype) + z
+        """``scale * code + zero`` in ``dtype`` (float32 by default), shaped like the input: computed in float32 (or
+        float64) and rounded to ``dtype`` once (in fp16, ``scale * code`` of a value near its range overflowed to inf
+        before ``zero`` brought it back)."""
+        _check_value_dtype(dtype)
+        work = torch.float64 if dtype == torch.float64 else torch.float32
+        s, z = self.expanded_params(work)
+        return (s * self.unpack().to(work) + z).to(dtype)
 
 
 _CHUNK_VALUES = 1 << 28  # above this many values, quantize sequence by sequence

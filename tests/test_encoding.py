@@ -787,6 +787,24 @@ def test_dequantize_refuses_a_dtype_that_is_not_floating_point(dtype, exc, match
         assert torch.allclose(at.dequantize(ok).double(), at.dequantize(torch.float64), rtol=1e-2, atol=1e-1)
 
 
+@pytest.mark.parametrize("bits", SUPPORTED_BITS)
+@pytest.mark.parametrize("layout", ["token", "channel"])
+def test_dequantize_to_16_bits_rounds_once_and_keeps_values_in_range(bits, layout):
+    """dequantize(torch.float16) computed scale * code in fp16: a group spanning [-40000, 40000] (every value an
+    fp16) has scale * max_code = 80000, inf before zero = -40000 brought it back: inf for its largest values,
+    silently. The values are computed in float32 and rounded to the dtype once."""
+    gen = torch.Generator().manual_seed(48 + bits)
+    x = (torch.rand(2, 2, 8, 16, generator=gen) * 2 - 1) * 40000
+    x[:, :, :, 0], x[:, :, 0, :] = 40000, -40000   # each group (of either layout) spans the whole range
+    at = quantize(x.half(), Affine(bits, layout, 4))
+    wide = at.dequantize(torch.float32)
+    assert wide.abs().max() < 65504
+    for dtype in (torch.float16, torch.bfloat16):
+        got = at.dequantize(dtype)
+        assert got.dtype == dtype and torch.isfinite(got).all()
+        assert torch.equal(got, wide.to(dtype))
+
+
 @pytest.mark.parametrize("where", ["meta", "sparse_coo"])
 def test_quantize_refuses_x_whose_values_cannot_be_read(where):
     """x on the meta device (a model built with empty weights) raised a RuntimeError from torch's Tensor.item(),
