@@ -156,7 +156,8 @@ def plan(spec: AttentionSpec, code_bias: dict[str, int] | None = None, fold_poli
     """
     if target is not None:
         dtype = dtype or ("fp16" if target == "interpret" else "bf16")
-        return _target_plan(spec, target, kernel, dtype, code_bias, operand_dtype, fold_policy, bar_dtype)
+        return _target_plan(spec, target, kernel, dtype, code_bias, operand_dtype, fold_policy, bar_dtype,
+                            rows_per_program, fold_costs)
     workload = workload_of(spec)
     if workload is not None:
         return workload.plan(spec, code_bias, fold_policy)
@@ -194,7 +195,7 @@ def as_plan(the_plan, what: str):
 
 
 def _target_plan(spec, target: str, kernel: str, dtype: str, code_bias, operand_dtype, fold_policy,
-                 bar_dtype=None) -> Plan:
+                 bar_dtype=None, rows_per_program=None, fold_costs=None) -> Plan:
     """The plan of the kernel that runs ``spec`` on ``target`` for ``dtype`` queries (`plan`'s ``target``)."""
     if not isinstance(spec, AttentionSpec):
         raise SpecError(f"plan(..., target={target!r}) plans attention; got {type(spec).__name__} (plan a GemmSpec "
@@ -205,6 +206,10 @@ def _target_plan(spec, target: str, kernel: str, dtype: str, code_bias, operand_
     if code_bias is not None or operand_dtype is not None or bar_dtype is not None:
         raise SpecError("code_bias, operand_dtype and bar_dtype are the target's with target= set; drop them or "
                         "drop target")
+    for name, value in (("rows_per_program", rows_per_program), ("fold_costs", fold_costs)):
+        if value is not None:   # the target's kernel sets its own row blocks and fold costs: it was dropped, silently
+            raise SpecError(f"{name}={value!r} with target={target!r}: the target's kernel plans its own row blocks "
+                            f"and fold costs; drop {name} (or drop target to plan with it)")
     if not _unit_dtype(dtype):
         raise SpecError(f"dtype={dtype!r} is not one of {sorted(UNIT_ROUNDOFF)} (the query's dtype)")
     if target == "interpret" and dtype != "fp16":   # its plan (bf16's code bias of 128) would describe no kernel

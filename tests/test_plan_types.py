@@ -317,6 +317,23 @@ def test_plan_for_a_target_refuses_what_it_cannot_mean():
         foldc.plan(spec, target="interpret", kernel="gluon")
 
 
+
+@pytest.mark.parametrize("option,value", [("rows_per_program", 1), ("rows_per_program", 2),
+                                          ("fold_costs", "FoldCosts")])
+@pytest.mark.parametrize("target", ["sm_90", "interpret"])
+def test_plan_for_a_target_refuses_the_options_its_kernel_sets(option, value, target):
+    """foldc.plan(spec, target=..., rows_per_program=1) (or fold_costs=) returned the target kernel's plan with its
+    own row blocks and costs, the option dropped silently: the plan told of another break-even than asked for."""
+    from foldc.passes import FoldCosts
+
+    spec = foldc.AttentionSpec(32, 8, 128, A(2, "token", 128), A(2, "token", 128))
+    value = FoldCosts(target) if value == "FoldCosts" else value
+    with pytest.raises(foldc.SpecError, match=rf"{option}=.* with target='{target}': the target's kernel plans its "
+                                              rf"own row blocks and fold costs; drop {option}"):
+        foldc.plan(spec, target=target, **{option: value})
+    planned = foldc.plan(spec, **{option: value})   # without a target the option is planned with
+    assert option != "rows_per_program" or planned.rows_per_program == value
+
 @st.composite
 def _attention_specs(draw):
     kv = draw(st.sampled_from([1, 2, 8]))
