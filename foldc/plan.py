@@ -154,6 +154,10 @@ def plan(spec: AttentionSpec, code_bias: dict[str, int] | None = None, fold_poli
     A spec of a registered workload (`foldc.GemmSpec`) is planned by that workload (foldc/registry.py;
     `foldc.gemm.plan.gemm_plan`, with the same passes).
     """
+    if target is None and (isinstance(kernel, bool) or kernel != "auto"):   # the reference plan: no kernel's
+        raise SpecError(f"kernel={kernel!r} without target: the kernel's plan is a target's (its code bias, row "
+                        "blocks, operand dtype); pass target='sm_90', 'sm_100' or 'interpret' with it, or drop kernel "
+                        "for the reference plan")
     if target is not None:
         dtype = dtype or ("fp16" if target == "interpret" else "bf16")
         return _target_plan(spec, target, kernel, dtype, code_bias, operand_dtype, fold_policy, bar_dtype,

@@ -334,6 +334,20 @@ def test_plan_for_a_target_refuses_the_options_its_kernel_sets(option, value, ta
     planned = foldc.plan(spec, **{option: value})   # without a target the option is planned with
     assert option != "rows_per_program" or planned.rows_per_program == value
 
+
+@pytest.mark.parametrize("kernel", ["triton", "gluon", "Triton", None])
+def test_plan_refuses_a_kernel_without_a_target(kernel):
+    """foldc.plan(spec, kernel="triton") returned the reference plan (no code bias) while the Triton kernel's plan
+    has bf16's code bias of 128: the kernel was dropped silently (any text was taken, a misspelt one too)."""
+    spec = foldc.AttentionSpec(32, 8, 128, A(2, "token", 128), A(2, "channel", 128))
+    gemm = foldc.GemmSpec(256, 256, foldc.gemm.parse_gemm_encoding("k-group:4:64", "weight"))
+    for the_spec in (spec, gemm):
+        with pytest.raises(foldc.SpecError, match=rf"kernel={kernel!r} without target: the kernel's plan is a "
+                                                  r"target's .* pass target='sm_90', 'sm_100' or 'interpret'"):
+            foldc.plan(the_spec, kernel=kernel)
+    assert foldc.plan(spec, kernel="auto").products == foldc.plan(spec).products
+    assert foldc.plan(spec, target="sm_90", kernel="triton").products["qk"].code_bias == 128
+
 @st.composite
 def _attention_specs(draw):
     kv = draw(st.sampled_from([1, 2, 8]))
