@@ -164,6 +164,13 @@ def plan(spec: AttentionSpec, code_bias: dict[str, int] | None = None, fold_poli
                             rows_per_program, fold_costs)
     workload = workload_of(spec)
     if workload is not None:
+        attention_only = {"dtype": dtype, "operand_dtype": operand_dtype, "rows_per_program": rows_per_program,
+                          "bar_dtype": bar_dtype, "fold_costs": fold_costs}
+        given = [f"{name}={value!r}" for name, value in attention_only.items() if value is not None]
+        if given:   # its plan decides no precision and no row blocks: they were dropped, silently
+            raise SpecError(f"{', '.join(given)}: a {type(spec).__name__}'s plan takes code_bias and fold_policy only "
+                            "(dtype, operand_dtype, rows_per_program, bar_dtype and fold_costs plan attention); drop "
+                            "them")
         return workload.plan(spec, code_bias, fold_policy)
     if not isinstance(spec, AttentionSpec):
         raise SpecError(f"spec must be a foldc.AttentionSpec, got {type(spec).__name__}")

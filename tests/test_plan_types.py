@@ -348,6 +348,21 @@ def test_plan_refuses_a_kernel_without_a_target(kernel):
     assert foldc.plan(spec, kernel="auto").products == foldc.plan(spec).products
     assert foldc.plan(spec, target="sm_90", kernel="triton").products["qk"].code_bias == 128
 
+
+@pytest.mark.parametrize("option,value", [("dtype", "bf16"), ("dtype", "fp8"), ("operand_dtype", "fp16"),
+                                          ("rows_per_program", 2), ("bar_dtype", "bf16"), ("fold_costs", "costs")])
+def test_plan_of_a_gemm_refuses_attention_options(option, value):
+    """foldc.plan(gemm_spec, dtype="bf16") returned a plan that decides no precision, the dtype dropped silently (as
+    rows_per_program, operand_dtype, bar_dtype and fold_costs, whatever their value)."""
+    from foldc.passes import FoldCosts
+
+    spec = foldc.GemmSpec(256, 256, foldc.gemm.parse_gemm_encoding("k-group:4:64", "weight"), m=4)
+    value = FoldCosts("sm_90") if value == "costs" else value
+    with pytest.raises(foldc.SpecError, match=rf"{option}=.*: a GemmSpec's plan takes code_bias and fold_policy "
+                                              r"only .* drop them"):
+        foldc.plan(spec, **{option: value})
+    assert foldc.plan(spec, code_bias={"weight": 8}, fold_policy="dequant").spec == spec
+
 @st.composite
 def _attention_specs(draw):
     kv = draw(st.sampled_from([1, 2, 8]))
