@@ -513,14 +513,12 @@ def main(argv=None) -> int:
     if not args.budget_s > 0:   # -5 skipped every part (exit 0); NaN was never spent (inf: no budget)
         ap.error(f"--budget-s={args.budget_s:g}: give the seconds after which the parts left are skipped, a positive "
                  "number (default 450)")
-    from foldc.options import cli_out_dir
-
-    cli_out_dir(ap, args.out)
     c = Ctx(args.dry_run)
     if args.prompt is not None or args.new_tokens is not None:
-        if (args.prompt or 1) < 1 or (args.new_tokens or 1) < 1:
+        if min(n for n in (args.prompt, args.new_tokens) if n is not None) < 1:   # 0 was taken for the default
             ap.error(f"--prompt={args.prompt} and --new-tokens={args.new_tokens} must be positive")
-        c.prompt, c.new = args.prompt or c.prompt, args.new_tokens or c.new
+        c.prompt = c.prompt if args.prompt is None else args.prompt
+        c.new = c.new if args.new_tokens is None else args.new_tokens
     if args.batches:
         try:
             c.batches = tuple(int(b) for b in args.batches.split(","))
@@ -528,6 +526,9 @@ def main(argv=None) -> int:
             ap.error(f"--batches={args.batches!r}: use comma-separated positive integers, e.g. 1,8")
         if min(c.batches) < 1:
             ap.error(f"--batches={args.batches!r}: every batch size must be at least 1")
+    from foldc.options import cli_out_dir
+
+    cli_out_dir(ap, args.out)   # after every check of the flags: a refused command leaves no folder behind
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     meta = {"torch": torch.__version__, "python": platform.python_version(), "dry_run": args.dry_run,

@@ -33,6 +33,24 @@ def test_a_budget_that_is_not_a_positive_number_exits_2(tmp_path, capsys, budget
     assert not (tmp_path / "out").exists()
 
 
+
+@pytest.mark.parametrize("flags", [["--prompt", "0"], ["--new-tokens", "0"], ["--prompt", "0", "--new-tokens", "3"],
+                                   ["--prompt", "-2"], ["--batches", "1,0"]])
+def test_a_prompt_or_new_tokens_of_0_exits_2(tmp_path, capsys, monkeypatch, flags):
+    """--prompt 0 (or --new-tokens 0) was read as the flag left out: the throughput part ran its default 48 (4096 on
+    a GPU) prompt tokens, silently; a negative one exited 2 after the --out folder was made. Both exit 2 naming the
+    flags now, before anything runs or is made."""
+    ran = []
+    monkeypatch.setattr(bench, "PARTS", {"throughput": lambda c: ran.append((c.prompt, c.new)) or ([], "")})
+    with pytest.raises(SystemExit) as done:
+        bench.main(["--dry-run", "--parts", "throughput", "--out", str(tmp_path / "out"), *flags])
+    err = capsys.readouterr().err
+    assert done.value.code == 2 and "must be" in err and "Traceback" not in err, err
+    assert not ran and not (tmp_path / "out").exists()
+    assert bench.main(["--dry-run", "--parts", "throughput", "--out", str(tmp_path / "ok"), "--prompt", "5",
+                       "--new-tokens", "1"]) == 0
+    assert ran == [(5, 1)]
+
 def test_the_sdpa_baseline_reads_each_kv_head_once(monkeypatch):
     """`--parts paged_kernel`'s bf16 SDPA ran SDPA's default backend over K and V repeated to the query heads (4x the
     bytes at 32/8 heads; 123 µs at 8 x 4K on the H200, where `foldc bench`'s cuDNN peer took 48): the baseline is that
