@@ -510,12 +510,14 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.layouts:
         ap.error("--layouts goes first on the command line: `foldc bench --layouts ...` (foldc/bench_layouts.py)")
-    wanted = [w.strip() for w in args.kernels.split(",") if w.strip()] if args.kernels else None
+    from .options import cli_items, cli_out_dir
+
+    wanted = cli_items(ap, "--kernels", args.kernels)
     if wanted and not any(selects(w, r[0], args.quick) for w in wanted for r in kernel_list(args.quick)):
         ap.error(f"--kernels={args.kernels!r} matches no row; rows are: "
                  + "; ".join(r[0] for r in kernel_list(args.quick)))
     shapes = None
-    if args.shapes:
+    if cli_items(ap, "--shapes", args.shapes):
         try:
             shapes = tuple(tuple(int(x) for x in item.lower().split("x")) for item in args.shapes.split(","))
         except ValueError:
@@ -525,8 +527,6 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("foldc bench needs a CUDA GPU (it times kernels); none is visible", file=sys.stderr)
         return 2
-    from .options import cli_out_dir
-
     cli_out_dir(ap, args.out)
     results = run_bench(Path(args.out), quick=args.quick, tune=not args.no_tune, shapes=shapes, kernels=wanted)
     print(format_table(results))

@@ -539,14 +539,16 @@ def main(argv=None) -> int:
     ap.add_argument("--jobs", type=int, default=1,
                     help="check layouts in this many processes side by side (checks only; default 1)")
     args = ap.parse_args(argv)
-    wanted = [w.strip() for w in args.only.split(",") if w.strip()] if args.only else None
+    from .options import cli_items, cli_out_dir
+
+    wanted = cli_items(ap, "--only", args.only)
     layouts = pick(grid(args.grid), wanted)
     if not layouts:
         ap.error(f"--only={args.only!r} matches no layout of --grid {args.grid}; see --list")
     if args.list:
         print("\n".join(lay.label for lay in layouts))
         return 0
-    time_shapes = parse_shapes(args.shapes, "--shapes", ap) if args.shapes else TIME_SHAPES
+    time_shapes = parse_shapes(args.shapes, "--shapes", ap) if cli_items(ap, "--shapes", args.shapes) else TIME_SHAPES
     if args.target == "interpret":
         if not args.check_only:
             ap.error("--target interpret only checks correctness (the interpreter cannot time kernels); "
@@ -554,7 +556,7 @@ def main(argv=None) -> int:
         check_shape = INTERPRET_CHECK_SHAPE
     else:
         check_shape = CHECK_SHAPES[args.grid]
-    if args.check_shape:
+    if cli_items(ap, "--check-shape", args.check_shape):
         check_shape = parse_shapes(args.check_shape, "--check-shape", ap)[0]
     if args.check_only or (args.grid == "full" and not args.time_all):
         time_shapes = ()
@@ -567,8 +569,6 @@ def main(argv=None) -> int:
               "`foldc bench --layouts --check-only --target interpret` checks the layouts under Triton's "
               "interpreter", file=sys.stderr)
         return 2
-    from .options import cli_out_dir
-
     cli_out_dir(ap, args.out)
     results = run_grid(layouts, Path(args.out), args.target, check_shape, time_shapes, args.grid, args.jobs)
     print(format_table(results))

@@ -251,6 +251,18 @@ def cli_out_dir(ap, out) -> Path:
         ap.error(str(e))
 
 
+def cli_items(ap, flag: str, text) -> list[str] | None:
+    """The items of a comma-separated flag (None: the flag left out); a usage error (exit 2) where it holds none: an
+    empty value (an unset shell variable, ``--only "$LAYOUT"``) was taken for the flag left out, its default run."""
+    if text is None:
+        return None
+    items = [item.strip() for item in text.split(",") if item.strip()]
+    if not items:
+        ap.error(f"{flag}={text!r} is empty: give at least one comma-separated item, or leave the flag out for its "
+                 "default")
+    return items
+
+
 def check_count(name: str, value, high: int, what: str = "") -> int:
     """A positive int up to ``high`` (a CLI count: --batch, --tokens...)."""
     return check_int(name, value, 1, high, what=what)

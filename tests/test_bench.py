@@ -239,3 +239,24 @@ def test_an_sdpa_peer_selects_its_backend_once_around_a_measurement_not_in_each_
     assert len(entered) == 1 and outs[0].shape == (1, 4, 16)
     with bench.selected(lambda: None):   # a call with no backend to select (FlashInfer's)
         pass
+
+
+@pytest.mark.parametrize("argv,flag", [(["--shapes", ""], "--shapes"), (["--kernels", " , "], "--kernels"),
+                                       (["--layouts", "--check-only", "--target", "interpret", "--only", ""], "--only"),
+                                       (["--layouts", "--shapes", ","], "--shapes"),
+                                       (["--layouts", "--check-only", "--target", "interpret", "--check-shape", ""],
+                                        "--check-shape"),
+                                       (["--serving", "--dry-run", "--parts", ""], "--parts"),
+                                       (["--serving", "--dry-run", "--batches", ""], "--batches")])
+def test_an_empty_list_flag_is_a_usage_error_not_its_default(argv, flag, tmp_path, capsys):
+    """An empty comma-separated flag (an unset shell variable: --only "$LAYOUT") was taken for the flag left out:
+    --only '' checked the whole grid, --shapes '' timed every shape, --batches '' ran the default batches, and
+    --parts '' ran no part, exited 0 and said it wrote reports it never wrote. Each exits 2 naming the flag now,
+    before anything runs or is made."""
+    from foldc.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["bench", *argv, "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and f"{flag}=" in err and "is empty" in err and "Traceback" not in err, err
+    assert not (tmp_path / "out").exists()

@@ -506,7 +506,9 @@ def main(argv=None) -> int:
     if not args.dry_run and not torch.cuda.is_available():
         print("no CUDA GPU: run with --dry-run for the CPU check of this script", file=sys.stderr)
         return 2
-    parts = [p.strip() for p in args.parts.split(",") if p.strip()]
+    from foldc.options import cli_items, cli_out_dir
+
+    parts = cli_items(ap, "--parts", args.parts)
     unknown = [p for p in parts if p not in PARTS]
     if unknown:   # before any part runs (one found after the others had run minutes)
         ap.error(f"--parts={args.parts!r}: unknown part(s) {unknown}; parts are {list(PARTS)}")
@@ -519,15 +521,13 @@ def main(argv=None) -> int:
             ap.error(f"--prompt={args.prompt} and --new-tokens={args.new_tokens} must be positive")
         c.prompt = c.prompt if args.prompt is None else args.prompt
         c.new = c.new if args.new_tokens is None else args.new_tokens
-    if args.batches:
+    if cli_items(ap, "--batches", args.batches):
         try:
             c.batches = tuple(int(b) for b in args.batches.split(","))
         except ValueError:
             ap.error(f"--batches={args.batches!r}: use comma-separated positive integers, e.g. 1,8")
         if min(c.batches) < 1:
             ap.error(f"--batches={args.batches!r}: every batch size must be at least 1")
-    from foldc.options import cli_out_dir
-
     cli_out_dir(ap, args.out)   # after every check of the flags: a refused command leaves no folder behind
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
