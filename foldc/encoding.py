@@ -140,17 +140,29 @@ def _check_bits(bits) -> None:
         raise SpecError(f"bits={bits!r} is not supported; use one of {SUPPORTED_BITS}")
 
 
+def _check_rows(name: str, t, what: str) -> None:
+    """A dense tensor of at least one dim (rows along the last): pack_codes' codes, unpack_codes' bytes."""
+    if not isinstance(t, torch.Tensor):
+        raise InputTypeError(f"{name} must be a torch.Tensor of {what}, got {type(t).__name__}")
+    if t.layout != torch.strided:
+        raise InputError(f"{name} is a tensor of layout {t.layout}; pass {name}.to_dense()")
+    if t.dim() == 0:
+        raise InputError(f"{name} is a 0-d tensor; codes are packed along the last dim: pass rows, e.g. "
+                         f"{name}.reshape(1, -1)")
+
+
 def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """Pack integer codes [..., head_dim] into uint8 [..., head_dim * bits // 8] (planar order)."""
     _check_bits(bits)
     k, top = 8 // bits, (1 << bits) - 1
+    _check_rows("codes", codes, "integer codes, e.g. torch.tensor(codes, dtype=torch.uint8)")
     if codes.is_floating_point() or codes.is_complex() or codes.dtype == torch.bool:
         raise InputError(f"codes dtype={codes.dtype} must be an integer dtype (codes 0..{top}); round and convert "
                          "them first, e.g. codes.round().to(torch.uint8)")
     if codes.shape[-1] % k:
         raise InputError(f"codes last dim {codes.shape[-1]} is not a multiple of {k}, the number of {bits}-bit codes "
                          "per byte; pad the rows")
-    if codes.numel():
+    if codes.numel() and not codes.is_meta:   # (meta codes hold no values to check)
         lo, hi = torch.stack(torch.aminmax(codes)).tolist()
         if lo < 0 or hi > top:
             raise InputError(f"codes span [{lo}, {hi}], outside 0..{top} ({bits}-bit codes): a code past its bit "
@@ -173,9 +185,7 @@ def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
     """Inverse of `pack_codes`: uint8 [..., head_dim * bits // 8] -> uint8 codes [..., head_dim] (bytes held in
     another integer dtype give codes of that dtype; int8 is read as the bytes' bits)."""
     _check_bits(bits)
-    if not isinstance(packed, torch.Tensor):
-        raise InputTypeError(f"packed must be a torch.Tensor of uint8 bytes (pack_codes' output), got "
-                             f"{type(packed).__name__}")
+    _check_rows("packed", packed, "uint8 bytes (pack_codes' output)")
     if packed.dtype != torch.uint8:
         if packed.is_floating_point() or packed.is_complex() or packed.dtype == torch.bool:
             raise InputError(f"packed dtype={packed.dtype}: unpack_codes reads bytes of packed codes (uint8, as "

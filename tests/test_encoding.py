@@ -906,3 +906,25 @@ def test_unpack_codes_refuses_what_is_not_bytes_of_packed_codes(bits):
         unpack_codes(words, bits)
     with pytest.raises(InputTypeError, match=r"packed must be a torch.Tensor"):
         unpack_codes(packed.tolist(), bits)
+
+
+@pytest.mark.parametrize("bits", SUPPORTED_BITS)
+def test_pack_and_unpack_codes_refuse_what_holds_no_rows(bits):
+    """pack_codes of a list raised AttributeError, of a 0-d tensor IndexError, of a sparse tensor a
+    NotImplementedError from inside torch; unpack_codes of a 0-d or sparse tensor a RuntimeError or
+    NotImplementedError from inside torch; pack_codes of meta codes a NotImplementedError from .tolist().
+    Each is refused by name now; meta codes pack to meta bytes (there are no values to check)."""
+    gen = torch.Generator().manual_seed(49 + bits)
+    codes = torch.randint(0, 1 << bits, (3, 4 * (8 // bits)), generator=gen).to(torch.uint8)
+    packed = pack_codes(codes, bits)
+    with pytest.raises(InputTypeError, match=r"codes must be a torch.Tensor of integer codes.*got list"):
+        pack_codes(codes.tolist(), bits)
+    for name, call, t in (("codes", pack_codes, codes), ("packed", unpack_codes, packed)):
+        with pytest.raises(InputError, match=rf"{name} is a 0-d tensor; codes are packed along the last dim"):
+            call(t[0, 0], bits)
+        with pytest.raises(InputError, match=rf"{name} is a tensor of layout torch.sparse_coo; pass "
+                                             rf"{name}.to_dense\(\)"):
+            call(t.to_sparse(), bits)
+    assert torch.equal(unpack_codes(pack_codes(codes[0, :8 // bits], bits), bits), codes[0, :8 // bits])
+    meta = pack_codes(codes.to("meta"), bits)
+    assert meta.is_meta and meta.shape == packed.shape and meta.dtype == torch.uint8
