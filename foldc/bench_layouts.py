@@ -557,7 +557,11 @@ def main(argv=None) -> int:
     else:
         check_shape = CHECK_SHAPES[args.grid]
     if cli_items(ap, "--check-shape", args.check_shape):
-        check_shape = parse_shapes(args.check_shape, "--check-shape", ap)[0]
+        shapes = parse_shapes(args.check_shape, "--check-shape", ap)
+        if len(shapes) > 1:   # the first was checked, the others dropped silently
+            ap.error(f"--check-shape={args.check_shape!r}: give one BATCHxTOKENS shape to check at (--shapes takes "
+                     "several, to time at)")
+        check_shape = shapes[0]
     if args.check_only or (args.grid == "full" and not args.time_all):
         time_shapes = ()
     if args.jobs < 1:

@@ -206,6 +206,20 @@ def test_bad_arguments_are_refused(argv, wanted, capsys):
     assert info.value.code == 2 and wanted in capsys.readouterr().err
 
 
+
+def test_check_shape_takes_one_shape(monkeypatch, tmp_path, capsys):
+    """--check-shape 2x80,4x96 checked at 2x80 and dropped 4x96, silently; it exits 2 naming the flag now."""
+    ran = []
+    monkeypatch.setattr(bl, "run_grid", lambda *args: ran.append(args[3]) or {"rows": []})
+    monkeypatch.setattr(bl, "format_table", lambda results: "")
+    argv = ["--check-only", "--target", "interpret", "--only", "K token:2:128 V token:2:128 32/8", "--out",
+            str(tmp_path), "--check-shape"]
+    with pytest.raises(SystemExit) as info:
+        bl.main([*argv, "2x80,4x96"])
+    assert info.value.code == 2 and "--check-shape='2x80,4x96': give one BATCHxTOKENS" in capsys.readouterr().err
+    assert not ran
+    assert bl.main([*argv, "4x96"]) == 0 and ran == [(4, 96)]
+
 @pytest.mark.parametrize("jobs", [1, 2])
 def test_check_only_under_the_interpreter_end_to_end(tmp_path, capsys, jobs):
     """Three layouts of the full grid through `foldc bench --layouts --check-only --target interpret`:
