@@ -26,6 +26,7 @@ from typing import Literal
 import torch
 
 from .errors import InputError, InputTypeError, ScaleOverflowError, SpecError
+from .options import as_int
 
 Layout = Literal["token", "channel"]
 SUPPORTED_BITS = (2, 4, 8)
@@ -53,6 +54,8 @@ class Affine:
     scale_dtype: torch.dtype = torch.float16
 
     def __post_init__(self) -> None:
+        for field in ("bits", "group_size"):   # a NumPy or 0-dim torch integer is that int
+            object.__setattr__(self, field, as_int(getattr(self, field)))
         if isinstance(self.bits, bool) or not isinstance(self.bits, int) or self.bits not in SUPPORTED_BITS:
             raise SpecError(f"bits={self.bits!r} is not supported; use one of {SUPPORTED_BITS}")
         if self.layout not in SUPPORTED_LAYOUTS:

@@ -20,6 +20,7 @@ float64 executor) launches no kernel and takes none of these.
 from __future__ import annotations
 
 import numbers
+import operator
 import os
 import tempfile
 from pathlib import Path
@@ -44,6 +45,17 @@ FLAGS = {"block_n": "--block-n", "num_warps": "--num-warps", "num_stages": "--nu
 
 def _named(name: str, value) -> str:
     return f"{name}={value!r}" + (f" ({FLAGS[name]})" if name in FLAGS else "")
+
+
+def as_int(value):
+    """``value`` as a Python int where it is an integer of another kind (a NumPy integer, a 0-dim torch integer
+    tensor), else unchanged (for `check_int` to refuse by name: floats, bools, text...)."""
+    if isinstance(value, (bool, int)) or str(getattr(value, "dtype", "")) == "torch.bool":   # (a bool: refused)
+        return value
+    try:
+        return operator.index(value)
+    except TypeError:
+        return value
 
 
 def check_int(name: str, value, low: int, high: int | None = None, power_of_two: bool = False,

@@ -8,7 +8,7 @@ from typing import Any
 
 from .encoding import Affine, parse_affine
 from .errors import SpecError
-from .options import check_int
+from .options import as_int, check_int
 from .registry import workload_of_table
 
 #: the largest head counts and head size a spec may declare: every target allocates per head and
@@ -41,7 +41,8 @@ class AttentionSpec:
     def __post_init__(self) -> None:
         heads, dim = (MAX_HEADS, "foldc.spec.MAX_HEADS"), (MAX_HEAD_DIM, "foldc.spec.MAX_HEAD_DIM")
         for field, (most, name) in (("num_q_heads", heads), ("num_kv_heads", heads), ("head_dim", dim)):
-            check_int(field, getattr(self, field), 1, most, what=name)
+            # a NumPy or 0-dim torch integer (a size read from an array) is that int
+            object.__setattr__(self, field, check_int(field, as_int(getattr(self, field)), 1, most, what=name))
         if self.num_q_heads % self.num_kv_heads:
             raise SpecError(
                 f"num_q_heads={self.num_q_heads} is not a multiple of num_kv_heads={self.num_kv_heads}; "

@@ -406,3 +406,29 @@ def test_toml_path_is_a_folder(tmp_path):
     with pytest.raises(SpecError) as ei:
         spec_from_toml(tmp_path)
     assert f"cannot read layout file {str(tmp_path)!r}" in str(ei.value)
+
+
+@settings(max_examples=20, deadline=None)
+@given(kind=st.sampled_from(["numpy", "torch"]), width=st.sampled_from([8, 16, 32, 64]),
+       heads=st.sampled_from([(32, 8), (8, 8), (40, 8), (64, 2)]), bits=st.sampled_from([2, 4, 8]),
+       group=st.sampled_from([32, 64, 128]), dim=st.sampled_from([64, 128, 256]))
+def test_numpy_and_0_dim_torch_integers_are_the_ints_they_hold(kind, width, heads, bits, group, dim):
+    """A positive NumPy integer (or a 0-dim torch integer: a size read from an array or a config) was refused by
+    AttentionSpec and Affine as "must be a positive integer" (GemmSpec took it). Each is the int it holds now: the
+    spec equals and hashes as the one of Python ints; floats and bools of either kind are still refused."""
+    import numpy as np
+
+    def wrap(x):
+        return getattr(np, f"int{width}")(x) if kind == "numpy" else torch.tensor(x, dtype=getattr(torch, f"int{width}"))
+    assume(max(heads + (dim, group)) < 2 ** (width - 1) and dim % group == 0)
+    enc = Affine(wrap(bits), "token", wrap(group))
+    spec = AttentionSpec(wrap(heads[0]), wrap(heads[1]), wrap(dim), enc, enc)
+    plain = AttentionSpec(heads[0], heads[1], dim, Affine(bits, "token", group),
+                                Affine(bits, "token", group))
+    assert spec == plain and hash(spec) == hash(plain) and spec.describe() == plain.describe()
+    assert all(type(x) is int for x in (spec.num_q_heads, spec.num_kv_heads, spec.head_dim, enc.bits, enc.group_size))
+    for bad in (np.float64(bits), np.bool_(True), torch.tensor(float(bits)), torch.tensor(True)):
+        with pytest.raises(SpecError, match="bits="):
+            Affine(bad, "token", group)
+        with pytest.raises(SpecError, match="head_dim="):
+            AttentionSpec(heads[0], heads[1], bad, None, None)
