@@ -282,6 +282,11 @@ class AffineTensor:
         return self.codes.device
 
     def to(self, device) -> "AffineTensor":
+        """The same codes, scales and zeros on ``device``."""
+        if isinstance(device, torch.dtype):   # (the codes cast to it were refused as "codes must be uint8")
+            raise InputTypeError(f"AffineTensor.to({device}): it moves devices only; its dtypes are its encoding's "
+                                 f"(uint8 codes, {self.encoding.scale_dtype} scales). For values in {device} call "
+                                 f".dequantize({device}); for other scales quantize with scale_dtype={device}")
         return AffineTensor(self.codes.to(device), self.scale.to(device), self.zero.to(device),
                             self.encoding, self.head_dim)
 

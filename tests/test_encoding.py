@@ -928,3 +928,15 @@ def test_pack_and_unpack_codes_refuse_what_holds_no_rows(bits):
     assert torch.equal(unpack_codes(pack_codes(codes[0, :8 // bits], bits), bits), codes[0, :8 // bits])
     meta = pack_codes(codes.to("meta"), bits)
     assert meta.is_meta and meta.shape == packed.shape and meta.dtype == torch.uint8
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.uint8])
+def test_affine_tensor_to_a_dtype_names_dequantize_not_the_codes(dtype):
+    """``AffineTensor.to(torch.float16)`` cast the codes and was refused as "codes must be uint8", blaming codes the
+    caller never touched. It names what .to does (devices) and the calls that give other dtypes; .to(device) still
+    moves every part."""
+    x = foldc.quantize(torch.randn(1, 2, 8, 32, generator=torch.Generator().manual_seed(3)), Affine(4, "token", 16))
+    with pytest.raises(InputTypeError, match=r"moves devices only.*dequantize"):
+        x.to(dtype)
+    moved = x.to("cpu")
+    assert torch.equal(moved.dequantize(), x.dequantize())
