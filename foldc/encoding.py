@@ -154,6 +154,9 @@ def _check_rows(name: str, t, what: str) -> None:
                          f"{name}.reshape(1, -1)")
 
 
+_WIDE_UNSIGNED = tuple(getattr(torch, name) for name in ("uint16", "uint32", "uint64") if hasattr(torch, name))
+
+
 def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """Pack integer codes [..., head_dim] into uint8 [..., head_dim * bits // 8] (planar order)."""
     _check_bits(bits)
@@ -162,6 +165,8 @@ def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     if codes.is_floating_point() or codes.is_complex() or codes.dtype == torch.bool:
         raise InputError(f"codes dtype={codes.dtype} must be an integer dtype (codes 0..{top}); round and convert "
                          "them first, e.g. codes.round().to(torch.uint8)")
+    if codes.dtype in _WIDE_UNSIGNED:   # (torch has no aminmax for them; a uint64 past 2**63 reads negative: refused)
+        codes = codes.to(torch.int64)
     if codes.shape[-1] % k:
         raise InputError(f"codes last dim {codes.shape[-1]} is not a multiple of {k}, the number of {bits}-bit codes "
                          "per byte; pad the rows")
@@ -189,6 +194,9 @@ def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
     another integer dtype give codes of that dtype; int8 is read as the bytes' bits)."""
     _check_bits(bits)
     _check_rows("packed", packed, "uint8 bytes (pack_codes' output)")
+    given = packed.dtype
+    if given in _WIDE_UNSIGNED:   # read as int64 (torch has no aminmax or shifts for them), returned in their dtype
+        packed = packed.to(torch.int64)
     if packed.dtype != torch.uint8:
         if packed.is_floating_point() or packed.is_complex() or packed.dtype == torch.bool:
             raise InputError(f"packed dtype={packed.dtype}: unpack_codes reads bytes of packed codes (uint8, as "
@@ -196,14 +204,14 @@ def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
         if packed.dtype != torch.int8 and packed.numel():   # a wider integer: each element one byte, 0..255
             lo, hi = torch.stack(torch.aminmax(packed)).tolist()
             if lo < 0 or hi > 255:
-                raise InputError(f"packed dtype={packed.dtype} holds values in [{lo}, {hi}], outside a byte's 0..255: "
+                raise InputError(f"packed dtype={given} holds values in [{lo}, {hi}], outside a byte's 0..255: "
                                  "each element is one byte of packed codes (only its low 8 bits would be read); pass "
                                  "uint8 bytes (another tool's packed words, e.g. GPTQ's int32: "
                                  "foldc.gemm.convert)")
     k = 8 // bits
     mask = (1 << bits) - 1
     fields = [(packed >> (i * bits)) & mask for i in range(k)]
-    return torch.cat(fields, dim=-1)
+    return torch.cat(fields, dim=-1).to(given)
 
 
 def _check_value_dtype(dtype) -> None:

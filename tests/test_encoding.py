@@ -940,3 +940,22 @@ def test_affine_tensor_to_a_dtype_names_dequantize_not_the_codes(dtype):
         x.to(dtype)
     moved = x.to("cpu")
     assert torch.equal(moved.dequantize(), x.dequantize())
+
+
+@settings(max_examples=20, deadline=None)
+@given(dtype=st.sampled_from([torch.uint16, torch.uint32, torch.uint64]), bits=st.sampled_from([2, 4, 8]),
+       rows=st.integers(1, 4), seed=st.integers(0, 2**31 - 1))
+def test_codes_and_bytes_in_wide_unsigned_dtypes_pack_and_unpack(dtype, bits, rows, seed):
+    """pack_codes / unpack_codes of uint16, uint32 or uint64 tensors raised NotImplementedError from inside torch
+    (no aminmax, no shifts for them). Their values are read as int64: they pack to the uint8 bytes their int64 twins
+    pack to, unpack to codes in their own dtype, and a value out of range is refused naming the given dtype."""
+    gen = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 1 << bits, (rows, 32), generator=gen)
+    packed = pack_codes(codes.to(dtype), bits)
+    assert packed.dtype == torch.uint8 and torch.equal(packed, pack_codes(codes, bits))
+    back = unpack_codes(packed.to(dtype), bits)
+    assert back.dtype == dtype and torch.equal(back.to(torch.int64), codes)
+    with pytest.raises(InputError, match=rf"outside 0..{(1 << bits) - 1}"):
+        pack_codes((codes + (1 << bits)).to(dtype), bits)
+    with pytest.raises(InputError, match=rf"packed dtype={dtype} holds values in \[.*, 300\]"):
+        unpack_codes(torch.cat([packed.to(torch.int64), torch.full((rows, 1), 300)], -1).to(dtype), bits)
