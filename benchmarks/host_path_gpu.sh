@@ -5,6 +5,7 @@
 #
 #     bash benchmarks/host_path_gpu.sh merged     # eager calls merging inside the decode: checked, timed
 #     bash benchmarks/host_path_gpu.sh merge_barriers  # its grid barrier's variants beside production
+#     bash benchmarks/host_path_gpu.sh gluon_second_half  # the register-operand kernel's GPU tests from the 226th
 #     bash benchmarks/host_path_gpu.sh unrun2     # what landed 2026-12-07 afternoon with no GPU, checked
 #     bash benchmarks/host_path_gpu.sh checks     # correctness against float64 / quantize's bits, real driver:
 #     bash benchmarks/host_path_gpu.sh checks2    #   the serving caches and Gluon kernels, then Triton, GEMV, nn
@@ -64,6 +65,12 @@ case "${1:-checks}" in
     step merging 150 python3 -m pytest -q -p no:cacheprovider tests/backends/test_gluon_gpu.py \
         -k "merge_their_splits or prepared_runs_merge or repeated_calls_reuse"
     step call_overhead 130 python3 benchmarks/call_overhead.py --shape 1x16384 --out "$OUT/call_overhead.json"
+    ;;
+  gluon_second_half)   # tests/backends/test_gluon_gpu.py from its 226th test on (the whole file does not fit one call;
+    # its first half passed on an H100 on 2026-12-07: docs/results/gpu_tests_merged_h100_2026-12-07.txt)
+    python3 -m pytest --collect-only -q -p no:cacheprovider tests/backends/test_gluon_gpu.py | grep '::' | \
+        tail -n +226 > "$OUT/ids.txt"
+    step gluon_second_half 560 python3 -m pytest -q -p no:cacheprovider $(cat "$OUT/ids.txt")
     ;;
   merge_barriers)   # the merging decode's barrier: production beside one packed word and sleeps between polls
     # (benchmarks/variants/merge_barrier.py), every variant checked against float64 by the run
