@@ -473,6 +473,10 @@ def foldc_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
                 _check_decode_mask(attention_mask, static.length)
             return static.attention(query, scaling), None
 
+        if static is not None and q_len > 1 and static.is_initialized and torch.compiler.is_compiling():
+            # a traced prompt into a FoldcStaticCache: over the tokens it holds and the prompt's own (eager, the
+            # host refuses a prompt into a cache that holds tokens)
+            return static.prompt_attention(query, key, value, scaling), None
         if layer is not None and attention_mask is not None:
             causal = _causal(q_len, kv_len, query.device)
             allowed = _allowed(attention_mask[..., :kv_len])

@@ -26,8 +26,9 @@ modules a shared `StaticSlot`, ``foldc_static``, that each update points at the 
 
 Limits, each refused with the reason: token-wise groups or plain sides only (a channel-wise group
 is quantized when its last token arrives: `FoldcCache` keeps the tokens before it plain), no sink or
-window, one prompt per cache (the prompt attends with SDPA over its own keys; a second prompt into a
-filled cache is refused), equal-length rows (no padding), full-attention layers, no beam search or
+window, one prompt per cache in eager code (the prompt attends with SDPA over its own keys; a second prompt into
+a filled cache is refused; traced, where the host reads nothing, a prompt attends over the tokens held and its own,
+`FoldcStaticLayer.prompt_attention`), equal-length rows (no padding), full-attention layers, no beam search or
 cropping, inference only, decode steps through the bound model only (another instance or a copy is
 refused). The checks a `FoldcCache` makes at every append (NaN/Inf, scale overflow) run at the prompt
 only; a padding mask is refused at the prompt and at an eager decode step (a compiled step reads no mask).
@@ -122,6 +123,8 @@ class FoldcStaticLayer(FoldcLayer):
                 else:
                     positions = self.length + torch.arange(new, device=self.device)
                     dst.index_copy_(2, positions, x.to(dst.dtype))
+        if prompt and torch.compiler.is_compiling():   # where this prompt starts: `prompt_attention` reads it
+            self.prompt_start = self.length.clone()
         self.length.add_(new)
         self.row_lengths.add_(new)
         if prompt:   # causal SDPA over the prompt's own keys (foldc_attention's prefill path)
@@ -139,6 +142,28 @@ class FoldcStaticLayer(FoldcLayer):
                 raise InputError(f"{name} shape={tuple(x.shape)} but FoldcStaticCache holds {want[0]} sequences of "
                                  f"{want[1]} KV heads of head_dim {want[3]}: a decode step passes {want}; build a new "
                                  "FoldcStaticCache for another batch or model")
+
+    def prompt_attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                         scaling: float) -> torch.Tensor:
+        """A traced (compiled) prompt's attention ``[batch, q_len, heads, head_dim]``: each of its q_len tokens over
+        the tokens held before it (their stored bits, dequantized) and the prompt's own up to itself (``key``,
+        ``value`` as given, at their positions). Traced, the host cannot read how many tokens are held (eager, a
+        second prompt is refused): it attends over the whole storage, positions past the prompt's token masked. A
+        prompt into an empty cache gives what attention over its own keys gives; a chunk after it (chunked prefill,
+        a later turn) attends to the chunks before it."""
+        batch, heads, q_len, _ = query.shape
+        start = self.prompt_start
+        positions = (start + torch.arange(q_len, device=start.device)).clamp(max=self.max_cache_len - 1)
+        work = key.dtype if key.dtype.itemsize > query.dtype.itemsize else query.dtype  # float32 K/V: float32 math
+        full = []
+        for store, new in ((self.k, key), (self.v, value)):
+            values = store.dequantize(torch.float32) if hasattr(store, "codes") else store
+            values = values.to(work)   # (a copy: the storage is never written here)
+            full.append(values.index_copy(2, positions, new.to(work)).repeat_interleave(heads // new.shape[1], 1))
+        allowed = torch.arange(self.max_cache_len, device=start.device)[None, :] <= positions[:, None]
+        out = torch.nn.functional.scaled_dot_product_attention(query.to(work), full[0], full[1], attn_mask=allowed,
+                                                               scale=scaling)
+        return out.to(query.dtype).transpose(1, 2).contiguous()
 
     def attention(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
         """Decode attention of ``query [batch, heads, 1, head_dim]`` over every token of the layer:

@@ -220,3 +220,31 @@ def test_an_eager_decode_step_with_a_padding_mask_is_refused(row, hidden, seed):
         model(ids, **kw)
         want = model(ids[:, :1], **kw).logits
     assert torch.equal(got, want)
+
+
+@torch.no_grad()
+def test_a_compiled_prompt_after_tokens_attends_to_them():
+    """A compiled (traced) prompt into a FoldcStaticCache that held tokens (a prompt in chunks: chunked prefill, a
+    later turn) went to SDPA over its own chunk, where the host check that refuses it eagerly does not run: under
+    fullgraph it did not compile (the padding check's torch.equal), without it was refused as padding. Traced, a
+    prompt now attends over the tokens held and its own: the first chunk eager, the second and two decode steps
+    compiled give the logits of FoldcCache fed the same chunks eagerly (which attends over the held tokens
+    dequantized and the chunk's own), and store the same bits."""
+    torch._dynamo.reset()
+    seed = int(torch.randint(0, 1000, ()))
+    model, ids = llama(dtype=torch.float32), prompt(2, seed=seed)
+    cut = 5
+    chunks = [ids[:, :cut], ids[:, cut:], ids[:, :1], ids[:, 1:2]]   # the prompt in two chunks, two decode steps
+    eager_cache = fhf.FoldcCache(model.config, 32, k="token:4:16", v="token:2:16", target="reference")
+    static = FoldcStaticCache(model, 32, k="token:4:16", v="token:2:16", target="reference")
+    step = torch.compile(model, backend="aot_eager", fullgraph=True)
+    with attention(model, "foldc"):
+        want = [model(c, use_cache=True, **{fhf.CACHE_KWARG: eager_cache}).logits for c in chunks]
+        got = [model(chunks[0], use_cache=True, **{fhf.CACHE_KWARG: static}).logits]   # the first prompt, eager
+        got += [step(c, use_cache=True, **{fhf.CACHE_KWARG: static}).logits for c in chunks[1:]]
+    for i, (w, g) in enumerate(zip(want, got)):
+        assert torch.allclose(g, w, rtol=0, atol=1e-4 * float(w.abs().max())), (seed, i, float((g - w).abs().max()))
+    layer = static.layers[0]
+    assert int(layer.length) == PROMPT + 2
+    held = eager_cache.layers[0].cache
+    assert torch.equal(layer.k.codes[:, :, :PROMPT + 2], held._body["k"].codes[:, :, :PROMPT + 2])
