@@ -138,7 +138,10 @@ def _build(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: i
     if bool(bad.any()):
         i, j = (int(x) for x in bad.nonzero()[0])
         raise InputError(f"the converted weight at [{i}, {j}] is {float(got[i, j])!r} but the format's own "
-                         f"dequantization gives {float(want[i, j])!r}: its scale or zero does not survive float32")
+                         f"dequantization gives {float(want[i, j])!r}: its scale or zero does not survive float32 "
+                         "(foldc keeps scale and scale * zero in float32; two float32 parameters' product, e.g. HQQ's "
+                         "fp32 meta, needs 48 bits). Convert parameters held in float16 or bfloat16 (the values move "
+                         "by their rounding), or quantize the float weight with foldc: FoldLinear.from_linear")
     return weight, enc
 
 

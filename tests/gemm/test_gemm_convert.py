@@ -491,3 +491,18 @@ def test_a_gptq_layer_narrower_than_its_group_is_one_group_per_row(k, group, bit
         weight, enc = from_gptq(*args, g_idx, bits=bits, group_size=group)
     assert enc.group_size == k
     _check(weight, enc, _dequant(codes, scale, zero, k), seed)
+
+
+def test_hqq_float32_meta_is_refused_naming_what_converts():
+    """HQQ layers with float32 scales and zeros: each value's scale * zero needs 48 bits, which foldc's float32
+    parameters cannot hold, so the conversion is refused; the message said only "does not survive float32". It names
+    the parameters it takes and the way to a foldc weight now."""
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    codes = torch.randint(0, 16, (16 * 128 // 64, 64), generator=gen, dtype=torch.uint8)
+    scale = torch.rand(16 * 128 // 64, 1, generator=gen) * 0.02 + 1e-3
+    zero = torch.rand(16 * 128 // 64, 1, generator=gen) * 15
+    with pytest.raises(InputError, match=r"does not survive float32 .*float16 or bfloat16.*FoldLinear.from_linear"):
+        from_hqq(codes, scale, zero, shape=(16, 128), group_size=64, bits=4)
+    weight, enc = from_hqq(codes, scale.half(), zero.half(), shape=(16, 128), group_size=64, bits=4)
+    want = ((codes.double() - zero.half().double()) * scale.half().double()).reshape(16, 128)
+    _check(weight, enc, want, 0)
