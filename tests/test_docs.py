@@ -71,6 +71,20 @@ def test_the_architecture_page_example_runs():
     assert rel_l2(scope["out"], foldc.attention_reference(scope["q"], scope["k"], scope["v"])) < 2e-3
 
 
+def test_the_readme_example_runs():
+    """README.md's "Using it" example runs as written on the CPU (the float64 executor, and Triton's interpreter
+    for target="auto"), and the fused kernel gives the float64 answer within fp16's bar."""
+    import foldc
+    from foldc.testing import rel_l2
+
+    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+    assert len(blocks) == 1
+    scope: dict = {}
+    exec(compile(blocks[0], "README.md", "exec"), scope)   # noqa: S102 - the page's own example
+    assert scope["plan"].folds == {"qk": "acc-fold", "pv": "acc-fold"}
+    assert rel_l2(scope["out"], foldc.attention_reference(scope["q"], scope["k"], scope["v"])) < 2e-3
+
+
 def _user_pages() -> dict[Path, str]:
     """README.md and docs/*.md (not the CHANGELOG: it names what was, not what is)."""
     return {p: t for p, t in _pages().items() if p.name != "CHANGELOG.md"}
