@@ -419,7 +419,9 @@ def test_numpy_and_0_dim_torch_integers_are_the_ints_they_hold(kind, width, head
     import numpy as np
 
     def wrap(x):
-        return getattr(np, f"int{width}")(x) if kind == "numpy" else torch.tensor(x, dtype=getattr(torch, f"int{width}"))
+        if kind == "numpy":
+            return getattr(np, f"int{width}")(x)
+        return torch.tensor(x, dtype=getattr(torch, f"int{width}"))
     assume(max(heads + (dim, group)) < 2 ** (width - 1) and dim % group == 0)
     enc = Affine(wrap(bits), "token", wrap(group))
     spec = AttentionSpec(wrap(heads[0]), wrap(heads[1]), wrap(dim), enc, enc)
