@@ -151,7 +151,7 @@ class FoldcStaticLayer(FoldcLayer):
         second prompt is refused): it attends over the whole storage, positions past the prompt's token masked. A
         prompt into an empty cache gives what attention over its own keys gives; a chunk after it (chunked prefill,
         a later turn) attends to the chunks before it."""
-        batch, heads, q_len, _ = query.shape
+        _, heads, q_len, _ = query.shape
         start = self.prompt_start
         positions = (start + torch.arange(q_len, device=start.device)).clamp(max=self.max_cache_len - 1)
         work = key.dtype if key.dtype.itemsize > query.dtype.itemsize else query.dtype  # float32 K/V: float32 math
