@@ -6,6 +6,7 @@
 #     bash benchmarks/host_path_gpu.sh merged     # eager calls merging inside the decode: checked, timed
 #     bash benchmarks/host_path_gpu.sh merge_barriers  # its grid barrier's variants beside production
 #     bash benchmarks/host_path_gpu.sh gluon_second_half  # the register-operand kernel's GPU tests from the 226th
+#     bash benchmarks/host_path_gpu.sh gemv_imma  # the GEMV at m = 1 on int8 tensor-core operands beside production
 #     bash benchmarks/host_path_gpu.sh unrun2     # what landed 2026-12-07 afternoon with no GPU, checked
 #     bash benchmarks/host_path_gpu.sh checks     # correctness against float64 / quantize's bits, real driver:
 #     bash benchmarks/host_path_gpu.sh checks2    #   the serving caches and Gluon kernels, then Triton, GEMV, nn
@@ -71,6 +72,11 @@ case "${1:-checks}" in
     python3 -m pytest --collect-only -q -p no:cacheprovider tests/backends/test_gluon_gpu.py | grep '::' | \
         tail -n +226 > "$OUT/ids.txt"
     step gluon_second_half 560 python3 -m pytest -q -p no:cacheprovider $(cat "$OUT/ids.txt")
+    ;;
+  gemv_imma)   # issue 20's GEMV at m = 1 with the codes as int8 MMA operands against the activation's digits
+    # (benchmarks/gemv_imma.py, built 2026-12-07 with no GPU): each case checked against float64 beside production,
+    # then timed (CUDA graphs, cold L2) at production's split and twice it, beside fp16 cuBLAS and torch's INT4 kernel
+    step gemv_imma 450 python3 benchmarks/gemv_imma.py --out "$OUT/gemv_imma.json"
     ;;
   merge_barriers)   # the merging decode's barrier: production beside one packed word and sleeps between polls
     # (benchmarks/variants/merge_barrier.py), every variant checked against float64 by the run
