@@ -381,6 +381,32 @@ def test_append_then_attend_traces_under_torch_compile_without_graph_breaks():
     assert _same(k_comp, full)  # token-wise: the whole cache equals quantize of all tokens
 
 
+@pytest.mark.parametrize("enc", APPEND_ENCODINGS[:2], ids=lambda e: e.short())
+@pytest.mark.parametrize("dynamic", [None, True])
+def test_an_int_offset_that_changes_between_compiled_calls_traces(enc, dynamic):
+    """torch.compile makes an int argument that changes between calls symbolic (automatic dynamic shapes, or
+    dynamic=True): the fake refused the SymInt offset ('offset=s6 must be an int'), so a compiled decode loop
+    appending at its growing length failed at its second step. Now it traces, and each step writes what the
+    eager op writes."""
+    torch._dynamo.reset()
+    gen = torch.Generator().manual_seed(11)
+    group = enc.group_size if enc.layout == "channel" else 1
+    got, want = _storage(enc, seed=11), _storage(enc, seed=11)
+    key = enc.short()
+
+    def step(codes, scale, zero, x, offset):
+        torch.ops.foldc.append_kv(codes, scale, zero, x * 2.0, offset, None, key, True)
+
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True, dynamic=dynamic)
+    for offset in (0, group, 2 * group):
+        x = torch.randn(2, 2, group, 64, generator=gen) + 0.5
+        compiled(got.codes, got.scale, got.zero, x, offset)
+        step(want.codes, want.scale, want.zero, x, offset)
+        assert _same(got, want)
+    with pytest.raises(Exception, match=f"at offset 48 needs {48 + group} token slots but dst holds 48"):
+        compiled(got.codes, got.scale, got.zero, torch.randn(2, 2, group, 64, generator=gen), 48)   # (refused)
+
+
 @settings(max_examples=6, deadline=None)
 @given(where=st.sampled_from(["meta", "sparse"]), check=st.booleans(), seed=st.integers(0, 2**31 - 1))
 def test_per_row_offsets_on_the_meta_device_or_sparse_are_refused_by_name(where, check, seed):

@@ -119,20 +119,22 @@ def _offsets(offset, dst: AffineTensor, tokens: int, read_device: bool = True):
                              "groups are written whole, so every offset must start a group")
         scalar = None
     else:
-        if isinstance(offset, bool) or not isinstance(offset, int):
+        # (a SymInt: the int offset of a traced call, which torch.compile makes symbolic once it changes between
+        # calls; the append_kv op's fake checks it as an int, and its errors name the value: int() below)
+        if isinstance(offset, bool) or not isinstance(offset, (int, torch.SymInt)):
             raise InputTypeError(f"offset={offset!r} must be an int or an integer tensor of one offset per "
                                  "batch row")
         lo = hi = offset
         per_row = None
         scalar = offset
         if group and offset % group:
-            raise InputError(f"offset={offset} is not a multiple of group_size={enc.group_size}; channel-wise "
+            raise InputError(f"offset={int(offset)} is not a multiple of group_size={enc.group_size}; channel-wise "
                              "groups are written whole, so the offset must start a group")
     if lo < 0:
-        raise InputError(f"offset={lo} is negative; token offsets start at 0")
+        raise InputError(f"offset={int(lo)} is negative; token offsets start at 0")
     if hi + tokens > cap:
-        raise InputError(f"writing {tokens} tokens at offset {hi} needs {hi + tokens} token slots but dst holds "
-                         f"{cap}; allocate a larger cache or write fewer tokens")
+        raise InputError(f"writing {int(tokens)} tokens at offset {int(hi)} needs {int(hi + tokens)} token slots but "
+                         f"dst holds {int(cap)}; allocate a larger cache or write fewer tokens")
     return scalar, per_row
 
 
