@@ -22,6 +22,7 @@ from .spec import AttentionSpec
 from .gemm import GemmEncoding, GemmSpec   # registers the GEMM workload (foldc/registry.py)
 from . import backends   # registers the attention backends (foldc/registry.py)  # noqa: E402, F401
 from . import nn   # foldc.nn.FoldLinear and the foldc::linear op  # noqa: E402, F401
+from . import ops   # the foldc::decode_attention and foldc::append_kv ops  # noqa: E402, F401
 
 __all__ = [
     "Affine", "AffineTensor", "AttentionSpec", "GemmEncoding", "GemmSpec", "FoldError", "GraphError", "InputError", "InputTypeError",

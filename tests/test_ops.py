@@ -23,6 +23,20 @@ def _inputs(seed, dtype=torch.float16, spec=SPEC, tokens=50):
     return q, kq, vq, torch.tensor([tokens, tokens - 13])
 
 
+def test_import_foldc_registers_every_custom_op():
+    """``import foldc`` registered foldc::linear (foldc.nn) but not the ops of foldc/ops.py: the README's
+    ``torch.ops.foldc.decode_attention`` after ``import foldc`` raised torch's AttributeError ('_OpNamespace' 'foldc'
+    object has no attribute 'decode_attention'), as did loading a traced or exported graph that calls it."""
+    import subprocess
+    import sys
+
+    code = ("import torch, foldc; print(torch.ops.foldc.decode_attention.default, torch.ops.foldc.append_kv.default, "
+            "torch.ops.foldc.linear.default)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["foldc.decode_attention.default", "foldc.append_kv.default", "foldc.linear.default"]
+
+
 def test_layout_key_round_trips():
     assert layout_key(SPEC) == "8/2/64/token:2:32/channel:4:16"
     assert spec_from_key(layout_key(SPEC)) == SPEC
