@@ -107,7 +107,7 @@ GPU_Q_DTYPES = (torch.float16, torch.bfloat16)
 @decode_attention.register_fake
 def _(q, k_data, k_scale, k_zero, v_data, v_scale, v_zero, seq_lens, layout, sm_scale):
     # what the op refuses without reading data fails at trace time too, with its error (a bad layout, a q or a
-    # cache of the wrong shape or dtype, a NaN sm_scale); the lengths' values are read by the op alone
+    # cache of the wrong shape, dtype or strides, a NaN sm_scale); the lengths' values are read by the op alone
     spec = spec_from_key(layout)
     k = _operand(spec.k, k_data, k_scale, k_zero, spec.head_dim, "k")
     v = _operand(spec.v, v_data, v_scale, v_zero, spec.head_dim, "v")
@@ -115,10 +115,16 @@ def _(q, k_data, k_scale, k_zero, v_data, v_scale, v_zero, seq_lens, layout, sm_
         check_call(spec, q, k, v, sm_scale, seq_lens, q_dtypes=GPU_Q_DTYPES, read_lens=False)
     else:
         check_call(spec, q, k, v, sm_scale, seq_lens, read_lens=False)
-    if q.is_cuda or q.dtype == torch.float16:   # a kernel, not the float64 executor: plain operands in q's dtype
-        for name, x in (("k", k), ("v", v)):
+    if q.is_cuda or q.dtype == torch.float16:   # a kernel, not the float64 executor: it reads contiguous caches
+        for name, x in (("k", k), ("v", v)):   # (a slice of one along tokens...), plain operands in q's dtype
+            for t in (x.codes, x.scale, x.zero) if isinstance(x, AffineTensor) else (x,):
+                if not t.is_contiguous():
+                    raise InputError(f"{name} must be contiguous (a part of it has strides {t.stride()}); "
+                                     "call .contiguous() on it first")
             if not isinstance(x, AffineTensor) and x.dtype != q.dtype:
                 raise InputError(f"{name} dtype={x.dtype} must match q dtype={q.dtype} for a plain operand")
+        if q.stride(-1) != 1:
+            raise InputError(f"q must have unit stride along head_dim; got strides {q.stride()}")
     # contiguous, as the real output is whatever q's strides (torch.compile lays out its readers by these)
     return q.new_empty(q.shape)
 

@@ -167,6 +167,12 @@ def _bad_attention_calls(seed):
                                                             lens, layout_key(plain), 0.125)),
         ("a zero alone for a v the layout says plain", (q, *kv[:3], v.dequantize(torch.float32), None, v.zero,
                                                         lens, layout_key(plain), 0.125)),
+        # the kernels (an fp16 q on the CPU: the interpreter) read contiguous caches and q at unit stride
+        ("an fp16 q strided along head_dim", (torch.stack([q16, q16], -1)[..., 0], *kv, lens, lk, 0.125)),
+        ("a token slice of the cache, fp16 q", (q16, *(t[:, :, :32] for t in kv[:3]), kv[3][:, :, :32],
+                                                *(t[:, :, :2] for t in kv[4:]), lens - 16, lk, 0.125)),
+        ("a transposed plain v, fp16 q", (q16, *kv[:3], v.dequantize(torch.float16).transpose(2, 3).contiguous()
+                                          .transpose(2, 3), None, None, lens, layout_key(plain), 0.125)),
     ]
 
 
@@ -182,11 +188,13 @@ def _fake_raises_as_the_op(op, args):
             op(*fakes)
 
 
-@pytest.mark.parametrize("case", range(13))
+@pytest.mark.parametrize("case", range(16))
 def test_the_attention_fake_refuses_what_the_op_refuses(case):
     """The fake checked the layout alone: a q of another head_dim, an integer q, a cache of the wrong shape, a NaN
     sm_scale... traced to an output of q's shape and dtype (a q [2, 8, 32] gave a [2, 8, 32] output the graph's
-    later ops were traced against) where the op raises. Now the fake raises the op's error, naming the value."""
+    later ops were traced against) where the op raises. Now the fake raises the op's error, naming the value. So
+    it does for a cache or q of strides the kernels refuse (a slice of the cache along tokens, for an fp16 q on the
+    CPU): it traced, and the compiled step raised when it ran."""
     _fake_raises_as_the_op(torch.ops.foldc.decode_attention, _bad_attention_calls(case)[case][1])
 
 
