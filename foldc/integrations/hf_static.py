@@ -111,8 +111,8 @@ class FoldcStaticLayer(FoldcLayer):
             self.cache.append(key_states, value_states)   # the checks of FoldcCache's appends, then the bits
         else:
             # eager, the host reads the count and refuses a token past the storage; traced (compiled), it reads
-            # nothing and the append kernels skip such tokens: generate stops at max_cache_len when the cache
-            # was built for prompt + max_new_tokens
+            # nothing and the appends skip such tokens (a plain side's copy too, `_copy_traced`): generate stops at
+            # max_cache_len when the cache was built for prompt + max_new_tokens
             if not torch.compiler.is_compiling() and int(self.length) + new > self.max_cache_len:
                 raise InputError(f"FoldcStaticCache(max_cache_len={self.max_cache_len}) is full: {new} more "
                                  "token(s) do not fit; build it with max_cache_len >= prompt + max_new_tokens")
@@ -120,6 +120,8 @@ class FoldcStaticLayer(FoldcLayer):
             for x, dst in ((key_states, self.k), (value_states, self.v)):
                 if hasattr(dst, "codes"):
                     append_op(dst, x, self.row_lengths, check=False)
+                elif torch.compiler.is_compiling():
+                    self._copy_traced(dst, x.to(dst.dtype), new)
                 else:
                     positions = self.length + torch.arange(new, device=self.device)
                     dst.index_copy_(2, positions, x.to(dst.dtype))
@@ -132,6 +134,16 @@ class FoldcStaticLayer(FoldcLayer):
             setattr(keys, _TAG, (self, "prefill"))
             return keys, value_states
         return key_states, value_states
+
+    def _copy_traced(self, dst: torch.Tensor, x: torch.Tensor, new: int) -> None:
+        """A traced step's tokens into a plain side, those past the storage skipped as the append kernels skip them
+        (index_copy_ at such a position raised IndexError on the CPU, a device-side assert on a GPU): they are
+        aimed at the last slot with the value that slot gets anyway (its token of this step, or the one held)."""
+        last = self.max_cache_len - 1
+        positions = (self.length + torch.arange(new, device=self.device)).clamp(max=last)
+        values = x.index_select(2, (positions - self.length).clamp(min=0))
+        values = torch.where(self.length > last, dst.index_select(2, positions), values)
+        dst.index_copy_(2, positions, values)
 
     def _check_step(self, key_states: torch.Tensor, value_states: torch.Tensor, new: int) -> None:
         """Refuse a decode step's keys or values not shaped as the storage takes them, before either side is written

@@ -248,3 +248,27 @@ def test_a_compiled_prompt_after_tokens_attends_to_them():
     assert int(layer.length) == PROMPT + 2
     held = eager_cache.layers[0].cache
     assert torch.equal(layer.k.codes[:, :, :PROMPT + 2], held._body["k"].codes[:, :, :PROMPT + 2])
+
+
+@torch.no_grad()
+def test_a_compiled_step_past_the_storage_skips_a_plain_sides_token():
+    """A compiled decode step past max_cache_len (where the host reads no count) wrote a plain side with index_copy_
+    at a position past the storage: IndexError from inside torch on the CPU (a device-side assert on a GPU), after
+    the quantized side's append had skipped its token. The plain side now skips it too (its storage unchanged), and
+    the step is refused by the attention, naming the lengths."""
+    torch._dynamo.reset()
+    model, ids = llama(dtype=torch.float32), prompt(2, seed=int(torch.randint(0, 1000, ())))
+    cap = PROMPT + 2
+    static = FoldcStaticCache(model, cap, k="token:4:16", v=None, target="reference")
+    step = torch.compile(model, backend="aot_eager", fullgraph=True)
+    with attention(model, "foldc"):
+        model(ids, use_cache=True, **{fhf.CACHE_KWARG: static})   # the prompt, eager
+        v = static.layers[0].v
+        for t in range(2):   # the storage's last two slots
+            before = v.clone()
+            step(ids[:, t:t + 1], use_cache=True, **{fhf.CACHE_KWARG: static})
+            assert not torch.equal(v[:, :, PROMPT + t], before[:, :, PROMPT + t])
+        before = v.clone()
+        with pytest.raises(InputError, match=f"seq_lens holds {cap + 1} but the cache holds {cap} tokens"):
+            step(ids[:, 2:3], use_cache=True, **{fhf.CACHE_KWARG: static})
+    assert torch.equal(v, before)
