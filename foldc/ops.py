@@ -180,12 +180,15 @@ def _append_call(codes, scale, zero, x, encoding: str, offset: int, offsets):
 
 @append_kv.register_fake
 def _(codes, scale, zero, x, offset, offsets, encoding, check):
-    from .serving.append import check_append
+    from .serving.append import check_append, check_unit_stride
 
     # what the op refuses without reading data fails at trace time too, with its error (a bad encoding, storage
-    # or x, an int offset past the storage); the offsets' values and x's NaN are read by the op alone
+    # or x, an int offset past the storage, storage the kernels cannot write); the offsets' values and x's NaN are
+    # read by the op alone
     dst, target = _append_call(codes, scale, zero, x, encoding, offset, offsets)
-    check_append(dst, x, offsets if offsets is not None else offset, target, read_device=False)
+    tokens, _, _, mode = check_append(dst, x, offsets if offsets is not None else offset, target, read_device=False)
+    if tokens and mode != "reference":
+        check_unit_stride("dst", dst)
     return None
 
 

@@ -323,14 +323,19 @@ def _bad_appends(seed):
         ("fp32 scales for an fp16 encoding", (dst.codes, dst.scale.float(), dst.zero, x, 16, None, key, True)),
         ("storage of another encoding", (*parts, x, 16, None, "token:2:32", True)),
         ("an offset inside a channel group", (*parts_c, x, 8, None, chan.short(), True)),
+        # the kernels (fp16 x on the CPU: the interpreter) write storage of unit stride along its last dim
+        ("a scale strided along its last dim, fp16 x", (dst.codes, dst.scale.transpose(2, 3).contiguous()
+                                                         .transpose(2, 3), dst.zero, x.half(), 16, None, key, True)),
     ]
 
 
-@pytest.mark.parametrize("case", range(12))
+@pytest.mark.parametrize("case", range(13))
 def test_the_append_fake_refuses_what_the_op_refuses(case):
     """The fake checked the encoding's text alone: an x of another shape or dtype, an offset past the storage,
     storage of another encoding... traced (torch.compile, export) where the op raises. Now the fake raises the
-    op's error, naming the value (the offsets' values and x's NaN, which need the data, the op alone checks)."""
+    op's error, naming the value (the offsets' values and x's NaN, which need the data, the op alone checks). So
+    it does for storage a kernel cannot write (a scale strided along its last dim, for fp16 x on the CPU): it
+    traced, and the compiled step raised when it ran."""
     _fake_raises_as_the_op(torch.ops.foldc.append_kv, _bad_appends(case)[case][1])
 
 
