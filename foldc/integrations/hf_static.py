@@ -111,7 +111,7 @@ class FoldcStaticLayer(FoldcLayer):
             self.cache.append(key_states, value_states)   # the checks of FoldcCache's appends, then the bits
         else:
             # eager, the host reads the count and refuses a token past the storage; traced (compiled), it reads
-            # nothing and the appends skip such tokens (a plain side's copy too, `_copy_traced`): generate stops at
+            # nothing and the appends skip such tokens (a plain side's copy too, `_traced_copy`): generate stops at
             # max_cache_len when the cache was built for prompt + max_new_tokens
             if not torch.compiler.is_compiling() and int(self.length) + new > self.max_cache_len:
                 raise InputError(f"FoldcStaticCache(max_cache_len={self.max_cache_len}) is full: {new} more "
@@ -121,7 +121,7 @@ class FoldcStaticLayer(FoldcLayer):
                 if hasattr(dst, "codes"):
                     append_op(dst, x, self.row_lengths, check=False)
                 elif torch.compiler.is_compiling():
-                    self._copy_traced(dst, x.to(dst.dtype), new)
+                    dst.index_copy_(2, *self._traced_copy(dst, x.to(dst.dtype), self.length))
                 else:
                     positions = self.length + torch.arange(new, device=self.device)
                     dst.index_copy_(2, positions, x.to(dst.dtype))
@@ -135,15 +135,16 @@ class FoldcStaticLayer(FoldcLayer):
             return keys, value_states
         return key_states, value_states
 
-    def _copy_traced(self, dst: torch.Tensor, x: torch.Tensor, new: int) -> None:
-        """A traced step's tokens into a plain side, those past the storage skipped as the append kernels skip them
-        (index_copy_ at such a position raised IndexError on the CPU, a device-side assert on a GPU): they are
-        aimed at the last slot with the value that slot gets anyway (its token of this step, or the one held)."""
+    def _traced_copy(self, dst: torch.Tensor, x: torch.Tensor, start: torch.Tensor) -> tuple:
+        """(positions, values) for ``dst.index_copy(2, ...)`` of a traced step's tokens ``x`` from ``start`` (a
+        device scalar), those past the storage skipped as the append kernels skip them (index_copy_ at such a
+        position raised IndexError on the CPU, a device-side assert on a GPU; clamped to the last slot, they
+        overwrote the token that slot holds): they are aimed at the last slot with the value it gets anyway (its
+        token of this step, or the one held)."""
         last = self.max_cache_len - 1
-        positions = (self.length + torch.arange(new, device=self.device)).clamp(max=last)
-        values = x.index_select(2, (positions - self.length).clamp(min=0))
-        values = torch.where(self.length > last, dst.index_select(2, positions), values)
-        dst.index_copy_(2, positions, values)
+        positions = (start + torch.arange(x.shape[2], device=start.device)).clamp(max=last)
+        values = x.index_select(2, (positions - start).clamp(min=0))
+        return positions, torch.where(start > last, dst.index_select(2, positions), values)
 
     def _check_step(self, key_states: torch.Tensor, value_states: torch.Tensor, new: int) -> None:
         """Refuse a decode step's keys or values not shaped as the storage takes them, before either side is written
@@ -171,7 +172,8 @@ class FoldcStaticLayer(FoldcLayer):
         for store, new in ((self.k, key), (self.v, value)):
             values = store.dequantize(torch.float32) if hasattr(store, "codes") else store
             values = values.to(work)   # (a copy: the storage is never written here)
-            full.append(values.index_copy(2, positions, new.to(work)).repeat_interleave(heads // new.shape[1], 1))
+            copy = self._traced_copy(values, new.to(work), start)   # (the last slot's token, not one past it)
+            full.append(values.index_copy(2, *copy).repeat_interleave(heads // new.shape[1], 1))
         allowed = torch.arange(self.max_cache_len, device=start.device)[None, :] <= positions[:, None]
         out = torch.nn.functional.scaled_dot_product_attention(query.to(work), full[0], full[1], attn_mask=allowed,
                                                                scale=scaling)

@@ -272,3 +272,25 @@ def test_a_compiled_step_past_the_storage_skips_a_plain_sides_token():
         with pytest.raises(InputError, match=f"seq_lens holds {cap + 1} but the cache holds {cap} tokens"):
             step(ids[:, 2:3], use_cache=True, **{fhf.CACHE_KWARG: static})
     assert torch.equal(v, before)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("v", [None, "token:2:16"])
+def test_a_compiled_chunk_past_the_storage_keeps_the_last_slots_token(v):
+    """A compiled prompt chunk that runs past max_cache_len clamped its positions to the last slot: the chunk's
+    tokens past the storage were copied there after the token that belongs there, so that token (inside the
+    storage) attended over another one's key and value, silently. Its tokens inside the storage now give the
+    logits FoldcCache gives for the same chunk."""
+    torch._dynamo.reset()
+    seed = int(torch.randint(0, 1000, ()))
+    model, ids = llama(dtype=torch.float32), prompt(2, seed=seed)
+    chunk, free = prompt(2, seed=seed + 1)[:, :6], 3
+    static = FoldcStaticCache(model, PROMPT + free, k="token:4:16", v=v, target="reference")
+    eager = fhf.FoldcCache(model.config, 32, k="token:4:16", v=v, target="reference")
+    step = torch.compile(model, backend="aot_eager", fullgraph=True)
+    with attention(model, "foldc"):
+        for cache in (static, eager):
+            model(ids, use_cache=True, **{fhf.CACHE_KWARG: cache})   # the first prompt, eager
+        got = step(chunk, use_cache=True, **{fhf.CACHE_KWARG: static}).logits[:, :free]
+        want = model(chunk, use_cache=True, **{fhf.CACHE_KWARG: eager}).logits[:, :free]
+    assert torch.allclose(got, want, rtol=0, atol=1e-4 * float(want.abs().max())), (seed, (got - want).abs().max())
