@@ -26,6 +26,7 @@ cp.async into a tile swizzled for 16-byte reads (rows r and r + 1 in different h
 the split-k partials and counter (`gemv._finish`, `gemv._reduce`). Groups of 128 k and more (pieces of
 fewer k would need another operand layout); 2-, 4- and 8-bit codes.
 
+    TRITON_INTERPRET=1 PYTHONPATH=. python3 benchmarks/gemv_imma_digits.py  # the digits and the algebra (CPU)
     PYTHONPATH=. python3 benchmarks/gemv_imma.py --aot                      # SASS per chunk (CPU)
     PYTHONPATH=. python3 benchmarks/gemv_imma.py --out $OUT/imma.json       # checked, timed beside production
 """
@@ -42,7 +43,6 @@ from pathlib import Path
 
 import torch
 import triton
-import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import constexpr_function
 from triton.experimental.gluon import language as gl
@@ -51,43 +51,8 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 from foldc.backends.gluon.gemv import _copy_runs, _finish, _reduce
 from foldc.backends.gluon.gemv_chunk import _group, _param, gemv_mma, pow2_at_least
 
-DIGITS = 3
-DIGIT_STEP = 128.0   # each digit's unit is the one before's / 128
-
-
-# ---- the activation's digits ----------------------------------------------------------------------------------
-
-@triton.jit
-def _pow2(e):
-    """2^e (float32, exact) for an int32 e from -126 to 127."""
-    return ((e + 127) << 23).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def x_digits(X, DIG, U, K, P: tl.constexpr):
-    """Piece g (k = g P .. g P + P - 1) of x [K]: digits d0, d1, d2 (int8, DIG [3, K]) against the power of two
-    u = 2^(E - 5), E the exponent of max |x| (so |x / u| < 64), and the sum of the values they stand for
-    (U [K / P, 2]: u, sum; float32). Every product by a power of two and every residual is exact in float32, so
-    ``x - u (d0 + d1 / 128 + d2 / 16384)`` is at most u / 32768 <= max |x| 2^-20."""
-    g = tl.program_id(0)
-    k = g * P + tl.arange(0, P)
-    x = tl.load(X + k).to(tl.float32)
-    amax = tl.max(tl.abs(x), axis=0)
-    e = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
-    e = tl.maximum(e, -90) - 5                        # (zeros and subnormal pieces: units that stay normal)
-    d0 = tl.floor(x * _pow2(-e) + 0.5)
-    r = x - d0 * _pow2(e)                             # exact (Sterbenz), |r| <= u / 2
-    d1 = tl.floor(r * _pow2(7 - e) + 0.5)             # |d1| <= 64
-    r = r - d1 * _pow2(e - 7)
-    d2 = tl.floor(r * _pow2(14 - e) + 0.5)
-    tl.store(DIG + k, d0.to(tl.int8))
-    tl.store(DIG + K + k, d1.to(tl.int8))
-    tl.store(DIG + 2 * K + k, d2.to(tl.int8))
-    s = tl.sum(d0, axis=0) + tl.sum(d1, axis=0) / 128.0 + tl.sum(d2, axis=0) / 16384.0
-    u = _pow2(e)
-    tl.store(U + 2 * g, u)
-    tl.store(U + 2 * g + 1, s * u)
-
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gemv_imma_digits import x_digits  # noqa: E402
 
 # ---- the GEMV ------------------------------------------------------------------------------------------------
 
@@ -141,12 +106,14 @@ def field_unit(bits, field):
 
 
 @gluon.jit
-def _field_operand(kw, BITS: gl.constexpr, f: gl.constexpr, W: gl.constexpr):
+def _field_operand(kw, zero_reg, BITS: gl.constexpr, f: gl.constexpr, W: gl.constexpr):
     """Field f of the code words kw [16, W] as the int8 MMA operand [16, 4W] (k = 4 word + byte)."""
     MASK: gl.constexpr = field_mask(BITS, f)[0]
     XOR: gl.constexpr = field_mask(BITS, f)[1]
-    if XOR != 0:
-        v = (kw & MASK) ^ XOR
+    if XOR != 0:   # (kw & mask) ^ 0x80808080 in one LOP3: SASS takes one immediate, so the mask comes in a register
+        m = gl.full(kw.shape, MASK, gl.int32, layout=kw.type.layout) + zero_reg
+        v = gl.inline_asm_elementwise("lop3.b32 $0, $1, -2139062144, $2, 0x6c;", "=r,r,r", [kw, m], dtype=gl.int32,
+                                      is_pure=True, pack=1)
     else:
         v = kw & MASK
     return gl.reshape(_as_bytes(v), [16, 4 * W])
@@ -194,12 +161,13 @@ def _as_bytes(v):
 
 @gluon.jit
 def _digits(DIG, K, k0, D: gl.constexpr):
-    """The digit words of x at k0 .. k0 + D - 1 [D / 4, 8] (column c: digit c; 3-7 zero; DIG: the digits [3, K] as
-    int32 words). Words, not bytes, cross the loop: bytes would be taken apart and put together again there."""
+    """The digit words of x at k0 .. k0 + D - 1 [D / 4, 8] (column c: digit c, columns 3-7 digit 2 again, their
+    sums weighted by 0 at the end; DIG: the digits [3, K] as int32 words), read in the chunk that uses them: bytes
+    carried across the loop were taken apart and put together again there."""
     wl: gl.constexpr = digit_words_layout(D)
     w = gl.arange(0, D // 4, layout=gl.SliceLayout(1, wl))
-    c = gl.arange(0, 8, layout=gl.SliceLayout(0, wl))
-    return gl.load(DIG + c[None, :] * (K // 4) + (k0 // 4 + w)[:, None], mask=(c < 3)[None, :], other=0)
+    c = gl.minimum(gl.arange(0, 8, layout=gl.SliceLayout(0, wl)), 2)   # columns 3-7 read digit 2 (weighted 0)
+    return gl.load(DIG + c[None, :] * (K // 4) + (k0 // 4 + w)[:, None])
 
 
 @gluon.jit
@@ -229,9 +197,9 @@ def _param_even(run, base: gl.constexpr, g, g_first, KIND: gl.constexpr):
 
 
 @gluon.jit
-def _chunk_imma(w_tile, dig, s_run, z_run, U, Y, Z, j_lo, j0, rows, stride_ws, W: gl.constexpr, F: gl.constexpr,
-                G: gl.constexpr, BITS: gl.constexpr, ROW_BYTES: gl.constexpr, KIND: gl.constexpr, GW: gl.constexpr,
-                NP: gl.constexpr, P: gl.constexpr, EVEN: gl.constexpr):
+def _chunk_imma(w_tile, dig, zero_reg, s_run, z_run, U, Y, Z, j_lo, j0, rows, stride_ws, W: gl.constexpr,
+                F: gl.constexpr, G: gl.constexpr, BITS: gl.constexpr, ROW_BYTES: gl.constexpr, KIND: gl.constexpr,
+                GW: gl.constexpr, NP: gl.constexpr, P: gl.constexpr, EVEN: gl.constexpr):
     mma: gl.constexpr = gemv_mma(1)
     a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=16)
     b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=16)
@@ -239,7 +207,7 @@ def _chunk_imma(w_tile, dig, s_run, z_run, U, Y, Z, j_lo, j0, rows, stride_ws, W
     kw = w_tile.load(code_words_layout(W))
     zero = gl.zeros([16, 8], gl.int32, layout=mma)
     for f in gl.static_range(F):
-        ops = _pieces(_field_operand(kw, BITS, f, W), NP)
+        ops = _pieces(_field_operand(kw, zero_reg, BITS, f, W), NP)
         xs = _pieces_b(_digit_operand(dig[f]), NP)
         for p in gl.static_range(NP):
             acc = mma_v2(gl.convert_layout(ops[p], a_l, assert_trivial=True),
@@ -274,8 +242,8 @@ def _load_digits(DIG, K, j0, F: gl.constexpr, ROW_BYTES: gl.constexpr, NB: gl.co
 
 @gluon.jit
 def foldc_gemv_imma(DIG, U, WC, WS, WZ, Y_OUT, PART, COUNTERS, N, K, stride_wc, stride_ws, stride_y,
-                    chunks_per_split, W: gl.constexpr, F: gl.constexpr, ROW_BYTES: gl.constexpr, G: gl.constexpr,
-                    BITS: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr, KIND: gl.constexpr,
+                    chunks_per_split, zero_reg, W: gl.constexpr, F: gl.constexpr, ROW_BYTES: gl.constexpr,
+                    G: gl.constexpr, BITS: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr, KIND: gl.constexpr,
                     GW: gl.constexpr, NP: gl.constexpr, EVEN: gl.constexpr):
     mma: gl.constexpr = gemv_mma(1)
     NB: gl.constexpr = W * 4
@@ -318,7 +286,7 @@ def foldc_gemv_imma(DIG, U, WC, WS, WZ, Y_OUT, PART, COUNTERS, N, K, stride_wc, 
         async_copy.commit_group()
         async_copy.wait_group(STAGES - 1)
         gl.thread_barrier()
-        Y, Z = _chunk_imma(w_smem.index(i % STAGES), dig, s_run, z_run, U, Y, Z, c_lo * NB, c * NB, rows,
+        Y, Z = _chunk_imma(w_smem.index(i % STAGES), dig, zero_reg, s_run, z_run, U, Y, Z, c_lo * NB, c * NB, rows,
                            stride_ws, W, F, G, BITS, ROW_BYTES, KIND, GW, NP, P, EVEN)
     async_copy.wait_group(0)
     c8 = gl.arange(0, 8, layout=gl.SliceLayout(0, mma))
@@ -367,7 +335,7 @@ def make_call(gemv, dtype):
         codes, scale, zero = w.codes[0, 0], w.scale[0, 0], w.zero[0, 0]
         consts["EVEN"] = scale.stride(0) % 2 == 0   # every row's parameters start at the same half of a word
         foldc_gemv_imma[grid](dig.view(torch.int32), u, codes.view(torch.int32), scale, zero, out, part, counters, n, k,
-                              codes.stride(0) // 4, scale.stride(0), out.stride(0), per, **consts)
+                              codes.stride(0) // 4, scale.stride(0), out.stride(0), per, 0, **consts)
     return call
 
 
@@ -399,7 +367,7 @@ def aot(arch: str = "sm_90") -> list[dict]:
         kind = {0: "*fp16", 1: "*bf16", 2: "*fp32"}[consts["KIND"]]
         sig = {"DIG": "*i32", "U": "*fp32", "WC": "*i32", "WS": kind, "WZ": kind, "Y_OUT": "*fp16",
                "PART": "*fp32", "COUNTERS": "*i32", "N": "i32", "K": "i32", "stride_wc": "i32", "stride_ws": "i32",
-               "stride_y": "i32", "chunks_per_split": "i32"}
+               "stride_y": "i32", "chunks_per_split": "i32", "zero_reg": "i32"}
         sig.update({name: "constexpr" for name in consts})
         attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(foldc_gemv_imma.arg_names)
                  if name in ("DIG", "U", "WC", "WS", "WZ", "Y_OUT", "PART", "COUNTERS", "K", "stride_wc")}
