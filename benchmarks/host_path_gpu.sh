@@ -75,7 +75,8 @@ case "${1:-checks}" in
     ;;
   gemv_imma)   # issue 20's GEMV at m = 1 with the codes as int8 MMA operands against the activation's digits
     # (benchmarks/gemv_imma.py, built 2026-12-07 with no GPU): each case checked against float64 beside production,
-    # then timed (CUDA graphs, cold L2) at production's split and twice it, beside fp16 cuBLAS and torch's INT4 kernel
+    # then timed (CUDA graphs, cold L2) at production's split, twice it, and twice it with 4 stages, beside fp16 cuBLAS
+    # and torch's INT4 kernel
     step gemv_imma 450 python3 benchmarks/gemv_imma.py --out "$OUT/gemv_imma.json"
     ;;
   merge_barriers)   # the merging decode's barrier: production beside one packed word and sleeps between polls
