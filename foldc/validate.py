@@ -241,7 +241,12 @@ def check_no_overlap(out, name: str = "out", **inputs) -> None:
     """Refuse an output that shares memory with an input a kernel still reads while it writes (a GEMM's
     programs write y while others read x): the answer would be silently wrong. An AffineTensor input is
     checked by its codes, scales and zeros; inputs that are not tensors (None) are skipped."""
-    if not isinstance(out, torch.Tensor) or out.numel() == 0 or out.is_meta:   # meta: no memory (every address 0)
+    if not isinstance(out, torch.Tensor):
+        return
+    if out.layout != torch.strided:   # (no memory to compare: torch raised from inside data_ptr)
+        raise InputError(f"{name} is a tensor of layout {out.layout}; the kernels write a dense {name}: allocate it "
+                         "with torch.empty, or pass none")
+    if out.numel() == 0 or out.is_meta:   # meta: no memory (every address 0)
         return
     lo = out.data_ptr()
     hi = last_byte(out, lo)

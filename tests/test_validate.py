@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 import foldc
 import foldc.serving.paged as paged_module
 from foldc.errors import InputError, InputTypeError
-from foldc.serving import PagedDecodeWrapper, PagedKVCache, QuantizedKVCache, page_pool
+from foldc.serving import PagedDecodeWrapper, PagedKVCache, QuantizedKVCache, gather_pages, page_pool
+from foldc.testing import rel_l2
 from foldc.validate import check_no_overlap, check_out, check_sm_scale
 
 A = foldc.Affine
@@ -148,6 +149,34 @@ def test_the_wrapper_refuses_an_integer_out():
     with pytest.raises(InputError, match="out dtype=torch.int64 cannot hold the result"):
         _wrapper().run(q, page_pool(SPEC, "k", 4, 16), page_pool(SPEC, "v", 4, 16),
                        out=torch.empty(1, 4, 64, dtype=torch.int64))
+
+
+@pytest.mark.parametrize("entry", ["reference", "interpret", "wrapper-reference", "wrapper-interpret"])
+@pytest.mark.parametrize("make, exc, match", [
+    (lambda: [0.5] * 4, InputTypeError, r"out must be a torch\.Tensor \(1, 4, 64\) or None, got list"),
+    (lambda: torch.rand(1, 4, 64).half().numpy(), InputTypeError, "out must be a torch.Tensor .* got ndarray"),
+    (lambda: (torch.rand(1, 4, 64) + 0.5).half().to_sparse(), InputError,
+     "out is a tensor of layout torch.sparse_coo"),
+    (lambda: (torch.rand(4, 64) + 0.5).half().to_sparse_csr(), InputError,
+     "out is a tensor of layout torch.sparse_csr"),
+], ids=["list", "ndarray", "sparse-coo", "sparse-csr"])
+def test_an_out_that_is_not_a_dense_tensor_is_refused_by_name(entry, make, exc, match):
+    """An out that is not a tensor (a list, a NumPy array) reached the paged wrapper's overlap check, which read its
+    address (AttributeError: no data_ptr); a sparse out raised torch's RuntimeError from inside data_ptr on every
+    target. Each is refused by name, and the same call with a dense out matches the float64 reference."""
+    inputs, call = _attention_call(entry, SPEC, torch.Generator().manual_seed(31))
+    args = [inputs["q"], *(v for n, v in inputs.items() if n != "q")]
+    with pytest.raises(exc, match=match):
+        call(*args, out=make())
+    want = foldc.compile(SPEC, target="reference")
+    if entry.startswith("wrapper"):
+        k, v = (gather_pages(inputs[f"{n}_pages"], torch.tensor([0, 2], dtype=torch.int32),
+                                           torch.tensor([1, 0], dtype=torch.int32), [20], 16)[0] for n in "kv")
+        want = want(inputs["q"], k, v, seq_lens=torch.tensor([20]))
+    else:
+        want = want(*args)
+    got = call(*args, out=torch.full((1, 4, 64), float("nan"), dtype=torch.float32))
+    assert rel_l2(got, want) < 1e-3
 
 
 # ---- merge_attention --------------------------------------------------------------------------

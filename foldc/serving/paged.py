@@ -293,6 +293,10 @@ class PagedDecodeWrapper:
         """Refuse an ``out`` that shares memory with q or the pools (`check_no_overlap`). The pools are checked once
         for each span of memory an out covers (a serving loop hands the same buffer, or one of the same address from
         torch's allocator, every step) while they stay the same objects; q, new each step, every call."""
+        if not isinstance(out, torch.Tensor):   # (its address was read first: an AttributeError)
+            raise InputTypeError(f"out must be a torch.Tensor {tuple(q.shape)} or None, got {type(out).__name__}")
+        if out.layout != torch.strided:
+            check_no_overlap(out, "out")   # (raises, naming the layout: a sparse out has no address)
         span = (out.data_ptr(), out.shape, out.stride(), out.dtype)
         held = self._out_apart
         if held is not None and held[0] == span and held[1] is k_pages and held[2] is v_pages:
