@@ -31,6 +31,9 @@ from .spec import AttentionSpec
 MAX_SM_SCALE = float(torch.finfo(torch.float32).max) / math.log2(math.e)
 
 
+#: the outputs `foldc.merge_attention` takes: those attention writes (torch has no isfinite of float8)
+MERGE_OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
 #: the dtypes seq_lens may come in (torch has no min/max of complex or of 32- and 64-bit unsigned integers)
 SEQ_LENS_DTYPES = (torch.int32, torch.int64, torch.int16, torch.int8, torch.uint8)
 
@@ -287,6 +290,9 @@ def check_merge_parts(parts) -> None:
             if t.layout != torch.strided:   # (the merge raised from inside torch: no ne, no isfinite)
                 raise InputError(f"part {i}: {what} is a tensor of layout {t.layout}; the merge takes the dense "
                                  f"tensors attention returns: pass {what}.to_dense()")
+        if o.dtype not in MERGE_OUT_DTYPES:   # (fp8: torch raised from inside isfinite, which it has not for them)
+            raise InputError(f"part {i}: out dtype={o.dtype}: the merge takes the outputs attention writes, float16, "
+                             f"bfloat16, float32 or float64; pass out.to(torch.float32)")
         if s.dtype not in (torch.float32, torch.float64):   # bf16 at lse 20 moves a part's weight by up to 6%
             raise InputError(f"part {i}: lse dtype={s.dtype}: a log-sum-exp rounded to 16 bits moves the parts' "
                              "weights exp(lse_i - lse) by up to 2**-8 x |lse| (6% at lse 20); pass the float32 lse "
