@@ -491,6 +491,8 @@ def write_paged(pool: AffineTensor, x: torch.Tensor, kv_indptr: torch.Tensor, kv
         raise InputTypeError(f"pool must be a foldc.AffineTensor page pool, got {type(pool).__name__}")
     if not isinstance(x, torch.Tensor):
         raise InputTypeError(f"x must be a torch.Tensor [batch, kv_heads, tokens, head_dim], got {type(x).__name__}")
+    if x.layout != torch.strided:   # (torch raised from inside the copy or the kernel's launch)
+        raise InputError(f"x is a tensor of layout {x.layout}; appends quantize dense tokens: pass x.to_dense()")
     enc, (_, heads, rows, head_dim) = pool.encoding, pool.shape
     check_page_size_for(enc, page_size)
     if rows != page_size:

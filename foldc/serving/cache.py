@@ -544,6 +544,9 @@ class QuantizedKVCache:
         if q.device != self.device:
             raise InputError(f"q is on {q.device} but the cache is on {self.device}; move it there")
         if q.stride(-1) != 1:
+            if q.layout != torch.strided:   # (its strides read (0, 0, 0))
+                raise InputError(f"q is a tensor of layout {q.layout}; attention takes dense queries: pass "
+                                 "q.to_dense()")
             raise InputError(f"q must have unit stride along head_dim; got strides {q.stride()}: pass q.contiguous()")
         if self.num_tokens == 0:
             raise InputError("the cache holds no tokens; append() keys and values before attention()")

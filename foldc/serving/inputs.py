@@ -49,6 +49,9 @@ def check_new_tokens(name: str, x, batch: int, spec, dtype: torch.dtype, device:
     if not isinstance(x, torch.Tensor):
         raise InputTypeError(f"{name} must be a torch.Tensor [batch, kv_heads, tokens, head_dim], "
                              f"got {type(x).__name__}")
+    if x.layout != torch.strided:   # (torch raised from inside the NaN check, the scatter or the kernel's launch)
+        raise InputError(f"{name} is a tensor of layout {x.layout}; the cache stores dense tokens: pass "
+                         f"{name}.to_dense()")
     shape = x.shape
     if len(shape) != 4 or shape[0] != batch or shape[1] != spec.num_kv_heads or shape[3] != spec.head_dim:
         raise InputError(f"{name} shape={tuple(shape)} but this cache holds [{batch}, {spec.num_kv_heads}, tokens, "

@@ -348,6 +348,8 @@ class PagedDecodeWrapper:
                              "num_pages=...) first")
         if not isinstance(q, torch.Tensor):
             raise InputTypeError(f"q must be a torch.Tensor [batch, num_q_heads, head_dim], got {type(q).__name__}")
+        if q.layout != torch.strided:   # (torch raised from inside data_ptr, or its strides (0, 0, 0) were named)
+            raise InputError(f"q is a tensor of layout {q.layout}; attention takes dense queries: pass q.to_dense()")
         want = (self.table.batch, self.spec.num_q_heads, self.spec.head_dim)
         if q.shape != want:
             raise InputError(f"q shape={tuple(q.shape)} but the plan and spec need {want} (batch, num_q_heads, "

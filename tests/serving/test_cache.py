@@ -725,3 +725,26 @@ def test_a_deepcopy_of_a_cache_a_one_token_append_flagged_raises_as_the_original
     for c in (cache, twin):
         with pytest.raises(InputError, match="a one-token append held NaN or Inf"):
             c.attention(q)
+
+
+@pytest.mark.parametrize("target", ["interpret", "reference"])
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_sparse_tokens_and_queries_are_refused_by_name_and_change_nothing(target, tokens):
+    """Sparse keys or values raised NotImplementedError from inside torch's norm; a sparse query was told to pass
+    q.contiguous() for its strides (0, 0, 0). Each is an `InputError` naming the layout now, and the cache holds and
+    attends as before."""
+    gen = torch.Generator().manual_seed(23 + tokens)
+    cache = QuantizedKVCache(foldc.AttentionSpec(4, 2, 64, A(4, "token", 32), A(4, "channel", 16)), 2, 64, sink=1,
+                             window=2, target=target)
+    cache.append(*_tokens(cache, 21, gen, shift=0.5))
+    before = cache.dequantized()
+    k, v = _tokens(cache, tokens, gen)
+    for args in ((k.to_sparse(), v), (k, v.to_sparse())):
+        with pytest.raises(InputError, match=r"[kv]_new is a tensor of layout torch\.sparse_coo; .*\.to_dense\(\)"):
+            cache.append(*args)
+    after = cache.dequantized()
+    assert cache.num_tokens == 21 and all(torch.equal(a, b) for a, b in zip(after, before))
+    q = torch.randn(2, 4, 64, generator=gen).half()
+    with pytest.raises(InputError, match=r"q is a tensor of layout torch\.sparse_coo; .* q\.to_dense\(\)"):
+        cache.attention(q.to_sparse())
+    assert rel_err(cache.attention(q), foldc.attention_reference(q, *after)) < TOL

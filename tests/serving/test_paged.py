@@ -656,3 +656,28 @@ def test_a_page_listed_twice_is_refused_where_an_append_could_write_it(entries, 
     assert check_page_table(indptr.new_tensor([0, 2, 4]), ok, None, 8, 32, [40, 64], shared=True).pages == (2, 2)
     with pytest.raises(InputError, match="lists page 3 more than once; every page-table entry of this cache"):
         check_page_table(indptr.new_tensor([0, 2, 4]), ok, None, 8, 32, [40, 64])
+
+
+@pytest.mark.parametrize("target", ["interpret", "reference"])
+def test_a_sparse_query_or_sparse_new_tokens_are_refused_by_name(target):
+    """A sparse q was refused for its strides (0, 0, 0) ("pass a q of unit stride"), or raised RuntimeError from
+    inside data_ptr beside an out; sparse tokens to `append_paged` raised from inside torch's copy. Each names the
+    layout now; the pool is not written, and the dense calls match float64."""
+    gen = torch.Generator().manual_seed(29)
+    spec, page_size = SPECS["K token4 / V token2"], 16
+    k_pages, v_pages = random_pools(spec, 6, page_size, gen)
+    indptr, indices = torch.tensor([0, 2, 3], dtype=torch.int32), torch.tensor([4, 1, 5], dtype=torch.int32)
+    wrapper = PagedDecodeWrapper(spec, page_size, max_seq_len=32, target=target)
+    table = wrapper.plan(indptr, indices, torch.tensor([7, 16], dtype=torch.int32), num_pages=6)
+    q = torch.randn(2, spec.num_q_heads, spec.head_dim, generator=gen).half()
+    for out in (None, torch.empty(q.shape, dtype=torch.float32)):
+        with pytest.raises(InputError, match=r"q is a tensor of layout torch\.sparse_coo; .* q\.to_dense\(\)"):
+            wrapper.run(q.to_sparse(), k_pages, v_pages, out=out)
+    ref, _, _ = reference_over_pages(spec, q, k_pages, v_pages, indptr, indices, table.seq_lens, page_size, None)
+    assert rel_l2(wrapper.run(q, k_pages, v_pages), ref) <= TOL
+    x = torch.randn(2, spec.num_kv_heads, 3, spec.head_dim, generator=gen).half()
+    before = [t.clone() for t in (k_pages.codes, k_pages.scale, k_pages.zero)]
+    with pytest.raises(InputError, match=r"x is a tensor of layout torch\.sparse_coo; .* x\.to_dense\(\)"):
+        append_paged(k_pages, x.to_sparse(), indptr, indices, torch.tensor([23, 16], dtype=torch.int32),
+                     page_size=page_size, target="reference" if target == "reference" else "auto")
+    assert all(torch.equal(a, b) for a, b in zip(before, (k_pages.codes, k_pages.scale, k_pages.zero)))

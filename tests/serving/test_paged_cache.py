@@ -636,3 +636,29 @@ def test_a_deepcopy_holds_the_same_tokens_in_pools_of_its_own(spec, sink, window
             for got, want in zip(c.dequantized(layer), fresh.dequantized(layer)):
                 assert got == want if isinstance(got, list) else torch.equal(got, want)
             assert torch.equal(c.attention(layer, q), fresh.attention(layer, q))
+
+
+@pytest.mark.parametrize("target", ["interpret", "reference"])
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_sparse_tokens_and_queries_are_refused_by_name_and_change_nothing(target, tokens):
+    """Sparse keys, values or queries raised NotImplementedError or RuntimeError from inside torch (its amax, scatter
+    or data_ptr); each is an `InputError` naming the layout now, and the cache holds and attends as before."""
+    gen = torch.Generator().manual_seed(17 + tokens)
+    cache = PagedKVCache(S(4, 2, 64, A(4, "token", 32), A(4, "channel", 16)), num_layers=1, page_size=16,
+                         num_pages=8, max_seq_len=48, sink=1, window=2, target=target)
+    cache.plan(torch.tensor([0, 3, 6], dtype=torch.int32), torch.tensor([5, 0, 7, 2, 6, 1], dtype=torch.int32),
+               seq_lens=[0, 0])
+    k, v = _tokens(gen, 2, 2, 21, 64)
+    cache.append(0, k, v)
+    before = cache.dequantized(0)
+    k, v = _tokens(gen, 2, 2, tokens, 64)
+    for args in ((k.to_sparse(), v), (k, v.to_sparse())):
+        with pytest.raises(InputError, match=r"[kv]_new is a tensor of layout torch\.sparse_coo; .*\.to_dense\(\)"):
+            cache.append(0, *args)
+    after = cache.dequantized(0)
+    assert after[2] == before[2] == [21, 21]
+    assert torch.equal(after[0], before[0]) and torch.equal(after[1], before[1])
+    q = torch.randn(2, 4, 64, generator=gen).half()
+    with pytest.raises(InputError, match=r"q is a tensor of layout torch\.sparse_coo; .* q\.to_dense\(\)"):
+        cache.attention(0, q.to_sparse())
+    assert rel_l2(cache.attention(0, q), foldc.attention_reference(q, after[0], after[1])) < TOL
