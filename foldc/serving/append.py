@@ -112,7 +112,7 @@ def _offsets(offset, dst: AffineTensor, tokens: int, read_device: bool = True):
         per_row = offset.to(device=dst.device, dtype=torch.int64).contiguous()
         if not read_device:
             return None, per_row
-        lo, hi = int(offset.min()), int(offset.max())
+        lo, hi = int(per_row.min()), int(per_row.max())   # (int64: torch has no min of uint16/32/64)
         if group and bool((per_row % group != 0).any()):
             bad = int(per_row[per_row % enc.group_size != 0][0])
             raise InputError(f"offset={bad} is not a multiple of group_size={enc.group_size}; channel-wise "

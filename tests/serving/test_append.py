@@ -131,6 +131,25 @@ def test_ragged_offsets_write_each_row_at_its_own_position(layout, group):
     assert_same_bits(dst, want)
 
 
+@pytest.mark.parametrize("dtype", [torch.uint16, torch.uint32, torch.uint64])
+@pytest.mark.parametrize("layout, target", [("token", "interpret"), ("channel", "interpret"), ("channel", "reference")])
+def test_unsigned_offsets_wider_than_a_byte_are_read_as_their_values(dtype, layout, target):
+    """Per-row offsets of uint16, uint32 or uint64 (torch's unsigned tensors) raised NotImplementedError from inside
+    torch ("min_all" not implemented) when checked; they are read as the int64 values they hold, as without the
+    check, and one past dst is refused by name."""
+    gen = torch.Generator().manual_seed(13)
+    enc = A(4, layout, 16)
+    dst = poisoned(enc, 3, 2, 64, 32, gen)
+    x = torch.randn(3, 2, 16, 32, generator=gen).half()
+    starts = [32, 0, 48]
+    want = expected(dst, x, starts)
+    append_quantized(dst, x, torch.tensor(starts, dtype=dtype), target=target)
+    assert_same_bits(dst, want)
+    with pytest.raises(InputError, match="writing 16 tokens at offset 64 needs 80 token slots but dst holds 64"):
+        append_quantized(dst, x, torch.tensor([0, 64, 16], dtype=dtype), target=target)
+    assert_same_bits(dst, want)
+
+
 def test_reference_target_writes_the_same_bits_as_the_kernel():
     gen = torch.Generator().manual_seed(5)
     enc = A(2, "channel", 16, torch.bfloat16)
