@@ -266,11 +266,18 @@ def compare(out: torch.Tensor, exact: torch.Tensor) -> ErrorReport:
     diff = (out - exact).norm(dim=-1)
     norm = exact.norm(dim=-1)
     return ErrorReport(
-        rel_l2=float((out - exact).norm() / exact.norm()),
+        rel_l2=float(_relative((out - exact).norm(), exact.norm())),
         l2=float(diff.mean()),
-        max_head_rel=float((diff / norm).max()),
+        max_head_rel=float(_relative(diff, norm).max()),
         out_norm=float(norm.mean()),
     )
+
+
+def _relative(diff: torch.Tensor, norm: torch.Tensor) -> torch.Tensor:
+    """diff / norm, where an exact output of norm 0 (a head whose values are all zero) counts 0 if matched and inf
+    if not (0 / 0 was NaN, which hid every other head's error from max_head_rel)."""
+    return torch.where(norm > 0, diff / norm.clamp_min(torch.finfo(norm.dtype).tiny),
+                       torch.where(diff > 0, torch.inf, 0.0).to(diff.dtype))
 
 
 def attention_error(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: AccuracyConfig,

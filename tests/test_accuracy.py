@@ -256,3 +256,22 @@ def test_operands_on_the_meta_device_or_sparse_are_refused_by_name(where, name, 
         compare(bad(out), bad(exact))
     report = compare(out, exact)   # the dense pair still reports its error
     assert 0 < report.rel_l2 < 0.5
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_compare_of_a_head_whose_exact_output_is_zero(seed):
+    """A head whose exact output is all zeros (its values all zero) made max_head_rel NaN (0 / 0), hiding every other
+    head's error; it counts 0 where matched and inf where not, and the other heads' errors show."""
+    gen = torch.Generator().manual_seed(seed)
+    exact = torch.randn(2, 4, 16, generator=gen, dtype=torch.float64)
+    exact[0, 1] = 0
+    out = exact + 1e-3 * torch.randn(exact.shape, generator=gen, dtype=torch.float64)
+    out[0, 1] = 0
+    rep = compare(out, exact)
+    want = max(float((out[b, h] - exact[b, h]).norm() / exact[b, h].norm()) for b in range(2) for h in range(4)
+               if (b, h) != (0, 1))
+    assert rep.max_head_rel == pytest.approx(want, rel=1e-12)
+    assert rep.rel_l2 == pytest.approx(float((out - exact).norm() / exact.norm()), rel=1e-12)
+    out[0, 1, 3] = 1e-6   # the zero head now wrong: no finite relative error says how wrong
+    assert compare(out, exact).max_head_rel == float("inf")
+    assert compare(torch.zeros_like(exact), torch.zeros_like(exact)).rel_l2 == 0.0
