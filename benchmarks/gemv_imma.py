@@ -49,7 +49,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
 from foldc.backends.gluon.gemv import _copy_runs, _finish, _reduce
-from foldc.backends.gluon.gemv_chunk import _group, _param, gemv_mma, pow2_at_least
+from foldc.backends.gluon.gemv_chunk import _group, _half_value, _param, gemv_mma, pow2_at_least
+from foldc.backends.gluon.tile_operands import split_groups
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gemv_imma_digits import x_digits  # noqa: E402
@@ -119,29 +120,6 @@ def _field_operand(kw, zero_reg, BITS: gl.constexpr, f: gl.constexpr, W: gl.cons
     return gl.reshape(_as_bytes(v), [16, 4 * W])
 
 
-@gluon.jit
-def _pieces(op, NP: gl.constexpr):
-    """op [16, C] cut into NP (1 or 2) consecutive k ranges."""
-    if NP == 1:
-        out = (op,)
-    else:
-        R: gl.constexpr = op.shape[0]
-        C: gl.constexpr = op.shape[1]
-        out = gl.split(gl.permute(gl.reshape(op, [R, 2, C // 2]), (0, 2, 1)))
-    return out
-
-
-@gluon.jit
-def _pieces_b(op, NP: gl.constexpr):
-    if NP == 1:
-        out = (op,)
-    else:
-        C: gl.constexpr = op.shape[0]
-        N: gl.constexpr = op.shape[1]
-        out = gl.split(gl.permute(gl.reshape(op, [2, C // 2, N]), (1, 2, 0)))
-    return out
-
-
 @constexpr_function
 def digit_words_layout(D):
     """Digit words [D / 4, 8] (column c: digit c's word) as the int8 B operand wants them: lane (c, q) holds words
@@ -188,11 +166,7 @@ def _param_even(run, base: gl.constexpr, g, g_first, KIND: gl.constexpr):
         out = run.index(base + g - g_first).load(rl).to(gl.float32, bitcast=True)
     else:
         v = run.index(base + (g >> 1) - (g_first >> 1)).load(rl)
-        half = (v >> ((g & 1) * 16)) & 0xFFFF
-        if KIND == 1:
-            out = (half << 16).to(gl.float32, bitcast=True)
-        else:
-            out = half.to(gl.int16).to(gl.float16, bitcast=True).to(gl.float32)
+        out = _half_value((v >> ((g & 1) * 16)) & 0xFFFF, KIND)
     return out
 
 
@@ -207,8 +181,14 @@ def _chunk_imma(w_tile, dig, zero_reg, s_run, z_run, U, Y, Z, j_lo, j0, rows, st
     kw = w_tile.load(code_words_layout(W))
     zero = gl.zeros([16, 8], gl.int32, layout=mma)
     for f in gl.static_range(F):
-        ops = _pieces(_field_operand(kw, zero_reg, BITS, f, W), NP)
-        xs = _pieces_b(_digit_operand(dig[f]), NP)
+        ops = _field_operand(kw, zero_reg, BITS, f, W)
+        xs = _digit_operand(dig[f])
+        if NP == 1:
+            ops = (ops,)
+            xs = (xs,)
+        else:   # consecutive k ranges of the chunk (the operands' top k bit is a register bit: nothing moves)
+            ops = split_groups(ops, NP, 1)
+            xs = split_groups(xs, NP, 0)
         for p in gl.static_range(NP):
             acc = mma_v2(gl.convert_layout(ops[p], a_l, assert_trivial=True),
                          gl.convert_layout(xs[p], b_l, assert_trivial=True), zero)

@@ -96,11 +96,17 @@ def _param(run, base: gl.constexpr, local, t: gl.constexpr, rows, stride_ws, g, 
         w0 = run.index(base + (local >> 1)).slice(TM * t, TM, dim=0).load(rl)
         w1 = run.index(base + ((local + 1) >> 1)).slice(TM * t, TM, dim=0).load(rl)
         v = gl.where(((rows * stride_ws + g_first) & 1) == 1, w1, w0)
-        half = (v >> (((rows * stride_ws + g) & 1) * 16)) & 0xFFFF
-        if KIND == 1:
-            out = (half << 16).to(gl.float32, bitcast=True)
-        else:
-            out = half.to(gl.int16).to(gl.float16, bitcast=True).to(gl.float32)
+        out = _half_value((v >> (((rows * stride_ws + g) & 1) * 16)) & 0xFFFF, KIND)
+    return out
+
+
+@gluon.jit
+def _half_value(half, KIND: gl.constexpr):
+    """A 16-bit parameter's bits (int32, the upper half zero) as float32: bf16 (KIND 1) or fp16 (KIND 0)."""
+    if KIND == 1:
+        out = (half << 16).to(gl.float32, bitcast=True)
+    else:
+        out = half.to(gl.int16).to(gl.float16, bitcast=True).to(gl.float32)
     return out
 
 
