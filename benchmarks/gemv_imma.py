@@ -23,8 +23,8 @@ and the grid is one wave, so the chunks' instructions, not the bytes, set its ti
 The program around the chunks is production's: one warp of 16 output channels, a split of k, the scale and
 zero words copied once (`gemv._copy_runs`, read by `gemv_chunk._param`), the code words STAGES deep by
 cp.async into a tile swizzled for 16-byte reads (rows r and r + 1 in different halves of a bank window),
-the split-k partials and counter (`gemv._finish`, `gemv._reduce`). Groups of 128 k and more (pieces of
-fewer k would need another operand layout); 2-, 4- and 8-bit codes.
+the split-k partials and counter (`gemv._finish`, `gemv._reduce`). k groups of 32 and more (pieces of 128 k and
+more read 16 code bytes a lane, k_width 16; of 32 and 64, 8 bytes, k_width 8); 2-, 4- and 8-bit codes.
 
     TRITON_INTERPRET=1 PYTHONPATH=. python3 benchmarks/gemv_imma_digits.py  # the digits and the algebra (CPU)
     PYTHONPATH=. python3 benchmarks/gemv_imma.py --aot                      # SASS per chunk (CPU)
@@ -48,7 +48,7 @@ from triton.experimental.gluon import constexpr_function
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
-from foldc.backends.gluon.gemv import _copy_runs, _finish, _reduce
+from foldc.backends.gluon.gemv import _copy_runs, _finish, _reduce, weight_tile_layout
 from foldc.backends.gluon.gemv_chunk import _group, _half_value, _param, gemv_mma, pow2_at_least
 from foldc.backends.gluon.tile_operands import split_groups
 
@@ -58,19 +58,26 @@ from gemv_imma_digits import x_digits  # noqa: E402
 # ---- the GEMV ------------------------------------------------------------------------------------------------
 
 @constexpr_function
-def code_words_layout(W):
-    """Code words [16, W] as the int8 operand wants them: lane (r, q) holds words 4q .. 4q + 3 of rows r and r + 8
-    (16 bytes: the k_width=16 A operand's 16 consecutive k of a 64-k span), then the next 64-k spans."""
-    W = int(W)
-    reg = [[0, 1], [0, 2], [8, 0]] + [[0, 16 << i] for i in range(int(math.log2(W // 16)))]
-    return gl.DistributedLinearLayout(reg_bases=reg, lane_bases=[[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]],
+def code_words_layout(W, KW):
+    """Code words [16, W] as the int8 operand of k_width KW wants them. KW 16 (pieces of 128 k and more): lane (r, q)
+    holds words 4q .. 4q + 3 of rows r and r + 8 (16 consecutive k of a 64-k span), then the next 64-k spans. KW 8
+    (pieces of 32 and 64 k, which a 64-k span would straddle): words 2q, 2q + 1 of each 32-k span."""
+    W, KW = int(W), int(KW)
+    per = KW // 4                           # words a lane holds of one span
+    span = 4 * per                          # words of a span (64 or 32 k)
+    reg = [[0, 1 << i] for i in range(int(math.log2(per)))] + [[8, 0]] + \
+        [[0, span << i] for i in range(int(math.log2(W // span)))]
+    return gl.DistributedLinearLayout(reg_bases=reg, lane_bases=[[0, per], [0, 2 * per], [1, 0], [2, 0], [4, 0]],
                                       warp_bases=[], block_bases=[], shape=[16, W])
 
 
 @constexpr_function
-def code_tile_layout(W):
-    """The code tile [16, W] in shared memory: 64-byte units XOR-ed by the row's parity, so that the eight lanes of
-    one 16-byte read (rows r and r + 1, 64 bytes each) meet all 32 banks."""
+def code_tile_layout(W, KW):
+    """The code tile [16, W] in shared memory. KW 16: 64-byte units XOR-ed by the row's parity, so that the eight lanes
+    of one 16-byte read (rows r and r + 1, 64 bytes each) meet all 32 banks. KW 8: 8-byte reads, as production's
+    (`gemv.weight_tile_layout`)."""
+    if int(KW) == 8:
+        return weight_tile_layout(W)
     return gl.SwizzledSharedLayout(vec=16, per_phase=1, max_phase=2, order=[1, 0])
 
 
@@ -121,12 +128,15 @@ def _field_operand(kw, zero_reg, BITS: gl.constexpr, f: gl.constexpr, W: gl.cons
 
 
 @constexpr_function
-def digit_words_layout(D):
-    """Digit words [D / 4, 8] (column c: digit c's word) as the int8 B operand wants them: lane (c, q) holds words
-    4q .. 4q + 3 of column c (16 consecutive k), then the next 64-k spans."""
-    D = int(D)
-    reg = [[1, 0], [2, 0]] + [[16 << i, 0] for i in range(int(math.log2(D // 64)))]
-    return gl.DistributedLinearLayout(reg_bases=reg, lane_bases=[[4, 0], [8, 0], [0, 1], [0, 2], [0, 4]],
+def digit_words_layout(D, KW):
+    """Digit words [D / 4, 8] (column c: digit c's word) as the int8 B operand of k_width KW wants them: lane (c, q)
+    holds words 4q .. 4q + 3 of column c (KW 16: 16 consecutive k), or 2q, 2q + 1 (KW 8), then the next spans."""
+    D, KW = int(D), int(KW)
+    per = KW // 4
+    span = 4 * per
+    reg = [[1 << i, 0] for i in range(int(math.log2(per)))] + \
+        [[span << i, 0] for i in range(int(math.log2(D // 4 // span)))]
+    return gl.DistributedLinearLayout(reg_bases=reg, lane_bases=[[per, 0], [2 * per, 0], [0, 1], [0, 2], [0, 4]],
                                       warp_bases=[], block_bases=[], shape=[D // 4, 8])
 
 
@@ -138,11 +148,11 @@ def _as_bytes(v):
 
 
 @gluon.jit
-def _digits(DIG, K, k0, D: gl.constexpr):
+def _digits(DIG, K, k0, D: gl.constexpr, KW: gl.constexpr):
     """The digit words of x at k0 .. k0 + D - 1 [D / 4, 8] (column c: digit c, columns 3-7 digit 2 again, their
     sums weighted by 0 at the end; DIG: the digits [3, K] as int32 words), read in the chunk that uses them: bytes
     carried across the loop were taken apart and put together again there."""
-    wl: gl.constexpr = digit_words_layout(D)
+    wl: gl.constexpr = digit_words_layout(D, KW)
     w = gl.arange(0, D // 4, layout=gl.SliceLayout(1, wl))
     c = gl.minimum(gl.arange(0, 8, layout=gl.SliceLayout(0, wl)), 2)   # columns 3-7 read digit 2 (weighted 0)
     return gl.load(DIG + c[None, :] * (K // 4) + (k0 // 4 + w)[:, None])
@@ -173,12 +183,12 @@ def _param_even(run, base: gl.constexpr, g, g_first, KIND: gl.constexpr):
 @gluon.jit
 def _chunk_imma(w_tile, dig, zero_reg, s_run, z_run, U, Y, Z, j_lo, j0, rows, stride_ws, W: gl.constexpr,
                 F: gl.constexpr, G: gl.constexpr, BITS: gl.constexpr, ROW_BYTES: gl.constexpr, KIND: gl.constexpr,
-                GW: gl.constexpr, NP: gl.constexpr, P: gl.constexpr, EVEN: gl.constexpr):
+                GW: gl.constexpr, NP: gl.constexpr, P: gl.constexpr, EVEN: gl.constexpr, KW: gl.constexpr):
     mma: gl.constexpr = gemv_mma(1)
-    a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=16)
-    b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=16)
+    a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=KW)
+    b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=KW)
     GWP: gl.constexpr = pow2_at_least(GW)
-    kw = w_tile.load(code_words_layout(W))
+    kw = w_tile.load(code_words_layout(W, KW))
     zero = gl.zeros([16, 8], gl.int32, layout=mma)
     for f in gl.static_range(F):
         ops = _field_operand(kw, zero_reg, BITS, f, W)
@@ -209,14 +219,15 @@ def _chunk_imma(w_tile, dig, zero_reg, s_run, z_run, U, Y, Z, j_lo, j0, rows, st
 
 
 @gluon.jit
-def _load_digits(DIG, K, j0, F: gl.constexpr, ROW_BYTES: gl.constexpr, NB: gl.constexpr):
+def _load_digits(DIG, K, j0, F: gl.constexpr, ROW_BYTES: gl.constexpr, NB: gl.constexpr, KW: gl.constexpr):
+    """The digit words of each field's k range of the chunk at byte j0."""
     if F == 1:
-        out = (_digits(DIG, K, j0, NB),)
+        out = (_digits(DIG, K, j0, NB, KW),)
     elif F == 2:
-        out = (_digits(DIG, K, j0, NB), _digits(DIG, K, ROW_BYTES + j0, NB))
+        out = (_digits(DIG, K, j0, NB, KW), _digits(DIG, K, ROW_BYTES + j0, NB, KW))
     else:
-        out = (_digits(DIG, K, j0, NB), _digits(DIG, K, ROW_BYTES + j0, NB), _digits(DIG, K, 2 * ROW_BYTES + j0, NB),
-               _digits(DIG, K, 3 * ROW_BYTES + j0, NB))
+        out = (_digits(DIG, K, j0, NB, KW), _digits(DIG, K, ROW_BYTES + j0, NB, KW),
+               _digits(DIG, K, 2 * ROW_BYTES + j0, NB, KW), _digits(DIG, K, 3 * ROW_BYTES + j0, NB, KW))
     return out
 
 
@@ -224,7 +235,7 @@ def _load_digits(DIG, K, j0, F: gl.constexpr, ROW_BYTES: gl.constexpr, NB: gl.co
 def foldc_gemv_imma(DIG, U, WC, WS, WZ, Y_OUT, PART, COUNTERS, N, K, stride_wc, stride_ws, stride_y,
                     chunks_per_split, zero_reg, W: gl.constexpr, F: gl.constexpr, ROW_BYTES: gl.constexpr,
                     G: gl.constexpr, BITS: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr, KIND: gl.constexpr,
-                    GW: gl.constexpr, NP: gl.constexpr, EVEN: gl.constexpr):
+                    GW: gl.constexpr, NP: gl.constexpr, EVEN: gl.constexpr, KW: gl.constexpr):
     mma: gl.constexpr = gemv_mma(1)
     NB: gl.constexpr = W * 4
     P: gl.constexpr = NB // NP
@@ -236,7 +247,7 @@ def foldc_gemv_imma(DIG, U, WC, WS, WZ, Y_OUT, PART, COUNTERS, N, K, stride_wc, 
     rc = gl.minimum(n0 + gl.arange(0, 16, layout=gl.SliceLayout(1, cp_l)), N - 1)
     wc = gl.arange(0, W, layout=gl.SliceLayout(0, cp_l))
     w_rows = WC + rc[:, None] * stride_wc + wc[None, :]
-    w_smem = gl.allocate_shared_memory(gl.int32, [STAGES, 16, W], code_tile_layout(W))
+    w_smem = gl.allocate_shared_memory(gl.int32, [STAGES, 16, W], code_tile_layout(W, KW))
     RUN: gl.constexpr = [F * pow2_at_least(GW), 16]
     p_l: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
     row_l: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
@@ -258,7 +269,7 @@ def foldc_gemv_imma(DIG, U, WC, WS, WZ, Y_OUT, PART, COUNTERS, N, K, stride_wc, 
     Z = gl.zeros([16], gl.float32, layout=gl.SliceLayout(1, mma))
     for c in range(c_lo, c_hi):
         i = c - c_lo
-        dig = _load_digits(DIG, K, c * NB, F, ROW_BYTES, NB)   # (L2 / L1: every program reads them)
+        dig = _load_digits(DIG, K, c * NB, F, ROW_BYTES, NB, KW)   # (L2 / L1: every program reads them)
         gl.thread_barrier()
         if c + STAGES - 1 < c_hi:
             async_copy.async_copy_global_to_shared(w_smem.index((i + STAGES - 1) % STAGES),
@@ -267,7 +278,7 @@ def foldc_gemv_imma(DIG, U, WC, WS, WZ, Y_OUT, PART, COUNTERS, N, K, stride_wc, 
         async_copy.wait_group(STAGES - 1)
         gl.thread_barrier()
         Y, Z = _chunk_imma(w_smem.index(i % STAGES), dig, zero_reg, s_run, z_run, U, Y, Z, c_lo * NB, c * NB, rows,
-                           stride_ws, W, F, G, BITS, ROW_BYTES, KIND, GW, NP, P, EVEN)
+                           stride_ws, W, F, G, BITS, ROW_BYTES, KIND, GW, NP, P, EVEN, KW)
     async_copy.wait_group(0)
     c8 = gl.arange(0, 8, layout=gl.SliceLayout(0, mma))
     weight = gl.where(c8 == 0, 1.0, gl.where(c8 == 1, 1.0 / 128.0, gl.where(c8 == 2, 1.0 / 16384.0, 0.0)))
@@ -291,10 +302,10 @@ def launch_constants(gemv, dtype, sms: int) -> tuple[dict, tuple, int, int]:
     kern = launch.kernel
     nb = c["W"] * 4
     piece = min(kern.group, nb)
-    if piece < 128 or nb % piece:
-        raise ValueError(f"groups of {kern.group} k: this experiment takes 128 and up (pieces of 128 k)")
+    if piece < 32 or nb % piece:
+        raise ValueError(f"groups of {kern.group} k: this experiment takes 32 and up")
     consts = dict(W=c["W"], F=c["F"], ROW_BYTES=c["ROW_BYTES"], G=c["G"], BITS=c["BITS"], STAGES=c["STAGES"],
-                  SPLIT=c["SPLIT"], KIND=c["KIND"], GW=c["GW"], NP=nb // piece,
+                  SPLIT=c["SPLIT"], KIND=c["KIND"], GW=c["GW"], NP=nb // piece, KW=16 if piece >= 128 else 8,
                   EVEN=(kern.k // kern.group) % 2 == 0, num_warps=1)
     return consts, launch.grid, launch.chunks_per_split, piece
 
@@ -322,7 +333,8 @@ def make_call(gemv, dtype):
 # ---- ahead of time -----------------------------------------------------------------------------------------
 
 AOT_CASES = [("k-group:4:128", 4096, 14336), ("k-group:2:128", 28672, 8192), ("k-group:8:128", 4096, 14336),
-             ("k-group:4:128", 28672, 8192)]
+             ("k-group:4:128", 28672, 8192), ("k-group:4:32", 4096, 14336), ("k-group:4:64", 4096, 14336),
+             ("k-group:2:64", 28672, 8192)]
 
 
 def aot(arch: str = "sm_90") -> list[dict]:
@@ -373,7 +385,8 @@ def aot(arch: str = "sm_90") -> list[dict]:
 CASES = [("k-group:4:128", 4096, 14336), ("k-group:4:128", 28672, 8192), ("k-group:2:128", 28672, 8192),
          ("k-group:4:128", 14336, 4096), ("k-group:4:128", 4096, 4096), ("k-group:2:128", 4096, 14336),
          ("k-group:8:128", 4096, 14336), ("k-group:4:128", 4100, 4096), ("k-group:2:128", 1000, 14336),
-         ("k-group:4:256", 4096, 14336)]
+         ("k-group:4:256", 4096, 14336), ("k-group:4:32", 4096, 14336), ("k-group:4:64", 4096, 14336),
+         ("k-group:2:64", 28672, 8192), ("k-group:8:32", 4096, 14336)]
 
 
 def gpu(out_path: str, seed: int) -> int:

@@ -3,11 +3,12 @@ of them and of that kernel's algebra on the CPU. Not production code.
 
     TRITON_INTERPRET=1 PYTHONPATH=. python3 benchmarks/gemv_imma_digits.py
 
-runs `x_digits` (the interpreter, fp16 and fp32 x with outliers, a zero piece and a tiny one): every digit within its
-range and ``|x - u (d0 + d1 / 128 + d2 / 16384)| <= max |x| 2^-20`` per piece; then the kernel's arithmetic in float64
-on those digits (each field of the codes masked in place and biased where it holds bit 7, one product per piece of 128
-k scaled by ``scale * u / 2^(bits*f)``, the zero times the piece's sum) against `gemm_reference`, for 2-, 4- and 8-bit
-codes in k groups of 128 and 256. The kernel's layouts are checked by its own run on a GPU.
+runs `x_digits` (the interpreter, fp16 and fp32 x with outliers, a zero piece and a tiny one, pieces of 32 to 128
+k): every digit within its range and ``|x - u (d0 + d1 / 128 + d2 / 16384)| <= max |x| 2^-20`` per piece; then the
+kernel's arithmetic in float64 on those digits (each field of the codes masked in place and biased where it holds bit
+7, one product per piece of up to 128 k scaled by ``scale * u / 2^(bits*f)``, the zero times the piece's sum)
+against `gemm_reference`, for 2-, 4- and 8-bit codes in k groups of 32 to 256. The kernel's layouts are checked by its own
+run on a GPU.
 """
 from __future__ import annotations
 
@@ -56,12 +57,12 @@ def check_digits(seed: int = 0) -> float:
     gen = torch.Generator().manual_seed(seed)
     worst = 0.0
     for dt in (torch.float16, torch.float32):
-        for _ in range(3):
-            k, p = 1024, 128
+        for p in (128, 64, 32):
+            k = 1024
             x = torch.randn(k, generator=gen) * 2 + 0.1
             x[torch.randint(0, k, (4,), generator=gen)] *= 40
-            x[256:384] = 0
-            x[384:512] *= 1e-6
+            x[256:256 + p] = 0
+            x[512:512 + p] *= 1e-6
             x = x.to(dt)
             dig, u = torch.empty(3, k, dtype=torch.int8), torch.empty(k // p, 2)
             x_digits[(k // p,)](x, dig, u, k, P=p)
@@ -85,11 +86,13 @@ def emulate(seed: int = 1) -> dict:
     gen = torch.Generator().manual_seed(seed)
     out = {}
     for enc, n, k in (("k-group:4:128", 64, 1024), ("k-group:2:128", 48, 2048), ("k-group:8:128", 32, 512),
-                      ("k-group:4:256", 32, 1024)):
+                      ("k-group:4:256", 32, 1024), ("k-group:4:32", 32, 512), ("k-group:2:64", 32, 1024),
+                      ("k-group:8:32", 16, 256)):
         spec = GemmSpec(n, k, parse_gemm_encoding(enc, "weight"))
         w = torch.randn(n, k, generator=gen) * 0.05 + 0.01 * torch.randn(n, 1, generator=gen)
         wq = quantize_2d(w, spec.weight)
-        bits, group, fields, p = spec.weight.bits, spec.weight.group_size, 8 // spec.weight.bits, 128
+        bits, group, fields = spec.weight.bits, spec.weight.group_size, 8 // spec.weight.bits
+        p = min(group, 128)   # the kernel's piece: one field of a chunk inside one group
         x = torch.randn(k, generator=gen) * 2 + 0.1
         x[torch.randint(0, k, (4,), generator=gen)] *= 40
         x = x.half()
