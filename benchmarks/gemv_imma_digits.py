@@ -7,8 +7,8 @@ runs `x_digits` (the interpreter, fp16 and fp32 x with outliers, a zero piece an
 k): every digit within its range and ``|x - u (d0 + d1 / 128 + d2 / 16384)| <= max |x| 2^-20`` per piece; then the
 kernel's arithmetic in float64 on those digits (each field of the codes masked in place and biased where it holds bit
 7, one product per piece of up to 128 k scaled by ``scale * u / 2^(bits*f)``, the zero times the piece's sum)
-against `gemm_reference`, for 2-, 4- and 8-bit codes in k groups of 32 to 256. The kernel's layouts are checked by its own
-run on a GPU.
+against `gemm_reference`, for 2-, 4- and 8-bit codes in k groups of 32 to 256. The kernel's layouts are checked by
+its own run on a GPU.
 """
 from __future__ import annotations
 
