@@ -111,7 +111,10 @@ GRID = [("token:4:128", "token:2:128", "32/8", 128), ("token:2:128", "token:4:12
         ("token:2:32", "channel:2:64", "16/4", 256), ("channel:2:64", "token:2:32", "16/4", 256),
         ("token:4:32", "channel:4:128", "32/8", 256),
         # token-wise groups across a padded head_dim's bit fields at 16 rows (dequant plans before eq. 12a)
-        ("token:2:32", "token:2:32", "64/4", 96), ("token:8:32", "token:4:96", "64/4", 96)]
+        ("token:2:32", "token:2:32", "64/4", 96), ("token:8:32", "token:4:96", "64/4", 96),
+        # head_dims below 64 that README says lower: 48 (padded to 128) and 32 at 8 bits
+        ("token:2:48", "channel:4:64", "16/4", 48), ("token:4:48", "token:2:48", "32/8", 48),
+        ("token:8:32", "token:8:32", "32/8", 32)]
 # ragged row blocks: query rows per KV head that split into no equal blocks (17: 9 + 8; 9 at head_dim 256: 5 + 4),
 # the last block's padding rows masked in the kernel and the merge; a dequant plan at 16-row blocks (31: 16 + 15)
 RAGGED = [("token:2:128", "token:2:128", "34/2", 128), ("token:4:64", "channel:2:64", "50/2", 128),
