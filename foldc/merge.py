@@ -47,10 +47,15 @@ def merge_parts(parts) -> tuple[torch.Tensor, torch.Tensor]:
     work = torch.float64 if any(o.dtype == torch.float64 or s.dtype == torch.float64 for o, s in parts) \
         else torch.float32
     lses = torch.stack([s.to(work) for _, s in parts])           # [parts, batch, heads]
-    total = torch.logsumexp(lses, dim=0)                          # [batch, heads]; NaN if any lse is
+    top = lses.amax(dim=0)                                        # [batch, heads]; NaN if any lse is
     # only "no keys anywhere" (-inf) is replaced: NaN and +inf stay and make the weights NaN
-    safe = torch.where(total == float("-inf"), torch.zeros_like(total), total)
-    weights = torch.exp(lses - safe)                              # 0 for empty parts, NaN for NaN ones
+    empty = top == float("-inf")
+    shifted = torch.exp(lses - torch.where(empty, torch.zeros_like(top), top))   # 0 for empty parts
+    denominator = shifted.sum(dim=0)
+    # weights exp(lse_i - m) / sum_j exp(lse_j - m) sum to 1 at any |lse|: exp(lse_i - lse) with lse rounded
+    # (float32's step is 8 at 1e8, where both weights of two equal parts were 1, the output twice the right one)
+    weights = shifted / torch.where(empty, torch.ones_like(denominator), denominator)
+    total = torch.where(empty, top, top + torch.log(denominator))
     # an empty part's output may be 0/0 = NaN and 0 * NaN is NaN: a zero weight adds exactly 0
     out = sum(torch.where(w[..., None] == 0, 0.0, w[..., None] * o.to(work)) for w, (o, _) in zip(weights, parts))
     return out.to(parts[0][0].dtype), total

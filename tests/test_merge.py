@@ -126,3 +126,23 @@ def test_a_sparse_part_is_refused_by_name(seed, which, index):
     with pytest.raises(InputError, match=rf"part {index}: {which} is a tensor of layout torch.sparse_coo.*"
                                          rf"{which}.to_dense\(\)"):
         foldc.merge_attention([tuple(p) for p in parts])
+
+
+@pytest.mark.parametrize("lse_dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("magnitude", [3e4, 1e8, 1e15])
+def test_parts_of_a_large_lse_merge_with_weights_summing_to_one(lse_dtype, magnitude):
+    """Weights exp(lse_i - lse) with the merged lse rounded: at |lse| 1e8 float32's step is 8, so two parts of
+    equal lse each got weight 1 (the output twice the right one), silently; at 3e4 the weights were off by ~1e-4."""
+    gen = torch.Generator().manual_seed(int(magnitude) % 1000)
+    lse = magnitude * (1 + torch.rand(2, 3, generator=gen, dtype=torch.float64))
+    lse = lse.to(lse_dtype)
+    gaps = torch.rand(2, 3, generator=gen, dtype=torch.float64) * 4 - 2   # the second part's lse, within 2 of the first
+    lse2 = (lse.double() + gaps).to(lse_dtype)
+    o1, o2 = torch.randn(2, 3, 8, generator=gen), torch.randn(2, 3, 8, generator=gen) + 1
+    out, merged = foldc.merge_attention([(o1, lse), (o2, lse2)])
+    d = (lse2.double() - lse.double())   # the weights from the lse as given, in float64
+    w1 = 1 / (1 + torch.exp(d))
+    want = w1[..., None] * o1.double() + (1 - w1[..., None]) * o2.double()
+    assert torch.allclose(out.double(), want, rtol=1e-5, atol=1e-5)
+    want_lse = lse.double() + torch.log1p(torch.exp(d))
+    assert torch.allclose(merged.double(), want_lse, rtol=1e-6 if lse_dtype == torch.float32 else 1e-12, atol=0)
