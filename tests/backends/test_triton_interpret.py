@@ -442,6 +442,59 @@ def test_split_prescaled_operands_are_exact_and_more_accurate(k_layout, v_layout
     assert "_lo = (" in attn.source(torch.float16)
 
 
+
+# -- pre-scaled operands in fp16's range -------------------------------------------------------------------------
+
+def _against_plain(spec, q, k, v, split):
+    from foldc.reference import attention_reference
+    from foldc.testing import plain_attention, rel_l2
+    lens = torch.full((q.shape[0],), k.shape[2])
+    out = foldc.compile(spec, "interpret", split_prescaled=split)(q, k, v)
+    ref = attention_reference(q, k, v)
+    return out, rel_l2(out, ref), rel_l2(plain_attention(q, k, v, 64 ** -0.5, lens), ref)
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["single", "hi+lo"])
+@pytest.mark.parametrize("v_layout", ["token", "channel"])
+def test_a_pre_scaled_query_past_65504_stays_finite(v_layout, split):
+    """Channel-wise K pre-scales q by the key's scale in fp16 (operand-fold): q ~ 100 against keys ~ 1e3 (scale
+    ~ 400 at INT4) made q x s inf and every score NaN, silently, where plain fp16 attention over the same values
+    (fp32 scores) is exact to 2e-4. The product is taken at a power of two 2^e per tile (|q x s x 2^e| < |q|)."""
+    gen = torch.Generator().manual_seed(21)
+    spec = S(4, 2, 64, A(4, "channel", 32), A(4, v_layout, 32))
+    q = (torch.randn(2, 4, 64, generator=gen) * 100).half()
+    k = foldc.quantize(torch.randn(2, 2, 70, 64, generator=gen) * 1e3, spec.k)
+    v = foldc.quantize(torch.randn(2, 2, 70, 64, generator=gen) + 0.5, spec.v)
+    out, error, plain = _against_plain(spec, q, k, v, split)
+    assert torch.isfinite(out).all()
+    assert error <= 2 * plain
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["single", "hi+lo"])
+@pytest.mark.parametrize("k_layout,bits,magnitude", [("token", 8, 1e-3), ("channel", 8, 3e-3), ("token", 4, 1e-5)])
+def test_pre_scaled_weights_of_small_values_keep_their_digits(k_layout, bits, magnitude, split):
+    """Token-wise V pre-scales P (<= 1) by the value's scale in fp16: INT8 values ~ 1e-3 (scale ~ 2e-5) made
+    P x s an fp16 subnormal (steps of 2^-24) that kept few digits: 50x plain fp16 attention's error over the
+    same values (and 1e-5 at INT4 rounded it to 0). Taken at a power of two 2^e per tile (P x s x 2^e < 2^15),
+    within the bar of eq. 6a (2x plain attention's error) again."""
+    gen = torch.Generator().manual_seed(bits + int(1 / magnitude) % 97)
+    spec = S(4, 2, 64, A(4, k_layout, 32), A(bits, "token", 32))
+    q = torch.randn(2, 4, 64, generator=gen).half()
+    k = foldc.quantize(torch.randn(2, 2, 90, 64, generator=gen), spec.k)
+    v = foldc.quantize((torch.randn(2, 2, 90, 64, generator=gen) + 0.5) * magnitude, spec.v)
+    out, error, plain = _against_plain(spec, q, k, v, split)
+    assert torch.isfinite(out).all()
+    assert error <= 2 * plain
+
+
+def test_only_fp16_pre_scaled_operands_take_a_power_of_two():
+    """bf16 holds float32's exponents: its pre-scaled operands need no 2^e, and its source is as it was."""
+    half = _src(A(4, "channel", 32), A(4, "token", 32))
+    assert "scores_prescaled_e_inv" in half and "pv_prescaled_e0_inv" in half
+    assert "scores_scaled = scores_scaled * scores_prescaled_e_inv" in half
+    assert "tl.sum(scores_prescaled_c0.to(tl.float32), 1) * scores_prescaled_e_inv" in half
+    assert "_prescaled_e" not in _src(A(4, "channel", 32), A(4, "token", 32), dtype=torch.bfloat16)
+
 # -- 64-bit (batch, head) bases --------------------------------------------------------------------------------
 
 def test_source_moves_each_cache_pointer_to_its_batch_and_head_in_int64():

@@ -58,6 +58,7 @@ class Val:
     hoisted: bool = False     # depends on the query only
     product: str = ""
     lo: dict | None = None    # low parts of a pre-scaled operand split into two MMA terms (hi + lo)
+    unit: dict | None = None  # a pre-scaled operand held times 2^e (fp16): key -> 2^-e, which its products take
 
 
 @dataclass
@@ -300,6 +301,8 @@ class _Emitter:
                     dot = f"tl.dot({lhs.vars[c]}, tl.trans({rhs.vars[c]}))"
                     lines.append(f"{v} = {dot}" if gi not in out else f"{v} += {dot}")
                     out[gi] = v
+                if lhs.unit is not None:
+                    raise PlanError("backend", f"%{node.name}: a pre-scaled query summed per channel group")
                 return Val("RTG", out, product=product)
             v = out_name
             for i, c in enumerate(sorted(rhs.vars)):
@@ -307,24 +310,29 @@ class _Emitter:
                 lines.append(f"{v} = {dot}" if i == 0 else f"{v} += {dot}")
                 if lhs.lo is not None:
                     lines.append(f"{v} += tl.dot({lhs.lo[c]}, tl.trans({rhs.vars[c]}))")
+            if lhs.unit is not None:   # one 2^e for every chunk (emit_prescale): back to the scores' own unit
+                lines.append(f"{v} = {v} * {lhs.unit[min(rhs.vars)]}")
             return Val("RT", {None: v}, product=product)
         # reduce over tokens: rows x chunk
         if rhs.form != "TC" or lhs.form not in ("RT", "RTG"):
             raise PlanError("backend", f"%{node.name}: cannot contract {lhs.form} with {rhs.form} over token")
         out = {}
         for c in sorted(rhs.vars):
-            a_lo = None
+            a_lo, unit = None, None
             if lhs.form == "RTG":
                 g = self.graph[self._scale_of_prescale(node.lhs)].source
                 gi = self.group_of_chunk(product, c, self.chan_group_size(g))
                 a = lhs.vars[gi]
                 a_lo = lhs.lo[gi] if lhs.lo is not None else None
+                unit = lhs.unit[gi] if lhs.unit is not None else None
             else:
                 a = self._mma_p(lhs)
             v = f"{out_name}_c{c}"
             lines.append(f"{v} = tl.dot({a}, {rhs.vars[c]})")
             if a_lo is not None:
                 lines.append(f"{v} += tl.dot({a_lo}, {rhs.vars[c]})")
+            if unit is not None:   # the group's 2^e (emit_prescale) taken out
+                lines.append(f"{v} = {v} * {unit}")
             out[c] = v
         return Val("RC", out, product=product)
 
@@ -347,18 +355,46 @@ class _Emitter:
         out = {}
         lo = {} if self.split.get(node.product, False) else None
         if operand.form == "RC" and scale.form == "C":      # prescale the query per chunk
+            # |q x s x 2^e| < |q| (no fp16 overflow: it was inf, NaN scores); one 2^e for the chunks the dot sums
+            unit = self._power_of_two(lines, f"{name}_e", [scale.vars[c] for c in sorted(operand.vars)], -1)
             for c in sorted(operand.vars):
                 v = f"{name}_c{c}"
-                self._rounded(lines, v, f"{operand.vars[c]}.to(tl.float32) * {scale.vars[c]}[None, :]", lo, c)
+                s = scale.vars[c] if unit is None else f"({scale.vars[c]} * {name}_e)"
+                self._rounded(lines, v, f"{operand.vars[c]}.to(tl.float32) * {s}[None, :]", lo, c)
                 out[c] = v
-            return Val("RC", out, mma=True, product=node.product, lo=lo)
+            units = None if unit is None else {c: unit for c in out}
+            return Val("RC", out, mma=True, product=node.product, lo=lo, unit=units)
         if operand.form == "RT" and scale.form == "TG":     # prescale the weights per channel group
+            units = None if self.dtype != "fp16" else {}
             for gi in sorted(scale.vars):
                 v = f"{name}_g{gi}"
-                self._rounded(lines, v, f"{operand.vars[None]} * {scale.vars[gi]}[None, :]", lo, gi)
+                # P <= 1: P x s x 2^e < 2^15, no fp16 subnormal down to P x s / max s ~ 2^-28 (P x s underflowed)
+                unit = self._power_of_two(lines, f"{name}_e{gi}", [scale.vars[gi]], 14)
+                s = scale.vars[gi] if unit is None else f"({scale.vars[gi]} * {name}_e{gi})"
+                self._rounded(lines, v, f"{operand.vars[None]} * {s}[None, :]", lo, gi)
                 out[gi] = v
-            return Val("RTG", out, mma=True, product=node.product, lo=lo)
+                if unit is not None:
+                    units[gi] = unit
+            return Val("RTG", out, mma=True, product=node.product, lo=lo, unit=units)
         raise PlanError("backend", f"%{node.name}: cannot prescale a {operand.form} operand by a {scale.form} scale")
+
+    def _power_of_two(self, lines, name: str, scales: list[str], top: int) -> str | None:
+        """fp16 only (bf16 has float32's exponents): ``name = 2^e`` with ``max |scales| x 2^e`` in
+        ``[2^top, 2^(top+1))``, from the largest scale's exponent bits, and the name of ``2^-e`` (None for bf16).
+        Powers of two scale exactly: where ``x x s`` was a normal fp16 the operand, its products and the result
+        are the same bits; they differ where ``x x s`` overflowed fp16 (inf) or fell among its subnormals (2^-24
+        steps: P x s of small values lost most of its digits). 2^e and 2^-e stay normal float32s (a zero scale:
+        2^126), an inf or NaN scale still gives inf or NaN."""
+        if self.dtype != "fp16":
+            return None
+        largest = f"tl.max(tl.abs({scales[0]}), 0)"
+        for s in scales[1:]:
+            largest = f"tl.maximum({largest}, tl.max(tl.abs({s}), 0))"
+        lines.append(f"{name}_x = tl.minimum(tl.maximum({127 + 127 + top} - ((({largest}).to(tl.int32, "
+                     "bitcast=True) >> 23) & 255), 1), 253)   # the biased exponent of 2^e")
+        lines.append(f"{name} = ({name}_x << 23).to(tl.float32, bitcast=True)")
+        lines.append(f"{name}_inv = ((254 - {name}_x) << 23).to(tl.float32, bitcast=True)")
+        return f"{name}_inv"
 
     def _rounded(self, lines, v: str, expr: str, lo: dict | None, key) -> None:
         """v = expr rounded to the MMA dtype; with ``lo``, also the rounding remainder as a second
@@ -416,9 +452,10 @@ class _Emitter:
                         pre = self._prescaled_for(product)
                         zv = f"({zv} + {raw_zero}.0 * {self.vals[self.graph[node.zero].name.replace('zero', 'scale')].vars[c]})"
                         terms.append(f"tl.sum({other.vars[c]}.to(tl.float32) * {zv}[None, :], 1)")
-                        terms.append(f"- {raw_zero}.0 * tl.sum({pre.vars[c]}.to(tl.float32), 1)")
+                        unit = "" if pre.unit is None else f" * {pre.unit[c]}"   # its 2^e taken out
+                        terms.append(f"- {raw_zero}.0 * tl.sum({pre.vars[c]}.to(tl.float32), 1){unit}")
                         if pre.lo is not None:  # the MMA consumed hi + lo
-                            terms.append(f"- {raw_zero}.0 * tl.sum({pre.lo[c]}.to(tl.float32), 1)")
+                            terms.append(f"- {raw_zero}.0 * tl.sum({pre.lo[c]}.to(tl.float32), 1){unit}")
                     else:
                         terms.append(f"tl.sum({other.vars[c]}.to(tl.float32) * {zv}[None, :], 1)")
                 lines.append(f"{name} = " + " ".join(t if i == 0 or t.startswith("-") else f"+ {t}"
