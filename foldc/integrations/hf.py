@@ -390,6 +390,18 @@ def _is_causal(module, kwargs: dict) -> bool:
     return bool(getattr(module, "is_causal", True) if flag is None else flag)
 
 
+def _window_binds(window, module, key: torch.Tensor, layer) -> bool:
+    """Whether a ``sliding_window`` argument can hide a key from this call's queries (a query attends to the keys
+    less than ``window`` positions before it): a foldc cache layer's queries see at most its max_cache_len tokens
+    (Mistral and Phi-3 pass their config's window to every layer; the caches take a window max_cache_len never
+    reaches), another call's its keys."""
+    if layer is None:   # a FoldcStaticCache's layer, if the module is bound to one (its key is the new token)
+        slot = getattr(module, "foldc_static", None)
+        layer = slot.layer(module.layer_idx) if slot is not None else None
+    reach = layer.max_cache_len if layer is not None else key.shape[-2]
+    return isinstance(window, bool) or not isinstance(window, int) or reach > window
+
+
 def _refusal_text(err: Exception) -> str:
     """What the next forward through a cache is told after ``err`` failed a forward partway through its layers."""
     return (f"this cache's layers no longer hold the same tokens: its last forward failed ({type(err).__name__}: "
@@ -420,7 +432,8 @@ def foldc_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
         if dropout:
             raise SpecError(f"dropout={dropout} in foldc attention: it is for inference; call model.eval()")
         for name in _REFUSED:   # (an argument the SDPA path would also drop: T5's relative bias, Inkling's sinks...)
-            if kwargs.get(name) is not None:
+            if kwargs.get(name) is not None and (name != "sliding_window" or _window_binds(kwargs[name], module, key,
+                                                                                           layer)):
                 raise SpecError(f"{name}={_shown(kwargs[name])}: foldc attention supports plain softmax attention "
                                 "over the whole cache only; run this model (or these layers) with "
                                 "attn_implementation='sdpa'")

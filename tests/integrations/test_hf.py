@@ -520,6 +520,36 @@ def test_a_sliding_window_the_cache_never_reaches_decodes_as_the_default_cache()
     fhf.FoldcCache(qwen, 32, k=None, v=None)
 
 
+@torch.no_grad()
+@pytest.mark.parametrize("family, kind", [("Mistral", "FoldcCache"), ("Phi3", "FoldcCache"), ("Starcoder2", "FoldcCache"),
+                                          ("Mistral", "FoldcStaticCache"), ("Starcoder2", "FoldcStaticCache")])
+def test_a_model_passing_a_window_the_cache_never_reaches_to_its_attention_decodes_as_the_default_cache(family, kind):
+    """Mistral, Phi-3 and Starcoder2 pass their config's sliding_window to the attention function at every layer
+    (Mistral-7B-v0.1: 4096, Phi-3-mini-4k: 2047). The caches take a window max_cache_len stays within, but the
+    "foldc" attention refused the argument at the first forward (SpecError "sliding_window=...: foldc attention
+    supports plain softmax attention over the whole cache only"), so no such model ran: it attends as the default
+    cache now, and refuses the argument where the window binds (a call over more keys than the window)."""
+    from foldc.integrations.hf_static import FoldcStaticCache
+
+    seed = int(torch.randint(0, 2**16, ()))
+    torch.manual_seed(seed)
+    window = PROMPT + 6
+    cfg = getattr(transformers, f"{family}Config")(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=128, max_position_embeddings=128, initializer_range=0.1, pad_token_id=0, bos_token_id=1,
+        eos_token_id=None, sliding_window=window)
+    model = getattr(transformers, f"{family}ForCausalLM")(cfg).eval()
+    ids = prompt(2, seed=seed)
+    make = FoldcStaticCache if kind == "FoldcStaticCache" else fhf.FoldcCache
+    foldc_cache = make(model if kind == "FoldcStaticCache" else model.config, window, k=None, v=None,
+                       target="reference")
+    seq, logits = generate(model, foldc_cache, ids, new=6)
+    ref_seq, ref = generate(model, DynamicCache(config=model.config), ids, new=6, impl="sdpa")
+    assert torch.equal(seq, ref_seq) and diff(logits, ref)[0] <= FP32_TOL, f"seed {seed}"
+    with attention(model, "foldc"), pytest.raises(SpecError, match=rf"sliding_window={window}: "):
+        model(prompt(1, seed=seed + 1).repeat(1, 2))   # 2 * PROMPT keys: past the window, without a foldc cache
+
+
 def test_the_interpreter_needs_a_float16_model():
     model, ids = llama(dtype=torch.float32), prompt(1)
     with pytest.raises(SpecError, match=r"float16 on the CPU only, but the model runs in torch.float32"):
