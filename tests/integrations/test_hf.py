@@ -521,8 +521,9 @@ def test_a_sliding_window_the_cache_never_reaches_decodes_as_the_default_cache()
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("family, kind", [("Mistral", "FoldcCache"), ("Phi3", "FoldcCache"), ("Starcoder2", "FoldcCache"),
-                                          ("Mistral", "FoldcStaticCache"), ("Starcoder2", "FoldcStaticCache")])
+@pytest.mark.parametrize("family, kind", [("Mistral", "FoldcCache"), ("Phi3", "FoldcCache"),
+                                          ("Starcoder2", "FoldcCache"), ("Mistral", "FoldcStaticCache"),
+                                          ("Starcoder2", "FoldcStaticCache")])
 def test_a_model_passing_a_window_the_cache_never_reaches_to_its_attention_decodes_as_the_default_cache(family, kind):
     """Mistral, Phi-3 and Starcoder2 pass their config's sliding_window to the attention function at every layer
     (Mistral-7B-v0.1: 4096, Phi-3-mini-4k: 2047). The caches take a window max_cache_len stays within, but the
