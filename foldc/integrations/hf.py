@@ -409,12 +409,26 @@ def _refusal_text(err: Exception) -> str:
             "cache.reset() (its tokens are dropped) or use a new cache, and send the prompt again")
 
 
+def _mask_error(mask: torch.Tensor) -> Exception:
+    """The error for a mask that hides cached tokens: padding, unless an additive mask holds values other than 0 and
+    its masked value (a position bias the model adds to the mask: Falcon's ALiBi), which no padding fixes."""
+    if not mask.dtype.is_floating_point:
+        return InputError(_PADDING)
+    bias = (mask != 0) & (mask > torch.finfo(mask.dtype).min / 2)
+    if not bool(bias.any()):
+        return InputError(_PADDING)
+    value = float(mask[bias].flatten()[0])
+    return SpecError(f"the attention mask holds an additive bias (e.g. {value:.4g}, neither 0 nor masked): the model "
+                     "adds a position bias to its mask (ALiBi, as Falcon's alibi=True), which foldc attention does not "
+                     "apply; run this model with attn_implementation='sdpa' and DynamicCache")
+
+
 def _check_decode_mask(mask: torch.Tensor | None, tokens=None) -> None:
     """Refuse a decode step's mask that hides any of the first ``tokens`` (all: None) tokens, reading each mask
     object once: the layers of one forward share it, so the first layer it reaches reads it."""
     if mask is not None and mask is not _MASK_READ[0]:
         if not bool(_allowed(mask if tokens is None else mask[..., :int(tokens)]).all()):
-            raise InputError(_PADDING)
+            raise _mask_error(mask)
         _MASK_READ[0] = mask   # held, so that its identity is not another tensor's
 
 
@@ -494,7 +508,7 @@ def foldc_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
             causal = _causal(q_len, kv_len, query.device)
             allowed = _allowed(attention_mask[..., :kv_len])
             if not torch.equal(allowed, causal.expand_as(allowed)):
-                raise InputError(_PADDING)
+                raise _mask_error(attention_mask)
         if heads != kv_heads:
             key = key.repeat_interleave(heads // kv_heads, dim=1)
             value = value.repeat_interleave(heads // kv_heads, dim=1)

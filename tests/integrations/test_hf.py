@@ -551,6 +551,36 @@ def test_a_model_passing_a_window_the_cache_never_reaches_to_its_attention_decod
         model(prompt(1, seed=seed + 1).repeat(1, 2))   # 2 * PROMPT keys: past the window, without a foldc cache
 
 
+@torch.no_grad()
+@pytest.mark.parametrize("kind", ["FoldcCache", "PagedFoldcCache"])
+def test_an_alibi_bias_in_the_mask_is_refused_naming_the_bias_not_padding(kind):
+    """Falcon with alibi=True adds its position bias to the attention mask. A foldc cache refused that mask as
+    padding ("pass batch rows of equal length without padding"), which no caller can fix: an unpadded prompt got it
+    too. It is a SpecError naming the bias and the fix now, and a padded mask is still refused as padding."""
+    from foldc.integrations.hf_paged import PagedFoldcCache
+
+    seed = int(torch.randint(0, 2**16, ()))
+    torch.manual_seed(seed)
+    cfg = transformers.FalconConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=128,
+                                    alibi=True, new_decoder_architecture=False, multi_query=True, pad_token_id=0,
+                                    bos_token_id=1, eos_token_id=None)
+    dtype = torch.float16 if kind == "PagedFoldcCache" else torch.float32
+    model = transformers.FalconForCausalLM(cfg).eval().to(dtype)
+    target = "interpret" if kind == "PagedFoldcCache" else "reference"
+    make = PagedFoldcCache if kind == "PagedFoldcCache" else fhf.FoldcCache
+    ids = prompt(2, seed=seed)
+    with attention(model, "foldc"):
+        with pytest.raises(SpecError, match=r"additive bias .*ALiBi.*attn_implementation='sdpa'"):
+            model(ids, use_cache=True, **{fhf.CACHE_KWARG: make(model.config, 32, k="token:4:16", v="token:4:16",
+                                                                target=target)})
+    model = transformers.FalconForCausalLM(transformers.FalconConfig(**{**cfg.to_dict(), "alibi": False}))
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0
+    with attention(model.eval().to(dtype), "foldc"), pytest.raises(InputError, match="padding masks"):
+        model(ids, attention_mask=mask, use_cache=True,
+              **{fhf.CACHE_KWARG: make(model.config, 32, k="token:4:16", v="token:4:16", target=target)})
+
+
 def test_the_interpreter_needs_a_float16_model():
     model, ids = llama(dtype=torch.float32), prompt(1)
     with pytest.raises(SpecError, match=r"float16 on the CPU only, but the model runs in torch.float32"):
