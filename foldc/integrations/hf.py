@@ -374,8 +374,10 @@ _PADDING = ("FoldcCache holds sequences of one length: padding masks are not sup
             "equal length without padding (an attention_mask of all ones), or decode them one at a time")
 
 
-# attention arguments that change the scores or the softmax, which foldc attention does not apply
-_REFUSED = ("softcap", "sliding_window", "s_aux", "sinks", "position_bias")
+# attention arguments that change the scores or the softmax, which foldc attention does not apply (``indices``,
+# ``block_indices``: the keys a sparse attention selects, DeepSeek-V3.2's indexer, MiniMax-M3's blocks, which such a
+# model puts in the mask only for eager and SDPA)
+_REFUSED = ("softcap", "sliding_window", "s_aux", "sinks", "position_bias", "indices", "block_indices")
 
 
 def _shown(value) -> str:

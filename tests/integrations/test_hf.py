@@ -581,6 +581,26 @@ def test_an_alibi_bias_in_the_mask_is_refused_naming_the_bias_not_padding(kind):
               **{fhf.CACHE_KWARG: make(model.config, 32, k="token:4:16", v="token:4:16", target=target)})
 
 
+@torch.no_grad()
+def test_a_sparse_attentions_selected_keys_are_refused_not_dropped():
+    """DeepSeek-V3.2's indexer picks each query's top-k keys; for attention implementations other than eager and SDPA
+    the model passes them as ``indices`` and leaves them out of the mask. The "foldc" attention (here over the
+    default cache, its SDPA path) dropped the argument and attended over every key, silently (logits 0.8-1.2 off
+    of the max). Refused naming the argument."""
+    seed = int(torch.randint(0, 2**16, ()))
+    torch.manual_seed(seed)
+    cfg = transformers.DeepseekV32Config(
+        hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=4, vocab_size=128, kv_lora_rank=32, q_lora_rank=32, qk_nope_head_dim=16,
+        qk_rope_head_dim=16, v_head_dim=16, head_dim=16, index_head_dim=32, index_n_heads=2, index_topk=4,
+        n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1,
+        initializer_range=0.1, pad_token_id=0, bos_token_id=1, eos_token_id=None)
+    model = transformers.DeepseekV32ForCausalLM(cfg).eval()
+    ids = prompt(1, seed=seed)   # PROMPT tokens: past index_topk, so the indexer drops keys
+    with attention(model, "foldc"), pytest.raises(SpecError, match=r"indices=<tensor .*attn_implementation='sdpa'"):
+        model(ids, use_cache=True, **{fhf.CACHE_KWARG: DynamicCache(config=model.config)})
+
+
 def test_the_interpreter_needs_a_float16_model():
     model, ids = llama(dtype=torch.float32), prompt(1)
     with pytest.raises(SpecError, match=r"float16 on the CPU only, but the model runs in torch.float32"):
