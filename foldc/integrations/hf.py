@@ -378,6 +378,8 @@ _PADDING = ("FoldcCache holds sequences of one length: padding masks are not sup
 # ``block_indices``: the keys a sparse attention selects, DeepSeek-V3.2's indexer, MiniMax-M3's blocks, which such a
 # model puts in the mask only for eager and SDPA)
 _REFUSED = ("softcap", "sliding_window", "s_aux", "sinks", "position_bias", "indices", "block_indices")
+# the arguments transformers' SDPA refuses too (softcap) or whose models do not take SDPA (Gemma2, gpt-oss: sinks)
+_EAGER_ONLY = {"softcap": "eager", "s_aux": "eager", "sinks": "eager"}
 
 
 def _shown(value) -> str:
@@ -452,13 +454,14 @@ def foldc_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
                                                                                            layer)):
                 raise SpecError(f"{name}={_shown(kwargs[name])}: foldc attention supports plain softmax attention "
                                 "over the whole cache only; run this model (or these layers) with "
-                                "attn_implementation='sdpa'")
+                                f"attn_implementation={_EAGER_ONLY.get(name, 'sdpa')!r}")
         if kwargs.get("output_attentions"):
             raise SpecError("output_attentions=True: foldc attention does not return attention weights")
         # a module's attributes are read once per layer (a missing attribute of an nn.Module costs an exception)
         if layer is None or layer.module_checked is not module:
             if getattr(module, "sinks", None) is not None:
-                raise SpecError("the attention module has learned sinks; foldc attention does not support them")
+                raise SpecError("the attention module has learned sinks; foldc attention does not support them: run "
+                                "this model with attn_implementation='eager'")
             if layer is not None:
                 layer.module_checked = module
         if layer is None and _DECODING[0] is not None:

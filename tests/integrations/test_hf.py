@@ -601,6 +601,28 @@ def test_a_sparse_attentions_selected_keys_are_refused_not_dropped():
         model(ids, use_cache=True, **{fhf.CACHE_KWARG: DynamicCache(config=model.config)})
 
 
+@torch.no_grad()
+@pytest.mark.parametrize("family", ["Gemma2", "GptOss"])
+def test_soft_capping_and_sinks_are_refused_naming_an_implementation_the_model_takes(family):
+    """Gemma2's soft-capping and gpt-oss's sinks are refused by the "foldc" attention, which told the caller to run
+    the model with attn_implementation='sdpa': transformers refuses SDPA for both models (its SDPA drops neither).
+    The error names 'eager' now, and the model runs there."""
+    seed = int(torch.randint(0, 2**16, ()))
+    torch.manual_seed(seed)
+    kw = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+              head_dim=16, vocab_size=128, pad_token_id=0, bos_token_id=1, eos_token_id=None,
+              layer_types=["full_attention"] * 2)
+    if family == "GptOss":
+        kw.update(num_local_experts=2, num_experts_per_tok=1)
+    model = getattr(transformers, f"{family}ForCausalLM")(getattr(transformers, f"{family}Config")(**kw)).eval()
+    ids = prompt(1, seed=seed)
+    with attention(model, "foldc"), pytest.raises(SpecError, match=r"(softcap|s_aux)=.*attn_implementation='eager'"):
+        model(ids, use_cache=True, **{fhf.CACHE_KWARG: fhf.FoldcCache(model.config, 32, k=None, v=None,
+                                                                      target="reference")})
+    with attention(model, "eager"):
+        assert torch.isfinite(model(ids).logits).all()
+
+
 def test_the_interpreter_needs_a_float16_model():
     model, ids = llama(dtype=torch.float32), prompt(1)
     with pytest.raises(SpecError, match=r"float16 on the CPU only, but the model runs in torch.float32"):
