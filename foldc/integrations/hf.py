@@ -521,7 +521,10 @@ def foldc_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
         if attention_mask is not None:
             mask = attention_mask[..., :kv_len]
         elif q_len > 1 and _is_causal(module, kwargs):   # a bidirectional module (an encoder's) attends to all
-            if q_len == kv_len:
+            # a foldc cache's prefill key holds its cached tokens, then the new ones: lower-right aligned. Another
+            # cache's key without a mask is transformers' SDPA case, upper-left aligned (is_causal): a prompt into an
+            # empty StaticCache, whose key holds max_cache_len slots, the prompt's first
+            if q_len == kv_len or layer is None:
                 is_causal = True
             else:
                 mask = _causal(q_len, kv_len, query.device)

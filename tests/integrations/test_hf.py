@@ -194,6 +194,22 @@ def test_foldc_attention_without_a_foldc_cache_is_sdpa():
     assert torch.equal(seq, ref_seq) and diff(logits, ref_logits)[0] < FP32_TOL
 
 
+@pytest.mark.parametrize("batch", [1, 2])
+def test_foldc_attention_over_transformers_static_cache_is_sdpa(batch):
+    """A prompt into an empty transformers StaticCache reaches the attention with every slot of the cache as its key
+    (max_cache_len, the prompt's first) and no mask: transformers' SDPA attends causally from the first key
+    (upper-left). The "foldc" attention aligned the causal mask to the last key, so each prompt token attended to
+    the empty slots and not to itself: other tokens, logits 1.36 of the max off on one seed, silently."""
+    from transformers import StaticCache
+
+    seed = int(torch.randint(0, 2**16, ()))
+    model, ids = llama(dtype=torch.float32, seed=seed), prompt(batch, seed=seed)
+    seq, logits = generate(model, StaticCache(config=model.config, max_cache_len=PROMPT + NEW + 8), ids)
+    ref_seq, ref_logits = generate(model, StaticCache(config=model.config, max_cache_len=PROMPT + NEW + 8), ids,
+                                   impl="sdpa")
+    assert torch.equal(seq, ref_seq) and diff(logits, ref_logits)[0] < FP32_TOL, f"seed {seed}"
+
+
 # ---- low-bit encodings: the same cache, dequantized ---------------------------------------------
 
 LOW_BIT = {

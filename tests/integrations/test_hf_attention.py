@@ -40,12 +40,15 @@ def test_a_call_that_is_not_causal_attends_to_every_key(q_len, extra, groups, ho
     out, weights = fhf.foldc_attention(module, q, k, v, None, scaling=0.3, **kwargs)
     want = F.scaled_dot_product_attention(q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1), scale=0.3)
     assert weights is None and torch.allclose(out, want.transpose(1, 2), atol=1e-6, rtol=1e-5)
-    # a causal call (the module's default, or is_causal=True over a module that is not) keeps the causal mask
+    # a causal call (the module's default, or is_causal=True over a module that is not) keeps the causal mask, as
+    # transformers' SDPA aligns it without a mask: from the first key (a prompt into an empty StaticCache's slots)
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
     out, _ = fhf.foldc_attention(_Module(False), q, k, v, None, scaling=0.3, is_causal=True)
-    causal = torch.ones(q_len, kv_len, dtype=torch.bool).tril(kv_len - q_len)
-    want = F.scaled_dot_product_attention(q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1),
-                                          attn_mask=causal, scale=0.3)
-    assert torch.allclose(out, want.transpose(1, 2), atol=1e-6, rtol=1e-5)
+    sdpa_module = _Module(False)
+    sdpa_module.num_key_value_groups = groups
+    want, _ = sdpa_attention_forward(sdpa_module, q, k, v, None, scaling=0.3, is_causal=True)
+    assert torch.allclose(out, want, atol=1e-6, rtol=1e-5)
 
 
 def test_a_vision_tower_through_foldc_attention_matches_sdpa():
