@@ -29,7 +29,8 @@ whatever the encoding (tests/integrations/test_hf.py, examples/hf_decode.py).
 
 Limits (each raises an error that says so): every batch row holds the same number of tokens (no
 padding masks: pass rows of one length), full-attention layers only (no sliding-window, chunked
-or linear-attention layers, no soft-capping, learned sinks or position biases), no beam search, no cropping
+or linear-attention layers, no soft-capping, learned sinks, position biases or sparse key selection; a window of
+every layer that max_cache_len never reaches, Mistral's or Phi-3's, is full attention), no beam search, no cropping
 (assisted or speculative decoding), inference only. Keys are cached after the rotary embedding,
 so positions need nothing from foldc.
 
