@@ -29,8 +29,9 @@ whatever the encoding (tests/integrations/test_hf.py, examples/hf_decode.py).
 
 Limits (each raises an error that says so): every batch row holds the same number of tokens (no
 padding masks: pass rows of one length), full-attention layers only (no sliding-window, chunked
-or linear-attention layers, no soft-capping, learned sinks, position biases or sparse key selection; a window of
-every layer that max_cache_len never reaches, Mistral's or Phi-3's, is full attention), no beam search, no cropping
+or linear-attention layers, no soft-capping, learned sinks, position biases or sparse key selection; a sliding
+window max_cache_len never reaches, of every layer (Mistral's, Phi-3's) or of sliding layers (Gemma 3's), is full
+attention), no beam search, no cropping
 (assisted or speculative decoding), inference only. Keys are cached after the rotary embedding,
 so positions need nothing from foldc.
 
@@ -105,6 +106,21 @@ def _check_sliding_window(config, layer_types, max_cache_len: int) -> None:
                     f"only, but foldc attends over every cached token and max_cache_len={max_cache_len} holds more; "
                     f"run this model with DynamicCache and attn_implementation='sdpa' (a cache of max_cache_len <= "
                     f"{window} never reaches the window)")
+
+
+def _check_layer_types(config, layer_types, max_cache_len: int) -> None:
+    """Refuse layers that are not full attention: sliding-window layers whose window ``max_cache_len`` can pass
+    (Gemma 2 and 3, Qwen2 with use_sliding_window; a window of at least max_cache_len tokens never hides one, so
+    those layers are full attention here), chunked and linear-attention layers."""
+    if layer_types is None:
+        return
+    window = getattr(config, "sliding_window", None)
+    never = not isinstance(window, bool) and isinstance(window, int) and window >= max_cache_len
+    bad = sorted({t for t in layer_types if t != "full_attention" and not (t == "sliding_attention" and never)})
+    if bad:
+        fix = (f" (its sliding window of {window} tokens is full attention for a cache of max_cache_len <= {window})"
+               if bad == ["sliding_attention"] and isinstance(window, int) and not isinstance(window, bool) else "")
+        raise SpecError(f"the model has {bad} layers; FoldcCache holds full-attention layers only{fix}")
 
 
 class FoldcLayer(CacheLayerMixin):
@@ -264,12 +280,10 @@ class FoldcCache(Cache):
         text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
         heads, kv_heads, head_dim, num_layers = _model_shape(text)
         layer_types = getattr(text, "layer_types", None)
-        if layer_types is not None and any(t != "full_attention" for t in layer_types):
-            bad = sorted({t for t in layer_types if t != "full_attention"})
-            raise SpecError(f"the model has {bad} layers; FoldcCache holds full-attention layers only")
         for name, value, least in (("max_cache_len", max_cache_len, 1), ("sink", sink, 0), ("window", window, 0)):
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise SpecError(f"{name}={value!r} must be " + ("a positive integer" if least else "an integer >= 0"))
+        _check_layer_types(text, layer_types, max_cache_len)
         _check_sliding_window(text, layer_types, max_cache_len)
         if target not in CACHE_TARGETS:
             raise SpecError(f"target={target!r} is not available; use one of {CACHE_TARGETS}")

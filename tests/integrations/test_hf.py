@@ -967,3 +967,29 @@ def test_cache_methods_it_cannot_run_are_refused_as_fold_errors_naming_the_metho
     with attention(model, "foldc"), pytest.raises(FoldError, match="reorder_cache"):
         model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, num_beams=2, do_sample=False,
                        **{fhf.CACHE_KWARG: make()})
+
+
+def gemma3(window, seed=5):
+    """A tiny random Gemma3 text model: every other layer a sliding-window layer (its layer_types)."""
+    torch.manual_seed(seed)
+    cfg = transformers.Gemma3TextConfig(hidden_size=64, intermediate_size=64, num_hidden_layers=4,
+                                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=128,
+                                        sliding_window=window, layer_types=["sliding_attention", "full_attention"] * 2,
+                                        max_position_embeddings=256, initializer_range=0.1)
+    return transformers.Gemma3ForCausalLM(cfg).eval().to(torch.float32)
+
+
+@pytest.mark.parametrize("seed", [5, 6])
+def test_sliding_layers_whose_window_max_cache_len_never_reaches_are_full_attention(seed):
+    """Gemma 3's sliding layers with a window of at least max_cache_len hide no token: FoldcCache takes them (it
+    refused every sliding layer) and decodes what the default cache decodes; a window max_cache_len passes is still
+    refused, naming the max_cache_len that fits."""
+    model = gemma3(window=64, seed=seed)
+    ids = torch.randint(2, 128, (2, PROMPT), generator=torch.Generator().manual_seed(seed))
+    c = fhf.FoldcCache(model.config, PROMPT + NEW + 8, k=None, v=None, target="reference")
+    seq, logits = generate(model, c, ids)
+    ref_seq, ref_logits = generate(model, DynamicCache(config=model.config), ids, impl="sdpa")
+    worst, _ = diff(logits, ref_logits)
+    assert torch.equal(seq, ref_seq) and worst < 1e-4, worst
+    with pytest.raises(SpecError, match=r"max_cache_len <= 8\)"):
+        fhf.FoldcCache(gemma3(window=8).config, PROMPT + NEW + 8, k=None, v=None, target="reference")
