@@ -16,6 +16,7 @@ A checkpoint's packed tensors are converted by `foldc.gemm.convert` (`from_gptq`
 """
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 
 import torch
@@ -132,7 +133,33 @@ def quantize_model(model: torch.nn.Module, weight="k-group:4:128", skip=("lm_hea
         for where in names[id(m)]:   # one FoldLinear wherever the linear is registered (a shared layer stays shared)
             parent_name, _, child = where.rpartition(".")
             setattr(model.get_submodule(parent_name) if parent_name else model, child, layer)
+    _warn_unconverted(model, len(chosen))
     return model
+
+
+#: the share of a model's parameters left in float, outside linears and embeddings, that `quantize_model` reports
+UNCONVERTED_SHARE = 0.05
+
+
+def _warn_unconverted(model: torch.nn.Module, converted: int) -> None:
+    """Warn when weights `quantize_model` does not convert hold a large share of the model: matrices of modules
+    that are not nn.Linear (a mixture of experts stored as 3-D parameters, transformers' MixtralExperts; GPT-2's
+    Conv1D) stay in float, which a caller counting on a quantized model would not see otherwise."""
+    from ..nn import FoldLinear
+
+    total, left = 0, []
+    for mod_name, m in model.named_modules():
+        for p_name, p in m.named_parameters(recurse=False):
+            total += p.numel()
+            if p.is_floating_point() and p.dim() >= 2 and not isinstance(m, (torch.nn.Linear, torch.nn.Embedding,
+                                                                              FoldLinear)):
+                left.append((f"{mod_name}.{p_name}" if mod_name else p_name, type(m).__name__, p))
+    share = sum(p.numel() for _, _, p in left) / max(total, 1)
+    if left and share >= UNCONVERTED_SHARE:
+        shown = ", ".join(f"{n} {list(p.shape)} ({kind})" for n, kind, p in left[:3])
+        warnings.warn(f"quantize_model converted {converted} nn.Linear layers, but {share:.0%} of the model's "
+                      f"parameters stay in float in modules it does not convert ({len(left)} matrices, e.g. {shown}): "
+                      "foldc converts nn.Linear only, so those weights are not quantized", stacklevel=3)
 
 
 def load_quantized(model: torch.nn.Module, state_dict: Mapping, *, checkpoint: str = "gptq", bits: int = 4,

@@ -357,3 +357,22 @@ def test_a_loaded_checkpoints_state_dict_round_trips_with_its_act_order_layers()
     if act_order:
         with pytest.raises(InputError, match=rf"^{act_order[0]}\._extra_state: .*act-order"):
             plain.load_state_dict(source.state_dict(), strict=False)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_quantize_model_warns_when_weights_it_does_not_convert_stay_in_float(seed):
+    """transformers stores Mixtral's experts as 3-D parameters (MixtralExperts), not nn.Linear: quantize_model
+    converted the attention and left most of the model in float without a word. It warns, naming them; a model whose
+    weights are all linears (Llama) quantizes without a warning."""
+    import warnings
+
+    torch.manual_seed(seed)
+    cfg = transformers.MixtralConfig(hidden_size=64, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                                     num_key_value_heads=2, vocab_size=128, num_local_experts=4, num_experts_per_tok=2)
+    mixtral = transformers.MixtralForCausalLM(cfg).eval()
+    with pytest.warns(UserWarning, match=r"stay in float .*experts\.gate_up_proj \[4, 128, 64\] \(MixtralExperts\)"):
+        fhf.quantize_model(mixtral, "k-group:4:32")
+    assert isinstance(mixtral.model.layers[0].self_attn.q_proj, FoldLinear)   # the linears are converted all the same
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fhf.quantize_model(model("llama", seed), "k-group:4:32")
