@@ -204,6 +204,11 @@ class FoldcStaticLayer(FoldcLayer):
                                    "decoding")
 
 
+#: the projections that mark a transformers attention module (separate, or fused: Phi-3, GPT-NeoX and Falcon, GPT-2
+#: and GPTBigCode, MPT/DBRX)
+PROJECTIONS = ("q_proj", "qkv_proj", "query_key_value", "c_attn", "Wqkv")
+
+
 class FoldcStaticCache(FoldcCache):
     """A compileable foldc cache bound to ``model`` (module doc). ``max_cache_len``, ``k``, ``v`` and
     ``target`` as `FoldcCache`; no sink or window. Its layers' ``length`` (a device scalar) counts their
@@ -227,16 +232,20 @@ class FoldcStaticCache(FoldcCache):
         if not isinstance(slot, StaticSlot):
             slot = StaticSlot()
             object.__setattr__(model, BOUND, slot)   # a plain attribute (nn.Module keeps no state of it)
+        if getattr(self.config, "alibi", False) is True:   # (a bias in the mask, which a compiled step does not read)
+            raise SpecError("the model adds an ALiBi position bias to its attention mask (alibi=True), which foldc "
+                            "attention does not apply; run it with attn_implementation='sdpa' and DynamicCache")
         self._slot = slot
         bound = 0
         for module in model.modules():
             idx = getattr(module, "layer_idx", None)
-            if isinstance(idx, int) and 0 <= idx < layers and hasattr(module, "q_proj"):
+            if isinstance(idx, int) and 0 <= idx < layers and any(hasattr(module, n) for n in PROJECTIONS):
                 object.__setattr__(module, BOUND, slot)
                 bound += 1
         if bound != layers:
-            raise SpecError(f"FoldcStaticCache found {bound} attention modules (with layer_idx and q_proj) in the "
-                            f"model but its config has {layers} layers; use FoldcCache for this model")
+            raise SpecError(f"FoldcStaticCache found {bound} attention modules (with layer_idx and one of "
+                            f"{', '.join(PROJECTIONS)}) in the model but its config has {layers} layers; use "
+                            "FoldcCache for this model")
 
     @property
     def is_compileable(self) -> bool:

@@ -294,3 +294,43 @@ def test_a_compiled_chunk_past_the_storage_keeps_the_last_slots_token(v):
         got = step(chunk, use_cache=True, **{fhf.CACHE_KWARG: static}).logits[:, :free]
         want = model(chunk, use_cache=True, **{fhf.CACHE_KWARG: eager}).logits[:, :free]
     assert torch.allclose(got, want, rtol=0, atol=1e-4 * float(want.abs().max())), (seed, (got - want).abs().max())
+
+
+def _fused(kind, seed):
+    """A tiny random model whose attention projects q, k and v in one linear (Phi-3's qkv_proj, GPT-NeoX's
+    query_key_value)."""
+    torch.manual_seed(seed)
+    if kind == "phi3":
+        cfg = transformers.Phi3Config(hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, vocab_size=128, max_position_embeddings=128,
+                                      initializer_range=0.1, pad_token_id=0, bos_token_id=1, eos_token_id=None,
+                                      sliding_window=None)
+        return transformers.Phi3ForCausalLM(cfg).eval()
+    cfg = transformers.GPTNeoXConfig(hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                     vocab_size=128, max_position_embeddings=128, initializer_range=0.1,
+                                     pad_token_id=0, bos_token_id=1, eos_token_id=None)
+    return transformers.GPTNeoXForCausalLM(cfg).eval()
+
+
+@pytest.mark.parametrize("kind", ["phi3", "gpt_neox"])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_models_with_fused_qkv_projections_bind_and_decode_like_foldc_cache(kind, seed):
+    """FoldcStaticCache bound only attention modules with a q_proj: Phi-3, GPT-NeoX, Falcon and GPTBigCode were refused
+    ("use FoldcCache"). Modules with a fused projection bind too, and decode FoldcCache's tokens and logits."""
+    model = _fused(kind, seed)
+    ids = torch.randint(2, 128, (2, PROMPT), generator=torch.Generator().manual_seed(seed))
+    seq, logits = generate(model, fhf.FoldcCache(model.config, 32, k="token:4:16", v="token:2:16",
+                                                 target="reference"), ids, new=5)
+    static = FoldcStaticCache(model, 32, k="token:4:16", v="token:2:16", target="reference")
+    seq_s, logits_s = generate(model, static, ids, new=5)
+    assert torch.equal(seq, seq_s)
+    assert float((logits - logits_s).abs().max()) <= 1e-5 * float(logits.abs().max())
+    assert int(static.layers[1].length) == PROMPT + 4
+
+
+def test_an_alibi_model_is_refused_by_name():
+    cfg = transformers.FalconConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=128,
+                                    alibi=True, new_decoder_architecture=False, multi_query=True)
+    model = transformers.FalconForCausalLM(cfg).eval()
+    with pytest.raises(SpecError, match="ALiBi"):
+        FoldcStaticCache(model, 32, k="token:4:16", v=None, target="reference")
