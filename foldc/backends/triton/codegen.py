@@ -355,12 +355,23 @@ class _Emitter:
         out = {}
         lo = {} if self.split.get(node.product, False) else None
         if operand.form == "RC" and scale.form == "C":      # prescale the query per chunk
-            # |q x s x 2^e| < |q| (no fp16 overflow: it was inf, NaN scores); one 2^e for the chunks the dot sums
-            unit = self._power_of_two(lines, f"{name}_e", [scale.vars[c] for c in sorted(operand.vars)], -1)
+            # max |q x s| x 2^e in [2^14, 2^15): no fp16 overflow (it was inf, NaN scores), and the products sit at
+            # the top of fp16's range whatever q's size (2^e from the scale alone, |q x s x 2^e| < |q|, put a
+            # query ~1e-4 among fp16 subnormals: 7x the error it had). One 2^e for the chunks the dot sums.
+            bounds = []
+            if self.dtype == "fp16":
+                for c in sorted(operand.vars):   # max over rows of |q| per channel: once, before the loop
+                    qmax = f"{name}_qmax_c{c}"
+                    (self.pre if operand.hoisted else lines).append(
+                        f"{qmax} = tl.max(tl.abs({operand.vars[c]}.to(tl.float32)), 0)")
+                    bounds.append(f"({qmax} * {scale.vars[c]})")
+            unit = self._power_of_two(lines, f"{name}_e", bounds, 14)
             for c in sorted(operand.vars):
                 v = f"{name}_c{c}"
-                s = scale.vars[c] if unit is None else f"({scale.vars[c]} * {name}_e)"
-                self._rounded(lines, v, f"{operand.vars[c]}.to(tl.float32) * {s}[None, :]", lo, c)
+                # (q x s) x 2^e, not q x (s x 2^e): a channel whose q is 0 in every row bounds no 2^e, and its
+                # s x 2^e may pass float32's range (0 x inf: NaN)
+                e = "" if unit is None else f" * {name}_e"
+                self._rounded(lines, v, f"{operand.vars[c]}.to(tl.float32) * {scale.vars[c]}[None, :]{e}", lo, c)
                 out[c] = v
             units = None if unit is None else {c: unit for c in out}
             return Val("RC", out, mma=True, product=node.product, lo=lo, unit=units)
