@@ -30,7 +30,7 @@ import torch
 from .encoding import AffineTensor, parse_affine
 from .errors import InputError, InputTypeError, SpecError
 from .spec import AttentionSpec, spec_from_args
-from .validate import check_call, check_sm_scale
+from .validate import check_call, check_kernel_operands, check_sm_scale
 
 
 def layout_key(spec: AttentionSpec) -> str:
@@ -115,16 +115,8 @@ def _(q, k_data, k_scale, k_zero, v_data, v_scale, v_zero, seq_lens, layout, sm_
         check_call(spec, q, k, v, sm_scale, seq_lens, q_dtypes=GPU_Q_DTYPES, read_lens=False)
     else:
         check_call(spec, q, k, v, sm_scale, seq_lens, read_lens=False)
-    if q.is_cuda or q.dtype == torch.float16:   # a kernel, not the float64 executor: it reads contiguous caches
-        for name, x in (("k", k), ("v", v)):   # (a slice of one along tokens...), plain operands in q's dtype
-            for t in (x.codes, x.scale, x.zero) if isinstance(x, AffineTensor) else (x,):
-                if not t.is_contiguous():
-                    raise InputError(f"{name} must be contiguous (a part of it has strides {t.stride()}); "
-                                     "call .contiguous() on it first")
-            if not isinstance(x, AffineTensor) and x.dtype != q.dtype:
-                raise InputError(f"{name} dtype={x.dtype} must match q dtype={q.dtype} for a plain operand")
-        if q.stride(-1) != 1:
-            raise InputError(f"q must have unit stride along head_dim; got strides {q.stride()}")
+    if q.is_cuda or q.dtype == torch.float16:   # a kernel, not the float64 executor: caches as they lie
+        check_kernel_operands(q, k, v)
     # contiguous, as the real output is whatever q's strides (torch.compile lays out its readers by these)
     return q.new_empty(q.shape)
 

@@ -240,6 +240,21 @@ def shared_memory_pair(tensors) -> tuple[int, int] | None:
     return None
 
 
+def check_kernel_operands(q: torch.Tensor, k, v) -> None:
+    """What a generated attention kernel reads as it lies in memory: every part of k and v contiguous, a plain side
+    in q's dtype, q with unit stride along head_dim (the Triton launcher's call and the decode_attention op's fake,
+    which refuses at trace time what the kernel refuses at run time)."""
+    for name, x in (("k", k), ("v", v)):
+        for t in (x.codes, x.scale, x.zero) if isinstance(x, AffineTensor) else (x,):
+            if not t.is_contiguous():
+                raise InputError(f"{name} must be contiguous (a part of it has strides {t.stride()}); "
+                                 "call .contiguous() on it first")
+        if not isinstance(x, AffineTensor) and x.dtype != q.dtype:
+            raise InputError(f"{name} dtype={x.dtype} must match q dtype={q.dtype} for a plain operand")
+    if q.stride(-1) != 1:
+        raise InputError(f"q must have unit stride along head_dim; got strides {q.stride()}")
+
+
 def check_no_overlap(out, name: str = "out", **inputs) -> None:
     """Refuse an output that shares memory with an input a kernel still reads while it writes (a GEMM's
     programs write y while others read x): the answer would be silently wrong. An AffineTensor input is

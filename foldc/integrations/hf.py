@@ -92,35 +92,30 @@ def _model_shape(config) -> tuple[int, int, int, int]:
     return heads, kv_heads, head_dim, layers
 
 
-def _check_sliding_window(config, layer_types, max_cache_len: int) -> None:
-    """Refuse a config without ``layer_types`` whose ``sliding_window`` applies to every layer (Mistral, Mixtral,
-    Phi-3, PhiMoE, Starcoder2, ...) and would bind within ``max_cache_len`` tokens: foldc attends over every cached
-    token. PhiMoE applies its window through the mask alone, which a compiled `FoldcStaticCache` step does not read
-    (the window was ignored, silently) and an eager step refused as padding. With ``layer_types`` the layer types
-    say which layers slide (FoldcCache refuses any that does)."""
-    window = getattr(config, "sliding_window", None)
-    if (layer_types is not None or isinstance(window, bool) or not isinstance(window, int) or window <= 0
-            or getattr(config, "use_sliding_window", True) is False or window >= max_cache_len):
-        return
-    raise SpecError(f"the model's config has sliding_window={window}: each token attends to the last {window} tokens "
-                    f"only, but foldc attends over every cached token and max_cache_len={max_cache_len} holds more; "
-                    f"run this model with DynamicCache and attn_implementation='sdpa' (a cache of max_cache_len <= "
-                    f"{window} never reaches the window)")
+def _window_tokens(value) -> int | None:
+    """A ``sliding_window`` as its count of tokens, or None where it is none (a bool, not an int, or not positive)."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
-def _check_layer_types(config, layer_types, max_cache_len: int) -> None:
-    """Refuse layers that are not full attention: sliding-window layers whose window ``max_cache_len`` can pass
-    (Gemma 2 and 3, Qwen2 with use_sliding_window; a window of at least max_cache_len tokens never hides one, so
-    those layers are full attention here), chunked and linear-attention layers."""
-    if layer_types is None:
-        return
-    window = getattr(config, "sliding_window", None)
-    never = not isinstance(window, bool) and isinstance(window, int) and window >= max_cache_len
-    bad = sorted({t for t in layer_types if t != "full_attention" and not (t == "sliding_attention" and never)})
-    if bad:
-        fix = (f" (its sliding window of {window} tokens is full attention for a cache of max_cache_len <= {window})"
-               if bad == ["sliding_attention"] and isinstance(window, int) and not isinstance(window, bool) else "")
-        raise SpecError(f"the model has {bad} layers; FoldcCache holds full-attention layers only{fix}")
+def _check_windows(config, layer_types, max_cache_len: int) -> None:
+    """Refuse the layers FoldcCache cannot hold: foldc attends over every cached token, so a sliding window that
+    ``max_cache_len`` can pass hides tokens it would attend to; a window it never reaches makes a layer full
+    attention. Without ``layer_types`` the config's ``sliding_window`` applies to every layer (Mistral, Mixtral,
+    Phi-3, PhiMoE, Starcoder2, ...; PhiMoE applies it through the mask alone, which a compiled `FoldcStaticCache`
+    step does not read: it was ignored, silently); with them, the sliding layers they list (Gemma 2 and 3, Qwen2
+    with use_sliding_window). Chunked and linear-attention layers are refused."""
+    window = _window_tokens(getattr(config, "sliding_window", None))
+    never = window is not None and window >= max_cache_len   # (a sliding layer of no readable window: refused)
+    fits = f"a cache of max_cache_len <= {window} never reaches the window"
+    if layer_types is not None:
+        bad = sorted({t for t in layer_types if t != "full_attention" and not (t == "sliding_attention" and never)})
+        if bad:
+            fix = f" ({fits})" if bad == ["sliding_attention"] and window is not None else ""
+            raise SpecError(f"the model has {bad} layers; FoldcCache holds full-attention layers only{fix}")
+    elif window is not None and not never and getattr(config, "use_sliding_window", True) is not False:
+        raise SpecError(f"the model's config has sliding_window={window}: each token attends to the last {window} "
+                        f"tokens only, but foldc attends over every cached token and max_cache_len={max_cache_len} "
+                        f"holds more; run this model with DynamicCache and attn_implementation='sdpa' ({fits})")
 
 
 class FoldcLayer(CacheLayerMixin):
@@ -283,8 +278,7 @@ class FoldcCache(Cache):
         for name, value, least in (("max_cache_len", max_cache_len, 1), ("sink", sink, 0), ("window", window, 0)):
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise SpecError(f"{name}={value!r} must be " + ("a positive integer" if least else "an integer >= 0"))
-        _check_layer_types(text, layer_types, max_cache_len)
-        _check_sliding_window(text, layer_types, max_cache_len)
+        _check_windows(text, layer_types, max_cache_len)
         if target not in CACHE_TARGETS:
             raise SpecError(f"target={target!r} is not available; use one of {CACHE_TARGETS}")
         self.spec = AttentionSpec(heads, kv_heads, head_dim, k=_encoding(k, "k"), v=_encoding(v, "v"))
@@ -418,7 +412,7 @@ def _window_binds(window, module, key: torch.Tensor, layer) -> bool:
         slot = getattr(module, "foldc_static", None)
         layer = slot.layer(module.layer_idx) if slot is not None else None
     reach = layer.max_cache_len if layer is not None else key.shape[-2]
-    return isinstance(window, bool) or not isinstance(window, int) or reach > window
+    return _window_tokens(window) is None or reach > window
 
 
 def _refusal_text(err: Exception) -> str:

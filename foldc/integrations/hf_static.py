@@ -227,14 +227,14 @@ class FoldcStaticCache(FoldcCache):
                 raise SpecError(f"{name}={enc.short()!r}: FoldcStaticCache takes token-wise groups or a plain side "
                                 "(a channel-wise group is quantized when its last token arrives); use a token-wise "
                                 "encoding, or FoldcCache")
+        if getattr(self.config, "alibi", False) is True:   # (a bias in the mask, which a compiled step does not read)
+            raise SpecError("the model adds an ALiBi position bias to its attention mask (alibi=True), which foldc "
+                            "attention does not apply; run it with attn_implementation='sdpa' and DynamicCache")
         _, _, _, layers = _model_shape(self.config)
         slot = getattr(model, BOUND, None)
         if not isinstance(slot, StaticSlot):
             slot = StaticSlot()
             object.__setattr__(model, BOUND, slot)   # a plain attribute (nn.Module keeps no state of it)
-        if getattr(self.config, "alibi", False) is True:   # (a bias in the mask, which a compiled step does not read)
-            raise SpecError("the model adds an ALiBi position bias to its attention mask (alibi=True), which foldc "
-                            "attention does not apply; run it with attn_implementation='sdpa' and DynamicCache")
         self._slot = slot
         bound = 0
         for module in model.modules():

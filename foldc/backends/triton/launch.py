@@ -18,7 +18,8 @@ from ...errors import InputError
 from ...options import check_launch_options
 from ...plan import Plan, plan
 from ...precision import code_bias_allowed, key_reduction_group
-from ...validate import ATTENTION_FIX, ATTENTION_KERNEL, check_call, output_buffer, without_backward
+from ...validate import (ATTENTION_FIX, ATTENTION_KERNEL, check_call, check_kernel_operands, output_buffer,
+                         without_backward)
 from ..runtime.launch import Launch, allocate_workspace, capturing, side_key, split_partition
 from ..runtime.fast_launch import Bindings, FastLaunch
 from ..runtime.merge import MERGE_SOURCE, launch_merge, merge_arguments, run_bound
@@ -170,16 +171,7 @@ class TritonAttention:
         if not self.interpret and device.type != "cuda":
             raise InputError(f"target={self.target!r} runs on a CUDA GPU; q is on {device}. "
                              "Use target='interpret' (CPU, fp16) or 'reference'")
-        for name, x in (("k", k), ("v", v)):
-            parts = (x.codes, x.scale, x.zero) if isinstance(x, AffineTensor) else (x,)
-            for t in parts:
-                if not t.is_contiguous():
-                    raise InputError(f"{name} must be contiguous (a part of it has strides {t.stride()}); "
-                                     "call .contiguous() on it first")
-            if not isinstance(x, AffineTensor) and x.dtype != q.dtype:
-                raise InputError(f"{name} dtype={x.dtype} must match q dtype={q.dtype} for a plain operand")
-        if q.stride(-1) != 1:
-            raise InputError(f"q must have unit stride along head_dim; got strides {q.stride()}")
+        check_kernel_operands(q, k, v)
         b = call.batch
         launch = self.plan_launch(q.dtype, b, call.tokens, device, has_lens=True)
         lens = call.seq_lens if call.seq_lens is not None else torch.full((b,), call.tokens, device=device)
