@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 from _kernel_cases import DEQUANT_BUILD
-from hypothesis import assume, given, note, settings
+from hypothesis import assume, example, given, note, settings
 from hypothesis import strategies as st
 from test_triton_aot import ROOT, _env
 
@@ -183,6 +183,9 @@ def test_unpack_asm_gives_magic_plus_code_for_every_field_in_k_order(bits, bf16)
                         "k-group:4:64"]),
        st.integers(MIN_ROWS, 80), st.integers(1, 70), st.sampled_from([256, 512]), st.sampled_from([2, 64]),
        st.integers(0, 2**31 - 1))
+# the interpreter's tl.fma rounded the product and the sum apart (numpy): 2.04x the bar here, where the GPU's fused
+# fp16 FMA rounds once (the interpreter's twin now forms the value in float32 and rounds it once)
+@example("k-group:4:64", 32, 1, 256, 2, 2)
 def test_interpreter_template_matches_float64(weight, m, n, k, sms, seed):
     spec = GemmSpec(n, k, parse_gemm_encoding(weight, "weight"))
     kern = foldc.compile(spec, target="interpret")

@@ -267,6 +267,8 @@ class TritonGemm:
                                 if k in ("block_m", "block_n", "num_warps", "num_stages")})
         scale16 = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(tile.scale_dtype)
         math = 0 if scale16 != dtype else (1 if dtype == torch.float16 else (2 if tile.bits <= 4 else 0))
+        if self.interpret and math == 1:   # the interpreter's tl.fma rounds the product and the sum apart (numpy):
+            math = 0                       # float32, then one rounding, is its twin of the GPU's fused fp16 FMA
         asm, cons = ("", "") if self.interpret else unpack_asm(tile.bits, math == 2)
         constants = dict(K=tile.k, BITS=tile.bits, GROUP=tile.group, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"],
                          BLOCK_K=tile.block_k, GROUP_M=cfg["group_m"], MATH=math, ASM=asm, CONS=cons,
