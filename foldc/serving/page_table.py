@@ -24,11 +24,15 @@ class PageTable:
     page_size: int
     seq_lens: tuple[int, ...]  # tokens per sequence
     pages: tuple[int, ...]     # page-table entries per sequence
+    max_seq_len: int | None = None   # most tokens a run reads per sequence (the wrapper's), None: no such bound
 
     @property
     def headroom(self) -> int:
-        """Tokens every sequence can still append into the pages it owns."""
-        return min(p * self.page_size - n for p, n in zip(self.pages, self.seq_lens))
+        """Tokens every sequence can still append into the pages it owns and a run still reads: within
+        ``max_seq_len`` too, where the split partition ends (a run cut a longer sequence there, silently)."""
+        most = [p * self.page_size if self.max_seq_len is None else min(p * self.page_size, self.max_seq_len)
+                for p in self.pages]
+        return min(m - n for m, n in zip(most, self.seq_lens))
 
 
 def _int_tensor(name: str, x, shape_text: str) -> torch.Tensor:

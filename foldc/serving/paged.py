@@ -19,6 +19,8 @@ more page-table entries rewrites the same buffers, so the graph replays the new 
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from ..backends.runtime.launch import Launch, allocate_workspace, workspace_fits
@@ -201,7 +203,7 @@ class PagedDecodeWrapper:
         Returns
         -------
         PageTable
-            Host facts: lengths, pages per sequence, headroom for appends.
+            Host facts: lengths, pages per sequence, headroom for appends (within max_seq_len too).
         """
         table = check_page_table(kv_indptr, kv_indices, kv_last_page_len, num_pages, self.page_size, seq_lens,
                                  shared=True)
@@ -210,6 +212,7 @@ class PagedDecodeWrapper:
             b = table.seq_lens.index(most)
             raise InputError(f"sequence {b} holds {most} tokens but max_seq_len={self.max_seq_len}; build the "
                              "wrapper with a larger max_seq_len")
+        table = dataclasses.replace(table, max_seq_len=self.max_seq_len)   # (its headroom stops there)
         lens = torch.tensor(table.seq_lens, dtype=torch.int32)
         self._repeat = None   # the launches and buffers a repeated call holds may change below
         self._store("kv_indptr", kv_indptr.to(torch.int32))

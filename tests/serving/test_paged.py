@@ -170,6 +170,30 @@ def test_replan_reuses_the_device_buffers():
     assert wrapper.kv_indices[:4].tolist() == [7, 1, 3, 6]
 
 
+@pytest.mark.parametrize("target", ["interpret", "reference"])
+def test_a_plans_headroom_is_what_runs_read_after_the_appends_it_allows(target):
+    """``plan(...).headroom`` (tokens every sequence can still append) counted the pages alone: a sequence owning
+    pages past max_seq_len was given room the split partition does not cover, so after appending that many tokens
+    a run read max_seq_len of them (0.18 off float64 here), silently. It is now the room both leave."""
+    spec, page_size = SPECS["K token4 / V token2"], 32
+    gen = torch.Generator().manual_seed(8)
+    k_pages, v_pages = random_pools(spec, 8, page_size, gen)
+    wrapper = PagedDecodeWrapper(spec, page_size, max_seq_len=64, target=target)
+    indptr, indices = torch.tensor([0, 4, 6], dtype=torch.int32), torch.tensor([3, 1, 5, 0, 6, 2], dtype=torch.int32)
+    table = wrapper.plan(indptr, indices, None, num_pages=8, seq_lens=[40, 20])
+    assert table.headroom == 24   # sequence 0: 24 tokens to max_seq_len (4 pages hold 88 more)
+    for b, n in enumerate(table.seq_lens):   # the appends it allows, then every sequence at its new length
+        x = (torch.randn(1, spec.num_kv_heads, table.headroom, spec.head_dim, generator=gen) + 0.5 * b).half()
+        for pool, enc in ((k_pages, spec.k), (v_pages, spec.v)):
+            append_paged(pool, x, indptr[b:b + 2] - indptr[b], indices[indptr[b]:indptr[b + 1]],
+                         torch.tensor([n], dtype=torch.int32), page_size=page_size, target="interpret")
+    lens = [n + table.headroom for n in table.seq_lens]
+    q = torch.randn(2, spec.num_q_heads, spec.head_dim, generator=gen).half()
+    got = wrapper.run(q, k_pages, v_pages, seq_lens=torch.tensor(lens, dtype=torch.int32))
+    ref, _, _ = reference_over_pages(spec, q, k_pages, v_pages, indptr, indices, lens, page_size, None)
+    assert rel_l2(got, ref) <= TOL
+
+
 # ---- append into pages ----------------------------------------------------------------------------
 
 @settings(max_examples=12, deadline=None)
