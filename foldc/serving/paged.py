@@ -336,8 +336,8 @@ class PagedDecodeWrapper:
 
         Returns
         -------
-        out : torch.Tensor ``[batch, num_q_heads, head_dim]``, q's dtype
-        lse : torch.Tensor ``[batch, num_q_heads]``, float32 (with ``return_lse``)
+        out : torch.Tensor ``[batch, num_q_heads, head_dim]``, q's dtype (float64 with ``target="reference"``)
+        lse : torch.Tensor ``[batch, num_q_heads]``, float32 (with ``return_lse``; float64 with the reference)
             Natural-log sum of exp of the scaled logits; -inf for a sequence with no tokens (whose
             output is then 0/0: merge it away with `foldc.merge_attention`).
         """
