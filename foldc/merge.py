@@ -56,6 +56,8 @@ def merge_parts(parts) -> tuple[torch.Tensor, torch.Tensor]:
     # (float32's step is 8 at 1e8, where both weights of two equal parts were 1, the output twice the right one)
     weights = shifted / torch.where(empty, torch.ones_like(denominator), denominator)
     total = torch.where(empty, top, top + torch.log(denominator))
-    # an empty part's output may be 0/0 = NaN and 0 * NaN is NaN: a zero weight adds exactly 0
-    out = sum(torch.where(w[..., None] == 0, 0.0, w[..., None] * o.to(work)) for w, (o, _) in zip(weights, parts))
+    # an empty part's output may be 0/0 = NaN and 0 * NaN is NaN: an empty part (lse -inf) adds exactly 0; a part
+    # whose weight only underflows keeps NaN in its output (one attention over all the keys would be NaN there)
+    out = sum(torch.where(s.to(work)[..., None] == float("-inf"), 0.0, w[..., None] * o.to(work))
+              for w, (o, s) in zip(weights, parts))
     return out.to(parts[0][0].dtype), total

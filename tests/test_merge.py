@@ -146,3 +146,19 @@ def test_parts_of_a_large_lse_merge_with_weights_summing_to_one(lse_dtype, magni
     assert torch.allclose(out.double(), want, rtol=1e-5, atol=1e-5)
     want_lse = lse.double() + torch.log1p(torch.exp(d))
     assert torch.allclose(merged.double(), want_lse, rtol=1e-6 if lse_dtype == torch.float32 else 1e-12, atol=0)
+
+
+@pytest.mark.parametrize("gap", [120.0, 400.0])
+def test_a_part_whose_weight_underflows_keeps_the_nan_of_its_output(gap):
+    """NaN values in a part whose lse lies far below the other's: one attention over all the keys is NaN there
+    (0 x NaN), and so is the merge; only an empty part (lse -inf) adds exactly 0. A zero weight was taken for an
+    empty part, and the NaN dropped."""
+    gen = torch.Generator().manual_seed(int(gap))
+    o1, o2 = torch.randn(2, 3, 8, generator=gen), torch.randn(2, 3, 8, generator=gen)
+    lse1 = torch.randn(2, 3, generator=gen)
+    o2[1, 2, 5] = float("nan")
+    out, lse = foldc.merge_attention([(o1, lse1), (o2, lse1 - gap)])
+    assert bool(out[1, 2].isnan().any())
+    keep = torch.ones(2, 3, dtype=torch.bool)
+    keep[1, 2] = False
+    assert torch.allclose(out[keep], o1[keep], atol=1e-6) and torch.allclose(lse, lse1)

@@ -3,7 +3,8 @@ kernel launch: eq. 14 over two (output, log-sum-exp) pairs, as `foldc.merge.merg
 about twenty torch operations (each a launch and ~8 µs of host time on the H200; benchmarks/cache_step_host.py).
 
 Per query row: ``m = max(lse0, lse1)``; the weights ``exp(lse_p - m) / sum`` are ``exp(lse_p - total)``
-with ``total = m + log(sum)``; a part with weight 0 adds exactly 0 (an empty part's output may be NaN);
+with ``total = m + log(sum)``; an empty part (lse -inf) adds exactly 0 (its output may be NaN), one whose weight
+underflows to 0 keeps a NaN of its output;
 no keys anywhere (both -inf) gives a zero row and -inf; NaN in either lse makes the row NaN. The
 output is written in the caller's dtype (one rounding), the lse in float32.
 """
@@ -38,7 +39,8 @@ def _merge_two_kernel(O0, L0, O1, L1, OUT, LSE, s0b, s0h, s1b, s1h, sob, soh, he
     ok = d < D
     o0 = tl.load(O0 + b * s0b + h * s0h + d, mask=ok, other=0.0).to(tl.float32)
     o1 = tl.load(O1 + b * s1b + h * s1h + d, mask=ok, other=0.0).to(tl.float32)
-    out = tl.where(w0 == 0.0, 0.0, w0 * o0) + tl.where(w1 == 0.0, 0.0, w1 * o1)
+    # an empty part (lse -inf; its output may be 0/0) adds exactly 0; one whose weight underflows keeps its NaN
+    out = tl.where(l0 == float("-inf"), 0.0, w0 * o0) + tl.where(l1 == float("-inf"), 0.0, w1 * o1)
     tl.store(OUT + b * sob + h * soh + d, out.to(OUT.dtype.element_ty), mask=ok)
     tl.store(LSE + pid, tl.where(empty, float("-inf"), base + tl.log(total_e)))
 

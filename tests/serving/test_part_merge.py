@@ -56,3 +56,19 @@ def test_merge_two_takes_its_batch_offset_in_int64():
 
     from foldc.serving import part_merge
     assert "b = (pid // heads).to(tl.int64)" in inspect.getsource(part_merge._merge_two_kernel)
+
+
+def test_a_part_whose_weight_underflows_keeps_the_nan_of_its_output():
+    """As merge_parts: a part 200 below the other (its weight 0 in float32) with NaN in its output gives a NaN row;
+    a zero weight was taken for an empty part and the NaN dropped."""
+    gen = torch.Generator().manual_seed(9)
+    (o0, l0), (o1, _) = _part(gen, 2, 3, 32, 1.0), _part(gen, 2, 3, 32, 1.0)
+    l1 = l0 - 200
+    o1[0, 1, 7] = float("nan")
+    out, lse = merge_two_parts((o0, l0), (o1, l1), torch.float32)
+    assert bool(out[0, 1].isnan().any())
+    keep = torch.ones(2, 3, dtype=torch.bool)
+    keep[0, 1] = False
+    assert torch.allclose(out[keep], o0[keep], atol=1e-6) and torch.allclose(lse, l0)
+    want, _ = merge_parts([(o0, l0), (o1, l1)])
+    assert torch.equal(want.isnan(), out.isnan())
