@@ -563,3 +563,23 @@ def test_gpu_large_m_template_refuses_fp16_values_past_65504_and_runs_bf16(weigh
     ref = foldc.compile(spec, target="reference")(x.bfloat16().double().cpu(), w.to("cpu"))
     err = float((y.double().cpu() - ref).norm() / ref.norm())
     assert torch.isfinite(y).all() and err < 1e-2, f"rel L2 {err:.2e}"
+
+
+def test_int8_code_products_past_the_int32_accumulator_are_refused_not_wrapped():
+    """Two 8-bit operands contract their biased codes (c - 128, eq. 7) as int8 x int8 in an int32 accumulator,
+    one program's share of k at a time: each product is up to 128 * 128, so past 131071 of them the sum wrapped.
+    ReLU-like sparse activation rows against weight rows mostly at their minimum (codes 0, -128 biased) over
+    k = 163840 gave -inf for outputs near -30 under the interpreter (about -8e5 in bf16). Refused now, naming the
+    split_k that fits; with it (or fold_policy='dequant') the answer is the float64 executor's."""
+    k = 163840
+    spec = spec_of("per-channel:8", "per-token:8", 2, 3, k)
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    x = torch.relu(torch.randn(2, k, generator=gen)) * (torch.rand(2, k, generator=gen) < 0.01)
+    w = torch.relu(torch.randn(3, k, generator=gen)) * (torch.rand(3, k, generator=gen) < 0.01) - 0.05
+    xq, wq = quantize_2d(x, spec.activation), quantize_2d(w, spec.weight)
+    want = foldc.compile(spec, target="reference")(xq, wq)
+    with pytest.raises(SpecError, match=r"k=163840.*int32 accumulator.*split_k=2"):
+        foldc.compile(spec, target="interpret", block_k=256)(xq, wq)
+    got = foldc.compile(spec, target="interpret", block_k=256, split_k=2)(xq, wq)
+    rounding = float((want.half().double() - want).norm() / want.norm())
+    assert float((got.double() - want).norm() / want.norm()) < 3 * rounding + 1e-4

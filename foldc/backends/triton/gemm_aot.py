@@ -15,7 +15,7 @@ from ...options import check_choice, check_gemm_options, check_int, check_out_di
 from ..runtime.artifacts import build_errors, write_artifacts
 from .aot import ARCHS, mma_instructions
 from .gemm_dequant import check_tensor_memory
-from .gemm_launch import gemm_kernel_source, k_chunk, launch_config
+from .gemm_launch import check_int8_sum, gemm_kernel_source, k_chunk, launch_config
 from ..runtime.modules import interpreter
 from ..runtime.modules import load_module
 
@@ -66,6 +66,7 @@ def compile_gemm_aot(spec, arch: str, out_dir: str | Path, dtype: str = "bf16", 
     constexprs = {"N": spec.n, "K": spec.k, "GROUP": ks.group, "BLOCK_M": cfg["block_m"],
                   "BLOCK_N": cfg["block_n"], "BLOCK_K": k_chunk(spec, ks.group, cfg["block_k"]),
                   "SPLIT_K": cfg["split_k"]}
+    check_int8_sum(ks.int8_dot, spec.k, constexprs["BLOCK_K"], constexprs["SPLIT_K"])
     signature = _signature(ks, spec, dtype)
     if constexprs["SPLIT_K"] > 1:  # split-K programs add into a float32 buffer (gemm_launch.py)
         signature["Y"] = "*fp32"

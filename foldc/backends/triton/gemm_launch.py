@@ -120,6 +120,29 @@ def check_tile_span(launch: "GemmLaunch", x, w, out: torch.Tensor) -> None:
                                  f"rows (block_m / block_n) or rows of fewer than {INT32_MAX // rows[name]} elements")
 
 
+#: the most (c - 128) x (d - 128) products of two 8-bit operands' biased codes (eq. 7; each up to 128 * 128) one
+#: program sums in its int32 accumulator without wrapping
+INT8_PRODUCTS_MAX = INT32_MAX // (128 * 128)
+
+
+def check_int8_sum(int8_dot: bool, k: int, block_k: int, split_k: int) -> None:
+    """Refuse a generated kernel whose int8 x int8 contraction (two 8-bit operands) would sum more biased code
+    products than its int32 accumulator holds: each program takes every ``split_k``-th chunk of ``block_k`` channels
+    of k, and past `INT8_PRODUCTS_MAX` products (k = 131072 in one program) the sum wrapped and the output was
+    silently wrong (codes mostly at the bottom of their range, as a ReLU's zeros against a pruned weight, get
+    there)."""
+    chunks = -(-k // block_k)
+    if not int8_dot or -(-chunks // split_k) * block_k <= INT8_PRODUCTS_MAX:
+        return
+    fits = next((s for s in range(split_k + 1, 65) if -(-chunks // s) * block_k <= INT8_PRODUCTS_MAX), None)
+    fix = (f"compile with split_k={fits} (foldc.compile(spec, target, split_k={fits})), whose programs sum a part "
+           "of k each, or " if fits is not None else "compile with ")
+    raise SpecError(f"k={k} with 8-bit weight and activation codes: a program of split_k={split_k} sums "
+                    f"{-(-chunks // split_k) * block_k} int8 x int8 code products (each up to 128 * 128) in an int32 "
+                    f"accumulator, which wraps past {INT8_PRODUCTS_MAX}; {fix}fold_policy='dequant' (both operands' "
+                    "values rebuilt in float: no int8 products)")
+
+
 @dataclass(frozen=True)
 class GemmLaunch:
     """What one GEMM call launches: output dtype, ``m`` x ``n``, the grid (row tiles, column tiles,
@@ -297,6 +320,7 @@ class TritonGemm:
             constants = dict(N=n, K=self.spec.k, GROUP=ks.group, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"],
                              BLOCK_K=k_chunk(self.spec, ks.group, cfg["block_k"]), SPLIT_K=split,
                              num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+            check_int8_sum(ks.int8_dot, self.spec.k, constants["BLOCK_K"], split)
             launch = GemmLaunch(dtype, m, n, (triton_cdiv(m, cfg["block_m"]), triton_cdiv(n, cfg["block_n"]), split),
                                 split, tuple(constants.items()), arch=arch,
                                 rebuilds=tuple(op for op, f in the_plan.folds.items() if f == "dequant"))
