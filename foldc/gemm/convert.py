@@ -217,7 +217,26 @@ def _gptq_layer(qweight, qzeros, scales, bits: int, group_size: int, zero_offset
     # v1: the zero is (stored + 1) mod 2^bits, as AutoGPTQ's kernels (cuda, exllama, exllamav2: `(z + 1) & 0x0f`) and
     # GPTQModel's dequantizer read it: a zero of 0, stored as -1, is all ones in its field and reads back as 0
     zeros = (_fields(qzeros, bits, 1) + zero_offset) & ((1 << bits) - 1)
+    _check_symmetric_zeros(zeros, bits, zero_offset)
     return _fields(qweight, bits, 0).T, zeros.T, k, group_size
+
+
+def _check_symmetric_zeros(zeros: torch.Tensor, bits: int, zero_offset: int) -> None:
+    """Refuse zeros that all read one off a symmetric layer's: GPTQ's symmetric quantizer (sym=True, its default)
+    gives every zero 2^(bits-1), stored minus one in v1 checkpoints and as it is in v2, so a layer read with the
+    other format's zero_offset has every zero 2^(bits-1) + 1 (a v2 layer read as v1) or 2^(bits-1) - 1 (v1 read as
+    v2): each weight one scale step off, which the check against the format's own dequantization (of the same
+    zeros) does not see. An asymmetric layer's zeros, one per output channel and group, are never all that value."""
+    half = 1 << (bits - 1)
+    read = half + 1 if zero_offset == 1 else half - 1
+    if not bool((zeros == read).all()):
+        return
+    stored = "as they are (the v2 format, GPTQModel's checkpoint_format='gptq_v2')" if zero_offset == 1 else \
+        "minus one (the v1 format, AutoGPTQ's and most GPTQ checkpoints)"
+    fix = "checkpoint='gptq_v2'" if zero_offset == 1 else "checkpoint='gptq'"
+    raise InputError(f"every zero of the layer reads as {read} with zero_offset={zero_offset}, one off the "
+                     f"{half} of a symmetric GPTQ layer (sym=True): its zeros are stored {stored}; convert it with "
+                     f"zero_offset={1 - zero_offset} (load_quantized(..., {fix}))")
 
 
 def from_gptq(qweight, qzeros, scales, g_idx=None, *, bits: int = 4, group_size: int = 128,

@@ -270,6 +270,41 @@ def test_a_zero_offset_other_than_0_or_1_is_refused(offset):
             convert(*args, group_size=64, zero_offset=offset)
 
 
+def _symmetric_codes(w: torch.Tensor, bits: int, group: int):
+    """GPTQ's symmetric quantizer (sym=True, its default): scale max|w| / (2^(bits-1) - 1/2) per group, every zero
+    2^(bits-1). (codes [n, k], scales [n, groups] fp16, zeros [n, groups] int)."""
+    n, k = w.shape
+    g = w.reshape(n, k // group, group)
+    half = 2 ** (bits - 1)
+    scale = (2 * g.abs().amax(-1) / (2**bits - 1)).clamp(min=1e-5).half()
+    zero = torch.full((n, k // group), half, dtype=torch.int64)
+    codes = torch.clamp(torch.round(g / scale.float()[..., None]) + half, 0, 2**bits - 1)
+    return codes.reshape(n, k).to(torch.int64), scale, zero
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("saved_v2", [False, True])
+def test_a_symmetric_gptq_layer_read_with_the_other_formats_zero_offset_is_refused(bits, saved_v2):
+    """A symmetric GPTQ layer (sym=True, GPTQ's default) has every zero 2^(bits-1): stored minus one in v1
+    checkpoints, as it is in v2 (GPTQModel's checkpoint_format='gptq_v2'). Read with the other format's
+    zero_offset, every zero came out one off (2^(bits-1) + 1 or - 1) and every weight one scale step off, silently
+    (the check against the format's dequantization read the same zeros). A layer whose zeros all read one off the
+    symmetric zero is refused, naming the zero_offset that reads it; with it the layer converts exactly."""
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    n, k, group = 32, 256, 64
+    codes, scale, zero = _symmetric_codes(torch.randn(n, k, generator=gen) * 0.05, bits, group)
+    stored = zero if saved_v2 else zero - 1
+    args = (pack_along(codes.T, bits, 0), pack_along(stored.T % 2**bits, bits, 1), scale.T.contiguous())
+    right, wrong = (0, 1) if saved_v2 else (1, 0)
+    read = 2 ** (bits - 1) + (1 if wrong == 1 else -1)
+    for convert in (from_gptq, lambda *a, **kw: from_gptq_act_order(*a, torch.arange(k) // group, **kw)):
+        with pytest.raises(InputError, match=rf"every zero .* reads as {read} with zero_offset={wrong}.*"
+                                             rf"zero_offset={right}"):
+            convert(*args, bits=bits, group_size=group, zero_offset=wrong)
+        weight, enc = convert(*args, bits=bits, group_size=group, zero_offset=right)[:2]
+        _check(weight, enc, _dequant(codes, scale, zero, group), 0)
+
+
 def test_bits_that_are_no_integer_are_refused_by_name():
     """bits=4.0 (a float from a parsed config) passed the check (4.0 in (2, 4, 8)) and raised a TypeError inside
     the unpacking ('<<' of an int and a float)."""
