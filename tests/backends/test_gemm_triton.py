@@ -581,5 +581,7 @@ def test_int8_code_products_past_the_int32_accumulator_are_refused_not_wrapped()
     with pytest.raises(SpecError, match=r"k=163840.*int32 accumulator.*split_k=2"):
         foldc.compile(spec, target="interpret", block_k=256)(xq, wq)
     got = foldc.compile(spec, target="interpret", block_k=256, split_k=2)(xq, wq)
-    rounding = float((want.half().double() - want).norm() / want.norm())
-    assert float((got.double() - want).norm() / want.norm()) < 3 * rounding + 1e-4
+    # the biased code products sum to about 2.7e9 per output (near -30) before the zero terms cancel them: one
+    # float32 rounding of each program's int32 sum there is about 4e-4 of the output (8 seeds: 3.7e-4 to 8.3e-4)
+    # where a wrapped sum is off by orders of magnitude
+    assert float((got.double() - want).norm() / want.norm()) < 4e-3
