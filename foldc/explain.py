@@ -70,12 +70,20 @@ def _issue_text(p) -> str:
 
 
 def _precision_text(p) -> str:
-    """The plan's decision for its dtype; for a plan made without one, what each dtype would get."""
+    """The plan's decision for its dtype; for a plan made without one, what each dtype would get (or why none
+    meets the bar: the plan runs in the float64 executor all the same)."""
+    from .errors import PlanError
     from .precision import product_precision
 
     if p.precision is not None:
         return str(p.precision)
-    return "\n".join(str(product_precision(p, dtype)) for dtype in ("fp16", "bf16"))
+    lines = []
+    for dtype in ("fp16", "bf16"):
+        try:
+            lines.append(str(product_precision(p, dtype)))
+        except PlanError as e:
+            lines.append(f"{dtype}: no precision meets the bar ({e.detail})")
+    return "\n".join(lines)
 
 
 def _table(header: list[str], rows: list[list[str]], width: int = 46) -> str:

@@ -132,9 +132,10 @@ def choose_precision(fold: str, dtype: str, group_size: int | None, bits: int | 
         return PrecisionDecision(OperandPrecision.SINGLE, dtype, single, single, split, **keep)
     if split <= target:
         return PrecisionDecision(OperandPrecision.SPLIT, dtype, split, single, split, **keep)
+    fix = "plan with bias 0 or fold_policy='dequant'" if code_bias else "use smaller groups or fold_policy='dequant'"
     raise PlanError("precision", f"operand-fold of {bits}-bit codes in groups of {group_size}, code bias "
                     f"{code_bias}: even hi + lo bounds the error at {split:.3g}x plain {bar} attention's, above "
-                    f"{target:g}x; plan with bias 0 or fold_policy='dequant'")
+                    f"{target:g}x; {fix}")
 
 
 def code_bias_allowed(dtype: str, bits: int, group_size: int, code_bias: int, operand_dtype: str | None = None,

@@ -66,6 +66,17 @@ def test_explain_dequant_and_plain_operands(capsys):
     assert "group_size=16 <= 2*h=32" in out
 
 
+def test_explain_a_whole_cache_channel_group_shows_the_precision_no_kernel_meets(capsys):
+    """Groups of MAX_GROUP_SIZE tokens (one group over the whole cache): the reference plan's table printed what each
+    query dtype would get, and an operand-fold no precision bounds raised PlanError, so explain printed nothing (prove
+    and compile --target reference took the layout)."""
+    rc, out, err = _run(capsys, "explain", "--k", "channel:2:2147483647", "--v", "channel:2:2147483647")
+    assert rc == 0 and err == ""
+    qk, _ = _row(out, "operand precision (eq. 6a)")
+    assert qk.startswith("fp16: no precision meets")
+    assert "hi + lo bounds the error at 40x" in out and "bf16: no precision meets" in out
+    assert "only the float64 executor (target='reference') runs it" in out
+
 def test_explain_ir_prints_the_graph(capsys):
     rc, out, err = _run(capsys, "explain", "--k", "token:2:64", "--v", "channel:4:32", "--heads", "8/2",
                         "--head-dim", "64", "--ir")

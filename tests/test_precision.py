@@ -83,8 +83,12 @@ def test_what_no_precision_can_meet_is_refused():
     with pytest.raises(PlanError, match=r"groups of 1073741824 with a code bias of 0.*use smaller groups or "
                                         r"fold_policy='dequant'"):
         choose_precision("acc-fold", "fp16", 1 << 30, 8)
-    with pytest.raises(PlanError, match=r"\[precision\].*even hi \+ lo"):
+    with pytest.raises(PlanError, match=r"\[precision\].*even hi \+ lo.*; plan with bias 0"):
         choose_precision("operand-fold", "bf16", 128, 2, code_bias=1 << 22)
+    # an operand-fold's spread alike: "plan with bias 0" named what it already had
+    with pytest.raises(PlanError, match=r"groups of 1073741824, code bias 0: even hi \+ lo bounds .* above 2x; use "
+                                        r"smaller groups or fold_policy='dequant'$"):
+        choose_precision("operand-fold", "fp16", 1 << 30, 2)
     with pytest.raises(PlanError, match="single or split"):
         error_ratio("operand-fold", OperandPrecision.PLAIN, "fp16", 32, 4)
     with pytest.raises(PlanError, match="no pre-scaled operand"):

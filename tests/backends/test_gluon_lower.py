@@ -832,6 +832,24 @@ def test_padded_widths_take_groups_inside_a_field_masked_or_rebuilt():
     assert not ok and "at most 256" in why
 
 
+def test_a_group_no_operand_precision_meets_is_not_lowerable():
+    """Channel-wise groups of 2**30 tokens: no fp16 operand precision meets the bar (eq. 6a). lowerable() raised the
+    PlanError instead of answering (False, why), so `foldc explain` of the reference plan printed no table and
+    plan(target='sm_90', kernel='gluon') no reason."""
+    spec = _spec("channel", "channel", group=1 << 30)
+    ok, why = lowerable(spec)
+    assert not ok and why.startswith("[precision] operand-fold of 2-bit codes in groups of 1073741824")
+    with pytest.raises(NotLowerable, match=r"\[precision\]"):
+        gluon_plan(spec)
+    with pytest.raises(SpecError, match=r"kernel='gluon' \(--kernel gluon\) cannot lower this spec: \[precision\]"):
+        foldc.plan(spec, target="sm_90", kernel="gluon")
+    # the Triton kernel's own plan finds none either: the paragraph of `foldc explain` says so
+    from foldc.backends.gluon.describe import describe
+
+    text = describe(spec)
+    assert "the generated Triton kernel runs it only with fold_policy='dequant' (operand-fold" in text
+
+
 @settings(max_examples=15, deadline=None)
 @given(seed=st.integers(0, 2**31 - 1))
 def test_warpgroup_unpacks_put_every_code_where_its_operands_expect_it(seed):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ...cost import GPUS, token_loop_lane_slots_per_byte
+from ...errors import PlanError
 from ...registry import attention_backend
 from .launch import GluonAttention
 from .lower import NotLowerable, gluon_plan, lower
@@ -28,9 +29,17 @@ def _one_warp(spec) -> str:
     try:
         cfg = lower(gluon_plan(spec))
     except NotLowerable as e:
-        ok, why = attention_backend("triton").lowerable(spec, "bf16")
+        triton = attention_backend("triton")
+        ok, why = triton.lowerable(spec, "bf16")
         runs = "the generated Triton kernel runs it" if ok else \
             f"nor does the generated Triton kernel ({why}): only the float64 executor (target='reference') runs it"
+        if ok:
+            try:
+                triton.target_plan(spec, "bf16")
+            except PlanError as err:   # its default plan finds no operand precision (eq. 6a) either
+                if err.rule != "precision":
+                    raise
+                runs = f"the generated Triton kernel runs it only with fold_policy='dequant' ({err.detail})"
         return f"register-operand kernel (sm_90): not used for this layout ({e}); {runs}"
     launcher = GluonAttention(spec)          # its defaults: KV heads per program and tokens per tile
     heads, block_n = launcher.heads, launcher.default_block_n

@@ -41,6 +41,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ...decisions import FoldKind, GroupAxis
+from ...errors import PlanError
 from ...plan import Plan, check_plan, plan
 from ...passes import FoldCosts
 from ...precision import OperandPrecision
@@ -174,9 +175,14 @@ def gluon_plan(spec: AttentionSpec, dtype: str = "bf16") -> Plan:
     # past the rows one program holds, each block of rows reads and rebuilds the codes itself: the
     # break-even weighs a fold against one block's rows (eq. 12)
     blocks, rows = row_blocks(spec.q_per_kv, max_rows(register_width(spec.head_dim)))
-    return plan(spec, code_bias={"key": KEY_BIAS, "value": VALUE_BIAS}, dtype=dtype, operand_dtype="fp16",
-                rows_per_program=rows if blocks > 1 else None,
-                bar_dtype=BAR_DTYPE if dtype != BAR_DTYPE else None, fold_costs=FOLD_COSTS)
+    try:
+        return plan(spec, code_bias={"key": KEY_BIAS, "value": VALUE_BIAS}, dtype=dtype, operand_dtype="fp16",
+                    rows_per_program=rows if blocks > 1 else None,
+                    bar_dtype=BAR_DTYPE if dtype != BAR_DTYPE else None, fold_costs=FOLD_COSTS)
+    except PlanError as e:   # no operand precision meets the bar (channel-wise groups of millions of tokens): the
+        if e.rule != "precision":   # reference plan runs it, this kernel does not (lowerable's callers read why)
+            raise
+        raise NotLowerable(str(e)) from None
 
 
 def lower(the_plan: Plan) -> FoldKernel:
