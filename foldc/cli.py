@@ -14,6 +14,9 @@ from .spec import spec_from_args, spec_from_toml
 
 DEFAULT_K = "token:2:128"
 DEFAULT_V = "token:2:128"
+DEFAULT_HEADS = "32/8"
+DEFAULT_HEAD_DIM = 128
+DEFAULTS = {"k": DEFAULT_K, "v": DEFAULT_V, "heads": DEFAULT_HEADS, "head_dim": DEFAULT_HEAD_DIM}
 
 
 def _add_layout_args(p: argparse.ArgumentParser) -> None:
@@ -54,8 +57,16 @@ def _spec(args):
             raise SpecError(f"{given[0]} given with the layout file {args.layout}: describe the layout in the file "
                             "or by the flags, not both")
         return spec_from_toml(args.layout)
-    return spec_from_args(args.k or DEFAULT_K, args.v or DEFAULT_V, args.heads or "32/8",
-                          128 if args.head_dim is None else args.head_dim)
+    try:
+        return spec_from_args(args.k or DEFAULT_K, args.v or DEFAULT_V, args.heads or DEFAULT_HEADS,
+                              DEFAULT_HEAD_DIM if args.head_dim is None else args.head_dim)
+    except SpecError as e:   # a value the message names but the user never typed: say it is a flag's default
+        sides = {"k": ("k",), "v": ("v",), "head_dim": ("k", "v"), "heads": ()}   # "head_dim (for k)=128"
+        notes = [f"{flag} was left out: its default is {DEFAULTS[name]}" for name, flag in LAYOUT_FLAGS
+                 if getattr(args, name) is None and any(f"(for {side})" in str(e) for side in sides[name])]
+        if not notes:
+            raise
+        raise SpecError(f"{e} ({'; '.join(notes)})") from None
 
 
 def _plan(args):

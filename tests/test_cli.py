@@ -126,6 +126,21 @@ def test_an_empty_layout_value_exits_2_naming_the_flag(capsys, command, argv, fr
     assert rc == 2 and out == ""
     assert err.startswith("foldc: error: ") and fragment in err and err.count("\n") == 1
 
+@pytest.mark.parametrize("argv,note", [
+    (["--k", "token:2:32", "--head-dim", "32"], "--v was left out: its default is token:2:128"),
+    (["--v", "none", "--head-dim", "48"], "--k was left out: its default is token:2:128"),
+    (["--k", "token:2:48", "--v", "none"], "--head-dim was left out: its default is 128"),
+])
+def test_a_default_the_message_blames_is_named_as_one(capsys, argv, note):
+    """--head-dim 32 with --k alone: the error named 'group_size=128 ... head_dim (for v)=32', a value never typed
+    (the default --v), without saying where it came from."""
+    rc, out, err = _run(capsys, "explain", *argv)
+    assert rc == 2 and out == "" and err.count("\n") == 1
+    assert note in err
+    rc, out, err = _run(capsys, "explain", "--k", "token:2:48", "--v", "none", "--head-dim", "128")
+    assert rc == 2 and "left out" not in err   # every value typed: nothing to add
+
+
 def test_examples_exist():
     assert EXAMPLES, f"no example layouts under {REPO / 'examples' / 'layouts'}"
 
