@@ -13,10 +13,10 @@ import math
 import torch
 
 from ..encoding import AffineTensor, quantize
-from ..errors import InputError, InputTypeError, ScaleOverflowError
+from ..errors import InputError, InputTypeError, ScaleOverflowError, SpecError
 from ..executor import Executor, TorchOps
 from ..ir import K, M, N
-from .spec import GemmEncoding, GemmSpec
+from .spec import GemmEncoding, GemmSpec, gemm_text
 
 
 def quantize_2d(t: torch.Tensor, enc: GemmEncoding) -> AffineTensor:
@@ -26,6 +26,16 @@ def quantize_2d(t: torch.Tensor, enc: GemmEncoding) -> AffineTensor:
     if not isinstance(enc, GemmEncoding):
         raise InputTypeError(f"enc={enc!r} must be a GemmEncoding, e.g. "
                              f"foldc.gemm.parse_gemm_encoding('k-group:4:128', 'weight')")
+    rows, k = t.shape   # (checked here: the attention quantizer named them tokens and head_dim)
+    if rows < 1 or k < 1:
+        raise InputError(f"the matrix has shape {tuple(t.shape)}; quantize_2d needs at least one row and one column")
+    per_byte = 8 // enc.bits
+    if k % per_byte:
+        raise SpecError(f"k={k}, the matrix's columns, is not a multiple of {per_byte}, the {enc.bits}-bit codes per "
+                        "byte; pad k")
+    if enc.group_size is not None and k % enc.group_size:
+        raise SpecError(f"group_size={enc.group_size} of {enc.short()} does not divide k={k}, the matrix's columns; "
+                        f"pick a divisor of {k}")
     try:
         return quantize(t.reshape(1, 1, *t.shape), enc.affine(t.shape[1]))
     except ScaleOverflowError:
@@ -69,8 +79,9 @@ def check_operand(name: str, t, enc: GemmEncoding | None, rows: int | None, k: i
                              f"(foldc.gemm.quantize_2d({name}, enc)); got {type(t).__name__}")
     want = enc.affine(k)
     if t.encoding != want or t.shape[:2] != (1, 1) or t.shape[3] != k:
-        raise InputError(f"{name} has encoding {t.encoding.short()} and shape {t.shape}; the spec needs "
-                         f"{want.short()} with shape [1, 1, rows, k={k}]")
+        role = "weight" if name == "w" else "activation"
+        raise InputError(f"{name} has encoding {gemm_text(t.encoding, t.head_dim, role)} and shape {t.shape}; the spec "
+                         f"needs {enc.short()} with shape [1, 1, rows, k={k}]")
     return t.shape[2]
 
 

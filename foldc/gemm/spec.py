@@ -67,6 +67,18 @@ class GemmEncoding:
         return f"{self.kind}:{self.bits}" + (f":{self.group_size}" if self.group_size else "") + dt
 
 
+def gemm_text(enc: Affine, k: int, role: str) -> str:
+    """An operand's `foldc.Affine` (as `GemmEncoding.affine` makes it, groups along its ``k`` columns) in the GEMM's
+    syntax: ``k-group:4:128``, or ``per-channel:8`` / ``per-token:8`` (``role`` "weight" / "activation") where one
+    group spans k; an attention-only encoding (channel-wise) as its own text."""
+    if enc.layout != "token":
+        return f"{enc.short()} (an attention encoding: groups along tokens)"
+    dt = {torch.float16: "", torch.bfloat16: ":bf16", torch.float32: ":fp32"}[enc.scale_dtype]
+    if enc.group_size >= k:
+        return f"{'per-channel' if role == 'weight' else 'per-token'}:{enc.bits}{dt}"
+    return f"k-group:{enc.bits}:{enc.group_size}{dt}"
+
+
 def parse_gemm_encoding(text, role: str) -> GemmEncoding | None:
     """``k-group:4:128`` / ``per-channel:8`` / ``per-token:8[:bf16]`` -> GemmEncoding; none -> None."""
     if text is None or text in ("", "none", "plain"):

@@ -73,6 +73,32 @@ def test_quantize_2d_names_the_encoding_it_takes(enc):
         quantize_2d(w, enc)
 
 
+def test_quantize_2d_and_the_gemm_name_shapes_and_encodings_in_gemm_terms():
+    """A [rows, k] weight's errors came from the attention quantizer: 'group_size=32 does not divide head_dim=48;
+    token-wise groups cut head_dim', 'x has tokens=0 (shape=(1, 1, 0, 64))'; and a compiled GEMM refused a weight of
+    another group as 'w has encoding token:4:16 ... the spec needs token:4:32', the attention syntax."""
+    from foldc.errors import SpecError
+
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    enc = parse_gemm_encoding("k-group:4:32", "weight")
+    with pytest.raises(SpecError, match=r"^group_size=32 of k-group:4:32 does not divide k=48, the matrix's columns"):
+        quantize_2d(torch.randn(16, 48, generator=gen), enc)
+    with pytest.raises(SpecError, match=r"^k=6, the matrix's columns, is not a multiple of 4, the 2-bit codes per"):
+        quantize_2d(torch.randn(16, 6, generator=gen), parse_gemm_encoding("per-channel:2", "weight"))
+    with pytest.raises(InputError, match=r"^the matrix has shape \(0, 64\); quantize_2d needs at least one row"):
+        quantize_2d(torch.randn(0, 64, generator=gen), enc)
+    spec = GemmSpec(16, 64, enc)
+    gemm = foldc.compile(spec, target="reference")
+    x = torch.randn(2, 64, generator=gen).half()
+    for other, text in (("k-group:4:16", "k-group:4:16"), ("per-channel:4:bf16", "per-channel:4:bf16")):
+        w = quantize_2d(torch.randn(16, 64, generator=gen), parse_gemm_encoding(other, "weight"))
+        with pytest.raises(InputError, match=f"^w has encoding {text} and shape \\(1, 1, 16, 64\\); the spec needs "
+                                             r"k-group:4:32 with shape \[1, 1, rows, k=64\]$"):
+            gemm(x, w)
+    w = quantize_2d(torch.randn(16, 64, generator=gen), enc)
+    assert torch.allclose(gemm(x, w), gemm_reference(x, w), rtol=1e-12, atol=1e-12)
+
+
 @settings(max_examples=15, deadline=None)
 @given(st.sampled_from(["k-group:4:128", "k-group:2:64", "per-channel:8"]), st.floats(1e8, 1e30),
        st.integers(0, 2**31 - 1))

@@ -17,7 +17,7 @@ import torch
 from ...encoding import AffineTensor
 from ...errors import InputError, InputTypeError, SpecError
 from ...gemm.plan import GemmPlan, gemm_plan
-from ...gemm.spec import GemmSpec
+from ...gemm.spec import GemmSpec, gemm_text
 from ...validate import check_no_overlap, check_out
 from ..runtime.fast_launch import Bindings, FastLaunch, keywords
 from ..runtime.launch import stream_handle
@@ -290,8 +290,9 @@ class GluonGemv:
             raise InputTypeError(f"w must be an AffineTensor (foldc.gemm.quantize_2d); got {type(w).__name__}")
         want = spec.weight.affine(spec.k)
         if w.encoding != want or tuple(w.shape) != (1, 1, spec.n, spec.k):
-            raise InputError(f"w has encoding {w.encoding.short()} and shape {tuple(w.shape)}; the spec needs "
-                             f"{want.short()} with shape (1, 1, {spec.n}, {spec.k})")
+            raise InputError(f"w has encoding {gemm_text(w.encoding, w.head_dim, 'weight')} and shape "
+                             f"{tuple(w.shape)}; the spec needs {spec.weight.short()} with shape (1, 1, {spec.n}, "
+                             f"{spec.k})")
         codes, scale, zero = w.codes[0, 0], w.scale[0, 0], w.zero[0, 0]
         if not _aligned(codes):
             raise InputError(f"w.codes must be rows with unit stride, each row 16-byte aligned (strides "
