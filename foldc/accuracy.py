@@ -39,6 +39,7 @@ import torch
 
 from .encoding import SUPPORTED_BITS, SUPPORTED_LAYOUTS, SUPPORTED_SCALE_DTYPES, Affine, quantize
 from .errors import InputError, InputTypeError, SpecError
+from .options import as_int
 from .reference import attention_reference
 from .rotation import Rotation
 from .validate import check_sm_scale
@@ -49,12 +50,14 @@ PAPER_SHAPE = {"num_q_heads": 32, "num_kv_heads": 8, "head_dim": 128}
 
 
 def _nonneg_int(name: str, value) -> int:
+    value = as_int(value)   # a NumPy or 0-dim torch integer is that int (as AttentionSpec takes it)
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise SpecError(f"{name}={value!r} must be an integer >= 0")
     return value
 
 
 def _seed(name: str, value) -> int:
+    value = as_int(value)
     if isinstance(value, bool) or not isinstance(value, int) or not -2**63 <= value < 2**64:
         raise SpecError(f"{name}={value!r} must be an int in [-2**63, 2**64) (torch.Generator's seeds)")
     return value
@@ -87,6 +90,8 @@ class AccuracyConfig:
     scale_dtype: torch.dtype = torch.float16
 
     def __post_init__(self) -> None:
+        for field in ("bits", "group_size", "sink", "window", "rotation_seed"):   # a NumPy integer is that int
+            object.__setattr__(self, field, as_int(getattr(self, field)))
         if isinstance(self.bits, bool) or not isinstance(self.bits, int) or self.bits not in SUPPORTED_BITS:
             raise SpecError(f"bits={self.bits!r} is not supported; use one of {SUPPORTED_BITS}")
         for name in ("k_layout", "v_layout"):
@@ -137,6 +142,8 @@ def make_data(kind: str = "gaussian", *, tokens: int = 4096, batch: int = 1, num
     tokens, head_dim]``. ``kind`` is ``"gaussian"`` or ``"outlier"`` (module docstring)."""
     if kind not in DATA_KINDS:
         raise SpecError(f"kind={kind!r} is not a data set; use one of {DATA_KINDS}")
+    tokens, batch, num_q_heads, num_kv_heads, head_dim, outliers = (
+        as_int(x) for x in (tokens, batch, num_q_heads, num_kv_heads, head_dim, outliers))
     for name, value in (("tokens", tokens), ("batch", batch), ("num_q_heads", num_q_heads),
                         ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -208,8 +215,8 @@ def cache_values(x: torch.Tensor, enc: Affine | None, sink: int = 0, window: int
     """float64 values a cache would hand attention for ``x [batch, heads, tokens, head_dim]``: the first
     ``sink`` and last ``window`` tokens exact, the tokens between quantized with ``enc`` and
     dequantized (all exact when ``enc`` is None or no token is left between the windows)."""
-    _nonneg_int("sink", sink)     # a negative sink sliced from the end: the last tokens were quantized, the rest kept
-    _nonneg_int("window", window)
+    sink = _nonneg_int("sink", sink)   # a negative sink sliced from the end: the last tokens were quantized
+    window = _nonneg_int("window", window)
     if not isinstance(x, torch.Tensor):
         raise InputTypeError(f"x must be a torch.Tensor [batch, heads, tokens, head_dim], got {type(x).__name__}")
     if x.dim() != 4 or not x.is_floating_point():
@@ -292,8 +299,7 @@ def window_mass(q: torch.Tensor, k: torch.Tensor, sink: int, window: int, sm_sca
     """Share of exact attention weight that falls on the first ``sink`` and last ``window`` tokens,
     averaged over (batch, query head): how much of the output the exact windows can protect."""
     _check_operands(q, k, k)
-    _nonneg_int("sink", sink)
-    _nonneg_int("window", window)
+    sink, window = _nonneg_int("sink", sink), _nonneg_int("window", window)
     b, hq, d = q.shape
     hkv, n = k.shape[1], k.shape[2]
     scale = check_sm_scale(sm_scale, d)

@@ -20,7 +20,7 @@ from .encoding import AffineTensor
 from .errors import SpecError
 from .executor import Executor, TorchOps
 from .ir import BATCH, CHANNEL, KV_HEAD, Q_PER_KV, TOKEN
-from .options import KERNELS, attention_kernel, check_kernel  # noqa: F401 - KERNELS: public name
+from .options import KERNELS, as_int, attention_kernel, check_kernel  # noqa: F401 - KERNELS: public name
 from .passes import FOLD_POLICIES
 from .plan import Plan, plan
 from .reference import past_lengths_zeroed
@@ -52,6 +52,7 @@ class ReferenceAttention:
     """The float64 plan executor as an attention callable."""
 
     def __init__(self, the_plan: Plan, token_tile: int = 64):
+        token_tile = as_int(token_tile)   # a NumPy or 0-dim torch integer is that int
         if isinstance(token_tile, bool) or not isinstance(token_tile, int) or token_tile < 1:
             raise SpecError(f"token_tile={token_tile!r} must be a positive integer")
         self.plan, self.spec, self.token_tile = the_plan, the_plan.spec, token_tile

@@ -49,11 +49,13 @@ import math
 import torch
 
 from .errors import InputError, InputTypeError, SpecError
+from .options import as_int
 
 _WORK_DTYPES = (torch.float32, torch.float64)
 
 
 def _check_head_dim(head_dim) -> int:
+    head_dim = as_int(head_dim)   # a NumPy or 0-dim torch integer is that int (as AttentionSpec takes it)
     if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim < 1:
         raise SpecError(f"head_dim={head_dim!r} must be a positive integer (a power of two: 64, 128, 256)")
     if head_dim & (head_dim - 1):
@@ -151,7 +153,8 @@ class Rotation:
     """
 
     def __init__(self, head_dim: int, seed: int | None = None):
-        self.head_dim = _check_head_dim(head_dim)
+        self.head_dim = head_dim = _check_head_dim(head_dim)
+        seed = as_int(seed)
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not -2**63 <= seed < 2**64):
             raise SpecError(f"seed={seed!r} must be an int in [-2**63, 2**64) (a randomized Hadamard; "
                             "torch.Generator's range) or None (plain Hadamard)")

@@ -275,3 +275,22 @@ def test_compare_of_a_head_whose_exact_output_is_zero(seed):
     out[0, 1, 3] = 1e-6   # the zero head now wrong: no finite relative error says how wrong
     assert compare(out, exact).max_head_rel == float("inf")
     assert compare(torch.zeros_like(exact), torch.zeros_like(exact)).rel_l2 == 0.0
+
+
+def test_numpy_and_0_dim_torch_integers_are_the_ints_they_hold():
+    """AttentionSpec and Affine take a NumPy or 0-dim torch integer (a size read from an array) as that int;
+    AccuracyConfig refused np.int64(4) as 'bits=4 is not supported; use one of (2, 4, 8)', make_data and cache_values
+    refused their sizes as 'must be a positive integer'."""
+    import numpy as np
+
+    config = AccuracyConfig(bits=np.int64(4), group_size=torch.tensor(16), sink=np.int32(2), window=np.int64(3),
+                            rotate=True, rotation_seed=np.int64(5))
+    assert config == AccuracyConfig(bits=4, group_size=16, sink=2, window=3, rotate=True, rotation_seed=5)
+    assert all(type(getattr(config, f)) is int for f in ("bits", "group_size", "sink", "window", "rotation_seed"))
+    q, k, v = make_data("gaussian", tokens=np.int64(40), batch=np.int64(1), num_q_heads=np.int64(4),
+                        num_kv_heads=np.int64(2), head_dim=np.int64(16), seed=np.int64(7), outliers=np.int64(2))
+    assert q.shape == (1, 4, 16) and k.shape == (1, 2, 40, 16)
+    assert torch.equal(cache_values(k, config.encoding("k"), np.int64(2), np.int64(3)),
+                       cache_values(k, config.encoding("k"), 2, 3))
+    assert window_mass(q, k, np.int64(2), np.int64(3)) == window_mass(q, k, 2, 3)
+    assert attention_error(q, k, v, config) == attention_error(q, k, v, dataclasses.replace(config, bits=4))

@@ -278,6 +278,15 @@ def test_bad_token_tile(tile):
     _raises(SpecError, lambda: foldc.compile(SPEC, token_tile=tile), f"token_tile={tile!r}", "positive integer")
 
 
+def test_a_numpy_token_tile_is_the_int_it_holds(inputs):
+    """token_tile=np.int64(16) was refused as 'must be a positive integer' (AttentionSpec takes NumPy sizes)."""
+    import numpy as np
+
+    attn = foldc.compile(SPEC, token_tile=np.int64(16))
+    assert attn.token_tile == 16 and type(attn.token_tile) is int
+    assert torch.equal(attn(*inputs), foldc.compile(SPEC, token_tile=16)(*inputs))
+
+
 def test_unknown_option():
     _raises(SpecError, lambda: foldc.compile(SPEC, tile=32), "['tile']", "token_tile")
 

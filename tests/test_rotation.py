@@ -248,3 +248,17 @@ def test_folds_into_weights_on_the_meta_device_as_on_a_real_one(kv_heads, d, see
     w_cpu, b_cpu = fold_into_value_projection(w_v, rot, b_v)   # the real weights still fold: R^T per head's rows
     want = torch.einsum("ji,hjc->hic", rot.matrix(), w_v.double().reshape(kv_heads, d, 24)).reshape(w_v.shape)
     assert torch.allclose(w_cpu.double(), want, atol=1e-2)
+
+
+def test_numpy_and_0_dim_torch_integers_are_the_ints_they_hold():
+    """Rotation(np.int64(128)) was refused as 'head_dim=np.int64(128) must be a positive integer' (AttentionSpec
+    takes it as 128); a NumPy seed likewise."""
+    import numpy as np
+
+    r = Rotation(np.int64(16), seed=np.int64(3))
+    assert r.head_dim == 16 and type(r.head_dim) is int and r.seed == 3 and type(r.seed) is int
+    assert torch.equal(r.matrix(), Rotation(16, seed=3).matrix())
+    assert Rotation(torch.tensor(8)).head_dim == 8
+    assert torch.equal(hadamard_matrix(np.int64(4)), hadamard_matrix(4))
+    with pytest.raises(SpecError, match=r"head_dim=12 is not a power of two"):
+        Rotation(np.int64(12))
