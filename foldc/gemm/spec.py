@@ -22,6 +22,7 @@ import torch
 
 from ..encoding import Affine
 from ..errors import SpecError
+from ..options import as_int
 from ..spec import check_table_fields
 
 WEIGHT_KINDS = ("k-group", "per-channel")
@@ -47,6 +48,8 @@ class GemmEncoding:
     scale_dtype: torch.dtype = torch.float16
 
     def __post_init__(self) -> None:
+        for field in ("bits", "group_size"):   # a NumPy or 0-dim torch integer is that int (as GemmSpec takes it)
+            object.__setattr__(self, field, as_int(getattr(self, field)))
         if self.kind not in WEIGHT_KINDS + ACTIVATION_KINDS:
             raise SpecError(f"kind={self.kind!r} is not an encoding kind; use one of {WEIGHT_KINDS + ACTIVATION_KINDS}")
         if self.kind == "k-group" and (isinstance(self.group_size, bool) or not isinstance(self.group_size, int)

@@ -116,3 +116,15 @@ def test_a_spec_is_refused_or_computes_its_product(n, k, bits, group, scale, m, 
     assert torch.allclose(compile_gemm(spec, "reference")(x, w).double(), want, rtol=1e-9, atol=1e-9)
     got = compile_gemm(spec, "interpret")(x, w).double()
     assert float((got - want).norm()) <= 2e-3 * float(want.norm()) + 1e-3
+
+
+def test_numpy_integers_in_an_encoding_are_the_ints_they_hold():
+    """GemmEncoding('k-group', 4, np.int64(128)) was refused as 'a k-group encoding needs a positive group size'
+    (GemmSpec takes NumPy sizes, Affine NumPy bits)."""
+    from foldc.gemm.spec import GemmEncoding
+
+    enc = GemmEncoding("k-group", np.int64(4), np.int64(128))
+    assert enc == GemmEncoding("k-group", 4, 128) and type(enc.bits) is int and type(enc.group_size) is int
+    assert enc.short() == "k-group:4:128"
+    assert GemmSpec(64, 256, weight=enc).weight_affine() == GemmSpec(64, 256, weight=GemmEncoding("k-group", 4, 128)
+                                                                     ).weight_affine()
