@@ -7,7 +7,7 @@
 #     bash benchmarks/host_path_gpu.sh merge_barriers  # its grid barrier's variants beside production
 #     bash benchmarks/host_path_gpu.sh gluon_second_half  # the register-operand kernel's GPU tests from the 226th
 #     bash benchmarks/host_path_gpu.sh gemv_imma  # the GEMV at m = 1 on int8 tensor-core operands beside production
-#     bash benchmarks/host_path_gpu.sh value_scale  # small and large token-wise value scales: errors, the fix's cost
+#     bash benchmarks/host_path_gpu.sh value_scale  # token-wise values of 1e-4 to 1e7 against float64 (GPU test)
 #     bash benchmarks/host_path_gpu.sh unrun2     # what landed 2026-12-07 afternoon with no GPU, checked
 #     bash benchmarks/host_path_gpu.sh checks     # correctness against float64 / quantize's bits, real driver:
 #     bash benchmarks/host_path_gpu.sh checks2    #   the serving caches and Gluon kernels, then Triton, GEMV, nn
@@ -80,14 +80,9 @@ case "${1:-checks}" in
     # and torch's INT4 kernel
     step gemv_imma 450 python3 benchmarks/gemv_imma.py --out "$OUT/gemv_imma.json"
     ;;
-  value_scale)   # token-wise values of small magnitude (P x scale among fp16 subnormals; docs/register_operands.md,
-    # "Known limit"): production and benchmarks/variants/value_scale_unit.py against float64 at value magnitudes
-    # 1 to 1e-4 and 1e4, then the variant's cost beside production; the Triton kernel's GPU tests (its fp16
-    # pre-scaled operands changed 2026-12-07 with no GPU) (560 s of limits)
-    step errors 120 python3 benchmarks/variants/value_scale_unit.py --out "$OUT/value_scale.json"
-    step cost 240 python3 benchmarks/ab_kernel.py --variant unit=benchmarks/variants/value_scale_unit.py:KERNEL \
-        --cases "2:token/token:8x65536,4:token/token:8x65536,8:token/token:8x65536" --out "$OUT/value_scale_ab.json"
-    step triton 200 python3 -m pytest -q -p no:cacheprovider tests/backends/test_triton_gpu.py
+  value_scale)   # token-wise values of any magnitude (tile_values.value_unit, 2026-12-08): the GPU test written after
+    # the change's run, INT8/INT4/INT2 values of 1e-4 to 1e7 against float64 (300 s of limits)
+    step any_magnitude 300 python3 -m pytest -q -p no:cacheprovider tests/backends/test_gluon_gpu.py -k any_magnitude
     ;;
   merge_barriers)   # the merging decode's barrier: production beside one packed word and sleeps between polls
     # (benchmarks/variants/merge_barrier.py), every variant checked against float64 by the run

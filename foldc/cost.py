@@ -93,8 +93,11 @@ def verdicts(fold: str, bits: int, fold_ops_per_value: Fraction | float) -> list
 #   - per-head work per token that does not shrink with the code width (scales and zeros, their
 #     loads and conversion): about 51 warp-instructions per 32 tokens per head;
 #   - work the packed heads share (the online softmax over the query rows, the matrix
-#     instructions' bookkeeping): about 157 per 32 tokens;
-#   - per tile, whatever its size (barriers, the copy issue, loop control): about 82;
+#     instructions' bookkeeping): about 164 per 32 tokens;
+#   - per tile, whatever its size (barriers, the copy issue, loop control): about 95;
+#   (the value unit of token-wise values, tile_values.value_unit: the largest scale of each tile, its power of two
+#   in the running offset, added about 7.5 per 32 tokens and 13 a tile to the fit's 156.5 and 81.5: 17-31 SASS
+#   instructions a tile over twelve builds of 2026-12-08)
 #   - with several channel groups per token (token-wise sides, groups of whole bit fields), each
 #     group past the first on each side: its own score accumulator or scaled P, scale and zero
 #     conversions (a token's groups load as one word); about 24 per 32 tokens shared by the packed
@@ -118,8 +121,8 @@ def p_mask_per_head(heads: int) -> float:
 
 #: warp-instructions per 32 tokens: per head, shared by the packed heads; and per tile
 PER_HEAD_PER_32_TOKENS = {"sm_90": 50.7}
-SHARED_PER_32_TOKENS = {"sm_90": 156.5}
-PER_TILE = {"sm_90": 81.5}
+SHARED_PER_32_TOKENS = {"sm_90": 164.0}
+PER_TILE = {"sm_90": 94.5}
 #: warp-instructions per 32 tokens for each channel group past the first, per side: shared, per head
 GROUP_SHARED_PER_32_TOKENS = {"sm_90": 24.1}
 GROUP_PER_HEAD_PER_32_TOKENS = {"sm_90": 5.5}

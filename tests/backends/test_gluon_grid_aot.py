@@ -79,23 +79,22 @@ ARCHS = ("sm_90", "sm_100")
 # loop's twelve commonest opcodes to its full count (docs/perf.md, "Ahead-of-time builds and register
 # spills"); each in every tile of the build.
 KNOWN_SPILLS = {# two groups' query operands, parameters and products per tile past 128 channels (docs/perf.md)
-                ("channel:2:16", "token:2:128", "32/8", 256, "sm_90"): (103, 103),
-                ("channel:2:16", "token:2:128", "32/8", 256, "sm_100"): (53, 53),
+                ("channel:2:16", "token:2:128", "32/8", 256, "sm_90"): (101, 101),
+                ("channel:2:16", "token:2:128", "32/8", 256, "sm_100"): (65, 65),
                 ("token:4:128", "channel:4:16", "32/8", 256, "sm_90"): (150, 150),
                 ("token:4:128", "channel:4:16", "32/8", 256, "sm_100"): (100, 100),
                 ("channel:4:128", "token:4:128", "16/4", 256, "sm_100"): (4, 4),
-                ("channel:4:64", "token:4:64", "64/2", 128, "sm_90"): (1, 0),   # once a group, keys rebuilt (eq. 12a)
                 # folds at the tie of 16 rows a program (eq. 12a; 1.14-1.17x the dequant plans' speed, H100)
                 ("token:4:32", "channel:2:32", "64/2", 128, "sm_90"): (12, 12),
-                ("token:2:32", "token:2:32", "64/4", 96, "sm_90"): (8, 8),
-                ("token:2:32", "token:2:32", "64/4", 96, "sm_100"): (8, 8),
+                ("token:2:32", "token:2:32", "64/4", 96, "sm_90"): (6, 6),
+                ("token:2:32", "token:2:32", "64/4", 96, "sm_100"): (10, 10),
                 # two packed heads with groups of 16 tokens both sides (none on sm_90; 1.39x one head's speed, H100)
                 ("channel:2:16", "channel:2:16", "32/8", 128, "sm_100"): (8, 8),
                 ("token:2:32", "token:2:32", "32/8", 256, "sm_100"): (22, 22),
                 # five groups across head_dim 160's bit fields at 2 bits: both 256-channel operands, the query pieces
                 # and five scaled P's per tile
-                ("token:2:32", "token:2:32", "32/8", 160, "sm_90"): (50, 50),
-                ("token:2:32", "token:2:32", "32/8", 160, "sm_100"): (18, 18)}
+                ("token:2:32", "token:2:32", "32/8", 160, "sm_90"): (42, 42),
+                ("token:2:32", "token:2:32", "32/8", 160, "sm_100"): (16, 16)}
 JOBS = [(k, v, h, d, arch) for k, v, h, d in GRID for arch in ARCHS]
 
 SCRIPT = r"""

@@ -11,12 +11,16 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from foldc.backends.gluon.tile_memory import PLAIN_VIEW, words_per_token
-from foldc.backends.gluon.tile_dequant import (VALUE_E_HI, VALUE_E_LO, VALUE_TOP, channel_group, pow2, rebuild,
-                                               token_exponent, value_fields, value_token_dequant)
+from foldc.backends.gluon.tile_dequant import (VALUE_E_HI, VALUE_E_LO, VALUE_TOP, channel_group, dequant_exponent,
+                                               pow2, rebuild, token_exponent, value_fields, value_token_dequant)
 from foldc.backends.gluon.tile_groups import PIECE_C, piece_count, piece_group, value_weights
 from foldc.backends.gluon.tile_operands import (group_mmas, join_field_groups, join_groups, load_value_words,
                                                 per_channel, per_channel16, per_row, scaled_p, split_field_groups,
                                                 split_groups, value_operand, zeros_groups)
+
+#: token-wise folded values: the tile's largest |scale| x 2^e lies in [2^14, 2^15), so P x scale x 2^e (P <= 1 at the
+#: running maximum) stays below fp16's 65504 and away from its subnormals (below 2^-14)
+VALUE_UNIT_TOP: gl.constexpr = gl.constexpr(14)
 
 
 @gluon.jit
@@ -25,7 +29,8 @@ def consume_values(t, v_smem, slot, vs, vz, m_i, l_i, zsum, acc_o, head_b, v_sca
                    VA0: gl.constexpr, VA1: gl.constexpr, VA2: gl.constexpr, VA3: gl.constexpr, VCONS: gl.constexpr,
                    AND_P: gl.constexpr, VAL_NG: gl.constexpr, VDQ: gl.constexpr, LEAN: gl.constexpr = False,
                    VMG: gl.constexpr = False, DRV: gl.constexpr = 0, PDT: gl.constexpr = gl.bfloat16):
-    """Online softmax of one tile's logits ``t`` and its value side into (max, denominator, zero sum, O^T).
+    """Online softmax of one tile's logits ``t`` and its value side into (offset, denominator, zero sum, O^T): the
+    offset is the running maximum of the logits, lowered by `value_unit`'s e with token-wise folded values.
     VDQ: a dequant plan (tile_dequant.py; one KV head per program). LEAN: channel-wise V's group
     parameters held 16-bit (both sides channel-wise past 128 channels, `value_params`). VMG, DRV: as
     tile_scores' KMG, DRK.
@@ -35,7 +40,14 @@ def consume_values(t, v_smem, slot, vs, vz, m_i, l_i, zsum, acc_o, head_b, v_sca
     a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=8)
     b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=8)
     W: gl.constexpr = words_per_token(D, F)
-    m_new = gl.maximum(m_i, gl.max(t, axis=0))
+    if F > 0 and not VDQ and VAL_G == 0:
+        # token-wise folded values: P at 2^e, the running offset m_i taken e below the largest logit, so that the
+        # tile's P x scale (its fp16 MMA operand) lies below 2^15 with its largest near 2^14 at any scale; the
+        # denominator, the zero sums and O^T share the unit, which the final division cancels (as the merge of
+        # splits, whose offsets are these)
+        m_new = gl.maximum(m_i, gl.max(t, axis=0) - value_unit(vs, H, VAL_NG))
+    else:
+        m_new = gl.maximum(m_i, gl.max(t, axis=0))
     alpha = gl.exp2(m_i - m_new)
     p = gl.exp2(t - m_new[None, :])
     p_sum = gl.sum(p, axis=0)
@@ -170,6 +182,20 @@ def consume_values(t, v_smem, slot, vs, vz, m_i, l_i, zsum, acc_o, head_b, v_sca
                  _channel_zero(v_zero[0], H, LEAN) * s0[None, :] + pv1 * _channel_scale(v_scale[1], H, w, LEAN) +
                  _channel_zero(v_zero[1], H, LEAN) * (p_sum - s0)[None, :])
     return m_new, l_i, zsum, acc_o
+
+
+@gluon.jit
+def value_unit(vs, H: gl.constexpr, NG: gl.constexpr):
+    """e per query row (float32, integers in [-64, 64]; a scalar with one head a program) with the tile's largest
+    |scale| of token-wise values x 2^e in [2^VALUE_UNIT_TOP, 2^(VALUE_UNIT_TOP + 1)) (vs: [BN], [BN, ROWS] with
+    packed heads, or tuples of NG): the largest over tokens and groups, in the scales' own dtype."""
+    if NG == 1:
+        top = gl.abs(vs)
+    else:
+        top = gl.abs(vs[0])
+        for g in gl.static_range(1, NG):
+            top = gl.maximum(top, gl.abs(vs[g]))
+    return dequant_exponent(gl.max(top, axis=0).to(gl.float32), -64, 64, VALUE_UNIT_TOP).to(gl.float32)
 
 
 @gluon.jit
