@@ -297,10 +297,14 @@ class FoldLinear(torch.nn.Module):
         # GPU memory alive); they are made again for the new ones
         self._eager, self._fast = {}, None
         # a dtype cast of the model (.half(), .float(), .to(torch.bfloat16)) moves the scale and zero with it but
-        # keeps their dtype: they are the encoding's (a cast would round them, and the layer refuse them). fn itself
-        # runs on them (``to_empty`` from the meta device makes new tensors, which no copy can)
-        params = {id(self._buffers.get("scale")), id(self._buffers.get("zero"))}
-        counters = self._buffers.get("gemv_counters")
+        # keeps their dtype: they are the encoding's (a cast would round them, and the layer refuse them); so does
+        # nn.Module.type(dtype), which casts integer tensors too, for the codes, the input order and the counters
+        # (made floats, the layer was refused at its next call). fn itself runs on them (``to_empty`` from the meta
+        # device makes new tensors, which no copy can)
+        buffers = self._buffers
+        params = {id(buffers.get(name)) for name in ("codes", "scale", "zero", "input_order", "gemv_counters")
+                  if buffers.get(name) is not None}
+        counters = buffers.get("gemv_counters")
 
         def keep_dtype(t):
             out = fn(t)

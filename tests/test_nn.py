@@ -624,6 +624,25 @@ def test_a_dtype_cast_of_the_model_keeps_the_encodings_scales(scale_dtype):
     assert torch.allclose(layer(x).double(), want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16])
+def test_module_type_casts_the_bias_and_keeps_the_codes_order_scales_and_counters(dtype):
+    """model.type(torch.float32) (nn.Module.type: every tensor cast, integer ones too) turned the uint8 codes, the int64
+    input order and the int32 split-k counters into floats: the first call refused the layer in the attention's terms
+    ('codes must be uint8 [batch, kv_heads, tokens, ...]'), and a state dict saved then held float codes. The bias
+    follows the cast as nn.Linear's does; the rest keeps its dtype and values."""
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    layer, _ = _layer_pair("k-group:4:32", gen, order=True)
+    before = {name: t.clone() for name, t in layer.named_buffers() if name != "bias"}
+    model = torch.nn.Sequential(layer).type(dtype)
+    assert model[0] is layer and layer.bias.dtype == dtype
+    for name, t in layer.named_buffers():
+        if name != "bias":
+            assert t.dtype == before[name].dtype and torch.equal(t, before[name]), name
+    x = torch.randn(3, 128, generator=gen, dtype=torch.float64)
+    want = _reference(layer, x[:, layer.input_order])
+    assert torch.allclose(layer(x).double(), want, rtol=1e-6, atol=1e-6)
+
+
 def test_an_input_order_gathers_x_first_and_moves_with_the_layers_state():
     """FoldLinear(..., input_order=p) computes x[..., p] @ W.T + bias (act-order checkpoints): fp16 through
     Triton's interpreter and float32 through the float64 executor; the order is a buffer of the state dict."""
