@@ -335,6 +335,14 @@ class FoldLinear(torch.nn.Module):
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
         # the record first (the clearest message: both encodings), then each tensor's dtype, before any change
+        float_weight = state_dict.get(prefix + "weight")
+        if isinstance(float_weight, torch.Tensor):
+            # an nn.Linear's checkpoint (the model's float weights loaded after quantize_model): with strict=False the
+            # weight was dropped as an unexpected key, and the layer kept the codes of the weights it was built from
+            raise InputError(f"{prefix}weight: the state dict holds an nn.Linear's float weight "
+                             f"{list(float_weight.shape)}, which a FoldLinear (codes, scale and zero) does not load; "
+                             "load the float weights into the model before quantize_model (or FoldLinear.from_linear), "
+                             "or load a FoldLinear's state dict")
         key = prefix + linear_state.KEY
         if key in state_dict:
             saved = linear_state.read_record(state_dict[key], key)

@@ -779,6 +779,28 @@ def test_a_state_dict_the_layer_cannot_hold_is_refused_at_load(key, value, match
         assert all(torch.equal(v, before[k]) for k, v in layer.state_dict().items())
 
 
+def test_a_float_linears_weight_loaded_into_a_fold_linear_is_refused():
+    """A model quantized from its random initial weights, then given its float checkpoint with strict=False (as a
+    checkpoint loaded shard by shard is): each layer's float ``weight`` was dropped as an unexpected key and the
+    layer kept the codes of the random weights. Refused, naming the key, before any change."""
+    from foldc.integrations.hf_weights import quantize_model
+
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    trained = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 16))
+    for p in trained.parameters():
+        p.data = torch.randn(p.shape, generator=gen)
+    model = quantize_model(torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 16)),
+                           weight="k-group:8:32", skip=())
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    for strict in (False, True):
+        with pytest.raises(InputError, match=r"^0\.weight: .*nn\.Linear's float weight \[32, 64\].*quantize_model"):
+            model.load_state_dict(trained.state_dict(), strict=strict)
+        assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    quantize_model(trained, weight="k-group:8:32", skip=())   # the float weights quantized: they load
+    model.load_state_dict(trained.state_dict())
+    x = torch.randn(3, 64, generator=gen)
+    assert torch.equal(model(x), trained(x))
+
 
 def test_a_load_with_assign_keeps_the_layout_the_kernels_read():
     """load_state_dict(..., assign=True) (after building on the meta device) put the state dict's tensors in as they
