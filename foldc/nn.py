@@ -273,10 +273,11 @@ class FoldLinear(torch.nn.Module):
         self.in_features, self.out_features, self.encoding = k, n, enc
         self._encoding_text = enc.short()   # the op's argument, made once
         # row-major copies, the layout the kernels read (a weight built from another tool's tensors may be a view),
-        # the layer's own: layers built from one placeholder weight shared the memory each load_state_dict copied into
-        self.register_buffer("codes", weight.codes.clone(memory_format=torch.contiguous_format))
-        self.register_buffer("scale", weight.scale.clone(memory_format=torch.contiguous_format))
-        self.register_buffer("zero", weight.zero.clone(memory_format=torch.contiguous_format))
+        # the layer's own: layers built from one placeholder weight shared the memory each load_state_dict copied into;
+        # detached, the layer's constants (scales computed under autograd kept its graph, and deepcopy refused them)
+        self.register_buffer("codes", weight.codes.detach().clone(memory_format=torch.contiguous_format))
+        self.register_buffer("scale", weight.scale.detach().clone(memory_format=torch.contiguous_format))
+        self.register_buffer("zero", weight.zero.detach().clone(memory_format=torch.contiguous_format))
         self.register_buffer("bias", _bias(bias, n, weight.codes.device))
         self.register_buffer("input_order", _input_order(input_order, k, weight.codes.device))
         # the GPU GEMV's split-k counters (one per 16 output channels, zero between calls): held here, not

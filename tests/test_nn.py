@@ -3,6 +3,7 @@ fp16): its output against float64 over the dequantized weight, the plan proved w
 converted weights, the custom op's registration (opcheck) and a torch.compile trace through its fake."""
 from __future__ import annotations
 
+import copy
 import re
 from dataclasses import dataclass
 
@@ -82,6 +83,27 @@ def test_a_weight_of_views_is_stored_in_the_layout_the_kernels_read():
         want = _reference(layer, x)
         rounding = float((want.half().double() - want).norm() / want.norm())
         assert float((layer(x).double() - want).norm() / want.norm()) < 3 * rounding + 1e-4
+
+
+def test_a_weight_computed_under_autograd_is_held_as_the_layers_constants():
+    """Scales and zeros that came out of autograd (a checkpoint's scales held as nn.Parameter, converted with grad on)
+    were kept as non-leaf buffers of that graph: copy.deepcopy of the layer (or of its model) raised "Only Tensors
+    created explicitly by the user (graph leaves) support the deepcopy protocol", and the graph stayed alive."""
+    from foldc.gemm.reference import quantize_2d
+
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    w = quantize_2d(torch.randn(48, 64, generator=gen), parse_gemm_encoding("k-group:4:32", "weight"))
+    scale, zero = (torch.nn.Parameter(t.clone()) for t in (w.scale, w.zero))
+    layer = FoldLinear(AffineTensor(w.codes, scale * 1, zero * 1, w.encoding, 64), "k-group:4:32",
+                       bias=torch.randn(48, generator=gen))
+    assert not any(t.requires_grad for t in layer.buffers())
+    clone = copy.deepcopy(layer)
+    x = torch.randn(3, 64, generator=gen, requires_grad=True)
+    assert torch.equal(clone(x), layer(x))
+    assert torch.allclose(layer(x).double(), _reference(layer, x), rtol=1e-6, atol=1e-6)
+    layer(x).sum().backward()
+    assert x.grad is not None and scale.grad is None and zero.grad is None
+
 
 def test_bad_layers_are_refused_before_any_work():
     with pytest.raises(foldc.SpecError, match="k-group"):
