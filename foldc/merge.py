@@ -58,6 +58,6 @@ def merge_parts(parts) -> tuple[torch.Tensor, torch.Tensor]:
     total = torch.where(empty, top, top + torch.log(denominator))
     # an empty part's output may be 0/0 = NaN and 0 * NaN is NaN: an empty part (lse -inf) adds exactly 0; a part
     # whose weight only underflows keeps NaN in its output (one attention over all the keys would be NaN there)
-    out = sum(torch.where(s.to(work)[..., None] == float("-inf"), 0.0, w[..., None] * o.to(work))
-              for w, (o, s) in zip(weights, parts))
+    out = sum(torch.where(s[..., None] == float("-inf"), 0.0, w[..., None] * o.to(work))
+              for w, s, (o, _) in zip(weights, lses, parts))
     return out.to(parts[0][0].dtype), total

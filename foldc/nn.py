@@ -303,13 +303,13 @@ class FoldLinear(torch.nn.Module):
         # (made floats, the layer was refused at its next call). fn itself runs on them (``to_empty`` from the meta
         # device makes new tensors, which no copy can)
         buffers = self._buffers
-        params = {id(buffers.get(name)) for name in ("codes", "scale", "zero", "input_order", "gemv_counters")
-                  if buffers.get(name) is not None}
+        fixed = {id(buffers.get(name)) for name in ("codes", "scale", "zero", "input_order", "gemv_counters")
+                 if buffers.get(name) is not None}
         counters = buffers.get("gemv_counters")
 
         def keep_dtype(t):
             out = fn(t)
-            if id(t) in params and out.dtype != t.dtype:
+            if id(t) in fixed and out.dtype != t.dtype:
                 return t.to(device=out.device)
             if t is counters and out is not t:   # zeros between calls, whatever fn made (to_empty: uninitialised)
                 return out.zero_()

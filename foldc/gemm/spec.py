@@ -76,10 +76,9 @@ def gemm_text(enc: Affine, k: int, role: str) -> str:
     group spans k; an attention-only encoding (channel-wise) as its own text."""
     if enc.layout != "token":
         return f"{enc.short()} (an attention encoding: groups along tokens)"
-    dt = {torch.float16: "", torch.bfloat16: ":bf16", torch.float32: ":fp32"}[enc.scale_dtype]
     if enc.group_size >= k:
-        return f"{'per-channel' if role == 'weight' else 'per-token'}:{enc.bits}{dt}"
-    return f"k-group:{enc.bits}:{enc.group_size}{dt}"
+        return GemmEncoding("per-channel" if role == "weight" else "per-token", enc.bits, None, enc.scale_dtype).short()
+    return GemmEncoding("k-group", enc.bits, enc.group_size, enc.scale_dtype).short()
 
 
 def parse_gemm_encoding(text, role: str) -> GemmEncoding | None:
